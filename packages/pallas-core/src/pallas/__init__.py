@@ -1,0 +1,41 @@
+"""pallas: write JAX kernels over Refs (drop-in for ``jax.experimental.pallas``).
+
+``import pallas as pl`` gives the same API as
+``from jax.experimental import pallas as pl``. Kernels run in interpret mode
+on any machine; install ``pallas-gpu`` (Triton) or ``pallas-tpu`` (Mosaic) to
+compile them for accelerators.
+"""
+
+from pallas._src.compat import Slice as Slice
+from pallas._src.compat import ds as ds
+from pallas._src.compat import dslice as dslice
+from pallas._src.core import ANY as ANY
+from pallas._src.core import HOST as HOST
+from pallas._src.core import BlockDim as BlockDim
+from pallas._src.core import Blocked as Blocked
+from pallas._src.core import BlockSpec as BlockSpec
+from pallas._src.core import CompilerParams as CompilerParams
+from pallas._src.core import CostEstimate as CostEstimate
+from pallas._src.core import Element as Element
+from pallas._src.core import GridSpec as GridSpec
+from pallas._src.core import MemoryRef as MemoryRef
+from pallas._src.core import MemorySpace as MemorySpace
+from pallas._src.core import Squeezed as Squeezed
+from pallas._src.core import no_block_spec as no_block_spec
+from pallas._src.core import squeezed as squeezed
+from pallas._src.interpret import InterpretParams as InterpretParams
+from pallas._src.pallas_call import pallas_call as pallas_call
+from pallas._src.pallas_call_rules import pallas_call_p as pallas_call_p
+from pallas._src.primitives import cdiv as cdiv
+from pallas._src.primitives import debug_print as debug_print
+from pallas._src.primitives import empty as empty
+from pallas._src.primitives import empty_like as empty_like
+from pallas._src.primitives import loop as loop
+from pallas._src.primitives import multiple_of as multiple_of
+from pallas._src.primitives import next_power_of_2 as next_power_of_2
+from pallas._src.primitives import num_programs as num_programs
+from pallas._src.primitives import program_id as program_id
+from pallas._src.primitives import run_scoped as run_scoped
+from pallas._src.primitives import when as when
+
+__version__ = "0.1.0"

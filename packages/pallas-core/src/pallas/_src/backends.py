@@ -1,0 +1,69 @@
+"""The backend registry, filled from the ``pallas.backends`` entry points.
+
+A backend is an object (usually a module) with:
+
+* ``PLATFORMS``: the JAX platforms it lowers for (``("cuda", "rocm")``);
+* ``lower(ctx, *args, jaxpr, grid_mapping, **params)``: an MLIR lowering rule
+  for ``pallas_call_p``;
+* optionally ``COMPILER_PARAMS``: its ``CompilerParams`` type, and
+  ``INTERPRET_PARAMS``: the type of its own interpret-mode options.
+
+pallas-core never imports a backend by name.
+"""
+
+from __future__ import annotations
+
+import threading
+from importlib import metadata
+from typing import Any
+
+# Which distribution provides each platform, for the "not installed" error.
+PACKAGE_FOR_PLATFORM = {"cuda": "pallas-gpu", "rocm": "pallas-gpu", "tpu": "pallas-tpu"}
+
+_lock = threading.Lock()
+_backends: dict[str, Any] | None = None
+_load_errors: dict[str, str] = {}
+
+
+def _load() -> dict[str, Any]:
+    global _backends
+    with _lock:
+        if _backends is None:
+            found: dict[str, Any] = {}
+            for ep in metadata.entry_points(group="pallas.backends"):
+                try:
+                    found[ep.name] = ep.load()
+                except Exception as e:  # a broken backend must not break the others
+                    _load_errors[ep.name] = f"{type(e).__name__}: {e}"
+            _backends = found
+        return _backends
+
+
+def register_backend(name: str, backend: Any) -> None:
+    """Registers a backend by hand (entry points are the normal route)."""
+    _load()[name] = backend
+
+
+def backends() -> dict[str, Any]:
+    return dict(_load())
+
+
+def for_platform(platform: str, compiler_params: Any = None, name: str | None = None) -> Any | None:
+    candidates = [b for n, b in _load().items() if platform in getattr(b, "PLATFORMS", ()) and (name is None or n == name)]
+    if compiler_params is not None:
+        typed = [b for b in candidates if isinstance(compiler_params, getattr(b, "COMPILER_PARAMS", ()))]
+        candidates = typed or candidates
+    return candidates[0] if candidates else None
+
+
+def for_interpret_params(params: Any) -> Any | None:
+    for b in _load().values():
+        t = getattr(b, "INTERPRET_PARAMS", None)
+        if t is not None and isinstance(params, t):
+            return b
+    return None
+
+
+def load_errors() -> dict[str, str]:
+    _load()
+    return dict(_load_errors)

@@ -1,0 +1,125 @@
+"""The one place pallas-core touches JAX internals (``jax._src``).
+
+JAX has no public API for Refs inside traced functions, state discharge, or
+tracing a function over abstract Refs. Everything pallas-core needs from
+``jax._src`` is imported here and nowhere else, so a JAX release that moves
+these breaks this file only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax._src import core as jax_core
+from jax._src import linear_util as lu
+from jax._src import source_info_util
+from jax._src.api_util import debug_info as _debug_info
+from jax._src.indexing import Slice, ds, dslice  # noqa: F401
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import partial_eval as pe
+from jax._src.state import discharge as state_discharge
+from jax._src.state import indexing as state_indexing  # noqa: F401
+from jax._src.state import primitives as state_primitives  # noqa: F401
+from jax._src.state import types as state_types
+
+primitive_linearizations = _ad.primitive_linearizations
+AbstractRef = state_types.AbstractRef
+TransformedRef = state_types.TransformedRef
+RefEffect = state_types.RefEffect
+ReadEffect = state_types.ReadEffect
+WriteEffect = state_types.WriteEffect
+AccumEffect = state_types.AccumEffect
+ShapedArray = jax_core.ShapedArray
+Jaxpr = jax_core.Jaxpr
+ClosedJaxpr = jax_core.ClosedJaxpr
+Literal = jax_core.Literal
+register_discharge_rule = state_discharge.register_discharge_rule
+register_neutral_memory_space = state_discharge.register_neutral_memory_space
+no_effects = jax_core.no_effects
+eval_jaxpr = jax_core.eval_jaxpr
+jaxpr_as_fun = jax_core.jaxpr_as_fun
+
+
+def eval_context():
+    """Evaluates eagerly even inside a trace (for static index-map tables)."""
+    return jax_core.eval_context()
+
+
+def current_source_info():
+    return source_info_util.current()
+
+
+def make_debug_info(traced_for: str, fun: Callable, args: Sequence[Any]):
+    return _debug_info(traced_for, fun, tuple(args), {})
+
+
+def trace_to_closed_jaxpr(
+    fun: Callable, in_avals: Sequence[Any], debug_info
+) -> tuple[Any, list[Any]]:
+    """Traces ``fun`` (flat args -> flat list of outputs) to a closed jaxpr.
+
+    Returns the closed jaxpr (no constvars) and the constant values it
+    captured, which become leading invars of the returned jaxpr.
+    """
+    wrapped = lu.wrap_init(fun, debug_info=debug_info)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    if consts or jaxpr.constvars:
+        jaxpr = pe.convert_constvars_jaxpr(jaxpr)
+    return ClosedJaxpr(jaxpr, ()), list(consts)
+
+
+def discharge(closed_jaxpr, should_discharge: bool | Sequence[bool] = True):
+    """Closed jaxpr over Refs -> closed pure jaxpr returning final Ref values."""
+    jaxpr = state_discharge.discharge_state(
+        closed_jaxpr, should_discharge=should_discharge
+    )
+    if not isinstance(jaxpr, ClosedJaxpr) or getattr(jaxpr, "consts", None) is None:
+        jaxpr = ClosedJaxpr(jaxpr, ())
+    return jaxpr
+
+
+def jvp_jaxpr(closed_jaxpr, nonzeros: Sequence[bool], instantiate):
+    return _ad.jvp_jaxpr(closed_jaxpr, nonzeros, instantiate)
+
+
+def is_ref_aval(aval) -> bool:
+    return isinstance(aval, AbstractRef)
+
+
+def ref_aval(shape, dtype, memory_space=None) -> AbstractRef:
+    return AbstractRef(ShapedArray(tuple(shape), dtype), memory_space)
+
+
+def shaped_array(shape, dtype) -> ShapedArray:
+    return ShapedArray(tuple(shape), dtype)
+
+
+def get_aval(x):
+    return jax_core.get_aval(x)
+
+
+def effect_input_index(effect, jaxpr) -> int:
+    """Position among ``jaxpr.invars`` of the input a Ref effect is about."""
+    if hasattr(effect, "input_index"):  # older JAX: an int position
+        return effect.input_index
+    inp = effect.input  # JAX 0.11+: a Var inside jaxprs, an int in abstract eval
+    if isinstance(inp, int):
+        return inp
+    return list(jaxpr.invars).index(inp)
+
+
+def ref_effect_at(effect, index: int):
+    """The same kind of Ref effect, about input position ``index``."""
+    if hasattr(effect, "input_index"):
+        return type(effect)(index)
+    return effect.replace(index)
+
+
+def jaxpr_effects_on_inputs(closed_jaxpr) -> set[tuple[type, int]]:
+    """(effect class, input index) for every Ref effect of a jaxpr."""
+    return {
+        (type(e), effect_input_index(e, closed_jaxpr))
+        for e in closed_jaxpr.effects
+        if isinstance(e, RefEffect)
+    }

@@ -1,0 +1,247 @@
+"""User-facing specification types (BlockSpec, GridSpec, memory spaces) and
+the internal grid mapping that pallas_call builds from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from pallas._src import compat
+
+
+class MemorySpace(enum.Enum):
+    """Where a kernel operand lives. ``ANY`` means: wherever the backend keeps
+    whole arrays; the kernel gets an unblocked Ref to the whole array."""
+
+    ANY = "any"
+    HOST = "host"
+
+    def __call__(self, shape, dtype) -> MemoryRef:
+        return MemoryRef(tuple(shape), np.dtype(dtype), self)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ANY = MemorySpace.ANY
+HOST = MemorySpace.HOST
+
+# Backends (pallas-tpu's VMEM/SMEM, ...) register their memory-space types so
+# that BlockSpec validation accepts them.
+_memory_space_types: set[type] = {MemorySpace}
+
+
+def register_memory_space_type(cls: type) -> None:
+    _memory_space_types.add(cls)
+    compat.register_neutral_memory_space(cls)
+
+
+def is_memory_space(obj: Any) -> bool:
+    return obj is None or isinstance(obj, tuple(_memory_space_types))
+
+
+for _ms in MemorySpace:
+    compat.register_neutral_memory_space(_ms)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRef:
+    """A shape, dtype and memory space: the type of a scratch buffer."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    memory_space: Any = None
+
+    def get_array_aval(self):
+        return compat.shaped_array(self.shape, self.dtype)
+
+    def get_ref_aval(self):
+        return compat.ref_aval(self.shape, self.dtype, self.memory_space)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked:
+    """A block dimension indexed by block number (the default)."""
+
+    block_size: int
+
+    def __str__(self):
+        return f"Blocked({self.block_size})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Element:
+    """A block dimension whose index_map result is an element offset into the
+    array padded by ``padding=(low, high)``."""
+
+    block_size: int
+    padding: tuple[int, int] = (0, 0)
+
+    def __str__(self):
+        if self.padding == (0, 0):
+            return f"Element({self.block_size})"
+        return f"Element({self.block_size}, padding={self.padding})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Squeezed:
+    """A block dimension of size 1 that the kernel does not see."""
+
+    def __str__(self):
+        return "squeezed"
+
+
+squeezed = Squeezed()
+BlockDim = Blocked | Element | Squeezed
+
+
+class _NoBlockSpec:
+    def __repr__(self):
+        return "no_block_spec"
+
+
+no_block_spec: Any = _NoBlockSpec()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """How one operand is split into blocks.
+
+    Args:
+      block_shape: one entry per array dimension: an int (block size), ``None``
+        or ``pl.squeezed`` (size-1 dimension removed in the kernel),
+        ``pl.Blocked(n)`` or ``pl.Element(n, padding)``. ``None`` for the
+        whole array.
+      index_map: maps the grid indices to block indices (one per dimension;
+        element offsets for ``Element`` dimensions).
+      memory_space: ``None`` (the backend's default) or e.g. ``pl.ANY``.
+    """
+
+    block_shape: Sequence[Any] | None = None
+    index_map: Callable[..., Any] | None = None
+    memory_space: Any = None
+    pipeline_mode: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GridSpec:
+    """The grid, the operands' block specs and the scratch buffers."""
+
+    grid: Any = ()
+    in_specs: Any = no_block_spec
+    out_specs: Any = no_block_spec
+    scratch_shapes: Any = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class CostEstimate:
+    """Cost of one call, passed to XLA's scheduler by backends that use it."""
+
+    flops: int
+    transcendentals: int
+    bytes_accessed: int
+    remote_bytes_transferred: int = 0
+
+
+class CompilerParams:
+    """Base class of the backends' frozen ``CompilerParams`` dataclasses.
+
+    Subclasses set ``PLATFORM`` (e.g. ``"cuda"``, ``"tpu"``): it selects the
+    backend that lowers the kernel.
+    """
+
+    PLATFORM: str = ""
+
+
+# ---------------------------------------------------------------------------
+# Internal: what pallas_call hands to backends.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockMapping:
+    """One operand's blocking, resolved against its array."""
+
+    origin: str  # "in_specs[1]", "out_specs['y']": used in messages
+    block_shape: tuple[BlockDim, ...]
+    index_map: Any  # closed jaxpr: G int32 scalars -> one int32 per dim
+    array_shape: tuple[int, ...]
+    dtype: Any
+    memory_space: Any
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(_block_size(d) for d in self.block_shape)
+
+    @property
+    def kernel_block_shape(self) -> tuple[int, ...]:
+        """The shape of the Ref the kernel sees (squeezed dims removed)."""
+        return tuple(
+            _block_size(d) for d in self.block_shape if not isinstance(d, Squeezed)
+        )
+
+    @property
+    def is_whole_array(self) -> bool:
+        return self.memory_space is ANY
+
+    def ref_aval(self):
+        return compat.ref_aval(self.kernel_block_shape, self.dtype, self.memory_space)
+
+    def __str__(self):
+        dims = ", ".join(str(d) for d in self.block_shape)
+        return (
+            f"{self.origin}: array {self.dtype}{list(self.array_shape)} "
+            f"block ({dims}) memory_space={self.memory_space} "
+            f"index_map={{ {_pp_index_map(self.index_map)} }}"
+        )
+
+
+def _block_size(d: BlockDim) -> int:
+    return 1 if isinstance(d, Squeezed) else d.block_size
+
+
+def _pp_index_map(jaxpr) -> str:
+    return " ".join(str(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr).split())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GridMapping:
+    """The grid and every operand's block mapping (inputs, then outputs)."""
+
+    grid: tuple[int, ...]
+    block_mappings: tuple[BlockMapping, ...]
+    num_inputs: int
+    num_outputs: int
+    scratch_avals: tuple[Any, ...]  # AbstractRef per scratch buffer
+    kernel_name: str
+    source: str  # "file.py:42" of the pallas_call
+
+    @property
+    def in_block_mappings(self):
+        return self.block_mappings[: self.num_inputs]
+
+    @property
+    def out_block_mappings(self):
+        return self.block_mappings[self.num_inputs :]
+
+    @property
+    def out_avals(self):
+        return tuple(
+            jax.core.ShapedArray(bm.array_shape, bm.dtype)
+            for bm in self.out_block_mappings
+        )
+
+    def replace(self, **kw) -> GridMapping:
+        return dataclasses.replace(self, **kw)
+
+    def __str__(self):
+        lines = [f"GridMapping of '{self.kernel_name}' ({self.source}):"]
+        lines.append(f"  grid={self.grid}")
+        lines += [f"  {bm}" for bm in self.block_mappings]
+        for i, a in enumerate(self.scratch_avals):
+            lines.append(f"  scratch_shapes[{i}]: {a}")
+        return "\n".join(lines)

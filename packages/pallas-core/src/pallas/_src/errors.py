@@ -1,0 +1,73 @@
+"""Error messages that name the kernel, the culprit and the user's line."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import jax
+
+_PALLAS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__))
+_SKIP_DIRS: list[str] = [_PALLAS_DIR, _JAX_DIR, os.path.dirname(os.__file__)]
+
+
+def register_internal_dir(path: str) -> None:
+    """Backends add their package dir so user_source() skips their frames."""
+    _SKIP_DIRS.append(os.path.dirname(os.path.abspath(path)))
+
+
+def _is_internal(filename: str) -> bool:
+    filename = os.path.abspath(filename)
+    return any(filename.startswith(d + os.sep) for d in _SKIP_DIRS) or (
+        "contextlib" in filename or filename.startswith("<")
+    )
+
+
+def user_source() -> str:
+    """'file.py:LINE' of the innermost frame outside pallas/JAX/stdlib."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not _is_internal(frame.f_code.co_filename):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def describe(kernel_name: str | None, source: str | None) -> str:
+    where = f" at {source}" if source else ""
+    return f"pallas_call '{kernel_name}'{where}" if kernel_name else f"pallas{where}"
+
+
+# The kernel being traced, so that errors raised from inside the kernel body
+# (a bad Ref store, program_id out of range) can name it.
+_tls = threading.local()
+
+
+def current_kernel() -> tuple[str, str] | None:
+    stack = getattr(_tls, "stack", None)
+    return stack[-1] if stack else None
+
+
+class kernel_scope:
+    def __init__(self, name: str, source: str):
+        self.entry = (name, source)
+
+    def __enter__(self):
+        if not hasattr(_tls, "stack"):
+            _tls.stack = []
+        _tls.stack.append(self.entry)
+
+    def __exit__(self, *exc):
+        _tls.stack.pop()
+
+
+def kernel_error(cls: type[Exception], msg: str) -> Exception:
+    """An exception raised while tracing a kernel body: names the kernel and
+    the user's line inside the kernel."""
+    k = current_kernel()
+    name = k[0] if k else None
+    where = user_source()
+    prefix = f"in kernel '{name}' " if name else ""
+    return cls(f"{prefix}at {where}: {msg}")

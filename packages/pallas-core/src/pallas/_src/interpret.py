@@ -1,0 +1,272 @@
+"""Interpret mode: a pallas_call as plain JAX, with grid steps vectorized.
+
+Semantics are those of running the grid one step at a time in lexicographic
+order (outputs start uninitialized, i.e. NaN for floats; edge blocks read the
+uninitialized padding). Steps run together, as one vmapped computation, when
+that cannot change the result:
+
+* the grid axes are split into *sequential* axes S and *parallel* axes P, and
+  every output block must be touched by steps with a single P coordinate;
+  then the steps that touch a block run in the original order (lexicographic
+  over S), and steps with different P coordinates never interact;
+* kernels that write an input Ref, an ``ANY``-space output or an
+  ``Element``-indexed output, or that use scratch buffers (shared by all
+  steps), run fully sequentially.
+
+The split is found at trace time by evaluating the index maps on every grid
+point (the grid is static), picking the S with the fewest sequential steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas._src import compat
+from pallas._src import core as pallas_core
+from pallas._src.primitives import uninitialized_value
+
+
+@dataclasses.dataclass(frozen=True)
+class InterpretParams:
+    """Options of pallas-core's interpret mode (``interpret=True`` is the
+    default ``InterpretParams()``).
+
+    Args:
+      vectorize: run grid steps that provably do not interact as one
+        vectorized computation. ``False`` runs one step at a time, exactly
+        like JAX's ``interpret=True``.
+    """
+
+    vectorize: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    seq_axes: tuple[int, ...]
+    par_axes: tuple[int, ...]
+    points: np.ndarray  # (Ns, Np, G) grid points in execution order
+    starts: tuple[np.ndarray, ...]  # per block mapping: (Ns, Np, ndim) element starts
+
+
+_plan_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _eval_index_map(bm: pallas_core.BlockMapping, points: np.ndarray) -> np.ndarray:
+    """Block indices of ``bm`` at every grid point: (N, ndim) int64."""
+    n, ndim = points.shape[0], len(bm.block_shape)
+    if n == 0 or ndim == 0:
+        return np.zeros((n, ndim), np.int64)
+    fun = compat.jaxpr_as_fun(bm.index_map)
+    with compat.eval_context():
+        cols = [jnp.asarray(points[:, g], jnp.int32) for g in range(points.shape[1])]
+        if cols:
+            res = jax.vmap(lambda *g: jnp.stack([jnp.asarray(r, jnp.int32) for r in fun(*g)]))(*cols)
+        else:
+            res = jnp.stack([jnp.asarray(r, jnp.int32) for r in fun()])[None]
+            res = jnp.broadcast_to(res, (n, ndim))
+        return np.asarray(res, np.int64).reshape(n, ndim)
+
+
+def _element_starts(bm: pallas_core.BlockMapping, idx: np.ndarray) -> np.ndarray:
+    scale = np.array(
+        [1 if isinstance(d, pallas_core.Element) else pallas_core._block_size(d) for d in bm.block_shape],
+        np.int64,
+    )
+    return idx * scale
+
+
+def _touches_one_group(keys: np.ndarray, par: np.ndarray) -> bool:
+    """True when equal keys (block indices) always come with equal P coords."""
+    if keys.shape[0] <= 1:
+        return True
+    n_keys = len(np.unique(keys, axis=0)) if keys.shape[1] else 1
+    both = np.concatenate([keys, par], axis=1)
+    n_both = len(np.unique(both, axis=0)) if both.shape[1] else 1
+    return n_keys == n_both
+
+
+def _choose_seq_axes(grid, points, written_keys, fully_sequential, vectorize):
+    G = len(grid)
+    live = [g for g in range(G) if grid[g] > 1]
+    if fully_sequential or not vectorize:
+        return tuple(range(G))
+    candidates = []
+    for r in range(len(live) + 1):
+        for seq in itertools.combinations(live, r):
+            candidates.append((math.prod(grid[g] for g in seq), seq))
+    candidates.sort()
+    for _, seq in candidates:
+        par = [g for g in range(G) if g not in seq]
+        if all(_touches_one_group(k, points[:, par]) for k in written_keys):
+            return tuple(g for g in range(G) if g in seq or grid[g] <= 1)
+    return tuple(range(G))
+
+
+def make_plan(gm: pallas_core.GridMapping, fully_sequential: bool, vectorize: bool) -> _Plan:
+    key = (fully_sequential, vectorize)
+    per_gm = _plan_cache.setdefault(gm, {})
+    if key in per_gm:
+        return per_gm[key]
+    grid = gm.grid
+    G = len(grid)
+    points = np.indices(grid).reshape(G, -1).T if G else np.zeros((1, 0), np.int64)
+    idx = [_eval_index_map(bm, points) for bm in gm.block_mappings]
+    written = idx[gm.num_inputs :]
+    seq = _choose_seq_axes(grid, points, written, fully_sequential, vectorize)
+    par = tuple(g for g in range(G) if g not in seq)
+    if G:
+        order = np.indices(grid).transpose(0, *[1 + g for g in seq + par])
+        ns = math.prod(grid[g] for g in seq)
+        npar = math.prod(grid[g] for g in par)
+        order = order.reshape(G, ns, npar)
+        flat = np.ravel_multi_index(tuple(order), grid) if points.shape[0] else np.zeros((ns, npar), np.int64)
+        ordered_points = np.moveaxis(order, 0, -1)
+    else:
+        flat = np.zeros((1, 1), np.int64)
+        ordered_points = np.zeros((1, 1, 0), np.int64)
+    starts = tuple(_element_starts(bm, i)[flat] for bm, i in zip(gm.block_mappings, idx))
+    plan = _Plan(seq, par, ordered_points, starts)
+    per_gm[key] = plan
+    return plan
+
+
+# ---------------------------------------------------------------------------
+# Moving blocks in and out of (padded) arrays.
+
+
+def _pad(x, bm: pallas_core.BlockMapping):
+    pads = []
+    for size, d in zip(x.shape, bm.block_shape):
+        if isinstance(d, pallas_core.Element):
+            pads.append((*d.padding, 0))
+        else:
+            b = pallas_core._block_size(d)
+            pads.append((0, -size % b, 0))
+    if all(p[:2] == (0, 0) for p in pads):
+        return x
+    return lax.pad(x, uninitialized_value((), x.dtype), pads)
+
+
+def _unpad(x, bm: pallas_core.BlockMapping):
+    lo = [d.padding[0] if isinstance(d, pallas_core.Element) else 0 for d in bm.block_shape]
+    if x.shape == bm.array_shape and not any(lo):
+        return x
+    return lax.slice(x, lo, [l + s for l, s in zip(lo, bm.array_shape)])
+
+
+def _gather(x, starts, sizes):
+    """(Np, ndim) starts -> (Np, *sizes) blocks."""
+    nd = x.ndim
+    dnums = lax.GatherDimensionNumbers(
+        offset_dims=tuple(range(1, nd + 1)), collapsed_slice_dims=(), start_index_map=tuple(range(nd))
+    )
+    return lax.gather(x, starts, dnums, slice_sizes=sizes, mode=lax.GatherScatterMode.CLIP)
+
+
+def _scatter(x, starts, blocks):
+    nd = x.ndim
+    dnums = lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(1, nd + 1)),
+        inserted_window_dims=(),
+        scatter_dims_to_operand_dims=tuple(range(nd)),
+    )
+    return lax.scatter(x, starts, blocks, dnums, unique_indices=True, mode=lax.GatherScatterMode.CLIP)
+
+
+def _read(x, starts, bm, batched):
+    sizes = bm.block_sizes
+    kshape = bm.kernel_block_shape
+    if not batched:
+        return lax.dynamic_slice(x, list(starts[0]), sizes).reshape(kshape)
+    blocks = _gather(x, starts, sizes)
+    return blocks.reshape((starts.shape[0], *kshape))
+
+
+def _write(x, starts, block, bm, batched):
+    sizes = bm.block_sizes
+    if not batched:
+        return lax.dynamic_update_slice(x, block.reshape(sizes), list(starts[0]))
+    return _scatter(x, starts, block.reshape((starts.shape[0], *sizes)))
+
+
+# ---------------------------------------------------------------------------
+
+
+def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, interpret, **_):
+    gm: pallas_core.GridMapping = grid_mapping
+    params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
+    n_in, n_out, G = gm.num_inputs, gm.num_outputs, len(gm.grid)
+    n_scratch = len(gm.scratch_avals)
+    effects = compat.jaxpr_effects_on_inputs(jaxpr)
+    writes_inputs = any(
+        cls is not compat.ReadEffect and G <= i < G + n_in for cls, i in effects
+    )
+    writes_any_space = any(
+        bm.memory_space is pallas_core.ANY or any(isinstance(d, pallas_core.Element) for d in bm.block_shape)
+        for bm in gm.out_block_mappings
+    )
+    fully_sequential = writes_inputs or writes_any_space or n_scratch > 0
+    plan = make_plan(gm, fully_sequential, params.vectorize)
+    ns, npar = plan.points.shape[:2]
+    batched = npar > 1
+
+    discharged = compat.discharge(jaxpr)
+    body = compat.jaxpr_as_fun(discharged)
+
+    in_bms, out_bms = gm.in_block_mappings, gm.out_block_mappings
+    ins = [_pad(x, bm) for x, bm in zip(args, in_bms)]
+    alias_of = {o: i for i, o in input_output_aliases}
+    outs = [
+        _pad(args[alias_of[o]], bm) if o in alias_of else uninitialized_value(
+            tuple(s + (-s % b) for s, b in zip(bm.array_shape, bm.block_sizes))
+            if not any(isinstance(d, pallas_core.Element) for d in bm.block_shape)
+            else _pad(jnp.zeros(bm.array_shape, bm.dtype), bm).shape,
+            bm.dtype,
+        )
+        for o, bm in enumerate(out_bms)
+    ]
+    scratch = [uninitialized_value(a.shape, a.dtype) for a in gm.scratch_avals]
+    starts = [jnp.asarray(s, jnp.int32) for s in plan.starts]
+    points = jnp.asarray(plan.points, jnp.int32)
+
+    def step(s, carry):
+        ins, outs, scratch = carry
+        st = [lax.dynamic_index_in_dim(t, s, 0, keepdims=False) for t in starts]
+        pts = lax.dynamic_index_in_dim(points, s, 0, keepdims=False)  # (Np, G)
+        in_blocks = [_read(x, t, bm, batched) for x, t, bm in zip(ins, st, in_bms)]
+        out_blocks = [_read(x, t, bm, batched) for x, t, bm in zip(outs, st[n_in:], out_bms)]
+        gidx = [pts[:, g] if batched else pts[0, g] for g in range(G)]
+
+        def run(gidx, in_blocks, out_blocks, scratch):
+            res = body(*gidx, *in_blocks, *out_blocks, *scratch)
+            return res[:n_in], res[n_in : n_in + n_out], res[n_in + n_out :]
+
+        if batched:
+            new_in, new_out, new_scratch = jax.vmap(run, in_axes=(0, 0, 0, None))(
+                gidx, in_blocks, out_blocks, scratch
+            )
+        else:
+            new_in, new_out, new_scratch = run(gidx, in_blocks, out_blocks, scratch)
+        outs = [_write(x, t, b, bm, batched) for x, t, b, bm in zip(outs, st[n_in:], new_out, out_bms)]
+        if writes_inputs:
+            ins = [_write(x, t, b, bm, batched) for x, t, b, bm in zip(ins, st, new_in, in_bms)]
+        return ins, outs, list(new_scratch)
+
+    carry = (ins, outs, scratch)
+    if G and math.prod(gm.grid) == 0:
+        pass
+    elif ns == 1:
+        carry = step(0, carry)
+    else:
+        carry = lax.fori_loop(0, ns, step, carry)
+    _, outs, _ = carry
+    return [_unpad(x, bm) for x, bm in zip(outs, out_bms)]

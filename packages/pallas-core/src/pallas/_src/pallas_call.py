@@ -1,0 +1,418 @@
+"""pallas_call: trace a kernel over Refs and bind the pallas_call primitive."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import tree_util
+
+from pallas._src import compat
+from pallas._src import core as pallas_core
+from pallas._src import primitives
+from pallas._src.core import BlockMapping, BlockSpec, GridMapping, GridSpec
+from pallas._src.errors import describe, kernel_scope, user_source
+from pallas._src.interpret import InterpretParams
+from pallas._src.pallas_call_rules import pallas_call_p
+
+_is_spec = lambda x: x is None or x is pallas_core.no_block_spec or isinstance(x, BlockSpec)  # noqa: E731
+
+
+class _Err:
+    """Builds messages that name the kernel and the user's line."""
+
+    def __init__(self, name: str, source: str):
+        self.name, self.source = name, source
+
+    def __call__(self, cls: type[Exception], what: str, msg: str) -> Exception:
+        culprit = f"{what}: " if what else ""
+        return cls(f"{describe(self.name, self.source)}: {culprit}{msg}")
+
+
+def _keystr(path) -> str:
+    return tree_util.keystr(path) if path else ""
+
+
+def _normalize_grid(grid, err: _Err) -> tuple[int, ...]:
+    if grid is None:
+        return ()
+    if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
+        grid = (grid,)
+    if not isinstance(grid, (tuple, list)):
+        raise err(TypeError, "grid", f"expected an int or a tuple of ints, got {grid!r}")
+    out = []
+    for i, g in enumerate(grid):
+        if isinstance(g, jax.core.Tracer):
+            raise err(NotImplementedError, f"grid[{i}]", "dynamic grid sizes are not supported; use a static int")
+        if not isinstance(g, (int, np.integer)) or isinstance(g, bool):
+            raise err(TypeError, f"grid[{i}]", f"expected a non-negative int, got {g!r}")
+        if g < 0:
+            raise err(ValueError, f"grid[{i}]", f"expected a non-negative int, got {g}")
+        out.append(int(g))
+    return tuple(out)
+
+
+def _normalize_block_dim(d, what: str, err: _Err):
+    if d is None or isinstance(d, pallas_core.Squeezed):
+        return pallas_core.squeezed
+    if isinstance(d, (pallas_core.Blocked, pallas_core.Element)):
+        size = d.block_size
+    elif isinstance(d, (int, np.integer)) and not isinstance(d, bool):
+        size, d = int(d), pallas_core.Blocked(int(d))
+    else:
+        raise err(TypeError, what, f"expected an int, None, pl.squeezed, pl.Blocked or pl.Element, got {d!r}")
+    if not isinstance(size, (int, np.integer)) or size <= 0:
+        raise err(ValueError, what, f"block sizes must be positive ints, got {size!r}")
+    if isinstance(d, pallas_core.Element):
+        pad = d.padding
+        if (
+            not isinstance(pad, tuple)
+            or len(pad) != 2
+            or any(not isinstance(p, int) or p < 0 for p in pad)
+        ):
+            raise err(ValueError, what, f"pl.Element padding must be a pair of non-negative ints, got {pad!r}")
+    return d
+
+
+def _index_map_arity_ok(fn: Callable, n: int) -> bool:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        sig.bind(*range(n))
+        return True
+    except TypeError:
+        return False
+
+
+def _block_mapping(spec, aval, origin: str, grid, err: _Err) -> BlockMapping:
+    shape, dtype = tuple(aval.shape), aval.dtype
+    if spec is None or spec is pallas_core.no_block_spec:
+        spec = BlockSpec()
+    ms = spec.memory_space
+    if not pallas_core.is_memory_space(ms):
+        raise err(TypeError, origin, f"unknown memory_space {ms!r}; expected None, pl.ANY or a backend memory space")
+    block_shape = spec.block_shape
+    if block_shape is None or ms is pallas_core.ANY:
+        block_shape = shape
+    if not isinstance(block_shape, (tuple, list)):
+        raise err(TypeError, origin, f"block_shape must be a tuple, got {block_shape!r}")
+    if len(block_shape) != len(shape):
+        raise err(
+            ValueError,
+            origin,
+            f"block_shape {tuple(block_shape)} has {len(block_shape)} dims but the array "
+            f"{dtype}{list(shape)} has {len(shape)}",
+        )
+    dims = tuple(_normalize_block_dim(d, f"{origin}.block_shape[{i}]", err) for i, d in enumerate(block_shape))
+    index_map = spec.index_map
+    if index_map is None or ms is pallas_core.ANY and spec.block_shape is None:
+        index_map = lambda *_: (0,) * len(shape)  # noqa: E731
+    if not callable(index_map):
+        raise err(TypeError, f"{origin}.index_map", f"expected a callable, got {index_map!r}")
+    if not _index_map_arity_ok(index_map, len(grid)):
+        raise err(
+            TypeError,
+            f"{origin}.index_map",
+            f"the grid has {len(grid)} axes, so index_map must take {len(grid)} arguments "
+            f"(one grid index each); {index_map} does not",
+        )
+    n_out = []
+
+    def flat_index_map(*idx):
+        res = index_map(*idx)
+        if not isinstance(res, (tuple, list)):
+            res = (res,)
+        n_out.append(len(res))
+        return list(res)
+
+    idx_avals = [compat.shaped_array((), jnp.int32)] * len(grid)
+    dbg = compat.make_debug_info("pallas_call index_map", index_map, list(range(len(grid))))
+    jaxpr, consts = compat.trace_to_closed_jaxpr(flat_index_map, idx_avals, dbg)
+    if n_out[0] != len(shape):
+        raise err(
+            ValueError,
+            f"{origin}.index_map",
+            f"returned {n_out[0]} indices but block_shape has {len(shape)} dims",
+        )
+    for i, a in enumerate(jaxpr.out_avals):
+        if a.shape != () or not jnp.issubdtype(a.dtype, jnp.integer):
+            raise err(
+                TypeError,
+                f"{origin}.index_map",
+                f"result {i} must be an integer scalar, got {a.dtype}{list(a.shape)}",
+            )
+    if consts:
+        jaxpr = _close_over(jaxpr, consts)
+    return BlockMapping(origin, dims, jaxpr, shape, dtype, ms)
+
+
+def _close_over(jaxpr, consts):
+    """Folds captured constants into a closed jaxpr with no extra inputs."""
+    fun = compat.jaxpr_as_fun(jaxpr)
+    avals = jaxpr.in_avals[len(consts) :]
+    dbg = jaxpr.debug_info
+    closed, more = compat.trace_to_closed_jaxpr(lambda *a: fun(*consts, *a), avals, dbg)
+    assert not more
+    return closed
+
+
+def _flatten_specs(specs, tree_of, what: str, leaf_paths, err: _Err):
+    """Broadcasts a pytree prefix of BlockSpecs to the leaves of ``tree_of``."""
+    if specs is pallas_core.no_block_spec:
+        return [None] * len(leaf_paths)
+    if isinstance(specs, list):
+        specs = tuple(specs)
+    if not isinstance(tree_of, tuple) or len(tree_of) != 1 or isinstance(specs, tuple):
+        pass
+    else:
+        specs = (specs,)
+    if isinstance(tree_of, tuple) and isinstance(specs, tuple) and len(specs) != len(tree_of):
+        raise err(
+            ValueError,
+            what,
+            f"got {len(specs)} block specs but pallas_call has {len(tree_of)} "
+            f"{'inputs' if what == 'in_specs' else 'outputs'}",
+        )
+    try:
+        per_leaf = tree_util.tree_map(
+            lambda s, sub: [s] * len(tree_util.tree_leaves(sub)), specs, tree_of, is_leaf=_is_spec
+        )
+    except (ValueError, TypeError) as e:
+        raise err(ValueError, what, f"structure does not match the {'inputs' if what == 'in_specs' else 'out_shape'}: {e}") from None
+    flat = [s for lst in tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)) for s in lst]
+    for s in flat:
+        if not _is_spec(s):
+            raise err(TypeError, what, f"expected a pl.BlockSpec or None, got {s!r}")
+    return flat
+
+
+def _check_aliases(aliases, in_avals, out_avals, in_names, out_names, err: _Err):
+    if not isinstance(aliases, dict):
+        raise err(TypeError, "input_output_aliases", f"expected a dict {{input index: output index}}, got {aliases!r}")
+    pairs = []
+    for i, o in sorted(aliases.items()):
+        if not isinstance(i, int) or not 0 <= i < len(in_avals):
+            raise err(ValueError, "input_output_aliases", f"input index {i!r} is out of range: there are {len(in_avals)} inputs")
+        if not isinstance(o, int) or not 0 <= o < len(out_avals):
+            raise err(ValueError, "input_output_aliases", f"output index {o!r} is out of range: there are {len(out_avals)} outputs")
+        a, b = in_avals[i], out_avals[o]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise err(
+                ValueError,
+                "input_output_aliases",
+                f"input {i} ({in_names[i]}: {a.dtype}{list(a.shape)}) and output {o} "
+                f"({out_names[o]}: {b.dtype}{list(b.shape)}) must have the same shape and dtype",
+            )
+        pairs.append((i, o))
+    if len({o for _, o in pairs}) != len(pairs):
+        raise err(ValueError, "input_output_aliases", "two inputs alias the same output")
+    return tuple(pairs)
+
+
+def _arg_aval(x, name: str, err: _Err):
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer)) or (
+        isinstance(x, (int, float, complex, bool)) and not isinstance(x, str)
+    ):
+        return jax.core.ShapedArray(np.shape(x), jnp.result_type(x))
+    raise err(TypeError, name, f"expected an array, got a {type(x).__name__} ({x!r:.60})")
+
+
+def _out_aval(x, name: str, err: _Err):
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        try:
+            return jax.core.ShapedArray(tuple(x.shape), np.dtype(x.dtype))
+        except TypeError:
+            pass
+    raise err(TypeError, name, f"expected a jax.ShapeDtypeStruct (or an array), got {x!r:.80}")
+
+
+def _trace_kernel(kernel, gm: GridMapping, in_tree, out_struct, err: _Err):
+    """Kernel -> closed jaxpr with invars (grid indices, in refs, out refs, scratch refs)."""
+    G = len(gm.grid)
+    idx_avals = [compat.shaped_array((), jnp.int32)] * G
+    ref_avals = [bm.ref_aval() for bm in gm.block_mappings] + list(gm.scratch_avals)
+    out_tree = tree_util.tree_structure(out_struct)
+    returned = []
+
+    def flat_kernel(*flat):
+        gidx, refs = flat[:G], flat[G:]
+        in_refs = tree_util.tree_unflatten(in_tree, refs[: gm.num_inputs])
+        out_refs = tree_util.tree_unflatten(out_tree, refs[gm.num_inputs : gm.num_inputs + gm.num_outputs])
+        scratch = refs[gm.num_inputs + gm.num_outputs :]
+        ctx = primitives.KernelContext(gm.grid, gidx, gm.kernel_name)
+        with primitives.kernel_context(ctx), kernel_scope(gm.kernel_name, gm.source):
+            res = kernel(*in_refs, *out_refs, *scratch)
+        returned.append(res)
+        return []
+
+    dbg = compat.make_debug_info("pallas_call", kernel, [None] * (G + len(ref_avals)))
+    try:
+        jaxpr, consts = compat.trace_to_closed_jaxpr(flat_kernel, idx_avals + ref_avals, dbg)
+    except (ValueError, TypeError, IndexError, NotImplementedError) as e:
+        msg = str(e)
+        if f"'{gm.kernel_name}'" in msg:
+            raise
+        raise type(e)(f"in kernel '{gm.kernel_name}' ({gm.source}): {_kernel_line(e)}{msg}") from e
+    if returned and returned[0] is not None:
+        raise err(
+            TypeError,
+            "",
+            f"the kernel returned {type(returned[0]).__name__}; kernels write their results "
+            "into the output Refs and must return None",
+        )
+    if consts:
+        kinds = ", ".join(f"{jnp.result_type(c)}{list(np.shape(c))}" for c in consts[:3])
+        raise err(
+            ValueError,
+            "",
+            f"the kernel captures {len(consts)} array constant(s) ({kinds}); pass arrays to "
+            "the kernel as pallas_call inputs instead of closing over them",
+        )
+    return jaxpr
+
+
+def _kernel_line(e: BaseException) -> str:
+    from pallas._src.errors import _is_internal
+
+    tb, line = e.__traceback__, None
+    while tb is not None:
+        fn = tb.tb_frame.f_code.co_filename
+        if not _is_internal(fn):
+            import os
+
+            line = f"{os.path.basename(fn)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return f"at {line}: " if line else ""
+
+
+def pallas_call(
+    kernel: Callable[..., None],
+    out_shape: Any,
+    *,
+    grid_spec: GridSpec | None = None,
+    grid: Any = None,
+    in_specs: Any = pallas_core.no_block_spec,
+    out_specs: Any = pallas_core.no_block_spec,
+    scratch_shapes: Sequence[Any] = (),
+    input_output_aliases: dict[int, int] | None = None,
+    debug: bool = False,
+    interpret: Any = False,
+    name: str | None = None,
+    compiler_params: Any = None,
+    cost_estimate: pallas_core.CostEstimate | None = None,
+    backend: str | None = None,
+    metadata: dict[str, str] | None = None,
+) -> Callable[..., Any]:
+    """Runs ``kernel`` once per point of ``grid`` on blocks of its operands.
+
+    Args:
+      kernel: ``kernel(*in_refs, *out_refs, *scratch_refs) -> None``.
+      out_shape: a ``jax.ShapeDtypeStruct`` or a pytree (tuple, list, dict)
+        of them.
+      grid_spec: a ``GridSpec``; exclusive with grid/in_specs/out_specs/
+        scratch_shapes.
+      grid: the number of programs along each axis (int or tuple of ints).
+      in_specs, out_specs: pytree prefixes of ``BlockSpec``s for the inputs
+        and outputs (default: the whole array).
+      scratch_shapes: scratch buffers passed after the output Refs.
+      input_output_aliases: ``{input index: output index}`` over the
+        flattened inputs and outputs.
+      debug: print the kernel jaxpr and the grid mapping.
+      interpret: ``True`` (or ``pl.InterpretParams``) runs the kernel as
+        plain JAX on any platform; a backend's interpret params (e.g.
+        ``plgpu.InterpretParams()``) choose that backend's interpreter.
+      name: the kernel's name in messages and profiles.
+      compiler_params: a backend's ``CompilerParams`` (selects the backend).
+      cost_estimate: a ``pl.CostEstimate`` for XLA's scheduler.
+      backend: the backend to use when several serve a platform.
+    Returns:
+      A function of the inputs returning arrays shaped like ``out_shape``.
+    """
+    source = user_source()
+    kernel_name = name or getattr(kernel, "__name__", None) or "kernel"
+    err = _Err(kernel_name, source)
+    if grid_spec is not None:
+        if grid is not None or in_specs is not pallas_core.no_block_spec or out_specs is not pallas_core.no_block_spec or scratch_shapes:
+            raise err(ValueError, "grid_spec", "pass either grid_spec or grid/in_specs/out_specs/scratch_shapes, not both")
+        if not isinstance(grid_spec, GridSpec):
+            raise err(TypeError, "grid_spec", f"expected a pl.GridSpec, got {grid_spec!r}")
+        grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
+        scratch_shapes = grid_spec.scratch_shapes
+    grid_t = _normalize_grid(grid, err)
+    if cost_estimate is not None and not isinstance(cost_estimate, pallas_core.CostEstimate):
+        raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
+    if not isinstance(scratch_shapes, (tuple, list)):
+        raise err(TypeError, "scratch_shapes", f"expected a tuple, got {scratch_shapes!r}")
+    scratch_avals = tuple(
+        primitives._scratch_aval(s, f"{describe(kernel_name, source)}: scratch_shapes[{i}]")
+        for i, s in enumerate(scratch_shapes)
+    )
+    outs_tuple = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
+    out_leaves = tree_util.tree_flatten_with_path(outs_tuple)[0]
+    out_names = [f"out_shape{_keystr(p[1:]) if not isinstance(out_shape, (tuple, list)) else _keystr(p)}" for p, _ in out_leaves]
+    out_avals = [_out_aval(x, n, err) for (_, x), n in zip(out_leaves, out_names)]
+    if not out_avals:
+        raise err(ValueError, "out_shape", "a pallas_call needs at least one output")
+    flat_out_specs = _flatten_specs(out_specs, outs_tuple, "out_specs", out_leaves, err)
+    aliases_in = input_output_aliases or {}
+    cache: dict[Any, Any] = {}
+
+    def trace(in_tree, in_avals, in_paths, args_tuple):
+        in_names = [f"args{_keystr(p)}" for p in in_paths]
+        flat_in_specs = _flatten_specs(in_specs, args_tuple, "in_specs", in_paths, err)
+        spec_names_in = [f"in_specs{_keystr(p)}" for p in in_paths]
+        spec_names_out = [
+            f"out_specs{_keystr(p[1:]) if not isinstance(out_shape, (tuple, list)) else _keystr(p)}"
+            for p, _ in out_leaves
+        ]
+        bms = [
+            _block_mapping(s, a, n, grid_t, err)
+            for s, a, n in zip(flat_in_specs + flat_out_specs, in_avals + out_avals, spec_names_in + spec_names_out)
+        ]
+        aliases = _check_aliases(aliases_in, in_avals, out_avals, in_names, out_names, err)
+        gm = GridMapping(grid_t, tuple(bms), len(in_avals), len(out_avals), scratch_avals, kernel_name, source)
+        jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err)
+        if debug:
+            print(f"The kernel jaxpr for pallas_call '{kernel_name}' ({source}):")
+            print(jaxpr)
+            print(gm)
+        return jaxpr, gm, aliases
+
+    @functools.wraps(kernel)
+    def wrapped(*args):
+        leaves = tree_util.tree_flatten_with_path(args)[0]
+        in_paths = [p for p, _ in leaves]
+        flat_args = [x for _, x in leaves]
+        in_tree = tree_util.tree_structure(args)
+        in_avals = [_arg_aval(x, f"args{_keystr(p)}", err) for p, x in leaves]
+        key = (in_tree, tuple(in_avals))
+        if key not in cache:
+            cache[key] = trace(in_tree, in_avals, in_paths, args)
+        jaxpr, gm, aliases = cache[key]
+        outs = pallas_call_p.bind(
+            *flat_args,
+            jaxpr=jaxpr,
+            grid_mapping=gm,
+            input_output_aliases=aliases,
+            interpret=True if interpret is True else (interpret or False),
+            debug=debug,
+            compiler_params=compiler_params,
+            cost_estimate=cost_estimate,
+            backend=backend,
+        )
+        flat_outs = tree_util.tree_unflatten(tree_util.tree_structure(outs_tuple), outs)
+        return flat_outs if isinstance(out_shape, (tuple, list)) and not isinstance(out_shape, list) else (
+            list(flat_outs) if isinstance(out_shape, list) else flat_outs[0]
+        )
+
+    return wrapped
+
+
+__all__ = ["pallas_call", "InterpretParams"]

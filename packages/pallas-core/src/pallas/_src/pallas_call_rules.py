@@ -1,0 +1,264 @@
+"""pallas_call_p and its rules: abstract eval, vmap, jvp, the grad error,
+and lowering (interpret mode or a registered backend)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from pallas._src import backends
+from pallas._src import compat
+from pallas._src import core as pallas_core
+from pallas._src.errors import describe
+
+pallas_call_p = Primitive("pallas_call")
+pallas_call_p.multiple_results = True
+
+
+def _abstract_eval(*avals, grid_mapping, **_):
+    return list(grid_mapping.out_avals)
+
+
+pallas_call_p.def_abstract_eval(_abstract_eval)
+pallas_call_p.def_impl(functools.partial(jax._src.dispatch.apply_primitive, pallas_call_p))
+
+
+# ---------------------------------------------------------------------------
+# vmap: the batch becomes a new leading grid axis.
+
+
+def _retrace(fun, avals, dbg_name: str):
+    dbg = compat.make_debug_info(dbg_name, fun, [None] * len(avals))
+    jaxpr, consts = compat.trace_to_closed_jaxpr(fun, avals, dbg)
+    assert not consts, consts
+    return jaxpr
+
+
+def _batch_index_map(index_map, batched: bool, G: int):
+    fun = compat.jaxpr_as_fun(index_map)
+
+    def new_map(b, *g):
+        res = list(fun(*g))
+        return [b, *res] if batched else res
+
+    return _retrace(new_map, [compat.shaped_array((), jnp.int32)] * (G + 1), "index_map")
+
+
+def _batch_block_mapping(bm: pallas_core.BlockMapping, batched: bool, axis_size: int, G: int):
+    if not batched:
+        return dataclasses.replace(bm, index_map=_batch_index_map(bm.index_map, False, G))
+    return dataclasses.replace(
+        bm,
+        block_shape=(pallas_core.squeezed, *bm.block_shape),
+        index_map=_batch_index_map(bm.index_map, True, G),
+        array_shape=(axis_size, *bm.array_shape),
+    )
+
+
+def _batch_kernel_jaxpr(jaxpr):
+    """Adds a leading (unused) grid index input to the kernel jaxpr."""
+    fun = compat.jaxpr_as_fun(jaxpr)
+    avals = [compat.shaped_array((), jnp.int32), *jaxpr.in_avals]
+    return _retrace(lambda b, *rest: fun(*rest), avals, "pallas_call")
+
+
+def _batching_rule(args, dims, *, jaxpr, grid_mapping, input_output_aliases, **params):
+    gm = grid_mapping
+    axis_size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = list(args)
+    batched = [d is not None for d in dims]
+    # An output aliased to an unbatched input gets a batched buffer.
+    for i, _ in input_output_aliases:
+        if not batched[i]:
+            args[i] = jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
+            batched[i] = True
+            dims = list(dims)
+            dims[i] = 0
+    args = [jnp.moveaxis(a, d, 0) if b else a for a, d, b in zip(args, dims, batched)]
+    G = len(gm.grid)
+    bms = [_batch_block_mapping(bm, b, axis_size, G) for bm, b in zip(gm.in_block_mappings, batched)]
+    bms += [_batch_block_mapping(bm, True, axis_size, G) for bm in gm.out_block_mappings]
+    new_gm = gm.replace(grid=(axis_size, *gm.grid), block_mappings=tuple(bms))
+    outs = pallas_call_p.bind(
+        *args,
+        jaxpr=_batch_kernel_jaxpr(jaxpr),
+        grid_mapping=new_gm,
+        input_output_aliases=input_output_aliases,
+        **params,
+    )
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[pallas_call_p] = _batching_rule
+
+
+# ---------------------------------------------------------------------------
+# jvp: one kernel computes primals and tangents.
+
+
+def _has_tangent(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _jvp_rule(primals, tangents, *, jaxpr, grid_mapping, input_output_aliases, **params):
+    gm = grid_mapping
+    if input_output_aliases:
+        raise NotImplementedError(
+            f"{describe(gm.kernel_name, gm.source)}: jax.jvp of a pallas_call with "
+            "input_output_aliases is not supported"
+        )
+    G, n_in, n_out = len(gm.grid), gm.num_inputs, gm.num_outputs
+    nz_in = [not isinstance(t, ad.Zero) and _has_tangent(bm.dtype) for t, bm in zip(tangents, gm.in_block_mappings)]
+    nz_out = [_has_tangent(bm.dtype) for bm in gm.out_block_mappings]
+    nz_scr = [_has_tangent(a.dtype) for a in gm.scratch_avals]
+    nonzeros = [False] * G + nz_in + nz_out + nz_scr
+    jvp_jaxpr, _ = compat.jvp_jaxpr(jaxpr, nonzeros, instantiate=False)
+    # jvp_jaxpr's inputs: all primals, then tangents of the nonzero ones.
+    # Reorder to (grid, ins, in tangents, outs, out tangents, scratch, scratch tangents).
+    n_prim = len(nonzeros)
+    tan_pos, k = {}, 0
+    for i, nz in enumerate(nonzeros):
+        if nz:
+            tan_pos[i] = n_prim + k
+            k += 1
+    groups = [range(G, G + n_in), range(G + n_in, G + n_in + n_out), range(G + n_in + n_out, n_prim)]
+    order = list(range(G))
+    for grp in groups:  # each tangent right after its primal, as the block mappings are
+        for i in grp:
+            order += [i] + ([tan_pos[i]] if i in tan_pos else [])
+    fun = compat.jaxpr_as_fun(jvp_jaxpr)
+    avals = jvp_jaxpr.in_avals
+
+    def reordered(*args):
+        full = [None] * len(args)
+        for pos, a in zip(order, args):
+            full[pos] = a
+        return fun(*full)
+
+    new_jaxpr = _retrace(reordered, [avals[i] for i in order], "pallas_call")
+
+    def tangent_bm(bm):
+        return dataclasses.replace(bm, origin=f"{bm.origin} (tangent)")
+
+    in_bms, out_bms = [], []
+    for bm, nz in zip(gm.in_block_mappings, nz_in):
+        in_bms += [bm] + ([tangent_bm(bm)] if nz else [])
+    for bm, nz in zip(gm.out_block_mappings, nz_out):
+        out_bms += [bm] + ([tangent_bm(bm)] if nz else [])
+    scratch = []
+    for a, nz in zip(gm.scratch_avals, nz_scr):
+        scratch += [a] + ([a] if nz else [])
+    new_gm = gm.replace(
+        block_mappings=tuple(in_bms + out_bms),
+        num_inputs=len(in_bms),
+        num_outputs=len(out_bms),
+        scratch_avals=tuple(scratch),
+    )
+    args = []
+    for p, t, nz in zip(primals, tangents, nz_in):
+        args += [p] + ([ad.instantiate_zeros(t)] if nz else [])
+    outs = pallas_call_p.bind(*args, jaxpr=new_jaxpr, grid_mapping=new_gm, input_output_aliases=(), **params)
+    it = iter(outs)
+    out_p, out_t = [], []
+    for bm, nz in zip(gm.out_block_mappings, nz_out):
+        out_p.append(next(it))
+        out_t.append(next(it) if nz else ad.Zero.from_primal_value(out_p[-1]))
+    return out_p, out_t
+
+
+ad.primitive_jvps[pallas_call_p] = _jvp_rule
+
+
+def _grad_error(gm) -> Exception:
+    return TypeError(
+        f"{describe(gm.kernel_name, gm.source)}: reverse-mode differentiation (jax.grad, "
+        "jax.vjp) of a pallas_call is not supported. Define the backward pass yourself: wrap "
+        "the call in a function decorated with jax.custom_vjp and write the backward kernel "
+        "(see https://docs.jax.dev/en/latest/notebooks/Custom_derivative_rules_for_Python_code.html)."
+    )
+
+
+def _transpose_rule(cts, *args, grid_mapping, **_):
+    raise _grad_error(grid_mapping)
+
+
+ad.primitive_transposes[pallas_call_p] = _transpose_rule
+
+
+def _linearize_rule(is_vjp, nonzeros, *primals, grid_mapping, **_):
+    raise _grad_error(grid_mapping)
+
+
+compat.primitive_linearizations[pallas_call_p] = _linearize_rule
+
+
+# ---------------------------------------------------------------------------
+# Lowering
+
+
+def _interpret_lowering(ctx, *args, **params):
+    from pallas._src.interpret import interpret_pallas_call
+
+    fun = functools.partial(interpret_pallas_call, **params)
+    return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+
+
+def _platform_rule(platform: str, params):
+    gm = params["grid_mapping"]
+    cp = params.get("compiler_params")
+    if platform == "cpu" and not getattr(cp, "PLATFORM", ""):
+        return _interpret_lowering
+    backend = backends.for_platform(platform, cp, params.get("backend"))
+    if backend is None:
+        if platform == "cpu":
+            return _interpret_lowering
+        pkg = backends.PACKAGE_FOR_PLATFORM.get(platform)
+        hint = f"pip install {pkg}" if pkg else "no pallas backend exists for it"
+        extra = backends.load_errors()
+        broken = f" (installed backends that failed to load: {extra})" if extra else ""
+        raise ValueError(
+            f"{describe(gm.kernel_name, gm.source)}: no Pallas backend is installed for "
+            f"platform '{platform}' ({hint}){broken}. Use interpret=True to run the kernel "
+            "as plain JAX instead."
+        )
+    want = getattr(cp, "PLATFORM", "")
+    if want and platform not in getattr(backend, "PLATFORMS", (want,)):
+        raise ValueError(
+            f"{describe(gm.kernel_name, gm.source)}: compiler_params {type(cp).__name__} are for "
+            f"'{want}' but the kernel is being lowered for '{platform}'"
+        )
+    return backend.lower
+
+
+def _lowering(ctx, *args, **params):
+    interpret = params["interpret"]
+    if interpret is True or isinstance(interpret, _interpret_params_type()):
+        return _interpret_lowering(ctx, *args, **params)
+    if interpret:
+        backend = backends.for_interpret_params(interpret)
+        if backend is None:
+            gm = params["grid_mapping"]
+            raise TypeError(
+                f"{describe(gm.kernel_name, gm.source)}: interpret={interpret!r} is not "
+                "understood by pallas-core or any installed backend"
+            )
+        return backend.lower(ctx, *args, **params)
+    platforms = ctx.module_context.platforms
+    if len(platforms) == 1:
+        return _platform_rule(platforms[0], params)(ctx, *args, **params)
+    rules = {p: functools.partial(_platform_rule(p, params), **params) for p in platforms}
+    return mlir.lower_per_platform(ctx, "pallas_call", rules, None, jax.core.no_effects, *args)
+
+
+def _interpret_params_type():
+    from pallas._src.interpret import InterpretParams
+
+    return InterpretParams
+
+
+mlir.register_lowering(pallas_call_p, _lowering)

@@ -1,0 +1,322 @@
+"""Kernel-language primitives shared by every backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from pallas._src import compat
+from pallas._src import core as pallas_core
+from pallas._src.errors import kernel_error
+
+# ---------------------------------------------------------------------------
+# The kernel being traced: grid indices are explicit inputs of the kernel
+# jaxpr, so program_id works anywhere in the body (loops, conds, jvp, vmap).
+
+
+@dataclasses.dataclass
+class KernelContext:
+    grid: tuple[int, ...]
+    grid_indices: Sequence[Any]  # int32 scalar tracers, one per grid axis
+    name: str
+
+
+_ctx = threading.local()
+
+
+def _kernel_context(what: str) -> KernelContext:
+    stack = getattr(_ctx, "stack", None)
+    if not stack:
+        raise kernel_error(
+            RuntimeError,
+            f"pl.{what} can only be called inside a kernel traced by pallas_call",
+        )
+    return stack[-1]
+
+
+class kernel_context:
+    def __init__(self, ctx: KernelContext):
+        self.ctx = ctx
+
+    def __enter__(self):
+        if not hasattr(_ctx, "stack"):
+            _ctx.stack = []
+        _ctx.stack.append(self.ctx)
+        return self.ctx
+
+    def __exit__(self, *exc):
+        _ctx.stack.pop()
+
+
+def _check_axis(ctx: KernelContext, axis: int, what: str) -> int:
+    if not isinstance(axis, int):
+        raise kernel_error(TypeError, f"pl.{what}(axis): axis must be an int, got {axis!r}")
+    if not 0 <= axis < len(ctx.grid):
+        raise kernel_error(
+            ValueError,
+            f"pl.{what}({axis}): axis out of range for a grid of rank "
+            f"{len(ctx.grid)} (grid={ctx.grid}); valid axes are 0..{len(ctx.grid) - 1}",
+        )
+    return axis
+
+
+def program_id(axis: int) -> jax.Array:
+    """The index of the current program along grid ``axis``.
+
+    Args:
+      axis: the grid axis.
+    Returns:
+      An int32 scalar.
+    """
+    ctx = _kernel_context("program_id")
+    return ctx.grid_indices[_check_axis(ctx, axis, "program_id")]
+
+
+def num_programs(axis: int) -> int:
+    """The size of the grid along ``axis`` (a static Python int).
+
+    Args:
+      axis: the grid axis.
+    """
+    ctx = _kernel_context("num_programs")
+    return ctx.grid[_check_axis(ctx, axis, "num_programs")]
+
+
+# ---------------------------------------------------------------------------
+# multiple_of: a divisibility hint for the compiler; the identity elsewhere.
+
+multiple_of_p = Primitive("multiple_of")
+
+
+def multiple_of(x: jax.Array, values: int | Sequence[int]) -> jax.Array:
+    """Tells the compiler that ``x`` is a multiple of ``values``.
+
+    Args:
+      x: an integer array (usually a block offset).
+      values: the divisor (or one per dimension).
+    Returns:
+      ``x`` unchanged.
+    """
+    values = (values,) if isinstance(values, int) else tuple(values)
+    if any(not isinstance(v, int) or v <= 0 for v in values):
+        raise kernel_error(ValueError, f"pl.multiple_of: values must be positive ints, got {values}")
+    return multiple_of_p.bind(x, values=values)
+
+
+multiple_of_p.def_impl(lambda x, **_: x)
+multiple_of_p.def_abstract_eval(lambda aval, **_: aval)
+batching.primitive_batchers[multiple_of_p] = lambda args, dims, **p: (
+    multiple_of_p.bind(args[0], **p),
+    dims[0],
+)
+ad.deflinear2(multiple_of_p, lambda ct, _, **p: [ct])
+mlir.register_lowering(multiple_of_p, lambda ctx, x, **_: [x])
+
+
+# ---------------------------------------------------------------------------
+# debug_print
+
+debug_print_p = Primitive("debug_print")
+debug_print_p.multiple_results = True
+
+
+def debug_print(fmt: str, *args: Any) -> None:
+    """Prints ``fmt.format(*args)`` from inside a kernel.
+
+    Args:
+      fmt: a format string with ``{}`` placeholders, one per argument.
+      *args: scalars or arrays to print.
+    """
+    if not isinstance(fmt, str):
+        raise kernel_error(TypeError, f"pl.debug_print: fmt must be a str, got {type(fmt).__name__}")
+    n = fmt.count("{}")
+    if n != len(args) and "{" not in fmt.replace("{}", ""):
+        raise kernel_error(
+            ValueError,
+            f"pl.debug_print: format string has {n} placeholders but {len(args)} arguments were given",
+        )
+    debug_print_p.bind(*map(jnp.asarray, args), fmt=fmt)
+
+
+def _debug_print_abstract_eval(*avals, fmt):
+    from jax._src import debugging
+
+    return [], {debugging.debug_effect}
+
+
+def _debug_print_lowering(ctx, *args, fmt):
+    def f(*a):
+        jax.debug.print(fmt, *a)
+        return []
+
+    return mlir.lower_fun(f, multiple_results=True)(ctx, *args)
+
+
+debug_print_p.def_effectful_abstract_eval(_debug_print_abstract_eval)
+mlir.register_lowering(debug_print_p, _debug_print_lowering)
+
+
+def _debug_print_batch(args, dims, *, fmt):
+    args = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
+    debug_print_p.bind(*args, fmt=fmt)
+    return [], []
+
+
+batching.primitive_batchers[debug_print_p] = _debug_print_batch
+
+
+# ---------------------------------------------------------------------------
+# run_scoped: scratch Refs that live for the duration of a function.
+
+run_scoped_p = Primitive("run_scoped")
+run_scoped_p.multiple_results = True
+
+
+def _scratch_aval(t: Any, where: str):
+    if isinstance(t, pallas_core.MemoryRef):
+        return t.get_ref_aval()
+    if hasattr(t, "get_ref_aval"):
+        return t.get_ref_aval()
+    if hasattr(t, "shape") and hasattr(t, "dtype"):
+        return compat.ref_aval(t.shape, t.dtype)
+    raise kernel_error(
+        TypeError,
+        f"{where}: expected a memory-space shape such as pl.ANY((8, 128), jnp.float32) "
+        f"or a jax.ShapeDtypeStruct, got {t!r}",
+    )
+
+
+def run_scoped(f: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
+    """Calls ``f`` with freshly allocated (uninitialized) scratch Refs.
+
+    Args:
+      f: a function taking one Ref per type.
+      *types, **kw_types: the scratch buffers' shapes (``MemoryRef`` such as
+        ``pl.ANY((8, 128), jnp.float32)``, a backend memory space's shape, or
+        a ``jax.ShapeDtypeStruct``).
+    Returns:
+      What ``f`` returns (arrays, not Refs).
+    """
+    flat_types, types_tree = jax.tree.flatten((types, kw_types))
+    ref_avals = [_scratch_aval(t, "pl.run_scoped") for t in flat_types]
+    out_tree_box = []
+
+    def flat_body(*refs):
+        args, kwargs = jax.tree.unflatten(types_tree, refs)
+        out = f(*args, **kwargs)
+        flat_out, out_tree = jax.tree.flatten(out)
+        out_tree_box.append(out_tree)
+        return flat_out
+
+    dbg = compat.make_debug_info("run_scoped", f, flat_types)
+    jaxpr, consts = compat.trace_to_closed_jaxpr(flat_body, ref_avals, dbg)
+    outs = run_scoped_p.bind(*consts, jaxpr=jaxpr, num_consts=len(consts))
+    return jax.tree.unflatten(out_tree_box[0], outs)
+
+
+def _run_scoped_abstract_eval(*avals, jaxpr, num_consts):
+    effects = set()
+    for e in jaxpr.effects:
+        if isinstance(e, compat.RefEffect):
+            i = compat.effect_input_index(e, jaxpr)
+            if i < num_consts:  # effects on scratch refs stay inside
+                effects.add(compat.ref_effect_at(e, i))
+        else:
+            effects.add(e)
+    return jaxpr.out_avals, effects
+
+
+run_scoped_p.def_effectful_abstract_eval(_run_scoped_abstract_eval)
+
+
+def uninitialized_value(shape, dtype) -> jax.Array:
+    """NaN for floats, the smallest value for ints, False for bools: values
+    that make reads of never-written memory visible in interpret mode."""
+    if jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.full(shape, jnp.nan, dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.full(shape, jnp.iinfo(dtype).min, dtype)
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return jnp.full(shape, False, dtype)
+    return jnp.zeros(shape, dtype)
+
+
+@compat.register_discharge_rule(run_scoped_p)
+def _run_scoped_discharge(in_avals, out_avals, *args, jaxpr, num_consts):
+    scratch_avals = jaxpr.in_avals[num_consts:]
+    is_ref = [compat.is_ref_aval(a) for a in jaxpr.in_avals]
+    pure = compat.discharge(jaxpr, should_discharge=is_ref)
+    scratch = [uninitialized_value(a.shape, a.dtype) for a in scratch_avals]
+    results = compat.eval_jaxpr(pure.jaxpr, pure.consts, *args, *scratch)
+    n_out = len(jaxpr.out_avals)
+    outs, ref_finals = results[:n_out], iter(results[n_out:])
+    new_invals = []
+    for a in jaxpr.in_avals[:num_consts]:
+        new_invals.append(next(ref_finals) if compat.is_ref_aval(a) else None)
+    return new_invals, outs
+
+
+# ---------------------------------------------------------------------------
+# Python helpers
+
+
+def when(condition: Any) -> Callable[[Callable[[], None]], None]:
+    """Decorator: runs the function only when ``condition`` holds."""
+
+    def decorator(f: Callable[[], None]) -> None:
+        if isinstance(condition, bool):
+            if condition:
+                f()
+            return
+        lax.cond(condition, f, lambda: None)
+
+    return decorator
+
+
+def loop(lower: Any, upper: Any, *, step: int = 1, unroll: int | bool | None = None):
+    """Decorator: ``for i in range(lower, upper, step): body(i)`` as a loop."""
+    if not isinstance(step, int) or step == 0:
+        raise kernel_error(ValueError, f"pl.loop: step must be a non-zero int, got {step!r}")
+
+    def decorator(body: Callable[[Any], None]) -> None:
+        lo = jnp.asarray(lower, jnp.int32)
+        hi = jnp.asarray(upper, jnp.int32)
+        trips = (hi - lo + (step - (1 if step > 0 else -1))) // step
+        kwargs = {} if unroll is None else {"unroll": unroll}
+        lax.fori_loop(
+            0, jnp.maximum(trips, 0), lambda i, c: (body(lo + i * step), c)[1], None, **kwargs
+        )
+
+    return decorator
+
+
+def cdiv(a: Any, b: Any) -> Any:
+    """Ceiling division; a Python int for int operands."""
+    if isinstance(a, int) and isinstance(b, int):
+        return -(-a // b)
+    return lax.div(a + b - 1, b)
+
+
+def next_power_of_2(x: int) -> int:
+    """The smallest power of two >= ``x`` (for ``x`` >= 0)."""
+    if not isinstance(x, int) or x < 0:
+        raise ValueError(f"next_power_of_2 expects a non-negative int, got {x!r}")
+    return 1 if x == 0 else 1 << (x - 1).bit_length()
+
+
+def empty(shape, dtype) -> jax.Array:
+    """An array of unspecified contents (``jax.lax.empty``)."""
+    return lax.empty(shape, dtype)
+
+
+def empty_like(x: Any) -> Any:
+    """``empty`` for every leaf (with ``.shape``/``.dtype``) of a pytree."""
+    return jax.tree.map(lambda leaf: lax.empty(leaf.shape, leaf.dtype), x)

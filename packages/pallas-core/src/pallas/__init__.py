@@ -7,8 +7,6 @@ compile them for accelerators.
 """
 
 from pallas._src.compat import Slice as Slice
-from pallas._src.compat import ds as ds
-from pallas._src.compat import dslice as dslice
 from pallas._src.core import ANY as ANY
 from pallas._src.core import HOST as HOST
 from pallas._src.core import BlockDim as BlockDim
@@ -28,6 +26,8 @@ from pallas._src.pallas_call import pallas_call as pallas_call
 from pallas._src.pallas_call_rules import pallas_call_p as pallas_call_p
 from pallas._src.primitives import cdiv as cdiv
 from pallas._src.primitives import debug_print as debug_print
+from pallas._src.primitives import ds as ds
+from pallas._src.primitives import dslice as dslice
 from pallas._src.primitives import empty as empty
 from pallas._src.primitives import empty_like as empty_like
 from pallas._src.primitives import loop as loop

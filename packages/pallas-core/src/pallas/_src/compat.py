@@ -14,8 +14,9 @@ from typing import Any
 from jax._src import core as jax_core
 from jax._src import linear_util as lu
 from jax._src import source_info_util
+from jax._src import tree_util
 from jax._src.api_util import debug_info as _debug_info
-from jax._src.indexing import Slice, ds, dslice  # noqa: F401
+from jax._src.indexing import Slice  # noqa: F401
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as pe
 from jax._src.state import discharge as state_discharge
@@ -48,6 +49,36 @@ def eval_context():
 
 def current_source_info():
     return source_info_util.current()
+
+
+def eqn_user_source(eqn) -> str | None:
+    """'file.py:LINE' of the user code that created a jaxpr equation."""
+    import os
+
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return None
+    return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+
+
+def ref_indexers(eqn):
+    """(ref shape, NDIndexer) for each indexing transform of a Ref get/swap/addupdate."""
+    prim = eqn.primitive
+    if prim is state_primitives.get_p:
+        flat = eqn.invars[1:]
+    elif prim in (state_primitives.swap_p, state_primitives.addupdate_p):
+        flat = eqn.invars[2:]
+    else:
+        return []
+    vals = [v.val if isinstance(v, Literal) else v for v in flat]
+    transforms = tree_util.tree_unflatten(eqn.params["tree"], vals)
+    return [t for t in transforms if isinstance(t, state_indexing.NDIndexer)]
+
+
+def subjaxprs(jaxpr):
+    from jax.extend.core import subjaxprs as _sub
+
+    return list(_sub(jaxpr))
 
 
 def make_debug_info(traced_for: str, fun: Callable, args: Sequence[Any]):

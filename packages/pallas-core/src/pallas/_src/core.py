@@ -61,7 +61,7 @@ class MemoryRef:
         return compat.shaped_array(self.shape, self.dtype)
 
     def get_ref_aval(self):
-        return compat.ref_aval(self.shape, self.dtype, self.memory_space)
+        return compat.ref_aval(self.shape, self.dtype, _aval_memory_space(self.memory_space))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +189,7 @@ class BlockMapping:
         return self.memory_space is ANY
 
     def ref_aval(self):
-        return compat.ref_aval(self.kernel_block_shape, self.dtype, self.memory_space)
+        return compat.ref_aval(self.kernel_block_shape, self.dtype, _aval_memory_space(self.memory_space))
 
     def __str__(self):
         dims = ", ".join(str(d) for d in self.block_shape)
@@ -198,6 +198,12 @@ class BlockMapping:
             f"block ({dims}) memory_space={self.memory_space} "
             f"index_map={{ {_pp_index_map(self.index_map)} }}"
         )
+
+
+def _aval_memory_space(ms):
+    """pallas-core's own memory spaces stay out of avals: values read from an
+    ANY Ref are ordinary arrays. Backend memory spaces are kept."""
+    return None if isinstance(ms, MemorySpace) else ms
 
 
 def _block_size(d: BlockDim) -> int:

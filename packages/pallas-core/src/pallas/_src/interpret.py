@@ -10,8 +10,8 @@ that cannot change the result:
   then the steps that touch a block run in the original order (lexicographic
   over S), and steps with different P coordinates never interact;
 * kernels that write an input Ref, an ``ANY``-space output or an
-  ``Element``-indexed output, or that use scratch buffers (shared by all
-  steps), run fully sequentially.
+  ``Element``-indexed output, that use scratch buffers (shared by all
+  steps), or that print (``pl.debug_print``), run fully sequentially.
 
 The split is found at trace time by evaluating the index maps on every grid
 point (the grid is static), picking the S with the fewest sequential steps.
@@ -214,7 +214,9 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
         bm.memory_space is pallas_core.ANY or any(isinstance(d, pallas_core.Element) for d in bm.block_shape)
         for bm in gm.out_block_mappings
     )
-    fully_sequential = writes_inputs or writes_any_space or n_scratch > 0
+    # Side effects (debug_print) must happen once per step, in grid order.
+    has_side_effects = any(not isinstance(e, compat.RefEffect) for e in jaxpr.effects)
+    fully_sequential = writes_inputs or writes_any_space or n_scratch > 0 or has_side_effects
     plan = make_plan(gm, fully_sequential, params.vectorize)
     ns, npar = plan.points.shape[:2]
     batched = npar > 1

@@ -15,6 +15,7 @@ from jax import tree_util
 from pallas._src import compat
 from pallas._src import core as pallas_core
 from pallas._src import primitives
+from pallas._src import validate
 from pallas._src.core import BlockMapping, BlockSpec, GridMapping, GridSpec
 from pallas._src.errors import describe, kernel_scope, user_source
 from pallas._src.interpret import InterpretParams
@@ -163,33 +164,39 @@ def _close_over(jaxpr, consts):
     return closed
 
 
-def _flatten_specs(specs, tree_of, what: str, leaf_paths, err: _Err):
+def _flatten_specs(specs, tree_of: tuple, what: str, err: _Err) -> list:
     """Broadcasts a pytree prefix of BlockSpecs to the leaves of ``tree_of``."""
+    kind = "inputs" if what == "in_specs" else "outputs"
     if specs is pallas_core.no_block_spec:
-        return [None] * len(leaf_paths)
-    if isinstance(specs, list):
-        specs = tuple(specs)
-    if not isinstance(tree_of, tuple) or len(tree_of) != 1 or isinstance(specs, tuple):
-        pass
-    else:
+        return [None] * len(tree_util.tree_leaves(tree_of))
+    if _is_spec(specs):
+        if len(tree_of) != 1:
+            raise err(ValueError, what, f"got a single block spec but pallas_call has {len(tree_of)} {kind}; pass a tuple of {len(tree_of)}")
         specs = (specs,)
-    if isinstance(tree_of, tuple) and isinstance(specs, tuple) and len(specs) != len(tree_of):
-        raise err(
-            ValueError,
-            what,
-            f"got {len(specs)} block specs but pallas_call has {len(tree_of)} "
-            f"{'inputs' if what == 'in_specs' else 'outputs'}",
-        )
-    try:
-        per_leaf = tree_util.tree_map(
-            lambda s, sub: [s] * len(tree_util.tree_leaves(sub)), specs, tree_of, is_leaf=_is_spec
-        )
-    except (ValueError, TypeError) as e:
-        raise err(ValueError, what, f"structure does not match the {'inputs' if what == 'in_specs' else 'out_shape'}: {e}") from None
-    flat = [s for lst in tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)) for s in lst]
-    for s in flat:
-        if not _is_spec(s):
-            raise err(TypeError, what, f"expected a pl.BlockSpec or None, got {s!r}")
+    if not isinstance(specs, (tuple, list)):
+        raise err(TypeError, what, f"expected a pl.BlockSpec or a tuple of them, got {specs!r:.80}")
+    if len(specs) != len(tree_of):
+        raise err(ValueError, what, f"got {len(specs)} block specs but pallas_call has {len(tree_of)} {kind}")
+    flat = []
+    for i, (spec, sub) in enumerate(zip(specs, tree_of)):
+        n = len(tree_util.tree_leaves(sub))
+        if _is_spec(spec):
+            flat += [spec] * n
+            continue
+        try:
+            per_leaf = tree_util.tree_map(lambda s, t: [s] * len(tree_util.tree_leaves(t)), spec, sub, is_leaf=_is_spec)
+        except (ValueError, TypeError):
+            raise err(
+                ValueError,
+                f"{what}[{i}]",
+                f"expected a pl.BlockSpec or a pytree prefix of the {kind} structure "
+                f"{tree_util.tree_structure(sub)}, got {spec!r:.80}",
+            ) from None
+        leaves = [x for lst in tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)) for x in lst]
+        for x in leaves:
+            if not _is_spec(x):
+                raise err(TypeError, f"{what}[{i}]", f"expected a pl.BlockSpec or None, got {x!r:.80}")
+        flat += leaves
     return flat
 
 
@@ -262,7 +269,7 @@ def _trace_kernel(kernel, gm: GridMapping, in_tree, out_struct, err: _Err):
         raise type(e)(f"in kernel '{gm.kernel_name}' ({gm.source}): {_kernel_line(e)}{msg}") from e
     if returned and returned[0] is not None:
         raise err(
-            TypeError,
+            ValueError,
             "",
             f"the kernel returned {type(returned[0]).__name__}; kernels write their results "
             "into the output Refs and must return None",
@@ -275,6 +282,7 @@ def _trace_kernel(kernel, gm: GridMapping, in_tree, out_struct, err: _Err):
             f"the kernel captures {len(consts)} array constant(s) ({kinds}); pass arrays to "
             "the kernel as pallas_call inputs instead of closing over them",
         )
+    validate.check_static_indices(jaxpr, describe(gm.kernel_name, gm.source))
     return jaxpr
 
 
@@ -335,48 +343,62 @@ def pallas_call(
     Returns:
       A function of the inputs returning arrays shaped like ``out_shape``.
     """
-    source = user_source()
     kernel_name = name or getattr(kernel, "__name__", None) or "kernel"
-    err = _Err(kernel_name, source)
-    if grid_spec is not None:
-        if grid is not None or in_specs is not pallas_core.no_block_spec or out_specs is not pallas_core.no_block_spec or scratch_shapes:
-            raise err(ValueError, "grid_spec", "pass either grid_spec or grid/in_specs/out_specs/scratch_shapes, not both")
-        if not isinstance(grid_spec, GridSpec):
-            raise err(TypeError, "grid_spec", f"expected a pl.GridSpec, got {grid_spec!r}")
-        grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
-        scratch_shapes = grid_spec.scratch_shapes
-    grid_t = _normalize_grid(grid, err)
-    if cost_estimate is not None and not isinstance(cost_estimate, pallas_core.CostEstimate):
-        raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
-    if not isinstance(scratch_shapes, (tuple, list)):
-        raise err(TypeError, "scratch_shapes", f"expected a tuple, got {scratch_shapes!r}")
-    scratch_avals = tuple(
-        primitives._scratch_aval(s, f"{describe(kernel_name, source)}: scratch_shapes[{i}]")
-        for i, s in enumerate(scratch_shapes)
-    )
-    outs_tuple = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
-    out_leaves = tree_util.tree_flatten_with_path(outs_tuple)[0]
-    out_names = [f"out_shape{_keystr(p[1:]) if not isinstance(out_shape, (tuple, list)) else _keystr(p)}" for p, _ in out_leaves]
-    out_avals = [_out_aval(x, n, err) for (_, x), n in zip(out_leaves, out_names)]
-    if not out_avals:
-        raise err(ValueError, "out_shape", "a pallas_call needs at least one output")
-    flat_out_specs = _flatten_specs(out_specs, outs_tuple, "out_specs", out_leaves, err)
-    aliases_in = input_output_aliases or {}
+    is_seq = isinstance(out_shape, (tuple, list))
+    outs_tuple = tuple(out_shape) if is_seq else (out_shape,)
     cache: dict[Any, Any] = {}
 
-    def trace(in_tree, in_avals, in_paths, args_tuple):
+    def out_path(p) -> str:
+        # out_shape=(a, b) -> "[1]"; a dict -> "['y']"; a single struct -> "[0]".
+        if is_seq or not p[1:]:
+            return _keystr(p)
+        return _keystr(p[1:])
+
+    def prepare(source: str, args, in_tree, in_paths, in_avals):
+        """Validates everything and traces the kernel (once per input signature)."""
+        err = _Err(kernel_name, source)
+        g, ins, outs, scratch_shapes_ = grid, in_specs, out_specs, scratch_shapes
+        if grid_spec is not None:
+            if grid is not None or ins is not pallas_core.no_block_spec or outs is not pallas_core.no_block_spec or scratch_shapes_:
+                raise err(ValueError, "grid_spec", "pass either grid_spec or grid/in_specs/out_specs/scratch_shapes, not both")
+            if not isinstance(grid_spec, GridSpec):
+                raise err(TypeError, "grid_spec", f"expected a pl.GridSpec, got {grid_spec!r}")
+            g, ins, outs, scratch_shapes_ = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs, grid_spec.scratch_shapes
+        grid_t = _normalize_grid(g, err)
+        if compiler_params is not None and not isinstance(compiler_params, (pallas_core.CompilerParams, dict)):
+            raise err(
+                TypeError,
+                "compiler_params",
+                f"expected a backend's CompilerParams (e.g. pallas_gpu.CompilerParams), got {type(compiler_params).__name__}",
+            )
+        if cost_estimate is not None and not isinstance(cost_estimate, pallas_core.CostEstimate):
+            raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
+        if not isinstance(scratch_shapes_, (tuple, list)):
+            raise err(TypeError, "scratch_shapes", f"expected a tuple, got {scratch_shapes_!r}")
+        scratch_avals = tuple(_scratch_aval(s, f"scratch_shapes[{i}]", err) for i, s in enumerate(scratch_shapes_))
+        out_leaves = tree_util.tree_flatten_with_path(outs_tuple)[0]
+        out_names = [f"out_shape{out_path(p)}" for p, _ in out_leaves]
+        out_avals = [_out_aval(x, n, err) for (_, x), n in zip(out_leaves, out_names)]
+        if not out_avals:
+            raise err(ValueError, "out_shape", "a pallas_call needs at least one output")
         in_names = [f"args{_keystr(p)}" for p in in_paths]
-        flat_in_specs = _flatten_specs(in_specs, args_tuple, "in_specs", in_paths, err)
-        spec_names_in = [f"in_specs{_keystr(p)}" for p in in_paths]
-        spec_names_out = [
-            f"out_specs{_keystr(p[1:]) if not isinstance(out_shape, (tuple, list)) else _keystr(p)}"
-            for p, _ in out_leaves
-        ]
+        flat_in_specs = _flatten_specs(ins, args, "in_specs", err)
+        flat_out_specs = _flatten_specs(outs, outs_tuple, "out_specs", err)
+        spec_names = [f"in_specs{_keystr(p)}" for p in in_paths]
+        spec_names += [f"out_specs{out_path(p)}" for p, _ in out_leaves]
         bms = [
             _block_mapping(s, a, n, grid_t, err)
-            for s, a, n in zip(flat_in_specs + flat_out_specs, in_avals + out_avals, spec_names_in + spec_names_out)
+            for s, a, n in zip(flat_in_specs + flat_out_specs, in_avals + out_avals, spec_names)
         ]
-        aliases = _check_aliases(aliases_in, in_avals, out_avals, in_names, out_names, err)
+        aliases = _check_aliases(input_output_aliases or {}, in_avals, out_avals, in_names, out_names, err)
+        for i, o in aliases:
+            if any(isinstance(d, pallas_core.Element) and d.padding != (0, 0) for d in bms[i].block_shape + bms[len(in_avals) + o].block_shape):
+                raise err(
+                    NotImplementedError,
+                    "input_output_aliases",
+                    f"input {i} is aliased to output {o} but is blocked with a padded pl.Element; "
+                    "aliasing needs both sides unpadded",
+                )
         gm = GridMapping(grid_t, tuple(bms), len(in_avals), len(out_avals), scratch_avals, kernel_name, source)
         jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err)
         if debug:
@@ -388,13 +410,14 @@ def pallas_call(
     @functools.wraps(kernel)
     def wrapped(*args):
         leaves = tree_util.tree_flatten_with_path(args)[0]
-        in_paths = [p for p, _ in leaves]
         flat_args = [x for _, x in leaves]
         in_tree = tree_util.tree_structure(args)
-        in_avals = [_arg_aval(x, f"args{_keystr(p)}", err) for p, x in leaves]
-        key = (in_tree, tuple(in_avals))
+        key = (in_tree, tuple((np.shape(x), _dtype_key(x)) for x in flat_args))
         if key not in cache:
-            cache[key] = trace(in_tree, in_avals, in_paths, args)
+            source = user_source()
+            err = _Err(kernel_name, source)
+            in_avals = [_arg_aval(x, f"args{_keystr(p)}", err) for p, x in leaves]
+            cache[key] = prepare(source, args, in_tree, [p for p, _ in leaves], in_avals)
         jaxpr, gm, aliases = cache[key]
         outs = pallas_call_p.bind(
             *flat_args,
@@ -407,12 +430,26 @@ def pallas_call(
             cost_estimate=cost_estimate,
             backend=backend,
         )
-        flat_outs = tree_util.tree_unflatten(tree_util.tree_structure(outs_tuple), outs)
-        return flat_outs if isinstance(out_shape, (tuple, list)) and not isinstance(out_shape, list) else (
-            list(flat_outs) if isinstance(out_shape, list) else flat_outs[0]
-        )
+        result = tree_util.tree_unflatten(tree_util.tree_structure(outs_tuple), outs)
+        if is_seq:
+            return tuple(result) if isinstance(out_shape, tuple) else list(result)
+        return result[0]
 
     return wrapped
+
+
+def _dtype_key(x):
+    try:
+        return jnp.result_type(x)
+    except TypeError:
+        return type(x)
+
+
+def _scratch_aval(s, what: str, err: _Err):
+    try:
+        return primitives._scratch_aval(s, what)
+    except TypeError as e:
+        raise err(TypeError, what, str(e).split(f"{what}: ", 1)[-1]) from None
 
 
 __all__ = ["pallas_call", "InterpretParams"]

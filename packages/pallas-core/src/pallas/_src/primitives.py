@@ -59,13 +59,14 @@ class kernel_context:
 def _check_axis(ctx: KernelContext, axis: int, what: str) -> int:
     if not isinstance(axis, int):
         raise kernel_error(TypeError, f"pl.{what}(axis): axis must be an int, got {axis!r}")
-    if not 0 <= axis < len(ctx.grid):
+    G = len(ctx.grid)
+    if not -G <= axis < G:
         raise kernel_error(
             ValueError,
-            f"pl.{what}({axis}): axis out of range for a grid of rank "
-            f"{len(ctx.grid)} (grid={ctx.grid}); valid axes are 0..{len(ctx.grid) - 1}",
+            f"pl.{what}({axis}): axis out of range for a grid of rank {G} "
+            f"(grid={ctx.grid}); valid axes are {-G}..{G - 1}",
         )
-    return axis
+    return axis % G
 
 
 def program_id(axis: int) -> jax.Array:
@@ -187,11 +188,10 @@ def _scratch_aval(t: Any, where: str):
         return t.get_ref_aval()
     if hasattr(t, "shape") and hasattr(t, "dtype"):
         return compat.ref_aval(t.shape, t.dtype)
-    raise kernel_error(
-        TypeError,
-        f"{where}: expected a memory-space shape such as pl.ANY((8, 128), jnp.float32) "
-        f"or a jax.ShapeDtypeStruct, got {t!r}",
-    )
+    msg = f"expected a memory-space shape such as pl.ANY((8, 128), jnp.float32) or a jax.ShapeDtypeStruct, got {t!r}"
+    if where.startswith("scratch_shapes"):
+        raise TypeError(f"{where}: {msg}")
+    raise kernel_error(TypeError, f"{where}: {msg}")
 
 
 def run_scoped(f: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
@@ -250,17 +250,16 @@ def uninitialized_value(shape, dtype) -> jax.Array:
 
 
 @compat.register_discharge_rule(run_scoped_p)
-def _run_scoped_discharge(in_avals, out_avals, *args, jaxpr, num_consts):
+def _run_scoped_discharge(ctx, *args, jaxpr, num_consts):
     scratch_avals = jaxpr.in_avals[num_consts:]
-    is_ref = [compat.is_ref_aval(a) for a in jaxpr.in_avals]
-    pure = compat.discharge(jaxpr, should_discharge=is_ref)
+    should = [bool(d) and compat.is_ref_aval(a) for d, a in zip(ctx.should_discharge, jaxpr.in_avals)]
+    should += [True] * len(scratch_avals)
+    pure = compat.discharge(jaxpr, should_discharge=should)
     scratch = [uninitialized_value(a.shape, a.dtype) for a in scratch_avals]
     results = compat.eval_jaxpr(pure.jaxpr, pure.consts, *args, *scratch)
     n_out = len(jaxpr.out_avals)
     outs, ref_finals = results[:n_out], iter(results[n_out:])
-    new_invals = []
-    for a in jaxpr.in_avals[:num_consts]:
-        new_invals.append(next(ref_finals) if compat.is_ref_aval(a) else None)
+    new_invals = [next(ref_finals) if d else None for d in should[:num_consts]]
     return new_invals, outs
 
 
@@ -281,21 +280,52 @@ def when(condition: Any) -> Callable[[Callable[[], None]], None]:
     return decorator
 
 
-def loop(lower: Any, upper: Any, *, step: int = 1, unroll: int | bool | None = None):
-    """Decorator: ``for i in range(lower, upper, step): body(i)`` as a loop."""
-    if not isinstance(step, int) or step == 0:
-        raise kernel_error(ValueError, f"pl.loop: step must be a non-zero int, got {step!r}")
+def loop(lower: Any, upper: Any, *, init_carry: Any = None, step: Any = 1, unroll: int | bool | None = None):
+    """Decorator: ``for i in range(lower, upper, step)`` as a ``fori_loop``.
 
-    def decorator(body: Callable[[Any], None]) -> None:
-        lo = jnp.asarray(lower, jnp.int32)
-        hi = jnp.asarray(upper, jnp.int32)
-        trips = (hi - lo + (step - (1 if step > 0 else -1))) // step
+    The body is ``body(i)``, or ``body(i, carry) -> carry`` when ``init_carry``
+    is given; the decorated name is bound to the final carry (or None).
+    """
+    static = all(isinstance(v, int) for v in (lower, upper, step))
+    if static and step == 0:
+        raise kernel_error(ValueError, "pl.loop: step must be non-zero")
+    if not static:
+        dtype = jnp.result_type(lower, upper, step)
+        lower, upper, step = (lax.convert_element_type(v, dtype) for v in (lower, upper, step))
+    trips = cdiv(upper - lower, step)
+    if static:
+        trips = max(trips, 0)
+
+    def decorator(body: Callable[..., Any]) -> Any:
+        if init_carry is None:
+            fn = lambda i, c: (body(lower + i * step), c)[1]  # noqa: E731
+        else:
+            fn = lambda i, c: body(lower + i * step, c)  # noqa: E731
         kwargs = {} if unroll is None else {"unroll": unroll}
-        lax.fori_loop(
-            0, jnp.maximum(trips, 0), lambda i, c: (body(lo + i * step), c)[1], None, **kwargs
-        )
+        zero = 0 if static else jnp.zeros((), trips.dtype)
+        return lax.fori_loop(zero, trips, fn, init_carry, **kwargs)
 
     return decorator
+
+
+def ds(start: Any, size: Any | None = None, stride: int = 1) -> compat.Slice:
+    """A slice ``start:start+size*stride:stride`` whose start may be traced.
+
+    Args:
+      start: the first index (int or traced int); ``ds(n)`` means ``ds(0, n)``.
+      size: the number of elements (a static int).
+      stride: the step between elements (a static int).
+    """
+    if size is None:
+        start, size = 0, start
+    if isinstance(size, int) and size < 0:
+        raise kernel_error(ValueError, f"pl.ds: size must be non-negative, got {size}")
+    if not isinstance(stride, int) or stride < 1:
+        raise kernel_error(ValueError, f"pl.ds: stride must be a positive int, got {stride!r}")
+    return compat.Slice(start, size, stride)
+
+
+dslice = ds
 
 
 def cdiv(a: Any, b: Any) -> Any:

@@ -1,0 +1,28 @@
+"""Shared pytest setup: the `gpu` marker skips cleanly on machines with no GPU."""
+
+import functools
+
+import pytest
+
+
+@functools.cache
+def _has_gpu() -> bool:
+    try:
+        import jax
+
+        return any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices())
+    except Exception:
+        return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU: none found by jax.devices()")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -49,7 +49,11 @@ def backends() -> dict[str, Any]:
 
 
 def for_platform(platform: str, compiler_params: Any = None, name: str | None = None) -> Any | None:
-    candidates = [b for n, b in _load().items() if platform in getattr(b, "PLATFORMS", ()) and (name is None or n == name)]
+    candidates = [
+        b
+        for n, b in _load().items()
+        if platform in getattr(b, "PLATFORMS", ()) and (name is None or n == name)
+    ]
     if compiler_params is not None:
         typed = [b for b in candidates if isinstance(compiler_params, getattr(b, "COMPILER_PARAMS", ()))]
         candidates = typed or candidates

@@ -13,8 +13,7 @@ from typing import Any
 
 from jax._src import core as jax_core
 from jax._src import linear_util as lu
-from jax._src import source_info_util
-from jax._src import tree_util
+from jax._src import source_info_util, tree_util
 from jax._src.api_util import debug_info as _debug_info
 from jax._src.indexing import Slice  # noqa: F401
 from jax._src.interpreters import ad as _ad
@@ -33,7 +32,18 @@ WriteEffect = state_types.WriteEffect
 AccumEffect = state_types.AccumEffect
 ShapedArray = jax_core.ShapedArray
 Jaxpr = jax_core.Jaxpr
-ClosedJaxpr = jax_core.ClosedJaxpr
+# JAX 0.11 folded ClosedJaxpr into Jaxpr (keeping an alias); 0.12 dropped the alias.
+ClosedJaxpr = getattr(jax_core, "ClosedJaxpr", jax_core.Jaxpr)
+_HAS_CLOSED_JAXPR = hasattr(jax_core, "ClosedJaxpr")
+
+
+def close_jaxpr(jaxpr):
+    """A jaxpr with no constvars, as a closed jaxpr on every supported JAX."""
+    if _HAS_CLOSED_JAXPR and not getattr(jaxpr, "consts", None) and jaxpr.constvars == []:
+        return ClosedJaxpr(jaxpr, ())
+    return jaxpr
+
+
 Literal = jax_core.Literal
 register_discharge_rule = state_discharge.register_discharge_rule
 register_neutral_memory_space = state_discharge.register_neutral_memory_space
@@ -85,9 +95,7 @@ def make_debug_info(traced_for: str, fun: Callable, args: Sequence[Any]):
     return _debug_info(traced_for, fun, tuple(args), {})
 
 
-def trace_to_closed_jaxpr(
-    fun: Callable, in_avals: Sequence[Any], debug_info
-) -> tuple[Any, list[Any]]:
+def trace_to_closed_jaxpr(fun: Callable, in_avals: Sequence[Any], debug_info) -> tuple[Any, list[Any]]:
     """Traces ``fun`` (flat args -> flat list of outputs) to a closed jaxpr.
 
     Returns the closed jaxpr (no constvars) and the constant values it
@@ -97,16 +105,14 @@ def trace_to_closed_jaxpr(
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
     if consts or jaxpr.constvars:
         jaxpr = pe.convert_constvars_jaxpr(jaxpr)
-    return ClosedJaxpr(jaxpr, ()), list(consts)
+    return close_jaxpr(jaxpr), list(consts)
 
 
 def discharge(closed_jaxpr, should_discharge: bool | Sequence[bool] = True):
     """Closed jaxpr over Refs -> closed pure jaxpr returning final Ref values."""
-    jaxpr = state_discharge.discharge_state(
-        closed_jaxpr, should_discharge=should_discharge
-    )
-    if not isinstance(jaxpr, ClosedJaxpr) or getattr(jaxpr, "consts", None) is None:
-        jaxpr = ClosedJaxpr(jaxpr, ())
+    jaxpr = state_discharge.discharge_state(closed_jaxpr, should_discharge=should_discharge)
+    if getattr(jaxpr, "consts", None) is None:
+        jaxpr = close_jaxpr(jaxpr)
     return jaxpr
 
 

@@ -180,9 +180,7 @@ class BlockMapping:
     @property
     def kernel_block_shape(self) -> tuple[int, ...]:
         """The shape of the Ref the kernel sees (squeezed dims removed)."""
-        return tuple(
-            _block_size(d) for d in self.block_shape if not isinstance(d, Squeezed)
-        )
+        return tuple(_block_size(d) for d in self.block_shape if not isinstance(d, Squeezed))
 
     @property
     def is_whole_array(self) -> bool:
@@ -236,10 +234,7 @@ class GridMapping:
 
     @property
     def out_avals(self):
-        return tuple(
-            jax.core.ShapedArray(bm.array_shape, bm.dtype)
-            for bm in self.out_block_mappings
-        )
+        return tuple(jax.core.ShapedArray(bm.array_shape, bm.dtype) for bm in self.out_block_mappings)
 
     def replace(self, **kw) -> GridMapping:
         return dataclasses.replace(self, **kw)

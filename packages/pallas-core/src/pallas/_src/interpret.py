@@ -23,7 +23,6 @@ import dataclasses
 import itertools
 import math
 import weakref
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +159,7 @@ def _unpad(x, bm: pallas_core.BlockMapping):
     lo = [d.padding[0] if isinstance(d, pallas_core.Element) else 0 for d in bm.block_shape]
     if x.shape == bm.array_shape and not any(lo):
         return x
-    return lax.slice(x, lo, [l + s for l, s in zip(lo, bm.array_shape)])
+    return lax.slice(x, lo, [start + s for start, s in zip(lo, bm.array_shape)])
 
 
 def _gather(x, starts, sizes):
@@ -207,9 +206,7 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
     n_in, n_out, G = gm.num_inputs, gm.num_outputs, len(gm.grid)
     n_scratch = len(gm.scratch_avals)
     effects = compat.jaxpr_effects_on_inputs(jaxpr)
-    writes_inputs = any(
-        cls is not compat.ReadEffect and G <= i < G + n_in for cls, i in effects
-    )
+    writes_inputs = any(cls is not compat.ReadEffect and G <= i < G + n_in for cls, i in effects)
     writes_any_space = any(
         bm.memory_space is pallas_core.ANY or any(isinstance(d, pallas_core.Element) for d in bm.block_shape)
         for bm in gm.out_block_mappings
@@ -228,7 +225,9 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
     ins = [_pad(x, bm) for x, bm in zip(args, in_bms)]
     alias_of = {o: i for i, o in input_output_aliases}
     outs = [
-        _pad(args[alias_of[o]], bm) if o in alias_of else uninitialized_value(
+        _pad(args[alias_of[o]], bm)
+        if o in alias_of
+        else uninitialized_value(
             tuple(s + (-s % b) for s, b in zip(bm.array_shape, bm.block_sizes))
             if not any(isinstance(d, pallas_core.Element) for d in bm.block_shape)
             else _pad(jnp.zeros(bm.array_shape, bm.dtype), bm).shape,

@@ -12,10 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
-from pallas._src import compat
+from pallas._src import compat, primitives, validate
 from pallas._src import core as pallas_core
-from pallas._src import primitives
-from pallas._src import validate
 from pallas._src.core import BlockMapping, BlockSpec, GridMapping, GridSpec
 from pallas._src.errors import describe, kernel_scope, user_source
 from pallas._src.interpret import InterpretParams
@@ -49,7 +47,9 @@ def _normalize_grid(grid, err: _Err) -> tuple[int, ...]:
     out = []
     for i, g in enumerate(grid):
         if isinstance(g, jax.core.Tracer):
-            raise err(NotImplementedError, f"grid[{i}]", "dynamic grid sizes are not supported; use a static int")
+            raise err(
+                NotImplementedError, f"grid[{i}]", "dynamic grid sizes are not supported; use a static int"
+            )
         if not isinstance(g, (int, np.integer)) or isinstance(g, bool):
             raise err(TypeError, f"grid[{i}]", f"expected a non-negative int, got {g!r}")
         if g < 0:
@@ -71,12 +71,10 @@ def _normalize_block_dim(d, what: str, err: _Err):
         raise err(ValueError, what, f"block sizes must be positive ints, got {size!r}")
     if isinstance(d, pallas_core.Element):
         pad = d.padding
-        if (
-            not isinstance(pad, tuple)
-            or len(pad) != 2
-            or any(not isinstance(p, int) or p < 0 for p in pad)
-        ):
-            raise err(ValueError, what, f"pl.Element padding must be a pair of non-negative ints, got {pad!r}")
+        if not isinstance(pad, tuple) or len(pad) != 2 or any(not isinstance(p, int) or p < 0 for p in pad):
+            raise err(
+                ValueError, what, f"pl.Element padding must be a pair of non-negative ints, got {pad!r}"
+            )
     return d
 
 
@@ -98,7 +96,9 @@ def _block_mapping(spec, aval, origin: str, grid, err: _Err) -> BlockMapping:
         spec = BlockSpec()
     ms = spec.memory_space
     if not pallas_core.is_memory_space(ms):
-        raise err(TypeError, origin, f"unknown memory_space {ms!r}; expected None, pl.ANY or a backend memory space")
+        raise err(
+            TypeError, origin, f"unknown memory_space {ms!r}; expected None, pl.ANY or a backend memory space"
+        )
     block_shape = spec.block_shape
     if block_shape is None or ms is pallas_core.ANY:
         block_shape = shape
@@ -111,7 +111,9 @@ def _block_mapping(spec, aval, origin: str, grid, err: _Err) -> BlockMapping:
             f"block_shape {tuple(block_shape)} has {len(block_shape)} dims but the array "
             f"{dtype}{list(shape)} has {len(shape)}",
         )
-    dims = tuple(_normalize_block_dim(d, f"{origin}.block_shape[{i}]", err) for i, d in enumerate(block_shape))
+    dims = tuple(
+        _normalize_block_dim(d, f"{origin}.block_shape[{i}]", err) for i, d in enumerate(block_shape)
+    )
     index_map = spec.index_map
     if index_map is None or ms is pallas_core.ANY and spec.block_shape is None:
         index_map = lambda *_: (0,) * len(shape)  # noqa: E731
@@ -171,7 +173,11 @@ def _flatten_specs(specs, tree_of: tuple, what: str, err: _Err) -> list:
         return [None] * len(tree_util.tree_leaves(tree_of))
     if _is_spec(specs):
         if len(tree_of) != 1:
-            raise err(ValueError, what, f"got a single block spec but pallas_call has {len(tree_of)} {kind}; pass a tuple of {len(tree_of)}")
+            raise err(
+                ValueError,
+                what,
+                f"got a single block spec but pallas_call has {len(tree_of)} {kind}; pass a tuple of {len(tree_of)}",
+            )
         specs = (specs,)
     if not isinstance(specs, (tuple, list)):
         raise err(TypeError, what, f"expected a pl.BlockSpec or a tuple of them, got {specs!r:.80}")
@@ -184,7 +190,9 @@ def _flatten_specs(specs, tree_of: tuple, what: str, err: _Err) -> list:
             flat += [spec] * n
             continue
         try:
-            per_leaf = tree_util.tree_map(lambda s, t: [s] * len(tree_util.tree_leaves(t)), spec, sub, is_leaf=_is_spec)
+            per_leaf = tree_util.tree_map(
+                lambda s, t: [s] * len(tree_util.tree_leaves(t)), spec, sub, is_leaf=_is_spec
+            )
         except (ValueError, TypeError):
             raise err(
                 ValueError,
@@ -192,7 +200,9 @@ def _flatten_specs(specs, tree_of: tuple, what: str, err: _Err) -> list:
                 f"expected a pl.BlockSpec or a pytree prefix of the {kind} structure "
                 f"{tree_util.tree_structure(sub)}, got {spec!r:.80}",
             ) from None
-        leaves = [x for lst in tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)) for x in lst]
+        leaves = [
+            x for lst in tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)) for x in lst
+        ]
         for x in leaves:
             if not _is_spec(x):
                 raise err(TypeError, f"{what}[{i}]", f"expected a pl.BlockSpec or None, got {x!r:.80}")
@@ -202,13 +212,25 @@ def _flatten_specs(specs, tree_of: tuple, what: str, err: _Err) -> list:
 
 def _check_aliases(aliases, in_avals, out_avals, in_names, out_names, err: _Err):
     if not isinstance(aliases, dict):
-        raise err(TypeError, "input_output_aliases", f"expected a dict {{input index: output index}}, got {aliases!r}")
+        raise err(
+            TypeError,
+            "input_output_aliases",
+            f"expected a dict {{input index: output index}}, got {aliases!r}",
+        )
     pairs = []
     for i, o in sorted(aliases.items()):
         if not isinstance(i, int) or not 0 <= i < len(in_avals):
-            raise err(ValueError, "input_output_aliases", f"input index {i!r} is out of range: there are {len(in_avals)} inputs")
+            raise err(
+                ValueError,
+                "input_output_aliases",
+                f"input index {i!r} is out of range: there are {len(in_avals)} inputs",
+            )
         if not isinstance(o, int) or not 0 <= o < len(out_avals):
-            raise err(ValueError, "input_output_aliases", f"output index {o!r} is out of range: there are {len(out_avals)} outputs")
+            raise err(
+                ValueError,
+                "input_output_aliases",
+                f"output index {o!r} is out of range: there are {len(out_avals)} outputs",
+            )
         a, b = in_avals[i], out_avals[o]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise err(
@@ -359,13 +381,29 @@ def pallas_call(
         err = _Err(kernel_name, source)
         g, ins, outs, scratch_shapes_ = grid, in_specs, out_specs, scratch_shapes
         if grid_spec is not None:
-            if grid is not None or ins is not pallas_core.no_block_spec or outs is not pallas_core.no_block_spec or scratch_shapes_:
-                raise err(ValueError, "grid_spec", "pass either grid_spec or grid/in_specs/out_specs/scratch_shapes, not both")
+            if (
+                grid is not None
+                or ins is not pallas_core.no_block_spec
+                or outs is not pallas_core.no_block_spec
+                or scratch_shapes_
+            ):
+                raise err(
+                    ValueError,
+                    "grid_spec",
+                    "pass either grid_spec or grid/in_specs/out_specs/scratch_shapes, not both",
+                )
             if not isinstance(grid_spec, GridSpec):
                 raise err(TypeError, "grid_spec", f"expected a pl.GridSpec, got {grid_spec!r}")
-            g, ins, outs, scratch_shapes_ = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs, grid_spec.scratch_shapes
+            g, ins, outs, scratch_shapes_ = (
+                grid_spec.grid,
+                grid_spec.in_specs,
+                grid_spec.out_specs,
+                grid_spec.scratch_shapes,
+            )
         grid_t = _normalize_grid(g, err)
-        if compiler_params is not None and not isinstance(compiler_params, (pallas_core.CompilerParams, dict)):
+        if compiler_params is not None and not isinstance(
+            compiler_params, (pallas_core.CompilerParams, dict)
+        ):
             raise err(
                 TypeError,
                 "compiler_params",
@@ -375,7 +413,9 @@ def pallas_call(
             raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
         if not isinstance(scratch_shapes_, (tuple, list)):
             raise err(TypeError, "scratch_shapes", f"expected a tuple, got {scratch_shapes_!r}")
-        scratch_avals = tuple(_scratch_aval(s, f"scratch_shapes[{i}]", err) for i, s in enumerate(scratch_shapes_))
+        scratch_avals = tuple(
+            _scratch_aval(s, f"scratch_shapes[{i}]", err) for i, s in enumerate(scratch_shapes_)
+        )
         out_leaves = tree_util.tree_flatten_with_path(outs_tuple)[0]
         out_names = [f"out_shape{out_path(p)}" for p, _ in out_leaves]
         out_avals = [_out_aval(x, n, err) for (_, x), n in zip(out_leaves, out_names)]
@@ -392,14 +432,19 @@ def pallas_call(
         ]
         aliases = _check_aliases(input_output_aliases or {}, in_avals, out_avals, in_names, out_names, err)
         for i, o in aliases:
-            if any(isinstance(d, pallas_core.Element) and d.padding != (0, 0) for d in bms[i].block_shape + bms[len(in_avals) + o].block_shape):
+            if any(
+                isinstance(d, pallas_core.Element) and d.padding != (0, 0)
+                for d in bms[i].block_shape + bms[len(in_avals) + o].block_shape
+            ):
                 raise err(
                     NotImplementedError,
                     "input_output_aliases",
                     f"input {i} is aliased to output {o} but is blocked with a padded pl.Element; "
                     "aliasing needs both sides unpadded",
                 )
-        gm = GridMapping(grid_t, tuple(bms), len(in_avals), len(out_avals), scratch_avals, kernel_name, source)
+        gm = GridMapping(
+            grid_t, tuple(bms), len(in_avals), len(out_avals), scratch_avals, kernel_name, source
+        )
         jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err)
         if debug:
             print(f"The kernel jaxpr for pallas_call '{kernel_name}' ({source}):")

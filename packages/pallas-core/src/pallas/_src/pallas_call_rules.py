@@ -11,8 +11,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from pallas._src import backends
-from pallas._src import compat
+from pallas._src import backends, compat
 from pallas._src import core as pallas_core
 from pallas._src.errors import describe
 
@@ -113,7 +112,9 @@ def _jvp_rule(primals, tangents, *, jaxpr, grid_mapping, input_output_aliases, *
             "input_output_aliases is not supported"
         )
     G, n_in, n_out = len(gm.grid), gm.num_inputs, gm.num_outputs
-    nz_in = [not isinstance(t, ad.Zero) and _has_tangent(bm.dtype) for t, bm in zip(tangents, gm.in_block_mappings)]
+    nz_in = [
+        not isinstance(t, ad.Zero) and _has_tangent(bm.dtype) for t, bm in zip(tangents, gm.in_block_mappings)
+    ]
     nz_out = [_has_tangent(bm.dtype) for bm in gm.out_block_mappings]
     nz_scr = [_has_tangent(a.dtype) for a in gm.scratch_avals]
     nonzeros = [False] * G + nz_in + nz_out + nz_scr
@@ -165,7 +166,7 @@ def _jvp_rule(primals, tangents, *, jaxpr, grid_mapping, input_output_aliases, *
     outs = pallas_call_p.bind(*args, jaxpr=new_jaxpr, grid_mapping=new_gm, input_output_aliases=(), **params)
     it = iter(outs)
     out_p, out_t = [], []
-    for bm, nz in zip(gm.out_block_mappings, nz_out):
+    for nz in nz_out:
         out_p.append(next(it))
         out_t.append(next(it) if nz else ad.Zero.from_primal_value(out_p[-1]))
     return out_p, out_t

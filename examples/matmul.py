@@ -1,0 +1,104 @@
+"""Blocked matmul with f32 accumulation over the k axis.
+
+`o = x @ y` with `x: (m, k)`, `y: (k, n)` in bfloat16 and `o` in float32. The grid is
+`(m / bm, n / bn, k / bk)`: program `(i, j, kk)` multiplies block `(i, kk)` of `x` by block
+`(kk, j)` of `y` and adds the product into output block `(i, j)`. All programs with the same
+`(i, j)` see the same output block, so it stays resident across the k axis: the first of them
+(`kk == 0`) zeroes it, the others accumulate into it. An output block is not zero when the
+kernel starts (interpret mode fills it with NaN on purpose), so the `pl.when` is required.
+
+Accumulating along a grid axis relies on the grid running its steps in order, as interpret
+mode and TPUs do. On a GPU the programs of a grid run concurrently, so there the k loop moves
+inside the kernel (`matmul_k_loop`): a grid of `(m / bm, n / bn)` and a `fori_loop` over k.
+
+Run: python examples/matmul.py [--size small|large]
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pallas as pl
+from _common import check_and_report, setup, time_ms
+
+
+def matmul_kernel(x_ref, y_ref, o_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _init():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+
+def matmul(x, y, *, bm, bn, bk, backend):
+    (m, k), (_, n) = x.shape, y.shape
+    return pl.pallas_call(
+        matmul_kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        grid=(m // bm, n // bn, k // bk),
+        in_specs=[
+            pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+            pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        **backend.call_kwargs(),
+    )(x, y)
+
+
+def matmul_k_loop_kernel(x_ref, y_ref, o_ref, *, bk):
+    # x_ref holds a (bm, k) row panel and y_ref a (k, bn) column panel; walk k in steps of bk.
+    def body(kk, acc):
+        start = pl.multiple_of(kk * bk, bk)
+        x = x_ref[:, pl.ds(start, bk)]
+        y = y_ref[pl.ds(start, bk), :]
+        return acc + jnp.dot(x, y, preferred_element_type=jnp.float32)
+
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    o_ref[...] = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, acc)
+
+
+def matmul_k_loop(x, y, *, bm, bn, bk, backend):
+    (m, k), (_, n) = x.shape, y.shape
+    return pl.pallas_call(
+        functools.partial(matmul_k_loop_kernel, bk=bk),
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        grid=(m // bm, n // bn),
+        in_specs=[
+            pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((k, bn), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        **backend.call_kwargs(num_warps=4, num_stages=3),
+    )(x, y)
+
+
+def main():
+    backend, cfg = setup(
+        "Pallas blocked matmul with k-axis accumulation",
+        {
+            "small": {"m": 512, "n": 512, "k": 512, "bm": 128, "bn": 128, "bk": 128},
+            "large": {"m": 4096, "n": 4096, "k": 4096, "bm": 128, "bn": 128, "bk": 64},
+        },
+    )
+    kx, ky = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (cfg["m"], cfg["k"]), jnp.bfloat16)
+    y = jax.random.normal(ky, (cfg["k"], cfg["n"]), jnp.bfloat16)
+    # bf16 products are exact in f32, so only the summation order differs from the reference.
+    expected = jnp.dot(x, y, preferred_element_type=jnp.float32)
+    tol = 1e-6 * cfg["k"]
+
+    variants = {"matmul": matmul, "matmul_k_loop": matmul_k_loop}
+    if not backend.interpret:
+        del variants["matmul"]  # grid-axis accumulation needs sequential grid steps
+    for name, impl in variants.items():
+        blocks = {b: cfg[b] for b in ("bm", "bn", "bk")}
+        fn = jax.jit(functools.partial(impl, **blocks, backend=backend))
+        out = fn(x, y)
+        ms = time_ms(fn, x, y, runs=cfg["runs"])
+        check_and_report(
+            name, out, expected, tol=tol, ms=ms, runs=cfg["runs"], backend=backend
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""jax-triton: call ``@triton.jit`` kernels on JAX arrays, on GPUs and on CPUs.
+
+A maintained replacement for the published jax-triton 0.4 API
+(``triton_call``), launched through jax-kernel-runtime's XLA FFI target on
+CUDA and through Triton's interpreter on CPU.
+"""
+
+from jax_triton._src.compile import TritonCompilationError as TritonCompilationError
+from jax_triton._src.triton_call import triton_call as triton_call
+from jax_triton._src.triton_compat import (
+    VALIDATED_TRITON_BUILD as VALIDATED_TRITON_BUILD,
+)
+from jax_triton._src.triton_compat import (
+    VALIDATED_TRITON_VERSION as VALIDATED_TRITON_VERSION,
+)
+from jax_triton._src.triton_compat import check_triton_version as _check_version
+from jax_triton._src.utils import cdiv as cdiv
+from jax_triton._src.utils import next_power_of_2 as next_power_of_2
+from jax_triton._src.utils import strides_from_shape as strides_from_shape
+
+__version__ = "0.5.0"
+
+_check_version()

@@ -1,0 +1,427 @@
+"""``triton_call``: the ``triton_call`` primitive and its rules.
+
+Lowering is per platform: CUDA compiles with the pinned Triton and launches
+through jax-kernel-runtime's FFI target; CPU runs Triton's interpreter in a
+host callback; anything else is a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+import jax_kernel_runtime as jkr
+from jax_triton._src import autotune
+from jax_triton._src.compile import CompileOptions, compile_kernel
+from jax_triton._src.interpret import run_on_host
+from jax_triton._src.signature import BoundCall, bind, is_array
+from jax_triton._src.triton_compat import check_triton_version, dispatch
+
+# Opt-in dynamic shared memory per block by compute capability (CUDA guide).
+_MAX_SHARED = {
+    70: 98304,
+    75: 65536,
+    80: 166912,
+    86: 101376,
+    87: 166912,
+    89: 101376,
+    90: 232448,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CallVariant:
+    bound: BoundCall
+    grid: tuple[int, int, int]
+    options: CompileOptions
+    zeroed_outputs: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # identity hash: kernels are objects
+class CallSpec:
+    kernel: Any
+    fn: Any  # the base JITFunction
+    name: str
+    variants: tuple[CallVariant, ...]
+    in_avals: tuple
+    out_avals: tuple
+    input_output_aliases: tuple[tuple[int, int], ...]
+    scalars: tuple
+    compute_capability: int | None
+    debug: bool
+    batch_fold: Callable | None
+    call_args: tuple  # (positional, metaparams, grid, zeroed) for re-binding under vmap
+
+
+triton_call_p = Primitive("triton_call")
+triton_call_p.multiple_results = True
+triton_call_p.def_impl(functools.partial(dispatch.apply_primitive, triton_call_p))
+
+
+@triton_call_p.def_abstract_eval
+def _abstract_eval(*avals, call: CallSpec):
+    return [jax.core.ShapedArray(a.shape, a.dtype) for a in call.out_avals]
+
+
+def _grid_of(grid, meta: dict, name: str):
+    from jax_kernel_runtime import normalize_grid
+
+    if callable(grid):
+        grid = grid(meta)
+    return normalize_grid(grid, name)
+
+
+def triton_call(
+    *args,
+    kernel,
+    out_shape,
+    grid,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    num_ctas: int = 1,
+    input_output_aliases: dict[int, int] | None = None,
+    zeroed_outputs=(),
+    debug: bool = False,
+    compute_capability: int | None = None,
+    enable_fp_fusion: bool = True,
+    batch_fold: Callable | None = None,
+    name: str | None = None,
+    **metaparams,
+):
+    """Calls a ``@triton.jit`` kernel on JAX arrays.
+
+    Args:
+      *args: kernel inputs: arrays (passed as pointers) and Python/numpy
+        scalars (baked into the call). Outputs are bound to the kernel
+        parameters that follow the inputs.
+      kernel: a ``@triton.jit`` function, optionally wrapped in
+        ``triton.autotune`` and/or ``triton.heuristics``.
+      out_shape: a pytree of objects with ``.shape`` and ``.dtype``
+        (e.g. ``jax.ShapeDtypeStruct``); the result has the same structure.
+      grid: an int, a tuple of 1-3 ints, or a callable of the metaparams dict
+        returning one.
+      num_warps, num_stages, num_ctas: Triton compile options.
+      input_output_aliases: ``{input index: output index}`` (indices among the
+        array inputs): the output reuses the input's buffer.
+      zeroed_outputs: output indices (or a callable of the metaparams
+        returning them) zeroed before the kernel runs.
+      debug: print the Triton signature and IR when compiling.
+      compute_capability: target for compilation when lowering without a
+        visible GPU (e.g. ``jax.export``); default: the device's, else 90.
+      batch_fold: optional ``(batch_size, grid, scalars) -> (grid, scalars)``
+        declaring how ``jax.vmap`` can fold a batch into the grid: the batched
+        arrays are laid out contiguously with the batch leading and the kernel
+        is re-launched once with the returned grid and scalar arguments
+        (``scalars`` maps positional index -> value). Without it, vmap runs
+        the kernel once per batch element.
+      name: shown in errors (default: the kernel's name).
+      **metaparams: values of further kernel parameters, usually
+        ``tl.constexpr`` ones, by name.
+
+    Returns:
+      The outputs, in the structure of ``out_shape``.
+    """
+    check_triton_version()
+    fn = autotune.base_function(kernel)
+    name = name or fn.__name__
+    out_leaves, out_tree = jax.tree.flatten(out_shape)
+    for i, leaf in enumerate(out_leaves):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(
+                f"out_shape of triton_call {name!r}: leaf {i} is {leaf!r} of type "
+                f"{type(leaf).__name__}; every leaf must have .shape and .dtype "
+                f"(use jax.ShapeDtypeStruct)"
+            )
+    out_avals = tuple(
+        jax.ShapeDtypeStruct(tuple(o.shape), jnp.dtype(o.dtype)) for o in out_leaves
+    )
+    arrays, positional, scalars = [], [], []
+    for i, a in enumerate(args):
+        if is_array(a):
+            arrays.append(a)
+            positional.append(jax.ShapeDtypeStruct(tuple(a.shape), jnp.dtype(a.dtype)))
+        elif isinstance(a, (bool, int, float, np.generic)):
+            positional.append(a)
+            scalars.append((i, a))
+        else:
+            raise TypeError(
+                f"argument {i} of triton_call {name!r} is {type(a).__name__} "
+                f"({a!r:.60}); triton_call takes arrays and Python/numpy scalars, "
+                f"not pytrees or other objects"
+            )
+    spec = _make_spec(
+        kernel,
+        fn,
+        name,
+        positional,
+        out_avals,
+        metaparams,
+        grid,
+        zeroed_outputs,
+        input_output_aliases or {},
+        tuple(scalars),
+        compute_capability,
+        debug,
+        batch_fold,
+        CompileOptions(
+            num_warps=4 if num_warps is None else num_warps,
+            num_stages=3 if num_stages is None else num_stages,
+            num_ctas=num_ctas,
+            enable_fp_fusion=enable_fp_fusion,
+            debug=False,
+        ),
+    )
+    outs = triton_call_p.bind(*arrays, call=spec)
+    return jax.tree.unflatten(out_tree, outs)
+
+
+def _make_spec(kernel, fn, name, positional, out_avals, metaparams, grid,
+               zeroed_outputs, aliases, scalars, cc, debug, batch_fold, options):  # fmt: skip
+    in_avals = tuple(p for p in positional if hasattr(p, "shape"))
+    for i, o in aliases.items():
+        if not (0 <= i < len(in_avals) and 0 <= o < len(out_avals)):
+            raise ValueError(
+                f"triton_call {name!r}: input_output_aliases {i}: {o} out of range"
+            )
+        if (in_avals[i].shape, in_avals[i].dtype) != (
+            out_avals[o].shape,
+            out_avals[o].dtype,
+        ):
+            raise ValueError(
+                f"triton_call {name!r}: input {i} {in_avals[i]} aliases output {o} "
+                f"{out_avals[o]} but their shapes/dtypes differ"
+            )
+    names = fn.arg_names
+    named_args = {names[i]: p for i, p in enumerate(positional) if i < len(names)}
+    variants = []
+    for v in autotune.expand(kernel, named_args, dict(metaparams), options):
+        meta = v.meta
+        bound = bind(fn, tuple(positional), list(out_avals), meta)
+        zeroed = zeroed_outputs(meta) if callable(zeroed_outputs) else zeroed_outputs
+        zeroed = set(int(z) for z in zeroed)
+        n_in = len(positional)
+        for z in v.reset_to_zero:  # autotune's reset_to_zero, when it names outputs
+            idx = names.index(z) if z in names else -1
+            if idx >= n_in:
+                zeroed.add(idx - n_in)
+        for z in zeroed:
+            if not 0 <= z < len(out_avals):
+                raise ValueError(
+                    f"triton_call {name!r}: zeroed output {z} out of range"
+                )
+        variants.append(
+            CallVariant(
+                bound, _grid_of(grid, meta, name), v.options, tuple(sorted(zeroed))
+            )
+        )
+    return CallSpec(
+        kernel, fn, name, tuple(variants), in_avals, out_avals,
+        tuple(sorted(aliases.items())), scalars, cc, debug, batch_fold,
+        (tuple(positional), dict(metaparams), grid, zeroed_outputs, options),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- lowering
+
+
+def _compute_capability(ctx, call: CallSpec) -> int:
+    if call.compute_capability is not None:
+        return int(call.compute_capability)
+    devices = getattr(ctx.module_context, "devices", None) or []
+    try:
+        devices = devices or jax.devices("cuda")
+    except RuntimeError:
+        devices = []
+    for d in devices:
+        cc = getattr(d, "compute_capability", None)
+        if cc:
+            major, minor = str(cc).split(".")
+            return int(major) * 10 + int(minor)
+    return int(os.environ.get("JAX_TRITON_COMPUTE_CAPABILITY", "90"))
+
+
+def _runtime_params(bound: BoundCall):
+    params = []
+    for p in bound.params:
+        if p.kind == "buffer":
+            params.append(jkr.Buffer(p.operand, 16))
+        elif p.kind == "scalar":
+            params.append(jkr.Scalar(p.type, p.value))
+    return params
+
+
+def _cuda_lowering(ctx, *args, call: CallSpec):
+    cc = _compute_capability(ctx, call)
+    limit = _MAX_SHARED.get(cc, 232448)
+    compiled = []
+    for i, v in enumerate(call.variants):
+        config, _ = compile_kernel(call.fn, v.bound, v.options, cc, call.debug)
+        if config.shared_memory_bytes > limit:
+            if len(call.variants) == 1:
+                raise ValueError(
+                    f"triton_call {call.name!r}: the kernel needs "
+                    f"{config.shared_memory_bytes} bytes of shared memory per block "
+                    f"but sm_{cc} allows at most {limit}; use smaller blocks or "
+                    f"fewer stages (num_stages={v.options.num_stages})"
+                )
+            continue  # an autotune config that cannot run on this device
+        compiled.append((v, config))
+    if not compiled:
+        raise ValueError(
+            f"triton_call {call.name!r}: every autotune config needs more than "
+            f"the {limit} bytes of shared memory sm_{cc} allows"
+        )
+    layouts = {tuple(_runtime_params(v.bound)) for v, _ in compiled}
+    if len(layouts) != 1:
+        raise NotImplementedError(
+            f"triton_call {call.name!r}: autotune configs change which kernel "
+            f"parameters are runtime values; only constexpr metaparams may differ"
+        )
+    key = ""
+    if len(compiled) > 1:
+        device = f"sm_{cc}"
+        key = autotune.tune_key(
+            call.fn, [(v.bound.key(), v.options) for v, _ in compiled], call.in_avals, call.scalars,
+            [v.grid for v, _ in compiled], device,
+        )  # fmt: skip
+        winner = autotune.lookup_winner(key)
+        if winner is not None and winner < len(compiled):
+            compiled = [compiled[winner]]
+            key = ""
+        else:
+            autotune.expect_tuning(key)
+    first = compiled[0][0]
+    params = list(next(iter(layouts)))
+
+    def launch(*arrays):
+        return jkr.kernel_call(
+            *arrays,
+            configs=[c for _, c in compiled],
+            grid=[v.grid for v, _ in compiled],
+            out_shapes=list(call.out_avals),
+            params=params,
+            input_output_aliases=dict(call.input_output_aliases),
+            zeroed_outputs=first.zeroed_outputs,
+            name=call.name,
+            tune_key=key,
+        )
+
+    return mlir.lower_fun(launch, multiple_results=True)(ctx, *args)
+
+
+def _cpu_lowering(ctx, *args, call: CallSpec):
+    # On the CPU the first config stands in for autotuning: timing the
+    # interpreter says nothing about GPU speed.
+    v = call.variants[0]
+    if call.debug:
+        print(
+            f"[jax_triton] interpreting {call.name}: signature={v.bound.signature()} grid={v.grid}"
+        )
+
+    def host(*arrays):
+        return run_on_host(
+            call.fn,
+            v.bound,
+            v.grid,
+            call.out_avals,
+            dict(call.input_output_aliases),
+            arrays,
+        )
+
+    def interpret(*arrays):
+        return jax.pure_callback(
+            host, list(call.out_avals), *arrays, vmap_method="sequential"
+        )
+
+    return mlir.lower_fun(interpret, multiple_results=True)(ctx, *args)
+
+
+def _unsupported_lowering(ctx, *args, call: CallSpec):
+    platforms = ", ".join(ctx.module_context.platforms)
+    raise NotImplementedError(
+        f"triton_call {call.name!r} cannot run on platform {platforms}: jax_triton "
+        f"launches Triton kernels on CUDA GPUs and runs them on the CPU through "
+        f"Triton's interpreter. Use jax.default_device(jax.devices('cpu')[0]) or "
+        f"a CUDA device."
+    )
+
+
+mlir.register_lowering(triton_call_p, _unsupported_lowering)
+mlir.register_lowering(triton_call_p, _cuda_lowering, platform="cuda")
+mlir.register_lowering(triton_call_p, _cpu_lowering, platform="cpu")
+
+
+# ---------------------------------------------------------------- AD, vmap
+
+
+def _jvp(primals, tangents, *, call: CallSpec):
+    raise NotImplementedError(
+        f"jax.grad/jvp of triton_call {call.name!r} is not supported: a Triton "
+        f"kernel has no derivative rule. Wrap the function that calls it in "
+        f"jax.custom_vjp (or jax.custom_jvp) and give it a backward kernel."
+    )
+
+
+ad.primitive_jvps[triton_call_p] = _jvp
+
+
+def _batch(args, dims, *, call: CallSpec):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
+    if call.batch_fold is not None:
+        return _batch_folded(args, dims, size, call), [0] * len(call.out_avals)
+    batched = [i for i, d in enumerate(dims) if d is not None]
+
+    def one(xs):
+        full = list(args)
+        for i, x in zip(batched, xs):
+            full[i] = x
+        return triton_call_p.bind(*full, call=call)
+
+    outs = jax.lax.map(one, [args[i] for i in batched])
+    return list(outs), [0] * len(call.out_avals)
+
+
+def _batch_folded(args, dims, size, call: CallSpec):
+    positional, metaparams, grid, zeroed, options = call.call_args
+    args = [
+        a if d is not None else jnp.broadcast_to(a, (size, *a.shape))
+        for a, d in zip(args, dims)
+    ]
+    _, new_scalars = call.batch_fold(size, call.variants[0].grid, dict(call.scalars))
+    new_positional = list(positional)
+    for i, val in (new_scalars or {}).items():
+        new_positional[i] = val
+    in_avals = iter(args)
+    for i, p in enumerate(new_positional):
+        if hasattr(p, "shape"):
+            a = next(in_avals)
+            new_positional[i] = jax.ShapeDtypeStruct(a.shape, a.dtype)
+    out_avals = tuple(
+        jax.ShapeDtypeStruct((size, *o.shape), o.dtype) for o in call.out_avals
+    )
+
+    def folded_grid(meta):
+        return call.batch_fold(
+            size, _grid_of(grid, meta, call.name), dict(call.scalars)
+        )[0]
+
+    spec = _make_spec(
+        call.kernel, call.fn, call.name, new_positional, out_avals, metaparams,
+        folded_grid, zeroed, dict(call.input_output_aliases),
+        tuple(sorted((new_scalars or {}).items())), call.compute_capability,
+        call.debug, None, options,
+    )  # fmt: skip
+    return triton_call_p.bind(*args, call=spec)
+
+
+batching.primitive_batchers[triton_call_p] = _batch

@@ -1,0 +1,22 @@
+"""jax-kernel-runtime: launch compiled GPU kernel images from JAX via the XLA FFI.
+
+The public API is small and meant to be shared by every GPU kernel package
+(jax-triton today, pallas-gpu next): describe each compiled configuration with
+``KernelConfig`` (``config_from_triton`` builds one from ``triton.compile``),
+describe the parameters with ``Buffer``/``Scalar``, and call ``kernel_call``.
+"""
+
+from jax_kernel_runtime._call import TARGET_NAME as TARGET_NAME
+from jax_kernel_runtime._call import driver_error as driver_error
+from jax_kernel_runtime._call import export_disabled_checks as export_disabled_checks
+from jax_kernel_runtime._call import kernel_call as kernel_call
+from jax_kernel_runtime._call import register as register
+from jax_kernel_runtime._call import tune_records as tune_records
+from jax_kernel_runtime._config import Buffer as Buffer
+from jax_kernel_runtime._config import KernelConfig as KernelConfig
+from jax_kernel_runtime._config import Param as Param
+from jax_kernel_runtime._config import Scalar as Scalar
+from jax_kernel_runtime._config import normalize_grid as normalize_grid
+from jax_kernel_runtime._triton import config_from_triton as config_from_triton
+
+__version__ = "0.1.0"

@@ -1,0 +1,160 @@
+"""``kernel_call``: bind a compiled kernel image to JAX arrays via the XLA FFI."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.ffi import ffi_call, register_ffi_target, register_ffi_type
+from jaxlib import xla_client
+
+from jax_kernel_runtime import _jax_kernel_runtime as _native
+from jax_kernel_runtime._config import (
+    Buffer,
+    KernelConfig,
+    Param,
+    encode_attributes,
+    normalize_grid,
+)
+
+TARGET_NAME = "jax_kernel_runtime_launch"
+_registered = False
+_lock = threading.Lock()
+
+
+def register() -> None:
+    """Registers the FFI target and its state type for platform CUDA.
+
+    Idempotent and cheap; ``kernel_call`` calls it. A process that only
+    deserializes an exported function containing the target must call it (or
+    import ``jax_triton``) before running that function.
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        for type_name, registration in _native.type_registrations().items():
+            register_ffi_type(type_name, registration, platform="CUDA")
+        for name, stages in _native.registrations().items():
+            register_ffi_target(
+                name,
+                stages,
+                platform="CUDA",
+                api_version=1,
+                traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE,
+            )
+        _registered = True
+
+
+def export_disabled_checks() -> list:
+    """The ``disabled_checks`` that ``jax.export.export`` needs for our target.
+
+    jax.export refuses custom calls it does not know to be stable; this one is
+    versioned by the jax-kernel-runtime release (see RUNTIME.md).
+    """
+    return [jax.export.DisabledSafetyCheck.custom_call(TARGET_NAME)]
+
+
+def kernel_call(
+    *args: jax.Array,
+    configs: Sequence[KernelConfig],
+    grid: int | Sequence[int] | Sequence[Sequence[int]],
+    out_shapes: Sequence[jax.ShapeDtypeStruct],
+    params: Sequence[Param] | None = None,
+    input_output_aliases: Mapping[int, int] | None = None,
+    zeroed_outputs: Sequence[int] = (),
+    name: str = "kernel",
+    tune_key: str = "",
+) -> list[jax.Array]:
+    """Launches a compiled kernel on ``args`` and returns its outputs.
+
+    Lowers to one XLA FFI custom call for platform CUDA; under ``jit`` the
+    kernel runs on XLA's stream with no host round trip.
+
+    Args:
+      *args: input arrays (operands ``0..len(args)-1``).
+      configs: one or more compiled configurations; with several, the runtime
+        autotunes on the first execution on each device.
+      grid: programs per axis (int or 1-3 ints), or a list with one such grid
+        per config (Triton grids usually depend on the config's block sizes).
+      out_shapes: shapes/dtypes of the outputs (operands ``len(args)..``).
+      params: the kernel's parameters in order; by default every operand, in
+        order, as a 16-byte aligned buffer.
+      input_output_aliases: ``{input index: output index}``: the output
+        reuses the input's buffer (the kernel updates it in place).
+      zeroed_outputs: output indices the runtime zeroes before each launch.
+      name: shown in every error message.
+      tune_key: identifies the call in ``tune_records()``.
+
+    Returns:
+      The list of outputs.
+    """
+    if not configs:
+        raise ValueError(f"kernel_call {name!r}: needs at least one KernelConfig")
+    if isinstance(grid, list) and grid and not isinstance(grid[0], (int, np.integer)):
+        if len(grid) != len(configs):
+            raise ValueError(
+                f"kernel_call {name!r}: {len(grid)} grids for {len(configs)} configs"
+            )
+        grids = [normalize_grid(g, name) for g in grid]
+    else:
+        grids = [normalize_grid(grid, name)] * len(configs)
+    out_shapes = list(out_shapes)
+    num_operands = len(args) + len(out_shapes)
+    if params is None:
+        params = [Buffer(i) for i in range(num_operands)]
+    for p in params:
+        if isinstance(p, Buffer) and not 0 <= p.operand < num_operands:
+            raise ValueError(
+                f"kernel_call {name!r}: parameter refers to operand {p.operand} "
+                f"but there are {num_operands} (inputs then outputs)"
+            )
+    aliases = dict(input_output_aliases or {})
+    for i, o in aliases.items():
+        if not (0 <= i < len(args) and 0 <= o < len(out_shapes)):
+            raise ValueError(
+                f"kernel_call {name!r}: input_output_aliases entry {i}: {o} "
+                "is out of range"
+            )
+    for o in zeroed_outputs:
+        if not 0 <= o < len(out_shapes):
+            raise ValueError(f"kernel_call {name!r}: zeroed output {o} out of range")
+    scratch = max(cfg.scratch_bytes(g) for cfg, g in zip(configs, grids))
+    result_shapes = list(out_shapes)
+    if scratch:
+        result_shapes.append(jax.ShapeDtypeStruct((scratch,), np.uint8))
+    attrs = encode_attributes(
+        name=name,
+        configs=configs,
+        grids=grids,
+        params=params,
+        zeroed_outputs=zeroed_outputs,
+        aliased_inputs=sorted(aliases),
+        scratch_output=bool(scratch),
+        tune_key=tune_key,
+    )
+    register()
+    call = ffi_call(
+        TARGET_NAME,
+        result_shapes,
+        input_output_aliases=aliases,
+        has_side_effect=False,
+    )
+    results = call(*args, **attrs)
+    return list(results[: len(out_shapes)])
+
+
+def tune_records() -> list[tuple[str, int, int, list[float]]]:
+    """Autotuning results of this process.
+
+    Each is ``(tune_key, device ordinal, chosen config index, median time in
+    ms per config, negative where a config failed)``.
+    """
+    return _native.tune_records()
+
+
+def driver_error() -> str:
+    """Why the CUDA driver cannot be used here ("" when it can)."""
+    return _native.driver_error()

@@ -1,0 +1,213 @@
+"""Launch descriptors: one compiled configuration and the parameter layout.
+
+These are plain frozen dataclasses so that they hash, compare and pickle, and
+so that encoding them as XLA FFI attributes is deterministic: the same
+descriptor always gives byte-identical HLO (no pointers, no timestamps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+# Mirrors kScratchAlign in cpp/kernel_runtime.cc.
+SCRATCH_ALIGN = 256
+# Largest grid CUDA accepts per axis.
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """One compiled configuration of a kernel.
+
+    A call may carry several (autotuning): they share the parameter layout and
+    grid; the runtime times each on its first execution on a device and keeps
+    the fastest.
+
+    Attributes:
+      image: the kernel image (cubin bytes).
+      function: the symbol of the kernel inside ``image``.
+      block_dims: threads per block (x, y, z).
+      shared_memory_bytes: dynamic shared memory per block; above 48 KB the
+        runtime opts in through the function attribute.
+      cluster_dims: CTAs per cluster (x, y, z). The launch grid is
+        ``grid * cluster_dims``, matching Triton's ``num_ctas``.
+      global_scratch_bytes: Triton global scratch per program (CTA).
+      profile_scratch_bytes: Triton profile scratch per program (CTA).
+      triton_scratch_params: append Triton's two trailing scratch pointer
+        parameters (global, profile) after the declared ones.
+      cooperative: launch as a cooperative grid.
+      pdl: allow programmatic dependent launch.
+    """
+
+    image: bytes
+    function: str
+    block_dims: tuple[int, int, int] = (128, 1, 1)
+    shared_memory_bytes: int = 0
+    cluster_dims: tuple[int, int, int] = (1, 1, 1)
+    global_scratch_bytes: int = 0
+    profile_scratch_bytes: int = 0
+    triton_scratch_params: bool = False
+    cooperative: bool = False
+    pdl: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.image, bytes) or not self.image:
+            raise ValueError("KernelConfig.image must be non-empty bytes (a cubin)")
+        for field in ("block_dims", "cluster_dims"):
+            dims = getattr(self, field)
+            if len(dims) != 3 or any(int(d) < 1 for d in dims):
+                raise ValueError(
+                    f"KernelConfig.{field} must be 3 positive ints, got {dims}"
+                )
+
+    def scratch_bytes(self, grid: tuple[int, int, int]) -> int:
+        """Bytes of scratch this config needs for ``grid`` (0 if none)."""
+        ctas = int(np.prod(grid)) * int(np.prod(self.cluster_dims))
+        return _align(ctas * self.global_scratch_bytes) + _align(
+            ctas * self.profile_scratch_bytes
+        )
+
+    def launch_fields(self) -> np.ndarray:
+        """The 12 int64 launch fields, in the order cpp/ffi_handlers.cc reads."""
+        return np.array(
+            [
+                *self.block_dims,
+                self.shared_memory_bytes,
+                *self.cluster_dims,
+                self.global_scratch_bytes,
+                self.profile_scratch_bytes,
+                int(self.triton_scratch_params),
+                int(self.cooperative),
+                int(self.pdl),
+            ],
+            dtype=np.int64,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A kernel parameter bound to an operand: ``inputs ++ outputs``[operand].
+
+    ``alignment`` is what the kernel was specialized for (Triton's
+    ``tt.divisibility`` of 16); the runtime checks it at every launch.
+    """
+
+    operand: int
+    alignment: int = 16
+
+
+# Scalar dtypes the runtime can pass, by Triton's names; value = struct code.
+_SCALAR_FORMATS = {
+    "i1": "<B", "u1": "<B", "i8": "<b", "u8": "<B", "i16": "<h", "u16": "<H",
+    "i32": "<i", "u32": "<I", "i64": "<q", "u64": "<Q",
+    "fp16": "<e", "fp32": "<f", "fp64": "<d",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Scalar:
+    """A scalar kernel parameter whose value is baked into the call."""
+
+    dtype: str
+    value: int | float | bool
+
+    def __post_init__(self):
+        if self.dtype not in _SCALAR_FORMATS and self.dtype != "bf16":
+            raise TypeError(
+                f"unsupported scalar parameter dtype {self.dtype!r}; supported: "
+                f"{sorted([*_SCALAR_FORMATS, 'bf16'])}"
+            )
+
+    def encode(self) -> tuple[int, int]:
+        """(byte width, value bits as a signed int64)."""
+        if self.dtype == "bf16":
+            raw = struct.pack("<f", float(self.value))[2:]  # truncate fp32
+        else:
+            fmt = _SCALAR_FORMATS[self.dtype]
+            value = float(self.value) if fmt[1] in "efd" else int(self.value)
+            raw = struct.pack(fmt, value)
+        bits = int.from_bytes(raw.ljust(8, b"\0"), "little", signed=True)
+        return len(raw), bits
+
+
+Param = Buffer | Scalar
+
+
+def _align(n: int) -> int:
+    return (n + SCRATCH_ALIGN - 1) // SCRATCH_ALIGN * SCRATCH_ALIGN
+
+
+def normalize_grid(grid, name: str) -> tuple[int, int, int]:
+    """Checks a grid (int or 1-3 ints) and pads it to 3 axes."""
+    if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
+        grid = (grid,)
+    if not isinstance(grid, (tuple, list)) or not 1 <= len(grid) <= 3:
+        raise TypeError(
+            f"grid of kernel {name!r} must be an int or a tuple of 1-3 ints, "
+            f"got {grid!r}"
+        )
+    out = []
+    for axis, g in enumerate(grid):
+        if isinstance(g, bool) or not isinstance(g, (int, np.integer)):
+            raise TypeError(
+                f"grid of kernel {name!r}: entry {axis} is {g!r} of type "
+                f"{type(g).__name__}; grid entries must be Python ints (static)"
+            )
+        if not 1 <= int(g) <= GRID_LIMITS[axis]:
+            raise ValueError(
+                f"grid of kernel {name!r}: entry {axis} is {int(g)}, but CUDA "
+                f"needs 1 <= grid[{axis}] <= {GRID_LIMITS[axis]}"
+            )
+        out.append(int(g))
+    return tuple(out + [1] * (3 - len(out)))
+
+
+def encode_attributes(
+    *,
+    name: str,
+    configs: Sequence[KernelConfig],
+    grids: Sequence[tuple[int, int, int]],
+    params: Sequence[Param],
+    zeroed_outputs: Sequence[int],
+    aliased_inputs: Sequence[int],
+    scratch_output: bool,
+    tune_key: str,
+) -> dict[str, object]:
+    """The FFI attribute dictionary read by cpp/ffi_handlers.cc."""
+    kinds, values, aligns = [], [], []
+    for p in params:
+        if isinstance(p, Buffer):
+            kinds.append(0), values.append(p.operand), aligns.append(p.alignment)
+        else:
+            size, bits = p.encode()
+            kinds.append(size), values.append(bits), aligns.append(1)
+    attrs: dict[str, object] = {
+        "name": name,
+        "param_kinds": np.array(kinds, np.int64),
+        "param_values": np.array(values, np.int64),
+        "param_align": np.array(aligns, np.int64),
+        "num_configs": np.int64(len(configs)),
+        "scratch_output": np.int64(int(scratch_output)),
+    }
+    # Empty arrays are left out rather than encoded as zero-length attributes.
+    if zeroed_outputs:
+        attrs["zeroed_outputs"] = np.array(sorted(zeroed_outputs), np.int64)
+    if aliased_inputs:
+        attrs["aliased_inputs"] = np.array(sorted(aliased_inputs), np.int64)
+    if tune_key:
+        attrs["tune_key"] = tune_key
+    # One shared grid unless configs differ (autotuned block sizes).
+    if all(g == grids[0] for g in grids):
+        attrs["grid"] = np.array(grids[0], np.int64)
+    else:
+        for i, g in enumerate(grids):
+            attrs[f"grid_{i}"] = np.array(g, np.int64)
+    for i, cfg in enumerate(configs):
+        attrs[f"image_{i}"] = np.frombuffer(cfg.image, np.uint8)
+        attrs[f"function_{i}"] = cfg.function
+        attrs[f"launch_{i}"] = cfg.launch_fields()
+    return attrs

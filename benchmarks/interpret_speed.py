@@ -24,8 +24,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pallas as ours_pl
 from jax.experimental import pallas as upstream_pl
+
+import pallas as ours_pl
 
 # --- kernels: each `build_*` takes a `pl` module and returns a function of arrays ----------
 
@@ -54,9 +55,7 @@ def build_matmul(pl, bm=64, bn=64, bk=64):
         def _init():
             o_ref[...] = jnp.zeros_like(o_ref)
 
-        o_ref[...] += jnp.dot(
-            x_ref[...], y_ref[...], preferred_element_type=jnp.float32
-        )
+        o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
 
     def matmul(x, y):
         (m, k), (_, n) = x.shape, y.shape
@@ -155,8 +154,7 @@ class Case:
 
 def _normals(key, *shapes):
     return tuple(
-        jax.random.normal(k, s, jnp.float32)
-        for k, s in zip(jax.random.split(key, len(shapes)), shapes)
+        jax.random.normal(k, s, jnp.float32) for k, s in zip(jax.random.split(key, len(shapes)), shapes)
     )
 
 
@@ -220,25 +218,20 @@ def max_abs_diff(a, b):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of ours")
-    parser.add_argument(
-        "--upstream-repeats", type=int, default=2, help="timed runs of upstream"
-    )
+    parser.add_argument("--upstream-repeats", type=int, default=2, help="timed runs of upstream")
     parser.add_argument(
         "--only",
         action="append",
         choices=[c.name for c in CASES],
         help="run only these kernels (repeatable)",
     )
-    parser.add_argument(
-        "--strict", action="store_true", help="exit 1 when a target is missed"
-    )
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args()
 
     same = ours_pl.pallas_call is upstream_pl.pallas_call
     print(
         f"jax {jax.__version__}, device {jax.devices()[0]}, ours: {ours_pl.__name__} from "
-        f"{getattr(ours_pl, '__file__', '?')}"
-        + ("  [SAME AS UPSTREAM: shim]" if same else "")
+        f"{getattr(ours_pl, '__file__', '?')}" + ("  [SAME AS UPSTREAM: shim]" if same else "")
     )
     header = (
         "kernel",
@@ -257,12 +250,8 @@ def main() -> int:
             continue
         inputs = case.make_inputs(jax.random.key(i))
         expected = case.reference(*inputs)
-        up_ms, up_warm, up_out = time_ms(
-            jax.jit(case.build(upstream_pl)), inputs, args.upstream_repeats
-        )
-        our_ms, our_warm, our_out = time_ms(
-            jax.jit(case.build(ours_pl)), inputs, args.repeats
-        )
+        up_ms, up_warm, up_out = time_ms(jax.jit(case.build(upstream_pl)), inputs, args.upstream_repeats)
+        our_ms, our_warm, our_out = time_ms(jax.jit(case.build(ours_pl)), inputs, args.repeats)
         d_up = max_abs_diff(our_out, up_out)
         d_ref = max_abs_diff(our_out, expected)
         correct = d_up <= case.tol and d_ref <= case.tol
@@ -281,8 +270,7 @@ def main() -> int:
                 f">={case.target:g}x",
                 f"{d_up:.2g}",
                 f"{d_ref:.2g}",
-                ("ok" if correct else "WRONG")
-                + ("" if speedup >= case.target else ", slow"),
+                ("ok" if correct else "WRONG") + ("" if speedup >= case.target else ", slow"),
             )
         )
         print(

@@ -10,10 +10,11 @@
 import time
 
 import jax
-import jax_triton as jt
 import numpy as np
 import triton
 import triton.language as tl
+
+import jax_triton as jt
 
 
 @triton.jit
@@ -24,9 +25,7 @@ def axpb_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def tiny_triton(x):
-    return jt.triton_call(
-        x, kernel=axpb_kernel, out_shape=x, grid=1, n=x.size, BLOCK=128
-    )
+    return jt.triton_call(x, kernel=axpb_kernel, out_shape=x, grid=1, n=x.size, BLOCK=128)
 
 
 def tiny_triton_inplace(x):
@@ -76,9 +75,7 @@ def main():
     )
     for name, f in (("triton_call", lt), ("in-place triton_call", li), ("xla", lx)):
         hlo = f.lower(x).compile().as_text()
-        body_ops = [
-            w for w in ("copy", "fusion", "custom-call", "command_buffer") if w in hlo
-        ]
+        body_ops = [w for w in ("copy", "fusion", "custom-call", "command_buffer") if w in hlo]
         print(
             f"  optimized HLO of {name} loop: copies={hlo.count(' copy(')} fusions={hlo.count(' fusion(')} has={body_ops}"
         )

@@ -71,15 +71,11 @@ def main():
     x = jax.random.normal(jax.random.key(0), (n,))
     y = jax.random.normal(jax.random.key(1), (n,))
     add = jax.jit(lambda a, b: triton_add.add(a, b, block_size=1024))
-    np.testing.assert_array_equal(
-        np.asarray(add(x, y)[:4096]), np.asarray((x + y)[:4096])
-    )
+    np.testing.assert_array_equal(np.asarray(add(x, y)[:4096]), np.asarray((x + y)[:4096]))
     tx, ty = to_torch(x), to_torch(y)
     to = torch.empty_like(tx)
     grid = (triton.cdiv(n, 1024),)
-    t_torch = torch_bench(
-        lambda: triton_add.add_kernel[grid](tx, ty, n, to, BLOCK_SIZE=1024)
-    )
+    t_torch = torch_bench(lambda: triton_add.add_kernel[grid](tx, ty, n, to, BLOCK_SIZE=1024))
     report(
         "add f32 2^28",
         "TB/s",
@@ -92,15 +88,11 @@ def main():
     # softmax f32 16384 x 8192
     s = jax.random.normal(jax.random.key(2), (16384, 8192))
     sm = jax.jit(triton_softmax.softmax)
-    np.testing.assert_allclose(
-        np.asarray(sm(s)[:8]), np.asarray(jax.nn.softmax(s[:8], -1)), atol=1e-6
-    )
+    np.testing.assert_allclose(np.asarray(sm(s)[:8]), np.asarray(jax.nn.softmax(s[:8], -1)), atol=1e-6)
     ts = to_torch(s)
     tso = torch.empty_like(ts)
     t_torch = torch_bench(
-        lambda: triton_softmax.softmax_kernel[(16384,)](
-            ts, 8192, tso, BLOCK_SIZE=8192, num_warps=8
-        )
+        lambda: triton_softmax.softmax_kernel[(16384,)](ts, 8192, tso, BLOCK_SIZE=8192, num_warps=8)
     )
     xla = jax.jit(lambda v: jax.nn.softmax(v, -1))
     report(
@@ -125,9 +117,7 @@ def main():
 
     def torch_mm():
         triton_matmul.matmul_kernel[
-            lambda META: (
-                triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(m, META["BLOCK_N"]),
-            )
+            lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(m, META["BLOCK_N"]),)
         ](ta, tb, tc, m, m, m, m, 1, m, 1, m, 1)
 
     t_torch = torch_bench(torch_mm, n=10)
@@ -143,10 +133,7 @@ def main():
 
     # flash attention fwd bf16 B4 H32 S4096 D128
     B, H, S, D = 4, 32, 4096, 128
-    q, k, v = (
-        jax.random.normal(jax.random.key(5 + i), (B, H, S, D)).astype(jnp.bfloat16)
-        for i in range(3)
-    )
+    q, k, v = (jax.random.normal(jax.random.key(5 + i), (B, H, S, D)).astype(jnp.bfloat16) for i in range(3))
     for causal in (False, True):
         att = jax.jit(lambda q, k, v, c=causal: fa.attention(q, k, v, causal=c))
         got = np.asarray(att(q[:1, :2], k[:1, :2], v[:1, :2]).astype(jnp.float32))
@@ -170,9 +157,7 @@ def main():
     import jax_kernel_runtime as jkr
 
     for key, device, chosen, times in jkr.tune_records():
-        print(
-            f"  {key[:12]} dev{device} chose {chosen} times {[round(t, 3) for t in times]}"
-        )
+        print(f"  {key[:12]} dev{device} chose {chosen} times {[round(t, 3) for t in times]}")
 
 
 if __name__ == "__main__":

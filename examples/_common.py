@@ -49,9 +49,7 @@ def _pick_backend() -> Backend:
         try:
             import pallas_gpu
         except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
-            print(
-                f"note: GPU present but `import pallas_gpu` failed ({e!r}); using interpret mode"
-            )
+            print(f"note: GPU present but `import pallas_gpu` failed ({e!r}); using interpret mode")
         else:
             return Backend(
                 "gpu",
@@ -61,9 +59,7 @@ def _pick_backend() -> Backend:
     return Backend("cpu-interpret", interpret=True)
 
 
-def setup(
-    description: str, sizes: dict[str, dict[str, Any]]
-) -> tuple[Backend, dict[str, Any]]:
+def setup(description: str, sizes: dict[str, dict[str, Any]]) -> tuple[Backend, dict[str, Any]]:
     """Parses `--size`/`--runs`, picks the backend and prints it.
 
     Args:
@@ -87,9 +83,7 @@ def setup(
     size = args.size or ("small" if backend.interpret else "large")
     runs = args.runs or (3 if backend.interpret else 20)
     config = dict(sizes[size], runs=runs)
-    print(
-        f"backend: {backend.name}  (jax {jax.__version__}, device {jax.devices()[0]})"
-    )
+    print(f"backend: {backend.name}  (jax {jax.__version__}, device {jax.devices()[0]})")
     print(f"size: {size}  " + "  ".join(f"{k}={v}" for k, v in sizes[size].items()))
     return backend, config
 
@@ -119,9 +113,7 @@ def check_and_report(
     if out.shape != expected.shape:
         print(f"{name}: FAIL  shape {out.shape} != expected {expected.shape}")
         sys.exit(1)
-    err = float(
-        jnp.max(jnp.abs(out.astype(jnp.float32) - expected.astype(jnp.float32)))
-    )
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - expected.astype(jnp.float32))))
     ok = bool(np.isfinite(err)) and err <= tol
     print(
         f"{name}: {'PASS' if ok else 'FAIL'}  max_abs_err={err:.3g} (tol {tol:g})  "

@@ -11,8 +11,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import pallas as pl
 from _common import check_and_report, setup, time_ms
+
+import pallas as pl
 
 
 def add_kernel(x_ref, y_ref, o_ref):
@@ -48,9 +49,7 @@ def main():
     fn = jax.jit(functools.partial(add, block=cfg["block"], backend=backend))
     out = fn(x, y)
     ms = time_ms(fn, x, y, runs=cfg["runs"])
-    check_and_report(
-        "add", out, x + y, tol=1e-6, ms=ms, runs=cfg["runs"], backend=backend
-    )
+    check_and_report("add", out, x + y, tol=1e-6, ms=ms, runs=cfg["runs"], backend=backend)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import pallas as pl
 from _common import check_and_report, setup, time_ms
+
+import pallas as pl
 
 
 def flash_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, block_k):
@@ -30,9 +31,7 @@ def flash_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, block_k):
         v = v_ref[pl.ds(start, block_k), :]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # (block_q, block_k)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        correction = jnp.exp(
-            m - m_new
-        )  # rescales what was accumulated under the old max
+        correction = jnp.exp(m - m_new)  # rescales what was accumulated under the old max
         p = jnp.exp(s - m_new[:, None])
         l_new = l * correction + jnp.sum(p, axis=1)
         acc_new = acc * correction[:, None] + jnp.dot(
@@ -66,12 +65,8 @@ def flash_attention(q, k, v, *, block_q, block_k, backend):
 
 
 def attention_reference(q, k, v):
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision="highest") / math.sqrt(
-        q.shape[-1]
-    )
-    return jnp.einsum(
-        "bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v, precision="highest"
-    )
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision="highest") / math.sqrt(q.shape[-1])
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v, precision="highest")
 
 
 def main():

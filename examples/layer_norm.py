@@ -13,8 +13,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import pallas as pl
 from _common import check_and_report, setup, time_ms
+
+import pallas as pl
 
 
 def layer_norm_kernel(x_ref, weight_ref, bias_ref, o_ref, *, eps):
@@ -59,15 +60,11 @@ def main():
     weight = 1.0 + 0.1 * jax.random.normal(kw, (cfg["cols"],), jnp.float32)
     bias = 0.1 * jax.random.normal(kb, (cfg["cols"],), jnp.float32)
 
-    fn = jax.jit(
-        functools.partial(layer_norm, block_rows=cfg["block_rows"], backend=backend)
-    )
+    fn = jax.jit(functools.partial(layer_norm, block_rows=cfg["block_rows"], backend=backend))
     out = fn(x, weight, bias)
     ms = time_ms(fn, x, weight, bias, runs=cfg["runs"])
     expected = layer_norm_reference(x, weight, bias)
-    check_and_report(
-        "layer_norm", out, expected, tol=1e-4, ms=ms, runs=cfg["runs"], backend=backend
-    )
+    check_and_report("layer_norm", out, expected, tol=1e-4, ms=ms, runs=cfg["runs"], backend=backend)
 
 
 if __name__ == "__main__":

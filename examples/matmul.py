@@ -18,8 +18,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import pallas as pl
 from _common import check_and_report, setup, time_ms
+
+import pallas as pl
 
 
 def matmul_kernel(x_ref, y_ref, o_ref):
@@ -95,9 +96,7 @@ def main():
         fn = jax.jit(functools.partial(impl, **blocks, backend=backend))
         out = fn(x, y)
         ms = time_ms(fn, x, y, runs=cfg["runs"])
-        check_and_report(
-            name, out, expected, tol=tol, ms=ms, runs=cfg["runs"], backend=backend
-        )
+        check_and_report(name, out, expected, tol=tol, ms=ms, runs=cfg["runs"], backend=backend)
 
 
 if __name__ == "__main__":

@@ -26,18 +26,12 @@ RESULT_LINE = re.compile(
 
 
 def example_scripts() -> list[Path]:
-    scripts = [
-        p
-        for p in HERE.glob("*.py")
-        if not p.name.startswith("_") and p.name != Path(__file__).name
-    ]
+    scripts = [p for p in HERE.glob("*.py") if not p.name.startswith("_") and p.name != Path(__file__).name]
     order = {name: i for i, name in enumerate(FIRST)}
     return sorted(scripts, key=lambda p: (order.get(p.stem, len(FIRST)), p.stem))
 
 
-def run_one(
-    script: Path, script_args: list[str], timeout: float
-) -> tuple[str, float, str]:
+def run_one(script: Path, script_args: list[str], timeout: float) -> tuple[str, float, str]:
     """Returns (status, wall seconds, combined output) for one script."""
     start = time.perf_counter()
     try:
@@ -59,13 +53,9 @@ def run_one(
 
 def table_rows(script: Path, status: str, wall: float, output: str) -> list[tuple]:
     """One row per result line the script printed (one bare row if it printed none)."""
-    checks = [
-        m.groupdict() for line in output.splitlines() if (m := RESULT_LINE.match(line))
-    ]
+    checks = [m.groupdict() for line in output.splitlines() if (m := RESULT_LINE.match(line))]
     if not checks:
-        checks = [
-            {"name": script.stem, "status": None, "kind": None, "err": None, "ms": None}
-        ]
+        checks = [{"name": script.stem, "status": None, "kind": None, "err": None, "ms": None}]
     rows = []
     for check in checks:
         err = check["err"] or "-"
@@ -73,9 +63,7 @@ def table_rows(script: Path, status: str, wall: float, output: str) -> list[tupl
             err += f" ({check['kind'].removeprefix('max_').removesuffix('_err')})"
         ms = f"{float(check['ms']):.3f}" if check["ms"] else "-"
         result = check["status"] or "-"
-        rows.append(
-            (script.name, check["name"], result, err, ms, status, f"{wall:.1f}")
-        )
+        rows.append((script.name, check["name"], result, err, ms, status, f"{wall:.1f}"))
     return rows
 
 

@@ -11,8 +11,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import pallas as pl
 from _common import check_and_report, setup, time_ms
+
+import pallas as pl
 
 
 def softmax_kernel(x_ref, o_ref):
@@ -44,19 +45,13 @@ def main():
             "large": {"rows": 16384, "cols": 4096, "block_rows": 4},
         },
     )
-    x = 4.0 * jax.random.normal(
-        jax.random.key(0), (cfg["rows"], cfg["cols"]), jnp.float32
-    )
+    x = 4.0 * jax.random.normal(jax.random.key(0), (cfg["rows"], cfg["cols"]), jnp.float32)
 
-    fn = jax.jit(
-        functools.partial(softmax, block_rows=cfg["block_rows"], backend=backend)
-    )
+    fn = jax.jit(functools.partial(softmax, block_rows=cfg["block_rows"], backend=backend))
     out = fn(x)
     ms = time_ms(fn, x, runs=cfg["runs"])
     expected = jax.nn.softmax(x, axis=-1)
-    check_and_report(
-        "softmax", out, expected, tol=1e-5, ms=ms, runs=cfg["runs"], backend=backend
-    )
+    check_and_report("softmax", out, expected, tol=1e-5, ms=ms, runs=cfg["runs"], backend=backend)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ interpreter (no GPU needed): `python examples/triton_add.py`.
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import triton
 import triton.language as tl
+
+import jax_triton as jt
 
 
 @triton.jit
@@ -40,9 +41,7 @@ def main(n: int = 10_000) -> None:
     out = jax.jit(add)(x, y)
     err = float(jnp.max(jnp.abs(out - (x + y))))
     status = "PASS" if err == 0.0 else "FAIL"
-    print(
-        f"triton_add: {status}  max_abs_err={err:.1e} (tol 0)  backend={jax.default_backend()}"
-    )
+    print(f"triton_add: {status}  max_abs_err={err:.1e} (tol 0)  backend={jax.default_backend()}")
     if status != "PASS":
         raise SystemExit(1)
 

@@ -9,9 +9,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import triton
 import triton.language as tl
+
+import jax_triton as jt
 
 
 @triton.jit
@@ -51,12 +52,8 @@ def attention_fwd_kernel(
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("causal", "block_m", "block_n", "num_warps", "num_stages")
-)
-def attention(
-    q, k, v, causal=False, block_m=128, block_n=64, num_warps=8, num_stages=3
-):
+@functools.partial(jax.jit, static_argnames=("causal", "block_m", "block_n", "num_warps", "num_stages"))
+def attention(q, k, v, causal=False, block_m=128, block_n=64, num_warps=8, num_stages=3):
     b, h, s, d = q.shape
     return jt.triton_call(
         q, k, v,
@@ -70,30 +67,20 @@ def attention(
 
 
 def reference(q, k, v, causal=False):
-    s = (
-        jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
-        * q.shape[-1] ** -0.5
-    )
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     if causal:
         mask = jnp.tril(jnp.ones(s.shape[-2:], bool))
         s = jnp.where(mask, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum(
-        "bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
+    return jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
 def main(b: int = 1, h: int = 2, s: int = 128, d: int = 32) -> None:
     kq, kk, kv = jax.random.split(jax.random.key(3), 3)
-    q, k, v = (
-        jax.random.normal(key, (b, h, s, d), jnp.float32).astype(jnp.bfloat16)
-        for key in (kq, kk, kv)
-    )
+    q, k, v = (jax.random.normal(key, (b, h, s, d), jnp.float32).astype(jnp.bfloat16) for key in (kq, kk, kv))
     ok = True
     for causal in (False, True):
-        out = attention(
-            q, k, v, causal=causal, block_m=32, block_n=32, num_warps=4
-        ).astype(jnp.float32)
+        out = attention(q, k, v, causal=causal, block_m=32, block_n=32, num_warps=4).astype(jnp.float32)
         err = float(jnp.max(jnp.abs(out - reference(q, k, v, causal))))
         ok &= err < 2e-2
         print(f"triton_flash_attention(causal={causal}): {'PASS' if err < 2e-2 else 'FAIL'}  "

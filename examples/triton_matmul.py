@@ -7,9 +7,10 @@ first config.
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import triton
 import triton.language as tl
+
+import jax_triton as jt
 
 # Tile configs for Hopper/Ampere; the first is also the CPU interpreter's.
 CONFIGS = [
@@ -76,9 +77,7 @@ def main(m: int = 200, n: int = 160, k: int = 96) -> None:
     ref = jnp.dot(a, b, preferred_element_type=jnp.float32)
     err = float(jnp.max(jnp.abs(out - ref) / (1 + jnp.abs(ref))))
     status = "PASS" if err < 1e-2 else "FAIL"
-    print(
-        f"triton_matmul: {status}  max_rel_err={err:.1e} (tol 1e-2)  backend={jax.default_backend()}"
-    )
+    print(f"triton_matmul: {status}  max_rel_err={err:.1e} (tol 1e-2)  backend={jax.default_backend()}")
     if status != "PASS":
         raise SystemExit(1)
 

@@ -5,9 +5,10 @@ Runs on a CUDA GPU, or on the CPU through Triton's interpreter.
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import triton
 import triton.language as tl
+
+import jax_triton as jt
 
 
 @triton.jit
@@ -43,9 +44,7 @@ def main(rows: int = 64, cols: int = 300) -> None:
     out = jax.jit(softmax)(x)
     err = float(jnp.max(jnp.abs(out - jax.nn.softmax(x, axis=-1))))
     status = "PASS" if err < 1e-6 else "FAIL"
-    print(
-        f"triton_softmax: {status}  max_abs_err={err:.1e} (tol 1e-6)  backend={jax.default_backend()}"
-    )
+    print(f"triton_softmax: {status}  max_abs_err={err:.1e} (tol 1e-6)  backend={jax.default_backend()}")
     if status != "PASS":
         raise SystemExit(1)
 

@@ -95,9 +95,7 @@ def kernel_call(
         raise ValueError(f"kernel_call {name!r}: needs at least one KernelConfig")
     if isinstance(grid, list) and grid and not isinstance(grid[0], (int, np.integer)):
         if len(grid) != len(configs):
-            raise ValueError(
-                f"kernel_call {name!r}: {len(grid)} grids for {len(configs)} configs"
-            )
+            raise ValueError(f"kernel_call {name!r}: {len(grid)} grids for {len(configs)} configs")
         grids = [normalize_grid(g, name) for g in grid]
     else:
         grids = [normalize_grid(grid, name)] * len(configs)
@@ -114,10 +112,7 @@ def kernel_call(
     aliases = dict(input_output_aliases or {})
     for i, o in aliases.items():
         if not (0 <= i < len(args) and 0 <= o < len(out_shapes)):
-            raise ValueError(
-                f"kernel_call {name!r}: input_output_aliases entry {i}: {o} "
-                "is out of range"
-            )
+            raise ValueError(f"kernel_call {name!r}: input_output_aliases entry {i}: {o} is out of range")
     for o in zeroed_outputs:
         if not 0 <= o < len(out_shapes):
             raise ValueError(f"kernel_call {name!r}: zeroed output {o} out of range")

@@ -60,16 +60,12 @@ class KernelConfig:
         for field in ("block_dims", "cluster_dims"):
             dims = getattr(self, field)
             if len(dims) != 3 or any(int(d) < 1 for d in dims):
-                raise ValueError(
-                    f"KernelConfig.{field} must be 3 positive ints, got {dims}"
-                )
+                raise ValueError(f"KernelConfig.{field} must be 3 positive ints, got {dims}")
 
     def scratch_bytes(self, grid: tuple[int, int, int]) -> int:
         """Bytes of scratch this config needs for ``grid`` (0 if none)."""
         ctas = int(np.prod(grid)) * int(np.prod(self.cluster_dims))
-        return _align(ctas * self.global_scratch_bytes) + _align(
-            ctas * self.profile_scratch_bytes
-        )
+        return _align(ctas * self.global_scratch_bytes) + _align(ctas * self.profile_scratch_bytes)
 
     def launch_fields(self) -> np.ndarray:
         """The 12 int64 launch fields, in the order cpp/ffi_handlers.cc reads."""
@@ -146,10 +142,7 @@ def normalize_grid(grid, name: str) -> tuple[int, int, int]:
     if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
         grid = (grid,)
     if not isinstance(grid, (tuple, list)) or not 1 <= len(grid) <= 3:
-        raise TypeError(
-            f"grid of kernel {name!r} must be an int or a tuple of 1-3 ints, "
-            f"got {grid!r}"
-        )
+        raise TypeError(f"grid of kernel {name!r} must be an int or a tuple of 1-3 ints, got {grid!r}")
     out = []
     for axis, g in enumerate(grid):
         if isinstance(g, bool) or not isinstance(g, (int, np.integer)):

@@ -83,9 +83,7 @@ class TestErrors(PallasTest):
     def test_index_map_arity(self):
         good = pl.BlockSpec((4, 4), lambda i, j: (i, j))
         bad = pl.BlockSpec((4, 4), lambda i: (i, 0))
-        f = lambda: self.pallas_call(
-            add_kernel, X, grid=(4, 2), in_specs=[good, bad], out_specs=good
-        )
+        f = lambda: self.pallas_call(add_kernel, X, grid=(4, 2), in_specs=[good, bad], out_specs=good)
         self.expect(f, self.x, self.y, name="add_kernel", culprit="in_specs[1]")
 
     def test_index_map_result_count(self):
@@ -221,15 +219,11 @@ class TestErrors(PallasTest):
 
     def test_alias_input_index_out_of_range(self):
         f = lambda: self.pallas_call(add_kernel, X, input_output_aliases={2: 0})
-        self.expect(
-            f, self.x, self.y, exc=ValueError, name="add_kernel", culprit="input_output_aliases"
-        )
+        self.expect(f, self.x, self.y, exc=ValueError, name="add_kernel", culprit="input_output_aliases")
 
     def test_alias_output_index_out_of_range(self):
         f = lambda: self.pallas_call(add_kernel, X, input_output_aliases={1: 1})
-        self.expect(
-            f, self.x, self.y, exc=ValueError, name="add_kernel", culprit="input_output_aliases"
-        )
+        self.expect(f, self.x, self.y, exc=ValueError, name="add_kernel", culprit="input_output_aliases")
 
     def test_alias_shape_mismatch(self):
         def transpose_kernel(x_ref, o_ref):
@@ -240,9 +234,7 @@ class TestErrors(PallasTest):
             jax.ShapeDtypeStruct((8, 16), jnp.float32),
             input_output_aliases={0: 0},
         )
-        self.expect(
-            f, self.x, exc=ValueError, name="transpose_kernel", culprit="input_output_aliases"
-        )
+        self.expect(f, self.x, exc=ValueError, name="transpose_kernel", culprit="input_output_aliases")
 
     def test_alias_dtype_mismatch(self):
         def cast_kernel(x_ref, o_ref):
@@ -329,9 +321,7 @@ class TestErrors(PallasTest):
         def oob_index_kernel(x_ref, o_ref):
             o_ref[...] = x_ref[...] + x_ref[4, 0]
 
-        f = lambda: self.pallas_call(
-            oob_index_kernel, X, grid=(4,), in_specs=[spec], out_specs=spec
-        )
+        f = lambda: self.pallas_call(oob_index_kernel, X, grid=(4,), in_specs=[spec], out_specs=spec)
         self.expect(f, self.x, name="oob_index_kernel")
 
     def test_static_store_index_beyond_block(self):
@@ -341,9 +331,7 @@ class TestErrors(PallasTest):
             o_ref[...] = x_ref[...]
             o_ref[0, 8] = 1.0
 
-        f = lambda: self.pallas_call(
-            oob_store_kernel, X, grid=(4,), in_specs=[spec], out_specs=spec
-        )
+        f = lambda: self.pallas_call(oob_store_kernel, X, grid=(4,), in_specs=[spec], out_specs=spec)
         self.expect(f, self.x, name="oob_store_kernel")
 
     def test_static_ds_beyond_block(self):
@@ -356,17 +344,13 @@ class TestErrors(PallasTest):
         def deep_index_kernel(x_ref, o_ref):
             o_ref[...] = x_ref[...] + x_ref[0, 0, 0]
 
-        self.expect(
-            lambda: self.pallas_call(deep_index_kernel, X), self.x, name="deep_index_kernel"
-        )
+        self.expect(lambda: self.pallas_call(deep_index_kernel, X), self.x, name="deep_index_kernel")
 
     def test_ds_negative_size(self):
         def negative_ds_kernel(x_ref, o_ref):
             o_ref[...] = x_ref[...] + jnp.sum(x_ref[pl.ds(0, -2), :])
 
-        self.expect(
-            lambda: self.pallas_call(negative_ds_kernel, X), self.x, name="negative_ds_kernel"
-        )
+        self.expect(lambda: self.pallas_call(negative_ds_kernel, X), self.x, name="negative_ds_kernel")
 
 
 class TestNotErrors(PallasTest):
@@ -440,9 +424,7 @@ class TestErrorLocations(PallasTest):
             o_ref[...] += pl.program_id(1).astype(jnp.float32)  # <- misuse
 
         spec = pl.BlockSpec((4, 8), lambda i: (i, 0))
-        self._expect_line(
-            bad_axis_kernel, "# <- misuse", grid=(4,), in_specs=[spec], out_specs=spec
-        )
+        self._expect_line(bad_axis_kernel, "# <- misuse", grid=(4,), in_specs=[spec], out_specs=spec)
 
     def test_static_index_line(self):
         def bad_index_kernel(x_ref, o_ref):
@@ -450,9 +432,7 @@ class TestErrorLocations(PallasTest):
             o_ref[...] += x_ref[3, 9]  # <- misuse
 
         spec = pl.BlockSpec((4, 8), lambda i: (i, 0))
-        self._expect_line(
-            bad_index_kernel, "# <- misuse", grid=(4,), in_specs=[spec], out_specs=spec
-        )
+        self._expect_line(bad_index_kernel, "# <- misuse", grid=(4,), in_specs=[spec], out_specs=spec)
 
     def test_misuse_inside_loop_body_line(self):
         def bad_loop_kernel(x_ref, o_ref):

@@ -32,15 +32,18 @@ KERNELS = (
     "scratch_temp",  # s = x; o += s * 2  (scratch used within one step)
     "scratch_carry",  # s = 0 at step 0; s += x; o = s  (scratch carried across steps)
     "two_outputs",  # o += x; p = x - o
+    # o = a * 0.5 + x, where a is the aliased input read through its own index map:
+    # it sees what earlier steps wrote (read-after-write across grid steps).
+    "read_alias",
 )
-NEEDS_INIT = {"accumulate", "affine", "two_inputs", "when", "two_outputs"}
+NEEDS_INIT = {"accumulate", "affine", "two_inputs", "when", "two_outputs", "read_alias"}
 
 
 @dataclasses.dataclass(frozen=True)
 class DimMap:
     """One block-index expression of an index map, over the grid indices."""
 
-    kind: str  # "axis", "rev", "const", "mix"
+    kind: str  # "axis", "rev", "const", "mix", "modaxis"
     axes: tuple[int, ...]
     value: int  # constant for "const", modulus for "mix", axis size for "rev"
 
@@ -51,6 +54,8 @@ class DimMap:
             return self.value - 1 - ids[self.axes[0]]
         if self.kind == "const":
             return self.value + 0 * ids[0] if ids else self.value
+        if self.kind == "modaxis":
+            return ids[self.axes[0]] % self.value
         a, b = self.axes
         return (ids[a] + ids[b]) % self.value
 
@@ -61,6 +66,8 @@ class DimMap:
             return f"{self.value - 1}-i{self.axes[0]}"
         if self.kind == "const":
             return str(self.value)
+        if self.kind == "modaxis":
+            return f"i{self.axes[0]}%{self.value}"
         return f"(i{self.axes[0]}+i{self.axes[1]})%{self.value}"
 
 
@@ -89,12 +96,13 @@ class Case:
     out: Operand
     out2: Operand
     alias: bool
+    init: Operand  # the aliased input's map: out's map, except for "read_alias"
 
     def __str__(self):
         return (
             f"seed={self.seed} grid={self.grid} block={self.block} kernel={self.kernel} "
             f"dtype={self.dtype.name} x->{self.x} y->{self.y} out->{self.out} out2->{self.out2} "
-            f"alias={self.alias} out_shape={self.out.shape} x_shape={self.x.shape}"
+            f"alias={self.alias} init->{self.init} out_shape={self.out.shape} x_shape={self.x.shape}"
         )
 
 
@@ -136,7 +144,18 @@ def make_case(seed: int) -> Case:
     dtype = np.dtype(np.int32) if rng.random() < 0.3 else np.dtype(np.float32)
     operands = [_random_operand(rng, grid, block, ndim) for _ in range(4)]
     alias = kernel in NEEDS_INIT or bool(rng.random() < 0.5)
-    return Case(seed, grid, block, kernel, dtype, *operands, alias)
+    out = operands[2]
+    init = out
+    if kernel == "read_alias":
+        # Any map into out's blocks: grid axes modulo out's block counts, or constants.
+        maps = []
+        for nb in out.num_blocks:
+            if rng.random() < 0.3:
+                maps.append(DimMap("const", (), int(rng.integers(0, nb))))
+            else:
+                maps.append(DimMap("modaxis", (int(rng.integers(len(grid))),), nb))
+        init = Operand(tuple(maps), out.num_blocks, out.shape)
+    return Case(seed, grid, block, kernel, dtype, *operands, alias, init)
 
 
 def _poison(dtype):
@@ -157,7 +176,7 @@ def _step_scale(ids, grid, xp):
     return step
 
 
-def _body(case: Case, ids, grid, x, y, o, o2, s, first_step, xp):
+def _body(case: Case, ids, grid, x, y, o, o2, s, first_step, xp, a=None):
     """One kernel step on block values; returns the new (o, o2, s).
 
     ``xp`` is numpy (reference) or jnp (kernel). ``ids`` are the grid indices.
@@ -189,6 +208,11 @@ def _body(case: Case, ids, grid, x, y, o, o2, s, first_step, xp):
     elif k == "two_outputs":
         o = o + x
         o2 = x - o
+    elif k == "read_alias":
+        if np.issubdtype(case.dtype, np.floating):
+            o = a * xp.asarray(0.5, case.dtype) + x
+        else:
+            o = a * xp.asarray(3, case.dtype) - x
     return o, o2, s
 
 
@@ -221,6 +245,7 @@ def reference(case: Case, x, y, init):
                 s,
                 n == 0,
                 np,
+                op[sl(case.init, ids)].copy(),
             )
             op[sl(case.out, ids)] = o
             if case.kernel == "two_outputs":
@@ -238,16 +263,16 @@ def build(case: Case, interpret) -> Callable:
 
     def kernel(*refs):
         if case.alias:
-            x_ref, y_ref, _init_ref, *rest = refs
+            x_ref, y_ref, init_ref, *rest = refs
         else:
-            x_ref, y_ref, *rest = refs
+            (x_ref, y_ref, *rest), init_ref = refs, None
         if case.kernel == "two_outputs":
             o_ref, o2_ref, s_ref = rest
         else:
             (o_ref, s_ref), o2_ref = rest, None
         ids = tuple(pl.program_id(a) for a in range(len(grid)))
         first = functools.reduce(jnp.logical_and, [i == 0 for i in ids])
-        uses_o = case.kernel not in ("overwrite", "scratch_carry") and not (
+        uses_o = case.kernel not in ("overwrite", "scratch_carry", "read_alias") and not (
             case.kernel == "scratch_temp" and not case.alias
         )
         o_in = o_ref[...] if uses_o else None
@@ -263,6 +288,7 @@ def build(case: Case, interpret) -> Callable:
             s_ref[...] if case.kernel == "scratch_carry" else None,
             first,
             jnp,
+            init_ref[...] if case.kernel == "read_alias" else None,
         )
         if case.kernel.startswith("scratch"):
             s_ref[...] = x_ref[...] if case.kernel == "scratch_temp" else s
@@ -279,7 +305,7 @@ def build(case: Case, interpret) -> Callable:
         out_specs.append(spec(case.out2))
     in_specs = [spec(case.x), spec(case.y)]
     if case.alias:
-        in_specs.append(spec(case.out))
+        in_specs.append(spec(case.init))
     return pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
@@ -311,7 +337,7 @@ def _run(case: Case, interpret):
     return [np.asarray(o) for o in build(case, interpret)(*args)]
 
 
-NUM_CASES = 48
+NUM_CASES = 54
 
 
 class TestVectorizedMatchesSequential(PallasTest):
@@ -329,7 +355,7 @@ class TestVectorizedMatchesSequential(PallasTest):
     def test_generator_covers_every_kind(self):
         cases = [make_case(s) for s in range(NUM_CASES)]
         kinds = {m.kind for c in cases for op in (c.x, c.y, c.out) for m in op.maps}
-        assert kinds == {"axis", "rev", "const", "mix"}
+        assert kinds >= {"axis", "rev", "const", "mix"}
         assert {c.kernel for c in cases} == set(KERNELS)
         assert {len(c.grid) for c in cases} == {1, 2, 3}
         assert any(c.x.shape[d] % c.block[d] for c in cases for d in range(len(c.block)))

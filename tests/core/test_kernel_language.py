@@ -33,9 +33,7 @@ class TestProgramIds(PallasTest):
             tag = (i * 1000 + j * 100 + ni * 10 + nj).astype(jnp.float32)
             o_ref[...] = x_ref[...] + tag
 
-        out = self.pallas_call(
-            kernel, _sds((3, 4, 8)), grid=(3, 2), in_specs=[spec], out_specs=spec
-        )(x)
+        out = self.pallas_call(kernel, _sds((3, 4, 8)), grid=(3, 2), in_specs=[spec], out_specs=spec)(x)
         i = np.arange(3)[:, None, None]
         j = (np.arange(4) // 2)[None, :, None]
         assert_allclose(out, x + (i * 1000 + j * 100 + 3 * 10 + 2).astype(np.float32))
@@ -47,9 +45,7 @@ class TestProgramIds(PallasTest):
         def kernel(x_ref, o_ref):
             o_ref[...] = x_ref[...] * (pl.program_id(-1) + 1).astype(jnp.float32)
 
-        out = self.pallas_call(kernel, _sds((4, 6)), grid=(2, 2), in_specs=[spec], out_specs=spec)(
-            x
-        )
+        out = self.pallas_call(kernel, _sds((4, 6)), grid=(2, 2), in_specs=[spec], out_specs=spec)(x)
         assert_allclose(out, x * jnp.repeat(jnp.array([1.0, 2.0]), 3)[None, :])
 
     def test_program_id_in_index_computation(self):
@@ -144,6 +140,44 @@ class TestRefIndexing(PallasTest):
 
         assert_allclose(self._run(kernel, x, (8, 8)), x[:, 1::2] - x[:, 0::2])
 
+    def test_ds_dynamic_start_with_stride(self):
+        x = self.rand((4, 32))
+
+        def kernel(x_ref, o_ref):
+            i = pl.program_id(0)
+            o_ref[...] = x_ref[:, pl.ds(i * 8 + 1, 4, stride=2)]
+
+        out = self.pallas_call(
+            kernel,
+            _sds((4, 16)),
+            grid=(4,),
+            in_specs=[pl.no_block_spec],
+            out_specs=pl.BlockSpec((4, 4), lambda i: (0, i)),
+        )(x)
+        expected = jnp.concatenate([x[:, i * 8 + 1 : i * 8 + 9 : 2] for i in range(4)], axis=1)
+        assert_allclose(out, expected)
+
+    @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_id)
+    def test_augmented_assignment_dtypes(self, dtype):
+        x, y = self.rand((8, 8), dtype), self.rand((8, 8), dtype)
+        spec = pl.BlockSpec((4, 8), lambda i, k: (i, 0))
+
+        def kernel(x_ref, y_ref, o_ref):
+            @pl.when(pl.program_id(1) == 0)
+            def _():
+                o_ref[...] = x_ref[...]
+
+            o_ref[...] += y_ref[...]
+
+        out = self.pallas_call(
+            kernel, _sds((8, 8), dtype), grid=(2, 3), in_specs=[spec, spec], out_specs=spec
+        )(x, y)
+        assert out.dtype == dtype
+        expected = x
+        for _ in range(3):
+            expected = expected + y
+        assert_allclose(out, expected)
+
     def test_slice_object(self):
         x = self.rand((12, 4))
 
@@ -225,9 +259,7 @@ class TestFloatOps(PallasTest):
 
         def kernel(x_ref, o_ref):
             v = x_ref[...]
-            o_ref[...] = (
-                jnp.exp(v * 0.1) + jnp.sin(v) - jnp.abs(v) + lax.rsqrt(v * v + 1) + jnp.tanh(v)
-            )
+            o_ref[...] = jnp.exp(v * 0.1) + jnp.sin(v) - jnp.abs(v) + lax.rsqrt(v * v + 1) + jnp.tanh(v)
 
         def ref(v):
             return jnp.exp(v * 0.1) + jnp.sin(v) - jnp.abs(v) + lax.rsqrt(v * v + 1) + jnp.tanh(v)
@@ -246,9 +278,7 @@ class TestFloatOps(PallasTest):
             n_ref[...] = jnp.min(v)
             a_ref[...] = jnp.argmax(v, axis=1).astype(jnp.int32)
 
-        s, m, n, a = self.pallas_call(
-            kernel, (_sds((8,)), _sds((16,)), _sds(()), _sds((8,), jnp.int32))
-        )(x)
+        s, m, n, a = self.pallas_call(kernel, (_sds((8,)), _sds((16,)), _sds(()), _sds((8,), jnp.int32)))(x)
         xf = x.astype(jnp.float32)
         assert_allclose(s, jnp.sum(xf, axis=1), jnp.float32, scale=10)
         assert_allclose(m, jnp.max(xf, axis=0), jnp.float32)
@@ -265,9 +295,7 @@ class TestFloatOps(PallasTest):
             e = jnp.exp(v)
             o_ref[...] = (e / jnp.sum(e, axis=-1, keepdims=True)).astype(o_ref.dtype)
 
-        out = self.pallas_call(
-            softmax, _sds((16, 32), dtype), grid=(4,), in_specs=[spec], out_specs=spec
-        )(x)
+        out = self.pallas_call(softmax, _sds((16, 32), dtype), grid=(4,), in_specs=[spec], out_specs=spec)(x)
         assert_allclose(out, jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(dtype))
 
     def test_dot(self, dtype):

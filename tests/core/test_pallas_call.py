@@ -151,9 +151,9 @@ class TestBlockedElementwise(PallasTest):
         def kernel(x_ref, y_ref, o_ref):
             o_ref[...] = x_ref[...] * y_ref[...] + x_ref[...]
 
-        out = self.pallas_call(
-            kernel, _sds(shape, dtype), grid=grid, in_specs=[spec, spec], out_specs=spec
-        )(x, y)
+        out = self.pallas_call(kernel, _sds(shape, dtype), grid=grid, in_specs=[spec, spec], out_specs=spec)(
+            x, y
+        )
         assert out.dtype == dtype
         assert_allclose(out, x * y + x)
 
@@ -193,9 +193,7 @@ class TestBlockSpecs(PallasTest):
         def kernel(x_ref, o_ref):
             o_ref[...] = x_ref[...].T
 
-        out = self.pallas_call(
-            kernel, _sds((8, 8)), in_specs=[pl.BlockSpec()], out_specs=pl.BlockSpec()
-        )(x)
+        out = self.pallas_call(kernel, _sds((8, 8)), in_specs=[pl.BlockSpec()], out_specs=pl.BlockSpec())(x)
         assert_allclose(out, x.T)
 
     def test_default_specs_with_grid_see_whole_array(self):
@@ -249,9 +247,7 @@ class TestBlockSpecs(PallasTest):
             o_ref[...] = x_ref[...] - 1.0
 
         spec = pl.BlockSpec((pl.Blocked(8), pl.Blocked(12)), lambda i, j: (i, j))
-        out = self.pallas_call(
-            kernel, _sds((16, 24)), grid=(2, 2), in_specs=[spec], out_specs=spec
-        )(x)
+        out = self.pallas_call(kernel, _sds((16, 24)), grid=(2, 2), in_specs=[spec], out_specs=spec)(x)
         assert_allclose(out, x - 1.0)
 
     def test_mixed_blocked_and_int_dims(self):
@@ -261,9 +257,7 @@ class TestBlockSpecs(PallasTest):
             o_ref[...] = x_ref[...] * x_ref[...]
 
         spec = pl.BlockSpec((pl.Blocked(4), 5), lambda i, j: (i, j))
-        out = self.pallas_call(
-            kernel, _sds((12, 10)), grid=(3, 2), in_specs=[spec], out_specs=spec
-        )(x)
+        out = self.pallas_call(kernel, _sds((12, 10)), grid=(3, 2), in_specs=[spec], out_specs=spec)(x)
         assert_allclose(out, x * x)
 
     def test_element_dim_offsets(self):
@@ -356,9 +350,7 @@ class TestBlockSpecs(PallasTest):
         def kernel(x_ref, o_ref):
             o_ref[...] = x_ref[...] + x_ref[...]
 
-        out = self.pallas_call(
-            kernel, _sds((19, 13), dtype), grid=(3, 2), in_specs=[spec], out_specs=spec
-        )(x)
+        out = self.pallas_call(kernel, _sds((19, 13), dtype), grid=(3, 2), in_specs=[spec], out_specs=spec)(x)
         assert_allclose(out, x + x)
 
 
@@ -466,9 +458,7 @@ class TestMemorySpacesAndScratch(PallasTest):
             acc_ref[...] += 1.0
             o_ref[...] = acc_ref[...]
 
-        out = self.pallas_call(
-            kernel, _sds((8, 16)), scratch_shapes=[pl.ANY((8, 16), jnp.float32)]
-        )(x)
+        out = self.pallas_call(kernel, _sds((8, 16)), scratch_shapes=[pl.ANY((8, 16), jnp.float32)])(x)
         assert_allclose(out, x * 2.0 + 1.0)
 
     def test_scratch_persists_across_grid_steps(self):

@@ -26,9 +26,7 @@ class TestJit(PallasTest):
         def kernel(x_ref, o_ref):
             o_ref[...] = jnp.sqrt(jnp.abs(x_ref[...])) + 1.0
 
-        f = jax.jit(
-            self.pallas_call(kernel, _sds((16, 8)), grid=(4,), in_specs=[spec], out_specs=spec)
-        )
+        f = jax.jit(self.pallas_call(kernel, _sds((16, 8)), grid=(4,), in_specs=[spec], out_specs=spec))
         assert_allclose(f(x), jnp.sqrt(jnp.abs(x)) + 1.0)
 
     def test_pallas_call_inside_larger_jit(self):
@@ -90,9 +88,7 @@ class TestVmap(PallasTest):
         def kernel(x_ref, y_ref, o_ref):
             o_ref[...] = x_ref[...] * 2.0 + y_ref[...]
 
-        return self.pallas_call(
-            kernel, _sds((8, 8)), grid=grid, in_specs=[spec, spec], out_specs=spec
-        )
+        return self.pallas_call(kernel, _sds((8, 8)), grid=grid, in_specs=[spec, spec], out_specs=spec)
 
     def test_vmap(self):
         x, y = self.rand((3, 8, 8)), self.rand((3, 8, 8))
@@ -263,9 +259,7 @@ class TestJvp(PallasTest):
         def kernel(x_ref, y_ref, o_ref):
             o_ref[...] = jnp.exp(x_ref[...] * 0.5) * y_ref[...]
 
-        f = self.pallas_call(
-            kernel, _sds((16, 8)), grid=(4,), in_specs=[spec, spec], out_specs=spec
-        )
+        f = self.pallas_call(kernel, _sds((16, 8)), grid=(4,), in_specs=[spec, spec], out_specs=spec)
         primal, tangent = jax.jvp(f, (x, y), (tx, ty))
         ref_primal, ref_tangent = jax.jvp(lambda a, b: jnp.exp(a * 0.5) * b, (x, y), (tx, ty))
         assert_allclose(primal, ref_primal)
@@ -358,9 +352,7 @@ class TestExport(PallasTest):
             acc = x_ref[...] * y_ref[...] + pl.program_id(1).astype(jnp.float32)
             o_ref[...] = jnp.where(acc > 0, acc, 0.1 * acc)
 
-        return self.pallas_call(
-            kernel, _sds((16, 16)), grid=(4, 2), in_specs=[spec, spec], out_specs=spec
-        )
+        return self.pallas_call(kernel, _sds((16, 16)), grid=(4, 2), in_specs=[spec, spec], out_specs=spec)
 
     def test_export_serialize_round_trip(self):
         f = jax.jit(self._kernel_fn())

@@ -6,9 +6,10 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import pytest
 from kernels import add_kernel, broken_kernel
+
+import jax_triton as jt
 
 
 def call_add(*args, grid=(4,), out_shape=None, **meta):
@@ -66,12 +67,8 @@ def test_metaparam_that_is_not_a_kernel_parameter():
 
 def test_kernel_that_fails_to_compile_shows_source_line():
     x = jax.ShapeDtypeStruct((64,), jnp.float32)
-    f = jax.jit(
-        lambda x: jt.triton_call(x, kernel=broken_kernel, out_shape=x, grid=1, BLOCK=64)
-    )
-    with pytest.raises(
-        jt.TritonCompilationError, match=r"(?s)broken_kernel.*undefined_name"
-    ):
+    f = jax.jit(lambda x: jt.triton_call(x, kernel=broken_kernel, out_shape=x, grid=1, BLOCK=64))
+    with pytest.raises(jt.TritonCompilationError, match=r"(?s)broken_kernel.*undefined_name"):
         f.trace(x).lower(lowering_platforms=("cuda",))
 
 
@@ -106,9 +103,7 @@ def test_non_array_pytree_leaves():
 def test_platform_with_neither_gpu_nor_interpreter():
     x = jax.ShapeDtypeStruct((256,), jnp.float32)
     with pytest.raises(NotImplementedError, match="cannot run on platform tpu"):
-        jax.export.export(jax.jit(lambda a, b: call_add(a, b, 256)), platforms=["tpu"])(
-            x, x
-        )
+        jax.export.export(jax.jit(lambda a, b: call_add(a, b, 256)), platforms=["tpu"])(x, x)
 
 
 def test_shard_map_on_two_cpu_devices():
@@ -134,7 +129,5 @@ def test_shard_map_on_two_cpu_devices():
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
         "JAX_PLATFORMS": "cpu",
     }
-    r = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env
-    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert "shard-map-ok" in r.stdout, r.stderr[-3000:]

@@ -38,9 +38,7 @@ def test_add_softmax_matmul_attention_match_jnp():
     x, y = rand((1 << 22,), 0), rand((1 << 22,), 1)
     np.testing.assert_array_equal(jax.jit(triton_add.add)(x, y), x + y)
     s = rand((1024, 3000), 2) * 3
-    np.testing.assert_allclose(
-        jax.jit(triton_softmax.softmax)(s), jax.nn.softmax(s, -1), atol=1e-6
-    )
+    np.testing.assert_allclose(jax.jit(triton_softmax.softmax)(s), jax.nn.softmax(s, -1), atol=1e-6)
     a, b = rand((1024, 512), 3, jnp.bfloat16), rand((512, 768), 4, jnp.bfloat16)
     ref = jnp.dot(a, b, preferred_element_type=jnp.float32)
     np.testing.assert_allclose(
@@ -86,9 +84,7 @@ def test_export_round_trip_in_fresh_process(tmp_path):
     )
     env = {**__import__("os").environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1"}
     subprocess.run([sys.executable, "-c", script], check=True, env=env)
-    np.testing.assert_allclose(
-        np.load(tmp_path / "y.npy"), triton_softmax.softmax(x), rtol=1e-6
-    )
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), triton_softmax.softmax(x), rtol=1e-6)
 
 
 def test_eight_threads_different_kernels():
@@ -102,14 +98,10 @@ def test_eight_threads_different_kernels():
             for _ in range(5):
                 if i % 2:
                     x = rand((1000 + i, 100 + i), i)
-                    np.testing.assert_allclose(
-                        triton_softmax.softmax(x), jax.nn.softmax(x, -1), atol=1e-6
-                    )
+                    np.testing.assert_allclose(triton_softmax.softmax(x), jax.nn.softmax(x, -1), atol=1e-6)
                 else:
                     x, y = rand((10000 + i,), i), rand((10000 + i,), i + 100)
-                    np.testing.assert_array_equal(
-                        triton_add.add(x, y, block_size=256 << (i % 4)), x + y
-                    )
+                    np.testing.assert_array_equal(triton_add.add(x, y, block_size=256 << (i % 4)), x + y)
         except Exception as e:  # noqa: BLE001 - collected and re-raised below
             errors.append(e)
 
@@ -129,9 +121,7 @@ def test_shard_map_over_all_gpus():
 
     n = len(_gpus())
     mesh = jax.make_mesh((n,), ("x",))
-    f = jax.jit(
-        jax.shard_map(triton_add.add, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
-    )
+    f = jax.jit(jax.shard_map(triton_add.add, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     sharding = NamedSharding(mesh, P("x"))
     x, y = rand((n * 4096,), 11), rand((n * 4096,), 12)
     out = f(jax.device_put(x, sharding), jax.device_put(y, sharding))

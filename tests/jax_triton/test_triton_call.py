@@ -4,7 +4,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import numpy as np
 import pytest
 from kernels import (
@@ -17,6 +16,8 @@ from kernels import (
     inplace_add_kernel,
     loop_kernel,
 )
+
+import jax_triton as jt
 
 
 def rand(shape, seed, dtype=jnp.float32):
@@ -54,19 +55,13 @@ def test_examples_match_jnp():
     x, y = rand((777,), 4), rand((777,), 5)
     np.testing.assert_array_equal(triton_add.add(x, y, block_size=128), x + y)
     s = rand((16, 100), 6) * 3
-    np.testing.assert_allclose(
-        triton_softmax.softmax(s), jax.nn.softmax(s, -1), atol=1e-6
-    )
+    np.testing.assert_allclose(triton_softmax.softmax(s), jax.nn.softmax(s, -1), atol=1e-6)
     a, b = rand((96, 64), 7, jnp.bfloat16), rand((64, 80), 8, jnp.bfloat16)
     ref = jnp.dot(a, b, preferred_element_type=jnp.float32)
-    np.testing.assert_allclose(
-        triton_matmul.matmul(a, b).astype(jnp.float32), ref, rtol=2e-2, atol=5e-2
-    )
+    np.testing.assert_allclose(triton_matmul.matmul(a, b).astype(jnp.float32), ref, rtol=2e-2, atol=5e-2)
     q, k, v = (rand((1, 2, 64, 16), 9 + i, jnp.bfloat16) for i in range(3))
     for causal in (False, True):
-        out = triton_flash_attention.attention(
-            q, k, v, causal=causal, block_m=16, block_n=16, num_warps=4
-        )
+        out = triton_flash_attention.attention(q, k, v, causal=causal, block_m=16, block_n=16, num_warps=4)
         ref = triton_flash_attention.reference(q, k, v, causal)
         np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=2e-2)
 
@@ -150,9 +145,7 @@ def test_interpreter_bf16_dot_workaround():
         grid=1,
         N=16,
     )
-    np.testing.assert_allclose(
-        out, jnp.dot(a, b, preferred_element_type=jnp.float32), rtol=1e-5, atol=1e-5
-    )
+    np.testing.assert_allclose(out, jnp.dot(a, b, preferred_element_type=jnp.float32), rtol=1e-5, atol=1e-5)
 
 
 def test_vmap_default_and_folded():
@@ -167,9 +160,7 @@ def test_vmap_default_and_folded():
 
     jaxpr = jax.make_jaxpr(jax.vmap(lambda a, b: add(a, b, batch_fold=fold)))(x, y)
     assert "while" not in str(jaxpr)  # one launch, not a loop
-    np.testing.assert_array_equal(
-        jax.vmap(lambda a, b: add(a, b, batch_fold=fold))(x, y), x + y
-    )
+    np.testing.assert_array_equal(jax.vmap(lambda a, b: add(a, b, batch_fold=fold))(x, y), x + y)
 
 
 def test_grad_points_to_custom_vjp():
@@ -182,9 +173,9 @@ def test_lowering_for_cuda_embeds_cubin_and_is_exportable():
     import jax_kernel_runtime as jkr
 
     x = jax.ShapeDtypeStruct((1024,), jnp.float32)
-    exp = jax.export.export(
-        jax.jit(add), platforms=["cuda"], disabled_checks=jkr.export_disabled_checks()
-    )(x, x)
+    exp = jax.export.export(jax.jit(add), platforms=["cuda"], disabled_checks=jkr.export_disabled_checks())(
+        x, x
+    )
     blob = exp.serialize()
     again = jax.export.deserialize(blob)
     assert again.platforms == ("cuda",)
@@ -223,9 +214,7 @@ def test_autotune_key_depends_on_shapes_and_device():
     from jax_triton._src import autotune
 
     fn = autotune.base_function(autotuned_copy_kernel)
-    variants = autotune.expand(
-        autotuned_copy_kernel, {}, {}, jt._src.compile.CompileOptions()
-    )
+    variants = autotune.expand(autotuned_copy_kernel, {}, {}, jt._src.compile.CompileOptions())
     assert [v.meta["BLOCK"] for v in variants] == [64, 128]
     assert [v.options.num_warps for v in variants] == [2, 4]
     variants = [(v.metaparams, v.options) for v in variants]
@@ -243,9 +232,7 @@ def test_uses_triton_cache_dir_and_keeps_it(tmp_path, monkeypatch):
     cache = tmp_path / "triton-cache"
     monkeypatch.setattr(triton.knobs.cache, "dir", str(cache))
     x = jax.ShapeDtypeStruct((4096,), jnp.float32)
-    jax.jit(lambda a, b: add(a, b, block=256)).trace(x, x).lower(
-        lowering_platforms=("cuda",)
-    )
+    jax.jit(lambda a, b: add(a, b, block=256)).trace(x, x).lower(lowering_platforms=("cuda",))
     assert cache.is_dir() and any(cache.rglob("*.cubin"))
 
 

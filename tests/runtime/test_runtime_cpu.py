@@ -38,9 +38,7 @@ def compile_scale(cc: int, num_warps: int = 4):
         constexprs={"BLOCK": 256},
         attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]},
     )
-    return triton.compile(
-        src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps}
-    )
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": num_warps})
 
 
 @pytest.mark.parametrize("cc", [80, 90])
@@ -125,9 +123,7 @@ def test_kernel_call_validates_operands():
     cfg = jkr.KernelConfig(image=b"\x7fELF", function="f")
     x = jnp.ones(4)
     with pytest.raises(ValueError, match="operand 5"):
-        jkr.kernel_call(
-            x, configs=[cfg], grid=1, out_shapes=[x], params=[jkr.Buffer(5)]
-        )
+        jkr.kernel_call(x, configs=[cfg], grid=1, out_shapes=[x], params=[jkr.Buffer(5)])
     with pytest.raises(ValueError, match="at least one"):
         jkr.kernel_call(x, configs=[], grid=1, out_shapes=[x])
 
@@ -142,9 +138,7 @@ def test_lowered_hlo_is_identical_across_processes(tmp_path):
         """
     )
     outs = [
-        subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, check=True
-        ).stdout
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
         for _ in range(2)
     ]
     assert "jax_kernel_runtime_launch" in outs[0]
@@ -152,12 +146,8 @@ def test_lowered_hlo_is_identical_across_processes(tmp_path):
 
 
 def test_scratch_output_added_for_triton_global_scratch():
-    cfg = jkr.KernelConfig(
-        image=b"\x7fELF", function="f", global_scratch_bytes=100, cluster_dims=(2, 1, 1)
-    )
-    assert (
-        cfg.scratch_bytes((3, 1, 1)) == 768
-    )  # 3 programs * 2 CTAs * 100 B, 256-aligned
+    cfg = jkr.KernelConfig(image=b"\x7fELF", function="f", global_scratch_bytes=100, cluster_dims=(2, 1, 1))
+    assert cfg.scratch_bytes((3, 1, 1)) == 768  # 3 programs * 2 CTAs * 100 B, 256-aligned
     x = jax.ShapeDtypeStruct((8,), jnp.float32)
     text = (
         jax.jit(lambda x: jkr.kernel_call(x, configs=[cfg], grid=3, out_shapes=[x])[0])
@@ -179,8 +169,4 @@ def test_native_registrations_have_all_stages():
 
     stages = native.registrations()[jkr.TARGET_NAME]
     assert set(stages) == {"instantiate", "initialize", "execute"}
-    assert (
-        native.hash_image(b"abc")
-        == native.hash_image(b"abc")
-        != native.hash_image(b"abd")
-    )
+    assert native.hash_image(b"abc") == native.hash_image(b"abc") != native.hash_image(b"abd")

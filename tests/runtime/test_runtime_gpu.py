@@ -58,12 +58,8 @@ def test_launch_matches_jnp():
 
 
 def test_bad_image_is_a_python_error():
-    cfg = jkr.KernelConfig(
-        image=b"not a cubin at all", function="scale_kernel", block_dims=(128, 1, 1)
-    )
-    with pytest.raises(
-        Exception, match=r"kernel 'scale'.*cuModuleLoadData.*CUDA_ERROR"
-    ):
+    cfg = jkr.KernelConfig(image=b"not a cubin at all", function="scale_kernel", block_dims=(128, 1, 1))
+    with pytest.raises(Exception, match=r"kernel 'scale'.*cuModuleLoadData.*CUDA_ERROR"):
         jax.block_until_ready(jax.jit(lambda x: _scale(x, cfg, 1.0))(jnp.ones(256)))
 
 
@@ -71,9 +67,7 @@ def test_unknown_function_is_a_python_error():
     good = jkr.config_from_triton(compile_scale(_cc()))
     cfg = jkr.KernelConfig(image=good.image, function="no_such_kernel", block_dims=good.block_dims,
                            triton_scratch_params=True)  # fmt: skip
-    with pytest.raises(
-        Exception, match=r"no function 'no_such_kernel'.*CUDA_ERROR_NOT_FOUND"
-    ):
+    with pytest.raises(Exception, match=r"no function 'no_such_kernel'.*CUDA_ERROR_NOT_FOUND"):
         jax.block_until_ready(jax.jit(lambda x: _scale(x, cfg, 1.0))(jnp.ones(256)))
 
 
@@ -94,9 +88,7 @@ def test_misaligned_buffer_is_a_python_error():
         jkr.Scalar("fp32", 1.0),
     ]
     with pytest.raises(Exception, match=r"not aligned"):
-        jax.block_until_ready(
-            jax.jit(lambda x: _scale(x, cfg, 1.0, params=params))(jnp.ones(256))
-        )
+        jax.block_until_ready(jax.jit(lambda x: _scale(x, cfg, 1.0, params=params))(jnp.ones(256)))
 
 
 def test_launch_error_names_kernel():
@@ -108,9 +100,7 @@ def test_launch_error_names_kernel():
 
 
 def test_autotune_picks_a_config_and_records_it():
-    cfgs = [
-        jkr.config_from_triton(compile_scale(_cc(), num_warps=w)) for w in (1, 4, 8)
-    ]
+    cfgs = [jkr.config_from_triton(compile_scale(_cc(), num_warps=w)) for w in (1, 4, 8)]
     x = jax.random.normal(jax.random.key(1), (1 << 20,))
     before = len(jkr.tune_records())
     out = jax.jit(lambda x: _scale(x, cfgs, 3.0, tune_key="scale-test"))(x)
@@ -118,11 +108,7 @@ def test_autotune_picks_a_config_and_records_it():
     records = jkr.tune_records()[before:]
     assert [r[0] for r in records] == ["scale-test"]
     key, device, chosen, times = records[0]
-    assert (
-        0 <= chosen < 3
-        and len(times) == 3
-        and min(t for t in times if t >= 0) == times[chosen]
-    )
+    assert 0 <= chosen < 3 and len(times) == 3 and min(t for t in times if t >= 0) == times[chosen]
 
 
 def test_autotune_restores_aliased_inputs():

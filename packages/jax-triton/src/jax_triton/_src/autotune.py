@@ -59,14 +59,10 @@ def expand(kernel, named_args: dict, metaparams: dict, options: CompileOptions):
     if isinstance(kernel, Autotuner):
         configs = list(kernel.configs)
         if kernel.early_config_prune is not None:
-            configs = list(
-                kernel.early_config_prune(configs, {**named_args, **metaparams})
-            )
+            configs = list(kernel.early_config_prune(configs, {**named_args, **metaparams}))
         out = []
         for cfg in configs:
-            extra = tuple(
-                (k, v) for k, v in (("maxnreg", cfg.maxnreg),) if v is not None
-            )
+            extra = tuple((k, v) for k, v in (("maxnreg", cfg.maxnreg),) if v is not None)
             opts = dataclasses.replace(
                 options,
                 num_warps=cfg.num_warps,

@@ -57,9 +57,7 @@ def compile_kernel(
         hit = _cache.get(key)
     if hit is not None:
         return hit
-    src = ASTSource(
-        fn, bound.signature(), constexprs=bound.constexprs(), attrs=bound.attrs()
-    )
+    src = ASTSource(fn, bound.signature(), constexprs=bound.constexprs(), attrs=bound.attrs())
     target = GPUTarget("cuda", compute_capability, 32)
     try:
         compiled = triton.compile(src, target=target, options=options.as_dict())

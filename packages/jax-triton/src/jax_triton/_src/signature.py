@@ -47,8 +47,7 @@ def triton_dtype(dtype, what: str) -> str:
     except (KeyError, TypeError):
         supported = ", ".join(sorted(str(d) for d in _DTYPES))
         raise TypeError(
-            f"{what} has dtype {dtype}, which Triton kernels cannot take; "
-            f"supported dtypes: {supported}"
+            f"{what} has dtype {dtype}, which Triton kernels cannot take; supported dtypes: {supported}"
         ) from None
 
 
@@ -98,18 +97,11 @@ class BoundCall:
         return {p.name: p.value for p in self.params if p.kind == "constexpr"}
 
     def attrs(self) -> dict[tuple[int], list]:
-        return {
-            (i,): [["tt.divisibility", 16]]
-            for i, p in enumerate(self.params)
-            if p.divisible_by_16
-        }
+        return {(i,): [["tt.divisibility", 16]] for i, p in enumerate(self.params) if p.divisible_by_16}
 
     def key(self):
         """Hashable identity of the specialization (for compile caches)."""
-        return tuple(
-            (p.name, p.type, p.operand, _hashable(p.value), p.divisible_by_16)
-            for p in self.params
-        )
+        return tuple((p.name, p.type, p.operand, _hashable(p.value), p.divisible_by_16) for p in self.params)
 
 
 def _hashable(v):
@@ -153,9 +145,7 @@ def bind(
             f"triton_call binds {len(args)} inputs + {len(out_avals)} outputs "
             f"positionally and metaparams {sorted(metaparams)} by name"
         )
-    missing = [
-        n for n in names[n_pos:] if n not in metaparams and not _has_default(fn, n)
-    ]
+    missing = [n for n in names[n_pos:] if n not in metaparams and not _has_default(fn, n)]
     if missing:
         raise TypeError(
             f"kernel {kernel!r} has {len(names)} parameters {names}; triton_call "

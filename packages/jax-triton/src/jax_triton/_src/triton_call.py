@@ -141,9 +141,7 @@ def triton_call(
                 f"{type(leaf).__name__}; every leaf must have .shape and .dtype "
                 f"(use jax.ShapeDtypeStruct)"
             )
-    out_avals = tuple(
-        jax.ShapeDtypeStruct(tuple(o.shape), jnp.dtype(o.dtype)) for o in out_leaves
-    )
+    out_avals = tuple(jax.ShapeDtypeStruct(tuple(o.shape), jnp.dtype(o.dtype)) for o in out_leaves)
     arrays, positional, scalars = [], [], []
     for i, a in enumerate(args):
         if is_array(a):
@@ -189,9 +187,7 @@ def _make_spec(kernel, fn, name, positional, out_avals, metaparams, grid,
     in_avals = tuple(p for p in positional if hasattr(p, "shape"))
     for i, o in aliases.items():
         if not (0 <= i < len(in_avals) and 0 <= o < len(out_avals)):
-            raise ValueError(
-                f"triton_call {name!r}: input_output_aliases {i}: {o} out of range"
-            )
+            raise ValueError(f"triton_call {name!r}: input_output_aliases {i}: {o} out of range")
         if (in_avals[i].shape, in_avals[i].dtype) != (
             out_avals[o].shape,
             out_avals[o].dtype,
@@ -215,14 +211,8 @@ def _make_spec(kernel, fn, name, positional, out_avals, metaparams, grid,
                 zeroed.add(idx - n_in)
         for z in zeroed:
             if not 0 <= z < len(out_avals):
-                raise ValueError(
-                    f"triton_call {name!r}: zeroed output {z} out of range"
-                )
-        variants.append(
-            CallVariant(
-                bound, _grid_of(grid, meta, name), v.options, tuple(sorted(zeroed))
-            )
-        )
+                raise ValueError(f"triton_call {name!r}: zeroed output {z} out of range")
+        variants.append(CallVariant(bound, _grid_of(grid, meta, name), v.options, tuple(sorted(zeroed))))
     return CallSpec(
         kernel, fn, name, tuple(variants), in_avals, out_avals,
         tuple(sorted(aliases.items())), scalars, cc, debug, batch_fold,
@@ -263,7 +253,7 @@ def _cuda_lowering(ctx, *args, call: CallSpec):
     cc = _compute_capability(ctx, call)
     limit = _MAX_SHARED.get(cc, 232448)
     compiled = []
-    for i, v in enumerate(call.variants):
+    for _i, v in enumerate(call.variants):
         config, _ = compile_kernel(call.fn, v.bound, v.options, cc, call.debug)
         if config.shared_memory_bytes > limit:
             if len(call.variants) == 1:
@@ -323,9 +313,7 @@ def _cpu_lowering(ctx, *args, call: CallSpec):
     # interpreter says nothing about GPU speed.
     v = call.variants[0]
     if call.debug:
-        print(
-            f"[jax_triton] interpreting {call.name}: signature={v.bound.signature()} grid={v.grid}"
-        )
+        print(f"[jax_triton] interpreting {call.name}: signature={v.bound.signature()} grid={v.grid}")
 
     def host(*arrays):
         return run_on_host(
@@ -338,9 +326,7 @@ def _cpu_lowering(ctx, *args, call: CallSpec):
         )
 
     def interpret(*arrays):
-        return jax.pure_callback(
-            host, list(call.out_avals), *arrays, vmap_method="sequential"
-        )
+        return jax.pure_callback(host, list(call.out_avals), *arrays, vmap_method="sequential")
 
     return mlir.lower_fun(interpret, multiple_results=True)(ctx, *args)
 
@@ -393,10 +379,7 @@ def _batch(args, dims, *, call: CallSpec):
 
 def _batch_folded(args, dims, size, call: CallSpec):
     positional, metaparams, grid, zeroed, options = call.call_args
-    args = [
-        a if d is not None else jnp.broadcast_to(a, (size, *a.shape))
-        for a, d in zip(args, dims)
-    ]
+    args = [a if d is not None else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims)]
     _, new_scalars = call.batch_fold(size, call.variants[0].grid, dict(call.scalars))
     new_positional = list(positional)
     for i, val in (new_scalars or {}).items():
@@ -406,14 +389,10 @@ def _batch_folded(args, dims, size, call: CallSpec):
         if hasattr(p, "shape"):
             a = next(in_avals)
             new_positional[i] = jax.ShapeDtypeStruct(a.shape, a.dtype)
-    out_avals = tuple(
-        jax.ShapeDtypeStruct((size, *o.shape), o.dtype) for o in call.out_avals
-    )
+    out_avals = tuple(jax.ShapeDtypeStruct((size, *o.shape), o.dtype) for o in call.out_avals)
 
     def folded_grid(meta):
-        return call.batch_fold(
-            size, _grid_of(grid, meta, call.name), dict(call.scalars)
-        )[0]
+        return call.batch_fold(size, _grid_of(grid, meta, call.name), dict(call.scalars))[0]
 
     spec = _make_spec(
         call.kernel, call.fn, call.name, new_positional, out_avals, metaparams,

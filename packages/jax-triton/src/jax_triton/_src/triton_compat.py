@@ -25,7 +25,9 @@ from triton.runtime.jit import JITFunction
 # sha256 of triton/_C/libtriton.so recorded in triton-3.6.0.dist-info/RECORD
 # (PyPI manylinux_2_27/2_28 x86_64 wheel, cp312), i.e. the v3.6.0 release tag.
 VALIDATED_TRITON_VERSION = "3.6.0"
-VALIDATED_TRITON_BUILD = "v3.6.0 release wheel; libtriton.so sha256=KNqqcKkE5Pit11TlGFM-imm5SrixZDHOd9RfHyUoK4c"
+VALIDATED_TRITON_BUILD = (
+    "v3.6.0 release wheel; libtriton.so sha256=KNqqcKkE5Pit11TlGFM-imm5SrixZDHOd9RfHyUoK4c"
+)
 
 __all__ = [
     "ASTSource",
@@ -118,9 +120,7 @@ def _dot_with_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
             data = _interp._convert_float(t.data, tl.bfloat16, tl.float32, None)
             t = _interp.TensorHandle(data.view(np.float32), tl.float32)
         convert.append(t)
-    return _original_create_dot(
-        self, convert[0], convert[1], d, input_precision, max_num_imprecise_acc
-    )
+    return _original_create_dot(self, convert[0], convert[1], d, input_precision, max_num_imprecise_acc)
 
 
 _original_create_dot = _interp.InterpreterBuilder.create_dot
@@ -175,11 +175,7 @@ def interpret(fn, grid, kwargs: dict, constexpr_names: set[str]) -> None:
         for name, value in kwargs.items():
             if name in constexpr_names:
                 args[name] = value
-            elif (
-                isinstance(value, tuple)
-                and len(value) == 2
-                and isinstance(value[0], str)
-            ):
+            elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
                 ty = pointer_type(value[0])
                 handle = _interp.TensorHandle(np.array([value[1]], dtype=np.uint64), ty)
                 args[name] = tl.tensor(handle, ty)

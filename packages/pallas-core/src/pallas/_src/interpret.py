@@ -214,7 +214,21 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
     # Side effects (debug_print) must happen once per step, in grid order.
     has_side_effects = any(not isinstance(e, compat.RefEffect) for e in jaxpr.effects)
     fully_sequential = writes_inputs or writes_any_space or n_scratch > 0 or has_side_effects
+    # An aliased input shares its buffer with the output: it reads what earlier steps wrote.
+    # Steps stay independent only if the input reads exactly the block the output writes.
+    alias_of = {o: i for i, o in input_output_aliases}
+    in_alias = {i: o for i, o in input_output_aliases}
     plan = make_plan(gm, fully_sequential, params.vectorize)
+    if (
+        not fully_sequential
+        and params.vectorize
+        and any(
+            gm.block_mappings[i].block_sizes != gm.block_mappings[n_in + o].block_sizes
+            or not np.array_equal(plan.starts[i], plan.starts[n_in + o])
+            for i, o in input_output_aliases
+        )
+    ):
+        plan = make_plan(gm, True, params.vectorize)
     ns, npar = plan.points.shape[:2]
     batched = npar > 1
 
@@ -223,7 +237,6 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
 
     in_bms, out_bms = gm.in_block_mappings, gm.out_block_mappings
     ins = [_pad(x, bm) for x, bm in zip(args, in_bms)]
-    alias_of = {o: i for i, o in input_output_aliases}
     outs = [
         _pad(args[alias_of[o]], bm)
         if o in alias_of
@@ -243,7 +256,10 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
         ins, outs, scratch = carry
         st = [lax.dynamic_index_in_dim(t, s, 0, keepdims=False) for t in starts]
         pts = lax.dynamic_index_in_dim(points, s, 0, keepdims=False)  # (Np, G)
-        in_blocks = [_read(x, t, bm, batched) for x, t, bm in zip(ins, st, in_bms)]
+        in_blocks = [
+            _read(outs[in_alias[i]] if i in in_alias else x, t, bm, batched)
+            for i, (x, t, bm) in enumerate(zip(ins, st, in_bms))
+        ]
         out_blocks = [_read(x, t, bm, batched) for x, t, bm in zip(outs, st[n_in:], out_bms)]
         gidx = [pts[:, g] if batched else pts[0, g] for g in range(G)]
 

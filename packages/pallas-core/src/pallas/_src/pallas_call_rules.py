@@ -212,7 +212,15 @@ def _interpret_lowering(ctx, *args, **params):
 def _platform_rule(platform: str, params):
     gm = params["grid_mapping"]
     cp = params.get("compiler_params")
-    if platform == "cpu" and not getattr(cp, "PLATFORM", ""):
+    if platform == "cpu":
+        want = getattr(cp, "PLATFORM", "")
+        if want and want != "cpu":
+            raise ValueError(
+                f"{describe(gm.kernel_name, gm.source)}: compiler_params {type(cp).__name__} are for "
+                f"'{want}', but the kernel is being lowered for the CPU (no {want} device). Pass "
+                "interpret=True to run it as plain JAX, or the backend's interpreter (e.g. "
+                "interpret=pallas_gpu.InterpretParams())."
+            )
         return _interpret_lowering
     backend = backends.for_platform(platform, cp, params.get("backend"))
     if backend is None:

@@ -1,0 +1,19 @@
+"""pallas_gpu: the Triton backend of Pallas (``import pallas_gpu as plgpu``).
+
+Installing this package makes ``pallas.pallas_call`` compile kernels for
+NVIDIA GPUs: the kernel jaxpr is lowered to Triton source, compiled by
+``triton.compile`` and launched by ``jax_kernel_runtime``. Pass
+``interpret=plgpu.InterpretParams()`` to run the same generated Triton code on
+the CPU through Triton's interpreter.
+"""
+
+from pallas_gpu._src.core import CompilerParams as CompilerParams
+from pallas_gpu._src.core import InterpretParams as InterpretParams
+from pallas_gpu._src.primitives import atomic_add as atomic_add
+from pallas_gpu._src.primitives import atomic_max as atomic_max
+from pallas_gpu._src.primitives import atomic_min as atomic_min
+from pallas_gpu._src.primitives import dot as dot
+from pallas_gpu._src.primitives import load as load
+from pallas_gpu._src.primitives import store as store
+
+__version__ = "0.1.0"

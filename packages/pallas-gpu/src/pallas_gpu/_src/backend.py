@@ -1,0 +1,10 @@
+"""The object pallas-core loads from the ``pallas.backends`` entry point."""
+
+from __future__ import annotations
+
+from pallas_gpu._src.core import CompilerParams, InterpretParams
+from pallas_gpu._src.pallas_call_registration import lower as lower
+
+PLATFORMS = ("cuda",)
+COMPILER_PARAMS = CompilerParams
+INTERPRET_PARAMS = InterpretParams

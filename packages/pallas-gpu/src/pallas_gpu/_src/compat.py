@@ -1,0 +1,79 @@
+"""The one place pallas-gpu touches JAX internals (``jax._src``).
+
+JAX has no public API for the state primitives (Ref loads/stores and their
+indexers), the control-flow primitives' objects, or an equation's source
+line. Everything the lowering needs from ``jax._src`` is imported here, so a
+JAX release that moves them breaks this file only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax._src import core as jax_core
+from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import pjit as _pjit
+from jax._src import source_info_util
+from jax._src.lax import control_flow as _control_flow
+from jax._src.state import discharge as state_discharge
+from jax._src.state import indexing as state_indexing
+from jax._src.state import primitives as state_primitives
+from jax._src.state import types as state_types
+
+Literal = jax_core.Literal
+Var = jax_core.Var
+DropVar = jax_core.DropVar
+ClosedJaxpr = jax_core.ClosedJaxpr
+Jaxpr = jax_core.Jaxpr
+AbstractRef = state_types.AbstractRef
+NDIndexer = state_indexing.NDIndexer
+Slice = state_indexing.Slice
+TransformedRef = state_types.TransformedRef
+ReadEffect = state_types.ReadEffect
+WriteEffect = state_types.WriteEffect
+register_discharge_rule = state_discharge.register_discharge_rule
+transform_array = state_discharge.transform_array
+transform_swap_array = state_discharge.transform_swap_array
+
+get_p = state_primitives.get_p
+swap_p = state_primitives.swap_p
+addupdate_p = state_primitives.addupdate_p
+
+cond_p = _control_flow.cond_p
+while_p = _control_flow.while_p
+scan_p = _control_flow.scan_p
+cumsum_p = _control_flow.cumsum_p
+cumprod_p = _control_flow.cumprod_p
+cummax_p = _control_flow.cummax_p
+cummin_p = _control_flow.cummin_p
+jit_p = _pjit.jit_p
+custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
+custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
+
+
+def source_line(eqn: Any) -> str:
+    """'file.py:42 (fn)' of the user code that produced ``eqn``."""
+    try:
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # source info is best effort
+        return "<unknown>"
+
+
+def is_ref_aval(aval: Any) -> bool:
+    return isinstance(aval, AbstractRef)
+
+
+def unwrap_jaxpr(j: Any) -> tuple[Any, tuple[Any, ...]]:
+    """(jaxpr, consts) of a closed or open jaxpr."""
+    if isinstance(j, ClosedJaxpr):
+        return j.jaxpr, tuple(j.consts)
+    return j, ()
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """(num_consts, num_carry) of a scan_p equation (JAX 0.11 packs them in
+    ``ft_in``; older JAX has ``num_consts``/``num_carry``)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))

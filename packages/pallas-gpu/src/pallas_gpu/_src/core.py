@@ -1,0 +1,73 @@
+"""pallas-gpu's backend types: ``CompilerParams`` and ``InterpretParams``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pallas as pl
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilerParams(pl.CompilerParams):
+    """Options for compiling a Pallas kernel with Triton.
+
+    Args:
+      num_warps: warps per program (a power of two, 1 to 32).
+      num_stages: software-pipelining stages of loops that load from memory.
+      num_ctas: CTAs per cluster (Hopper and newer).
+      enable_fp_fusion: let the compiler fuse multiply-adds.
+      debug: compile with Triton's device-side assertions.
+    """
+
+    PLATFORM = "cuda"
+    num_warps: int = 4
+    num_stages: int = 3
+    num_ctas: int = 1
+    enable_fp_fusion: bool = True
+    debug: bool = False
+
+    def __post_init__(self):
+        nw = self.num_warps
+        if not isinstance(nw, int) or nw < 1 or nw > 32 or nw & (nw - 1):
+            raise ValueError(
+                f"plgpu.CompilerParams: num_warps must be a power of two between 1 and 32 "
+                f"(at most 1024 threads per program), got {nw!r}"
+            )
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(
+                f"plgpu.CompilerParams: num_stages must be a positive int, got {self.num_stages!r}"
+            )
+        if not isinstance(self.num_ctas, int) or self.num_ctas < 1:
+            raise ValueError(f"plgpu.CompilerParams: num_ctas must be a positive int, got {self.num_ctas!r}")
+
+    def compile_options(self) -> dict:
+        return {
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+            "num_ctas": self.num_ctas,
+            "enable_fp_fusion": self.enable_fp_fusion,
+            "debug": self.debug,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class InterpretParams:
+    """Run the generated Triton kernel on the CPU through Triton's interpreter.
+
+    ``pallas_call(..., interpret=plgpu.InterpretParams())`` lowers the kernel
+    exactly as for a GPU, then executes the generated Triton source under
+    ``triton``'s interpreter on host buffers (any platform, no GPU needed).
+
+    Args:
+      uninitialized: what outputs hold before the kernel writes them:
+        ``"nan"`` (NaN for floats, the smallest int for ints: makes reads of
+        never-written memory visible) or ``"zero"``.
+    """
+
+    uninitialized: str = "nan"
+
+    def __post_init__(self):
+        if self.uninitialized not in ("nan", "zero"):
+            raise ValueError(
+                f"plgpu.InterpretParams: uninitialized must be 'nan' or 'zero', got {self.uninitialized!r}"
+            )

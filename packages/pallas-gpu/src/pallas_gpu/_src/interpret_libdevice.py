@@ -1,0 +1,90 @@
+"""``libdevice`` for Triton's CPU interpreter.
+
+Triton's interpreter cannot run ``extern_elementwise`` calls, so generated
+kernels running under it import this object instead of
+``triton.language.extra.libdevice``: the same function names, computed with
+numpy on the interpreter's host tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import triton.language as tl
+from triton.runtime.interpreter import TensorHandle
+
+
+def _round_away(x):
+    return np.sign(x) * np.floor(np.abs(x) + 0.5)
+
+
+def _erfinv(x):
+    # Newton iterations on erf from a good start (Giles' approximation).
+    w = -np.log((1.0 - x) * (1.0 + x))
+    p = np.where(w < 5.0, _giles_small(w - 2.5), _giles_big(np.sqrt(np.maximum(w, 5.0)) - 3.0))
+    y = p * x
+    erf = np.vectorize(math.erf)
+    for _ in range(2):
+        y = y - (erf(y) - x) / (2.0 / math.sqrt(math.pi) * np.exp(-y * y))
+    return np.where(np.abs(x) == 1, np.sign(x) * np.inf, y)
+
+
+def _giles_small(w):
+    p = 2.81022636e-08
+    for c in (
+        3.43273939e-07,
+        -3.5233877e-06,
+        -4.39150654e-06,
+        0.00021858087,
+        -0.00125372503,
+        -0.00417768164,
+        0.246640727,
+        1.50140941,
+    ):
+        p = c + p * w
+    return p
+
+
+def _giles_big(w):
+    p = -0.000200214257
+    for c in (
+        0.000100950558,
+        0.00134934322,
+        -0.00367342844,
+        0.00573950773,
+        -0.0076224613,
+        0.00943887047,
+        1.00167406,
+        2.83297682,
+    ):
+        p = c + p * w
+    return p
+
+
+_FUNCS = {
+    "log1p": np.log1p, "expm1": np.expm1, "cbrt": np.cbrt, "tan": np.tan, "tanh": np.tanh,
+    "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan, "sinh": np.sinh, "cosh": np.cosh,
+    "asinh": np.arcsinh, "acosh": np.arccosh, "atanh": np.arctanh, "pow": np.power,
+    "atan2": np.arctan2, "nextafter": np.nextafter, "rint": np.rint, "round": _round_away,
+    "erfinv": _erfinv,
+}  # fmt: skip
+
+
+class _Libdevice:
+    def __getattr__(self, name):
+        if name not in _FUNCS:
+            raise NotImplementedError(f"libdevice.{name} is not available in Triton's interpreter")
+        fn = _FUNCS[name]
+
+        def call(*args):
+            x = args[0]
+            with np.errstate(all="ignore"):
+                data = fn(*[a.handle.data for a in args])
+            data = np.asarray(data).astype(x.handle.data.dtype)
+            return tl.core.tensor(TensorHandle(data, x.handle.dtype), x.type)
+
+        return call
+
+
+libdevice = _Libdevice()

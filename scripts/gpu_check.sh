@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The one call on the GPU machine (../shared/GPU.md): install every package with the
+# machine's preinstalled dependencies, run all GPU tests, the examples (on the GPU) and
+# the GPU benchmarks. Logs go to $OUT so they come back even when a step fails.
+#   usage (device tool):  bash scripts/gpu_check.sh [quick]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-$PWD/gpu-logs}"; mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"
+
+step "install"
+python3 -m pip install -q --no-deps --no-build-isolation ./ ./packages/pallas-core ./packages/jax-triton \
+  ./packages/pallas-gpu ./packages/pallas-tpu 2>&1 | grep -v "^WARNING" | tail -5 | tee "$OUT/install.log"
+python3 -c "import pallas, pallas_gpu, jax_triton, jax_kernel_runtime as r; print('runtime driver error:', repr(r.driver_error()))" || exit 1
+
+step "GPU tests (all packages)"
+python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests 2>&1 | tail -60 | tee "$OUT/tests.log"
+
+step "examples on the GPU"
+python3 examples/run_all.py 2>&1 | tail -30 | tee "$OUT/examples.log"
+
+[ "${1:-}" = quick ] && exit 0
+for b in benchmarks/gpu_*.py benchmarks/triton_kernels.py benchmarks/runtime_launch_overhead.py; do
+  [ -f "$b" ] || continue
+  step "benchmark $b"
+  timeout 240 python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log"
+done
+echo "done"

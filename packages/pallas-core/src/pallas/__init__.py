@@ -1,4 +1,4 @@
-"""pallas: write JAX kernels over Refs (drop-in for ``jax.experimental.pallas``).
+"""pallas: write JAX kernels over Refs (a drop-in for JAX's experimental Pallas).
 
 ``import pallas as pl`` gives the same API as
 ``from jax.experimental import pallas as pl``. Kernels run in interpret mode

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
-from pallas._src import primitives as pallas_primitives
+from pallas import backend as pallas_backend
 from pallas_gpu._src import compat
 from pallas_gpu._src import primitives as gpu_primitives
 
@@ -665,7 +665,7 @@ register_lowering(compat.custom_jvp_call_p)(_inline_rule("call_jaxpr"))
 register_lowering(compat.custom_vjp_call_p)(_inline_rule("call_jaxpr"))
 
 
-@register_lowering(pallas_primitives.run_scoped_p)
+@register_lowering(pallas_backend.run_scoped_p)
 def _run_scoped_rule(rc: RuleContext, *consts, jaxpr, num_consts):
     em = rc.em
     scratch = []
@@ -676,7 +676,7 @@ def _run_scoped_rule(rc: RuleContext, *consts, jaxpr, num_consts):
     return rc.lowering.lower_jaxpr(jaxpr, [*consts, *scratch])
 
 
-@register_lowering(pallas_primitives.multiple_of_p)
+@register_lowering(pallas_backend.multiple_of_p)
 def _multiple_of_rule(rc: RuleContext, x, *, values):
     if x.shape == ():
         return rc.out(f"tl.multiple_of({x.expr}, {values[0]})")
@@ -684,7 +684,7 @@ def _multiple_of_rule(rc: RuleContext, x, *, values):
     return rc.out(f"tl.multiple_of({x.expr}, {vals})")
 
 
-@register_lowering(pallas_primitives.debug_print_p)
+@register_lowering(pallas_backend.debug_print_p)
 def _debug_print_rule(rc: RuleContext, *args, fmt):
     if fmt.count("{}") != len(args):
         raise rc.error("pl.debug_print in Triton kernels needs one '{}' per argument")
@@ -827,8 +827,6 @@ class KernelLowering:
         return ids, (max(total, 1), 1, 1)
 
     def block_ref(self, i: int, bm, ids: list[Val]) -> BlockRef:
-        from pallas._src import core as pallas_core
-
         em = self.em
         em.emit(
             f"# {bm.origin}: {bm.dtype}{list(bm.array_shape)}, block {tuple(str(d) for d in bm.block_shape)}"
@@ -838,13 +836,13 @@ class KernelLowering:
         for d, (dim, n) in enumerate(zip(bm.block_shape, bm.array_shape)):
             v = idx[d]
             ix = v.expr if v.static is None else int(v.static)
-            if isinstance(dim, pallas_core.Element):
+            if isinstance(dim, pallas_backend.Element):
                 start = _add(ix, -dim.padding[0]) if dim.padding[0] else ix
                 size = dim.block_size
                 in_bounds.append(False)
                 nonneg.append(dim.padding[0] == 0)
             else:
-                size = 1 if isinstance(dim, pallas_core.Squeezed) else dim.block_size
+                size = 1 if isinstance(dim, pallas_backend.Squeezed) else dim.block_size
                 start = _mul(ix, size)
                 in_bounds.append(n % size == 0)
                 nonneg.append(True)
@@ -853,7 +851,7 @@ class KernelLowering:
                 em.emit(f"{name} = {start}")
                 start = name
             starts.append(start)
-            if not isinstance(dim, pallas_core.Squeezed):
+            if not isinstance(dim, pallas_backend.Squeezed):
                 kernel_dims.append(d)
         return BlockRef(
             f"{_arg_name(bm, i)}",

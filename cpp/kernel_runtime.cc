@@ -349,6 +349,11 @@ std::string PrepareCall(KernelCall& call, CUstream stream) {
   return err;
 }
 
+// Launches issued directly on a stream vs recorded into a CUDA graph being
+// captured (XLA command buffers): how tests and benchmarks see capture.
+static std::atomic<uint64_t> direct_launches{0};
+static std::atomic<uint64_t> captured_launches{0};
+
 std::string ExecuteCall(KernelCall& call, CUstream stream,
                         const CallBuffers& b) {
   std::string err;
@@ -375,10 +380,10 @@ std::string ExecuteCall(KernelCall& call, CUstream stream,
   ScopedContext scope(api, ctx);
   LoadedCall* l = FindOrLoad(call, api, ctx, &err);
   if (l == nullptr) return err;
+  int capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  api->cuStreamIsCapturing(stream, &capture);
   int chosen = l->chosen.load(std::memory_order_acquire);
   if (chosen < 0) {
-    int capture = CU_STREAM_CAPTURE_STATUS_NONE;
-    api->cuStreamIsCapturing(stream, &capture);
     if (capture == CU_STREAM_CAPTURE_STATUS_NONE) {
       std::lock_guard<std::mutex> lock(l->tune_mu);
       if (l->chosen < 0) {
@@ -396,7 +401,17 @@ std::string ExecuteCall(KernelCall& call, CUstream stream,
   }
   err = ZeroOutputs(api, call, stream, b);
   if (!err.empty()) return err;
-  return Launch(api, call, chosen, l->functions[chosen], stream, b);
+  err = Launch(api, call, chosen, l->functions[chosen], stream, b);
+  if (err.empty()) {
+    (capture == CU_STREAM_CAPTURE_STATUS_NONE ? direct_launches : captured_launches)
+        .fetch_add(1, std::memory_order_relaxed);
+  }
+  return err;
+}
+
+LaunchCounts GetLaunchCounts() {
+  return {direct_launches.load(std::memory_order_relaxed),
+          captured_launches.load(std::memory_order_relaxed)};
 }
 
 std::vector<TuneRecord> TuneRecords() {

@@ -97,6 +97,12 @@ struct TuneRecord {
 };
 std::vector<TuneRecord> TuneRecords();
 
+struct LaunchCounts {
+  uint64_t direct;    // launched straight onto a stream
+  uint64_t captured;  // recorded while the stream captured a CUDA graph
+};
+LaunchCounts GetLaunchCounts();
+
 uint64_t HashBytes(const uint8_t* data, size_t size);
 
 }  // namespace jkr

@@ -58,6 +58,11 @@ NB_MODULE(_jax_kernel_runtime, m) {
     return out;
   }, "(tune_key, device, chosen config, per-config median ms) per tuning.");
 
+  m.def("launch_counts", []() {
+    jkr::LaunchCounts c = jkr::GetLaunchCounts();
+    return std::make_tuple(c.direct, c.captured);
+  }, "(direct, captured): launches issued on a stream vs recorded into a CUDA graph.");
+
   m.def("hash_image", [](nb::bytes image) {
     return jkr::HashBytes(reinterpret_cast<const uint8_t*>(image.c_str()),
                           image.size());

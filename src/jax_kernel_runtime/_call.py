@@ -150,6 +150,16 @@ def tune_records() -> list[tuple[str, int, int, list[float]]]:
     return _native.tune_records()
 
 
+def launch_counts() -> tuple[int, int]:
+    """``(direct, captured)`` kernel launches of this process so far.
+
+    ``direct`` launches went straight onto a stream; ``captured`` ones were
+    recorded while XLA captured a CUDA graph (command buffers), so replays of
+    that graph run them without calling the runtime again.
+    """
+    return tuple(_native.launch_counts())
+
+
 def driver_error() -> str:
     """Why the CUDA driver cannot be used here ("" when it can)."""
     return _native.driver_error()

@@ -17,5 +17,8 @@ def driver_version() -> int:
 def tune_records() -> list[tuple[str, int, int, list[float]]]:
     """(tune_key, device, chosen config, per-config median ms) per tuning."""
 
+def launch_counts() -> tuple[int, int]:
+    """(direct, captured): launches issued on a stream vs recorded into a CUDA graph."""
+
 def hash_image(image: bytes) -> int:
     """The 64-bit FNV-1a hash the module cache keys images by."""

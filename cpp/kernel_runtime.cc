@@ -334,16 +334,25 @@ int64_t ScratchBytes(const KernelConfig& cfg) {
          AlignUp(programs * cfg.profile_scratch_bytes, kScratchAlign);
 }
 
-std::string PrepareCall(KernelCall& call, CUstream stream) {
+// The driver and the context that owns `stream`, or "" with an error set.
+static std::string StreamContext(const KernelCall& call, CUstream stream,
+                                 const DriverApi** api, CUcontext* ctx) {
   std::string err;
-  const DriverApi* api = GetDriver(&err);
-  if (api == nullptr) return Prefix(call, 0) + ": " + err;
-  CUcontext ctx = nullptr;
-  CUresult r = api->cuStreamGetCtx(stream, &ctx);
+  *api = GetDriver(&err);
+  if (*api == nullptr) return Prefix(call, 0) + ": " + err;
+  CUresult r = (*api)->cuStreamGetCtx(stream, ctx);
   if (r != CUDA_SUCCESS) {
     return Prefix(call, 0) + ": cuStreamGetCtx failed: " +
-           CudaErrorString(api, r);
+           CudaErrorString(*api, r);
   }
+  return "";
+}
+
+std::string PrepareCall(KernelCall& call, CUstream stream) {
+  const DriverApi* api = nullptr;
+  CUcontext ctx = nullptr;
+  std::string err = StreamContext(call, stream, &api, &ctx);
+  if (!err.empty()) return err;
   ScopedContext scope(api, ctx);
   FindOrLoad(call, api, ctx, &err);
   return err;
@@ -356,9 +365,10 @@ static std::atomic<uint64_t> captured_launches{0};
 
 std::string ExecuteCall(KernelCall& call, CUstream stream,
                         const CallBuffers& b) {
-  std::string err;
-  const DriverApi* api = GetDriver(&err);
-  if (api == nullptr) return Prefix(call, 0) + ": " + err;
+  const DriverApi* api = nullptr;
+  CUcontext ctx = nullptr;
+  std::string err = StreamContext(call, stream, &api, &ctx);
+  if (!err.empty()) return err;
   for (const Param& p : call.params) {
     if (!p.is_buffer) continue;
     CUdeviceptr ptr = b.ptrs[p.operand];
@@ -370,12 +380,6 @@ std::string ExecuteCall(KernelCall& call, CUstream stream,
              std::to_string(p.alignment) +
              " bytes the kernel was compiled to assume";
     }
-  }
-  CUcontext ctx = nullptr;
-  CUresult r = api->cuStreamGetCtx(stream, &ctx);
-  if (r != CUDA_SUCCESS) {
-    return Prefix(call, 0) + ": cuStreamGetCtx failed: " +
-           CudaErrorString(api, r);
   }
   ScopedContext scope(api, ctx);
   LoadedCall* l = FindOrLoad(call, api, ctx, &err);

@@ -11,6 +11,7 @@ wrong values or shapes) at trace time, and the message names
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 
@@ -210,6 +211,24 @@ class TestErrors(PallasTest):
 
         f = lambda: self.pallas_call(copy_kernel, X, compiler_params=MyParams(), name="tuned_copy")
         self.expect(f, self.x, exc=TypeError, name="tuned_copy", culprit="compiler_params")
+
+    def test_dict_compiler_params(self):
+        f = lambda: self.pallas_call(copy_kernel, X, compiler_params={"triton": {"num_warps": 4}})
+        err = self.expect(f, self.x, exc=TypeError, name="copy_kernel", culprit="compiler_params")
+        assert "old JAX form" in str(err)
+
+    def test_compiler_params_list_of_mixed_backends(self):
+        @dataclasses.dataclass(frozen=True)
+        class ParamsA(pl.CompilerParams):
+            PLATFORM = "cuda"
+
+        @dataclasses.dataclass(frozen=True)
+        class ParamsB(pl.CompilerParams):
+            PLATFORM = "tpu"
+
+        f = lambda: self.pallas_call(copy_kernel, X, compiler_params=[ParamsA(), ParamsB()])
+        err = self.expect(f, self.x, exc=TypeError, name="copy_kernel", culprit="compiler_params")
+        assert "one backend" in str(err)
 
     def test_non_array_input(self):
         f = lambda: self.pallas_call(copy_kernel, X, name="copy_strings")

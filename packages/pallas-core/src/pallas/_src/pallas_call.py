@@ -322,6 +322,34 @@ def _kernel_line(e: BaseException) -> str:
     return f"at {line}: " if line else ""
 
 
+def _normalize_compiler_params(cp: Any, err) -> Any:
+    """None, one backend's CompilerParams, or a tuple of them (autotuning)."""
+    if cp is None or isinstance(cp, pallas_core.CompilerParams):
+        return cp
+    if isinstance(cp, (list, tuple)) and cp and all(isinstance(c, pallas_core.CompilerParams) for c in cp):
+        if len({type(c) for c in cp}) > 1:
+            raise err(
+                TypeError,
+                "compiler_params",
+                "a list of CompilerParams (autotuning) must all be for one backend, got "
+                + ", ".join(sorted({type(c).__module__ + "." + type(c).__name__ for c in cp})),
+            )
+        return cp[0] if len(cp) == 1 else tuple(cp)
+    if isinstance(cp, dict):
+        raise err(
+            TypeError,
+            "compiler_params",
+            "dicts such as {'triton': {...}} are the old JAX form; pass the backend's dataclass "
+            "instead, e.g. pallas_gpu.CompilerParams(num_warps=4)",
+        )
+    raise err(
+        TypeError,
+        "compiler_params",
+        "expected a backend's CompilerParams (e.g. pallas_gpu.CompilerParams) or a non-empty list "
+        f"of them, got {cp!r}",
+    )
+
+
 def pallas_call(
     kernel: Callable[..., None],
     out_shape: Any,
@@ -359,7 +387,8 @@ def pallas_call(
         plain JAX on any platform; a backend's interpret params (e.g.
         ``plgpu.InterpretParams()``) choose that backend's interpreter.
       name: the kernel's name in messages and profiles.
-      compiler_params: a backend's ``CompilerParams`` (selects the backend).
+      compiler_params: a backend's ``CompilerParams`` (selects the backend), or a
+        list of them for a backend that autotunes over them (pallas-gpu).
       cost_estimate: a ``pl.CostEstimate`` for XLA's scheduler.
       backend: the backend to use when several serve a platform.
     Returns:
@@ -401,14 +430,7 @@ def pallas_call(
                 grid_spec.scratch_shapes,
             )
         grid_t = _normalize_grid(g, err)
-        if compiler_params is not None and not isinstance(
-            compiler_params, (pallas_core.CompilerParams, dict)
-        ):
-            raise err(
-                TypeError,
-                "compiler_params",
-                f"expected a backend's CompilerParams (e.g. pallas_gpu.CompilerParams), got {type(compiler_params).__name__}",
-            )
+        compiler_params_ = _normalize_compiler_params(compiler_params, err)
         if cost_estimate is not None and not isinstance(cost_estimate, pallas_core.CostEstimate):
             raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
         if not isinstance(scratch_shapes_, (tuple, list)):
@@ -450,7 +472,7 @@ def pallas_call(
             print(f"The kernel jaxpr for pallas_call '{kernel_name}' ({source}):")
             print(jaxpr)
             print(gm)
-        return jaxpr, gm, aliases
+        return jaxpr, gm, aliases, compiler_params_
 
     @functools.wraps(kernel)
     def wrapped(*args):
@@ -463,7 +485,7 @@ def pallas_call(
             err = _Err(kernel_name, source)
             in_avals = [_arg_aval(x, f"args{_keystr(p)}", err) for p, x in leaves]
             cache[key] = prepare(source, args, in_tree, [p for p, _ in leaves], in_avals)
-        jaxpr, gm, aliases = cache[key]
+        jaxpr, gm, aliases, compiler_params_ = cache[key]
         outs = pallas_call_p.bind(
             *flat_args,
             jaxpr=jaxpr,
@@ -471,7 +493,7 @@ def pallas_call(
             input_output_aliases=aliases,
             interpret=True if interpret is True else (interpret or False),
             debug=debug,
-            compiler_params=compiler_params,
+            compiler_params=compiler_params_,
             cost_estimate=cost_estimate,
             backend=backend,
         )

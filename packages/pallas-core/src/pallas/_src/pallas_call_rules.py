@@ -212,6 +212,8 @@ def _interpret_lowering(ctx, *args, **params):
 def _platform_rule(platform: str, params):
     gm = params["grid_mapping"]
     cp = params.get("compiler_params")
+    if isinstance(cp, tuple):  # several configs to autotune over: all of one type
+        cp = cp[0]
     if platform == "cpu":
         want = getattr(cp, "PLATFORM", "")
         if want and want != "cpu":

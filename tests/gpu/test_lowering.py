@@ -506,6 +506,27 @@ def test_nested_jit_and_custom_jvp():
     assert_close(whole(inner, x), inner(x), rtol=1e-5, atol=1e-5)
 
 
+def test_jvp_with_tangents_for_both_inputs():
+    # The JVP kernel sums the two tangent terms with add_any.
+    x, y = random((300,), jnp.float32), random((300,), jnp.float32)
+    tx, ty = random((300,), jnp.float32), random((300,), jnp.float32)
+
+    def kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = jnp.sin(x_ref[...]) * y_ref[...]
+
+    f = R.call(
+        kernel,
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(3,),
+        in_specs=[pl.BlockSpec((128,), lambda i: (i,))] * 2,
+        out_specs=pl.BlockSpec((128,), lambda i: (i,)),
+    )
+    out, tangent = jax.jvp(f, (x, y), (tx, ty))
+    ref, ref_tangent = jax.jvp(lambda a, b: jnp.sin(a) * b, (x, y), (tx, ty))
+    assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert_close(tangent, ref_tangent, rtol=1e-5, atol=1e-5)
+
+
 def test_softmax_rows():
     x = random((10, 50), jnp.float32)
 
@@ -640,3 +661,53 @@ def test_scratch_partial_index_error():
 
 
 _ = functools
+
+
+def test_block_too_large_names_kernel_line_and_fix():
+    x = jax.ShapeDtypeStruct((1024, 1536), jnp.float32)  # pads to 1024 x 2048 = 2**21
+
+    def big_block(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2  # the offending line
+
+    with pytest.raises(
+        NotImplementedError,
+        match=r"(?s)pallas_gpu \(Triton\).*kernel 'big_block' at .*test_lowering.py:\d+.*"
+        r"\(1024, 1536\) \(padded to \(1024, 2048\)\).*at most 2\*\*20.*smaller block shape",
+    ):
+        R.call(big_block, x)(jnp.zeros(x.shape, x.dtype))
+
+
+def test_small_dot_error_names_kernel_line_minimum_and_fix():
+    a = random((8, 32), jnp.float32)
+    b = random((32, 16), jnp.float32)
+
+    def small_dot(a_ref, b_ref, o_ref):
+        o_ref[...] = jnp.dot(a_ref[...], b_ref[...])  # M = 8
+
+    with pytest.raises(
+        NotImplementedError,
+        match=r"(?s)kernel 'small_dot' at .*test_lowering.py:\d+.*at least 16 \(got M=8\).*pad the block to 16",
+    ):
+        R.call(small_dot, jax.ShapeDtypeStruct((8, 16), jnp.float32))(a, b)
+
+
+def test_unsupported_primitive_names_backend_kernel_line():
+    x = random((8, 16), jnp.float32)
+
+    def uses_popcount(x_ref, o_ref):
+        o_ref[...] = lax.population_count(x_ref[...])  # the offending line
+
+    with pytest.raises(NotImplementedError) as e:
+        R.call(uses_popcount, jax.ShapeDtypeStruct((8, 16), jnp.int32))(x.astype(jnp.int32))
+    msg = str(e.value)
+    assert "pallas_gpu (Triton)" in msg and "kernel 'uses_popcount'" in msg
+    assert "primitive 'population_count'" in msg and "has no Triton lowering" in msg
+    assert "test_lowering.py:" in msg
+
+    def uses_complex(x_ref, o_ref):
+        o_ref[...] = jnp.fft.fft(x_ref[...]).real
+
+    with pytest.raises(
+        NotImplementedError, match=r"(?s)kernel 'uses_complex' at .*test_lowering.py:\d+.*complex64"
+    ):
+        R.call(uses_complex, jax.ShapeDtypeStruct((8, 16), jnp.float32))(x)

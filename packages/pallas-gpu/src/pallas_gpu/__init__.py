@@ -7,13 +7,24 @@ NVIDIA GPUs: the kernel jaxpr is lowered to Triton source, compiled by
 the CPU through Triton's interpreter.
 """
 
+from pallas_gpu._src.autotune import Autotuned as Autotuned
+from pallas_gpu._src.autotune import autotune as autotune
 from pallas_gpu._src.core import CompilerParams as CompilerParams
 from pallas_gpu._src.core import InterpretParams as InterpretParams
+from pallas_gpu._src.primitives import approx_tanh as approx_tanh
 from pallas_gpu._src.primitives import atomic_add as atomic_add
+from pallas_gpu._src.primitives import atomic_and as atomic_and
+from pallas_gpu._src.primitives import atomic_cas as atomic_cas
 from pallas_gpu._src.primitives import atomic_max as atomic_max
 from pallas_gpu._src.primitives import atomic_min as atomic_min
+from pallas_gpu._src.primitives import atomic_or as atomic_or
+from pallas_gpu._src.primitives import atomic_xchg as atomic_xchg
+from pallas_gpu._src.primitives import atomic_xor as atomic_xor
+from pallas_gpu._src.primitives import debug_barrier as debug_barrier
 from pallas_gpu._src.primitives import dot as dot
+from pallas_gpu._src.primitives import elementwise_inline_asm as elementwise_inline_asm
 from pallas_gpu._src.primitives import load as load
+from pallas_gpu._src.primitives import max_contiguous as max_contiguous
 from pallas_gpu._src.primitives import store as store
 
 __version__ = "0.1.0"

@@ -8,10 +8,13 @@ JAX release that moves them breaks this file only.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from jax._src import ad_util as _ad_util
 from jax._src import core as jax_core
 from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import debugging as _debugging
 from jax._src import pjit as _pjit
 from jax._src import source_info_util
 from jax._src.lax import control_flow as _control_flow
@@ -31,7 +34,6 @@ Slice = state_indexing.Slice
 TransformedRef = state_types.TransformedRef
 ReadEffect = state_types.ReadEffect
 WriteEffect = state_types.WriteEffect
-register_discharge_rule = state_discharge.register_discharge_rule
 transform_array = state_discharge.transform_array
 transform_swap_array = state_discharge.transform_swap_array
 
@@ -47,8 +49,17 @@ cumprod_p = _control_flow.cumprod_p
 cummax_p = _control_flow.cummax_p
 cummin_p = _control_flow.cummin_p
 jit_p = _pjit.jit_p
+add_any_p = _ad_util.add_jaxvals_p  # sums tangents in JVPs
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
 custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
+# The effect of debug_print and plgpu.debug_barrier: keeps them from being
+# dead-code eliminated, and is allowed inside control flow.
+debug_effect = _debugging.debug_effect
+
+
+# Equations bound inside pallas_gpu (plgpu.approx_tanh, ...) should name the
+# user's line that called them, not ours.
+source_info_util.register_exclusion(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def source_line(eqn: Any) -> str:
@@ -77,3 +88,20 @@ def scan_counts(params: dict) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(list(consts)), len(list(carry))
+
+
+def register_discharge_rule(prim: Any):
+    """Registers ``rule(in_avals, out_avals, *args, **params)`` as the state
+    discharge rule of ``prim``. JAX 0.11 calls rules as ``rule(ctx, *args)``
+    with a ``DischargeContext``; older JAX as ``rule(in_avals, out_avals, *args)``."""
+
+    def deco(rule):
+        def adapted(first, *args, **params):
+            if hasattr(first, "in_avals"):
+                return rule(first.in_avals, first.out_avals, *args, **params)
+            return rule(first, *args, **params)
+
+        state_discharge.register_discharge_rule(prim)(adapted)
+        return rule
+
+    return deco

@@ -27,18 +27,25 @@ class CompilerParams(pl.CompilerParams):
     debug: bool = False
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self, where: str = "plgpu.CompilerParams") -> None:
+        """Raises ValueError naming ``where`` if a field is out of range.
+
+        Runs on construction, and again when a ``pallas_call`` is lowered
+        (params restored without ``__init__``, e.g. unpickled, are checked
+        there, with the kernel's name).
+        """
         nw = self.num_warps
         if not isinstance(nw, int) or nw < 1 or nw > 32 or nw & (nw - 1):
             raise ValueError(
-                f"plgpu.CompilerParams: num_warps must be a power of two between 1 and 32 "
+                f"{where}: num_warps must be a power of two between 1 and 32 "
                 f"(at most 1024 threads per program), got {nw!r}"
             )
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(
-                f"plgpu.CompilerParams: num_stages must be a positive int, got {self.num_stages!r}"
-            )
+            raise ValueError(f"{where}: num_stages must be a positive int, got {self.num_stages!r}")
         if not isinstance(self.num_ctas, int) or self.num_ctas < 1:
-            raise ValueError(f"plgpu.CompilerParams: num_ctas must be a positive int, got {self.num_ctas!r}")
+            raise ValueError(f"{where}: num_ctas must be a positive int, got {self.num_ctas!r}")
 
     def compile_options(self) -> dict:
         return {

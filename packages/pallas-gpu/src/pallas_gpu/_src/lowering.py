@@ -17,8 +17,11 @@ Conventions of the generated code:
 * Scratch Refs (``scratch_shapes``, ``pl.run_scoped``) live in registers as a
   reassigned variable.
 
-This file holds the emitter, memory ops, control flow and the kernel frame;
-``lowering_math.py`` holds elementwise math, shapes, reductions and dots.
+This file holds the value model, the emitter and the kernel frame. The rules
+live by theme: ``lowering_memory.py`` (Ref reads/writes, block addressing,
+``plgpu.load/store`` and atomics), ``lowering_control.py`` (loops, cond,
+inlined calls, scoped scratch), ``lowering_math.py`` (elementwise math and
+casts) and ``lowering_shapes.py`` (shapes, reductions, scans and dots).
 """
 
 from __future__ import annotations
@@ -30,18 +33,18 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jax import tree_util
 
-from pallas import backend as pallas_backend
 from pallas_gpu._src import compat
-from pallas_gpu._src import primitives as gpu_primitives
 
 BACKEND = "pallas_gpu (Triton)"
 # Triton's launch-grid limits per axis.
 MAX_GRID_X = 2**31 - 1
+# Triton's largest tensor (triton.language.TRITON_MAX_TENSOR_NUMEL).
+MAX_TENSOR_NUMEL = 2**20
 
 
 def next_pow2(n: int) -> int:
+    n = int(n)
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
@@ -145,16 +148,6 @@ class ScratchRef:
     var: str
     shape: tuple[int, ...]
     dtype: np.dtype
-
-
-@dataclasses.dataclass
-class DimView:
-    """One kernel-block dim after ``ref.at[...]``/indexing: a scalar index
-    (``size is None``) or a strided slice."""
-
-    start: str | int
-    size: int | None
-    stride: int = 1
 
 
 class LoweringError(NotImplementedError):
@@ -318,392 +311,7 @@ def fill_padding(em: Emitter, x: Val, value: Any, axes: Sequence[int] | None = N
 
 
 # ---------------------------------------------------------------------------
-# Memory: get / swap / addupdate on block and scratch Refs
-
-
-def _apply_indexers(ref, transforms, rule_ctx: RuleContext) -> list[DimView]:
-    shape = ref.block_shape if isinstance(ref, BlockRef) else ref.shape
-    view = [DimView(0, n) for n in shape]
-    for t in transforms:
-        if not isinstance(t, compat.NDIndexer):
-            raise rule_ctx.error(f"Ref transform {type(t).__name__} is not supported")
-        live = [i for i, v in enumerate(view) if v.size is not None]
-        if len(t.indices) != len(live):
-            raise rule_ctx.error(f"indexer {t} does not match the Ref's {len(live)} dims")
-        for i, idx in zip(live, t.indices):
-            v = view[i]
-            if isinstance(idx, compat.Slice):
-                start = _scalar_expr(idx.start, rule_ctx)
-                view[i] = DimView(_add(v.start, _mul(start, v.stride)), idx.size, v.stride * idx.stride)
-            elif isinstance(idx, Val):
-                if idx.shape != ():
-                    raise rule_ctx.error(
-                        "indexing a Ref with an array (gather/scatter) is not supported by the "
-                        "Triton backend; use pl.ds slices, or plgpu.load with computed pointers"
-                    )
-                view[i] = DimView(_add(v.start, _mul(_scalar_expr(idx, rule_ctx), v.stride)), None)
-            elif isinstance(idx, (int, np.integer)):
-                view[i] = DimView(_add(v.start, int(idx) * v.stride), None)
-            else:
-                raise rule_ctx.error(f"unsupported index {idx!r}")
-    return view
-
-
-def _scalar_expr(x, rule_ctx) -> str | int:
-    if isinstance(x, (int, np.integer)):
-        return int(x)
-    if isinstance(x, Val):
-        if x.static is not None and not isinstance(x.static, bool):
-            return int(x.static)
-        return x.expr
-    raise rule_ctx.error(f"unsupported index {x!r}")
-
-
-def _add(a, b):
-    if isinstance(a, int) and isinstance(b, int):
-        return a + b
-    if a == 0:
-        return b
-    if b == 0:
-        return a
-    return f"({a} + {b})"
-
-
-def _mul(a, b):
-    if isinstance(a, int) and isinstance(b, int):
-        return a * b
-    if a == 1:
-        return b
-    if b == 1:
-        return a
-    if a == 0 or b == 0:
-        return 0
-    return f"({a} * {b})"
-
-
-def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str, str | None, tuple[int, ...]]:
-    """(pointer expression, mask expression or None, logical result shape)."""
-    out_shape = tuple(v.size for v in view if v.size is not None)
-    rank = len(out_shape)
-    kdim = {d: k for k, d in enumerate(ref.kernel_dims)}
-    wide = math.prod(ref.array_shape) >= 2**31
-    offsets, masks = [], []
-    axis = 0
-    for d, n in enumerate(ref.array_shape):
-        stride = math.prod(ref.array_shape[d + 1 :])
-        base = ref.starts[d]
-        if wide and base != 0:
-            base = f"{base}.to(tl.int64)"
-        v = view[kdim[d]] if d in kdim else DimView(0, None)
-        block = ref.block_shape[kdim[d]] if d in kdim else 1
-        static_start = isinstance(v.start, int)
-        if v.size is None:
-            off = _add(base, v.start)
-            safe = ref.in_bounds[d] and static_start and 0 <= v.start < block
-            if not safe:
-                name = em.fresh("i")
-                em.emit(f"{name} = {off}")
-                off = name
-                masks.append(f"({off} < {n})")
-                if not (ref.nonnegative[d] and static_start and v.start >= 0):
-                    masks.append(f"({off} >= 0)")
-        else:
-            p = next_pow2(v.size)
-            ar = f"tl.arange(0, {p})"
-            lin = _add(_add(base, v.start), _mul(ar, v.stride) if v.stride != 1 else ar)
-            name = em.fresh("offs")
-            em.emit(f"{name} = {expand_to_axis(lin if isinstance(lin, str) else str(lin), axis, rank)}")
-            off = name
-            last = v.start + (v.size - 1) * v.stride if static_start else None
-            safe = ref.in_bounds[d] and static_start and 0 <= v.start and last < block and v.stride > 0
-            if p != v.size:
-                masks.append(f"({expand_to_axis(ar, axis, rank)} < {v.size})")
-            if not safe:
-                masks.append(f"({off} < {n})")
-                if not (ref.nonnegative[d] and static_start and v.start >= 0 and v.stride > 0):
-                    masks.append(f"({off} >= 0)")
-            axis += 1
-        if n > 1:
-            offsets.append(_mul(off, stride))
-    ptr = ref.ptr
-    for o in offsets:
-        if o != 0:
-            ptr = f"{ptr} + {o}"
-    return ptr, (" & ".join(masks) if masks else None), out_shape
-
-
-def _load_ref(rc: RuleContext, ref, view, out_dtype) -> Val:
-    em = rc.em
-    if isinstance(ref, ScratchRef):
-        _check_whole(rc, ref, view)
-        return em.assign(ref.var, ref.shape, ref.dtype)
-    ptr, mask, shape = block_address(em, ref, view)
-    if mask is None:
-        expr = f"tl.load({ptr})"
-    else:
-        m = em.fresh("mask")
-        em.emit(f"{m} = {mask}")
-        expr = f"tl.load({ptr}, mask={m}, other=0)"
-    if is_bool(ref.dtype):
-        expr = f"{expr} != 0"
-    return em.assign(expr, shape, out_dtype)
-
-
-def _store_ref(rc: RuleContext, ref, view, val: Val) -> None:
-    em = rc.em
-    if isinstance(ref, ScratchRef):
-        _check_whole(rc, ref, view)
-        em.emit(f"{ref.var} = {val.expr}")
-        return
-    ptr, mask, shape = block_address(em, ref, view)
-    x = val.expr
-    if shape != val.shape:
-        raise rc.error(f"storing a {val.shape} value into a {shape} slice of a Ref")
-    if is_bool(ref.dtype):
-        x = f"{x}.to(tl.int8)"
-    if shape == () and val.shape == ():
-        pass
-    if mask is None:
-        em.emit(f"tl.store({ptr}, {x})")
-    else:
-        em.emit(f"tl.store({ptr}, {x}, mask={mask})")
-
-
-def _check_whole(rc: RuleContext, ref: ScratchRef, view: list[DimView]) -> None:
-    if any(v.size is None or v.start != 0 or v.size != n or v.stride != 1 for v, n in zip(view, ref.shape)):
-        raise rc.error(
-            "scratch Refs live in registers in the Triton backend and can only be read and "
-            "written whole (ref[...]); index them after loading instead"
-        )
-
-
-def _unflatten_transforms(rc: RuleContext, idx_args, tree):
-    return tree_util.tree_unflatten(tree, list(idx_args))
-
-
-@register_lowering(compat.get_p)
-def _get_rule(rc: RuleContext, ref, *idx, tree):
-    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
-    return _load_ref(rc, ref, view, rc.avals_out[0].dtype)
-
-
-@register_lowering(compat.swap_p)
-def _swap_rule(rc: RuleContext, ref, val, *idx, tree):
-    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
-    old = None
-    if rc.lowering.is_used(rc.eqn.outvars[0]):
-        old = _load_ref(rc, ref, view, rc.avals_out[0].dtype)
-    _store_ref(rc, ref, view, val)
-    return old if old is not None else Val("None", rc.avals_out[0].shape, rc.avals_out[0].dtype)
-
-
-@register_lowering(compat.addupdate_p)
-def _addupdate_rule(rc: RuleContext, ref, val, *idx, tree):
-    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
-    old = _load_ref(rc, ref, view, val.dtype)
-    new = rc.em.assign(f"{old.expr} + {val.expr}", val.shape, val.dtype)
-    _store_ref(rc, ref, view, new)
-    return []
-
-
-def _and_masks(*ms) -> str | None:
-    ms = [m for m in ms if m]
-    return " & ".join(f"({m})" for m in ms) if ms else None
-
-
-def _gpu_access(rc: RuleContext, ref, tree, args, what: str):
-    if not isinstance(ref, BlockRef):
-        raise rc.error(f"plgpu.{what} works on input/output Refs, not on scratch Refs")
-    n = tree.num_leaves
-    view = _apply_indexers(ref, _unflatten_transforms(rc, args[:n], tree), rc)
-    ptr, mask, shape = block_address(rc.em, ref, view)
-    return ptr, mask, shape, list(args[n:])
-
-
-@register_lowering(gpu_primitives.load_p)
-def _plgpu_load_rule(
-    rc: RuleContext, ref, *args, tree, has_mask, has_other, cache_modifier, eviction_policy, volatile
-):
-    ptr, mask, shape, rest = _gpu_access(rc, ref, tree, args, "load")
-    user_mask = rest.pop(0).expr if has_mask else None
-    other = rest.pop(0).expr if has_other else "0"
-    m = _and_masks(mask, user_mask)
-    kw = ""
-    if cache_modifier:
-        kw += f", cache_modifier={cache_modifier!r}"
-    if eviction_policy:
-        kw += f", eviction_policy={eviction_policy!r}"
-    if volatile:
-        kw += ", volatile=True"
-    expr = f"tl.load({ptr}, mask={m}, other={other}{kw})" if m else f"tl.load({ptr}{kw})"
-    if is_bool(ref.dtype):
-        expr = f"{expr} != 0"
-    return rc.out(expr)
-
-
-@register_lowering(gpu_primitives.store_p)
-def _plgpu_store_rule(rc: RuleContext, ref, val, *args, tree, has_mask, eviction_policy):
-    ptr, mask, shape, rest = _gpu_access(rc, ref, tree, args, "store")
-    m = _and_masks(mask, rest[0].expr if has_mask else None)
-    x = f"{val.expr}.to(tl.int8)" if is_bool(ref.dtype) else val.expr
-    kw = f", eviction_policy={eviction_policy!r}" if eviction_policy else ""
-    rc.em.emit(f"tl.store({ptr}, {x}, mask={m}{kw})" if m else f"tl.store({ptr}, {x}{kw})")
-    return []
-
-
-@register_lowering(gpu_primitives.atomic_rmw_p)
-def _plgpu_atomic_rule(rc: RuleContext, ref, val, *args, tree, has_mask, op):
-    ptr, mask, shape, rest = _gpu_access(rc, ref, tree, args, f"atomic_{op}")
-    m = _and_masks(mask, rest[0].expr if has_mask else None)
-    kw = f", mask={m}" if m else ""
-    return rc.out(f"tl.atomic_{op}({ptr}, {val.expr}{kw})")
-
-
-# ---------------------------------------------------------------------------
-# Control flow
-
-
-def _carry_vars(em: Emitter, vals: Sequence[Val], hint: str) -> list[Val]:
-    """Fresh variables initialized to ``vals`` (loop-carried values)."""
-    out = []
-    for v in vals:
-        if isinstance(v, (BlockRef, ScratchRef)):
-            out.append(v)
-        else:
-            out.append(em.assign(v.expr, v.shape, v.dtype, hint))
-    return out
-
-
-def _reassign(em: Emitter, targets: Sequence[Val], values: Sequence[Val]) -> None:
-    tmps = []
-    for t, v in zip(targets, values):
-        if isinstance(t, (BlockRef, ScratchRef)):
-            continue
-        tmp = em.fresh("t")
-        em.emit(f"{tmp} = {v.expr}")
-        tmps.append((t, tmp))
-    for t, tmp in tmps:
-        em.emit(f"{t.expr} = {tmp}")
-
-
-@register_lowering(compat.scan_p)
-def _scan_rule(rc: RuleContext, *args, jaxpr, length, **params):
-    num_consts, num_carry = compat.scan_counts(params)
-    if len(args) != num_consts + num_carry:
-        raise rc.error(
-            "lax.scan over arrays (xs/ys) is not supported inside Triton kernels; use "
-            "lax.fori_loop and index Refs with pl.ds instead"
-        )
-    consts, init = args[:num_consts], args[num_consts:]
-    em = rc.em
-    carry = _carry_vars(em, init, "carry")
-    it = em.fresh("it")
-    with em.block(f"for {it} in range(0, {length}):"):
-        outs = rc.lowering.lower_jaxpr(jaxpr, [*consts, *carry])
-        _reassign(em, carry, outs)
-    return carry
-
-
-@register_lowering(compat.while_p)
-def _while_rule(rc: RuleContext, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
-    cconsts = args[:cond_nconsts]
-    bconsts = args[cond_nconsts : cond_nconsts + body_nconsts]
-    init = args[cond_nconsts + body_nconsts :]
-    em, kl = rc.em, rc.lowering
-    carry = _carry_vars(em, init, "carry")
-    (pred,) = kl.lower_jaxpr(cond_jaxpr, [*cconsts, *carry])
-    p = em.assign(pred.expr, (), np.bool_, "pred")
-    with em.block(f"while {p.expr}:"):
-        outs = kl.lower_jaxpr(body_jaxpr, [*bconsts, *carry])
-        _reassign(em, carry, outs)
-        (pred,) = kl.lower_jaxpr(cond_jaxpr, [*cconsts, *carry])
-        em.emit(f"{p.expr} = {pred.expr}")
-    return carry
-
-
-@register_lowering(compat.cond_p)
-def _cond_rule(rc: RuleContext, index, *ops, branches, **_):
-    em, kl = rc.em, rc.lowering
-    if index.shape != ():
-        raise rc.error("the predicate of lax.cond must be a scalar")
-    outs = [em.fresh("r") for _ in rc.avals_out]
-    results = [Val(o, a.shape, a.dtype) for o, a in zip(outs, rc.avals_out)]
-    n = len(branches)
-    for b, br in enumerate(branches):
-        if n == 1:
-            header = None
-        elif b == 0:
-            header = f"if {index.expr} <= 0:" if n > 2 else f"if {index.expr} == 0:"
-        elif b == n - 1:
-            header = "else:"
-        else:
-            header = f"elif {index.expr} == {b}:"
-        with em.block(header) if header else _nullctx():
-            vals = kl.lower_jaxpr(br, list(ops))
-            for o, v in zip(outs, vals):
-                em.emit(f"{o} = {v.expr}")
-    return results
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-
-def _inline_rule(param: str):
-    def rule(rc: RuleContext, *args, **params):
-        return rc.lowering.lower_jaxpr(params[param], list(args))
-
-    return rule
-
-
-register_lowering(compat.jit_p)(_inline_rule("jaxpr"))
-register_lowering(compat.custom_jvp_call_p)(_inline_rule("call_jaxpr"))
-register_lowering(compat.custom_vjp_call_p)(_inline_rule("call_jaxpr"))
-
-
-@register_lowering(pallas_backend.run_scoped_p)
-def _run_scoped_rule(rc: RuleContext, *consts, jaxpr, num_consts):
-    em = rc.em
-    scratch = []
-    for a in jaxpr.in_avals[num_consts:]:
-        inner = a.inner_aval if hasattr(a, "inner_aval") else a
-        v = const(em, 0, inner.dtype, inner.shape)
-        scratch.append(ScratchRef(v.expr, tuple(inner.shape), np.dtype(inner.dtype)))
-    return rc.lowering.lower_jaxpr(jaxpr, [*consts, *scratch])
-
-
-@register_lowering(pallas_backend.multiple_of_p)
-def _multiple_of_rule(rc: RuleContext, x, *, values):
-    if x.shape == ():
-        return rc.out(f"tl.multiple_of({x.expr}, {values[0]})")
-    vals = list(values) if len(values) == len(x.shape) else [values[0]] * len(x.shape)
-    return rc.out(f"tl.multiple_of({x.expr}, {vals})")
-
-
-@register_lowering(pallas_backend.debug_print_p)
-def _debug_print_rule(rc: RuleContext, *args, fmt):
-    if fmt.count("{}") != len(args):
-        raise rc.error("pl.debug_print in Triton kernels needs one '{}' per argument")
-    pieces = fmt.split("{}")
-    em = rc.em
-    if not args:
-        em.emit(f"tl.device_print({fmt!r})")
-    for i, a in enumerate(args):
-        prefix = pieces[i] if i else pieces[0]
-        em.emit(f"tl.device_print({prefix!r}, {a.expr})")
-    return []
-
-
-# ---------------------------------------------------------------------------
 # The kernel
-
-
-def _as_closed(j):
-    return j
 
 
 class KernelLowering:
@@ -716,6 +324,7 @@ class KernelLowering:
         self.em = Emitter()
         self._used: set[int] = set()
         self._outer_eqns: list[Any] = []  # equations whose sub-jaxprs are being lowered
+        self.gpu_only: list[str] = []  # uses that Triton's interpreter cannot run (inline PTX)
 
     def source_line(self, eqn) -> str:
         """The user's line of ``eqn``, else of the nearest enclosing equation
@@ -766,6 +375,7 @@ class KernelLowering:
                     "has no Triton lowering (the supported primitives are listed in pallas-gpu's "
                     "README); rewrite the kernel without it, or run it with interpret=True"
                 )
+            self._check_result(rc)
             self._outer_eqns.append(eqn)
             try:
                 outs = rule(rc, *invals, **eqn.params)
@@ -777,6 +387,22 @@ class KernelLowering:
                 if not isinstance(v, compat.DropVar):
                     env[v] = o
         return [read(v) for v in jaxpr.outvars]
+
+    def _check_result(self, rc: RuleContext) -> None:
+        """Results Triton cannot hold: too many elements, or a dtype it lacks."""
+        for a in rc.avals_out:
+            dtype = getattr(a, "dtype", None)
+            if dtype is not None and not compat.is_ref_aval(a) and np.dtype(dtype).name not in _DTYPES:
+                raise rc.error(f"dtype {np.dtype(dtype).name} is not supported by Triton")
+            shape = tuple(getattr(a, "shape", ()))
+            numel = math.prod(pad_shape(shape))
+            if numel > MAX_TENSOR_NUMEL:
+                padded = f" (padded to {pad_shape(shape)})" if pad_shape(shape) != shape else ""
+                raise rc.error(
+                    f"its result of shape {shape}{padded} has {numel} elements, and Triton tensors hold "
+                    f"at most 2**20 = {MAX_TENSOR_NUMEL}; use a smaller block shape in the BlockSpec, or "
+                    "read the block in pieces (x_ref[pl.ds(i * n, n), :] in a loop)"
+                )
 
     def _const_val(self, value, aval=None) -> Val:
         arr = np.asarray(value)
@@ -826,64 +452,28 @@ class KernelLowering:
             ids[ax] = Val(name, (), np.dtype(np.int32))
         return ids, (max(total, 1), 1, 1)
 
-    def block_ref(self, i: int, bm, ids: list[Val]) -> BlockRef:
-        em = self.em
-        em.emit(
-            f"# {bm.origin}: {bm.dtype}{list(bm.array_shape)}, block {tuple(str(d) for d in bm.block_shape)}"
-        )
-        idx = self.lower_jaxpr(bm.index_map, ids)
-        starts, in_bounds, nonneg, kernel_dims = [], [], [], []
-        for d, (dim, n) in enumerate(zip(bm.block_shape, bm.array_shape)):
-            v = idx[d]
-            ix = v.expr if v.static is None else int(v.static)
-            if isinstance(dim, pallas_backend.Element):
-                start = _add(ix, -dim.padding[0]) if dim.padding[0] else ix
-                size = dim.block_size
-                in_bounds.append(False)
-                nonneg.append(dim.padding[0] == 0)
-            else:
-                size = 1 if isinstance(dim, pallas_backend.Squeezed) else dim.block_size
-                start = _mul(ix, size)
-                in_bounds.append(n % size == 0)
-                nonneg.append(True)
-            if not isinstance(start, int):
-                name = em.fresh("start")
-                em.emit(f"{name} = {start}")
-                start = name
-            starts.append(start)
-            if not isinstance(dim, pallas_backend.Squeezed):
-                kernel_dims.append(d)
-        return BlockRef(
-            f"{_arg_name(bm, i)}",
-            tuple(bm.array_shape),
-            np.dtype(bm.dtype),
-            starts,
-            kernel_dims,
-            tuple(bm.kernel_block_shape),
-            in_bounds,
-            nonneg,
-        )
-
     def lower(self) -> tuple[str, list[str], tuple[int, int, int]]:
         """Returns (kernel source, pointer signature per argument, launch grid)."""
+        from pallas_gpu._src.lowering_memory import block_ref
+
         self._collect_used(self.jaxpr)
         gm = self.gm
         em = self.em
         ids, launch_grid = self.program_ids()
-        refs: list[Any] = [self.block_ref(i, bm, ids) for i, bm in enumerate(gm.block_mappings)]
+        refs: list[Any] = [block_ref(self, i, bm, ids) for i, bm in enumerate(gm.block_mappings)]
         for a in gm.scratch_avals:
             inner = a.inner_aval if hasattr(a, "inner_aval") else a
             v = const(em, 0, inner.dtype, inner.shape)
             refs.append(ScratchRef(v.expr, tuple(inner.shape), np.dtype(inner.dtype)))
         em.emit("# kernel body")
         self.lower_jaxpr(self.jaxpr, [*ids, *refs])
-        args = [_arg_name(bm, i) for i, bm in enumerate(gm.block_mappings)]
+        args = [arg_name(bm, i) for i, bm in enumerate(gm.block_mappings)]
         sig = [pointer_signature(bm.dtype) for bm in gm.block_mappings]
         header = [f"def {self.name}({', '.join(args)}):"]
         return "\n".join(header + em.lines) + "\n", sig, launch_grid
 
 
-def _arg_name(bm, i: int) -> str:
+def arg_name(bm, i: int) -> str:
     return f"in{i}_ptr" if bm.origin.startswith("in") else f"out{i}_ptr"
 
 
@@ -901,6 +491,13 @@ PREAMBLE_GPU = """from triton.language.extra import libdevice
 @triton.jit
 def _dot_operand(x):
     return x
+
+
+@triton.jit
+def _approx_tanh(x):
+    return tl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
 """
 # Triton's interpreter holds bf16 as raw uint16 and multiplies those bits in
 # tl.dot; products of bf16 values are exact in f32, so widen them there.
@@ -910,6 +507,11 @@ PREAMBLE_INTERPRET = """from pallas_gpu._src.interpret_libdevice import libdevic
 @triton.jit
 def _dot_operand(x):
     return x.to(tl.float32) if x.dtype == tl.bfloat16 else x
+
+
+@triton.jit
+def _approx_tanh(x):
+    return libdevice.tanh(x)
 """
 
 
@@ -917,14 +519,22 @@ def _dot_operand(x):
 class LoweredKernel:
     """The generated kernel: module source (without the libdevice import
     line, which differs between GPU and interpreter), its name, pointer
-    signature and launch grid."""
+    signature and launch grid. ``gpu_only`` lists the uses (with their
+    source lines) that Triton's interpreter cannot run."""
 
     name: str
     body: str
     signature: tuple[str, ...]
     launch_grid: tuple[int, int, int]
+    gpu_only: tuple[str, ...] = ()
 
     def module_source(self, interpret: bool) -> str:
+        if interpret and self.gpu_only:
+            raise NotImplementedError(
+                f"{BACKEND}: kernel '{self.name}' uses {', '.join(self.gpu_only)}: inline PTX cannot "
+                "run under Triton's CPU interpreter; run the kernel on the GPU (without "
+                "interpret=plgpu.InterpretParams())"
+            )
         pre = "import triton\nimport triton.language as tl\n"
         pre += PREAMBLE_INTERPRET if interpret else PREAMBLE_GPU
         return pre + "\n\n" + self.body
@@ -938,11 +548,12 @@ def kernel_name(name: str) -> str:
 
 
 def lower_kernel(jaxpr, grid_mapping) -> LoweredKernel:
-    from pallas_gpu._src import lowering_math  # noqa: F401  (registers math rules)
+    # The rule modules register themselves in ``lowering_rules`` on import.
+    from pallas_gpu._src import lowering_control, lowering_math, lowering_memory, lowering_shapes  # noqa: F401
 
     name = kernel_name(grid_mapping.kernel_name)
     kl = KernelLowering(jaxpr, grid_mapping, name)
     src, sig, launch_grid = kl.lower()
     helpers = "".join(f"@triton.jit\n{s}\n\n" for s in kl.em.helpers.values())
     body = helpers + "@triton.jit\n" + src
-    return LoweredKernel(name, body, tuple(sig), launch_grid)
+    return LoweredKernel(name, body, tuple(sig), launch_grid, tuple(kl.gpu_only))

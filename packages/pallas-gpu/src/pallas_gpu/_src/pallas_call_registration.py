@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
-from pallas_gpu._src import compiler
+from pallas_gpu._src import autotune, compiler
 from pallas_gpu._src.core import CompilerParams, InterpretParams
 from pallas_gpu._src.lowering import LoweredKernel, lower_kernel
 
@@ -38,17 +39,24 @@ def lowered_kernel(jaxpr, grid_mapping) -> LoweredKernel:
     return per_gm[key][1]
 
 
+def where(gm) -> str:
+    """``pallas_call 'name' at file.py:12``: how errors name the kernel."""
+    at = f" at {gm.source}" if gm.source else ""
+    return f"pallas_call '{gm.kernel_name}'{at}"
+
+
 def _compiler_params_list(cp: Any, gm) -> list[CompilerParams]:
     if cp is None:
         return [CompilerParams()]
-    if isinstance(cp, CompilerParams):
-        return [cp]
-    if isinstance(cp, (list, tuple)) and cp and all(isinstance(c, CompilerParams) for c in cp):
-        return list(cp)
-    raise TypeError(
-        f"pallas_call '{gm.kernel_name}' at {gm.source}: compiler_params for the Triton backend must "
-        f"be a plgpu.CompilerParams or a tuple of them (autotuning), got {cp!r}"
-    )
+    cps = list(cp) if isinstance(cp, (list, tuple)) else [cp]
+    if not cps or not all(isinstance(c, CompilerParams) for c in cps):
+        raise TypeError(
+            f"{where(gm)}: compiler_params for the Triton backend must "
+            f"be a plgpu.CompilerParams or a list of them (autotuning), got {cp!r}"
+        )
+    for i, c in enumerate(cps):
+        c.validate(f"{where(gm)}: compiler_params" + (f"[{i}]" if len(cps) > 1 else ""))
+    return cps
 
 
 def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debug, compiler_params, **_):
@@ -61,8 +69,10 @@ def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debu
         fun = functools.partial(_interpret_call, lk=lk, gm=gm, aliases=input_output_aliases, params=interpret)
         return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
     cps = _compiler_params_list(compiler_params, gm)
-    cc = _compute_capability(ctx)
-    fun = functools.partial(_gpu_call, lk=lk, gm=gm, aliases=input_output_aliases, cps=tuple(cps), cc=cc)
+    cc, device = _target(gm)
+    fun = functools.partial(
+        _gpu_call, lk=lk, gm=gm, aliases=input_output_aliases, cps=tuple(cps), cc=cc, device=device
+    )
     return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
 
 
@@ -70,43 +80,83 @@ def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debu
 # GPU
 
 
-def _compute_capability(ctx) -> int:
-    devices = [d for d in jax.devices() if d.platform == "gpu"]
+def _target(gm) -> tuple[int, str]:
+    """(compute capability as an int, e.g. 90; device name for tuning keys).
+
+    ``PALLAS_GPU_COMPUTE_CAPABILITY=90`` compiles for that capability
+    without asking a device (e.g. ``jax.export`` for CUDA on a CPU machine).
+    """
+    forced = os.environ.get("PALLAS_GPU_COMPUTE_CAPABILITY", "")
+    if forced:
+        try:
+            cc = int(forced.replace(".", "").removeprefix("sm_"))
+        except ValueError:
+            raise ValueError(
+                f"{where(gm)}: PALLAS_GPU_COMPUTE_CAPABILITY={forced!r} is not a compute capability "
+                "(write 90 or 9.0 for sm_90)"
+            ) from None
+        return cc, f"sm_{cc}"
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        devices = []
     if not devices:
-        raise RuntimeError("pallas_gpu: lowering for CUDA but JAX sees no GPU device")
+        raise RuntimeError(
+            f"{where(gm)}: the kernel is being compiled for a CUDA GPU, but JAX sees no GPU "
+            f"(devices: {', '.join(str(d) for d in jax.devices())}). To run it on the CPU pass "
+            "interpret=True (plain JAX) or interpret=plgpu.InterpretParams() (the generated Triton "
+            "code under Triton's interpreter); otherwise run on a machine with an NVIDIA GPU and "
+            "jax[cuda] installed. To export for CUDA from here, set PALLAS_GPU_COMPUTE_CAPABILITY "
+            "(e.g. 90)."
+        )
     cc = getattr(devices[0], "compute_capability", None)
     if cc is None:
-        raise RuntimeError(f"pallas_gpu: cannot read the compute capability of {devices[0]}")
+        raise RuntimeError(f"{where(gm)}: cannot read the compute capability of {devices[0]}")
     major, minor = str(cc).split(".")
-    return int(major) * 10 + int(minor)
+    return int(major) * 10 + int(minor), f"{devices[0].device_kind} sm_{major}{minor}"
 
 
-def launch_configs(lk: LoweredKernel, cc: int, cps: Sequence[CompilerParams]):
-    """One ``jax_kernel_runtime.KernelConfig`` per compiler-params choice."""
-    import jax_kernel_runtime as jkr
-
-    configs = []
-    for cp in cps:
-        compiled = compiler.compile_kernel(lk, cc, tuple(sorted(cp.compile_options().items())))
-        configs.append(jkr.config_from_triton(compiled))
-    return configs
+def launch_configs(lk: LoweredKernel, cc: int, cps: Sequence[CompilerParams], gm=None):
+    """One ``jax_kernel_runtime.KernelConfig`` per compiler-params choice
+    that fits on ``sm_{cc}``."""
+    return [cfg for _, cfg in compiler.compiled_configs(lk, cc, cps, where(gm) if gm else "")]
 
 
-def _gpu_call(*args, lk: LoweredKernel, gm, aliases, cps, cc):
+def tune_key(lk: LoweredKernel, cps, shapes, device: str) -> str:
+    """Identity of one autotuned ``pallas_call`` (hex sha256)."""
+    return autotune.sha256(
+        "pallas_call",
+        lk.module_source(interpret=False),
+        [sorted(cp.compile_options().items()) for cp in cps],
+        [(tuple(shape), str(dtype)) for shape, dtype in shapes],
+        device,
+    )
+
+
+def _gpu_call(*args, lk: LoweredKernel, gm, aliases, cps, cc, device):
     import jax_kernel_runtime as jkr
 
     if math.prod(gm.grid) == 0:
         return [jax.numpy.zeros(a.shape, a.dtype) for a in gm.out_avals]
-    configs = launch_configs(lk, cc, cps)
+    compiled = compiler.compiled_configs(lk, cc, cps, where(gm))
+    key = ""
+    if len(compiled) > 1:
+        shapes = [(bm.array_shape, bm.dtype) for bm in gm.block_mappings]
+        key = tune_key(lk, [cp for cp, _ in compiled], shapes, device)
+        winner = autotune.lookup_winner(key)
+        if winner is not None and 0 <= winner < len(compiled):
+            compiled, key = [compiled[winner]], ""
+        else:
+            autotune.expect_tuning(key)
     out_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in gm.out_avals]
     return jkr.kernel_call(
         *args,
-        configs=configs,
+        configs=[cfg for _, cfg in compiled],
         grid=lk.launch_grid,
         out_shapes=out_shapes,
         input_output_aliases=dict(aliases),
         name=lk.name,
-        tune_key=lk.name if len(configs) > 1 else "",
+        tune_key=key,
     )
 
 

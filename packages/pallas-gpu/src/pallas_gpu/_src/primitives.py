@@ -1,4 +1,7 @@
-"""GPU-only kernel primitives: masked ``load``/``store``, atomics and ``dot``.
+"""GPU-only kernel primitives: masked ``load``/``store``, atomics, ``dot``,
+compiler hints (``max_contiguous``, ``debug_barrier``) and inline PTX
+(``elementwise_inline_asm``, ``approx_tanh``). Names and signatures follow
+``jax.experimental.pallas.triton``.
 
 Each primitive is bound on a Ref plus the flattened NDIndexer transforms
 (like JAX's ``get_p``), so the lowering computes the same pointer + mask as
@@ -7,12 +10,14 @@ for plain Ref indexing and adds the user's mask on top.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax, tree_util
 from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
 from pallas_gpu._src import compat
 
@@ -166,6 +171,11 @@ atomic_rmw_p = Primitive("plgpu_atomic_rmw")
 def _atomic(op: str):
     def fn(ref: Any, idx: Any, val: Any, *, mask: Any = None) -> jax.Array:
         ref_, transforms = _indexer(ref, idx)
+        if op in _INT_ONLY and not jnp.issubdtype(ref_.dtype, jnp.integer):
+            raise TypeError(
+                f"plgpu.atomic_{op} needs a Ref of integers (Triton has no float atomic_{op}), "
+                f"got {ref_.dtype}; bitcast the data to an integer dtype"
+            )
         flat, tree = tree_util.tree_flatten(transforms)
         shape = _ref_shape_after(ref_, transforms)
         args = [ref_, jnp.broadcast_to(jnp.asarray(val, ref_.dtype), shape), *flat]
@@ -185,9 +195,14 @@ def _atomic(op: str):
     return fn
 
 
+_INT_ONLY = ("and", "or", "xor")
 atomic_add = _atomic("add")
 atomic_max = _atomic("max")
 atomic_min = _atomic("min")
+atomic_and = _atomic("and")
+atomic_or = _atomic("or")
+atomic_xor = _atomic("xor")
+atomic_xchg = _atomic("xchg")
 
 
 def _atomic_abstract_eval(ref, val, *args, tree, has_mask, op):
@@ -197,7 +212,15 @@ def _atomic_abstract_eval(ref, val, *args, tree, has_mask, op):
 atomic_rmw_p.def_effectful_abstract_eval(_atomic_abstract_eval)
 
 
-_ATOMIC_FNS = {"add": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+_ATOMIC_FNS = {
+    "add": jnp.add,
+    "max": jnp.maximum,
+    "min": jnp.minimum,
+    "and": jnp.bitwise_and,
+    "or": jnp.bitwise_or,
+    "xor": jnp.bitwise_xor,
+    "xchg": lambda old, val: val,
+}
 
 
 def _atomic_discharge(in_avals, out_avals, ref, val, *args, tree, has_mask, op):
@@ -212,6 +235,183 @@ def _atomic_discharge(in_avals, out_avals, ref, val, *args, tree, has_mask, op):
 
 
 compat.register_discharge_rule(atomic_rmw_p)(_atomic_discharge)
+
+
+# atomic_cas: old = ref[...]; ref[...] = val where old == cmp; returns old.
+
+atomic_cas_p = Primitive("plgpu_atomic_cas")
+
+
+def atomic_cas(ref: Any, cmp: Any, val: Any) -> jax.Array:
+    """Atomic compare-and-swap: where ``ref`` holds ``cmp``, writes ``val``.
+
+    Args:
+      ref: a Ref or a view (``ref.at[i]``) of 16, 32 or 64-bit elements;
+        usually a scalar (a lock or a counter).
+      cmp: the expected value (broadcast to the Ref's shape).
+      val: the value to swap in (broadcast to the Ref's shape).
+    Returns:
+      The value the Ref held before the operation.
+    """
+    ref_, transforms = _indexer(ref, None)
+    flat, tree = tree_util.tree_flatten(transforms)
+    shape = _ref_shape_after(ref_, transforms)
+    if jnp.dtype(ref_.dtype).itemsize not in (2, 4, 8):
+        raise TypeError(f"plgpu.atomic_cas needs a Ref of 16, 32 or 64-bit elements, got {ref_.dtype}")
+    cmp = jnp.broadcast_to(jnp.asarray(cmp, ref_.dtype), shape)
+    val = jnp.broadcast_to(jnp.asarray(val, ref_.dtype), shape)
+    return atomic_cas_p.bind(ref_, cmp, val, *flat, tree=tree)
+
+
+def _atomic_cas_abstract_eval(ref, cmp, val, *args, tree):
+    return jax.core.ShapedArray(val.shape, val.dtype), {compat.ReadEffect(0), compat.WriteEffect(0)}
+
+
+atomic_cas_p.def_effectful_abstract_eval(_atomic_cas_abstract_eval)
+
+
+def _atomic_cas_discharge(in_avals, out_avals, ref, cmp, val, *args, tree):
+    transforms = tree_util.tree_unflatten(tree, args)
+    old = compat.transform_array(ref, transforms)
+    new_ref = compat.transform_swap_array(ref, transforms, jnp.where(old == cmp, val, old))[1]
+    return (new_ref,) + (None,) * (len(in_avals) - 1), old
+
+
+compat.register_discharge_rule(atomic_cas_p)(_atomic_cas_discharge)
+
+
+# ---------------------------------------------------------------------------
+# Compiler hints
+
+max_contiguous_p = Primitive("plgpu_max_contiguous")
+
+
+def max_contiguous(x: jax.Array, values: int | Sequence[int]) -> jax.Array:
+    """Tells the compiler that the first ``values[d]`` elements of ``x`` along
+    each dim ``d`` are contiguous (e.g. offsets from ``iota``), so that loads
+    through them vectorize.
+
+    Args:
+      x: an integer array (usually offsets).
+      values: one int per dim of ``x`` (an int for a 1-d ``x``).
+    Returns:
+      ``x`` unchanged.
+    """
+    values = tuple(int(v) for v in (values if isinstance(values, (list, tuple)) else (values,)))
+    if len(values) != jnp.ndim(x):
+        raise ValueError(
+            f"plgpu.max_contiguous: {len(values)} values for an array of rank {jnp.ndim(x)}; "
+            "give one value per dimension"
+        )
+    return max_contiguous_p.bind(x, values=values)
+
+
+max_contiguous_p.def_abstract_eval(lambda aval, **_: aval)
+max_contiguous_p.def_impl(lambda x, **_: x)
+mlir.register_lowering(max_contiguous_p, lambda ctx, x, **_: [x])
+batching.primitive_batchers[max_contiguous_p] = lambda args, dims, values: (args[0], dims[0])
+
+
+debug_barrier_p = Primitive("plgpu_debug_barrier")
+debug_barrier_p.multiple_results = True
+
+
+def debug_barrier() -> None:
+    """Synchronizes the threads of one program (``tl.debug_barrier``); a no-op
+    outside the GPU."""
+    debug_barrier_p.bind()
+
+
+debug_barrier_p.def_effectful_abstract_eval(lambda: ([], {compat.debug_effect}))
+debug_barrier_p.def_impl(lambda: [])
+mlir.register_lowering(debug_barrier_p, lambda ctx: [])
+
+
+# ---------------------------------------------------------------------------
+# Inline PTX
+
+elementwise_inline_asm_p = Primitive("plgpu_elementwise_inline_asm")
+elementwise_inline_asm_p.multiple_results = True
+
+
+def elementwise_inline_asm(
+    asm: str,
+    *,
+    args: Sequence[jax.Array],
+    constraints: str,
+    pack: int,
+    result_shape_dtypes: Sequence[jax.ShapeDtypeStruct],
+) -> Sequence[jax.Array]:
+    """Applies inline PTX elementwise (``tl.inline_asm_elementwise``).
+
+    GPU only: neither Triton's CPU interpreter nor Pallas' interpret mode can
+    run PTX.
+
+    Args:
+      asm: the PTX, with ``$0, $1, ...`` for results then arguments.
+      args: arrays of one shape.
+      constraints: LLVM inline-asm constraints, e.g. ``"=r,r"``.
+      pack: how many elements of each argument one instance of ``asm`` takes.
+      result_shape_dtypes: shape (that of ``args``) and dtype of each result.
+    Returns:
+      The results, one array per entry of ``result_shape_dtypes``.
+    """
+    args = [jnp.asarray(a) for a in args]
+    return elementwise_inline_asm_p.bind(
+        *args,
+        asm=asm,
+        constraints=constraints,
+        pack=pack,
+        result_shape_dtypes=tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in result_shape_dtypes),
+    )
+
+
+def _inline_asm_abstract_eval(*avals, result_shape_dtypes, **_):
+    if any(a.shape != avals[0].shape for a in avals):
+        raise ValueError(
+            "plgpu.elementwise_inline_asm: all args must have one shape, got "
+            f"{[tuple(a.shape) for a in avals]}; broadcast them first"
+        )
+    return [jax.core.ShapedArray(r.shape, r.dtype) for r in result_shape_dtypes]
+
+
+def _inline_asm_no_interpret(ctx, *args, **params):
+    raise NotImplementedError(
+        "plgpu.elementwise_inline_asm runs PTX, which Pallas' interpret mode cannot execute; "
+        "run the kernel on the GPU (without interpret=...)"
+    )
+
+
+elementwise_inline_asm_p.def_abstract_eval(_inline_asm_abstract_eval)
+mlir.register_lowering(elementwise_inline_asm_p, _inline_asm_no_interpret)
+
+
+approx_tanh_p = Primitive("plgpu_approx_tanh")
+
+
+def approx_tanh(x: jax.Array) -> jax.Array:
+    """Elementwise approximate tanh: PTX ``tanh.approx.f32`` on the GPU
+    (16-bit floats are computed in f32); ``tanh`` under Triton's interpreter
+    and in interpret mode.
+
+    Args:
+      x: a float16, bfloat16 or float32 array.
+    Returns:
+      ``tanh(x)`` to about 11 bits of precision on the GPU.
+    """
+    x = jnp.asarray(x)
+    if x.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
+        raise TypeError(
+            f"plgpu.approx_tanh accepts float16, bfloat16 and float32 arrays, got {x.dtype} "
+            "(CUDA has no approximate tanh for other dtypes; use jnp.tanh)"
+        )
+    return approx_tanh_p.bind(x)
+
+
+approx_tanh_p.def_abstract_eval(lambda aval: aval)
+approx_tanh_p.def_impl(jnp.tanh)
+mlir.register_lowering(approx_tanh_p, mlir.lower_fun(jnp.tanh, multiple_results=False))
+batching.defvectorized(approx_tanh_p)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,313 @@
+"""Autotuning: the winner cache, and ``plgpu.autotune`` for block-size choices.
+
+Two ways to tune a kernel:
+
+* ``compiler_params=[plgpu.CompilerParams(...), ...]`` on one ``pallas_call``:
+  the configs share the generated kernel and differ only in compile options.
+  jax_kernel_runtime times each on its first execution on a device and keeps
+  the fastest; the winner is then recorded here (memory and disk), so later
+  lowerings, in this process or another, compile and launch only the winner.
+* ``plgpu.autotune(fn, configs=[dict(block_m=64, ...), ...])``: one
+  ``pallas_call`` per config (different block shapes, grids and
+  ``CompilerParams``). The first call with given shapes on a GPU times each
+  config and dispatches to the fastest from then on.
+
+Winners live in ``$PALLAS_GPU_CACHE_DIR/autotune/<key>.json`` (written
+atomically), keyed by everything the choice depends on: the kernel (or the
+tuned function), the configs, the argument shapes and dtypes and the device.
+``PALLAS_GPU_DISABLE_CACHE=1`` keeps them in memory only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import inspect
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+_lock = threading.Lock()
+_winners: dict[str, int] = {}
+_pending: set[str] = set()  # tune keys handed to the runtime, not yet recorded
+_seen_records = 0
+
+
+def _compiler():
+    # Imported on use: ``import pallas_gpu`` stays free of Triton.
+    from pallas_gpu._src import compiler
+
+    return compiler
+
+
+def _path(key: str) -> str:
+    return os.path.join(_compiler().cache_dir(), "autotune", key + ".json")
+
+
+def lookup_winner(key: str) -> int | None:
+    """The recorded winning config index for ``key`` (memory, then disk)."""
+    flush_records()
+    with _lock:
+        if key in _winners:
+            return _winners[key]
+    if not _compiler().disk_cache_enabled():
+        return None
+    try:
+        with open(_path(key)) as f:
+            chosen = int(json.load(f)["chosen"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    with _lock:
+        _winners[key] = chosen
+    return chosen
+
+
+def record_winner(key: str, chosen: int, times_ms: Sequence[float] = ()) -> None:
+    with _lock:
+        _winners[key] = chosen
+        _pending.discard(key)
+    if not _compiler().disk_cache_enabled():
+        return
+    data = json.dumps({"chosen": chosen, "times_ms": [float(t) for t in times_ms]}).encode()
+    try:
+        _compiler().write_atomically(_path(key), data)
+    except OSError:
+        pass  # a read-only home only loses the cross-process cache
+
+
+def expect_tuning(key: str) -> None:
+    """``key`` was passed to the runtime as a ``tune_key``; its result is
+    recorded by the next ``flush_records``."""
+    with _lock:
+        _pending.add(key)
+
+
+def flush_records() -> None:
+    """Moves the runtime's new tuning results for our keys into the caches."""
+    global _seen_records
+    with _lock:
+        if not _pending:
+            return
+    import jax_kernel_runtime as jkr
+
+    records = jkr.tune_records()
+    with _lock:
+        new, _seen_records = records[_seen_records:], len(records)
+        ours = [r for r in new if r[0] in _pending]
+    for key, _device, chosen, times in ours:
+        record_winner(key, chosen, times)
+
+
+# The runtime tunes at the first execution, after lowering: a process that
+# runs a tuned call once and exits records it here.
+atexit.register(flush_records)
+
+
+def sha256(*parts: Any) -> str:
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# plgpu.autotune
+
+
+def _default_device() -> jax.Device:
+    return jax.devices()[0]
+
+
+def _on_gpu() -> bool:
+    return _default_device().platform == "gpu"
+
+
+def _device_name() -> str:
+    d = _default_device()
+    cc = getattr(d, "compute_capability", "")
+    return f"{d.platform}:{d.device_kind}:{cc}"
+
+
+def _aval_key(x) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{tuple(x.shape)}:{np.dtype(x.dtype).name}"
+    return repr(x)  # a Python scalar: its value is part of the call
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _timing_data(x, i: int):
+    """A concrete stand-in for a traced argument: normal random floats;
+    zeros for ints and bools (they are often indices: zero is always valid)."""
+    if not _is_tracer(x):
+        return x
+    dtype = np.dtype(x.dtype)
+    if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating):
+        data = np.random.default_rng(i).standard_normal(x.shape, np.float32).astype(dtype)
+    else:
+        data = np.zeros(x.shape, dtype)
+    return jax.device_put(data)
+
+
+def median_time(f: Callable[..., Any], args: Sequence[Any], warmup: int = 1, repeats: int = 5) -> float:
+    """Median wall time in seconds of ``f(*args)`` (compiled and warmed up first)."""
+    for _ in range(1 + warmup):
+        jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+class Autotuned:
+    """A function tuned over ``configs``; see ``plgpu.autotune``."""
+
+    def __init__(self, fn, configs, key, name, warmup, repeats, timer):
+        if not configs or not all(isinstance(c, dict) for c in configs):
+            raise ValueError(f"plgpu.autotune({_fn_name(fn)}): configs must be a non-empty list of dicts")
+        self.fn = fn
+        self.configs = [dict(c) for c in configs]
+        self.key = key
+        self.name = name or _fn_name(fn)
+        self.warmup = warmup
+        self.repeats = repeats
+        self.timer = timer
+        self.times: dict[str, list[float]] = {}  # tune key -> seconds per config (inf: failed)
+        self._identity = sha256(self.name, _source_hash(fn), [sorted(c.items()) for c in self.configs])
+        self._jitted: dict[tuple[int, str], Callable] = {}
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fn)
+
+    def tune_key(self, *args, **kwargs) -> str:
+        """The key the winner for these arguments is stored under."""
+        if self.key is not None:
+            bucket = repr(self.key(*args, **kwargs))
+        else:
+            leaves, tree = jax.tree.flatten(args)
+            bucket = f"{tree}|{[_aval_key(x) for x in leaves]}"
+        return sha256(self._identity, bucket, sorted(kwargs.items()), _device_name())
+
+    def best_index(self, *args, **kwargs) -> int:
+        """Index of the config used for these arguments (tunes if needed)."""
+        if self.timer is None and not _on_gpu():
+            return 0  # CPU / interpret mode: timings would say nothing about a GPU
+        key = self.tune_key(*args, **kwargs)
+        winner = lookup_winner(key)
+        if winner is not None and 0 <= winner < len(self.configs):
+            return winner
+        with self._lock:
+            winner = lookup_winner(key)
+            if winner is None or not 0 <= winner < len(self.configs):
+                winner = self._tune(key, args, kwargs)
+        return winner
+
+    def best_config(self, *args, **kwargs) -> dict:
+        """The config used for these arguments (tunes if needed)."""
+        return dict(self.configs[self.best_index(*args, **kwargs)])
+
+    def _tune(self, key: str, args, kwargs) -> int:
+        # Inside jit this runs at trace time: run the configs now, not staged.
+        with jax.ensure_compile_time_eval():
+            return self._time_configs(key, args, kwargs)
+
+    def _time_configs(self, key: str, args, kwargs) -> int:
+        leaves, tree = jax.tree.flatten(args)
+        data = jax.tree.unflatten(tree, [_timing_data(x, i) for i, x in enumerate(leaves)])
+        timer = self.timer or functools.partial(median_time, warmup=self.warmup, repeats=self.repeats)
+        times, errors = [], []
+        for i in range(len(self.configs)):
+            try:
+                times.append(float(timer(self._jit(i, kwargs), data)))
+            except Exception as e:  # noqa: BLE001 - a config that cannot run loses
+                times.append(float("inf"))
+                errors.append((i, e))
+        self.times[key] = times
+        best = int(np.argmin(times))
+        if times[best] == float("inf"):
+            i, e = errors[0]
+            raise RuntimeError(
+                f"plgpu.autotune({self.name}): every config failed; config {i} "
+                f"{self.configs[i]} raised {type(e).__name__}: {e}"
+            ) from e
+        record_winner(key, best, [t * 1e3 if np.isfinite(t) else -1.0 for t in times])
+        return best
+
+    def _jit(self, i: int, kwargs) -> Callable:
+        k = (i, repr(sorted(kwargs.items())))
+        f = self._jitted.get(k)
+        if f is None:
+            f = self._jitted[k] = jax.jit(functools.partial(self.fn, **kwargs, **self.configs[i]))
+        return f
+
+    def __call__(self, *args, **kwargs):
+        i = self.best_index(*args, **kwargs)
+        if any(_is_tracer(x) for x in jax.tree.leaves(args)):
+            return self.fn(*args, **kwargs, **self.configs[i])
+        return self._jit(i, kwargs)(*args)
+
+
+def _fn_name(fn) -> str:
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _source_hash(fn) -> str:
+    try:
+        return sha256(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return ""
+
+
+def autotune(
+    fn: Callable | None = None,
+    *,
+    configs: Sequence[dict[str, Any]],
+    key: Callable[..., Any] | None = None,
+    name: str | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    timer: Callable[[Callable, Sequence[Any]], float] | None = None,
+):
+    """Picks the fastest of several configurations of a kernel, per shape.
+
+    ``fn(*args, **kwargs, **config)`` computes the result with one config
+    (typically it builds a ``pallas_call`` whose block shapes, grid and
+    ``plgpu.CompilerParams`` come from ``config``). The returned function
+    takes ``(*args, **kwargs)``; on its first call with given argument
+    shapes and dtypes on a GPU it runs every config (jitted, ``warmup`` runs,
+    then the median of ``repeats``), keeps the fastest in memory and on disk,
+    and from then on calls only that one. Inside ``jit`` it tunes at trace
+    time on random data of the traced shapes (zeros for integer inputs).
+    A config that fails (too much shared memory, say) is skipped.
+
+    On a machine without a GPU (CPU, interpret mode) no timing is done: the
+    first config is used.
+
+    Args:
+      fn: the function to tune (or use ``@plgpu.autotune(configs=...)``).
+      configs: dicts of keyword arguments for ``fn``, one per candidate.
+      key: ``key(*args, **kwargs)`` -> a hashable value; calls with equal
+        keys share one tuning result. Default: the shapes and dtypes of the
+        arguments and the values of ``kwargs`` (which must be hashable).
+      name: identifies ``fn`` in the disk cache and messages (default: its
+        module and qualified name).
+      warmup, repeats: timing runs per config.
+      timer: ``timer(jitted_fn, args) -> seconds``, replacing the built-in
+        timing (also on the CPU).
+
+    Returns:
+      An ``Autotuned`` callable; ``.best_config(*args)`` says which config it
+      uses for those arguments, ``.times`` holds the measured seconds.
+    """
+    if fn is None:
+        return functools.partial(
+            autotune, configs=configs, key=key, name=name, warmup=warmup, repeats=repeats, timer=timer
+        )
+    return Autotuned(fn, configs, key, name, warmup, repeats, timer)

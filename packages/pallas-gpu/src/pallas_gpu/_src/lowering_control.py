@@ -1,0 +1,168 @@
+"""Lowering rules for control flow and the kernel language's structural
+primitives: ``scan`` (fori loops), ``while``, ``cond``/``switch``, inlined
+calls (nested ``jit``, ``custom_jvp``/``custom_vjp``), ``run_scoped``,
+``multiple_of`` and ``debug_print``.
+
+Loop-carried values are Python variables reassigned at the end of each
+iteration; Refs pass through loops unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pallas import backend as pallas_backend
+from pallas_gpu._src import compat
+from pallas_gpu._src import primitives as gpu_primitives
+from pallas_gpu._src.lowering import (
+    BlockRef,
+    Emitter,
+    RuleContext,
+    ScratchRef,
+    Val,
+    const,
+    register_lowering,
+)
+
+
+def _carry_vars(em: Emitter, vals: Sequence[Val], hint: str) -> list[Val]:
+    """Fresh variables initialized to ``vals`` (loop-carried values)."""
+    out = []
+    for v in vals:
+        if isinstance(v, (BlockRef, ScratchRef)):
+            out.append(v)
+        else:
+            out.append(em.assign(v.expr, v.shape, v.dtype, hint))
+    return out
+
+
+def _reassign(em: Emitter, targets: Sequence[Val], values: Sequence[Val]) -> None:
+    tmps = []
+    for t, v in zip(targets, values):
+        if isinstance(t, (BlockRef, ScratchRef)):
+            continue
+        tmp = em.fresh("t")
+        em.emit(f"{tmp} = {v.expr}")
+        tmps.append((t, tmp))
+    for t, tmp in tmps:
+        em.emit(f"{t.expr} = {tmp}")
+
+
+@register_lowering(compat.scan_p)
+def _scan_rule(rc: RuleContext, *args, jaxpr, length, **params):
+    num_consts, num_carry = compat.scan_counts(params)
+    if len(args) != num_consts + num_carry:
+        raise rc.error(
+            "lax.scan over arrays (xs/ys) is not supported inside Triton kernels; use "
+            "lax.fori_loop and index Refs with pl.ds instead"
+        )
+    consts, init = args[:num_consts], args[num_consts:]
+    em = rc.em
+    carry = _carry_vars(em, init, "carry")
+    it = em.fresh("it")
+    with em.block(f"for {it} in range(0, {length}):"):
+        outs = rc.lowering.lower_jaxpr(jaxpr, [*consts, *carry])
+        _reassign(em, carry, outs)
+    return carry
+
+
+@register_lowering(compat.while_p)
+def _while_rule(rc: RuleContext, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
+    cconsts = args[:cond_nconsts]
+    bconsts = args[cond_nconsts : cond_nconsts + body_nconsts]
+    init = args[cond_nconsts + body_nconsts :]
+    em, kl = rc.em, rc.lowering
+    carry = _carry_vars(em, init, "carry")
+    (pred,) = kl.lower_jaxpr(cond_jaxpr, [*cconsts, *carry])
+    p = em.assign(pred.expr, (), np.bool_, "pred")
+    with em.block(f"while {p.expr}:"):
+        outs = kl.lower_jaxpr(body_jaxpr, [*bconsts, *carry])
+        _reassign(em, carry, outs)
+        (pred,) = kl.lower_jaxpr(cond_jaxpr, [*cconsts, *carry])
+        em.emit(f"{p.expr} = {pred.expr}")
+    return carry
+
+
+@register_lowering(compat.cond_p)
+def _cond_rule(rc: RuleContext, index, *ops, branches, **_):
+    em, kl = rc.em, rc.lowering
+    if index.shape != ():
+        raise rc.error("the predicate of lax.cond must be a scalar")
+    outs = [em.fresh("r") for _ in rc.avals_out]
+    results = [Val(o, a.shape, a.dtype) for o, a in zip(outs, rc.avals_out)]
+    n = len(branches)
+    for b, br in enumerate(branches):
+        if n == 1:
+            header = None
+        elif b == 0:
+            header = f"if {index.expr} <= 0:" if n > 2 else f"if {index.expr} == 0:"
+        elif b == n - 1:
+            header = "else:"
+        else:
+            header = f"elif {index.expr} == {b}:"
+        with em.block(header) if header else _nullctx():
+            vals = kl.lower_jaxpr(br, list(ops))
+            for o, v in zip(outs, vals):
+                em.emit(f"{o} = {v.expr}")
+    return results
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def _inline_rule(param: str):
+    def rule(rc: RuleContext, *args, **params):
+        return rc.lowering.lower_jaxpr(params[param], list(args))
+
+    return rule
+
+
+register_lowering(compat.jit_p)(_inline_rule("jaxpr"))
+register_lowering(compat.custom_jvp_call_p)(_inline_rule("call_jaxpr"))
+register_lowering(compat.custom_vjp_call_p)(_inline_rule("call_jaxpr"))
+
+
+@register_lowering(pallas_backend.run_scoped_p)
+def _run_scoped_rule(rc: RuleContext, *consts, jaxpr, num_consts):
+    em = rc.em
+    scratch = []
+    for a in jaxpr.in_avals[num_consts:]:
+        inner = a.inner_aval if hasattr(a, "inner_aval") else a
+        v = const(em, 0, inner.dtype, inner.shape)
+        scratch.append(ScratchRef(v.expr, tuple(inner.shape), np.dtype(inner.dtype)))
+    return rc.lowering.lower_jaxpr(jaxpr, [*consts, *scratch])
+
+
+@register_lowering(pallas_backend.multiple_of_p)
+def _multiple_of_rule(rc: RuleContext, x, *, values):
+    if x.shape == ():
+        return rc.out(f"tl.multiple_of({x.expr}, {values[0]})")
+    vals = list(values) if len(values) == len(x.shape) else [values[0]] * len(x.shape)
+    return rc.out(f"tl.multiple_of({x.expr}, {vals})")
+
+
+@register_lowering(pallas_backend.debug_print_p)
+def _debug_print_rule(rc: RuleContext, *args, fmt):
+    if fmt.count("{}") != len(args):
+        raise rc.error("pl.debug_print in Triton kernels needs one '{}' per argument")
+    pieces = fmt.split("{}")
+    em = rc.em
+    if not args:
+        em.emit(f"tl.device_print({fmt!r})")
+    for i, a in enumerate(args):
+        prefix = pieces[i] if i else pieces[0]
+        em.emit(f"tl.device_print({prefix!r}, {a.expr})")
+    return []
+
+
+@register_lowering(gpu_primitives.debug_barrier_p)
+def _debug_barrier_rule(rc: RuleContext):
+    rc.em.emit("tl.debug_barrier()")
+    return []

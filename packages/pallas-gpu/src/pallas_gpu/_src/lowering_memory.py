@@ -1,0 +1,342 @@
+"""Lowering rules for memory: Ref reads/writes (``get``/``swap``/``addupdate``)
+on block and scratch Refs, block addressing, and the GPU-only ``plgpu.load``,
+``plgpu.store`` and atomics.
+
+A block Ref is a base pointer plus per-array-dimension element starts; an
+access computes ``pointer + offsets`` and a mask that keeps it inside the
+array (and off the power-of-two padding of the value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from jax import tree_util
+
+from pallas import backend as pallas_backend
+from pallas_gpu._src import compat
+from pallas_gpu._src import primitives as gpu_primitives
+from pallas_gpu._src.lowering import (
+    BlockRef,
+    Emitter,
+    KernelLowering,
+    RuleContext,
+    ScratchRef,
+    Val,
+    arg_name,
+    expand_to_axis,
+    is_bool,
+    next_pow2,
+    register_lowering,
+)
+
+
+@dataclasses.dataclass
+class DimView:
+    """One kernel-block dim after ``ref.at[...]``/indexing: a scalar index
+    (``size is None``) or a strided slice."""
+
+    start: str | int
+    size: int | None
+    stride: int = 1
+
+
+# ---------------------------------------------------------------------------
+# Index arithmetic on expressions (ints fold at trace time)
+
+
+def _add(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return a + b
+    if a == 0:
+        return b
+    if b == 0:
+        return a
+    return f"({a} + {b})"
+
+
+def _mul(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return a * b
+    if a == 1:
+        return b
+    if b == 1:
+        return a
+    if a == 0 or b == 0:
+        return 0
+    return f"({a} * {b})"
+
+
+# ---------------------------------------------------------------------------
+# Blocks and views
+
+
+def block_ref(kl: KernelLowering, i: int, bm, ids: list[Val]) -> BlockRef:
+    """The BlockRef of block mapping ``i``: its element starts from the index map."""
+    em = kl.em
+    em.emit(f"# {bm.origin}: {bm.dtype}{list(bm.array_shape)}, block {tuple(str(d) for d in bm.block_shape)}")
+    idx = kl.lower_jaxpr(bm.index_map, ids)
+    starts, in_bounds, nonneg, kernel_dims = [], [], [], []
+    for d, (dim, n) in enumerate(zip(bm.block_shape, bm.array_shape)):
+        v = idx[d]
+        ix = v.expr if v.static is None else int(v.static)
+        if isinstance(dim, pallas_backend.Element):
+            start = _add(ix, -dim.padding[0]) if dim.padding[0] else ix
+            size = dim.block_size
+            in_bounds.append(False)
+            nonneg.append(dim.padding[0] == 0)
+        else:
+            size = 1 if isinstance(dim, pallas_backend.Squeezed) else dim.block_size
+            start = _mul(ix, size)
+            in_bounds.append(n % size == 0)
+            nonneg.append(True)
+        if not isinstance(start, int):
+            name = em.fresh("start")
+            em.emit(f"{name} = {start}")
+            start = name
+        starts.append(start)
+        if not isinstance(dim, pallas_backend.Squeezed):
+            kernel_dims.append(d)
+    return BlockRef(
+        arg_name(bm, i),
+        tuple(bm.array_shape),
+        np.dtype(bm.dtype),
+        starts,
+        kernel_dims,
+        tuple(bm.kernel_block_shape),
+        in_bounds,
+        nonneg,
+    )
+
+
+def _apply_indexers(ref, transforms, rule_ctx: RuleContext) -> list[DimView]:
+    shape = ref.block_shape if isinstance(ref, BlockRef) else ref.shape
+    view = [DimView(0, n) for n in shape]
+    for t in transforms:
+        if not isinstance(t, compat.NDIndexer):
+            raise rule_ctx.error(f"Ref transform {type(t).__name__} is not supported")
+        live = [i for i, v in enumerate(view) if v.size is not None]
+        if len(t.indices) != len(live):
+            raise rule_ctx.error(f"indexer {t} does not match the Ref's {len(live)} dims")
+        for i, idx in zip(live, t.indices):
+            v = view[i]
+            if isinstance(idx, compat.Slice):
+                start = _scalar_expr(idx.start, rule_ctx)
+                view[i] = DimView(_add(v.start, _mul(start, v.stride)), idx.size, v.stride * idx.stride)
+            elif isinstance(idx, Val):
+                if idx.shape != ():
+                    raise rule_ctx.error(
+                        "indexing a Ref with an array (gather/scatter) is not supported by the "
+                        "Triton backend; use pl.ds slices, or plgpu.load with computed pointers"
+                    )
+                view[i] = DimView(_add(v.start, _mul(_scalar_expr(idx, rule_ctx), v.stride)), None)
+            elif isinstance(idx, (int, np.integer)):
+                view[i] = DimView(_add(v.start, int(idx) * v.stride), None)
+            else:
+                raise rule_ctx.error(f"unsupported index {idx!r}")
+    return view
+
+
+def _scalar_expr(x, rule_ctx) -> str | int:
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, Val):
+        if x.static is not None and not isinstance(x.static, bool):
+            return int(x.static)
+        return x.expr
+    raise rule_ctx.error(f"unsupported index {x!r}")
+
+
+def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str, str | None, tuple[int, ...]]:
+    """(pointer expression, mask expression or None, logical result shape)."""
+    out_shape = tuple(v.size for v in view if v.size is not None)
+    rank = len(out_shape)
+    kdim = {d: k for k, d in enumerate(ref.kernel_dims)}
+    wide = math.prod(ref.array_shape) >= 2**31
+    offsets, masks = [], []
+    axis = 0
+    for d, n in enumerate(ref.array_shape):
+        stride = math.prod(ref.array_shape[d + 1 :])
+        base = ref.starts[d]
+        if wide and base != 0:
+            base = f"{base}.to(tl.int64)"
+        v = view[kdim[d]] if d in kdim else DimView(0, None)
+        block = ref.block_shape[kdim[d]] if d in kdim else 1
+        static_start = isinstance(v.start, int)
+        if v.size is None:
+            off = _add(base, v.start)
+            safe = ref.in_bounds[d] and static_start and 0 <= v.start < block
+            if not safe:
+                name = em.fresh("i")
+                em.emit(f"{name} = {off}")
+                off = name
+                masks.append(f"({off} < {n})")
+                if not (ref.nonnegative[d] and static_start and v.start >= 0):
+                    masks.append(f"({off} >= 0)")
+        else:
+            p = next_pow2(v.size)
+            ar = f"tl.arange(0, {p})"
+            lin = _add(_add(base, v.start), _mul(ar, v.stride) if v.stride != 1 else ar)
+            name = em.fresh("offs")
+            em.emit(f"{name} = {expand_to_axis(lin if isinstance(lin, str) else str(lin), axis, rank)}")
+            off = name
+            last = v.start + (v.size - 1) * v.stride if static_start else None
+            safe = ref.in_bounds[d] and static_start and 0 <= v.start and last < block and v.stride > 0
+            if p != v.size:
+                masks.append(f"({expand_to_axis(ar, axis, rank)} < {v.size})")
+            if not safe:
+                masks.append(f"({off} < {n})")
+                if not (ref.nonnegative[d] and static_start and v.start >= 0 and v.stride > 0):
+                    masks.append(f"({off} >= 0)")
+            axis += 1
+        if n > 1:
+            offsets.append(_mul(off, stride))
+    ptr = ref.ptr
+    for o in offsets:
+        if o != 0:
+            ptr = f"{ptr} + {o}"
+    return ptr, (" & ".join(masks) if masks else None), out_shape
+
+
+def _load_ref(rc: RuleContext, ref, view, out_dtype) -> Val:
+    em = rc.em
+    if isinstance(ref, ScratchRef):
+        _check_whole(rc, ref, view)
+        return em.assign(ref.var, ref.shape, ref.dtype)
+    ptr, mask, shape = block_address(em, ref, view)
+    if mask is None:
+        expr = f"tl.load({ptr})"
+    else:
+        m = em.fresh("mask")
+        em.emit(f"{m} = {mask}")
+        expr = f"tl.load({ptr}, mask={m}, other=0)"
+    if is_bool(ref.dtype):
+        expr = f"{expr} != 0"
+    return em.assign(expr, shape, out_dtype)
+
+
+def _store_ref(rc: RuleContext, ref, view, val: Val) -> None:
+    em = rc.em
+    if isinstance(ref, ScratchRef):
+        _check_whole(rc, ref, view)
+        em.emit(f"{ref.var} = {val.expr}")
+        return
+    ptr, mask, shape = block_address(em, ref, view)
+    x = val.expr
+    if shape != val.shape:
+        raise rc.error(f"storing a {val.shape} value into a {shape} slice of a Ref")
+    if is_bool(ref.dtype):
+        x = f"{x}.to(tl.int8)"
+    if shape == () and val.shape == ():
+        pass
+    if mask is None:
+        em.emit(f"tl.store({ptr}, {x})")
+    else:
+        em.emit(f"tl.store({ptr}, {x}, mask={mask})")
+
+
+def _check_whole(rc: RuleContext, ref: ScratchRef, view: list[DimView]) -> None:
+    if any(v.size is None or v.start != 0 or v.size != n or v.stride != 1 for v, n in zip(view, ref.shape)):
+        raise rc.error(
+            "scratch Refs live in registers in the Triton backend and can only be read and "
+            "written whole (ref[...]); index them after loading instead"
+        )
+
+
+def _unflatten_transforms(rc: RuleContext, idx_args, tree):
+    return tree_util.tree_unflatten(tree, list(idx_args))
+
+
+@register_lowering(compat.get_p)
+def _get_rule(rc: RuleContext, ref, *idx, tree):
+    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
+    return _load_ref(rc, ref, view, rc.avals_out[0].dtype)
+
+
+@register_lowering(compat.swap_p)
+def _swap_rule(rc: RuleContext, ref, val, *idx, tree):
+    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
+    old = None
+    if rc.lowering.is_used(rc.eqn.outvars[0]):
+        old = _load_ref(rc, ref, view, rc.avals_out[0].dtype)
+    _store_ref(rc, ref, view, val)
+    return old if old is not None else Val("None", rc.avals_out[0].shape, rc.avals_out[0].dtype)
+
+
+@register_lowering(compat.addupdate_p)
+def _addupdate_rule(rc: RuleContext, ref, val, *idx, tree):
+    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
+    old = _load_ref(rc, ref, view, val.dtype)
+    new = rc.em.assign(f"{old.expr} + {val.expr}", val.shape, val.dtype)
+    _store_ref(rc, ref, view, new)
+    return []
+
+
+def _and_masks(*ms) -> str | None:
+    ms = [m for m in ms if m]
+    return " & ".join(f"({m})" for m in ms) if ms else None
+
+
+def _gpu_access(rc: RuleContext, ref, tree, args, what: str):
+    if not isinstance(ref, BlockRef):
+        raise rc.error(f"plgpu.{what} works on input/output Refs, not on scratch Refs")
+    n = tree.num_leaves
+    view = _apply_indexers(ref, _unflatten_transforms(rc, args[:n], tree), rc)
+    ptr, mask, shape = block_address(rc.em, ref, view)
+    return ptr, mask, shape, list(args[n:])
+
+
+@register_lowering(gpu_primitives.load_p)
+def _plgpu_load_rule(
+    rc: RuleContext, ref, *args, tree, has_mask, has_other, cache_modifier, eviction_policy, volatile
+):
+    ptr, mask, shape, rest = _gpu_access(rc, ref, tree, args, "load")
+    user_mask = rest.pop(0).expr if has_mask else None
+    other = rest.pop(0).expr if has_other else "0"
+    m = _and_masks(mask, user_mask)
+    kw = ""
+    if cache_modifier:
+        kw += f", cache_modifier={cache_modifier!r}"
+    if eviction_policy:
+        kw += f", eviction_policy={eviction_policy!r}"
+    if volatile:
+        kw += ", volatile=True"
+    expr = f"tl.load({ptr}, mask={m}, other={other}{kw})" if m else f"tl.load({ptr}{kw})"
+    if is_bool(ref.dtype):
+        expr = f"{expr} != 0"
+    return rc.out(expr)
+
+
+@register_lowering(gpu_primitives.store_p)
+def _plgpu_store_rule(rc: RuleContext, ref, val, *args, tree, has_mask, eviction_policy):
+    ptr, mask, shape, rest = _gpu_access(rc, ref, tree, args, "store")
+    m = _and_masks(mask, rest[0].expr if has_mask else None)
+    x = f"{val.expr}.to(tl.int8)" if is_bool(ref.dtype) else val.expr
+    kw = f", eviction_policy={eviction_policy!r}" if eviction_policy else ""
+    rc.em.emit(f"tl.store({ptr}, {x}, mask={m}{kw})" if m else f"tl.store({ptr}, {x}{kw})")
+    return []
+
+
+@register_lowering(gpu_primitives.atomic_rmw_p)
+def _plgpu_atomic_rule(rc: RuleContext, ref, val, *args, tree, has_mask, op):
+    ptr, mask, shape, rest = _gpu_access(rc, ref, tree, args, f"atomic_{op}")
+    m = _and_masks(mask, rest[0].expr if has_mask else None)
+    kw = f", mask={m}" if m else ""
+    return rc.out(f"tl.atomic_{op}({ptr}, {val.expr}{kw})")
+
+
+@register_lowering(gpu_primitives.atomic_cas_p)
+def _plgpu_atomic_cas_rule(rc: RuleContext, ref, cmp, val, *idx, tree):
+    ptr, mask, shape, _ = _gpu_access(rc, ref, tree, idx, "atomic_cas")
+    cmp_expr = cmp.expr
+    if mask is not None:
+        # tl.atomic_cas takes no mask: masked-off lanes (padding, outside the
+        # array) compare-and-swap val for val at the array's first element,
+        # which leaves it unchanged.
+        m = rc.em.fresh("mask")
+        rc.em.emit(f"{m} = {mask}")
+        ptr = f"tl.where({m}, {ptr}, {ref.ptr})"
+        cmp_expr = f"tl.where({m}, {cmp.expr}, {val.expr})"
+    return rc.out(f"tl.atomic_cas({ptr}, {cmp_expr}, {val.expr})")

@@ -2,7 +2,10 @@
 # The one call on the GPU machine (../shared/GPU.md): install every package with the
 # machine's preinstalled dependencies, run all GPU tests, the examples (on the GPU) and
 # the GPU benchmarks. Logs go to $OUT so they come back even when a step fails.
-#   usage (device tool):  bash scripts/gpu_check.sh [quick]
+#   usage (device tool):  bash scripts/gpu_check.sh [all|tests|bench]
+#     tests: install, GPU tests, examples; bench: install, benchmarks; all (default): both.
+#   One device call may run at most 10 minutes: `all` can exceed it, so run tests and bench
+#   as two calls when the benchmarks are included.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/gpu-logs}"; mkdir -p "$OUT"
@@ -18,13 +21,20 @@ python3 -m pip install -q --no-deps --no-build-isolation ./ ./packages/pallas-co
   ./packages/pallas-gpu ./packages/pallas-tpu 2>&1 | grep -v "^WARNING" | tail -5 | tee "$OUT/install.log"
 python3 -c "import pallas, pallas_gpu, jax_triton, jax_kernel_runtime as r; print('runtime driver error:', repr(r.driver_error()))" || exit 1
 
+MODE="${1:-all}"
+if [ "$MODE" != bench ]; then
 step "GPU tests (all packages)"
-python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests 2>&1 | tail -60 | tee "$OUT/tests.log"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -60 | tee "$OUT/tests.log"
+
+step "pallas-gpu lowering tests compiled and run on the GPU (the CPU suite, PALLAS_GPU_TESTS=gpu)"
+PALLAS_GPU_TESTS=gpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu 2>&1 | tail -60 | tee "$OUT/tests_gpu_lowering.log"
 
 step "examples on the GPU"
 python3 examples/run_all.py 2>&1 | tail -30 | tee "$OUT/examples.log"
 
-[ "${1:-}" = quick ] && exit 0
+fi
+[ "$MODE" = tests ] && exit 0
 for b in benchmarks/gpu_*.py benchmarks/triton_kernels.py benchmarks/runtime_launch_overhead.py; do
   [ -f "$b" ] || continue
   step "benchmark $b"

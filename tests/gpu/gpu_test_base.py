@@ -1,10 +1,14 @@
 """Shared helpers: run a kernel through pallas-gpu and compare with jnp.
 
-``INTERPRET`` is the hook: on CPU the generated Triton kernel runs under
-Triton's interpreter; the GPU subclass (marked ``gpu``) runs it compiled.
+``Runner.INTERPRET`` is the hook: by default the generated Triton kernel runs
+under Triton's interpreter (any machine, CI). With ``PALLAS_GPU_TESTS=gpu``
+(set by scripts/gpu_check.sh on the GPU machine) the same tests compile the
+kernel for the device and run it there.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +18,14 @@ import pytest
 import pallas as pl
 import pallas_gpu as plgpu
 
+ON_DEVICE = os.environ.get("PALLAS_GPU_TESTS") == "gpu"
 _counter = [0]
+
+
+def triton_mode():
+    """``interpret=`` for running the generated kernel: Triton's interpreter,
+    or (``PALLAS_GPU_TESTS=gpu``) compiled on the GPU."""
+    return False if ON_DEVICE else plgpu.InterpretParams()
 
 
 def has_gpu() -> bool:
@@ -69,12 +80,35 @@ def assert_close(actual, expected, dtype=None, **kw):
 class Runner:
     """Calls pallas_call with the backend hook."""
 
-    INTERPRET = True
+    INTERPRET = not ON_DEVICE
 
     def call(self, kernel, out_shape, **kw):
         if self.INTERPRET:
             kw.setdefault("interpret", plgpu.InterpretParams())
         return pl.pallas_call(kernel, out_shape, **kw)
+
+
+def whole(fn, *xs, out_shape=None):
+    """Runs ``fn`` over whole-array blocks (grid of one program)."""
+
+    def kernel(*refs):
+        *ins, o = refs
+        o[...] = fn(*[r[...] for r in ins])
+
+    out = out_shape or jax.eval_shape(fn, *xs)
+    return Runner().call(kernel, jax.ShapeDtypeStruct(out.shape, out.dtype))(*xs)
+
+
+def whole_multi(fn, *xs):
+    """Like ``whole`` for a ``fn`` returning a tuple of arrays."""
+    outs = jax.eval_shape(fn, *xs)
+
+    def kernel(*refs):
+        ins, os = refs[: len(xs)], refs[len(xs) :]
+        for o, v in zip(os, fn(*[r[...] for r in ins])):
+            o[...] = v
+
+    return Runner().call(kernel, tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs))(*xs)
 
 
 gpu = pytest.mark.gpu

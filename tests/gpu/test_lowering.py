@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_test_base import Runner, assert_close, random
+from gpu_test_base import Runner, assert_close, random, whole
 from jax import lax
 
 import pallas as pl
@@ -161,17 +161,6 @@ def test_bool_refs():
 
 # ---------------------------------------------------------------------------
 # Shapes
-
-
-def whole(fn, *xs, out_shape=None):
-    """Runs ``fn`` over whole-array blocks (grid of one program)."""
-
-    def kernel(*refs):
-        *ins, o = refs
-        o[...] = fn(*[r[...] for r in ins])
-
-    out = out_shape or jax.eval_shape(fn, *xs)
-    return R.call(kernel, jax.ShapeDtypeStruct(out.shape, out.dtype))(*xs)
 
 
 @pytest.mark.parametrize("shape", [(8, 16), (6, 10)])

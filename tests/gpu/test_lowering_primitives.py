@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_test_base import assert_close, random
+from gpu_test_base import assert_close, random, triton_mode
 from jax import lax
 
 import pallas as pl
@@ -17,9 +17,10 @@ import pallas_gpu as plgpu
 from pallas_gpu._src import compiler
 from pallas_gpu._src.pallas_call_registration import lowered_kernel
 
-# Triton's interpreter running the generated kernel, and pallas-core's
+# The generated kernel under Triton's interpreter (compiled on the GPU with
+# PALLAS_GPU_TESTS=gpu), and pallas-core's
 # interpret mode (the primitives' discharge rules).
-MODES = {"triton_interpreter": plgpu.InterpretParams(), "pallas_interpret": True}
+MODES = {"triton": triton_mode(), "pallas_interpret": True}
 
 
 def compile_for(f, args, cc):
@@ -74,9 +75,7 @@ def test_atomic_bitwise_rejects_floats():
         plgpu.atomic_or(o_ref, None, jnp.ones((8,), jnp.float32))
 
     with pytest.raises(TypeError, match="atomic_or needs a Ref of integers"):
-        pl.pallas_call(
-            kernel, jax.ShapeDtypeStruct((8,), jnp.float32), interpret=MODES["triton_interpreter"]
-        )()
+        pl.pallas_call(kernel, jax.ShapeDtypeStruct((8,), jnp.float32), interpret=MODES["triton"])()
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

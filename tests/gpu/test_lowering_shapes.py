@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from gpu_test_base import Runner, assert_close, random
+from gpu_test_base import Runner, assert_close, random, whole, whole_multi
 from jax import lax
 
 import pallas as pl
@@ -20,29 +20,6 @@ R = Runner()
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.int32, jnp.int8, jnp.bool_]
 # Power-of-two, non-power-of-two, and odd block shapes.
 SHAPES = [(8, 16), (6, 12), (5, 3)]
-
-
-def whole(fn, *xs):
-    """Runs ``fn`` over whole-array blocks (grid of one program)."""
-
-    def kernel(*refs):
-        *ins, o = refs
-        o[...] = fn(*[r[...] for r in ins])
-
-    out = jax.eval_shape(fn, *xs)
-    return R.call(kernel, jax.ShapeDtypeStruct(out.shape, out.dtype))(*xs)
-
-
-def whole_multi(fn, *xs):
-    """Like ``whole`` for a ``fn`` returning a tuple of arrays."""
-    outs = jax.eval_shape(fn, *xs)
-
-    def kernel(*refs):
-        ins, os = refs[: len(xs)], refs[len(xs) :]
-        for o, v in zip(os, fn(*[r[...] for r in ins])):
-            o[...] = v
-
-    return R.call(kernel, tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs))(*xs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -57,7 +57,9 @@ def test_too_many_warps_through_pallas_call_names_kernel(monkeypatch):
     with pytest.raises(ValueError) as e:
         export_for_cuda(f, x)
     msg = str(e.value)
-    assert re.search(r"pallas_call 'scale' at test_bad_inputs\.py:\d+: compiler_params: num_warps", msg)
+    assert re.search(
+        r"pallas_call 'scale' at test_pallas_gpu_bad_inputs\.py:\d+: compiler_params: num_warps", msg
+    )
     assert "power of two between 1 and 32" in msg and "got 64" in msg
 
 
@@ -69,7 +71,7 @@ def test_fp8_needs_sm89(dtype):
     with pytest.raises(ValueError) as e:
         compiler.compiled_configs(lk, 80, [plgpu.CompilerParams()], where(gm))
     msg = str(e.value)
-    assert re.search(r"pallas_call 'scale' at test_bad_inputs\.py:\d+", msg)
+    assert re.search(r"pallas_call 'scale' at test_pallas_gpu_bad_inputs\.py:\d+", msg)
     assert "compute capability 8.9" in msg and "sm_80" in msg
     assert "Cast to bfloat16 or float16" in msg
     # sm_89+ compiles the same kernel.
@@ -80,7 +82,9 @@ def test_fp8_needs_sm89(dtype):
 def test_fp8_on_sm80_through_lowering(monkeypatch):
     monkeypatch.setenv("PALLAS_GPU_COMPUTE_CAPABILITY", "8.0")
     x = jax.random.normal(jax.random.key(2), (256,)).astype(jnp.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"pallas_call 'scale' at test_bad_inputs\.py:\d+.*fp8.*sm_80"):
+    with pytest.raises(
+        ValueError, match=r"pallas_call 'scale' at test_pallas_gpu_bad_inputs\.py:\d+.*fp8.*sm_80"
+    ):
         export_for_cuda(scale_call(jnp.float8_e4m3fn), x)
 
 
@@ -120,7 +124,7 @@ def test_too_much_shared_memory(cc, limit):
     with pytest.raises(ValueError) as e:
         compiler.compiled_configs(lk, cc, cps, where(gm))
     msg = str(e.value)
-    assert re.search(r"pallas_call 'matmul' at test_bad_inputs\.py:\d+", msg)
+    assert re.search(r"pallas_call 'matmul' at test_pallas_gpu_bad_inputs\.py:\d+", msg)
     assert f"sm_{cc} allows ({limit} bytes" in msg
     assert "plgpu.CompilerParams(num_warps=8, num_stages=4" in msg
     assert "smaller block shapes or fewer num_stages" in msg
@@ -137,7 +141,9 @@ def test_autotune_drops_configs_that_do_not_fit():
 def test_too_much_shared_memory_through_lowering(monkeypatch):
     monkeypatch.setenv("PALLAS_GPU_COMPUTE_CAPABILITY", "90")
     f, args, _ = big_matmul([4])
-    with pytest.raises(ValueError, match=r"pallas_call 'matmul' at test_bad_inputs\.py:\d+.*shared memory"):
+    with pytest.raises(
+        ValueError, match=r"pallas_call 'matmul' at test_pallas_gpu_bad_inputs\.py:\d+.*shared memory"
+    ):
         export_for_cuda(f, *args)
 
 
@@ -148,7 +154,7 @@ def test_no_gpu_without_interpreter(monkeypatch):
     with pytest.raises(RuntimeError) as e:
         export_for_cuda(scale_call(jnp.float32), x)
     msg = str(e.value)
-    assert re.search(r"pallas_call 'scale' at test_bad_inputs\.py:\d+", msg)
+    assert re.search(r"pallas_call 'scale' at test_pallas_gpu_bad_inputs\.py:\d+", msg)
     assert "JAX sees no GPU" in msg
     assert "interpret=True" in msg and "interpret=plgpu.InterpretParams()" in msg
     assert "machine with an NVIDIA GPU" in msg
@@ -158,7 +164,9 @@ def test_no_gpu_without_interpreter(monkeypatch):
 def test_gpu_compiler_params_on_cpu_suggest_interpreter():
     x = jax.random.normal(jax.random.key(5), (256,))
     f = scale_call(jnp.float32, compiler_params=plgpu.CompilerParams())
-    with pytest.raises(ValueError, match=r"pallas_call 'scale' at test_bad_inputs\.py:\d+.*InterpretParams"):
+    with pytest.raises(
+        ValueError, match=r"pallas_call 'scale' at test_pallas_gpu_bad_inputs\.py:\d+.*InterpretParams"
+    ):
         f(x)
 
 

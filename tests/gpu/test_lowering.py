@@ -274,6 +274,8 @@ def test_int8_dot():
 
 
 def test_blocked_matmul_k_accumulation():
+    if not R.INTERPRET:
+        pytest.skip("accumulating over a grid axis needs grid order; GPU programs run concurrently")
     m, k, n, bm, bk, bn = 48, 80, 40, 16, 32, 16  # edge blocks on every axis
     a, b = random((m, k), jnp.float32), random((k, n), jnp.float32)
 

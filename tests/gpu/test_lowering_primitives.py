@@ -80,6 +80,8 @@ def test_atomic_bitwise_rejects_floats():
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_atomic_cas_scalar_counter(mode):
+    if MODES[mode] is False:
+        pytest.skip("relies on programs running in grid order; on a GPU they run concurrently")
     n = 7
 
     def kernel(o_in, o_ref, seen_ref):

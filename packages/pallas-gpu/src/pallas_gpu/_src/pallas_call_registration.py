@@ -66,6 +66,7 @@ def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debu
         print(f"The Triton kernel for pallas_call '{gm.kernel_name}' ({gm.source}):")
         print(lk.module_source(interpret=False))
     if isinstance(interpret, InterpretParams):
+        lk.module_source(interpret=True)  # uses the interpreter cannot run fail here, not in the callback
         fun = functools.partial(_interpret_call, lk=lk, gm=gm, aliases=input_output_aliases, params=interpret)
         return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
     cps = _compiler_params_list(compiler_params, gm)

@@ -111,4 +111,13 @@ def whole_multi(fn, *xs):
     return Runner().call(kernel, tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs))(*xs)
 
 
+def lowered(f, *args):
+    """The generated Triton kernel (a ``LoweredKernel``) of the one pallas_call in ``f``."""
+    from pallas_gpu._src.pallas_call_registration import lowered_kernel
+
+    jaxpr = jax.make_jaxpr(f)(*args)
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    return lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"])
+
+
 gpu = pytest.mark.gpu

@@ -6,19 +6,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from gpu_test_base import lowered
 from jax import lax
 
 import pallas as pl
 import pallas_gpu as plgpu
 from pallas_gpu._src import compiler
-from pallas_gpu._src.pallas_call_registration import lowered_kernel
-
-
-def lower(f, *args):
-    """The generated Triton kernel of the one pallas_call in ``f``."""
-    jaxpr = jax.make_jaxpr(f)(*args)
-    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
-    return lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"])
 
 
 def add_kernel():
@@ -127,7 +120,7 @@ KERNELS = {"add": add_kernel, "softmax": softmax_kernel, "matmul": matmul_kernel
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_compiles_to_cubin(name, cc):
     f, args = KERNELS[name]()
-    lk = lower(f, *args)
+    lk = lowered(f, *args)
     compiled = compiler.compile_kernel(
         lk, cc, tuple(sorted(plgpu.CompilerParams().compile_options().items()))
     )
@@ -142,7 +135,7 @@ def test_launch_config_from_runtime():
     from pallas_gpu._src.pallas_call_registration import launch_configs
 
     f, args = matmul_kernel()
-    lk = lower(f, *args)
+    lk = lowered(f, *args)
     (cfg,) = launch_configs(lk, 90, [plgpu.CompilerParams(num_warps=8, num_stages=2)])
     assert isinstance(cfg, jkr.KernelConfig)
     assert cfg.block_dims == (256, 1, 1)

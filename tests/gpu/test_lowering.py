@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_test_base import Runner, assert_close, random, whole
+from gpu_test_base import Runner, assert_close, lowered, random, whole
 from jax import lax
 
 import pallas as pl
@@ -336,6 +336,38 @@ def test_dynamic_fori_bounds():
 
     out = R.call(kernel, jax.ShapeDtypeStruct((4, 16), jnp.float32), grid=(1,))(x)
     assert_close(out, 3 * x, rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_fori_bounds_become_a_pipelined_for_loop():
+    # Program p sums rows [p - 1, 2p - 1) of x (empty for p = 0 and 1), with the
+    # loop index used in the body and the carry returned; lo > hi for p = 0.
+    x = random((16, 8), jnp.float32)
+
+    def kernel(x_ref, o_ref):
+        p = pl.program_id(0)
+
+        def body(i, c):
+            return c + x_ref[pl.ds(i, 1), :] * (i + 1).astype(jnp.float32)
+
+        o_ref[...] = lax.fori_loop(p - 1, 2 * p - 1, body, jnp.zeros((1, 8), jnp.float32))
+
+    f = R.call(
+        kernel,
+        jax.ShapeDtypeStruct((8, 8), jnp.float32),
+        grid=(8,),
+        in_specs=[pl.BlockSpec((16, 8), lambda p: (0, 0))],
+        out_specs=pl.BlockSpec((1, 8), lambda p: (p, 0)),
+    )
+    rows = jnp.arange(16)[:, None]
+    ref = jnp.stack(
+        [
+            jnp.sum(jnp.where((rows >= p - 1) & (rows < 2 * p - 1), x * (rows + 1), 0), axis=0)
+            for p in range(8)
+        ]
+    )
+    assert_close(f(x), ref, rtol=1e-5, atol=1e-5)
+    src = lowered(f, x).module_source(interpret=False)
+    assert "for it" in src and "while" not in src
 
 
 def test_cond_switch_when():

@@ -9,13 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_test_base import assert_close, random, triton_mode
+from gpu_test_base import assert_close, lowered, random, triton_mode
 from jax import lax
 
 import pallas as pl
 import pallas_gpu as plgpu
 from pallas_gpu._src import compiler
-from pallas_gpu._src.pallas_call_registration import lowered_kernel
 
 # The generated kernel under Triton's interpreter (compiled on the GPU with
 # PALLAS_GPU_TESTS=gpu), and pallas-core's
@@ -24,9 +23,7 @@ MODES = {"triton": triton_mode(), "pallas_interpret": True}
 
 
 def compile_for(f, args, cc):
-    jaxpr = jax.make_jaxpr(f)(*args)
-    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
-    lk = lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"])
+    lk = lowered(f, *args)
     return lk, compiler.compile_kernel(
         lk, cc, tuple(sorted(plgpu.CompilerParams().compile_options().items()))
     )

@@ -498,6 +498,11 @@ def _approx_tanh(x):
     return tl.inline_asm_elementwise(
         "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
     )
+
+
+@triton.jit
+def _loop_bound(x):
+    return x
 """
 # Triton's interpreter holds bf16 as raw uint16 and multiplies those bits in
 # tl.dot; products of bf16 values are exact in f32, so widen them there.
@@ -512,6 +517,11 @@ def _dot_operand(x):
 @triton.jit
 def _approx_tanh(x):
     return libdevice.tanh(x)
+
+
+def _loop_bound(x):
+    # The interpreter's scalars hold a 1-element array, which range() cannot take.
+    return int(x.handle.data.reshape(-1)[0]) if hasattr(x, "handle") else int(x)
 """
 
 

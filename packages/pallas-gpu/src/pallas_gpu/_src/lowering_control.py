@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from jax import lax
 
 from pallas import backend as pallas_backend
 from pallas_gpu._src import compat
@@ -68,6 +69,30 @@ def _scan_rule(rc: RuleContext, *args, jaxpr, length, **params):
     return carry
 
 
+def _is_fori_loop(cond_jaxpr, body_jaxpr, cond_nconsts: int, body_nconsts: int) -> bool:
+    """Whether a while loop is ``lax.fori_loop`` with bounds known only at run
+    time: carry ``(i, upper, ...)``, condition ``i < upper``, body ``i + 1``
+    with ``upper`` passed through."""
+    cj, _ = compat.unwrap_jaxpr(cond_jaxpr)
+    bj, _ = compat.unwrap_jaxpr(body_jaxpr)
+    if cond_nconsts or len(cj.eqns) != 1 or len(cj.invars) < 2:
+        return False
+    (lt,) = cj.eqns
+    if lt.primitive is not lax.lt_p or list(lt.invars) != list(cj.invars[:2]) or cj.outvars != lt.outvars:
+        return False
+    i, upper = bj.invars[body_nconsts], bj.invars[body_nconsts + 1]
+    if bj.outvars[1] is not upper or np.dtype(i.aval.dtype).kind not in "iu" or i.aval.shape != ():
+        return False
+    inc = next((e for e in bj.eqns if bj.outvars[0] in e.outvars), None)
+    return (
+        inc is not None
+        and inc.primitive is lax.add_p
+        and inc.invars[0] is i
+        and isinstance(inc.invars[1], compat.Literal)
+        and int(inc.invars[1].val) == 1
+    )
+
+
 @register_lowering(compat.while_p)
 def _while_rule(rc: RuleContext, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
     cconsts = args[:cond_nconsts]
@@ -75,6 +100,14 @@ def _while_rule(rc: RuleContext, *args, cond_jaxpr, body_jaxpr, cond_nconsts, bo
     init = args[cond_nconsts + body_nconsts :]
     em, kl = rc.em, rc.lowering
     carry = _carry_vars(em, init, "carry")
+    if _is_fori_loop(cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
+        # A Triton `for` over run-time bounds (scf.for) is software-pipelined
+        # (num_stages); a `while` loop is not.
+        it = em.fresh("it")
+        with em.block(f"for {it} in range(_loop_bound({carry[0].expr}), _loop_bound({carry[1].expr})):"):
+            outs = kl.lower_jaxpr(body_jaxpr, [*bconsts, *carry])
+            _reassign(em, carry, outs)
+        return carry
     (pred,) = kl.lower_jaxpr(cond_jaxpr, [*cconsts, *carry])
     p = em.assign(pred.expr, (), np.bool_, "pred")
     with em.block(f"while {p.expr}:"):

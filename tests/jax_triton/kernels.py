@@ -83,3 +83,9 @@ def bf16_dot_kernel(a_ptr, b_ptr, c_ptr, N: tl.constexpr):
     a = tl.load(a_ptr + r[:, None] * N + r[None, :])
     b = tl.load(b_ptr + r[:, None] * N + r[None, :])
     tl.store(c_ptr + r[:, None] * N + r[None, :], tl.dot(a, b))
+
+
+@triton.jit
+def to_bf16_kernel(x_ptr, o_ptr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(o_ptr + r, tl.load(x_ptr + r).to(tl.bfloat16))

@@ -15,6 +15,7 @@ from kernels import (
     heuristic_scale_kernel,
     inplace_add_kernel,
     loop_kernel,
+    to_bf16_kernel,
 )
 
 import jax_triton as jt
@@ -133,6 +134,17 @@ def test_interpreter_numpy_scalar_conversion_workaround():
     )
     ref = jnp.pad(x, (0, 24)).reshape(-1, 64).sum(0)
     np.testing.assert_allclose(out, ref, rtol=1e-5)
+
+
+def test_interpreter_rounds_fp32_to_bf16_to_nearest():
+    # Triton 3.6's interpreter truncates; the GPU rounds to nearest even.
+    x = rand((1024,), 18)
+    out = jt.triton_call(
+        x, kernel=to_bf16_kernel, out_shape=jax.ShapeDtypeStruct((1024,), jnp.bfloat16), grid=1, N=1024
+    )
+    np.testing.assert_array_equal(
+        np.asarray(out).view(np.uint16), np.asarray(x.astype(jnp.bfloat16)).view(np.uint16)
+    )
 
 
 def test_interpreter_bf16_dot_workaround():

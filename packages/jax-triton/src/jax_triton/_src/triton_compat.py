@@ -162,6 +162,19 @@ def _binary_op_with_bf16(self, lhs, rhs, op):
     return _interp.TensorHandle(_fp32_to_bf16(out.data), tl.bfloat16)
 
 
+_original_cast_impl = _interp.InterpreterBuilder.cast_impl
+
+
+def _cast_with_bf16_rounding(self, src, dst_type):
+    """``cast_impl`` that rounds fp32 -> bf16 to nearest even, as the GPU does.
+
+    Triton 3.6's interpreter drops the low mantissa bits (rounds toward zero).
+    """
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        return _interp.TensorHandle(_fp32_to_bf16(src.data), tl.bfloat16)
+    return _original_cast_impl(self, src, dst_type)
+
+
 def interpret(fn, grid, kwargs: dict, constexpr_names: set[str]) -> None:
     """Runs the Python function of a ``@triton.jit`` kernel on the host.
 
@@ -185,6 +198,7 @@ def interpret(fn, grid, kwargs: dict, constexpr_names: set[str]) -> None:
         _patch_numpy_scalar_conversion(scope)
         scope.set_attr(_interp.InterpreterBuilder, "create_dot", _dot_with_bf16)
         scope.set_attr(_interp.InterpreterBuilder, "binary_op", _binary_op_with_bf16)
+        scope.set_attr(_interp.InterpreterBuilder, "cast_impl", _cast_with_bf16_rounding)
         original_call = JITFunction.__call__
         JITFunction.__call__ = _call_jit_function_interpreted
         try:

@@ -11,9 +11,11 @@ The kernel is lowered to Triton source once per (jaxpr, grid mapping); then
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -213,6 +215,34 @@ def _uninitialized(shape, dtype, mode: str) -> np.ndarray:
     return np.zeros(shape, dtype)
 
 
+_interpreter_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gpu_rounding_in_interpreter():
+    """Makes Triton's interpreter round fp32 -> bf16 to nearest even, as the
+    GPU does (Triton 3.6's interpreter truncates), while our kernel runs."""
+    from triton.runtime import interpreter as interp
+
+    original = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == interp.tl.float32 and dst_type.scalar == interp.tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, np.float32).view(np.uint32)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            return interp.TensorHandle(
+                np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded), dst_type.scalar
+            )
+        return original(self, src, dst_type)
+
+    with _interpreter_lock:
+        interp.InterpreterBuilder.cast_impl = cast_impl
+        try:
+            yield
+        finally:
+            interp.InterpreterBuilder.cast_impl = original
+
+
 def run_interpreted(lk: LoweredKernel, gm, aliases, params: InterpretParams, *arrays):
     """Runs the generated kernel under Triton's interpreter on host arrays."""
     fn = compiler.load_kernel(lk, interpret=True)
@@ -225,7 +255,8 @@ def run_interpreted(lk: LoweredKernel, gm, aliases, params: InterpretParams, *ar
         )
     if math.prod(gm.grid) > 0:
         bufs = [_HostBuffer(x.view(np.int8) if x.dtype == np.bool_ else x) for x in ins + outs]
-        fn[lk.launch_grid](*bufs)
+        with _gpu_rounding_in_interpreter():
+            fn[lk.launch_grid](*bufs)
     return tuple(outs)
 
 

@@ -3,10 +3,13 @@
 Backends lower ``pallas_call_p`` for their platform. They need the kernel
 language's own primitives (to register lowering rules for them), the block
 dimension types of a ``GridMapping`` and the error helpers that name the
-user's kernel and source line. This module is that contract: backends import
-from here, never from ``pallas._src``.
+user's kernel and source line, and ``register_backend`` to register
+themselves when imported (the ``pallas.backends`` entry point finds them when
+they are not). This module is that contract: backends import from here,
+never from ``pallas._src``.
 """
 
+from pallas._src.backends import register_backend as register_backend
 from pallas._src.core import Blocked as Blocked
 from pallas._src.core import BlockMapping as BlockMapping
 from pallas._src.core import Element as Element

@@ -28,3 +28,11 @@ from pallas_gpu._src.primitives import max_contiguous as max_contiguous
 from pallas_gpu._src.primitives import store as store
 
 __version__ = "0.1.0"
+
+# Register with pallas-core now, so the first pallas_call neither scans the
+# installed entry points nor imports the lowering (the entry point remains for
+# processes that never import pallas_gpu).
+from pallas import backend as _pallas_backend  # noqa: E402
+from pallas_gpu._src import backend as _backend  # noqa: E402
+
+_pallas_backend.register_backend("gpu", _backend)

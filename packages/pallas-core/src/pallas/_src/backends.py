@@ -23,6 +23,9 @@ PACKAGE_FOR_PLATFORM = {"cuda": "pallas-gpu", "rocm": "pallas-gpu", "tpu": "pall
 _lock = threading.Lock()
 _backends: dict[str, Any] | None = None
 _load_errors: dict[str, str] = {}
+# Backends that registered themselves when imported: found without scanning
+# the installed distributions' entry points (a scan costs tens of ms).
+_registered: dict[str, Any] = {}
 
 
 def _load() -> dict[str, Any]:
@@ -40,31 +43,39 @@ def _load() -> dict[str, Any]:
 
 
 def register_backend(name: str, backend: Any) -> None:
-    """Registers a backend by hand (entry points are the normal route)."""
-    _load()[name] = backend
+    """Registers a backend directly, e.g. from the backend package's
+    ``__init__``. Entry points still find backends that were not imported."""
+    with _lock:
+        _registered[name] = backend
 
 
 def backends() -> dict[str, Any]:
-    return dict(_load())
+    return {**_load(), **_registered}
 
 
-def for_platform(platform: str, compiler_params: Any = None, name: str | None = None) -> Any | None:
+def _platform_candidates(found: dict[str, Any], platform: str, compiler_params: Any, name: str | None):
     candidates = [
-        b
-        for n, b in _load().items()
-        if platform in getattr(b, "PLATFORMS", ()) and (name is None or n == name)
+        b for n, b in found.items() if platform in getattr(b, "PLATFORMS", ()) and (name is None or n == name)
     ]
     if compiler_params is not None:
         typed = [b for b in candidates if isinstance(compiler_params, getattr(b, "COMPILER_PARAMS", ()))]
-        candidates = typed or candidates
+        candidates = typed or ([] if found is _registered else candidates)
+    return candidates
+
+
+def for_platform(platform: str, compiler_params: Any = None, name: str | None = None) -> Any | None:
+    candidates = _platform_candidates(_registered, platform, compiler_params, name)
+    if not candidates:
+        candidates = _platform_candidates(backends(), platform, compiler_params, name)
     return candidates[0] if candidates else None
 
 
 def for_interpret_params(params: Any) -> Any | None:
-    for b in _load().values():
-        t = getattr(b, "INTERPRET_PARAMS", None)
-        if t is not None and isinstance(params, t):
-            return b
+    for found in (_registered, None):
+        for b in (found if found is not None else backends()).values():
+            t = getattr(b, "INTERPRET_PARAMS", None)
+            if t is not None and isinstance(params, t):
+                return b
     return None
 
 

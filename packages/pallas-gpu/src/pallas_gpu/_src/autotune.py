@@ -34,6 +34,8 @@ from typing import Any
 import jax
 import numpy as np
 
+import jax_kernel_runtime as jkr
+
 _lock = threading.Lock()
 _winners: dict[str, int] = {}
 _pending: set[str] = set()  # tune keys handed to the runtime, not yet recorded
@@ -95,7 +97,6 @@ def flush_records() -> None:
     with _lock:
         if not _pending:
             return
-    import jax_kernel_runtime as jkr
 
     records = jkr.tune_records()
     with _lock:

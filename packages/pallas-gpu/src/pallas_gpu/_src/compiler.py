@@ -28,6 +28,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import jax_kernel_runtime as jkr
 from pallas_gpu._src.core import CompilerParams
 from pallas_gpu._src.lowering import LoweredKernel
 
@@ -169,7 +170,6 @@ def _encode(cfg) -> bytes:
 def _decode(data: bytes):
     """The ``KernelConfig`` in a cache file, or None if it is not a whole,
     valid entry (a truncated or foreign file is a cache miss)."""
-    import jax_kernel_runtime as jkr
 
     if not data.startswith(_MAGIC):
         return None
@@ -190,7 +190,6 @@ def _decode(data: bytes):
 def compiled_config(lk: LoweredKernel, cc: int, cp: CompilerParams):
     """The ``jax_kernel_runtime.KernelConfig`` of ``lk`` for ``sm_{cc}`` and
     ``cp``: from memory, else from the disk cache, else ``triton.compile``."""
-    import jax_kernel_runtime as jkr
 
     options = tuple(sorted(cp.compile_options().items()))
     key = cache_key(lk, cc, options)

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
+import jax_kernel_runtime as jkr
 from pallas_gpu._src import autotune, compiler
 from pallas_gpu._src.core import CompilerParams, InterpretParams
 from pallas_gpu._src.lowering import LoweredKernel, lower_kernel
@@ -137,7 +138,6 @@ def tune_key(lk: LoweredKernel, cps, shapes, device: str) -> str:
 
 
 def _gpu_call(*args, lk: LoweredKernel, gm, aliases, cps, cc, device):
-    import jax_kernel_runtime as jkr
 
     if math.prod(gm.grid) == 0:
         return [jax.numpy.zeros(a.shape, a.dtype) for a in gm.out_avals]

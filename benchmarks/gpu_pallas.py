@@ -387,7 +387,7 @@ def sec_matmul(ctx):
             [("JAX Pallas", 1.0), ("Triton (torch)", 0.98)])  # fmt: skip
 
 
-ATT_CFGS = [(128, 64, 8, 3), (128, 128, 8, 2)]  # (block_q, block_k, warps, stages); 2nd = mha default
+ATT_CFGS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3)]  # (block_q, block_k, warps, stages); 2nd = mha default
 
 
 def sec_attention(ctx):

@@ -16,7 +16,6 @@ import argparse
 import functools
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
+from _timing import measure
 from jax import lax
 
 import pallas as pl
@@ -236,28 +236,6 @@ class Ctx:
         self.cand(groups, col, cfg, make, ref, tol, sub)
 
 
-def measure(cands, rounds, min_round_s=0.05):
-    """{name: (run, sync)} -> {name: median seconds per call}; rounds interleave the names."""
-    n = {}
-    for name, (run, sync) in cands.items():
-        sync(run())
-        t = time.perf_counter()
-        for _ in range(3):
-            out = run()
-        sync(out)
-        n[name] = max(3, min(20000, math.ceil(min_round_s / ((time.perf_counter() - t) / 3))))
-    times = {name: [] for name in cands}
-    for r in range(rounds):
-        for name in list(cands)[:: 1 if r % 2 == 0 else -1]:
-            run, sync = cands[name]
-            t = time.perf_counter()
-            for _ in range(n[name]):
-                out = run()
-            sync(out)
-            times[name].append((time.perf_counter() - t) / n[name])
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def compare(ctx, title, groups, work, unit, copy=None, targets=()):
     """groups: {column: {config label: runner}}. Tunes columns with several configs (2 quick
     rounds), then times each column's best, plus the copy, in 5 interleaved rounds."""
@@ -387,7 +365,12 @@ def sec_matmul(ctx):
             [("JAX Pallas", 1.0), ("Triton (torch)", 0.98)])  # fmt: skip
 
 
-ATT_CFGS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3)]  # (block_q, block_k, warps, stages); 2nd = mha default
+ATT_CFGS = [
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (128, 64, 8, 4),
+    (128, 128, 8, 3),
+]  # (block_q, block_k, warps, stages); 2nd = mha default
 
 
 def sec_attention(ctx):

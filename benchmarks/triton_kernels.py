@@ -11,11 +11,8 @@ compared config by config (same tile config on both sides) and as best-of-config
 the autotuned triton_call (what users call) is shown beside with the config it chose.
 """
 
-import math
 import os
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -30,32 +27,11 @@ import triton_add
 import triton_flash_attention as fa
 import triton_matmul
 import triton_softmax
+from _timing import measure
 
 import jax_triton as jt
 
 FAILED = []
-
-
-def measure(cands, rounds=5, min_round_s=0.05):
-    """{name: (run, sync)} -> {name: median seconds per call}, rounds interleaved."""
-    n = {}
-    for name, (run, sync) in cands.items():
-        sync(run())  # warm up (compile, autotune)
-        t = time.perf_counter()
-        for _ in range(3):
-            out = run()
-        sync(out)
-        n[name] = max(3, min(20000, math.ceil(min_round_s / ((time.perf_counter() - t) / 3))))
-    times = {name: [] for name in cands}
-    for r in range(rounds):
-        for name in list(cands)[:: 1 if r % 2 == 0 else -1]:
-            run, sync = cands[name]
-            t = time.perf_counter()
-            for _ in range(n[name]):
-                out = run()
-            sync(out)
-            times[name].append((time.perf_counter() - t) / n[name])
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def jx(f, *args):

@@ -77,15 +77,40 @@ def assert_close(actual, expected, dtype=None, **kw):
     )
 
 
+# Every kernel a test runs under Triton's interpreter is also compiled for
+# these GPUs (without one): the generated source must be valid for the compiler.
+COMPILE_TARGETS = (80, 90)
+
+
+def check_compiles(f, args, compiler_params=None) -> None:
+    """Compiles the kernel of the pallas_call ``f`` (called on ``args``) to a
+    cubin for each of ``COMPILE_TARGETS``."""
+    from pallas_gpu._src import compiler
+
+    lk = lowered(f, *[jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args])
+    cp = compiler_params if isinstance(compiler_params, plgpu.CompilerParams) else plgpu.CompilerParams()
+    for cc in COMPILE_TARGETS:
+        compiled = compiler.compile_kernel(lk, cc, tuple(sorted(cp.compile_options().items())))
+        assert compiled.asm.get("cubin"), f"no cubin for sm_{cc}"
+
+
 class Runner:
     """Calls pallas_call with the backend hook."""
 
     INTERPRET = not ON_DEVICE
 
     def call(self, kernel, out_shape, **kw):
-        if self.INTERPRET:
-            kw.setdefault("interpret", plgpu.InterpretParams())
-        return pl.pallas_call(kernel, out_shape, **kw)
+        if not self.INTERPRET:
+            return pl.pallas_call(kernel, out_shape, **kw)
+        kw.setdefault("interpret", plgpu.InterpretParams())
+        f = pl.pallas_call(kernel, out_shape, **kw)
+
+        def run_and_compile(*args):
+            out = f(*args)
+            check_compiles(f, args, kw.get("compiler_params"))
+            return out
+
+        return run_and_compile
 
 
 def whole(fn, *xs, out_shape=None):

@@ -1,7 +1,7 @@
 """GPU-only kernel primitives: masked ``load``/``store``, atomics, ``dot``,
 compiler hints (``max_contiguous``, ``debug_barrier``) and inline PTX
 (``elementwise_inline_asm``, ``approx_tanh``). Names and signatures follow
-``jax.experimental.pallas.triton``.
+the GPU primitives of JAX's (deprecated) Pallas Triton backend.
 
 Each primitive is bound on a Ref plus the flattened NDIndexer transforms
 (like JAX's ``get_p``), so the lowering computes the same pointer + mask as

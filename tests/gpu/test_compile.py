@@ -132,11 +132,10 @@ def test_compiles_to_cubin(name, cc):
 
 def test_launch_config_from_runtime():
     import jax_kernel_runtime as jkr
-    from pallas_gpu._src.pallas_call_registration import launch_configs
 
     f, args = matmul_kernel()
     lk = lowered(f, *args)
-    (cfg,) = launch_configs(lk, 90, [plgpu.CompilerParams(num_warps=8, num_stages=2)])
+    ((_, cfg),) = compiler.compiled_configs(lk, 90, [plgpu.CompilerParams(num_warps=8, num_stages=2)], "")
     assert isinstance(cfg, jkr.KernelConfig)
     assert cfg.block_dims == (256, 1, 1)
     assert lk.launch_grid == (16, 1, 1)

@@ -315,13 +315,17 @@ def _reduce(kind: str):
     return rule
 
 
-register_lowering(lax.reduce_sum_p)(_reduce("sum"))
-register_lowering(lax.reduce_max_p)(_reduce("max"))
-register_lowering(lax.reduce_min_p)(_reduce("min"))
-register_lowering(lax.reduce_prod_p)(_reduce("prod"))
-register_lowering(lax.reduce_and_p)(_reduce("and"))
-register_lowering(lax.reduce_or_p)(_reduce("or"))
-register_lowering(lax.reduce_xor_p)(_reduce("xor"))
+_REDUCTIONS = {
+    lax.reduce_sum_p: "sum",
+    lax.reduce_max_p: "max",
+    lax.reduce_min_p: "min",
+    lax.reduce_prod_p: "prod",
+    lax.reduce_and_p: "and",
+    lax.reduce_or_p: "or",
+    lax.reduce_xor_p: "xor",
+}
+for _p, _kind in _REDUCTIONS.items():
+    register_lowering(_p)(_reduce(_kind))
 
 
 _ARG_COMBINE = """def _combine_arg{kind}(v1, i1, v2, i2):
@@ -380,10 +384,14 @@ def _cumulative(kind: str):
     return rule
 
 
-register_lowering(compat.cumsum_p)(_cumulative("add"))
-register_lowering(compat.cumprod_p)(_cumulative("prod"))
-register_lowering(compat.cummax_p)(_cumulative("max"))
-register_lowering(compat.cummin_p)(_cumulative("min"))
+_CUMULATIVE = {
+    compat.cumsum_p: "add",
+    compat.cumprod_p: "prod",
+    compat.cummax_p: "max",
+    compat.cummin_p: "min",
+}
+for _p, _kind in _CUMULATIVE.items():
+    register_lowering(_p)(_cumulative(_kind))
 
 
 # ---------------------------------------------------------------------------

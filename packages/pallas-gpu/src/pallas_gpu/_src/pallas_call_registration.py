@@ -17,7 +17,6 @@ import math
 import os
 import threading
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -120,12 +119,6 @@ def _target(gm) -> tuple[int, str]:
     return int(major) * 10 + int(minor), f"{devices[0].device_kind} sm_{major}{minor}"
 
 
-def launch_configs(lk: LoweredKernel, cc: int, cps: Sequence[CompilerParams], gm=None):
-    """One ``jax_kernel_runtime.KernelConfig`` per compiler-params choice
-    that fits on ``sm_{cc}``."""
-    return [cfg for _, cfg in compiler.compiled_configs(lk, cc, cps, where(gm) if gm else "")]
-
-
 def tune_key(lk: LoweredKernel, cps, shapes, device: str) -> str:
     """Identity of one autotuned ``pallas_call`` (hex sha256)."""
     return autotune.sha256(
@@ -138,7 +131,6 @@ def tune_key(lk: LoweredKernel, cps, shapes, device: str) -> str:
 
 
 def _gpu_call(*args, lk: LoweredKernel, gm, aliases, cps, cc, device):
-
     if math.prod(gm.grid) == 0:
         return [jax.numpy.zeros(a.shape, a.dtype) for a in gm.out_avals]
     compiled = compiler.compiled_configs(lk, cc, cps, where(gm))

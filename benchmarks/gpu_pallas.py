@@ -238,7 +238,7 @@ class Ctx:
 
 def compare(ctx, title, groups, work, unit, copy=None, targets=()):
     """groups: {column: {config label: runner}}. Tunes columns with several configs (2 quick
-    rounds), then times each column's best, plus the copy, in 5 interleaved rounds."""
+    rounds), then times each column's best, plus the copy, in 9 interleaved rounds of >= 0.1 s."""
     if not ctx.timed:
         return
     best = {}
@@ -252,7 +252,7 @@ def compare(ctx, title, groups, work, unit, copy=None, targets=()):
     final = {col: r for col, (_, r) in best.items()}
     if copy is not None:
         final["copy"] = copy[1]
-    t = measure(final, rounds=5)
+    t = measure(final, rounds=9, min_round_s=0.1)
     fig = {col: work / t[col] / 1e12 for col in best}
     if copy is not None:
         fig["copy"] = copy[0] / t["copy"] / 1e12

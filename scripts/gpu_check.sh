@@ -2,8 +2,9 @@
 # The one call on the GPU machine (../shared/GPU.md): install every package with the
 # machine's preinstalled dependencies, run all GPU tests, the examples (on the GPU) and
 # the GPU benchmarks. Logs go to $OUT so they come back even when a step fails.
-#   usage (device tool):  bash scripts/gpu_check.sh [all|tests|bench]
+#   usage (device tool):  bash scripts/gpu_check.sh [all|tests|bench] [BENCHMARK...]
 #     tests: install, GPU tests, examples; bench: install, benchmarks; all (default): both.
+#     BENCHMARK names (e.g. gpu_compile) run only those benchmarks.
 #   One device call may run at most 10 minutes: `all` can exceed it, so run tests and bench
 #   as two calls when the benchmarks are included.
 set -uo pipefail
@@ -22,6 +23,8 @@ python3 -m pip install -q --no-deps --no-build-isolation ./ ./packages/pallas-co
 python3 -c "import pallas, pallas_gpu, jax_triton, jax_kernel_runtime as r; print('runtime driver error:', repr(r.driver_error()))" || exit 1
 
 MODE="${1:-all}"
+shift || true
+ONLY=" $* "
 if [ "$MODE" != bench ]; then
 step "GPU tests (all packages)"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -60 | tee "$OUT/tests.log"
@@ -37,6 +40,7 @@ fi
 [ "$MODE" = tests ] && exit 0
 for b in benchmarks/gpu_*.py benchmarks/triton_kernels.py benchmarks/runtime_launch_overhead.py; do
   [ -f "$b" ] || continue
+  [ "$ONLY" = "  " ] || [[ "$ONLY" == *" $(basename "$b" .py) "* ]] || continue
   step "benchmark $b"
   timeout 240 python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log"
 done

@@ -21,3 +21,10 @@ from jax_triton._src.utils import strides_from_shape as strides_from_shape
 __version__ = "0.5.0"
 
 _check_version()
+
+# Import Triton's code generator and memoize Triton's cache key in the
+# background (see jax_kernel_runtime.prepare_triton): the first compile
+# would otherwise pay for them.
+import jax_kernel_runtime as _jkr  # noqa: E402
+
+_jkr.prepare_triton(background=True)

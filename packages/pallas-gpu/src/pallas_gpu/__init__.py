@@ -36,3 +36,9 @@ from pallas import backend as _pallas_backend  # noqa: E402
 from pallas_gpu._src import backend as _backend  # noqa: E402
 
 _pallas_backend.register_backend("gpu", _backend)
+
+# Import Triton and memoize its cache key in the background, so that the
+# first compile does not pay for them (see jax_kernel_runtime.prepare_triton).
+import jax_kernel_runtime as _jkr  # noqa: E402
+
+_jkr.prepare_triton(background=True)

@@ -57,6 +57,7 @@ def compile_kernel(
         hit = _cache.get(key)
     if hit is not None:
         return hit
+    jkr.prepare_triton()  # memoized Triton cache key; waits for the one started at import
     src = ASTSource(fn, bound.signature(), constexprs=bound.constexprs(), attrs=bound.attrs())
     target = GPUTarget("cuda", compute_capability, 32)
     try:

@@ -121,6 +121,7 @@ def load_kernel(lk: LoweredKernel, interpret: bool):
 @functools.lru_cache(maxsize=512)
 def compile_kernel(lk: LoweredKernel, cc: int, options: tuple[tuple[str, Any], ...]):
     """``triton.compile`` for ``sm_{cc}``; works without a GPU."""
+    jkr.prepare_triton()  # waits for the background import started by ``import pallas_gpu``
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -115,7 +115,7 @@ def memoize_triton_key() -> bool:
         return original is not None
     try:
         fingerprint = _fingerprint(triton, tcache)
-    except OSError:
+    except (OSError, TypeError, AttributeError):  # an unusual install: no memo, same key
         return False
     path = os.path.join(key_memo_dir(), f"triton-key-{fingerprint}.txt")
     try:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_test_base import Runner, assert_close, lowered, random, whole
+from gpu_test_base import Runner, assert_close, fresh_key, lowered, random, whole
 from jax import lax
 
 import pallas as pl
@@ -86,6 +86,7 @@ def test_bitwise_and_shifts(dtype):
 UNARY = {
     "exp": jnp.exp,
     "exp2": jnp.exp2,
+    "log2": lambda x: jnp.log2(jnp.abs(x) + 0.5),
     "log": lambda x: jnp.log(jnp.abs(x) + 0.5),
     "log1p": lambda x: jnp.log1p(jnp.abs(x)),
     "expm1": jnp.expm1,
@@ -107,6 +108,9 @@ UNARY = {
     "is_finite": lambda x: jnp.where(jnp.isfinite(jnp.log(x) / (x + 1.0)), x, 0.0),
     "clamp": lambda x: jnp.clip(x, -1.0, 0.5),
     "square": lax.square,
+    "erfc": lax.erfc,
+    "lgamma": lambda x: lax.lgamma(jnp.abs(x) + 0.25),
+    "tanh_grad": jax.vmap(jax.vmap(jax.grad(jnp.tanh))),  # one_minus_square
 }
 
 
@@ -119,6 +123,21 @@ def test_unary_float(name, dtype):
     x = random((12, 20), dtype)
     rtol = 1e-5 if dtype == jnp.float32 else 3e-2
     assert_close(elementwise(fn, x, block=(8, 16)), fn(x), dtype, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32])
+def test_bit_counts_and_mulhi(dtype):
+    big = jnp.iinfo(dtype).max
+    x, y = (jax.random.bits(fresh_key(), (8, 32), jnp.uint32).astype(dtype) for _ in range(2))
+    x = x.at[0, :4].set(jnp.array([0, 1, big, 1 << 20], dtype))  # zero, one, all ones, one high bit
+    fn = lambda a, b: lax.clz(a) * 1000 + lax.population_count(a) + lax.mulhi(a, b)  # noqa: E731
+    assert_close(elementwise(fn, x, y), fn(x, y), dtype)
+
+
+def test_bit_counts_reject_small_ints():
+    x = random((8, 16), jnp.int8)
+    with pytest.raises(Exception, match=r"lax.clz takes 32- or 64-bit integers"):
+        elementwise(lax.clz, x)
 
 
 @pytest.mark.parametrize(

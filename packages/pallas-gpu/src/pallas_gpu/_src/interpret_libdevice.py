@@ -62,12 +62,42 @@ def _giles_big(w):
     return p
 
 
+def _clz(x):
+    bits = 8 * x.dtype.itemsize
+    u = x.view(np.uint32 if bits == 32 else np.uint64).astype(np.uint64)
+    n = np.zeros(x.shape, np.int64)
+    for shift in (32, 16, 8, 4, 2, 1):
+        if shift >= bits:
+            continue
+        top = u >> np.uint64(bits - shift)
+        empty = top == 0
+        n += np.where(empty, shift, 0)
+        u = np.where(empty, u << np.uint64(shift), u) & np.uint64((1 << bits) - 1)
+    return np.where(x == 0, bits, n)
+
+
+def _popc(x):  # numpy counts the bits of |x| for signed integers; libdevice counts the pattern
+    return np.bitwise_count(x.view(np.uint32 if x.dtype.itemsize == 4 else np.uint64))
+
+
+def _mulhi(x, y):
+    bits = 8 * x.dtype.itemsize
+    if bits == 32:
+        return ((x.astype(np.int64) * y.astype(np.int64)) >> 32).astype(x.dtype)
+    return (
+        np.array([(int(a) * int(b)) >> 64 for a, b in zip(x.ravel(), y.ravel())], dtype=object)
+        .astype(x.dtype)
+        .reshape(x.shape)
+    )
+
+
 _FUNCS = {
     "log1p": np.log1p, "expm1": np.expm1, "cbrt": np.cbrt, "tan": np.tan, "tanh": np.tanh,
     "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan, "sinh": np.sinh, "cosh": np.cosh,
     "asinh": np.arcsinh, "acosh": np.arccosh, "atanh": np.arctanh, "pow": np.power,
     "atan2": np.arctan2, "nextafter": np.nextafter, "rint": np.rint, "round": _round_away,
-    "erfinv": _erfinv,
+    "erfinv": _erfinv, "erfc": np.vectorize(math.erfc), "lgamma": np.vectorize(math.lgamma),
+    "clz": _clz, "popc": _popc, "mulhi": _mulhi,
 }  # fmt: skip
 
 

@@ -156,6 +156,7 @@ _FLOAT_FNS = {
     lax.exp_p: "tl.exp",
     lax.exp2_p: "tl.exp2",
     lax.log_p: "tl.log",
+    lax.log2_p: "tl.log2",
     lax.log1p_p: "libdevice.log1p",
     lax.expm1_p: "libdevice.expm1",
     lax.sqrt_p: "tl.sqrt",
@@ -174,6 +175,8 @@ _FLOAT_FNS = {
     lax.acosh_p: "libdevice.acosh",
     lax.atanh_p: "libdevice.atanh",
     lax.erf_p: "tl.erf",
+    lax.erfc_p: "libdevice.erfc",
+    lax.lgamma_p: "libdevice.lgamma",
     lax.erf_inv_p: "libdevice.erfinv",
     lax.floor_p: "tl.floor",
     lax.ceil_p: "tl.ceil",
@@ -249,6 +252,43 @@ def _sign_rule(rc: RuleContext, x, **_):
 @register_lowering(lax.square_p)
 def _square_rule(rc: RuleContext, x, **_):
     return _wide(rc, "{0} * {0}", x)
+
+
+@register_lowering(lax.one_minus_square_p)  # what jax.grad of tanh emits
+def _one_minus_square_rule(rc: RuleContext, x, **_):
+    one = const(rc.em, 1, x.dtype)
+    return _wide(rc, f"{one.expr} - {{0}} * {{0}}", x)
+
+
+def _int_bits(rc: RuleContext, what: str, x) -> int:
+    if np.dtype(x.dtype).kind not in "iu" or x.dtype.itemsize not in (4, 8):
+        raise rc.error(f"{what} takes 32- or 64-bit integers in Triton kernels, got {x.dtype}")
+    return 8 * x.dtype.itemsize
+
+
+def _signed(x) -> str:
+    """``x`` as a signed integer of its width (libdevice's bit functions take those)."""
+    if not is_unsigned_int(x.dtype):
+        return x.expr
+    return f"{x.expr}.to(tl.int{8 * x.dtype.itemsize}, bitcast=True)"
+
+
+@register_lowering(lax.clz_p)
+def _clz_rule(rc: RuleContext, x, **_):
+    _int_bits(rc, "lax.clz", x)
+    return rc.out(f"libdevice.clz({_signed(x)}).to({tl_dtype(x.dtype)})")
+
+
+@register_lowering(lax.population_count_p)
+def _popcount_rule(rc: RuleContext, x, **_):
+    _int_bits(rc, "lax.population_count", x)
+    return rc.out(f"libdevice.popc({_signed(x)}).to({tl_dtype(x.dtype)})")
+
+
+@register_lowering(lax.mulhi_p)
+def _mulhi_rule(rc: RuleContext, x, y, **_):
+    _int_bits(rc, "lax.mulhi", x)
+    return rc.out(f"libdevice.mulhi({x.expr}, {y.expr})")
 
 
 @register_lowering(lax.integer_pow_p)

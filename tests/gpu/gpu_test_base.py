@@ -145,4 +145,44 @@ def lowered(f, *args):
     return lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"])
 
 
+def all_lowered(f, *args):
+    """The generated Triton kernels of every pallas_call in ``f``, including
+    those inside jit, custom_vjp and other sub-jaxprs (e.g. a backward pass)."""
+    from jax.extend import core as jex_core
+
+    from pallas_gpu._src.pallas_call_registration import lowered_kernel
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"]))
+                continue
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return found
+
+
+def check_all_compile(f, args, compiler_params) -> int:
+    """Compiles every pallas_call kernel in ``f`` for each of ``COMPILE_TARGETS``;
+    returns how many kernels there were."""
+    from pallas_gpu._src import compiler
+
+    kernels = all_lowered(f, *[jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args])
+    options = tuple(sorted(compiler_params.compile_options().items()))
+    for lk in kernels:
+        for cc in COMPILE_TARGETS:
+            assert compiler.compile_kernel(lk, cc, options).asm.get("cubin"), (
+                f"no cubin for {lk.name} sm_{cc}"
+            )
+    return len(kernels)
+
+
 gpu = pytest.mark.gpu

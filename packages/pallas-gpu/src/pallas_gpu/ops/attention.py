@@ -1,0 +1,491 @@
+"""Flash attention, forward and backward, as Pallas kernels for GPUs.
+
+The API is that of JAX's ``jax.experimental.pallas.ops.gpu.attention``
+(``mha``, ``mha_reference``, ``BlockSizes``, ``segment_mask``), so moving over
+is an import change. Arrays are ``[batch, seq_len, num_heads, head_dim]``.
+
+* Forward: one program per (batch, head, block of queries), heaviest causal
+  blocks first. It walks the keys one block at a time keeping the running max
+  and denominator of the softmax ("online softmax", in base 2); with
+  ``causal=True`` only the blocks on the diagonal are masked, the blocks left
+  of it run unmasked and the blocks right of it are skipped. It also writes
+  the log-sum-exp of every row, the residual of the backward pass.
+* Backward (``backward_pass_impl="triton"``): ``delta = sum(out * dout)`` per
+  row (XLA), then one kernel per block of keys that loops over the queries
+  (dk, dv) and one per block of queries that loops over the keys (dq), both
+  recomputing the probabilities from the saved log-sum-exp.
+  ``backward_pass_impl="xla"`` differentiates ``mha_reference`` instead.
+
+``interpret`` takes ``True`` (pallas-core's interpreter) or
+``pallas_gpu.InterpretParams()`` (the generated Triton kernel under Triton's
+interpreter), so the kernels run on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallas as pl
+from pallas_gpu._src.core import CompilerParams
+
+LOG2E = math.log2(math.e)
+_F32 = jnp.float32
+_MASKED = -1e30  # finite: a fully masked block must not turn into NaN through inf - inf
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockSizes:
+    """Tile sizes of the kernels: queries and keys per block in the forward
+    kernel (``block_q``, ``block_k``), in the dk/dv kernel (``block_q_dkv``,
+    ``block_kv_dkv``) and in the dq kernel (``block_q_dq``, ``block_kv_dq``).
+    They change speed, not results. A backward block left at None takes the
+    forward one."""
+
+    block_q: int
+    block_k: int
+    block_q_dkv: int | None = None
+    block_kv_dkv: int | None = None
+    block_q_dq: int | None = None
+    block_kv_dq: int | None = None
+
+    @classmethod
+    def get_default(cls) -> BlockSizes:
+        return BlockSizes(
+            block_q=128, block_k=128, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
+        )
+
+    @property
+    def has_backward_blocks(self) -> bool:
+        return None not in (self.block_q_dkv, self.block_kv_dkv, self.block_q_dq, self.block_kv_dq)
+
+
+_DEFAULT_BLOCKS = BlockSizes.get_default()
+
+
+def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Array:
+    """``[..., T, S]`` booleans: query t may attend to key s (same segment)."""
+    q = jnp.expand_dims(q_segment_ids, axis=-1)
+    kv = jnp.expand_dims(kv_segment_ids, axis=0 if kv_segment_ids.ndim == 1 else 1)
+    return jnp.equal(q, kv)
+
+
+@functools.partial(jax.jit, static_argnames=["sm_scale", "causal"])
+def mha_reference(q, k, v, segment_ids, sm_scale=1.0, causal: bool = False):
+    """Plain-JAX attention with the same arguments and layout as ``mha``."""
+    logits = jnp.einsum("bqhc,bkhc->bhqk", q, k, preferred_element_type=_F32)
+    mask = None
+    if segment_ids is not None:
+        mask = jnp.broadcast_to(segment_mask(segment_ids, segment_ids)[:, None], logits.shape)
+    if causal:
+        tri = jnp.broadcast_to(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits.shape)
+        mask = tri if mask is None else mask & tri
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    weights = jax.nn.softmax(logits * sm_scale)
+    return jnp.einsum("bhqk,bkhc->bqhc", weights, v, preferred_element_type=_F32).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Checks and launch helpers
+
+
+def _check(q, k, v, segment_ids, causal: bool, blocks: dict[str, tuple[int, int]]) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"mha: q, k and v must be [batch, seq_len, num_heads, head_dim]; got q{q.shape}, k{k.shape}, v{v.shape}"
+        )
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(
+            f"mha: q, k and v must have the same head_dim; got q{q.shape}, k{k.shape}, v{v.shape}"
+        )
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"mha: k and v must have the same shape, and the batch and head counts of q; "
+            f"got q{q.shape}, k{k.shape}, v{v.shape}"
+        )
+    if (causal or segment_ids is not None) and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"mha: causal=True and segment_ids need q and k of the same seq_len; got {q.shape[1]} and {k.shape[1]}"
+        )
+    if segment_ids is not None and segment_ids.shape != q.shape[:2]:
+        raise ValueError(
+            f"mha: segment_ids must be [batch, seq_len] = {q.shape[:2]}; got {segment_ids.shape}"
+        )
+    for name, (block, seq) in blocks.items():
+        if seq % block:
+            raise ValueError(
+                f"mha: seq_len {seq} is not a multiple of BlockSizes.{name}={block}; "
+                f"pick a block size that divides it"
+            )
+        if block < 16:
+            raise ValueError(
+                f"mha: BlockSizes.{name}={block} is below 16, the smallest block Triton's dot takes"
+            )
+
+
+def _params(interpret, num_warps: int, num_stages: int) -> dict[str, Any]:
+    if interpret is True or (interpret is not False and interpret is not None):
+        return {"interpret": interpret}
+    return {"compiler_params": CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+
+
+def _block(n: int, seq: int) -> int:
+    return min(n, seq)
+
+
+def _mask(x, qi0, kj0, q_seg, kv_seg, causal: bool):
+    """Masks the (block_q, block_k) logits ``x`` whose top-left element is
+    (query ``qi0``, key ``kj0``)."""
+    keep = None
+    if causal:
+        rows = qi0 + lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        cols = kj0 + lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        keep = rows >= cols
+    if q_seg is not None:
+        same = q_seg[:, None] == kv_seg[None, :]
+        keep = same if keep is None else keep & same
+    return x if keep is None else jnp.where(keep, x, _MASKED)
+
+
+def _kv_loop(body, carry, n_blocks: int, diag_lo, diag_n: int, causal: bool, masked_everywhere: bool):
+    """Runs ``body(j, carry, masked)`` over key (or query) blocks: for causal
+    attention, blocks before ``diag_lo`` unmasked, then ``diag_n`` masked
+    ones; otherwise all blocks, masked only if ``masked_everywhere``."""
+    if causal:
+        carry = lax.fori_loop(0, diag_lo, functools.partial(body, masked=masked_everywhere), carry)
+        return lax.fori_loop(diag_lo, diag_lo + diag_n, functools.partial(body, masked=True), carry)
+    return lax.fori_loop(0, n_blocks, functools.partial(body, masked=masked_everywhere), carry)
+
+
+# ---------------------------------------------------------------------------
+# Forward
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, scale, causal, block_k, nq):
+    block_q = q_ref.shape[0]
+    qi = nq - 1 - lax.rem(pl.program_id(0), nq)  # heaviest causal blocks first
+    q = q_ref[...]
+    q_seg = None if qseg_ref is None else qseg_ref[...]
+
+    def body(j, carry, masked):
+        m, l, acc = carry
+        k0 = pl.multiple_of(j * block_k, block_k)
+        k, v = k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :]
+        x = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32) * scale
+        if masked:
+            kv_seg = None if kvseg_ref is None else kvseg_ref[pl.ds(k0, block_k)]
+            x = _mask(x, qi * block_q, k0, q_seg, kv_seg, causal)
+        m_new = jnp.maximum(m, jnp.max(x, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(x - m_new[:, None])
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=_F32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+    carry = (jnp.full((block_q,), -jnp.inf, _F32), jnp.zeros((block_q,), _F32), jnp.zeros(q_ref.shape, _F32))
+    n_k = k_ref.shape[0] // block_k
+    lo = (qi * block_q) // block_k
+    m, l, acc = _kv_loop(body, carry, n_k, lo, pl.cdiv(block_q, block_k), causal, qseg_ref is not None)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    if lse_ref is not None:
+        lse_ref[...] = (m + jnp.log2(l)) / LOG2E  # natural log, as JAX's mha returns
+
+
+def _program_ids(n_blocks: int, heads: int, reverse: bool):
+    """Maps the 1-D program id to (batch, head, block): the blocks of one head
+    are adjacent (its K/V stay in L2); ``reverse`` runs the last block first
+    (the heaviest one of causal attention)."""
+
+    def b_of(p):
+        return lax.div(lax.div(p, n_blocks), heads)
+
+    def h_of(p):
+        return lax.rem(lax.div(p, n_blocks), heads)
+
+    def blk_of(p):
+        r = lax.rem(p, n_blocks)
+        return n_blocks - 1 - r if reverse else r
+
+    return b_of, h_of, blk_of
+
+
+def _specs_2d(b_of, h_of, blk_of, block, seq_dim_full, head_dim):
+    """(BlockSpec of a block of rows, BlockSpec of all rows) of one (b, h)."""
+    rows = pl.BlockSpec((None, block, None, head_dim), lambda p: (b_of(p), blk_of(p), h_of(p), 0))
+    full = pl.BlockSpec((None, seq_dim_full, None, head_dim), lambda p: (b_of(p), 0, h_of(p), 0))
+    return rows, full
+
+
+def _forward(
+    q, k, v, segment_ids, sm_scale, causal, block_q, block_k, num_warps, num_stages, interpret, debug
+):
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    nq = T // block_q
+    b_of, h_of, qi_of = _program_ids(nq, H, reverse=True)
+    q_spec, kv_spec = _specs_2d(b_of, h_of, qi_of, block_q, S, D)
+    in_specs, args = [q_spec, kv_spec, kv_spec], [q, k, v]
+    if segment_ids is not None:
+        in_specs += [
+            pl.BlockSpec((None, block_q), lambda p: (b_of(p), qi_of(p))),
+            pl.BlockSpec((None, S), lambda p: (b_of(p), 0)),
+        ]
+        args += [segment_ids, segment_ids]
+    lse_spec = pl.BlockSpec((None, None, block_q), lambda p: (b_of(p), h_of(p), qi_of(p)))
+    kernel = functools.partial(
+        _fwd_kernel if segment_ids is not None else _no_segments(_fwd_kernel, 3),
+        scale=sm_scale * LOG2E,
+        causal=causal,
+        block_k=block_k,
+        nq=nq,
+    )
+    out, lse = pl.pallas_call(
+        kernel,
+        out_shape=[q, jax.ShapeDtypeStruct((B, H, T), _F32)],
+        grid=(B * H * nq,),
+        in_specs=in_specs,
+        out_specs=[q_spec, lse_spec],
+        name="mha_forward",
+        debug=debug,
+        **_params(interpret, num_warps, num_stages),
+    )(*args)
+    return out, lse
+
+
+def _no_segments(kernel, at: int):
+    """``kernel`` with None for its two segment-id refs, which start at
+    position ``at`` of its Ref arguments."""
+
+    def wrapped(*refs, **kw):
+        return kernel(*refs[:at], None, None, *refs[at:], **kw)
+
+    return wrapped
+
+
+# ---------------------------------------------------------------------------
+# Backward
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, *,
+                scale, sm_scale, causal, block_q, nk):  # fmt: skip
+    block_k = k_ref.shape[0]
+    kj = lax.rem(pl.program_id(0), nk)
+    k, v = k_ref[...], v_ref[...]
+    kv_seg = None if kvseg_ref is None else kvseg_ref[...]
+
+    def body(i, carry, masked):
+        dk, dv = carry
+        q0 = pl.multiple_of(i * block_q, block_q)
+        q, do = q_ref[pl.ds(q0, block_q), :], do_ref[pl.ds(q0, block_q), :]
+        lse, delta = lse_ref[pl.ds(q0, block_q)], delta_ref[pl.ds(q0, block_q)]
+        x = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32) * scale
+        if masked:
+            q_seg = None if qseg_ref is None else qseg_ref[pl.ds(q0, block_q)]
+            x = _mask(x, q0, kj * block_k, q_seg, kv_seg, causal)
+        p = jnp.exp2(x - lse[:, None])  # (block_q, block_k)
+        dv = dv + lax.dot_general(
+            p.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=_F32
+        )
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        ds = (p * (dp - delta[:, None])).astype(q.dtype)
+        dk = dk + lax.dot_general(ds, q, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+        return dk, dv
+
+    zeros = jnp.zeros(k_ref.shape, _F32)
+    n_q = q_ref.shape[0] // block_q
+    if causal:
+        # Query blocks that reach this key block: the diagonal ones masked, the rest unmasked.
+        first = (kj * block_k) // block_q
+        n_diag = pl.cdiv(block_k, block_q)
+        carry = lax.fori_loop(first, first + n_diag, functools.partial(body, masked=True), (zeros, zeros))
+        dk, dv = lax.fori_loop(
+            first + n_diag, n_q, functools.partial(body, masked=qseg_ref is not None), carry
+        )
+    else:
+        dk, dv = lax.fori_loop(0, n_q, functools.partial(body, masked=qseg_ref is not None), (zeros, zeros))
+    dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, *,
+               scale, sm_scale, causal, block_k, nq):  # fmt: skip
+    block_q = q_ref.shape[0]
+    qi = nq - 1 - lax.rem(pl.program_id(0), nq)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    q_seg = None if qseg_ref is None else qseg_ref[...]
+
+    def body(j, dq, masked):
+        k0 = pl.multiple_of(j * block_k, block_k)
+        k, v = k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :]
+        x = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32) * scale
+        if masked:
+            kv_seg = None if kvseg_ref is None else kvseg_ref[pl.ds(k0, block_k)]
+            x = _mask(x, qi * block_q, k0, q_seg, kv_seg, causal)
+        p = jnp.exp2(x - lse[:, None])
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        ds = (p * (dp - delta[:, None])).astype(k.dtype)
+        return dq + jnp.dot(ds, k, preferred_element_type=_F32)
+
+    n_k = k_ref.shape[0] // block_k
+    lo = (qi * block_q) // block_k
+    dq = _kv_loop(body, jnp.zeros(q_ref.shape, _F32), n_k, lo, pl.cdiv(block_q, block_k), causal,
+                  qseg_ref is not None)  # fmt: skip
+    dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
+
+
+def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, bs: BlockSizes, num_warps, num_stages,
+              interpret, debug):  # fmt: skip
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(_F32), do.astype(_F32))
+    lse2 = lse * LOG2E
+    scale = sm_scale * LOG2E
+    seg = segment_ids is not None
+
+    # dk, dv: one program per (b, h, key block), looping over all query blocks.
+    bq, bk = _block(bs.block_q_dkv or bs.block_q, T), _block(bs.block_kv_dkv or bs.block_k, S)
+    nk = S // bk
+    b_of, h_of, kj_of = _program_ids(nk, H, reverse=False)
+    kv_rows, _ = _specs_2d(b_of, h_of, kj_of, bk, S, D)
+    _, q_full = _specs_2d(b_of, h_of, kj_of, bk, T, D)
+    full_vec = pl.BlockSpec((None, None, T), lambda p: (b_of(p), h_of(p), 0))
+    in_specs = [q_full, kv_rows, kv_rows, q_full, full_vec, full_vec]
+    args = [q, k, v, do, lse2, delta]
+    if seg:
+        in_specs += [
+            pl.BlockSpec((None, T), lambda p: (b_of(p), 0)),
+            pl.BlockSpec((None, bk), lambda p: (b_of(p), kj_of(p))),
+        ]
+        args += [segment_ids, segment_ids]
+    kernel = functools.partial(_dkv_kernel if seg else _no_segments(_dkv_kernel, 6), scale=scale,
+                               sm_scale=sm_scale, causal=causal, block_q=bq, nk=nk)  # fmt: skip
+    dk, dv = pl.pallas_call(
+        kernel,
+        out_shape=[k, v],
+        grid=(B * H * nk,),
+        in_specs=in_specs,
+        out_specs=[kv_rows, kv_rows],
+        name="mha_backward_dkv",
+        debug=debug,
+        **_params(interpret, num_warps, num_stages),
+    )(*args)
+
+    # dq: one program per (b, h, query block), looping over the key blocks it sees.
+    bq, bk = _block(bs.block_q_dq or bs.block_q, T), _block(bs.block_kv_dq or bs.block_k, S)
+    nq = T // bq
+    b_of, h_of, qi_of = _program_ids(nq, H, reverse=True)
+    q_rows, kv_full = _specs_2d(b_of, h_of, qi_of, bq, S, D)
+    row_vec = pl.BlockSpec((None, None, bq), lambda p: (b_of(p), h_of(p), qi_of(p)))
+    in_specs = [q_rows, kv_full, kv_full, q_rows, row_vec, row_vec]
+    args = [q, k, v, do, lse2, delta]
+    if seg:
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda p: (b_of(p), qi_of(p))),
+            pl.BlockSpec((None, S), lambda p: (b_of(p), 0)),
+        ]
+        args += [segment_ids, segment_ids]
+    kernel = functools.partial(_dq_kernel if seg else _no_segments(_dq_kernel, 6), scale=scale,
+                               sm_scale=sm_scale, causal=causal, block_k=bk, nq=nq)  # fmt: skip
+    dq = pl.pallas_call(
+        kernel,
+        out_shape=q,
+        grid=(B * H * nq,),
+        in_specs=in_specs,
+        out_specs=q_rows,
+        name="mha_backward_dq",
+        debug=debug,
+        **_params(interpret, num_warps, num_stages),
+    )(*args)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------
+# The public function
+
+
+_STATIC = ["sm_scale", "causal", "block_sizes", "backward_pass_impl", "num_warps", "num_stages", "grid",
+           "interpret", "debug", "return_residuals"]  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=list(range(4, 14)))
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def mha(
+    q,
+    k,
+    v,
+    segment_ids: jax.Array | None,
+    sm_scale: float = 1.0,
+    causal: bool = False,
+    block_sizes: BlockSizes = _DEFAULT_BLOCKS,
+    backward_pass_impl: str = "triton",
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    grid: tuple[int, ...] | None = None,
+    interpret: Any = False,
+    debug: bool = False,
+    return_residuals: bool = False,
+):
+    """Multi-head attention ``softmax(q k^T * sm_scale) v`` on
+    ``[batch, seq_len, num_heads, head_dim]`` arrays, differentiable in q, k
+    and v. ``segment_ids`` (``[batch, seq_len]`` ints, or None) lets a query
+    attend only to keys of its own segment. With ``return_residuals`` it also
+    returns the log-sum-exp of each row, ``[batch, num_heads, seq_len]`` f32.
+    """
+    out, lse = _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_pass_impl,
+                             num_warps, num_stages, grid, interpret, debug)  # fmt: skip
+    return (out, lse) if return_residuals else out
+
+
+def _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_pass_impl, num_warps,
+                  num_stages, grid, interpret, debug):  # fmt: skip
+    if grid is not None:
+        raise NotImplementedError("mha: grid= is chosen by pallas_gpu's kernels; pass grid=None")
+    if backward_pass_impl not in ("triton", "xla"):
+        raise ValueError(f"mha: backward_pass_impl must be 'triton' or 'xla', got {backward_pass_impl!r}")
+    T, S = q.shape[1], k.shape[1]
+    block_q, block_k = _block(block_sizes.block_q, T), _block(block_sizes.block_k, S)
+    bs = block_sizes
+    _check(q, k, v, segment_ids, causal, {
+        "block_q": (block_q, T), "block_k": (block_k, S),
+        "block_q_dkv": (_block(bs.block_q_dkv or bs.block_q, T), T),
+        "block_kv_dkv": (_block(bs.block_kv_dkv or bs.block_k, S), S),
+        "block_q_dq": (_block(bs.block_q_dq or bs.block_q, T), T),
+        "block_kv_dq": (_block(bs.block_kv_dq or bs.block_k, S), S),
+    })  # fmt: skip
+    warps = num_warps if num_warps is not None else (4 if q.shape[-1] <= 64 else 8)
+    return _forward(
+        q, k, v, segment_ids, sm_scale, causal, block_q, block_k, warps, num_stages, interpret, debug
+    )
+
+
+def _mha_fwd(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_pass_impl, num_warps, num_stages,
+             grid, interpret, debug, return_residuals):  # fmt: skip
+    out, lse = _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_pass_impl,
+                             num_warps, num_stages, grid, interpret, debug)  # fmt: skip
+    return ((out, lse) if return_residuals else out), (q, k, v, segment_ids, out, lse)
+
+
+def _mha_bwd(sm_scale, causal, block_sizes, backward_pass_impl, num_warps, num_stages, grid, interpret, debug,
+             return_residuals, res, g):  # fmt: skip
+    q, k, v, segment_ids, out, lse = res
+    do = g[0] if return_residuals else g  # the cotangent of the log-sum-exp is not propagated
+    if backward_pass_impl == "xla":
+        _, vjp = jax.vjp(
+            functools.partial(mha_reference, sm_scale=sm_scale, causal=causal), q, k, v, segment_ids
+        )
+        dq, dk, dv, _ = vjp(do)
+        return dq, dk, dv, None
+    warps = num_warps if num_warps is not None else (4 if q.shape[-1] <= 64 else 8)
+    dq, dk, dv = _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, block_sizes, warps, num_stages,
+                           interpret, debug)  # fmt: skip
+    return dq, dk, dv, None
+
+
+mha.defvjp(_mha_fwd, _mha_bwd)

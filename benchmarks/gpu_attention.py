@@ -40,7 +40,8 @@ def candidates(small: bool):
     fa2 = dict(block_q=128, block_k=64, block_q_dkv=32, block_kv_dkv=128, block_q_dq=128, block_kv_dq=32)
     mid = dict(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
     return [("default/8w/2s", default, None, 2), ("fa2/8w/2s", fa2, 8, 2), ("fa2/4w/3s", fa2, 4, 3),
-            ("64s/8w/2s", mid, 8, 2), ("128x64/8w/3s", dict(block_q=128, block_k=64), 8, 3)]  # fmt: skip
+            ("64s/8w/2s", mid, 8, 2), ("128x64/8w/3s", dict(block_q=128, block_k=64), 8, 3),
+            ("128x128,fa2/8w/3s", {**fa2, "block_k": 128}, 8, 3)]  # fmt: skip
 
 
 def reference(q, k, v, do, causal, scale):
@@ -52,11 +53,15 @@ def reference(q, k, v, do, causal, scale):
         return (out, *vjp(sl(do)))
 
 
-def check(label, got, ref, tol=3e-2) -> bool:
+def check(label, got, ref, tol=3e-2, grad_tol=5e-2) -> bool:
+    """Output within ``tol``, gradients (bf16, summed over 4096 rows) within
+    ``grad_tol``, relative plus absolute; a wrong kernel is off by O(1)."""
     sl = lambda t: t[-1:, :, :: t.shape[2] - 1].astype(F32)  # noqa: E731
-    errs = [float(jnp.max(jnp.abs(sl(g) - r) / (tol + tol * jnp.abs(r)))) for g, r in zip(got, ref)]
+    tols = [tol] + [grad_tol] * (len(got) - 1)
+    errs = [float(jnp.max(jnp.abs(sl(g) - r) / (t + t * jnp.abs(r)))) for g, r, t in zip(got, ref, tols)]
     ok = max(errs) <= 1.0
-    print(f"  check {label:36s} {'PASS' if ok else 'FAIL'}  worst error / tolerance = {max(errs):.3f}")
+    detail = ", ".join(f"{n} {e:.2f}" for n, e in zip(("out", "dq", "dk", "dv"), errs))
+    print(f"  check {label:36s} {'PASS' if ok else 'FAIL'}  error / tolerance: {detail}")
     return ok
 
 

@@ -68,7 +68,7 @@ def test_mha_forward_and_backward(shape, dtype, causal, with_segments, blocks):
 
     out, grads = run_vjp(f, q, k, v, do)
     ref_out, ref_grads = run_vjp(ref, q, k, v, do.astype(jnp.float32))
-    tol = dict(rtol=2e-5, atol=2e-5) if dtype == jnp.float32 else dict(rtol=3e-2, atol=3e-2)
+    tol = dict(rtol=5e-5, atol=5e-5) if dtype == jnp.float32 else dict(rtol=3e-2, atol=3e-2)
     if ON_DEVICE and dtype == jnp.float32:
         tol = dict(rtol=2e-2, atol=2e-2)  # the GPU's f32 dots run in TF32
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
@@ -81,15 +81,37 @@ def test_mha_forward_and_backward(shape, dtype, causal, with_segments, blocks):
         assert n == 3  # forward, dk/dv, dq
 
 
+@pytest.mark.skipif(not ON_DEVICE, reason="a GPU compile (pipelining) check; run with PALLAS_GPU_TESTS=gpu")
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_mha_backward_large_on_gpu(num_stages):
+    # Long loops in the dk/dv kernel, where Triton's software pipelining
+    # miscompiled dk (off by up to 0.05 on values up to 0.19); bf16 rounding
+    # alone stays under 0.005 here.
+    shape = (1, 1024, 4, 128)
+    q, k, v, do = qkv(shape, jnp.bfloat16)
+    blocks = attention.BlockSizes(128, 64, block_q_dkv=32, block_kv_dkv=128, block_q_dq=128, block_kv_dq=32)
+    f = lambda q, k, v: attention.mha(q, k, v, None, sm_scale=128**-0.5, block_sizes=blocks,  # noqa: E731
+                                      num_warps=8, num_stages=num_stages)  # fmt: skip
+    up = lambda a: a.astype(jnp.float32)  # noqa: E731
+    ref = lambda q, k, v: attention.mha_reference(up(q), up(k), up(v), None, sm_scale=128**-0.5)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        _, ref_grads = run_vjp(ref, q, k, v, up(do))
+    _, grads = run_vjp(f, q, k, v, do)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        scale = float(jnp.max(jnp.abs(r)))
+        assert float(jnp.max(jnp.abs(up(g) - r))) < 0.02 * scale, f"d{name}"
+
+
 def test_return_residuals_gives_the_log_sum_exp():
     q, k, v, _ = qkv((2, 64, 2, 32), jnp.float32)
     out, lse = attention.mha(q, k, v, None, sm_scale=0.5, causal=True, block_sizes=SMALL,
                              interpret=triton_mode(), return_residuals=True)  # fmt: skip
     logits = jnp.einsum("bqhc,bkhc->bhqk", q, k) * 0.5
     logits = jnp.where(jnp.tril(jnp.ones((64, 64), bool)), logits, -jnp.inf)
-    assert_close(lse, jax.nn.logsumexp(logits, axis=-1), rtol=2e-2 if ON_DEVICE else 1e-5, atol=1e-5)
+    tol = 2e-2 if ON_DEVICE else 2e-5  # the GPU's f32 dots run in TF32
+    assert_close(lse, jax.nn.logsumexp(logits, axis=-1), rtol=tol, atol=tol)
     assert_close(out, attention.mha_reference(q, k, v, None, sm_scale=0.5, causal=True),
-                 rtol=2e-2 if ON_DEVICE else 1e-5, atol=2e-2 if ON_DEVICE else 1e-5)  # fmt: skip
+                 rtol=2e-2 if ON_DEVICE else 2e-5, atol=2e-2 if ON_DEVICE else 2e-5)  # fmt: skip
 
 
 def test_xla_backward_matches_triton_backward():
@@ -100,7 +122,7 @@ def test_xla_backward_matches_triton_backward():
                                           backward_pass_impl=impl, interpret=triton_mode())  # fmt: skip
         grads[impl] = run_vjp(f, q, k, v, do)[1]
     for a, b in zip(grads["triton"], grads["xla"]):
-        assert_close(a, b, rtol=2e-2 if ON_DEVICE else 1e-5, atol=2e-2 if ON_DEVICE else 1e-5)
+        assert_close(a, b, rtol=2e-2 if ON_DEVICE else 5e-5, atol=2e-2 if ON_DEVICE else 5e-5)
 
 
 def test_pallas_core_interpreter_runs_the_same_kernels():
@@ -110,9 +132,10 @@ def test_pallas_core_interpreter_runs_the_same_kernels():
     ref_out, ref_grads = run_vjp(
         lambda q, k, v: attention.mha_reference(q, k, v, None, causal=True), q, k, v, do
     )
-    assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    tol = 2e-2 if ON_DEVICE else 5e-5  # the GPU's f32 dots run in TF32
+    assert_close(out, ref_out, rtol=tol, atol=tol)
     for g, r in zip(grads, ref_grads):
-        assert_close(g, r, rtol=1e-5, atol=1e-5)
+        assert_close(g, r, rtol=tol, atol=tol)
 
 
 def test_same_signature_as_jax():

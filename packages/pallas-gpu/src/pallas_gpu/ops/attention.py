@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallas as pl
-from pallas_gpu._src.core import CompilerParams
+from pallas_gpu.ops._common import call_params
 
 LOG2E = math.log2(math.e)
 _F32 = jnp.float32
@@ -130,12 +130,6 @@ def _check(q, k, v, segment_ids, causal: bool, blocks: dict[str, tuple[int, int]
             raise ValueError(
                 f"mha: BlockSizes.{name}={block} is below 16, the smallest block Triton's dot takes"
             )
-
-
-def _params(interpret, num_warps: int, num_stages: int) -> dict[str, Any]:
-    if interpret is True or (interpret is not False and interpret is not None):
-        return {"interpret": interpret}
-    return {"compiler_params": CompilerParams(num_warps=num_warps, num_stages=num_stages)}
 
 
 def _block(n: int, seq: int) -> int:
@@ -255,7 +249,7 @@ def _forward(
         out_specs=[q_spec, lse_spec],
         name="mha_forward",
         debug=debug,
-        **_params(interpret, num_warps, num_stages),
+        **call_params(interpret, num_warps, num_stages),
     )(*args)
     return out, lse
 
@@ -379,7 +373,7 @@ def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, bs: BlockSiz
         # One stage: with Triton 3.6 on the H200, the same generated source
         # gave dk off by up to 0.053 on values up to 0.19 at num_stages=2 and 3 (dq and
         # dv exact), and exact results at 1 (test_mha_backward_large_on_gpu).
-        **_params(interpret, num_warps, 1),
+        **call_params(interpret, num_warps, 1),
     )(*args)
 
     # dq: one program per (b, h, query block), looping over the key blocks it sees.
@@ -406,7 +400,7 @@ def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, bs: BlockSiz
         out_specs=q_rows,
         name="mha_backward_dq",
         debug=debug,
-        **_params(interpret, num_warps, num_stages),
+        **call_params(interpret, num_warps, num_stages),
     )(*args)
     return dq, dk, dv
 

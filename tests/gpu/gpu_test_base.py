@@ -85,13 +85,8 @@ COMPILE_TARGETS = (80, 90)
 def check_compiles(f, args, compiler_params=None) -> None:
     """Compiles the kernel of the pallas_call ``f`` (called on ``args``) to a
     cubin for each of ``COMPILE_TARGETS``."""
-    from pallas_gpu._src import compiler
-
-    lk = lowered(f, *[jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args])
     cp = compiler_params if isinstance(compiler_params, plgpu.CompilerParams) else plgpu.CompilerParams()
-    for cc in COMPILE_TARGETS:
-        compiled = compiler.compile_kernel(lk, cc, tuple(sorted(cp.compile_options().items())))
-        assert compiled.asm.get("cubin"), f"no cubin for sm_{cc}"
+    check_all_compile(f, args, cp)
 
 
 class Runner:

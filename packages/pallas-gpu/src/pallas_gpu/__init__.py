@@ -4,7 +4,8 @@ Installing this package makes ``pallas.pallas_call`` compile kernels for
 NVIDIA GPUs: the kernel jaxpr is lowered to Triton source, compiled by
 ``triton.compile`` and launched by ``jax_kernel_runtime``. Pass
 ``interpret=plgpu.InterpretParams()`` to run the same generated Triton code on
-the CPU through Triton's interpreter.
+the CPU through Triton's interpreter. Ready-made kernels (flash attention,
+layer and RMS norm, softmax) are in ``pallas_gpu.ops``.
 """
 
 from pallas_gpu._src.autotune import Autotuned as Autotuned

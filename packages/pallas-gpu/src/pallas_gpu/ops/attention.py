@@ -1,6 +1,6 @@
 """Flash attention, forward and backward, as Pallas kernels for GPUs.
 
-The API is that of JAX's ``jax.experimental.pallas.ops.gpu.attention``
+The API is that of JAX's Pallas GPU op ``attention``
 (``mha``, ``mha_reference``, ``BlockSizes``, ``segment_mask``), so moving over
 is an import change. Arrays are ``[batch, seq_len, num_heads, head_dim]``.
 
@@ -189,8 +189,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, sca
     lo = (qi * block_q) // block_k
     m, l, acc = _kv_loop(body, carry, n_k, lo, pl.cdiv(block_q, block_k), causal, qseg_ref is not None)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    if lse_ref is not None:
-        lse_ref[...] = (m + jnp.log2(l)) / LOG2E  # natural log, as JAX's mha returns
+    lse_ref[...] = (m + jnp.log2(l)) / LOG2E  # natural log, as JAX's mha returns
 
 
 def _program_ids(n_blocks: int, heads: int, reverse: bool):

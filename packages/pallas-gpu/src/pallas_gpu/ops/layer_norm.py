@@ -1,5 +1,5 @@
 """Layer norm over the last axis, forward and backward, with the API of JAX's
-``jax.experimental.pallas.ops.gpu.layer_norm`` (``layer_norm``,
+Pallas GPU op ``layer_norm`` (``layer_norm``,
 ``layer_norm_reference``)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """RMS norm over the last axis, forward and backward, with the API of JAX's
-``jax.experimental.pallas.ops.gpu.rms_norm`` (``rms_norm``,
+Pallas GPU op ``rms_norm`` (``rms_norm``,
 ``rms_norm_reference``; like JAX's, it takes a bias)."""
 
 from __future__ import annotations

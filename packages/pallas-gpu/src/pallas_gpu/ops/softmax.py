@@ -1,5 +1,5 @@
 """Softmax over the last axis with the API of JAX's
-``jax.experimental.pallas.ops.gpu.softmax`` (forward only, as there)."""
+Pallas GPU op ``softmax`` (forward only, as there)."""
 
 from __future__ import annotations
 

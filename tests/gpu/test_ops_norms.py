@@ -143,3 +143,9 @@ def test_same_signatures_as_jax():
 def params(fn):
     """Names, kinds and defaults of ``fn``'s parameters (annotations aside)."""
     return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_lowering_errors_inside_ops_name_the_ops_line():
+    # Frames in pallas_gpu/_src are hidden from error locations, the ops' own kernels are not.
+    with pytest.raises(Exception, match=r"in kernel 'softmax' at .*ops/softmax\.py:\d+.*complex64"):
+        softmax_mod.softmax(jnp.ones((4, 8), jnp.complex64), interpret=plgpu.InterpretParams())

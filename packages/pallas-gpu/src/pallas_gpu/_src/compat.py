@@ -57,9 +57,9 @@ custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
 debug_effect = _debugging.debug_effect
 
 
-# Equations bound inside pallas_gpu (plgpu.approx_tanh, ...) should name the
-# user's line that called them, not ours.
-source_info_util.register_exclusion(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Equations bound inside pallas_gpu._src (plgpu.approx_tanh, ...) should name
+# the line that called them, not ours; kernels of pallas_gpu.ops keep their lines.
+source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
 
 
 def source_line(eqn: Any) -> str:

@@ -132,8 +132,18 @@ def _check(q, k, v, segment_ids, causal: bool, blocks: dict[str, tuple[int, int]
             )
 
 
-def _block(n: int, seq: int) -> int:
-    return min(n, seq)
+def _blocks(bs: BlockSizes, T: int, S: int) -> dict[str, int]:
+    """Every block size of ``bs``, capped at its sequence length (``T``
+    queries, ``S`` keys); a backward block left at None takes the forward one."""
+    q, kv = (lambda b: min(b, T)), (lambda b: min(b, S))
+    return {
+        "block_q": q(bs.block_q),
+        "block_k": kv(bs.block_k),
+        "block_q_dkv": q(bs.block_q_dkv or bs.block_q),
+        "block_kv_dkv": kv(bs.block_kv_dkv or bs.block_k),
+        "block_q_dq": q(bs.block_q_dq or bs.block_q),
+        "block_kv_dq": kv(bs.block_kv_dq or bs.block_k),
+    }
 
 
 def _mask(x, qi0, kj0, q_seg, kv_seg, causal: bool):
@@ -345,7 +355,8 @@ def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, bs: BlockSiz
     seg = segment_ids is not None
 
     # dk, dv: one program per (b, h, key block), looping over all query blocks.
-    bq, bk = _block(bs.block_q_dkv or bs.block_q, T), _block(bs.block_kv_dkv or bs.block_k, S)
+    blocks = _blocks(bs, T, S)
+    bq, bk = blocks["block_q_dkv"], blocks["block_kv_dkv"]
     nk = S // bk
     b_of, h_of, kj_of = _program_ids(nk, H, reverse=False)
     kv_rows, _ = _specs_2d(b_of, h_of, kj_of, bk, S, D)
@@ -376,7 +387,7 @@ def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, bs: BlockSiz
     )(*args)
 
     # dq: one program per (b, h, query block), looping over the key blocks it sees.
-    bq, bk = _block(bs.block_q_dq or bs.block_q, T), _block(bs.block_kv_dq or bs.block_k, S)
+    bq, bk = blocks["block_q_dq"], blocks["block_kv_dq"]
     nq = T // bq
     b_of, h_of, qi_of = _program_ids(nq, H, reverse=True)
     q_rows, kv_full = _specs_2d(b_of, h_of, qi_of, bq, S, D)
@@ -448,18 +459,24 @@ def _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_
     if backward_pass_impl not in ("triton", "xla"):
         raise ValueError(f"mha: backward_pass_impl must be 'triton' or 'xla', got {backward_pass_impl!r}")
     T, S = q.shape[1], k.shape[1]
-    block_q, block_k = _block(block_sizes.block_q, T), _block(block_sizes.block_k, S)
-    bs = block_sizes
-    _check(q, k, v, segment_ids, causal, {
-        "block_q": (block_q, T), "block_k": (block_k, S),
-        "block_q_dkv": (_block(bs.block_q_dkv or bs.block_q, T), T),
-        "block_kv_dkv": (_block(bs.block_kv_dkv or bs.block_k, S), S),
-        "block_q_dq": (_block(bs.block_q_dq or bs.block_q, T), T),
-        "block_kv_dq": (_block(bs.block_kv_dq or bs.block_k, S), S),
-    })  # fmt: skip
+    blocks = _blocks(block_sizes, T, S)
+    _check(
+        q, k, v, segment_ids, causal, {n: (b, T if n.startswith("block_q") else S) for n, b in blocks.items()}
+    )
     warps = num_warps if num_warps is not None else (4 if q.shape[-1] <= 64 else 8)
     return _forward(
-        q, k, v, segment_ids, sm_scale, causal, block_q, block_k, warps, num_stages, interpret, debug
+        q,
+        k,
+        v,
+        segment_ids,
+        sm_scale,
+        causal,
+        blocks["block_q"],
+        blocks["block_k"],
+        warps,
+        num_stages,
+        interpret,
+        debug,
     )
 
 

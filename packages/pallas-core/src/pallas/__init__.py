@@ -12,16 +12,21 @@ from pallas._src.core import HOST as HOST
 from pallas._src.core import BlockDim as BlockDim
 from pallas._src.core import Blocked as Blocked
 from pallas._src.core import BlockSpec as BlockSpec
+from pallas._src.core import BoundedSlice as BoundedSlice
+from pallas._src.core import Buffered as Buffered
 from pallas._src.core import CompilerParams as CompilerParams
 from pallas._src.core import CostEstimate as CostEstimate
 from pallas._src.core import Element as Element
 from pallas._src.core import GridSpec as GridSpec
 from pallas._src.core import MemoryRef as MemoryRef
 from pallas._src.core import MemorySpace as MemorySpace
+from pallas._src.core import Mesh as Mesh
+from pallas._src.core import RevisitMode as RevisitMode
 from pallas._src.core import Squeezed as Squeezed
 from pallas._src.core import no_block_spec as no_block_spec
 from pallas._src.core import squeezed as squeezed
 from pallas._src.interpret import InterpretParams as InterpretParams
+from pallas._src.kernel import kernel as kernel
 from pallas._src.pallas_call import pallas_call as pallas_call
 from pallas._src.pallas_call_rules import pallas_call_p as pallas_call_p
 from pallas._src.primitives import cdiv as cdiv
@@ -37,5 +42,10 @@ from pallas._src.primitives import num_programs as num_programs
 from pallas._src.primitives import program_id as program_id
 from pallas._src.primitives import run_scoped as run_scoped
 from pallas._src.primitives import when as when
+from pallas._src.semaphores import DeviceIdType as DeviceIdType
+from pallas._src.semaphores import delay as delay
+from pallas._src.semaphores import semaphore_read as semaphore_read
+from pallas._src.semaphores import semaphore_signal as semaphore_signal
+from pallas._src.semaphores import semaphore_wait as semaphore_wait
 
 __version__ = "0.1.0"

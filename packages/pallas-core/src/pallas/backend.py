@@ -10,13 +10,33 @@ never from ``pallas._src``.
 """
 
 from pallas._src.backends import register_backend as register_backend
+from pallas._src.core import ANY as ANY
 from pallas._src.core import Blocked as Blocked
 from pallas._src.core import BlockMapping as BlockMapping
 from pallas._src.core import Element as Element
 from pallas._src.core import GridMapping as GridMapping
+from pallas._src.core import MemoryRef as MemoryRef
+from pallas._src.core import Mesh as Mesh
+from pallas._src.core import SemaphoreKind as SemaphoreKind
+from pallas._src.core import SemaphoreSpace as SemaphoreSpace
 from pallas._src.core import Squeezed as Squeezed
+from pallas._src.core import register_memory_space_type as register_memory_space_type
+from pallas._src.core import semaphore_kind as semaphore_kind
+from pallas._src.errors import describe as describe
 from pallas._src.errors import kernel_error as kernel_error
 from pallas._src.errors import register_internal_dir as register_internal_dir
+from pallas._src.errors import user_source as user_source
+from pallas._src.interpret import uninitialized_value as uninitialized_value
+from pallas._src.primitives import KernelContext as KernelContext
 from pallas._src.primitives import debug_print_p as debug_print_p
+from pallas._src.primitives import kernel_context as kernel_context
 from pallas._src.primitives import multiple_of_p as multiple_of_p
 from pallas._src.primitives import run_scoped_p as run_scoped_p
+from pallas._src.semaphores import delay_p as delay_p
+from pallas._src.semaphores import flatten_device_id as flatten_device_id
+from pallas._src.semaphores import flatten_ref as flatten_ref
+from pallas._src.semaphores import semaphore_read_p as semaphore_read_p
+from pallas._src.semaphores import semaphore_signal_p as semaphore_signal_p
+from pallas._src.semaphores import semaphore_wait_p as semaphore_wait_p
+from pallas._src.semaphores import transformed_aval as transformed_aval
+from pallas._src.semaphores import unflatten_transforms as unflatten_transforms

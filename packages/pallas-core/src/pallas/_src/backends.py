@@ -79,6 +79,18 @@ def for_interpret_params(params: Any) -> Any | None:
     return None
 
 
+def interpreter_for(jaxpr, grid_mapping) -> Any | None:
+    """The backend whose interpreter runs a kernel pallas-core's interpret mode
+    cannot (TPU memory spaces, DMAs, semaphores, scalar prefetch): the first
+    backend whose ``claims_interpret(jaxpr, grid_mapping)`` is true."""
+    for found in (_registered, None):
+        for b in (found if found is not None else backends()).values():
+            claims = getattr(b, "claims_interpret", None)
+            if claims is not None and claims(jaxpr, grid_mapping):
+                return b
+    return None
+
+
 def load_errors() -> dict[str, str]:
     _load()
     return dict(_load_errors)

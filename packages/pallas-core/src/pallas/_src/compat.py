@@ -15,6 +15,7 @@ from jax._src import core as jax_core
 from jax._src import linear_util as lu
 from jax._src import source_info_util, tree_util
 from jax._src.api_util import debug_info as _debug_info
+from jax._src.debugging import debug_effect  # noqa: E402
 from jax._src.indexing import Slice  # noqa: F401
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as pe
@@ -24,6 +25,8 @@ from jax._src.state import primitives as state_primitives  # noqa: F401
 from jax._src.state import types as state_types
 
 primitive_linearizations = _ad.primitive_linearizations
+# An effect that keeps an otherwise result-less primitive (pl.delay) alive.
+delay_effect = debug_effect
 AbstractRef = state_types.AbstractRef
 TransformedRef = state_types.TransformedRef
 RefEffect = state_types.RefEffect
@@ -55,6 +58,11 @@ jaxpr_as_fun = jax_core.jaxpr_as_fun
 def eval_context():
     """Evaluates eagerly even inside a trace (for static index-map tables)."""
     return jax_core.eval_context()
+
+
+def extend_axis_env(names_and_sizes):
+    """Binds named axes (a named pallas_call grid) so lax.axis_index traces."""
+    return jax_core.extend_axis_env_nd(list(names_and_sizes))
 
 
 def current_source_info():

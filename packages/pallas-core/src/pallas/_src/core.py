@@ -108,6 +108,91 @@ class _NoBlockSpec:
 no_block_spec: Any = _NoBlockSpec()
 
 
+class RevisitMode(enum.Enum):
+    """How an output block revisited at a later grid step is handled by a
+    pipelining backend: ``IMMEDIATE`` (the default) allows revisits only on
+    consecutive steps; ``ANY`` at any step (costs extra copies)."""
+
+    IMMEDIATE = "immediate"
+    ANY = "any"
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffered:
+    """A BlockSpec ``pipeline_mode``: how many buffers the pipeline keeps for
+    the operand (2 is double buffering, 1 is no overlap).
+
+    Args:
+      buffer_count: the number of buffers (>= 1).
+      use_lookahead: fetch the next *changed* block as soon as a slot frees.
+      revisit: a ``RevisitMode`` for outputs.
+      prefetched_count: slots filled before the pipeline starts.
+    """
+
+    buffer_count: int
+    use_lookahead: bool = False
+    revisit: RevisitMode | None = None
+    prefetched_count: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.buffer_count, int) or self.buffer_count < 1:
+            raise ValueError(f"pl.Buffered: buffer_count must be a positive int, got {self.buffer_count!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedSlice:
+    """A block dimension whose index_map returns a ``pl.ds(start, size)`` with
+    a dynamic size of at most ``block_size``."""
+
+    block_size: int
+
+    def __repr__(self):
+        return f"BoundedSlice({self.block_size})"
+
+
+class SemaphoreKind(enum.Enum):
+    """The kinds of semaphore a kernel can allocate (``pltpu.SemaphoreType``)."""
+
+    REGULAR = "regular"
+    DMA = "dma"
+    BARRIER = "barrier"
+
+
+@dataclasses.dataclass(frozen=True)
+class SemaphoreSpace:
+    """The memory space of a semaphore Ref: counters of one ``SemaphoreKind``,
+    stored as int32 (reading them is only possible with
+    ``pl.semaphore_read``)."""
+
+    kind: SemaphoreKind
+
+    def __str__(self):
+        return f"semaphore[{self.kind.value}]"
+
+
+def semaphore_kind(aval) -> SemaphoreKind | None:
+    """The kind of a semaphore Ref aval, None for other Refs."""
+    ms = getattr(aval, "memory_space", None)
+    return ms.kind if isinstance(ms, SemaphoreSpace) else None
+
+
+class Mesh:
+    """Base class of the meshes ``pl.kernel`` runs a body over (e.g.
+    ``pltpu.TensorCoreMesh``): ``shape`` maps axis names to sizes."""
+
+    @property
+    def shape(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    @property
+    def default_memory_space(self):
+        return ANY
+
+    def compiler_params(self, given):
+        """The backend CompilerParams for a body over this mesh."""
+        return given
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSpec:
     """How one operand is split into blocks.
@@ -223,6 +308,12 @@ class GridMapping:
     scratch_avals: tuple[Any, ...]  # AbstractRef per scratch buffer
     kernel_name: str
     source: str  # "file.py:42" of the pallas_call
+    # Named grid axes (grid=(("i", 4),)): one name or None per axis, for lax.axis_index.
+    grid_names: tuple[str | None, ...] = ()
+    # PrefetchScalarGridSpec: the first operands are scalar-prefetch arrays; index
+    # maps take them (as Refs) after the grid indices, and so does the kernel, first.
+    num_scalar_prefetch: int = 0
+    prefetch_avals: tuple[Any, ...] = ()  # their Ref avals
 
     @property
     def in_block_mappings(self):
@@ -242,7 +333,14 @@ class GridMapping:
     def __str__(self):
         lines = [f"GridMapping of '{self.kernel_name}' ({self.source}):"]
         lines.append(f"  grid={self.grid}")
+        if any(self.grid_names):
+            lines.append(f"  grid_names={self.grid_names}")
+        for i, a in enumerate(self.prefetch_avals):
+            lines.append(f"  scalar_prefetch[{i}]: {a}")
         lines += [f"  {bm}" for bm in self.block_mappings]
         for i, a in enumerate(self.scratch_avals):
             lines.append(f"  scratch_shapes[{i}]: {a}")
         return "\n".join(lines)
+
+
+register_memory_space_type(SemaphoreSpace)

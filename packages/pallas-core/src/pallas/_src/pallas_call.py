@@ -37,15 +37,26 @@ def _keystr(path) -> str:
     return tree_util.keystr(path) if path else ""
 
 
-def _normalize_grid(grid, err: _Err) -> tuple[int, ...]:
+def _normalize_grid(grid, err: _Err) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+    """(sizes, names): a grid axis is an int or a named axis ``("i", 4)``."""
     if grid is None:
-        return ()
+        return (), ()
     if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
         grid = (grid,)
     if not isinstance(grid, (tuple, list)):
         raise err(TypeError, "grid", f"expected an int or a tuple of ints, got {grid!r}")
-    out = []
+    out, names = [], []
     for i, g in enumerate(grid):
+        name = None
+        if isinstance(g, (tuple, list)):
+            if len(g) != 2 or not isinstance(g[0], str):
+                raise err(
+                    TypeError, f"grid[{i}]", f"a named grid axis is a pair (name: str, size: int), got {g!r}"
+                )
+            name, g = g
+            if name in names:
+                raise err(ValueError, f"grid[{i}]", f"the axis name {name!r} is used twice")
+        names.append(name)
         if isinstance(g, jax.core.Tracer):
             raise err(
                 NotImplementedError, f"grid[{i}]", "dynamic grid sizes are not supported; use a static int"
@@ -55,7 +66,7 @@ def _normalize_grid(grid, err: _Err) -> tuple[int, ...]:
         if g < 0:
             raise err(ValueError, f"grid[{i}]", f"expected a non-negative int, got {g}")
         out.append(int(g))
-    return tuple(out)
+    return tuple(out), tuple(names) if any(n is not None for n in names) else ()
 
 
 def _normalize_block_dim(d, what: str, err: _Err):
@@ -90,7 +101,7 @@ def _index_map_arity_ok(fn: Callable, n: int) -> bool:
         return False
 
 
-def _block_mapping(spec, aval, origin: str, grid, err: _Err) -> BlockMapping:
+def _block_mapping(spec, aval, origin: str, grid, err: _Err, prefetch_avals=()) -> BlockMapping:
     shape, dtype = tuple(aval.shape), aval.dtype
     if spec is None or spec is pallas_core.no_block_spec:
         spec = BlockSpec()
@@ -119,12 +130,14 @@ def _block_mapping(spec, aval, origin: str, grid, err: _Err) -> BlockMapping:
         index_map = lambda *_: (0,) * len(shape)  # noqa: E731
     if not callable(index_map):
         raise err(TypeError, f"{origin}.index_map", f"expected a callable, got {index_map!r}")
-    if not _index_map_arity_ok(index_map, len(grid)):
+    n_args = len(grid) + len(prefetch_avals)
+    if not _index_map_arity_ok(index_map, n_args):
+        extra = f" and {len(prefetch_avals)} scalar-prefetch Refs" if prefetch_avals else ""
         raise err(
             TypeError,
             f"{origin}.index_map",
-            f"the grid has {len(grid)} axes, so index_map must take {len(grid)} arguments "
-            f"(one grid index each); {index_map} does not",
+            f"the grid has {len(grid)} axes, so index_map must take {n_args} arguments "
+            f"(one grid index each{extra}); {index_map} does not",
         )
     n_out = []
 
@@ -135,8 +148,8 @@ def _block_mapping(spec, aval, origin: str, grid, err: _Err) -> BlockMapping:
         n_out.append(len(res))
         return list(res)
 
-    idx_avals = [compat.shaped_array((), jnp.int32)] * len(grid)
-    dbg = compat.make_debug_info("pallas_call index_map", index_map, list(range(len(grid))))
+    idx_avals = [compat.shaped_array((), jnp.int32)] * len(grid) + list(prefetch_avals)
+    dbg = compat.make_debug_info("pallas_call index_map", index_map, list(range(n_args)))
     jaxpr, consts = compat.trace_to_closed_jaxpr(flat_index_map, idx_avals, dbg)
     if n_out[0] != len(shape):
         raise err(
@@ -264,20 +277,24 @@ def _out_aval(x, name: str, err: _Err):
 
 def _trace_kernel(kernel, gm: GridMapping, in_tree, out_struct, err: _Err):
     """Kernel -> closed jaxpr with invars (grid indices, in refs, out refs, scratch refs)."""
-    G = len(gm.grid)
+    G, nsp = len(gm.grid), gm.num_scalar_prefetch
     idx_avals = [compat.shaped_array((), jnp.int32)] * G
-    ref_avals = [bm.ref_aval() for bm in gm.block_mappings] + list(gm.scratch_avals)
+    ref_avals = list(gm.prefetch_avals) + [bm.ref_aval() for bm in gm.block_mappings] + list(gm.scratch_avals)
     out_tree = tree_util.tree_structure(out_struct)
     returned = []
 
     def flat_kernel(*flat):
-        gidx, refs = flat[:G], flat[G:]
+        gidx, prefetch, refs = flat[:G], flat[G : G + nsp], flat[G + nsp :]
         in_refs = tree_util.tree_unflatten(in_tree, refs[: gm.num_inputs])
         out_refs = tree_util.tree_unflatten(out_tree, refs[gm.num_inputs : gm.num_inputs + gm.num_outputs])
         scratch = refs[gm.num_inputs + gm.num_outputs :]
         ctx = primitives.KernelContext(gm.grid, gidx, gm.kernel_name)
-        with primitives.kernel_context(ctx), kernel_scope(gm.kernel_name, gm.source):
-            res = kernel(*in_refs, *out_refs, *scratch)
+        with (
+            primitives.kernel_context(ctx),
+            kernel_scope(gm.kernel_name, gm.source),
+            compat.extend_axis_env([(n, s) for n, s in zip(gm.grid_names, gm.grid) if n is not None]),
+        ):
+            res = kernel(*prefetch, *in_refs, *out_refs, *scratch)
         returned.append(res)
         return []
 
@@ -429,7 +446,20 @@ def pallas_call(
                 grid_spec.out_specs,
                 grid_spec.scratch_shapes,
             )
-        grid_t = _normalize_grid(g, err)
+        grid_t, grid_names = _normalize_grid(g, err)
+        nsp = getattr(grid_spec, "num_scalar_prefetch", 0) if grid_spec is not None else 0
+        if not isinstance(nsp, int) or not 0 <= nsp <= len(in_avals):
+            raise err(
+                ValueError,
+                "grid_spec.num_scalar_prefetch",
+                f"expected an int in 0..{len(in_avals)} (the number of inputs), got {nsp!r}",
+            )
+        prefetch_avals = tuple(
+            _prefetch_aval(grid_spec, a, f"args[{i}] (scalar prefetch)", err)
+            for i, a in enumerate(in_avals[:nsp])
+        )
+        args, in_paths, in_avals = args[nsp:], in_paths[nsp:], in_avals[nsp:]
+        in_tree = tree_util.tree_structure(args)
         compiler_params_ = _normalize_compiler_params(compiler_params, err)
         if cost_estimate is not None and not isinstance(cost_estimate, pallas_core.CostEstimate):
             raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
@@ -441,15 +471,13 @@ def pallas_call(
         out_leaves = tree_util.tree_flatten_with_path(outs_tuple)[0]
         out_names = [f"out_shape{out_path(p)}" for p, _ in out_leaves]
         out_avals = [_out_aval(x, n, err) for (_, x), n in zip(out_leaves, out_names)]
-        if not out_avals:
-            raise err(ValueError, "out_shape", "a pallas_call needs at least one output")
         in_names = [f"args{_keystr(p)}" for p in in_paths]
         flat_in_specs = _flatten_specs(ins, args, "in_specs", err)
         flat_out_specs = _flatten_specs(outs, outs_tuple, "out_specs", err)
         spec_names = [f"in_specs{_keystr(p)}" for p in in_paths]
         spec_names += [f"out_specs{out_path(p)}" for p, _ in out_leaves]
         bms = [
-            _block_mapping(s, a, n, grid_t, err)
+            _block_mapping(s, a, n, grid_t, err, prefetch_avals)
             for s, a, n in zip(flat_in_specs + flat_out_specs, in_avals + out_avals, spec_names)
         ]
         aliases = _check_aliases(input_output_aliases or {}, in_avals, out_avals, in_names, out_names, err)
@@ -465,7 +493,16 @@ def pallas_call(
                     "aliasing needs both sides unpadded",
                 )
         gm = GridMapping(
-            grid_t, tuple(bms), len(in_avals), len(out_avals), scratch_avals, kernel_name, source
+            grid_t,
+            tuple(bms),
+            len(in_avals),
+            len(out_avals),
+            scratch_avals,
+            kernel_name,
+            source,
+            grid_names=grid_names,
+            num_scalar_prefetch=nsp,
+            prefetch_avals=prefetch_avals,
         )
         jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err)
         if debug:
@@ -503,6 +540,13 @@ def pallas_call(
         return result[0]
 
     return wrapped
+
+
+def _prefetch_aval(grid_spec, aval, what: str, err: _Err):
+    if not jnp.issubdtype(aval.dtype, jnp.integer) and not jnp.issubdtype(aval.dtype, jnp.floating):
+        raise err(TypeError, what, f"scalar prefetch operands must be numeric arrays, got {aval.dtype}")
+    make = getattr(grid_spec, "scalar_prefetch_ref_aval", None)
+    return make(aval) if make is not None else compat.ref_aval(aval.shape, aval.dtype)
 
 
 def _dtype_key(x):

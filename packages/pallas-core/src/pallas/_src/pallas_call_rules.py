@@ -45,7 +45,7 @@ def _batch_index_map(index_map, batched: bool, G: int):
         res = list(fun(*g))
         return [b, *res] if batched else res
 
-    return _retrace(new_map, [compat.shaped_array((), jnp.int32)] * (G + 1), "index_map")
+    return _retrace(new_map, [compat.shaped_array((), jnp.int32), *index_map.in_avals], "index_map")
 
 
 def _batch_block_mapping(bm: pallas_core.BlockMapping, batched: bool, axis_size: int, G: int):
@@ -79,10 +79,16 @@ def _batching_rule(args, dims, *, jaxpr, grid_mapping, input_output_aliases, **p
             dims = list(dims)
             dims[i] = 0
     args = [jnp.moveaxis(a, d, 0) if b else a for a, d, b in zip(args, dims, batched)]
-    G = len(gm.grid)
-    bms = [_batch_block_mapping(bm, b, axis_size, G) for bm, b in zip(gm.in_block_mappings, batched)]
+    G, nsp = len(gm.grid), gm.num_scalar_prefetch
+    if any(batched[:nsp]):
+        raise NotImplementedError(
+            f"{describe(gm.kernel_name, gm.source)}: jax.vmap over a scalar-prefetch operand is not "
+            "supported; vmap over the other operands, or loop over the prefetch values"
+        )
+    bms = [_batch_block_mapping(bm, b, axis_size, G) for bm, b in zip(gm.in_block_mappings, batched[nsp:])]
     bms += [_batch_block_mapping(bm, True, axis_size, G) for bm in gm.out_block_mappings]
-    new_gm = gm.replace(grid=(axis_size, *gm.grid), block_mappings=tuple(bms))
+    names = (None, *gm.grid_names) if gm.grid_names else ()
+    new_gm = gm.replace(grid=(axis_size, *gm.grid), block_mappings=tuple(bms), grid_names=names)
     outs = pallas_call_p.bind(
         *args,
         jaxpr=_batch_kernel_jaxpr(jaxpr),
@@ -111,13 +117,14 @@ def _jvp_rule(primals, tangents, *, jaxpr, grid_mapping, input_output_aliases, *
             f"{describe(gm.kernel_name, gm.source)}: jax.jvp of a pallas_call with "
             "input_output_aliases is not supported"
         )
-    G, n_in, n_out = len(gm.grid), gm.num_inputs, gm.num_outputs
+    G, n_in, n_out, nsp = len(gm.grid), gm.num_inputs, gm.num_outputs, gm.num_scalar_prefetch
+    prefetch_primals, primals, tangents = primals[:nsp], primals[nsp:], tangents[nsp:]
     nz_in = [
         not isinstance(t, ad.Zero) and _has_tangent(bm.dtype) for t, bm in zip(tangents, gm.in_block_mappings)
     ]
     nz_out = [_has_tangent(bm.dtype) for bm in gm.out_block_mappings]
     nz_scr = [_has_tangent(a.dtype) for a in gm.scratch_avals]
-    nonzeros = [False] * G + nz_in + nz_out + nz_scr
+    nonzeros = [False] * (G + nsp) + nz_in + nz_out + nz_scr
     jvp_jaxpr, _ = compat.jvp_jaxpr(jaxpr, nonzeros, instantiate=False)
     # jvp_jaxpr's inputs: all primals, then tangents of the nonzero ones.
     # Reorder to (grid, ins, in tangents, outs, out tangents, scratch, scratch tangents).
@@ -127,8 +134,9 @@ def _jvp_rule(primals, tangents, *, jaxpr, grid_mapping, input_output_aliases, *
         if nz:
             tan_pos[i] = n_prim + k
             k += 1
-    groups = [range(G, G + n_in), range(G + n_in, G + n_in + n_out), range(G + n_in + n_out, n_prim)]
-    order = list(range(G))
+    H = G + nsp
+    groups = [range(H, H + n_in), range(H + n_in, H + n_in + n_out), range(H + n_in + n_out, n_prim)]
+    order = list(range(H))
     for grp in groups:  # each tangent right after its primal, as the block mappings are
         for i in grp:
             order += [i] + ([tan_pos[i]] if i in tan_pos else [])
@@ -160,7 +168,7 @@ def _jvp_rule(primals, tangents, *, jaxpr, grid_mapping, input_output_aliases, *
         num_outputs=len(out_bms),
         scratch_avals=tuple(scratch),
     )
-    args = []
+    args = list(prefetch_primals)
     for p, t, nz in zip(primals, tangents, nz_in):
         args += [p] + ([ad.instantiate_zeros(t)] if nz else [])
     outs = pallas_call_p.bind(*args, jaxpr=new_jaxpr, grid_mapping=new_gm, input_output_aliases=(), **params)
@@ -202,8 +210,41 @@ compat.primitive_linearizations[pallas_call_p] = _linearize_rule
 # Lowering
 
 
+def _needs_backend_interpreter(jaxpr, gm) -> bool:
+    """Kernels that use backend memory spaces, semaphores or scalar prefetch
+    need a backend's interpreter (pallas-tpu's), not pallas-core's."""
+    from pallas._src import semaphores
+
+    if gm.num_scalar_prefetch or gm.grid_names:
+        return True
+    avals = [bm.ref_aval() for bm in gm.block_mappings] + list(gm.scratch_avals)
+    if any(getattr(a, "memory_space", None) is not None for a in avals):
+        return True
+    own = {semaphores.semaphore_signal_p, semaphores.semaphore_wait_p, semaphores.semaphore_read_p}
+    stack = [jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr]
+    while stack:
+        j = stack.pop()
+        for eqn in j.eqns:
+            if eqn.primitive in own:
+                return True
+        stack += [s.jaxpr if hasattr(s, "jaxpr") else s for s in compat.subjaxprs(j)]
+    return False
+
+
 def _interpret_lowering(ctx, *args, **params):
     from pallas._src.interpret import interpret_pallas_call
+
+    gm = params["grid_mapping"]
+    if _needs_backend_interpreter(params["jaxpr"], gm):
+        backend = backends.interpreter_for(params["jaxpr"], gm)
+        if backend is None:
+            raise NotImplementedError(
+                f"{describe(gm.kernel_name, gm.source)}: this kernel uses backend memory spaces, "
+                "semaphores, a named grid or scalar prefetch, which pallas-core's interpret mode does "
+                "not model; install the TPU interpreter (pip install jax-pallas-tpu) and pass "
+                "interpret=pltpu.InterpretParams() or interpret=True"
+            )
+        return backend.interpret_lower(ctx, *args, **params)
 
     fun = functools.partial(interpret_pallas_call, **params)
     return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)

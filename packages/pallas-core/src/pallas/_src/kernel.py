@@ -1,0 +1,82 @@
+"""``pl.kernel``: run a body once per point of a mesh (e.g. once per TPU core),
+on whole-array Refs. Built on ``pallas_call`` with a named grid."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from jax import tree_util
+
+from pallas._src import core as pallas_core
+from pallas._src.pallas_call import pallas_call
+
+
+def kernel(
+    body: Callable[..., None] | None = None,
+    out_type: Any = (),
+    *,
+    mesh: pallas_core.Mesh,
+    scratch_types: Any = (),
+    compiler_params: Any = None,
+    interpret: Any = False,
+    cost_estimate: pallas_core.CostEstimate | None = None,
+    debug: bool = False,
+    name: str | None = None,
+    metadata: dict[str, str] | None = None,
+):
+    """Runs ``body(*in_refs, *out_refs, *scratch_refs)`` once per mesh point.
+
+    Args:
+      body: the kernel body; omit it to use ``pl.kernel(...)`` as a decorator.
+      out_type: a pytree of ``jax.ShapeDtypeStruct`` (the outputs).
+      mesh: a ``pl.Mesh`` such as ``pltpu.TensorCoreMesh(axis_name="core")``;
+        ``lax.axis_index(name)`` gives the position along each mesh axis.
+      scratch_types: a pytree of scratch shapes (``pltpu.VMEM(...)``, semaphores).
+      compiler_params, interpret, cost_estimate, debug, name, metadata: as for
+        ``pallas_call``.
+    Returns:
+      A function of the inputs returning a pytree like ``out_type``.
+    """
+    if body is None:
+        return lambda fn: kernel(
+            fn,
+            out_type,
+            mesh=mesh,
+            scratch_types=scratch_types,
+            compiler_params=compiler_params,
+            interpret=interpret,
+            cost_estimate=cost_estimate,
+            debug=debug,
+            name=name,
+            metadata=metadata,
+        )
+    if not isinstance(mesh, pallas_core.Mesh):
+        raise TypeError(f"pl.kernel: mesh must be a pl.Mesh (e.g. pltpu.TensorCoreMesh), got {mesh!r}")
+    grid = tuple((n, s) for n, s in mesh.shape.items())
+    flat_scratch, _ = tree_util.tree_flatten(scratch_types, is_leaf=lambda x: hasattr(x, "get_ref_aval"))
+    ms = mesh.default_memory_space
+    out_leaves, out_tree = tree_util.tree_flatten(out_type)
+    spec = pallas_core.BlockSpec(memory_space=ms)
+
+    def run(*args):
+        n_in = len(tree_util.tree_leaves(args))
+        call = pallas_call(
+            lambda *refs: body(*refs),
+            out_shape=tuple(out_leaves),
+            grid=grid,
+            in_specs=[spec] * n_in,
+            out_specs=[spec] * len(out_leaves),
+            scratch_shapes=flat_scratch,
+            compiler_params=mesh.compiler_params(compiler_params),
+            interpret=interpret,
+            cost_estimate=cost_estimate,
+            debug=debug,
+            name=name or getattr(body, "__name__", None),
+            metadata=metadata,
+        )
+        outs = call(*tree_util.tree_leaves(args))
+        return tree_util.tree_unflatten(out_tree, list(outs))
+
+    run.__name__ = getattr(body, "__name__", "kernel")
+    return run

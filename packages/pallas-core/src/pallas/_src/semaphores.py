@@ -1,0 +1,218 @@
+"""Semaphores: ``pl.semaphore_signal``, ``pl.semaphore_wait``, ``pl.semaphore_read``.
+
+A semaphore Ref holds int32 counters and has a ``SemaphoreSpace`` memory space
+(allocated with ``pltpu.SemaphoreType.REGULAR((n,))`` and friends). The
+primitives take the semaphore Ref, the leaves of its indexing transforms
+(``sem.at[i]``) and their other operands; backends give them meaning (the
+pallas-tpu interpreter keeps the counters, the Mosaic lowering emits
+``tpu.sem_signal``...). Signals may target another device (``device_id``) or
+core (``core_index``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import tree_util
+from jax.extend.core import Primitive
+
+from pallas._src import compat
+from pallas._src import core as pallas_core
+from pallas._src.errors import kernel_error
+
+
+class DeviceIdType(enum.Enum):
+    """How a ``device_id`` names a device: ``MESH`` (a tuple or dict of mesh
+    coordinates, one per named mesh axis) or ``LOGICAL`` (a flat index)."""
+
+    MESH = "mesh"
+    LOGICAL = "logical"
+
+
+def flatten_ref(ref: Any, what: str) -> tuple[Any, list[Any], Any]:
+    """(base Ref, transform leaves, transforms treedef) of a Ref or ``ref.at[...]``."""
+    if isinstance(ref, compat.TransformedRef):
+        leaves, tree = tree_util.tree_flatten(tuple(ref.transforms))
+        return ref.ref, leaves, tree
+    if not compat.is_ref_aval(_aval(ref)):
+        raise kernel_error(TypeError, f"{what}: expected a Ref, got {type(ref).__name__}")
+    leaves, tree = tree_util.tree_flatten(())
+    return ref, leaves, tree
+
+
+def unflatten_transforms(tree, leaves) -> tuple[Any, ...]:
+    return tuple(tree_util.tree_unflatten(tree, list(leaves)))
+
+
+def _aval(x):
+    try:
+        return compat.get_aval(x)
+    except TypeError:
+        return None
+
+
+def transformed_aval(ref_aval, transforms):
+    """The array aval a Ref view (``ref.at[...]``, bitcasts, reshapes) has."""
+    aval = compat.shaped_array(ref_aval.shape, ref_aval.dtype)
+    for t in transforms:
+        aval = t.transform_type(aval)
+    return aval
+
+
+def transformed_shape(ref_aval, transforms) -> tuple[int, ...]:
+    return tuple(transformed_aval(ref_aval, transforms).shape)
+
+
+def _check_semaphore(sem, what: str, allowed: tuple[pallas_core.SemaphoreKind, ...]):
+    base, leaves, tree = flatten_ref(sem, what)
+    aval = _aval(base)
+    kind = pallas_core.semaphore_kind(aval)
+    if kind is None:
+        raise kernel_error(
+            TypeError,
+            f"{what}: expected a semaphore Ref (e.g. from scratch_shapes=[pltpu.SemaphoreType.REGULAR]), "
+            f"got a Ref of {aval.dtype}{list(aval.shape)} in memory space {aval.memory_space}",
+        )
+    if kind not in allowed:
+        names = " or ".join(k.name for k in allowed)
+        hint = (
+            " (DMA semaphores are waited on with the copy descriptor's .wait())" if kind.name == "DMA" else ""
+        )
+        raise kernel_error(
+            TypeError, f"{what}: expected a {names} semaphore, got a {kind.name} semaphore{hint}"
+        )
+    shape = transformed_shape(aval, unflatten_transforms(tree, leaves))
+    if shape != ():
+        raise kernel_error(
+            ValueError,
+            f"{what}: expected a single semaphore, got a view of shape {shape}; index it, e.g. sem.at[i]",
+        )
+    return base, leaves, tree, kind
+
+
+def _int_scalar(x, what: str):
+    x = jnp.asarray(x)
+    if x.shape != () or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise kernel_error(TypeError, f"{what}: expected an integer scalar, got {x.dtype}{list(x.shape)}")
+    return x.astype(jnp.int32)
+
+
+def flatten_device_id(device_id: Any, device_id_type: DeviceIdType, what: str):
+    """(leaves, treedef) of a device id: an int scalar, or a tuple/dict of
+    them (mesh coordinates). None means this device."""
+    if device_id is None:
+        return [], None
+    if not isinstance(device_id_type, DeviceIdType):
+        raise kernel_error(
+            TypeError, f"{what}: device_id_type must be a pl.DeviceIdType, got {device_id_type!r}"
+        )
+    leaves, tree = tree_util.tree_flatten(device_id)
+    if device_id_type is DeviceIdType.LOGICAL and len(leaves) != 1:
+        raise kernel_error(
+            ValueError,
+            f"{what}: a LOGICAL device_id is one integer, got {len(leaves)} values ({device_id!r})",
+        )
+    return [_int_scalar(v, f"{what} device_id") for v in leaves], tree
+
+
+# ---------------------------------------------------------------------------
+
+semaphore_signal_p = Primitive("semaphore_signal")
+semaphore_signal_p.multiple_results = True
+
+
+def semaphore_signal(
+    sem_or_view: Any,
+    inc: int | jax.Array = 1,
+    *,
+    device_id: Any = None,
+    device_id_type: DeviceIdType = DeviceIdType.MESH,
+    core_index: int | jax.Array | None = None,
+) -> None:
+    """Adds ``inc`` to a semaphore, on this device or on ``device_id``.
+
+    Args:
+      sem_or_view: a REGULAR or BARRIER semaphore Ref (indexed to one
+        semaphore, e.g. ``sems.at[0]``).
+      inc: the increment (int32 scalar).
+      device_id: the device whose semaphore is signalled (None: this one).
+      device_id_type: ``pl.DeviceIdType.MESH`` or ``LOGICAL``.
+      core_index: the core whose semaphore is signalled (None: this one).
+    """
+    kinds = (pallas_core.SemaphoreKind.REGULAR, pallas_core.SemaphoreKind.BARRIER)
+    sem, leaves, tree, _ = _check_semaphore(sem_or_view, "pl.semaphore_signal", kinds)
+    inc = _int_scalar(inc, "pl.semaphore_signal inc")
+    dev, dev_tree = flatten_device_id(device_id, device_id_type, "pl.semaphore_signal")
+    core = [] if core_index is None else [_int_scalar(core_index, "pl.semaphore_signal core_index")]
+    semaphore_signal_p.bind(
+        sem,
+        *leaves,
+        inc,
+        *dev,
+        *core,
+        sem_tree=tree,
+        device_id_tree=dev_tree,
+        device_id_type=device_id_type,
+        has_core_index=bool(core),
+    )
+
+
+def _signal_abstract_eval(*avals, **_):
+    return [], {compat.WriteEffect(0)}
+
+
+semaphore_signal_p.def_effectful_abstract_eval(_signal_abstract_eval)
+
+
+semaphore_wait_p = Primitive("semaphore_wait")
+semaphore_wait_p.multiple_results = True
+
+
+def semaphore_wait(sem_or_view: Any, value: int | jax.Array = 1, *, decrement: bool = True) -> None:
+    """Blocks until the semaphore holds at least ``value``, then subtracts it.
+
+    Args:
+      sem_or_view: a REGULAR or BARRIER semaphore Ref (one semaphore).
+      value: the amount to wait for.
+      decrement: subtract ``value`` once it is there (False: only wait).
+    """
+    kinds = (pallas_core.SemaphoreKind.REGULAR, pallas_core.SemaphoreKind.BARRIER)
+    sem, leaves, tree, _ = _check_semaphore(sem_or_view, "pl.semaphore_wait", kinds)
+    value = _int_scalar(value, "pl.semaphore_wait value")
+    semaphore_wait_p.bind(sem, *leaves, value, sem_tree=tree, decrement=bool(decrement))
+
+
+semaphore_wait_p.def_effectful_abstract_eval(_signal_abstract_eval)
+
+
+semaphore_read_p = Primitive("semaphore_read")
+
+
+def semaphore_read(sem_or_view: Any) -> jax.Array:
+    """The current value of a semaphore (any kind), an int32 scalar."""
+    sem, leaves, tree, _ = _check_semaphore(
+        sem_or_view, "pl.semaphore_read", tuple(pallas_core.SemaphoreKind)
+    )
+    return semaphore_read_p.bind(sem, *leaves, sem_tree=tree)
+
+
+def _read_abstract_eval(*avals, **_):
+    return compat.shaped_array((), jnp.int32), {compat.ReadEffect(0)}
+
+
+semaphore_read_p.def_effectful_abstract_eval(_read_abstract_eval)
+
+
+delay_p = Primitive("delay")
+delay_p.multiple_results = True
+
+
+def delay(nanos: int | jax.Array) -> None:
+    """Sleeps for ``nanos`` nanoseconds (a no-op in interpret mode)."""
+    delay_p.bind(_int_scalar(nanos, "pl.delay nanos"))
+
+
+delay_p.def_effectful_abstract_eval(lambda *_: ([], {compat.delay_effect}))

@@ -1,19 +1,44 @@
-"""pallas_tpu: the Pallas TPU backend. NOT IMPLEMENTED YET.
+"""pallas_tpu: the Pallas TPU kernel language and TPU interpret mode.
 
-This package reserves the name and the layout (core.py, primitives.py,
-lowering.py, pallas_call_registration.py, as in pallas_gpu). Every public
-name raises NotImplementedError until the Mosaic lowering lands.
+``import pallas_tpu as pltpu`` gives the API of
+``jax.experimental.pallas.tpu``: memory spaces, DMAs, semaphores,
+``PrefetchScalarGridSpec``, ``CompilerParams``, ``emit_pipeline``... Kernels
+run on any machine with ``interpret=pltpu.InterpretParams()``, which models
+a TPU's memories, DMAs, semaphores, cores and devices.
 """
 
-__version__ = "0.0.1"
+from pallas import backend as _plb
+from pallas_tpu._src import pallas_call_registration as _registration
+from pallas_tpu._src.core import ARBITRARY as ARBITRARY
+from pallas_tpu._src.core import CMEM as CMEM
+from pallas_tpu._src.core import CORE_PARALLEL as CORE_PARALLEL
+from pallas_tpu._src.core import HBM as HBM
+from pallas_tpu._src.core import PARALLEL as PARALLEL
+from pallas_tpu._src.core import SEMAPHORE as SEMAPHORE
+from pallas_tpu._src.core import SMEM as SMEM
+from pallas_tpu._src.core import SUBCORE_PARALLEL as SUBCORE_PARALLEL
+from pallas_tpu._src.core import VMEM as VMEM
+from pallas_tpu._src.core import VMEM_SHARED as VMEM_SHARED
+from pallas_tpu._src.core import CompilerParams as CompilerParams
+from pallas_tpu._src.core import CoreType as CoreType
+from pallas_tpu._src.core import GridDimensionSemantics as GridDimensionSemantics
+from pallas_tpu._src.core import MemorySpace as MemorySpace
+from pallas_tpu._src.core import PrefetchScalarGridSpec as PrefetchScalarGridSpec
+from pallas_tpu._src.core import SemaphoreType as SemaphoreType
+from pallas_tpu._src.core import SideEffectType as SideEffectType
+from pallas_tpu._src.core import TensorCoreMesh as TensorCoreMesh
+from pallas_tpu._src.core import create_tensorcore_mesh as create_tensorcore_mesh
+from pallas_tpu._src.core import dma_semaphore as dma_semaphore
+from pallas_tpu._src.interpret import InterpretParams as InterpretParams
+from pallas_tpu._src.interpret import KernelError as KernelError
+from pallas_tpu._src.primitives import AsyncCopyDescriptor as AsyncCopyDescriptor
+from pallas_tpu._src.primitives import async_copy as async_copy
+from pallas_tpu._src.primitives import async_remote_copy as async_remote_copy
+from pallas_tpu._src.primitives import get_barrier_semaphore as get_barrier_semaphore
+from pallas_tpu._src.primitives import make_async_copy as make_async_copy
+from pallas_tpu._src.primitives import make_async_remote_copy as make_async_remote_copy
 
-_MESSAGE = (
-    "pallas-tpu is not implemented yet: the Mosaic (TPU) lowering has not been written. "
-    "Run kernels with interpret=True (pallas-core) or on NVIDIA GPUs with pallas-gpu."
-)
+__version__ = "0.1.0"
 
-
-def __getattr__(name: str):
-    if name.startswith("__"):
-        raise AttributeError(name)
-    raise NotImplementedError(f"pallas_tpu.{name}: {_MESSAGE}")
+_plb.register_internal_dir(__file__)
+_plb.register_backend("tpu", _registration)

@@ -141,7 +141,7 @@ def shaped_array(shape, dtype) -> ShapedArray:
 
 
 def get_aval(x):
-    return jax_core.get_aval(x)
+    return jax_core.typeof(x)
 
 
 def effect_input_index(effect, jaxpr) -> int:

@@ -41,6 +41,12 @@ def register_memory_space_type(cls: type) -> None:
     compat.register_neutral_memory_space(cls)
 
 
+def is_whole_array_space(ms: Any) -> bool:
+    """``pl.ANY`` and backend spaces such as ``pltpu.HBM``: the kernel gets the
+    whole, unblocked array."""
+    return ms is ANY or bool(getattr(ms, "whole_array", False))
+
+
 def is_memory_space(obj: Any) -> bool:
     return obj is None or isinstance(obj, tuple(_memory_space_types))
 
@@ -269,7 +275,7 @@ class BlockMapping:
 
     @property
     def is_whole_array(self) -> bool:
-        return self.memory_space is ANY
+        return is_whole_array_space(self.memory_space)
 
     def ref_aval(self):
         return compat.ref_aval(self.kernel_block_shape, self.dtype, _aval_memory_space(self.memory_space))

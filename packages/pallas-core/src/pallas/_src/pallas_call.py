@@ -111,7 +111,8 @@ def _block_mapping(spec, aval, origin: str, grid, err: _Err, prefetch_avals=()) 
             TypeError, origin, f"unknown memory_space {ms!r}; expected None, pl.ANY or a backend memory space"
         )
     block_shape = spec.block_shape
-    if block_shape is None or ms is pallas_core.ANY:
+    whole = pallas_core.is_whole_array_space(ms)
+    if block_shape is None or whole:
         block_shape = shape
     if not isinstance(block_shape, (tuple, list)):
         raise err(TypeError, origin, f"block_shape must be a tuple, got {block_shape!r}")
@@ -126,7 +127,7 @@ def _block_mapping(spec, aval, origin: str, grid, err: _Err, prefetch_avals=()) 
         _normalize_block_dim(d, f"{origin}.block_shape[{i}]", err) for i, d in enumerate(block_shape)
     )
     index_map = spec.index_map
-    if index_map is None or ms is pallas_core.ANY and spec.block_shape is None:
+    if index_map is None or whole:
         index_map = lambda *_: (0,) * len(shape)  # noqa: E731
     if not callable(index_map):
         raise err(TypeError, f"{origin}.index_map", f"expected a callable, got {index_map!r}")

@@ -1,0 +1,133 @@
+"""The one place pallas-tpu touches JAX internals (``jax._src``)."""
+
+from __future__ import annotations
+
+from jax._src import core as jax_core
+from jax._src.state import types as state_types
+
+from pallas import backend as plb
+
+DeviceIdType = plb.DeviceIdType
+ReadEffect = state_types.ReadEffect
+WriteEffect = state_types.WriteEffect
+AbstractRef = state_types.AbstractRef
+TransformedRef = state_types.TransformedRef
+ShapedArray = jax_core.ShapedArray
+Literal = jax_core.Literal
+
+
+def get_aval(x):
+    return jax_core.typeof(x)
+
+
+def ref_aval(shape, dtype, memory_space=None):
+    return AbstractRef(ShapedArray(tuple(shape), dtype), memory_space)
+
+
+def bound_axis_names() -> tuple[str, ...]:
+    """The named axes bound where a kernel is traced (shard_map mesh axes)."""
+    try:
+        return tuple(n for n in jax_core.get_axis_env().axis_names() if isinstance(n, str))
+    except Exception:
+        return ()
+
+
+def axis_sizes() -> dict:
+    env = jax_core.get_axis_env()
+    return {n: env.axis_size(n) for n in env.axis_names()}
+
+
+# --- value primitives, random and tpu_info (vector_primitives.py, random.py, tpu_info.py)
+
+
+def register_discharge_rule(prim):
+    """Decorator: the state-discharge rule of a primitive with Ref effects."""
+    from jax._src.state import discharge as state_discharge
+
+    return state_discharge.register_discharge_rule(prim)
+
+
+def typeof(x):
+    """The abstract value of ``x`` (a Ref's is an ``AbstractRef``)."""
+    return jax_core.typeof(x)
+
+
+def allow_effect_in_kernels(effect_type: type) -> None:
+    """Let a non-Ref effect of a kernel primitive sit inside loops and conds
+    and be lowered by ``jit``."""
+    from jax._src import effects
+
+    effects.control_flow_allowed_effects.add_type(effect_type)
+    effects.lowerable_effects.add_type(effect_type)
+    effects.custom_derivatives_allowed_effects.add_type(effect_type)
+    effects.remat_allowed_effects.add_type(effect_type)
+
+
+def abstract_device():
+    """The abstract device of the current ``jax.sharding.use_abstract_mesh``
+    (it names a TPU kind when compiling for a TPU elsewhere), or None."""
+    from jax._src import mesh as mesh_lib
+
+    return getattr(mesh_lib.get_abstract_mesh(), "abstract_device", None)
+
+
+def default_device():
+    """The device computations are placed on by default."""
+    from jax._src.interpreters import pxla
+
+    return pxla.get_default_device()
+
+
+from jax._src.lax import control_flow as _cf  # noqa: E402
+from jax._src.lax import parallel as _parallel  # noqa: E402
+from jax._src.state import primitives as _state_prims  # noqa: E402
+
+get_p = _state_prims.get_p
+swap_p = _state_prims.swap_p
+addupdate_p = _state_prims.addupdate_p
+cond_p = _cf.cond_p
+while_p = _cf.while_p
+scan_p = _cf.scan_p
+axis_index_p = _parallel.axis_index_p
+
+
+def shaped_array(shape, dtype):
+    return ShapedArray(tuple(shape), dtype)
+
+
+def call_primitives():
+    """(primitive, param holding its jaxpr) of call-like primitives the TPU
+    interpreter inlines (jit, custom_jvp/vjp, remat, closed_call)."""
+    from jax._src import ad_checkpoint, custom_derivatives, pjit
+    from jax._src import core as jc
+
+    out = [(pjit.jit_p, "jaxpr"), (jc.closed_call_p, "call_jaxpr"), (ad_checkpoint.remat_p, "jaxpr")]
+    out.append((custom_derivatives.custom_jvp_call_p, "call_jaxpr"))
+    out.append((custom_derivatives.custom_vjp_call_p, "call_jaxpr"))
+    return out
+
+
+def eqn_user_source(eqn) -> str | None:
+    """'file.py:LINE' of the innermost frame of the user's code that made ``eqn``
+    (frames of JAX, pallas and pallas_tpu are skipped)."""
+    import os
+
+    from jax._src import source_info_util
+
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return None
+    for frame in source_info_util.user_frames(tb):
+        if not plb.is_internal_file(frame.file_name):
+            return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+    return None
+
+
+def scan_split(params, ops):
+    """(consts, carry init, xs) of a scan equation's operands on every JAX."""
+    ops = list(ops)
+    if "num_consts" in params:
+        nc, nk = params["num_consts"], params["num_carry"]
+        return ops[:nc], ops[nc : nc + nk], ops[nc + nk :]
+    consts, carry, xs = params["ft_in"].update(ops).unpack()
+    return list(consts), list(carry), list(xs)

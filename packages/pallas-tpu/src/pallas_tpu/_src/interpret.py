@@ -1,0 +1,733 @@
+"""TPU interpret mode: a Pallas TPU kernel run as plain (jitted) JAX on a CPU.
+
+The kernel jaxpr is *interpreted while tracing*: each equation is evaluated
+with JAX ops on traced values, and every Ref is a cell of a state dictionary
+(HBM arrays, VMEM/SMEM buffers, scratch, semaphore counters). Loops and
+conds that touch Refs are re-emitted as ``lax`` control flow carrying the
+whole state, so the result is one jitted program: fast (no callback per
+memory access), yet it models what matters on a TPU:
+
+* the pipeline of a blocked ``BlockSpec``: an input block is copied from HBM
+  into its VMEM buffer when its block index changes; an output buffer is
+  written back to HBM when its block index changes and at the end (a revisit
+  on consecutive steps keeps accumulating in VMEM, as on the TPU);
+* grid order: lexicographic; ``parallel`` axes may be shuffled
+  (``random_seed``); ``core_parallel`` axes are split over
+  ``num_cores_or_threads`` cores, each with its own scratch and semaphores;
+* DMAs and semaphores: ``dma_execution_mode="eager"`` copies at ``start``;
+  ``"on_wait"`` (the default, as JAX's) copies when the DMA is waited on,
+  so reading a destination before waiting shows uninitialized data. DMA
+  semaphores count bytes; a wait that nothing can satisfy, and a kernel that
+  ends with a semaphore not back at zero, are errors;
+* uninitialized memory (outputs, scratch) is NaN or zero (``uninitialized_memory``);
+* every dynamic Ref access and DMA is bounds-checked: an out-of-bounds index
+  raises an error naming the kernel, the user's line, the Ref and the index.
+
+Errors found while the jitted program runs are recorded in a hidden error
+code and raised (as a Python exception) when the kernel finishes.
+
+Kernels that talk to other devices (remote DMAs, remote semaphore signals,
+barrier semaphores) and race detection need the multi-device interpreter
+(``interpret_multi``), which subclasses ``Interpreter`` and overrides its hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax, tree_util
+
+from pallas import backend as plb
+from pallas_tpu._src import compat, interpret_rules
+from pallas_tpu._src import core as tpu_core
+from pallas_tpu._src import primitives as tpu_prims
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InterpretParams:
+    """Options of TPU interpret mode (JAX's ``pltpu.InterpretParams`` fields).
+
+    Attributes:
+      dma_execution_mode: ``"on_wait"`` (copy when the DMA is waited on) or
+        ``"eager"`` (copy when it starts).
+      detect_races: find data races (DMAs in flight against kernel accesses,
+        cores and devices touching the same memory unsynchronized); a race
+        raises an error naming both accesses.
+      out_of_bounds_reads: ``"raise"`` or ``"uninitialized"`` (read garbage-marker values).
+      skip_floating_point_ops: accepted for compatibility; ignored.
+      uninitialized_memory: ``"nan"`` or ``"zero"``: the contents of outputs
+        and scratch before the kernel writes them.
+      num_cores_or_threads: TensorCores per device (``core_parallel`` axes
+        and ``pltpu.TensorCoreMesh`` are split over them).
+      vector_clock_size, logging_mode: accepted for compatibility.
+      random_seed: shuffle the order of ``parallel`` grid axes with this seed.
+      grid_point_recorder: called as ``f(grid_point, core_id)`` for every step.
+      allow_hbm_allocation_in_run_scoped: allow ``pl.run_scoped(pltpu.HBM(...))``.
+      buffer_bounds: ``"logical"`` (bounds are the array's shape) or ``"padded"``.
+      chip_version: the TPU generation modelled (tiling for ``emit_pipeline``,
+        ``get_tpu_info``); JAX's interpret mode asks a real device instead.
+    """
+
+    dma_execution_mode: Literal["eager", "on_wait"] = "on_wait"
+    detect_races: bool = False
+    out_of_bounds_reads: Literal["raise", "uninitialized"] = "raise"
+    skip_floating_point_ops: bool = False
+    uninitialized_memory: Literal["nan", "zero"] = "nan"
+    num_cores_or_threads: int = 1
+    vector_clock_size: int | None = None
+    logging_mode: Any = None
+    random_seed: int | None = None
+    grid_point_recorder: Callable[..., Any] | None = None
+    allow_hbm_allocation_in_run_scoped: bool = False
+    buffer_bounds: Literal["logical", "padded"] = "logical"
+    chip_version: str = "v5e"
+
+    def __post_init__(self):
+        if self.dma_execution_mode not in ("eager", "on_wait"):
+            raise ValueError(
+                f"InterpretParams: dma_execution_mode must be 'eager' or 'on_wait', got {self.dma_execution_mode!r}"
+            )
+        if self.uninitialized_memory not in ("nan", "zero"):
+            raise ValueError(
+                f"InterpretParams: uninitialized_memory must be 'nan' or 'zero', got {self.uninitialized_memory!r}"
+            )
+        if self.out_of_bounds_reads not in ("raise", "uninitialized"):
+            raise ValueError(
+                "InterpretParams: out_of_bounds_reads must be 'raise' or 'uninitialized', "
+                f"got {self.out_of_bounds_reads!r}"
+            )
+        if not isinstance(self.num_cores_or_threads, int) or self.num_cores_or_threads < 1:
+            raise ValueError(
+                f"InterpretParams: num_cores_or_threads must be a positive int, got {self.num_cores_or_threads!r}"
+            )
+
+    @property
+    def num_cores_per_device(self) -> int:
+        return self.num_cores_or_threads
+
+
+# ---------------------------------------------------------------------------
+# Refs as views of state cells.
+
+
+@dataclasses.dataclass(frozen=True)
+class RefView:
+    """A Ref seen by the kernel: a state cell and the transforms applied to it."""
+
+    cell: int
+    transforms: tuple[Any, ...] = ()
+
+    def with_transforms(self, more: Sequence[Any]) -> RefView:
+        return RefView(self.cell, self.transforms + tuple(more))
+
+
+class KernelError(Exception):
+    """Raised when an interpreted TPU kernel does something a TPU would not do
+    (out-of-bounds access, a wait that never completes, a race)."""
+
+
+def _is_slice(x) -> bool:
+    return hasattr(x, "start") and hasattr(x, "size") and hasattr(x, "stride")
+
+
+def _uninit(shape, dtype, mode: str):
+    if mode == "zero":
+        return jnp.zeros(shape, dtype)
+    return plb.uninitialized_value(shape, dtype)
+
+
+# ---------------------------------------------------------------------------
+
+
+class Interpreter:
+    """Evaluates kernel jaxprs against a state of cells (see the module docstring)."""
+
+    def __init__(self, params: InterpretParams, gm, kernel_desc: str):
+        self.params = params
+        self.gm = gm
+        self.kernel_desc = kernel_desc
+        self.state: dict[int, jax.Array] = {}
+        self.cell_names: dict[int, str] = {}
+        self.cell_spaces: dict[int, Any] = {}
+        self.hidden: dict[str, jax.Array] = {}
+        self.checks: list[str] = []
+        self.grid_env: dict[str, jax.Array] = {}  # named grid axis -> index
+        self.hidden_cells: dict[str, int] = {}  # cells the kernel reaches by name (barrier semaphore)
+        self._next_cell = 0
+
+    # -- lifecycle (the multi-device interpreter extends these) ----------------
+
+    def setup(self, jaxpr, compiler_params) -> None:
+        """Called once before the grid starts."""
+
+    def finish(self) -> None:
+        """Called once after the last grid step."""
+
+    def snapshot(self):
+        """The state as lists (a loop carry); ``restore`` takes it back."""
+        self._keys, self._hkeys = sorted(self.state), sorted(self.hidden)
+        return [self.state[k] for k in self._keys], [self.hidden[k] for k in self._hkeys]
+
+    def restore(self, vals, hvals) -> None:
+        self.state = dict(zip(self._keys, vals))
+        self.hidden = dict(zip(self._hkeys, hvals))
+
+    # -- cells ---------------------------------------------------------------
+
+    def new_cell(self, value, name: str, space=None) -> int:
+        c = self._next_cell
+        self._next_cell += 1
+        self.state[c] = value
+        self.cell_names[c] = name
+        self.cell_spaces[c] = space
+        return c
+
+    def free_cell(self, c: int) -> None:
+        del self.state[c]
+
+    # -- checks: errors found at run time -------------------------------------
+
+    def init_checks(self) -> None:
+        self.hidden["__err"] = jnp.zeros((), jnp.int32)
+        self.hidden["__errvals"] = jnp.zeros((8,), jnp.int32)
+
+    def check(self, ok, message: str, values: Sequence[Any] = ()) -> None:
+        """Records ``message`` (with up to 8 int values, shown where the message
+        has ``{0}``...) as the kernel's error if ``ok`` is false."""
+        if isinstance(ok, (bool, np.bool_)) and ok:
+            return
+        self.checks.append(message)
+        code = len(self.checks)
+        err = self.hidden["__err"]
+        first = jnp.logical_and(err == 0, jnp.logical_not(ok))
+        self.hidden["__err"] = jnp.where(first, code, err)
+        vals = [jnp.asarray(v, jnp.int32).reshape(()) for v in values][:8]
+        vals += [jnp.zeros((), jnp.int32)] * (8 - len(vals))
+        self.hidden["__errvals"] = jnp.where(first, jnp.stack(vals), self.hidden["__errvals"])
+
+    def raise_checks(self) -> None:
+        """Emits the callback that raises the first recorded error, if any."""
+        if not self.checks:
+            return
+        messages = list(self.checks)
+
+        def report(err, vals):
+            err = int(np.max(err))
+            if err:
+                vals = np.asarray(vals).reshape(-1, 8)[0]
+                raise KernelError(messages[err - 1].format(*[int(v) for v in vals]))
+
+        jax.debug.callback(report, self.hidden["__err"], self.hidden["__errvals"])
+
+    # -- jaxpr evaluation ----------------------------------------------------
+
+    def eval_jaxpr(self, jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = {}
+
+        def read(v):
+            if isinstance(v, compat.Literal):
+                return v.val
+            return env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            outs = self.eval_eqn(eqn, invals)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            for v, x in zip(eqn.outvars, outs):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def eval_closed(self, closed, args):
+        return self.eval_jaxpr(closed.jaxpr, closed.consts, args)
+
+    def where(self, eqn) -> str:
+        src = compat.eqn_user_source(eqn)
+        return f"{self.kernel_desc}{' at ' + src if src else ''}"
+
+    def eval_eqn(self, eqn, invals):
+        prim = eqn.primitive
+        rule = _RULES.get(prim) or interpret_rules.STATE_RULES.get(prim)
+        if rule is not None:
+            return rule(self, eqn, *invals)
+        if any(isinstance(v, RefView) for v in invals):
+            raise NotImplementedError(
+                f"{self.where(eqn)}: the TPU interpreter has no rule for '{prim.name}' on Refs"
+            )
+        return prim.bind(*invals, **eqn.params)
+
+    # -- memory access -------------------------------------------------------
+
+    def describe_ref(self, view: RefView) -> str:
+        return self.cell_names.get(view.cell, f"ref#{view.cell}")
+
+    def _index_parts(self, shape, indexer, eqn, view, what):
+        """(starts, sizes, strides, squeezed dims, advanced index arrays) of one NDIndexer."""
+        starts, sizes, strides, squeeze, arrays = [], [], [], [], {}
+        for d, (n, ix) in enumerate(zip(shape, indexer.indices)):
+            if _is_slice(ix):
+                starts.append(jnp.asarray(ix.start, jnp.int32))
+                sizes.append(int(ix.size))
+                strides.append(int(ix.stride))
+            else:
+                ix = jnp.asarray(ix)
+                if ix.shape == ():
+                    starts.append(ix.astype(jnp.int32))
+                    sizes.append(1)
+                    strides.append(1)
+                    squeeze.append(d)
+                else:
+                    arrays[d] = ix.astype(jnp.int32)
+                    starts.append(jnp.zeros((), jnp.int32))
+                    sizes.append(n)
+                    strides.append(1)
+        if self.params.out_of_bounds_reads == "raise" or what != "read":
+            for d, n in enumerate(shape):
+                if d in arrays:
+                    a = arrays[d]
+                    ok = jnp.logical_and(jnp.all(a >= 0), jnp.all(a < n))
+                    lo = jnp.min(a) if a.size else 0
+                    hi = jnp.max(a) if a.size else 0
+                    self.check(
+                        ok,
+                        f"{self.where(eqn)}: out-of-bounds {what} of {self.describe_ref(view)}: index array "
+                        f"with values in [{{0}}, {{1}}] along dimension {d} of size {n}",
+                        [lo, hi],
+                    )
+                    continue
+                extent = (sizes[d] - 1) * strides[d] + 1 if sizes[d] else 0
+                ok = jnp.logical_and(starts[d] >= 0, starts[d] + extent <= n)
+                self.check(
+                    ok,
+                    f"{self.where(eqn)}: out-of-bounds {what} of {self.describe_ref(view)} "
+                    f"(shape {tuple(shape)}): dimension {d} reads [{{0}}, {{0}} + {extent}) "
+                    f"but its size is {n}",
+                    [starts[d]],
+                )
+        return starts, sizes, strides, squeeze, arrays
+
+    def _read1(self, x, indexer, eqn, view, what):
+        if not hasattr(indexer, "indices"):
+            return self._transform_other(x, indexer, eqn)
+        starts, sizes, strides, squeeze, arrays = self._index_parts(x.shape, indexer, eqn, view, what)
+        ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
+        starts_c = [jnp.clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
+        y = lax.dynamic_slice(x, starts_c, ext) if x.ndim else x
+        if any(k != 1 for k in strides):
+            y = lax.slice(y, [0] * y.ndim, y.shape, strides)
+        if arrays:
+            idx = tuple(arrays.get(d, slice(None)) if d not in squeeze else 0 for d in range(x.ndim))
+            return y[idx]
+        if squeeze:
+            y = lax.squeeze(y, squeeze)
+        return y
+
+    def _write1(self, x, indexer, val, eqn, view):
+        if not hasattr(indexer, "indices"):
+            raise NotImplementedError(
+                f"{self.where(eqn)}: writing through a {type(indexer).__name__} view is not supported "
+                "by the TPU interpreter yet"
+            )
+        starts, sizes, strides, squeeze, arrays = self._index_parts(x.shape, indexer, eqn, view, "write")
+        if arrays:
+            idx = []
+            for d in range(x.ndim):
+                if d in arrays:
+                    idx.append(arrays[d])
+                elif d in squeeze:
+                    idx.append(jnp.clip(starts[d], 0, x.shape[d] - 1))
+                else:
+                    idx.append(jnp.clip(starts[d], 0, x.shape[d] - 1) + strides[d] * jnp.arange(sizes[d]))
+            # Basic dims become broadcastable aranges, as numpy's mixed indexing.
+            return x.at[tuple(idx)].set(val.astype(x.dtype), mode="drop")
+        ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
+        starts_c = [jnp.clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
+        blk_shape = [s for d, s in enumerate(sizes)]
+        val = jnp.asarray(val, x.dtype).reshape(blk_shape)
+        if any(k != 1 for k in strides):
+            old = lax.dynamic_slice(x, starts_c, ext)
+            idx = tuple(slice(None, None, k) for k in strides)
+            val = old.at[idx].set(val)
+        return lax.dynamic_update_slice(x, val, starts_c) if x.ndim else val.reshape(())
+
+    def _transform_other(self, x, t, eqn):
+        try:
+            return t.transform_array(x)
+        except Exception as e:
+            raise NotImplementedError(
+                f"{self.where(eqn)}: the TPU interpreter cannot apply the Ref transform {t!r}: {e}"
+            ) from None
+
+    def read_view(self, view: RefView, eqn, what="read"):
+        x = self.state[view.cell]
+        self.on_access(view, eqn, write=False)
+        for t in view.transforms:
+            x = self._read1(x, t, eqn, view, what)
+        return x
+
+    def write_view(self, view: RefView, val, eqn):
+        self.on_access(view, eqn, write=True)
+
+        def go(x, ts):
+            if not ts:
+                return jnp.asarray(val, x.dtype).reshape(x.shape)
+            inner = self._read1(x, ts[0], eqn, view, "write") if len(ts) > 1 else None
+            new_inner = go(inner, ts[1:]) if len(ts) > 1 else val
+            return self._write1(x, ts[0], new_inner, eqn, view)
+
+        self.state[view.cell] = go(self.state[view.cell], list(view.transforms))
+
+    # -- hooks (the multi-device / race-detecting interpreter overrides them) --
+
+    def on_access(self, view: RefView, eqn, write: bool) -> None:
+        pass
+
+    def on_dma_start(self, eqn, views) -> None:
+        pass
+
+    def on_dma_wait(self, eqn, views) -> None:
+        pass
+
+    def remote_dma_start(self, eqn, parts, layout) -> None:
+        raise NotImplementedError(f"{self.where(eqn)}: remote DMAs need the multi-device TPU interpreter")
+
+    def remote_dma_wait(self, eqn, parts, layout, which) -> None:
+        raise NotImplementedError(f"{self.where(eqn)}: remote DMAs need the multi-device TPU interpreter")
+
+    def remote_signal(self, eqn, view, inc, device_id, core_index) -> None:
+        raise NotImplementedError(
+            f"{self.where(eqn)}: remote semaphore signals need the multi-device interpreter"
+        )
+
+    # -- semaphores ----------------------------------------------------------
+
+    def sem_add(self, view: RefView, amount, eqn) -> None:
+        self.write_view(view, self.read_view(view, eqn) + amount, eqn)
+
+    def sem_wait(self, view: RefView, amount, eqn, decrement=True, what="semaphore") -> None:
+        cur = self.read_view(view, eqn)
+        self.check(
+            cur >= amount,
+            f"{self.where(eqn)}: waiting on {what} {self.describe_ref(view)} for {{1}} but it holds {{0}} "
+            "and nothing else can signal it: on a TPU this wait never returns (deadlock)",
+            [cur, amount],
+        )
+        if decrement:
+            self.write_view(view, cur - amount, eqn)
+
+
+# ---------------------------------------------------------------------------
+# Rules.
+
+_RULES: dict[Any, Callable[..., Any]] = {}
+
+
+def rule(*prims):
+    def register(fn):
+        for p in prims:
+            _RULES[p] = fn
+        return fn
+
+    return register
+
+
+def _ref_and_transforms(interp, ref, leaves, tree):
+    ts = plb.unflatten_transforms(tree, leaves)
+    return ref.with_transforms(ts)
+
+
+@rule(compat.get_p)
+def _get(interp, eqn, ref, *leaves):
+    return interp.read_view(_ref_and_transforms(interp, ref, leaves, eqn.params["tree"]), eqn)
+
+
+@rule(compat.swap_p)
+def _swap(interp, eqn, ref, val, *leaves):
+    view = _ref_and_transforms(interp, ref, leaves, eqn.params["tree"])
+    old = interp.read_view(view, eqn, what="write")
+    interp.write_view(view, val, eqn)
+    return old
+
+
+@rule(compat.addupdate_p)
+def _addupdate(interp, eqn, ref, val, *leaves):
+    view = _ref_and_transforms(interp, ref, leaves, eqn.params["tree"])
+    interp.write_view(view, interp.read_view(view, eqn, what="write") + val, eqn)
+    return []
+
+
+@rule(plb.multiple_of_p)
+def _multiple_of(interp, eqn, x):
+    return x
+
+
+@rule(plb.delay_p)
+def _delay(interp, eqn, nanos):
+    return []
+
+
+@rule(compat.axis_index_p)
+def _axis_index(interp, eqn):
+    name = eqn.params["axis_name"]
+    if name in interp.grid_env:
+        return interp.grid_env[name]
+    return eqn.primitive.bind(**eqn.params)
+
+
+def _state_items(interp):
+    keys = sorted(interp.state)
+    hkeys = sorted(interp.hidden)
+    return keys, hkeys, [interp.state[k] for k in keys], [interp.hidden[k] for k in hkeys]
+
+
+def _set_state(interp, keys, hkeys, vals, hvals):
+    interp.state = dict(zip(keys, vals))
+    interp.hidden = dict(zip(hkeys, hvals))
+
+
+@rule(compat.cond_p)
+def _cond(interp, eqn, index, *ops):
+    branches = eqn.params["branches"]
+    keys, hkeys, vals, hvals = _state_items(interp)
+    ref_pos = {i for i, x in enumerate(ops) if isinstance(x, RefView)}
+    plain = [x for i, x in enumerate(ops) if i not in ref_pos]
+
+    def make(branch):
+        def f(vals, hvals, plain):
+            _set_state(interp, keys, hkeys, vals, hvals)
+            it = iter(plain)
+            args = [ops[i] if i in ref_pos else next(it) for i in range(len(ops))]
+            outs = interp.eval_closed(branch, args)
+            _, _, nv, nh = _state_items(interp)
+            return nv, nh, outs
+
+        return f
+
+    nv, nh, outs = lax.switch(index, [make(b) for b in branches], vals, hvals, plain)
+    _set_state(interp, keys, hkeys, nv, nh)
+    return outs
+
+
+@rule(compat.while_p)
+def _while(interp, eqn, *ops):
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = ops[:nc], ops[nc : nc + nb], ops[nc + nb :]
+    keys, hkeys, vals, hvals = _state_items(interp)
+
+    def cond_fun(carry):
+        vals, hvals, c = carry
+        _set_state(interp, keys, hkeys, vals, hvals)
+        (pred,) = interp.eval_closed(p["cond_jaxpr"], [*cconsts, *c])
+        return pred
+
+    def body_fun(carry):
+        vals, hvals, c = carry
+        _set_state(interp, keys, hkeys, vals, hvals)
+        out = interp.eval_closed(p["body_jaxpr"], [*bconsts, *c])
+        _, _, nv, nh = _state_items(interp)
+        return nv, nh, list(out)
+
+    nv, nh, out = lax.while_loop(cond_fun, body_fun, (vals, hvals, list(init)))
+    _set_state(interp, keys, hkeys, nv, nh)
+    return out
+
+
+@rule(compat.scan_p)
+def _scan(interp, eqn, *ops):
+    p = eqn.params
+    consts, init, xs = compat.scan_split(p, ops)
+    n_carry = len(init)
+    keys, hkeys, vals, hvals = _state_items(interp)
+
+    def body(carry, x):
+        vals, hvals, c = carry
+        _set_state(interp, keys, hkeys, vals, hvals)
+        out = interp.eval_closed(p["jaxpr"], [*consts, *c, *x])
+        _, _, nv, nh = _state_items(interp)
+        return (nv, nh, list(out[:n_carry])), list(out[n_carry:])
+
+    (nv, nh, carry), ys = lax.scan(
+        body,
+        (vals, hvals, list(init)),
+        list(xs),
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p.get("unroll", 1),
+    )
+    _set_state(interp, keys, hkeys, nv, nh)
+    return [*carry, *ys]
+
+
+def _inline(param):
+    def r(interp, eqn, *ops):
+        sub = eqn.params[param]
+        if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+            return interp.eval_closed(sub, ops)
+        return interp.eval_jaxpr(sub, (), ops)
+
+    return r
+
+
+for _p, _param in compat.call_primitives():
+    _RULES[_p] = _inline(_param)
+
+
+@rule(plb.run_scoped_p)
+def _run_scoped(interp, eqn, *consts):
+    jaxpr = eqn.params["jaxpr"]
+    n = eqn.params["num_consts"]
+    cells = []
+    for i, aval in enumerate(jaxpr.in_avals[n:]):
+        space = getattr(aval, "memory_space", None)
+        if space is tpu_core.HBM and not interp.params.allow_hbm_allocation_in_run_scoped:
+            raise ValueError(
+                f"{interp.where(eqn)}: pl.run_scoped allocates HBM, which a TPU kernel cannot; pass "
+                "allow_hbm_allocation_in_run_scoped=True to InterpretParams to allow it in interpret mode"
+            )
+        if plb.semaphore_kind(aval) is not None:
+            init = jnp.zeros(aval.shape, jnp.int32)
+        else:
+            init = _uninit(aval.shape, aval.dtype, interp.params.uninitialized_memory)
+        cells.append(
+            interp.new_cell(init, f"pl.run_scoped buffer {i} ({aval.dtype}{list(aval.shape)})", space)
+        )
+    views = [RefView(c) for c in cells]
+    outs = interp.eval_closed(jaxpr, [*consts, *views])
+    for c, v in zip(cells, views):
+        if plb.semaphore_kind(jaxpr.in_avals[n + cells.index(c)]) is not None:
+            _check_sem_zero(interp, v, eqn, "at the end of pl.run_scoped")
+        interp.free_cell(c)
+    return outs
+
+
+def _check_sem_zero(interp, view, eqn, when):
+    val = interp.state[view.cell]
+    bad = jnp.any(val != 0)
+    interp.check(
+        jnp.logical_not(bad),
+        f"{interp.where(eqn) if eqn is not None else interp.kernel_desc}: semaphore "
+        f"{interp.describe_ref(view)} is not zero {when} (a DMA or signal was not waited for; "
+        "first nonzero value {0})",
+        [jnp.sum(jnp.where(val != 0, val, 0).reshape(-1)[:1])],
+    )
+
+
+# -- semaphores --
+
+
+def _sem_view(ops, tree):
+    return ops[0].with_transforms(plb.unflatten_transforms(tree, ops[1 : 1 + tree.num_leaves]))
+
+
+@rule(plb.semaphore_signal_p)
+def _signal(interp, eqn, *ops):
+    p = eqn.params
+    view = _sem_view(ops, p["sem_tree"])
+    rest = ops[1 + p["sem_tree"].num_leaves :]
+    inc, rest = rest[0], rest[1:]
+    n_dev = p["device_id_tree"].num_leaves if p["device_id_tree"] is not None else 0
+    dev, core = rest[:n_dev], rest[n_dev:]
+    if p["device_id_tree"] is not None or core:
+        interp.remote_signal(
+            eqn,
+            view,
+            inc,
+            tree_util.tree_unflatten(p["device_id_tree"], dev) if n_dev else None,
+            core[0] if core else None,
+        )
+        return []
+    interp.sem_add(view, inc, eqn)
+    return []
+
+
+@rule(plb.semaphore_wait_p)
+def _sem_wait(interp, eqn, *ops):
+    p = eqn.params
+    view = _sem_view(ops, p["sem_tree"])
+    value = ops[1 + p["sem_tree"].num_leaves]
+    interp.sem_wait(view, value, eqn, decrement=p["decrement"])
+    return []
+
+
+@rule(plb.semaphore_read_p)
+def _sem_read(interp, eqn, *ops):
+    return interp.read_view(_sem_view(ops, eqn.params["sem_tree"]), eqn)
+
+
+# -- DMAs --
+
+
+def _dma_parts(eqn, ops):
+    layout = eqn.params["layout"]
+    parts = tpu_prims.semaphore_views(layout, ops)
+    views = {}
+    for name, tree in (
+        ("src", layout.src_tree),
+        ("dst", layout.dst_tree),
+        ("dst_sem", layout.dst_sem_tree),
+        ("src_sem", layout.src_sem_tree),
+    ):
+        if name in parts:
+            ref, leaves = parts[name]
+            views[name] = ref.with_transforms(plb.unflatten_transforms(tree, leaves))
+    views["device_id"] = parts["device_id"]
+    return layout, views
+
+
+def _nbytes(interp, view, eqn):
+    aval = plb.transformed_aval(
+        compat.shaped_array(interp.state[view.cell].shape, interp.state[view.cell].dtype), view.transforms
+    )
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _copy(interp, eqn, src, dst):
+    interp.write_view(dst, interp.read_view(src, eqn, what="DMA read"), eqn)
+
+
+@rule(tpu_prims.dma_start_p)
+def _dma_start(interp, eqn, *ops):
+    layout, v = _dma_parts(eqn, ops)
+    if layout.device_id_tree is not None:
+        interp.remote_dma_start(eqn, v, layout)
+        return []
+    nbytes = _nbytes(interp, v["src"], eqn)
+    if interp.params.dma_execution_mode == "eager":
+        _copy(interp, eqn, v["src"], v["dst"])
+    interp.sem_add(v["dst_sem"], nbytes, eqn)
+    interp.on_dma_start(eqn, v)
+    return []
+
+
+@rule(tpu_prims.dma_wait_p)
+def _dma_wait(interp, eqn, *ops):
+    layout, v = _dma_parts(eqn, ops)
+    which = eqn.params["which"]
+    if layout.device_id_tree is not None:
+        interp.remote_dma_wait(eqn, v, layout, which)
+        return []
+    nbytes = _nbytes(interp, v["src"], eqn)
+    interp.sem_wait(v["dst_sem"], nbytes, eqn, what="DMA semaphore")
+    if interp.params.dma_execution_mode == "on_wait":
+        _copy(interp, eqn, v["src"], v["dst"])
+    interp.on_dma_wait(eqn, v)
+    return []
+
+
+@rule(tpu_prims.get_barrier_semaphore_p)
+def _barrier(interp, eqn):
+    if "__barrier" not in interp.hidden_cells:
+        raise NotImplementedError(
+            f"{interp.where(eqn)}: barrier semaphores need the multi-device TPU interpreter"
+        )
+    return RefView(interp.hidden_cells["__barrier"])

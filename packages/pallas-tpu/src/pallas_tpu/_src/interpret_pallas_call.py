@@ -1,0 +1,323 @@
+"""The grid driver of TPU interpret mode: state cells for every operand, the
+TPU pipeline around each grid step, cores, and the checks made before the
+kernel runs (TPU block shapes, SMEM dtypes, VMEM budget)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas import backend as plb
+from pallas_tpu._src import core as tpu_core
+from pallas_tpu._src import interpret_rules
+from pallas_tpu._src.interpret import Interpreter, InterpretParams, RefView, _check_sem_zero, _uninit
+
+# Minimum tile of the last two block dims by element size (Mosaic's native
+# (sublane, lane) tiling): 32-bit (8, 128), 16-bit (16, 128), 8-bit (32, 128).
+_SUBLANES = {4: 8, 2: 16, 1: 32}
+
+
+def _err(gm, cls, what, msg):
+    return cls(f"{plb.describe(gm.kernel_name, gm.source)}: {what}: {msg}")
+
+
+def semantics_of(gm, compiler_params) -> tuple[tpu_core.GridDimensionSemantics, ...]:
+    cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
+    G = len(gm.grid)
+    sems = getattr(cp, "dimension_semantics", None)
+    if sems is None:
+        return (tpu_core.ARBITRARY,) * G
+    if len(sems) != G:
+        raise _err(
+            gm,
+            ValueError,
+            "compiler_params.dimension_semantics",
+            f"got {len(sems)} entries for a grid of {G} axes {gm.grid}; give one per grid axis",
+        )
+    return tuple(sems)
+
+
+def check_block_shapes(gm) -> None:
+    """TPU block-shape rules: the last two dims of a VMEM block are multiples of
+    the dtype's tile (e.g. (8, 128) for 32-bit) or equal to the array's."""
+    for bm in gm.block_mappings:
+        if bm.is_whole_array or bm.memory_space is tpu_core.SMEM:
+            continue
+        dims = bm.block_shape
+        shape = bm.array_shape
+        itemsize = np.dtype(bm.dtype).itemsize
+        tiles = (_SUBLANES.get(itemsize, 8), 128)
+        for k, tile in zip((-2, -1), tiles):
+            if len(dims) < -k:
+                continue
+            d = dims[k]
+            if isinstance(d, plb.Squeezed):
+                continue
+            size = d.block_size
+            if size != shape[k] and size % tile:
+                raise _err(
+                    gm,
+                    ValueError,
+                    bm.origin,
+                    f"block_shape {tuple(str(x) for x in dims)} of array {bm.dtype}{list(shape)}: dimension "
+                    f"{len(dims) + k} has block size {size}, which a TPU needs to be a multiple of {tile} "
+                    f"(the {np.dtype(bm.dtype).name} tile is {tiles}) or equal to the array dimension ({shape[k]})",
+                )
+
+
+def _smem_ok(dtype) -> bool:
+    return np.dtype(dtype).itemsize == 4
+
+
+def check_memory(gm, compiler_params) -> None:
+    for bm in gm.block_mappings:
+        if bm.memory_space is tpu_core.SMEM and not _smem_ok(bm.dtype):
+            raise _err(
+                gm,
+                TypeError,
+                bm.origin,
+                f"SMEM holds 32-bit scalars only, got {bm.dtype} (use int32/float32 or VMEM)",
+            )
+    vmem = 0
+    for i, a in enumerate(gm.scratch_avals):
+        ms = getattr(a, "memory_space", None)
+        if ms is tpu_core.SMEM and not _smem_ok(a.dtype):
+            raise _err(
+                gm, TypeError, f"scratch_shapes[{i}]", f"SMEM holds 32-bit scalars only, got {a.dtype}"
+            )
+        if ms is tpu_core.VMEM or ms is None:
+            vmem += math.prod(a.shape) * np.dtype(a.dtype).itemsize
+    cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
+    limit = getattr(cp, "vmem_limit_bytes", None)
+    if limit is not None:
+        blocks = sum(
+            2 * math.prod(bm.block_sizes) * np.dtype(bm.dtype).itemsize
+            for bm in gm.block_mappings
+            if not bm.is_whole_array and bm.memory_space is not tpu_core.SMEM
+        )
+        if vmem + blocks > limit:
+            raise _err(
+                gm,
+                ValueError,
+                "scratch_shapes",
+                f"the kernel needs {vmem} bytes of VMEM scratch and {blocks} bytes of double-buffered "
+                f"blocks ({vmem + blocks} in all) but compiler_params.vmem_limit_bytes is {limit}",
+            )
+
+
+def grid_points(gm, sems, params: InterpretParams) -> list[np.ndarray]:
+    """The grid points each core runs, in order: one (N, G) table per core."""
+    G = len(gm.grid)
+    if math.prod(gm.grid) == 0:
+        return []
+    points = np.indices(gm.grid).reshape(G, -1).T if G else np.zeros((1, 0), np.int64)
+    if params.random_seed is not None:
+        rng = np.random.default_rng(params.random_seed)
+        for a in range(G):
+            if sems[a] is tpu_core.PARALLEL:
+                points[:, a] = rng.permutation(gm.grid[a])[points[:, a]]
+    core_axes = [a for a in range(G) if sems[a] in (tpu_core.CORE_PARALLEL, tpu_core.SUBCORE_PARALLEL)]
+    n = params.num_cores_or_threads
+    if not core_axes or n == 1:
+        return [points]
+    a = core_axes[0]
+    chunk = -(-gm.grid[a] // n)
+    core = points[:, a] // chunk
+    return [points[core == c] for c in range(n) if np.any(core == c)]
+
+
+def _kernel_uses(jaxpr, prims) -> bool:
+    stack = [jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr]
+    while stack:
+        j = stack.pop()
+        for eqn in j.eqns:
+            if eqn.primitive in prims:
+                return True
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                stack.append(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+    return False
+
+
+def _hidden_initializers(jaxpr) -> dict[str, Any]:
+    out = {}
+    for prim, inits in interpret_rules.HIDDEN_STATE.items():
+        if _kernel_uses(jaxpr, {prim}):
+            out.update(inits)
+    return out
+
+
+class _Operand:
+    def __init__(self, bm, hbm_cell, buf_cell):
+        self.bm, self.hbm, self.buf = bm, hbm_cell, buf_cell
+
+
+def _pad_to_blocks(x, bm, mode):
+    pads = []
+    for size, d in zip(x.shape, bm.block_shape):
+        if isinstance(d, plb.Element):
+            pads.append((*d.padding, 0))
+        else:
+            b = 1 if isinstance(d, plb.Squeezed) else d.block_size
+            pads.append((0, -size % b, 0))
+    if all(p[:2] == (0, 0) for p in pads):
+        return x
+    fill = jnp.zeros((), x.dtype) if mode == "zero" else plb.uninitialized_value((), x.dtype)
+    return lax.pad(x, fill, pads)
+
+
+def _unpad(x, bm):
+    lo = [d.padding[0] if isinstance(d, plb.Element) else 0 for d in bm.block_shape]
+    if tuple(x.shape) == tuple(bm.array_shape) and not any(lo):
+        return x
+    return lax.slice(x, lo, [s + n for s, n in zip(lo, bm.array_shape)])
+
+
+def _starts(bm, idx):
+    out = []
+    for d, i in zip(bm.block_shape, idx):
+        i = jnp.asarray(i, jnp.int32)
+        out.append(i if isinstance(d, (plb.Element, plb.Squeezed)) else i * d.block_size)
+    return out
+
+
+def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, compiler_params, device=None):
+    gm = grid_mapping
+    desc = f"in TPU kernel '{gm.kernel_name}' ({gm.source})"
+    interp: Interpreter = interp_cls(params, gm, desc)
+    if device is not None:
+        interp.device = device
+    sems = semantics_of(gm, compiler_params)
+    check_block_shapes(gm)
+    check_memory(gm, compiler_params)
+    interp.init_checks()
+    for name, init in _hidden_initializers(jaxpr).items():
+        interp.hidden[name] = init()
+    interp.setup(jaxpr, compiler_params)
+    mode = params.uninitialized_memory
+    nsp = gm.num_scalar_prefetch
+    prefetch = [
+        RefView(interp.new_cell(jnp.asarray(a), f"scalar prefetch operand {i}", tpu_core.SMEM))
+        for i, a in enumerate(args[:nsp])
+    ]
+    operands = args[nsp:]
+    alias_of = {o: i for i, o in input_output_aliases}
+    ops: list[_Operand] = []
+    for k, bm in enumerate(gm.block_mappings):
+        is_out = k >= gm.num_inputs
+        o = k - gm.num_inputs
+        if not is_out:
+            hbm = interp.new_cell(_pad_to_blocks(jnp.asarray(operands[k]), bm, mode), f"{bm.origin} (HBM)")
+        elif o in alias_of:
+            hbm = ops[alias_of[o]].hbm
+            interp.cell_names[hbm] += f" = {bm.origin}"
+        else:
+            padded = _pad_to_blocks(jnp.zeros(bm.array_shape, bm.dtype), bm, mode).shape
+            hbm = interp.new_cell(_uninit(padded, bm.dtype, mode), f"{bm.origin} (HBM)")
+        buf = None
+        if not bm.is_whole_array:
+            buf = interp.new_cell(
+                _uninit(bm.kernel_block_shape, bm.dtype, mode),
+                f"{bm.origin} block",
+                bm.memory_space or tpu_core.VMEM,
+            )
+        ops.append(_Operand(bm, hbm, buf))
+
+    def new_scratch():
+        cells = []
+        for i, a in enumerate(gm.scratch_avals):
+            init = (
+                jnp.zeros(a.shape, jnp.int32)
+                if plb.semaphore_kind(a) is not None
+                else _uninit(a.shape, a.dtype, mode)
+            )
+            cells.append(interp.new_cell(init, f"scratch_shapes[{i}]", getattr(a, "memory_space", None)))
+        return cells
+
+    G = len(gm.grid)
+    per_core = grid_points(gm, sems, params)
+    for core_id, pts in enumerate(per_core):
+        scratch = new_scratch()
+        for op in ops:
+            if op.buf is not None:
+                interp.state[op.buf] = _uninit(op.bm.kernel_block_shape, op.bm.dtype, mode)
+        blocked = [i for i, op in enumerate(ops) if op.buf is not None]
+        for i in blocked:
+            interp.hidden[f"__prev{i}"] = jnp.zeros((len(ops[i].bm.block_shape),), jnp.int32)
+        table = jnp.asarray(pts, jnp.int32)
+        views = [RefView(op.buf if op.buf is not None else op.hbm) for op in ops] + [
+            RefView(c) for c in scratch
+        ]
+        interp.core_id = core_id
+
+        def step(s, carry):
+            vals, hvals = carry
+            interp.restore(vals, hvals)
+            pt = table[s]
+            gidx = [pt[g] for g in range(G)]
+            interp.grid_env = {n: gidx[g] for g, n in enumerate(gm.grid_names) if n is not None}
+            if params.grid_point_recorder is not None:
+                jax.debug.callback(params.grid_point_recorder, pt, jnp.int32(core_id), ordered=True)
+            for i in blocked:
+                _enter_block(interp, ops[i], i, i >= gm.num_inputs, gidx, prefetch, s)
+            interp.eval_closed(jaxpr, [*gidx, *prefetch, *views])
+            return interp.snapshot()
+
+        carry = interp.snapshot()
+        n = len(pts)
+        carry = step(0, carry) if n == 1 else lax.fori_loop(0, n, step, carry)
+        interp.restore(*carry)
+        for i in blocked:
+            if i >= gm.num_inputs:  # the last output block goes back to HBM
+                op = ops[i]
+                prev = [interp.hidden[f"__prev{i}"][d] for d in range(len(op.bm.block_shape))]
+                blk = interp.state[op.buf].reshape(op.bm.block_sizes)
+                interp.state[op.hbm] = lax.dynamic_update_slice(interp.state[op.hbm], blk, prev)
+        for i, a in enumerate(gm.scratch_avals):
+            if plb.semaphore_kind(a) is not None:
+                _check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
+        for c in scratch:
+            interp.free_cell(c)
+    interp.finish()
+    outs = [_unpad(interp.state[op.hbm], op.bm) for op in ops[gm.num_inputs :]]
+    interp.raise_checks()
+    return outs
+
+
+def _enter_block(interp, op, i, is_out, gidx, prefetch, s):
+    """The pipeline before a grid step: fetch a changed input block; write back
+    an output block whose index changed (its new buffer starts uninitialized)."""
+    bm = op.bm
+    idx = interp.eval_closed(bm.index_map, [*gidx, *prefetch])
+    starts = _starts(bm, idx)
+    hbm = interp.state[op.hbm]
+    for d, (st, size, n) in enumerate(zip(starts, bm.block_sizes, hbm.shape)):
+        shown = [st if isinstance(bm.block_shape[d], (plb.Element, plb.Squeezed)) else idx[d]]
+        interp.check(
+            jnp.logical_and(st >= 0, st + size <= n),
+            f"{interp.kernel_desc}: {bm.origin}.index_map returned block index {{0}} for dimension {d}, "
+            f"outside the array {bm.dtype}{list(bm.array_shape)} (block {bm.block_sizes[d]}, "
+            f"{-(-bm.array_shape[d] // max(bm.block_sizes[d], 1))} blocks)",
+            shown,
+        )
+    starts_c = [jnp.clip(st, 0, max(n - size, 0)) for st, size, n in zip(starts, bm.block_sizes, hbm.shape)]
+    prev_arr = interp.hidden[f"__prev{i}"]
+    cur = jnp.stack(starts_c) if starts_c else jnp.zeros((0,), jnp.int32)
+    changed = jnp.logical_or(s == 0, jnp.any(cur != prev_arr))
+    kshape = bm.kernel_block_shape
+    if not is_out:
+        new = lax.dynamic_slice(hbm, starts_c, bm.block_sizes).reshape(kshape)
+        interp.state[op.buf] = jnp.where(changed, new, interp.state[op.buf])
+    else:
+        prev = [prev_arr[d] for d in range(len(starts_c))]
+        old_hbm = lax.dynamic_slice(hbm, prev, bm.block_sizes)
+        blk = interp.state[op.buf].reshape(bm.block_sizes)
+        write_back = jnp.logical_and(changed, s > 0)
+        interp.state[op.hbm] = lax.dynamic_update_slice(hbm, jnp.where(write_back, blk, old_hbm), prev)
+        fresh = _uninit(kshape, bm.dtype, interp.params.uninitialized_memory)
+        interp.state[op.buf] = jnp.where(changed, fresh, interp.state[op.buf])
+    interp.hidden[f"__prev{i}"] = cur

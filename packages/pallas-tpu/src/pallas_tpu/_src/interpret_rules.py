@@ -1,0 +1,18 @@
+"""Extension tables of the TPU interpreter (``interpret.py``).
+
+STATE_RULES: ``{primitive: rule}``; ``rule(ctx, eqn, *invals) -> list of outvals``.
+  The interpreter calls the rule instead of binding the primitive. ``ctx`` is
+  the running ``Interpreter``; ``ctx.hidden`` is a dict of traced arrays that
+  the interpreter carries through loops and conds (read and assign entries).
+HIDDEN_STATE: ``{primitive: {name: initializer}}``: hidden state a primitive
+  needs; the interpreter creates ``ctx.hidden[name] = initializer()`` before
+  the grid starts if the kernel uses the primitive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+STATE_RULES: dict[Any, Callable[..., list[Any]]] = {}
+HIDDEN_STATE: dict[Any, dict[str, Callable[[], Any]]] = {}

@@ -1,0 +1,262 @@
+"""TPU-only primitives: DMAs (local and remote) and the barrier semaphore.
+
+A DMA is described by an ``AsyncCopyDescriptor`` (source view, destination
+view, the semaphore(s) it signals, and for remote copies the target device).
+``dma_start_p`` and ``dma_wait_p`` take the same flat operands, in this order:
+src Ref, src transform leaves, dst Ref, dst transform leaves, dst semaphore,
+its transform leaves, [src semaphore, its transform leaves], [device id
+leaves]; the params hold the treedefs that split them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+
+from pallas import backend as plb
+from pallas_tpu._src import compat
+
+DeviceIdType = compat.DeviceIdType
+DMA = plb.SemaphoreKind.DMA
+
+
+def _err(cls, msg):
+    return plb.kernel_error(cls, msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class DmaOperands:
+    """The static layout of a DMA's flat operand list."""
+
+    src_tree: Any
+    dst_tree: Any
+    dst_sem_tree: Any
+    src_sem_tree: Any  # None for a local copy
+    device_id_tree: Any  # None for a local copy
+    device_id_type: Any
+
+    def split(self, flat):
+        """flat operands -> dict of (ref, leaves) pairs and device id leaves."""
+        flat = list(flat)
+        out = {}
+
+        def take(name, tree):
+            ref = flat.pop(0)
+            n = tree.num_leaves
+            leaves, flat[:] = flat[:n], flat[n:]
+            out[name] = (ref, leaves)
+
+        take("src", self.src_tree)
+        take("dst", self.dst_tree)
+        take("dst_sem", self.dst_sem_tree)
+        if self.src_sem_tree is not None:
+            take("src_sem", self.src_sem_tree)
+        out["device_id"] = flat
+        return out
+
+
+dma_start_p = Primitive("dma_start")
+dma_start_p.multiple_results = True
+dma_wait_p = Primitive("dma_wait")
+dma_wait_p.multiple_results = True
+
+
+def _dma_abstract_eval(*avals, layout: DmaOperands, **_):
+    # Reads src, writes dst and both semaphores.
+    n_src = 1 + layout.src_tree.num_leaves
+    n_dst = 1 + layout.dst_tree.num_leaves
+    effects = {compat.ReadEffect(0), compat.WriteEffect(n_src), compat.WriteEffect(n_src + n_dst)}
+    if layout.src_sem_tree is not None:
+        effects.add(compat.WriteEffect(n_src + n_dst + 1 + layout.dst_sem_tree.num_leaves))
+    return [], effects
+
+
+dma_start_p.def_effectful_abstract_eval(_dma_abstract_eval)
+dma_wait_p.def_effectful_abstract_eval(_dma_abstract_eval)
+
+
+def _view_aval(ref, leaves, tree):
+    return plb.transformed_aval(compat.get_aval(ref), plb.unflatten_transforms(tree, leaves))
+
+
+def _check_sem(sem, what: str):
+    base, leaves, tree = plb.flatten_ref(sem, what)
+    kind = plb.semaphore_kind(compat.get_aval(base))
+    if kind is not DMA:
+        got = (
+            f"a {kind.name} semaphore"
+            if kind is not None
+            else f"a Ref in {compat.get_aval(base).memory_space}"
+        )
+        raise _err(
+            TypeError,
+            f"{what}: DMAs signal DMA semaphores (pltpu.SemaphoreType.DMA), got {got}",
+        )
+    shape = tuple(_view_aval(base, leaves, tree).shape)
+    if shape != ():
+        raise _err(
+            ValueError,
+            f"{what}: expected one DMA semaphore, got a view of shape {shape}; index it (sem.at[i])",
+        )
+    return base, leaves, tree
+
+
+def _bound_mesh_axes() -> tuple[str, ...]:
+    return tuple(compat.bound_axis_names())
+
+
+class AsyncCopyDescriptor:
+    """A DMA from ``src`` to ``dst`` that signals ``dst_sem`` when it lands
+    (and ``src_sem`` when a remote copy has left this device).
+
+    ``start()`` issues it; ``wait()`` (local), ``wait_send()`` and
+    ``wait_recv()`` (remote) block until it completes.
+    """
+
+    def __init__(
+        self, src, dst, dst_sem, src_sem=None, device_id=None, device_id_type=DeviceIdType.MESH, *, what
+    ):
+        self.what = what
+        s_ref, s_leaves, s_tree = plb.flatten_ref(src, f"{what} src_ref")
+        d_ref, d_leaves, d_tree = plb.flatten_ref(dst, f"{what} dst_ref")
+        s_aval = _view_aval(s_ref, s_leaves, s_tree)
+        d_aval = _view_aval(d_ref, d_leaves, d_tree)
+        for name, r in (("src_ref", s_ref), ("dst_ref", d_ref)):
+            if plb.semaphore_kind(compat.get_aval(r)) is not None:
+                raise _err(TypeError, f"{what}: {name} is a semaphore; DMAs copy data Refs")
+        if tuple(s_aval.shape) != tuple(d_aval.shape) or s_aval.dtype != d_aval.dtype:
+            raise _err(
+                ValueError,
+                f"{what}: src_ref and dst_ref must have the same shape and dtype, got "
+                f"src {s_aval.dtype}{list(s_aval.shape)} and dst {d_aval.dtype}{list(d_aval.shape)}",
+            )
+        ds_ref, ds_leaves, ds_tree = _check_sem(
+            dst_sem, f"{what} {'recv_sem' if src_sem is not None else 'sem'}"
+        )
+        flat = [s_ref, *s_leaves, d_ref, *d_leaves, ds_ref, *ds_leaves]
+        ss_tree = None
+        if src_sem is not None:
+            ss_ref, ss_leaves, ss_tree = _check_sem(src_sem, f"{what} send_sem")
+            flat += [ss_ref, *ss_leaves]
+        dev_tree = None
+        if device_id is not None:
+            if not _bound_mesh_axes():
+                raise _err(
+                    ValueError,
+                    f"{what}: a remote copy (device_id={device_id!r}) needs devices to copy between: call "
+                    "the kernel inside jax.shard_map over a mesh (no mesh axes are bound here)",
+                )
+            dev, dev_tree = plb.flatten_device_id(device_id, device_id_type, what)
+            flat += dev
+        self.flat = flat
+        self.layout = DmaOperands(s_tree, d_tree, ds_tree, ss_tree, dev_tree, device_id_type)
+        self.shape, self.dtype = tuple(s_aval.shape), s_aval.dtype
+        self.is_remote = device_id is not None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def start(self, priority: int = 0) -> None:
+        dma_start_p.bind(*self.flat, layout=self.layout, priority=int(priority))
+
+    def _wait(self, which: str) -> None:
+        dma_wait_p.bind(*self.flat, layout=self.layout, which=which)
+
+    def wait(self) -> None:
+        if self.is_remote:
+            self._wait("recv")  # JAX waits on the receive side for .wait() of a remote copy
+            return
+        self._wait("dst")
+
+    def wait_recv(self) -> None:
+        if not self.is_remote:
+            raise _err(TypeError, f"{self.what}: wait_recv() is for remote copies; use wait()")
+        self._wait("recv")
+
+    def wait_send(self) -> None:
+        if not self.is_remote:
+            raise _err(TypeError, f"{self.what}: wait_send() is for remote copies; use wait()")
+        self._wait("send")
+
+
+def make_async_copy(src_ref, dst_ref, sem) -> AsyncCopyDescriptor:
+    """A local DMA from ``src_ref`` to ``dst_ref`` (Refs or ``.at[...]`` views
+    of equal shape and dtype) signalling the DMA semaphore ``sem``.
+
+    Returns:
+      An ``AsyncCopyDescriptor``: call ``.start()`` then ``.wait()``.
+    """
+    return AsyncCopyDescriptor(src_ref, dst_ref, sem, what="pltpu.make_async_copy")
+
+
+def make_async_remote_copy(
+    src_ref, dst_ref, send_sem, recv_sem, device_id, device_id_type: DeviceIdType = DeviceIdType.MESH
+) -> AsyncCopyDescriptor:
+    """A DMA from ``src_ref`` on this device to ``dst_ref`` on ``device_id``.
+
+    Args:
+      src_ref, dst_ref: Refs or views of equal shape and dtype.
+      send_sem: DMA semaphore on this device, signalled when the data has left.
+      recv_sem: DMA semaphore on the target, signalled when the data landed.
+      device_id: the target device (mesh coordinates or a logical id).
+      device_id_type: ``pl.DeviceIdType.MESH`` or ``LOGICAL``.
+    Returns:
+      An ``AsyncCopyDescriptor``: ``.start()``, ``.wait_send()``, ``.wait_recv()``.
+    """
+    return AsyncCopyDescriptor(
+        src_ref, dst_ref, recv_sem, send_sem, device_id, device_id_type, what="pltpu.make_async_remote_copy"
+    )
+
+
+def async_copy(src_ref, dst_ref, sem, *, priority: int = 0) -> AsyncCopyDescriptor:
+    """Starts a local DMA and returns its descriptor (wait on it later)."""
+    copy = make_async_copy(src_ref, dst_ref, sem)
+    copy.start(priority=priority)
+    return copy
+
+
+def async_remote_copy(src_ref, dst_ref, send_sem, recv_sem, device_id, device_id_type=DeviceIdType.MESH):
+    """Starts a remote DMA and returns its descriptor."""
+    copy = make_async_remote_copy(src_ref, dst_ref, send_sem, recv_sem, device_id, device_id_type)
+    copy.start()
+    return copy
+
+
+# ---------------------------------------------------------------------------
+# The barrier semaphore: one per kernel, shared by the devices of a collective.
+
+get_barrier_semaphore_p = Primitive("get_barrier_semaphore")
+
+
+def get_barrier_semaphore():
+    """The kernel's barrier semaphore (a BARRIER semaphore Ref), for
+    synchronizing devices: signal it on the neighbours, then wait on it.
+    Needs ``pltpu.CompilerParams(collective_id=...)``."""
+    return get_barrier_semaphore_p.bind()
+
+
+get_barrier_semaphore_p.def_abstract_eval(
+    lambda: compat.ref_aval((), jnp.int32, plb.SemaphoreSpace(plb.SemaphoreKind.BARRIER))
+)
+
+
+def semaphore_views(layout: DmaOperands, flat) -> dict[str, Any]:
+    """Used by the interpreter and the lowering: the DMA's parts by name."""
+    return layout.split(flat)
+
+
+__all__ = [
+    "AsyncCopyDescriptor",
+    "async_copy",
+    "async_remote_copy",
+    "get_barrier_semaphore",
+    "make_async_copy",
+    "make_async_remote_copy",
+]
+del jax

@@ -23,12 +23,14 @@ from pallas._src.core import Squeezed as Squeezed
 from pallas._src.core import register_memory_space_type as register_memory_space_type
 from pallas._src.core import semaphore_kind as semaphore_kind
 from pallas._src.errors import describe as describe
+from pallas._src.errors import is_internal_file as is_internal_file
 from pallas._src.errors import kernel_error as kernel_error
 from pallas._src.errors import register_internal_dir as register_internal_dir
 from pallas._src.errors import user_source as user_source
 from pallas._src.interpret import uninitialized_value as uninitialized_value
 from pallas._src.primitives import KernelContext as KernelContext
 from pallas._src.primitives import debug_print_p as debug_print_p
+from pallas._src.primitives import grid_axis_index_p as grid_axis_index_p
 from pallas._src.primitives import kernel_context as kernel_context
 from pallas._src.primitives import multiple_of_p as multiple_of_p
 from pallas._src.primitives import run_scoped_p as run_scoped_p

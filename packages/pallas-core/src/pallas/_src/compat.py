@@ -100,7 +100,8 @@ def subjaxprs(jaxpr):
 
 
 def make_debug_info(traced_for: str, fun: Callable, args: Sequence[Any]):
-    return _debug_info(traced_for, fun, tuple(args), {})
+    # One placeholder leaf per flat argument: jax_enable_checks wants one name per input.
+    return _debug_info(traced_for, fun, tuple(range(len(args))), {})
 
 
 def trace_to_closed_jaxpr(fun: Callable, in_avals: Sequence[Any], debug_info) -> tuple[Any, list[Any]]:
@@ -168,3 +169,43 @@ def jaxpr_effects_on_inputs(closed_jaxpr) -> set[tuple[type, int]]:
         for e in closed_jaxpr.effects
         if isinstance(e, RefEffect)
     }
+
+
+def _is_jaxpr(x) -> bool:
+    return hasattr(x, "eqns") or (hasattr(x, "jaxpr") and hasattr(x.jaxpr, "eqns"))
+
+
+def map_eqns(jaxpr, fn, drop_effects=frozenset()):
+    """A copy of ``jaxpr`` (and of every jaxpr in its equations' params) with
+    each equation replaced by ``fn(eqn)`` and ``drop_effects`` removed."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    if inner is not jaxpr and not hasattr(jaxpr, "eqns"):  # a ClosedJaxpr wrapper (older JAX)
+        return jaxpr.replace(jaxpr=map_eqns(inner, fn, drop_effects))
+
+    def param(v):
+        if _is_jaxpr(v):
+            return map_eqns(v, fn, drop_effects)
+        if isinstance(v, (tuple, list)) and any(_is_jaxpr(x) for x in v):
+            return type(v)(param(x) for x in v)
+        return v
+
+    eqns = []
+    for e in jaxpr.eqns:
+        params = {k: param(v) for k, v in e.params.items()}
+        if any(params[k] is not e.params[k] for k in params):
+            e = e.replace(params=params)
+        e = fn(e)
+        if drop_effects & set(e.effects):
+            e = e.replace(effects=frozenset(e.effects) - drop_effects)
+        eqns.append(e)
+    return jaxpr.replace(eqns=eqns, effects=frozenset(jaxpr.effects) - drop_effects)
+
+
+def named_axis_effects(names):
+    return frozenset(jax_core.NamedAxisEffect(n) for n in names)
+
+
+def axis_index_primitive():
+    from jax._src.lax import parallel
+
+    return parallel.axis_index_p

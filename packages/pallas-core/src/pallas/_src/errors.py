@@ -71,3 +71,9 @@ def kernel_error(cls: type[Exception], msg: str) -> Exception:
     where = user_source()
     prefix = f"in kernel '{name}' " if name else ""
     return cls(f"{prefix}at {where}: {msg}")
+
+
+def is_internal_file(filename: str) -> bool:
+    """True for files of JAX, pallas, registered backends and the stdlib: frames
+    that error messages skip when naming the user's line."""
+    return _is_internal(filename)

@@ -290,18 +290,17 @@ def _trace_kernel(kernel, gm: GridMapping, in_tree, out_struct, err: _Err):
         out_refs = tree_util.tree_unflatten(out_tree, refs[gm.num_inputs : gm.num_inputs + gm.num_outputs])
         scratch = refs[gm.num_inputs + gm.num_outputs :]
         ctx = primitives.KernelContext(gm.grid, gidx, gm.kernel_name)
-        with (
-            primitives.kernel_context(ctx),
-            kernel_scope(gm.kernel_name, gm.source),
-            compat.extend_axis_env([(n, s) for n, s in zip(gm.grid_names, gm.grid) if n is not None]),
-        ):
+        with primitives.kernel_context(ctx), kernel_scope(gm.kernel_name, gm.source):
             res = kernel(*prefetch, *in_refs, *out_refs, *scratch)
         returned.append(res)
         return []
 
     dbg = compat.make_debug_info("pallas_call", kernel, [None] * (G + len(ref_avals)))
     try:
-        jaxpr, consts = compat.trace_to_closed_jaxpr(flat_kernel, idx_avals + ref_avals, dbg)
+        # Named grid axes are bound for the whole trace (jax_enable_checks re-checks the jaxpr).
+        with compat.extend_axis_env([(n, s) for n, s in zip(gm.grid_names, gm.grid) if n is not None]):
+            jaxpr, consts = compat.trace_to_closed_jaxpr(flat_kernel, idx_avals + ref_avals, dbg)
+            jaxpr = primitives.resolve_grid_axis_names(jaxpr, gm.grid_names)
     except (ValueError, TypeError, IndexError, NotImplementedError) as e:
         msg = str(e)
         if f"'{gm.kernel_name}'" in msg:

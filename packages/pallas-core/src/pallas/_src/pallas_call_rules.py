@@ -89,6 +89,11 @@ def _batching_rule(args, dims, *, jaxpr, grid_mapping, input_output_aliases, **p
     bms += [_batch_block_mapping(bm, True, axis_size, G) for bm in gm.out_block_mappings]
     names = (None, *gm.grid_names) if gm.grid_names else ()
     new_gm = gm.replace(grid=(axis_size, *gm.grid), block_mappings=tuple(bms), grid_names=names)
+    cp = params.get("compiler_params")
+    if cp is not None:  # backends that keep per-axis settings add one for the batch axis
+        batched_cp = lambda c: c.batched() if hasattr(c, "batched") else c  # noqa: E731
+        cp = tuple(map(batched_cp, cp)) if isinstance(cp, tuple) else batched_cp(cp)
+        params = {**params, "compiler_params": cp}
     outs = pallas_call_p.bind(
         *args,
         jaxpr=_batch_kernel_jaxpr(jaxpr),

@@ -92,6 +92,30 @@ def num_programs(axis: int) -> int:
 
 
 # ---------------------------------------------------------------------------
+# Named grid axes: lax.axis_index("i") inside a kernel with grid=(("i", n), ...)
+# becomes grid_axis_index_p, resolved by the backend from the grid index.
+
+grid_axis_index_p = Primitive("grid_axis_index")
+grid_axis_index_p.def_abstract_eval(lambda *, axis_name: compat.shaped_array((), jnp.int32))
+
+
+def resolve_grid_axis_names(jaxpr, names):
+    """Replaces ``axis_index`` of the grid's axis names by ``grid_axis_index``
+    (the grid names are not bound outside the kernel's trace)."""
+    names = {n for n in names if n is not None}
+    if not names:
+        return jaxpr
+    axis_index_p = compat.axis_index_primitive()
+
+    def fn(eqn):
+        if eqn.primitive is axis_index_p and eqn.params.get("axis_name") in names:
+            return eqn.replace(primitive=grid_axis_index_p)
+        return eqn
+
+    return compat.map_eqns(jaxpr, fn, compat.named_axis_effects(names))
+
+
+# ---------------------------------------------------------------------------
 # multiple_of: a divisibility hint for the compiler; the identity elsewhere.
 
 multiple_of_p = Primitive("multiple_of")

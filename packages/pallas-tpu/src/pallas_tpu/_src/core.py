@@ -158,6 +158,12 @@ class CompilerParams(pl.CompilerParams):
         kw.update(changes)
         return CompilerParams(**kw)
 
+    def batched(self) -> CompilerParams:
+        """For jax.vmap of the kernel: the new leading grid axis is parallel."""
+        if self.dimension_semantics is None:
+            return self
+        return self.replace(dimension_semantics=(PARALLEL, *self.dimension_semantics))
+
 
 class MemorySpace(enum.Enum):
     """TPU memory spaces. ``VMEM`` (vector memory, the default for blocks),

@@ -195,6 +195,7 @@ class Interpreter:
     def init_checks(self) -> None:
         self.hidden["__err"] = jnp.zeros((), jnp.int32)
         self.hidden["__errvals"] = jnp.zeros((8,), jnp.int32)
+        self.hidden["__tok"] = jnp.zeros((), jnp.int32)
 
     def check(self, ok, message: str, values: Sequence[Any] = ()) -> None:
         """Records ``message`` (with up to 8 int values, shown where the message
@@ -209,6 +210,22 @@ class Interpreter:
         vals = [jnp.asarray(v, jnp.int32).reshape(()) for v in values][:8]
         vals += [jnp.zeros((), jnp.int32)] * (8 - len(vals))
         self.hidden["__errvals"] = jnp.where(first, jnp.stack(vals), self.hidden["__errvals"])
+
+    def ordered_callback(self, fn, *args) -> None:
+        """Calls ``fn(*args)`` on the host, in program order: each call takes
+        and returns a token kept in ``self.hidden``, so XLA keeps the order."""
+        from jax.experimental import io_callback
+
+        if "__tok" not in self.hidden:
+            raise RuntimeError("ordered_callback needs init_checks() first")
+
+        def call(tok, *a):
+            fn(*a)
+            return tok
+
+        self.hidden["__tok"] = io_callback(
+            call, jax.ShapeDtypeStruct((), jnp.int32), self.hidden["__tok"], *args
+        )
 
     def raise_checks(self) -> None:
         """Emits the callback that raises the first recorded error, if any."""
@@ -475,12 +492,9 @@ def _delay(interp, eqn, nanos):
     return []
 
 
-@rule(compat.axis_index_p)
-def _axis_index(interp, eqn):
-    name = eqn.params["axis_name"]
-    if name in interp.grid_env:
-        return interp.grid_env[name]
-    return eqn.primitive.bind(**eqn.params)
+@rule(plb.grid_axis_index_p)
+def _grid_axis_index(interp, eqn):
+    return interp.grid_env[eqn.params["axis_name"]]
 
 
 def _state_items(interp):

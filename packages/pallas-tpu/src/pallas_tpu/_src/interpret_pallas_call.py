@@ -261,7 +261,7 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
             gidx = [pt[g] for g in range(G)]
             interp.grid_env = {n: gidx[g] for g, n in enumerate(gm.grid_names) if n is not None}
             if params.grid_point_recorder is not None:
-                jax.debug.callback(params.grid_point_recorder, pt, jnp.int32(core_id), ordered=True)
+                interp.ordered_callback(params.grid_point_recorder, pt, jnp.int32(core_id))
             for i in blocked:
                 _enter_block(interp, ops[i], i, i >= gm.num_inputs, gidx, prefetch, s)
             interp.eval_closed(jaxpr, [*gidx, *prefetch, *views])

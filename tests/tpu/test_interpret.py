@@ -1,0 +1,654 @@
+"""TPU interpret mode: TPU-style kernels against plain jnp on fresh random data,
+and the same kernel source run by JAX's own TPU interpret mode as a reference.
+
+Each kernel is built by a function of ``(pl, pltpu)``, so one source runs with
+our modules and with JAX's (``jax.experimental.pallas``): moving a kernel over
+is an import change.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pallas as pl
+import pallas_tpu as pltpu
+
+jax.config.update("jax_enable_checks", True)
+
+try:
+    from jax.experimental import pallas as jpl
+    from jax.experimental.pallas import tpu as jpltpu
+except ImportError:  # pragma: no cover
+    jpl = jpltpu = None
+
+OURS = (pl, pltpu)
+JAXS = (jpl, jpltpu)
+
+
+def rand(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------
+# Kernels, each a function of the two modules.
+
+
+def matmul(pl, pltpu, x, y, *, bm=128, bn=128, bk=128, interpret):
+    M, K = x.shape
+    N = y.shape[1]
+
+    def kernel(x_ref, y_ref, o_ref, acc_ref):
+        @pl.when(pl.program_id(2) == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+        @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+        def _():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
+        grid=(M // bm, N // bn, K // bk),
+        in_specs=[
+            pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
+            pl.BlockSpec((bk, bn), lambda i, j, k: (k, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
+        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+    )(x, y)
+
+
+def dma_loop(pl, pltpu, x, *, chunk, interpret):
+    n = x.shape[0] // chunk
+
+    def kernel(x_hbm, o_ref, buf, sem):
+        def copy(i, slot):
+            return pltpu.make_async_copy(x_hbm.at[pl.ds(i * chunk, chunk)], buf.at[slot], sem.at[slot])
+
+        copy(0, 0).start()
+
+        def body(i, acc):
+            slot = lax.rem(i, 2)
+
+            @pl.when(i + 1 < n)
+            def _():
+                copy(i + 1, 1 - slot).start()
+
+            copy(i, slot).wait()
+            return acc + jnp.sum(buf[slot] * 2.0, axis=0, keepdims=True)
+
+        o_ref[...] = lax.fori_loop(0, n, body, jnp.zeros((1, x.shape[1]), jnp.float32))
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((1, x.shape[1]), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((2, chunk, x.shape[1]), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+        interpret=interpret,
+    )(x)
+
+
+def gather_rows(pl, pltpu, idx, x, *, interpret):
+    """Scalar prefetch: the block index of the input comes from an SMEM table."""
+    n = idx.shape[0]
+
+    def kernel(idx_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0 + idx_ref[pl.program_id(0)].astype(jnp.float32)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n * 8, x.shape[1]), x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(n,),
+            in_specs=[pl.BlockSpec((8, x.shape[1]), lambda i, idx_ref: (idx_ref[i], 0))],
+            out_specs=pl.BlockSpec((8, x.shape[1]), lambda i, idx_ref: (i, 0)),
+        ),
+        interpret=interpret,
+    )(idx, x)
+
+
+def accumulate_into_output(pl, pltpu, x, *, interpret):
+    """The output block is revisited along the k axis and accumulated in place."""
+    M, K = x.shape
+
+    def kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        o_ref[...] += x_ref[...]
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, 128), x.dtype),
+        grid=(M // 8, K // 128),
+        in_specs=[pl.BlockSpec((8, 128), lambda i, k: (i, k))],
+        out_specs=pl.BlockSpec((8, 128), lambda i, k: (i, 0)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(x)
+
+
+def semaphore_counts(pl, pltpu, x, *, interpret):
+    def kernel(x_ref, o_ref, sems):
+        pl.semaphore_signal(sems.at[0], 2)
+        pl.semaphore_signal(sems.at[1])
+        pl.semaphore_signal(sems.at[0], 3)
+        v0 = pl.semaphore_read(sems.at[0])
+        v1 = pl.semaphore_read(sems.at[1])
+        pl.semaphore_wait(sems.at[0], 5)
+        pl.semaphore_wait(sems.at[1])
+        o_ref[...] = x_ref[...] * v0.astype(jnp.float32) + v1.astype(jnp.float32)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_shapes=[pltpu.SemaphoreType.REGULAR((2,))],
+        interpret=interpret,
+    )(x)
+
+
+def smem_scalars(pl, pltpu, s, x, *, interpret):
+    def kernel(s_ref, x_ref, o_ref, acc):
+        acc[0] = s_ref[0] * s_ref[1]
+        acc[1] = s_ref[2] + 1.0
+        o_ref[...] = x_ref[...] * acc[0] + acc[1]
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(x.shape, lambda: (0, 0))],
+        scratch_shapes=[pltpu.SMEM((2,), jnp.float32)],
+        interpret=interpret,
+    )(s, x)
+
+
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_vmem_accumulator(dtype):
+    x, y = rand(0, (256, 384), dtype), rand(1, (384, 256), dtype)
+    out = jax.jit(lambda x, y: matmul(*OURS, x, y, interpret=pltpu.InterpretParams()))(x, y)
+    ref = jnp.dot(x.astype(jnp.float32), y.astype(jnp.float32))
+    close(out, ref, 1e-4 if dtype == jnp.float32 else 5e-2 * float(jnp.abs(ref).max()))
+    theirs = matmul(*JAXS, x, y, interpret=jpltpu.InterpretParams())
+    close(out, theirs, 1e-4 if dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("mode", ["on_wait", "eager"])
+def test_double_buffered_dma(mode):
+    x = rand(2, (16 * 64, 128))
+    out = dma_loop(*OURS, x, chunk=64, interpret=pltpu.InterpretParams(dma_execution_mode=mode))
+    close(out, 2 * x.sum(0, keepdims=True), 1e-3)
+    theirs = dma_loop(*JAXS, x, chunk=64, interpret=jpltpu.InterpretParams(dma_execution_mode=mode))
+    close(out, theirs, 1e-4)
+
+
+def test_scalar_prefetch_index_map():
+    x = rand(3, (64, 128))
+    idx = jax.random.randint(jax.random.key(4), (6,), 0, 8, jnp.int32)
+    out = gather_rows(*OURS, idx, x, interpret=pltpu.InterpretParams())
+    ref = jnp.concatenate([x[8 * i : 8 * i + 8] * 2.0 + i for i in np.asarray(idx)])
+    close(out, ref)
+    close(out, gather_rows(*JAXS, idx, x, interpret=jpltpu.InterpretParams()))
+
+
+def test_output_revisited_along_arbitrary_axis():
+    x = rand(5, (32, 512))
+    out = accumulate_into_output(*OURS, x, interpret=pltpu.InterpretParams())
+    close(out, x.reshape(32, 4, 128).sum(1), 1e-5)
+    close(out, accumulate_into_output(*JAXS, x, interpret=jpltpu.InterpretParams()))
+
+
+def test_semaphore_signal_wait_read():
+    x = rand(6, (8, 128))
+    out = semaphore_counts(*OURS, x, interpret=pltpu.InterpretParams())
+    close(out, x * 5 + 1)  # JAX's TPU interpret mode has no rule for semaphore_read: jnp only
+
+
+def test_smem_scalars():
+    s = rand(7, (3,))
+    x = rand(8, (8, 128))
+    out = smem_scalars(*OURS, s, x, interpret=pltpu.InterpretParams())
+    close(out, x * (s[0] * s[1]) + (s[2] + 1.0))
+    close(out, smem_scalars(*JAXS, s, x, interpret=jpltpu.InterpretParams()))
+
+
+def test_interpret_true_runs_tpu_kernels():
+    """interpret=True hands a TPU kernel (VMEM scratch, DMAs) to the TPU interpreter."""
+    x = rand(9, (4 * 32, 128))
+    close(dma_loop(*OURS, x, chunk=32, interpret=True), 2 * x.sum(0, keepdims=True), 1e-3)
+
+
+def test_vmap_and_jit_of_a_tpu_kernel():
+    x, y = rand(10, (3, 128, 256)), rand(11, (3, 256, 128))
+    f = jax.jit(jax.vmap(lambda a, b: matmul(*OURS, a, b, interpret=pltpu.InterpretParams())))
+    close(f(x, y), jnp.einsum("bij,bjk->bik", x, y), 1e-4)
+
+
+def test_read_before_wait_shows_uninitialized_on_wait():
+    """on_wait (the default) copies when the DMA is waited on: reading the
+    destination before the wait sees uninitialized (NaN) data."""
+
+    def kernel(x_hbm, o_ref, buf, sem):
+        copy = pltpu.make_async_copy(x_hbm, buf, sem)
+        copy.start()
+        o_ref[...] = buf[...]
+        copy.wait()
+
+    x = rand(12, (8, 128))
+    call = lambda mode: pl.pallas_call(  # noqa: E731
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA],
+        interpret=pltpu.InterpretParams(dma_execution_mode=mode),
+    )(x)
+    assert np.isnan(np.asarray(call("on_wait"))).all()
+    close(call("eager"), x)
+
+
+@pytest.mark.parametrize("mode,expect", [("nan", np.nan), ("zero", 0.0)])
+def test_uninitialized_memory(mode, expect):
+    def kernel(x_ref, o_ref, scratch):
+        o_ref[...] = scratch[...] + x_ref[...] * 0
+
+    x = rand(13, (8, 128))
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype)],
+        interpret=pltpu.InterpretParams(uninitialized_memory=mode),
+    )(x)
+    np.testing.assert_array_equal(np.asarray(out), np.full(x.shape, expect, np.float32))
+
+
+def test_random_order_of_parallel_axes_and_recorder():
+    seen = []
+    x = rand(14, (64, 256))
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + pl.program_id(0).astype(jnp.float32)
+
+    def run(seed):
+        seen.clear()
+        out = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(8, 2),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, j))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, j: (i, j)),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+            interpret=pltpu.InterpretParams(
+                random_seed=seed, grid_point_recorder=lambda p, c: seen.append(tuple(np.asarray(p)))
+            ),
+        )(x)
+        jax.effects_barrier()
+        return out, list(seen)
+
+    ref = x + jnp.repeat(jnp.arange(8.0), 8)[:, None]
+    out0, order0 = run(None)
+    out1, order1 = run(1234)
+    close(out0, ref)
+    close(out1, ref)
+    assert order0 == [(i, j) for i in range(8) for j in range(2)]
+    assert sorted(order1) == order0 and order1 != order0
+    assert all(order1[2 * k][0] == order1[2 * k + 1][0] for k in range(8))  # arbitrary axis stays inner
+
+
+def test_core_parallel_axis_runs_on_separate_cores():
+    cores = []
+    x = rand(15, (4 * 8, 128))
+
+    def kernel(x_ref, o_ref, acc):
+        # acc is per-core scratch: each core's first step finds it uninitialized (NaN).
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            acc[...] = jnp.zeros_like(acc)
+
+        acc[...] += x_ref[...]
+        o_ref[...] = acc[...]
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((2 * 8, 128), x.dtype),
+        grid=(2, 2),
+        in_specs=[pl.BlockSpec((8, 128), lambda c, i: (2 * c + i, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda c, i: (c, 0)),
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("core_parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams(
+            num_cores_or_threads=2,
+            grid_point_recorder=lambda p, c: cores.append((tuple(np.asarray(p)), int(c))),
+        ),
+    )(x)
+    jax.effects_barrier()
+    blocks = x.reshape(4, 8, 128)
+    close(out, jnp.concatenate([blocks[0] + blocks[1], blocks[2] + blocks[3]]))
+    assert sorted(cores) == [((0, 0), 0), ((0, 1), 0), ((1, 0), 1), ((1, 1), 1)]
+
+
+def test_pl_kernel_over_tensorcore_mesh():
+    x = rand(16, (2 * 8, 128))
+    mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
+
+    @pl.kernel(
+        out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        mesh=mesh,
+        interpret=pltpu.InterpretParams(num_cores_or_threads=2),
+    )
+    def double(x_hbm, o_hbm):
+        c = lax.axis_index("core")
+        pltpu.sync_copy(x_hbm.at[pl.ds(c * 8, 8)], o_hbm.at[pl.ds(c * 8, 8)]) if hasattr(
+            pltpu, "sync_copy"
+        ) else None
+
+    if not hasattr(pltpu, "sync_copy"):
+        pytest.skip("pltpu.sync_copy not exported yet")
+    close(double(x), x)
+
+
+def test_named_grid_axis_index():
+    x = rand(17, (4 * 8, 2 * 128))
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 10.0 + lax.axis_index("i").astype(jnp.float32) + 0.5 * lax.axis_index("j")
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(("i", 4), ("j", 2)),
+        in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec((8, 128), lambda i, j: (i, j)),
+        interpret=pltpu.InterpretParams(),
+    )(x)
+    ii = jnp.repeat(jnp.arange(4.0), 8)[:, None]
+    jj = jnp.repeat(jnp.arange(2.0), 128)[None, :]
+    close(out, x * 10 + ii + 0.5 * jj)
+
+
+def test_out_shape_list_and_no_outputs():
+    x = rand(18, (8, 128))
+
+    def two(x_ref, a_ref, b_ref):
+        a_ref[...] = x_ref[...] + 1
+        b_ref[...] = x_ref[...] * 3
+
+    outs = pl.pallas_call(
+        two,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2,
+        interpret=pltpu.InterpretParams(),
+    )(x)
+    assert isinstance(outs, list) and len(outs) == 2
+    close(outs[0], x + 1)
+    close(outs[1], x * 3)
+
+    def nothing(x_ref):
+        pl.semaphore_read  # noqa: B018  (the kernel has no outputs to write)
+
+    assert pl.pallas_call(nothing, out_shape=(), interpret=pltpu.InterpretParams())(x) == ()
+
+
+def test_input_output_aliases_in_hbm():
+    x = rand(19, (16, 128))
+
+    def kernel(x_hbm, o_hbm, buf, sem):
+        pltpu.make_async_copy(x_hbm.at[pl.ds(8, 8)], buf, sem).start()
+        pltpu.make_async_copy(x_hbm.at[pl.ds(8, 8)], buf, sem).wait()
+        buf[...] = buf[...] * 2
+        copy = pltpu.make_async_copy(buf, o_hbm.at[pl.ds(0, 8)], sem)
+        copy.start()
+        copy.wait()
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.VMEM((8, 128), x.dtype), pltpu.SemaphoreType.DMA],
+        input_output_aliases={0: 0},
+        interpret=pltpu.InterpretParams(),
+    )(x)
+    close(out, x.at[:8].set(2 * x[8:]))
+
+
+# ---------------------------------------------------------------------------
+# Errors: run time (bounds, deadlocks) and trace time (TPU rules).
+
+
+def _raises(match, fn):
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(fn())
+    assert re.search(match, str(info.value)), str(info.value)[-2000:]
+    return str(info.value)
+
+
+def test_out_of_bounds_dynamic_ref_read_names_kernel_line_and_ref():
+    x = rand(20, (16, 128))
+
+    def kernel(x_ref, o_ref):
+        i = pl.program_id(0)
+        o_ref[...] = x_ref[pl.ds(i * 8, 16), :]  # step 0 is fine, step 1 reads rows 8..24
+
+    call = lambda: pl.pallas_call(  # noqa: E731
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((16, 128), x.dtype),
+        grid=(2,),
+        in_specs=[pl.BlockSpec((16, 128), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((16, 128), lambda i: (0, 0)),
+        interpret=pltpu.InterpretParams(),
+    )(x)
+    msg = _raises(r"out-of-bounds read", call)
+    assert "kernel 'kernel'" in msg and "test_interpret.py" in msg and "in_specs[0] block" in msg
+    assert "[8, 8 + 16)" in msg
+
+
+def test_out_of_bounds_dma_and_store():
+    x = rand(21, (64, 128))
+
+    def kernel(x_hbm, o_ref, buf, sem):
+        copy = pltpu.make_async_copy(x_hbm.at[pl.ds(pl.program_id(0) * 40, 32)], buf, sem)
+        copy.start()
+        copy.wait()
+        o_ref[...] = buf[...]
+
+    call = lambda: pl.pallas_call(  # noqa: E731
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((32, 128), x.dtype),
+        grid=(2,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((32, 128), lambda i: (0, 0)),
+        scratch_shapes=[pltpu.VMEM((32, 128), x.dtype), pltpu.SemaphoreType.DMA],
+        interpret=pltpu.InterpretParams(),
+    )(x)
+    _raises(r"out-of-bounds DMA read of in_specs\[0\] \(HBM\).*\[40, 40 \+ 32\)", call)
+
+    def store(x_ref, o_ref):
+        o_ref[pl.ds(pl.program_id(0) + 1, 8), :] = x_ref[...]
+
+    call = (
+        lambda: pl.pallas_call(  # noqa: E731
+            store,
+            out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
+            grid=(1,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i: (0, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+            interpret=pltpu.InterpretParams(),
+        )(x[:8])
+    )
+    _raises(r"out-of-bounds write of out_specs\[0\] block", call)
+
+
+def test_index_map_out_of_range():
+    x = rand(22, (16, 128))
+    call = lambda: pl.pallas_call(  # noqa: E731
+        lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(2,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (i + 1, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+        interpret=pltpu.InterpretParams(),
+    )(x)
+    _raises(r"in_specs\[0\]\.index_map returned block index 2 for dimension 0", call)
+
+
+def test_wait_that_never_completes_is_a_deadlock_error():
+    def kernel(x_ref, o_ref, sem):
+        pl.semaphore_signal(sem, 1)
+        pl.semaphore_wait(sem, 2)
+        o_ref[...] = x_ref[...]
+
+    x = rand(23, (8, 128))
+    call = lambda: pl.pallas_call(  # noqa: E731
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_shapes=[pltpu.SemaphoreType.REGULAR],
+        interpret=pltpu.InterpretParams(),
+    )(x)
+    _raises(r"for 2 but it holds 1.*deadlock", call)
+
+
+def test_dma_never_waited_is_an_error():
+    def kernel(x_hbm, o_ref, buf, sem):
+        pltpu.make_async_copy(x_hbm, buf, sem).start()
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    x = rand(24, (8, 128))
+    call = lambda: pl.pallas_call(  # noqa: E731
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA],
+        interpret=pltpu.InterpretParams(),
+    )(x)
+    _raises(r"semaphore scratch_shapes\[1\] is not zero when the kernel ends", call)
+
+
+def _simple(kernel, x, **kw):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=pltpu.InterpretParams(), **kw
+    )(x)
+
+
+def test_block_shape_must_fit_the_tpu_tile():
+    x = rand(25, (64, 256))
+    with pytest.raises(ValueError, match=r"in_specs\[0\].*dimension 1 has block size 64.*multiple of 128"):
+        _simple(
+            lambda x_ref, o_ref: None,
+            x,
+            grid=(4,),
+            in_specs=[pl.BlockSpec((16, 64), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((16, 256), lambda i: (i, 0)),
+        )
+    with pytest.raises(ValueError, match=r"dimension 0 has block size 4.*multiple of 8"):
+        _simple(
+            lambda x_ref, o_ref: None,
+            x,
+            grid=(16,),
+            in_specs=[pl.BlockSpec((4, 256), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((64, 256), lambda i: (0, 0)),
+        )
+
+
+def test_smem_holds_32_bit_scalars_only():
+    x = rand(26, (8, 128))
+    with pytest.raises(TypeError, match=r"scratch_shapes\[0\].*SMEM holds 32-bit scalars only, got int8"):
+        _simple(lambda x_ref, o_ref, s: None, x, scratch_shapes=[pltpu.SMEM((4,), jnp.int8)])
+
+
+def test_scratch_over_vmem_limit():
+    x = rand(27, (8, 128))
+    with pytest.raises(ValueError, match=r"vmem_limit_bytes is 65536"):
+        _simple(
+            lambda x_ref, o_ref, s: None,
+            x,
+            scratch_shapes=[pltpu.VMEM((128, 256), jnp.float32)],
+            compiler_params=pltpu.CompilerParams(vmem_limit_bytes=65536),
+        )
+
+
+def test_dma_between_refs_of_different_shapes_or_dtypes():
+    x = rand(28, (8, 128))
+
+    def shapes(x_hbm, o_ref, buf, sem):
+        pltpu.make_async_copy(x_hbm, buf, sem).start()
+
+    with pytest.raises(
+        ValueError,
+        match=r"make_async_copy: src_ref and dst_ref must have the same shape.*\[8, 128\].*\[16, 128\]",
+    ):
+        _simple(
+            shapes,
+            x,
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((16, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+        )
+    with pytest.raises(ValueError, match=r"float32\[8, 128\] and dst bfloat16\[8, 128\]"):
+        _simple(
+            shapes,
+            x,
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((8, 128), jnp.bfloat16), pltpu.SemaphoreType.DMA],
+        )
+
+
+def test_semaphore_of_the_wrong_type():
+    x = rand(29, (8, 128))
+
+    def dma_on_regular(x_hbm, o_ref, buf, sem):
+        pltpu.make_async_copy(x_hbm, buf, sem).start()
+
+    with pytest.raises(
+        TypeError,
+        match=r"in kernel 'dma_on_regular' at test_interpret.py:\d+: .*DMA semaphores.*got a REGULAR semaphore",
+    ):
+        _simple(
+            dma_on_regular,
+            x,
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.REGULAR],
+        )
+
+    def wait_on_dma(x_ref, o_ref, sem):
+        pl.semaphore_wait(sem)
+
+    with pytest.raises(TypeError, match=r"expected a REGULAR or BARRIER semaphore, got a DMA semaphore"):
+        _simple(wait_on_dma, x, scratch_shapes=[pltpu.SemaphoreType.DMA])
+
+    def signal_data(x_ref, o_ref):
+        pl.semaphore_signal(o_ref)
+
+    with pytest.raises(TypeError, match=r"expected a semaphore Ref"):
+        _simple(signal_data, x)
+
+
+def test_dimension_semantics_validation():
+    with pytest.raises(ValueError, match=r"unknown dimension semantics 'parallell'"):
+        pltpu.CompilerParams(dimension_semantics=("parallell",))
+    x = rand(30, (8, 128))
+    with pytest.raises(ValueError, match=r"got 2 entries for a grid of 1 axes"):
+        _simple(
+            lambda x_ref, o_ref: None,
+            x,
+            grid=(1,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i: (0, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        )

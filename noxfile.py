@@ -55,9 +55,9 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def tests_newest(session: nox.Session) -> None:
-    """Smoke run on the newest supported JAX: the pallas-core suite and one example."""
+    """Run on the newest supported JAX: the pallas-core and pallas-tpu suites and one example."""
     _install_all(session, JAX_NEWEST)
-    args = session.posargs or ["tests/core", "-n", "2", "-q"]
+    args = session.posargs or ["tests/core", "tests/tpu", "-n", "2", "-q"]
     session.run("python", "-m", "pytest", *args)
     session.run("python", "examples/add.py")
 

@@ -16,6 +16,10 @@ def _has_gpu() -> bool:
 
 
 def pytest_configure(config):
+    # JAX's own test suite runs with jaxpr checking on; so does ours (DEVELOPERS guide).
+    import jax
+
+    jax.config.update("jax_enable_checks", True)
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped without one)")
 
 

@@ -652,3 +652,28 @@ def test_dimension_semantics_validation():
             out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         )
+
+
+def test_force_tpu_interpret_mode():
+    x = rand(31, (8, 128))
+
+    def kernel(x_ref, o_ref, scratch):
+        scratch[...] = x_ref[...] * 3
+        o_ref[...] = scratch[...]
+
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype)],
+    )
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        close(call(x), x * 3)
+    with pytest.raises(ValueError, match="kernel is being lowered for the CPU|no Pallas backend|interpret"):
+        jax.block_until_ready(
+            pl.pallas_call(
+                kernel,
+                out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                scratch_shapes=[pltpu.VMEM(x.shape, x.dtype)],
+                compiler_params=pltpu.CompilerParams(),
+            )(x)
+        )

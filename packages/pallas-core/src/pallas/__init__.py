@@ -25,6 +25,10 @@ from pallas._src.core import RevisitMode as RevisitMode
 from pallas._src.core import Squeezed as Squeezed
 from pallas._src.core import no_block_spec as no_block_spec
 from pallas._src.core import squeezed as squeezed
+from pallas._src.helpers import align_to as align_to
+from pallas._src.helpers import empty_ref_like as empty_ref_like
+from pallas._src.helpers import strides_from_shape as strides_from_shape
+from pallas._src.helpers import with_scoped as with_scoped
 from pallas._src.interpret import InterpretParams as InterpretParams
 from pallas._src.kernel import kernel as kernel
 from pallas._src.pallas_call import pallas_call as pallas_call

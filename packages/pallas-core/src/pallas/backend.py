@@ -43,3 +43,10 @@ from pallas._src.semaphores import semaphore_signal_p as semaphore_signal_p
 from pallas._src.semaphores import semaphore_wait_p as semaphore_wait_p
 from pallas._src.semaphores import transformed_aval as transformed_aval
 from pallas._src.semaphores import unflatten_transforms as unflatten_transforms
+
+
+def forced_interpret() -> list:
+    """The stack of process-wide ``interpret`` defaults (push/pop to force one)."""
+    from pallas._src import pallas_call
+
+    return pallas_call._forced_interpret

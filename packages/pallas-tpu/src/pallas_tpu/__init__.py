@@ -8,6 +8,7 @@ a TPU's memories, DMAs, semaphores, cores and devices.
 """
 
 from pallas import backend as _plb
+from pallas_tpu._src import core as core
 from pallas_tpu._src import pallas_call_registration as _registration
 from pallas_tpu._src.core import ARBITRARY as ARBITRARY
 from pallas_tpu._src.core import CMEM as CMEM
@@ -31,6 +32,10 @@ from pallas_tpu._src.core import create_tensorcore_mesh as create_tensorcore_mes
 from pallas_tpu._src.core import dma_semaphore as dma_semaphore
 from pallas_tpu._src.interpret import InterpretParams as InterpretParams
 from pallas_tpu._src.interpret import KernelError as KernelError
+from pallas_tpu._src.interpret import force_tpu_interpret_mode as force_tpu_interpret_mode
+from pallas_tpu._src.interpret import reset_tpu_interpret_mode_state as reset_tpu_interpret_mode_state
+from pallas_tpu._src.interpret import set_tpu_interpret_mode as set_tpu_interpret_mode
+from pallas_tpu._src.pallas_call_registration import LoweringException as LoweringException
 from pallas_tpu._src.primitives import AsyncCopyDescriptor as AsyncCopyDescriptor
 from pallas_tpu._src.primitives import async_copy as async_copy
 from pallas_tpu._src.primitives import async_remote_copy as async_remote_copy

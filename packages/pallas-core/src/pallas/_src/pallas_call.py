@@ -528,7 +528,7 @@ def pallas_call(
             jaxpr=jaxpr,
             grid_mapping=gm,
             input_output_aliases=aliases,
-            interpret=True if interpret is True else (interpret or False),
+            interpret=_effective_interpret(interpret),
             debug=debug,
             compiler_params=compiler_params_,
             cost_estimate=cost_estimate,
@@ -547,6 +547,16 @@ def _prefetch_aval(grid_spec, aval, what: str, err: _Err):
         raise err(TypeError, what, f"scalar prefetch operands must be numeric arrays, got {aval.dtype}")
     make = getattr(grid_spec, "scalar_prefetch_ref_aval", None)
     return make(aval) if make is not None else compat.ref_aval(aval.shape, aval.dtype)
+
+
+# A process-wide default for ``interpret`` (``pltpu.force_tpu_interpret_mode``).
+_forced_interpret: list[Any] = []
+
+
+def _effective_interpret(interpret):
+    if not interpret and _forced_interpret:
+        return _forced_interpret[-1]
+    return True if interpret is True else (interpret or False)
 
 
 def _dtype_key(x):

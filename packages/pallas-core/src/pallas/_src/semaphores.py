@@ -161,6 +161,10 @@ def semaphore_signal(
 
 
 def _signal_abstract_eval(*avals, **_):
+    # The barrier semaphore is not a kernel input (pltpu.get_barrier_semaphore
+    # makes it), so a Ref effect on it would name no jaxpr input.
+    if pallas_core.semaphore_kind(avals[0]) is pallas_core.SemaphoreKind.BARRIER:
+        return [], {compat.delay_effect}
     return [], {compat.WriteEffect(0)}
 
 

@@ -745,3 +745,34 @@ def _barrier(interp, eqn):
             f"{interp.where(eqn)}: barrier semaphores need the multi-device TPU interpreter"
         )
     return RefView(interp.hidden_cells["__barrier"])
+
+
+# ---------------------------------------------------------------------------
+# Forcing TPU interpret mode on every pallas_call (JAX's API).
+
+
+class force_tpu_interpret_mode:  # noqa: N801  (JAX's name; a context manager)
+    """Runs every ``pallas_call`` in the ``with`` block (that does not pass
+    ``interpret`` itself) in TPU interpret mode with ``params``."""
+
+    def __init__(self, params: InterpretParams | None = None):
+        self.params = params or InterpretParams()
+
+    def __enter__(self):
+        plb.forced_interpret().append(self.params)
+        return self
+
+    def __exit__(self, *exc):
+        plb.forced_interpret().pop()
+
+
+def set_tpu_interpret_mode(params: InterpretParams | None = None) -> None:
+    """Makes TPU interpret mode (with ``params``) the default from now on."""
+    stack = plb.forced_interpret()
+    stack.clear()
+    stack.append(params or InterpretParams())
+
+
+def reset_tpu_interpret_mode_state() -> None:
+    """Clears interpreter state after an error (JAX's API). The interpreter
+    keeps no state between calls except a forced default, which this keeps."""

@@ -14,6 +14,12 @@ from pallas_tpu._src import interpret_pallas_call
 from pallas_tpu._src.interpret import Interpreter, InterpretParams
 
 PLATFORMS = ("tpu",)
+
+
+class LoweringException(Exception):
+    """A kernel that cannot be lowered to Mosaic (JAX's ``pltpu.LoweringException``)."""
+
+
 COMPILER_PARAMS = tpu_core.CompilerParams
 INTERPRET_PARAMS = InterpretParams
 

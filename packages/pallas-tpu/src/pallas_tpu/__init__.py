@@ -30,6 +30,7 @@ from pallas_tpu._src.core import SideEffectType as SideEffectType
 from pallas_tpu._src.core import TensorCoreMesh as TensorCoreMesh
 from pallas_tpu._src.core import create_tensorcore_mesh as create_tensorcore_mesh
 from pallas_tpu._src.core import dma_semaphore as dma_semaphore
+from pallas_tpu._src.einshape import einshape as einshape
 from pallas_tpu._src.interpret import InterpretParams as InterpretParams
 from pallas_tpu._src.interpret import KernelError as KernelError
 from pallas_tpu._src.interpret import force_tpu_interpret_mode as force_tpu_interpret_mode
@@ -42,6 +43,30 @@ from pallas_tpu._src.primitives import async_remote_copy as async_remote_copy
 from pallas_tpu._src.primitives import get_barrier_semaphore as get_barrier_semaphore
 from pallas_tpu._src.primitives import make_async_copy as make_async_copy
 from pallas_tpu._src.primitives import make_async_remote_copy as make_async_remote_copy
+from pallas_tpu._src.random import prng_random_bits as prng_random_bits
+from pallas_tpu._src.random import prng_seed as prng_seed
+from pallas_tpu._src.random import sample_block as sample_block
+from pallas_tpu._src.random import stateful_bernoulli as stateful_bernoulli
+from pallas_tpu._src.random import stateful_bits as stateful_bits
+from pallas_tpu._src.random import stateful_normal as stateful_normal
+from pallas_tpu._src.random import stateful_uniform as stateful_uniform
+from pallas_tpu._src.random import to_pallas_key as to_pallas_key
+from pallas_tpu._src.tpu_info import ChipVersion as ChipVersion
+from pallas_tpu._src.tpu_info import Tiling as Tiling
+from pallas_tpu._src.tpu_info import TpuInfo as TpuInfo
+from pallas_tpu._src.tpu_info import get_tpu_info as get_tpu_info
+from pallas_tpu._src.tpu_info import get_tpu_info_for_chip as get_tpu_info_for_chip
+from pallas_tpu._src.tpu_info import is_tpu_device as is_tpu_device
+from pallas_tpu._src.vector_primitives import annotate as annotate
+from pallas_tpu._src.vector_primitives import bitcast as bitcast
+from pallas_tpu._src.vector_primitives import pack_elementwise as pack_elementwise
+from pallas_tpu._src.vector_primitives import reciprocal as reciprocal
+from pallas_tpu._src.vector_primitives import roll as roll
+from pallas_tpu._src.vector_primitives import stochastic_round as stochastic_round
+from pallas_tpu._src.vector_primitives import touch as touch
+from pallas_tpu._src.vector_primitives import trace_value as trace_value
+from pallas_tpu._src.vector_primitives import unpack_elementwise as unpack_elementwise
+from pallas_tpu._src.vector_primitives import with_memory_space_constraint as with_memory_space_constraint
 
 __version__ = "0.1.0"
 

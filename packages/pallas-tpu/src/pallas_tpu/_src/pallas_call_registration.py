@@ -34,16 +34,19 @@ def _interpreter_class(jaxpr, params):
 
 def _interpret(*args, jaxpr, grid_mapping, input_output_aliases, interpret, compiler_params, **_):
     params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
+    from pallas_tpu._src import tpu_info
+
     cls = _interpreter_class(jaxpr, params)
-    return interpret_pallas_call.run(
-        cls,
-        args,
-        jaxpr=jaxpr,
-        grid_mapping=grid_mapping,
-        input_output_aliases=input_output_aliases,
-        params=params,
-        compiler_params=compiler_params,
-    )
+    with tpu_info.modeled_chip(params.chip_version):
+        return interpret_pallas_call.run(
+            cls,
+            args,
+            jaxpr=jaxpr,
+            grid_mapping=grid_mapping,
+            input_output_aliases=input_output_aliases,
+            params=params,
+            compiler_params=compiler_params,
+        )
 
 
 def interpret_lower(ctx, *args, **params):

@@ -1,0 +1,77 @@
+"""Our public names against JAX's (``jax.experimental.pallas`` and ``.tpu``):
+the names we lack are listed here with the reason, so a new JAX name or a
+regression shows up as a failing test and the list stays true."""
+
+from __future__ import annotations
+
+import pytest
+
+import pallas as pl
+import pallas_tpu as pltpu
+
+jpl = pytest.importorskip("jax.experimental.pallas")
+jpltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+
+# Names of jax.experimental.pallas.tpu we do not offer, and why.
+MISSING_TPU = {
+    "ACC": "MXU accumulator memory (TPU v7 matmul FIFOs): no model of the MXU yet",
+    "matmul_acc_lhs": "MXU FIFO op (TPU v7): no model of the MXU yet",
+    "matmul_lhs_fifo": "MXU FIFO op (TPU v7): no model of the MXU yet",
+    "matmul_pop": "MXU FIFO op (TPU v7): no model of the MXU yet",
+    "matmul_pop_fifo": "MXU FIFO op (TPU v7): no model of the MXU yet",
+    "matmul_push_rhs": "MXU FIFO op (TPU v7): no model of the MXU yet",
+    "conv": "TPU convolution primitive: not implemented yet",
+    "load": "masked vector load: not implemented yet",
+    "store": "masked vector store: not implemented yet",
+}
+# Names of jax.experimental.pallas we do not offer, and why.
+MISSING_PL = {
+    "Indirect": "indirect (gathered) block dims: not implemented yet",
+    "broadcast_to": "Ref broadcast (a JAX state primitive): not implemented yet",
+    "debug_check": "pl.debug_check: not implemented yet",
+    "enable_debug_checks": "pl.debug_check: not implemented yet",
+    "enable_poison_buffers": "JAX-internal debugging switch",
+    "estimate_cost": "cost estimation from a jaxpr: not implemented yet",
+    "get_global": "global (cross-call) semaphores: not implemented yet",
+    "lower_as_mlir": "JAX-internal debugging helper",
+    "pallas_export_experimental": "JAX-internal export helper",
+    "run_state": "jax.experimental's run_state: use JAX's",
+    "select_ref": "Ref selection transform: not implemented yet",
+    "semaphore": "semaphore dtype: our semaphores are int32 Refs in a semaphore memory space",
+    "tpu": "the submodule: import pallas_tpu",
+}
+
+
+def _public(mod) -> set[str]:
+    return {n for n in dir(mod) if not n.startswith("_")}
+
+
+def test_tpu_names():
+    missing = _public(jpltpu) - _public(pltpu)
+    print("missing from pallas_tpu:", sorted(missing))
+    assert missing == set(MISSING_TPU) - (set(MISSING_TPU) - _public(jpltpu)), sorted(
+        missing ^ set(MISSING_TPU)
+    )
+
+
+def test_pl_names():
+    missing = _public(jpl) - _public(pl)
+    print("missing from pallas:", sorted(missing))
+    assert missing == set(MISSING_PL) - (set(MISSING_PL) - _public(jpl)), sorted(missing ^ set(MISSING_PL))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["VMEM", "SMEM", "HBM", "SEMAPHORE", "PARALLEL", "ARBITRARY", "CORE_PARALLEL", "SUBCORE_PARALLEL"],
+)
+def test_constants_have_jax_values(name):
+    ours, theirs = getattr(pltpu, name), getattr(jpltpu, name)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_compiler_params_fields_match():
+    import dataclasses
+
+    ours = {f.name for f in dataclasses.fields(pltpu.CompilerParams)}
+    theirs = {f.name for f in dataclasses.fields(jpltpu.CompilerParams)}
+    assert theirs <= ours, sorted(theirs - ours)

@@ -1,8 +1,17 @@
 """Shared pytest setup: the `gpu` marker skips cleanly on machines with no GPU."""
 
 import functools
+import os
 
 import pytest
+
+# Four CPU devices, so TPU kernels that talk to other devices (remote DMAs,
+# barrier semaphores) run inside jax.shard_map. XLA reads the flag when JAX's
+# CPU backend starts, so it is set before anything imports jax.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
 
 
 @functools.cache

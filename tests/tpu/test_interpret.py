@@ -677,3 +677,45 @@ def test_force_tpu_interpret_mode():
                 compiler_params=pltpu.CompilerParams(),
             )(x)
         )
+
+
+def test_masked_load_and_store():
+    x = rand(32, (8, 128))
+    y = rand(33, (8, 128))
+    mask = jax.random.bernoulli(jax.random.key(34), 0.5, (8, 128))
+
+    def kernel(x_ref, y_ref, m_ref, a_ref, b_ref):
+        m = m_ref[...] != 0
+        a_ref[...] = pltpu.load(x_ref, mask=m)
+        b_ref[...] = y_ref[...]
+        pltpu.store(b_ref, x_ref[...] * 2, mask=m)
+
+    a, b = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2,
+        interpret=pltpu.InterpretParams(),
+    )(x, y, mask.astype(jnp.int32))
+    close(a, jnp.where(mask, x, 0))
+    close(b, jnp.where(mask, 2 * x, y))
+
+    def bad(x_ref, o_ref):
+        o_ref[...] = pltpu.load(x_ref, mask=jnp.ones((8, 64), bool))
+
+    with pytest.raises(
+        ValueError, match=r"pltpu.load: mask must be a bool array of the Ref's shape \(8, 128\)"
+    ):
+        _simple(bad, x)
+
+
+def test_pytree_scratch_shapes():
+    x = rand(35, (8, 128))
+
+    def kernel(x_ref, o_ref, scratch):
+        scratch["a"][...] = x_ref[...] * 2
+        scratch["b"][0][...] = scratch["a"][...] + 1
+        o_ref[...] = scratch["b"][0][...]
+
+    out = _simple(
+        kernel, x, scratch_shapes=[{"a": pltpu.VMEM(x.shape, x.dtype), "b": [pltpu.VMEM(x.shape, x.dtype)]}]
+    )
+    close(out, 2 * x + 1)

@@ -21,8 +21,6 @@ MISSING_TPU = {
     "matmul_pop_fifo": "MXU FIFO op (TPU v7): no model of the MXU yet",
     "matmul_push_rhs": "MXU FIFO op (TPU v7): no model of the MXU yet",
     "conv": "TPU convolution primitive: not implemented yet",
-    "load": "masked vector load: not implemented yet",
-    "store": "masked vector store: not implemented yet",
 }
 # Names of jax.experimental.pallas we do not offer, and why.
 MISSING_PL = {

@@ -51,8 +51,10 @@ from pallas_tpu._src.primitives import AsyncCopyDescriptor as AsyncCopyDescripto
 from pallas_tpu._src.primitives import async_copy as async_copy
 from pallas_tpu._src.primitives import async_remote_copy as async_remote_copy
 from pallas_tpu._src.primitives import get_barrier_semaphore as get_barrier_semaphore
+from pallas_tpu._src.primitives import load as load
 from pallas_tpu._src.primitives import make_async_copy as make_async_copy
 from pallas_tpu._src.primitives import make_async_remote_copy as make_async_remote_copy
+from pallas_tpu._src.primitives import store as store
 from pallas_tpu._src.random import prng_random_bits as prng_random_bits
 from pallas_tpu._src.random import prng_seed as prng_seed
 from pallas_tpu._src.random import sample_block as sample_block

@@ -276,7 +276,11 @@ def _out_aval(x, name: str, err: _Err):
     raise err(TypeError, name, f"expected a jax.ShapeDtypeStruct (or an array), got {x!r:.80}")
 
 
-def _trace_kernel(kernel, gm: GridMapping, in_tree, out_struct, err: _Err):
+def _is_scratch_leaf(x) -> bool:
+    return hasattr(x, "get_ref_aval") or (hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _trace_kernel(kernel, gm: GridMapping, in_tree, out_struct, err: _Err, scratch_tree=None):
     """Kernel -> closed jaxpr with invars (grid indices, in refs, out refs, scratch refs)."""
     G, nsp = len(gm.grid), gm.num_scalar_prefetch
     idx_avals = [compat.shaped_array((), jnp.int32)] * G
@@ -289,6 +293,8 @@ def _trace_kernel(kernel, gm: GridMapping, in_tree, out_struct, err: _Err):
         in_refs = tree_util.tree_unflatten(in_tree, refs[: gm.num_inputs])
         out_refs = tree_util.tree_unflatten(out_tree, refs[gm.num_inputs : gm.num_inputs + gm.num_outputs])
         scratch = refs[gm.num_inputs + gm.num_outputs :]
+        if scratch_tree is not None:  # scratch_shapes given as a pytree: the kernel gets it back
+            scratch = tree_util.tree_unflatten(scratch_tree, scratch)
         ctx = primitives.KernelContext(gm.grid, gidx, gm.kernel_name)
         with primitives.kernel_context(ctx), kernel_scope(gm.kernel_name, gm.source):
             res = kernel(*prefetch, *in_refs, *out_refs, *scratch)
@@ -465,9 +471,10 @@ def pallas_call(
             raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
         if not isinstance(scratch_shapes_, (tuple, list)):
             raise err(TypeError, "scratch_shapes", f"expected a tuple, got {scratch_shapes_!r}")
-        scratch_avals = tuple(
-            _scratch_aval(s, f"scratch_shapes[{i}]", err) for i, s in enumerate(scratch_shapes_)
+        scratch_leaves, scratch_tree = tree_util.tree_flatten_with_path(
+            tuple(scratch_shapes_), is_leaf=_is_scratch_leaf
         )
+        scratch_avals = tuple(_scratch_aval(s, f"scratch_shapes{_keystr(p)}", err) for p, s in scratch_leaves)
         out_leaves = tree_util.tree_flatten_with_path(outs_tuple)[0]
         out_names = [f"out_shape{out_path(p)}" for p, _ in out_leaves]
         out_avals = [_out_aval(x, n, err) for (_, x), n in zip(out_leaves, out_names)]
@@ -504,7 +511,7 @@ def pallas_call(
             num_scalar_prefetch=nsp,
             prefetch_avals=prefetch_avals,
         )
-        jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err)
+        jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err, scratch_tree)
         if debug:
             print(f"The kernel jaxpr for pallas_call '{kernel_name}' ({source}):")
             print(jaxpr)

@@ -774,5 +774,8 @@ def set_tpu_interpret_mode(params: InterpretParams | None = None) -> None:
 
 
 def reset_tpu_interpret_mode_state() -> None:
-    """Clears interpreter state after an error (JAX's API). The interpreter
-    keeps no state between calls except a forced default, which this keeps."""
+    """Clears the multi-device interpreter's shared state after an error
+    (JAX's API); a forced default interpret mode stays."""
+    from pallas_tpu._src import interpret_multi
+
+    interpret_multi.reset_tpu_interpret_mode_state()

@@ -1,11 +1,64 @@
-"""Placeholder until the multi-device interpreter lands (remote DMAs, remote
-semaphore signals, barrier semaphores, race detection)."""
+"""The multi-device TPU interpreter: remote DMAs, remote semaphore signals,
+barrier semaphores, and race detection.
+
+A kernel called inside ``jax.shard_map`` runs once per device, each device's
+copy as its own XLA program, and XLA's CPU client runs those programs on
+separate threads at the same time. The kernel's data stays functional per
+device (``Interpreter`` cells); what crosses devices goes through
+``io_callback``s into one Python ``_Session`` per kernel call, shared by the
+devices of the mesh:
+
+* semaphores that another device or core can signal (REGULAR and BARRIER
+  semaphores) are counters in the session; a wait blocks on a
+  ``threading.Condition`` until other devices' signals satisfy it;
+* a remote DMA's ``start`` reads its source on the sender and posts a message
+  (the data and the flat element indices of its destination, computed on the
+  sender: they may depend on the sender's device id) to a mailbox keyed by the
+  target device and its receive semaphore; the target writes the data into
+  its destination at ``wait_recv``. The send semaphore is local;
+* pairing: the n-th call of a kernel on each device of a mesh meets the n-th
+  call on the others (a device joins the oldest session it has not joined);
+* a wait that no device can satisfy any more (every device of the mesh is
+  finished or blocked) raises a deadlock error at once; a wait that lasts
+  longer than ``deadlock_timeout`` seconds raises one too. An error on one
+  device aborts the session on the others.
+
+Callbacks of one device are chained by a token in ``Interpreter.hidden`` so
+XLA keeps them in program order.
+
+Race detection (``InterpretParams(detect_races=True)``) is a happens-before
+detector with vector clocks: each (device, core) running the kernel and each
+DMA is a thread; a semaphore signal releases the signaller's clock into the
+semaphore and a wait acquires it; a DMA starts with its issuer's clock and the
+thread that waits for it acquires the DMA's clock. Every kernel access of a
+Ref and every DMA's source read and destination write is recorded (a callback
+per access) with the flat element indices it touches; two accesses of
+overlapping elements of one buffer, at least one a write, by threads with no
+happens-before between them are a race, reported with both accesses named.
+Cores of a device run one after the other in this interpreter: a core that
+waits for a later core's signal deadlocks (reported as such).
+"""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import math
+import os
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax, tree_util
+from jax.experimental import io_callback
+
 from pallas import backend as plb
+from pallas_tpu._src import compat
 from pallas_tpu._src import primitives as tpu_prims
-from pallas_tpu._src.interpret import Interpreter
+from pallas_tpu._src.interpret import Interpreter, KernelError, RefView, _nbytes
 
 
 def needs_multi_device(jaxpr) -> bool:
@@ -15,8 +68,6 @@ def needs_multi_device(jaxpr) -> bool:
 
 
 def _has_remote(jaxpr) -> bool:
-    import jax
-
     stack = [jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr]
     while stack:
         j = stack.pop()
@@ -32,5 +83,627 @@ def _has_remote(jaxpr) -> bool:
     return False
 
 
+# ---------------------------------------------------------------------------
+# Process-wide state.
+
+deadlock_timeout: float = float(os.environ.get("PALLAS_TPU_INTERPRET_DEADLOCK_TIMEOUT", "60"))
+
+
+def set_deadlock_timeout(seconds: float) -> float:
+    """Sets how long a blocked wait may last before it is reported as a
+    deadlock (when the other devices are not all blocked); returns the old value."""
+    global deadlock_timeout
+    old, deadlock_timeout = deadlock_timeout, float(seconds)
+    return old
+
+
+@dataclasses.dataclass
+class RaceDetectionState:
+    """What race detection found (JAX's ``interpret_pallas_call.races``)."""
+
+    races_found: bool = False
+    messages: list[str] = dataclasses.field(default_factory=list)
+
+
+races = RaceDetectionState()
+
+_lock = threading.Lock()
+_sessions: dict[int, _Session] = {}
+_open: dict[Any, list[_Session]] = collections.defaultdict(list)
+_next_sid = 0
+
+
+def reset_tpu_interpret_mode_state() -> None:
+    """Forgets every kernel session (devices that never met, after an error)
+    and the races found so far."""
+    global races
+    with _lock:
+        for s in _sessions.values():
+            with s.cv:
+                s.error = s.error or "the TPU interpret mode state was reset"
+                s.cv.notify_all()
+        _sessions.clear()
+        _open.clear()
+    races = RaceDetectionState()
+
+
+def _session(sid) -> _Session:
+    s = _sessions.get(int(sid))
+    if s is None:
+        raise KernelError("TPU interpret mode: this kernel's session was reset while it ran")
+    return s
+
+
+@dataclasses.dataclass
+class _Access:
+    thread: Any
+    epoch: int
+    write: bool
+    idx: np.ndarray  # sorted unique flat element indices
+    what: str  # "write of out_specs[0] (HBM)[0:8, 0:128] by the kernel at k.py:3 (device 1)"
+
+
+@dataclasses.dataclass
+class _Message:
+    data: np.ndarray
+    idx: np.ndarray
+    dst_cell: int
+    nbytes: int
+    dma: Any
+    site: str
+
+
+def _join(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if out.get(k, 0) < v:
+            out[k] = v
+    return out
+
+
+def _region(idx: np.ndarray, shape) -> str:
+    if not shape:
+        return ""
+    if idx.size == 0:
+        return "[empty]"
+    coords = np.unravel_index(idx, shape)
+    parts = [f"{int(c.min())}:{int(c.max()) + 1}" for c in coords]
+    box = math.prod(int(c.max()) - int(c.min()) + 1 for c in coords)
+    return "[" + ", ".join(parts) + "]" + ("" if box == idx.size else f" ({idx.size} elements)")
+
+
+class _Session:
+    """One kernel call shared by the devices of a mesh (see the module docstring)."""
+
+    def __init__(self, sid: int, key, num_devices: int, kernel: str, detect_races: bool):
+        self.sid, self.key, self.num_devices, self.kernel = sid, key, num_devices, kernel
+        self.detect_races = detect_races
+        self.cv = threading.Condition()
+        self.joined: set[int] = set()
+        self.left: set[int] = set()
+        self.blocked: dict[int, tuple[Any, str]] = {}
+        self.error: str | None = None
+        self.sems: dict[Any, int] = collections.defaultdict(int)
+        self.sem_names: dict[Any, str] = {}
+        self.sem_clocks: dict[Any, dict] = {}
+        self.mail: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+        self.clocks: dict[Any, dict] = {}
+        self.accesses: dict[Any, list[_Access]] = collections.defaultdict(list)
+        self.inflight: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+        self.dma_sites: dict[Any, str] = {}
+        self.n_dma = 0
+
+    # -- errors --
+
+    def fail(self, msg: str) -> KernelError:
+        """Aborts the session on every device; returns the error to raise here."""
+        with _lock:
+            if self.error is None:
+                self.error = msg
+            if self in _open.get(self.key, []):
+                _open[self.key].remove(self)
+        self.cv.notify_all()
+        return KernelError(msg)
+
+    def check_alive(self, dev: int) -> None:
+        if self.error is not None:
+            raise KernelError(f"{self.kernel}: device {dev} stopped because the kernel failed: {self.error}")
+
+    # -- blocking --
+
+    def block(self, dev: int, pred, desc: str) -> None:
+        """Waits (holding ``cv``) until ``pred()``; raises on deadlock or timeout."""
+        deadline = time.monotonic() + deadlock_timeout
+        while not pred():
+            self.check_alive(dev)
+            self.blocked[dev] = (pred, desc)
+            self.cv.notify_all()
+            if len(self.joined) == self.num_devices and all(
+                d in self.left or (d in self.blocked and not self.blocked[d][0]())
+                for d in range(self.num_devices)
+            ):
+                states = [
+                    f"device {d} {self.blocked[d][1]}"
+                    if d in self.blocked
+                    else f"device {d} finished the kernel"
+                    for d in range(self.num_devices)
+                    if d != dev
+                ]
+                raise self.fail(
+                    f"{self.kernel}: deadlock: device {dev} {desc}, and no device can signal it any more ("
+                    + "; ".join(states)
+                    + ")"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.num_devices)) - self.joined)
+                extra = f"; devices {missing} never started the kernel" if missing else ""
+                raise self.fail(
+                    f"{self.kernel}: deadlock: device {dev} {desc} and waited {deadlock_timeout:g} s "
+                    f"(pallas_tpu interpret deadlock_timeout){extra}"
+                )
+            self.cv.wait(min(left, 0.25))
+        self.blocked.pop(dev, None)
+
+    # -- vector clocks --
+
+    def clock(self, thread) -> dict:
+        c = self.clocks.get(thread)
+        if c is None:
+            c = self.clocks[thread] = {thread: 1}
+        return c
+
+    def tick(self, thread) -> None:
+        c = self.clock(thread)
+        c[thread] += 1
+
+    def record(self, buf, thread, write: bool, idx: np.ndarray, what: str) -> None:
+        """Records an access and raises if it races with an earlier one."""
+        if not self.detect_races:
+            return
+        clock = self.clock(thread)
+        idx = np.unique(np.asarray(idx, np.int64).reshape(-1))
+        for acc in self.accesses[buf]:
+            if acc.thread == thread or not (write or acc.write):
+                continue
+            if acc.epoch <= clock.get(acc.thread, 0):
+                continue
+            if np.isin(idx, acc.idx, assume_unique=True).any():
+                msg = (
+                    f"{self.kernel}: data race: {what} and {acc.what} touch the same memory with no "
+                    "synchronization between them (a semaphore signal and wait, a barrier, or waiting "
+                    "for the DMA)"
+                )
+                races.races_found = True
+                races.messages.append(msg)
+                raise self.fail(msg)
+        self.accesses[buf].append(_Access(thread, clock[thread], write, idx, what))
+
+
+def _join_session(key, num_devices: int, dev: int, kernel: str, detect_races: bool) -> _Session:
+    global _next_sid
+    with _lock:
+        for s in _open[key]:
+            if dev not in s.joined:
+                break
+        else:
+            s = _Session(_next_sid, key, num_devices, kernel, detect_races)
+            _next_sid += 1
+            _sessions[s.sid] = s
+            _open[key].append(s)
+        s.joined.add(dev)
+        if len(s.joined) == num_devices:
+            _open[key].remove(s)
+    with s.cv:
+        s.cv.notify_all()
+    return s
+
+
+# ---------------------------------------------------------------------------
+
+
+_SHARED_KINDS = (plb.SemaphoreKind.REGULAR, plb.SemaphoreKind.BARRIER)
+_DMA_PRIMS = (tpu_prims.dma_start_p, tpu_prims.dma_wait_p)
+
+
 class MultiDeviceInterpreter(Interpreter):
-    pass
+    """``Interpreter`` with devices: see the module docstring."""
+
+    # -- lifecycle --
+
+    def setup(self, jaxpr, compiler_params) -> None:
+        from pallas_tpu._src.interpret_pallas_call import _kernel_uses
+
+        names = compat.bound_axis_names()
+        sizes = compat.axis_sizes()
+        self.mesh_axes = tuple((n, int(sizes[n])) for n in names)
+        self.num_devices = math.prod(s for _, s in self.mesh_axes)
+        dev = jnp.int32(0)
+        for n, s in self.mesh_axes:
+            dev = dev * s + lax.axis_index(n).astype(jnp.int32)
+        self.my_dev = dev
+        self.core_id = 0
+        self.races = self.params.detect_races
+        self.hidden["__tok"] = jnp.zeros((), jnp.int32)
+        if _kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}):
+            cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
+            if getattr(cp, "collective_id", None) is None:
+                raise ValueError(
+                    f"{self.kernel_desc}: pltpu.get_barrier_semaphore() needs a collective id: pass "
+                    "compiler_params=pltpu.CompilerParams(collective_id=0)"
+                )
+            cell = self.new_cell(
+                jnp.zeros((), jnp.int32),
+                "the barrier semaphore",
+                plb.SemaphoreSpace(plb.SemaphoreKind.BARRIER),
+            )
+            self.hidden_cells["__barrier"] = cell
+        key = (self.mesh_axes, self.gm.kernel_name)
+        n, desc, races_on = self.num_devices, self.kernel_desc, self.races
+
+        def join(dev):
+            return np.int32(_join_session(key, n, int(dev), desc, races_on).sid)
+
+        (self.sid,) = self._callback(join, [jax.ShapeDtypeStruct((), jnp.int32)], self.my_dev)
+
+    def finish(self) -> None:
+        def leave(sid, dev):
+            s = _session(sid)
+            dev = int(dev)
+            with s.cv:
+                s.check_alive(dev)
+                s.left.add(dev)
+                s.cv.notify_all()
+                if len(s.left) < s.num_devices:
+                    return ()
+                with _lock:
+                    _sessions.pop(s.sid, None)
+                for key, v in s.sems.items():
+                    if v:
+                        raise s.fail(
+                            f"{s.kernel}: {s.sem_names[key]} holds {v} when the kernel ends on every device "
+                            "(a signal was not waited for)"
+                        )
+                for key, q in s.mail.items():
+                    if q:
+                        raise s.fail(
+                            f"{s.kernel}: the remote DMA started at {q[0].site} was never waited for by its "
+                            f"receiver (device {key[0]}: .wait_recv() on its receive semaphore)"
+                        )
+            return ()
+
+        self._callback(leave, [], self.sid, self.my_dev)
+
+    # -- callbacks --
+
+    def _callback(self, fn, result_shapes, *args):
+        """``fn(*args)`` on the host, after this device's earlier callbacks."""
+        tok_shape = jax.ShapeDtypeStruct((), jnp.int32)
+
+        def host(tok, *a):
+            out = fn(*a)
+            out = () if out is None else (out if isinstance(out, tuple) else (out,))
+            return (np.asarray(tok, np.int32), *out)
+
+        outs = io_callback(host, (tok_shape, *result_shapes), self.hidden["__tok"], *args, ordered=False)
+        self.hidden["__tok"] = outs[0]
+        return list(outs[1:])
+
+    def _site(self, eqn) -> str:
+        src = compat.eqn_user_source(eqn)
+        return src or self.gm.kernel_name
+
+    def _who(self, dev: int, core: int) -> str:
+        return f"device {dev}, core {core}" if self.num_devices > 1 else f"core {core}"
+
+    def _buf_name(self, cell: int, dev: int, idx, shape) -> str:
+        name = self.cell_names.get(cell, f"ref#{cell}") + _region(np.unique(idx), shape)
+        return f"{name} on device {dev}" if self.num_devices > 1 else name
+
+    # -- views, indices, device ids --
+
+    def _flat_indices(self, view: RefView, eqn, what: str):
+        """The flat element indices of the cell that ``view`` covers (traced)."""
+        x = self.state[view.cell]
+        idx = jnp.arange(max(x.size, 1), dtype=jnp.int32)[: x.size].reshape(x.shape)
+        try:
+            for t in view.transforms:
+                idx = self._read1(idx, t, eqn, view, what)
+        except NotImplementedError:
+            idx = jnp.arange(x.size, dtype=jnp.int32)
+        return idx
+
+    def _sem_key(self, view: RefView, eqn):
+        name = self.cell_names.get(view.cell, f"ref#{view.cell}")
+        key = (
+            name
+            if name.startswith("scratch_shapes[") or name == "the barrier semaphore"
+            else (name, view.cell)
+        )
+        return key, name, self._flat_indices(view, eqn, "read").reshape(())
+
+    def _is_shared_sem(self, cell: int) -> bool:
+        sp = self.cell_spaces.get(cell)
+        return isinstance(sp, plb.SemaphoreSpace) and sp.kind in _SHARED_KINDS
+
+    def _target(self, device_id, device_id_type, eqn):
+        """The logical id (traced int32) of ``device_id``."""
+        if device_id_type is plb.DeviceIdType.LOGICAL:
+            (leaf,) = tree_util.tree_leaves(device_id)
+            return jnp.asarray(leaf, jnp.int32)
+        names = [n for n, _ in self.mesh_axes]
+        if isinstance(device_id, dict):
+            unknown = [k for k in device_id if k not in names]
+            if unknown:
+                raise ValueError(
+                    f"{self.where(eqn)}: device_id names axes {unknown} that the mesh {names} lacks"
+                )
+            coords = [device_id[n] if n in device_id else lax.axis_index(n) for n in names]
+        else:
+            coords = list(device_id) if isinstance(device_id, (tuple, list)) else [device_id]
+            if len(coords) != len(names):
+                raise ValueError(
+                    f"{self.where(eqn)}: a MESH device_id has one coordinate per mesh axis {names}, got "
+                    f"{len(coords)} ({device_id!r})"
+                )
+        out = jnp.int32(0)
+        for c, (_, s) in zip(coords, self.mesh_axes):
+            out = out * s + jnp.asarray(c, jnp.int32)
+        return out
+
+    # -- memory accesses (race detection) --
+
+    def on_access(self, view: RefView, eqn, write: bool) -> None:
+        if not self.races or eqn is None or eqn.primitive in _DMA_PRIMS:
+            return
+        if eqn.primitive is compat.swap_p and not write:
+            return  # a store: its read of the old value is not a memory read
+        if isinstance(self.cell_spaces.get(view.cell), plb.SemaphoreSpace):
+            return
+        idx = self._flat_indices(view, eqn, "write" if write else "read")
+        cell, core, shape = view.cell, self.core_id, self.state[view.cell].shape
+        site, buf_name, who = self._site(eqn), self._buf_name, self._who
+
+        def access(sid, dev, idx):
+            s, dev = _session(sid), int(dev)
+            with s.cv:
+                s.check_alive(dev)
+                what = (
+                    f"{'write' if write else 'read'} of {buf_name(cell, dev, idx, shape)} "
+                    f"by the kernel at {site} ({who(dev, core)})"
+                )
+                s.record((dev, cell), ("core", dev, core), write, idx, what)
+
+        self._callback(access, [], self.sid, self.my_dev, idx)
+
+    def _dma_start_race(self, s, dev, core, dst_dev, v, src_idx, dst_idx, shapes, site, sem_key):
+        """Host side: a new DMA thread with the issuer's clock; records its accesses."""
+        thread = ("core", dev, core)
+        s.n_dma += 1
+        dma = ("dma", s.n_dma)
+        s.clocks[dma] = _join(s.clock(thread), {dma: 1})
+        s.tick(thread)
+        s.inflight[sem_key].append(dma)
+        src_cell, dst_cell = v
+        remote = "remote " if dst_dev is not None else ""
+        by = f"the {remote}DMA started at {site} ({self._who(dev, core)})"
+        s.record(
+            (dev, src_cell),
+            dma,
+            False,
+            src_idx,
+            f"read of {self._buf_name(src_cell, dev, src_idx, shapes[0])} by {by}",
+        )
+        tgt = dev if dst_dev is None else dst_dev
+        s.record(
+            (tgt, dst_cell),
+            dma,
+            True,
+            dst_idx,
+            f"write of {self._buf_name(dst_cell, tgt, dst_idx, shapes[1])} by {by}",
+        )
+        return dma
+
+    def on_dma_start(self, eqn, views) -> None:
+        if not self.races:
+            return
+        src, dst = views["src"], views["dst"]
+        src_idx = self._flat_indices(src, eqn, "read")
+        dst_idx = self._flat_indices(dst, eqn, "write")
+        key, _, sem_idx = self._sem_key(views["dst_sem"], eqn)
+        core, site = self.core_id, self._site(eqn)
+        cells = (src.cell, dst.cell)
+        shapes = (self.state[src.cell].shape, self.state[dst.cell].shape)
+
+        def start(sid, dev, sem_idx, src_idx, dst_idx):
+            s, dev = _session(sid), int(dev)
+            with s.cv:
+                s.check_alive(dev)
+                sk = ("dst", dev, core, key, int(sem_idx))
+                self._dma_start_race(s, dev, core, None, cells, src_idx, dst_idx, shapes, site, sk)
+
+        self._callback(start, [], self.sid, self.my_dev, sem_idx, src_idx, dst_idx)
+
+    def _dma_done(self, eqn, sem_view, which: str) -> None:
+        key, _, sem_idx = self._sem_key(sem_view, eqn)
+        core = self.core_id
+
+        def done(sid, dev, sem_idx):
+            s, dev = _session(sid), int(dev)
+            with s.cv:
+                s.check_alive(dev)
+                q = s.inflight.get((which, dev, core, key, int(sem_idx)))
+                if q:
+                    dma = q.popleft()
+                    thread = ("core", dev, core)
+                    s.clocks[thread] = _join(s.clock(thread), s.clocks[dma])
+
+        self._callback(done, [], self.sid, self.my_dev, sem_idx)
+
+    def on_dma_wait(self, eqn, views) -> None:
+        if self.races:
+            self._dma_done(eqn, views["dst_sem"], "dst")
+
+    # -- semaphores --
+
+    def _signal(self, eqn, view, inc, target, core):
+        key, name, sem_idx = self._sem_key(view, eqn)
+        my_core, what = self.core_id, f"{self.where(eqn)}: pl.semaphore_signal"
+        n_cores = self.params.num_cores_or_threads
+
+        def signal(sid, dev, target, core, sem_idx, inc):
+            s, dev, target, core = _session(sid), int(dev), int(target), int(core)
+            with s.cv:
+                s.check_alive(dev)
+                if not 0 <= target < s.num_devices:
+                    raise s.fail(f"{what}: device_id {target} is outside the mesh of {s.num_devices} devices")
+                if not 0 <= core < n_cores:
+                    raise s.fail(f"{what}: core_index {core} is outside the {n_cores} cores of a device")
+                k = (target, core, key, int(sem_idx))
+                s.sems[k] += int(inc)
+                s.sem_names[k] = f"semaphore {name}[{int(sem_idx)}] of device {target}, core {core}"
+                if s.detect_races:
+                    thread = ("core", dev, my_core)
+                    s.sem_clocks[k] = _join(s.sem_clocks.get(k, {}), s.clock(thread))
+                    s.tick(thread)
+                s.cv.notify_all()
+
+        core = jnp.int32(self.core_id) if core is None else jnp.asarray(core, jnp.int32)
+        self._callback(signal, [], self.sid, self.my_dev, target, core, sem_idx, jnp.asarray(inc, jnp.int32))
+
+    def sem_add(self, view, amount, eqn) -> None:
+        if not self._is_shared_sem(view.cell):
+            return super().sem_add(view, amount, eqn)
+        self._signal(eqn, view, amount, self.my_dev, None)
+
+    def remote_signal(self, eqn, view, inc, device_id, core_index) -> None:
+        target = (
+            self.my_dev if device_id is None else self._target(device_id, eqn.params["device_id_type"], eqn)
+        )
+        self._signal(eqn, view, inc, target, core_index)
+
+    def sem_wait(self, view, amount, eqn, decrement=True, what="semaphore") -> None:
+        if not self._is_shared_sem(view.cell):
+            return super().sem_wait(view, amount, eqn, decrement=decrement, what=what)
+        key, name, sem_idx = self._sem_key(view, eqn)
+        core, where = self.core_id, self._site(eqn)
+
+        def wait(sid, dev, sem_idx, amount):
+            s, dev, amount = _session(sid), int(dev), int(amount)
+            k = (dev, core, key, int(sem_idx))
+            with s.cv:
+                s.check_alive(dev)
+                s.sem_names.setdefault(k, f"semaphore {name}[{int(sem_idx)}] of device {dev}, core {core}")
+                s.block(
+                    dev,
+                    lambda: s.sems[k] >= amount,
+                    f"waits at {where} on {name}[{int(sem_idx)}] (core {core}) for {amount} but it holds "
+                    f"{s.sems[k]}",
+                )
+                if decrement:
+                    s.sems[k] -= amount
+                if s.detect_races and k in s.sem_clocks:
+                    thread = ("core", dev, core)
+                    s.clocks[thread] = _join(s.clock(thread), s.sem_clocks[k])
+
+        self._callback(wait, [], self.sid, self.my_dev, sem_idx, jnp.asarray(amount, jnp.int32))
+
+    def read_view(self, view, eqn, what="read"):
+        if eqn is not None and eqn.primitive is plb.semaphore_read_p and self._is_shared_sem(view.cell):
+            key, _, sem_idx = self._sem_key(view, eqn)
+            core = self.core_id
+
+            def read(sid, dev, sem_idx):
+                s = _session(sid)
+                with s.cv:
+                    return np.int32(s.sems[(int(dev), core, key, int(sem_idx))])
+
+            (v,) = self._callback(read, [jax.ShapeDtypeStruct((), jnp.int32)], self.sid, self.my_dev, sem_idx)
+            return v
+        return super().read_view(view, eqn, what)
+
+    # -- remote DMAs --
+
+    def remote_dma_start(self, eqn, v, layout) -> None:
+        nbytes = _nbytes(self, v["src"], eqn)
+        src, dst = v["src"], v["dst"]
+        data = self.read_view(src, eqn, what="DMA read")
+        dst_idx = self._flat_indices(dst, eqn, "remote DMA write")
+        src_idx = self._flat_indices(src, eqn, "read") if self.races else jnp.zeros((0,), jnp.int32)
+        device_id = tree_util.tree_unflatten(layout.device_id_tree, v["device_id"])
+        target = self._target(device_id, layout.device_id_type, eqn)
+        key, _, sem_idx = self._sem_key(v["dst_sem"], eqn)
+        skey, _, ssem_idx = self._sem_key(v["src_sem"], eqn)
+        core, site, what = self.core_id, self._site(eqn), f"{self.where(eqn)}: pltpu.make_async_remote_copy"
+        cells = (src.cell, dst.cell)
+        shapes = (self.state[src.cell].shape, self.state[dst.cell].shape)
+
+        def send(sid, dev, target, sem_idx, ssem_idx, data, dst_idx, src_idx):
+            s, dev, target = _session(sid), int(dev), int(target)
+            with s.cv:
+                s.check_alive(dev)
+                if not 0 <= target < s.num_devices:
+                    raise s.fail(f"{what}: device_id {target} is outside the mesh of {s.num_devices} devices")
+                if target in s.left:
+                    raise s.fail(
+                        f"{what}: device {target} has already finished the kernel (it never waits for this DMA)"
+                    )
+                dma = None
+                if s.detect_races:
+                    sk = ("send", dev, core, skey, int(ssem_idx))
+                    dma = self._dma_start_race(
+                        s, dev, core, target, cells, src_idx, dst_idx, shapes, site, sk
+                    )
+                msg = _Message(
+                    np.asarray(data), np.asarray(dst_idx), cells[1], nbytes, dma, f"{site} (device {dev})"
+                )
+                s.mail[(target, core, key, int(sem_idx))].append(msg)
+                s.cv.notify_all()
+
+        self._callback(send, [], self.sid, self.my_dev, target, sem_idx, ssem_idx, data, dst_idx, src_idx)
+        Interpreter.sem_add(self, v["src_sem"], nbytes, eqn)
+
+    def remote_dma_wait(self, eqn, v, layout, which) -> None:
+        nbytes = _nbytes(self, v["src"], eqn)
+        if which == "send":
+            Interpreter.sem_wait(self, v["src_sem"], nbytes, eqn, what="DMA send semaphore")
+            if self.races:
+                self._dma_done(eqn, v["src_sem"], "send")
+            return
+        dst = v["dst"]
+        key, name, sem_idx = self._sem_key(v["dst_sem"], eqn)
+        x = self.state[dst.cell]
+        shape = tuple(plb.transformed_aval(compat.shaped_array(x.shape, x.dtype), dst.transforms).shape)
+        core, where, cell = self.core_id, self._site(eqn), dst.cell
+        cell_name = self.cell_names.get(cell, "")
+        dtype = np.dtype(x.dtype)
+
+        def recv(sid, dev, sem_idx):
+            s, dev = _session(sid), int(dev)
+            k = (dev, core, key, int(sem_idx))
+            with s.cv:
+                s.check_alive(dev)
+                q = s.mail[k]
+                s.block(dev, lambda: bool(q), f"waits at {where} for a remote DMA on {name}[{int(sem_idx)}]")
+                msg = q.popleft()
+                if msg.nbytes != nbytes or msg.dst_cell != cell:
+                    raise s.fail(
+                        f"{s.kernel}: .wait_recv() at {where} waits for {nbytes} bytes into {cell_name}, but the DMA started at "
+                        f"{msg.site} on its semaphore sends {msg.nbytes} bytes into "
+                        f"{self.cell_names.get(msg.dst_cell, '?')}: the TPU interpreter needs each receive wait "
+                        "to match one DMA"
+                    )
+                if s.detect_races and msg.dma is not None:
+                    thread = ("core", dev, core)
+                    s.clocks[thread] = _join(s.clock(thread), s.clocks[msg.dma])
+                return msg.data.reshape(shape).astype(dtype), msg.idx.reshape(shape).astype(np.int32)
+
+        data, idx = self._callback(
+            recv,
+            [jax.ShapeDtypeStruct(shape, x.dtype), jax.ShapeDtypeStruct(shape, jnp.int32)],
+            self.sid,
+            self.my_dev,
+            sem_idx,
+        )
+        flat = x.reshape(-1).at[idx.reshape(-1)].set(data.reshape(-1), mode="drop")
+        self.state[cell] = flat.reshape(x.shape)

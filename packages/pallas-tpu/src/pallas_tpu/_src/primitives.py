@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
@@ -259,4 +258,49 @@ __all__ = [
     "make_async_copy",
     "make_async_remote_copy",
 ]
-del jax
+
+
+# ---------------------------------------------------------------------------
+# Masked vector loads and stores.
+
+
+def _check_mask(ref, mask, what):
+    shape = tuple(ref.shape)
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_ or tuple(mask.shape) != shape:
+        raise _err(
+            ValueError,
+            f"{what}: mask must be a bool array of the Ref's shape {shape}, got {mask.dtype}{list(mask.shape)}",
+        )
+    return mask
+
+
+def load(ref, *, mask=None):
+    """Loads the whole of ``ref`` (a Ref or a view); with ``mask``, the masked-out
+    elements are unspecified on a TPU (zero here).
+
+    Args:
+      ref: the Ref to load from.
+      mask: optional bool array of the Ref's shape: which elements to load.
+    Returns:
+      The loaded array.
+    """
+    val = ref[...]
+    if mask is None:
+        return val
+    return jnp.where(_check_mask(ref, mask, "pltpu.load"), val, jnp.zeros_like(val))
+
+
+def store(ref, val, *, mask=None) -> None:
+    """Stores ``val`` into ``ref``; with ``mask``, only where the mask is true.
+
+    Args:
+      ref: the Ref to store to.
+      val: the value (the Ref's shape).
+      mask: optional bool array of the Ref's shape.
+    """
+    if mask is None:
+        ref[...] = val
+        return
+    mask = _check_mask(ref, mask, "pltpu.store")
+    ref[...] = jnp.where(mask, jnp.asarray(val, ref.dtype), ref[...])

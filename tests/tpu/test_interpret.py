@@ -719,3 +719,45 @@ def test_pytree_scratch_shapes():
         kernel, x, scratch_shapes=[{"a": pltpu.VMEM(x.shape, x.dtype), "b": [pltpu.VMEM(x.shape, x.dtype)]}]
     )
     close(out, 2 * x + 1)
+
+
+def test_debug_check():
+    x = rand(36, (16, 128))
+
+    def kernel(x_ref, o_ref):
+        i = pl.program_id(0)
+        pl.debug_check(i < 1, "only one step expected")
+        o_ref[...] = x_ref[...]
+
+    def call():
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(2,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+            interpret=pltpu.InterpretParams(),
+        )(x)
+
+    close(call(), x)  # debug checks are off by default: the call runs
+    with pl.enable_debug_checks():
+        _raises(
+            r"kernel 'kernel'.*test_interpret.py:\d+: pl.debug_check failed: only one step expected", call
+        )
+
+
+@pytest.mark.parametrize("chip,generation", [("v4", 4), ("v5e", 5), ("v6e", 6)])
+def test_chip_version_is_what_get_tpu_info_sees(chip, generation):
+    x = rand(37, (8, 128))
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + pltpu.get_tpu_info().generation
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        interpret=pltpu.InterpretParams(chip_version=chip),
+    )(x)
+    close(out, x + generation)
+    with pytest.raises(ValueError, match="unknown TPU chip version 'v99'"):
+        pltpu.InterpretParams(chip_version="v99")

@@ -26,8 +26,6 @@ MISSING_TPU = {
 MISSING_PL = {
     "Indirect": "indirect (gathered) block dims: not implemented yet",
     "broadcast_to": "Ref broadcast (a JAX state primitive): not implemented yet",
-    "debug_check": "pl.debug_check: not implemented yet",
-    "enable_debug_checks": "pl.debug_check: not implemented yet",
     "enable_poison_buffers": "JAX-internal debugging switch",
     "estimate_cost": "cost estimation from a jaxpr: not implemented yet",
     "get_global": "global (cross-call) semaphores: not implemented yet",

@@ -47,7 +47,9 @@ from pallas._src.primitives import program_id as program_id
 from pallas._src.primitives import run_scoped as run_scoped
 from pallas._src.primitives import when as when
 from pallas._src.semaphores import DeviceIdType as DeviceIdType
+from pallas._src.semaphores import debug_check as debug_check
 from pallas._src.semaphores import delay as delay
+from pallas._src.semaphores import enable_debug_checks as enable_debug_checks
 from pallas._src.semaphores import semaphore_read as semaphore_read
 from pallas._src.semaphores import semaphore_signal as semaphore_signal
 from pallas._src.semaphores import semaphore_wait as semaphore_wait

@@ -35,6 +35,7 @@ from pallas._src.primitives import kernel_context as kernel_context
 from pallas._src.primitives import multiple_of_p as multiple_of_p
 from pallas._src.primitives import run_scoped_p as run_scoped_p
 from pallas._src.semaphores import DeviceIdType as DeviceIdType
+from pallas._src.semaphores import debug_check_p as debug_check_p
 from pallas._src.semaphores import delay_p as delay_p
 from pallas._src.semaphores import flatten_device_id as flatten_device_id
 from pallas._src.semaphores import flatten_ref as flatten_ref

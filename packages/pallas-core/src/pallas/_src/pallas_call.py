@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -511,7 +512,11 @@ def pallas_call(
             num_scalar_prefetch=nsp,
             prefetch_avals=prefetch_avals,
         )
-        jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err, scratch_tree)
+        # A backend's interpret params may set up what tracing reads (pallas-tpu:
+        # the TPU generation that emit_pipeline tiles for).
+        tracing = getattr(_effective_interpret(interpret), "tracing_context", None)
+        with tracing() if tracing is not None else contextlib.nullcontext():
+            jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err, scratch_tree)
         if debug:
             print(f"The kernel jaxpr for pallas_call '{kernel_name}' ({source}):")
             print(jaxpr)

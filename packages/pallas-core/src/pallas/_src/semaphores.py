@@ -220,3 +220,49 @@ def delay(nanos: int | jax.Array) -> None:
 
 
 delay_p.def_effectful_abstract_eval(lambda *_: ([], {compat.delay_effect}))
+
+
+# ---------------------------------------------------------------------------
+# pl.debug_check: a run-time assertion that interpreters check when debug
+# checks are enabled (and that compiles to nothing otherwise).
+
+debug_check_p = Primitive("debug_check")
+debug_check_p.multiple_results = True
+_debug_checks: list[bool] = [False]
+
+
+class enable_debug_checks:  # noqa: N801  (JAX's name; a function and a context manager)
+    """Turns ``pl.debug_check`` on (or off) from now on, or inside a ``with``
+    block: ``with pl.enable_debug_checks(): ...``."""
+
+    def __init__(self, enabled: bool = True):
+        self.previous = _debug_checks[0]
+        _debug_checks[0] = bool(enabled)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _debug_checks[0] = self.previous
+
+
+def debug_check(condition: Any, message: str) -> None:
+    """Asserts ``condition`` (a bool scalar) when debug checks are enabled.
+
+    Args:
+      condition: the boolean that must hold.
+      message: the error message; ``{0}``... are not substituted.
+    """
+    if not _debug_checks[0]:
+        return
+    if not isinstance(message, str):
+        raise kernel_error(TypeError, f"pl.debug_check: message must be a str, got {message!r}")
+    cond = jnp.asarray(condition)
+    if cond.shape != () or cond.dtype != jnp.bool_:
+        raise kernel_error(
+            TypeError, f"pl.debug_check: condition must be a bool scalar, got {cond.dtype}{list(cond.shape)}"
+        )
+    debug_check_p.bind(cond, message=message.replace("{", "{{").replace("}", "}}"))
+
+
+debug_check_p.def_effectful_abstract_eval(lambda *_, **__: ([], {compat.delay_effect}))

@@ -101,6 +101,9 @@ class InterpretParams:
                 "InterpretParams: out_of_bounds_reads must be 'raise' or 'uninitialized', "
                 f"got {self.out_of_bounds_reads!r}"
             )
+        from pallas_tpu._src import tpu_info
+
+        tpu_info._as_chip(self.chip_version)  # an unknown generation fails here, naming the known ones
         if not isinstance(self.num_cores_or_threads, int) or self.num_cores_or_threads < 1:
             raise ValueError(
                 f"InterpretParams: num_cores_or_threads must be a positive int, got {self.num_cores_or_threads!r}"
@@ -109,6 +112,13 @@ class InterpretParams:
     @property
     def num_cores_per_device(self) -> int:
         return self.num_cores_or_threads
+
+    def tracing_context(self):
+        """Entered while pallas_call traces the kernel: ``get_tpu_info()`` (and
+        so ``emit_pipeline``'s tiling) describes ``chip_version``."""
+        from pallas_tpu._src import tpu_info
+
+        return tpu_info.modeled_chip(self.chip_version)
 
 
 # ---------------------------------------------------------------------------
@@ -479,6 +489,14 @@ def _swap(interp, eqn, ref, val, *leaves):
 def _addupdate(interp, eqn, ref, val, *leaves):
     view = _ref_and_transforms(interp, ref, leaves, eqn.params["tree"])
     interp.write_view(view, interp.read_view(view, eqn, what="write") + val, eqn)
+    return []
+
+
+@rule(plb.debug_check_p)
+def _debug_check(interp, eqn, cond, *values):
+    interp.check(
+        jnp.asarray(cond), f"{interp.where(eqn)}: pl.debug_check failed: {eqn.params['message']}", values
+    )
     return []
 
 

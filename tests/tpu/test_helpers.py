@@ -86,8 +86,6 @@ def test_sync_copy_errors():
         run(lambda x_hbm, o_hbm: pltpu.sync_copy(x_hbm.at[pl.ds(0, 4)], o_hbm))
     with pytest.raises(ValueError, match="different structures"):
         run(lambda x_hbm, o_hbm: pltpu.sync_copy([x_hbm], [o_hbm, o_hbm]))
-    with pytest.raises(NotImplementedError, match="add=True"):
-        run(lambda x_hbm, o_hbm: pltpu.sync_copy(x_hbm, o_hbm, add=True))
 
 
 def _two_core_kernel(body, x, scratch=()):

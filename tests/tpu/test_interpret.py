@@ -761,3 +761,23 @@ def test_chip_version_is_what_get_tpu_info_sees(chip, generation):
     close(out, x + generation)
     with pytest.raises(ValueError, match="unknown TPU chip version 'v99'"):
         pltpu.InterpretParams(chip_version="v99")
+
+
+@pytest.mark.parametrize("mode", ["on_wait", "eager"])
+def test_dma_that_adds(mode):
+    x = rand(38, (16, 128))
+
+    def kernel(x_hbm, o_ref, acc, sem):
+        acc[...] = jnp.ones_like(acc)
+        pltpu.async_copy(x_hbm.at[pl.ds(0, 8)], acc, sem, add=True).wait()
+        pltpu.sync_copy(x_hbm.at[pl.ds(8, 8)], acc, add=True)
+        o_ref[...] = acc[...]
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((8, 128), x.dtype), pltpu.SemaphoreType.DMA],
+        interpret=pltpu.InterpretParams(dma_execution_mode=mode),
+    )(x)
+    close(out, 1 + x[:8] + x[8:])

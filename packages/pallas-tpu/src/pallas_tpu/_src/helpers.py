@@ -23,13 +23,8 @@ def sync_copy(src_ref: Any, dst_ref: Any, *, add: bool = False) -> None:
 
     Args:
       src_ref, dst_ref: same shapes and dtypes, leaf by leaf.
-      add: accumulate into ``dst_ref`` instead of overwriting (not supported).
+      add: add into ``dst_ref`` instead of overwriting it.
     """
-    if add:
-        raise plb.kernel_error(
-            NotImplementedError,
-            "pltpu.sync_copy(add=True): DMAs that add into the destination are not supported",
-        )
     is_leaf = lambda x: not isinstance(x, (tuple, list, dict))  # noqa: E731
     srcs, src_tree = jax.tree.flatten(src_ref, is_leaf=is_leaf)
     dsts, dst_tree = jax.tree.flatten(dst_ref, is_leaf=is_leaf)
@@ -46,7 +41,7 @@ def sync_copy(src_ref: Any, dst_ref: Any, *, add: bool = False) -> None:
     def body(sem):
         copies = [tpu_prims.make_async_copy(s, d, sem) for s, d in zip(srcs, dsts)]
         for c in copies:
-            c.start()
+            c.start(add=add)
         for c in copies:
             c.wait()
 

@@ -724,7 +724,10 @@ def _nbytes(interp, view, eqn):
 
 
 def _copy(interp, eqn, src, dst):
-    interp.write_view(dst, interp.read_view(src, eqn, what="DMA read"), eqn)
+    val = interp.read_view(src, eqn, what="DMA read")
+    if eqn.params.get("add", False):
+        val = interp.read_view(dst, eqn, what="write") + val
+    interp.write_view(dst, val, eqn)
 
 
 @rule(tpu_prims.dma_start_p)

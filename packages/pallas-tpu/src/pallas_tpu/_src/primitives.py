@@ -161,11 +161,16 @@ class AsyncCopyDescriptor:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
-    def start(self, priority: int = 0) -> None:
-        dma_start_p.bind(*self.flat, layout=self.layout, priority=int(priority))
+    def start(self, priority: int = 0, add: bool = False) -> None:
+        """Issues the DMA; ``add=True`` adds into the destination."""
+        if add and self.is_remote:
+            raise _err(NotImplementedError, f"{self.what}: remote DMAs that add (add=True) are not supported")
+        self._add = bool(add)
+        dma_start_p.bind(*self.flat, layout=self.layout, priority=int(priority), add=bool(add))
 
     def _wait(self, which: str) -> None:
-        dma_wait_p.bind(*self.flat, layout=self.layout, which=which)
+        # A DMA that executes when waited on (interpret mode "on_wait") must know it adds.
+        dma_wait_p.bind(*self.flat, layout=self.layout, which=which, add=getattr(self, "_add", False))
 
     def wait(self) -> None:
         if self.is_remote:
@@ -213,10 +218,11 @@ def make_async_remote_copy(
     )
 
 
-def async_copy(src_ref, dst_ref, sem, *, priority: int = 0) -> AsyncCopyDescriptor:
-    """Starts a local DMA and returns its descriptor (wait on it later)."""
+def async_copy(src_ref, dst_ref, sem, *, priority: int = 0, add: bool = False) -> AsyncCopyDescriptor:
+    """Starts a local DMA (adding into ``dst_ref`` with ``add=True``) and
+    returns its descriptor (wait on it later)."""
     copy = make_async_copy(src_ref, dst_ref, sem)
-    copy.start(priority=priority)
+    copy.start(priority=priority, add=add)
     return copy
 
 

@@ -63,6 +63,12 @@ def _compiler_params_list(cp: Any, gm) -> list[CompilerParams]:
 
 def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debug, compiler_params, **_):
     gm = grid_mapping
+    if gm.num_scalar_prefetch or gm.grid_names:
+        what = "scalar prefetch (PrefetchScalarGridSpec)" if gm.num_scalar_prefetch else "a named grid"
+        raise NotImplementedError(
+            f"{where(gm)}: {what} is a TPU feature the GPU backend does not lower; run the kernel "
+            "with interpret=pltpu.InterpretParams() (pallas-tpu) or use a plain grid"
+        )
     lk = lowered_kernel(jaxpr, gm)
     if debug:
         print(f"The Triton kernel for pallas_call '{gm.kernel_name}' ({gm.source}):")

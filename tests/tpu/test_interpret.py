@@ -781,3 +781,63 @@ def test_dma_that_adds(mode):
         interpret=pltpu.InterpretParams(dma_execution_mode=mode),
     )(x)
     close(out, 1 + x[:8] + x[8:])
+
+
+def test_megacore_splits_leading_parallel_axes_over_cores():
+    """Without core_parallel axes, a megacore chip splits the leading 'parallel'
+    axes over its cores (as JAX's interpreter does); each core has its own SMEM
+    copy of the scalar-prefetch operands, which a kernel may write."""
+    cores = []
+    x = rand(39, (4 * 8, 128))
+
+    def kernel(flag_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[...] + flag_ref[0].astype(jnp.float32)
+        flag_ref[0] = 0  # the next step on this core sees 0; the other core still sees 1
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(2, 2),
+            in_specs=[pl.BlockSpec((8, 128), lambda c, i, f: (2 * c + i, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda c, i, f: (2 * c + i, 0)),
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams(
+            num_cores_or_threads=2,
+            grid_point_recorder=lambda p, c: cores.append((tuple(np.asarray(p)), int(c))),
+        ),
+    )(jnp.ones((1,), jnp.int32), x)
+    jax.effects_barrier()
+    first = jnp.repeat(jnp.array([1.0, 0.0, 1.0, 0.0]), 8)[:, None]
+    close(out, x + first)
+    assert sorted(cores) == [((0, 0), 0), ((0, 1), 0), ((1, 0), 1), ((1, 1), 1)]
+
+
+@pytest.mark.parametrize("mode", ["on_wait", "eager"])
+def test_wait_with_another_descriptor_on_the_same_semaphore(mode):
+    """JAX's paged attention starts one DMA per page into slices of a buffer and
+    waits once with a whole-buffer descriptor on the same semaphore: the wait
+    lands every DMA that semaphore counts, whatever descriptor it is given."""
+    x = rand(40, (8, 8, 128))
+    pages = jnp.array([5, 2, 7, 0], jnp.int32)
+
+    def kernel(pages_ref, x_hbm, o_ref, buf, sem):
+        for i in range(4):
+            pltpu.make_async_copy(x_hbm.at[pages_ref[i]], buf.at[i], sem).start()
+        o_ref[0] = buf[0] * 0 + 1  # before the wait: not landed yet (on_wait) - overwritten below
+        pltpu.make_async_copy(buf, buf, sem).wait()
+        o_ref[...] = buf[...]
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((4, 8, 128), x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((4, 8, 128), x.dtype), pltpu.SemaphoreType.DMA],
+        ),
+        interpret=pltpu.InterpretParams(dma_execution_mode=mode),
+    )(pages, x)
+    close(out, x[pages])

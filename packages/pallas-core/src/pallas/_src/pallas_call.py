@@ -102,7 +102,9 @@ def _index_map_arity_ok(fn: Callable, n: int) -> bool:
         return False
 
 
-def _block_mapping(spec, aval, origin: str, grid, err: _Err, prefetch_avals=()) -> BlockMapping:
+def _block_mapping(
+    spec, aval, origin: str, grid, err: _Err, prefetch_avals=(), prefetch_tree=None
+) -> BlockMapping:
     shape, dtype = tuple(aval.shape), aval.dtype
     if spec is None or spec is pallas_core.no_block_spec:
         spec = BlockSpec()
@@ -132,9 +134,10 @@ def _block_mapping(spec, aval, origin: str, grid, err: _Err, prefetch_avals=()) 
         index_map = lambda *_: (0,) * len(shape)  # noqa: E731
     if not callable(index_map):
         raise err(TypeError, f"{origin}.index_map", f"expected a callable, got {index_map!r}")
-    n_args = len(grid) + len(prefetch_avals)
+    n_prefetch = len(prefetch_avals) if prefetch_tree is None else len(prefetch_tree.children())
+    n_args = len(grid) + n_prefetch
     if not _index_map_arity_ok(index_map, n_args):
-        extra = f" and {len(prefetch_avals)} scalar-prefetch Refs" if prefetch_avals else ""
+        extra = f" and {n_prefetch} scalar-prefetch operands" if n_prefetch else ""
         raise err(
             TypeError,
             f"{origin}.index_map",
@@ -144,6 +147,8 @@ def _block_mapping(spec, aval, origin: str, grid, err: _Err, prefetch_avals=()) 
     n_out = []
 
     def flat_index_map(*idx):
+        if prefetch_tree is not None:  # index maps get the scalar-prefetch operands' pytrees back
+            idx = (*idx[: len(grid)], *tree_util.tree_unflatten(prefetch_tree, idx[len(grid) :]))
         res = index_map(*idx)
         if not isinstance(res, (tuple, list)):
             res = (res,)
@@ -151,7 +156,7 @@ def _block_mapping(spec, aval, origin: str, grid, err: _Err, prefetch_avals=()) 
         return list(res)
 
     idx_avals = [compat.shaped_array((), jnp.int32)] * len(grid) + list(prefetch_avals)
-    dbg = compat.make_debug_info("pallas_call index_map", index_map, list(range(n_args)))
+    dbg = compat.make_debug_info("pallas_call index_map", index_map, list(range(len(idx_avals))))
     jaxpr, consts = compat.trace_to_closed_jaxpr(flat_index_map, idx_avals, dbg)
     if n_out[0] != len(shape):
         raise err(
@@ -281,7 +286,9 @@ def _is_scratch_leaf(x) -> bool:
     return hasattr(x, "get_ref_aval") or (hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
-def _trace_kernel(kernel, gm: GridMapping, in_tree, out_struct, err: _Err, scratch_tree=None):
+def _trace_kernel(
+    kernel, gm: GridMapping, in_tree, out_struct, err: _Err, scratch_tree=None, prefetch_tree=None
+):
     """Kernel -> closed jaxpr with invars (grid indices, in refs, out refs, scratch refs)."""
     G, nsp = len(gm.grid), gm.num_scalar_prefetch
     idx_avals = [compat.shaped_array((), jnp.int32)] * G
@@ -291,6 +298,8 @@ def _trace_kernel(kernel, gm: GridMapping, in_tree, out_struct, err: _Err, scrat
 
     def flat_kernel(*flat):
         gidx, prefetch, refs = flat[:G], flat[G : G + nsp], flat[G + nsp :]
+        if prefetch_tree is not None:
+            prefetch = tree_util.tree_unflatten(prefetch_tree, prefetch)
         in_refs = tree_util.tree_unflatten(in_tree, refs[: gm.num_inputs])
         out_refs = tree_util.tree_unflatten(out_tree, refs[gm.num_inputs : gm.num_inputs + gm.num_outputs])
         scratch = refs[gm.num_inputs + gm.num_outputs :]
@@ -455,17 +464,21 @@ def pallas_call(
             )
         grid_t, grid_names = _normalize_grid(g, err)
         nsp = getattr(grid_spec, "num_scalar_prefetch", 0) if grid_spec is not None else 0
-        if not isinstance(nsp, int) or not 0 <= nsp <= len(in_avals):
+        if not isinstance(nsp, int) or not 0 <= nsp <= len(args):
             raise err(
                 ValueError,
                 "grid_spec.num_scalar_prefetch",
-                f"expected an int in 0..{len(in_avals)} (the number of inputs), got {nsp!r}",
+                f"expected an int in 0..{len(args)} (the number of arguments), got {nsp!r}",
             )
+        # As JAX: the first nsp *arguments* (pytrees, None allowed) are prefetched;
+        # index maps and the kernel get them back with their structure.
+        prefetch_tree = tree_util.tree_structure(tuple(args[:nsp]))
+        nsp = prefetch_tree.num_leaves
         prefetch_avals = tuple(
-            _prefetch_aval(grid_spec, a, f"args[{i}] (scalar prefetch)", err)
-            for i, a in enumerate(in_avals[:nsp])
+            _prefetch_aval(grid_spec, a, f"args{_keystr(p)} (scalar prefetch)", err)
+            for p, a in zip(in_paths[:nsp], in_avals[:nsp])
         )
-        args, in_paths, in_avals = args[nsp:], in_paths[nsp:], in_avals[nsp:]
+        args, in_paths, in_avals = args[len(prefetch_tree.children()) :], in_paths[nsp:], in_avals[nsp:]
         in_tree = tree_util.tree_structure(args)
         compiler_params_ = _normalize_compiler_params(compiler_params, err)
         if cost_estimate is not None and not isinstance(cost_estimate, pallas_core.CostEstimate):
@@ -485,7 +498,7 @@ def pallas_call(
         spec_names = [f"in_specs{_keystr(p)}" for p in in_paths]
         spec_names += [f"out_specs{out_path(p)}" for p, _ in out_leaves]
         bms = [
-            _block_mapping(s, a, n, grid_t, err, prefetch_avals)
+            _block_mapping(s, a, n, grid_t, err, prefetch_avals, prefetch_tree)
             for s, a, n in zip(flat_in_specs + flat_out_specs, in_avals + out_avals, spec_names)
         ]
         aliases = _check_aliases(input_output_aliases or {}, in_avals, out_avals, in_names, out_names, err)
@@ -516,7 +529,7 @@ def pallas_call(
         # the TPU generation that emit_pipeline tiles for).
         tracing = getattr(_effective_interpret(interpret), "tracing_context", None)
         with tracing() if tracing is not None else contextlib.nullcontext():
-            jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err, scratch_tree)
+            jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err, scratch_tree, prefetch_tree)
         if debug:
             print(f"The kernel jaxpr for pallas_call '{kernel_name}' ({source}):")
             print(jaxpr)

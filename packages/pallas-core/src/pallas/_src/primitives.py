@@ -332,14 +332,17 @@ def loop(lower: Any, upper: Any, *, init_carry: Any = None, step: Any = 1, unrol
     return decorator
 
 
-def ds(start: Any, size: Any | None = None, stride: int = 1) -> compat.Slice:
+def ds(start: Any, size: Any | None = None, stride: int = 1) -> compat.Slice | slice:
     """A slice ``start:start+size*stride:stride`` whose start may be traced.
 
     Args:
-      start: the first index (int or traced int); ``ds(n)`` means ``ds(0, n)``.
+      start: the first index (int or traced int); ``ds(n)`` means ``ds(0, n)``,
+        and ``ds(None)`` the whole dimension (``slice(None)``), as in JAX.
       size: the number of elements (a static int).
       stride: the step between elements (a static int).
     """
+    if start is None and size is None:
+        return slice(None)
     if size is None:
         start, size = 0, start
     if isinstance(size, int) and size < 0:

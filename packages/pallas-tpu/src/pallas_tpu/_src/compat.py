@@ -12,6 +12,7 @@ ReadEffect = state_types.ReadEffect
 WriteEffect = state_types.WriteEffect
 AbstractRef = state_types.AbstractRef
 TransformedRef = state_types.TransformedRef
+ReshapeTransform = state_types.ReshapeTransform  # ``ref.reshape(...)`` views
 ShapedArray = jax_core.ShapedArray
 Literal = jax_core.Literal
 

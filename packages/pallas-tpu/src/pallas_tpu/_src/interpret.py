@@ -34,6 +34,7 @@ barrier semaphores) and race detection need the multi-device interpreter
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -168,6 +169,10 @@ class Interpreter:
         self.checks: list[str] = []
         self.grid_env: dict[str, jax.Array] = {}  # named grid axis -> index
         self.hidden_cells: dict[str, int] = {}  # cells the kernel reaches by name (barrier semaphore)
+        # dma_execution_mode="on_wait": cell -> (shadow cell, pending cell); see _dma_start.
+        self.dma_shadows = False
+        self.shadows: dict[int, tuple[int, int]] = {}
+        self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
         self._next_cell = 0
 
     # -- lifecycle (the multi-device interpreter extends these) ----------------
@@ -195,10 +200,27 @@ class Interpreter:
         self.state[c] = value
         self.cell_names[c] = name
         self.cell_spaces[c] = space
+        if self.dma_shadows and not isinstance(space, plb.SemaphoreSpace):
+            # on_wait DMAs land here first (what landed, and which semaphore's wait commits it).
+            shadow = self.new_cell_plain(jnp.zeros_like(value), f"{name} (DMA in flight)", space)
+            pending = self.new_cell_plain(
+                jnp.zeros(jnp.shape(value), jnp.int32), f"{name} (DMA pending)", space
+            )
+            self.shadows[c] = (shadow, pending)
+        return c
+
+    def new_cell_plain(self, value, name: str, space=None) -> int:
+        c = self._next_cell
+        self._next_cell += 1
+        self.state[c] = value
+        self.cell_names[c] = name
+        self.cell_spaces[c] = space
         return c
 
     def free_cell(self, c: int) -> None:
         del self.state[c]
+        for companion in self.shadows.pop(c, ()):
+            del self.state[companion]
 
     # -- checks: errors found at run time -------------------------------------
 
@@ -359,6 +381,8 @@ class Interpreter:
         return y
 
     def _write1(self, x, indexer, val, eqn, view):
+        if isinstance(indexer, compat.ReshapeTransform):  # ``ref.reshape(...)``: row-major, as the array
+            return jnp.asarray(val, x.dtype).reshape(x.shape)
         if not hasattr(indexer, "indices"):
             raise NotImplementedError(
                 f"{self.where(eqn)}: writing through a {type(indexer).__name__} view is not supported "
@@ -387,6 +411,8 @@ class Interpreter:
         return lax.dynamic_update_slice(x, val, starts_c) if x.ndim else val.reshape(())
 
     def _transform_other(self, x, t, eqn):
+        if isinstance(t, compat.ReshapeTransform):  # JAX's class has no transform_array
+            return x.reshape(t.shape)
         try:
             return t.transform_array(x)
         except Exception as e:
@@ -400,6 +426,15 @@ class Interpreter:
         for t in view.transforms:
             x = self._read1(x, t, eqn, view, what)
         return x
+
+    def flat_index(self, view: RefView, eqn):
+        """The flat position of the one element a view selects (semaphores)."""
+        x = jnp.arange(math.prod(self.state[view.cell].shape), dtype=jnp.int32).reshape(
+            self.state[view.cell].shape
+        )
+        for t in view.transforms:
+            x = self._read1(x, t, eqn, view, "read")
+        return x.reshape(())
 
     def write_view(self, view: RefView, val, eqn):
         self.on_access(view, eqn, write=True)
@@ -737,11 +772,50 @@ def _dma_start(interp, eqn, *ops):
         interp.remote_dma_start(eqn, v, layout)
         return []
     nbytes = _nbytes(interp, v["src"], eqn)
-    if interp.params.dma_execution_mode == "eager":
+    if interp.params.dma_execution_mode == "eager" or v["dst"].cell not in interp.shadows:
         _copy(interp, eqn, v["src"], v["dst"])
+    else:
+        _start_pending(interp, eqn, v)
     interp.sem_add(v["dst_sem"], nbytes, eqn)
     interp.on_dma_start(eqn, v)
     return []
+
+
+def _sem_code(interp, view, eqn):
+    """A number naming one semaphore (its cell and element), >= 1."""
+    return view.cell * 65536 + interp.flat_index(view, eqn) + 1
+
+
+def _start_pending(interp, eqn, v):
+    """on_wait: the data lands in the destination's shadow, marked with the
+    semaphore whose wait commits it (so a wait with another descriptor on the
+    same semaphore still completes it, as on a TPU)."""
+    dst = v["dst"]
+    shadow, pending = interp.shadows[dst.cell]
+    interp.read_view(dst, eqn, what="DMA write")  # bounds of the destination
+    val = interp.read_view(v["src"], eqn, what="DMA read")
+    interp.write_view(RefView(shadow, dst.transforms), val, eqn)
+    mark = _sem_code(interp, v["dst_sem"], eqn) * 2 + int(eqn.params.get("add", False))
+    shape = jnp.shape(val)
+    interp.write_view(RefView(pending, dst.transforms), jnp.full(shape, mark, jnp.int32), eqn)
+    site = (v["dst_sem"].cell, dst.cell)
+    if site not in interp.dma_sites:
+        interp.dma_sites.append(site)
+
+
+def _commit_pending(interp, eqn, v):
+    """on_wait: a wait on a DMA semaphore lands every pending DMA it signals."""
+    code = _sem_code(interp, v["dst_sem"], eqn)
+    cells = {v["dst"].cell} | {d for s, d in interp.dma_sites if s == v["dst_sem"].cell}
+    for c in sorted(cells):
+        if c not in interp.shadows:
+            continue
+        shadow, pending = interp.shadows[c]
+        mark = interp.state[pending]
+        mine = (mark >> 1) == code
+        landed = jnp.where((mark & 1) == 1, interp.state[c] + interp.state[shadow], interp.state[shadow])
+        interp.state[c] = jnp.where(mine, landed, interp.state[c])
+        interp.state[pending] = jnp.where(mine, 0, mark)
 
 
 @rule(tpu_prims.dma_wait_p)
@@ -754,7 +828,7 @@ def _dma_wait(interp, eqn, *ops):
     nbytes = _nbytes(interp, v["src"], eqn)
     interp.sem_wait(v["dst_sem"], nbytes, eqn, what="DMA semaphore")
     if interp.params.dma_execution_mode == "on_wait":
-        _copy(interp, eqn, v["src"], v["dst"])
+        _commit_pending(interp, eqn, v)
     interp.on_dma_wait(eqn, v)
     return []
 

@@ -15,6 +15,7 @@ from jax import lax
 from pallas import backend as plb
 from pallas_tpu._src import core as tpu_core
 from pallas_tpu._src import interpret_rules
+from pallas_tpu._src import primitives as tpu_prims
 from pallas_tpu._src.interpret import Interpreter, InterpretParams, RefView, _check_sem_zero, _uninit
 
 # Minimum tile of the last two block dims by element size (Mosaic's native
@@ -123,12 +124,23 @@ def grid_points(gm, sems, params: InterpretParams) -> list[np.ndarray]:
                 points[:, a] = rng.permutation(gm.grid[a])[points[:, a]]
     core_axes = [a for a in range(G) if sems[a] in (tpu_core.CORE_PARALLEL, tpu_core.SUBCORE_PARALLEL)]
     n = params.num_cores_or_threads
-    if not core_axes or n == 1:
+    if n == 1:
         return [points]
-    a = core_axes[0]
-    chunk = -(-gm.grid[a] // n)
-    core = points[:, a] // chunk
-    return [points[core == c] for c in range(n) if np.any(core == c)]
+    if core_axes:
+        a = core_axes[0]
+        chunk = -(-gm.grid[a] // n)
+        core = points[:, a] // chunk
+        return [points[core == c] for c in range(n) if np.any(core == c)]
+    # A megacore chip splits the leading "parallel" axes over its cores (as JAX's
+    # interpreter): core c runs a contiguous range of the parallel sub-grid.
+    prefix = 0
+    while prefix < G and sems[prefix] is tpu_core.PARALLEL:
+        prefix += 1
+    if prefix == 0:
+        return [points]
+    sub = math.prod(gm.grid[:prefix])
+    per_core = -(-sub // n) * (len(points) // sub)
+    return [points[c * per_core : (c + 1) * per_core] for c in range(n) if c * per_core < len(points)]
 
 
 def _kernel_uses(jaxpr, prims) -> bool:
@@ -197,6 +209,9 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
     interp.init_checks()
     for name, init in _hidden_initializers(jaxpr).items():
         interp.hidden[name] = init()
+    interp.dma_shadows = params.dma_execution_mode == "on_wait" and _kernel_uses(
+        jaxpr, {tpu_prims.dma_start_p}
+    )
     interp.setup(jaxpr, compiler_params)
     mode = params.uninitialized_memory
     nsp = gm.num_scalar_prefetch
@@ -242,6 +257,8 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
     per_core = grid_points(gm, sems, params)
     for core_id, pts in enumerate(per_core):
         scratch = new_scratch()
+        for view, a in zip(prefetch, args[:nsp]):  # each core has its own SMEM copy
+            interp.state[view.cell] = jnp.asarray(a)
         for op in ops:
             if op.buf is not None:
                 interp.state[op.buf] = _uninit(op.bm.kernel_block_shape, op.bm.dtype, mode)

@@ -173,8 +173,9 @@ class AsyncCopyDescriptor:
         dma_wait_p.bind(*self.flat, layout=self.layout, which=which, add=getattr(self, "_add", False))
 
     def wait(self) -> None:
-        if self.is_remote:
-            self._wait("recv")  # JAX waits on the receive side for .wait() of a remote copy
+        if self.is_remote:  # as JAX: this device's send, then the receive of the copy sent to it
+            self._wait("send")
+            self._wait("recv")
             return
         self._wait("dst")
 

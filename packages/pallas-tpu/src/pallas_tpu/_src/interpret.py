@@ -200,13 +200,19 @@ class Interpreter:
         self.state[c] = value
         self.cell_names[c] = name
         self.cell_spaces[c] = space
-        if self.dma_shadows and not isinstance(space, plb.SemaphoreSpace):
+        if self.dma_shadows and _on_chip(space):
             # on_wait DMAs land here first (what landed, and which semaphore's wait commits it).
             shadow = self.new_cell_plain(jnp.zeros_like(value), f"{name} (DMA in flight)", space)
             pending = self.new_cell_plain(
                 jnp.zeros(jnp.shape(value), jnp.int32), f"{name} (DMA pending)", space
             )
             self.shadows[c] = (shadow, pending)
+        elif self.dma_shadows and isinstance(space, plb.SemaphoreSpace):
+            # Per semaphore: elements of started DMAs its waits have not landed yet.
+            count = self.new_cell_plain(
+                jnp.zeros(jnp.shape(value), jnp.int32), f"{name} (pending elements)", space
+            )
+            self.shadows[c] = (count,)
         return c
 
     def new_cell_plain(self, value, name: str, space=None) -> int:
@@ -772,9 +778,9 @@ def _dma_start(interp, eqn, *ops):
         interp.remote_dma_start(eqn, v, layout)
         return []
     nbytes = _nbytes(interp, v["src"], eqn)
-    if interp.params.dma_execution_mode == "eager" or v["dst"].cell not in interp.shadows:
+    if interp.params.dma_execution_mode == "eager":
         _copy(interp, eqn, v["src"], v["dst"])
-    else:
+    elif v["dst"].cell in interp.shadows:
         _start_pending(interp, eqn, v)
     interp.sem_add(v["dst_sem"], nbytes, eqn)
     interp.on_dma_start(eqn, v)
@@ -790,32 +796,86 @@ def _start_pending(interp, eqn, v):
     """on_wait: the data lands in the destination's shadow, marked with the
     semaphore whose wait commits it (so a wait with another descriptor on the
     same semaphore still completes it, as on a TPU)."""
-    dst = v["dst"]
+    dst, sem = v["dst"], v["dst_sem"]
     shadow, pending = interp.shadows[dst.cell]
     interp.read_view(dst, eqn, what="DMA write")  # bounds of the destination
     val = interp.read_view(v["src"], eqn, what="DMA read")
     interp.write_view(RefView(shadow, dst.transforms), val, eqn)
-    mark = _sem_code(interp, v["dst_sem"], eqn) * 2 + int(eqn.params.get("add", False))
+    mark = _sem_code(interp, sem, eqn) * 2 + int(eqn.params.get("add", False))
     shape = jnp.shape(val)
     interp.write_view(RefView(pending, dst.transforms), jnp.full(shape, mark, jnp.int32), eqn)
-    site = (v["dst_sem"].cell, dst.cell)
+    count = RefView(interp.shadows[sem.cell][0], sem.transforms)
+    interp.write_view(count, interp.read_view(count, eqn) + math.prod(shape), eqn)
+    site = (sem.cell, dst.cell)
     if site not in interp.dma_sites:
         interp.dma_sites.append(site)
 
 
+def _on_chip(space) -> bool:
+    """VMEM (the default of kernel scratch), SMEM: buffers small enough to
+    shadow. DMAs into HBM land when waited on, as the wait's descriptor says."""
+    return space is None or space in (tpu_core.VMEM, tpu_core.SMEM, tpu_core.VMEM_SHARED)
+
+
+def _land(shadow_val, mark, cur, code):
+    """(new value, new marks, elements landed) of the DMAs marked ``code``."""
+    mine = (mark >> 1) == code
+    landed = jnp.where((mark & 1) == 1, cur + shadow_val, shadow_val)
+    return jnp.where(mine, landed, cur), jnp.where(mine, 0, mark), jnp.sum(mine, dtype=jnp.int32)
+
+
 def _commit_pending(interp, eqn, v):
-    """on_wait: a wait on a DMA semaphore lands every pending DMA it signals."""
-    code = _sem_code(interp, v["dst_sem"], eqn)
-    cells = {v["dst"].cell} | {d for s, d in interp.dma_sites if s == v["dst_sem"].cell}
-    for c in sorted(cells):
-        if c not in interp.shadows:
-            continue
-        shadow, pending = interp.shadows[c]
-        mark = interp.state[pending]
-        mine = (mark >> 1) == code
-        landed = jnp.where((mark & 1) == 1, interp.state[c] + interp.state[shadow], interp.state[shadow])
-        interp.state[c] = jnp.where(mine, landed, interp.state[c])
-        interp.state[pending] = jnp.where(mine, 0, mark)
+    """on_wait: a wait on a DMA semaphore lands the pending DMAs it signals.
+
+    The wait's own destination view is landed first (cheap). Only if that
+    landed fewer elements than the wait is for, while DMAs on this semaphore
+    are still pending (the wait was given a descriptor naming another buffer),
+    are the other on-chip buffers DMAs on this semaphore went to scanned."""
+    dst, sem = v["dst"], v["dst_sem"]
+    code = _sem_code(interp, sem, eqn)
+    count = RefView(interp.shadows[sem.cell][0], sem.transforms)
+    left = interp.read_view(count, eqn)
+    n = jnp.zeros((), jnp.int32)
+    needed = 0
+    if dst.cell in interp.shadows:
+        shadow, pending = interp.shadows[dst.cell]
+        cur = interp.read_view(dst, eqn, what="DMA write")
+        needed = math.prod(jnp.shape(cur))
+        new, mark, n = _land(
+            interp.read_view(RefView(shadow, dst.transforms), eqn),
+            interp.read_view(RefView(pending, dst.transforms), eqn),
+            cur,
+            code,
+        )
+        interp.write_view(dst, new, eqn)
+        interp.write_view(RefView(pending, dst.transforms), mark, eqn)
+        left = left - n
+    cells = sorted(
+        c
+        for c in {d for s, d in interp.dma_sites if s == sem.cell} - {dst.cell}
+        if c in interp.shadows and _on_chip(interp.cell_spaces.get(c))
+    )
+    if cells:
+
+        def scan(vals):
+            out, landed = [], jnp.zeros((), jnp.int32)
+            for cur, sh, mark in vals:
+                new, mark, k = _land(sh, mark, cur, code)
+                out.append((new, sh, mark))
+                landed = landed + k
+            return out, landed
+
+        vals = [
+            (interp.state[c], interp.state[interp.shadows[c][0]], interp.state[interp.shadows[c][1]])
+            for c in cells
+        ]
+        short = jnp.logical_and(n < needed, left > 0) if needed else left > 0
+        vals, landed = lax.cond(short, scan, lambda vals: (vals, jnp.zeros((), jnp.int32)), vals)
+        for c, (new, _, mark) in zip(cells, vals):
+            interp.state[c] = new
+            interp.state[interp.shadows[c][1]] = mark
+        left = left - landed
+    interp.write_view(count, jnp.maximum(left, 0), eqn)
 
 
 @rule(tpu_prims.dma_wait_p)
@@ -828,7 +888,10 @@ def _dma_wait(interp, eqn, *ops):
     nbytes = _nbytes(interp, v["src"], eqn)
     interp.sem_wait(v["dst_sem"], nbytes, eqn, what="DMA semaphore")
     if interp.params.dma_execution_mode == "on_wait":
-        _commit_pending(interp, eqn, v)
+        if v["dst"].cell in interp.shadows or any(s == v["dst_sem"].cell for s, _ in interp.dma_sites):
+            _commit_pending(interp, eqn, v)
+        if v["dst"].cell not in interp.shadows:
+            _copy(interp, eqn, v["src"], v["dst"])
     interp.on_dma_wait(eqn, v)
     return []
 

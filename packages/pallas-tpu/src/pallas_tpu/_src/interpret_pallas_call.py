@@ -226,13 +226,15 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
         is_out = k >= gm.num_inputs
         o = k - gm.num_inputs
         if not is_out:
-            hbm = interp.new_cell(_pad_to_blocks(jnp.asarray(operands[k]), bm, mode), f"{bm.origin} (HBM)")
+            hbm = interp.new_cell(
+                _pad_to_blocks(jnp.asarray(operands[k]), bm, mode), f"{bm.origin} (HBM)", tpu_core.HBM
+            )
         elif o in alias_of:
             hbm = ops[alias_of[o]].hbm
             interp.cell_names[hbm] += f" = {bm.origin}"
         else:
             padded = _pad_to_blocks(jnp.zeros(bm.array_shape, bm.dtype), bm, mode).shape
-            hbm = interp.new_cell(_uninit(padded, bm.dtype, mode), f"{bm.origin} (HBM)")
+            hbm = interp.new_cell(_uninit(padded, bm.dtype, mode), f"{bm.origin} (HBM)", tpu_core.HBM)
         buf = None
         if not bm.is_whole_array:
             buf = interp.new_cell(

@@ -1,7 +1,7 @@
 """pallas_tpu: the Pallas TPU kernel language and TPU interpret mode.
 
 ``import pallas_tpu as pltpu`` gives the API of
-``jax.experimental.pallas.tpu``: memory spaces, DMAs, semaphores,
+JAX's Pallas TPU module: memory spaces, DMAs, semaphores,
 ``PrefetchScalarGridSpec``, ``CompilerParams``, ``emit_pipeline``... Kernels
 run on any machine with ``interpret=pltpu.InterpretParams()``, which models
 a TPU's memories, DMAs, semaphores, cores and devices.

@@ -1,4 +1,4 @@
-"""Small helpers of ``jax.experimental.pallas`` kept for API parity."""
+"""Small helpers of JAX's Pallas module, kept for API parity."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """TPU backend types: memory spaces, semaphore types, ``CompilerParams``,
 ``PrefetchScalarGridSpec`` and ``TensorCoreMesh`` (the names and fields of
-``jax.experimental.pallas.tpu``)."""
+JAX's Pallas TPU module)."""
 
 from __future__ import annotations
 

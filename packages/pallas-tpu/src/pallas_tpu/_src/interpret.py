@@ -272,9 +272,10 @@ class Interpreter:
         messages = list(self.checks)
 
         def report(err, vals):
-            err = int(np.max(err))
-            if err:
-                vals = np.asarray(vals).reshape(-1, 8)[0]
+            errs = np.asarray(err).reshape(-1)
+            err = int(errs.max())
+            if err:  # under vmap: the values recorded with the reported error
+                vals = np.asarray(vals).reshape(-1, 8)[int(errs.argmax())]
                 raise KernelError(messages[err - 1].format(*[int(v) for v in vals]))
 
         jax.debug.callback(report, self.hidden["__err"], self.hidden["__errvals"])
@@ -691,7 +692,7 @@ def _check_sem_zero(interp, view, eqn, when):
         f"{interp.where(eqn) if eqn is not None else interp.kernel_desc}: semaphore "
         f"{interp.describe_ref(view)} is not zero {when} (a DMA or signal was not waited for; "
         "first nonzero value {0})",
-        [jnp.sum(jnp.where(val != 0, val, 0).reshape(-1)[:1])],
+        [val.reshape(-1)[jnp.argmax(val.reshape(-1) != 0)]],
     )
 
 
@@ -742,7 +743,7 @@ def _sem_read(interp, eqn, *ops):
 
 def _dma_parts(eqn, ops):
     layout = eqn.params["layout"]
-    parts = tpu_prims.semaphore_views(layout, ops)
+    parts = layout.split(ops)
     views = {}
     for name, tree in (
         ("src", layout.src_tree),

@@ -252,11 +252,6 @@ get_barrier_semaphore_p.def_abstract_eval(
 )
 
 
-def semaphore_views(layout: DmaOperands, flat) -> dict[str, Any]:
-    """Used by the interpreter and the lowering: the DMA's parts by name."""
-    return layout.split(flat)
-
-
 __all__ = [
     "AsyncCopyDescriptor",
     "async_copy",

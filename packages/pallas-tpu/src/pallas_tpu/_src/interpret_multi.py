@@ -67,20 +67,18 @@ def needs_multi_device(jaxpr) -> bool:
     return _kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}) or _has_remote(jaxpr)
 
 
-def _has_remote(jaxpr) -> bool:
-    stack = [jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr]
-    while stack:
-        j = stack.pop()
-        for eqn in j.eqns:
-            if eqn.primitive in (tpu_prims.dma_start_p, tpu_prims.dma_wait_p):
-                if eqn.params["layout"].device_id_tree is not None:
-                    return True
-            if eqn.primitive is plb.semaphore_signal_p:
-                if eqn.params["device_id_tree"] is not None or eqn.params["has_core_index"]:
-                    return True
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                stack.append(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+def _is_remote(eqn) -> bool:
+    if eqn.primitive in (tpu_prims.dma_start_p, tpu_prims.dma_wait_p):
+        return eqn.params["layout"].device_id_tree is not None
+    if eqn.primitive is plb.semaphore_signal_p:
+        return eqn.params["device_id_tree"] is not None or eqn.params["has_core_index"]
     return False
+
+
+def _has_remote(jaxpr) -> bool:
+    from pallas_tpu._src.interpret_pallas_call import any_eqn
+
+    return any_eqn(jaxpr, _is_remote)
 
 
 # ---------------------------------------------------------------------------

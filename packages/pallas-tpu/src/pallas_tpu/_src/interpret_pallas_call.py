@@ -144,11 +144,16 @@ def grid_points(gm, sems, params: InterpretParams) -> list[np.ndarray]:
 
 
 def _kernel_uses(jaxpr, prims) -> bool:
+    return any_eqn(jaxpr, lambda eqn: eqn.primitive in prims)
+
+
+def any_eqn(jaxpr, pred) -> bool:
+    """True if ``pred(eqn)`` holds for an equation of ``jaxpr`` or of a jaxpr inside it."""
     stack = [jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr]
     while stack:
         j = stack.pop()
         for eqn in j.eqns:
-            if eqn.primitive in prims:
+            if pred(eqn):
                 return True
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 stack.append(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
@@ -197,12 +202,10 @@ def _starts(bm, idx):
     return out
 
 
-def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, compiler_params, device=None):
+def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, compiler_params):
     gm = grid_mapping
     desc = f"in TPU kernel '{gm.kernel_name}' ({gm.source})"
     interp: Interpreter = interp_cls(params, gm, desc)
-    if device is not None:
-        interp.device = device
     sems = semantics_of(gm, compiler_params)
     check_block_shapes(gm)
     check_memory(gm, compiler_params)

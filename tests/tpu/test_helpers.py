@@ -132,13 +132,69 @@ def test_core_barrier_orders_the_cores():
         def _():
             pltpu.sync_copy(x_hbm.at[pl.ds(0, 8)], o_hbm.at[pl.ds(8, 8)])
 
-    try:
-        out = _two_core_kernel(body, x, scratch=[pltpu.SemaphoreType.REGULAR])
-    except Exception as e:  # noqa: BLE001
-        if "deadlock" not in str(e):
-            raise
-        # JAX's interpreter runs this kernel; ours reports a deadlock.
-        pytest.xfail(
-            "TODO(pallas-tpu interpreter): semaphore_signal(core_index=...) between TensorCores deadlocks"
-        )
+    out = _two_core_kernel(body, x, scratch=[pltpu.SemaphoreType.REGULAR])
     close(out, jnp.concatenate([x[:8], x[:8]]))
+
+
+def test_core_barrier_each_grid_step_of_a_core_parallel_grid():
+    """Two cores, four grid points each: at every step each core adds its
+    block into a shared HBM accumulator row, then, after a barrier, reads the
+    other core's row. The barrier makes every step's read see the other
+    core's write of the same step."""
+    x = rand(6, (2, 4, 8, 128))
+
+    def kernel(x_ref, acc_hbm, o_ref, sem, buf):
+        c = pl.program_id(0)
+        s = pl.program_id(1)
+
+        @pl.when(s == 0)
+        def _():
+            buf[...] = jnp.zeros_like(buf)
+            pltpu.sync_copy(buf, acc_hbm.at[c])
+
+        pltpu.core_barrier(sem, core_axis_name="core")
+        pltpu.sync_copy(acc_hbm.at[c], buf)
+        buf[...] += x_ref[...]
+        pltpu.sync_copy(buf, acc_hbm.at[c])
+        pltpu.core_barrier(sem, core_axis_name="core")
+        pltpu.sync_copy(acc_hbm.at[1 - c], buf)
+        o_ref[...] = buf[...]
+        pltpu.core_barrier(sem, core_axis_name="core")
+
+    acc, out = pl.pallas_call(
+        kernel,
+        grid=(("core", 2), ("s", 4)),
+        in_specs=[pl.BlockSpec((None, None, 8, 128), lambda c, s: (c, s, 0, 0))],
+        out_specs=[
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec((None, None, 8, 128), lambda c, s: (c, s, 0, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((2, 8, 128), jnp.float32), jax.ShapeDtypeStruct(x.shape, x.dtype)],
+        scratch_shapes=[pltpu.SemaphoreType.REGULAR, pltpu.VMEM((8, 128), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("core_parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams(num_cores_or_threads=2),
+    )(x)
+    prefix = jnp.cumsum(x, axis=1)  # per core, the running sum after each step
+    close(acc, prefix[:, -1], 1e-5)
+    close(out, prefix[::-1], 1e-5)
+
+
+def test_wait_for_a_later_core_inside_control_flow_is_a_deadlock():
+    """A wait inside lax.cond is one step of its core: core 0 waiting there for
+    core 1's signal is reported as a deadlock, never a hang or a wrong answer."""
+    x = rand(7, (16, 128))
+
+    def body(x_hbm, o_hbm, sem):
+        c = lax.axis_index("core")
+
+        @pl.when(c == 0)
+        def _():
+            pl.semaphore_wait(sem, 1)
+            pltpu.sync_copy(x_hbm, o_hbm)
+
+        @pl.when(c == 1)
+        def _():
+            pl.semaphore_signal(sem, 1, core_index=0)
+
+    with pytest.raises(Exception, match="deadlock"):
+        jax.block_until_ready(_two_core_kernel(body, x, scratch=[pltpu.SemaphoreType.REGULAR]))

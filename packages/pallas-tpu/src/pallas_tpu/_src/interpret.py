@@ -283,6 +283,14 @@ class Interpreter:
     # -- jaxpr evaluation ----------------------------------------------------
 
     def eval_jaxpr(self, jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        return _drain(self.iter_jaxpr(jaxpr, consts, args, None))
+
+    def iter_jaxpr(self, jaxpr, consts, args, pause):
+        """``eval_jaxpr`` as a generator that yields before each equation for
+        which ``pause(eqn)`` holds, also inside ``pl.run_scoped`` and inlined
+        calls (not inside control flow: that is traced as one ``lax`` op).
+        Cores that signal each other run as such generators in turn (see
+        ``interpret_pallas_call.run``)."""
         env: dict[Any, Any] = {}
 
         def read(v):
@@ -296,7 +304,21 @@ class Interpreter:
             env[v] = x
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
-            outs = self.eval_eqn(eqn, invals)
+            if pause is None:
+                outs = self.eval_eqn(eqn, invals)
+            else:
+                if pause(eqn):
+                    yield eqn
+                if eqn.primitive is plb.run_scoped_p:
+                    outs = yield from _iter_run_scoped(self, eqn, invals, pause)
+                elif eqn.primitive in _CALL_PARAMS:
+                    sub = eqn.params[_CALL_PARAMS[eqn.primitive]]
+                    if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+                        outs = yield from self.iter_jaxpr(sub.jaxpr, sub.consts, invals, pause)
+                    else:
+                        outs = yield from self.iter_jaxpr(sub, (), invals, pause)
+                else:
+                    outs = self.eval_eqn(eqn, invals)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
             for v, x in zip(eqn.outvars, outs):
@@ -652,12 +674,26 @@ def _inline(param):
     return r
 
 
-for _p, _param in compat.call_primitives():
+_CALL_PARAMS = dict(compat.call_primitives())
+for _p, _param in _CALL_PARAMS.items():
     _RULES[_p] = _inline(_param)
+
+
+def _drain(gen):
+    """Runs a generator that yields nothing to its end; returns its value."""
+    try:
+        next(gen)
+    except StopIteration as e:
+        return e.value
+    raise AssertionError("the TPU interpreter paused with no pause condition")
 
 
 @rule(plb.run_scoped_p)
 def _run_scoped(interp, eqn, *consts):
+    return _drain(_iter_run_scoped(interp, eqn, consts, None))
+
+
+def _iter_run_scoped(interp, eqn, consts, pause):
     jaxpr = eqn.params["jaxpr"]
     n = eqn.params["num_consts"]
     cells = []
@@ -676,9 +712,9 @@ def _run_scoped(interp, eqn, *consts):
             interp.new_cell(init, f"pl.run_scoped buffer {i} ({aval.dtype}{list(aval.shape)})", space)
         )
     views = [RefView(c) for c in cells]
-    outs = interp.eval_closed(jaxpr, [*consts, *views])
-    for c, v in zip(cells, views):
-        if plb.semaphore_kind(jaxpr.in_avals[n + cells.index(c)]) is not None:
+    outs = yield from interp.iter_jaxpr(jaxpr.jaxpr, jaxpr.consts, [*consts, *views], pause)
+    for aval, c, v in zip(jaxpr.in_avals[n:], cells, views):
+        if plb.semaphore_kind(aval) is not None:
             _check_sem_zero(interp, v, eqn, "at the end of pl.run_scoped")
         interp.free_cell(c)
     return outs

@@ -35,8 +35,9 @@ Ref and every DMA's source read and destination write is recorded (a callback
 per access) with the flat element indices it touches; two accesses of
 overlapping elements of one buffer, at least one a write, by threads with no
 happens-before between them are a race, reported with both accesses named.
-Cores of a device run one after the other in this interpreter: a core that
-waits for a later core's signal deadlocks (reported as such).
+Cores of a device share their device's program: they run one after the other,
+or, when they signal each other, take turns between semaphore waits
+(``interpret_pallas_call._core_groups``).
 """
 
 from __future__ import annotations

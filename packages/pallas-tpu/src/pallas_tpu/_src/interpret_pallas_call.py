@@ -210,7 +210,8 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
     check_block_shapes(gm)
     check_memory(gm, compiler_params)
     interp.init_checks()
-    for name, init in _hidden_initializers(jaxpr).items():
+    lane_hidden = list(_hidden_initializers(jaxpr).items())  # per core, e.g. the PRNG state
+    for name, init in lane_hidden:
         interp.hidden[name] = init()
     interp.dma_shadows = params.dma_execution_mode == "on_wait" and _kernel_uses(
         jaxpr, {tpu_prims.dma_start_p}
@@ -260,57 +261,112 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
 
     G = len(gm.grid)
     per_core = grid_points(gm, sems, params)
-    for core_id, pts in enumerate(per_core):
-        scratch = new_scratch()
-        for view, a in zip(prefetch, args[:nsp]):  # each core has its own SMEM copy
+    blocked = [i for i, op in enumerate(ops) if op.buf is not None]
+    for group in _core_groups(jaxpr, per_core):
+        # Each core of a group has its own scratch and block buffers; the cores
+        # of a group run their grid points in lockstep (see _core_groups).
+        lanes = []
+        for slot, core_id in enumerate(group):
+            scratch = new_scratch()
+            core_ops = list(ops)
+            for i in blocked:
+                op = ops[i]
+                init = _uninit(op.bm.kernel_block_shape, op.bm.dtype, mode)
+                buf = op.buf
+                if slot > 0:
+                    name = f"{op.bm.origin} block (core {core_id})"
+                    buf = interp.new_cell(init, name, interp.cell_spaces[op.buf])
+                interp.state[buf] = init
+                core_ops[i] = _Operand(op.bm, op.hbm, buf)
+                interp.hidden[f"__prev{i}.{slot}"] = jnp.zeros((len(op.bm.block_shape),), jnp.int32)
+            views = [RefView(op.buf if op.buf is not None else op.hbm) for op in core_ops]
+            lanes.append((core_id, slot, core_ops, views + [RefView(c) for c in scratch], scratch))
+        for view, a in zip(prefetch, args[:nsp]):  # each core group has its own SMEM copy
             interp.state[view.cell] = jnp.asarray(a)
-        for op in ops:
-            if op.buf is not None:
-                interp.state[op.buf] = _uninit(op.bm.kernel_block_shape, op.bm.dtype, mode)
-        blocked = [i for i, op in enumerate(ops) if op.buf is not None]
-        for i in blocked:
-            interp.hidden[f"__prev{i}"] = jnp.zeros((len(ops[i].bm.block_shape),), jnp.int32)
-        table = jnp.asarray(pts, jnp.int32)
-        views = [RefView(op.buf if op.buf is not None else op.hbm) for op in ops] + [
-            RefView(c) for c in scratch
-        ]
-        interp.core_id = core_id
+        table = jnp.asarray(np.stack([per_core[c] for c in group]), jnp.int32)
 
-        def step(s, carry):
-            vals, hvals = carry
-            interp.restore(vals, hvals)
-            pt = table[s]
+        def lane_step(lane, s, pause, ctx):
+            core_id, slot, core_ops, views, _ = lane
+            pt = table[slot, s]
             gidx = [pt[g] for g in range(G)]
-            interp.grid_env = {n: gidx[g] for g, n in enumerate(gm.grid_names) if n is not None}
+            ctx["grid_env"] = {n: gidx[g] for g, n in enumerate(gm.grid_names) if n is not None}
+            interp.grid_env = ctx["grid_env"]
             if params.grid_point_recorder is not None:
                 interp.ordered_callback(params.grid_point_recorder, pt, jnp.int32(core_id))
             for i in blocked:
-                _enter_block(interp, ops[i], i, i >= gm.num_inputs, gidx, prefetch, s)
-            interp.eval_closed(jaxpr, [*gidx, *prefetch, *views])
+                _enter_block(interp, core_ops[i], f"__prev{i}.{slot}", i >= gm.num_inputs, gidx, prefetch, s)
+            yield from interp.iter_jaxpr(jaxpr.jaxpr, jaxpr.consts, [*gidx, *prefetch, *views], pause)
+
+        def step(s, carry):
+            interp.restore(*carry)
+            pause = _is_sem_wait if len(lanes) > 1 else None
+            running = []
+            for lane in lanes:
+                own = {name: interp.hidden[name] for name, _ in lane_hidden}
+                ctx = {"core_id": lane[0], "grid_env": {}, "hidden": own}
+                running.append((ctx, lane_step(lane, s, pause, ctx)))
+            while running:  # round robin: each core runs up to its next semaphore wait
+                for entry in list(running):
+                    interp.core_id = entry[0]["core_id"]
+                    interp.grid_env = entry[0]["grid_env"]
+                    interp.hidden.update(entry[0]["hidden"])
+                    try:
+                        next(entry[1])
+                    except StopIteration:
+                        running.remove(entry)
+                    entry[0]["hidden"] = {name: interp.hidden[name] for name, _ in lane_hidden}
             return interp.snapshot()
 
         carry = interp.snapshot()
-        n = len(pts)
+        n = len(per_core[group[0]])
         carry = step(0, carry) if n == 1 else lax.fori_loop(0, n, step, carry)
         interp.restore(*carry)
-        for i in blocked:
-            if i >= gm.num_inputs:  # the last output block goes back to HBM
-                op = ops[i]
-                prev = [interp.hidden[f"__prev{i}"][d] for d in range(len(op.bm.block_shape))]
-                blk = interp.state[op.buf].reshape(op.bm.block_sizes)
-                interp.state[op.hbm] = lax.dynamic_update_slice(interp.state[op.hbm], blk, prev)
-        for i, a in enumerate(gm.scratch_avals):
-            if plb.semaphore_kind(a) is not None:
-                _check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
-        for c in scratch:
-            interp.free_cell(c)
+        for _, slot, core_ops, _, scratch in lanes:
+            for i in blocked:
+                if i >= gm.num_inputs:  # the last output block goes back to HBM
+                    op = core_ops[i]
+                    prev_arr = interp.hidden.pop(f"__prev{i}.{slot}")
+                    prev = [prev_arr[d] for d in range(len(op.bm.block_shape))]
+                    blk = interp.state[op.buf].reshape(op.bm.block_sizes)
+                    interp.state[op.hbm] = lax.dynamic_update_slice(interp.state[op.hbm], blk, prev)
+                else:
+                    interp.hidden.pop(f"__prev{i}.{slot}")
+                if slot > 0:
+                    interp.free_cell(core_ops[i].buf)
+            for i, a in enumerate(gm.scratch_avals):
+                if plb.semaphore_kind(a) is not None:
+                    _check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
+            for c in scratch:
+                interp.free_cell(c)
     interp.finish()
     outs = [_unpad(interp.state[op.hbm], op.bm) for op in ops[gm.num_inputs :]]
     interp.raise_checks()
     return outs
 
 
-def _enter_block(interp, op, i, is_out, gidx, prefetch, s):
+def _is_sem_wait(eqn) -> bool:
+    return eqn.primitive is plb.semaphore_wait_p
+
+
+def _core_groups(jaxpr, per_core) -> list[list[int]]:
+    """The cores that run together. Cores run one after the other, except when
+    the kernel signals another core's semaphore (``pl.semaphore_signal(...,
+    core_index=...)``, ``pltpu.core_barrier``): then all cores run their grid
+    points in lockstep, and within a grid step they take turns, each running
+    up to its next ``pl.semaphore_wait`` outside control flow, so a core can
+    wait for a signal another core sends before its own wait. A wait inside
+    ``lax.cond``/loops is one step of its core; waiting there for a core that
+    has not run yet is reported as a deadlock."""
+    cores = list(range(len(per_core)))
+    signals_cores = any_eqn(
+        jaxpr, lambda e: e.primitive is plb.semaphore_signal_p and e.params["has_core_index"]
+    )
+    if len(cores) > 1 and signals_cores and len({len(p) for p in per_core}) == 1:
+        return [cores]
+    return [[c] for c in cores]
+
+
+def _enter_block(interp, op, prev_key, is_out, gidx, prefetch, s):
     """The pipeline before a grid step: fetch a changed input block; write back
     an output block whose index changed (its new buffer starts uninitialized)."""
     bm = op.bm
@@ -327,7 +383,7 @@ def _enter_block(interp, op, i, is_out, gidx, prefetch, s):
             shown,
         )
     starts_c = [jnp.clip(st, 0, max(n - size, 0)) for st, size, n in zip(starts, bm.block_sizes, hbm.shape)]
-    prev_arr = interp.hidden[f"__prev{i}"]
+    prev_arr = interp.hidden[prev_key]
     cur = jnp.stack(starts_c) if starts_c else jnp.zeros((0,), jnp.int32)
     changed = jnp.logical_or(s == 0, jnp.any(cur != prev_arr))
     kshape = bm.kernel_block_shape
@@ -342,4 +398,4 @@ def _enter_block(interp, op, i, is_out, gidx, prefetch, s):
         interp.state[op.hbm] = lax.dynamic_update_slice(hbm, jnp.where(write_back, blk, old_hbm), prev)
         fresh = _uninit(kshape, bm.dtype, interp.params.uninitialized_memory)
         interp.state[op.buf] = jnp.where(changed, fresh, interp.state[op.buf])
-    interp.hidden[f"__prev{i}"] = cur
+    interp.hidden[prev_key] = cur

@@ -323,6 +323,48 @@ def test_with_allocations_reused_and_explicit_step():
     close(out, 9.0 * x, 1e-6)
 
 
+def test_async_prefetch_then_pipeline_in_a_later_kernel():
+    """async_prefetch runs outside the kernel; the pipeline of a later kernel
+    over the mesh takes its allocations (JAX's usage)."""
+    x = rand(16, (64, 256))
+    y = rand(17, (64, 256))
+    mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=1)
+    spec = pl.BlockSpec((16, 128), lambda i, j: (i, j))
+
+    def body(x_ref, y_ref, o_ref):
+        o_ref[...] = x_ref[...] * y_ref[...] + 1.0
+
+    pipeline, async_prefetch = pltpu.emit_pipeline_with_async_prefetch(
+        body, grid=(4, 2), in_specs=[spec, spec], out_specs=[spec], mesh=mesh
+    )
+
+    @jax.jit
+    def f(x, y):
+        allocations = async_prefetch(x, y)
+
+        @pl.kernel(
+            out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh, interpret=pltpu.InterpretParams()
+        )
+        def k(x_hbm, y_hbm, o_hbm):
+            pipeline(x_hbm, y_hbm, o_hbm, allocations=allocations)
+
+        return k(x, y)
+
+    close(f(x, y), x * y + 1.0, 1e-6)
+
+    # allocations made for other inputs are refused, naming both
+    allocations = async_prefetch(x[:32], y[:32])
+
+    @pl.kernel(out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh, interpret=pltpu.InterpretParams())
+    def wrong(x_hbm, y_hbm, o_hbm):
+        pipeline(x_hbm, y_hbm, o_hbm, allocations=allocations)
+
+    with pytest.raises(ValueError, match=r"made for inputs float32\[32, 256\].*runs on float32\[64, 256\]"):
+        wrong(x, y)
+    with pytest.raises(ValueError, match="one input per in_spec"):
+        async_prefetch(x)
+
+
 def test_buffered_ref_public_fields():
     spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
     b = pltpu.BufferedRef.input(spec, jnp.float32, buffer_count=2)

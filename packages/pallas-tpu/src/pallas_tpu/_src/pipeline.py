@@ -736,6 +736,9 @@ def emit_pipeline(
 
     def pipeline(*refs, scratches=None, allocations=None, body_prologue=None):
         ispecs, ospecs = in_specs, out_specs
+        if isinstance(allocations, PrefetchedInputs):
+            allocations.check_for(refs[: len(jax.tree.leaves(ispecs))], ispecs)
+            allocations = None  # the first input blocks are fetched at the start: see PrefetchedInputs
         if allocations is not None and not ispecs and not ospecs:
             # The specs come with the allocations (JAX allows this too).
             allocs = list(allocations)
@@ -988,12 +991,12 @@ def emit_pipeline_with_async_prefetch(
     _explicit_indices: bool = False,
 ):
     """``(pipeline, async_prefetch)`` (JAX's signature): ``pipeline`` is
-    ``emit_pipeline(...)``; ``async_prefetch(*inputs)`` would start the first
-    input DMAs in a separate kernel over ``mesh`` into buffers that outlive it
-    and return them as ``allocations`` for ``pipeline``. That needs Refs that
-    cross kernel boundaries (``jax.empty_ref`` in VMEM), which pallas-core
-    does not support yet, so ``async_prefetch`` raises ``NotImplementedError``.
-    """
+    ``emit_pipeline(...)``; ``async_prefetch(*inputs)``, called outside the
+    kernel, starts the DMAs of the inputs' first blocks and returns them as
+    ``allocations`` for ``pipeline(..., allocations=...)`` in a later kernel
+    over ``mesh``. In interpret mode the returned ``PrefetchedInputs`` stands
+    for those in-flight blocks: the pipeline that takes it lands them when it
+    starts (see ``PrefetchedInputs``)."""
     del mesh
     pipeline = emit_pipeline(
         body,
@@ -1010,11 +1013,48 @@ def emit_pipeline_with_async_prefetch(
     )
 
     def async_prefetch(*inputs):
-        raise _err(
-            NotImplementedError,
-            "pltpu.emit_pipeline_with_async_prefetch: async_prefetch needs VMEM Refs that outlive a kernel "
-            "(jax.empty_ref), which pallas-core does not support yet; call the pipeline without allocations "
-            "(it prefetches its first blocks itself)",
-        )
+        specs = list(in_specs) if isinstance(in_specs, (list, tuple)) else [in_specs]
+        if len(inputs) != len(specs) or any(
+            jax.tree.structure(x) != jax.tree.structure(sp, is_leaf=lambda v: v is None)
+            for x, sp in zip(inputs, specs)
+        ):
+            raise _err(
+                ValueError,
+                f"pltpu.emit_pipeline_with_async_prefetch: async_prefetch takes one input per in_spec "
+                f"({len(specs)}), with the in_specs' structure; got {len(inputs)} inputs",
+            )
+        return PrefetchedInputs(tuple(_shape_dtype(x) for x in jax.tree.leaves(inputs)))
 
     return pipeline, async_prefetch
+
+
+def _shape_dtype(x):
+    return (tuple(x.shape), jnp.dtype(x.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchedInputs:
+    """What ``async_prefetch`` returns: the first input blocks of a pipeline,
+    fetched ahead of the kernel that runs it. On a TPU that overlaps the
+    fetch with earlier work; the data are the inputs' first blocks either way
+    (the inputs are immutable JAX arrays), so interpret mode fetches them when
+    the pipeline starts, which gives the same results. The pipeline checks
+    that it runs on inputs of the prefetched shapes and dtypes."""
+
+    inputs: tuple[tuple[tuple[int, ...], Any], ...]
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def check_for(self, refs, ispecs) -> None:
+        got = tuple(_shape_dtype(r) for r in jax.tree.leaves(refs))
+        if got != self.inputs:
+            raise _err(
+                ValueError,
+                f"{_WHERE}: allocations from async_prefetch were made for inputs {self._show(self.inputs)} "
+                f"but the pipeline runs on {self._show(got)}",
+            )
+
+    @staticmethod
+    def _show(items) -> str:
+        return ", ".join(f"{d}{list(s)}" for s, d in items)

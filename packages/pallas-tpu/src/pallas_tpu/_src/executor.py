@@ -1,0 +1,234 @@
+"""``run_mosaic``: executes a Mosaic TPU kernel module on the CPU with NumPy.
+
+A Mosaic kernel module (what a Pallas TPU kernel lowers to, ours or JAX's) is
+a ``func.func`` with the attributes Mosaic reads (``iteration_bounds``,
+``window_params``, ``scalar_prefetch``, ``scratch_operands``,
+``dimension_semantics``) plus one ``transform_i`` function per blocked
+operand. This module runs it the way Mosaic's pipeline does, one grid point
+at a time in Mosaic's (lexicographic) order:
+
+* the kernel's arguments are the grid indices, then the scalar-prefetch
+  operands (in SMEM), then one window per ``window_params`` entry (the
+  ``pallas_call``'s inputs, then its outputs), then the scratch operands;
+* a window with ``transform_indices`` is the block ``transform_i(grid
+  indices, prefetch refs) * window_bounds`` of its array (arrays are padded
+  to whole blocks, so edge blocks are in bounds); a window without one is the
+  whole array (``pl.ANY``/HBM operands, moved by DMAs);
+* windows are NumPy views of the arrays, so a revisited output block keeps
+  what earlier grid steps wrote to it (Mosaic keeps it in VMEM between
+  revisits and writes it back when the block index changes);
+* ops are executed by the table in ``executor_ops`` on NumPy values: vectors
+  are arrays, scalars 0-d arrays, memrefs ``Buffer``s (a NumPy view and its
+  memory space). DMAs copy when started and count bytes on their semaphores;
+  a wait takes its bytes back and fails if they are not there (a deadlock on
+  a TPU). Every load, store and DMA is bounds checked, and an error names the
+  op and its location in the module (for modules with debug locations: the
+  kernel's source line).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from pallas_tpu._src import executor_ops as ops
+from pallas_tpu._src import executor_vector  # noqa: F401  (registers the vector, memory and control rules)
+
+Buffer = ops.Buffer
+MosaicError = ops.MosaicError
+
+
+def _context():
+    from jax.interpreters import mlir
+    from jaxlib.mosaic.python import tpu
+
+    ctx = mlir.make_ir_context()  # the upstream dialects (func, arith, vector, scf, math, memref)
+    tpu.register_dialect(ctx)
+    ctx.allow_unregistered_dialects = True
+    return ctx
+
+
+def parse_module(module, ctx=None):
+    """An ``ir.Module`` from MLIR text or bytecode (also Mosaic's serialized
+    form, as stored in a ``tpu_custom_call``'s backend config)."""
+    from jaxlib.mlir import ir, passmanager
+
+    if isinstance(module, ir.Module):
+        return module
+    ctx = ctx or _context()
+    with ctx, ir.Location.unknown():
+        mod = ir.Module.parse(module)
+        if "stable_mosaic.version" in mod.operation.attributes:
+            passmanager.PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(mod.operation)
+            del mod.operation.attributes["stable_mosaic.version"]  # now in the current form
+    return mod
+
+
+def _funcs(mod) -> tuple[Any, dict[str, Any]]:
+    funcs = {}
+    kernel = None
+    for op in mod.body.operations:
+        if op.operation.name != "func.func":
+            continue
+        name = op.attributes["sym_name"].value
+        funcs[name] = op
+        if "window_params" in op.attributes or "iteration_bounds" in op.attributes:
+            if kernel is not None:
+                raise ValueError(
+                    f"run_mosaic: the module has two kernel functions, @{kernel.attributes['sym_name'].value} and @{name}"
+                )
+            kernel = op
+    if kernel is None:  # a kernel with no grid and no blocks has neither attribute
+        plain = [f for n, f in funcs.items() if not n.startswith("transform_")]
+        if len(plain) != 1:
+            raise ValueError("run_mosaic: the module has no kernel function (a func.func with window_params)")
+        kernel = plain[0]
+    return kernel, funcs
+
+
+def _ints(attr) -> list[int]:
+    from jaxlib.mlir import ir
+
+    return list(ir.DenseI64ArrayAttr(attr)) if attr is not None else []
+
+
+def _window_params(kernel) -> list[dict]:
+    from jaxlib.mlir import ir
+
+    if "window_params" not in kernel.attributes:
+        return []
+    out = []
+    for a in ir.ArrayAttr(kernel.attributes["window_params"]):
+        d = ir.DictAttr(a)
+        out.append(
+            {
+                "transform": ir.FlatSymbolRefAttr(d["transform_indices"]).value
+                if "transform_indices" in d
+                else None,
+                "bounds": _ints(d["window_bounds"]) if "window_bounds" in d else None,
+            }
+        )
+    return out
+
+
+def _int_attr(kernel, name, default=0) -> int:
+    from jaxlib.mlir import ir
+
+    return ir.IntegerAttr(kernel.attributes[name]).value if name in kernel.attributes else default
+
+
+def run_mosaic(module, *operands, out_shape, input_output_aliases: dict[int, int] | Sequence = ()):
+    """Executes a Mosaic kernel module on the CPU.
+
+    Args:
+      module: the module as MLIR text (``str``), bytecode (``bytes``, also
+        Mosaic's serialized form) or an ``ir.Module``.
+      *operands: the ``pallas_call``'s operands, scalar-prefetch operands
+        first.
+      out_shape: the ``pallas_call``'s ``out_shape`` (a ``ShapeDtypeStruct``
+        or a pytree of them).
+      input_output_aliases: ``{input index: output index}`` as ``pallas_call``
+        takes it (indices count the scalar-prefetch operands).
+
+    Returns:
+      the outputs as NumPy arrays, in the structure of ``out_shape``.
+    """
+    ctx = _context()
+    with ctx:
+        mod = parse_module(module, ctx)
+        kernel, funcs = _funcs(mod)
+        return _run(kernel, funcs, operands, out_shape, dict(input_output_aliases))
+
+
+def _run(kernel, funcs, operands, out_shape, aliases):
+    out_leaves, out_tree = jax.tree.flatten(out_shape)
+    bounds = _ints(kernel.attributes["iteration_bounds"]) if "iteration_bounds" in kernel.attributes else []
+    if any(b < 0 for b in bounds):
+        raise NotImplementedError("run_mosaic: dynamic grid sizes (iteration_bounds '?') are not supported")
+    nsp = _int_attr(kernel, "scalar_prefetch")
+    nscratch = _int_attr(kernel, "scratch_operands")
+    windows = _window_params(kernel)
+    args = list(kernel.regions[0].blocks[0].arguments)
+    nwin = len(windows) if windows else len(args) - len(bounds) - nsp - nscratch
+    n_in = nwin - len(out_leaves)
+    if n_in != len(operands) - nsp or n_in < 0:
+        raise ValueError(
+            f"run_mosaic: the kernel takes {nwin} windows, so with {len(out_leaves)} outputs it expects "
+            f"{nsp} scalar-prefetch + {nwin - len(out_leaves)} operands; got {len(operands)} operands"
+        )
+    arrays = [np.array(x) for x in operands[nsp:]]
+    for o, leaf in enumerate(out_leaves):
+        src = {v: k for k, v in aliases.items()}.get(o)
+        if src is not None:
+            arrays.append(np.array(operands[src], dtype=leaf.dtype))
+        else:
+            arrays.append(ops.uninitialized(leaf.shape, leaf.dtype))
+    prefetch = [Buffer(np.array(x), "smem") for x in operands[:nsp]]
+    win_args = args[len(bounds) + nsp : len(bounds) + nsp + nwin]
+    padded = []
+    for k, arr in enumerate(arrays):
+        w = windows[k] if windows else {"transform": None, "bounds": None}
+        if w["transform"] is not None:
+            pads = [(0, -n % b) for n, b in zip(arr.shape, w["bounds"])]
+            arr = np.pad(arr, pads) if any(p for _, p in pads) else arr
+        padded.append(arr)
+    scratch = [ops.allocate(a.type) for a in args[len(bounds) + nsp + nwin :]]
+    ex = ops.Executor(funcs)
+    for point in itertools.product(*(range(b) for b in bounds)):
+        idx = [np.int32(i) for i in point]
+        views = []
+        for k, (arr, arg) in enumerate(zip(padded, win_args)):
+            w = windows[k] if windows else {"transform": None, "bounds": None}
+            views.append(_window(ex, arr, arg, w, idx, prefetch, k))
+        ex.call(kernel, [*idx, *prefetch, *views, *scratch])
+    for b in scratch:
+        if b.is_semaphore and np.any(b.array != 0):
+            raise MosaicError(
+                f"run_mosaic: semaphore scratch holds {b.array.tolist()} when the kernel ends (a DMA or signal was not waited for)"
+            )
+    outs = []
+    for o, leaf in enumerate(out_leaves):
+        arr = padded[n_in + o]
+        outs.append(arr[tuple(slice(0, n) for n in leaf.shape)])
+    return jax.tree.unflatten(out_tree, outs)
+
+
+def _window(ex, arr, arg, w, idx, prefetch, k):
+    from jaxlib.mlir import ir
+
+    mt = ir.MemRefType(arg.type)
+    space = ops.memory_space(mt)
+    if w["transform"] is None:
+        return Buffer(arr, space)
+    block = ex.call(ex.funcs[w["transform"]], [*idx, *prefetch])
+    starts = []
+    for d, (b, n) in enumerate(zip(block, w["bounds"])):
+        s = int(b) * n
+        if not 0 <= s <= arr.shape[d] - n:
+            raise MosaicError(
+                f"run_mosaic: @{w['transform']} gave block index {int(b)} for dimension {d} of window {k} at grid "
+                f"point {[int(i) for i in idx]}, outside the array of shape {list(arr.shape)} (window {w['bounds']})"
+            )
+        starts.append(s)
+    view = arr[tuple(slice(s, s + n) for s, n in zip(starts, w["bounds"]))]
+    return Buffer(view.reshape(tuple(mt.shape)), space)
+
+
+def custom_call_bodies(hlo_text: str) -> list[bytes]:
+    """The serialized Mosaic modules of the ``tpu_custom_call``s in a lowered
+    or exported program's text (StableHLO), in program order."""
+    import base64
+    import json
+    import re
+
+    out = []
+    for m in re.finditer(
+        r"stablehlo\.custom_call @tpu_custom_call\(.*?backend_config = \"((?:[^\"\\]|\\.)*)\"", hlo_text
+    ):
+        raw = m.group(1).replace("\\22", '"').replace("\\5C", "\\").replace('\\"', '"')
+        out.append(base64.b64decode(json.loads(raw)["custom_call_config"]["body"]))
+    return out

@@ -1,0 +1,487 @@
+"""``run_mosaic`` rules for vectors, memory (loads, stores, memref views),
+DMAs and semaphores, and control flow (see ``executor.py``)."""
+
+from __future__ import annotations
+
+import re
+import string
+
+import numpy as np
+
+from pallas_tpu._src.executor_ops import (
+    Buffer,
+    MosaicError,
+    _cast,
+    _f32,
+    _out_dtype,
+    allocate,
+    np_dtype,
+    rule,
+    shape_of,
+    where,
+)
+
+
+def _array_attr(op, name) -> list[int]:
+    """An integer array attribute (``array<i64: ...>`` or ``[1, 2] : ...``)."""
+    if name not in op.attributes:
+        return []
+    s = str(op.attributes[name])
+    if s.startswith("array<"):
+        body = s[s.index("<") + 1 : -1]
+        return (
+            [int(x) for x in body.split(":", 1)[1].split(",")]
+            if ":" in body and body.split(":", 1)[1].strip()
+            else []
+        )
+    return [int(x.split(":")[0]) for x in re.findall(r"-?\d+\s*:\s*i\d+", s)] or [
+        int(x) for x in re.findall(r"-?\d+", s)
+    ]
+
+
+def _operand(op, env, name):
+    v = getattr(op, name)
+    return None if v is None else env[v]
+
+
+def _operands(op, env, name):
+    return [env[v] for v in getattr(op, name)]
+
+
+# -- memory ------------------------------------------------------------------
+
+
+def _slices(buf: Buffer, idx, shape, op, strides=None):
+    """Index expression of a ``shape``-sized access at ``idx`` (leading memref
+    dims beyond the vector's rank are indexed by one element), bounds checked."""
+    arr = buf.array
+    lead = arr.ndim - len(shape)
+    if lead < 0 or len(idx) != arr.ndim:
+        raise MosaicError(
+            f"run_mosaic: {where(op)}: {len(idx)} indices and shape {list(shape)} for a memref of shape {list(arr.shape)}"
+        )
+    out = []
+    for d, i in enumerate(idx):
+        i = int(i)
+        size = 1 if d < lead else shape[d - lead]
+        step = strides[d] if strides else 1
+        if i < 0 or i + (size - 1) * step >= arr.shape[d] or size == 0 and i > arr.shape[d]:
+            raise MosaicError(
+                f"run_mosaic: {where(op)}: access at {[int(j) for j in idx]} of shape {list(shape)} "
+                f"(strides {strides or 1}) is out of bounds of a {buf.space} memref of shape {list(arr.shape)}"
+            )
+        out.append(i if d < lead else slice(i, i + (size - 1) * step + 1, step))
+    return tuple(out)
+
+
+def _load(op, buf, idx, strides=None):
+    shape = shape_of(op.operation.results[0].type)
+    return [buf.array[_slices(buf, idx, shape, op, strides)].copy()]
+
+
+def _store(op, buf, idx, val, mask=None, strides=None, add=False):
+    val = np.asarray(val)
+    sl = _slices(buf, idx, val.shape, op, strides)
+    val = val.astype(buf.array.dtype)
+    if add:
+        val = (buf.array[sl] + val).astype(buf.array.dtype)
+    if mask is not None:
+        val = np.where(mask, val, buf.array[sl])
+    buf.array[sl] = val
+
+
+@rule("vector.load", "tpu.load", "tpu.vector_load")
+def _vector_load(ex, op, vals, env):
+    return _load(op, _operand(op, env, "base"), _operands(op, env, "indices"))
+
+
+@rule("tpu.strided_load")
+def _strided_load(ex, op, vals, env):
+    return _load(op, _operand(op, env, "base"), _operands(op, env, "indices"), _array_attr(op, "strides"))
+
+
+@rule("vector.store")
+def _vector_store(ex, op, vals, env):
+    _store(op, _operand(op, env, "base"), _operands(op, env, "indices"), _operand(op, env, "valueToStore"))
+
+
+@rule("tpu.vector_store")
+def _tpu_vector_store(ex, op, vals, env):
+    strides = _array_attr(op, "strides") or None
+    add = "add" in op.attributes and str(op.attributes["add"]) == "true"
+    buf, idx = _operand(op, env, "base"), _operands(op, env, "indices")
+    _store(op, buf, idx, _operand(op, env, "valueToStore"), _operand(op, env, "mask"), strides, add)
+
+
+@rule("tpu.strided_store")
+def _strided_store(ex, op, vals, env):
+    buf, idx = _operand(op, env, "base"), _operands(op, env, "indices")
+    _store(op, buf, idx, _operand(op, env, "valueToStore"), strides=_array_attr(op, "strides"))
+
+
+@rule("tpu.store")
+def _sublane_store(ex, op, vals, env):
+    val = np.asarray(_operand(op, env, "valueToStore"))
+    mask = None
+    if "sublane_mask" in op.attributes:
+        rows = np.array([s == "true" for s in re.findall(r"true|false", str(op.attributes["sublane_mask"]))])
+        reps = val.shape[-2] // max(len(rows), 1)
+        mask = np.broadcast_to(np.tile(rows, reps)[:, None], val.shape[-2:])
+    _store(op, _operand(op, env, "base"), _operands(op, env, "indices"), val, mask)
+
+
+@rule("memref.load")
+def _memref_load(ex, op, vals, env):
+    buf, idx = vals[0], vals[1:]
+    return [np.asarray(buf.array[_slices(buf, idx, (), op)])]
+
+
+@rule("memref.store")
+def _memref_store(ex, op, vals, env):
+    val, buf, idx = vals[0], vals[1], vals[2:]
+    buf.array[_slices(buf, idx, (), op)] = np.asarray(val).astype(buf.array.dtype)
+
+
+@rule("memref.alloca", "memref.alloc", "tpu.sem_alloc")
+def _alloca(ex, op, vals, env):
+    return [allocate(op.operation.results[0].type)]
+
+
+@rule("tpu.memref_slice")
+def _memref_slice(ex, op, vals, env):
+    buf = _operand(op, env, "mem_ref")
+    base = _operands(op, env, "base_idx")
+    dyn = iter(int(x) for x in _operands(op, env, "dynamic_sizes"))
+    shape = [next(dyn) if s < 0 else s for s in shape_of(op.operation.results[0].type)]
+    sl = []
+    for d, (b, n) in enumerate(zip(base, shape)):
+        b = int(b)
+        if b < 0 or b + n > buf.array.shape[d]:
+            raise MosaicError(
+                f"run_mosaic: {where(op)}: slice at {[int(x) for x in base]} of shape {shape} is out of bounds "
+                f"of a memref of shape {list(buf.array.shape)}"
+            )
+        sl.append(slice(b, b + n))
+    return [Buffer(buf.array[tuple(sl)], buf.space, buf.is_semaphore)]
+
+
+@rule(
+    "tpu.memref_squeeze",
+    "tpu.memref_reshape",
+    "memref.reshape",
+    "memref.collapse_shape",
+    "memref.expand_shape",
+)
+def _memref_reshape(ex, op, vals, env):
+    buf = vals[0]
+    shape = shape_of(op.operation.results[0].type)
+    view = buf.array.reshape(shape)
+    if not np.shares_memory(view, buf.array) and view.size:
+        raise MosaicError(f"run_mosaic: {where(op)}: reshape of a strided memref view is not supported")
+    return [Buffer(view, buf.space, buf.is_semaphore)]
+
+
+@rule("tpu.memref_bitcast")
+def _memref_bitcast(ex, op, vals, env):
+    buf = vals[0]
+    dtype = np_dtype(op.operation.results[0].type)
+    if dtype.itemsize != buf.array.dtype.itemsize:
+        raise MosaicError(
+            f"run_mosaic: {where(op)}: bitcasts that change the element width are not supported"
+        )
+    return [Buffer(buf.array.view(dtype), buf.space)]
+
+
+# -- vectors -----------------------------------------------------------------
+
+
+@rule("vector.broadcast", "vector.splat")
+def _broadcast(ex, op, vals, env):
+    shape = shape_of(op.operation.results[0].type)
+    return [np.broadcast_to(np.asarray(vals[0]), shape).astype(_out_dtype(op))]
+
+
+@rule("vector.shape_cast", "tpu.reshape")
+def _reshape(ex, op, vals, env):
+    return [np.asarray(vals[0]).reshape(shape_of(op.operation.results[0].type))]
+
+
+_REDUCE = {
+    "add": np.add,
+    "mul": np.multiply,
+    "maxsi": np.maximum,
+    "maxnumf": np.fmax,
+    "maximumf": np.maximum,
+    "minsi": np.minimum,
+    "minnumf": np.fmin,
+    "minimumf": np.minimum,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+    "max": np.maximum,
+    "min": np.minimum,
+    "sum": np.add,
+}
+
+
+def _reduce(x, dims, kind, op):
+    fn = _REDUCE.get(kind)
+    if fn is None:
+        raise MosaicError(f"run_mosaic: {where(op)}: reduction kind {kind} is not supported")
+    x = _f32(x) if np.asarray(x).dtype.kind in "fV" else np.asarray(x)
+    return fn.reduce(x, axis=tuple(dims)) if dims else x
+
+
+def _kind(op) -> str:
+    return re.search(r"<(\w+)>", str(op.attributes["kind"])).group(1)
+
+
+@rule("vector.multi_reduction")
+def _multi_reduction(ex, op, vals, env):
+    src, acc = vals
+    kind = _kind(op)
+    r = _reduce(src, _array_attr(op, "reduction_dims"), kind, op)
+    return [_cast(_REDUCE[kind](r, _f32(acc) if np.asarray(acc).dtype.kind in "fV" else acc), op)]
+
+
+@rule("tpu.reduce", "tpu.all_reduce")
+def _tpu_reduce(ex, op, vals, env):
+    dims = _array_attr(op, "dimensions") or _array_attr(op, "dim")
+    r = _reduce(vals[0], dims, _kind(op), op)
+    if op.operation.name == "tpu.all_reduce":
+        r = np.broadcast_to(np.expand_dims(r, tuple(dims)), np.shape(vals[0]))
+    return [_cast(r, op)]
+
+
+@rule("vector.transpose", "tpu.transpose")
+def _transpose(ex, op, vals, env):
+    return [np.transpose(vals[0], _array_attr(op, "permutation"))]
+
+
+@rule("vector.extract")
+def _extract(ex, op, vals, env):
+    dyn = iter(vals[1:])
+    pos = [int(next(dyn)) if p < -(2**62) else p for p in _array_attr(op, "static_position")]
+    return [np.asarray(np.asarray(vals[0])[tuple(pos)])]
+
+
+@rule("vector.extract_strided_slice")
+def _extract_strided(ex, op, vals, env):
+    offs, sizes = _array_attr(op, "offsets"), _array_attr(op, "sizes")
+    strides = _array_attr(op, "strides") or [1] * len(offs)
+    sl = tuple(slice(o, o + (n - 1) * s + 1, s) for o, n, s in zip(offs, sizes, strides))
+    return [np.asarray(vals[0])[sl].copy()]
+
+
+@rule("tpu.iota")
+def _iota(ex, op, vals, env):
+    shape = shape_of(op.operation.results[0].type)
+    dims = _array_attr(op, "dimensions") or _array_attr(op, "dimension")
+    out = np.zeros(shape, np.int64)
+    for d in dims:
+        out = out * shape[d] + np.indices(shape)[d]
+    return [out.astype(_out_dtype(op))]
+
+
+@rule("tpu.matmul")
+def _matmul(ex, op, vals, env):
+    lhs, rhs, acc = vals
+    if "dimension_numbers" in op.attributes:
+        lc, rc, _, _, order, lb, rb = (
+            [int(x) for x in g.split(",") if x.strip()]
+            for g in re.findall(r"\[([^\]]*)\]", str(op.attributes["dimension_numbers"]))
+        )
+    else:
+        t = "transpose_rhs" in op.attributes and str(op.attributes["transpose_rhs"]) == "true"
+        lc, rc, lb, rb = [1], [1 if t else 0], [], []
+        order = [0, 0, 1, 0 if t else 1]
+    letters = iter(string.ascii_letters)
+    lhs_l = [next(letters) for _ in range(np.ndim(lhs))]
+    rhs_l = [next(letters) for _ in range(np.ndim(rhs))]
+    for a, b in [*zip(lc, rc), *zip(lb, rb)]:
+        rhs_l[b] = lhs_l[a]
+    out_l = [(lhs_l, rhs_l)[o][d] for o, d in zip(order[::2], order[1::2])]
+    kind = np.asarray(acc).dtype
+    compute = np.float32 if kind.kind in "fV" else np.int64
+    prod = np.einsum(
+        f"{''.join(lhs_l)},{''.join(rhs_l)}->{''.join(out_l)}",
+        np.asarray(lhs).astype(compute),
+        np.asarray(rhs).astype(compute),
+    )
+    return [_cast(np.asarray(acc).astype(compute) + prod, op)]
+
+
+@rule("tpu.dynamic_rotate", "tpu.rotate")
+def _rotate(ex, op, vals, env):
+    x = np.asarray(vals[0])
+    amount = int(vals[1]) if len(vals) > 1 else _array_attr(op, "amount")[0]
+    axis = _array_attr(op, "dimension")[0]
+    stride = _array_attr(op, "stride")
+    if not stride:
+        return [np.roll(x, amount, axis)]
+    sdim = _array_attr(op, "stride_dimension")[0]
+    parts = [np.roll(np.take(x, [i], axis=sdim), amount + i * stride[0], axis) for i in range(x.shape[sdim])]
+    return [np.concatenate(parts, axis=sdim)]
+
+
+@rule("tpu.concatenate")
+def _concatenate(ex, op, vals, env):
+    return [np.concatenate([np.asarray(v) for v in vals], axis=_array_attr(op, "dimension")[0])]
+
+
+@rule("tpu.repeat")
+def _repeat(ex, op, vals, env):
+    return [
+        np.concatenate(
+            [np.asarray(vals[0])] * _array_attr(op, "times")[0], axis=_array_attr(op, "dimension")[0]
+        )
+    ]
+
+
+@rule("tpu.bitcast", "tpu.bitcast_vreg")
+def _vector_bitcast(ex, op, vals, env):
+    x = np.asarray(vals[0])
+    dtype = _out_dtype(op)
+    if dtype.itemsize != x.dtype.itemsize:
+        raise MosaicError(
+            f"run_mosaic: {where(op)}: bitcasts that change the element width are not supported"
+        )
+    return [x.view(dtype)]
+
+
+# -- DMAs and semaphores -----------------------------------------------------
+
+
+def _sem(op, buf, what) -> Buffer:
+    if not isinstance(buf, Buffer) or not buf.is_semaphore or buf.array.shape != ():
+        raise MosaicError(f"run_mosaic: {where(op)}: {what} is not a single semaphore")
+    return buf
+
+
+def _local(op, env, *names):
+    for n in names:
+        dev = _operand(op, env, n) if hasattr(op, n) else None
+        if dev is not None and int(dev) != 0:
+            raise MosaicError(
+                f"run_mosaic: {where(op)}: {n} {int(dev)}: run_mosaic runs one device and one core"
+            )
+
+
+@rule("tpu.sem_signal")
+def _sem_signal(ex, op, vals, env):
+    _local(op, env, "device_id", "core_id")
+    sem = _sem(op, _operand(op, env, "semaphore"), "the signalled value")
+    sem.array[...] += int(_operand(op, env, "amount"))
+
+
+@rule("tpu.sem_wait")
+def _sem_wait(ex, op, vals, env):
+    sem = _sem(op, _operand(op, env, "semaphore"), "the awaited value")
+    amount = int(_operand(op, env, "amount"))
+    if sem.array < amount:
+        raise MosaicError(
+            f"run_mosaic: {where(op)}: waits for {amount} on a semaphore holding {int(sem.array)}, which nothing can signal any more (a deadlock on a TPU)"
+        )
+    sem.array[...] -= amount
+
+
+@rule("tpu.sem_read")
+def _sem_read(ex, op, vals, env):
+    return [np.asarray(_sem(op, vals[0], "the read value").array, np.int32)]
+
+
+@rule("tpu.sem_barrier")
+def _sem_barrier(ex, op, vals, env):
+    if not hasattr(ex, "barrier"):
+        ex.barrier = allocate(op.operation.results[0].type)
+    return [ex.barrier]
+
+
+@rule("tpu.enqueue_dma")
+def _enqueue_dma(ex, op, vals, env):
+    _local(op, env, "device_id", "core_id")
+    src, dst = _operand(op, env, "source"), _operand(op, env, "target")
+    if src.array.shape != dst.array.shape:
+        raise MosaicError(
+            f"run_mosaic: {where(op)}: DMA from shape {list(src.array.shape)} to shape {list(dst.array.shape)}"
+        )
+    dst.array[...] = src.array.astype(dst.array.dtype)
+    sem = _sem(op, _operand(op, env, "target_semaphore"), "the DMA's target semaphore")
+    sem.array[...] += dst.array.nbytes
+
+
+@rule("tpu.wait_dma2", "tpu.wait_dma")
+def _wait_dma(ex, op, vals, env):
+    sem = _sem(op, _operand(op, env, "semaphore"), "the DMA semaphore")
+    dst = _operand(op, env, "dst") if hasattr(op, "dst") else _operand(op, env, "ref")
+    if sem.array < dst.array.nbytes:
+        raise MosaicError(
+            f"run_mosaic: {where(op)}: waits for a DMA of {dst.array.nbytes} bytes on a semaphore holding {int(sem.array)} (no such DMA was started: a deadlock on a TPU)"
+        )
+    sem.array[...] -= dst.array.nbytes
+
+
+@rule("tpu.device_id", "tpu.core_id", "tpu.subcore_id")
+def _ids(ex, op, vals, env):
+    return [np.zeros((), _out_dtype(op))]
+
+
+@rule(
+    "tpu.trace_start",
+    "tpu.trace_stop",
+    "tpu.delay",
+    "tpu.log",
+    "tpu.trace_value",
+    "tpu.annotate",
+    "memref.dealloc",
+)
+def _nothing(ex, op, vals, env):
+    return None
+
+
+# -- control flow ------------------------------------------------------------
+
+
+@rule("scf.if")
+def _if(ex, op, vals, env):
+    region = op.regions[0] if bool(vals[0]) else op.regions[1]
+    return ex.region(region, [], env) if len(region.blocks) else []
+
+
+@rule("scf.for")
+def _for(ex, op, vals, env):
+    lb, ub, step, *carry = vals
+    i = lb
+    while i < ub:
+        carry = ex.region(op.regions[0], [i, *carry], env)
+        i = type(np.asarray(lb)[()])(i + step)
+    return carry
+
+
+@rule("scf.while")
+def _while(ex, op, vals, env):
+    carry = vals
+    while True:
+        cond, *args = ex.region(op.regions[0], carry, env)
+        if not bool(cond):
+            return args
+        carry = ex.region(op.regions[1], args, env)
+
+
+@rule("scf.index_switch")
+def _switch(ex, op, vals, env):
+    cases = _array_attr(op, "cases")
+    k = int(vals[0])
+    region = op.regions[1 + cases.index(k)] if k in cases else op.regions[0]
+    return ex.region(region, [], env)
+
+
+@rule("tpu.region", "tpu.trace")
+def _region(ex, op, vals, env):
+    return ex.region(op.regions[0], [], env)
+
+
+@rule("func.call")
+def _call(ex, op, vals, env):
+    name = str(op.attributes["callee"]).lstrip("@")
+    return ex.call(ex.funcs[name], vals)

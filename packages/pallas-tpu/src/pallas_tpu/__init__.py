@@ -40,6 +40,7 @@ from pallas_tpu._src.interpret import force_tpu_interpret_mode as force_tpu_inte
 from pallas_tpu._src.interpret import reset_tpu_interpret_mode_state as reset_tpu_interpret_mode_state
 from pallas_tpu._src.interpret import set_tpu_interpret_mode as set_tpu_interpret_mode
 from pallas_tpu._src.pallas_call_registration import LoweringException as LoweringException
+from pallas_tpu._src.pallas_call_registration import mosaic_modules as mosaic_modules
 from pallas_tpu._src.pipeline import BufferedRef as BufferedRef
 from pallas_tpu._src.pipeline import BufferedRefBase as BufferedRefBase
 from pallas_tpu._src.pipeline import BufferType as BufferType

@@ -132,3 +132,39 @@ def scan_split(params, ops):
         return ops[:nc], ops[nc : nc + nk], ops[nc + nk :]
     consts, carry, xs = params["ft_in"].update(ops).unpack()
     return list(consts), list(carry), list(xs)
+
+
+# --- the Mosaic lowering (lowering*.py, pallas_call_registration.py)
+
+
+def indexing_types():
+    """(NDIndexer, Slice): the indexing transforms of Ref reads and writes."""
+    from jax._src import indexing
+    from jax._src.state import indexing as state_indexing
+
+    return state_indexing.NDIndexer, indexing.Slice
+
+
+def is_drop_var(v) -> bool:
+    """Whether a jaxpr outvar is ``_`` (its value is never used)."""
+    return isinstance(v, jax_core.DropVar)
+
+
+def lower_mosaic_to_custom_call(ctx, *in_nodes, module, out_avals, kernel_name, **config):
+    """The ``tpu_custom_call`` of a Mosaic module (JAX's own serialization
+    and backend config); ``config`` holds the keyword arguments of JAX's
+    ``lower_module_to_custom_call`` (vmem_limit_bytes, flags, ...)."""
+    from jax._src import tpu_custom_call
+
+    side = config.pop("has_side_effects", False)
+    if not isinstance(side, bool):
+        side = tpu_custom_call.TpuSideEffectType[side.name]
+    return tpu_custom_call.lower_module_to_custom_call(
+        ctx,
+        *in_nodes,
+        module=module,
+        out_type=out_avals,
+        kernel_name=kernel_name,
+        has_side_effects=side,
+        **config,
+    )

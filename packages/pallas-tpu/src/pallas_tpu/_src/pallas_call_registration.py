@@ -1,24 +1,33 @@
-"""pallas-tpu as a pallas-core backend: the TPU interpreter for
-``interpret=pltpu.InterpretParams(...)`` (and for ``interpret=True`` on kernels
-that pallas-core's interpreter cannot run), and the platform ``tpu``."""
+"""The MLIR lowering rule of ``pallas_call_p`` for the platform ``tpu``.
+
+With ``interpret=pltpu.InterpretParams()`` the kernel runs in the TPU
+interpreter (plain JAX, any platform). Otherwise it is lowered to a Mosaic
+module (``lowering_kernel.py``) and serialized into XLA's ``tpu_custom_call``
+with the backend config Mosaic expects, through JAX's own helper (compat): so
+``jax.export(f, platforms=["tpu"])`` works on a machine without a TPU.
+``mosaic_modules(fn, *args)`` returns the modules ``fn`` lowers to.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import threading
 
+import jax
 from jax.interpreters import mlir
+from jaxlib.mlir import ir, passmanager
+from jaxlib.mosaic.python import tpu
 
-from pallas import backend as plb
+from pallas_tpu._src import compat, interpret_pallas_call
 from pallas_tpu._src import core as tpu_core
-from pallas_tpu._src import interpret_pallas_call
 from pallas_tpu._src.interpret import Interpreter, InterpretParams
+from pallas_tpu._src.lowering import LoweringException
+from pallas_tpu._src.lowering_kernel import func_name, lower_kernel
 
 PLATFORMS = ("tpu",)
-
-
-class LoweringException(Exception):
-    """A kernel that cannot be lowered to Mosaic (JAX's ``pltpu.LoweringException``)."""
-
+__all__ = ["LoweringException", "lower", "mosaic_modules"]
 
 COMPILER_PARAMS = tpu_core.CompilerParams
 INTERPRET_PARAMS = InterpretParams
@@ -59,13 +68,140 @@ def claims_interpret(jaxpr, grid_mapping) -> bool:
     return True
 
 
-def lower(ctx, *args, jaxpr, grid_mapping, interpret=False, **params):
+# ---------------------------------------------------------------------------
+# Mosaic
+
+_collecting = threading.local()
+
+
+def mosaic_module(jaxpr, grid_mapping, compiler_params=None, context: ir.Context | None = None) -> ir.Module:
+    """The verified Mosaic module of a kernel, built in ``context`` (a new
+    one with the tpu dialect when None)."""
+    if context is None:
+        context = mlir.make_ir_context()
+    tpu.register_dialect(context)
+    with context, ir.Location.unknown(context):
+        module = lower_kernel(jaxpr, grid_mapping, compiler_params)
+        if not module.operation.verify():  # verify() raises with the diagnostics on failure
+            raise LoweringException(f"{_where(grid_mapping)}: the Mosaic module does not verify")
+    return module
+
+
+def module_text(module: ir.Module) -> str:
+    """The module as text, canonicalized (constants hoisted, dead loads and
+    empty branches dropped) as JAX prints it for ``debug=True``."""
+    with module.context:
+        clone = module.operation.clone(ip=False)  # not into the caller's insertion point
+        passmanager.PassManager.parse("builtin.module(canonicalize)").run(clone)
+        return clone.get_asm(assume_verified=True)
+
+
+def _where(gm) -> str:
+    from pallas import backend as plb
+
+    return plb.describe(gm.kernel_name, gm.source)
+
+
+def _custom_call_config(cp: tpu_core.CompilerParams, cost_estimate, aliases, metadata) -> dict:
+    cost = dataclasses.asdict(cost_estimate) if cost_estimate is not None else None
+    return dict(
+        cost_estimate=cost,
+        vmem_limit_bytes=cp.vmem_limit_bytes,
+        flags=dict(cp.flags) if cp.flags else None,
+        allow_input_fusion=cp.allow_input_fusion,
+        input_output_aliases=tuple(aliases),
+        internal_scratch_in_bytes=cp.internal_scratch_in_bytes,
+        collective_id=cp.collective_id,
+        has_side_effects=cp.has_side_effects,
+        serialization_format=cp.serialization_format,
+        output_memory_spaces=None,
+        input_memory_spaces=None,
+        disable_bounds_checks=cp.disable_bounds_checks,
+        disable_semaphore_checks=cp.disable_semaphore_checks,
+        skip_device_barrier=cp.skip_device_barrier,
+        allow_collective_id_without_custom_barrier=cp.allow_collective_id_without_custom_barrier,
+        shape_invariant_numerics=cp.shape_invariant_numerics,
+        needs_layout_passes=cp.needs_layout_passes,
+        metadata=dict(metadata) if metadata else None,
+        opt_level=cp.opt_level,
+    )
+
+
+def lower(
+    ctx,
+    *args,
+    jaxpr,
+    grid_mapping,
+    input_output_aliases=(),
+    interpret=False,
+    debug=False,
+    compiler_params=None,
+    cost_estimate=None,
+    **params,
+):
+    gm = grid_mapping
     if isinstance(interpret, InterpretParams):
         return interpret_lower(
-            ctx, *args, jaxpr=jaxpr, grid_mapping=grid_mapping, interpret=interpret, **params
+            ctx,
+            *args,
+            jaxpr=jaxpr,
+            grid_mapping=gm,
+            input_output_aliases=input_output_aliases,
+            interpret=interpret,
+            debug=debug,
+            compiler_params=compiler_params,
+            cost_estimate=cost_estimate,
+            **params,
         )
-    raise NotImplementedError(
-        f"{plb.describe(grid_mapping.kernel_name, grid_mapping.source)}: lowering Pallas kernels to Mosaic "
-        "for a TPU is not implemented yet (issue 'pallas-tpu 2 of 2'); run the kernel with "
-        "interpret=pltpu.InterpretParams() on any machine"
-    )
+    cp = compiler_params if compiler_params is not None else tpu_core.CompilerParams()
+    if not isinstance(cp, tpu_core.CompilerParams):
+        raise TypeError(f"{_where(gm)}: compiler_params for a TPU must be pltpu.CompilerParams, got {cp!r}")
+    module = mosaic_module(jaxpr, gm, cp, ctx.module_context.context)
+    text = module_text(module)
+    if debug:
+        print(f"\nThe Mosaic module for {_where(gm)}:")
+        print(text)
+    for sink in getattr(_collecting, "sinks", ()):
+        sink.append(text)
+    config = _custom_call_config(cp, cost_estimate, input_output_aliases, params.get("metadata"))
+    with ctx.module_context.context, ir.Location.unknown(ctx.module_context.context):
+        return compat.lower_mosaic_to_custom_call(
+            ctx,
+            *args,
+            module=module,
+            out_avals=list(ctx.avals_out),
+            kernel_name=func_name(gm.kernel_name),
+            **config,
+        )
+
+
+@contextlib.contextmanager
+def _collect():
+    sinks = _collecting.__dict__.setdefault("sinks", [])
+    sink: list[str] = []
+    sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        sinks.remove(sink)
+
+
+def mosaic_modules(fn, *args, **kwargs) -> list[str]:
+    """The Mosaic module text of every ``pallas_call`` that ``fn(*args)``
+    lowers for a TPU, in program order (no TPU needed).
+
+    Args:
+      fn: a function of JAX arrays calling TPU kernels.
+      *args, **kwargs: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+    Returns:
+      One ``str`` per kernel lowering.
+    """
+
+    # A fresh wrapper each time: JAX caches the lowering of a traced function,
+    # and a cached lowering would not run our rule again.
+    def wrapper(*a, **k):
+        return fn(*a, **k)
+
+    with _collect() as sink:
+        jax.jit(wrapper).trace(*args, **kwargs).lower(lowering_platforms=("tpu",))
+    return list(sink)

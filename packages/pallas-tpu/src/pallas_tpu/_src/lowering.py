@@ -1,0 +1,299 @@
+"""Kernel jaxpr -> Mosaic: the value model, the rule table and the jaxpr walker.
+
+The kernel becomes one ``func.func`` of a Mosaic module, written with
+jaxlib's MLIR Python bindings in the arith, math, vector, memref, scf and tpu
+dialects (``lowering_kernel.py`` builds the function, its attributes and the
+index-map functions). Conventions:
+
+* A jaxpr value of shape ``()`` is an MLIR scalar (``i32``, ``f32``, ``i1``
+  for bool); any other shape is a ``vector<...>`` of that shape. Unsigned
+  integers are signless MLIR integers: rules read signedness from the avals.
+* A Ref is a ``memref`` in its memory space (``#tpu.memory_space<vmem>``,
+  ``smem``, ``hbm``, ``any``, ``semaphore_mem``); a semaphore Ref is a memref of
+  ``!tpu.semaphore`` or ``!tpu.dma_semaphore``. ``ref.at[...]`` views become
+  ``tpu.memref_slice`` (+ ``tpu.memref_squeeze``) where an op needs a memref.
+* A rule is ``rule(ctx, *args, **params) -> value or list of values``; ``ctx``
+  holds the equation, its avals and the kernel (``RuleContext``). Rules are
+  registered with ``register_lowering(*prims)`` and live by theme:
+  ``lowering_math.py`` (elementwise, casts, shapes, reductions, dot),
+  ``lowering_memory.py`` (Ref reads/writes, scratch, DMAs, semaphores) and
+  ``lowering_control.py`` (cond, loops, inlined calls). Imports run one way:
+  those modules import this one, ``lowering_kernel.py`` imports them all.
+* A primitive without a rule, and any error raised inside a rule, is a
+  ``LoweringException`` naming the primitive, the kernel and the user's line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, vector
+
+from pallas import backend as plb
+from pallas_tpu._src import compat
+
+BACKEND = "pallas_tpu (Mosaic)"
+
+
+class LoweringException(Exception):
+    """A kernel that cannot be lowered to Mosaic (JAX's ``pltpu.LoweringException``)."""
+
+
+Rule = Callable[..., Any]
+lowering_rules: dict[Any, Rule] = {}
+
+
+def register_lowering(*prims) -> Callable[[Rule], Rule]:
+    """Decorator: ``rule`` lowers each of ``prims``."""
+
+    def decorator(rule: Rule) -> Rule:
+        for p in prims:
+            lowering_rules[p] = rule
+        return rule
+
+    return decorator
+
+
+# ---------------------------------------------------------------------------
+# Types
+
+
+def is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_bool(dtype) -> bool:
+    return np.dtype(dtype) == np.bool_
+
+
+def is_unsigned(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.unsignedinteger) or is_bool(dtype)
+
+
+_FLOAT_TYPES = {
+    "float32": ir.F32Type.get,
+    "bfloat16": ir.BF16Type.get,
+    "float16": ir.F16Type.get,
+    "float64": ir.F64Type.get,
+    "float8_e4m3fn": ir.Float8E4M3FNType.get,
+    "float8_e5m2": ir.Float8E5M2Type.get,
+}
+
+
+def element_type(dtype) -> ir.Type:
+    """The MLIR element type of ``dtype`` (integers are signless; bool is i1)."""
+    dtype = np.dtype(dtype)
+    if is_bool(dtype):
+        return ir.IntegerType.get_signless(1)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return ir.IntegerType.get_signless(dtype.itemsize * 8)
+    if dtype.name in _FLOAT_TYPES:
+        return _FLOAT_TYPES[dtype.name]()
+    raise NotImplementedError(f"{BACKEND}: dtype {dtype.name} has no Mosaic type")
+
+
+def value_type(shape: Sequence[int], dtype) -> ir.Type:
+    """A scalar type for shape ``()``, else a vector type."""
+    el = element_type(dtype)
+    return ir.VectorType.get(list(shape), el) if len(shape) else el
+
+
+def aval_type(aval) -> ir.Type:
+    return value_type(aval.shape, aval.dtype)
+
+
+def memory_space_attr(ms) -> ir.Attribute:
+    """``#tpu.memory_space<...>`` of a Ref's memory space (None is VMEM)."""
+    if isinstance(ms, plb.SemaphoreSpace):
+        name = "semaphore_mem"
+    elif ms is None:
+        name = "vmem"
+    else:
+        name = str(ms)
+        if name not in ("vmem", "smem", "hbm", "any", "semaphore_mem", "vmem_shared", "cmem"):
+            raise NotImplementedError(f"{BACKEND}: memory space {ms!r} has no Mosaic equivalent")
+    return ir.Attribute.parse(f"#tpu.memory_space<{name}>")
+
+
+def semaphore_type(kind) -> ir.Type:
+    dma = kind is plb.SemaphoreKind.DMA
+    return ir.Type.parse("!tpu.dma_semaphore" if dma else "!tpu.semaphore")
+
+
+def memref_type(shape: Sequence[int], dtype, memory_space) -> ir.MemRefType:
+    """The memref of a Ref of ``shape``/``dtype`` in ``memory_space``."""
+    if isinstance(memory_space, plb.SemaphoreSpace):
+        el = semaphore_type(memory_space.kind)
+    elif is_bool(dtype):
+        raise NotImplementedError(f"{BACKEND}: bool Refs are not supported; store int32 (0/1) instead")
+    else:
+        el = element_type(dtype)
+    return ir.MemRefType.get(list(shape), el, memory_space=memory_space_attr(memory_space))
+
+
+def ref_type(aval) -> ir.MemRefType:
+    return memref_type(aval.shape, aval.dtype, aval.memory_space)
+
+
+def is_smem(aval) -> bool:
+    return str(getattr(aval, "memory_space", None)) == "smem"
+
+
+# ---------------------------------------------------------------------------
+# Values
+
+
+def i32(v: int) -> ir.Value:
+    t = ir.IntegerType.get_signless(32)
+    return arith.constant(t, ir.IntegerAttr.get(t, int(v)))
+
+
+def index(v: int | ir.Value) -> ir.Value:
+    """``v`` (a Python int or an integer scalar) as an MLIR ``index``."""
+    if isinstance(v, ir.Value):
+        if isinstance(v.type, ir.IndexType):
+            return v
+        return arith.index_cast(ir.IndexType.get(), v)
+    return arith.constant(ir.IndexType.get(), int(v))
+
+
+def as_i32(v: int | ir.Value) -> ir.Value:
+    if isinstance(v, ir.Value):
+        if isinstance(v.type, ir.IndexType):
+            return arith.index_cast(ir.IntegerType.get_signless(32), v)
+        return v
+    return i32(v)
+
+
+def constant(value, shape: Sequence[int], dtype) -> ir.Value:
+    """A constant scalar (``shape == ()``) or splat vector."""
+    el = element_type(dtype)
+    if is_float(dtype):
+        attr = ir.FloatAttr.get(el, float(value))
+    else:
+        v = int(value)
+        width = ir.IntegerType(el).width
+        if width > 1 and v >= 2 ** (width - 1):  # unsigned values in a signless type
+            v -= 2**width
+        if width == 1:
+            v = -1 if v else 0
+        attr = ir.IntegerAttr.get(el, v)
+    if not len(shape):
+        return arith.constant(el, attr)
+    t = ir.VectorType.get(list(shape), el)
+    return arith.constant(t, ir.DenseElementsAttr.get_splat(t, attr))
+
+
+def broadcast_to(x: ir.Value, shape: Sequence[int]) -> ir.Value:
+    """A scalar or vector broadcast to ``shape`` (numpy rules)."""
+    if not len(shape):
+        return x
+    t = x.type
+    el = ir.VectorType(t).element_type if isinstance(t, ir.VectorType) else t
+    if isinstance(t, ir.VectorType) and list(ir.VectorType(t).shape) == list(shape):
+        return x
+    return vector.broadcast(ir.VectorType.get(list(shape), el), x)
+
+
+def shape_cast(x: ir.Value, shape: Sequence[int], dtype) -> ir.Value:
+    """``x`` with the same elements in ``shape`` (scalars <-> 1-element vectors)."""
+    is_vec = isinstance(x.type, ir.VectorType)
+    if not len(shape):
+        if not is_vec:
+            return x
+        return vector.extract(x, [], [0] * len(ir.VectorType(x.type).shape))
+    if not is_vec:
+        return vector.broadcast(value_type(shape, dtype), x)
+    if list(ir.VectorType(x.type).shape) == list(shape):
+        return x
+    return vector.shape_cast(value_type(shape, dtype), x)
+
+
+# ---------------------------------------------------------------------------
+# The kernel being lowered and the walker
+
+
+@dataclasses.dataclass
+class KernelContext:
+    """What rules need of the kernel: its name and the grid."""
+
+    kernel_name: str
+    source: str
+    grid: tuple[int, ...]
+    grid_names: tuple[str | None, ...]
+    grid_indices: list[ir.Value]
+
+    def describe(self) -> str:
+        return plb.describe(self.kernel_name, self.source)
+
+
+@dataclasses.dataclass
+class RuleContext:
+    """One equation being lowered."""
+
+    kernel: KernelContext
+    eqn: Any
+    avals_in: list[Any]
+    avals_out: list[Any]
+
+    def lower_jaxpr(self, jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[ir.Value]:
+        """Lowers a sub-jaxpr (a branch, a loop body) at the current insertion point."""
+        return lower_jaxpr(self.kernel, jaxpr, [*consts, *args])
+
+
+def _where(eqn) -> str:
+    line = compat.eqn_user_source(eqn)
+    return f" at {line}" if line else ""
+
+
+def lower_jaxpr(kernel: KernelContext, jaxpr, args: Sequence[Any]) -> list[ir.Value]:
+    """Emits ``jaxpr`` (invars bound to ``args``) at the current insertion
+    point; returns the values of its outvars."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    if jaxpr.constvars:
+        raise LoweringException(
+            f"{kernel.describe()}: the kernel closes over array constants, which Mosaic cannot take; "
+            "pass them as inputs"
+        )
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        if isinstance(v, compat.Literal):
+            return constant(v.val, (), v.aval.dtype) if not np.shape(v.val) else _literal_array(v)
+        return env[v]
+
+    for v, a in zip(jaxpr.invars, args, strict=True):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        rule = lowering_rules.get(eqn.primitive)
+        if rule is None:
+            raise LoweringException(
+                f"{kernel.describe()}: primitive '{eqn.primitive.name}'{_where(eqn)} has no "
+                f"Mosaic lowering in {BACKEND}; run the kernel with interpret=pltpu.InterpretParams() "
+                "or rewrite it with supported operations"
+            )
+        ctx = RuleContext(kernel, eqn, [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars])
+        try:
+            out = rule(ctx, *map(read, eqn.invars), **eqn.params)
+        except LoweringException:
+            raise
+        except Exception as e:
+            raise LoweringException(
+                f"{kernel.describe()}: lowering '{eqn.primitive.name}'{_where(eqn)} to Mosaic failed: {e}"
+            ) from e
+        outs = out if eqn.primitive.multiple_results else [out]
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _literal_array(lit) -> ir.Value:
+    val = np.asarray(lit.val)
+    if not np.all(val == val.flat[0]):
+        raise NotImplementedError("only splat array literals are supported")
+    return constant(val.flat[0], val.shape, val.dtype)

@@ -1,0 +1,148 @@
+"""The kernel frame: kernel jaxpr + grid mapping -> one Mosaic module.
+
+The module holds, as JAX's Mosaic lowering makes it:
+
+* ``func.func @<kernel>(grid indices: i32..., scalar-prefetch memrefs (SMEM)...,
+  operand windows (memrefs of the block shape, squeezed dims dropped)...,
+  scratch memrefs...)`` with the attributes ``dimension_semantics``,
+  ``iteration_bounds``, ``scalar_prefetch``, ``scratch_operands``,
+  ``tpu.core_type`` and ``window_params``: one dict per operand,
+  ``{transform_indices = @transform_i, window_bounds = array<i64: ...>}``,
+  empty for whole-array operands (``pl.ANY``, ``pltpu.HBM``);
+* ``func.func @transform_i(grid indices..., prefetch memrefs...) -> (i32...)``:
+  operand ``i``'s index map (block indices; element offsets for
+  ``pl.Element`` dims, whose window then has a ``window_kind``).
+
+Without a grid there are no transforms, no ``window_params`` and no
+``iteration_bounds`` (every block is the whole array).
+"""
+
+from __future__ import annotations
+
+import re
+
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import func
+
+from pallas import backend as plb
+from pallas_tpu._src import compat
+from pallas_tpu._src import lowering_control as _control  # noqa: F401  (registers rules)
+from pallas_tpu._src import lowering_math as _math  # noqa: F401
+from pallas_tpu._src import lowering_memory as _memory  # noqa: F401
+from pallas_tpu._src.lowering import (
+    KernelContext,
+    LoweringException,
+    as_i32,
+    lower_jaxpr,
+    memref_type,
+    ref_type,
+)
+
+
+def _i32():
+    return ir.IntegerType.get_signless(32)
+
+
+def _i64_attr(v: int) -> ir.Attribute:
+    return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), v)
+
+
+def _operand_type(bm) -> ir.MemRefType:
+    """A kernel operand's memref: its block (squeezed dims dropped) in its memory space."""
+    return memref_type(bm.kernel_block_shape, bm.dtype, bm.memory_space)
+
+
+def _semantics(gm, compiler_params) -> ir.Attribute:
+    sems = getattr(compiler_params, "dimension_semantics", None)
+    names = [getattr(s, "value", s) for s in sems] if sems else ["arbitrary"] * len(gm.grid)
+    if len(names) != len(gm.grid):
+        raise LoweringException(
+            f"{plb.describe(gm.kernel_name, gm.source)}: compiler_params.dimension_semantics has "
+            f"{len(names)} entries for a grid of rank {len(gm.grid)}"
+        )
+    return ir.ArrayAttr.get([ir.Attribute.parse(f"#tpu.dimension_semantics<{n}>") for n in names])
+
+
+def func_name(name: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9_]", "_", name or "kernel")
+    return name if not name[0].isdigit() else f"_{name}"
+
+
+def lower_kernel(jaxpr, gm, compiler_params=None) -> ir.Module:
+    """The Mosaic module of one kernel. Call inside an ``ir.Context`` with the
+    tpu dialect registered and a location."""
+    G = len(gm.grid)
+    if any(not isinstance(g, int) for g in gm.grid):
+        raise LoweringException(f"{plb.describe(gm.kernel_name, gm.source)}: the grid must be static ints")
+    prefetch_types = [ref_type(a) for a in gm.prefetch_avals]
+    operand_types = [_operand_type(bm) for bm in gm.block_mappings]
+    scratch_types = [ref_type(a) for a in gm.scratch_avals]
+    module = ir.Module.create()
+    name = func_name(gm.kernel_name)
+    with ir.InsertionPoint(module.body):
+        fn = func.FuncOp(name, ([_i32()] * G + prefetch_types + operand_types + scratch_types, []))
+        block = fn.add_entry_block()
+        kernel = KernelContext(
+            gm.kernel_name, gm.source, tuple(gm.grid), _grid_names(gm), list(block.arguments[:G])
+        )
+        with ir.InsertionPoint(block):
+            lower_jaxpr(kernel, jaxpr, list(block.arguments))
+            func.ReturnOp([])
+        fn.attributes["dimension_semantics"] = _semantics(gm, compiler_params)
+        fn.attributes["scalar_prefetch"] = _i64_attr(len(prefetch_types))
+        fn.attributes["scratch_operands"] = _i64_attr(len(scratch_types))
+        fn.attributes["tpu.core_type"] = ir.Attribute.parse("#tpu.core_type<tc>")
+        if G:
+            fn.attributes["iteration_bounds"] = ir.DenseI64ArrayAttr.get(list(gm.grid))
+            windows = [_window(i, bm, gm, prefetch_types) for i, bm in enumerate(gm.block_mappings)]
+            fn.attributes["window_params"] = ir.ArrayAttr.get(windows)
+    return module
+
+
+def _grid_names(gm) -> tuple:
+    names = tuple(gm.grid_names or ())
+    return names + (None,) * (len(gm.grid) - len(names))
+
+
+def _window(i: int, bm, gm, prefetch_types) -> ir.Attribute:
+    """Operand ``i``'s ``window_params`` entry, emitting its ``@transform_i``."""
+    if bm.is_whole_array:
+        return ir.DictAttr.get({})
+    G = len(gm.grid)
+    name = f"transform_{i}"
+    n_out = len(bm.block_shape)
+    fn = func.FuncOp(name, ([_i32()] * G + prefetch_types, [_i32()] * n_out))
+    block = fn.add_entry_block()
+    kernel = KernelContext(
+        f"{gm.kernel_name} {bm.origin} index_map", gm.source, tuple(gm.grid), _grid_names(gm), []
+    )
+    kernel.grid_indices = list(block.arguments[:G])
+    with ir.InsertionPoint(block):
+        index_map = getattr(bm.index_map, "jaxpr", bm.index_map)
+        consts = getattr(bm.index_map, "consts", ())
+        if consts:
+            raise LoweringException(
+                f"{plb.describe(gm.kernel_name, gm.source)}: {bm.origin} index_map closes over arrays"
+            )
+        outs = lower_jaxpr(kernel, index_map, list(block.arguments))
+        func.ReturnOp([as_i32(o) for o in outs])
+    params = {
+        "transform_indices": ir.FlatSymbolRefAttr.get(name),
+        "window_bounds": ir.DenseI64ArrayAttr.get(list(bm.block_sizes)),
+    }
+    if _single_buffered(bm):
+        params["pipeline_mode"] = ir.Attribute.parse("#tpu.pipeline_mode<synchronous>")
+    if any(isinstance(d, plb.Element) for d in bm.block_shape):
+        pads = [d.padding if isinstance(d, plb.Element) else (0, 0) for d in bm.block_shape]
+        lo, hi = [p[0] for p in pads], [p[1] for p in pads]
+        params["window_kind"] = ir.Attribute.parse(f"#tpu.element_window<{lo},{hi}>")
+    return ir.DictAttr.get(params)
+
+
+def _single_buffered(bm) -> bool:
+    """A VMEM block that is the whole array at a constant index is copied in
+    once: Mosaic keeps one buffer of it (as JAX's lowering asks)."""
+    if str(bm.memory_space or "vmem") != "vmem" or tuple(bm.block_sizes) != tuple(bm.array_shape):
+        return False
+    outs = getattr(bm.index_map, "jaxpr", bm.index_map).outvars
+    return all(isinstance(v, compat.Literal) and v.val == 0 for v in outs)

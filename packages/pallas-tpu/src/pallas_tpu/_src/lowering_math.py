@@ -1,0 +1,366 @@
+"""Mosaic rules for values: elementwise math (from tables), comparisons,
+select, casts, iota and shapes, reductions and ``dot_general``."""
+
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, math, vector
+from jaxlib.mosaic.python import tpu
+
+from pallas import backend as plb
+from pallas_tpu._src import vector_primitives as vp
+from pallas_tpu._src.lowering import (
+    aval_type,
+    broadcast_to,
+    constant,
+    is_bool,
+    is_float,
+    is_unsigned,
+    register_lowering,
+    shape_cast,
+)
+
+# primitive -> (float op, signed int op, unsigned int / bool op); None: not defined.
+BINARY = {
+    lax.add_p: (arith.addf, arith.addi, arith.addi),
+    lax.sub_p: (arith.subf, arith.subi, arith.subi),
+    lax.mul_p: (arith.mulf, arith.muli, arith.muli),
+    lax.div_p: (arith.divf, arith.divsi, arith.divui),
+    lax.rem_p: (arith.remf, arith.remsi, arith.remui),
+    lax.max_p: (arith.maximumf, arith.maxsi, arith.maxui),
+    lax.min_p: (arith.minimumf, arith.minsi, arith.minui),
+    lax.and_p: (None, arith.andi, arith.andi),
+    lax.or_p: (None, arith.ori, arith.ori),
+    lax.xor_p: (None, arith.xori, arith.xori),
+    lax.shift_left_p: (None, arith.shli, arith.shli),
+    lax.shift_right_arithmetic_p: (None, arith.shrsi, arith.shrsi),
+    lax.shift_right_logical_p: (None, arith.shrui, arith.shrui),
+    lax.pow_p: (math.powf, None, None),
+    lax.atan2_p: (math.atan2, None, None),
+}
+
+UNARY_FLOAT = {
+    lax.exp_p: math.exp,
+    lax.exp2_p: math.exp2,
+    lax.log_p: math.log,
+    lax.log1p_p: math.log1p,
+    lax.expm1_p: math.expm1,
+    lax.sqrt_p: math.sqrt,
+    lax.rsqrt_p: math.rsqrt,
+    lax.cbrt_p: math.cbrt,
+    lax.tanh_p: math.tanh,
+    lax.sin_p: math.sin,
+    lax.cos_p: math.cos,
+    lax.tan_p: math.tan,
+    lax.asin_p: math.asin,
+    lax.acos_p: math.acos,
+    lax.atan_p: math.atan,
+    lax.sinh_p: math.sinh,
+    lax.cosh_p: math.cosh,
+    lax.asinh_p: math.asinh,
+    lax.acosh_p: math.acosh,
+    lax.atanh_p: math.atanh,
+    lax.erf_p: math.erf,
+    lax.floor_p: math.floor,
+    lax.ceil_p: math.ceil,
+    lax.neg_p: arith.negf,
+    lax.abs_p: math.absf,
+}
+
+UNARY_INT = {
+    lax.abs_p: math.absi,
+    lax.population_count_p: math.ctpop,
+    lax.clz_p: math.ctlz,
+}
+
+# comparison -> (float predicate, signed predicate, unsigned predicate)
+COMPARE = {
+    lax.eq_p: ("oeq", "eq", "eq"),
+    lax.ne_p: ("une", "ne", "ne"),
+    lax.lt_p: ("olt", "slt", "ult"),
+    lax.le_p: ("ole", "sle", "ule"),
+    lax.gt_p: ("ogt", "sgt", "ugt"),
+    lax.ge_p: ("oge", "sge", "uge"),
+}
+
+
+def _pick(ops: tuple, dtype):
+    return ops[0] if is_float(dtype) else ops[2] if is_unsigned(dtype) else ops[1]
+
+
+def _operands(ctx, *args):
+    """The operands broadcast to the output shape (lax allows scalars)."""
+    shape = ctx.avals_out[0].shape
+    return [broadcast_to(a, shape) for a in args]
+
+
+@register_lowering(*BINARY)
+def _binary(ctx, x, y, **_):
+    dtype = ctx.avals_in[0].dtype
+    op = _pick(BINARY[ctx.eqn.primitive], dtype)
+    if op is None:
+        raise NotImplementedError(f"'{ctx.eqn.primitive.name}' of {np.dtype(dtype).name} is not supported")
+    return op(*_operands(ctx, x, y))
+
+
+@register_lowering(*(set(UNARY_FLOAT) | set(UNARY_INT)))
+def _unary(ctx, x, **_):
+    dtype = ctx.avals_in[0].dtype
+    p = ctx.eqn.primitive
+    table = UNARY_FLOAT if is_float(dtype) else UNARY_INT
+    if p in table:
+        return table[p](x)
+    if p is lax.neg_p:
+        return arith.subi(constant(0, ctx.avals_in[0].shape, dtype), x)
+    raise NotImplementedError(f"'{p.name}' of {np.dtype(dtype).name} is not supported")
+
+
+@register_lowering(lax.not_p)
+def _not(ctx, x, **_):
+    aval = ctx.avals_in[0]
+    return arith.xori(x, constant(-1 if not is_bool(aval.dtype) else 1, aval.shape, aval.dtype))
+
+
+@register_lowering(lax.sign_p)
+def _sign(ctx, x, **_):
+    aval = ctx.avals_in[0]
+    zero, one = constant(0, aval.shape, aval.dtype), constant(1, aval.shape, aval.dtype)
+    if is_float(aval.dtype):
+        return math.copysign(arith.select(_cmp(x, zero, "une", aval), one, zero), x)
+    pos = arith.select(_cmp(x, zero, "ugt" if is_unsigned(aval.dtype) else "sgt", aval), one, zero)
+    if is_unsigned(aval.dtype):
+        return pos
+    return arith.select(_cmp(x, zero, "slt", aval), constant(-1, aval.shape, aval.dtype), pos)
+
+
+@register_lowering(lax.round_p)
+def _round(ctx, x, rounding_method):
+    return math.roundeven(x) if int(rounding_method) == 1 else math.round(x)
+
+
+@register_lowering(lax.is_finite_p)
+def _is_finite(ctx, x, **_):
+    aval = ctx.avals_in[0]
+    inf = constant(np.inf, aval.shape, aval.dtype)
+    return _cmp(math.absf(x), inf, "one", aval)
+
+
+@register_lowering(lax.logistic_p)
+def _logistic(ctx, x, **_):
+    aval = ctx.avals_in[0]
+    one = constant(1, aval.shape, aval.dtype)
+    return arith.divf(one, arith.addf(one, math.exp(arith.negf(x))))
+
+
+@register_lowering(lax.integer_pow_p)
+def _integer_pow(ctx, x, y):
+    aval = ctx.avals_in[0]
+    mul = arith.mulf if is_float(aval.dtype) else arith.muli
+    out, base, n = None, x, abs(int(y))
+    while n:  # square and multiply
+        if n & 1:
+            out = base if out is None else mul(out, base)
+        n >>= 1
+        if n:
+            base = mul(base, base)
+    if out is None:
+        out = constant(1, aval.shape, aval.dtype)
+    if y < 0:
+        out = arith.divf(constant(1, aval.shape, aval.dtype), out)
+    return out
+
+
+@register_lowering(lax.square_p)
+def _square(ctx, x, **_):
+    return (arith.mulf if is_float(ctx.avals_in[0].dtype) else arith.muli)(x, x)
+
+
+def _cmp(x, y, pred: str, aval):
+    if is_float(aval.dtype):
+        return arith.cmpf(getattr(arith.CmpFPredicate, pred.upper()), x, y)
+    return arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)
+
+
+@register_lowering(*COMPARE)
+def _compare(ctx, x, y):
+    aval = ctx.avals_in[0]
+    x, y = _operands(ctx, x, y)
+    return _cmp(x, y, _pick(COMPARE[ctx.eqn.primitive], aval.dtype), aval)
+
+
+@register_lowering(lax.select_n_p)
+def _select_n(ctx, pred, *cases):
+    paval, out = ctx.avals_in[0], ctx.avals_out[0]
+    cases = _operands(ctx, *cases)
+    pred = broadcast_to(pred, out.shape)
+    if len(cases) == 1:
+        return cases[0]
+    if is_bool(paval.dtype):
+        return arith.select(pred, cases[1], cases[0])
+    result = cases[-1]  # an integer predicate picks case `pred`
+    for i in range(len(cases) - 2, -1, -1):
+        k = constant(i, out.shape, paval.dtype)
+        result = arith.select(arith.cmpi(arith.CmpIPredicate.eq, pred, k), cases[i], result)
+    return result
+
+
+@register_lowering(lax.clamp_p)
+def _clamp(ctx, lo, x, hi):
+    aval = ctx.avals_out[0]
+    lo, x, hi = _operands(ctx, lo, x, hi)
+    mx, mn = _pick(BINARY[lax.max_p], aval.dtype), _pick(BINARY[lax.min_p], aval.dtype)
+    return mn(mx(x, lo), hi)
+
+
+# ---------------------------------------------------------------------------
+# Casts
+
+
+def convert(x, src, dst, shape):
+    """``x`` of dtype ``src`` converted to ``dst`` (as ``lax.convert_element_type``)."""
+    src, dst = np.dtype(src), np.dtype(dst)
+    out_t = aval_type(_Aval(shape, dst))
+    if src == dst:
+        return x
+    if is_bool(dst):
+        return _cmp(x, constant(0, shape, src), "une" if is_float(src) else "ne", _Aval(shape, src))
+    if is_float(src) and is_float(dst):
+        return (arith.extf if src.itemsize < dst.itemsize else arith.truncf)(out_t, x)
+    if is_float(src):
+        return (arith.fptoui if is_unsigned(dst) else arith.fptosi)(out_t, x)
+    if is_float(dst):
+        return (arith.uitofp if is_unsigned(src) else arith.sitofp)(out_t, x)
+    if src.itemsize == dst.itemsize and not is_bool(src):
+        return x  # signedness lives in the avals
+    if is_bool(src) or src.itemsize < dst.itemsize:
+        return (arith.extui if is_unsigned(src) else arith.extsi)(out_t, x)
+    return arith.trunci(out_t, x)
+
+
+class _Aval:
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+
+@register_lowering(lax.convert_element_type_p)
+def _convert_element_type(ctx, x, new_dtype, **_):
+    aval = ctx.avals_in[0]
+    return convert(x, aval.dtype, new_dtype, aval.shape)
+
+
+@register_lowering(lax.bitcast_convert_type_p)
+def _bitcast_convert_type(ctx, x, new_dtype):
+    if ctx.avals_in[0].shape != ctx.avals_out[0].shape:
+        raise NotImplementedError("bitcasts that change the shape are not supported")
+    return arith.bitcast(aval_type(ctx.avals_out[0]), x)
+
+
+# ---------------------------------------------------------------------------
+# Shapes
+
+
+@register_lowering(lax.iota_p)
+def _iota(ctx, *dyn, dtype, shape, dimension, **_):
+    out = ctx.avals_out[0]
+    i32 = _Aval(shape, np.int32)
+    if len(shape) < 2:
+        raise NotImplementedError("iota must be at least 2-D on the TPU (use broadcasted_iota)")
+    x = tpu.iota(aval_type(i32), [dimension])
+    return convert(x, np.int32, out.dtype, shape)
+
+
+@register_lowering(lax.broadcast_in_dim_p)
+def _broadcast_in_dim(ctx, x, *dyn, shape, broadcast_dimensions, **_):
+    aval = ctx.avals_in[0]
+    if not aval.shape:
+        return broadcast_to(x, shape)
+    # Insert the new axes as size-1 dims, then broadcast.
+    keep = [1] * len(shape)
+    for src, dst in enumerate(broadcast_dimensions):
+        keep[dst] = aval.shape[src]
+    return broadcast_to(shape_cast(x, keep, aval.dtype), shape)
+
+
+@register_lowering(lax.reshape_p, lax.squeeze_p)
+def _reshape(ctx, x, *dyn, **_):
+    out = ctx.avals_out[0]
+    return shape_cast(x, out.shape, out.dtype)
+
+
+@register_lowering(lax.transpose_p)
+def _transpose(ctx, x, permutation):
+    return vector.transpose(aval_type(ctx.avals_out[0]), x, list(permutation))
+
+
+@register_lowering(lax.rev_p)
+def _rev(ctx, x, dimensions):
+    raise NotImplementedError("lax.rev is not supported by Mosaic")
+
+
+# ---------------------------------------------------------------------------
+# Reductions and dot
+
+
+def _neutral(kind: str, dtype):
+    if kind == "add":
+        return 0
+    big = np.inf if is_float(dtype) else np.iinfo(dtype).max
+    small = -np.inf if is_float(dtype) else np.iinfo(dtype).min
+    return small if kind == "max" else big
+
+
+@register_lowering(lax.reduce_sum_p, lax.reduce_max_p, lax.reduce_min_p)
+def _reduce(ctx, x, axes, **_):
+    aval, out = ctx.avals_in[0], ctx.avals_out[0]
+    kind = {lax.reduce_sum_p: "add", lax.reduce_max_p: "max", lax.reduce_min_p: "min"}[ctx.eqn.primitive]
+    if is_bool(aval.dtype):
+        raise NotImplementedError("reductions of bool are not supported; cast to int32 first")
+    if kind == "add":
+        name = "add"
+    elif is_float(aval.dtype):
+        name = f"{kind}imumf"
+    else:
+        name = f"{kind}{'ui' if is_unsigned(aval.dtype) else 'si'}"
+    acc = constant(_neutral(kind, aval.dtype), out.shape, aval.dtype)
+    if not aval.shape:
+        return x
+    return vector.multi_reduction(getattr(vector.CombiningKind, name.upper()), x, acc, list(axes))
+
+
+@register_lowering(lax.dot_general_p)
+def _dot_general(ctx, lhs, rhs, dimension_numbers, preferred_element_type=None, **_):
+    (lc, rc), (lb, rb) = dimension_numbers
+    la, ra = ctx.avals_in
+    out = ctx.avals_out[0]
+    if len(la.shape) != 2 or len(ra.shape) != 2 or lb or rb:
+        raise NotImplementedError(
+            f"dot_general of {la.shape} and {ra.shape} (only 2-D matmuls without batch dims)"
+        )
+    lnc = [d for d in range(2) if d not in lc]
+    rnc = [d for d in range(2) if d not in rc]
+    order = [x for d in lnc for x in (0, d)] + [x for d in rnc for x in (1, d)]
+    dims = ir.Attribute.parse(
+        f"#tpu.dot_dimension_numbers<{list(lc)}, {list(rc)}, {lnc}, {rnc}, {order}, [], []>"
+    )
+    acc = constant(0, out.shape, out.dtype)
+    return tpu.matmul(aval_type(out), lhs, rhs, acc, False, dimension_numbers=dims)
+
+
+# ---------------------------------------------------------------------------
+# Hints and TPU vector ops
+
+
+@register_lowering(plb.multiple_of_p)
+def _multiple_of(ctx, x, values):
+    vals = values if isinstance(values, (tuple, list)) else (values,)
+    if ctx.avals_in[0].shape or len(vals) != 1:
+        return x
+    return tpu.assume_multiple(x, int(vals[0]))
+
+
+@register_lowering(vp.roll_p)
+def _roll(ctx, x, shift, *, axis, stride=None, stride_axis=None, **_):
+    shift = shift if isinstance(shift, ir.Value) else constant(shift, (), np.int32)
+    return tpu.dynamic_rotate(x, shift, axis, stride=stride, stride_dimension=stride_axis)

@@ -1,0 +1,227 @@
+"""Mosaic rules for memory: Ref reads and writes (``vector.load`` /
+``tpu.vector_store`` in VMEM, ``memref.load/store`` of SMEM scalars),
+``ref.at[...]`` views, scoped scratch, DMAs and semaphores."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax import lax, tree_util
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import memref, vector
+from jaxlib.mosaic.python import tpu
+
+from pallas import backend as plb
+from pallas_tpu._src import compat
+from pallas_tpu._src import primitives as tpu_prims
+from pallas_tpu._src.lowering import (
+    BACKEND,
+    as_i32,
+    aval_type,
+    index,
+    is_float,
+    is_smem,
+    lower_jaxpr,
+    ref_type,
+    register_lowering,
+    shape_cast,
+    value_type,
+)
+from pallas_tpu._src.lowering_math import BINARY
+
+
+@dataclasses.dataclass
+class Window:
+    """One indexing of a Ref: per dim a start (int or value), a size, and
+    whether the dim is dropped (an integer index)."""
+
+    starts: list
+    sizes: list[int]
+    squeezed: list[bool]
+
+
+def window(indexer) -> Window:
+    _, Slice = compat.indexing_types()
+    starts, sizes, squeezed = [], [], []
+    for idx in indexer.indices:
+        if isinstance(idx, Slice):
+            if idx.stride != 1:
+                raise NotImplementedError(f"strided Ref slices (stride {idx.stride}) are not supported")
+            starts.append(idx.start)
+            sizes.append(int(idx.size))
+            squeezed.append(False)
+        else:
+            if isinstance(idx, ir.Value) and isinstance(idx.type, ir.VectorType):
+                raise NotImplementedError("indexing a Ref with an array (a gather) is not supported")
+            starts.append(idx)
+            sizes.append(1)
+            squeezed.append(True)
+    return Window(starts, sizes, squeezed)
+
+
+def _transforms(tree, leaves) -> list:
+    NDIndexer, _ = compat.indexing_types()
+    ts = list(tree_util.tree_unflatten(tree, list(leaves))) if tree is not None else []
+    for t in ts:
+        if not isinstance(t, NDIndexer):
+            raise NotImplementedError(f"Ref transform {type(t).__name__} is not supported ({BACKEND})")
+    return ts
+
+
+def slice_ref(ref: ir.Value, indexer) -> ir.Value:
+    """``ref.at[indexer]`` as a memref (``tpu.memref_slice`` + squeeze)."""
+    w = window(indexer)
+    t = ir.MemRefType(ref.type)
+    sliced = ir.MemRefType.get(w.sizes, t.element_type, memory_space=t.memory_space)
+    out = tpu.memref_slice(sliced, ref, [as_i32(s) for s in w.starts], [])
+    if any(w.squeezed):
+        shape = [s for s, q in zip(w.sizes, w.squeezed) if not q]
+        out = tpu.memref_squeeze(ir.MemRefType.get(shape, t.element_type, memory_space=t.memory_space), out)
+    return out
+
+
+def view(ref: ir.Value, leaves, tree) -> ir.Value:
+    """The memref of ``ref`` after all its ``.at[...]`` transforms."""
+    for t in _transforms(tree, leaves):
+        ref = slice_ref(ref, t)
+    return ref
+
+
+def _access(ref, tree, leaves):
+    """(memref, window) of a read or write: all transforms but the last
+    become views; the last one is the accessed window."""
+    ts = _transforms(tree, leaves)
+    for t in ts[:-1]:
+        ref = slice_ref(ref, t)
+    shape = list(ir.MemRefType(ref.type).shape)
+    if not ts:
+        return ref, Window([0] * len(shape), shape, [False] * len(shape))
+    return ref, window(ts[-1])
+
+
+def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:
+    ref, w = _access(ref, tree, leaves)
+    idx = [index(s) for s in w.starts]
+    if is_smem(ref_aval):
+        if out_aval.shape:
+            raise NotImplementedError(
+                f"reading a {list(out_aval.shape)} block from SMEM: SMEM holds scalars, read one element at a time"
+            )
+        return memref.load(ref, idx)
+    v = vector.load(value_type(w.sizes, out_aval.dtype), ref, idx)
+    return shape_cast(v, out_aval.shape, out_aval.dtype)
+
+
+def store(ctx, ref, ref_aval, tree, leaves, val, val_aval) -> None:
+    ref, w = _access(ref, tree, leaves)
+    idx = [index(s) for s in w.starts]
+    if is_smem(ref_aval):
+        if val_aval.shape:
+            raise NotImplementedError(
+                f"writing a {list(val_aval.shape)} block to SMEM: SMEM holds scalars, write one element at a time"
+            )
+        memref.store(val, ref, idx)
+        return
+    tpu.vector_store(shape_cast(val, w.sizes, val_aval.dtype), ref, idx, strides=[])
+
+
+@register_lowering(compat.get_p)
+def _get(ctx, ref, *leaves, tree):
+    return load(ctx, ref, ctx.avals_in[0], tree, leaves, ctx.avals_out[0])
+
+
+@register_lowering(compat.swap_p)
+def _swap(ctx, ref, val, *leaves, tree):
+    ref_aval, val_aval = ctx.avals_in[:2]
+    old = None
+    if not compat.is_drop_var(ctx.eqn.outvars[0]):
+        old = load(ctx, ref, ref_aval, tree, leaves, ctx.avals_out[0])
+    store(ctx, ref, ref_aval, tree, leaves, val, val_aval)
+    return old
+
+
+@register_lowering(compat.addupdate_p)
+def _addupdate(ctx, ref, val, *leaves, tree):
+    ref_aval, val_aval = ctx.avals_in[:2]
+    old = load(ctx, ref, ref_aval, tree, leaves, val_aval)
+    op = BINARY[lax.add_p][0 if is_float(val_aval.dtype) else 1]
+    store(ctx, ref, ref_aval, tree, leaves, op(old, val), val_aval)
+    return []
+
+
+# ---------------------------------------------------------------------------
+# Scoped scratch
+
+
+def alloc(aval) -> ir.Value:
+    """A scratch buffer for a Ref aval: ``tpu.sem_alloc`` for semaphores,
+    ``memref.alloca`` otherwise."""
+    t = ref_type(aval)
+    if isinstance(aval.memory_space, plb.SemaphoreSpace):
+        return tpu.sem_alloc(t)
+    return memref.alloca(t, [], [])
+
+
+@register_lowering(plb.run_scoped_p)
+def _run_scoped(ctx, *consts, jaxpr, num_consts, **_):
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    scratch = inner.invars[num_consts:]
+    region = tpu.RegionOp([aval_type(a) for a in ctx.avals_out])
+    with ir.InsertionPoint(region.body):
+        refs = [alloc(v.aval) for v in scratch]
+        outs = lower_jaxpr(ctx.kernel, jaxpr, [*consts, *refs])
+        tpu.yield_(outs)
+    return list(region.results)
+
+
+# ---------------------------------------------------------------------------
+# Semaphores and DMAs
+
+
+@register_lowering(plb.semaphore_signal_p)
+def _semaphore_signal(ctx, sem, *rest, sem_tree, device_id_tree, device_id_type, has_core_index):
+    n = sem_tree.num_leaves
+    leaves, inc, extra = rest[:n], rest[n], rest[n + 1 :]
+    if device_id_tree is not None and device_id_tree.num_leaves:
+        raise NotImplementedError("signalling a semaphore on another device is not supported yet")
+    core = extra[-1] if has_core_index else None
+    tpu.sem_signal(view(sem, leaves, sem_tree), inc, core_id=core)
+    return []
+
+
+@register_lowering(plb.semaphore_wait_p)
+def _semaphore_wait(ctx, sem, *rest, sem_tree, decrement):
+    if not decrement:
+        raise NotImplementedError("pl.semaphore_wait(..., decrement=False) has no Mosaic equivalent")
+    n = sem_tree.num_leaves
+    tpu.sem_wait(view(sem, rest[:n], sem_tree), rest[n])
+    return []
+
+
+@register_lowering(plb.semaphore_read_p)
+def _semaphore_read(ctx, sem, *leaves, sem_tree):
+    return tpu.sem_read(view(sem, leaves, sem_tree))
+
+
+def _dma_views(ctx, args, layout):
+    if layout.device_id_tree is not None:
+        raise NotImplementedError("remote DMAs (make_async_remote_copy) are not supported yet")
+    parts = layout.split(args)
+    trees = {"src": layout.src_tree, "dst": layout.dst_tree, "dst_sem": layout.dst_sem_tree}
+    return {k: view(*parts[k], trees[k]) for k in trees}
+
+
+@register_lowering(tpu_prims.dma_start_p)
+def _dma_start(ctx, *args, layout, priority, add):
+    if add:
+        raise NotImplementedError("DMAs that add into the destination (add=True) are not supported")
+    v = _dma_views(ctx, args, layout)
+    tpu.enqueue_dma(v["src"], v["dst"], target_semaphore=v["dst_sem"], priority=priority or None)
+    return []
+
+
+@register_lowering(tpu_prims.dma_wait_p)
+def _dma_wait(ctx, *args, layout, which="dst", **_):
+    v = _dma_views(ctx, args, layout)
+    tpu.wait_dma2(v["dst_sem"], v["src"], v["dst"])
+    return []

@@ -1,0 +1,460 @@
+"""The Mosaic lowering of TPU kernels (no TPU needed).
+
+Every module our lowering builds is parsed back and passes the MLIR verifier
+with the tpu dialect registered. Where JAX's own Pallas can lower the same
+kernel on a CPU (``jax.export`` for platform tpu with ``debug=True`` prints
+its module), the kernel function's signature and attributes
+(``iteration_bounds``, ``window_params``, ``dimension_semantics``, ...) and
+the index-map functions' signatures are compared with JAX's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as jpl
+from jax.experimental.pallas import tpu as jpltpu
+from jax.interpreters import mlir
+from jaxlib.mlir import ir
+from jaxlib.mosaic.python import tpu as tpu_dialect
+
+import pallas as pl
+import pallas_tpu as pltpu
+
+ATTRS = ("dimension_semantics", "iteration_bounds", "scalar_prefetch", "scratch_operands", "window_params")
+
+
+def _parse(text: str) -> ir.Module:
+    ctx = mlir.make_ir_context()
+    tpu_dialect.register_dialect(ctx)
+    with ctx:
+        module = ir.Module.parse(text)
+        assert module.operation.verify()
+    return module
+
+
+def ours(fn, *args) -> list[ir.Module]:
+    """Our modules of ``fn(*args)``, parsed and verified."""
+    return [_parse(t) for t in pltpu.mosaic_modules(fn, *args)]
+
+
+def jax_modules(fn, *args) -> list[ir.Module]:
+    """JAX's modules of ``fn`` (which calls JAX's pallas_call with debug=True)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    parts = buf.getvalue().split("The Mosaic module for pallas_call")[1:]
+    texts = [p[p.index("\nmodule") :].split("\nThe kernel jaxpr")[0] for p in parts]
+    return [_parse(t) for t in texts]
+
+
+def funcs(module: ir.Module) -> dict:
+    return {str(op.attributes["sym_name"]).strip('"'): op for op in module.body.operations}
+
+
+def structure(module: ir.Module) -> dict:
+    """What must match JAX: every function's type, the kernel's attributes."""
+    fs = funcs(module)
+    kernel = next(iter(fs.values()))
+    out = {"kernel": str(kernel.attributes["function_type"])}
+    for a in ATTRS:
+        out[a] = str(kernel.attributes[a]) if a in kernel.attributes else None
+    for name, op in fs.items():
+        if name.startswith("transform_"):
+            out[name] = str(op.attributes["function_type"])
+    return out
+
+
+def ops(module: ir.Module) -> list[str]:
+    """Op names in the module, in order (nested regions included)."""
+    return re.findall(r"\b((?:arith|math|vector|tpu|memref|scf)\.[a-z_0-9]+)\b", str(module))
+
+
+def matmul_kernel(P):
+    """The kernel written with ``P`` (ours or JAX's Pallas)."""
+
+    def kernel(x_ref, y_ref, o_ref, acc_ref):
+        @P.when(P.program_id(2) == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+        @P.when(P.program_id(2) == P.num_programs(2) - 1)
+        def _():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+    kernel.__name__ = "matmul_kernel"
+    return kernel
+
+
+def matmul(P, TP, x, y, **kw):
+    return P.pallas_call(
+        matmul_kernel(P),
+        out_shape=jax.ShapeDtypeStruct((256, 256), jnp.float32),
+        grid=(2, 2, 2),
+        in_specs=[
+            P.BlockSpec((128, 128), lambda i, j, k: (i, k)),
+            P.BlockSpec((128, 128), lambda i, j, k: (k, j)),
+        ],
+        out_specs=P.BlockSpec((128, 128), lambda i, j, k: (i, j)),
+        scratch_shapes=[TP.VMEM((128, 128), jnp.float32)],
+        compiler_params=TP.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        **kw,
+    )(x, y)
+
+
+def _rand(shape, dtype, seed=0):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def test_matmul_matches_jax_structure():
+    x, y = _rand((256, 256), jnp.bfloat16), _rand((256, 256), jnp.bfloat16, 1)
+    [m] = ours(lambda a, b: matmul(pl, pltpu, a, b), x, y)
+    [ref] = jax_modules(lambda a, b: matmul(jpl, jpltpu, a, b, debug=True), x, y)
+    assert structure(m) == structure(ref)
+    assert ops(m).count("tpu.matmul") == 1 and ops(m).count("scf.if") == 2
+    assert "#tpu.dot_dimension_numbers<[1], [0], [0], [1], [0, 0, 1, 1], [], []>" in str(m)
+
+
+def test_export_has_tpu_custom_call_with_mosaic_body():
+    x, y = _rand((256, 256), jnp.bfloat16), _rand((256, 256), jnp.bfloat16, 1)
+    exp = jax.export.export(jax.jit(lambda a, b: matmul(pl, pltpu, a, b)), platforms=["tpu"])(x, y)
+    text = exp.mlir_module()
+    assert "stablehlo.custom_call @tpu_custom_call" in text
+    config = re.search(r'backend_config = "(.*?)"[,}]', text).group(1)
+    config = json.loads(re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), config))
+    assert config["custom_call_config"]["body"]  # the serialized module
+    assert exp.out_avals[0].shape == (256, 256)
+    # The kernel's name is the custom call's.
+    assert 'kernel_name = "matmul_kernel"' in text
+
+
+def test_interpret_mode_still_runs():
+    x, y = _rand((256, 256), jnp.float32), _rand((256, 256), jnp.float32, 1)
+    out = matmul(pl, pltpu, x, y, interpret=pltpu.InterpretParams())
+    np.testing.assert_allclose(out, x @ y, rtol=1e-4, atol=1e-3)
+
+
+def test_debug_prints_jaxpr_and_module(capsys):
+    x, y = _rand((256, 256), jnp.bfloat16), _rand((256, 256), jnp.bfloat16, 1)
+    jax.export.export(jax.jit(lambda a, b: matmul(pl, pltpu, a, b, debug=True)), platforms=["tpu"])(x, y)
+    out = capsys.readouterr().out
+    assert "The kernel jaxpr for pallas_call 'matmul_kernel'" in out
+    text = out.split("The Mosaic module for pallas_call 'matmul_kernel'")[1]
+    _parse(text[text.index("\nmodule") :])
+    assert "func.func @matmul_kernel" in text
+
+
+def test_mosaic_modules_two_kernels_in_order():
+    def add_one(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    def call(k, x):
+        return pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    def fn(x):
+        return call(double, call(add_one, x))
+
+    x = _rand((8, 128), jnp.float32)
+    texts = pltpu.mosaic_modules(fn, x)
+    assert [re.search(r"func.func @(\w+)", t).group(1) for t in texts] == ["add_one", "double"]
+    assert all(isinstance(t, str) for t in texts)
+    assert "arith.addf" in texts[0] and "arith.mulf" in texts[1]
+    assert pltpu.mosaic_modules(fn, x) == texts  # not hidden by JAX's caches
+    for t in texts:
+        _parse(t)
+
+
+# ---------------------------------------------------------------------------
+# Values
+
+
+def _elementwise(dtype, f, n_in=2):
+    def kernel(*refs):
+        refs[-1][...] = f(*(r[...] for r in refs[:-1]))
+
+    shape = (16, 128)
+
+    def fn(*xs):
+        out = jax.eval_shape(f, *xs)
+        return pl.pallas_call(kernel, out_shape=out)(*xs)
+
+    xs = [jax.ShapeDtypeStruct(shape, dtype) for _ in range(n_in)]
+    return ours(fn, *xs)[0]
+
+
+@pytest.mark.parametrize(
+    "dtype,f,expect",
+    [
+        (jnp.float32, lambda a, b: a / b, "arith.divf"),
+        (jnp.int32, lambda a, b: a // b, "arith.divsi"),
+        (jnp.uint32, lambda a, b: a // b, "arith.divui"),
+        (jnp.uint32, lambda a, b: jnp.maximum(a, b), "arith.maxui"),
+        (jnp.int32, lambda a, b: jnp.minimum(a, b), "arith.minsi"),
+        (jnp.bfloat16, lambda a, b: jnp.maximum(a, b), "arith.maximumf"),
+        (jnp.float32, lambda a, b: a**b, "math.powf"),
+        (jnp.int32, lambda a, b: a << b, "arith.shli"),
+        (jnp.uint32, lambda a, b: a >> b, "arith.shrui"),
+        (jnp.int32, lambda a, b: a >> b, "arith.shrsi"),
+        (jnp.int32, lambda a, b: a ^ b, "arith.xori"),
+        (jnp.float32, lambda a, b: jnp.where(a < b, a, b), "arith.select"),
+        (jnp.uint32, lambda a, b: (a < b).astype(jnp.int32), "arith.cmpi ult"),
+        (jnp.float32, lambda a, b: (a != b).astype(jnp.float32), "arith.cmpf une"),
+        (jnp.float32, lambda a, b: jnp.arctan2(a, b), "math.atan2"),
+    ],
+)
+def test_binary_ops(dtype, f, expect):
+    assert expect in str(_elementwise(dtype, f))
+
+
+@pytest.mark.parametrize(
+    "dtype,f,expect",
+    [
+        (jnp.float32, jnp.exp, "math.exp"),
+        (jnp.float32, jnp.log, "math.log"),
+        (jnp.float32, jnp.tanh, "math.tanh"),
+        (jnp.float32, lax.rsqrt, "math.rsqrt"),
+        (jnp.bfloat16, jnp.sin, "math.sin"),
+        (jnp.float32, jax.nn.sigmoid, "math.exp"),
+        (jnp.float32, jnp.abs, "math.absf"),
+        (jnp.int32, jnp.abs, "math.absi"),
+        (jnp.int32, lambda a: -a, "arith.subi"),
+        (jnp.float32, lambda a: a**3, "arith.mulf"),
+        (jnp.float32, jnp.floor, "math.floor"),
+        (jnp.float32, jnp.round, "math.roundeven"),
+        (jnp.float32, lambda a: a.astype(jnp.bfloat16), "arith.truncf"),
+        (jnp.bfloat16, lambda a: a.astype(jnp.float32), "arith.extf"),
+        (jnp.float32, lambda a: a.astype(jnp.int32), "arith.fptosi"),
+        (jnp.uint32, lambda a: a.astype(jnp.float32), "arith.uitofp"),
+        (jnp.int8, lambda a: a.astype(jnp.int32), "arith.extsi"),
+        (jnp.int32, lambda a: a.astype(jnp.int16), "arith.trunci"),
+        (jnp.float32, lambda a: lax.bitcast_convert_type(a, jnp.int32), "arith.bitcast"),
+        (jnp.float32, lambda a: jnp.clip(a, -1.0, 1.0), "arith.minimumf"),
+        (jnp.int32, lambda a: ~a, "arith.xori"),
+        (jnp.float32, jnp.sign, "math.copysign"),
+    ],
+)
+def test_unary_ops_and_casts(dtype, f, expect):
+    assert expect in str(_elementwise(dtype, f, n_in=1))
+
+
+def test_shapes_reductions_iota():
+    def f(x):
+        row = jnp.sum(x, axis=0, keepdims=True)  # (1, 128)
+        col = jnp.max(x, axis=1, keepdims=True)  # (16, 1)
+        io = lax.broadcasted_iota(jnp.int32, (16, 128), 1).astype(jnp.float32)
+        t = jnp.swapaxes(x.reshape(16, 8, 16), 1, 2).reshape(16, 128)
+        return row + col + io + t + jnp.min(x)
+
+    s = str(_elementwise(jnp.float32, f, n_in=1))
+    for op in ("vector.multi_reduction <add>", "<maximumf>", "<minimumf>", "tpu.iota", "vector.broadcast"):
+        assert op in s
+    assert "vector.transpose" in s and "vector.shape_cast" in s
+
+
+def test_dot_transposed_rhs():
+    def f(a, b):
+        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def kernel(a, b, o):
+        o[...] = f(a[...], b[...])
+
+    fn = lambda a, b: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((128, 128), jnp.float32))(a, b)
+    x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+    [m] = ours(fn, x, x)
+    assert "#tpu.dot_dimension_numbers<[1], [1], [0], [0], [0, 0, 1, 0], [], []>" in str(m)
+
+
+# ---------------------------------------------------------------------------
+# Memory, grid and control flow, compared with JAX where it lowers on a CPU
+
+
+def dyn_kernel(P):
+    """The kernel written with ``P`` (ours or JAX's Pallas)."""
+
+    def kernel(x_ref, o_ref):
+        i = P.program_id(0)
+        v = x_ref[P.ds(i * 8, 8), :]
+        o_ref[...] = v + x_ref[1][None, :]
+
+    kernel.__name__ = "dyn_kernel"
+    return kernel
+
+
+def dyn(P, TP, x, **kw):
+    return P.pallas_call(
+        dyn_kernel(P),
+        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        grid=(2,),
+        in_specs=[P.BlockSpec((16, 128), lambda i: (0, 0))],
+        out_specs=P.BlockSpec((8, 128), lambda i: (i, 0)),
+        **kw,
+    )(x)
+
+
+def test_dynamic_slices_match_jax():
+    x = _rand((16, 128), jnp.float32)
+    [m] = ours(lambda a: dyn(pl, pltpu, a), x)
+    [ref] = jax_modules(lambda a: dyn(jpl, jpltpu, a, debug=True), x)
+    assert structure(m) == structure(ref)
+    s = str(m)
+    assert "arith.index_cast" in s and "vector.load" in s and "tpu.vector_store" in s
+
+
+def prefetch_kernel(P):
+    """The kernel written with ``P`` (ours or JAX's Pallas)."""
+
+    def kernel(idx_ref, x_ref, o_ref, s_ref, sem):
+        s_ref[0] = idx_ref[P.program_id(0)] + 1
+        o_ref[...] = x_ref[...] * s_ref[0].astype(jnp.float32)
+        P.semaphore_signal(sem, 1)
+        P.semaphore_wait(sem, 1)
+
+        def body(i, c):
+            return c + x_ref[...]
+
+        o_ref[...] += lax.fori_loop(0, 3, body, jnp.zeros((8, 128)))
+        n = lax.while_loop(lambda v: v < 10, lambda v: v + s_ref[0], 0)
+        o_ref[0:8, :] += n.astype(jnp.float32)
+
+    kernel.__name__ = "prefetch_kernel"
+    return kernel
+
+
+def prefetch(P, TP, idx, x, **kw):
+    return P.pallas_call(
+        prefetch_kernel(P),
+        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        grid_spec=TP.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(2,),
+            in_specs=[P.BlockSpec((8, 128), lambda i, idx: (idx[i], 0))],
+            out_specs=P.BlockSpec((8, 128), lambda i, idx: (i, 0)),
+            scratch_shapes=[TP.SMEM((1,), jnp.int32), TP.SemaphoreType.REGULAR],
+        ),
+        **kw,
+    )(idx, x)
+
+
+def test_scalar_prefetch_smem_semaphores_loops_match_jax():
+    idx, x = jnp.array([1, 0], jnp.int32), _rand((16, 128), jnp.float32)
+    [m] = ours(lambda i, a: prefetch(pl, pltpu, i, a), idx, x)
+    [ref] = jax_modules(lambda i, a: prefetch(jpl, jpltpu, i, a, debug=True), idx, x)
+    assert structure(m) == structure(ref)
+    s = ops(m)
+    for op in ("memref.load", "memref.store", "tpu.sem_signal", "tpu.sem_wait", "scf.for", "scf.while"):
+        assert op in s
+    # the index map reads the prefetched indices from SMEM
+    assert "memref.load" in str(funcs(m)["transform_0"])
+
+
+def test_cond_switch_three_branches():
+    def kernel(x_ref, o_ref):
+        i = pl.program_id(0)
+        o_ref[...] = lax.switch(i, [lambda v: v, lambda v: v * 2.0, lambda v: v + 1.0], x_ref[...])
+
+    fn = lambda x: pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        grid=(3,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+    )(x)
+    [m] = ours(fn, jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    assert ops(m).count("scf.if") == 2
+
+
+def test_dma_run_scoped_semaphores():
+    def kernel(x_hbm, o_ref, buf, sem):
+        c = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 8)], buf, sem)
+        c.start()
+        c.wait()
+
+        def inner(sems, tmp):
+            copy = pltpu.make_async_copy(x_hbm.at[pl.ds(8, 8)], tmp, sems.at[1])
+            copy.start()
+            copy.wait()
+            return tmp[0, 0]
+
+        z = pl.run_scoped(inner, pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((8, 128), jnp.float32))
+        o_ref[...] = buf[...] * z + pltpu.roll(buf[...], 3, 1)
+
+    fn = lambda x: pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+    )(x)
+    [m] = ours(fn, jax.ShapeDtypeStruct((16, 128), jnp.float32))
+    s = ops(m)
+    for op in ("tpu.enqueue_dma", "tpu.wait_dma2", "tpu.sem_alloc", "memref.alloca", "tpu.region"):
+        assert op in s, op
+    assert s.count("tpu.memref_slice") >= 3 and "tpu.dynamic_rotate" in s
+    kernel_type = str(funcs(m)["kernel"].attributes["function_type"])
+    assert "#tpu.memory_space<any>" in kernel_type and "!tpu.dma_semaphore" in kernel_type
+
+
+# ---------------------------------------------------------------------------
+# Errors
+
+
+def _lowering_error(kernel, *shapes, out=(8, 128), **kw):
+    fn = lambda *xs: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out, jnp.float32), **kw)(*xs)
+    with pytest.raises(pltpu.LoweringException) as e:
+        pltpu.mosaic_modules(fn, *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
+    return str(e.value)
+
+
+def test_unsupported_primitive_names_it_the_kernel_and_line():
+    def my_cumsum_kernel(x_ref, o_ref):
+        o_ref[...] = jnp.cumsum(x_ref[...], axis=0)  # the line
+
+    msg = _lowering_error(my_cumsum_kernel, (8, 128))
+    assert "primitive 'cumsum'" in msg
+    assert "pallas_call 'my_cumsum_kernel'" in msg
+    assert re.search(r"test_lowering.py:\d+", msg)
+    assert "no Mosaic lowering" in msg
+
+
+def test_error_inside_rule_names_the_line():
+    def smem_block(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    msg = _lowering_error(smem_block, (8, 128), in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)])
+    assert "SMEM holds scalars" in msg and "lowering 'get'" in msg and "test_lowering.py:" in msg
+
+
+def test_scan_over_xs_is_an_error():
+    def scan_kernel(x_ref, o_ref):
+        _, ys = lax.scan(lambda c, x: (c, x * 2.0), 0.0, x_ref[...])
+        o_ref[...] = ys
+
+    msg = _lowering_error(scan_kernel, (8, 128))
+    assert "lax.scan over arrays" in msg and "fori_loop" in msg
+
+
+def test_dimension_semantics_rank_mismatch():
+    def k(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    msg = _lowering_error(
+        k,
+        (8, 128),
+        grid=(2,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+    )
+    assert "dimension_semantics has 2 entries for a grid of rank 1" in msg

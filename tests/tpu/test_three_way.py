@@ -1,0 +1,183 @@
+"""TPU kernels run three ways (``three_way.py``): our TPU interpret mode, our
+Mosaic lowering executed by ``run_mosaic``, and JAX's Mosaic lowering executed
+by ``run_mosaic``; each against plain jnp on fresh random data."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+pytest.importorskip("jax.experimental.pallas.tpu")
+
+from three_way import MODES, load_example, run  # noqa: E402
+
+jax.config.update("jax_enable_checks", True)
+
+
+def rand(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def close(a, b, tol=1e-5):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol)
+
+
+def _ours_lowering_pending(mode, exc):
+    """Our lowering is built in the same issue; until a primitive is covered its
+    error says so (NotImplementedError naming the primitive)."""
+    if mode == "ours" and isinstance(exc, NotImplementedError):
+        pytest.xfail(f"our Mosaic lowering: {str(exc).splitlines()[0][:200]}")
+    raise exc
+
+
+def three_way(build, args, mode, **kw):
+    try:
+        return run(build, args, mode, **kw)
+    except NotImplementedError as e:
+        _ours_lowering_pending(mode, e)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_add_blocks(mode):
+    x, y = rand(0, (256, 512)), rand(1, (256, 512))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, y_ref, o_ref):
+            o_ref[...] = x_ref[...] + y_ref[...] * 2.0
+
+        spec = pl.BlockSpec((128, 128), lambda i, j: (i, j))
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(2, 4),
+            in_specs=[spec, spec],
+            out_specs=spec,
+        )
+
+    close(three_way(build, (x, y), mode), x + y * 2.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_softmax_rows(mode):
+    x = rand(2, (64, 256))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, o_ref):
+            v = x_ref[...]
+            e = jnp.exp(v - jnp.max(v, axis=1, keepdims=True))
+            o_ref[...] = e / jnp.sum(e, axis=1, keepdims=True)
+
+        spec = pl.BlockSpec((8, 256), lambda i: (i, 0))
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(8,),
+            in_specs=[spec],
+            out_specs=spec,
+        )
+
+    close(three_way(build, (x,), mode), jax.nn.softmax(x, axis=1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fori_loop_with_dynamic_slices(mode):
+    x = rand(3, (64, 128))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, o_ref):
+            def body(i, acc):
+                return acc + x_ref[pl.ds(i * 8, 8), :] * (i + 1).astype(jnp.float32)
+
+            o_ref[...] = lax.fori_loop(0, 8, body, jnp.zeros((8, 128), jnp.float32))
+
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+
+    want = sum(x[i * 8 : i * 8 + 8] * (i + 1) for i in range(8))
+    close(three_way(build, (x,), mode), want, 1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_manual_dma_double_buffer(mode):
+    x = rand(4, (8 * 8, 128))
+
+    def build(pl, pltpu):
+        def kernel(x_hbm, o_ref, buf, sems):
+            def copy(i, slot):
+                return pltpu.make_async_copy(x_hbm.at[pl.ds(i * 8, 8)], buf.at[slot], sems.at[slot])
+
+            copy(0, 0).start()
+
+            def body(i, acc):
+                slot = i % 2
+
+                @pl.when(i + 1 < 8)
+                def _():
+                    copy(i + 1, 1 - slot).start()
+
+                copy(i, slot).wait()
+                return acc + buf[slot]
+
+            o_ref[...] = lax.fori_loop(0, 8, body, jnp.zeros((8, 128), jnp.float32))
+
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+        )
+
+    close(three_way(build, (x,), mode), x.reshape(8, 8, 128).sum(0), 1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scalar_prefetch_gather_blocks(mode):
+    idx = jnp.array([2, 0, 3, 1], jnp.int32)
+    x = rand(5, (4, 8, 128))
+
+    def build(pl, pltpu):
+        def kernel(idx_ref, x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2.0 + idx_ref[pl.program_id(0)].astype(jnp.float32)
+
+        gs = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(4,),
+            in_specs=[pl.BlockSpec((None, 8, 128), lambda i, idx: (idx[i], 0, 0))],
+            out_specs=pl.BlockSpec((None, 8, 128), lambda i, idx: (i, 0, 0)),
+        )
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid_spec=gs)
+
+    close(three_way(build, (idx, x), mode), x[idx] * 2.0 + idx[:, None, None].astype(jnp.float32))
+
+
+# -- the TPU examples ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_example_tpu_matmul(mode):
+    ex = load_example("tpu_matmul", "jax" if mode == "jax" else "ours")
+    x, y = rand(6, (256, 384)), rand(7, (384, 256))
+
+    def build(pl, pltpu):
+        return functools.partial(ex.matmul, bm=128, bn=128, bk=128, call_kwargs={})
+
+    close(three_way(build, (x, y), mode), jnp.dot(x, y, precision="highest"), 1e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_example_tpu_flash_attention(mode, causal):
+    ex = load_example("tpu_flash_attention", "jax" if mode == "jax" else "ours")
+    q, k, v = (rand(8 + i, (1, 2, 256, 128)) for i in range(3))
+
+    def build(pl, pltpu):
+        return functools.partial(ex.flash_attention, block_q=128, block_k=128, causal=causal, call_kwargs={})
+
+    out = three_way(build, (q, k, v), mode)
+    close(out, ex.attention_reference(q, k, v, causal=causal), 2e-4)

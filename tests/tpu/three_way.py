@@ -1,0 +1,117 @@
+"""Three-way runs of a TPU kernel (DESIGN.md, "Tests"): (a) our TPU interpret
+mode, (b) our Mosaic lowering executed by ``run_mosaic``, (c) JAX's own Mosaic
+lowering (a test-only reference) executed by ``run_mosaic``.
+
+A kernel is written once as ``build(pl, pltpu) -> f``, where ``f(*args)`` is
+a JAX function that calls ``pallas_call``s (no ``interpret=``); ``build`` is
+called with our modules for (a) and (b) and JAX's for (c). For (b) and (c),
+``f`` is exported for TPU, and its jaxpr is evaluated with each
+``pallas_call`` replaced by ``run_mosaic`` of the next exported module.
+``run(build, args, mode)`` gives the outputs; ``MODES`` parametrizes a test.
+Adding a kernel to all three is one ``@pytest.mark.parametrize("mode", MODES)``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import jax
+from jax import export
+
+import pallas as pl
+import pallas_tpu as pltpu
+from pallas_tpu._src import executor
+
+MODES = ("interpret", "ours", "jax")
+
+# JAX's lowering asks the device for its TPU generation for some ops: name one.
+TPU_V5E = jax.sharding.AbstractMesh(
+    (1,),
+    ("x",),
+    abstract_device=jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu"),
+)
+
+
+def jax_namespaces():
+    from jax.experimental import pallas as jpl
+    from jax.experimental.pallas import tpu as jtpu
+
+    return jpl, jtpu
+
+
+def namespaces(mode):
+    return jax_namespaces() if mode == "jax" else (pl, pltpu)
+
+
+def tpu_modules(f, *args) -> list[bytes]:
+    """The serialized Mosaic modules of ``f(*args)`` exported for TPU."""
+    with jax.sharding.use_abstract_mesh(TPU_V5E):
+        txt = export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+    return executor.custom_call_bodies(txt)
+
+
+def run(build, args, mode, **interpret_params):
+    """The outputs of the kernel ``build`` makes, run the ``mode`` way."""
+    f = build(*namespaces(mode))
+    if mode == "interpret":
+        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
+            return jax.jit(f)(*args)
+    bodies = tpu_modules(f, *args)
+    closed = jax.make_jaxpr(f)(*args)
+    outs = _eval_with_mosaic(closed.jaxpr, closed.consts, jax.tree.leaves(args), bodies)
+    assert not bodies, f"{len(bodies)} exported kernels were not reached"
+    return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(f, *args)), outs)
+
+
+def _eval_with_mosaic(jaxpr, consts, args, bodies):
+    env = {}
+
+    def read(v):
+        return v.val if type(v).__name__ == "Literal" else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "pallas_call":
+            out_shape = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+            aliases = dict(eqn.params.get("input_output_aliases", ()))
+            outs = pltpu.run_mosaic(bodies.pop(0), *invals, out_shape=out_shape, input_output_aliases=aliases)
+        elif name in ("pjit", "jit", "closed_call"):
+            sub = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
+            outs = _eval_with_mosaic(sub.jaxpr, sub.consts, invals, bodies)
+        else:
+            outs = eqn.primitive.bind(*invals, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def load_example(name: str, mode: str):
+    """``examples/<name>.py`` as a module; for mode ``"jax"`` with its two Pallas
+    imports rewritten to JAX's (the reverse of the migration the example shows)."""
+    src = (EXAMPLES / f"{name}.py").read_text()
+    if mode == "jax":
+        src = re.sub(r"^import pallas as pl$", "from jax.experimental import pallas as pl", src, flags=re.M)
+        src = re.sub(
+            r"^import pallas_tpu as pltpu$",
+            "from jax.experimental.pallas import tpu as pltpu",
+            src,
+            flags=re.M,
+        )
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_loader(f"_example_{name}_{mode}", loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    exec(compile(src, str(EXAMPLES / f"{name}.py"), "exec"), mod.__dict__)
+    return mod

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+from jax._src import dispatch
+from jax.extend.core import Primitive
 from jax.ffi import ffi_call, register_ffi_target, register_ffi_type
+from jax.interpreters import mlir
 from jaxlib import xla_client
 
 from jax_kernel_runtime import _jax_kernel_runtime as _native
@@ -130,15 +134,71 @@ def kernel_call(
         scratch_output=bool(scratch),
         tune_key=tune_key,
     )
+    launch = _Launch(name, tuple(result_shapes), tuple(sorted(aliases.items())), attrs)
+    results = kernel_call_p.bind(*args, launch=launch)
+    return list(results[: len(out_shapes)])
+
+
+class _Launch:
+    """The static parameters of one ``kernel_call_p``; equal when their values are."""
+
+    def __init__(self, name, result_shapes, aliases, attrs):
+        self.name, self.result_shapes, self.aliases, self.attrs = name, result_shapes, aliases, attrs
+        key = [
+            (k, np.asarray(v).dtype.str, np.asarray(v).shape, np.asarray(v).tobytes())
+            for k, v in sorted(attrs.items())
+        ]
+        self._key = (name, tuple((s.shape, str(s.dtype)) for s in result_shapes), aliases, tuple(key))
+        self._hash = hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Launch) and self._key == other._key
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        return f"kernel {self.name!r}"
+
+
+# A primitive of our own (rather than a bare ffi_call) so that lowering for a
+# platform other than CUDA fails when lowering, with a message that says what
+# to use instead, not with XLA's "No FFI handler registered" when compiling.
+kernel_call_p = Primitive("kernel_call")
+kernel_call_p.multiple_results = True
+kernel_call_p.def_impl(functools.partial(dispatch.apply_primitive, kernel_call_p))
+
+
+@kernel_call_p.def_abstract_eval
+def _abstract_eval(*avals, launch: _Launch):
+    return [jax.core.ShapedArray(s.shape, s.dtype) for s in launch.result_shapes]
+
+
+def _cuda_lowering(ctx, *args, launch: _Launch):
     register()
     call = ffi_call(
         TARGET_NAME,
-        result_shapes,
-        input_output_aliases=aliases,
+        list(launch.result_shapes),
+        input_output_aliases=dict(launch.aliases),
         has_side_effect=False,
     )
-    results = call(*args, **attrs)
-    return list(results[: len(out_shapes)])
+    return mlir.lower_fun(lambda *a: call(*a, **launch.attrs), multiple_results=True)(ctx, *args)
+
+
+def _unsupported_lowering(ctx, *args, launch: _Launch):
+    platforms = ", ".join(ctx.module_context.platforms)
+    raise NotImplementedError(
+        f"kernel_call {launch.name!r} cannot run on platform {platforms}: "
+        f"jax_kernel_runtime launches compiled kernel images (cubins) on CUDA GPUs "
+        f"only, and needs a CUDA GPU. On a CPU, run Triton kernels with "
+        f"jax_triton.triton_call (Triton's interpreter) and Pallas kernels with "
+        f"interpret=True; to only build the GPU program here, lower with "
+        f"lowering_platforms=('cuda',) or jax.export(..., platforms=['cuda'])."
+    )
+
+
+mlir.register_lowering(kernel_call_p, _unsupported_lowering)
+mlir.register_lowering(kernel_call_p, _cuda_lowering, platform="cuda")
 
 
 def tune_records() -> list[tuple[str, int, int, list[float]]]:

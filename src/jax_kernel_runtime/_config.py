@@ -57,6 +57,12 @@ class KernelConfig:
     def __post_init__(self):
         if not isinstance(self.image, bytes) or not self.image:
             raise ValueError("KernelConfig.image must be non-empty bytes (a cubin)")
+        if not isinstance(self.function, str) or not self.function:
+            raise ValueError(f"KernelConfig.function must be the kernel's symbol name, got {self.function!r}")
+        for field in ("shared_memory_bytes", "global_scratch_bytes", "profile_scratch_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"KernelConfig.{field} must be an int >= 0, got {value!r}")
         for field in ("block_dims", "cluster_dims"):
             dims = getattr(self, field)
             if len(dims) != 3 or any(int(d) < 1 for d in dims):
@@ -95,6 +101,21 @@ class Buffer:
     operand: int
     alignment: int = 16
 
+    def __post_init__(self):
+        for field in ("operand", "alignment"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(
+                    f"Buffer.{field} must be an int, got {value!r} of type {type(value).__name__}"
+                )
+        if self.operand < 0:
+            raise ValueError(
+                f"Buffer.operand is {self.operand}; it indexes the operands "
+                f"(inputs, then outputs) and must be >= 0"
+            )
+        if self.alignment < 1 or self.alignment & (self.alignment - 1):
+            raise ValueError(f"Buffer.alignment is {self.alignment}; it must be a power of 2 (1: unchecked)")
+
 
 # Scalar dtypes the runtime can pass, by Triton's names; value = struct code.
 _SCALAR_FORMATS = {
@@ -117,17 +138,52 @@ class Scalar:
                 f"unsupported scalar parameter dtype {self.dtype!r}; supported: "
                 f"{sorted([*_SCALAR_FORMATS, 'bf16'])}"
             )
+        value = self.value
+        if isinstance(value, np.generic):
+            value = value.item()
+        if not isinstance(value, (bool, int, float)):
+            raise TypeError(
+                f"Scalar({self.dtype!r}, {value!r}): the value must be a Python or "
+                f"numpy bool/int/float, got {type(self.value).__name__}"
+            )
+        if self.dtype in ("bf16", "fp16", "fp32", "fp64"):
+            try:
+                self._raw(float(value))
+            except OverflowError:
+                raise ValueError(
+                    f"Scalar({self.dtype!r}, {value!r}): the value overflows {self.dtype}"
+                ) from None
+            return
+        if isinstance(value, float):
+            raise TypeError(f"Scalar({self.dtype!r}, {value!r}): an integer dtype needs an int value")
+        lo, hi = (0, 1) if self.dtype in ("i1", "u1") else _int_range(self.dtype)
+        if not lo <= value <= hi:
+            raise ValueError(
+                f"Scalar({self.dtype!r}, {value!r}): the value is out of range [{lo}, {hi}] of {self.dtype}"
+            )
+
+    def _raw(self, value) -> bytes:
+        if self.dtype == "bf16":  # fp32 rounded to nearest even, as the GPU converts
+            bits = struct.unpack("<I", struct.pack("<f", value))[0]
+            if value == value:  # not NaN
+                bits += 0x7FFF + ((bits >> 16) & 1)
+            if bits >> 16 in (0x7F80, 0xFF80) and abs(value) != float("inf"):
+                raise OverflowError("bf16")
+            return struct.pack("<H", (bits >> 16) & 0xFFFF)
+        fmt = _SCALAR_FORMATS[self.dtype]
+        return struct.pack(fmt, value)
 
     def encode(self) -> tuple[int, int]:
         """(byte width, value bits as a signed int64)."""
-        if self.dtype == "bf16":
-            raw = struct.pack("<f", float(self.value))[2:]  # truncate fp32
-        else:
-            fmt = _SCALAR_FORMATS[self.dtype]
-            value = float(self.value) if fmt[1] in "efd" else int(self.value)
-            raw = struct.pack(fmt, value)
+        is_float = self.dtype in ("bf16", "fp16", "fp32", "fp64")
+        raw = self._raw(float(self.value) if is_float else int(self.value))
         bits = int.from_bytes(raw.ljust(8, b"\0"), "little", signed=True)
         return len(raw), bits
+
+
+def _int_range(dtype: str) -> tuple[int, int]:
+    bits = int(dtype[1:])
+    return (0, 2**bits - 1) if dtype[0] == "u" else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
 
 
 Param = Buffer | Scalar

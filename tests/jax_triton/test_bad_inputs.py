@@ -45,7 +45,7 @@ def test_unsupported_dtype():
 
 @pytest.mark.parametrize(
     "grid, err, match",
-    [((0,), ValueError, "entry 0 is 0"), ((-3,), ValueError, "entry 0 is -3"),
+    [((0, -1), ValueError, "entry 1 is -1"), ((-3,), ValueError, "entry 0 is -3"),
      ((1, 2**17), ValueError, "65535"), ((2**31,), ValueError, "2147483647"),
      ("4", TypeError, "grid"), ((4.0,), TypeError, "Python ints"), ((1, 1, 1, 1), TypeError, "1-3 ints"),
      (lambda meta: "x", TypeError, "grid")],
@@ -94,9 +94,9 @@ def test_more_shared_memory_than_the_device_has():
 
 def test_non_array_pytree_leaves():
     x, y = xs()
-    with pytest.raises(TypeError, match="argument 1 .* is list"):
+    with pytest.raises(TypeError, match="argument 1 is list"):
         call_add(x, [y], 256)
-    with pytest.raises(TypeError, match="out_shape .* leaf 0 is 'float32'"):
+    with pytest.raises(TypeError, match="out_shape leaf 0 is 'float32'"):
         call_add(x, y, 256, out_shape=["float32"])
 
 

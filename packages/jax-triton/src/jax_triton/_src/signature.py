@@ -51,8 +51,12 @@ def triton_dtype(dtype, what: str) -> str:
         ) from None
 
 
-def scalar_type(value) -> str:
-    """Triton type of a Python/numpy scalar argument (as Triton's JIT does)."""
+def scalar_type(value, what: str = "scalar") -> str:
+    """Triton type of a Python/numpy scalar argument (as Triton's JIT does).
+
+    Integers must fit int64 or uint64 (Triton's widest scalar parameters);
+    anything else is a ValueError naming ``what``.
+    """
     if isinstance(value, (bool, np.bool_)):
         return "u1"
     if isinstance(value, (int, np.integer)):
@@ -61,12 +65,19 @@ def scalar_type(value) -> str:
             return "i32"
         if 2**63 <= v < 2**64:
             return "u64"
-        return "i64"
+        if -(2**63) <= v < 2**63:
+            return "i64"
+        raise ValueError(
+            f"{what} is {v}, which does not fit in int64 (or uint64), the widest "
+            f"integer a Triton kernel parameter can take"
+        )
     if isinstance(value, np.floating):
+        if value.dtype.itemsize not in (2, 4, 8):
+            raise TypeError(f"{what} is a {value.dtype} scalar; Triton takes float16/32/64")
         return {2: "fp16", 4: "fp32", 8: "fp64"}[value.dtype.itemsize]
     if isinstance(value, float):
         return "fp32"
-    raise TypeError(f"not a scalar: {value!r}")
+    raise TypeError(f"{what} is not a scalar: {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,39 +134,48 @@ def bind(
     args: tuple,
     out_avals: list,
     metaparams: dict[str, Any],
+    where: str | None = None,
 ) -> BoundCall:
     """Binds inputs, then outputs, positionally; then metaparams by name.
 
     ``args`` holds avals (anything with .shape/.dtype) for arrays and plain
-    Python scalars for scalars.
+    Python scalars for scalars. ``where`` (``triton_call 'k' at file.py:12``)
+    starts every error message.
     """
     names = list(fn.arg_names)
     kernel = fn.__name__
+    where = where or f"triton_call {kernel!r}"
     unknown = [m for m in metaparams if m not in names]
     if unknown:
         raise TypeError(
-            f"metaparam(s) {unknown} of triton_call are not parameters of kernel "
-            f"{kernel!r}; its parameters are {names}"
+            f"{where}: metaparam(s) {unknown} of triton_call are not parameters of "
+            f"kernel {kernel!r}; its parameters are {names}"
         )
     positional = list(args) + list(out_avals)
     n_pos = len(positional)
     if n_pos > len(names) or any(m in names[:n_pos] for m in metaparams):
         raise TypeError(
-            f"kernel {kernel!r} has {len(names)} parameters {names}, but "
+            f"{where}: kernel {kernel!r} has {len(names)} parameters {names}, but "
             f"triton_call binds {len(args)} inputs + {len(out_avals)} outputs "
             f"positionally and metaparams {sorted(metaparams)} by name"
         )
     missing = [n for n in names[n_pos:] if n not in metaparams and not _has_default(fn, n)]
     if missing:
         raise TypeError(
-            f"kernel {kernel!r} has {len(names)} parameters {names}; triton_call "
-            f"bound {len(args)} inputs + {len(out_avals)} outputs positionally, "
-            f"leaving {missing} without a value: pass them as arguments or "
-            f"metaparams"
+            f"{where}: kernel {kernel!r} has {len(names)} parameters {names}; "
+            f"triton_call bound {len(args)} inputs + {len(out_avals)} outputs "
+            f"positionally, leaving {missing} without a value: pass them as "
+            f"arguments or metaparams"
         )
     params = []
     next_operand = 0  # arrays are operands; scalars are not
     for i, (name, kp) in enumerate(zip(names, fn.params)):
+        if i < len(args):
+            what = f"argument {i} ({name!r})"
+        elif i < n_pos:
+            what = f"output {i - len(args)} ({name!r})"
+        else:
+            what = f"metaparam {name!r}"
         if i < n_pos:
             value, operand = positional[i], -1
             if is_array(value):
@@ -163,30 +183,49 @@ def bind(
         else:
             value = metaparams[name] if name in metaparams else _default(fn, name)
             operand = -1
-        params.append(_bind_one(kernel, name, kp, value, operand, i < len(args)))
+        params.append(_bind_one(f"{where}: {what}", name, kp, value, operand))
     return BoundCall(kernel, tuple(params))
 
 
-def _bind_one(kernel, name, kp, value, operand, is_input) -> ParamBinding:
-    where = f"{'input' if is_input else 'output'} {name!r} of kernel {kernel!r}"
+def _describe(value) -> str:
+    if is_array(value):
+        return f"an array {np.dtype(value.dtype).name}{list(value.shape)}"
+    return f"{value!r:.60} of type {type(value).__name__}"
+
+
+def _bind_one(what, name, kp, value, operand) -> ParamBinding:
     if kp.is_constexpr:
         if is_array(value):
-            raise TypeError(f"constexpr parameter {name!r} of {kernel!r} got an array")
+            raise TypeError(
+                f"{what} is a tl.constexpr parameter but got {_describe(value)}; "
+                f"constexprs take Python values known when tracing"
+            )
         return ParamBinding(name, "constexpr", "constexpr", value=value)
+    annotation = kp.annotation_type  # "i32", "*fp32" or "" when not annotated
     if operand >= 0 and is_array(value):
-        ty = "*" + triton_dtype(value.dtype, where)
+        if annotation and not annotation.startswith("*"):
+            raise TypeError(
+                f"{what} is annotated {annotation} (a scalar) but got "
+                f"{_describe(value)}; pass a Python/numpy scalar (an array, even "
+                f"0-d, is passed as a pointer; a traced value cannot be a scalar "
+                f"parameter: tl.load it in the kernel instead)"
+            )
+        ty = "*" + triton_dtype(value.dtype, what)
         return ParamBinding(name, "buffer", ty, operand=operand, divisible_by_16=True)
     if is_array(value):
-        raise TypeError(f"parameter {name!r} of {kernel!r} got an array as a metaparam")
+        raise TypeError(f"{what} got {_describe(value)}; metaparams take Python values, not arrays")
     if not isinstance(value, (bool, int, float, np.generic)):
+        raise TypeError(f"{what} got {_describe(value)}; triton_call takes arrays and Python/numpy scalars")
+    if annotation.startswith("*"):
         raise TypeError(
-            f"parameter {name!r} of kernel {kernel!r} got {value!r} of type "
-            f"{type(value).__name__}; triton_call takes arrays and Python/numpy "
-            f"scalars"
+            f"{what} is annotated {annotation} (a pointer) but got the scalar "
+            f"{_describe(value)}; pass an array"
         )
-    ty = scalar_type(value)
+    ty = scalar_type(value, what)
     if isinstance(value, np.generic):
         value = value.item()
+    if annotation and annotation != ty:  # Triton's JIT takes the annotated type
+        ty, value = annotation, _convert(value, annotation, what)
     specialize = not kp.do_not_specialize
     if ty in ("i32", "i64", "u64") and specialize and value == 1:
         return ParamBinding(name, "constexpr", "constexpr", value=1)
@@ -194,6 +233,29 @@ def _bind_one(kernel, name, kp, value, operand, is_input) -> ParamBinding:
     if kp.do_not_specialize_on_alignment:
         div16 = False
     return ParamBinding(name, "scalar", ty, value=value, divisible_by_16=div16)
+
+
+_INT_TYPES = {f"{k}{b}": np.iinfo(f"{k}nt{b}") for k in ("i", "ui") for b in (8, 16, 32, 64)}
+_INT_TYPES = {k.replace("ui", "u"): v for k, v in _INT_TYPES.items()}
+
+
+def _convert(value, ty: str, what: str):
+    """``value`` as a parameter of annotated Triton type ``ty``, checked to fit."""
+    if ty in ("i1", "u1"):
+        if value not in (0, 1):
+            raise ValueError(f"{what} is annotated {ty} (a bool) but got {value!r}")
+        return bool(value)
+    if ty in _INT_TYPES:
+        info = _INT_TYPES[ty]
+        if isinstance(value, float) or not info.min <= value <= info.max:
+            raise ValueError(
+                f"{what} is annotated {ty} but got {value!r}, which is not an "
+                f"integer in [{info.min}, {info.max}]"
+            )
+        return int(value)
+    if ty in ("fp16", "bf16", "fp32", "fp64"):
+        return float(value)
+    raise TypeError(f"{what} is annotated {ty}, which triton_call cannot pass as a scalar")
 
 
 def _has_default(fn, name) -> bool:

@@ -20,11 +20,12 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 import jax_kernel_runtime as jkr
-from jax_triton._src import autotune
-from jax_triton._src.compile import CompileOptions, compile_kernel
+from jax_triton._src import arguments, autotune, frontend
+from jax_triton._src.compile import CompileOptions, TritonCompilationError, compile_kernel
 from jax_triton._src.interpret import run_on_host
 from jax_triton._src.signature import BoundCall, bind, is_array
-from jax_triton._src.triton_compat import check_triton_version, dispatch
+from jax_triton._src.triton_compat import check_triton_version, dispatch, triton
+from jax_triton._src.utils import user_source
 
 # Opt-in dynamic shared memory per block by compute capability (CUDA guide).
 _MAX_SHARED = {
@@ -60,6 +61,7 @@ class CallSpec:
     debug: bool
     batch_fold: Callable | None
     call_args: tuple  # (positional, metaparams, grid, zeroed) for re-binding under vmap
+    where: str  # "triton_call 'name' at file.py:LINE", first words of every error
 
 
 triton_call_p = Primitive("triton_call")
@@ -70,14 +72,6 @@ triton_call_p.def_impl(functools.partial(dispatch.apply_primitive, triton_call_p
 @triton_call_p.def_abstract_eval
 def _abstract_eval(*avals, call: CallSpec):
     return [jax.core.ShapedArray(a.shape, a.dtype) for a in call.out_avals]
-
-
-def _grid_of(grid, meta: dict, name: str):
-    from jax_kernel_runtime import normalize_grid
-
-    if callable(grid):
-        grid = grid(meta)
-    return normalize_grid(grid, name)
 
 
 def triton_call(
@@ -133,90 +127,85 @@ def triton_call(
     check_triton_version()
     fn = autotune.base_function(kernel)
     name = name or fn.__name__
+    where = f"triton_call {name!r} at {user_source()}"
     out_leaves, out_tree = jax.tree.flatten(out_shape)
-    for i, leaf in enumerate(out_leaves):
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-            raise TypeError(
-                f"out_shape of triton_call {name!r}: leaf {i} is {leaf!r} of type "
-                f"{type(leaf).__name__}; every leaf must have .shape and .dtype "
-                f"(use jax.ShapeDtypeStruct)"
-            )
-    out_avals = tuple(jax.ShapeDtypeStruct(tuple(o.shape), jnp.dtype(o.dtype)) for o in out_leaves)
+    out_avals = arguments.output_avals(out_leaves, where)
     arrays, positional, scalars = [], [], []
     for i, a in enumerate(args):
         if is_array(a):
             arrays.append(a)
-            positional.append(jax.ShapeDtypeStruct(tuple(a.shape), jnp.dtype(a.dtype)))
+            positional.append(arguments.input_aval(a, f"{where}: argument {i}"))
         elif isinstance(a, (bool, int, float, np.generic)):
             positional.append(a)
             scalars.append((i, a))
         else:
             raise TypeError(
-                f"argument {i} of triton_call {name!r} is {type(a).__name__} "
-                f"({a!r:.60}); triton_call takes arrays and Python/numpy scalars, "
-                f"not pytrees or other objects"
+                f"{where}: argument {i} is {type(a).__name__} ({a!r:.60}); "
+                f"triton_call takes arrays and Python/numpy scalars, not pytrees "
+                f"or other objects"
             )
+    # Triton's JIT turns device asserts on for debug=True, @triton.jit(debug=True)
+    # or TRITON_DEBUG=1; so do the GPU compile and the interpreter.
+    debug_asserts = bool(debug or getattr(fn, "debug", False) or triton.knobs.runtime.debug)
     spec = _make_spec(
-        kernel,
-        fn,
-        name,
-        positional,
-        out_avals,
-        metaparams,
-        grid,
-        zeroed_outputs,
-        input_output_aliases or {},
-        tuple(scalars),
-        compute_capability,
-        debug,
-        batch_fold,
+        kernel, fn, name, positional, out_avals, metaparams, grid, zeroed_outputs,
+        {} if input_output_aliases is None else input_output_aliases, tuple(scalars),
+        compute_capability, debug, batch_fold,
         CompileOptions(
             num_warps=4 if num_warps is None else num_warps,
             num_stages=3 if num_stages is None else num_stages,
             num_ctas=num_ctas,
             enable_fp_fusion=enable_fp_fusion,
-            debug=False,
+            debug=debug_asserts,
         ),
-    )
-    outs = triton_call_p.bind(*arrays, call=spec)
+        where,
+    )  # fmt: skip
+    if any(0 in v.grid for v in spec.variants):
+        outs = _no_programs(spec, arrays)
+    else:
+        outs = triton_call_p.bind(*arrays, call=spec)
     return jax.tree.unflatten(out_tree, outs)
 
 
+def _no_programs(spec: CallSpec, arrays) -> list:
+    """Outputs of a call whose grid has no programs: the kernel does not run."""
+    if not all(0 in v.grid for v in spec.variants):
+        grids = [v.grid for v in spec.variants]
+        raise ValueError(
+            f"{spec.where}: autotune configs give grids {grids}; some have no "
+            f"programs and some do. Give every config programs, or none."
+        )
+    aliased = {o: i for i, o in spec.input_output_aliases}
+    return [
+        jnp.asarray(arrays[aliased[o]]) if o in aliased else jnp.zeros(a.shape, a.dtype)
+        for o, a in enumerate(spec.out_avals)
+    ]
+
+
 def _make_spec(kernel, fn, name, positional, out_avals, metaparams, grid,
-               zeroed_outputs, aliases, scalars, cc, debug, batch_fold, options):  # fmt: skip
+               zeroed_outputs, aliases, scalars, cc, debug, batch_fold, options, where):  # fmt: skip
     in_avals = tuple(p for p in positional if hasattr(p, "shape"))
-    for i, o in aliases.items():
-        if not (0 <= i < len(in_avals) and 0 <= o < len(out_avals)):
-            raise ValueError(f"triton_call {name!r}: input_output_aliases {i}: {o} out of range")
-        if (in_avals[i].shape, in_avals[i].dtype) != (
-            out_avals[o].shape,
-            out_avals[o].dtype,
-        ):
-            raise ValueError(
-                f"triton_call {name!r}: input {i} {in_avals[i]} aliases output {o} "
-                f"{out_avals[o]} but their shapes/dtypes differ"
-            )
+    aliases = arguments.check_aliases(aliases, in_avals, out_avals, where)
     names = fn.arg_names
     named_args = {names[i]: p for i, p in enumerate(positional) if i < len(names)}
     variants = []
     for v in autotune.expand(kernel, named_args, dict(metaparams), options):
         meta = v.meta
-        bound = bind(fn, tuple(positional), list(out_avals), meta)
+        arguments.check_options(v.options, where)
+        bound = bind(fn, tuple(positional), list(out_avals), meta, where)
         zeroed = zeroed_outputs(meta) if callable(zeroed_outputs) else zeroed_outputs
-        zeroed = set(int(z) for z in zeroed)
+        zeroed = arguments.check_zeroed(zeroed, len(out_avals), where)
         n_in = len(positional)
         for z in v.reset_to_zero:  # autotune's reset_to_zero, when it names outputs
             idx = names.index(z) if z in names else -1
             if idx >= n_in:
                 zeroed.add(idx - n_in)
-        for z in zeroed:
-            if not 0 <= z < len(out_avals):
-                raise ValueError(f"triton_call {name!r}: zeroed output {z} out of range")
-        variants.append(CallVariant(bound, _grid_of(grid, meta, name), v.options, tuple(sorted(zeroed))))
+        grid_v = arguments.grid_of(grid, meta, name, where)
+        variants.append(CallVariant(bound, grid_v, v.options, tuple(sorted(zeroed))))
     return CallSpec(
         kernel, fn, name, tuple(variants), in_avals, out_avals,
         tuple(sorted(aliases.items())), scalars, cc, debug, batch_fold,
-        (tuple(positional), dict(metaparams), grid, zeroed_outputs, options),
+        (tuple(positional), dict(metaparams), grid, zeroed_outputs, options), where,
     )  # fmt: skip
 
 
@@ -314,21 +303,50 @@ def _cpu_lowering(ctx, *args, call: CallSpec):
     v = call.variants[0]
     if call.debug:
         print(f"[jax_triton] interpreting {call.name}: signature={v.bound.signature()} grid={v.grid}")
+    try:
+        frontend.check(call.fn, v.bound, v.options.as_dict())
+    except frontend.TritonFrontendError as e:
+        raise TritonCompilationError(
+            f"{call.where}: Triton cannot compile kernel {call.fn.__name__!r} "
+            f"(defined at {_kernel_source(call.fn)}) with signature "
+            f"{v.bound.signature()}:\n{e}{_zero_d_hint(call)}"
+        ) from None
 
     def host(*arrays):
-        return run_on_host(
-            call.fn,
-            v.bound,
-            v.grid,
-            call.out_avals,
-            dict(call.input_output_aliases),
-            arrays,
-        )
+        try:
+            return run_on_host(
+                call.fn, v.bound, v.grid, call.out_avals, dict(call.input_output_aliases), arrays,
+                debug=v.options.debug,
+            )  # fmt: skip
+        except Exception as e:
+            raise RuntimeError(
+                f"{call.where}: the kernel failed in Triton's interpreter: {type(e).__name__}: {e}"
+            ) from e
 
     def interpret(*arrays):
         return jax.pure_callback(host, list(call.out_avals), *arrays, vmap_method="sequential")
 
     return mlir.lower_fun(interpret, multiple_results=True)(ctx, *args)
+
+
+def _kernel_source(fn) -> str:
+    code = getattr(fn.fn, "__code__", None)
+    if code is None:
+        return "?"
+    return f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+
+
+def _zero_d_hint(call: CallSpec) -> str:
+    """A note for 0-d array arguments: they are pointers, not scalar values."""
+    pointers = [p.name for p in call.variants[0].bound.params[: len(call.call_args[0])]
+                if p.kind == "buffer" and not call.in_avals[p.operand].shape]  # fmt: skip
+    if not pointers:
+        return ""
+    return (
+        f"\nNote: {pointers} got 0-d arrays, which are passed as pointers to one "
+        f"element. For a scalar value pass a Python/numpy scalar; a traced value "
+        f"cannot be a scalar parameter: tl.load it in the kernel."
+    )
 
 
 def _unsupported_lowering(ctx, *args, call: CallSpec):
@@ -392,13 +410,15 @@ def _batch_folded(args, dims, size, call: CallSpec):
     out_avals = tuple(jax.ShapeDtypeStruct((size, *o.shape), o.dtype) for o in call.out_avals)
 
     def folded_grid(meta):
-        return call.batch_fold(size, _grid_of(grid, meta, call.name), dict(call.scalars))[0]
+        return call.batch_fold(
+            size, arguments.grid_of(grid, meta, call.name, call.where), dict(call.scalars)
+        )[0]
 
     spec = _make_spec(
         call.kernel, call.fn, call.name, new_positional, out_avals, metaparams,
         folded_grid, zeroed, dict(call.input_output_aliases),
         tuple(sorted((new_scalars or {}).items())), call.compute_capability,
-        call.debug, None, options,
+        call.debug, None, options, call.where,
     )  # fmt: skip
     return triton_call_p.bind(*args, call=spec)
 

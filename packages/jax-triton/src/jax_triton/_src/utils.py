@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+import jax
 import numpy as np
+
+import jax_kernel_runtime
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,3 +29,29 @@ def strides_from_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
         size = size // s if s else 0
         strides.append(size)
     return tuple(strides)
+
+
+# Frames inside these folders are ours, JAX's or the standard library's:
+# errors name the innermost frame outside them, the user's line.
+_INTERNAL_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, jax_kernel_runtime)
+) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+
+
+def _is_internal(filename: str) -> bool:
+    if filename.startswith("<frozen"):
+        return True
+    filename = os.path.abspath(filename)
+    stdlib = filename.startswith(_STDLIB_DIR) and "site-packages" not in filename
+    return stdlib or filename.startswith(_INTERNAL_DIRS)
+
+
+def user_source() -> str:
+    """``file.py:LINE`` of the innermost caller outside jax_triton, JAX and the stdlib."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not _is_internal(frame.f_code.co_filename):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"

@@ -1,0 +1,136 @@
+"""Checking and normalizing ``triton_call``'s arguments at trace time.
+
+Every error starts with ``where`` (``triton_call 'kernel' at file.py:LINE``),
+names the argument, and says what was expected. Dtypes are canonicalized as
+JAX does (``float64`` -> ``float32`` while x64 is off), so the kernel is
+specialized for the data JAX actually passes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kernel_runtime import normalize_grid
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _dtype(dtype, what: str):
+    try:
+        return jax.dtypes.canonicalize_dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise TypeError(f"{what} has dtype {dtype!r}, which is not a dtype") from None
+
+
+def input_aval(x, what: str) -> jax.ShapeDtypeStruct:
+    """The aval JAX passes for array input ``x`` (canonical dtype)."""
+    return jax.ShapeDtypeStruct(tuple(x.shape), _dtype(x.dtype, what))
+
+
+def output_avals(out_leaves, where: str) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Checked, canonical avals of the ``out_shape`` leaves."""
+    avals = []
+    for i, leaf in enumerate(out_leaves):
+        what = f"{where}: out_shape leaf {i}"
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(
+                f"{what} is {leaf!r} of type {type(leaf).__name__}; every leaf must "
+                f"have .shape and .dtype (use jax.ShapeDtypeStruct)"
+            )
+        shape = leaf.shape
+        if not isinstance(shape, (tuple, list)) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise ValueError(
+                f"{what} has shape {shape!r}; a shape is a tuple of non-negative "
+                f"Python ints (static, not traced)"
+            )
+        layout = getattr(getattr(leaf, "format", None), "layout", None)
+        major_to_minor = getattr(layout, "major_to_minor", None)
+        if major_to_minor is not None and tuple(major_to_minor) != tuple(range(len(shape))):
+            raise ValueError(
+                f"{what} asks for layout major_to_minor={tuple(major_to_minor)}; "
+                f"triton_call writes outputs row-major (C-contiguous), "
+                f"major_to_minor={tuple(range(len(shape)))}: leave the layout out "
+                f"and transpose the result"
+            )
+        avals.append(jax.ShapeDtypeStruct(tuple(int(d) for d in shape), _dtype(leaf.dtype, what)))
+    return tuple(avals)
+
+
+def check_options(options, where: str) -> None:
+    """num_warps / num_stages / num_ctas of one configuration."""
+    for field, ok, expected in (
+        ("num_warps", lambda v: 1 <= v <= 32 and v & (v - 1) == 0, "a power of 2 from 1 to 32"),
+        ("num_stages", lambda v: v >= 0, "an int >= 0"),
+        ("num_ctas", lambda v: 1 <= v <= 16 and v & (v - 1) == 0, "a power of 2 from 1 to 16"),
+    ):
+        value = getattr(options, field)
+        if not _is_int(value) or not ok(int(value)):
+            raise ValueError(f"{where}: {field}={value!r}, but {field} must be {expected}")
+
+
+def check_aliases(aliases, in_avals, out_avals, where: str) -> dict[int, int]:
+    """``input_output_aliases`` checked against the array inputs and outputs."""
+    if not isinstance(aliases, dict):
+        raise TypeError(
+            f"{where}: input_output_aliases is {aliases!r}; expected a dict {{input index: output index}}"
+        )
+    seen = {}
+    for i, o in aliases.items():
+        entry = f"{where}: input_output_aliases entry {i!r}: {o!r}"
+        if not (_is_int(i) and _is_int(o)):
+            raise TypeError(f"{entry}: indices must be ints")
+        if not 0 <= i < len(in_avals):
+            raise ValueError(
+                f"{entry}: input index {i} is out of range; there are "
+                f"{len(in_avals)} array inputs (scalars are not counted)"
+            )
+        if not 0 <= o < len(out_avals):
+            raise ValueError(f"{entry}: output index {o} is out of range; there are {len(out_avals)} outputs")
+        if o in seen:
+            raise ValueError(f"{entry}: output {o} is already aliased to input {seen[o]}")
+        seen[o] = i
+        a, b = in_avals[i], out_avals[o]
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            raise ValueError(
+                f"{entry}: input {i} is {a.dtype}{list(a.shape)} but output {o} is "
+                f"{b.dtype}{list(b.shape)}; aliased buffers must match"
+            )
+    return {int(i): int(o) for i, o in aliases.items()}
+
+
+def check_zeroed(zeroed, num_outputs: int, where: str) -> set[int]:
+    try:
+        zeroed = list(zeroed)
+    except TypeError:
+        raise TypeError(f"{where}: zeroed_outputs is {zeroed!r}; expected output indices") from None
+    for z in zeroed:
+        if not _is_int(z) or not 0 <= z < num_outputs:
+            raise ValueError(
+                f"{where}: zeroed_outputs has {z!r}, but outputs are numbered 0..{num_outputs - 1}"
+            )
+    return {int(z) for z in zeroed}
+
+
+def grid_of(grid, meta: dict, name: str, where: str) -> tuple[int, int, int]:
+    """The grid (callables get the metaparams), padded to 3 axes.
+
+    An axis of 0 programs is allowed (zero-size inputs): the kernel does not
+    run, as with Triton's own launcher.
+    """
+    if callable(grid):
+        grid = grid(meta)
+    entries = (grid,) if _is_int(grid) else grid
+    if isinstance(entries, (tuple, list)) and 1 <= len(entries) <= 3 and all(_is_int(g) for g in entries):
+        for axis, g in enumerate(entries):
+            if g < 0:
+                raise ValueError(f"{where}: grid {tuple(entries)}: entry {axis} is {g}; entries must be >= 0")
+        if 0 in entries:
+            return tuple(int(g) for g in entries) + (1,) * (3 - len(entries))
+    try:
+        return normalize_grid(grid, name)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None

@@ -1,0 +1,56 @@
+"""Triton's front end (kernel source -> Triton IR), run when lowering for the CPU.
+
+The interpreter executes the kernel's Python inside a host callback, so a
+kernel that does not compile (an undefined name, a type error, a bad
+``tl.constexpr``) would otherwise fail only when the call runs, as an opaque
+``CpuCallback error``. Running the front end the GPU compile starts with finds
+those errors while lowering, with Triton's message and source line. Only the
+front end runs (no GPU, no ptxas; milliseconds), and GPU-only limits the
+interpreter does not have (the smallest ``tl.dot``) are relaxed as in the
+interpreter.
+
+TODO(shared Triton layer in jax_kernel_runtime): uses Triton internals
+(``make_backend``, ``ASTSource.make_ir``); move next to the other Triton
+wrappers once they live in one place.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+
+from jax_triton._src.signature import BoundCall
+
+_checked: set = set()
+_lock = threading.Lock()
+
+
+class TritonFrontendError(Exception):
+    """Raised by ``check`` with Triton's diagnostic; wrapped by the caller."""
+
+
+def check(fn, bound: BoundCall, options: dict) -> None:
+    """Raises ``TritonFrontendError`` when Triton's front end rejects the kernel."""
+    key = (fn.cache_key, bound.key(), tuple(sorted(options.items())))
+    with _lock:
+        if key in _checked:
+            return
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    try:
+        parsed = backend.parse_options(dict(options))
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        codegen_fns = backend.get_codegen_implementation(parsed)
+        codegen_fns["min_dot_size"] = lambda lhs_type, rhs_type: (1, 1, 1)  # as the interpreter
+        src = ASTSource(fn, bound.signature(), constexprs=bound.constexprs(), attrs=bound.attrs())
+        src.make_ir(target, parsed, codegen_fns, backend.get_module_map(), context)
+    except Exception as e:  # Triton raises CompilationError and plain errors
+        raise TritonFrontendError(str(e) or repr(e)) from e
+    with _lock:
+        _checked.add(key)

@@ -1,0 +1,86 @@
+"""jax-kernel-runtime on bad input: descriptors refuse bad fields, and a
+kernel_call lowered for a platform other than CUDA fails when lowering."""
+
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kernel_runtime as jkr
+
+CFG = jkr.KernelConfig(image=b"\x7fELF", function="f")
+
+
+def call(x):
+    return jkr.kernel_call(x, configs=[CFG], grid=2, out_shapes=[x], name="scale")[0]
+
+
+def test_kernel_call_on_the_cpu_fails_when_lowering():
+    x = jax.ShapeDtypeStruct((8,), jnp.float32)
+    traced = jax.jit(call).trace(x)
+    with pytest.raises(
+        NotImplementedError, match=r"kernel_call 'scale' cannot run on platform cpu.*needs a CUDA GPU"
+    ):
+        traced.lower(lowering_platforms=("cpu",))
+    with pytest.raises(NotImplementedError, match=r"jax_triton.triton_call.*interpret=True"):
+        call(jnp.ones(8))  # eager, on this machine's default device
+    assert "jax_kernel_runtime_launch" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "dtype, value, err, message",
+    [("i8", 1000, ValueError, r"out of range \[-128, 127\] of i8"),
+     ("u8", -1, ValueError, r"out of range \[0, 255\]"),
+     ("i32", 2**31, ValueError, "out of range"), ("u64", 2**64, ValueError, "out of range"),
+     ("u1", 2, ValueError, r"out of range \[0, 1\]"),
+     ("i32", 1.5, TypeError, "integer dtype needs an int"),
+     ("i32", "3", TypeError, "must be a Python or numpy bool/int/float"),
+     ("fp16", 1e6, ValueError, "overflows fp16"), ("fp32", 1e39, ValueError, "overflows fp32"),
+     ("bf16", 3.5e38, ValueError, "overflows bf16"), ("int32", 1, TypeError, "unsupported scalar")],
+)  # fmt: skip
+def test_scalar_refuses_values_its_dtype_cannot_hold(dtype, value, err, message):
+    with pytest.raises(err, match=message):
+        jkr.Scalar(dtype, value)
+
+
+def test_scalars_in_range_encode_their_value():
+    rng = np.random.default_rng(0)
+    for dtype, np_dtype in (("i8", np.int8), ("u16", np.uint16), ("i32", np.int32), ("i64", np.int64)):
+        info = np.iinfo(np_dtype)
+        for v in (int(info.min), int(info.max), int(rng.integers(info.min, info.max))):
+            size, bits = jkr.Scalar(dtype, v).encode()
+            assert size == np.dtype(np_dtype).itemsize
+            assert np.array([bits], np.int64).view(np.uint8)[:size].view(np_dtype)[0] == v
+
+
+def test_bf16_scalar_rounds_to_nearest_even():
+    for v in np.random.default_rng(1).standard_normal(200) * 100:
+        size, bits = jkr.Scalar("bf16", float(v)).encode()
+        expected = np.array([v], np.float32).astype(jnp.bfloat16).view(np.uint16)[0]
+        assert size == 2 and bits == expected, v
+    assert jkr.Scalar("fp32", 2.5).encode() == (4, struct.unpack("<i", struct.pack("<f", 2.5))[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, message",
+    [({"operand": -1}, ValueError, "Buffer.operand is -1"),
+     ({"operand": 1.0}, TypeError, "Buffer.operand must be an int"),
+     ({"operand": True}, TypeError, "Buffer.operand must be an int"),
+     ({"operand": 0, "alignment": 3}, ValueError, "Buffer.alignment is 3; it must be a power of 2"),
+     ({"operand": 0, "alignment": 0}, ValueError, "Buffer.alignment is 0")],
+)  # fmt: skip
+def test_buffer_refuses_bad_fields(kwargs, err, message):
+    with pytest.raises(err, match=message):
+        jkr.Buffer(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"function": ""}, "KernelConfig.function"), ({"shared_memory_bytes": -1}, "shared_memory_bytes"),
+     ({"global_scratch_bytes": -8}, "global_scratch_bytes"), ({"profile_scratch_bytes": 1.5}, "profile_scratch")],
+)  # fmt: skip
+def test_kernel_config_refuses_bad_fields(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jkr.KernelConfig(image=b"\x7fELF", **{"function": "f", **kwargs})

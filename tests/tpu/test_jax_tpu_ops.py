@@ -360,12 +360,6 @@ def gmm_ref(lhs, rhs, group_sizes):
     return jnp.einsum("mk,mkn->mn", lhs, rhs[group], precision="highest")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="pallas-core: dynamic grid sizes; gmm/tgmm use grid=(tiles_n, num_active_tiles, tiles_k) with "
-    "num_active_tiles a traced value ('grid[1]: dynamic grid sizes are not supported; use a static int')",
-)
 def test_megablox_gmm():
     ops, jax_ops = load("megablox.ops"), load_jax("megablox.ops")
     lhs, rhs, dout = rand(50, (512, 256)), rand(51, (4, 256, 256)), rand(52, (512, 256))

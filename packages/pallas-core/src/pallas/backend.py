@@ -20,6 +20,7 @@ from pallas._src.core import Mesh as Mesh
 from pallas._src.core import SemaphoreKind as SemaphoreKind
 from pallas._src.core import SemaphoreSpace as SemaphoreSpace
 from pallas._src.core import Squeezed as Squeezed
+from pallas._src.core import dynamic_grid_dim as dynamic_grid_dim
 from pallas._src.core import register_memory_space_type as register_memory_space_type
 from pallas._src.core import semaphore_kind as semaphore_kind
 from pallas._src.errors import describe as describe
@@ -27,6 +28,8 @@ from pallas._src.errors import is_internal_file as is_internal_file
 from pallas._src.errors import kernel_error as kernel_error
 from pallas._src.errors import register_internal_dir as register_internal_dir
 from pallas._src.errors import user_source as user_source
+from pallas._src.interpret import grid_point as grid_point
+from pallas._src.interpret import num_steps as num_steps
 from pallas._src.interpret import uninitialized_value as uninitialized_value
 from pallas._src.primitives import KernelContext as KernelContext
 from pallas._src.primitives import debug_print_p as debug_print_p

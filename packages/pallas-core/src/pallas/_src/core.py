@@ -106,6 +106,17 @@ squeezed = Squeezed()
 BlockDim = Blocked | Element | Squeezed
 
 
+class DynamicGridDim:
+    """A grid axis whose size is a traced value (``grid=(n_tiles, ...)`` with
+    ``n_tiles`` a tracer). Its size is an extra operand of ``pallas_call_p``."""
+
+    def __repr__(self):
+        return "dynamic"
+
+
+dynamic_grid_dim: Any = DynamicGridDim()
+
+
 class _NoBlockSpec:
     def __repr__(self):
         return "no_block_spec"
@@ -307,7 +318,7 @@ def _pp_index_map(jaxpr) -> str:
 class GridMapping:
     """The grid and every operand's block mapping (inputs, then outputs)."""
 
-    grid: tuple[int, ...]
+    grid: tuple[Any, ...]  # ints, or dynamic_grid_dim for a traced size
     block_mappings: tuple[BlockMapping, ...]
     num_inputs: int
     num_outputs: int
@@ -320,6 +331,17 @@ class GridMapping:
     # maps take them (as Refs) after the grid indices, and so does the kernel, first.
     num_scalar_prefetch: int = 0
     prefetch_avals: tuple[Any, ...] = ()  # their Ref avals
+
+    @property
+    def dynamic_axes(self) -> tuple[int, ...]:
+        """The grid axes whose sizes are traced: their sizes are the first
+        operands of ``pallas_call_p`` and, after the grid indices, inputs of
+        the kernel jaxpr."""
+        return tuple(a for a, g in enumerate(self.grid) if g is dynamic_grid_dim)
+
+    @property
+    def num_dynamic_grid_bounds(self) -> int:
+        return len(self.dynamic_axes)
 
     @property
     def in_block_mappings(self):

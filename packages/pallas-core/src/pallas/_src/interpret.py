@@ -200,9 +200,52 @@ def _write(x, starts, block, bm, batched):
 # ---------------------------------------------------------------------------
 
 
+def grid_point(step, sizes):
+    """The grid point of ``step`` in lexicographic order; sizes may be traced."""
+    point = []
+    for size in reversed(sizes):
+        point.append(lax.rem(step, size))
+        step = lax.div(step, size)
+    return point[::-1]
+
+
+def num_steps(sizes):
+    """prod(sizes) as an int32 scalar, 0 if a (traced) size is negative."""
+    n = jnp.int32(1)
+    for size in sizes:
+        n = n * jnp.maximum(jnp.asarray(size, jnp.int32), 0)
+    return n
+
+
+class _DynamicPlan:
+    """The step-by-step plan of a grid with traced sizes: each step computes
+    its grid point and evaluates the index maps."""
+
+    def __init__(self, gm, dynamic_sizes):
+        it = iter(dynamic_sizes)
+        self.sizes = [next(it) if g is pallas_core.dynamic_grid_dim else g for g in gm.grid]
+        self.extra = list(dynamic_sizes)  # kernel inputs after the grid indices
+        self.steps = num_steps(self.sizes)
+        self.bms = gm.block_mappings
+
+    def at(self, s):
+        pts = [jnp.asarray(p, jnp.int32) for p in grid_point(s, self.sizes)]
+        starts = []
+        for bm in self.bms:
+            idx = compat.jaxpr_as_fun(bm.index_map)(*pts)
+            scale = [
+                1 if isinstance(d, pallas_core.Element) else pallas_core._block_size(d)
+                for d in bm.block_shape
+            ]
+            row = [jnp.asarray(i, jnp.int32) * k for i, k in zip(idx, scale)]
+            starts.append(jnp.stack(row)[None] if row else jnp.zeros((1, 0), jnp.int32))
+        return starts, jnp.stack(pts)[None] if pts else jnp.zeros((1, 0), jnp.int32)
+
+
 def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, interpret, **_):
     gm: pallas_core.GridMapping = grid_mapping
     params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
+    dynamic_sizes, args = args[: gm.num_dynamic_grid_bounds], args[gm.num_dynamic_grid_bounds :]
     n_in, n_out, G = gm.num_inputs, gm.num_outputs, len(gm.grid)
     n_scratch = len(gm.scratch_avals)
     effects = compat.jaxpr_effects_on_inputs(jaxpr)
@@ -218,9 +261,13 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
     # Steps stay independent only if the input reads exactly the block the output writes.
     alias_of = {o: i for i, o in input_output_aliases}
     in_alias = {i: o for i, o in input_output_aliases}
-    plan = make_plan(gm, fully_sequential, params.vectorize)
+    if dynamic_sizes:
+        plan = _DynamicPlan(gm, dynamic_sizes)
+    else:
+        plan = make_plan(gm, fully_sequential, params.vectorize)
     if (
-        not fully_sequential
+        not dynamic_sizes
+        and not fully_sequential
         and params.vectorize
         and any(
             gm.block_mappings[i].block_sizes != gm.block_mappings[n_in + o].block_sizes
@@ -229,7 +276,7 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
         )
     ):
         plan = make_plan(gm, True, params.vectorize)
-    ns, npar = plan.points.shape[:2]
+    ns, npar = (plan.steps, 1) if dynamic_sizes else plan.points.shape[:2]
     batched = npar > 1
 
     discharged = compat.discharge(jaxpr)
@@ -249,13 +296,20 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
         for o, bm in enumerate(out_bms)
     ]
     scratch = [uninitialized_value(a.shape, a.dtype) for a in gm.scratch_avals]
-    starts = [jnp.asarray(s, jnp.int32) for s in plan.starts]
-    points = jnp.asarray(plan.points, jnp.int32)
+    if dynamic_sizes:
+        locate, extra = plan.at, plan.extra
+    else:
+        starts = [jnp.asarray(s, jnp.int32) for s in plan.starts]
+        points = jnp.asarray(plan.points, jnp.int32)
+        extra = []
+
+        def locate(s):  # (per block mapping: (Np, ndim) starts, (Np, G) grid points)
+            st = [lax.dynamic_index_in_dim(t, s, 0, keepdims=False) for t in starts]
+            return st, lax.dynamic_index_in_dim(points, s, 0, keepdims=False)
 
     def step(s, carry):
         ins, outs, scratch = carry
-        st = [lax.dynamic_index_in_dim(t, s, 0, keepdims=False) for t in starts]
-        pts = lax.dynamic_index_in_dim(points, s, 0, keepdims=False)  # (Np, G)
+        st, pts = locate(s)
         in_blocks = [
             _read(outs[in_alias[i]] if i in in_alias else x, t, bm, batched)
             for i, (x, t, bm) in enumerate(zip(ins, st, in_bms))
@@ -264,7 +318,7 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
         gidx = [pts[:, g] if batched else pts[0, g] for g in range(G)]
 
         def run(gidx, in_blocks, out_blocks, scratch):
-            res = body(*gidx, *in_blocks, *out_blocks, *scratch)
+            res = body(*gidx, *extra, *in_blocks, *out_blocks, *scratch)
             return res[:n_in], res[n_in : n_in + n_out], res[n_in + n_out :]
 
         if batched:
@@ -279,7 +333,9 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
         return ins, outs, list(new_scratch)
 
     carry = (ins, outs, scratch)
-    if math.prod(gm.grid) == 0:  # an empty grid runs no step: outputs stay uninitialized
+    if dynamic_sizes:
+        carry = lax.fori_loop(0, ns, step, carry)
+    elif math.prod(gm.grid) == 0:  # an empty grid runs no step: outputs stay uninitialized
         pass
     elif ns == 1:
         carry = step(0, carry)

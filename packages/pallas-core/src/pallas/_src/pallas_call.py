@@ -38,16 +38,41 @@ def _keystr(path) -> str:
     return tree_util.keystr(path) if path else ""
 
 
-def _normalize_grid(grid, err: _Err) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
-    """(sizes, names): a grid axis is an int or a named axis ``("i", 4)``."""
+def _grid_entries(grid) -> list:
     if grid is None:
-        return (), ()
-    if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
-        grid = (grid,)
-    if not isinstance(grid, (tuple, list)):
+        return []
+    if isinstance(grid, (int, np.integer, jax.Array, jax.core.Tracer)) and not isinstance(grid, bool):
+        return [grid]
+    return list(grid) if isinstance(grid, (tuple, list)) else grid
+
+
+def _grid_size(g, what: str, err: _Err):
+    """A static int, or the int32 scalar of a dynamic (traced) size."""
+    if isinstance(g, (jax.Array, np.ndarray, jax.core.Tracer)) and not isinstance(g, np.generic):
+        if g.size != 1 or not jnp.issubdtype(g.dtype, jnp.integer):
+            raise err(
+                TypeError,
+                what,
+                f"a dynamic grid size must be an integer scalar, got {g.dtype}{list(g.shape)}",
+            )
+        if isinstance(g, jax.core.Tracer):
+            return jnp.asarray(g, jnp.int32).reshape(())
+        g = int(np.asarray(g).reshape(()))
+    if not isinstance(g, (int, np.integer)) or isinstance(g, bool):
+        raise err(TypeError, what, f"expected a non-negative int or an integer scalar array, got {g!r}")
+    if g < 0:
+        raise err(ValueError, what, f"expected a non-negative int, got {g}")
+    return int(g)
+
+
+def _normalize_grid(grid, err: _Err) -> tuple[tuple, tuple[str | None, ...], list]:
+    """(sizes, names, dynamic sizes): a grid axis is a size or a named axis
+    ``("i", 4)``; a traced size becomes ``dynamic_grid_dim`` in ``sizes``."""
+    entries = _grid_entries(grid)
+    if not isinstance(entries, list):
         raise err(TypeError, "grid", f"expected an int or a tuple of ints, got {grid!r}")
-    out, names = [], []
-    for i, g in enumerate(grid):
+    out, names, dynamic = [], [], []
+    for i, g in enumerate(entries):
         name = None
         if isinstance(g, (tuple, list)):
             if len(g) != 2 or not isinstance(g[0], str):
@@ -58,16 +83,16 @@ def _normalize_grid(grid, err: _Err) -> tuple[tuple[int, ...], tuple[str | None,
             if name in names:
                 raise err(ValueError, f"grid[{i}]", f"the axis name {name!r} is used twice")
         names.append(name)
-        if isinstance(g, jax.core.Tracer):
-            raise err(
-                NotImplementedError, f"grid[{i}]", "dynamic grid sizes are not supported; use a static int"
-            )
-        if not isinstance(g, (int, np.integer)) or isinstance(g, bool):
-            raise err(TypeError, f"grid[{i}]", f"expected a non-negative int, got {g!r}")
-        if g < 0:
-            raise err(ValueError, f"grid[{i}]", f"expected a non-negative int, got {g}")
-        out.append(int(g))
-    return tuple(out), tuple(names) if any(n is not None for n in names) else ()
+        size = _grid_size(g, f"grid[{i}]", err)
+        if not isinstance(size, int):
+            if name is not None:
+                raise err(
+                    NotImplementedError, f"grid[{i}]", f"the named grid axis {name!r} needs a static size"
+                )
+            dynamic.append(size)
+            size = pallas_core.dynamic_grid_dim
+        out.append(size)
+    return tuple(out), tuple(names) if any(n is not None for n in names) else (), dynamic
 
 
 def _normalize_block_dim(d, what: str, err: _Err):
@@ -289,8 +314,9 @@ def _is_scratch_leaf(x) -> bool:
 def _trace_kernel(
     kernel, gm: GridMapping, in_tree, out_struct, err: _Err, scratch_tree=None, prefetch_tree=None
 ):
-    """Kernel -> closed jaxpr with invars (grid indices, in refs, out refs, scratch refs)."""
-    G, nsp = len(gm.grid), gm.num_scalar_prefetch
+    """Kernel -> closed jaxpr with invars (grid indices, dynamic grid sizes,
+    scalar-prefetch refs, in refs, out refs, scratch refs)."""
+    G, nsp = len(gm.grid) + gm.num_dynamic_grid_bounds, gm.num_scalar_prefetch
     idx_avals = [compat.shaped_array((), jnp.int32)] * G
     ref_avals = list(gm.prefetch_avals) + [bm.ref_aval() for bm in gm.block_mappings] + list(gm.scratch_avals)
     out_tree = tree_util.tree_structure(out_struct)
@@ -305,7 +331,8 @@ def _trace_kernel(
         scratch = refs[gm.num_inputs + gm.num_outputs :]
         if scratch_tree is not None:  # scratch_shapes given as a pytree: the kernel gets it back
             scratch = tree_util.tree_unflatten(scratch_tree, scratch)
-        ctx = primitives.KernelContext(gm.grid, gidx, gm.kernel_name)
+        n = len(gm.grid)
+        ctx = primitives.KernelContext(gm.grid, gidx[:n], gm.kernel_name, gidx[n:])
         with primitives.kernel_context(ctx), kernel_scope(gm.kernel_name, gm.source):
             res = kernel(*prefetch, *in_refs, *out_refs, *scratch)
         returned.append(res)
@@ -318,10 +345,9 @@ def _trace_kernel(
             jaxpr, consts = compat.trace_to_closed_jaxpr(flat_kernel, idx_avals + ref_avals, dbg)
             jaxpr = primitives.resolve_grid_axis_names(jaxpr, gm.grid_names)
     except (ValueError, TypeError, IndexError, NotImplementedError) as e:
-        msg = str(e)
-        if f"'{gm.kernel_name}'" in msg:
-            raise
-        raise type(e)(f"in kernel '{gm.kernel_name}' ({gm.source}): {_kernel_line(e)}{msg}") from e
+        if f"'{gm.kernel_name}'" not in str(e):
+            _add_context(e, f"in kernel '{gm.kernel_name}' ({gm.source}): {_kernel_line(e)}")
+        raise
     if returned and returned[0] is not None:
         raise err(
             ValueError,
@@ -339,6 +365,16 @@ def _trace_kernel(
         )
     validate.check_static_indices(jaxpr, describe(gm.kernel_name, gm.source))
     return jaxpr
+
+
+def _add_context(e: BaseException, prefix: str) -> None:
+    """Prefixes the message of ``e`` in place. Rebuilding it as ``type(e)(msg)``
+    would break exceptions whose constructor takes other arguments (JAX's tracer
+    errors take the tracer) and lose their attributes."""
+    if len(e.args) == 1 and isinstance(e.args[0], str):
+        e.args = (prefix + e.args[0],)
+    else:
+        e.add_note(prefix.rstrip(": "))
 
 
 def _kernel_line(e: BaseException) -> str:
@@ -462,7 +498,7 @@ def pallas_call(
                 grid_spec.out_specs,
                 grid_spec.scratch_shapes,
             )
-        grid_t, grid_names = _normalize_grid(g, err)
+        grid_t, grid_names, _ = _normalize_grid(g, err)
         nsp = getattr(grid_spec, "num_scalar_prefetch", 0) if grid_spec is not None else 0
         if not isinstance(nsp, int) or not 0 <= nsp <= len(args):
             raise err(
@@ -548,7 +584,12 @@ def pallas_call(
             in_avals = [_arg_aval(x, f"args{_keystr(p)}", err) for p, x in leaves]
             cache[key] = prepare(source, args, in_tree, [p for p, _ in leaves], in_avals)
         jaxpr, gm, aliases, compiler_params_ = cache[key]
+        dynamic_sizes = []
+        if gm.num_dynamic_grid_bounds:  # the traced grid sizes go first
+            g = grid_spec.grid if grid_spec is not None else grid
+            dynamic_sizes = _normalize_grid(g, _Err(kernel_name, gm.source))[2]
         outs = pallas_call_p.bind(
+            *dynamic_sizes,
             *flat_args,
             jaxpr=jaxpr,
             grid_mapping=gm,

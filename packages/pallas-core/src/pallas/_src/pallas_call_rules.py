@@ -66,20 +66,38 @@ def _batch_kernel_jaxpr(jaxpr):
     return _retrace(lambda b, *rest: fun(*rest), avals, "pallas_call")
 
 
+def _batch_with_loop(args, dims, axis_size, params):
+    """vmap by running one pallas_call per batch element (batched dynamic grid sizes)."""
+    batched = [d is not None for d in dims]
+    xs = [jnp.moveaxis(a, d, 0) for a, d in zip(args, dims) if d is not None]
+
+    def one(slices):
+        it = iter(slices)
+        return pallas_call_p.bind(*[next(it) if b else a for a, b in zip(args, batched)], **params)
+
+    outs = jax.lax.map(one, xs)
+    return outs, [0] * len(outs)
+
+
 def _batching_rule(args, dims, *, jaxpr, grid_mapping, input_output_aliases, **params):
     gm = grid_mapping
     axis_size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    args = list(args)
+    D = gm.num_dynamic_grid_bounds
+    if any(d is not None for d in dims[:D]):  # each element has its own grid
+        params = dict(params, jaxpr=jaxpr, grid_mapping=gm, input_output_aliases=input_output_aliases)
+        return _batch_with_loop(args, dims, axis_size, params)
+    dynamic_sizes, args, dims = args[:D], list(args[D:]), list(dims[D:])
+    G, nsp = len(gm.grid), gm.num_scalar_prefetch
     batched = [d is not None for d in dims]
     # An output aliased to an unbatched input gets a batched buffer.
     for i, _ in input_output_aliases:
+        i += nsp  # alias indices count the inputs after the scalar-prefetch operands
         if not batched[i]:
             args[i] = jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
             batched[i] = True
             dims = list(dims)
             dims[i] = 0
     args = [jnp.moveaxis(a, d, 0) if b else a for a, d, b in zip(args, dims, batched)]
-    G, nsp = len(gm.grid), gm.num_scalar_prefetch
     if any(batched[:nsp]):
         raise NotImplementedError(
             f"{describe(gm.kernel_name, gm.source)}: jax.vmap over a scalar-prefetch operand is not "
@@ -95,6 +113,7 @@ def _batching_rule(args, dims, *, jaxpr, grid_mapping, input_output_aliases, **p
         cp = tuple(map(batched_cp, cp)) if isinstance(cp, tuple) else batched_cp(cp)
         params = {**params, "compiler_params": cp}
     outs = pallas_call_p.bind(
+        *dynamic_sizes,
         *args,
         jaxpr=_batch_kernel_jaxpr(jaxpr),
         grid_mapping=new_gm,
@@ -122,8 +141,15 @@ def _jvp_rule(primals, tangents, *, jaxpr, grid_mapping, input_output_aliases, *
             f"{describe(gm.kernel_name, gm.source)}: jax.jvp of a pallas_call with "
             "input_output_aliases is not supported"
         )
-    G, n_in, n_out, nsp = len(gm.grid), gm.num_inputs, gm.num_outputs, gm.num_scalar_prefetch
-    prefetch_primals, primals, tangents = primals[:nsp], primals[nsp:], tangents[nsp:]
+    # The kernel jaxpr's leading int inputs: grid indices, then dynamic grid sizes.
+    G, n_in, n_out, nsp = (
+        len(gm.grid) + gm.num_dynamic_grid_bounds,
+        gm.num_inputs,
+        gm.num_outputs,
+        gm.num_scalar_prefetch,
+    )
+    D = gm.num_dynamic_grid_bounds
+    prefetch_primals, primals, tangents = primals[: D + nsp], primals[D + nsp :], tangents[D + nsp :]
     nz_in = [
         not isinstance(t, ad.Zero) and _has_tangent(bm.dtype) for t, bm in zip(tangents, gm.in_block_mappings)
     ]

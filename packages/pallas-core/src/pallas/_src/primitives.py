@@ -24,9 +24,11 @@ from pallas._src.errors import kernel_error
 
 @dataclasses.dataclass
 class KernelContext:
-    grid: tuple[int, ...]
+    grid: tuple[Any, ...]  # ints, or pallas_core.dynamic_grid_dim
     grid_indices: Sequence[Any]  # int32 scalar tracers, one per grid axis
     name: str
+    # int32 scalar tracers: the sizes of the grid's dynamic axes, in axis order.
+    dynamic_sizes: Sequence[Any] = ()
 
 
 _ctx = threading.local()
@@ -81,14 +83,20 @@ def program_id(axis: int) -> jax.Array:
     return ctx.grid_indices[_check_axis(ctx, axis, "program_id")]
 
 
-def num_programs(axis: int) -> int:
-    """The size of the grid along ``axis`` (a static Python int).
+def num_programs(axis: int) -> int | jax.Array:
+    """The size of the grid along ``axis``.
 
     Args:
       axis: the grid axis.
+    Returns:
+      A Python int, or an int32 scalar for a dynamic (traced) grid size.
     """
     ctx = _kernel_context("num_programs")
-    return ctx.grid[_check_axis(ctx, axis, "num_programs")]
+    axis = _check_axis(ctx, axis, "num_programs")
+    if ctx.grid[axis] is pallas_core.dynamic_grid_dim:
+        dynamic = [a for a, g in enumerate(ctx.grid) if g is pallas_core.dynamic_grid_dim]
+        return ctx.dynamic_sizes[dynamic.index(axis)]
+    return ctx.grid[axis]
 
 
 # ---------------------------------------------------------------------------

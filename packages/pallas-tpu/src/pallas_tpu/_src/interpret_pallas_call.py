@@ -111,6 +111,25 @@ def check_memory(gm, compiler_params) -> None:
             )
 
 
+def dynamic_grid_sizes(gm, sems, params: InterpretParams, dynamic_sizes) -> list:
+    """The grid's sizes (ints and int32 scalars) when some are traced. Such a
+    grid runs on one core, in lexicographic order."""
+    for what, bad in (
+        ("num_cores_or_threads > 1", params.num_cores_or_threads > 1),
+        ("random_seed (shuffled parallel axes)", params.random_seed is not None),
+    ):
+        if bad:
+            raise _err(
+                gm,
+                NotImplementedError,
+                f"grid {gm.grid}",
+                f"a grid with dynamic (traced) sizes is interpreted on one core in order; "
+                f"InterpretParams {what} is not supported with it",
+            )
+    it = iter(dynamic_sizes)
+    return [next(it) if g is plb.dynamic_grid_dim else g for g in gm.grid]
+
+
 def grid_points(gm, sems, params: InterpretParams) -> list[np.ndarray]:
     """The grid points each core runs, in order: one (N, G) table per core."""
     G = len(gm.grid)
@@ -218,7 +237,8 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
     )
     interp.setup(jaxpr, compiler_params)
     mode = params.uninitialized_memory
-    nsp = gm.num_scalar_prefetch
+    nsp, D = gm.num_scalar_prefetch, gm.num_dynamic_grid_bounds
+    dynamic_sizes, args = list(args[:D]), args[D:]
     prefetch = [
         RefView(interp.new_cell(jnp.asarray(a), f"scalar prefetch operand {i}", tpu_core.SMEM))
         for i, a in enumerate(args[:nsp])
@@ -260,7 +280,12 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
         return cells
 
     G = len(gm.grid)
-    per_core = grid_points(gm, sems, params)
+    if D:  # one core; each step computes its grid point (see _grid_point)
+        sizes = dynamic_grid_sizes(gm, sems, params, dynamic_sizes)
+        n_steps = plb.num_steps(sizes)
+        per_core = [None]
+    else:
+        per_core = grid_points(gm, sems, params)
     blocked = [i for i, op in enumerate(ops) if op.buf is not None]
     for group in _core_groups(jaxpr, per_core):
         # Each core of a group has its own scratch and block buffers; the cores
@@ -283,11 +308,11 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
             lanes.append((core_id, slot, core_ops, views + [RefView(c) for c in scratch], scratch))
         for view, a in zip(prefetch, args[:nsp]):  # each core group has its own SMEM copy
             interp.state[view.cell] = jnp.asarray(a)
-        table = jnp.asarray(np.stack([per_core[c] for c in group]), jnp.int32)
+        table = None if D else jnp.asarray(np.stack([per_core[c] for c in group]), jnp.int32)
 
         def lane_step(lane, s, pause, ctx):
             core_id, slot, core_ops, views, _ = lane
-            pt = table[slot, s]
+            pt = jnp.stack(plb.grid_point(s, sizes)) if D else table[slot, s]
             gidx = [pt[g] for g in range(G)]
             ctx["grid_env"] = {n: gidx[g] for g, n in enumerate(gm.grid_names) if n is not None}
             interp.grid_env = ctx["grid_env"]
@@ -295,7 +320,8 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
                 interp.ordered_callback(params.grid_point_recorder, pt, jnp.int32(core_id))
             for i in blocked:
                 _enter_block(interp, core_ops[i], f"__prev{i}.{slot}", i >= gm.num_inputs, gidx, prefetch, s)
-            yield from interp.iter_jaxpr(jaxpr.jaxpr, jaxpr.consts, [*gidx, *prefetch, *views], pause)
+            invals = [*gidx, *dynamic_sizes, *prefetch, *views]
+            yield from interp.iter_jaxpr(jaxpr.jaxpr, jaxpr.consts, invals, pause)
 
         def step(s, carry):
             interp.restore(*carry)
@@ -318,8 +344,8 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
             return interp.snapshot()
 
         carry = interp.snapshot()
-        n = len(per_core[group[0]])
-        carry = step(0, carry) if n == 1 else lax.fori_loop(0, n, step, carry)
+        n = n_steps if D else len(per_core[group[0]])
+        carry = step(0, carry) if not D and n == 1 else lax.fori_loop(0, n, step, carry)
         interp.restore(*carry)
         for _, slot, core_ops, _, scratch in lanes:
             for i in blocked:
@@ -328,6 +354,9 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
                     prev_arr = interp.hidden.pop(f"__prev{i}.{slot}")
                     prev = [prev_arr[d] for d in range(len(op.bm.block_shape))]
                     blk = interp.state[op.buf].reshape(op.bm.block_sizes)
+                    if D:  # a dynamic grid may run no step: then there is no last block
+                        old = lax.dynamic_slice(interp.state[op.hbm], prev, op.bm.block_sizes)
+                        blk = jnp.where(n > 0, blk, old)
                     interp.state[op.hbm] = lax.dynamic_update_slice(interp.state[op.hbm], blk, prev)
                 else:
                     interp.hidden.pop(f"__prev{i}.{slot}")

@@ -1,0 +1,204 @@
+"""Dynamic (traced) grid sizes: ``grid=(n, ...)`` with ``n`` a traced int32 scalar,
+in pallas-core's interpret mode and pallas-tpu's interpreter, under jit/vmap/jvp."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pallas_test_base import PallasTest, assert_allclose
+
+import pallas as pl
+
+B = 8  # rows per block
+
+
+def rows_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0 + pl.num_programs(0) * 10.0 + pl.program_id(0) + pl.program_id(1) / 8
+
+
+def rows_call(x, n, interpret, cols=2):
+    spec = pl.BlockSpec((B, x.shape[1] // cols), lambda i, j: (i, j))
+    return pl.pallas_call(
+        rows_kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(n, cols),
+        in_specs=[spec],
+        out_specs=spec,
+        interpret=interpret,
+    )(x)
+
+
+def rows_ref(x, n, cols=2):
+    """Block rows < n computed, the rest uninitialized (NaN)."""
+    x = np.asarray(x)
+    out = np.full(x.shape, np.nan, np.float32)
+    w = x.shape[1] // cols
+    for i in range(int(n)):
+        for j in range(cols):
+            blk = np.s_[B * i : B * (i + 1), w * j : w * (j + 1)]
+            out[blk] = x[blk] * 2 + int(n) * 10 + i + j / 8
+    return out
+
+
+class TestDynamicGrid(PallasTest):
+    @pytest.mark.parametrize("vectorize", [True, False])
+    def test_jit_against_numpy(self, vectorize):
+        x = self.rand((48, 256))
+        f = jax.jit(lambda x, n: rows_call(x, n, pl.InterpretParams(vectorize=vectorize)))
+        for n in (1, 4, 6, 0):  # one compiled function, any trip count
+            np.testing.assert_allclose(f(x, n), rows_ref(x, n), rtol=1e-6)
+
+    def test_negative_size_runs_no_step(self):
+        x = self.rand((16, 128))
+        out = jax.jit(lambda x, n: rows_call(x, n, True))(x, -3)
+        assert np.isnan(np.asarray(out)).all()
+
+    def test_vmap_unbatched_size(self):
+        xs = self.rand((3, 32, 256))
+        out = jax.vmap(lambda x: rows_call(x, jnp.int32(3), True), in_axes=0)(xs)
+        f = jax.jit(lambda xs, n: jax.vmap(lambda x: rows_call(x, n, True))(xs))
+        for i in range(3):
+            np.testing.assert_allclose(f(xs, 3)[i], rows_ref(xs[i], 3), rtol=1e-6)
+            np.testing.assert_allclose(out[i], rows_ref(xs[i], 3), rtol=1e-6)
+
+    def test_vmap_batched_sizes(self):
+        xs = self.rand((3, 32, 256))
+        ns = jnp.array([4, 1, 2], jnp.int32)
+        out = jax.jit(jax.vmap(lambda x, n: rows_call(x, n, True)))(xs, ns)
+        for i in range(3):
+            np.testing.assert_allclose(out[i], rows_ref(xs[i], ns[i]), rtol=1e-6)
+
+    def test_jvp(self):
+        x, t = self.rand((32, 256)), self.rand((32, 256))
+        out, tan = jax.jit(lambda x, t, n: jax.jvp(lambda x: rows_call(x, n, True), (x,), (t,)))(x, t, 4)
+        np.testing.assert_allclose(out, rows_ref(x, 4), rtol=1e-6)
+        assert_allclose(tan, 2 * t)
+
+    def test_accumulate_over_dynamic_axis(self):
+        """A reduction axis of traced length (the k axis of a matmul)."""
+        x, y = self.rand((16, 64)), self.rand((64, 32))
+
+        def kernel(x_ref, y_ref, o_ref):
+            @pl.when(pl.program_id(0) == 0)
+            def _():
+                o_ref[...] = jnp.zeros_like(o_ref)
+
+            o_ref[...] += jnp.dot(x_ref[...], y_ref[...], precision="highest")
+
+        @jax.jit
+        def f(x, y, k):
+            return pl.pallas_call(
+                kernel,
+                out_shape=jax.ShapeDtypeStruct((16, 32), jnp.float32),
+                grid=(k,),
+                in_specs=[pl.BlockSpec((16, 16), lambda k: (0, k)), pl.BlockSpec((16, 32), lambda k: (k, 0))],
+                out_specs=pl.BlockSpec((16, 32), lambda k: (0, 0)),
+                interpret=True,
+            )(x, y)
+
+        for k in (1, 3, 4):
+            assert_allclose(f(x, y, k), jnp.dot(x[:, : 16 * k], y[: 16 * k], precision="highest"), scale=10)
+
+    def test_aliased_output_keeps_unvisited_blocks(self):
+        x = self.rand((32, 128))
+
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...] + 1
+
+        @jax.jit
+        def f(x, n):
+            spec = pl.BlockSpec((B, 128), lambda i: (i, 0))
+            return pl.pallas_call(
+                kernel,
+                out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                grid=(n,),
+                in_specs=[spec],
+                out_specs=spec,
+                input_output_aliases={0: 0},
+                interpret=True,
+            )(x)
+
+        for n in (0, 2, 4):
+            ref = jnp.concatenate([x[: B * n] + 1, x[B * n :]])
+            assert_allclose(f(x, n), ref)
+
+    def test_concrete_array_size_is_static(self):
+        x = self.rand((32, 256))
+        np.testing.assert_allclose(rows_call(x, jnp.int32(3), True), rows_ref(x, 3), rtol=1e-6)
+
+
+class TestDynamicGridErrors(PallasTest):
+    def test_float_size(self):
+        x = self.rand((16, 128))
+        with pytest.raises(
+            TypeError,
+            match=r"pallas_call 'rows_kernel' at .*grid\[0\]: a dynamic grid size must be an integer scalar, got float32\[\]",
+        ):
+            jax.jit(lambda x, n: rows_call(x, n, True))(x, 2.0)
+
+    def test_vector_size(self):
+        x = self.rand((16, 128))
+        with pytest.raises(
+            TypeError, match=r"grid\[0\]: a dynamic grid size must be an integer scalar, got int32\[2\]"
+        ):
+            jax.jit(lambda x, n: rows_call(x, n, True))(x, jnp.array([1, 2]))
+
+    def test_named_axis_needs_static_size(self):
+        x = self.rand((16, 128))
+
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...]
+
+        @jax.jit
+        def f(x, n):
+            return pl.pallas_call(kernel, out_shape=x, grid=(("i", n),), interpret=True)(x)
+
+        with pytest.raises(
+            NotImplementedError, match=r"grid\[0\]: the named grid axis 'i' needs a static size"
+        ):
+            f(x, 2)
+
+
+pltpu = pytest.importorskip("pallas_tpu")
+
+
+class TestDynamicGridTPUInterpreter(PallasTest):
+    INTERPRET = pltpu.InterpretParams()
+
+    def test_jit_against_numpy(self):
+        x = self.rand((48, 256))
+        f = jax.jit(lambda x, n: rows_call(x, n, self.INTERPRET))
+        for n in (1, 4, 6):
+            np.testing.assert_allclose(f(x, n), rows_ref(x, n), rtol=1e-6)
+
+    def test_zero_steps_keep_aliased_input(self):
+        x = self.rand((32, 128))
+
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 3
+
+        @jax.jit
+        def f(x, n):
+            spec = pl.BlockSpec((B, 128), lambda i: (i, 0))
+            return pl.pallas_call(
+                kernel,
+                out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                grid=(n,),
+                in_specs=[spec],
+                out_specs=spec,
+                input_output_aliases={0: 0},
+                interpret=self.INTERPRET,
+            )(x)
+
+        for n in (0, 1, 3):
+            assert_allclose(f(x, n), jnp.concatenate([x[: B * n] * 3, x[B * n :]]))
+
+    def test_multi_core_is_an_error(self):
+        x = self.rand((16, 256))
+        params = pltpu.InterpretParams(num_cores_or_threads=2)
+        with pytest.raises(
+            NotImplementedError, match=r"rows_kernel.*dynamic \(traced\) sizes.*num_cores_or_threads > 1"
+        ):
+            jax.jit(lambda x, n: rows_call(x, n, params))(x, 2)

@@ -134,6 +134,8 @@ def test_scalar_that_does_not_fit_int64():
         ):
             add(x, x, n=big)
     np.testing.assert_array_equal(add(x, x, n=2**63), x + x)  # uint64 is fine
+    with pytest.raises(ValueError, match=r"argument 2 \('length'\) is 1e\+300, which overflows float32"):
+        add(x, x, n=1e300)
 
 
 def test_0d_array_where_an_annotated_scalar_is_expected():

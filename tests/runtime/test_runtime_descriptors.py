@@ -25,7 +25,8 @@ def test_kernel_call_on_the_cpu_fails_when_lowering():
     ):
         traced.lower(lowering_platforms=("cpu",))
     with pytest.raises(NotImplementedError, match=r"jax_triton.triton_call.*interpret=True"):
-        call(jnp.ones(8))  # eager, on this machine's default device
+        with jax.default_device(jax.devices("cpu")[0]):
+            call(jnp.ones(8))  # eager
     assert "jax_kernel_runtime_launch" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -84,3 +85,16 @@ def test_buffer_refuses_bad_fields(kwargs, err, message):
 def test_kernel_config_refuses_bad_fields(kwargs, message):
     with pytest.raises(ValueError, match=message):
         jkr.KernelConfig(image=b"\x7fELF", **{"function": "f", **kwargs})
+
+
+@pytest.mark.gpu
+def test_eager_kernel_call_on_the_gpu():
+    from test_runtime_cpu import compile_scale
+
+    major, minor = jax.devices("cuda")[0].compute_capability.split(".")
+    cfg = jkr.config_from_triton(compile_scale(int(major) * 10 + int(minor)))
+    for seed in range(2):  # the second call reuses the first one's executable
+        x = jax.random.normal(jax.random.key(seed), (1000,))
+        params = [jkr.Buffer(0), jkr.Buffer(1), jkr.Scalar("i32", 1000), jkr.Scalar("fp32", 1.5)]
+        (out,) = jkr.kernel_call(x, configs=[cfg], grid=4, out_shapes=[x], params=params, name="scale")
+        np.testing.assert_allclose(out, np.asarray(x) * 1.5, rtol=1e-6)

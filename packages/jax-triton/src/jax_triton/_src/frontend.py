@@ -16,6 +16,7 @@ wrappers once they live in one place.
 
 from __future__ import annotations
 
+import os
 import threading
 
 from triton._C.libtriton import ir
@@ -54,3 +55,22 @@ def check(fn, bound: BoundCall, options: dict) -> None:
         raise TritonFrontendError(str(e) or repr(e)) from e
     with _lock:
         _checked.add(key)
+
+
+def kernel_source(fn) -> str:
+    """``file.py:LINE`` where the kernel's Python function starts."""
+    code = getattr(fn.fn, "__code__", None)
+    return f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code else "?"
+
+
+def zero_d_hint(bound: BoundCall, in_avals) -> str:
+    """A note for 0-d array inputs: they are pointers, not scalar values."""
+    names = [p.name for p in bound.params
+             if p.kind == "buffer" and p.operand < len(in_avals) and not in_avals[p.operand].shape]  # fmt: skip
+    if not names:
+        return ""
+    return (
+        f"\nNote: {names} got 0-d arrays, which are passed as pointers to one "
+        f"element. For a scalar value pass a Python/numpy scalar; a traced value "
+        f"cannot be a scalar parameter: tl.load it in the kernel."
+    )

@@ -76,8 +76,16 @@ def scalar_type(value, what: str = "scalar") -> str:
             raise TypeError(f"{what} is a {value.dtype} scalar; Triton takes float16/32/64")
         return {2: "fp16", 4: "fp32", 8: "fp64"}[value.dtype.itemsize]
     if isinstance(value, float):
+        if abs(value) > _FP32_MAX and abs(value) != float("inf"):
+            raise ValueError(
+                f"{what} is {value!r}, which overflows float32, the type Triton gives "
+                f"Python floats; pass np.float64({value!r}) for a float64 parameter"
+            )
         return "fp32"
     raise TypeError(f"{what} is not a scalar: {value!r}")
+
+
+_FP32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)

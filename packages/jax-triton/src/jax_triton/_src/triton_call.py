@@ -228,11 +228,13 @@ def _compute_capability(ctx, call: CallSpec) -> int:
     return int(os.environ.get("JAX_TRITON_COMPUTE_CAPABILITY", "90"))
 
 
-def _runtime_params(bound: BoundCall):
+def _runtime_params(bound: BoundCall, operand_avals):
     params = []
     for p in bound.params:
         if p.kind == "buffer":
-            params.append(jkr.Buffer(p.operand, 16))
+            # XLA may hand a zero-size operand any address; the kernel cannot read it.
+            empty = 0 in operand_avals[p.operand].shape
+            params.append(jkr.Buffer(p.operand, 1 if empty else 16))
         elif p.kind == "scalar":
             params.append(jkr.Scalar(p.type, p.value))
     return params
@@ -259,7 +261,8 @@ def _cuda_lowering(ctx, *args, call: CallSpec):
             f"triton_call {call.name!r}: every autotune config needs more than "
             f"the {limit} bytes of shared memory sm_{cc} allows"
         )
-    layouts = {tuple(_runtime_params(v.bound)) for v, _ in compiled}
+    operand_avals = call.in_avals + call.out_avals
+    layouts = {tuple(_runtime_params(v.bound, operand_avals)) for v, _ in compiled}
     if len(layouts) != 1:
         raise NotImplementedError(
             f"triton_call {call.name!r}: autotune configs change which kernel "
@@ -308,8 +311,8 @@ def _cpu_lowering(ctx, *args, call: CallSpec):
     except frontend.TritonFrontendError as e:
         raise TritonCompilationError(
             f"{call.where}: Triton cannot compile kernel {call.fn.__name__!r} "
-            f"(defined at {_kernel_source(call.fn)}) with signature "
-            f"{v.bound.signature()}:\n{e}{_zero_d_hint(call)}"
+            f"(defined at {frontend.kernel_source(call.fn)}) with signature "
+            f"{v.bound.signature()}:\n{e}{frontend.zero_d_hint(v.bound, call.in_avals)}"
         ) from None
 
     def host(*arrays):
@@ -327,26 +330,6 @@ def _cpu_lowering(ctx, *args, call: CallSpec):
         return jax.pure_callback(host, list(call.out_avals), *arrays, vmap_method="sequential")
 
     return mlir.lower_fun(interpret, multiple_results=True)(ctx, *args)
-
-
-def _kernel_source(fn) -> str:
-    code = getattr(fn.fn, "__code__", None)
-    if code is None:
-        return "?"
-    return f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
-
-
-def _zero_d_hint(call: CallSpec) -> str:
-    """A note for 0-d array arguments: they are pointers, not scalar values."""
-    pointers = [p.name for p in call.variants[0].bound.params[: len(call.call_args[0])]
-                if p.kind == "buffer" and not call.in_avals[p.operand].shape]  # fmt: skip
-    if not pointers:
-        return ""
-    return (
-        f"\nNote: {pointers} got 0-d arrays, which are passed as pointers to one "
-        f"element. For a scalar value pass a Python/numpy scalar; a traced value "
-        f"cannot be a scalar parameter: tl.load it in the kernel."
-    )
 
 
 def _unsupported_lowering(ctx, *args, call: CallSpec):

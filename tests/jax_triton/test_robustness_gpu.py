@@ -1,0 +1,67 @@
+"""The cases of test_robustness.py that only a GPU shows: what the CUDA path
+launches (or does not launch) for odd input, checked against numpy/jnp."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernels import add_kernel
+from test_robustness import add, annotated_kernel, assert_kernel, scale_by_ref_kernel
+
+import jax_triton as jt
+
+
+def _gpus():
+    try:
+        return jax.devices("cuda")
+    except RuntimeError:
+        return []
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int64])
+def test_64_bit_numpy_inputs_without_x64_on_the_gpu(dtype):
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(10_000) * 100).astype(dtype)
+    y = (rng.standard_normal(10_000) * 100).astype(dtype)
+    canonical = jax.dtypes.canonicalize_dtype(dtype)
+    with jax.enable_x64(False):
+        out = jax.jit(add)(x, y)
+    assert out.dtype == canonical
+    np.testing.assert_array_equal(out, x.astype(canonical) + y.astype(canonical))
+
+
+def test_zero_size_and_empty_grid_on_the_gpu():
+    empty = jnp.zeros((0,), jnp.float32)
+    assert jax.jit(add)(empty, empty).shape == (0,)
+    assert jax.jit(lambda a: add(a, a, grid=(2,)))(empty).shape == (0,)
+    x, y = jax.random.normal(jax.random.key(0), (2, 512))
+    aliased = jax.jit(lambda a, b: add(a, b, grid=(0,), input_output_aliases={1: 0}))(x, y)
+    np.testing.assert_array_equal(aliased, y)
+
+
+def test_0d_pointer_and_annotated_scalar_on_the_gpu():
+    x, s = jax.random.normal(jax.random.key(1), (64,)), jax.random.normal(jax.random.key(2), ())
+    out = jax.jit(
+        lambda x, s: jt.triton_call(x, s, kernel=scale_by_ref_kernel, out_shape=x, grid=1, BLOCK=64)
+    )(x, s)
+    np.testing.assert_allclose(out, np.asarray(x) * np.asarray(s), rtol=1e-6)
+    out = jt.triton_call(x, 50, kernel=annotated_kernel, out_shape=x, grid=1, BLOCK=64)
+    np.testing.assert_array_equal(out, jnp.where(jnp.arange(64) < 50, 2 * x, 0))
+
+
+def test_debug_kernel_runs_when_its_asserts_hold():
+    # A firing device assert would leave the CUDA context unusable for the
+    # rest of the process, so only the passing side runs here.
+    x = jax.random.normal(jax.random.key(3), (64,))
+    out = jt.triton_call(x, kernel=assert_kernel, out_shape=x, grid=1, BLOCK=64, debug=True)
+    np.testing.assert_array_equal(out, x)
+
+
+def test_eager_and_jitted_calls_agree():
+    x, y = jax.random.normal(jax.random.key(4), (2, 3000))
+    kw = dict(kernel=add_kernel, out_shape=x, grid=(jt.cdiv(x.size, 64),), BLOCK_SIZE=64)
+    np.testing.assert_array_equal(jt.triton_call(x, y, x.size, **kw), x + y)
+    np.testing.assert_array_equal(jax.jit(lambda a, b: jt.triton_call(a, b, a.size, **kw))(x, y), x + y)

@@ -69,6 +69,12 @@ def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debu
             f"{where(gm)}: {what} is a TPU feature the GPU backend does not lower; run the kernel "
             "with interpret=pltpu.InterpretParams() (pallas-tpu) or use a plain grid"
         )
+    if gm.num_dynamic_grid_bounds:  # the launch grid and the generated kernel need static sizes
+        raise NotImplementedError(
+            f"{where(gm)}: grid {gm.grid} has dynamic (traced) sizes, which the GPU backend does not "
+            "lower; use static grid sizes (e.g. the largest size, skipping the extra programs with "
+            "pl.when), or run the kernel with interpret=True"
+        )
     lk = lowered_kernel(jaxpr, gm)
     if debug:
         print(f"The Triton kernel for pallas_call '{gm.kernel_name}' ({gm.source}):")

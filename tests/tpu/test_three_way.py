@@ -14,7 +14,7 @@ from jax import lax
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import MODES, load_example, run  # noqa: E402
+from three_way import MODES, load_example, run, run_sharded  # noqa: E402
 
 jax.config.update("jax_enable_checks", True)
 
@@ -181,3 +181,44 @@ def test_example_tpu_flash_attention(mode, causal):
 
     out = three_way(build, (q, k, v), mode)
     close(out, ex.attention_reference(q, k, v, causal=causal), 2e-4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_example_tpu_ring_allgather(mode):
+    """Remote DMAs and barrier semaphores over 4 devices."""
+    ex = load_example("tpu_ring_allgather", "jax" if mode == "jax" else "ours")
+    x = rand(11, (4 * 8, 128))
+
+    def build(pl, pltpu):
+        return functools.partial(ex.allgather, interpret=False)
+
+    try:
+        out = run_sharded(build, x, mode, 4)
+    except NotImplementedError as e:
+        _ours_lowering_pending(mode, e)
+    close(out.reshape(4, 4 * 8, 128), jnp.broadcast_to(x, (4, *x.shape)), 0)
+
+
+@pytest.mark.parametrize("mode", ["interpret", "jax"])
+def test_multi_device_deadlock_is_an_error(mode):
+    """Each device waits for three signals on its barrier semaphore but gets two:
+    a deadlock on a TPU, an error naming the wait here (never a hang)."""
+    x = rand(12, (4 * 8, 128))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, o_ref):
+            me = lax.axis_index("x")
+            barrier = pltpu.get_barrier_semaphore()
+            for nb in (lax.rem(me + 1, 4), lax.rem(me + 3, 4)):
+                pl.semaphore_signal(barrier, 1, device_id=(nb,), device_id_type=pl.DeviceIdType.MESH)
+            pl.semaphore_wait(barrier, 3)
+            o_ref[...] = x_ref[...]
+
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            compiler_params=pltpu.CompilerParams(collective_id=0),
+        )
+
+    with pytest.raises(Exception, match="deadlock"):
+        jax.block_until_ready(run_sharded(build, x, mode, 4))

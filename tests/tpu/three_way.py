@@ -94,6 +94,37 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies):
     return [read(v) for v in jaxpr.outvars]
 
 
+def run_sharded(build, x, mode, num_devices, **interpret_params):
+    """``build(pl, pltpu) -> f``, ``f`` one ``pallas_call`` per device, run over
+    ``num_devices`` devices on the leading axis of ``x`` (``shard_map``); the
+    outputs concatenated along it, as ``shard_map(..., out_specs=P("x"))``."""
+    from jax.sharding import PartitionSpec as P
+
+    f = build(*namespaces(mode))
+    shard = jax.ShapeDtypeStruct((x.shape[0] // num_devices, *x.shape[1:]), x.dtype)
+    if mode == "interpret":
+        mesh = jax.sharding.Mesh(jax.devices()[:num_devices], ("x",))
+        g = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
+            return jax.jit(g)(x)
+    mesh = jax.sharding.AbstractMesh(
+        (num_devices,),
+        ("x",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        abstract_device=TPU_V5E.abstract_device,
+    )
+    g = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+    with jax.sharding.use_abstract_mesh(mesh):
+        txt = export.export(jax.jit(g), platforms=["tpu"])(x).mlir_module()
+        whole = jax.eval_shape(g, x)
+    (body,) = executor.custom_call_bodies(txt)
+    out_shape = jax.ShapeDtypeStruct((whole.shape[0] // num_devices, *whole.shape[1:]), whole.dtype)
+    per_device = pltpu.run_mosaic(
+        body, x.reshape(num_devices, *shard.shape), out_shape=out_shape, num_devices=num_devices
+    )
+    return per_device.reshape(num_devices * out_shape.shape[0], *out_shape.shape[1:])
+
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

@@ -121,7 +121,9 @@ def _int_attr(kernel, name, default=0) -> int:
     return ir.IntegerAttr(kernel.attributes[name]).value if name in kernel.attributes else default
 
 
-def run_mosaic(module, *operands, out_shape, input_output_aliases: dict[int, int] | Sequence = ()):
+def run_mosaic(
+    module, *operands, out_shape, input_output_aliases: dict[int, int] | Sequence = (), num_devices: int = 1
+):
     """Executes a Mosaic kernel module on the CPU.
 
     Args:
@@ -133,19 +135,63 @@ def run_mosaic(module, *operands, out_shape, input_output_aliases: dict[int, int
         or a pytree of them).
       input_output_aliases: ``{input index: output index}`` as ``pallas_call``
         takes it (indices count the scalar-prefetch operands).
+      num_devices: run the kernel on this many devices at once (device ids
+        ``0..num_devices-1``, as ``tpu.device_id`` and remote DMAs and signals
+        see them). Every operand then has a leading axis of this size (device
+        ``d`` gets ``operand[d]``), and so does every output, as a
+        ``shard_map`` over the devices would see them.
 
     Returns:
       the outputs as NumPy arrays, in the structure of ``out_shape``.
     """
+    import threading
+
     ctx = _context()
     with ctx:
         mod = parse_module(module, ctx)
         kernel, funcs = _funcs(mod)
-        return _run(kernel, funcs, operands, out_shape, dict(input_output_aliases))
+        out_leaves, out_tree = jax.tree.flatten(out_shape)
+        aliases = dict(input_output_aliases)
+        mesh = ops.Mesh(num_devices)
+        if num_devices == 1:
+            outs = _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, 0)
+            return jax.tree.unflatten(out_tree, outs)
+        for i, x in enumerate(operands):
+            if np.shape(x)[:1] != (num_devices,):
+                raise ValueError(
+                    f"run_mosaic: operand {i} has shape {list(np.shape(x))}; with num_devices={num_devices} its leading axis must be {num_devices}"
+                )
+        results: list[Any] = [None] * num_devices
+        errors: list[BaseException] = []
+
+        def device(d):
+            try:
+                with ctx:
+                    results[d] = _run_device(
+                        kernel, funcs, [np.asarray(x)[d] for x in operands], out_leaves, aliases, mesh, d
+                    )
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                errors.append(e)
+                mesh.fail(str(e))
+            finally:
+                with mesh.cv:
+                    mesh.done.add(d)
+                    mesh.cv.notify_all()
+
+        threads = [threading.Thread(target=device, args=(d,), daemon=True) for d in range(num_devices)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            first = next((e for e in errors if "another device failed" not in str(e)), errors[0])
+            raise first
+        outs = [np.stack([results[d][o] for d in range(num_devices)]) for o in range(len(out_leaves))]
+        return jax.tree.unflatten(out_tree, outs)
 
 
-def _run(kernel, funcs, operands, out_shape, aliases):
-    out_leaves, out_tree = jax.tree.flatten(out_shape)
+def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
+    """One device's run of the kernel over the whole grid; its outputs."""
     bounds = _ints(kernel.attributes["iteration_bounds"]) if "iteration_bounds" in kernel.attributes else []
     if any(b < 0 for b in bounds):
         raise NotImplementedError("run_mosaic: dynamic grid sizes (iteration_bounds '?') are not supported")
@@ -174,10 +220,14 @@ def _run(kernel, funcs, operands, out_shape, aliases):
         w = windows[k] if windows else {"transform": None, "bounds": None}
         if w["transform"] is not None:
             pads = [(0, -n % b) for n, b in zip(arr.shape, w["bounds"])]
-            arr = np.pad(arr, pads) if any(p for _, p in pads) else arr
+            arr = np.pad(arr, pads) if any(p for _, p in pads) else np.ascontiguousarray(arr)
         padded.append(arr)
-    scratch = [ops.allocate(a.type) for a in args[len(bounds) + nsp + nwin :]]
-    ex = ops.Executor(funcs)
+        mesh.register(device, ("window", k), arr)
+    scratch = []
+    for i, a in enumerate(args[len(bounds) + nsp + nwin :]):
+        scratch.append(ops.allocate(a.type, ("scratch", i)))
+        mesh.register(device, ("scratch", i), scratch[-1].root)
+    ex = ops.Executor(funcs, mesh, device)
     for point in itertools.product(*(range(b) for b in bounds)):
         idx = [np.int32(i) for i in point]
         views = []
@@ -185,16 +235,17 @@ def _run(kernel, funcs, operands, out_shape, aliases):
             w = windows[k] if windows else {"transform": None, "bounds": None}
             views.append(_window(ex, arr, arg, w, idx, prefetch, k))
         ex.call(kernel, [*idx, *prefetch, *views, *scratch])
-    for b in scratch:
+    with mesh.cv:  # the other devices' signals to this device are in once all are done
+        mesh.done.add(device)
+        mesh.cv.notify_all()
+        mesh.wait(device, lambda: len(mesh.done) == mesh.num_devices, "finishing", who=None)
+    for i, b in enumerate(scratch):
         if b.is_semaphore and np.any(b.array != 0):
             raise MosaicError(
-                f"run_mosaic: semaphore scratch holds {b.array.tolist()} when the kernel ends (a DMA or signal was not waited for)"
+                f"run_mosaic: semaphore scratch operand {i} of device {device} holds {b.array.tolist()} when the "
+                "kernel ends (a DMA or signal was not waited for)"
             )
-    outs = []
-    for o, leaf in enumerate(out_leaves):
-        arr = padded[n_in + o]
-        outs.append(arr[tuple(slice(0, n) for n in leaf.shape)])
-    return jax.tree.unflatten(out_tree, outs)
+    return [padded[n_in + o][tuple(slice(0, n) for n in leaf.shape)] for o, leaf in enumerate(out_leaves)]
 
 
 def _window(ex, arr, arg, w, idx, prefetch, k):
@@ -203,7 +254,7 @@ def _window(ex, arr, arg, w, idx, prefetch, k):
     mt = ir.MemRefType(arg.type)
     space = ops.memory_space(mt)
     if w["transform"] is None:
-        return Buffer(arr, space)
+        return Buffer(arr, space, key=("window", k), root=arr)
     block = ex.call(ex.funcs[w["transform"]], [*idx, *prefetch])
     starts = []
     for d, (b, n) in enumerate(zip(block, w["bounds"])):
@@ -215,7 +266,7 @@ def _window(ex, arr, arg, w, idx, prefetch, k):
             )
         starts.append(s)
     view = arr[tuple(slice(s, s + n) for s, n in zip(starts, w["bounds"]))]
-    return Buffer(view.reshape(tuple(mt.shape)), space)
+    return Buffer(view.reshape(tuple(mt.shape)), space, key=("window", k), root=arr)
 
 
 def custom_call_bodies(hlo_text: str) -> list[bytes]:

@@ -22,11 +22,94 @@ class MosaicError(RuntimeError):
 @dataclasses.dataclass
 class Buffer:
     """A memref: a NumPy view and its memory space (``vmem``, ``smem``,
-    ``any``/``hbm``, ``semaphore_mem``). Semaphore memrefs hold int64 counts."""
+    ``any``/``hbm``, ``semaphore_mem``). Semaphore memrefs hold int64 counts.
+    ``key`` names the allocation the view is part of, the same on every device
+    (a window, a scratch operand, an alloca), and ``root`` is that
+    allocation's array on this device: a remote DMA or signal reaches the
+    same part of the same allocation on another device (``on``)."""
 
     array: np.ndarray
     space: str
     is_semaphore: bool = False
+    key: Any = None
+    root: np.ndarray | None = None
+
+    def view(self, array) -> Buffer:
+        return Buffer(array, self.space, self.is_semaphore, self.key, self.root)
+
+    def on(self, mesh: Mesh, device: int) -> Buffer:
+        """This view of the same allocation on ``device``."""
+        other = mesh.root(device, self.key)
+        offset = self.array.__array_interface__["data"][0] - self.root.__array_interface__["data"][0]
+        arr = np.ndarray(
+            self.array.shape, self.array.dtype, buffer=other, offset=offset, strides=self.array.strides
+        )
+        return Buffer(arr, self.space, self.is_semaphore, self.key, other)
+
+
+class Mesh:
+    """The devices of one ``run_mosaic`` call: each device's allocations by
+    key, and one condition variable for semaphores. Devices run in threads; a
+    wait blocks until its semaphore holds enough, and is a deadlock error when
+    no running device can signal it any more."""
+
+    def __init__(self, num_devices: int, timeout: float = 60.0):
+        import threading
+
+        self.num_devices = num_devices
+        self.cv = threading.Condition()
+        self.roots: list[dict[Any, np.ndarray]] = [{} for _ in range(num_devices)]
+        self.blocked: dict[int, tuple[Callable[[], bool], str]] = {}
+        self.done: set[int] = set()
+        self.error: str | None = None
+        self.timeout = timeout
+
+    def register(self, device: int, key, array: np.ndarray) -> None:
+        with self.cv:
+            self.roots[device][key] = array
+            self.cv.notify_all()
+
+    def root(self, device: int, key) -> np.ndarray:
+        if not 0 <= device < self.num_devices:
+            raise MosaicError(f"run_mosaic: device id {device} is outside the {self.num_devices} devices")
+        with self.cv:
+            self.wait(device, lambda: key in self.roots[device], f"allocating {key}", who=None)
+            return self.roots[device][key]
+
+    def fail(self, msg: str) -> MosaicError:
+        with self.cv:
+            if self.error is None:
+                self.error = msg
+            self.cv.notify_all()
+        return MosaicError(msg)
+
+    def wait(self, device, pred, desc: str, who=-1) -> None:
+        """Blocks (``cv`` held) until ``pred()``; ``who`` is the waiting device
+        (``None``: a lookup on behalf of another device, never a deadlock)."""
+        import time
+
+        deadline = time.monotonic() + self.timeout
+        while not pred():
+            if self.error is not None:
+                raise MosaicError(f"run_mosaic: stopped because another device failed: {self.error}")
+            if who is not None:
+                self.blocked[who] = (pred, desc)
+                self.cv.notify_all()
+                if all(
+                    d in self.done or (d in self.blocked and not self.blocked[d][0]())
+                    for d in range(self.num_devices)
+                ):
+                    others = "; ".join(
+                        f"device {d} {self.blocked[d][1]}" if d in self.blocked else f"device {d} finished"
+                        for d in range(self.num_devices)
+                        if d != who
+                    )
+                    raise self.fail(f"run_mosaic: deadlock: {desc}" + (f" ({others})" if others else ""))
+            if time.monotonic() > deadline:
+                raise self.fail(f"run_mosaic: {desc}: still waiting after {self.timeout:g} s")
+            self.cv.wait(0.05)
+        if who is not None:
+            self.blocked.pop(who, None)
 
 
 _DTYPES = {
@@ -88,14 +171,16 @@ def uninitialized(shape, dtype) -> np.ndarray:
     return np.zeros(shape, dtype)
 
 
-def allocate(t) -> Buffer:
+def allocate(t, key=None) -> Buffer:
     """A fresh buffer for a memref type (scratch operands, allocas)."""
     from jaxlib.mlir import ir
 
     mt = ir.MemRefType(t)
     if "semaphore" in element_type(t):
-        return Buffer(np.zeros(tuple(mt.shape), np.int64), "semaphore_mem", True)
-    return Buffer(uninitialized(tuple(mt.shape), np_dtype(t)), memory_space(mt))
+        arr = np.zeros(tuple(mt.shape), np.int64)
+        return Buffer(arr, "semaphore_mem", True, key, arr)
+    arr = uninitialized(tuple(mt.shape), np_dtype(t))
+    return Buffer(arr, memory_space(mt), False, key, arr)
 
 
 def where(op) -> str:
@@ -108,8 +193,23 @@ def where(op) -> str:
 
 
 class Executor:
-    def __init__(self, funcs: dict[str, Any]):
+    """Runs one device's kernel: ``device`` of ``mesh``."""
+
+    def __init__(self, funcs: dict[str, Any], mesh: Mesh, device: int):
         self.funcs = funcs
+        self.mesh = mesh
+        self.device = device
+        self.allocations: dict[Any, int] = {}
+
+    def allocate(self, op) -> Buffer:
+        """A buffer for an alloca op; its key is the op and how many times this
+        device ran it (so devices running the same code agree on keys)."""
+        site = (str(op.location), str(op.operation.results[0].type))
+        n = self.allocations.get(site, 0)
+        self.allocations[site] = n + 1
+        buf = allocate(op.operation.results[0].type, ("alloca", site, n))
+        self.mesh.register(self.device, buf.key, buf.root)
+        return buf
 
     def call(self, func, args) -> list[Any]:
         with np.errstate(all="ignore"):

@@ -144,7 +144,7 @@ def _memref_store(ex, op, vals, env):
 
 @rule("memref.alloca", "memref.alloc", "tpu.sem_alloc")
 def _alloca(ex, op, vals, env):
-    return [allocate(op.operation.results[0].type)]
+    return [ex.allocate(op)]
 
 
 @rule("tpu.memref_slice")
@@ -162,7 +162,7 @@ def _memref_slice(ex, op, vals, env):
                 f"of a memref of shape {list(buf.array.shape)}"
             )
         sl.append(slice(b, b + n))
-    return [Buffer(buf.array[tuple(sl)], buf.space, buf.is_semaphore)]
+    return [buf.view(buf.array[tuple(sl)])]
 
 
 @rule(
@@ -178,7 +178,7 @@ def _memref_reshape(ex, op, vals, env):
     view = buf.array.reshape(shape)
     if not np.shares_memory(view, buf.array) and view.size:
         raise MosaicError(f"run_mosaic: {where(op)}: reshape of a strided memref view is not supported")
-    return [Buffer(view, buf.space, buf.is_semaphore)]
+    return [buf.view(view)]
 
 
 @rule("tpu.memref_bitcast")
@@ -189,7 +189,7 @@ def _memref_bitcast(ex, op, vals, env):
         raise MosaicError(
             f"run_mosaic: {where(op)}: bitcasts that change the element width are not supported"
         )
-    return [Buffer(buf.array.view(dtype), buf.space)]
+    return [buf.view(buf.array.view(dtype))]
 
 
 # -- vectors -----------------------------------------------------------------
@@ -350,6 +350,9 @@ def _vector_bitcast(ex, op, vals, env):
 
 
 # -- DMAs and semaphores -----------------------------------------------------
+# DMAs copy when started (on another device for a remote DMA) and add the bytes
+# copied to the target semaphore (a remote DMA also to the local source
+# semaphore); a wait takes the bytes of its descriptor's destination back.
 
 
 def _sem(op, buf, what) -> Buffer:
@@ -358,71 +361,94 @@ def _sem(op, buf, what) -> Buffer:
     return buf
 
 
-def _local(op, env, *names):
-    for n in names:
-        dev = _operand(op, env, n) if hasattr(op, n) else None
-        if dev is not None and int(dev) != 0:
-            raise MosaicError(
-                f"run_mosaic: {where(op)}: {n} {int(dev)}: run_mosaic runs one device and one core"
-            )
+def _target_device(ex, op, env):
+    if hasattr(op, "core_id") and op.core_id is not None and int(env[op.core_id]) != 0:
+        raise MosaicError(
+            f"run_mosaic: {where(op)}: core_id {int(env[op.core_id])}: run_mosaic runs one core per device"
+        )
+    dev = _operand(op, env, "device_id") if hasattr(op, "device_id") else None
+    return ex.device if dev is None else int(dev)
+
+
+def _wait(ex, op, sem, amount, what):
+    mesh = ex.mesh
+    with mesh.cv:
+        desc = f"device {ex.device} waits at {where(op)} for {amount} on {what}"
+        mesh.wait(
+            ex.device, lambda: int(sem.array) >= amount, desc + f" (holding {int(sem.array)})", who=ex.device
+        )
+        sem.array[...] -= amount
 
 
 @rule("tpu.sem_signal")
 def _sem_signal(ex, op, vals, env):
-    _local(op, env, "device_id", "core_id")
     sem = _sem(op, _operand(op, env, "semaphore"), "the signalled value")
-    sem.array[...] += int(_operand(op, env, "amount"))
+    dev = _target_device(ex, op, env)
+    with ex.mesh.cv:
+        target = sem if dev == ex.device else sem.on(ex.mesh, dev)
+        target.array[...] += int(_operand(op, env, "amount"))
+        ex.mesh.cv.notify_all()
 
 
 @rule("tpu.sem_wait")
 def _sem_wait(ex, op, vals, env):
     sem = _sem(op, _operand(op, env, "semaphore"), "the awaited value")
-    amount = int(_operand(op, env, "amount"))
-    if sem.array < amount:
-        raise MosaicError(
-            f"run_mosaic: {where(op)}: waits for {amount} on a semaphore holding {int(sem.array)}, which nothing can signal any more (a deadlock on a TPU)"
-        )
-    sem.array[...] -= amount
+    _wait(ex, op, sem, int(_operand(op, env, "amount")), "a semaphore")
 
 
 @rule("tpu.sem_read")
 def _sem_read(ex, op, vals, env):
-    return [np.asarray(_sem(op, vals[0], "the read value").array, np.int32)]
+    with ex.mesh.cv:
+        return [np.asarray(_sem(op, vals[0], "the read value").array, np.int32)]
 
 
 @rule("tpu.sem_barrier")
 def _sem_barrier(ex, op, vals, env):
-    if not hasattr(ex, "barrier"):
-        ex.barrier = allocate(op.operation.results[0].type)
-    return [ex.barrier]
+    key = ("barrier",)
+    with ex.mesh.cv:
+        if key not in ex.mesh.roots[ex.device]:
+            buf = allocate(op.operation.results[0].type, key)
+            ex.mesh.roots[ex.device][key] = buf.root
+            ex.mesh.cv.notify_all()
+        root = ex.mesh.roots[ex.device][key]
+    return [Buffer(root, "semaphore_mem", True, key, root)]
 
 
 @rule("tpu.enqueue_dma")
 def _enqueue_dma(ex, op, vals, env):
-    _local(op, env, "device_id", "core_id")
     src, dst = _operand(op, env, "source"), _operand(op, env, "target")
+    dev = _target_device(ex, op, env)
     if src.array.shape != dst.array.shape:
         raise MosaicError(
             f"run_mosaic: {where(op)}: DMA from shape {list(src.array.shape)} to shape {list(dst.array.shape)}"
         )
-    dst.array[...] = src.array.astype(dst.array.dtype)
-    sem = _sem(op, _operand(op, env, "target_semaphore"), "the DMA's target semaphore")
-    sem.array[...] += dst.array.nbytes
+    tsem = _sem(op, _operand(op, env, "target_semaphore"), "the DMA's target semaphore")
+    ssem = _operand(op, env, "source_semaphore")
+    mesh = ex.mesh
+    if dev != ex.device:
+        dst, tsem = dst.on(mesh, dev), tsem.on(mesh, dev)
+    with mesh.cv:
+        dst.array[...] = src.array.astype(dst.array.dtype)
+        tsem.array[...] += dst.array.nbytes
+        if ssem is not None:
+            _sem(op, ssem, "the DMA's source semaphore").array[...] += dst.array.nbytes
+        mesh.cv.notify_all()
 
 
 @rule("tpu.wait_dma2", "tpu.wait_dma")
 def _wait_dma(ex, op, vals, env):
     sem = _sem(op, _operand(op, env, "semaphore"), "the DMA semaphore")
     dst = _operand(op, env, "dst") if hasattr(op, "dst") else _operand(op, env, "ref")
-    if sem.array < dst.array.nbytes:
-        raise MosaicError(
-            f"run_mosaic: {where(op)}: waits for a DMA of {dst.array.nbytes} bytes on a semaphore holding {int(sem.array)} (no such DMA was started: a deadlock on a TPU)"
-        )
-    sem.array[...] -= dst.array.nbytes
+    _wait(ex, op, sem, dst.array.nbytes, f"a DMA semaphore (a DMA of {dst.array.nbytes} bytes)")
 
 
-@rule("tpu.device_id", "tpu.core_id", "tpu.subcore_id")
-def _ids(ex, op, vals, env):
+@rule("tpu.device_id")
+def _device_id(ex, op, vals, env):
+    return [np.asarray(ex.device, _out_dtype(op))]
+
+
+@rule("tpu.core_id", "tpu.subcore_id")
+def _core_id(ex, op, vals, env):
     return [np.zeros((), _out_dtype(op))]
 
 

@@ -17,6 +17,7 @@ import pytest
 from gpu_test_base import assert_close, has_gpu, random
 
 import jax_kernel_runtime as jkr
+from jax_kernel_runtime import _triton_cache
 import pallas as pl
 import pallas_gpu as plgpu
 from pallas_gpu._src import autotune
@@ -26,15 +27,16 @@ from pallas_gpu._src import autotune
 def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PALLAS_GPU_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PALLAS_GPU_DISABLE_CACHE", raising=False)
-    monkeypatch.setattr(autotune, "_winners", {})
-    monkeypatch.setattr(autotune, "_pending", set())
-    monkeypatch.setattr(autotune, "_seen_records", 0)
-    return tmp_path
+    autotune.winners().forget()
+    monkeypatch.setattr(_triton_cache, "_pending", {})
+    monkeypatch.setattr(_triton_cache, "_seen_records", 0)
+    yield tmp_path
+    autotune.winners().forget()
 
 
 def forget_winners(monkeypatch):
     """What a new process sees: only the disk cache."""
-    monkeypatch.setattr(autotune, "_winners", {})
+    autotune.winners().forget()
 
 
 def scaled_add(x, y, *, block, scale=1.0):
@@ -225,6 +227,7 @@ _RUNTIME_TUNE_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     import jax_kernel_runtime as jkr
+from jax_kernel_runtime import _triton_cache
     import pallas as pl, pallas_gpu as plgpu
 
     def kernel(x_ref, o_ref):

@@ -217,7 +217,7 @@ def test_autotune_lowering_carries_all_configs_then_winner(tmp_path, monkeypatch
     )
     key = text.split('tune_key = "')[1].split('"')[0]
     autotune.record_winner(key, 1, [2.0, 1.0])  # what the runtime reports after tuning
-    autotune._winners.clear()  # a new process: only the disk cache remains
+    autotune.WINNERS.forget()  # a new process: only the disk cache remains
     text = lower()
     assert "num_configs = 1" in text and "grid = dense<[8, 1, 1]>" in text
 

@@ -4,20 +4,18 @@ A decorated kernel is expanded at trace time into variants (metaparams +
 compile options). On the GPU the runtime times every variant on the first
 execution and keeps the fastest; the winner is then cached per process and on
 disk, keyed by kernel, configs, shapes, dtypes, scalars, grid and device, so
-later compilations (and later processes) compile only the winner.
+later compilations (and later processes) compile only the winner. The winner
+cache is jax_kernel_runtime's shared one (also used by pallas-gpu).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
-import threading
-from pathlib import Path
 from typing import Any
 
-import jax_kernel_runtime as jkr
+from jax_kernel_runtime import _triton_cache
 from jax_triton._src.compile import CompileOptions
 from jax_triton._src.triton_compat import Autotuner, Heuristics, JITFunction
 
@@ -94,59 +92,30 @@ def tune_key(fn: JITFunction, variant_keys, avals, scalars, grids, device: str) 
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _cache_dir() -> Path:
+def _cache_dir() -> str:
     d = os.environ.get("JAX_TRITON_AUTOTUNE_DIR")
     if d:
-        return Path(d)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jax_triton"
+        return d
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax_triton")
 
 
-_winners: dict[str, int] = {}
-_pending: set[str] = set()
-_seen_records = 0
-_lock = threading.Lock()
+# The shared winner cache of jax_kernel_runtime, in jax-triton's directory.
+WINNERS = _triton_cache.WinnerCache(
+    _triton_cache.DiskCache("jax_triton (JAX_TRITON_AUTOTUNE_DIR)", _cache_dir), subdir=""
+)
 
 
-def lookup_winner(key: str) -> int | None:
+def lookup_winner(key: str, num_configs: int | None = None) -> int | None:
     """The recorded winning config index for ``key`` (memory, then disk)."""
-    flush_records()
-    with _lock:
-        if key in _winners:
-            return _winners[key]
-    path = _cache_dir() / f"{key}.json"
-    try:
-        chosen = int(json.loads(path.read_text())["chosen"])
-    except (OSError, ValueError, KeyError):
-        return None
-    with _lock:
-        _winners[key] = chosen
-    return chosen
+    return WINNERS.lookup(key, num_configs)
 
 
 def expect_tuning(key: str) -> None:
-    with _lock:
-        _pending.add(key)
+    WINNERS.expect(key)
 
 
 def record_winner(key: str, chosen: int, times_ms=()) -> None:
-    with _lock:
-        _winners[key] = chosen
-    try:
-        d = _cache_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f"{key}.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({"chosen": chosen, "times_ms": list(times_ms)}))
-        tmp.replace(d / f"{key}.json")  # atomic: concurrent processes are safe
-    except OSError:
-        pass  # a read-only home only loses the cross-process cache
+    WINNERS.record(key, chosen, times_ms)
 
 
-def flush_records() -> None:
-    """Moves new runtime tuning results into the caches."""
-    global _seen_records
-    records = jkr.tune_records()
-    with _lock:
-        new, _seen_records = records[_seen_records:], len(records)
-    for key, _device, chosen, times in new:
-        if key:
-            record_winner(key, chosen, times)
+flush_records = _triton_cache.flush_records

@@ -1,4 +1,6 @@
-"""Compiling a bound kernel with the pinned Triton for a CUDA target.
+"""Compiling a bound kernel with the pinned Triton for a CUDA target,
+through jax_kernel_runtime's shared ``compile_triton`` (deterministic cubins:
+the same kernel gives the same image, hence the same HLO, on every machine).
 
 Two cache levels: an in-process dict (so re-lowering is free) and Triton's own
 on-disk cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), which we
@@ -11,8 +13,9 @@ import dataclasses
 import threading
 
 import jax_kernel_runtime as jkr
+from jax_kernel_runtime import _triton_compile
 from jax_triton._src.signature import BoundCall
-from jax_triton._src.triton_compat import ASTSource, GPUTarget, JITFunction, triton
+from jax_triton._src.triton_compat import ASTSource, JITFunction
 
 
 class TritonCompilationError(RuntimeError):
@@ -57,11 +60,9 @@ def compile_kernel(
         hit = _cache.get(key)
     if hit is not None:
         return hit
-    jkr.prepare_triton()  # memoized Triton cache key; waits for the one started at import
     src = ASTSource(fn, bound.signature(), constexprs=bound.constexprs(), attrs=bound.attrs())
-    target = GPUTarget("cuda", compute_capability, 32)
     try:
-        compiled = triton.compile(src, target=target, options=options.as_dict())
+        compiled = _triton_compile.compile_triton(src, compute_capability, options.as_dict())
     except Exception as e:  # Triton raises CompilationError and plain errors
         raise TritonCompilationError(
             f"Triton failed to compile kernel {bound.kernel_name!r} for "

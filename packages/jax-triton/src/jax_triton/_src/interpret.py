@@ -2,16 +2,18 @@
 
 The kernel runs inside a ``jax.pure_callback``: the callback receives the
 inputs as numpy arrays, allocates the outputs, points the kernel's pointer
-parameters at host memory and executes every program of the grid with Triton's
-interpreter (no torch, no GPU).
+parameters at host memory and executes every program of the grid with
+jax_kernel_runtime's patched Triton interpreter (no torch, no GPU): the same
+one pallas-gpu uses, under the same lock, with bounds checks on every load,
+store and atomic.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from jax_kernel_runtime import _triton_interpret
 from jax_triton._src.signature import BoundCall
-from jax_triton._src.triton_compat import interpret
 
 
 def run_on_host(
@@ -21,6 +23,7 @@ def run_on_host(
     out_avals,
     input_output_aliases: dict[int, int],
     inputs,
+    debug: bool = False,
 ):
     """Executes the kernel on host copies of ``inputs``; returns the outputs.
 
@@ -37,14 +40,13 @@ def run_on_host(
     kwargs, constexprs = {}, set()
     for p in bound.params:
         if p.kind == "buffer":
-            arr = operands[p.operand]
-            # A zero-size array still needs a valid address for the kernel.
-            addr = arr.ctypes.data if arr.size else np.zeros(1, arr.dtype).ctypes.data
-            kwargs[p.name] = (p.type, addr)
+            kwargs[p.name] = _triton_interpret.Pointer(p.type, operands[p.operand])
         elif p.kind == "constexpr":
             kwargs[p.name] = p.value
             constexprs.add(p.name)
         else:
             kwargs[p.name] = p.value
-    interpret(fn.fn, grid, kwargs, constexprs)
+    _triton_interpret.interpret(
+        fn.fn, grid, kwargs, name=f"triton_call {bound.kernel_name!r}", constexprs=constexprs, debug=debug
+    )
     return tuple(outputs)

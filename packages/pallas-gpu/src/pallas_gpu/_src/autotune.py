@@ -20,12 +20,8 @@ tuned function), the configs, the argument shapes and dtypes and the device.
 
 from __future__ import annotations
 
-import atexit
 import functools
-import hashlib
 import inspect
-import json
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,85 +30,41 @@ from typing import Any
 import jax
 import numpy as np
 
-import jax_kernel_runtime as jkr
+from jax_kernel_runtime import _triton_cache
 
-_lock = threading.Lock()
-_winners: dict[str, int] = {}
-_pending: set[str] = set()  # tune keys handed to the runtime, not yet recorded
-_seen_records = 0
-
-
-def _compiler():
-    # Imported on use: ``import pallas_gpu`` stays free of Triton.
-    from pallas_gpu._src import compiler
-
-    return compiler
+# The winner cache is the shared one of jax_kernel_runtime, in pallas-gpu's
+# cache directory (``compiler.DISK``, created on first use).
+_winner_cache: _triton_cache.WinnerCache | None = None
 
 
-def _path(key: str) -> str:
-    return os.path.join(_compiler().cache_dir(), "autotune", key + ".json")
+def winners() -> _triton_cache.WinnerCache:
+    global _winner_cache
+    if _winner_cache is None:
+        # Imported on use: ``import pallas_gpu`` stays free of Triton.
+        from pallas_gpu._src import compiler
+
+        _winner_cache = _triton_cache.WinnerCache(compiler.DISK, "autotune")
+    return _winner_cache
 
 
-def lookup_winner(key: str) -> int | None:
-    """The recorded winning config index for ``key`` (memory, then disk)."""
-    flush_records()
-    with _lock:
-        if key in _winners:
-            return _winners[key]
-    if not _compiler().disk_cache_enabled():
-        return None
-    try:
-        with open(_path(key)) as f:
-            chosen = int(json.load(f)["chosen"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    with _lock:
-        _winners[key] = chosen
-    return chosen
+def lookup_winner(key: str, num_configs: int | None = None) -> int | None:
+    """The recorded winning config index for ``key`` (memory, then disk);
+    None if none is recorded in ``range(num_configs)``."""
+    return winners().lookup(key, num_configs)
 
 
 def record_winner(key: str, chosen: int, times_ms: Sequence[float] = ()) -> None:
-    with _lock:
-        _winners[key] = chosen
-        _pending.discard(key)
-    if not _compiler().disk_cache_enabled():
-        return
-    data = json.dumps({"chosen": chosen, "times_ms": [float(t) for t in times_ms]}).encode()
-    try:
-        _compiler().write_atomically(_path(key), data)
-    except OSError:
-        pass  # a read-only home only loses the cross-process cache
+    winners().record(key, chosen, times_ms)
 
 
 def expect_tuning(key: str) -> None:
     """``key`` was passed to the runtime as a ``tune_key``; its result is
     recorded by the next ``flush_records``."""
-    with _lock:
-        _pending.add(key)
+    winners().expect(key)
 
 
-def flush_records() -> None:
-    """Moves the runtime's new tuning results for our keys into the caches."""
-    global _seen_records
-    with _lock:
-        if not _pending:
-            return
-
-    records = jkr.tune_records()
-    with _lock:
-        new, _seen_records = records[_seen_records:], len(records)
-        ours = [r for r in new if r[0] in _pending]
-    for key, _device, chosen, times in ours:
-        record_winner(key, chosen, times)
-
-
-# The runtime tunes at the first execution, after lowering: a process that
-# runs a tuned call once and exits records it here.
-atexit.register(flush_records)
-
-
-def sha256(*parts: Any) -> str:
-    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()
+flush_records = _triton_cache.flush_records
+sha256 = _triton_cache.sha256
 
 
 # ---------------------------------------------------------------------------
@@ -201,12 +153,12 @@ class Autotuned:
         if self.timer is None and not _on_gpu():
             return 0  # CPU / interpret mode: timings would say nothing about a GPU
         key = self.tune_key(*args, **kwargs)
-        winner = lookup_winner(key)
-        if winner is not None and 0 <= winner < len(self.configs):
+        winner = lookup_winner(key, len(self.configs))
+        if winner is not None:
             return winner
         with self._lock:
-            winner = lookup_winner(key)
-            if winner is None or not 0 <= winner < len(self.configs):
+            winner = lookup_winner(key, len(self.configs))
+            if winner is None:
                 winner = self._tune(key, args, kwargs)
         return winner
 

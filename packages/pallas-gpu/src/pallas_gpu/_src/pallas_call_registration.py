@@ -11,11 +11,9 @@ The kernel is lowered to Triton source once per (jaxpr, grid mapping); then
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
-import threading
 import weakref
 from typing import Any
 
@@ -24,6 +22,8 @@ import numpy as np
 from jax.interpreters import mlir
 
 import jax_kernel_runtime as jkr
+from jax_kernel_runtime._triton_interpret import Pointer
+from jax_kernel_runtime._triton_interpret import interpret as interpret_kernel
 from pallas_gpu._src import autotune, compiler
 from pallas_gpu._src.core import CompilerParams, InterpretParams
 from pallas_gpu._src.lowering import LoweredKernel, lower_kernel
@@ -171,43 +171,6 @@ def _gpu_call(*args, lk: LoweredKernel, gm, aliases, cps, cc, device):
 # Triton's interpreter
 
 
-class _HostBuffer:
-    """What Triton's interpreter needs of a tensor argument (it expects
-    torch tensors): a data pointer, a dtype, and storage methods that keep
-    the data where it is."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-        self.dtype = array.dtype
-
-    def data_ptr(self) -> int:
-        return self.array.ctypes.data
-
-    def untyped_storage(self):
-        return self
-
-    def cpu(self):
-        return self
-
-    def new_empty(self, *args, **kwargs):
-        return self
-
-    def set_(self, *args):
-        return self
-
-    def copy_(self, other):
-        return self
-
-    def storage_offset(self) -> int:
-        return 0
-
-    def size(self):
-        return self.array.shape
-
-    def stride(self):
-        return self.array.strides
-
-
 def _uninitialized(shape, dtype, mode: str) -> np.ndarray:
     dtype = np.dtype(dtype)
     if mode == "zero":
@@ -217,34 +180,6 @@ def _uninitialized(shape, dtype, mode: str) -> np.ndarray:
     if np.issubdtype(dtype, np.integer):
         return np.full(shape, np.iinfo(dtype).min, dtype)
     return np.zeros(shape, dtype)
-
-
-_interpreter_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _gpu_rounding_in_interpreter():
-    """Makes Triton's interpreter round fp32 -> bf16 to nearest even, as the
-    GPU does (Triton 3.6's interpreter truncates), while our kernel runs."""
-    from triton.runtime import interpreter as interp
-
-    original = interp.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == interp.tl.float32 and dst_type.scalar == interp.tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, np.float32).view(np.uint32)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            return interp.TensorHandle(
-                np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded), dst_type.scalar
-            )
-        return original(self, src, dst_type)
-
-    with _interpreter_lock:
-        interp.InterpreterBuilder.cast_impl = cast_impl
-        try:
-            yield
-        finally:
-            interp.InterpreterBuilder.cast_impl = original
 
 
 def run_interpreted(lk: LoweredKernel, gm, aliases, params: InterpretParams, *arrays):
@@ -258,9 +193,11 @@ def run_interpreted(lk: LoweredKernel, gm, aliases, params: InterpretParams, *ar
             ins[alias_of[o]] if o in alias_of else _uninitialized(a.shape, a.dtype, params.uninitialized)
         )
     if math.prod(gm.grid) > 0:
-        bufs = [_HostBuffer(x.view(np.int8) if x.dtype == np.bool_ else x) for x in ins + outs]
-        with _gpu_rounding_in_interpreter():
-            fn[lk.launch_grid](*bufs)
+        # jax_kernel_runtime's interpreter: shared with jax-triton (one lock),
+        # with bounds checks on every memory access and GPU bf16 rounding.
+        bufs = [x.view(np.int8) if x.dtype == np.bool_ else x for x in ins + outs]
+        args = {n: Pointer(t, b) for n, t, b in zip(fn.arg_names, lk.signature, bufs, strict=True)}
+        interpret_kernel(fn.fn, lk.launch_grid, args, name=where(gm))
     return tuple(outs)
 
 

@@ -1,0 +1,133 @@
+"""Generated Triton source -> module, and ``triton.compile`` with
+deterministic output, for pallas-gpu and jax-triton.
+
+Deterministic: two fresh compiles of the same kernel give the same cubin, so
+the lowered HLO (which holds it) is the same on every machine and in every
+cache directory. Two things made them differ: the path of the generated
+source (it was a file in the cache directory) and the mtime and size of the
+source file, which ``ptxas`` reads for the debug line table. Generated
+modules therefore get a fixed file name with no directory (their text is
+served from ``linecache``, not read from disk), and the PTX handed to
+``ptxas`` states timestamp and size 0 for every ``.file``, so line info stays
+(names and line numbers) without anything of the machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import linecache
+import re
+import threading
+import types
+from typing import Any
+
+from jax_kernel_runtime._triton import prepare_triton
+from jax_kernel_runtime._triton_cache import DiskCache
+
+_modules: dict[str, types.ModuleType] = {}
+_modules_lock = threading.Lock()
+
+
+def load_source(prefix: str, source: str, disk: DiskCache | None = None) -> types.ModuleType:
+    """Executes generated ``source`` as module ``<prefix>_<digest>``.
+
+    The text comes from memory; a copy goes to ``<disk>/src/`` for people to
+    read, checked against its digest on every load (an edited or truncated
+    copy is rewritten, never run).
+    """
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    name = f"{prefix}_{digest[:20]}"
+    with _modules_lock:
+        module = _modules.get(name)
+        if module is not None:
+            return module
+        if disk is not None:
+            data = disk.read("src", name + ".py")
+            if data is None or hashlib.sha256(data).hexdigest() != digest:
+                disk.write(source.encode(), "src", name + ".py")
+        filename = name + ".py"  # no directory: it would end up in the cubin
+        lines = source.splitlines(keepends=True)
+        linecache.cache[filename] = (len(source), None, lines, filename)  # mtime None: never evicted
+        module = types.ModuleType(name)
+        module.__file__ = filename
+        exec(compile(source, filename, "exec"), module.__dict__)
+        _modules[name] = module
+        return module
+
+
+def clear_modules() -> None:
+    with _modules_lock:
+        _modules.clear()
+
+
+# ---------------------------------------------------------------------------
+# triton.compile with a stable PTX
+
+_FILE_DIRECTIVE = re.compile(r'^(\s*\.file\s+\d+\s+"(?:[^"\\]|\\.)*")\s*$', re.MULTILINE)
+_STABLE_ENV = ("JAX_KERNEL_RUNTIME_STABLE_PTX", "1")  # keeps our cubins apart in Triton's cache
+_hook_state = threading.local()
+_installed_hook: Any = None
+_hook_lock = threading.Lock()
+
+
+def stable_ptx(ptx: str) -> str:
+    """``ptx`` with timestamp and size 0 on each ``.file`` directive that has
+    none, so ``ptxas`` does not read them from the file system."""
+    return _FILE_DIRECTIVE.sub(r"\1, 0, 0", ptx)
+
+
+def _install_stage_hook() -> None:
+    """Chains our hook in front of whatever ``add_stages_inspection_hook``
+    holds; it acts only inside ``compile_triton`` (a thread-local flag)."""
+    global _installed_hook
+    from triton import knobs
+
+    with _hook_lock:
+        current = knobs.runtime.add_stages_inspection_hook
+        if current is not None and current is _installed_hook:
+            return
+        previous = current
+
+        def hook(backend, stages, options, language, capability):
+            if previous is not None:
+                previous(backend, stages, options, language, capability)
+            if getattr(_hook_state, "active", False) and "ptx" in stages:
+                make_ptx = stages["ptx"]
+                stages["ptx"] = lambda src, metadata: stable_ptx(make_ptx(src, metadata))
+
+        knobs.runtime.add_stages_inspection_hook = hook
+        _installed_hook = hook
+
+
+def compile_triton(src: Any, cc: int, options: dict[str, Any]) -> Any:
+    """``triton.compile(src)`` for ``sm_{cc}`` (works without a GPU), with a
+    stable PTX. Returns Triton's ``CompiledKernel``."""
+    prepare_triton()  # waits for the background import started by the packages
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    _install_stage_hook()
+    kwargs: dict[str, Any] = {}
+    if "_env_vars" in inspect.signature(triton.compile).parameters:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+
+        kwargs["_env_vars"] = {**get_cache_invalidating_env_vars(), _STABLE_ENV[0]: _STABLE_ENV[1]}
+    _hook_state.active = True
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(options), **kwargs)
+    finally:
+        _hook_state.active = False
+
+
+def triton_versions(*dists: str) -> str:
+    """``"triton 3.6.0; <dist> <version>..."``: part of every cache key."""
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "unknown"
+
+    return "; ".join(f"{d} {version(d)}" for d in ("triton", "jax-kernel-runtime", *dists))

@@ -1,0 +1,199 @@
+"""Running a ``@triton.jit`` kernel on host memory with Triton's interpreter,
+for pallas-gpu (``interpret=plgpu.InterpretParams()``) and jax-triton (CPU).
+
+Triton's interpreter keeps the current program id and its language patches
+in module globals, so one kernel runs at a time in a process: ``interpret``
+holds the one lock, whichever package calls it. While a kernel runs, the
+interpreter is patched:
+
+* bounds: every masked-in pointer of a load, store or atomic must lie inside
+  one of the kernel's argument buffers; otherwise ``OutOfBoundsError`` names
+  the kernel, the program, the argument nearest the pointer and the offset
+  (the interpreter itself dereferences raw addresses: a bad index would
+  crash the process or silently read or corrupt host memory);
+* bf16: arithmetic, ``tl.dot`` and fp32 -> bf16 casts compute on values and
+  round to nearest even, as the GPU does (Triton 3.6 works on the raw
+  ``uint16`` storage and truncates);
+* NumPy >= 2.5: scalar tensors convert to Python ints through their element;
+* nested ``@triton.jit`` calls run interpreted, and the patches are undone
+  afterwards, so later GPU compiles see the real ``triton.language``.
+
+A launch that takes longer than ``JAX_KERNEL_RUNTIME_INTERPRET_PROGRESS_S``
+seconds (default 5) prints its progress to stderr (programs done / total).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+from typing import Any, NamedTuple
+
+import numpy as np
+
+_lock = threading.Lock()  # THE interpreter lock of the process
+_bounds: _Bounds | None = None  # the running kernel's buffers (under _lock)
+
+
+class Pointer(NamedTuple):
+    """A pointer argument: Triton's type (``"*fp32"``) and the host array."""
+
+    type: str
+    array: np.ndarray
+
+
+class OutOfBoundsError(IndexError):
+    """An interpreted kernel accessed memory outside its argument buffers."""
+
+
+class _Bounds:
+    def __init__(self, kernel: str, buffers: list[tuple[str, int, int, np.dtype]]):
+        self.kernel = kernel
+        self.buffers = buffers  # (argument name, start address, bytes, dtype)
+        spans = sorted((start, start + n) for _, start, n, _ in buffers if n > 0)
+        merged: list[list[int]] = []
+        for lo, hi in spans:
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.starts = np.array([lo for lo, _ in merged], np.uint64)
+        self.lengths = np.array([hi - lo for lo, hi in merged], np.uint64)
+        self.program = (0, 0, 0)
+
+    def check(self, what: str, ptrs: np.ndarray, mask: np.ndarray | None, elem_bytes: int) -> None:
+        p = np.asarray(ptrs, np.uint64)
+        if mask is not None:
+            p = p[np.broadcast_to(np.asarray(mask, bool), p.shape)]
+        p = p.reshape(-1)
+        if p.size == 0:
+            return
+        if self.starts.size == 0:
+            ok = np.zeros(p.shape, bool)
+        else:
+            idx = np.searchsorted(self.starts, p, side="right").astype(np.int64) - 1
+            i = np.maximum(idx, 0)
+            off = p - self.starts[i]  # meaningful where idx >= 0 (p >= start)
+            room = np.where(off < self.lengths[i], self.lengths[i] - off, np.uint64(0))
+            ok = (idx >= 0) & (room >= np.uint64(elem_bytes))
+        if ok.all():
+            return
+        bad = p[~ok]
+        raise OutOfBoundsError(self._message(what, int(bad[0]), int(bad.size), int(p.size), elem_bytes))
+
+    def _message(self, what: str, ptr: int, n_bad: int, n: int, elem_bytes: int) -> str:
+        def distance(b):
+            _, start, nbytes, _ = b
+            return start - ptr if ptr < start else max(0, ptr + elem_bytes - (start + nbytes))
+
+        head = f"{self.kernel}, program {self.program}: a {what} "
+        if not self.buffers:
+            return head + f"accesses address {ptr:#x}, but the kernel has no pointer arguments"
+        name, start, nbytes, dtype = min(self.buffers, key=distance)
+        byte_off = ptr - start
+        elems = nbytes // dtype.itemsize if dtype.itemsize else 0
+        where = (
+            f"element offset {byte_off // elem_bytes}"
+            if byte_off % elem_bytes == 0
+            else f"byte offset {byte_off}"
+        )
+        return (
+            head + f"is out of bounds: {n_bad} of its {n} masked-in pointers lie outside every argument "
+            f"buffer; the first is at {where} from argument {name!r} (the nearest buffer: "
+            f"{elems} x {dtype.name} = {nbytes} bytes, valid element offsets 0..{elems - 1}). On a "
+            "GPU this reads or corrupts unrelated memory. Mask the access (e.g. "
+            "mask=offsets < n) or fix the index computation."
+        )
+
+
+def _progress_seconds() -> float:
+    try:
+        return float(os.environ.get("JAX_KERNEL_RUNTIME_INTERPRET_PROGRESS_S", "5"))
+    except ValueError:
+        return 5.0
+
+
+def interpret(fn: Any, grid: tuple[int, int, int], args: dict[str, Any], *, name: str,
+              constexprs: frozenset[str] | set[str] = frozenset(), debug: bool = False) -> None:  # fmt: skip
+    """Runs the Python function ``fn`` of a ``@triton.jit`` kernel (its
+    ``.fn``) on the host, for every program of ``grid``.
+
+    ``args`` maps every kernel parameter to a ``Pointer`` (into a host array,
+    which the kernel reads and writes in place), a Python scalar, or, for
+    names in ``constexprs``, the constexpr value. ``name`` names the kernel
+    in errors and progress lines. ``debug`` turns ``tl.device_assert`` on, as
+    Triton's ``debug=True`` does on the GPU (its interpreter never sets it).
+    """
+    global _bounds
+    from jax_kernel_runtime import _triton_patches as patches
+
+    with _lock:
+        interp = patches.interpreter()
+        rewritten = interp.InterpretedFunction(fn).rewrite()
+        call_args, buffers, keep = {}, [], []
+        for arg_name, value in args.items():
+            if arg_name in constexprs:
+                call_args[arg_name] = value
+            elif isinstance(value, Pointer):
+                arr = value.array
+                # A zero-size array still needs a valid address for the kernel.
+                target = arr if arr.size else np.zeros(1, arr.dtype)
+                keep.append(target)
+                addr = target.ctypes.data
+                buffers.append((arg_name, addr, arr.nbytes, arr.dtype))
+                call_args[arg_name] = patches.pointer_arg(value.type, addr)
+            else:
+                call_args[arg_name] = interp._implicit_cvt(value)
+        _bounds = _Bounds(name, buffers)
+        scope = patches.apply(fn)
+        builder = interp.interpreter_builder
+        scope[0].set_attr(builder, "options", dataclasses.replace(builder.options, debug=debug))
+        try:
+            _run_grid(rewritten, grid, call_args, name, interp)
+        finally:
+            patches.restore(scope)
+            _bounds = None
+
+
+def _run_grid(rewritten, grid, call_args, name: str, interp) -> None:
+    interp.interpreter_builder.set_grid_dim(*grid)
+    total = grid[0] * grid[1] * grid[2]
+    every = _progress_seconds()
+    start = time.monotonic()
+    next_report = start + every
+    done = 0
+    reported = False
+    for x in range(grid[0]):
+        for y in range(grid[1]):
+            for z in range(grid[2]):
+                interp.interpreter_builder.set_grid_idx(x, y, z)
+                _bounds.program = (x, y, z)
+                rewritten(**call_args)
+                done += 1
+                now = time.monotonic()
+                if now >= next_report and done < total:
+                    _report(name, done, total, now - start)
+                    reported = True
+                    next_report = now + max(every, 1.0)
+    if reported:
+        _report(name, done, total, time.monotonic() - start)
+
+
+def _report(name: str, done: int, total: int, elapsed: float) -> None:
+    left = elapsed / done * (total - done)
+    tail = "done" if done == total else f"about {left:.0f} s left"
+    print(
+        f"[jax_kernel_runtime] interpreting {name} on the CPU: "
+        f"{done}/{total} programs done in {elapsed:.1f} s, {tail} "
+        "(Triton's interpreter runs one program at a time; use a smaller grid to go faster)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def check_access(what: str, ptrs: np.ndarray, mask: np.ndarray | None, elem_bytes: int) -> None:
+    """Called by the patched memory operations; raises ``OutOfBoundsError``."""
+    if _bounds is not None:
+        _bounds.check(what, ptrs, mask, elem_bytes)

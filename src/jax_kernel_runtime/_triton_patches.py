@@ -1,0 +1,187 @@
+"""The patches ``_triton_interpret`` applies to Triton's interpreter while a
+kernel runs (see that module), in one place: a Triton release that changes
+the interpreter breaks this file only."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from jax_kernel_runtime import _triton_interpret
+
+_COMPARISONS = (np.less, np.less_equal, np.greater, np.greater_equal, np.equal, np.not_equal)
+
+
+@functools.cache
+def interpreter():
+    from triton.runtime import interpreter
+
+    return interpreter
+
+
+def pointer_arg(signature_type: str, address: int):
+    import triton.language as tl
+
+    interp = interpreter()
+    ty = tl.str_to_ty(signature_type, None)
+    return tl.tensor(interp.TensorHandle(np.array([address], dtype=np.uint64), ty), ty)
+
+
+def _elem_bytes(ptrs) -> int:
+    return max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+
+
+def _mask_of(mask) -> np.ndarray | None:
+    return None if mask is None else mask.data
+
+
+@functools.cache
+def _originals() -> dict[str, Any]:
+    b = interpreter().InterpreterBuilder
+    names = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas",
+             "create_dot", "binary_op", "cast_impl")  # fmt: skip
+    return {n: getattr(b, n) for n in names}
+
+
+def _masked_load(self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile):
+    _triton_interpret.check_access("load", ptrs.data, _mask_of(mask), _elem_bytes(ptrs))
+    return _originals()["create_masked_load"](
+        self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile
+    )
+
+
+def _masked_store(self, ptrs, value, mask, cache_modifier, eviction_policy):
+    _triton_interpret.check_access("store", ptrs.data, _mask_of(mask), _elem_bytes(ptrs))
+    return _originals()["create_masked_store"](self, ptrs, value, mask, cache_modifier, eviction_policy)
+
+
+def _atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):
+    _triton_interpret.check_access("atomic", ptr.data, _mask_of(mask), _elem_bytes(ptr))
+    return _originals()["create_atomic_rmw"](self, rmw_op, ptr, val, mask, sem, scope)
+
+
+def _atomic_cas(self, ptr, cmp, val, sem, scope):
+    _triton_interpret.check_access("atomic_cas", ptr.data, None, _elem_bytes(ptr))
+    return _originals()["create_atomic_cas"](self, ptr, cmp, val, sem, scope)
+
+
+# ---------------------------------------------------------------------------
+# bf16 on values, rounded as on the GPU
+
+
+def _bf16_to_fp32(data: np.ndarray) -> np.ndarray:
+    return (data.astype(np.uint32) << 16).view(np.float32)  # exact
+
+
+def _fp32_to_bf16(data: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(data, np.float32).view(np.uint32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+    return np.where(np.isnan(data), 0x7FC0, rounded).astype(np.uint16)
+
+
+def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """``create_dot`` that widens bf16 operands to fp32 (exact) first: Triton
+    3.6 multiplies the raw ``uint16`` bits as integers."""
+    import triton.language as tl
+
+    interp = interpreter()
+    ops = []
+    for t in (a, b):
+        if t.dtype.scalar == tl.bfloat16:
+            t = interp.TensorHandle(_bf16_to_fp32(t.data), tl.float32)
+        ops.append(t)
+    return _originals()["create_dot"](self, ops[0], ops[1], d, input_precision, max_num_imprecise_acc)
+
+
+def _binary_op(self, lhs, rhs, op):
+    """bf16 arithmetic in fp32, rounded back to bf16 (Triton 3.6 applies
+    numpy ops to the ``uint16`` storage)."""
+    import triton.language as tl
+
+    original = _originals()["binary_op"]
+    if lhs.dtype.scalar != tl.bfloat16:
+        return original(self, lhs, rhs, op)
+    interp = interpreter()
+    out = original(
+        self,
+        interp.TensorHandle(_bf16_to_fp32(lhs.data), tl.float32),
+        interp.TensorHandle(_bf16_to_fp32(rhs.data), tl.float32),
+        op,
+    )
+    if op in _COMPARISONS:
+        return out
+    return interp.TensorHandle(_fp32_to_bf16(out.data), tl.bfloat16)
+
+
+def _cast(self, src, dst_type):
+    """fp32 -> bf16 rounds to nearest even (Triton 3.6 truncates)."""
+    import triton.language as tl
+
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        return interpreter().TensorHandle(_fp32_to_bf16(src.data), tl.bfloat16)
+    return _originals()["cast_impl"](self, src, dst_type)
+
+
+_BUILDER_PATCHES = {
+    "create_masked_load": _masked_load,
+    "create_masked_store": _masked_store,
+    "create_atomic_rmw": _atomic_rmw,
+    "create_atomic_cas": _atomic_cas,
+    "create_dot": _dot,
+    "binary_op": _binary_op,
+    "cast_impl": _cast,
+}
+
+
+# ---------------------------------------------------------------------------
+# Nested @jit calls and NumPy >= 2.5
+
+
+def _call_jit_function_interpreted(self, *args, **kwargs):
+    """Stands in for ``JITFunction.__call__`` while a kernel is interpreted:
+    a nested ``@triton.jit`` call (``tl.max`` and other library helpers
+    too) runs interpreted, and its language patch is undone afterwards."""
+    interp = interpreter()
+    scope = interp._patch_lang(self.fn)
+    try:
+        return interp.InterpretedFunction(self.fn).rewrite()(*args, **kwargs)
+    finally:
+        scope.restore()
+
+
+def _as_scalar(t):
+    return t.handle.data.reshape(-1)[0]
+
+
+def apply(fn) -> Any:
+    """Patches the language for ``fn`` and the interpreter; returns what
+    ``restore`` undoes."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    interp = interpreter()
+    scope = interp._patch_lang(fn)
+    # NumPy 2.5 removed int() of arrays with ndim > 0, which the interpreter
+    # uses on scalar tensors (shape (1,)): convert through the element.
+    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(_as_scalar(self)))
+    scope.set_attr(
+        tl.core.tensor,
+        "__bool__",
+        lambda self: bool(_as_scalar(self)) if self.handle.data.size == 1 else True,
+    )
+    _originals()
+    for name, patched in _BUILDER_PATCHES.items():
+        scope.set_attr(interp.InterpreterBuilder, name, patched)
+    original_call = JITFunction.__call__
+    JITFunction.__call__ = _call_jit_function_interpreted
+    return scope, original_call
+
+
+def restore(state) -> None:
+    from triton.runtime.jit import JITFunction
+
+    scope, original_call = state
+    JITFunction.__call__ = original_call
+    scope.restore()

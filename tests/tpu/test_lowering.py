@@ -458,3 +458,83 @@ def test_dimension_semantics_rank_mismatch():
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
     )
     assert "dimension_semantics has 2 entries for a grid of rank 1" in msg
+
+
+# ---------------------------------------------------------------------------
+# TPU ops with side effects, PRNG, named grids
+
+
+def _one_kernel(kernel, *shapes, out=(8, 128), **kw):
+    fn = lambda *xs: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out, jnp.float32), **kw)(*xs)
+    [m] = ours(fn, *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
+    return m
+
+
+def test_prng_delay_debug_print():
+    def kernel(o_ref):
+        pltpu.prng_seed(pl.program_id(0), 7)
+        bits = pltpu.prng_random_bits((8, 128))
+        pl.delay(100)
+        pl.debug_print("step {} of {}", pl.program_id(0), 2)
+        pl.debug_print("no placeholders")
+        o_ref[...] = bits.astype(jnp.float32)
+
+    m = _one_kernel(kernel, grid=(2,), out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)))
+    s = str(m)
+    assert "tpu.prng_set_seed_32" in s and "tpu.prng_random_bits" in s and "tpu.delay" in s
+    assert 'tpu.log %arg0, %c2_i32 {formatted = true, tag = "step $s0 of $s1"}' in s or "step $s0 of $s1" in s
+    assert "no placeholders" in s
+
+
+def test_debug_print_of_an_array_is_an_error():
+    def print_array(x_ref, o_ref):
+        pl.debug_print("x: {}", x_ref[...])
+        o_ref[...] = x_ref[...]
+
+    msg = _lowering_error(print_array, (8, 128))
+    assert "lowering 'debug_print'" in msg and "print scalars" in msg
+
+
+def test_concatenate_bool_reductions_bitcast():
+    def kernel(x_ref, o_ref):
+        x = x_ref[...]
+        both = jnp.concatenate([x[:, :64], x[:, 64:]], axis=1)
+        anyp = jnp.any(x > 0, axis=0, keepdims=True)
+        allp = jnp.all(x > -10, axis=1, keepdims=True)
+        bits = pltpu.bitcast(x, jnp.int32)
+        o_ref[...] = both + anyp.astype(jnp.float32) + allp.astype(jnp.float32) + bits.astype(jnp.float32)
+
+    s = ops(_one_kernel(kernel, (8, 128)))
+    assert "tpu.concatenate" in s and "tpu.bitcast" in s
+    assert s.count("vector.multi_reduction") == 2
+
+
+def test_named_grid_and_barrier_semaphore():
+    mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
+
+    @pl.kernel(
+        out_type=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        mesh=mesh,
+        compiler_params=pltpu.CompilerParams(collective_id=0),
+    )
+    def body(x_hbm, o_hbm):
+        c = lax.axis_index("core")
+        sem = pltpu.get_barrier_semaphore()
+        pl.semaphore_signal(sem, 1)
+        pl.semaphore_wait(sem, 1)
+        pltpu.sync_copy(x_hbm.at[pl.ds(c * 8, 8)], o_hbm.at[pl.ds(c * 8, 8)])
+
+    [m] = ours(body, jax.ShapeDtypeStruct((16, 128), jnp.float32))
+    k = funcs(m)["body"]
+    assert str(k.attributes["dimension_semantics"]) == "[#tpu.dimension_semantics<core_parallel>]"
+    assert str(k.attributes["window_params"]) == "[{}, {}]"  # whole arrays in HBM
+    assert "tpu.sem_barrier" in str(m) and "tpu.enqueue_dma" in str(m)
+
+
+def test_barrier_semaphore_without_collective_id():
+    def uses_barrier(x_ref, o_ref):
+        pl.semaphore_signal(pltpu.get_barrier_semaphore(), 1)
+        o_ref[...] = x_ref[...]
+
+    msg = _lowering_error(uses_barrier, (8, 128))
+    assert "pallas_call 'uses_barrier'" in msg and "pltpu.CompilerParams(collective_id=<int>)" in msg

@@ -91,7 +91,9 @@ def test_binary(name, f, dtype):
     if name == "pow":
         b = jnp.round(b)
     got = run_ours(whole(f), a, b)
-    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(f(a, b), np.float64), rtol=2e-2, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), np.asarray(f(a, b), np.float64), rtol=2e-2, atol=1e-5
+    )
 
 
 def test_shifts():
@@ -100,7 +102,9 @@ def test_shifts():
     for f in (lax.shift_left, lax.shift_right_arithmetic, lax.shift_right_logical):
         np.testing.assert_array_equal(run_ours(whole(f), a, s), f(a, s))
     u = rand(SHAPE, jnp.uint32, 2)
-    np.testing.assert_array_equal(run_ours(whole(lambda x, y: x >> y), u, s.astype(jnp.uint32)), u >> s.astype(jnp.uint32))
+    np.testing.assert_array_equal(
+        run_ours(whole(lambda x, y: x >> y), u, s.astype(jnp.uint32)), u >> s.astype(jnp.uint32)
+    )
 
 
 UNARY_CASES = [
@@ -167,28 +171,50 @@ def test_shapes_reductions_iota_broadcast():
     np.testing.assert_allclose(run_ours(whole(f), x), f(x), rtol=1e-5, atol=1e-3)
 
 
+def test_slice_concatenate_bool_reductions():
+    def f(x):
+        both = jnp.concatenate([x[:, 64:], x[:, :64]], axis=1)
+        anyp = jnp.any(x > 1.0, axis=0, keepdims=True).astype(jnp.float32)
+        allp = jnp.all(x > -1.0, axis=1, keepdims=True).astype(jnp.float32)
+        return both + anyp + allp * 10
+
+    x = rand(SHAPE, jnp.float32, 19)
+    np.testing.assert_allclose(run_ours(whole(f), x), f(x))
+
+
 @pytest.mark.parametrize(
     "dtype",
     [
         jnp.int32,
         pytest.param(
-            jnp.uint32, marks=pytest.mark.xfail(strict=True, reason="run_mosaic: multi_reduction <maxui>/<minui>")
+            jnp.uint32,
+            marks=pytest.mark.xfail(strict=True, reason="run_mosaic: multi_reduction <maxui>/<minui>"),
         ),
     ],
 )
 def test_int_reductions(dtype):
-    f = lambda x: jnp.max(x, axis=0, keepdims=True) - jnp.min(x, axis=0, keepdims=True) + jnp.sum(x, 0, keepdims=True)
+    f = lambda x: (
+        jnp.max(x, axis=0, keepdims=True) - jnp.min(x, axis=0, keepdims=True) + jnp.sum(x, 0, keepdims=True)
+    )
     x = rand(SHAPE, dtype, 7, lo=0)
     np.testing.assert_array_equal(run_ours(whole(f), x), f(x))
 
 
 @pytest.mark.parametrize(
-    "dims", [(((1,), (0,)), ((), ())), (((1,), (1,)), ((), ())), (((0,), (0,)), ((), ()))], ids=["nn", "nt", "tn"]
+    "dims",
+    [(((1,), (0,)), ((), ())), (((1,), (1,)), ((), ())), (((0,), (0,)), ((), ()))],
+    ids=["nn", "nt", "tn"],
 )
 def test_dot_general(dims):
     f = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
     a, b = rand((128, 128), jnp.bfloat16, 8), rand((128, 128), jnp.bfloat16, 9)
     np.testing.assert_allclose(run_ours(whole(f), a, b), f(a, b), rtol=1e-2, atol=1e-2)
+
+
+def test_batched_dot():
+    f = lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32)
+    a, b = rand((2, 16, 128), jnp.float32, 17), rand((2, 128, 128), jnp.float32, 18)
+    np.testing.assert_allclose(run_ours(whole(f), a, b), f(a, b), rtol=1e-4, atol=1e-3)
 
 
 def test_matmul_grid_with_accumulator():

@@ -26,9 +26,11 @@ index-map functions). Conventions:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxlib.mlir import ir
@@ -290,6 +292,17 @@ def lower_jaxpr(kernel: KernelContext, jaxpr, args: Sequence[Any]) -> list[ir.Va
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+def lower_fun(fn: Callable[..., Any], ctx: RuleContext, *args, multiple_results: bool = False, **params):
+    """Lowers a composite op through its ``jnp`` definition ``fn(*args, **params)``
+    (traced on the equation's input avals) and the existing rules."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_in]
+    closed = jax.make_jaxpr(functools.partial(fn, **params))(*avals)
+    if closed.consts:
+        raise NotImplementedError(f"the jnp definition of '{ctx.eqn.primitive.name}' closes over arrays")
+    outs = lower_jaxpr(ctx.kernel, closed.jaxpr, args)
+    return outs if multiple_results else outs[0]
 
 
 def _literal_array(lit) -> ir.Value:

@@ -3,6 +3,7 @@ select, casts, iota and shapes, reductions and ``dot_general``."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jaxlib.mlir import ir
@@ -18,6 +19,7 @@ from pallas_tpu._src.lowering import (
     is_bool,
     is_float,
     is_unsigned,
+    lower_fun,
     register_lowering,
     shape_cast,
 )
@@ -294,9 +296,23 @@ def _transpose(ctx, x, permutation):
     return vector.transpose(aval_type(ctx.avals_out[0]), x, list(permutation))
 
 
-@register_lowering(lax.rev_p)
-def _rev(ctx, x, dimensions):
-    raise NotImplementedError("lax.rev is not supported by Mosaic")
+@register_lowering(lax.slice_p)
+def _slice(ctx, x, start_indices, limit_indices, strides):
+    strides = strides or (1,) * len(start_indices)
+    sizes = [(hi - lo + st - 1) // st for lo, hi, st in zip(start_indices, limit_indices, strides)]
+    return vector.extract_strided_slice(
+        aval_type(ctx.avals_out[0]), x, list(start_indices), sizes, list(strides)
+    )
+
+
+@register_lowering(lax.concatenate_p)
+def _concatenate(ctx, *xs, dimension):
+    return tpu.concatenate(list(xs), dimension)
+
+
+@register_lowering(vp.bitcast_p)
+def _tpu_bitcast(ctx, x, ty=None):
+    return tpu.bitcast(aval_type(ctx.avals_out[0]), x)
 
 
 # ---------------------------------------------------------------------------
@@ -329,23 +345,45 @@ def _reduce(ctx, x, axes, **_):
     return vector.multi_reduction(getattr(vector.CombiningKind, name.upper()), x, acc, list(axes))
 
 
+_PRECISION = {"HIGH": "bf16x3", "HIGHEST": "fp32"}
+
+
+def _any(x, axes):
+    return jnp.max(jnp.where(x, 1.0, 0.0), axis=axes) > 0.0
+
+
+def _all(x, axes):
+    return jnp.min(jnp.where(x, 1.0, 0.0), axis=axes) > 0.0
+
+
+@register_lowering(lax.reduce_or_p, lax.reduce_and_p)
+def _reduce_bool(ctx, x, axes, **_):
+    # Mosaic reduces floats and ints, not i1: reduce 0/1 floats instead.
+    return lower_fun(_any if ctx.eqn.primitive is lax.reduce_or_p else _all, ctx, x, axes=tuple(axes))
+
+
 @register_lowering(lax.dot_general_p)
-def _dot_general(ctx, lhs, rhs, dimension_numbers, preferred_element_type=None, **_):
+def _dot_general(ctx, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
+    """``tpu.matmul``; the result is ordered batch, lhs free, rhs free dims (as lax's)."""
     (lc, rc), (lb, rb) = dimension_numbers
     la, ra = ctx.avals_in
     out = ctx.avals_out[0]
-    if len(la.shape) != 2 or len(ra.shape) != 2 or lb or rb:
+    if any(is_unsigned(a.dtype) for a in (la, ra)):
         raise NotImplementedError(
-            f"dot_general of {la.shape} and {ra.shape} (only 2-D matmuls without batch dims)"
+            "dot_general of unsigned integers: Mosaic's matmul is signed; cast to int32"
         )
-    lnc = [d for d in range(2) if d not in lc]
-    rnc = [d for d in range(2) if d not in rc]
-    order = [x for d in lnc for x in (0, d)] + [x for d in rnc for x in (1, d)]
-    dims = ir.Attribute.parse(
-        f"#tpu.dot_dimension_numbers<{list(lc)}, {list(rc)}, {lnc}, {rnc}, {order}, [], []>"
+    lfree = [d for d in range(len(la.shape)) if d not in (*lc, *lb)]
+    rfree = [d for d in range(len(ra.shape)) if d not in (*rc, *rb)]
+    order = [x for d in (*lb, *lfree) for x in (0, d)] + [x for d in rfree for x in (1, d)]
+    parts = ", ".join(str(list(p)) for p in (lc, rc, lfree, rfree, order, lb, rb))
+    dims = ir.Attribute.parse(f"#tpu.dot_dimension_numbers<{parts}>")
+    prec = precision[0] if isinstance(precision, tuple) else precision
+    name = getattr(prec, "name", None)
+    prec_attr = (
+        ir.Attribute.parse(f"#tpu.contract_precision<{_PRECISION[name]}>") if name in _PRECISION else None
     )
     acc = constant(0, out.shape, out.dtype)
-    return tpu.matmul(aval_type(out), lhs, rhs, acc, False, dimension_numbers=dims)
+    return tpu.matmul(aval_type(out), lhs, rhs, acc, False, dimension_numbers=dims, precision=prec_attr)
 
 
 # ---------------------------------------------------------------------------

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import dataclasses
+import string
 
+import numpy as np
 from jax import lax, tree_util
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import memref, vector
@@ -14,13 +16,16 @@ from jaxlib.mosaic.python import tpu
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src import primitives as tpu_prims
+from pallas_tpu._src import random as tpu_random
 from pallas_tpu._src.lowering import (
     BACKEND,
     as_i32,
     aval_type,
     index,
+    is_bool,
     is_float,
     is_smem,
+    is_unsigned,
     lower_jaxpr,
     ref_type,
     register_lowering,
@@ -201,6 +206,50 @@ def _semaphore_wait(ctx, sem, *rest, sem_tree, decrement):
 @register_lowering(plb.semaphore_read_p)
 def _semaphore_read(ctx, sem, *leaves, sem_tree):
     return tpu.sem_read(view(sem, leaves, sem_tree))
+
+
+@register_lowering(tpu_prims.get_barrier_semaphore_p)
+def _barrier_semaphore(ctx):
+    return tpu.sem_barrier(ref_type(ctx.avals_out[0]))
+
+
+@register_lowering(plb.delay_p)
+def _delay(ctx, nanos):
+    tpu.delay(nanos)
+    return []
+
+
+@register_lowering(tpu_random.prng_seed_p)
+def _prng_seed(ctx, *seeds):
+    tpu.prng_set_seed_32(list(seeds))
+    return []
+
+
+@register_lowering(tpu_random.prng_random_bits_p)
+def _prng_random_bits(ctx, *, shape):
+    if len(shape) < 2:
+        raise NotImplementedError("prng_random_bits needs a shape of rank >= 2 on the TPU")
+    return [tpu.prng_random_bits(aval_type(ctx.avals_out[0]))]
+
+
+@register_lowering(plb.debug_print_p)
+def _debug_print(ctx, *args, fmt, **_):
+    """``tpu.log`` of scalars; ``{}`` placeholders become Mosaic's ``$s0``, ``$f1``..."""
+    if any(a.shape for a in ctx.avals_in):
+        raise NotImplementedError(
+            "pl.debug_print of arrays is not supported in Mosaic kernels; print scalars"
+        )
+    pieces = list(string.Formatter().parse(fmt))
+    formatted = any(field is not None for _, field, _, _ in pieces)
+    if formatted:
+        if any(np.dtype(a.dtype).itemsize != 4 or is_bool(a.dtype) for a in ctx.avals_in):
+            raise TypeError("pl.debug_print with {} placeholders prints 32-bit ints and floats only")
+        spec = ["f" if is_float(a.dtype) else "u" if is_unsigned(a.dtype) else "s" for a in ctx.avals_in]
+        fmt = "".join(
+            t + (f"${spec[i]}{i}" if f is not None else "") for i, (t, f, _, _) in enumerate(pieces)
+        )
+    tpu.log(list(args), fmt, formatted=formatted)
+    return []
 
 
 def _dma_views(ctx, args, layout):

@@ -165,14 +165,22 @@ def lower(
         sink.append(text)
     config = _custom_call_config(cp, cost_estimate, input_output_aliases, params.get("metadata"))
     with ctx.module_context.context, ir.Location.unknown(ctx.module_context.context):
-        return compat.lower_mosaic_to_custom_call(
-            ctx,
-            *args,
-            module=module,
-            out_avals=list(ctx.avals_out),
-            kernel_name=func_name(gm.kernel_name),
-            **config,
-        )
+        try:
+            return compat.lower_mosaic_to_custom_call(
+                ctx,
+                *args,
+                module=module,
+                out_avals=list(ctx.avals_out),
+                kernel_name=func_name(gm.kernel_name),
+                **config,
+            )
+        except ValueError as e:
+            if "collective_id" not in str(e):
+                raise
+            raise LoweringException(
+                f"{_where(gm)}: {e}. A kernel that uses pltpu.get_barrier_semaphore() needs "
+                "compiler_params=pltpu.CompilerParams(collective_id=<int>)"
+            ) from e
 
 
 @contextlib.contextmanager

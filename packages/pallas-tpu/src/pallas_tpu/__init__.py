@@ -31,6 +31,8 @@ from pallas_tpu._src.core import TensorCoreMesh as TensorCoreMesh
 from pallas_tpu._src.core import create_tensorcore_mesh as create_tensorcore_mesh
 from pallas_tpu._src.core import dma_semaphore as dma_semaphore
 from pallas_tpu._src.einshape import einshape as einshape
+from pallas_tpu._src.executor import MosaicError as MosaicError
+from pallas_tpu._src.executor import run_mosaic as run_mosaic
 from pallas_tpu._src.helpers import core_barrier as core_barrier
 from pallas_tpu._src.helpers import run_on_first_core as run_on_first_core
 from pallas_tpu._src.helpers import sync_copy as sync_copy

@@ -156,6 +156,71 @@ def test_0d_array_where_an_unannotated_scalar_is_expected():
         add(x, x, n=jnp.asarray(64, jnp.int32))
 
 
+def test_0d_array_for_a_scalar_when_compiling_for_the_gpu():
+    x = jax.ShapeDtypeStruct((64,), jnp.float32)
+    f = jax.jit(lambda x: add(x, x, n=jnp.asarray(64, jnp.int32), compute_capability=90))
+    with pytest.raises(jt.TritonCompilationError, match=rf"(?s)at {HERE}:\d+: .*\['length'\] got 0-d arrays"):
+        f.trace(x).lower(lowering_platforms=("cuda",))
+
+
+@triton.jit
+def typed_kernel(x_ptr: tl.pointer_type(tl.float32), k: tl.int8, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) * k)
+
+
+@triton.jit
+def flag_kernel(x_ptr, flag: tl.int1, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    tl.store(out_ptr + offs, x * 2 if flag else x)
+
+
+@pytest.mark.parametrize(
+    "args, meta, err, message",
+    [((1.0, 3), {}, TypeError, r"argument 0 \('x_ptr'\) is annotated \*fp32 \(a pointer\) but got the scalar"),
+     ((None, 300), {}, ValueError, r"argument 1 \('k'\) is annotated i8 but got 300, which is not an integer in \[-128, 127\]"),
+     ((None, 2.5), {}, ValueError, r"argument 1 \('k'\) is annotated i8 but got 2.5"),
+     ((None, 3), {"BLOCK": jnp.ones(2)}, TypeError, r"metaparam 'BLOCK' is a tl.constexpr parameter but got an array float32\[2\]"),
+     ((None, 3), {"out_ptr": 1}, TypeError, "has 4 parameters"),
+     ((None, np.longdouble(3)), {}, TypeError, r"argument 1 \('k'\) is a float128 scalar"),
+     ((None, "3"), {}, TypeError, r"argument 1 is str \('3'\); triton_call takes arrays and Python/numpy scalars")],
+)  # fmt: skip
+def test_arguments_that_do_not_fit_their_parameter(args, meta, err, message):
+    x = rand((64,), 21)
+    args = tuple(x if a is None else a for a in args)
+    with pytest.raises(err, match=rf"triton_call 'typed_kernel' at {HERE}:\d+: .*{message}"):
+        jt.triton_call(*args, kernel=typed_kernel, out_shape=x, grid=1, **{"BLOCK": 64, **meta})
+    out = jt.triton_call(x, 3, kernel=typed_kernel, out_shape=x, grid=1, BLOCK=64)
+    np.testing.assert_array_equal(out, x * 3)
+
+
+def test_bool_parameter_annotated_int1_refuses_other_ints():
+    x = rand((64,), 23)
+    with pytest.raises(ValueError, match=r"argument 1 \('flag'\) is annotated u1 \(a bool\) but got 2"):
+        jt.triton_call(x, 2, kernel=flag_kernel, out_shape=x, grid=1, BLOCK=64)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Triton 3.6's interpreter turns a Python bool argument into int32 data typed int1 "
+    "(_implicit_cvt); the fix belongs in jax_kernel_runtime's interpreter",
+)
+@pytest.mark.parametrize("flag", [True, False])
+def test_bool_scalar_in_the_interpreter(flag):
+    x = rand((64,), 24)
+    out = jt.triton_call(x, flag, kernel=flag_kernel, out_shape=x, grid=1, BLOCK=64)
+    np.testing.assert_array_equal(out, x * 2 if flag else x)
+
+
+def test_autotune_configs_with_and_without_programs():
+    configs = [triton.Config({"BLOCK_SIZE": 64}), triton.Config({"BLOCK_SIZE": 128})]
+    kernel = triton.autotune(configs, key=["length"])(add_kernel)
+    x = rand((64,), 22)
+    with pytest.raises(ValueError, match=r"autotune configs give grids \[\(1, 1, 1\), \(0, 1, 1\)\]"):
+        jt.triton_call(x, x, 64, kernel=kernel, out_shape=x, grid=lambda meta: (64 // meta["BLOCK_SIZE"],))
+
+
 def test_0d_array_as_a_pointer_to_one_element():
     x, s = rand((64,), 6), rand((), 7)
     out = jt.triton_call(x, s, kernel=scale_by_ref_kernel, out_shape=x, grid=1, BLOCK=64)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernels import add_kernel
-from test_robustness import add, annotated_kernel, assert_kernel, scale_by_ref_kernel
+from test_robustness import add, annotated_kernel, assert_kernel, flag_kernel, scale_by_ref_kernel
 
 import jax_triton as jt
 
@@ -65,3 +65,10 @@ def test_eager_and_jitted_calls_agree():
     kw = dict(kernel=add_kernel, out_shape=x, grid=(jt.cdiv(x.size, 64),), BLOCK_SIZE=64)
     np.testing.assert_array_equal(jt.triton_call(x, y, x.size, **kw), x + y)
     np.testing.assert_array_equal(jax.jit(lambda a, b: jt.triton_call(a, b, a.size, **kw))(x, y), x + y)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_bool_scalar_on_the_gpu(flag):
+    x = jax.random.normal(jax.random.key(5), (64,))
+    out = jt.triton_call(x, flag, kernel=flag_kernel, out_shape=x, grid=1, BLOCK=64)
+    np.testing.assert_array_equal(out, x * 2 if flag else x)

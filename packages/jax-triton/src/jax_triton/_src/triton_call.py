@@ -245,7 +245,11 @@ def _cuda_lowering(ctx, *args, call: CallSpec):
     limit = _MAX_SHARED.get(cc, 232448)
     compiled = []
     for _i, v in enumerate(call.variants):
-        config, _ = compile_kernel(call.fn, v.bound, v.options, cc, call.debug)
+        try:
+            config, _ = compile_kernel(call.fn, v.bound, v.options, cc, call.debug)
+        except TritonCompilationError as e:
+            hint = frontend.zero_d_hint(v.bound, call.in_avals)
+            raise TritonCompilationError(f"{call.where}: {e}{hint}") from e.__cause__
         if config.shared_memory_bytes > limit:
             if len(call.variants) == 1:
                 raise ValueError(

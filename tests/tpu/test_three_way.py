@@ -222,3 +222,166 @@ def test_multi_device_deadlock_is_an_error(mode):
 
     with pytest.raises(Exception, match="deadlock"):
         jax.block_until_ready(run_sharded(build, x, mode, 4))
+
+
+# -- kernels that exercise the lowering and the executor op by op -------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_matmul_with_vmem_accumulator_and_revisits(mode):
+    x, y = rand(20, (256, 384)), rand(21, (384, 256))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, y_ref, o_ref, acc):
+            @pl.when(pl.program_id(2) == 0)
+            def _():
+                acc[...] = jnp.zeros_like(acc)
+
+            acc[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+            @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+            def _():
+                o_ref[...] = acc[...]
+
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((256, 256), jnp.float32),
+            grid=(2, 2, 3),
+            in_specs=[
+                pl.BlockSpec((128, 128), lambda i, j, k: (i, k)),
+                pl.BlockSpec((128, 128), lambda i, j, k: (k, j)),
+            ],
+            out_specs=pl.BlockSpec((128, 128), lambda i, j, k: (i, j)),
+            scratch_shapes=[pltpu.VMEM((128, 128), jnp.float32)],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        )
+
+    close(three_way(build, (x, y), mode), jnp.dot(x, y, precision="highest"), 1e-3)
+
+
+def _elementwise(a, b, dtype):
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.where(a > b, a * b - 3, jnp.maximum(a, b) // 7) ^ (a & 12)
+    return jnp.where(a > b, jnp.exp(a) * b, jnp.maximum(a, b) - jnp.tanh(b)) / (1.0 + jnp.abs(a))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+@pytest.mark.parametrize("mode", MODES)
+def test_elementwise_compare_select_cast(mode, dtype):
+    if jnp.issubdtype(dtype, jnp.integer):
+        x, y = (jax.random.randint(jax.random.key(s), (32, 256), -100, 100, dtype) for s in (22, 23))
+    else:
+        x, y = rand(22, (32, 256), dtype), rand(23, (32, 256), dtype)
+
+    def build(pl, pltpu):
+        def kernel(x_ref, y_ref, o_ref, p_ref):
+            a, b = x_ref[...], y_ref[...]
+            o_ref[...] = _elementwise(a, b, dtype)
+            p_ref[...] = (a.astype(jnp.float32) * 2.5).astype(jnp.int32)
+
+        spec = pl.BlockSpec((16, 128), lambda i, j: (i, j))  # the bf16 tile is (16, 128)
+        outs = (jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct(x.shape, jnp.int32))
+        return pl.pallas_call(
+            kernel, out_shape=outs, grid=(2, 2), in_specs=[spec, spec], out_specs=(spec, spec)
+        )
+
+    got, conv = three_way(build, (x, y), mode)
+    assert np.asarray(got).dtype == jnp.dtype(dtype)
+    close(got, _elementwise(x, y, dtype), 2e-2 if dtype == jnp.bfloat16 else 1e-5)
+    close(conv, (x.astype(jnp.float32) * 2.5).astype(jnp.int32), 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reductions_iota_broadcast_transpose(mode):
+    x = rand(24, (8, 256))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, s_ref, m_ref, t_ref):
+            v = x_ref[...]
+            col = lax.broadcasted_iota(jnp.int32, v.shape, 1)
+            s_ref[...] = jnp.broadcast_to(jnp.sum(v * (col % 3 == 0), axis=1, keepdims=True), (8, 128))
+            m_ref[...] = jnp.broadcast_to(jnp.max(v, axis=0, keepdims=True), (8, 256))
+            t_ref[...] = v[:, :128].T
+
+        outs = (
+            jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            jax.ShapeDtypeStruct((8, 256), jnp.float32),
+            jax.ShapeDtypeStruct((128, 8), jnp.float32),
+        )
+        return pl.pallas_call(kernel, out_shape=outs)
+
+    s, m, t = three_way(build, (x,), mode)
+    col = jnp.arange(256)[None]
+    close(s, jnp.broadcast_to(jnp.sum(x * (col % 3 == 0), axis=1, keepdims=True), (8, 128)), 1e-4)
+    close(m, jnp.broadcast_to(jnp.max(x, axis=0, keepdims=True), (8, 256)))
+    close(t, x[:, :128].T)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_while_loop_carrying_vectors(mode):
+    x = rand(25, (64, 128))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, o_ref):
+            def wbody(c):
+                return c[0] + 1, c[1] * 0.5 + x_ref[pl.ds(c[0] * 8, 8), :]
+
+            _, w = lax.while_loop(lambda c: c[0] < 5, wbody, (0, x_ref[pl.ds(56, 8), :]))
+            o_ref[...] = w
+
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+
+    acc = x[56:]
+    for i in range(5):
+        acc = acc * 0.5 + x[i * 8 : i * 8 + 8]
+    close(three_way(build, (x,), mode), acc, 1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scalar_prefetch_and_smem_operand(mode):
+    idx = jnp.array([3, 0, 2, 1], jnp.int32)
+    x = rand(26, (4, 8, 128))
+    s = jnp.array([2.5], jnp.float32)
+
+    def build(pl, pltpu):
+        def kernel(idx_ref, x_ref, s_ref, o_ref):
+            o_ref[...] = x_ref[...] * s_ref[0] + idx_ref[pl.program_id(0)].astype(jnp.float32)
+
+        gs = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(4,),
+            in_specs=[
+                pl.BlockSpec((None, 8, 128), lambda i, idx: (idx[i], 0, 0)),
+                pl.BlockSpec(memory_space=pltpu.SMEM),
+            ],
+            out_specs=pl.BlockSpec((None, 8, 128), lambda i, idx: (i, 0, 0)),
+        )
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid_spec=gs)
+
+    close(three_way(build, (idx, x, s), mode), x[idx] * 2.5 + idx[:, None, None].astype(jnp.float32))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_run_scoped_roll_and_partial_blocks(mode):
+    x = rand(27, (20, 256))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, o_ref):
+            def scoped(tmp):
+                tmp[...] = pltpu.roll(x_ref[...], 3, 1)
+                o_ref[...] = tmp[...] + 1.0
+
+            pl.run_scoped(scoped, pltpu.VMEM((8, 128), jnp.float32))
+
+        spec = pl.BlockSpec((8, 128), lambda i, j: (i, j))
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(3, 2),
+            in_specs=[spec],
+            out_specs=spec,
+        )
+
+    blocks = jnp.pad(x, ((0, 4), (0, 0))).reshape(3, 8, 2, 128)
+    want = (jnp.roll(blocks, 3, axis=3) + 1.0).reshape(24, 256)[:20]
+    close(three_way(build, (x,), mode), want)

@@ -8,8 +8,9 @@ source (it was a file in the cache directory) and the mtime and size of the
 source file, which ``ptxas`` reads for the debug line table. Generated
 modules therefore get a fixed file name with no directory (their text is
 served from ``linecache``, not read from disk), and the PTX handed to
-``ptxas`` states timestamp and size 0 for every ``.file``, so line info stays
-(names and line numbers) without anything of the machine.
+``ptxas`` states a timestamp (1) and size (0) for every ``.file`` (with 0,
+or none, ``ptxas`` reads the file's), so line info stays (names and line
+numbers) without anything of the machine.
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ _hook_lock = threading.Lock()
 
 
 def stable_ptx(ptx: str) -> str:
-    """``ptx`` with timestamp and size 0 on each ``.file`` directive that has
-    none, so ``ptxas`` does not read them from the file system."""
-    return _FILE_DIRECTIVE.sub(r"\1, 0, 0", ptx)
+    """``ptx`` with timestamp 1 and size 0 on each ``.file`` directive that has
+    none, so ``ptxas`` does not read them from the file system (it does for
+    timestamp 0)."""
+    return _FILE_DIRECTIVE.sub(r"\1, 1, 0", ptx)
 
 
 def _install_stage_hook() -> None:

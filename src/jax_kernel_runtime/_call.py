@@ -19,6 +19,7 @@ from jax_kernel_runtime._config import (
     Buffer,
     KernelConfig,
     Param,
+    Scalar,
     encode_attributes,
     normalize_grid,
 )
@@ -107,19 +108,8 @@ def kernel_call(
     num_operands = len(args) + len(out_shapes)
     if params is None:
         params = [Buffer(i) for i in range(num_operands)]
-    for p in params:
-        if isinstance(p, Buffer) and not 0 <= p.operand < num_operands:
-            raise ValueError(
-                f"kernel_call {name!r}: parameter refers to operand {p.operand} "
-                f"but there are {num_operands} (inputs then outputs)"
-            )
     aliases = dict(input_output_aliases or {})
-    for i, o in aliases.items():
-        if not (0 <= i < len(args) and 0 <= o < len(out_shapes)):
-            raise ValueError(f"kernel_call {name!r}: input_output_aliases entry {i}: {o} is out of range")
-    for o in zeroed_outputs:
-        if not 0 <= o < len(out_shapes):
-            raise ValueError(f"kernel_call {name!r}: zeroed output {o} out of range")
+    _check(name, args, out_shapes, configs, params, aliases, zeroed_outputs)
     scratch = max(cfg.scratch_bytes(g) for cfg, g in zip(configs, grids))
     result_shapes = list(out_shapes)
     if scratch:
@@ -199,6 +189,59 @@ def _unsupported_lowering(ctx, *args, launch: _Launch):
 
 mlir.register_lowering(kernel_call_p, _unsupported_lowering)
 mlir.register_lowering(kernel_call_p, _cuda_lowering, platform="cuda")
+
+
+def _check(name, args, out_shapes, configs, params, aliases, zeroed_outputs) -> None:
+    """Trace-time checks of ``kernel_call``'s arguments; errors name the kernel."""
+    where = f"kernel_call {name!r}"
+    for i, cfg in enumerate(configs):
+        if not isinstance(cfg, KernelConfig):
+            raise TypeError(f"{where}: configs[{i}] is {type(cfg).__name__}; expected a KernelConfig")
+    operands = [("argument", i, a) for i, a in enumerate(args)] + [
+        ("out_shapes", i, o) for i, o in enumerate(out_shapes)
+    ]
+    for kind, i, a in operands:
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"{where}: {kind} {i} is {a!r:.60}; expected an array or jax.ShapeDtypeStruct")
+        # The image was compiled for this dtype: JAX passing another (float64 -> float32 while
+        # x64 is off) would make the kernel read or write the wrong number of bytes.
+        canonical = jax.dtypes.canonicalize_dtype(a.dtype)
+        if np.dtype(a.dtype) != canonical:
+            raise TypeError(
+                f"{where}: {kind} {i} has dtype {np.dtype(a.dtype).name}, but with x64 off JAX "
+                f"passes {canonical.name}; convert it (and compile the kernel for {canonical.name}) "
+                f"or enable x64 (jax.config.update('jax_enable_x64', True))"
+            )
+    num_operands = len(args) + len(out_shapes)
+    for k, p in enumerate(params):
+        if not isinstance(p, (Buffer, Scalar)):
+            raise TypeError(
+                f"{where}: params[{k}] is {p!r:.60}; expected jax_kernel_runtime.Buffer or Scalar"
+            )
+        if isinstance(p, Buffer) and p.operand >= num_operands:
+            raise ValueError(
+                f"{where}: parameter refers to operand {p.operand} "
+                f"but there are {num_operands} (inputs then outputs)"
+            )
+    for i, o in aliases.items():
+        if not (_is_index(i, len(args)) and _is_index(o, len(out_shapes))):
+            raise ValueError(f"{where}: input_output_aliases entry {i}: {o} is out of range")
+        a, b = args[i], out_shapes[o]
+        if (tuple(a.shape), np.dtype(a.dtype)) != (tuple(b.shape), np.dtype(b.dtype)):
+            raise ValueError(
+                f"{where}: input_output_aliases entry {i}: {o}: input {i} is "
+                f"{np.dtype(a.dtype).name}{list(a.shape)} but output {o} is "
+                f"{np.dtype(b.dtype).name}{list(b.shape)}; aliased buffers must match"
+            )
+    if len(set(aliases.values())) != len(aliases):
+        raise ValueError(f"{where}: input_output_aliases {aliases} aliases one output to several inputs")
+    for o in zeroed_outputs:
+        if not _is_index(o, len(out_shapes)):
+            raise ValueError(f"{where}: zeroed output {o!r} out of range (outputs 0..{len(out_shapes) - 1})")
+
+
+def _is_index(i, n: int) -> bool:
+    return isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= i < n
 
 
 def tune_records() -> list[tuple[str, int, int, list[float]]]:

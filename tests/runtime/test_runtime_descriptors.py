@@ -98,3 +98,26 @@ def test_eager_kernel_call_on_the_gpu():
         params = [jkr.Buffer(0), jkr.Buffer(1), jkr.Scalar("i32", 1000), jkr.Scalar("fp32", 1.5)]
         (out,) = jkr.kernel_call(x, configs=[cfg], grid=4, out_shapes=[x], params=params, name="scale")
         np.testing.assert_allclose(out, np.asarray(x) * 1.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, message",
+    [({"out_shapes": [jax.ShapeDtypeStruct((8,), np.float64)]}, TypeError,
+      r"out_shapes 0 has dtype float64, but with x64 off JAX passes float32"),
+     ({"args": (np.zeros(8, np.int64),)}, TypeError, "argument 0 has dtype int64, but with x64 off JAX passes int32"),
+     ({"out_shapes": [jax.ShapeDtypeStruct((4,), np.float32)], "input_output_aliases": {0: 0}}, ValueError,
+      r"entry 0: 0: input 0 is float32\[8\] but output 0 is float32\[4\]"),
+     ({"input_output_aliases": {0: 1}}, ValueError, "entry 0: 1 is out of range"),
+     ({"params": [jkr.Buffer(0), 3]}, TypeError, r"params\[1\] is 3; expected jax_kernel_runtime.Buffer or Scalar"),
+     ({"params": [jkr.Buffer(2)]}, ValueError, "operand 2 but there are 2"),
+     ({"zeroed_outputs": [0.5]}, ValueError, r"zeroed output 0.5 out of range \(outputs 0..0\)"),
+     ({"configs": [b"\x7fELF"]}, TypeError, r"configs\[0\] is bytes; expected a KernelConfig"),
+     ({"out_shapes": ["f32"]}, TypeError, "out_shapes 0 is 'f32'; expected an array"),
+     ({"grid": [(1,), (2,)]}, ValueError, "2 grids for 1 configs")],
+)  # fmt: skip
+def test_kernel_call_refuses_bad_arguments(kwargs, err, message):
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(8), jnp.float32)
+    kw = {"args": (x,), "configs": [CFG], "grid": 1, "out_shapes": [x], "name": "scale", **kwargs}
+    args = kw.pop("args")
+    with jax.enable_x64(False), pytest.raises(err, match=rf"kernel_call 'scale': .*{message}"):
+        jkr.kernel_call(*args, **kw)  # checked before anything is bound

@@ -195,6 +195,25 @@ def test_arguments_that_do_not_fit_their_parameter(args, meta, err, message):
     np.testing.assert_array_equal(out, x * 3)
 
 
+@triton.jit
+def tail_scalar_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@pytest.mark.parametrize(
+    "n, message",
+    [(jnp.ones(2), r"metaparam 'n' got an array float32\[2\]; metaparams take Python values, not arrays"),
+     ("64", r"metaparam 'n' got '64' of type str; triton_call takes arrays and Python/numpy scalars")],
+)  # fmt: skip
+def test_bad_metaparam_for_a_runtime_parameter(n, message):
+    x = rand((64,), 25)
+    with pytest.raises(TypeError, match=rf"triton_call 'tail_scalar_kernel' at {HERE}:\d+: {message}"):
+        jt.triton_call(x, kernel=tail_scalar_kernel, out_shape=x, grid=1, n=n, BLOCK=64)
+    out = jt.triton_call(x, kernel=tail_scalar_kernel, out_shape=x, grid=1, n=40, BLOCK=64)
+    np.testing.assert_array_equal(out, jnp.where(jnp.arange(64) < 40, x, 0))
+
+
 def test_bool_parameter_annotated_int1_refuses_other_ints():
     x = rand((64,), 23)
     with pytest.raises(ValueError, match=r"argument 1 \('flag'\) is annotated u1 \(a bool\) but got 2"):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-# The rule modules fill the lowering table when imported.
-from pallas_gpu._src import lowering_control, lowering_math, lowering_memory, lowering_shapes  # noqa: F401
+# The kernel frame imports the rule modules, which fill the lowering table.
+from pallas_gpu._src import lowering_kernel  # noqa: F401
 from pallas_gpu._src.core import CompilerParams, InterpretParams
 from pallas_gpu._src.pallas_call_registration import lower as lower
 

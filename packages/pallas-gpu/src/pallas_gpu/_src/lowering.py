@@ -17,11 +17,14 @@ Conventions of the generated code:
 * Scratch Refs (``scratch_shapes``, ``pl.run_scoped``) live in registers as a
   reassigned variable.
 
-This file holds the value model, the emitter and the kernel frame. The rules
-live by theme: ``lowering_memory.py`` (Ref reads/writes, block addressing,
-``plgpu.load/store`` and atomics), ``lowering_control.py`` (loops, cond,
-inlined calls, scoped scratch), ``lowering_math.py`` (elementwise math and
-casts) and ``lowering_shapes.py`` (shapes, reductions, scans and dots).
+This file holds the value model, the emitter and the rule table; it imports
+no other lowering module. The rules live by theme and import only this file:
+``lowering_memory.py`` (Ref reads/writes, block addressing, ``plgpu.load/store``
+and atomics), ``lowering_control.py`` (loops, cond, inlined calls, scoped
+scratch), ``lowering_math.py`` (elementwise math and casts) and
+``lowering_shapes.py`` (shapes, reductions, scans and dots). The kernel frame
+(grid, block Refs, the walk over the jaxpr) is ``lowering_kernel.py``, which
+imports all of them.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gpu._src import compat
+if TYPE_CHECKING:
+    from pallas_gpu._src.lowering_kernel import KernelLowering
 
 BACKEND = "pallas_gpu (Triton)"
 # Triton's launch-grid limits per axis.
@@ -69,7 +73,20 @@ _DTYPES = {
     "bool": ("tl.int1", "i8"),  # bool buffers are stored as bytes
     "float8_e4m3fn": ("tl.float8e4nv", "fp8e4nv"),
     "float8_e5m2": ("tl.float8e5", "fp8e5"),
+    # 4-bit ints live in registers only, held in a byte (Triton has no 4-bit
+    # type); casts wrap/saturate into their range. No pointer: see BlockRef checks.
+    "int4": ("tl.int8", None),
+    "uint4": ("tl.uint8", None),
 }
+INT4 = ("int4", "uint4")
+
+
+def int_range(dtype) -> tuple[int, int]:
+    name = np.dtype(dtype).name
+    if name in INT4:
+        return (-8, 7) if name == "int4" else (0, 15)
+    info = np.iinfo(dtype)
+    return int(info.min), int(info.max)
 
 
 def tl_dtype(dtype: Any) -> str:
@@ -148,6 +165,25 @@ class ScratchRef:
     var: str
     shape: tuple[int, ...]
     dtype: np.dtype
+
+
+@dataclasses.dataclass
+class ResidentRef(ScratchRef):
+    """An output block kept in registers across the steps of sequential grid
+    axes (see ``lowering_kernel.py``): read and written whole like a scratch
+    Ref; ``block`` is where it is loaded from and stored back to."""
+
+    index: int = -1
+    block: BlockRef | None = None
+
+
+class NotResident(Exception):
+    """Raised by a rule that needs output ``index`` in memory (a partial or
+    ``plgpu`` access): the kernel is lowered again with that block in memory."""
+
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.index = index
 
 
 class LoweringError(NotImplementedError):
@@ -278,7 +314,32 @@ def cast(em: Emitter, x: Val, dtype) -> Val:
     if is_bool(dtype):
         zero = const(em, 0, x.dtype)
         return em.assign(f"{x.expr} != {zero.expr}", x.shape, dtype)
+    if is_float(x.dtype) and not is_float(dtype):
+        return _float_to_int(em, x, dtype)
+    if dtype.name in INT4:  # wrap into 4 bits, as XLA's integer narrowing does
+        w = f"{x.expr}.to(tl.int32)"
+        w = f"(({w} << 28) >> 28)" if dtype.name == "int4" else f"({w} & 15)"
+        return em.assign(f"{w}.to({tl_dtype(dtype)})", x.shape, dtype)
     return em.assign(f"{x.expr}.to({tl_dtype(dtype)})", x.shape, dtype)
+
+
+def _float_to_int(em: Emitter, x: Val, dtype: np.dtype) -> Val:
+    """XLA's saturating conversion: NaN -> 0, out-of-range values -> the
+    nearest end of the integer range (a bare ``.to`` gives INT_MIN for them
+    under Triton's interpreter and wraps for 8/16-bit ints on the GPU)."""
+    if x.dtype.itemsize < 4:
+        x = em.assign(f"{x.expr}.to(tl.float32)", x.shape, np.float32)
+    (imin, imax), ftype = int_range(dtype), x.dtype.type
+    top = ftype(imax) + ftype(1)  # 2**bits or 2**(bits - 1): exact in floats
+    lo, hi = const(em, imin, x.dtype), const(em, np.nextafter(top, ftype(0)), x.dtype)
+    zero, c_top = const(em, 0, x.dtype), const(em, top, x.dtype)
+    inside = (
+        f"tl.where({x.expr} != {x.expr}, {zero.expr}, tl.minimum(tl.maximum({x.expr}, {lo.expr}), {hi.expr}))"
+    )
+    v = em.assign(f"{inside}.to({tl_dtype(dtype)})", x.shape, dtype)
+    return em.assign(
+        f"tl.where({x.expr} >= {c_top.expr}, {const(em, imax, dtype).expr}, {v.expr})", x.shape, dtype
+    )
 
 
 def expand_to_axis(vec: str, axis: int, rank: int) -> str:
@@ -310,179 +371,8 @@ def fill_padding(em: Emitter, x: Val, value: Any, axes: Sequence[int] | None = N
     return em.assign(f"tl.where({m}, {x.expr}, {c.expr})", x.shape, x.dtype)
 
 
-# ---------------------------------------------------------------------------
-# The kernel
-
-
-class KernelLowering:
-    """Lowers one kernel jaxpr and its grid mapping to Triton source."""
-
-    def __init__(self, jaxpr, grid_mapping, name: str):
-        self.jaxpr = jaxpr
-        self.gm = grid_mapping
-        self.name = name
-        self.em = Emitter()
-        self._used: set[int] = set()
-        self._outer_eqns: list[Any] = []  # equations whose sub-jaxprs are being lowered
-        self.gpu_only: list[str] = []  # uses that Triton's interpreter cannot run (inline PTX)
-
-    def source_line(self, eqn) -> str:
-        """The user's line of ``eqn``, else of the nearest enclosing equation
-        (inside jnp functions' nested jits the line is often missing)."""
-        for e in [eqn, *reversed(self._outer_eqns)]:
-            line = compat.source_line(e)
-            if line and line != "<unknown>":
-                return line
-        return f"the pallas_call at {self.gm.source}"
-
-    # -- usage --
-    def _collect_used(self, jaxpr) -> None:
-        jaxpr, _ = compat.unwrap_jaxpr(jaxpr)
-        for eqn in jaxpr.eqns:
-            for v in eqn.invars:
-                if isinstance(v, compat.Var):
-                    self._used.add(id(v))
-            for p in eqn.params.values():
-                for sub in _subjaxprs(p):
-                    self._collect_used(sub)
-        for v in jaxpr.outvars:
-            if isinstance(v, compat.Var):
-                self._used.add(id(v))
-
-    def is_used(self, v) -> bool:
-        return id(v) in self._used
-
-    # -- jaxprs --
-    def lower_jaxpr(self, closed, args: Sequence[Any]) -> list[Any]:
-        jaxpr, consts = compat.unwrap_jaxpr(closed)
-        env: dict[Any, Any] = {}
-        for var, c in zip(jaxpr.constvars, consts):
-            env[var] = self._const_val(c)
-        for var, a in zip(jaxpr.invars, args):
-            env[var] = a
-
-        def read(v):
-            if isinstance(v, compat.Literal):
-                return self._const_val(v.val, v.aval)
-            return env[v]
-
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            rule = lowering_rules.get(eqn.primitive)
-            rc = RuleContext(self.em, eqn, [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars], self)
-            if rule is None:
-                raise rc.error(
-                    "has no Triton lowering (the supported primitives are listed in pallas-gpu's "
-                    "README); rewrite the kernel without it, or run it with interpret=True"
-                )
-            self._check_result(rc)
-            self._outer_eqns.append(eqn)
-            try:
-                outs = rule(rc, *invals, **eqn.params)
-            finally:
-                self._outer_eqns.pop()
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for v, o in zip(eqn.outvars, outs):
-                if not isinstance(v, compat.DropVar):
-                    env[v] = o
-        return [read(v) for v in jaxpr.outvars]
-
-    def _check_result(self, rc: RuleContext) -> None:
-        """Results Triton cannot hold: too many elements, or a dtype it lacks."""
-        for a in rc.avals_out:
-            dtype = getattr(a, "dtype", None)
-            if dtype is not None and not compat.is_ref_aval(a) and np.dtype(dtype).name not in _DTYPES:
-                raise rc.error(f"dtype {np.dtype(dtype).name} is not supported by Triton")
-            shape = tuple(getattr(a, "shape", ()))
-            numel = math.prod(pad_shape(shape))
-            if numel > MAX_TENSOR_NUMEL:
-                padded = f" (padded to {pad_shape(shape)})" if pad_shape(shape) != shape else ""
-                raise rc.error(
-                    f"its result of shape {shape}{padded} has {numel} elements, and Triton tensors hold "
-                    f"at most 2**20 = {MAX_TENSOR_NUMEL}; use a smaller block shape in the BlockSpec, or "
-                    "read the block in pieces (x_ref[pl.ds(i * n, n), :] in a loop)"
-                )
-
-    def _const_val(self, value, aval=None) -> Val:
-        arr = np.asarray(value)
-        dtype = aval.dtype if aval is not None else arr.dtype
-        if arr.shape != ():
-            if arr.size and np.all(arr == arr.flat[0]):
-                return const(self.em, arr.flat[0].item(), dtype, arr.shape)
-            raise LoweringError(
-                f"{BACKEND}: kernel '{self.name}' captures a non-uniform array constant of shape "
-                f"{arr.shape}; pass it as a pallas_call input instead"
-            )
-        return const(self.em, arr.item(), dtype)
-
-    # -- frame --
-    def program_ids(self) -> tuple[list[Val], tuple[int, int, int]]:
-        """Grid indices from Triton's launch axes, and the launch grid.
-
-        The whole grid is folded onto axis 0 with the last grid axis varying
-        fastest: that is Pallas' sequential order, so neighbouring programs
-        share blocks as in a hand-written Triton kernel (and axis 0 takes
-        2**31 - 1 programs, where axes 1 and 2 stop at 65535).
-        """
-        grid = self.gm.grid
-        em = self.em
-        total = math.prod(grid)
-        if total > MAX_GRID_X:
-            raise LoweringError(
-                f"{BACKEND}: kernel '{self.name}': grid {grid} has {total} programs; Triton "
-                f"launches at most {MAX_GRID_X}"
-            )
-        if not grid:
-            return [], (1, 1, 1)
-        em.emit("pid = tl.program_id(0)")
-        ids: list[Val] = [None] * len(grid)  # type: ignore[list-item]
-        rest = "pid"
-        for ax in range(len(grid) - 1, -1, -1):
-            g = grid[ax]
-            name = f"pid{ax}"
-            if ax == 0:
-                em.emit(f"{name} = {rest}")
-            elif g == 1:
-                em.emit(f"{name} = tl.full([], 0, tl.int32)")
-            else:
-                em.emit(f"{name} = {rest} % {g}")
-                em.emit(f"pid_rest{ax} = {rest} // {g}")
-                rest = f"pid_rest{ax}"
-            ids[ax] = Val(name, (), np.dtype(np.int32))
-        return ids, (max(total, 1), 1, 1)
-
-    def lower(self) -> tuple[str, list[str], tuple[int, int, int]]:
-        """Returns (kernel source, pointer signature per argument, launch grid)."""
-        from pallas_gpu._src.lowering_memory import block_ref
-
-        self._collect_used(self.jaxpr)
-        gm = self.gm
-        em = self.em
-        ids, launch_grid = self.program_ids()
-        refs: list[Any] = [block_ref(self, i, bm, ids) for i, bm in enumerate(gm.block_mappings)]
-        for a in gm.scratch_avals:
-            inner = a.inner_aval if hasattr(a, "inner_aval") else a
-            v = const(em, 0, inner.dtype, inner.shape)
-            refs.append(ScratchRef(v.expr, tuple(inner.shape), np.dtype(inner.dtype)))
-        em.emit("# kernel body")
-        self.lower_jaxpr(self.jaxpr, [*ids, *refs])
-        args = [arg_name(bm, i) for i, bm in enumerate(gm.block_mappings)]
-        sig = [pointer_signature(bm.dtype) for bm in gm.block_mappings]
-        header = [f"def {self.name}({', '.join(args)}):"]
-        return "\n".join(header + em.lines) + "\n", sig, launch_grid
-
-
 def arg_name(bm, i: int) -> str:
     return f"in{i}_ptr" if bm.origin.startswith("in") else f"out{i}_ptr"
-
-
-def _subjaxprs(p):
-    if isinstance(p, (compat.ClosedJaxpr, compat.Jaxpr)):
-        yield p
-    elif isinstance(p, (tuple, list)):
-        for q in p:
-            yield from _subjaxprs(q)
 
 
 PREAMBLE_GPU = """from triton.language.extra import libdevice
@@ -528,42 +418,25 @@ def _loop_bound(x):
 @dataclasses.dataclass(frozen=True)
 class LoweredKernel:
     """The generated kernel: module source (without the libdevice import
-    line, which differs between GPU and interpreter), its name, pointer
-    signature and launch grid. ``gpu_only`` lists the uses (with their
-    source lines) that Triton's interpreter cannot run."""
+    line, which differs between GPU and interpreter), the name of its Triton
+    function, pointer signature and launch grid. ``gpu_only`` lists the uses
+    (with their source lines) that Triton's interpreter cannot run;
+    ``kernel_name`` is the user's name of the kernel (for messages)."""
 
     name: str
     body: str
     signature: tuple[str, ...]
     launch_grid: tuple[int, int, int]
     gpu_only: tuple[str, ...] = ()
+    kernel_name: str = ""
 
     def module_source(self, interpret: bool) -> str:
         if interpret and self.gpu_only:
             raise NotImplementedError(
-                f"{BACKEND}: kernel '{self.name}' uses {', '.join(self.gpu_only)}: inline PTX cannot "
+                f"{BACKEND}: kernel '{self.kernel_name or self.name}' uses {', '.join(self.gpu_only)}: inline PTX cannot "
                 "run under Triton's CPU interpreter; run the kernel on the GPU (without "
                 "interpret=plgpu.InterpretParams())"
             )
         pre = "import triton\nimport triton.language as tl\n"
         pre += PREAMBLE_INTERPRET if interpret else PREAMBLE_GPU
         return pre + "\n\n" + self.body
-
-
-def kernel_name(name: str) -> str:
-    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "kernel"
-    if out[0].isdigit():
-        out = "k_" + out
-    return out
-
-
-def lower_kernel(jaxpr, grid_mapping) -> LoweredKernel:
-    # The rule modules register themselves in ``lowering_rules`` on import.
-    from pallas_gpu._src import lowering_control, lowering_math, lowering_memory, lowering_shapes  # noqa: F401
-
-    name = kernel_name(grid_mapping.kernel_name)
-    kl = KernelLowering(jaxpr, grid_mapping, name)
-    src, sig, launch_grid = kl.lower()
-    helpers = "".join(f"@triton.jit\n{s}\n\n" for s in kl.em.helpers.values())
-    body = helpers + "@triton.jit\n" + src
-    return LoweredKernel(name, body, tuple(sig), launch_grid, tuple(kl.gpu_only))

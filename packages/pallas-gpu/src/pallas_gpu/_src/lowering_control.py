@@ -23,8 +23,14 @@ from pallas_gpu._src.lowering import (
     RuleContext,
     ScratchRef,
     Val,
+    cast,
     const,
+    expand_to_axis,
+    is_bool,
+    is_float,
+    next_pow2,
     register_lowering,
+    tl_dtype,
 )
 
 
@@ -52,21 +58,51 @@ def _reassign(em: Emitter, targets: Sequence[Val], values: Sequence[Val]) -> Non
 
 
 @register_lowering(compat.scan_p)
-def _scan_rule(rc: RuleContext, *args, jaxpr, length, **params):
+def _scan_rule(rc: RuleContext, *args, jaxpr, length, reverse=False, **params):
     num_consts, num_carry = compat.scan_counts(params)
-    if len(args) != num_consts + num_carry:
-        raise rc.error(
-            "lax.scan over arrays (xs/ys) is not supported inside Triton kernels; use "
-            "lax.fori_loop and index Refs with pl.ds instead"
-        )
-    consts, init = args[:num_consts], args[num_consts:]
+    consts, init = args[:num_consts], args[num_consts : num_consts + num_carry]
+    xs = args[num_consts + num_carry :]
     em = rc.em
     carry = _carry_vars(em, init, "carry")
+    ys_avals = rc.avals_out[num_carry:]
+    ys = [const(em, 0, a.dtype, a.shape) for a in ys_avals]
+    ys = _carry_vars(em, ys, "ys")
     it = em.fresh("it")
     with em.block(f"for {it} in range(0, {length}):"):
-        outs = rc.lowering.lower_jaxpr(jaxpr, [*consts, *carry])
-        _reassign(em, carry, outs)
-    return carry
+        i = f"({length - 1} - {it})" if reverse else it
+        rows = [_row(em, x, i) for x in xs]
+        outs = rc.lowering.lower_jaxpr(jaxpr, [*consts, *carry, *rows])
+        new_ys = [_set_row(em, y, i, o) for y, o in zip(ys, outs[num_carry:])]
+        _reassign(em, [*carry, *ys], [*outs[:num_carry], *new_ys])
+    return [*carry, *ys]
+
+
+def _row_selector(x: Val, i: str) -> str:
+    """True on row ``i`` of ``x`` (broadcastable to its padded shape)."""
+    return f"({expand_to_axis(f'tl.arange(0, {next_pow2(x.shape[0])})', 0, len(x.shape))} == {i})"
+
+
+def _row(em: Emitter, x: Val, i: str) -> Val:
+    """``x[i]`` for a run-time ``i``: Triton cannot index registers, so the row
+    is selected and summed over (exact: every other term is zero)."""
+    w = x
+    if is_bool(x.dtype):
+        w = em.assign(f"{x.expr}.to(tl.int8)", x.shape, np.int8)
+    elif np.dtype(x.dtype).itemsize < 4 and is_float(x.dtype):
+        w = cast(em, x, np.float32)
+    zero = const(em, 0, w.dtype)
+    r = em.assign(
+        f"tl.sum(tl.where({_row_selector(x, i)}, {w.expr}, {zero.expr}), axis=0)", x.shape[1:], w.dtype
+    )
+    return (
+        em.assign(f"{r.expr}.to({tl_dtype(w.dtype)})", r.shape, w.dtype) if w is x else cast(em, r, x.dtype)
+    )
+
+
+def _set_row(em: Emitter, ys: Val, i: str, y: Val) -> Val:
+    """``ys`` with row ``i`` replaced by ``y``."""
+    row = y.expr if y.shape == () else f"{y.expr}[None, {', '.join(':' for _ in y.shape)}]"
+    return em.assign(f"tl.where({_row_selector(ys, i)}, {row}, {ys.expr})", ys.shape, ys.dtype)
 
 
 def _is_fori_loop(cond_jaxpr, body_jaxpr, cond_nconsts: int, body_nconsts: int) -> bool:

@@ -21,6 +21,7 @@ from pallas_gpu._src.lowering import (
     const,
     is_bool,
     is_float,
+    is_signed_int,
     is_unsigned_int,
     register_lowering,
     tl_dtype,
@@ -108,12 +109,28 @@ for _p, _op in _INFIX.items():
 def _div_rule(rc: RuleContext, x, y, **_):
     if is_float(x.dtype):
         return _wide(rc, "{} / {}", x, y)
-    return rc.out(f"{x.expr} // {y.expr}")  # Triton's // truncates, like lax.div
+    # Triton's // truncates, like lax.div; x / 0 is -1 (all ones) as in XLA.
+    all_ones = const(rc.em, -1 if is_signed_int(x.dtype) else np.iinfo(x.dtype).max, x.dtype)
+    return rc.out(f"tl.where({y.expr} == 0, {all_ones.expr}, {x.expr} // {_safe_divisor(rc, x, y)})")
 
 
 @register_lowering(lax.rem_p)
 def _rem_rule(rc: RuleContext, x, y, **_):
-    return _wide(rc, "{} % {}", x, y)  # C fmod/srem semantics, like lax.rem
+    if is_float(x.dtype):
+        return _wide(rc, "{} % {}", x, y)  # C fmod semantics, like lax.rem
+    # srem; x % 0 is x as in XLA.
+    return rc.out(f"tl.where({y.expr} == 0, {x.expr}, {x.expr} % {_safe_divisor(rc, x, y)})")
+
+
+def _safe_divisor(rc: RuleContext, x: Val, y: Val) -> str:
+    """``y`` with 1 where the division is undefined on the hardware: by zero,
+    and INT_MIN / -1 (whose XLA results, INT_MIN and 0, are x / 1 and x % 1)."""
+    one = const(rc.em, 1, y.dtype)
+    bad = f"({y.expr} == 0)"
+    if is_signed_int(x.dtype):
+        lo, m1 = const(rc.em, np.iinfo(x.dtype).min, x.dtype), const(rc.em, -1, y.dtype)
+        bad = f"({bad} | (({x.expr} == {lo.expr}) & ({y.expr} == {m1.expr})))"
+    return rc.em.assign(f"tl.where({bad}, {one.expr}, {y.expr})", y.shape, y.dtype, "d").expr
 
 
 def _minmax(fn: str, bool_op: str):

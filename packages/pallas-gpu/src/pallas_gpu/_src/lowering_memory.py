@@ -5,12 +5,20 @@ on block and scratch Refs, block addressing, and the GPU-only ``plgpu.load``,
 A block Ref is a base pointer plus per-array-dimension element starts; an
 access computes ``pointer + offsets`` and a mask that keeps it inside the
 array (and off the power-of-two padding of the value).
+
+Out-of-range indices follow pallas-core's interpret mode (``lax.dynamic_slice``):
+a block index outside the grid of blocks is clamped into it, and a dynamic
+index or ``pl.ds`` start inside the kernel wraps once if negative (as in
+numpy) and is then clamped so the slice lies inside the Ref (strided slices:
+each element index is clamped). ``plgpu.load``/``store`` and the atomics do
+not clamp: they mask, as Triton code does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 from jax import tree_util
@@ -21,7 +29,8 @@ from pallas_gpu._src import primitives as gpu_primitives
 from pallas_gpu._src.lowering import (
     BlockRef,
     Emitter,
-    KernelLowering,
+    NotResident,
+    ResidentRef,
     RuleContext,
     ScratchRef,
     Val,
@@ -32,6 +41,9 @@ from pallas_gpu._src.lowering import (
     register_lowering,
 )
 
+if TYPE_CHECKING:
+    from pallas_gpu._src.lowering_kernel import KernelLowering
+
 
 @dataclasses.dataclass
 class DimView:
@@ -41,6 +53,15 @@ class DimView:
     start: str | int
     size: int | None
     stride: int = 1
+    inside: bool = True  # statically known to lie inside the block
+    # Per-element indices into the parent view (whose start and stride are
+    # parent_*): ``elements`` (an int array index: a gather) or, if None,
+    # start + arange * stride (a strided dynamic slice); with ``clip``, each is
+    # wrapped and clamped into [0, clip).
+    clip: int | None = None
+    parent_start: str | int = 0
+    parent_stride: int = 1
+    elements: str | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -73,23 +94,43 @@ def _mul(a, b):
 # Blocks and views
 
 
+def _clamp(em: Emitter, ix, hi: int):
+    """``ix`` clamped into [0, hi] (folded when ``ix`` is static)."""
+    if isinstance(ix, int):
+        return min(max(ix, 0), hi)
+    if hi == 0:
+        return 0
+    name = em.fresh("ix")
+    em.emit(f"{name} = tl.minimum(tl.maximum({ix}, 0), {hi})")
+    return name
+
+
 def block_ref(kl: KernelLowering, i: int, bm, ids: list[Val]) -> BlockRef:
-    """The BlockRef of block mapping ``i``: its element starts from the index map."""
+    """The BlockRef of block mapping ``i``: its element starts from the index
+    map, clamped (like interpret mode's ``dynamic_slice`` on the array padded
+    to whole blocks) so that an out-of-range block index picks the nearest block."""
     em = kl.em
     em.emit(f"# {bm.origin}: {bm.dtype}{list(bm.array_shape)}, block {tuple(str(d) for d in bm.block_shape)}")
     idx = kl.lower_jaxpr(bm.index_map, ids)
+    # The grid index itself needs no clamp where the grid fits the blocks.
+    id_bound = {ids[ax].expr: g - 1 for ax, g in enumerate(kl.gm.grid)}
     starts, in_bounds, nonneg, kernel_dims = [], [], [], []
     for d, (dim, n) in enumerate(zip(bm.block_shape, bm.array_shape)):
         v = idx[d]
         ix = v.expr if v.static is None else int(v.static)
+        bound = id_bound.get(ix, None) if isinstance(ix, str) else None
         if isinstance(dim, pallas_backend.Element):
-            start = _add(ix, -dim.padding[0]) if dim.padding[0] else ix
+            lo, hi = dim.padding
             size = dim.block_size
+            start = (
+                _add(_clamp(em, ix, max(n + lo + hi - size, 0)), -lo) if lo else _clamp(em, ix, n + hi - size)
+            )
             in_bounds.append(False)
-            nonneg.append(dim.padding[0] == 0)
+            nonneg.append(lo == 0)
         else:
             size = 1 if isinstance(dim, pallas_backend.Squeezed) else dim.block_size
-            start = _mul(ix, size)
+            last = -(-n // size) - 1
+            start = _mul(ix if bound is not None and bound <= last else _clamp(em, ix, last), size)
             in_bounds.append(n % size == 0)
             nonneg.append(True)
         if not isinstance(start, int):
@@ -111,7 +152,9 @@ def block_ref(kl: KernelLowering, i: int, bm, ids: list[Val]) -> BlockRef:
     )
 
 
-def _apply_indexers(ref, transforms, rule_ctx: RuleContext) -> list[DimView]:
+def _apply_indexers(ref, transforms, rule_ctx: RuleContext, clamp: bool = True) -> list[DimView]:
+    """The view of ``ref`` after ``transforms``. With ``clamp``, dynamic
+    indices are wrapped and clamped into the view (see the module docstring)."""
     shape = ref.block_shape if isinstance(ref, BlockRef) else ref.shape
     view = [DimView(0, n) for n in shape]
     for t in transforms:
@@ -121,22 +164,50 @@ def _apply_indexers(ref, transforms, rule_ctx: RuleContext) -> list[DimView]:
         if len(t.indices) != len(live):
             raise rule_ctx.error(f"indexer {t} does not match the Ref's {len(live)} dims")
         for i, idx in zip(live, t.indices):
-            v = view[i]
-            if isinstance(idx, compat.Slice):
-                start = _scalar_expr(idx.start, rule_ctx)
-                view[i] = DimView(_add(v.start, _mul(start, v.stride)), idx.size, v.stride * idx.stride)
-            elif isinstance(idx, Val):
-                if idx.shape != ():
-                    raise rule_ctx.error(
-                        "indexing a Ref with an array (gather/scatter) is not supported by the "
-                        "Triton backend; use pl.ds slices, or plgpu.load with computed pointers"
-                    )
-                view[i] = DimView(_add(v.start, _mul(_scalar_expr(idx, rule_ctx), v.stride)), None)
-            elif isinstance(idx, (int, np.integer)):
-                view[i] = DimView(_add(v.start, int(idx) * v.stride), None)
-            else:
-                raise rule_ctx.error(f"unsupported index {idx!r}")
+            view[i] = _index_dim(rule_ctx, view[i], idx, clamp)
     return view
+
+
+def _index_dim(rc: RuleContext, v: DimView, idx, clamp: bool) -> DimView:
+    """``v`` (a sliced dim) indexed by one index: a slice or a scalar."""
+    if v.clip is not None or v.elements is not None:
+        raise rc.error(
+            "indexing a Ref again after an integer-array index or a strided pl.ds with a dynamic "
+            "start is not supported; index once (or load, then index the value)"
+        )
+    if isinstance(idx, compat.Slice):
+        size, stride = idx.size, idx.stride
+        start = _scalar_expr(idx.start, rc)
+    elif isinstance(idx, Val) and idx.shape == ():
+        size, stride, start = None, 1, _scalar_expr(idx, rc)
+    elif isinstance(idx, Val):
+        if len(idx.shape) != 1:
+            raise rc.error(
+                f"indexing a Ref with a {len(idx.shape)}-d integer array is not supported by the Triton "
+                "backend; use 1-d index arrays (one per indexed dim)"
+            )
+        clip = v.size if clamp else None
+        return DimView(0, idx.shape[0], 1, v.inside and clamp, clip, v.start, v.stride, idx.expr)
+    elif isinstance(idx, (int, np.integer)):
+        size, stride, start = None, 1, int(idx)
+    else:
+        raise rc.error(f"unsupported index {idx!r}")
+    span = 1 if size is None else (size - 1) * stride + 1
+    inside = v.inside and isinstance(start, int) and 0 <= start and start + span <= v.size
+    if clamp and not isinstance(start, int):
+        if stride > 1 and size is not None and size > 1:
+            return DimView(start, size, stride, v.inside, v.size, v.start, v.stride)
+        start = _clamp(rc.em, _wrap(rc.em, start, v.size), max(v.size - span, 0))
+        inside = v.inside and span <= v.size
+    new_start = _add(v.start, _mul(start, v.stride))
+    return DimView(new_start, size, v.stride * stride if size is not None else 1, inside)
+
+
+def _wrap(em: Emitter, start: str, n: int) -> str:
+    """A dynamic index made nonnegative as numpy does (``-1`` is ``n - 1``)."""
+    name = em.fresh("ix")
+    em.emit(f"{name} = tl.where({start} < 0, {start} + {n}, {start})")
+    return name
 
 
 def _scalar_expr(x, rule_ctx) -> str | int:
@@ -163,32 +234,27 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
         if wide and base != 0:
             base = f"{base}.to(tl.int64)"
         v = view[kdim[d]] if d in kdim else DimView(0, None)
-        block = ref.block_shape[kdim[d]] if d in kdim else 1
-        static_start = isinstance(v.start, int)
+        # Inside the block: the block's own bounds decide whether to mask.
+        safe, nonneg = ref.in_bounds[d] and v.inside, ref.nonnegative[d] and v.inside
         if v.size is None:
             off = _add(base, v.start)
-            safe = ref.in_bounds[d] and static_start and 0 <= v.start < block
             if not safe:
-                name = em.fresh("i")
-                em.emit(f"{name} = {off}")
-                off = name
+                off = _named(em, "i", off)
                 masks.append(f"({off} < {n})")
-                if not (ref.nonnegative[d] and static_start and v.start >= 0):
+                if not nonneg:
                     masks.append(f"({off} >= 0)")
         else:
             p = next_pow2(v.size)
             ar = f"tl.arange(0, {p})"
             lin = _add(_add(base, v.start), _mul(ar, v.stride) if v.stride != 1 else ar)
-            name = em.fresh("offs")
-            em.emit(f"{name} = {expand_to_axis(lin if isinstance(lin, str) else str(lin), axis, rank)}")
-            off = name
-            last = v.start + (v.size - 1) * v.stride if static_start else None
-            safe = ref.in_bounds[d] and static_start and 0 <= v.start and last < block and v.stride > 0
+            if v.clip is not None or v.elements is not None:
+                lin = _add(_add(base, v.parent_start), _mul(_clipped_elements(em, v, ar), v.parent_stride))
+            off = _named(em, "offs", expand_to_axis(str(lin), axis, rank))
             if p != v.size:
                 masks.append(f"({expand_to_axis(ar, axis, rank)} < {v.size})")
             if not safe:
                 masks.append(f"({off} < {n})")
-                if not (ref.nonnegative[d] and static_start and v.start >= 0 and v.stride > 0):
+                if not (nonneg and v.stride > 0):
                     masks.append(f"({off} >= 0)")
             axis += 1
         if n > 1:
@@ -198,6 +264,23 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
         if o != 0:
             ptr = f"{ptr} + {o}"
     return ptr, (" & ".join(masks) if masks else None), out_shape
+
+
+def _named(em: Emitter, hint: str, expr) -> str:
+    name = em.fresh(hint)
+    em.emit(f"{name} = {expr}")
+    return name
+
+
+def _clipped_elements(em: Emitter, v: DimView, ar: str) -> str:
+    """Per-element indices of a gather or a strided dynamic slice, each
+    wrapped and clamped into [0, v.clip) as interpret mode does."""
+    e = v.elements if v.elements is not None else _named(em, "el", f"{v.start} + {ar} * {v.stride}")
+    if v.clip is None:
+        return e
+    return _named(
+        em, "el", f"tl.minimum(tl.maximum(tl.where({e} < 0, {e} + {v.clip}, {e}), 0), {v.clip - 1})"
+    )
 
 
 def _load_ref(rc: RuleContext, ref, view, out_dtype) -> Val:
@@ -239,10 +322,25 @@ def _store_ref(rc: RuleContext, ref, view, val: Val) -> None:
 
 def _check_whole(rc: RuleContext, ref: ScratchRef, view: list[DimView]) -> None:
     if any(v.size is None or v.start != 0 or v.size != n or v.stride != 1 for v, n in zip(view, ref.shape)):
+        if isinstance(ref, ResidentRef):
+            raise NotResident(ref.index)
         raise rc.error(
             "scratch Refs live in registers in the Triton backend and can only be read and "
             "written whole (ref[...]); index them after loading instead"
         )
+
+
+def load_block(em: Emitter, ref: BlockRef) -> Val:
+    """The whole block of ``ref`` (masked at the array's edges)."""
+    ptr, mask, shape = block_address(em, ref, [DimView(0, n) for n in ref.block_shape])
+    expr = f"tl.load({ptr}, mask={mask}, other=0)" if mask else f"tl.load({ptr})"
+    return em.assign(f"{expr} != 0" if is_bool(ref.dtype) else expr, shape, ref.dtype, "acc")
+
+
+def store_block(em: Emitter, ref: BlockRef, val: Val) -> None:
+    ptr, mask, _ = block_address(em, ref, [DimView(0, n) for n in ref.block_shape])
+    x = f"{val.expr}.to(tl.int8)" if is_bool(ref.dtype) else val.expr
+    em.emit(f"tl.store({ptr}, {x}, mask={mask})" if mask else f"tl.store({ptr}, {x})")
 
 
 def _unflatten_transforms(rc: RuleContext, idx_args, tree):
@@ -280,10 +378,12 @@ def _and_masks(*ms) -> str | None:
 
 
 def _gpu_access(rc: RuleContext, ref, tree, args, what: str):
+    if isinstance(ref, ResidentRef):
+        raise NotResident(ref.index)
     if not isinstance(ref, BlockRef):
         raise rc.error(f"plgpu.{what} works on input/output Refs, not on scratch Refs")
     n = tree.num_leaves
-    view = _apply_indexers(ref, _unflatten_transforms(rc, args[:n], tree), rc)
+    view = _apply_indexers(ref, _unflatten_transforms(rc, args[:n], tree), rc, clamp=False)
     ptr, mask, shape = block_address(rc.em, ref, view)
     return ptr, mask, shape, list(args[n:])
 

@@ -409,15 +409,58 @@ def _input_precision(rc: RuleContext, precision, dtype) -> str | None:
     if isinstance(precision, tuple):
         p = {lax.Precision(q) if q is not None else lax.Precision.DEFAULT for q in precision}
         return "ieee" if lax.Precision.HIGHEST in p else "tf32"
-    preset = getattr(lax, "DotAlgorithmPreset", None)
-    if preset is not None and isinstance(precision, preset):
+    preset = lax.DotAlgorithmPreset
+    if isinstance(precision, preset):
         if precision == preset.DEFAULT or precision == preset.TF32_TF32_F32:
             return "tf32"
         if precision == preset.F32_F32_F32:
             return "ieee"
         if precision == preset.TF32_TF32_F32_X3:
             return "tf32x3"
-    raise rc.error(f"dot precision {precision!r} is not supported")
+    raise rc.error(
+        f"dot precision {precision!r} is not supported on f32 operands; the Triton backend takes "
+        "lax.Precision values and the DotAlgorithmPresets DEFAULT, F32_F32_F32, TF32_TF32_F32(_X3), "
+        "F16_F16_F32 and BF16_BF16_F32(_X3, _X6)"
+    )
+
+
+# f32 operands rounded to 16 bits, products accumulated in f32; the _X3/_X6
+# presets add the products of the bf16 parts of the rounding errors (as XLA).
+_SPLIT_PRESETS = {
+    "F16_F16_F32": (np.float16, ((0, 0),)),
+    "BF16_BF16_F32": (BF16, ((0, 0),)),
+    "BF16_BF16_F32_X3": (BF16, ((1, 0), (0, 1), (0, 0))),
+    "BF16_BF16_F32_X6": (BF16, ((1, 1), (2, 0), (0, 2), (1, 0), (0, 1), (0, 0))),
+}
+
+
+def _split_preset(precision, dtype):
+    if np.dtype(dtype) != np.float32 or not isinstance(precision, lax.DotAlgorithmPreset):
+        return None
+    return _SPLIT_PRESETS.get(precision.name)
+
+
+def _parts(em, x: Val, dtype, n: int) -> list[Val]:
+    """``x`` as ``n`` 16-bit parts whose sum approximates it: x0 = round(x),
+    x1 = round(x - x0), ..."""
+    parts, rest = [], x
+    for i in range(n):
+        p = cast(em, rest, dtype)
+        parts.append(em.assign(f"_dot_operand({p.expr})", p.shape, p.dtype) if p.dtype == BF16 else p)
+        if i + 1 < n:
+            rest = em.assign(f"{rest.expr} - {cast(em, p, np.float32).expr}", x.shape, np.float32)
+    return parts
+
+
+def _split_dot(em, a: Val, b: Val, split, out_shape) -> Val:
+    dtype, pairs = split
+    n = 1 + max(max(p) for p in pairs)
+    pa, pb = _parts(em, a, dtype, n), _parts(em, b, dtype, n)
+    acc = None
+    for i, j in pairs:
+        d = f"tl.dot({pa[i].expr}, {pb[j].expr}, out_dtype=tl.float32)"
+        acc = em.assign(d if acc is None else f"{acc.expr} + {d}", out_shape, np.float32)
+    return acc
 
 
 @register_lowering(lax.dot_general_p)
@@ -473,6 +516,9 @@ def _dot_general_rule(rc: RuleContext, a, b, *, dimension_numbers, precision, pr
         acc = np.dtype(np.int32)
     if a.dtype != b.dtype:
         raise rc.error(f"dot operands must have the same dtype, got {a.dtype} and {b.dtype}")
+    split = _split_preset(precision, a.dtype)
+    if split is not None:
+        return cast(em, _split_dot(em, a, b, split, out.shape), out.dtype)
     if a.dtype == BF16:  # Triton's interpreter multiplies raw uint16 bf16 bits
         a = em.assign(f"_dot_operand({a.expr})", a.shape, a.dtype)
         b = em.assign(f"_dot_operand({b.expr})", b.shape, b.dtype)

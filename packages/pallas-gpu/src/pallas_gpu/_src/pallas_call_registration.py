@@ -26,7 +26,8 @@ from jax_kernel_runtime._triton_interpret import Pointer
 from jax_kernel_runtime._triton_interpret import interpret as interpret_kernel
 from pallas_gpu._src import autotune, compiler
 from pallas_gpu._src.core import CompilerParams, InterpretParams
-from pallas_gpu._src.lowering import LoweredKernel, lower_kernel
+from pallas_gpu._src.lowering import LoweredKernel
+from pallas_gpu._src.lowering_kernel import lower_kernel
 
 _lowered_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -1,0 +1,377 @@
+"""The kernel frame: a kernel jaxpr + grid mapping -> one ``@triton.jit``
+function (see ``lowering.py`` for the conventions of the generated code).
+
+The grid is split in two:
+
+* *parallel* axes are folded onto Triton's first launch axis (last axis
+  fastest: Pallas' order, so neighbouring programs share blocks);
+* *sequential* axes, those along which every output block stays the same
+  (no output index map reads them), run as nested ``for`` loops inside one
+  program, in grid order. This is what a TPU-style kernel that revisits its
+  output (a k-loop accumulating into ``o_ref`` under ``pl.when(k == 0)``)
+  needs: on the GPU, programs run in parallel, so such revisits would race.
+  Output blocks stay in registers across the steps (loaded before the loops,
+  stored after) unless the kernel reads or writes them in parts (``pl.ds``,
+  ``plgpu.load/store``): those stay in memory, with a barrier between steps.
+  Kernels that use atomics keep the parallel grid (atomics are how a Triton
+  kernel combines the work of parallel programs).
+
+The module imports ``lowering.py`` and the rule modules; none of them imports
+this one.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import hashlib
+import keyword
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax import lax
+
+from pallas_gpu._src import compat, lowering_control, lowering_math, lowering_shapes  # noqa: F401 (rules)
+from pallas_gpu._src import primitives as gpu_primitives
+from pallas_gpu._src.lowering import (
+    _DTYPES,
+    BACKEND,
+    INT4,
+    MAX_GRID_X,
+    MAX_TENSOR_NUMEL,
+    Emitter,
+    LoweredKernel,
+    LoweringError,
+    NotResident,
+    ResidentRef,
+    RuleContext,
+    ScratchRef,
+    Val,
+    arg_name,
+    const,
+    lowering_rules,
+    pad_shape,
+    pointer_signature,
+)
+from pallas_gpu._src.lowering_memory import block_ref, load_block, store_block
+
+# Primitives whose int4 results are exact without 4-bit arithmetic.
+INT4_PRIMITIVES = {
+    lax.convert_element_type_p, lax.broadcast_in_dim_p, lax.reshape_p, lax.squeeze_p,
+    lax.transpose_p, lax.select_n_p, lax.concatenate_p, lax.slice_p, lax.rev_p, lax.copy_p,
+    compat.jit_p, compat.custom_jvp_call_p, compat.custom_vjp_call_p, compat.cond_p,
+}  # fmt: skip
+
+# Output blocks kept in registers across sequential grid steps, at most (in
+# elements, all outputs together): a 128 x 256 f32 accumulator, as in
+# hand-written Triton matmuls. Larger ones stay in memory.
+MAX_RESIDENT_NUMEL = 2**15
+
+
+class KernelLowering:
+    """Lowers one kernel jaxpr and its grid mapping to Triton source."""
+
+    def __init__(self, jaxpr, grid_mapping, fn_name: str, in_memory: frozenset[int] = frozenset()):
+        self.jaxpr = jaxpr
+        self.gm = grid_mapping
+        self.name = grid_mapping.kernel_name  # the user's name, for messages
+        self.fn_name = fn_name  # the Triton function's name
+        self.in_memory = in_memory  # outputs (block mapping indices) not kept in registers
+        self.em = Emitter()
+        self._used: set[int] = set()
+        self._outer_eqns: list[Any] = []  # equations whose sub-jaxprs are being lowered
+        self.gpu_only: list[str] = []  # uses that Triton's interpreter cannot run (inline PTX)
+
+    def source_line(self, eqn) -> str:
+        """The user's line of ``eqn``, else of the nearest enclosing equation
+        (inside jnp functions' nested jits the line is often missing)."""
+        for e in [eqn, *reversed(self._outer_eqns)]:
+            line = compat.source_line(e)
+            if line and line != "<unknown>":
+                return line
+        return f"the pallas_call at {self.gm.source}"
+
+    # -- usage --
+    def _collect_used(self, jaxpr) -> None:
+        jaxpr, _ = compat.unwrap_jaxpr(jaxpr)
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if isinstance(v, compat.Var):
+                    self._used.add(id(v))
+            for p in eqn.params.values():
+                for sub in subjaxprs(p):
+                    self._collect_used(sub)
+        for v in jaxpr.outvars:
+            if isinstance(v, compat.Var):
+                self._used.add(id(v))
+
+    def is_used(self, v) -> bool:
+        return id(v) in self._used
+
+    # -- jaxprs --
+    def lower_jaxpr(self, closed, args: Sequence[Any]) -> list[Any]:
+        jaxpr, consts = compat.unwrap_jaxpr(closed)
+        env: dict[Any, Any] = {}
+        for var, c in zip(jaxpr.constvars, consts):
+            env[var] = self._const_val(c)
+        for var, a in zip(jaxpr.invars, args):
+            env[var] = a
+
+        def read(v):
+            if isinstance(v, compat.Literal):
+                return self._const_val(v.val, v.aval)
+            return env[v]
+
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            rule = lowering_rules.get(eqn.primitive)
+            rc = RuleContext(self.em, eqn, [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars], self)
+            if rule is None:
+                raise rc.error(
+                    "has no Triton lowering (the supported primitives are listed in pallas-gpu's "
+                    "README); rewrite the kernel without it, or run it with interpret=True"
+                )
+            self._check_result(rc)
+            self._outer_eqns.append(eqn)
+            try:
+                outs = rule(rc, *invals, **eqn.params)
+            except Exception as e:
+                located = _located(e, rc)
+                if located is e:
+                    raise
+                raise located from e
+            finally:
+                self._outer_eqns.pop()
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            for v, o in zip(eqn.outvars, outs):
+                if not isinstance(v, compat.DropVar):
+                    env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    def _check_result(self, rc: RuleContext) -> None:
+        """Results Triton cannot hold: too many elements, or a dtype it lacks."""
+        for a in rc.avals_out:
+            dtype = getattr(a, "dtype", None)
+            if dtype is not None and not compat.is_ref_aval(a) and np.dtype(dtype).name not in _DTYPES:
+                raise rc.error(f"dtype {np.dtype(dtype).name} is not supported by Triton")
+            if dtype is not None and np.dtype(dtype).name in INT4 and rc.eqn.primitive not in INT4_PRIMITIVES:
+                raise rc.error(
+                    f"{np.dtype(dtype).name} values can be cast and moved (reshape, select...) in Triton "
+                    "kernels, not computed with; cast them to int8 (x.astype(jnp.int8)) first"
+                )
+            shape = tuple(getattr(a, "shape", ()))
+            numel = math.prod(pad_shape(shape))
+            if numel > MAX_TENSOR_NUMEL:
+                padded = f" (padded to {pad_shape(shape)})" if pad_shape(shape) != shape else ""
+                raise rc.error(
+                    f"its result of shape {shape}{padded} has {numel} elements, and Triton tensors hold "
+                    f"at most 2**20 = {MAX_TENSOR_NUMEL}; use a smaller block shape in the BlockSpec, or "
+                    "read the block in pieces (x_ref[pl.ds(i * n, n), :] in a loop)"
+                )
+
+    def _const_val(self, value, aval=None) -> Val:
+        arr = np.asarray(value)
+        dtype = aval.dtype if aval is not None else arr.dtype
+        if arr.shape != ():
+            if arr.size and np.all(arr == arr.flat[0]):
+                return const(self.em, arr.flat[0].item(), dtype, arr.shape)
+            raise LoweringError(
+                f"{BACKEND}: kernel '{self.name}' captures a non-uniform array constant of shape "
+                f"{arr.shape}; pass it as a pallas_call input instead"
+            )
+        return const(self.em, arr.item(), dtype)
+
+    # -- frame --
+    def program_ids(self, sequential: Sequence[int]) -> tuple[list[Val], tuple[int, int, int]]:
+        """Indices of the parallel grid axes from Triton's launch axis 0 (the
+        sequential ones are placeholders, set by ``_sequential_loops``), and
+        the launch grid."""
+        grid = self.gm.grid
+        em = self.em
+        parallel = [ax for ax in range(len(grid)) if ax not in sequential]
+        total = math.prod(grid[ax] for ax in parallel)
+        if total > MAX_GRID_X:
+            raise LoweringError(
+                f"{BACKEND}: kernel '{self.name}': grid {grid} has {total} parallel programs; Triton "
+                f"launches at most {MAX_GRID_X}"
+            )
+        ids = [const(em, 0, np.int32) for _ in grid]
+        if parallel:
+            em.emit("pid = tl.program_id(0)")
+        rest = "pid"
+        for ax in reversed(parallel):
+            name = f"pid{ax}"
+            if ax == parallel[0]:
+                em.emit(f"{name} = {rest}")
+            elif grid[ax] == 1:
+                em.emit(f"{name} = tl.full([], 0, tl.int32)")
+            else:
+                em.emit(f"{name} = {rest} % {grid[ax]}")
+                em.emit(f"pid_rest{ax} = {rest} // {grid[ax]}")
+                rest = f"pid_rest{ax}"
+            ids[ax] = Val(name, (), np.dtype(np.int32))
+        return ids, (max(total, 1), 1, 1)
+
+    def _sequential_loops(
+        self, stack: contextlib.ExitStack, sequential: Sequence[int], ids: list[Val]
+    ) -> None:
+        for ax in sequential:
+            it = self.em.fresh("step")
+            stack.enter_context(self.em.block(f"for {it} in range(0, {self.gm.grid[ax]}):"))
+            # A tensor (the interpreter's loop variable is a Python int).
+            self.em.emit(f"pid{ax} = tl.full([], 0, tl.int32) + {it}")
+            ids[ax] = Val(f"pid{ax}", (), np.dtype(np.int32))
+
+    def lower(self) -> tuple[str, list[str], tuple[int, int, int]]:
+        """Returns (kernel source, pointer signature per argument, launch grid)."""
+        self._collect_used(self.jaxpr)
+        gm, em = self.gm, self.em
+        for bm in gm.block_mappings:
+            if np.dtype(bm.dtype).name in INT4:
+                raise LoweringError(
+                    f"{BACKEND}: {bm.origin} of pallas_call '{self.name}' at {gm.source}: arrays of dtype "
+                    f"{np.dtype(bm.dtype).name} cannot be Triton kernel operands (XLA stores 4-bit arrays "
+                    "packed two per byte and Triton has no 4-bit type); pass it as int8 "
+                    "(x.astype(jnp.int8)) and cast to int4 inside the kernel if needed"
+                )
+        sequential = sequential_axes(gm, self.jaxpr)
+        ids, launch_grid = self.program_ids(sequential)
+        n_in = gm.num_inputs
+        refs: list[Any] = [None] * len(gm.block_mappings)
+        # Output blocks do not move along sequential axes: address them once.
+        for i in range(n_in, len(gm.block_mappings)):
+            refs[i] = block_ref(self, i, gm.block_mappings[i], ids)
+        resident = self._resident_outputs(refs, sequential)
+        scratch = []
+        for a in gm.scratch_avals:
+            inner = a.inner_aval if hasattr(a, "inner_aval") else a
+            v = const(em, 0, inner.dtype, inner.shape)
+            scratch.append(ScratchRef(v.expr, tuple(inner.shape), np.dtype(inner.dtype)))
+        with contextlib.ExitStack() as loops:
+            self._sequential_loops(loops, sequential, ids)
+            for i in range(n_in):
+                refs[i] = block_ref(self, i, gm.block_mappings[i], ids)
+            em.emit("# kernel body")
+            kernel_refs = [resident.get(i, r) for i, r in enumerate(refs)]
+            self.lower_jaxpr(self.jaxpr, [*ids, *kernel_refs, *scratch])
+            if sequential and len(resident) < gm.num_outputs:
+                em.emit("tl.debug_barrier()  # the next step reads what this one stored")
+        for r in resident.values():
+            store_block(em, r.block, Val(r.var, r.shape, r.dtype))
+        args = [arg_name(bm, i) for i, bm in enumerate(gm.block_mappings)]
+        sig = [pointer_signature(bm.dtype) for bm in gm.block_mappings]
+        header = [f"def {self.fn_name}({', '.join(args)}):"]
+        return "\n".join(header + em.lines) + "\n", sig, launch_grid
+
+    def _resident_outputs(self, refs: list[Any], sequential: Sequence[int]) -> dict[int, ResidentRef]:
+        """Output blocks loaded into registers before the sequential loops."""
+        if not sequential:
+            return {}
+        out: dict[int, ResidentRef] = {}
+        budget = MAX_RESIDENT_NUMEL
+        for i in range(self.gm.num_inputs, len(refs)):
+            numel = math.prod(pad_shape(refs[i].block_shape))
+            if i in self.in_memory or numel > budget:
+                continue
+            budget -= numel
+            v = load_block(self.em, refs[i])
+            out[i] = ResidentRef(v.expr, tuple(refs[i].block_shape), refs[i].dtype, index=i, block=refs[i])
+        return out
+
+
+def sequential_axes(gm, jaxpr) -> tuple[int, ...]:
+    """Grid axes (of size > 1) that no output index map reads: every output
+    block stays the same along them. Empty for kernels without outputs or
+    with atomics (those combine parallel programs through memory)."""
+    outs = gm.out_block_mappings
+    if not outs or _uses(jaxpr, (gpu_primitives.atomic_rmw_p, gpu_primitives.atomic_cas_p)):
+        return ()
+    read: set[int] = set()
+    for bm in outs:
+        read |= _inputs_read(bm.index_map)
+    return tuple(ax for ax, g in enumerate(gm.grid) if g > 1 and ax not in read)
+
+
+def _inputs_read(closed) -> set[int]:
+    """Positions of the jaxpr's inputs that its outputs depend on (an
+    equation with sub-jaxprs counts as reading all its operands)."""
+    jaxpr, _ = compat.unwrap_jaxpr(closed)
+    needed = {id(v) for v in jaxpr.outvars if isinstance(v, compat.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(id(v) in needed for v in eqn.outvars):
+            needed |= {id(v) for v in eqn.invars if isinstance(v, compat.Var)}
+    return {k for k, v in enumerate(jaxpr.invars) if id(v) in needed}
+
+
+def _uses(closed, prims) -> bool:
+    jaxpr, _ = compat.unwrap_jaxpr(closed)
+    return any(
+        eqn.primitive in prims or any(_uses(sub, prims) for p in eqn.params.values() for sub in subjaxprs(p))
+        for eqn in jaxpr.eqns
+    )
+
+
+def subjaxprs(p):
+    if isinstance(p, (compat.ClosedJaxpr, compat.Jaxpr)):
+        yield p
+    elif isinstance(p, (tuple, list)):
+        for q in p:
+            yield from subjaxprs(q)
+
+
+def _located(e: Exception, rc: RuleContext) -> Exception:
+    """``e`` with the equation and the user's line, as an exception of the same
+    type (``e`` itself, with a note, when its type cannot be rebuilt from a
+    message). Our own errors and already-located ones pass through."""
+    if isinstance(e, (LoweringError, NotResident)) or getattr(e, "_pallas_gpu_located", False):
+        return e
+    eqn = " ".join(str(rc.eqn).split())
+    eqn = eqn if len(eqn) <= 300 else eqn[:297] + "..."
+    msg = (
+        f"{BACKEND}: in kernel '{rc.lowering.name}' at {rc.lowering.source_line(rc.eqn)}: lowering "
+        f"primitive '{rc.eqn.primitive.name}' ({eqn}) raised {type(e).__name__}: {e}"
+    )
+    try:
+        new = type(e)(msg)
+    except Exception:
+        new = None
+    if new is None or type(new) is not type(e):
+        e.add_note(msg)
+        new = e
+    new._pallas_gpu_located = True
+    return new
+
+
+# Names the generated module defines or uses at module level.
+_RESERVED = {"triton", "tl", "libdevice", *dir(builtins)}
+MAX_NAME = 64
+
+
+def kernel_name(name: str) -> str:
+    """A valid, unclaimed Python/PTX identifier for the Triton function of the
+    kernel ``name`` (ASCII letters, digits and ``_``; not a keyword, a builtin
+    or a name of the generated module; at most 64 characters)."""
+    out = "".join(c if (c.isascii() and c.isalnum()) or c == "_" else "_" for c in name) or "kernel"
+    if out[0].isdigit() or out[0] == "_" or keyword.iskeyword(out) or out in _RESERVED:
+        out = "k_" + out
+    if len(out) > MAX_NAME:
+        out = out[: MAX_NAME - 9] + "_" + hashlib.sha256(name.encode()).hexdigest()[:8]
+    return out
+
+
+def lower_kernel(jaxpr, grid_mapping) -> LoweredKernel:
+    name = kernel_name(grid_mapping.kernel_name)
+    in_memory: frozenset[int] = frozenset()
+    while True:
+        kl = KernelLowering(jaxpr, grid_mapping, name, in_memory)
+        try:
+            src, sig, launch_grid = kl.lower()
+            break
+        except NotResident as e:  # accessed in parts: lower again with that block in memory
+            in_memory |= {e.index}
+    helpers = "".join(f"@triton.jit\n{s}\n\n" for s in kl.em.helpers.values())
+    body = helpers + "@triton.jit\n" + src
+    return LoweredKernel(name, body, tuple(sig), launch_grid, tuple(kl.gpu_only), grid_mapping.kernel_name)

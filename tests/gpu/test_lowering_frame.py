@@ -1,0 +1,137 @@
+"""The kernel frame: Triton function names made from any kernel name,
+exceptions of lowering rules located at the user's line, and the one-way
+imports of the lowering modules."""
+
+from __future__ import annotations
+
+import ast
+import keyword
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+from gpu_test_base import Runner, assert_close, lowered, random
+from jax.extend.core import Primitive
+
+import pallas as pl
+import pallas_gpu as plgpu
+from pallas_gpu._src import lowering
+
+R = Runner()
+
+NAMES = [
+    "class",
+    "None",
+    "tl",
+    "triton",
+    "range",
+    "_dot_operand",
+    "my kernel",
+    "ядро-核心",
+    "x" * 300,
+    "9lives",
+    "",
+]
+
+
+def _add(name, call=R.call):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
+
+    return call(
+        kernel,
+        jax.ShapeDtypeStruct((100,), jnp.float32),
+        grid=(2,),
+        in_specs=[pl.BlockSpec((64,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((64,), lambda i: (i,)),
+        name=name or None,
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_any_kernel_name_generates_valid_code(name):
+    x = random((100,), jnp.float32)
+    assert_close(_add(name)(x), x + 1)
+    lk = lowered(_add(name, call=pl.pallas_call), x)
+    assert lk.name.isidentifier() and lk.name.isascii() and not keyword.iskeyword(lk.name)
+    assert len(lk.name) <= 64 and lk.name not in ("tl", "triton", "range", "_dot_operand")
+
+
+def test_kernel_name_in_messages_is_the_users():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jax.lax.sort(x_ref[...])  # no Triton lowering
+
+    f = pl.pallas_call(
+        kernel, jax.ShapeDtypeStruct((16,), jnp.float32), name="my kernel", interpret=plgpu.InterpretParams()
+    )
+    with pytest.raises(NotImplementedError, match="kernel 'my kernel' at .*test_lowering_frame.py"):
+        f(random((16,), jnp.float32))
+
+
+# ---------------------------------------------------------------------------
+# Exceptions raised inside a rule
+
+
+class TwoArgError(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+boom_p = Primitive("boom")
+boom_p.def_abstract_eval(lambda x, **_: x)
+boom_p.def_impl(lambda x, **_: x)
+
+
+@lowering.register_lowering(boom_p)
+def _boom_rule(rc, x, *, exc):
+    raise exc
+
+
+def _boom_kernel(exc):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = boom_p.bind(x_ref[...], exc=exc)  # the boom line
+
+    return pl.pallas_call(kernel, jax.ShapeDtypeStruct((8,), jnp.float32), interpret=plgpu.InterpretParams())
+
+
+def test_rule_exception_keeps_type_and_cause_and_names_the_line():
+    original = ValueError("the rule failed")
+    with pytest.raises(ValueError) as info:
+        _boom_kernel(original)(random((8,), jnp.float32))
+    msg = str(info.value)
+    assert "the rule failed" in msg and "primitive 'boom'" in msg and "boom" in msg
+    assert "test_lowering_frame.py" in msg and "kernel 'kernel'" in msg
+    assert info.value.__cause__ is original
+
+
+def test_rule_exception_of_unusual_type_gets_a_note():
+    original = TwoArgError("a", "b")
+    with pytest.raises(TwoArgError) as info:
+        _boom_kernel(original)(random((8,), jnp.float32))
+    assert info.value is original
+    assert any("test_lowering_frame.py" in n and "primitive 'boom'" in n for n in info.value.__notes__)
+
+
+# ---------------------------------------------------------------------------
+# Imports run one way: lowering.py <- rule modules <- lowering_kernel.py
+
+
+SRC = pathlib.Path(lowering.__file__).parent
+
+
+def _runtime_imports(path: pathlib.Path) -> set[str]:
+    """Modules of pallas_gpu._src imported outside ``if TYPE_CHECKING:``."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m.rsplit(".", 1)[-1] for m in found if m.startswith("pallas_gpu._src")}
+
+
+def test_lowering_imports_run_one_way():
+    rules = ["lowering_memory", "lowering_control", "lowering_math", "lowering_shapes"]
+    assert not _runtime_imports(SRC / "lowering.py") & {*rules, "lowering_kernel"}
+    for r in rules:
+        assert "lowering_kernel" not in _runtime_imports(SRC / f"{r}.py"), r
+    assert set(rules) - {"lowering_memory"} <= _runtime_imports(SRC / "lowering_kernel.py")

@@ -10,6 +10,7 @@ the index-map functions' signatures are compared with JAX's.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
@@ -73,6 +74,11 @@ def structure(module: ir.Module) -> dict:
     return out
 
 
+def op_counts(module: ir.Module) -> collections.Counter:
+    """How often each op occurs, constants aside (the comparison with JAX)."""
+    return collections.Counter(o for o in ops(module) if o != "arith.constant")
+
+
 def ops(module: ir.Module) -> list[str]:
     """Op names in the module, in order (nested regions included)."""
     return re.findall(r"\b((?:arith|math|vector|tpu|memref|scf)\.[a-z_0-9]+)\b", str(module))
@@ -121,6 +127,7 @@ def test_matmul_matches_jax_structure():
     [m] = ours(lambda a, b: matmul(pl, pltpu, a, b), x, y)
     [ref] = jax_modules(lambda a, b: matmul(jpl, jpltpu, a, b, debug=True), x, y)
     assert structure(m) == structure(ref)
+    assert op_counts(m) == op_counts(ref)
     assert ops(m).count("tpu.matmul") == 1 and ops(m).count("scf.if") == 2
     assert "#tpu.dot_dimension_numbers<[1], [0], [0], [1], [0, 0, 1, 1], [], []>" in str(m)
 
@@ -309,6 +316,7 @@ def test_dynamic_slices_match_jax():
     [m] = ours(lambda a: dyn(pl, pltpu, a), x)
     [ref] = jax_modules(lambda a: dyn(jpl, jpltpu, a, debug=True), x)
     assert structure(m) == structure(ref)
+    assert op_counts(m) == op_counts(ref)
     s = str(m)
     assert "arith.index_cast" in s and "vector.load" in s and "tpu.vector_store" in s
 
@@ -353,6 +361,7 @@ def test_scalar_prefetch_smem_semaphores_loops_match_jax():
     [m] = ours(lambda i, a: prefetch(pl, pltpu, i, a), idx, x)
     [ref] = jax_modules(lambda i, a: prefetch(jpl, jpltpu, i, a, debug=True), idx, x)
     assert structure(m) == structure(ref)
+    assert op_counts(m) == op_counts(ref)
     s = ops(m)
     for op in ("memref.load", "memref.store", "tpu.sem_signal", "tpu.sem_wait", "scf.for", "scf.while"):
         assert op in s
@@ -376,34 +385,101 @@ def test_cond_switch_three_branches():
     assert ops(m).count("scf.if") == 2
 
 
-def test_dma_run_scoped_semaphores():
+# JAX 0.12 waits for DMAs with tpu.wait_dma, JAX 0.11 with tpu.wait_dma2; we follow.
+WAIT_DMA = "tpu.wait_dma" if jax.__version_info__ >= (0, 12) else "tpu.wait_dma2"
+
+# JAX's lowering asks the device for its TPU generation for DMAs: name one.
+TPU_V5E = jax.sharding.AbstractMesh(
+    (1,),
+    ("x",),
+    abstract_device=jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu"),
+)
+
+
+def dma_call(P, TP, x, **kw):
     def kernel(x_hbm, o_ref, buf, sem):
-        c = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 8)], buf, sem)
+        c = TP.make_async_copy(x_hbm.at[P.ds(0, 8)], buf, sem)
         c.start()
         c.wait()
 
         def inner(sems, tmp):
-            copy = pltpu.make_async_copy(x_hbm.at[pl.ds(8, 8)], tmp, sems.at[1])
+            copy = TP.make_async_copy(x_hbm.at[P.ds(8, 8)], tmp, sems.at[1])
             copy.start()
             copy.wait()
             return tmp[0, 0]
 
-        z = pl.run_scoped(inner, pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((8, 128), jnp.float32))
-        o_ref[...] = buf[...] * z + pltpu.roll(buf[...], 3, 1)
+        z = P.run_scoped(inner, TP.SemaphoreType.DMA((2,)), TP.VMEM((8, 128), jnp.float32))
+        o_ref[...] = buf[...] * z + TP.roll(buf[...], 3, 1)
 
-    fn = lambda x: pl.pallas_call(
+    return P.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+        in_specs=[P.BlockSpec(memory_space=P.ANY)],
+        scratch_shapes=[TP.VMEM((8, 128), jnp.float32), TP.SemaphoreType.DMA],
+        **kw,
     )(x)
-    [m] = ours(fn, jax.ShapeDtypeStruct((16, 128), jnp.float32))
+
+
+def test_dma_run_scoped_semaphores_match_jax():
+    x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+    [m] = ours(lambda a: dma_call(pl, pltpu, a), x)
+    with jax.sharding.use_abstract_mesh(TPU_V5E):
+        [ref] = jax_modules(lambda a: dma_call(jpl, jpltpu, a, debug=True), x)
+    assert structure(m) == structure(ref)
+    assert op_counts(m) == op_counts(ref)
     s = ops(m)
-    for op in ("tpu.enqueue_dma", "tpu.wait_dma2", "tpu.sem_alloc", "memref.alloca", "tpu.region"):
+    for op in ("tpu.enqueue_dma", WAIT_DMA, "tpu.sem_alloc", "memref.alloca", "tpu.region"):
         assert op in s, op
     assert s.count("tpu.memref_slice") >= 3 and "tpu.dynamic_rotate" in s
     kernel_type = str(funcs(m)["kernel"].attributes["function_type"])
     assert "#tpu.memory_space<any>" in kernel_type and "!tpu.dma_semaphore" in kernel_type
+
+
+def test_remote_dma_and_signal_in_shard_map():
+    from jax.sharding import PartitionSpec as PS
+
+    mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])
+
+    def kernel(x_ref, o_ref, send_sem, recv_sem, sem):
+        me = lax.axis_index("y")
+        right = lax.rem(me + 1, 2)
+        c = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem, device_id={"y": right})
+        c.start()
+        c.wait()
+        pl.semaphore_signal(sem, 1, device_id=(0, right))
+        pl.semaphore_signal(sem, 1, device_id=3, device_id_type=pl.DeviceIdType.LOGICAL)
+        pl.semaphore_wait(sem, 2)
+
+    def per_shard(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.REGULAR],
+        )(x)
+
+    f = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=PS(("x", "y")), out_specs=PS(("x", "y"))))
+    x = jax.device_put(jnp.zeros((32, 128)), jax.NamedSharding(mesh, PS(("x", "y"))))
+    [m] = ours(f, x)
+    s = str(m)
+    # axis_index('y') = device_id % 2; {"y": right} keeps this device's x: x * 2 + right
+    assert "tpu.device_id" in s and "arith.divsi" in s and "arith.remsi" in s
+    assert re.search(r"tpu.enqueue_dma .*source_semaphore.*target_semaphore.*device_id", s)
+    waits = re.findall(WAIT_DMA + r" .*", s)
+    assert len(waits) == 2
+    if WAIT_DMA == "tpu.wait_dma2":
+        assert "core_id" in waits[0]  # wait_send: device 0, core 0
+    else:
+        assert "wait_target = false" in waits[0] and "device_id" in waits[0]
+    assert len(re.findall(r"tpu.sem_signal .* device_id", s)) == 2
+
+
+def test_remote_dma_outside_shard_map_is_an_error():
+    def ring(x_ref, o_ref, sem):
+        pl.semaphore_signal(sem, 1, device_id=(1,))
+        o_ref[...] = x_ref[...]
+
+    msg = _lowering_error(ring, (8, 128), scratch_shapes=[pltpu.SemaphoreType.REGULAR])
+    assert "not lowered inside jax.shard_map" in msg and "pallas_call 'ring'" in msg
 
 
 # ---------------------------------------------------------------------------

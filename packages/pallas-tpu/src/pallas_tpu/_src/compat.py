@@ -168,3 +168,26 @@ def lower_mosaic_to_custom_call(ctx, *in_nodes, module, out_avals, kernel_name, 
         has_side_effects=side,
         **config,
     )
+
+
+def mesh_axes(ctx) -> tuple[tuple[str, int], ...]:
+    """((name, size), ...) of the device mesh a lowering runs in (inside
+    ``jax.shard_map``), or () outside one."""
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    if mesh is None:
+        return ()
+    return tuple((n, int(mesh.shape[n])) for n in mesh.axis_names)
+
+
+def identity_primitives():
+    """Primitives that are the identity inside a kernel: ``pvary`` (the
+    varying-axes annotation of values in ``jax.shard_map``)."""
+    return [p for p in (getattr(jax_core, "pvary_p", None),) if p is not None]
+
+
+def emits_wait_dma() -> bool:
+    """Whether this JAX's Mosaic lowering waits for DMAs with ``tpu.wait_dma``
+    (both semaphores and ``wait_target``; JAX 0.12+) rather than ``tpu.wait_dma2``."""
+    import jax
+
+    return jax.__version_info__ >= (0, 12)

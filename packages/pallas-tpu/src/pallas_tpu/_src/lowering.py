@@ -222,13 +222,15 @@ def shape_cast(x: ir.Value, shape: Sequence[int], dtype) -> ir.Value:
 
 @dataclasses.dataclass
 class KernelContext:
-    """What rules need of the kernel: its name and the grid."""
+    """What rules need of the kernel: its name, the grid and the device mesh."""
 
     kernel_name: str
     source: str
     grid: tuple[int, ...]
     grid_names: tuple[str | None, ...]
     grid_indices: list[ir.Value]
+    # ((name, size), ...) of the device mesh the kernel runs in (jax.shard_map).
+    mesh_axes: tuple[tuple[str, int], ...] = ()
 
     def describe(self) -> str:
         return plb.describe(self.kernel_name, self.source)

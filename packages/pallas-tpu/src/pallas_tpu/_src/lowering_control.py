@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from jax import lax
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, scf
 
@@ -47,6 +48,24 @@ def _cond_chain(ctx, idx, branches, args, types, first):
     return list(op.results)
 
 
+def _fori_counter(jaxpr, n_consts: int, carry) -> bool:
+    """Whether the scan is ``fori_loop``'s: its first carry is an int32
+    counter the body increments by one (it then becomes the loop's
+    induction variable, as in JAX's lowering)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    if not carry or len(jaxpr.invars) <= n_consts or len(jaxpr.outvars) < 1:
+        return False
+    i, out = jaxpr.invars[n_consts], jaxpr.outvars[0]
+    if str(i.aval.dtype) != "int32" or i.aval.shape:
+        return False
+    for eqn in jaxpr.eqns:
+        if eqn.outvars[0] is out and eqn.primitive is lax.add_p:
+            a, b = eqn.invars
+            one = [x for x in (a, b) if x is not i]
+            return len(one) == 1 and isinstance(one[0], compat.Literal) and one[0].val == 1
+    return False
+
+
 @register_lowering(compat.scan_p)
 def _scan(ctx, *args, jaxpr, length, reverse, **params):
     consts, carry, xs = compat.scan_split(params, args)
@@ -57,8 +76,16 @@ def _scan(ctx, *args, jaxpr, length, reverse, **params):
         )
     if reverse:
         raise NotImplementedError("lax.scan(reverse=True) is not supported")
-    lo, hi, step = constant(0, (), "int32"), constant(length, (), "int32"), constant(1, (), "int32")
-    op = scf.ForOp(lo, hi, step, list(carry))
+    step = constant(1, (), "int32")
+    if _fori_counter(jaxpr, len(consts), carry):
+        lo = carry[0]
+        hi = arith.addi(lo, constant(length, (), "int32"))
+        op = scf.ForOp(lo, hi, step, list(carry[1:]))
+        with ir.InsertionPoint(op.body):
+            outs = lower_jaxpr(ctx.kernel, jaxpr, [*consts, op.induction_variable, *op.inner_iter_args])
+            scf.YieldOp(outs[1:])
+        return [hi, *op.results]
+    op = scf.ForOp(constant(0, (), "int32"), constant(length, (), "int32"), step, list(carry))
     with ir.InsertionPoint(op.body):
         outs = lower_jaxpr(ctx.kernel, jaxpr, [*consts, *op.inner_iter_args])
         scf.YieldOp(outs)
@@ -90,6 +117,11 @@ def _inline(param: str):
 
 for _prim, _param in compat.call_primitives():
     register_lowering(_prim)(_inline(_param))
+
+
+@register_lowering(*compat.identity_primitives())
+def _identity(ctx, *args, **_):
+    return list(args) if ctx.eqn.primitive.multiple_results else args[0]
 
 
 @register_lowering(plb.grid_axis_index_p)

@@ -68,9 +68,10 @@ def func_name(name: str) -> str:
     return name if not name[0].isdigit() else f"_{name}"
 
 
-def lower_kernel(jaxpr, gm, compiler_params=None) -> ir.Module:
+def lower_kernel(jaxpr, gm, compiler_params=None, mesh_axes=()) -> ir.Module:
     """The Mosaic module of one kernel. Call inside an ``ir.Context`` with the
-    tpu dialect registered and a location."""
+    tpu dialect registered and a location. ``mesh_axes``: ((name, size), ...)
+    of the device mesh (``jax.shard_map``) the kernel runs in."""
     G = len(gm.grid)
     if any(not isinstance(g, int) for g in gm.grid):
         raise LoweringException(f"{plb.describe(gm.kernel_name, gm.source)}: the grid must be static ints")
@@ -83,7 +84,12 @@ def lower_kernel(jaxpr, gm, compiler_params=None) -> ir.Module:
         fn = func.FuncOp(name, ([_i32()] * G + prefetch_types + operand_types + scratch_types, []))
         block = fn.add_entry_block()
         kernel = KernelContext(
-            gm.kernel_name, gm.source, tuple(gm.grid), _grid_names(gm), list(block.arguments[:G])
+            gm.kernel_name,
+            gm.source,
+            tuple(gm.grid),
+            _grid_names(gm),
+            list(block.arguments[:G]),
+            tuple(mesh_axes),
         )
         with ir.InsertionPoint(block):
             lower_jaxpr(kernel, jaxpr, list(block.arguments))
@@ -113,10 +119,8 @@ def _window(i: int, bm, gm, prefetch_types) -> ir.Attribute:
     n_out = len(bm.block_shape)
     fn = func.FuncOp(name, ([_i32()] * G + prefetch_types, [_i32()] * n_out))
     block = fn.add_entry_block()
-    kernel = KernelContext(
-        f"{gm.kernel_name} {bm.origin} index_map", gm.source, tuple(gm.grid), _grid_names(gm), []
-    )
-    kernel.grid_indices = list(block.arguments[:G])
+    where = f"{gm.kernel_name} {bm.origin} index_map"
+    kernel = KernelContext(where, gm.source, tuple(gm.grid), _grid_names(gm), list(block.arguments[:G]))
     with ir.InsertionPoint(block):
         index_map = getattr(bm.index_map, "jaxpr", bm.index_map)
         consts = getattr(bm.index_map, "consts", ())

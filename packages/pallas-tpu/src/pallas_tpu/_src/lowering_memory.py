@@ -10,7 +10,7 @@ import string
 import numpy as np
 from jax import lax, tree_util
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import memref, vector
+from jaxlib.mlir.dialects import arith, memref, vector
 from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
@@ -186,11 +186,10 @@ def _run_scoped(ctx, *consts, jaxpr, num_consts, **_):
 @register_lowering(plb.semaphore_signal_p)
 def _semaphore_signal(ctx, sem, *rest, sem_tree, device_id_tree, device_id_type, has_core_index):
     n = sem_tree.num_leaves
-    leaves, inc, extra = rest[:n], rest[n], rest[n + 1 :]
-    if device_id_tree is not None and device_id_tree.num_leaves:
-        raise NotImplementedError("signalling a semaphore on another device is not supported yet")
-    core = extra[-1] if has_core_index else None
-    tpu.sem_signal(view(sem, leaves, sem_tree), inc, core_id=core)
+    leaves, inc, extra = rest[:n], rest[n], list(rest[n + 1 :])
+    core = extra.pop() if has_core_index else None
+    device = logical_device_id(ctx, extra, device_id_tree, device_id_type)
+    tpu.sem_signal(view(sem, leaves, sem_tree), inc, device_id=device, core_id=core)
     return []
 
 
@@ -252,25 +251,103 @@ def _debug_print(ctx, *args, fmt, **_):
     return []
 
 
-def _dma_views(ctx, args, layout):
-    if layout.device_id_tree is not None:
-        raise NotImplementedError("remote DMAs (make_async_remote_copy) are not supported yet")
+def _dma_operands(ctx, args, layout):
+    """The DMA's memref views and its target's logical device id (None: local)."""
     parts = layout.split(args)
     trees = {"src": layout.src_tree, "dst": layout.dst_tree, "dst_sem": layout.dst_sem_tree}
-    return {k: view(*parts[k], trees[k]) for k in trees}
+    if layout.src_sem_tree is not None:
+        trees["src_sem"] = layout.src_sem_tree
+    views = {k: view(*parts[k], trees[k]) for k in trees}
+    device = logical_device_id(ctx, parts["device_id"], layout.device_id_tree, layout.device_id_type)
+    return views, device
 
 
 @register_lowering(tpu_prims.dma_start_p)
 def _dma_start(ctx, *args, layout, priority, add):
     if add:
         raise NotImplementedError("DMAs that add into the destination (add=True) are not supported")
-    v = _dma_views(ctx, args, layout)
-    tpu.enqueue_dma(v["src"], v["dst"], target_semaphore=v["dst_sem"], priority=priority or None)
+    v, device = _dma_operands(ctx, args, layout)
+    tpu.enqueue_dma(
+        v["src"],
+        v["dst"],
+        target_semaphore=v["dst_sem"],
+        source_semaphore=v.get("src_sem"),
+        device_id=device,
+        priority=priority or None,
+    )
     return []
 
 
 @register_lowering(tpu_prims.dma_wait_p)
 def _dma_wait(ctx, *args, layout, which="dst", **_):
-    v = _dma_views(ctx, args, layout)
-    tpu.wait_dma2(v["dst_sem"], v["src"], v["dst"])
+    """Waits as the running JAX's lowering does: ``tpu.wait_dma`` naming the
+    whole copy (JAX 0.12+), else ``tpu.wait_dma2`` on the destination's
+    semaphore, or for ``.wait_send()`` on the source's with src and dst
+    swapped and device 0."""
+    v, device = _dma_operands(ctx, args, layout)
+    send = which == "send"
+    if compat.emits_wait_dma():
+        tpu.wait_dma(
+            v["src"],
+            v["dst"],
+            not send,
+            source_semaphore=v.get("src_sem"),
+            target_semaphore=v["dst_sem"],
+            device_id=device,
+        )
+    elif send:
+        zero = as_i32(0)
+        tpu.wait_dma2(v["src_sem"], v["dst"], v["src"], device_id=zero, core_id=zero)
+    else:
+        tpu.wait_dma2(v["dst_sem"], v["src"], v["dst"], device_id=device)
     return []
+
+
+# ---------------------------------------------------------------------------
+# Devices of a jax.shard_map mesh
+
+
+def _mesh(ctx) -> tuple[tuple[str, int], ...]:
+    if not ctx.kernel.mesh_axes:
+        raise NotImplementedError(
+            "the kernel addresses devices of a mesh, but is not lowered inside jax.shard_map over one"
+        )
+    return ctx.kernel.mesh_axes
+
+
+def mesh_axis_index(ctx, name) -> ir.Value:
+    """This device's index along mesh axis ``name``: (device_id // stride) % size."""
+    axes = _mesh(ctx)
+    names = [n for n, _ in axes]
+    if name not in names:
+        raise NotImplementedError(f"axis '{name}' is neither a grid axis nor an axis of the mesh {names}")
+    k = names.index(name)
+    stride = int(np.prod([s for _, s in axes[k + 1 :]], dtype=np.int64))
+    return arith.remsi(arith.divsi(tpu.device_id(), as_i32(stride)), as_i32(axes[k][1]))
+
+
+def logical_device_id(ctx, leaves, tree, device_id_type):
+    """The logical (flat, row-major over the mesh) id of a device id given as
+    ``pl.DeviceIdType.LOGICAL`` or as MESH coordinates (a tuple in mesh axis
+    order, or a dict {axis: index} whose missing axes are this device's)."""
+    if tree is None or not leaves:
+        return None
+    if device_id_type is plb.DeviceIdType.LOGICAL:
+        return leaves[0]
+    axes = _mesh(ctx)
+    coords = tree_util.tree_unflatten(tree, list(leaves))
+    if isinstance(coords, dict):
+        coords = [coords[n] if n in coords else mesh_axis_index(ctx, n) for n, _ in axes]
+    elif not isinstance(coords, (tuple, list)):
+        coords = [coords]
+    if len(coords) != len(axes):
+        raise ValueError(f"device_id {coords} has {len(coords)} coordinates for the mesh {dict(axes)}")
+    flat = None
+    for c, (_, size) in zip(coords, axes):
+        flat = c if flat is None else arith.addi(arith.muli(flat, as_i32(size)), c)
+    return flat
+
+
+@register_lowering(compat.axis_index_p)
+def _axis_index(ctx, *, axis_name):
+    return mesh_axis_index(ctx, axis_name)

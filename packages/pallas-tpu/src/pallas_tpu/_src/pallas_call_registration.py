@@ -74,14 +74,16 @@ def claims_interpret(jaxpr, grid_mapping) -> bool:
 _collecting = threading.local()
 
 
-def mosaic_module(jaxpr, grid_mapping, compiler_params=None, context: ir.Context | None = None) -> ir.Module:
+def mosaic_module(
+    jaxpr, grid_mapping, compiler_params=None, context: ir.Context | None = None, mesh_axes=()
+) -> ir.Module:
     """The verified Mosaic module of a kernel, built in ``context`` (a new
-    one with the tpu dialect when None)."""
+    one with the tpu dialect when None); ``mesh_axes`` as ``lower_kernel``'s."""
     if context is None:
         context = mlir.make_ir_context()
     tpu.register_dialect(context)
     with context, ir.Location.unknown(context):
-        module = lower_kernel(jaxpr, grid_mapping, compiler_params)
+        module = lower_kernel(jaxpr, grid_mapping, compiler_params, mesh_axes)
         if not module.operation.verify():  # verify() raises with the diagnostics on failure
             raise LoweringException(f"{_where(grid_mapping)}: the Mosaic module does not verify")
     return module
@@ -156,7 +158,7 @@ def lower(
     cp = compiler_params if compiler_params is not None else tpu_core.CompilerParams()
     if not isinstance(cp, tpu_core.CompilerParams):
         raise TypeError(f"{_where(gm)}: compiler_params for a TPU must be pltpu.CompilerParams, got {cp!r}")
-    module = mosaic_module(jaxpr, gm, cp, ctx.module_context.context)
+    module = mosaic_module(jaxpr, gm, cp, ctx.module_context.context, compat.mesh_axes(ctx))
     text = module_text(module)
     if debug:
         print(f"\nThe Mosaic module for {_where(gm)}:")

@@ -9,9 +9,9 @@ front end runs (no GPU, no ptxas; milliseconds), and GPU-only limits the
 interpreter does not have (the smallest ``tl.dot``) are relaxed as in the
 interpreter.
 
-TODO(shared Triton layer in jax_kernel_runtime): uses Triton internals
-(``make_backend``, ``ASTSource.make_ir``); move next to the other Triton
-wrappers once they live in one place.
+TODO(shared Triton layer): this uses Triton internals (``make_backend``,
+``ASTSource.make_ir``); it belongs in jax_kernel_runtime next to
+``_triton_compile``, where pallas-gpu's interpreter path could use it too.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 
+from jax_kernel_runtime import _triton_interpret
 from jax_triton._src.signature import BoundCall
 
 _checked: set = set()
@@ -40,21 +41,28 @@ def check(fn, bound: BoundCall, options: dict) -> None:
     with _lock:
         if key in _checked:
             return
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    try:
-        parsed = backend.parse_options(dict(options))
-        context = ir.context()
-        ir.load_dialects(context)
-        backend.load_dialects(context)
-        codegen_fns = backend.get_codegen_implementation(parsed)
-        codegen_fns["min_dot_size"] = lambda lhs_type, rhs_type: (1, 1, 1)  # as the interpreter
-        src = ASTSource(fn, bound.signature(), constexprs=bound.constexprs(), attrs=bound.attrs())
-        src.make_ir(target, parsed, codegen_fns, backend.get_module_map(), context)
-    except Exception as e:  # Triton raises CompilationError and plain errors
-        raise TritonFrontendError(str(e) or repr(e)) from e
+    # While a kernel is interpreted (in a callback thread) triton.language is
+    # patched with the interpreter's functions: wait for the real language.
+    with _triton_interpret._lock:
+        try:
+            _make_ir(fn, bound, options)
+        except Exception as e:  # Triton raises CompilationError and plain errors
+            raise TritonFrontendError(str(e) or repr(e)) from e
     with _lock:
         _checked.add(key)
+
+
+def _make_ir(fn, bound: BoundCall, options: dict) -> None:
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    parsed = backend.parse_options(dict(options))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    codegen_fns = backend.get_codegen_implementation(parsed)
+    codegen_fns["min_dot_size"] = lambda lhs_type, rhs_type: (1, 1, 1)  # as the interpreter
+    src = ASTSource(fn, bound.signature(), constexprs=bound.constexprs(), attrs=bound.attrs())
+    src.make_ir(target, parsed, codegen_fns, backend.get_module_map(), context)
 
 
 def kernel_source(fn) -> str:

@@ -9,6 +9,8 @@ which the structural tests of ``test_lowering.py`` cannot.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -318,3 +320,35 @@ def test_dma_run_scoped_roll():
 
     x = rand((16, 128), jnp.float32, 16)
     np.testing.assert_allclose(run_ours(fn, x), x[:8] * x[8:] + jnp.roll(x[:8], 3, 1), rtol=1e-6)
+
+
+def test_bool_operands_outputs_and_scratch():
+    def kernel(m_ref, x_ref, o_ref, pos_ref, flag_ref):
+        flag_ref[...] = x_ref[...] > 0.0
+        pos_ref[...] = flag_ref[...] & m_ref[...]
+        o_ref[...] = jnp.where(pos_ref[...], x_ref[...], -1.0)
+
+    def fn(m, x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=(jax.ShapeDtypeStruct(SHAPE, jnp.float32), jax.ShapeDtypeStruct(SHAPE, jnp.bool_)),
+            scratch_shapes=[pltpu.VMEM(SHAPE, jnp.bool_)],
+        )(m, x)
+
+    m, x = rand(SHAPE, jnp.float32, 20) > 0.5, rand(SHAPE, jnp.float32, 21)
+    [module] = pltpu.mosaic_modules(fn, m, x)
+    assert "memref<16x128xi32" in module and "xi1, #tpu" not in module  # bools are int32 in memory
+    i32 = lambda a: np.asarray(a, np.int32)
+    out = pltpu.run_mosaic(
+        module,
+        i32(m),
+        x,
+        out_shape=(jax.ShapeDtypeStruct(SHAPE, jnp.float32), jax.ShapeDtypeStruct(SHAPE, jnp.int32)),
+    )
+    pos = (x > 0) & m
+    np.testing.assert_array_equal(out[0], jnp.where(pos, x, -1.0))
+    np.testing.assert_array_equal(out[1], i32(pos))
+    # the custom call takes and returns int32 in place of bool
+    text = jax.jit(fn).trace(m, x).lower(lowering_platforms=("tpu",)).as_text()
+    call = re.search(r"tpu_custom_call\(.*", text).group(0)
+    assert "tensor<16x128xi32>" in call and "i1>" not in call.split("->")[0]

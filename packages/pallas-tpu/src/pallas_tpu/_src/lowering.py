@@ -10,7 +10,8 @@ index-map functions). Conventions:
   integers are signless MLIR integers: rules read signedness from the avals.
 * A Ref is a ``memref`` in its memory space (``#tpu.memory_space<vmem>``,
   ``smem``, ``hbm``, ``any``, ``semaphore_mem``); a semaphore Ref is a memref of
-  ``!tpu.semaphore`` or ``!tpu.dma_semaphore``. ``ref.at[...]`` views become
+  ``!tpu.semaphore`` or ``!tpu.dma_semaphore``; a bool Ref is a memref of i32
+  (0/1), converted at loads and stores and at the custom call. ``ref.at[...]`` views become
   ``tpu.memref_slice`` (+ ``tpu.memref_squeeze``) where an op needs a memref.
 * A rule is ``rule(ctx, *args, **params) -> value or list of values``; ``ctx``
   holds the equation, its avals and the kernel (``RuleContext``). Rules are
@@ -40,6 +41,8 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 
 BACKEND = "pallas_tpu (Mosaic)"
+# Bools live in memory as int32 0/1 (Refs, kernel operands and outputs), as in JAX.
+BOOL_MEMORY_DTYPE = np.dtype(np.int32)
 
 
 class LoweringException(Exception):
@@ -132,7 +135,7 @@ def memref_type(shape: Sequence[int], dtype, memory_space) -> ir.MemRefType:
     if isinstance(memory_space, plb.SemaphoreSpace):
         el = semaphore_type(memory_space.kind)
     elif is_bool(dtype):
-        raise NotImplementedError(f"{BACKEND}: bool Refs are not supported; store int32 (0/1) instead")
+        el = element_type(BOOL_MEMORY_DTYPE)
     else:
         el = element_type(dtype)
     return ir.MemRefType.get(list(shape), el, memory_space=memory_space_attr(memory_space))

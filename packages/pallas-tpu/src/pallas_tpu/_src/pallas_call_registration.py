@@ -16,6 +16,7 @@ import functools
 import threading
 
 import jax
+import numpy as np
 from jax.interpreters import mlir
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mosaic.python import tpu
@@ -23,7 +24,7 @@ from jaxlib.mosaic.python import tpu
 from pallas_tpu._src import compat, interpret_pallas_call
 from pallas_tpu._src import core as tpu_core
 from pallas_tpu._src.interpret import Interpreter, InterpretParams
-from pallas_tpu._src.lowering import LoweringException
+from pallas_tpu._src.lowering import BOOL_MEMORY_DTYPE, LoweringException
 from pallas_tpu._src.lowering_kernel import func_name, lower_kernel
 
 PLATFORMS = ("tpu",)
@@ -166,6 +167,10 @@ def lower(
     for sink in getattr(_collecting, "sinks", ()):
         sink.append(text)
     config = _custom_call_config(cp, cost_estimate, input_output_aliases, params.get("metadata"))
+    return _bool_as_int32(ctx, args, functools.partial(_custom_call, module=module, gm=gm, config=config))
+
+
+def _custom_call(ctx, *args, module, gm, config):
     with ctx.module_context.context, ir.Location.unknown(ctx.module_context.context):
         try:
             return compat.lower_mosaic_to_custom_call(
@@ -183,6 +188,25 @@ def lower(
                 f"{_where(gm)}: {e}. A kernel that uses pltpu.get_barrier_semaphore() needs "
                 "compiler_params=pltpu.CompilerParams(collective_id=<int>)"
             ) from e
+
+
+def _bool_as_int32(ctx, args, call):
+    """``call(ctx, *args)`` with bool operands and results passed as int32,
+    the kernel's memory type for bools."""
+    to_mem = [a.update(dtype=BOOL_MEMORY_DTYPE) if a.dtype == np.bool_ else a for a in ctx.avals_in]
+    from_mem = [a.update(dtype=BOOL_MEMORY_DTYPE) if a.dtype == np.bool_ else a for a in ctx.avals_out]
+    if to_mem == list(ctx.avals_in) and from_mem == list(ctx.avals_out):
+        return call(ctx, *args)
+    cast_in = mlir.lower_fun(
+        lambda *xs: [x.astype(a.dtype) for x, a in zip(xs, to_mem)], multiple_results=True
+    )
+    args = cast_in(ctx.replace(avals_out=to_mem), *args)
+    outs = call(ctx.replace(avals_in=to_mem, avals_out=from_mem), *args)
+    out_avals = list(ctx.avals_out)
+    cast_out = mlir.lower_fun(
+        lambda *ys: [y.astype(a.dtype) for y, a in zip(ys, out_avals)], multiple_results=True
+    )
+    return cast_out(ctx.replace(avals_in=from_mem), *outs)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_test_base import assert_close, fresh_key, gpu, random, whole
+from gpu_test_base import assert_close, fresh_key, gpu, random, whole, whole_multi
 from jax import lax
 
 import pallas as pl
@@ -35,6 +35,15 @@ def test_int_div_rem_by_zero(dtype):
     x, y = _operands(dtype)
     assert_close(whole(lax.div, x, y), lax.div(x, y))
     assert_close(whole(lax.rem, x, y), lax.rem(x, y))
+
+
+@pytest.mark.parametrize("d", [3, -1, -7])
+def test_int_div_rem_by_a_constant(d):
+    x, _ = _operands(jnp.int32)
+    fn = lambda v: (lax.div(v, jnp.int32(d)), lax.rem(v, jnp.int32(d)))  # noqa: E731
+    q, r = whole_multi(fn, x)
+    assert_close(q, fn(x)[0])
+    assert_close(r, fn(x)[1])
 
 
 SPECIAL = [np.nan, np.inf, -np.inf, 3e9, -3e9, 1e20, -1e20, 2.0**31, 300.0, -300.0, 65504.0, -0.5]

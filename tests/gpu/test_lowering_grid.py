@@ -2,7 +2,9 @@
 grid axes (TPU-style k-loops), and out-of-range block indices and ``pl.ds``
 starts, clamped as in interpret mode. Each kernel runs under Triton's
 interpreter against jnp and compiles for sm_80/sm_90 (``Runner``); the
-``gpu``-marked tests run it on a GPU."""
+``gpu``-marked tests run it on a GPU. The revisit tests run the interpreter's
+programs last-first (``reversed_programs``), so a grid that races on a GPU
+gives a wrong answer on the CPU too."""
 
 from __future__ import annotations
 
@@ -16,6 +18,24 @@ import pallas as pl
 import pallas_gpu as plgpu
 
 R = Runner()
+
+
+@pytest.fixture
+def reversed_programs(monkeypatch):
+    """Triton's interpreter runs programs one at a time in launch order, which
+    hides races between programs; run them last-first instead, as a GPU may."""
+    from jax_kernel_runtime import _triton_interpret as ti
+
+    def run_grid(rewritten, grid, call_args, name, interp):
+        interp.interpreter_builder.set_grid_dim(*grid)
+        for x in reversed(range(grid[0])):
+            for y in reversed(range(grid[1])):
+                for z in reversed(range(grid[2])):
+                    interp.interpreter_builder.set_grid_idx(x, y, z)
+                    ti._bounds.program = (x, y, z)
+                    rewritten(**call_args)
+
+    monkeypatch.setattr(ti, "_run_grid", run_grid)
 
 
 def matmul_revisit(m, k, n, bm, bk, bn, dtype=jnp.float32, call=R.call):
@@ -42,7 +62,7 @@ def matmul_revisit(m, k, n, bm, bk, bn, dtype=jnp.float32, call=R.call):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_matmul_revisited_output(dtype):
+def test_matmul_revisited_output(dtype, reversed_programs):
     a, b = random((64, 128), dtype), random((128, 48), dtype)
     out = matmul_revisit(64, 128, 48, 32, 32, 16, dtype)(a, b)
     ref = jnp.dot(a, b, preferred_element_type=jnp.float32, precision="highest")
@@ -58,7 +78,7 @@ def test_matmul_revisited_output_lowers_to_a_loop():
     assert "for step" in body and body.count("tl.store") == 1  # stored once, after the loop
 
 
-def test_reduction_revisited_output():
+def test_reduction_revisited_output(reversed_programs):
     x = random((40, 96), jnp.float32)
 
     def kernel(x_ref, o_ref):
@@ -78,7 +98,7 @@ def test_reduction_revisited_output():
     assert_close(out, x.sum(axis=1), rtol=1e-5, atol=1e-4)
 
 
-def test_revisits_run_in_grid_order():
+def test_revisits_run_in_grid_order(reversed_programs):
     """A non-commutative update (o = 2 * o + x_k) over two sequential axes."""
     x = random((4, 3, 16), jnp.float32)
 
@@ -104,7 +124,7 @@ def test_revisits_run_in_grid_order():
     assert_close(out, ref, rtol=1e-5, atol=1e-3)
 
 
-def test_revisited_output_written_in_parts():
+def test_revisited_output_written_in_parts(reversed_programs):
     """pl.ds writes into the revisited block: it stays in memory between steps."""
     x = random((16, 64), jnp.float32)
 
@@ -133,7 +153,7 @@ def test_revisited_output_written_in_parts():
     assert_close(out, ref.reshape(16, 16), rtol=1e-5, atol=1e-4)
 
 
-def test_scratch_persists_across_sequential_steps():
+def test_scratch_persists_across_sequential_steps(reversed_programs):
     x = random((3, 32), jnp.float32)
 
     def kernel(x_ref, o_ref, acc_ref):

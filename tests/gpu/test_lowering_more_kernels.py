@@ -208,6 +208,26 @@ def test_vmap_of_aliased_kernel():
 
 
 # ---------------------------------------------------------------------------
+# Kernels that close over constants (JAX's Pallas, like pallas-core, takes
+# scalars; arrays must be inputs)
+
+
+def test_kernel_closing_over_scalar_constants():
+    x = random((8, 32), jnp.float32)
+    scale, shift, n = (
+        jnp.float32(np.asarray(random((), jnp.float32))),
+        np.float32(0.25),
+        jnp.array(3, jnp.int32),
+    )
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * scale + shift + n
+
+    out = jax.jit(R.call(kernel, jax.ShapeDtypeStruct(x.shape, jnp.float32)))(x)
+    assert_close(out, x * scale + shift + n)
+
+
+# ---------------------------------------------------------------------------
 # On the GPU
 
 
@@ -247,3 +267,18 @@ def test_more_kernels_on_gpu():
 
     out = pl.pallas_call(int4_kernel, jax.ShapeDtypeStruct(i.shape, jnp.int32))(i)
     assert_close(out, i.astype(jnp.int4).astype(jnp.int32))
+
+    a, b = random((3, 40), jnp.float32), random((3, 40), jnp.float32)
+
+    def alias_kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2 + y_ref[...]
+
+    f = pl.pallas_call(
+        alias_kernel,
+        jax.ShapeDtypeStruct((40,), jnp.float32),
+        grid=(5,),
+        in_specs=[pl.BlockSpec((8,), lambda i: (i,))] * 2,
+        out_specs=pl.BlockSpec((8,), lambda i: (i,)),
+        input_output_aliases={0: 0},
+    )
+    assert_close(jax.jit(jax.vmap(f))(a, b), a * 2 + b)

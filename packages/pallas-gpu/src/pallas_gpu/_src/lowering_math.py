@@ -109,7 +109,9 @@ for _p, _op in _INFIX.items():
 def _div_rule(rc: RuleContext, x, y, **_):
     if is_float(x.dtype):
         return _wide(rc, "{} / {}", x, y)
-    # Triton's // truncates, like lax.div; x / 0 is -1 (all ones) as in XLA.
+    if _plain_divisor(x, y):
+        return rc.out(f"{x.expr} // {y.expr}")  # Triton's // truncates, like lax.div
+    # x / 0 is -1 (all ones) as in XLA.
     all_ones = const(rc.em, -1 if is_signed_int(x.dtype) else np.iinfo(x.dtype).max, x.dtype)
     return rc.out(f"tl.where({y.expr} == 0, {all_ones.expr}, {x.expr} // {_safe_divisor(rc, x, y)})")
 
@@ -118,8 +120,15 @@ def _div_rule(rc: RuleContext, x, y, **_):
 def _rem_rule(rc: RuleContext, x, y, **_):
     if is_float(x.dtype):
         return _wide(rc, "{} % {}", x, y)  # C fmod semantics, like lax.rem
-    # srem; x % 0 is x as in XLA.
+    if _plain_divisor(x, y):
+        return rc.out(f"{x.expr} % {y.expr}")  # srem, like lax.rem
+    # x % 0 is x as in XLA.
     return rc.out(f"tl.where({y.expr} == 0, {x.expr}, {x.expr} % {_safe_divisor(rc, x, y)})")
+
+
+def _plain_divisor(x: Val, y: Val) -> bool:
+    """A divisor known at trace time to be neither 0 nor (signed) -1."""
+    return y.static is not None and int(y.static) != 0 and (int(y.static) != -1 or not is_signed_int(x.dtype))
 
 
 def _safe_divisor(rc: RuleContext, x: Val, y: Val) -> str:

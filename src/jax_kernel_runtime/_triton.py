@@ -7,6 +7,7 @@ Triton: only callers that compile Triton kernels pay for it.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import hashlib
 import os
@@ -121,7 +122,7 @@ def memoize_triton_key() -> bool:
     try:
         with open(path, encoding="utf-8") as f:
             key = f.read()
-    except OSError:
+    except (OSError, ValueError):  # missing, unreadable, or not UTF-8 (UnicodeDecodeError)
         key = ""
     if not key.startswith(f"{triton.__version__}"):  # missing, truncated or foreign
         key = original()
@@ -157,7 +158,8 @@ def prepare_triton(background: bool = False) -> threading.Thread | None:
 
     With ``background=True`` the work runs in a daemon thread, returned to the
     caller; a later synchronous call (the first compile) waits for it. A fork
-    waits for it too, so a child never inherits a half-done import.
+    waits for it too, so a child never inherits a half-done import, and so
+    does the interpreter's exit (it must not finalize under the thread).
     ``JAX_KERNEL_RUNTIME_BACKGROUND_PREPARE=0`` turns the background thread
     off (the work then happens at the first compile).
     """
@@ -209,3 +211,10 @@ def _wait_for_background() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_wait_for_background)
+
+# A script that ends while the thread is still inside Triton (hashing
+# libtriton for a cold memo) must not finalize the interpreter under it: the
+# daemon thread then touched Python objects without the GIL and the process
+# aborted (pybind11 "dec_ref() PyGILState_Check() failure", exit 134).
+# atexit handlers run before finalization starts, so the exit waits for it.
+atexit.register(_wait_for_background)

@@ -57,6 +57,26 @@ def test_gather_and_scatter_with_integer_array_index(in_range):
         assert_close(s, ref)
 
 
+def test_gather_errors_name_the_kernel_and_line():
+    x, idx = random((32, 24), jnp.float32), jnp.zeros((4, 4), jnp.int32)
+
+    def two_d(x_ref, i_ref, o_ref):
+        o_ref[...] = x_ref[i_ref[...], :]
+
+    f = R.call(two_d, jax.ShapeDtypeStruct((4, 4, 24), jnp.float32))
+    with pytest.raises(
+        NotImplementedError, match=r"kernel 'two_d' at .*test_lowering_more_kernels.py.*2-d integer"
+    ):
+        f(x, idx)
+
+    def twice(x_ref, i_ref, o_ref):
+        o_ref[...] = x_ref.at[i_ref[...], :][pl.ds(0, 2), :]
+
+    f = R.call(twice, jax.ShapeDtypeStruct((2, 24), jnp.float32))
+    with pytest.raises(NotImplementedError, match=r"kernel 'twice' at .*: .*index once"):
+        f(x, jnp.zeros((8,), jnp.int32))
+
+
 def test_jvp_of_a_strided_read():
     x, t = random((32, 16), jnp.float32), random((32, 16), jnp.float32)
 
@@ -97,6 +117,18 @@ def test_dot_algorithm_presets(preset, tol):
         assert np.abs(out - exact).max() > 1e-4  # the operands were rounded
     else:
         assert np.abs(out - exact).max() < tol * np.abs(exact).max()
+
+
+def test_unsupported_dot_preset_error_lists_the_supported_ones():
+    def kernel(a_ref, b_ref, o_ref):
+        o_ref[...] = jnp.dot(a_ref[...], b_ref[...], precision=lax.DotAlgorithmPreset.F16_F16_F16)
+
+    a = random((32, 32), jnp.float32)
+    f = R.call(kernel, jax.ShapeDtypeStruct((32, 32), jnp.float32))
+    with pytest.raises(
+        NotImplementedError, match=r"kernel 'kernel' at .*F16_F16_F16 is not supported.*BF16_BF16_F32"
+    ):
+        f(a, a)
 
 
 # ---------------------------------------------------------------------------

@@ -223,6 +223,26 @@ def test_out_of_range_block_index_is_clamped(shift):
     assert_close(np.asarray(out)[valid], np.asarray(ref)[valid])
 
 
+def test_out_of_range_element_offset_is_clamped():
+    n, size, lo, hi = 40, 8, 2, 3
+    x = random((n,), jnp.float32)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
+
+    out = R.call(
+        kernel,
+        jax.ShapeDtypeStruct((8 * size,), jnp.float32),
+        grid=(8,),
+        in_specs=[pl.BlockSpec((pl.Element(size, (lo, hi)),), lambda i: (i * 7 - 5,))],
+        out_specs=pl.BlockSpec((size,), lambda i: (i,)),
+    )(x)
+    starts = [min(max(i * 7 - 5, 0), n + lo + hi - size) - lo for i in range(8)]  # in array coordinates
+    idx = np.concatenate([s + np.arange(size) for s in starts])
+    valid = (idx >= 0) & (idx < n)  # padding reads are unspecified
+    assert_close(np.asarray(out)[valid], np.asarray(x)[idx[valid]] + 1)
+
+
 def test_out_of_range_output_block_is_clamped():
     """Writes to an out-of-range block land in the clamped block, never outside."""
     x = random((4, 8), jnp.float32)

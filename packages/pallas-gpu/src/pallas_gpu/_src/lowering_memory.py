@@ -123,7 +123,9 @@ def block_ref(kl: KernelLowering, i: int, bm, ids: list[Val]) -> BlockRef:
             lo, hi = dim.padding
             size = dim.block_size
             start = (
-                _add(_clamp(em, ix, max(n + lo + hi - size, 0)), -lo) if lo else _clamp(em, ix, n + hi - size)
+                _add(_clamp(em, ix, max(n + lo + hi - size, 0)), -lo)
+                if lo
+                else _clamp(em, ix, max(n + hi - size, 0))
             )
             in_bounds.append(False)
             nonneg.append(lo == 0)

@@ -103,6 +103,33 @@ def test_winner_read_from_disk_in_a_new_process(monkeypatch):
     assert never.calls == []
 
 
+CORRUPT_WINNER_FILES = [
+    b"[1, 2]",
+    b'{"chosen": null}',
+    b"-1",
+    b"1e400",
+    b'{"chosen": 1e400}',
+    b'{"chosen": -1}',
+    b'{"chosen": 3}',  # out of range: there are 3 configs
+    b'{"chosen": true}',
+    b'{"chosen": "1"}',
+    b"\xff\xfe{\x80",  # not UTF-8
+    b"",
+    b"[" * 100000,  # nested too deep for the parser
+]
+
+
+@pytest.mark.parametrize("data", CORRUPT_WINNER_FILES, ids=range(len(CORRUPT_WINNER_FILES)))
+def test_corrupt_winner_file_is_a_miss_that_is_rewritten(fresh_cache, data):
+    x = random((300,), jnp.float32)
+    f = plgpu.autotune(scaled_add, configs=CONFIGS, timer=FakeTimer([2.0, 1.0, 3.0]))
+    path = fresh_cache / "autotune" / f"{f.tune_key(x, x)}.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    assert f.best_config(x, x) == dict(block=128)  # tuned again ...
+    assert json.loads(path.read_text())["chosen"] == 1  # ... and the file rewritten
+
+
 def test_shapes_dtypes_and_configs_are_part_of_the_key():
     f = plgpu.autotune(
         scaled_add, configs=CONFIGS, timer=FakeTimer([1.0, 2.0, 3.0, 3.0, 2.0, 1.0, 2.0, 1.0, 3.0])

@@ -145,6 +145,39 @@ def test_export_has_tpu_custom_call_with_mosaic_body():
     assert 'kernel_name = "matmul_kernel"' in text
 
 
+def test_custom_call_aliases_cost_and_side_effects():
+    def add_in_place(x_ref, o_ref):
+        i = pl.multiple_of(pl.program_id(0) * 8, 8)
+        o_ref[pl.ds(i, 8), :] = x_ref[pl.ds(i, 8), :] + 1.0
+
+    def fn(x):
+        return pl.pallas_call(
+            add_in_place,
+            out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+            grid=(2,),
+            in_specs=[pl.BlockSpec((16, 128), lambda i: (0, 0))],
+            out_specs=pl.BlockSpec((16, 128), lambda i: (0, 0)),
+            input_output_aliases={0: 0},
+            cost_estimate=pl.CostEstimate(flops=2048, transcendentals=0, bytes_accessed=16384),
+            compiler_params=pltpu.CompilerParams(has_side_effects=True, vmem_limit_bytes=1 << 20),
+        )(x)
+
+    x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+    text = jax.export.export(jax.jit(fn), platforms=["tpu"])(x).mlir_module()
+    call = re.search(r"stablehlo.custom_call @tpu_custom_call.*", text).group(0)
+    assert (
+        "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], operand_index = 0"
+        in call
+    )
+    assert "has_side_effect = true" in call
+    config = re.search(r'backend_config = "(.*?)"[,}]', call).group(1)
+    config = json.loads(re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), config))
+    assert config["custom_call_config"]["cost_estimate"]["flops"] == 2048
+    assert config["scoped_memory_configs"][0]["size"] == 1 << 20  # vmem_limit_bytes
+    [m] = ours(fn, x)
+    assert "tpu.assume_multiple" in str(m)
+
+
 def test_interpret_mode_still_runs():
     x, y = _rand((256, 256), jnp.float32), _rand((256, 256), jnp.float32, 1)
     out = matmul(pl, pltpu, x, y, interpret=pltpu.InterpretParams())
@@ -319,6 +352,42 @@ def test_dynamic_slices_match_jax():
     assert op_counts(m) == op_counts(ref)
     s = str(m)
     assert "arith.index_cast" in s and "vector.load" in s and "tpu.vector_store" in s
+
+
+def element_call(P, TP, x, **kw):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    return P.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((32, 128), jnp.float32),
+        grid=(4,),
+        in_specs=[P.BlockSpec((P.Element(8, (0, 8)), P.Element(128)), lambda i: (i * 8, 0))],
+        out_specs=P.BlockSpec((8, 128), lambda i: (i, 0)),
+        **kw,
+    )(x)
+
+
+def test_element_windows_match_jax():
+    x = jax.ShapeDtypeStruct((32, 128), jnp.float32)
+    [m] = ours(lambda a: element_call(pl, pltpu, a), x)
+    [ref] = jax_modules(lambda a: element_call(jpl, jpltpu, a, debug=True), x)
+    assert structure(m) == structure(ref)
+    assert "#tpu.element_window<[0, 0], [8, 0]>" in structure(m)["window_params"]
+
+
+def test_element_mixed_with_blocked_is_an_error():
+    def mixed(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    msg = _lowering_error(
+        mixed,
+        (32, 128),
+        grid=(4,),
+        in_specs=[pl.BlockSpec((pl.Element(8), 128), lambda i: (i * 8, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+    )
+    assert "in_specs[0]" in msg and "all pl.Element" in msg
 
 
 def prefetch_kernel(P):

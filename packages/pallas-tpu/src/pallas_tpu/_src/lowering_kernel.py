@@ -137,6 +137,11 @@ def _window(i: int, bm, gm, prefetch_types) -> ir.Attribute:
     if _single_buffered(bm):
         params["pipeline_mode"] = ir.Attribute.parse("#tpu.pipeline_mode<synchronous>")
     if any(isinstance(d, plb.Element) for d in bm.block_shape):
+        if not all(isinstance(d, (plb.Element, plb.Squeezed)) for d in bm.block_shape):
+            raise LoweringException(
+                f"{plb.describe(gm.kernel_name, gm.source)}: {bm.origin} mixes pl.Element and blocked "
+                "dims; Mosaic needs all pl.Element (or squeezed) dims in a block shape with one"
+            )
         pads = [d.padding if isinstance(d, plb.Element) else (0, 0) for d in bm.block_shape]
         lo, hi = [p[0] for p in pads], [p[1] for p in pads]
         params["window_kind"] = ir.Attribute.parse(f"#tpu.element_window<{lo},{hi}>")

@@ -10,6 +10,7 @@
 #include "cuda_driver.h"
 #include "ffi_handlers.h"
 #include "kernel_runtime.h"
+#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
@@ -34,6 +35,10 @@ NB_MODULE(_jax_kernel_runtime, m) {
     out["jax_kernel_runtime.KernelCall"] = reg;
     return out;
   });
+
+  m.def("ffi_api_version", []() {
+    return std::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+  }, "(major, minor) of the XLA FFI headers this module was built against.");
 
   m.def("driver_error", []() {
     std::string err;

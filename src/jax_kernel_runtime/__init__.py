@@ -23,3 +23,23 @@ from jax_kernel_runtime._triton import memoize_triton_key as memoize_triton_key
 from jax_kernel_runtime._triton import prepare_triton as prepare_triton
 
 __version__ = "0.1.0"
+
+
+def _register_on_import() -> None:
+    # Importing any package of ours registers the FFI targets (so does JAX's
+    # plugin discovery, jax_plugin.py): a process that deserializes an export
+    # holding our custom call needs no register() ritual. On a machine without
+    # a CUDA backend the registration waits in jaxlib until one starts. A failure
+    # (a build whose FFI API this jaxlib refuses) must not break importing: it
+    # is reported here and raised again by register() at the first kernel call.
+    try:
+        register()
+    except Exception as e:  # noqa: BLE001
+        import warnings
+
+        warnings.warn(
+            f"jax_kernel_runtime: registering the FFI targets failed: {e}", RuntimeWarning, stacklevel=2
+        )
+
+
+_register_on_import()

@@ -8,6 +8,10 @@ def registrations() -> dict[str, dict[str, Any]]:
 def type_registrations() -> dict[str, dict[str, Any]]:
     """{type name: {"type_id": PyCapsule, "type_info": PyCapsule}}."""
 
+def ffi_api_version() -> tuple[int, int]:
+    """(major, minor) XLA FFI API of the headers this module was built against; a jaxlib
+    refuses handlers of a newer API than its own (jaxlib 0.11.2 speaks 0.4, 0.12 speaks 0.5)."""
+
 def driver_error() -> str:
     """Empty if libcuda.so.1 loads and initializes, else why not."""
 

@@ -26,8 +26,10 @@ from jax._src.state import types as state_types
 Literal = jax_core.Literal
 Var = jax_core.Var
 DropVar = jax_core.DropVar
-ClosedJaxpr = jax_core.ClosedJaxpr
 Jaxpr = jax_core.Jaxpr
+# JAX 0.11 folded ClosedJaxpr into Jaxpr (a Jaxpr carries its consts) and kept
+# ClosedJaxpr as an alias; JAX 0.12 dropped the alias.
+ClosedJaxpr = getattr(jax_core, "ClosedJaxpr", jax_core.Jaxpr)
 AbstractRef = state_types.AbstractRef
 NDIndexer = state_indexing.NDIndexer
 Slice = state_indexing.Slice

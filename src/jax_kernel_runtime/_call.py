@@ -32,9 +32,10 @@ _lock = threading.Lock()
 def register() -> None:
     """Registers the FFI target and its state type for platform CUDA.
 
-    Idempotent and cheap; ``kernel_call`` calls it. A process that only
-    deserializes an exported function containing the target must call it (or
-    import ``jax_triton``) before running that function.
+    Idempotent and cheap; ``kernel_call`` calls it. Importing
+    ``jax_kernel_runtime`` calls it, and so does JAX's plugin discovery
+    (``jax_kernel_runtime.jax_plugin``), so a process that only deserializes
+    an exported function containing the target need not.
     """
     global _registered
     with _lock:

@@ -125,32 +125,54 @@ def test_revisits_run_in_grid_order(reversed_programs):
 
 
 def test_revisited_output_written_in_parts(reversed_programs):
-    """pl.ds writes into the revisited block: it stays in memory between steps."""
+    """pl.ds reads and writes of the revisited block (at starts that do not
+    depend on k): it stays in memory between steps."""
     x = random((16, 64), jnp.float32)
+    s = jnp.array([3], jnp.int32)
 
-    def kernel(x_ref, o_ref):
+    def kernel(s_ref, x_ref, o_ref):
         k = pl.program_id(1)
 
         @pl.when(k == 0)
         def _():
             o_ref[...] = jnp.zeros_like(o_ref)
 
-        half = pl.ds(pl.multiple_of((k % 2) * 4, 4), 4)
-        o_ref[half, :] += x_ref[half, :] * (k + 1).astype(jnp.float32)
+        rows = pl.ds(s_ref[0], 4)
+        o_ref[pl.ds(0, 4), :] += x_ref[pl.ds(0, 4), :] * (k + 1).astype(jnp.float32)
+        o_ref[rows, :] = o_ref[rows, :] * 0.5 + x_ref[rows, :]
 
     out = R.call(
         kernel,
         jax.ShapeDtypeStruct((16, 16), jnp.float32),
         grid=(2, 4),
-        in_specs=[pl.BlockSpec((8, 16), lambda i, k: (i, k))],
+        in_specs=[pl.BlockSpec((1,), lambda i, k: (0,)), pl.BlockSpec((8, 16), lambda i, k: (i, k))],
         out_specs=pl.BlockSpec((8, 16), lambda i, k: (i, 0)),
-    )(x)
-    blocks = x.reshape(2, 8, 4, 16)
+    )(s, x)
+    blocks = np.asarray(x).reshape(2, 8, 4, 16)
     ref = np.zeros((2, 8, 16), np.float32)
     for k in range(4):
-        rows = slice((k % 2) * 4, (k % 2) * 4 + 4)
-        ref[:, rows] += np.asarray(blocks[:, rows, k]) * (k + 1)
+        ref[:, 0:4] += blocks[:, 0:4, k] * (k + 1)
+        ref[:, 3:7] = ref[:, 3:7] * 0.5 + blocks[:, 3:7, k]
     assert_close(out, ref.reshape(16, 16), rtol=1e-5, atol=1e-4)
+
+
+def test_outputs_addressed_by_program_id_stay_parallel(reversed_programs):
+    """A Triton-style kernel over whole arrays: every program writes its own
+    pl.ds(i * b, b) part of the output, so the grid stays parallel."""
+    x = random((1000,), jnp.float32)
+
+    def kernel(x_ref, o_ref):
+        part = pl.ds(pl.program_id(0) * 128, 128)
+        o_ref[part] = x_ref[part] * 3
+
+    f = R.call(kernel, jax.ShapeDtypeStruct((1024,), jnp.float32), grid=(8,))
+    out = f(jnp.pad(x, (0, 24)))
+    assert_close(out[:1000], x * 3)
+    lk = lowered(
+        pl.pallas_call(kernel, jax.ShapeDtypeStruct((1024,), jnp.float32), grid=(8,)),
+        jax.ShapeDtypeStruct((1024,), jnp.float32),
+    )
+    assert lk.launch_grid == (8, 1, 1) and "for step" not in lk.body
 
 
 def test_scratch_persists_across_sequential_steps(reversed_programs):

@@ -6,7 +6,8 @@ The grid is split in two:
 * *parallel* axes are folded onto Triton's first launch axis (last axis
   fastest: Pallas' order, so neighbouring programs share blocks);
 * *sequential* axes, those along which every output block stays the same
-  (no output index map reads them), run as nested ``for`` loops inside one
+  (no output index map reads them, and the kernel does not index its
+  outputs with their ``program_id``), run as nested ``for`` loops inside one
   program, in grid order. This is what a TPU-style kernel that revisits its
   output (a k-loop accumulating into ``o_ref`` under ``pl.when(k == 0)``)
   needs: on the GPU, programs run in parallel, so such revisits would race.
@@ -283,16 +284,63 @@ class KernelLowering:
 
 
 def sequential_axes(gm, jaxpr) -> tuple[int, ...]:
-    """Grid axes (of size > 1) that no output index map reads: every output
-    block stays the same along them. Empty for kernels without outputs or
-    with atomics (those combine parallel programs through memory)."""
+    """Grid axes (of size > 1) along which every output block stays the same:
+    no output index map reads them, and the kernel does not address its
+    outputs with their ``program_id`` (a Triton-style kernel over whole
+    arrays writes ``o_ref[pl.ds(i * b, b)]``: its programs write disjoint
+    parts and stay parallel). Empty for kernels without outputs or with
+    atomics (those combine parallel programs through memory)."""
     outs = gm.out_block_mappings
     if not outs or _uses(jaxpr, (gpu_primitives.atomic_rmw_p, gpu_primitives.atomic_cas_p)):
         return ()
     read: set[int] = set()
     for bm in outs:
         read |= _inputs_read(bm.index_map)
-    return tuple(ax for ax, g in enumerate(gm.grid) if g > 1 and ax not in read)
+    invars = compat.unwrap_jaxpr(jaxpr)[0].invars
+    first_out = len(gm.grid) + gm.num_inputs
+    out_refs = {id(v) for v in invars[first_out : first_out + gm.num_outputs]}
+    return tuple(
+        ax
+        for ax, g in enumerate(gm.grid)
+        if g > 1 and ax not in read and not _addresses(jaxpr, {id(invars[ax])}, out_refs)
+    )
+
+
+# State primitives: (ref, value, *indices) for these, (ref, *indices, ...) for the others.
+_WITH_VALUE = {compat.swap_p, compat.addupdate_p, gpu_primitives.store_p}
+_STATE = {compat.get_p, gpu_primitives.load_p, *_WITH_VALUE}
+
+
+def _addresses(closed, tainted: set[int], refs: set[int]) -> bool:
+    """Whether a value computed from ``tainted`` vars indexes one of ``refs``
+    (followed into sub-jaxprs by position; ``id``s of jaxpr vars)."""
+    jaxpr, _ = compat.unwrap_jaxpr(closed)
+    tainted = set(tainted)
+    for eqn in jaxpr.eqns:
+        ins = [v if isinstance(v, compat.Var) else None for v in eqn.invars]
+        if eqn.primitive in _STATE and id(ins[0]) in refs:
+            if any(
+                id(v) in tainted for v in ins[2 if eqn.primitive in _WITH_VALUE else 1 :] if v is not None
+            ):
+                return True
+        for p in eqn.params.values():
+            for sub in subjaxprs(p):
+                pairs = _by_position(compat.unwrap_jaxpr(sub)[0].invars, ins)
+                sub_tainted = {id(s) for s, v in pairs if v is not None and id(v) in tainted}
+                sub_refs = {id(s) for s, v in pairs if v is not None and id(v) in refs}
+                if sub_refs and _addresses(sub, sub_tainted, sub_refs):
+                    return True
+        if any(v is not None and id(v) in tainted for v in ins):
+            tainted |= {id(v) for v in eqn.outvars}
+    return False
+
+
+def _by_position(sub_invars, ins):
+    """Pairs (sub-jaxpr input, equation operand): one to one, else the
+    operands are a suffix (cond branches, while bodies) or a prefix (run_scoped)."""
+    if len(sub_invars) <= len(ins):
+        return list(zip(sub_invars, ins[len(ins) - len(sub_invars) :]))
+    return list(zip(sub_invars, ins))
 
 
 def _inputs_read(closed) -> set[int]:

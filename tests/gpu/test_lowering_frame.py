@@ -135,3 +135,10 @@ def test_lowering_imports_run_one_way():
     for r in rules:
         assert "lowering_kernel" not in _runtime_imports(SRC / f"{r}.py"), r
     assert set(rules) - {"lowering_memory"} <= _runtime_imports(SRC / "lowering_kernel.py")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["class", "tl", "my kernel", "x" * 300])
+def test_any_kernel_name_on_gpu(name):
+    x = random((100,), jnp.float32)
+    assert_close(jax.jit(_add(name, call=pl.pallas_call))(x), x + 1)

@@ -391,3 +391,21 @@ def test_reduction_and_clamped_blocks_on_gpu():
     )(x)
     rows = jnp.concatenate([x[max(i - 1, 0) * 32 :][:32] for i in range(8)])
     assert_close(out, rows.sum(axis=1), rtol=1e-4, atol=1e-3)
+
+
+@gpu
+@pytest.mark.parametrize("s", [-5, 13, 100])
+def test_dynamic_ds_is_clamped_on_gpu(s):
+    x = random((32, 8), jnp.float32)
+
+    def kernel(s_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[pl.ds(s_ref[0], 4), :]
+
+    out = pl.pallas_call(
+        kernel,
+        jax.ShapeDtypeStruct((4, 8), jnp.float32),
+        grid=(1,),
+        in_specs=[pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((16, 8), lambda i: (1, 0))],
+        out_specs=pl.BlockSpec((4, 8), lambda i: (0, 0)),
+    )(jnp.array([s], jnp.int32), x)
+    assert_close(out, _clamped_reference(np.asarray(x[16:]), s, 4))

@@ -240,6 +240,24 @@ def test_vmap_of_aliased_kernel():
 
 
 # ---------------------------------------------------------------------------
+# JAX's pl.broadcast_to (a state primitive; pallas-core does not export it yet)
+
+
+@pytest.mark.parametrize("shape", [(24,), (1, 24), (5, 1)])
+def test_state_broadcast_to(shape):
+    from jax.experimental import pallas as jpl
+
+    x = random(shape, jnp.float32)
+    out_shape = (5, 24)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jpl.broadcast_to(x_ref[...], out_shape) * 2
+
+    out = R.call(kernel, jax.ShapeDtypeStruct(out_shape, jnp.float32))(x)
+    assert_close(out, jnp.broadcast_to(x, out_shape) * 2)
+
+
+# ---------------------------------------------------------------------------
 # Kernels that close over constants (JAX's Pallas, like pallas-core, takes
 # scalars; arrays must be inputs)
 

@@ -63,6 +63,13 @@ def _broadcast_in_dim_rule(rc: RuleContext, x, *dyn, shape, broadcast_dimensions
     return broadcast_to(rc, x, shape, list(broadcast_dimensions))
 
 
+# JAX's pl.broadcast_to (a state primitive with numpy broadcasting), for
+# kernels that bind it; pallas-core's namespace does not export it yet.
+@register_lowering(compat.state_primitives.broadcast_to_p)
+def _state_broadcast_to_rule(rc: RuleContext, x, *, shape):
+    return broadcast_to(rc, x, tuple(shape), list(range(len(shape) - len(x.shape), len(shape))))
+
+
 def _reshape(rc: RuleContext, x: Val, new_shape) -> Val:
     new_shape = tuple(new_shape)
     if x.shape == new_shape:

@@ -23,6 +23,7 @@ import threading
 import types
 from typing import Any
 
+from jax_kernel_runtime import _triton_interpret
 from jax_kernel_runtime._triton import prepare_triton
 from jax_kernel_runtime._triton_cache import DiskCache
 
@@ -115,11 +116,14 @@ def compile_triton(src: Any, cc: int, options: dict[str, Any]) -> Any:
         from triton._C.libtriton import get_cache_invalidating_env_vars
 
         kwargs["_env_vars"] = {**get_cache_invalidating_env_vars(), _STABLE_ENV[0]: _STABLE_ENV[1]}
-    _hook_state.active = True
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(options), **kwargs)
-    finally:
-        _hook_state.active = False
+    # While a kernel is interpreted (in a host-callback thread) triton.language
+    # is patched with the interpreter's functions: compile with the real one.
+    with _triton_interpret.lock:
+        _hook_state.active = True
+        try:
+            return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(options), **kwargs)
+        finally:
+            _hook_state.active = False
 
 
 def triton_versions(*dists: str) -> str:

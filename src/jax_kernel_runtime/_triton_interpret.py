@@ -33,7 +33,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-_lock = threading.Lock()  # THE interpreter lock of the process
+# THE interpreter lock of the process: held while a kernel is interpreted
+# (triton.language is patched meanwhile), and by whoever needs the real
+# language (compile_triton, jax-triton's front-end check).
+lock = threading.Lock()
+_lock = lock
 _bounds: _Bounds | None = None  # the running kernel's buffers (under _lock)
 
 
@@ -129,7 +133,7 @@ def interpret(fn: Any, grid: tuple[int, int, int], args: dict[str, Any], *, name
     global _bounds
     from jax_kernel_runtime import _triton_patches as patches
 
-    with _lock:
+    with lock:
         interp = patches.interpreter()
         rewritten = interp.InterpretedFunction(fn).rewrite()
         call_args, buffers, keep = {}, [], []

@@ -271,3 +271,39 @@ def test_read_only_cache_dir_warns_once_and_runs_uncached(tmp_path):
         assert _run_unwritable(cache).startswith("1 pallas_gpu (PALLAS_GPU_CACHE_DIR): cannot write")
     finally:
         cache.chmod(0o755)
+
+
+_GPU_UNWRITABLE_SCRIPT = textwrap.dedent(
+    """
+    import warnings
+    warnings.simplefilter("always")
+    import jax, jax.numpy as jnp, numpy as np
+    import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    x = jax.random.normal(jax.random.key(1), (4096,), jnp.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        y = pl.pallas_call(
+            kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(4,),
+            in_specs=[pl.BlockSpec((1024,), lambda i: (i,))],
+            out_specs=pl.BlockSpec((1024,), lambda i: (i,)),
+        )(x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x) * 2.0, rtol=1e-6)
+    print(sum("cannot write to the cache directory" in str(w.message) for w in caught))
+    """
+)
+
+
+@pytest.mark.gpu
+def test_gpu_run_with_a_cache_dir_that_is_a_file(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    env = {**os.environ, "PALLAS_GPU_CACHE_DIR": str(blocker), "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1"}
+    env.pop("PALLAS_GPU_DISABLE_CACHE", None)
+    r = subprocess.run(
+        [sys.executable, "-c", _GPU_UNWRITABLE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "1"

@@ -161,16 +161,39 @@ def test_int4_casts(int4):
     assert_close(c, jnp.where(i > 0, i.astype(int4), f.astype(int4)).astype(jnp.int8))
 
 
-def test_int4_operand_error_names_the_operand():
-    def kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...].astype(jnp.int32)
+@pytest.mark.parametrize("int4", [jnp.int4, jnp.uint4])
+@pytest.mark.parametrize("shape,block", [((16, 32), (8, 16)), ((13, 37), (8, 16)), ((7, 5), (7, 5))])
+def test_int4_operands_are_read_packed(int4, shape, block):
+    x = random(shape, jnp.int32, low=-1, high=2).astype(int4)  # -10..19: wraps into 4 bits
+    grid = tuple(pl.cdiv(s, b) for s, b in zip(shape, block))
 
-    x = jnp.zeros((8, 8), jnp.int4)
-    f = R.call(kernel, jax.ShapeDtypeStruct((8, 8), jnp.int32))
+    def kernel(x_ref, o_ref, r_ref):
+        o_ref[...] = x_ref[...].astype(jnp.float32) * 2
+        r_ref[...] = x_ref[pl.ds(1, 3), :].astype(jnp.int32)
+
+    spec = pl.BlockSpec(block, lambda i, j: (i, j))
+    o, r = R.call(
+        kernel,
+        (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct((grid[0] * 3, shape[1]), jnp.int32)),
+        grid=grid,
+        in_specs=[spec],
+        out_specs=(spec, pl.BlockSpec((3, block[1]), lambda i, j: (i, j))),
+    )(x)
+    assert_close(o, x.astype(jnp.float32) * 2)
+    rows = np.concatenate([np.arange(1, 4) + i * block[0] for i in range(grid[0])])
+    valid = rows < shape[0]
+    assert_close(np.asarray(r)[valid], np.asarray(x.astype(jnp.int32))[rows[valid]])
+
+
+def test_int4_output_error_names_the_operand():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...].astype(jnp.int4)
+
+    f = R.call(kernel, jax.ShapeDtypeStruct((8, 8), jnp.int4))
     with pytest.raises(
-        NotImplementedError, match=r"in_specs\[0\] of pallas_call 'kernel' at .*: arrays of dtype int4"
+        NotImplementedError, match=r"out_specs\[0\] of pallas_call 'kernel' at .*: outputs of dtype int4"
     ):
-        f(x)
+        f(jnp.zeros((8, 8), jnp.int32))
 
 
 def test_int4_arithmetic_error_says_to_cast():
@@ -312,11 +335,16 @@ def test_more_kernels_on_gpu():
 
     i = random((8, 32), jnp.int32)
 
-    def int4_kernel(i_ref, o_ref):
+    def int4_kernel(i_ref, p_ref, o_ref, q_ref):
         o_ref[...] = i_ref[...].astype(jnp.int4).astype(jnp.int32)
+        q_ref[...] = p_ref[...].astype(jnp.int32)
 
-    out = pl.pallas_call(int4_kernel, jax.ShapeDtypeStruct(i.shape, jnp.int32))(i)
+    packed = random((13, 37), jnp.int32).astype(jnp.int4)  # read from XLA's packed layout
+    out, q = pl.pallas_call(
+        int4_kernel, (jax.ShapeDtypeStruct(i.shape, jnp.int32), jax.ShapeDtypeStruct(packed.shape, jnp.int32))
+    )(i, packed)
     assert_close(out, i.astype(jnp.int4).astype(jnp.int32))
+    assert_close(q, packed.astype(jnp.int32))
 
     a, b = random((3, 40), jnp.float32), random((3, 40), jnp.float32)
 

@@ -73,10 +73,10 @@ _DTYPES = {
     "bool": ("tl.int1", "i8"),  # bool buffers are stored as bytes
     "float8_e4m3fn": ("tl.float8e4nv", "fp8e4nv"),
     "float8_e5m2": ("tl.float8e5", "fp8e5"),
-    # 4-bit ints live in registers only, held in a byte (Triton has no 4-bit
-    # type); casts wrap/saturate into their range. No pointer: see BlockRef checks.
-    "int4": ("tl.int8", None),
-    "uint4": ("tl.uint8", None),
+    # 4-bit ints are held in a byte in registers (Triton has no 4-bit type);
+    # in memory XLA packs them two per byte, read through *u8 pointers.
+    "int4": ("tl.int8", "u8"),
+    "uint4": ("tl.uint8", "u8"),
 }
 INT4 = ("int4", "uint4")
 

@@ -62,7 +62,7 @@ from pallas_gpu._src.lowering_memory import block_ref, load_block, store_block
 INT4_PRIMITIVES = {
     lax.convert_element_type_p, lax.broadcast_in_dim_p, lax.reshape_p, lax.squeeze_p,
     lax.transpose_p, lax.select_n_p, lax.concatenate_p, lax.slice_p, lax.rev_p, lax.copy_p,
-    compat.jit_p, compat.custom_jvp_call_p, compat.custom_vjp_call_p, compat.cond_p,
+    compat.jit_p, compat.custom_jvp_call_p, compat.custom_vjp_call_p, compat.cond_p, compat.get_p,
 }  # fmt: skip
 
 # Output blocks kept in registers across sequential grid steps, at most (in
@@ -230,13 +230,13 @@ class KernelLowering:
         """Returns (kernel source, pointer signature per argument, launch grid)."""
         self._collect_used(self.jaxpr)
         gm, em = self.gm, self.em
-        for bm in gm.block_mappings:
+        for bm in gm.out_block_mappings:
             if np.dtype(bm.dtype).name in INT4:
                 raise LoweringError(
-                    f"{BACKEND}: {bm.origin} of pallas_call '{self.name}' at {gm.source}: arrays of dtype "
-                    f"{np.dtype(bm.dtype).name} cannot be Triton kernel operands (XLA stores 4-bit arrays "
-                    "packed two per byte and Triton has no 4-bit type); pass it as int8 "
-                    "(x.astype(jnp.int8)) and cast to int4 inside the kernel if needed"
+                    f"{BACKEND}: {bm.origin} of pallas_call '{self.name}' at {gm.source}: outputs of "
+                    f"dtype {np.dtype(bm.dtype).name} are not supported (XLA packs 4-bit arrays two per "
+                    "byte, and one program's nibbles share bytes with another's); return int8 and cast "
+                    "outside the kernel"
                 )
         sequential = sequential_axes(gm, self.jaxpr)
         ids, launch_grid = self.program_ids(sequential)

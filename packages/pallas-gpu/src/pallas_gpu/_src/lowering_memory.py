@@ -27,6 +27,7 @@ from pallas import backend as pallas_backend
 from pallas_gpu._src import compat
 from pallas_gpu._src import primitives as gpu_primitives
 from pallas_gpu._src.lowering import (
+    INT4,
     BlockRef,
     Emitter,
     NotResident,
@@ -290,6 +291,8 @@ def _load_ref(rc: RuleContext, ref, view, out_dtype) -> Val:
     if isinstance(ref, ScratchRef):
         _check_whole(rc, ref, view)
         return em.assign(ref.var, ref.shape, ref.dtype)
+    if ref.dtype.name in INT4:
+        return _load_int4(em, ref, view)
     ptr, mask, shape = block_address(em, ref, view)
     if mask is None:
         expr = f"tl.load({ptr})"
@@ -302,12 +305,28 @@ def _load_ref(rc: RuleContext, ref, view, out_dtype) -> Val:
     return em.assign(expr, shape, out_dtype)
 
 
+def _load_int4(em: Emitter, ref: BlockRef, view: list[DimView]) -> Val:
+    """A load from a 4-bit array, which XLA packs two elements per byte (the
+    even element in the low nibble): bytes at offset // 2, shifted and
+    sign-extended into the int8 (uint8) that holds a 4-bit value."""
+    offset, mask, shape = block_address(em, dataclasses.replace(ref, ptr="0"), view)
+    o = _named(em, "o", offset)
+    load = (
+        f"tl.load({ref.ptr} + {o} // 2, mask={mask}, other=0)" if mask else f"tl.load({ref.ptr} + {o} // 2)"
+    )
+    nibble = _named(em, "nib", f"({load}.to(tl.int32) >> (({o} % 2) * 4)) & 15")
+    if ref.dtype.name == "int4":
+        return em.assign(f"(({nibble} << 28) >> 28).to(tl.int8)", shape, ref.dtype)
+    return em.assign(f"{nibble}.to(tl.uint8)", shape, ref.dtype)
+
+
 def _store_ref(rc: RuleContext, ref, view, val: Val) -> None:
     em = rc.em
     if isinstance(ref, ScratchRef):
         _check_whole(rc, ref, view)
         em.emit(f"{ref.var} = {val.expr}")
         return
+    _no_int4(rc, ref, "stores into")
     ptr, mask, shape = block_address(em, ref, view)
     x = val.expr
     if shape != val.shape:
@@ -320,6 +339,14 @@ def _store_ref(rc: RuleContext, ref, view, val: Val) -> None:
         em.emit(f"tl.store({ptr}, {x})")
     else:
         em.emit(f"tl.store({ptr}, {x}, mask={mask})")
+
+
+def _no_int4(rc: RuleContext, ref: BlockRef, what: str) -> None:
+    if ref.dtype.name in INT4:
+        raise rc.error(
+            f"{what} {ref.dtype.name} Refs are not supported (XLA packs them two per byte); read "
+            "them with ref[...] / pl.ds, or pass int8 arrays"
+        )
 
 
 def _check_whole(rc: RuleContext, ref: ScratchRef, view: list[DimView]) -> None:
@@ -384,6 +411,7 @@ def _gpu_access(rc: RuleContext, ref, tree, args, what: str):
         raise NotResident(ref.index)
     if not isinstance(ref, BlockRef):
         raise rc.error(f"plgpu.{what} works on input/output Refs, not on scratch Refs")
+    _no_int4(rc, ref, f"plgpu.{what} on")
     n = tree.num_leaves
     view = _apply_indexers(ref, _unflatten_transforms(rc, args[:n], tree), rc, clamp=False)
     ptr, mask, shape = block_address(rc.em, ref, view)

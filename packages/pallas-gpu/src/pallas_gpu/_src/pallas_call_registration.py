@@ -196,10 +196,22 @@ def run_interpreted(lk: LoweredKernel, gm, aliases, params: InterpretParams, *ar
     if math.prod(gm.grid) > 0:
         # jax_kernel_runtime's interpreter: shared with jax-triton (one lock),
         # with bounds checks on every memory access and GPU bf16 rounding.
-        bufs = [x.view(np.int8) if x.dtype == np.bool_ else x for x in ins + outs]
+        bufs = [_device_layout(x) for x in ins + outs]
         args = {n: Pointer(t, b) for n, t, b in zip(fn.arg_names, lk.signature, bufs, strict=True)}
         interpret_kernel(fn.fn, lk.launch_grid, args, name=where(gm))
     return tuple(outs)
+
+
+def _device_layout(x: np.ndarray) -> np.ndarray:
+    """``x`` as the GPU holds it: bools as bytes, 4-bit ints packed two per
+    byte (the even element in the low nibble), as XLA does."""
+    if x.dtype == np.bool_:
+        return x.view(np.int8)
+    if x.dtype.name in ("int4", "uint4"):
+        nibbles = x.reshape(-1).view(np.uint8) & 15
+        nibbles = np.pad(nibbles, (0, nibbles.size % 2))
+        return nibbles[0::2] | (nibbles[1::2] << 4)
+    return x
 
 
 def _interpret_call(*args, lk, gm, aliases, params):

@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import linecache
 import re
+import sys
 import threading
 import types
 from typing import Any
@@ -53,9 +54,19 @@ def load_source(prefix: str, source: str, disk: DiskCache | None = None) -> type
         linecache.cache[filename] = (len(source), None, lines, filename)  # mtime None: never evicted
         module = types.ModuleType(name)
         module.__file__ = filename
+        module.__loader__ = _SourceLoader(source)  # linecache reloads from it if cleared
+        sys.modules[name] = module  # so inspect finds the loader if linecache is cleared
         exec(compile(source, filename, "exec"), module.__dict__)
         _modules[name] = module
         return module
+
+
+class _SourceLoader:
+    def __init__(self, source: str):
+        self.source = source
+
+    def get_source(self, name: str) -> str:
+        return self.source
 
 
 def clear_modules() -> None:

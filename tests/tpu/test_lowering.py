@@ -301,7 +301,7 @@ def test_shapes_reductions_iota():
     s = str(_elementwise(jnp.float32, f, n_in=1))
     for op in ("vector.multi_reduction <add>", "<maximumf>", "<minimumf>", "tpu.iota", "vector.broadcast"):
         assert op in s
-    assert "vector.transpose" in s and "vector.shape_cast" in s
+    assert "tpu.transpose" in s and "vector.shape_cast" in s
 
 
 def test_dot_transposed_rhs():

@@ -219,6 +219,16 @@ def shape_cast(x: ir.Value, shape: Sequence[int], dtype) -> ir.Value:
     return vector.shape_cast(value_type(shape, dtype), x)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockRef:
+    """A kernel operand whose block has squeezed dims (``None`` in its block
+    shape): the memref keeps them with size 1, as Mosaic's window does; the
+    kernel's Ref does not (accesses index them with 0)."""
+
+    memref: ir.Value
+    squeezed: tuple[bool, ...]
+
+
 # ---------------------------------------------------------------------------
 # The kernel being lowered and the walker
 

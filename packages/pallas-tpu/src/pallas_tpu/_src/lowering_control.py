@@ -67,7 +67,9 @@ def _fori_counter(jaxpr, n_consts: int, carry) -> bool:
 
 
 @register_lowering(compat.scan_p)
-def _scan(ctx, *args, jaxpr, length, reverse, **params):
+def _scan(ctx, *args, jaxpr, length, reverse, unroll=1, **params):
+    """``scf.for`` (a fully unrolled ``unroll`` emits the body ``length``
+    times; a partial one is Mosaic's ``tpu.late_unroll``), as JAX lowers it."""
     consts, carry, xs = compat.scan_split(params, args)
     if xs or len(ctx.avals_out) != len(carry):
         raise NotImplementedError(
@@ -76,26 +78,67 @@ def _scan(ctx, *args, jaxpr, length, reverse, **params):
         )
     if reverse:
         raise NotImplementedError("lax.scan(reverse=True) is not supported")
-    step = constant(1, (), "int32")
-    if _fori_counter(jaxpr, len(consts), carry):
-        lo = carry[0]
-        hi = arith.addi(lo, constant(length, (), "int32"))
-        op = scf.ForOp(lo, hi, step, list(carry[1:]))
-        with ir.InsertionPoint(op.body):
-            outs = lower_jaxpr(ctx.kernel, jaxpr, [*consts, op.induction_variable, *op.inner_iter_args])
-            scf.YieldOp(outs[1:])
-        return [hi, *op.results]
-    op = scf.ForOp(constant(0, (), "int32"), constant(length, (), "int32"), step, list(carry))
+    unroll = length if unroll is True or unroll == 0 else int(unroll)
+    counter = _fori_counter(jaxpr, len(consts), carry)
+    body_carry = list(carry[1:]) if counter else list(carry)
+
+    def body(i, values):
+        outs = lower_jaxpr(ctx.kernel, jaxpr, [*consts, *([i] if counter else []), *values])
+        return outs[1:] if counter else outs
+
+    start = carry[0] if counter else constant(0, (), "int32")
+    if length and unroll >= length:
+        for k in range(length):
+            body_carry = body(arith.addi(start, constant(k, (), "int32")) if counter else None, body_carry)
+        end = arith.addi(start, constant(length, (), "int32"))
+        return [end, *body_carry] if counter else body_carry
+    end = arith.addi(start, constant(length, (), "int32")) if counter else constant(length, (), "int32")
+    op = scf.ForOp(start, end, constant(1, (), "int32"), body_carry)
+    if unroll > 1:
+        op.attributes["tpu.late_unroll"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), unroll)
     with ir.InsertionPoint(op.body):
-        outs = lower_jaxpr(ctx.kernel, jaxpr, [*consts, *op.inner_iter_args])
-        scf.YieldOp(outs)
-    return list(op.results)
+        scf.YieldOp(body(op.induction_variable, list(op.inner_iter_args)))
+    return [end, *op.results] if counter else list(op.results)
+
+
+def _fori_while(cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
+    """Where ``cond`` is ``i < ub`` and ``body`` adds one to ``i`` (the first
+    carry), ``(True, where ub is)``: ("const", k) or ("carry", k) for a
+    carry the body passes through. ``fori_loop`` with traced bounds is such a
+    while loop; it becomes ``scf.for`` (as JAX lowers it)."""
+    cj, bj = getattr(cond_jaxpr, "jaxpr", cond_jaxpr), getattr(body_jaxpr, "jaxpr", body_jaxpr)
+    carry_c, carry_b = cj.invars[cond_nconsts:], bj.invars[body_nconsts:]
+    if not carry_c or len(cj.eqns) != 1 or cj.eqns[0].primitive is not lax.lt_p:
+        return None
+    i, ub = cj.eqns[0].invars
+    if (
+        i is not carry_c[0]
+        or cj.eqns[0].outvars[0] is not cj.outvars[0]
+        or not _fori_counter(bj, body_nconsts, [0])
+    ):
+        return None
+    if ub in cj.invars[:cond_nconsts]:
+        return ("const", cj.invars.index(ub))
+    if ub in carry_c[1:]:
+        k = carry_c.index(ub)
+        if bj.outvars[k] is carry_b[k]:
+            return ("carry", k)
+    return None
 
 
 @register_lowering(compat.while_p)
 def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
     cconsts, bconsts = args[:cond_nconsts], args[cond_nconsts : cond_nconsts + body_nconsts]
     init = args[cond_nconsts + body_nconsts :]
+    fori = _fori_while(cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts)
+    if fori is not None:
+        where, k = fori
+        hi = cconsts[k] if where == "const" else init[k]
+        op = scf.ForOp(init[0], hi, constant(1, (), "int32"), list(init[1:]))
+        with ir.InsertionPoint(op.body):
+            outs = lower_jaxpr(ctx.kernel, body_jaxpr, [*bconsts, op.induction_variable, *op.inner_iter_args])
+            scf.YieldOp(outs[1:])
+        return [arith.maxsi(init[0], hi), *op.results]
     types = [aval_type(a) for a in ctx.avals_out]
     op = scf.WhileOp(types, list(init))
     before = op.before.blocks.append(*types)

@@ -30,6 +30,7 @@ from pallas_tpu._src import lowering_control as _control  # noqa: F401  (registe
 from pallas_tpu._src import lowering_math as _math  # noqa: F401
 from pallas_tpu._src import lowering_memory as _memory  # noqa: F401
 from pallas_tpu._src.lowering import (
+    BlockRef,
     KernelContext,
     LoweringException,
     as_i32,
@@ -48,8 +49,13 @@ def _i64_attr(v: int) -> ir.Attribute:
 
 
 def _operand_type(bm) -> ir.MemRefType:
-    """A kernel operand's memref: its block (squeezed dims dropped) in its memory space."""
-    return memref_type(bm.kernel_block_shape, bm.dtype, bm.memory_space)
+    """A kernel operand's memref: its block (squeezed dims of size 1) in its memory space."""
+    return memref_type(bm.block_sizes, bm.dtype, bm.memory_space)
+
+
+def _operand_ref(bm, arg):
+    squeezed = tuple(isinstance(d, plb.Squeezed) for d in bm.block_shape)
+    return BlockRef(arg, squeezed) if any(squeezed) else arg
 
 
 def _semantics(gm, compiler_params) -> ir.Attribute:
@@ -91,8 +97,12 @@ def lower_kernel(jaxpr, gm, compiler_params=None, mesh_axes=()) -> ir.Module:
             list(block.arguments[:G]),
             tuple(mesh_axes),
         )
+        refs = list(block.arguments)
+        first = G + len(prefetch_types)
+        for i, bm in enumerate(gm.block_mappings):
+            refs[first + i] = _operand_ref(bm, refs[first + i])
         with ir.InsertionPoint(block):
-            lower_jaxpr(kernel, jaxpr, list(block.arguments))
+            lower_jaxpr(kernel, jaxpr, refs)
             func.ReturnOp([])
         fn.attributes["dimension_semantics"] = _semantics(gm, compiler_params)
         fn.attributes["scalar_prefetch"] = _i64_attr(len(prefetch_types))

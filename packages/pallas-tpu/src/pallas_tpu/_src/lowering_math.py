@@ -293,7 +293,7 @@ def _reshape(ctx, x, *dyn, **_):
 
 @register_lowering(lax.transpose_p)
 def _transpose(ctx, x, permutation):
-    return vector.transpose(aval_type(ctx.avals_out[0]), x, list(permutation))
+    return tpu.transpose(aval_type(ctx.avals_out[0]), x, list(permutation))
 
 
 @register_lowering(lax.slice_p)
@@ -308,6 +308,14 @@ def _slice(ctx, x, start_indices, limit_indices, strides):
 @register_lowering(lax.concatenate_p)
 def _concatenate(ctx, *xs, dimension):
     return tpu.concatenate(list(xs), dimension)
+
+
+@register_lowering(lax.tile_p)
+def _tile(ctx, x, reps):
+    for axis, n in enumerate(reps):
+        if n > 1:
+            x = tpu.concatenate([x] * n, axis)
+    return x
 
 
 @register_lowering(vp.bitcast_p)

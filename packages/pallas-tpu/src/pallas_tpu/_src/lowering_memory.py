@@ -20,6 +20,7 @@ from pallas_tpu._src import random as tpu_random
 from pallas_tpu._src.lowering import (
     BACKEND,
     BOOL_MEMORY_DTYPE,
+    BlockRef,
     as_i32,
     aval_type,
     constant,
@@ -81,9 +82,26 @@ def _transforms(tree, leaves) -> list:
     return ts
 
 
-def slice_ref(ref: ir.Value, indexer) -> ir.Value:
-    """``ref.at[indexer]`` as a memref (``tpu.memref_slice`` + squeeze)."""
-    w = window(indexer)
+def _whole(shape) -> Window:
+    return Window([0] * len(shape), list(shape), [False] * len(shape))
+
+
+def _windows(ref, tree, leaves) -> tuple[ir.Value, list[Window]]:
+    """The memref under ``ref`` and the windows of its ``.at[...]`` transforms;
+    a ``BlockRef``'s squeezed dims become integer indices 0 of the first."""
+    ws = [window(t) for t in _transforms(tree, leaves)]
+    if isinstance(ref, BlockRef):
+        shape = [n for n, q in zip(ir.MemRefType(ref.memref.type).shape, ref.squeezed) if not q]
+        first, rest = (ws[0], ws[1:]) if ws else (_whole(shape), [])
+        starts, sizes, squeezed = iter(first.starts), iter(first.sizes), iter(first.squeezed)
+        full = [(0, 1, True) if q else (next(starts), next(sizes), next(squeezed)) for q in ref.squeezed]
+        ws = [Window(*map(list, zip(*full))), *rest]
+        ref = ref.memref
+    return ref, ws
+
+
+def slice_ref(ref: ir.Value, w: Window) -> ir.Value:
+    """The window ``w`` of ``ref`` as a memref (``tpu.memref_slice`` + squeeze)."""
     t = ir.MemRefType(ref.type)
     sliced = ir.MemRefType.get(w.sizes, t.element_type, memory_space=t.memory_space)
     out = tpu.memref_slice(sliced, ref, [as_i32(s) for s in w.starts], [])
@@ -93,23 +111,21 @@ def slice_ref(ref: ir.Value, indexer) -> ir.Value:
     return out
 
 
-def view(ref: ir.Value, leaves, tree) -> ir.Value:
+def view(ref, leaves, tree) -> ir.Value:
     """The memref of ``ref`` after all its ``.at[...]`` transforms."""
-    for t in _transforms(tree, leaves):
-        ref = slice_ref(ref, t)
+    ref, ws = _windows(ref, tree, leaves)
+    for w in ws:
+        ref = slice_ref(ref, w)
     return ref
 
 
 def _access(ref, tree, leaves):
     """(memref, window) of a read or write: all transforms but the last
     become views; the last one is the accessed window."""
-    ts = _transforms(tree, leaves)
-    for t in ts[:-1]:
-        ref = slice_ref(ref, t)
-    shape = list(ir.MemRefType(ref.type).shape)
-    if not ts:
-        return ref, Window([0] * len(shape), shape, [False] * len(shape))
-    return ref, window(ts[-1])
+    ref, ws = _windows(ref, tree, leaves)
+    for w in ws[:-1]:
+        ref = slice_ref(ref, w)
+    return ref, ws[-1] if ws else _whole(ir.MemRefType(ref.type).shape)
 
 
 def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:

@@ -17,9 +17,9 @@ import pytest
 from gpu_test_base import assert_close, has_gpu, random
 
 import jax_kernel_runtime as jkr
-from jax_kernel_runtime import _triton_cache
 import pallas as pl
 import pallas_gpu as plgpu
+from jax_kernel_runtime import _triton_cache
 from pallas_gpu._src import autotune
 
 

@@ -191,3 +191,10 @@ def emits_wait_dma() -> bool:
     import jax
 
     return jax.__version_info__ >= (0, 12)
+
+
+def sharding_identity_primitives():
+    """``reshard`` (a sharding annotation, the identity inside a kernel)."""
+    from jax._src import pjit
+
+    return [p for p in (getattr(pjit, "reshard_p", None),) if p is not None]

@@ -162,7 +162,7 @@ for _prim, _param in compat.call_primitives():
     register_lowering(_prim)(_inline(_param))
 
 
-@register_lowering(*compat.identity_primitives())
+@register_lowering(*compat.identity_primitives(), *compat.sharding_identity_primitives())
 def _identity(ctx, *args, **_):
     return list(args) if ctx.eqn.primitive.multiple_results else args[0]
 

@@ -196,11 +196,11 @@ def _compare(ctx, x, y):
 def _select_n(ctx, pred, *cases):
     paval, out = ctx.avals_in[0], ctx.avals_out[0]
     cases = _operands(ctx, *cases)
-    pred = broadcast_to(pred, out.shape)
     if len(cases) == 1:
         return cases[0]
-    if is_bool(paval.dtype):
+    if is_bool(paval.dtype):  # a scalar predicate selects whole vectors (as JAX)
         return arith.select(pred, cases[1], cases[0])
+    pred = broadcast_to(pred, out.shape)
     result = cases[-1]  # an integer predicate picks case `pred`
     for i in range(len(cases) - 2, -1, -1):
         k = constant(i, out.shape, paval.dtype)

@@ -52,80 +52,100 @@ class Window:
     starts: list
     sizes: list[int]
     squeezed: list[bool]
+    strides: list[int] | None = None  # None: all 1
+
+    @property
+    def strided(self) -> bool:
+        return any(s != 1 for s in self.strides or ())
 
 
 def window(indexer) -> Window:
     _, Slice = compat.indexing_types()
-    starts, sizes, squeezed = [], [], []
+    starts, sizes, squeezed, strides = [], [], [], []
     for idx in indexer.indices:
         if isinstance(idx, Slice):
-            if idx.stride != 1:
-                raise NotImplementedError(f"strided Ref slices (stride {idx.stride}) are not supported")
             starts.append(idx.start)
             sizes.append(int(idx.size))
             squeezed.append(False)
+            strides.append(int(idx.stride))
         else:
             if isinstance(idx, ir.Value) and isinstance(idx.type, ir.VectorType):
                 raise NotImplementedError("indexing a Ref with an array (a gather) is not supported")
             starts.append(idx)
             sizes.append(1)
             squeezed.append(True)
-    return Window(starts, sizes, squeezed)
+            strides.append(1)
+    return Window(starts, sizes, squeezed, strides)
 
 
 def _transforms(tree, leaves) -> list:
+    """A Ref's transforms as views: a ``Window`` per ``.at[...]`` indexing, a
+    shape tuple per ``.reshape(...)``."""
     NDIndexer, _ = compat.indexing_types()
-    ts = list(tree_util.tree_unflatten(tree, list(leaves))) if tree is not None else []
-    for t in ts:
-        if not isinstance(t, NDIndexer):
+    out = []
+    for t in tree_util.tree_unflatten(tree, list(leaves)) if tree is not None else ():
+        if isinstance(t, NDIndexer):
+            out.append(window(t))
+        elif isinstance(t, compat.ReshapeTransform):
+            out.append(tuple(t.shape))
+        else:
             raise NotImplementedError(f"Ref transform {type(t).__name__} is not supported ({BACKEND})")
-    return ts
+    return out
 
 
 def _whole(shape) -> Window:
     return Window([0] * len(shape), list(shape), [False] * len(shape))
 
 
-def _windows(ref, tree, leaves) -> tuple[ir.Value, list[Window]]:
-    """The memref under ``ref`` and the windows of its ``.at[...]`` transforms;
-    a ``BlockRef``'s squeezed dims become integer indices 0 of the first."""
-    ws = [window(t) for t in _transforms(tree, leaves)]
+def _views(ref, tree, leaves) -> tuple[ir.Value, list]:
+    """The memref under ``ref`` and its views (``_transforms``); a
+    ``BlockRef``'s squeezed dims become integer indices 0 of the first window."""
+    views = _transforms(tree, leaves)
     if isinstance(ref, BlockRef):
         shape = [n for n, q in zip(ir.MemRefType(ref.memref.type).shape, ref.squeezed) if not q]
-        first, rest = (ws[0], ws[1:]) if ws else (_whole(shape), [])
-        starts, sizes, squeezed = iter(first.starts), iter(first.sizes), iter(first.squeezed)
-        full = [(0, 1, True) if q else (next(starts), next(sizes), next(squeezed)) for q in ref.squeezed]
-        ws = [Window(*map(list, zip(*full))), *rest]
+        first, rest = (
+            (views[0], views[1:]) if views and isinstance(views[0], Window) else (_whole(shape), views)
+        )
+        dims = iter(zip(first.starts, first.sizes, first.squeezed, first.strides or [1] * len(first.sizes)))
+        full = [(0, 1, True, 1) if q else next(dims) for q in ref.squeezed]
+        views = [Window(*map(list, zip(*full))), *rest]
         ref = ref.memref
-    return ref, ws
+    return ref, views
 
 
-def slice_ref(ref: ir.Value, w: Window) -> ir.Value:
-    """The window ``w`` of ``ref`` as a memref (``tpu.memref_slice`` + squeeze)."""
+def apply_view(ref: ir.Value, v) -> ir.Value:
+    """A window of ``ref`` (``tpu.memref_slice`` + squeeze) or a reshape of it
+    (``tpu.memref_reshape``), as a memref."""
     t = ir.MemRefType(ref.type)
-    sliced = ir.MemRefType.get(w.sizes, t.element_type, memory_space=t.memory_space)
-    out = tpu.memref_slice(sliced, ref, [as_i32(s) for s in w.starts], [])
-    if any(w.squeezed):
-        shape = [s for s, q in zip(w.sizes, w.squeezed) if not q]
-        out = tpu.memref_squeeze(ir.MemRefType.get(shape, t.element_type, memory_space=t.memory_space), out)
+    like = lambda shape: ir.MemRefType.get(list(shape), t.element_type, memory_space=t.memory_space)  # noqa: E731
+    if not isinstance(v, Window):
+        return tpu.memref_reshape(like(v), ref)
+    if v.strided:
+        raise NotImplementedError(
+            "strided views (ref.at[pl.ds(..., stride=k)]) are not supported; index the Ref"
+        )
+    out = tpu.memref_slice(like(v.sizes), ref, [as_i32(s) for s in v.starts], [])
+    if any(v.squeezed):
+        out = tpu.memref_squeeze(like([s for s, q in zip(v.sizes, v.squeezed) if not q]), out)
     return out
 
 
 def view(ref, leaves, tree) -> ir.Value:
-    """The memref of ``ref`` after all its ``.at[...]`` transforms."""
-    ref, ws = _windows(ref, tree, leaves)
-    for w in ws:
-        ref = slice_ref(ref, w)
+    """The memref of ``ref`` after all its transforms."""
+    ref, views = _views(ref, tree, leaves)
+    for v in views:
+        ref = apply_view(ref, v)
     return ref
 
 
 def _access(ref, tree, leaves):
-    """(memref, window) of a read or write: all transforms but the last
-    become views; the last one is the accessed window."""
-    ref, ws = _windows(ref, tree, leaves)
-    for w in ws[:-1]:
-        ref = slice_ref(ref, w)
-    return ref, ws[-1] if ws else _whole(ir.MemRefType(ref.type).shape)
+    """(memref, window) of a read or write: the transforms before the last
+    indexing become views; that one is the accessed window."""
+    ref, views = _views(ref, tree, leaves)
+    last = views.pop() if views and isinstance(views[-1], Window) else None
+    for v in views:
+        ref = apply_view(ref, v)
+    return ref, last or _whole(ir.MemRefType(ref.type).shape)
 
 
 def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:
@@ -141,7 +161,8 @@ def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:
                 f"reading a {list(out_aval.shape)} block from SMEM: SMEM holds scalars, read one element at a time"
             )
         return memref.load(ref, idx)
-    v = vector.load(value_type(w.sizes, out_aval.dtype), ref, idx)
+    t = value_type(w.sizes, out_aval.dtype)
+    v = tpu.strided_load(t, ref, idx, w.strides) if w.strided else vector.load(t, ref, idx)
     return shape_cast(v, out_aval.shape, out_aval.dtype)
 
 
@@ -159,7 +180,11 @@ def store(ctx, ref, ref_aval, tree, leaves, val, val_aval) -> None:
             )
         memref.store(val, ref, idx)
         return
-    tpu.vector_store(shape_cast(val, w.sizes, val_aval.dtype), ref, idx, strides=[])
+    val = shape_cast(val, w.sizes, val_aval.dtype)
+    if w.strided:
+        tpu.strided_store(val, ref, idx, w.strides)
+    else:
+        tpu.vector_store(val, ref, idx, strides=[])
 
 
 @register_lowering(compat.get_p)

@@ -92,7 +92,8 @@ class _Bounds:
             _, start, nbytes, _ = b
             return start - ptr if ptr < start else max(0, ptr + elem_bytes - (start + nbytes))
 
-        head = f"{self.kernel}, program {self.program}: a {what} "
+        article = "an" if what[0] in "aeiou" else "a"
+        head = f"{self.kernel}, program {self.program}: {article} {what} "
         if not self.buffers:
             return head + f"accesses address {ptr:#x}, but the kernel has no pointer arguments"
         name, start, nbytes, dtype = min(self.buffers, key=distance)
@@ -103,10 +104,11 @@ class _Bounds:
             if byte_off % elem_bytes == 0
             else f"byte offset {byte_off}"
         )
+        valid = f"valid element offsets 0..{elems - 1}" if elems else "empty"
         return (
             head + f"is out of bounds: {n_bad} of its {n} masked-in pointers lie outside every argument "
             f"buffer; the first is at {where} from argument {name!r} (the nearest buffer: "
-            f"{elems} x {dtype.name} = {nbytes} bytes, valid element offsets 0..{elems - 1}). On a "
+            f"{elems} x {dtype.name} = {nbytes} bytes, {valid}). On a "
             "GPU this reads or corrupts unrelated memory. Mask the access (e.g. "
             "mask=offsets < n) or fix the index computation."
         )

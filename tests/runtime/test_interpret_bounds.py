@@ -63,7 +63,7 @@ CASES = {
     "huge_offset": ("unmasked_copy", "", "element offset "),
     "negative_offset": ("unmasked_copy", "x_ptr", "element offset -100000 "),
     "store": ("store_past_end", "o_ptr", "element offset 4096 "),
-    "atomic": ("atomic_far_away", "o_ptr", f"element offset {1 + (1 << 40)} "),
+    "atomic": ("atomic_far_away", "", "element offset "),
 }
 
 
@@ -82,6 +82,8 @@ def test_triton_call_out_of_bounds_raises(tmp_path, case):
     r = run(tmp_path, TRITON_CALL, case)
     assert r.returncode == 1, f"exit {r.returncode} (a negative exit is a crash):\n{r.stderr[-3000:]}"
     assert "OutOfBoundsError" in r.stderr, r.stderr[-3000:]
+    op = {"store": "a store", "atomic": "an atomic"}.get(case, "a load")
+    assert f"{op} is out of bounds" in r.stderr, r.stderr[-3000:]
     assert f"triton_call '{kernel}', program (" in r.stderr
     assert f"from argument '{arg}" in r.stderr and offset in r.stderr, r.stderr[-3000:]
     assert "1000 x float32 = 4000 bytes, valid element offsets 0..999" in r.stderr
@@ -177,3 +179,58 @@ def test_short_interpreted_launch_is_quiet(tmp_path):
     r = run(tmp_path, PROGRESS)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[jax_kernel_runtime] interpreting" not in r.stderr
+
+
+# ---------------------------------------------------------------------------
+# The check itself, on addresses (no memory is touched)
+
+
+def _bounds(*buffers):
+    import numpy as np
+
+    from jax_kernel_runtime._triton_interpret import _Bounds
+
+    return _Bounds("triton_call 'k'", [(n, s, b, np.dtype(np.float32)) for n, s, b in buffers]), np
+
+
+def test_check_accepts_inside_and_masked_off_pointers():
+    b, np = _bounds(("x", 4096, 64), ("alias_of_x", 4096, 64), ("y", 8192, 16))
+    b.check("load", np.array([4096, 4156, 8192, 8204], np.uint64), None, 4)
+    b.check("load", np.array([4096, 99, 2**64 - 4], np.uint64), np.array([True, False, False]), 4)
+
+
+@pytest.mark.parametrize(
+    ("ptr", "arg", "where"),
+    [
+        (4160, "x", "element offset 16 "),  # one past the end
+        (4158, "x", "byte offset 62 "),  # straddles the end
+        (4092, "x", "element offset -1 "),
+        (2**64 - 4, "y", "element offset "),  # wraps around: must not pass as "inside"
+        (8208, "y", "element offset 4 "),
+    ],
+)
+def test_check_names_the_nearest_argument_and_the_offset(ptr, arg, where):
+    from jax_kernel_runtime._triton_interpret import OutOfBoundsError
+
+    b, np = _bounds(("x", 4096, 64), ("y", 8192, 16))
+    with pytest.raises(OutOfBoundsError, match=f"from argument '{arg}'") as e:
+        b.check("store", np.array([4096, ptr], np.uint64), None, 4)
+    assert "triton_call 'k', program (0, 0, 0): a store is out of bounds: 1 of its 2 masked-in" in str(
+        e.value
+    )
+    assert where in str(e.value)
+
+
+def test_zero_size_buffer_and_no_buffers():
+    from jax_kernel_runtime._triton_interpret import OutOfBoundsError
+
+    b, np = _bounds(("empty", 4096, 0))
+    with pytest.raises(
+        OutOfBoundsError, match=r"'empty' \(the nearest buffer: 0 x float32 = 0 bytes, empty\)"
+    ):
+        b.check("load", np.array([4096], np.uint64), None, 4)
+    b, np = _bounds()
+    with pytest.raises(
+        OutOfBoundsError, match="accesses address 0x1000, but the kernel has no pointer arguments"
+    ):
+        b.check("atomic", np.array([4096], np.uint64), None, 4)

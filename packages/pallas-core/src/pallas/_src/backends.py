@@ -20,7 +20,17 @@ from typing import Any
 # Which distribution provides each platform, for the "not installed" error.
 PACKAGE_FOR_PLATFORM = {"cuda": "pallas-gpu", "rocm": "pallas-gpu", "tpu": "pallas-tpu"}
 
-_lock = threading.Lock()
+# pallas_call(backend=...): our backends' names, and JAX's names for the same backends.
+PACKAGE_FOR_BACKEND = {"gpu": PACKAGE_FOR_PLATFORM["cuda"], "tpu": PACKAGE_FOR_PLATFORM["tpu"]}
+BACKEND_ALIASES = {"triton": "gpu", "mosaic_tpu": "tpu", "mosaic": "tpu"}
+# JAX backends this stack does not provide, with what to use instead.
+UNAVAILABLE_BACKENDS = {
+    "mosaic_gpu": "'mosaic_gpu' is JAX's Mosaic GPU backend, which is not part of this stack; "
+    "pallas-gpu lowers through Triton: use backend='triton' (or 'gpu')",
+}
+
+# Re-entrant: loading an entry point imports a backend, which calls register_backend.
+_lock = threading.RLock()
 _backends: dict[str, Any] | None = None
 _load_errors: dict[str, str] = {}
 # Backends that registered themselves when imported: found without scanning
@@ -94,3 +104,23 @@ def interpreter_for(jaxpr, grid_mapping) -> Any | None:
 def load_errors() -> dict[str, str]:
     _load()
     return dict(_load_errors)
+
+
+def resolve_name(name: Any) -> str | None:
+    """The registered backend name ``pallas_call(backend=name)`` selects;
+    a ValueError naming the valid values for an unknown name."""
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise TypeError(f"expected a backend name (a str) or None, got {name!r}")
+    if name in UNAVAILABLE_BACKENDS:
+        raise ValueError(UNAVAILABLE_BACKENDS[name])
+    resolved = BACKEND_ALIASES.get(name, name)
+    known = set(backends()) | set(PACKAGE_FOR_BACKEND)
+    if resolved not in known:
+        valid = sorted(known | set(BACKEND_ALIASES))
+        raise ValueError(
+            f"unknown backend {name!r}; expected None (choose by platform) or one of "
+            + ", ".join(repr(v) for v in valid)
+        )
+    return resolved

@@ -93,6 +93,33 @@ def ref_indexers(eqn):
     return [t for t in transforms if isinstance(t, state_indexing.NDIndexer)]
 
 
+def ref_index_literals(eqn) -> list[tuple[tuple[int, ...], int, int, Any]]:
+    """(ref shape, dim, position in eqn.invars, value) of every static integer
+    index (a Literal) of a Ref get/swap/addupdate."""
+    prim = eqn.primitive
+    first = {state_primitives.get_p: 1, state_primitives.swap_p: 2, state_primitives.addupdate_p: 2}.get(prim)
+    if first is None:
+        return []
+    flat = eqn.invars[first:]
+    marked = tree_util.tree_unflatten(eqn.params["tree"], list(range(len(flat))))
+    out = []
+    for t in marked:
+        if not isinstance(t, state_indexing.NDIndexer):
+            continue
+        for dim, pos in enumerate(t.indices):
+            if isinstance(pos, int) and dim < len(t.shape) and isinstance(flat[pos], Literal):
+                out.append((tuple(t.shape), dim, first + pos, flat[pos].val))
+    return out
+
+
+def replace_literal(eqn, position: int, value):
+    """``eqn`` with its Literal input at ``position`` replaced by ``value``."""
+    old = eqn.invars[position]
+    invars = list(eqn.invars)
+    invars[position] = Literal(type(old.val)(value) if not isinstance(old.val, int) else value, old.aval)
+    return eqn.replace(invars=invars)
+
+
 def subjaxprs(jaxpr):
     from jax.extend.core import subjaxprs as _sub
 

@@ -76,11 +76,28 @@ def _eval_index_map(bm: pallas_core.BlockMapping, points: np.ndarray) -> np.ndar
 
 
 def _element_starts(bm: pallas_core.BlockMapping, idx: np.ndarray) -> np.ndarray:
+    """Element offsets of the blocks into the padded array, with the semantics
+    of ``lax.dynamic_slice`` (and so of JAX's interpret mode) for index maps
+    out of range: a negative offset counts once from the end of the array, then
+    the offset is clamped so that the block lies inside the array."""
     scale = np.array(
         [1 if isinstance(d, pallas_core.Element) else pallas_core._block_size(d) for d in bm.block_shape],
         np.int64,
     )
-    return idx * scale
+    size = np.array(_padded_shape(bm), np.int64)
+    starts = idx * scale
+    starts = np.where(starts < 0, starts + size, starts)
+    return np.clip(starts, 0, np.maximum(size - np.array(bm.block_sizes, np.int64), 0))
+
+
+def _padded_shape(bm: pallas_core.BlockMapping) -> tuple[int, ...]:
+    out = []
+    for size, d in zip(bm.array_shape, bm.block_shape):
+        if isinstance(d, pallas_core.Element):
+            out.append(size + sum(d.padding))
+        else:
+            out.append(size + _high_pad(size, pallas_core._block_size(d)))
+    return tuple(out)
 
 
 def _touches_one_group(keys: np.ndarray, par: np.ndarray) -> bool:
@@ -118,7 +135,8 @@ def make_plan(gm: pallas_core.GridMapping, fully_sequential: bool, vectorize: bo
     grid = gm.grid
     G = len(grid)
     points = np.indices(grid).reshape(G, -1).T if G else np.zeros((1, 0), np.int64)
-    idx = [_eval_index_map(bm, points) for bm in gm.block_mappings]
+    # Keys are the clamped starts: two steps whose blocks clamp to one block interact.
+    idx = [_element_starts(bm, _eval_index_map(bm, points)) for bm in gm.block_mappings]
     written = idx[gm.num_inputs :]
     seq = _choose_seq_axes(grid, points, written, fully_sequential, vectorize)
     par = tuple(g for g in range(G) if g not in seq)
@@ -132,7 +150,7 @@ def make_plan(gm: pallas_core.GridMapping, fully_sequential: bool, vectorize: bo
     else:
         flat = np.zeros((1, 1), np.int64)
         ordered_points = np.zeros((1, 1, 0), np.int64)
-    starts = tuple(_element_starts(bm, i)[flat] for bm, i in zip(gm.block_mappings, idx))
+    starts = tuple(i[flat] for i in idx)
     plan = _Plan(seq, par, ordered_points, starts)
     per_gm[key] = plan
     return plan
@@ -142,14 +160,19 @@ def make_plan(gm: pallas_core.GridMapping, fully_sequential: bool, vectorize: bo
 # Moving blocks in and out of (padded) arrays.
 
 
+def _high_pad(size: int, block: int) -> int:
+    """Padding to whole blocks; an empty dimension gets one block of padding
+    (its blocks read the uninitialized value, like the edge of any array)."""
+    return block if size == 0 else -size % max(block, 1)
+
+
 def _pad(x, bm: pallas_core.BlockMapping):
     pads = []
     for size, d in zip(x.shape, bm.block_shape):
         if isinstance(d, pallas_core.Element):
             pads.append((*d.padding, 0))
         else:
-            b = pallas_core._block_size(d)
-            pads.append((0, -size % b, 0))
+            pads.append((0, _high_pad(size, pallas_core._block_size(d)), 0))
     if all(p[:2] == (0, 0) for p in pads):
         return x
     return lax.pad(x, uninitialized_value((), x.dtype), pads)
@@ -288,9 +311,7 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
         _pad(args[alias_of[o]], bm)
         if o in alias_of
         else uninitialized_value(
-            tuple(s + (-s % b) for s, b in zip(bm.array_shape, bm.block_sizes))
-            if not any(isinstance(d, pallas_core.Element) for d in bm.block_shape)
-            else _pad(jnp.zeros(bm.array_shape, bm.dtype), bm).shape,
+            _padded_shape(bm),
             bm.dtype,
         )
         for o, bm in enumerate(out_bms)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
-from pallas._src import compat, primitives, validate
+from pallas._src import backends, compat, primitives, validate
 from pallas._src import core as pallas_core
 from pallas._src.core import BlockMapping, BlockSpec, GridMapping, GridSpec
 from pallas._src.errors import describe, kernel_scope, user_source
@@ -95,7 +95,7 @@ def _normalize_grid(grid, err: _Err) -> tuple[tuple, tuple[str | None, ...], lis
     return tuple(out), tuple(names) if any(n is not None for n in names) else (), dynamic
 
 
-def _normalize_block_dim(d, what: str, err: _Err):
+def _normalize_block_dim(d, what: str, err: _Err, array_dim: int):
     if d is None or isinstance(d, pallas_core.Squeezed):
         return pallas_core.squeezed
     if isinstance(d, (pallas_core.Blocked, pallas_core.Element)):
@@ -104,7 +104,7 @@ def _normalize_block_dim(d, what: str, err: _Err):
         size, d = int(d), pallas_core.Blocked(int(d))
     else:
         raise err(TypeError, what, f"expected an int, None, pl.squeezed, pl.Blocked or pl.Element, got {d!r}")
-    if not isinstance(size, (int, np.integer)) or size <= 0:
+    if not isinstance(size, (int, np.integer)) or size < 0 or (size == 0 and array_dim != 0):
         raise err(ValueError, what, f"block sizes must be positive ints, got {size!r}")
     if isinstance(d, pallas_core.Element):
         pad = d.padding
@@ -152,7 +152,8 @@ def _block_mapping(
             f"{dtype}{list(shape)} has {len(shape)}",
         )
     dims = tuple(
-        _normalize_block_dim(d, f"{origin}.block_shape[{i}]", err) for i, d in enumerate(block_shape)
+        _normalize_block_dim(d, f"{origin}.block_shape[{i}]", err, n)
+        for i, (d, n) in enumerate(zip(block_shape, shape))
     )
     index_map = spec.index_map
     if index_map is None or whole:
@@ -255,7 +256,9 @@ def _flatten_specs(specs, tree_of: tuple, what: str, err: _Err) -> list:
     return flat
 
 
-def _check_aliases(aliases, in_avals, out_avals, in_names, out_names, err: _Err):
+def _check_aliases(aliases, in_avals, out_avals, in_names, out_names, err: _Err, n_prefetch: int = 0):
+    """(input, output) pairs. As in JAX, input indices count the scalar-prefetch
+    operands first; the pairs returned count the other inputs only."""
     if not isinstance(aliases, dict):
         raise err(
             TypeError,
@@ -264,11 +267,17 @@ def _check_aliases(aliases, in_avals, out_avals, in_names, out_names, err: _Err)
         )
     pairs = []
     for i, o in sorted(aliases.items()):
-        if not isinstance(i, int) or not 0 <= i < len(in_avals):
+        if not isinstance(i, int) or not 0 <= i < n_prefetch + len(in_avals):
             raise err(
                 ValueError,
                 "input_output_aliases",
-                f"input index {i!r} is out of range: there are {len(in_avals)} inputs",
+                f"input index {i!r} is out of range: there are {n_prefetch + len(in_avals)} inputs",
+            )
+        if i < n_prefetch:
+            raise err(
+                ValueError,
+                "input_output_aliases",
+                f"input {i} is a scalar-prefetch operand, which cannot be aliased to an output",
             )
         if not isinstance(o, int) or not 0 <= o < len(out_avals):
             raise err(
@@ -276,15 +285,15 @@ def _check_aliases(aliases, in_avals, out_avals, in_names, out_names, err: _Err)
                 "input_output_aliases",
                 f"output index {o!r} is out of range: there are {len(out_avals)} outputs",
             )
-        a, b = in_avals[i], out_avals[o]
+        a, b = in_avals[i - n_prefetch], out_avals[o]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise err(
                 ValueError,
                 "input_output_aliases",
-                f"input {i} ({in_names[i]}: {a.dtype}{list(a.shape)}) and output {o} "
+                f"input {i} ({in_names[i - n_prefetch]}: {a.dtype}{list(a.shape)}) and output {o} "
                 f"({out_names[o]}: {b.dtype}{list(b.shape)}) must have the same shape and dtype",
             )
-        pairs.append((i, o))
+        pairs.append((i - n_prefetch, o))
     if len({o for _, o in pairs}) != len(pairs):
         raise err(ValueError, "input_output_aliases", "two inputs alias the same output")
     return tuple(pairs)
@@ -356,15 +365,46 @@ def _trace_kernel(
             "into the output Refs and must return None",
         )
     if consts:
-        kinds = ", ".join(f"{jnp.result_type(c)}{list(np.shape(c))}" for c in consts[:3])
-        raise err(
-            ValueError,
-            "",
-            f"the kernel captures {len(consts)} array constant(s) ({kinds}); pass arrays to "
-            "the kernel as pallas_call inputs instead of closing over them",
-        )
+        jaxpr = _hoist_consts(jaxpr, consts, gm)
+    jaxpr = validate.normalize_negative_indices(jaxpr)
     validate.check_static_indices(jaxpr, describe(gm.kernel_name, gm.source))
-    return jaxpr
+    return jaxpr, consts
+
+
+def _hoist_consts(jaxpr, consts, gm: GridMapping):
+    """Arrays the kernel closes over become extra inputs (whole-array blocks,
+    after the user's inputs): the kernel jaxpr reads them from Refs."""
+    k, head = len(consts), len(gm.grid) + gm.num_dynamic_grid_bounds + gm.num_scalar_prefetch
+    n_in = gm.num_inputs
+    fun = compat.jaxpr_as_fun(jaxpr)
+    avals = list(jaxpr.in_avals[k:])
+    const_refs = [compat.ref_aval(np.shape(c), jnp.result_type(c)) for c in consts]
+    avals = avals[: head + n_in] + const_refs + avals[head + n_in :]
+
+    def hoisted(*flat):
+        refs = flat[head + n_in : head + n_in + k]
+        rest = flat[: head + n_in] + flat[head + n_in + k :]
+        return fun(*[r[...] for r in refs], *rest)
+
+    dbg = compat.make_debug_info("pallas_call", hoisted, avals)
+    closed, more = compat.trace_to_closed_jaxpr(hoisted, avals, dbg)
+    assert not more
+    return closed
+
+
+def _const_block_mappings(consts, grid, err, prefetch_avals, prefetch_tree) -> tuple[BlockMapping, ...]:
+    return tuple(
+        _block_mapping(
+            BlockSpec(),
+            jax.core.ShapedArray(np.shape(c), jnp.result_type(c)),
+            f"constant {i} captured by the kernel",
+            grid,
+            err,
+            prefetch_avals,
+            prefetch_tree,
+        )
+        for i, c in enumerate(consts)
+    )
 
 
 def _add_context(e: BaseException, prefix: str) -> None:
@@ -459,7 +499,9 @@ def pallas_call(
       compiler_params: a backend's ``CompilerParams`` (selects the backend), or a
         list of them for a backend that autotunes over them (pallas-gpu).
       cost_estimate: a ``pl.CostEstimate`` for XLA's scheduler.
-      backend: the backend to use when several serve a platform.
+      backend: the backend to lower with on hardware: ``"gpu"`` (pallas-gpu; JAX's
+        name ``"triton"`` is accepted) or ``"tpu"`` (pallas-tpu; ``"mosaic_tpu"``,
+        ``"mosaic"``), or another installed backend's name. Interpret mode ignores it.
     Returns:
       A function of the inputs returning arrays shaped like ``out_shape``.
     """
@@ -517,6 +559,10 @@ def pallas_call(
         args, in_paths, in_avals = args[len(prefetch_tree.children()) :], in_paths[nsp:], in_avals[nsp:]
         in_tree = tree_util.tree_structure(args)
         compiler_params_ = _normalize_compiler_params(compiler_params, err)
+        try:
+            backend_ = backends.resolve_name(backend)
+        except (TypeError, ValueError) as e:
+            raise err(type(e), "backend", str(e)) from None
         if cost_estimate is not None and not isinstance(cost_estimate, pallas_core.CostEstimate):
             raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
         if not isinstance(scratch_shapes_, (tuple, list)):
@@ -537,7 +583,9 @@ def pallas_call(
             _block_mapping(s, a, n, grid_t, err, prefetch_avals, prefetch_tree)
             for s, a, n in zip(flat_in_specs + flat_out_specs, in_avals + out_avals, spec_names)
         ]
-        aliases = _check_aliases(input_output_aliases or {}, in_avals, out_avals, in_names, out_names, err)
+        aliases = _check_aliases(
+            input_output_aliases or {}, in_avals, out_avals, in_names, out_names, err, nsp
+        )
         for i, o in aliases:
             if any(
                 isinstance(d, pallas_core.Element) and d.padding != (0, 0)
@@ -546,7 +594,7 @@ def pallas_call(
                 raise err(
                     NotImplementedError,
                     "input_output_aliases",
-                    f"input {i} is aliased to output {o} but is blocked with a padded pl.Element; "
+                    f"input {i + nsp} is aliased to output {o} but is blocked with a padded pl.Element; "
                     "aliasing needs both sides unpadded",
                 )
         gm = GridMapping(
@@ -565,12 +613,20 @@ def pallas_call(
         # the TPU generation that emit_pipeline tiles for).
         tracing = getattr(_effective_interpret(interpret), "tracing_context", None)
         with tracing() if tracing is not None else contextlib.nullcontext():
-            jaxpr = _trace_kernel(kernel, gm, in_tree, outs_tuple, err, scratch_tree, prefetch_tree)
+            jaxpr, consts = _trace_kernel(kernel, gm, in_tree, outs_tuple, err, scratch_tree, prefetch_tree)
+        if consts:
+            n_in = len(in_avals)
+            bms = (
+                *bms[:n_in],
+                *_const_block_mappings(consts, grid_t, err, prefetch_avals, prefetch_tree),
+                *bms[n_in:],
+            )
+            gm = gm.replace(block_mappings=bms, num_inputs=n_in + len(consts))
         if debug:
             print(f"The kernel jaxpr for pallas_call '{kernel_name}' ({source}):")
             print(jaxpr)
             print(gm)
-        return jaxpr, gm, aliases, compiler_params_
+        return jaxpr, gm, aliases, compiler_params_, consts, backend_
 
     @functools.wraps(kernel)
     def wrapped(*args):
@@ -583,7 +639,10 @@ def pallas_call(
             err = _Err(kernel_name, source)
             in_avals = [_arg_aval(x, f"args{_keystr(p)}", err) for p, x in leaves]
             cache[key] = prepare(source, args, in_tree, [p for p, _ in leaves], in_avals)
-        jaxpr, gm, aliases, compiler_params_ = cache[key]
+        jaxpr, gm, aliases, compiler_params_, consts, backend_ = cache[key]
+        if any(isinstance(c, jax.core.Tracer) for c in consts):
+            del cache[key]  # constants of an enclosing trace: retrace the next time
+        consts = [jnp.asarray(c) for c in consts]
         dynamic_sizes = []
         if gm.num_dynamic_grid_bounds:  # the traced grid sizes go first
             g = grid_spec.grid if grid_spec is not None else grid
@@ -591,6 +650,7 @@ def pallas_call(
         outs = pallas_call_p.bind(
             *dynamic_sizes,
             *flat_args,
+            *consts,
             jaxpr=jaxpr,
             grid_mapping=gm,
             input_output_aliases=aliases,
@@ -598,7 +658,7 @@ def pallas_call(
             debug=debug,
             compiler_params=compiler_params_,
             cost_estimate=cost_estimate,
-            backend=backend,
+            backend=backend_,
         )
         result = tree_util.tree_unflatten(tree_util.tree_structure(outs_tuple), outs)
         if is_seq:

@@ -296,10 +296,11 @@ def _platform_rule(platform: str, params):
                 "interpret=pallas_gpu.InterpretParams())."
             )
         return _interpret_lowering
-    backend = backends.for_platform(platform, cp, params.get("backend"))
+    name = params.get("backend")
+    backend = backends.for_platform(platform, cp, name)
+    if backend is None and name is not None:
+        raise ValueError(f"{describe(gm.kernel_name, gm.source)}: {_named_backend_problem(name, platform)}")
     if backend is None:
-        if platform == "cpu":
-            return _interpret_lowering
         pkg = backends.PACKAGE_FOR_PLATFORM.get(platform)
         hint = f"pip install {pkg}" if pkg else "no pallas backend exists for it"
         extra = backends.load_errors()
@@ -316,6 +317,15 @@ def _platform_rule(platform: str, params):
             f"'{want}' but the kernel is being lowered for '{platform}'"
         )
     return backend.lower
+
+
+def _named_backend_problem(name: str, platform: str) -> str:
+    found = backends.backends().get(name)
+    pkg = backends.PACKAGE_FOR_BACKEND.get(name, name)
+    if found is None:
+        return f"backend={name!r} selects {pkg}, which is not installed (pip install {pkg})"
+    serves = ", ".join(getattr(found, "PLATFORMS", ())) or "no platform"
+    return f"backend={name!r} ({pkg}) lowers for {serves}, not for platform '{platform}'"
 
 
 def _lowering(ctx, *args, **params):

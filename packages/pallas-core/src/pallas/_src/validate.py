@@ -15,6 +15,22 @@ def _static_int(x):
     return None
 
 
+def normalize_negative_indices(jaxpr):
+    """Static negative integer indices into a Ref count from the end, as in
+    Python (and JAX): ``x_ref[-1]`` becomes ``x_ref[n - 1]`` in the jaxpr, so
+    every backend sees in-range indices. Out-of-range ones are left for
+    ``check_static_indices`` to report."""
+
+    def fix(eqn):
+        for shape, dim, pos, val in compat.ref_index_literals(eqn):
+            v = _static_int(val)
+            if v is not None and -shape[dim] <= v < 0:
+                eqn = compat.replace_literal(eqn, pos, v + shape[dim])
+        return eqn
+
+    return compat.map_eqns(jaxpr, fix)
+
+
 def check_static_indices(jaxpr, describe_kernel: str) -> None:
     """Static integer indices into a Ref must lie inside the Ref's shape:
     out of range they would read or write another block's memory on a GPU."""
@@ -31,7 +47,7 @@ def check_static_indices(jaxpr, describe_kernel: str) -> None:
                     raise ValueError(
                         f"{describe_kernel}: in the kernel{at}: index {v} is out of bounds for "
                         f"dimension {dim} of a Ref of shape {tuple(indexer.shape)} (the block); "
-                        f"valid indices are 0..{n - 1}"
+                        f"valid indices are {-n}..{n - 1}"
                     )
     for sub in compat.subjaxprs(jaxpr):
         check_static_indices(sub, describe_kernel)

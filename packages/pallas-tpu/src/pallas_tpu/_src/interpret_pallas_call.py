@@ -199,7 +199,7 @@ def _pad_to_blocks(x, bm, mode):
             pads.append((*d.padding, 0))
         else:
             b = 1 if isinstance(d, plb.Squeezed) else d.block_size
-            pads.append((0, -size % b, 0))
+            pads.append((0, b if size == 0 else -size % max(b, 1), 0))  # an empty dim: one block
     if all(p[:2] == (0, 0) for p in pads):
         return x
     fill = jnp.zeros((), x.dtype) if mode == "zero" else plb.uninitialized_value((), x.dtype)

@@ -202,3 +202,15 @@ class TestDynamicGridTPUInterpreter(PallasTest):
             NotImplementedError, match=r"rows_kernel.*dynamic \(traced\) sizes.*num_cores_or_threads > 1"
         ):
             jax.jit(lambda x, n: rows_call(x, n, params))(x, 2)
+
+
+def test_hardware_lowering_is_a_clear_error():
+    """Backends lower dynamic grids for hardware only if they say so (DYNAMIC_GRID)."""
+    pytest.importorskip("pallas_tpu")
+    x = jnp.ones((16, 256), jnp.float32)
+    traced = jax.jit(lambda x, n: rows_call(x, n, False)).trace(x, 2)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"'rows_kernel'.*grid \(dynamic, 2\) has dynamic \(traced\) sizes, which the tpu backend does not lower",
+    ):
+        traced.lower(lowering_platforms=("tpu",))

@@ -316,6 +316,11 @@ def _platform_rule(platform: str, params):
             f"{describe(gm.kernel_name, gm.source)}: compiler_params {type(cp).__name__} are for "
             f"'{want}' but the kernel is being lowered for '{platform}'"
         )
+    if gm.num_dynamic_grid_bounds and not getattr(backend, "DYNAMIC_GRID", False):
+        raise NotImplementedError(
+            f"{describe(gm.kernel_name, gm.source)}: grid {gm.grid} has dynamic (traced) sizes, which "
+            f"the {platform} backend does not lower; use static grid sizes, or interpret=True"
+        )
     return backend.lower
 
 

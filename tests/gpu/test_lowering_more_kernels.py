@@ -7,6 +7,8 @@ interpreter against jnp and compiles for sm_80/sm_90 (``Runner``); the
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -16,6 +18,7 @@ from gpu_test_base import Runner, assert_close, fresh_key, gpu, random
 from jax import lax
 
 import pallas as pl
+import pallas_gpu as plgpu
 
 R = Runner()
 
@@ -87,6 +90,39 @@ def test_jvp_of_a_strided_read():
     out, tan = jax.jvp(f, (x,), (t,))
     assert_close(out, jnp.sin(x[1::2]))
     assert_close(tan, jnp.cos(x[1::2]) * t[1::2], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# plgpu.load/store: JAX's signatures, and masks past the end of the Ref
+
+
+@pytest.mark.parametrize("interpret", ["triton", "pallas"])
+def test_plgpu_masked_access_past_the_end(interpret):
+    """The Triton idiom: pl.ds(i * 32, 32) runs past the end, the mask keeps
+    the access inside; pallas-core's interpret mode must not clamp the window."""
+    x = random((100,), jnp.float32)
+
+    def kernel(x_ref, o_ref):
+        i = pl.program_id(0)
+        offs = i * 32 + jnp.arange(32)
+        v = plgpu.load(x_ref.at[pl.ds(i * 32, 32)], mask=offs < 100, other=-1.0)
+        plgpu.store(o_ref.at[pl.ds(i * 32, 32)], v * 2, mask=offs < 100)  # JAX's (ref, val) form
+        plgpu.atomic_add(o_ref, pl.ds(i * 32, 32), jnp.ones((32,)), mask=offs < 100)
+
+    call = R.call if interpret == "triton" else functools.partial(pl.pallas_call, interpret=True)
+    out = call(kernel, jax.ShapeDtypeStruct((100,), jnp.float32), grid=(4,))(x)
+    assert_close(out, x * 2 + 1)
+
+
+def test_plgpu_store_bad_arguments():
+    def kernel(o_ref):
+        plgpu.store(o_ref, None, jnp.zeros((8,)), jnp.zeros((8,)))
+
+    f = R.call(kernel, jax.ShapeDtypeStruct((8,), jnp.float32))
+    with pytest.raises(
+        TypeError, match=r"kernel 'kernel' at .*plgpu.store takes \(ref, val\) or \(ref, idx, val\)"
+    ):
+        f()
 
 
 # ---------------------------------------------------------------------------

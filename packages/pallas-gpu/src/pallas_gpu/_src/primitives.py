@@ -19,6 +19,7 @@ from jax import lax, tree_util
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from pallas import backend as pallas_backend
 from pallas_gpu._src import compat
 
 
@@ -102,15 +103,25 @@ def load(
     )
 
 
-def store(ref: Any, idx: Any, val: Any, *, mask: Any = None, eviction_policy: str | None = None) -> None:
-    """Stores ``val`` into ``ref[idx]`` where ``mask`` is true.
+def store(ref: Any, *args: Any, mask: Any = None, eviction_policy: str | None = None) -> None:
+    """Stores ``val`` into ``ref`` (or ``ref[idx]``) where ``mask`` is true.
+
+    Called as ``store(ref, val)``, as in JAX's Pallas, or ``store(ref, idx, val)``.
 
     Args:
-      ref: a Ref (or view); idx: an index (``None`` for the whole Ref).
+      ref: a Ref (or ``ref.at[...]`` view).
+      idx: optional index (ints, slices, ``pl.ds``; ``None`` for the whole Ref).
       val: the value (broadcast to the indexed shape).
       mask: boolean array; masked-off elements are not written.
       eviction_policy: Triton's store hint.
     """
+    if len(args) not in (1, 2):
+        raise pallas_backend.kernel_error(
+            TypeError,
+            f"plgpu.store takes (ref, val) or (ref, idx, val) and keyword arguments, got {1 + len(args)} "
+            "positional arguments",
+        )
+    idx, val = (None, args[0]) if len(args) == 1 else args
     ref, transforms = _indexer(ref, idx)
     flat, tree = tree_util.tree_flatten(transforms)
     shape = _ref_shape_after(ref, transforms)
@@ -135,13 +146,66 @@ load_p.def_effectful_abstract_eval(_load_abstract_eval)
 store_p.def_effectful_abstract_eval(_store_abstract_eval)
 
 
+def _coords(shape, transforms):
+    """Per-dim element coordinates (int arrays of the result's shape) of
+    ``ref[transforms]`` for a Ref of ``shape``, unclamped, so that out-of-range
+    elements are masked off as on the GPU (``lax.dynamic_slice`` would clamp
+    the window); None for integer-array indices."""
+    view = [(d, 0, 1, n) for d, n in enumerate(shape)]  # (ref dim, start, stride, size)
+    fixed = {}
+    for t in transforms:
+        if not isinstance(t, compat.NDIndexer):
+            return None
+        new = []
+        for (d, start, stride, _), idx in zip(view, t.indices):
+            if isinstance(idx, compat.Slice):
+                new.append((d, start + idx.start * stride, stride * idx.stride, idx.size))
+            elif jnp.ndim(idx) == 0:
+                fixed[d] = start + idx * stride
+            else:
+                return None
+        view = new
+    out_shape = tuple(n for *_, n in view)
+    axis_of = {v[0]: k for k, v in enumerate(view)}
+    coords = []
+    for d in range(len(shape)):
+        if d in fixed:
+            coords.append(jnp.broadcast_to(jnp.asarray(fixed[d], jnp.int32), out_shape))
+        else:
+            _, start, stride, _ = view[axis_of[d]]
+            coords.append(
+                jnp.asarray(start, jnp.int32)
+                + lax.broadcasted_iota(jnp.int32, out_shape, axis_of[d]) * stride
+            )
+    return tuple(coords)
+
+
+def _masked_get(ref, transforms, fill=0):
+    coords = _coords(ref.shape, transforms)
+    if coords is None:
+        return compat.transform_array(ref, transforms)
+    return ref.at[coords].get(mode="fill", fill_value=fill, wrap_negative_indices=False)
+
+
+def _masked_set(ref, transforms, val, mask):
+    """``ref`` with ``val`` written where ``mask`` (None: everywhere) and in range."""
+    coords = _coords(ref.shape, transforms)
+    if coords is None:
+        if mask is not None:
+            val = jnp.where(mask, val, compat.transform_array(ref, transforms))
+        return compat.transform_swap_array(ref, transforms, val)[1]
+    if mask is not None:  # masked-off elements go out of range, where they are dropped
+        coords = tuple(jnp.where(mask, c, -1) for c in coords)
+    return ref.at[coords].set(val, mode="drop", wrap_negative_indices=False)
+
+
 def _load_discharge(in_avals, out_avals, ref, *args, tree, has_mask, has_other, **_):
     n = tree.num_leaves
     transforms = tree_util.tree_unflatten(tree, args[:n])
     rest = list(args[n:])
     mask = rest.pop(0) if has_mask else None
     other = rest.pop(0) if has_other else None
-    x = compat.transform_array(ref, transforms)
+    x = _masked_get(ref, transforms)
     if mask is not None:
         x = jnp.where(mask, x, other if other is not None else jnp.zeros_like(x))
     return (None,) * len(in_avals), x
@@ -151,11 +215,7 @@ def _store_discharge(in_avals, out_avals, ref, val, *args, tree, has_mask, **_):
     n = tree.num_leaves
     transforms = tree_util.tree_unflatten(tree, args[:n])
     mask = args[n] if has_mask else None
-    if mask is not None:
-        old = compat.transform_array(ref, transforms)
-        val = jnp.where(mask, val, old)
-    new_ref = compat.transform_swap_array(ref, transforms, val)[1]
-    return (new_ref,) + (None,) * (len(in_avals) - 1), []
+    return (_masked_set(ref, transforms, val, mask),) + (None,) * (len(in_avals) - 1), []
 
 
 compat.register_discharge_rule(load_p)(_load_discharge)
@@ -226,11 +286,8 @@ _ATOMIC_FNS = {
 def _atomic_discharge(in_avals, out_avals, ref, val, *args, tree, has_mask, op):
     n = tree.num_leaves
     transforms = tree_util.tree_unflatten(tree, args[:n])
-    old = compat.transform_array(ref, transforms)
-    new = _ATOMIC_FNS[op](old, val)
-    if has_mask:
-        new = jnp.where(args[n], new, old)
-    new_ref = compat.transform_swap_array(ref, transforms, new)[1]
+    old = _masked_get(ref, transforms)
+    new_ref = _masked_set(ref, transforms, _ATOMIC_FNS[op](old, val), args[n] if has_mask else None)
     return (new_ref,) + (None,) * (len(in_avals) - 1), old
 
 

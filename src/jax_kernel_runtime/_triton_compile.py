@@ -15,13 +15,19 @@ numbers) without anything of the machine.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import inspect
 import linecache
+import os
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import types
+import warnings
 from typing import Any
 
 from jax_kernel_runtime import _triton_interpret
@@ -129,12 +135,52 @@ def compile_triton(src: Any, cc: int, options: dict[str, Any]) -> Any:
         kwargs["_env_vars"] = {**get_cache_invalidating_env_vars(), _STABLE_ENV[0]: _STABLE_ENV[1]}
     # While a kernel is interpreted (in a host-callback thread) triton.language
     # is patched with the interpreter's functions: compile with the real one.
-    with _triton_interpret.lock:
+    with _triton_interpret.lock, _usable_triton_cache_dir():
         _hook_state.active = True
         try:
             return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(options), **kwargs)
         finally:
             _hook_state.active = False
+
+
+_cache_dir_checked: dict[str, str | None] = {}  # Triton's cache dir -> replacement (None: usable)
+
+
+@contextlib.contextmanager
+def _usable_triton_cache_dir():
+    """Triton's cache directory while compiling, or, if it cannot be written
+    (``TRITON_CACHE_DIR`` read-only or through a file: ``triton.compile``
+    would raise), a private temporary one, with one warning per directory."""
+    from triton import knobs
+
+    configured = knobs.cache.dir
+    if configured not in _cache_dir_checked:
+        try:
+            os.makedirs(configured, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=configured, prefix=".jkr-probe-")
+            os.close(fd)
+            os.unlink(probe)
+            _cache_dir_checked[configured] = None
+        except OSError as e:
+            replacement = tempfile.mkdtemp(prefix="jax-kernel-runtime-triton-cache-")
+            atexit.register(shutil.rmtree, replacement, ignore_errors=True)
+            _cache_dir_checked[configured] = replacement
+            warnings.warn(
+                f"Triton's cache directory {configured!r} (TRITON_CACHE_DIR) cannot be written "
+                f"({type(e).__name__}: {e.strerror or e}); compiling with a temporary one for this "
+                "process. Point TRITON_CACHE_DIR at a writable directory to keep compiled kernels.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    replacement = _cache_dir_checked[configured]
+    if replacement is None:
+        yield
+        return
+    knobs.cache.dir = replacement
+    try:
+        yield
+    finally:
+        knobs.cache.dir = configured
 
 
 def triton_versions(*dists: str) -> str:

@@ -317,8 +317,18 @@ def test_state_broadcast_to(shape):
 
 
 # ---------------------------------------------------------------------------
-# Kernels that close over constants (JAX's Pallas, like pallas-core, takes
-# scalars; arrays must be inputs)
+# Kernels that close over constants (pallas-core hoists arrays to inputs)
+
+
+def test_kernel_closing_over_array_constants():
+    x = random((8, 32), jnp.float32)
+    row, table = np.asarray(random((32,), jnp.float32)), random((8, 32), jnp.float32)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * row + table
+
+    out = R.call(kernel, jax.ShapeDtypeStruct(x.shape, jnp.float32))(x)
+    assert_close(out, x * row + table)
 
 
 def test_kernel_closing_over_scalar_constants():

@@ -267,3 +267,45 @@ def test_splash_attention_forward_runs():
         p = np.exp(s - s.max(-1, keepdims=True))
         expect = (p / p.sum(-1, keepdims=True)) @ v[h]
         np.testing.assert_allclose(out[h], expect, rtol=1e-3, atol=1e-3)
+
+
+def test_all_gather_lowers_with_remote_dmas():
+    ag = load("all_gather")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    for space in (ag.pltpu.VMEM, ag.pl.ANY):
+        [m] = pltpu.mosaic_modules(
+            lambda a: ag.all_gather(a, mesh=mesh, axis_name="x", memory_space=space), x
+        )
+        executor.parse_module(m).operation.verify()
+        assert re.search(r"tpu.enqueue_dma .*source_semaphore.*device_id", m)
+        assert "tpu.sem_barrier" in m and "tpu.device_id" in m
+
+
+@pytest.mark.xfail(
+    jax.__version_info__ >= (0, 12),
+    reason="run_mosaic does not execute tpu.wait_dma yet (the DMA wait JAX 0.12's lowering, and ours, emit)",
+)
+def test_emit_pipeline_inside_a_kernel_runs():
+    import pallas as pl
+
+    def kernel(x_hbm, o_hbm):
+        def body(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2.0 + 1.0
+
+        spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+        pltpu.emit_pipeline(body, grid=(4,), in_specs=[spec], out_specs=[spec])(x_hbm, o_hbm)
+
+    def f(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((32, 128), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        )(x)
+
+    x = jax.random.normal(jax.random.key(80), (32, 128), jnp.float32)
+    [m] = modules(f, x)
+    assert "tpu.enqueue_dma" in str(m) and ("scf.for" in str(m) or "scf.if" in str(m))
+    [out] = run_ours(f, x)
+    np.testing.assert_allclose(out, x * 2.0 + 1.0, rtol=1e-6)

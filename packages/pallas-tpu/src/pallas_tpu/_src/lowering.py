@@ -45,8 +45,9 @@ BACKEND = "pallas_tpu (Mosaic)"
 BOOL_MEMORY_DTYPE = np.dtype(np.int32)
 
 
-class LoweringException(Exception):
-    """A kernel that cannot be lowered to Mosaic (JAX's ``pltpu.LoweringException``)."""
+class LoweringException(NotImplementedError):
+    """A kernel that cannot be lowered to Mosaic (JAX's ``pltpu.LoweringException``;
+    a ``NotImplementedError``, as a missing rule is)."""
 
 
 Rule = Callable[..., Any]

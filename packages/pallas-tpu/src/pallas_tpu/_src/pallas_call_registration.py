@@ -237,5 +237,5 @@ def mosaic_modules(fn, *args, **kwargs) -> list[str]:
         return fn(*a, **k)
 
     with _collect() as sink:
-        jax.jit(wrapper).trace(*args, **kwargs).lower(lowering_platforms=("tpu",))
+        jax.export.export(jax.jit(wrapper), platforms=["tpu"])(*args, **kwargs)
     return list(sink)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,291 +14,22 @@ from jax import tree_util
 
 from pallas._src import backends, compat, primitives, validate
 from pallas._src import core as pallas_core
-from pallas._src.core import BlockMapping, BlockSpec, GridMapping, GridSpec
+from pallas._src.core import GridMapping, GridSpec
 from pallas._src.errors import describe, kernel_scope, user_source
+from pallas._src.grid_mapping import (
+    Err,
+    block_mapping,
+    check_aliases,
+    const_block_mappings,
+    flatten_specs,
+    keystr,
+    normalize_grid,
+)
 from pallas._src.interpret import InterpretParams
 from pallas._src.pallas_call_rules import pallas_call_p
 
-_is_spec = lambda x: x is None or x is pallas_core.no_block_spec or isinstance(x, BlockSpec)  # noqa: E731
 
-
-class _Err:
-    """Builds messages that name the kernel and the user's line."""
-
-    def __init__(self, name: str, source: str):
-        self.name, self.source = name, source
-
-    def __call__(self, cls: type[Exception], what: str, msg: str) -> Exception:
-        culprit = f"{what}: " if what else ""
-        return cls(f"{describe(self.name, self.source)}: {culprit}{msg}")
-
-
-def _keystr(path) -> str:
-    return tree_util.keystr(path) if path else ""
-
-
-def _grid_entries(grid) -> list:
-    if grid is None:
-        return []
-    if isinstance(grid, (int, np.integer, jax.Array, jax.core.Tracer)) and not isinstance(grid, bool):
-        return [grid]
-    return list(grid) if isinstance(grid, (tuple, list)) else grid
-
-
-def _grid_size(g, what: str, err: _Err):
-    """A static int, or the int32 scalar of a dynamic (traced) size."""
-    if isinstance(g, (jax.Array, np.ndarray, jax.core.Tracer)) and not isinstance(g, np.generic):
-        if g.size != 1 or not jnp.issubdtype(g.dtype, jnp.integer):
-            raise err(
-                TypeError,
-                what,
-                f"a dynamic grid size must be an integer scalar, got {g.dtype}{list(g.shape)}",
-            )
-        if isinstance(g, jax.core.Tracer):
-            return jnp.asarray(g, jnp.int32).reshape(())
-        g = int(np.asarray(g).reshape(()))
-    if not isinstance(g, (int, np.integer)) or isinstance(g, bool):
-        raise err(TypeError, what, f"expected a non-negative int or an integer scalar array, got {g!r}")
-    if g < 0:
-        raise err(ValueError, what, f"expected a non-negative int, got {g}")
-    return int(g)
-
-
-def _normalize_grid(grid, err: _Err) -> tuple[tuple, tuple[str | None, ...], list]:
-    """(sizes, names, dynamic sizes): a grid axis is a size or a named axis
-    ``("i", 4)``; a traced size becomes ``dynamic_grid_dim`` in ``sizes``."""
-    entries = _grid_entries(grid)
-    if not isinstance(entries, list):
-        raise err(TypeError, "grid", f"expected an int or a tuple of ints, got {grid!r}")
-    out, names, dynamic = [], [], []
-    for i, g in enumerate(entries):
-        name = None
-        if isinstance(g, (tuple, list)):
-            if len(g) != 2 or not isinstance(g[0], str):
-                raise err(
-                    TypeError, f"grid[{i}]", f"a named grid axis is a pair (name: str, size: int), got {g!r}"
-                )
-            name, g = g
-            if name in names:
-                raise err(ValueError, f"grid[{i}]", f"the axis name {name!r} is used twice")
-        names.append(name)
-        size = _grid_size(g, f"grid[{i}]", err)
-        if not isinstance(size, int):
-            if name is not None:
-                raise err(
-                    NotImplementedError, f"grid[{i}]", f"the named grid axis {name!r} needs a static size"
-                )
-            dynamic.append(size)
-            size = pallas_core.dynamic_grid_dim
-        out.append(size)
-    return tuple(out), tuple(names) if any(n is not None for n in names) else (), dynamic
-
-
-def _normalize_block_dim(d, what: str, err: _Err, array_dim: int):
-    if d is None or isinstance(d, pallas_core.Squeezed):
-        return pallas_core.squeezed
-    if isinstance(d, (pallas_core.Blocked, pallas_core.Element)):
-        size = d.block_size
-    elif isinstance(d, (int, np.integer)) and not isinstance(d, bool):
-        size, d = int(d), pallas_core.Blocked(int(d))
-    else:
-        raise err(TypeError, what, f"expected an int, None, pl.squeezed, pl.Blocked or pl.Element, got {d!r}")
-    if not isinstance(size, (int, np.integer)) or size < 0 or (size == 0 and array_dim != 0):
-        raise err(ValueError, what, f"block sizes must be positive ints, got {size!r}")
-    if isinstance(d, pallas_core.Element):
-        pad = d.padding
-        if not isinstance(pad, tuple) or len(pad) != 2 or any(not isinstance(p, int) or p < 0 for p in pad):
-            raise err(
-                ValueError, what, f"pl.Element padding must be a pair of non-negative ints, got {pad!r}"
-            )
-    return d
-
-
-def _index_map_arity_ok(fn: Callable, n: int) -> bool:
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return True
-    try:
-        sig.bind(*range(n))
-        return True
-    except TypeError:
-        return False
-
-
-def _block_mapping(
-    spec, aval, origin: str, grid, err: _Err, prefetch_avals=(), prefetch_tree=None
-) -> BlockMapping:
-    shape, dtype = tuple(aval.shape), aval.dtype
-    if spec is None or spec is pallas_core.no_block_spec:
-        spec = BlockSpec()
-    ms = spec.memory_space
-    if not pallas_core.is_memory_space(ms):
-        raise err(
-            TypeError, origin, f"unknown memory_space {ms!r}; expected None, pl.ANY or a backend memory space"
-        )
-    block_shape = spec.block_shape
-    whole = pallas_core.is_whole_array_space(ms)
-    if block_shape is None or whole:
-        block_shape = shape
-    if not isinstance(block_shape, (tuple, list)):
-        raise err(TypeError, origin, f"block_shape must be a tuple, got {block_shape!r}")
-    if len(block_shape) != len(shape):
-        raise err(
-            ValueError,
-            origin,
-            f"block_shape {tuple(block_shape)} has {len(block_shape)} dims but the array "
-            f"{dtype}{list(shape)} has {len(shape)}",
-        )
-    dims = tuple(
-        _normalize_block_dim(d, f"{origin}.block_shape[{i}]", err, n)
-        for i, (d, n) in enumerate(zip(block_shape, shape))
-    )
-    index_map = spec.index_map
-    if index_map is None or whole:
-        index_map = lambda *_: (0,) * len(shape)  # noqa: E731
-    if not callable(index_map):
-        raise err(TypeError, f"{origin}.index_map", f"expected a callable, got {index_map!r}")
-    n_prefetch = len(prefetch_avals) if prefetch_tree is None else len(prefetch_tree.children())
-    n_args = len(grid) + n_prefetch
-    if not _index_map_arity_ok(index_map, n_args):
-        extra = f" and {n_prefetch} scalar-prefetch operands" if n_prefetch else ""
-        raise err(
-            TypeError,
-            f"{origin}.index_map",
-            f"the grid has {len(grid)} axes, so index_map must take {n_args} arguments "
-            f"(one grid index each{extra}); {index_map} does not",
-        )
-    n_out = []
-
-    def flat_index_map(*idx):
-        if prefetch_tree is not None:  # index maps get the scalar-prefetch operands' pytrees back
-            idx = (*idx[: len(grid)], *tree_util.tree_unflatten(prefetch_tree, idx[len(grid) :]))
-        res = index_map(*idx)
-        if not isinstance(res, (tuple, list)):
-            res = (res,)
-        n_out.append(len(res))
-        return list(res)
-
-    idx_avals = [compat.shaped_array((), jnp.int32)] * len(grid) + list(prefetch_avals)
-    dbg = compat.make_debug_info("pallas_call index_map", index_map, list(range(len(idx_avals))))
-    jaxpr, consts = compat.trace_to_closed_jaxpr(flat_index_map, idx_avals, dbg)
-    if n_out[0] != len(shape):
-        raise err(
-            ValueError,
-            f"{origin}.index_map",
-            f"returned {n_out[0]} indices but block_shape has {len(shape)} dims",
-        )
-    for i, a in enumerate(jaxpr.out_avals):
-        if a.shape != () or not jnp.issubdtype(a.dtype, jnp.integer):
-            raise err(
-                TypeError,
-                f"{origin}.index_map",
-                f"result {i} must be an integer scalar, got {a.dtype}{list(a.shape)}",
-            )
-    if consts:
-        jaxpr = _close_over(jaxpr, consts)
-    return BlockMapping(origin, dims, jaxpr, shape, dtype, ms)
-
-
-def _close_over(jaxpr, consts):
-    """Folds captured constants into a closed jaxpr with no extra inputs."""
-    fun = compat.jaxpr_as_fun(jaxpr)
-    avals = jaxpr.in_avals[len(consts) :]
-    dbg = jaxpr.debug_info
-    closed, more = compat.trace_to_closed_jaxpr(lambda *a: fun(*consts, *a), avals, dbg)
-    assert not more
-    return closed
-
-
-def _flatten_specs(specs, tree_of: tuple, what: str, err: _Err) -> list:
-    """Broadcasts a pytree prefix of BlockSpecs to the leaves of ``tree_of``."""
-    kind = "inputs" if what == "in_specs" else "outputs"
-    if specs is pallas_core.no_block_spec:
-        return [None] * len(tree_util.tree_leaves(tree_of))
-    if _is_spec(specs):
-        if len(tree_of) != 1:
-            raise err(
-                ValueError,
-                what,
-                f"got a single block spec but pallas_call has {len(tree_of)} {kind}; pass a tuple of {len(tree_of)}",
-            )
-        specs = (specs,)
-    if not isinstance(specs, (tuple, list)):
-        raise err(TypeError, what, f"expected a pl.BlockSpec or a tuple of them, got {specs!r:.80}")
-    if len(specs) != len(tree_of):
-        raise err(ValueError, what, f"got {len(specs)} block specs but pallas_call has {len(tree_of)} {kind}")
-    flat = []
-    for i, (spec, sub) in enumerate(zip(specs, tree_of)):
-        n = len(tree_util.tree_leaves(sub))
-        if _is_spec(spec):
-            flat += [spec] * n
-            continue
-        try:
-            per_leaf = tree_util.tree_map(
-                lambda s, t: [s] * len(tree_util.tree_leaves(t)), spec, sub, is_leaf=_is_spec
-            )
-        except (ValueError, TypeError):
-            raise err(
-                ValueError,
-                f"{what}[{i}]",
-                f"expected a pl.BlockSpec or a pytree prefix of the {kind} structure "
-                f"{tree_util.tree_structure(sub)}, got {spec!r:.80}",
-            ) from None
-        leaves = [
-            x for lst in tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)) for x in lst
-        ]
-        for x in leaves:
-            if not _is_spec(x):
-                raise err(TypeError, f"{what}[{i}]", f"expected a pl.BlockSpec or None, got {x!r:.80}")
-        flat += leaves
-    return flat
-
-
-def _check_aliases(aliases, in_avals, out_avals, in_names, out_names, err: _Err, n_prefetch: int = 0):
-    """(input, output) pairs. As in JAX, input indices count the scalar-prefetch
-    operands first; the pairs returned count the other inputs only."""
-    if not isinstance(aliases, dict):
-        raise err(
-            TypeError,
-            "input_output_aliases",
-            f"expected a dict {{input index: output index}}, got {aliases!r}",
-        )
-    pairs = []
-    for i, o in sorted(aliases.items()):
-        if not isinstance(i, int) or not 0 <= i < n_prefetch + len(in_avals):
-            raise err(
-                ValueError,
-                "input_output_aliases",
-                f"input index {i!r} is out of range: there are {n_prefetch + len(in_avals)} inputs",
-            )
-        if i < n_prefetch:
-            raise err(
-                ValueError,
-                "input_output_aliases",
-                f"input {i} is a scalar-prefetch operand, which cannot be aliased to an output",
-            )
-        if not isinstance(o, int) or not 0 <= o < len(out_avals):
-            raise err(
-                ValueError,
-                "input_output_aliases",
-                f"output index {o!r} is out of range: there are {len(out_avals)} outputs",
-            )
-        a, b = in_avals[i - n_prefetch], out_avals[o]
-        if a.shape != b.shape or a.dtype != b.dtype:
-            raise err(
-                ValueError,
-                "input_output_aliases",
-                f"input {i} ({in_names[i - n_prefetch]}: {a.dtype}{list(a.shape)}) and output {o} "
-                f"({out_names[o]}: {b.dtype}{list(b.shape)}) must have the same shape and dtype",
-            )
-        pairs.append((i - n_prefetch, o))
-    if len({o for _, o in pairs}) != len(pairs):
-        raise err(ValueError, "input_output_aliases", "two inputs alias the same output")
-    return tuple(pairs)
-
-
-def _arg_aval(x, name: str, err: _Err):
+def _arg_aval(x, name: str, err: Err):
     if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer)) or (
         isinstance(x, (int, float, complex, bool)) and not isinstance(x, str)
     ):
@@ -307,7 +37,7 @@ def _arg_aval(x, name: str, err: _Err):
     raise err(TypeError, name, f"expected an array, got a {type(x).__name__} ({x!r:.60})")
 
 
-def _out_aval(x, name: str, err: _Err):
+def _out_aval(x, name: str, err: Err):
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         try:
             return jax.core.ShapedArray(tuple(x.shape), np.dtype(x.dtype))
@@ -321,7 +51,7 @@ def _is_scratch_leaf(x) -> bool:
 
 
 def _trace_kernel(
-    kernel, gm: GridMapping, in_tree, out_struct, err: _Err, scratch_tree=None, prefetch_tree=None
+    kernel, gm: GridMapping, in_tree, out_struct, err: Err, scratch_tree=None, prefetch_tree=None
 ):
     """Kernel -> closed jaxpr with invars (grid indices, dynamic grid sizes,
     scalar-prefetch refs, in refs, out refs, scratch refs)."""
@@ -390,21 +120,6 @@ def _hoist_consts(jaxpr, consts, gm: GridMapping):
     closed, more = compat.trace_to_closed_jaxpr(hoisted, avals, dbg)
     assert not more
     return closed
-
-
-def _const_block_mappings(consts, grid, err, prefetch_avals, prefetch_tree) -> tuple[BlockMapping, ...]:
-    return tuple(
-        _block_mapping(
-            BlockSpec(),
-            jax.core.ShapedArray(np.shape(c), jnp.result_type(c)),
-            f"constant {i} captured by the kernel",
-            grid,
-            err,
-            prefetch_avals,
-            prefetch_tree,
-        )
-        for i, c in enumerate(consts)
-    )
 
 
 def _add_context(e: BaseException, prefix: str) -> None:
@@ -513,12 +228,12 @@ def pallas_call(
     def out_path(p) -> str:
         # out_shape=(a, b) -> "[1]"; a dict -> "['y']"; a single struct -> "[0]".
         if is_seq or not p[1:]:
-            return _keystr(p)
-        return _keystr(p[1:])
+            return keystr(p)
+        return keystr(p[1:])
 
     def prepare(source: str, args, in_tree, in_paths, in_avals):
         """Validates everything and traces the kernel (once per input signature)."""
-        err = _Err(kernel_name, source)
+        err = Err(kernel_name, source)
         g, ins, outs, scratch_shapes_ = grid, in_specs, out_specs, scratch_shapes
         if grid_spec is not None:
             if (
@@ -540,7 +255,7 @@ def pallas_call(
                 grid_spec.out_specs,
                 grid_spec.scratch_shapes,
             )
-        grid_t, grid_names, _ = _normalize_grid(g, err)
+        grid_t, grid_names, _ = normalize_grid(g, err)
         nsp = getattr(grid_spec, "num_scalar_prefetch", 0) if grid_spec is not None else 0
         if not isinstance(nsp, int) or not 0 <= nsp <= len(args):
             raise err(
@@ -553,16 +268,18 @@ def pallas_call(
         prefetch_tree = tree_util.tree_structure(tuple(args[:nsp]))
         nsp = prefetch_tree.num_leaves
         prefetch_avals = tuple(
-            _prefetch_aval(grid_spec, a, f"args{_keystr(p)} (scalar prefetch)", err)
+            _prefetch_aval(grid_spec, a, f"args{keystr(p)} (scalar prefetch)", err)
             for p, a in zip(in_paths[:nsp], in_avals[:nsp])
         )
         args, in_paths, in_avals = args[len(prefetch_tree.children()) :], in_paths[nsp:], in_avals[nsp:]
         in_tree = tree_util.tree_structure(args)
         compiler_params_ = _normalize_compiler_params(compiler_params, err)
+        if backend is not None and not isinstance(backend, str):
+            raise err(TypeError, "backend", f"expected a backend name (a str) or None, got {backend!r}")
         try:
             backend_ = backends.resolve_name(backend)
-        except (TypeError, ValueError) as e:
-            raise err(type(e), "backend", str(e)) from None
+        except ValueError as e:
+            raise err(ValueError, "backend", str(e)) from None
         if cost_estimate is not None and not isinstance(cost_estimate, pallas_core.CostEstimate):
             raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
         if not isinstance(scratch_shapes_, (tuple, list)):
@@ -570,20 +287,20 @@ def pallas_call(
         scratch_leaves, scratch_tree = tree_util.tree_flatten_with_path(
             tuple(scratch_shapes_), is_leaf=_is_scratch_leaf
         )
-        scratch_avals = tuple(_scratch_aval(s, f"scratch_shapes{_keystr(p)}", err) for p, s in scratch_leaves)
+        scratch_avals = tuple(_scratch_aval(s, f"scratch_shapes{keystr(p)}", err) for p, s in scratch_leaves)
         out_leaves = tree_util.tree_flatten_with_path(outs_tuple)[0]
         out_names = [f"out_shape{out_path(p)}" for p, _ in out_leaves]
         out_avals = [_out_aval(x, n, err) for (_, x), n in zip(out_leaves, out_names)]
-        in_names = [f"args{_keystr(p)}" for p in in_paths]
-        flat_in_specs = _flatten_specs(ins, args, "in_specs", err)
-        flat_out_specs = _flatten_specs(outs, outs_tuple, "out_specs", err)
-        spec_names = [f"in_specs{_keystr(p)}" for p in in_paths]
+        in_names = [f"args{keystr(p)}" for p in in_paths]
+        flat_in_specs = flatten_specs(ins, args, "in_specs", err)
+        flat_out_specs = flatten_specs(outs, outs_tuple, "out_specs", err)
+        spec_names = [f"in_specs{keystr(p)}" for p in in_paths]
         spec_names += [f"out_specs{out_path(p)}" for p, _ in out_leaves]
         bms = [
-            _block_mapping(s, a, n, grid_t, err, prefetch_avals, prefetch_tree)
+            block_mapping(s, a, n, grid_t, err, prefetch_avals, prefetch_tree)
             for s, a, n in zip(flat_in_specs + flat_out_specs, in_avals + out_avals, spec_names)
         ]
-        aliases = _check_aliases(
+        aliases = check_aliases(
             input_output_aliases or {}, in_avals, out_avals, in_names, out_names, err, nsp
         )
         for i, o in aliases:
@@ -618,7 +335,7 @@ def pallas_call(
             n_in = len(in_avals)
             bms = (
                 *bms[:n_in],
-                *_const_block_mappings(consts, grid_t, err, prefetch_avals, prefetch_tree),
+                *const_block_mappings(consts, grid_t, err, prefetch_avals, prefetch_tree),
                 *bms[n_in:],
             )
             gm = gm.replace(block_mappings=bms, num_inputs=n_in + len(consts))
@@ -636,8 +353,8 @@ def pallas_call(
         key = (in_tree, tuple((np.shape(x), _dtype_key(x)) for x in flat_args))
         if key not in cache:
             source = user_source()
-            err = _Err(kernel_name, source)
-            in_avals = [_arg_aval(x, f"args{_keystr(p)}", err) for p, x in leaves]
+            err = Err(kernel_name, source)
+            in_avals = [_arg_aval(x, f"args{keystr(p)}", err) for p, x in leaves]
             cache[key] = prepare(source, args, in_tree, [p for p, _ in leaves], in_avals)
         jaxpr, gm, aliases, compiler_params_, consts, backend_ = cache[key]
         if any(isinstance(c, jax.core.Tracer) for c in consts):
@@ -646,7 +363,7 @@ def pallas_call(
         dynamic_sizes = []
         if gm.num_dynamic_grid_bounds:  # the traced grid sizes go first
             g = grid_spec.grid if grid_spec is not None else grid
-            dynamic_sizes = _normalize_grid(g, _Err(kernel_name, gm.source))[2]
+            dynamic_sizes = normalize_grid(g, Err(kernel_name, gm.source))[2]
         outs = pallas_call_p.bind(
             *dynamic_sizes,
             *flat_args,
@@ -668,7 +385,7 @@ def pallas_call(
     return wrapped
 
 
-def _prefetch_aval(grid_spec, aval, what: str, err: _Err):
+def _prefetch_aval(grid_spec, aval, what: str, err: Err):
     if not jnp.issubdtype(aval.dtype, jnp.integer) and not jnp.issubdtype(aval.dtype, jnp.floating):
         raise err(TypeError, what, f"scalar prefetch operands must be numeric arrays, got {aval.dtype}")
     make = getattr(grid_spec, "scalar_prefetch_ref_aval", None)
@@ -692,7 +409,7 @@ def _dtype_key(x):
         return type(x)
 
 
-def _scratch_aval(s, what: str, err: _Err):
+def _scratch_aval(s, what: str, err: Err):
     try:
         return primitives._scratch_aval(s, what)
     except TypeError as e:

@@ -1,0 +1,310 @@
+"""Validating a pallas_call's grid, block specs and aliases, and building the
+BlockMappings: every error names the kernel, the argument and the user's line."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import tree_util
+
+from pallas._src import compat
+from pallas._src import core as pallas_core
+from pallas._src.core import BlockMapping, BlockSpec
+from pallas._src.errors import describe
+
+is_spec = lambda x: x is None or x is pallas_core.no_block_spec or isinstance(x, BlockSpec)  # noqa: E731
+
+
+class Err:
+    """Builds messages that name the kernel and the user's line."""
+
+    def __init__(self, name: str, source: str):
+        self.name, self.source = name, source
+
+    def __call__(self, cls: type[Exception], what: str, msg: str) -> Exception:
+        culprit = f"{what}: " if what else ""
+        return cls(f"{describe(self.name, self.source)}: {culprit}{msg}")
+
+
+def keystr(path) -> str:
+    return tree_util.keystr(path) if path else ""
+
+
+def _grid_entries(grid) -> list:
+    if grid is None:
+        return []
+    if isinstance(grid, (int, np.integer, jax.Array, jax.core.Tracer)) and not isinstance(grid, bool):
+        return [grid]
+    return list(grid) if isinstance(grid, (tuple, list)) else grid
+
+
+def _grid_size(g, what: str, err: Err):
+    """A static int, or the int32 scalar of a dynamic (traced) size."""
+    if isinstance(g, (jax.Array, np.ndarray, jax.core.Tracer)) and not isinstance(g, np.generic):
+        if g.size != 1 or not jnp.issubdtype(g.dtype, jnp.integer):
+            raise err(
+                TypeError,
+                what,
+                f"a dynamic grid size must be an integer scalar, got {g.dtype}{list(g.shape)}",
+            )
+        if isinstance(g, jax.core.Tracer):
+            return jnp.asarray(g, jnp.int32).reshape(())
+        g = int(np.asarray(g).reshape(()))
+    if not isinstance(g, (int, np.integer)) or isinstance(g, bool):
+        raise err(TypeError, what, f"expected a non-negative int or an integer scalar array, got {g!r}")
+    if g < 0:
+        raise err(ValueError, what, f"expected a non-negative int, got {g}")
+    return int(g)
+
+
+def normalize_grid(grid, err: Err) -> tuple[tuple, tuple[str | None, ...], list]:
+    """(sizes, names, dynamic sizes): a grid axis is a size or a named axis
+    ``("i", 4)``; a traced size becomes ``dynamic_grid_dim`` in ``sizes``."""
+    entries = _grid_entries(grid)
+    if not isinstance(entries, list):
+        raise err(TypeError, "grid", f"expected an int or a tuple of ints, got {grid!r}")
+    out, names, dynamic = [], [], []
+    for i, g in enumerate(entries):
+        name = None
+        if isinstance(g, (tuple, list)):
+            if len(g) != 2 or not isinstance(g[0], str):
+                raise err(
+                    TypeError, f"grid[{i}]", f"a named grid axis is a pair (name: str, size: int), got {g!r}"
+                )
+            name, g = g
+            if name in names:
+                raise err(ValueError, f"grid[{i}]", f"the axis name {name!r} is used twice")
+        names.append(name)
+        size = _grid_size(g, f"grid[{i}]", err)
+        if not isinstance(size, int):
+            if name is not None:
+                raise err(
+                    NotImplementedError, f"grid[{i}]", f"the named grid axis {name!r} needs a static size"
+                )
+            dynamic.append(size)
+            size = pallas_core.dynamic_grid_dim
+        out.append(size)
+    return tuple(out), tuple(names) if any(n is not None for n in names) else (), dynamic
+
+
+def _normalize_block_dim(d, what: str, err: Err, array_dim: int):
+    if d is None or isinstance(d, pallas_core.Squeezed):
+        return pallas_core.squeezed
+    if isinstance(d, (pallas_core.Blocked, pallas_core.Element)):
+        size = d.block_size
+    elif isinstance(d, (int, np.integer)) and not isinstance(d, bool):
+        size, d = int(d), pallas_core.Blocked(int(d))
+    else:
+        raise err(TypeError, what, f"expected an int, None, pl.squeezed, pl.Blocked or pl.Element, got {d!r}")
+    if not isinstance(size, (int, np.integer)) or size < 0 or (size == 0 and array_dim != 0):
+        raise err(ValueError, what, f"block sizes must be positive ints, got {size!r}")
+    if isinstance(d, pallas_core.Element):
+        pad = d.padding
+        if not isinstance(pad, tuple) or len(pad) != 2 or any(not isinstance(p, int) or p < 0 for p in pad):
+            raise err(
+                ValueError, what, f"pl.Element padding must be a pair of non-negative ints, got {pad!r}"
+            )
+    return d
+
+
+def _index_map_arity_ok(fn: Callable, n: int) -> bool:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        sig.bind(*range(n))
+        return True
+    except TypeError:
+        return False
+
+
+def block_mapping(
+    spec, aval, origin: str, grid, err: Err, prefetch_avals=(), prefetch_tree=None
+) -> BlockMapping:
+    shape, dtype = tuple(aval.shape), aval.dtype
+    if spec is None or spec is pallas_core.no_block_spec:
+        spec = BlockSpec()
+    ms = spec.memory_space
+    if not pallas_core.is_memory_space(ms):
+        raise err(
+            TypeError, origin, f"unknown memory_space {ms!r}; expected None, pl.ANY or a backend memory space"
+        )
+    block_shape = spec.block_shape
+    whole = pallas_core.is_whole_array_space(ms)
+    if block_shape is None or whole:
+        block_shape = shape
+    if not isinstance(block_shape, (tuple, list)):
+        raise err(TypeError, origin, f"block_shape must be a tuple, got {block_shape!r}")
+    if len(block_shape) != len(shape):
+        raise err(
+            ValueError,
+            origin,
+            f"block_shape {tuple(block_shape)} has {len(block_shape)} dims but the array "
+            f"{dtype}{list(shape)} has {len(shape)}",
+        )
+    dims = tuple(
+        _normalize_block_dim(d, f"{origin}.block_shape[{i}]", err, n)
+        for i, (d, n) in enumerate(zip(block_shape, shape))
+    )
+    index_map = spec.index_map
+    if index_map is None or whole:
+        index_map = lambda *_: (0,) * len(shape)  # noqa: E731
+    if not callable(index_map):
+        raise err(TypeError, f"{origin}.index_map", f"expected a callable, got {index_map!r}")
+    n_prefetch = len(prefetch_avals) if prefetch_tree is None else len(prefetch_tree.children())
+    n_args = len(grid) + n_prefetch
+    if not _index_map_arity_ok(index_map, n_args):
+        extra = f" and {n_prefetch} scalar-prefetch operands" if n_prefetch else ""
+        raise err(
+            TypeError,
+            f"{origin}.index_map",
+            f"the grid has {len(grid)} axes, so index_map must take {n_args} arguments "
+            f"(one grid index each{extra}); {index_map} does not",
+        )
+    n_out = []
+
+    def flat_index_map(*idx):
+        if prefetch_tree is not None:  # index maps get the scalar-prefetch operands' pytrees back
+            idx = (*idx[: len(grid)], *tree_util.tree_unflatten(prefetch_tree, idx[len(grid) :]))
+        res = index_map(*idx)
+        if not isinstance(res, (tuple, list)):
+            res = (res,)
+        n_out.append(len(res))
+        return list(res)
+
+    idx_avals = [compat.shaped_array((), jnp.int32)] * len(grid) + list(prefetch_avals)
+    dbg = compat.make_debug_info("pallas_call index_map", index_map, list(range(len(idx_avals))))
+    jaxpr, consts = compat.trace_to_closed_jaxpr(flat_index_map, idx_avals, dbg)
+    if n_out[0] != len(shape):
+        raise err(
+            ValueError,
+            f"{origin}.index_map",
+            f"returned {n_out[0]} indices but block_shape has {len(shape)} dims",
+        )
+    for i, a in enumerate(jaxpr.out_avals):
+        if a.shape != () or not jnp.issubdtype(a.dtype, jnp.integer):
+            raise err(
+                TypeError,
+                f"{origin}.index_map",
+                f"result {i} must be an integer scalar, got {a.dtype}{list(a.shape)}",
+            )
+    if consts:
+        jaxpr = _close_over(jaxpr, consts)
+    return BlockMapping(origin, dims, jaxpr, shape, dtype, ms)
+
+
+def _close_over(jaxpr, consts):
+    """Folds captured constants into a closed jaxpr with no extra inputs."""
+    fun = compat.jaxpr_as_fun(jaxpr)
+    avals = jaxpr.in_avals[len(consts) :]
+    dbg = jaxpr.debug_info
+    closed, more = compat.trace_to_closed_jaxpr(lambda *a: fun(*consts, *a), avals, dbg)
+    assert not more
+    return closed
+
+
+def flatten_specs(specs, tree_of: tuple, what: str, err: Err) -> list:
+    """Broadcasts a pytree prefix of BlockSpecs to the leaves of ``tree_of``."""
+    kind = "inputs" if what == "in_specs" else "outputs"
+    if specs is pallas_core.no_block_spec:
+        return [None] * len(tree_util.tree_leaves(tree_of))
+    if is_spec(specs):
+        if len(tree_of) != 1:
+            raise err(
+                ValueError,
+                what,
+                f"got a single block spec but pallas_call has {len(tree_of)} {kind}; pass a tuple of {len(tree_of)}",
+            )
+        specs = (specs,)
+    if not isinstance(specs, (tuple, list)):
+        raise err(TypeError, what, f"expected a pl.BlockSpec or a tuple of them, got {specs!r:.80}")
+    if len(specs) != len(tree_of):
+        raise err(ValueError, what, f"got {len(specs)} block specs but pallas_call has {len(tree_of)} {kind}")
+    flat = []
+    for i, (spec, sub) in enumerate(zip(specs, tree_of)):
+        n = len(tree_util.tree_leaves(sub))
+        if is_spec(spec):
+            flat += [spec] * n
+            continue
+        try:
+            per_leaf = tree_util.tree_map(
+                lambda s, t: [s] * len(tree_util.tree_leaves(t)), spec, sub, is_leaf=is_spec
+            )
+        except (ValueError, TypeError):
+            raise err(
+                ValueError,
+                f"{what}[{i}]",
+                f"expected a pl.BlockSpec or a pytree prefix of the {kind} structure "
+                f"{tree_util.tree_structure(sub)}, got {spec!r:.80}",
+            ) from None
+        leaves = [
+            x for lst in tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)) for x in lst
+        ]
+        for x in leaves:
+            if not is_spec(x):
+                raise err(TypeError, f"{what}[{i}]", f"expected a pl.BlockSpec or None, got {x!r:.80}")
+        flat += leaves
+    return flat
+
+
+def check_aliases(aliases, in_avals, out_avals, in_names, out_names, err: Err, n_prefetch: int = 0):
+    """(input, output) pairs. As in JAX, input indices count the scalar-prefetch
+    operands first; the pairs returned count the other inputs only."""
+    if not isinstance(aliases, dict):
+        raise err(
+            TypeError,
+            "input_output_aliases",
+            f"expected a dict {{input index: output index}}, got {aliases!r}",
+        )
+    pairs = []
+    for i, o in sorted(aliases.items()):
+        if not isinstance(i, int) or not 0 <= i < n_prefetch + len(in_avals):
+            raise err(
+                ValueError,
+                "input_output_aliases",
+                f"input index {i!r} is out of range: there are {n_prefetch + len(in_avals)} inputs",
+            )
+        if i < n_prefetch:
+            raise err(
+                ValueError,
+                "input_output_aliases",
+                f"input {i} is a scalar-prefetch operand, which cannot be aliased to an output",
+            )
+        if not isinstance(o, int) or not 0 <= o < len(out_avals):
+            raise err(
+                ValueError,
+                "input_output_aliases",
+                f"output index {o!r} is out of range: there are {len(out_avals)} outputs",
+            )
+        a, b = in_avals[i - n_prefetch], out_avals[o]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise err(
+                ValueError,
+                "input_output_aliases",
+                f"input {i} ({in_names[i - n_prefetch]}: {a.dtype}{list(a.shape)}) and output {o} "
+                f"({out_names[o]}: {b.dtype}{list(b.shape)}) must have the same shape and dtype",
+            )
+        pairs.append((i - n_prefetch, o))
+    if len({o for _, o in pairs}) != len(pairs):
+        raise err(ValueError, "input_output_aliases", "two inputs alias the same output")
+    return tuple(pairs)
+
+
+def const_block_mappings(consts, grid, err, prefetch_avals, prefetch_tree) -> tuple[BlockMapping, ...]:
+    return tuple(
+        block_mapping(
+            BlockSpec(),
+            jax.core.ShapedArray(np.shape(c), jnp.result_type(c)),
+            f"constant {i} captured by the kernel",
+            grid,
+            err,
+            prefetch_avals,
+            prefetch_tree,
+        )
+        for i, c in enumerate(consts)
+    )

@@ -683,3 +683,17 @@ def test_barrier_semaphore_without_collective_id():
 
     msg = _lowering_error(uses_barrier, (8, 128))
     assert "pallas_call 'uses_barrier'" in msg and "pltpu.CompilerParams(collective_id=<int>)" in msg
+
+
+def test_einshape_reciprocal_trace_value_touch():
+    def kernel(x_ref, o_ref):
+        x = x_ref[...]
+        pltpu.trace_value("x00", x[0, 0])
+        pltpu.touch(o_ref)
+        y = pltpu.reciprocal(x, approx=True)
+        o_ref[...] = pltpu.einshape("a(bc)->(ba)c", y, b=2)  # (8, 128) -> (16, 64)
+
+    m = _one_kernel(kernel, (8, 128), out=(16, 64))
+    s = ops(m)
+    assert "tpu.reciprocal" in s and "tpu.trace_value" in s and "tpu.transpose" in s
+    assert '"x00"' in str(m)

@@ -352,3 +352,11 @@ def test_bool_operands_outputs_and_scratch():
     text = jax.jit(fn).trace(m, x).lower(lowering_platforms=("tpu",)).as_text()
     call = re.search(r"tpu_custom_call\(.*", text).group(0)
     assert "tensor<16x128xi32>" in call and "i1>" not in call.split("->")[0]
+
+
+def test_einshape():
+    f = lambda x: pltpu.einshape("(ab)c->(ba)c", x, a=2)  # swaps the two row halves' interleaving
+    x = rand(SHAPE, jnp.float32, 22)
+    np.testing.assert_array_equal(
+        run_ours(whole(f), x), x.reshape(2, 8, 128).transpose(1, 0, 2).reshape(SHAPE)
+    )

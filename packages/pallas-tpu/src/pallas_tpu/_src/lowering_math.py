@@ -12,6 +12,7 @@ from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
 from pallas_tpu._src import vector_primitives as vp
+from pallas_tpu._src.einshape import einshape_p
 from pallas_tpu._src.lowering import (
     aval_type,
     broadcast_to,
@@ -404,6 +405,35 @@ def _multiple_of(ctx, x, values):
     if ctx.avals_in[0].shape or len(vals) != 1:
         return x
     return tpu.assume_multiple(x, int(vals[0]))
+
+
+@register_lowering(vp.reciprocal_p)
+def _reciprocal(ctx, x, *, approx, full_range):
+    if np.dtype(ctx.avals_in[0].dtype).name not in ("float32", "bfloat16"):
+        raise NotImplementedError("pltpu.reciprocal takes float32 or bfloat16")
+    return tpu.reciprocal(x, approx=approx, full_range=full_range)
+
+
+@register_lowering(einshape_p)
+def _einshape(ctx, x, **params):
+    # Its definition is a reshape, a transpose and a reshape: lowered through those rules.
+    return lower_fun(einshape_p.impl, ctx, x, **params)
+
+
+@register_lowering(vp.with_memory_space_constraint_p)
+def _memory_space_constraint(ctx, x, **_):
+    return x
+
+
+@register_lowering(vp.trace_value_p)
+def _trace_value(ctx, value, *, label):
+    tpu.trace_value(value, label)
+    return []
+
+
+@register_lowering(vp.touch_p)
+def _touch(ctx, *refs):
+    return []
 
 
 @register_lowering(vp.roll_p)

@@ -697,3 +697,70 @@ def test_einshape_reciprocal_trace_value_touch():
     s = ops(m)
     assert "tpu.reciprocal" in s and "tpu.trace_value" in s and "tpu.transpose" in s
     assert '"x00"' in str(m)
+
+
+def _k_unsigned_dot(x_ref, o_ref):
+    x = x_ref[...].astype(jnp.uint32)
+    o_ref[...] = jnp.dot(x, jnp.ones((128, 128), jnp.uint32), preferred_element_type=jnp.uint32).astype(
+        jnp.float32
+    )
+
+
+def _k_iota_1d(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + lax.iota(jnp.float32, 128)
+
+
+def _k_wait_no_decrement(x_ref, o_ref, sem):
+    pl.semaphore_wait(sem, 1, decrement=False)
+    o_ref[...] = x_ref[...]
+
+
+def _k_dma_add(x_ref, o_ref, buf, sem):
+    pltpu.async_copy(x_ref, buf, sem, add=True).wait()
+    o_ref[...] = buf[...]
+
+
+def _k_strided_view(x_ref, o_ref, buf, sem):
+    pltpu.async_copy(x_ref.at[pl.ds(0, 8, stride=2)], buf, sem).wait()
+    o_ref[...] = buf[...]
+
+
+def _k_gather(x_ref, o_ref):
+    o_ref[...] = x_ref[lax.broadcasted_iota(jnp.int32, (8, 128), 0)[:, 0]]
+
+
+def _k_scan_reverse(x_ref, o_ref):
+    o_ref[...] = lax.scan(lambda c, _: (c * 2.0, None), x_ref[...], None, length=3, reverse=True)[0]
+
+
+def _k_print_f16(x_ref, o_ref):
+    pl.debug_print("v={}", x_ref[0, 0].astype(jnp.float16))
+    o_ref[...] = x_ref[...]
+
+
+VMEM_DMA = dict(scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA])
+
+
+@pytest.mark.parametrize(
+    "kernel,kw,shape,expect",
+    [
+        (_k_unsigned_dot, {}, (8, 128), "dot_general of unsigned integers"),
+        (_k_iota_1d, {}, (8, 128), "iota must be at least 2-D"),
+        (
+            _k_wait_no_decrement,
+            dict(scratch_shapes=[pltpu.SemaphoreType.REGULAR]),
+            (8, 128),
+            "decrement=False",
+        ),
+        (_k_dma_add, VMEM_DMA, (8, 128), "add=True"),
+        (_k_strided_view, VMEM_DMA, (16, 128), "strided views"),
+        (_k_gather, {}, (8, 128), "with an array (a gather)"),
+        (_k_scan_reverse, {}, (8, 128), "reverse=True"),
+        (_k_print_f16, {}, (8, 128), "32-bit ints and floats"),
+    ],
+    ids=lambda v: v.__name__ if callable(v) else None,
+)
+def test_unsupported_forms_are_errors(kernel, kw, shape, expect):
+    msg = _lowering_error(kernel, shape, **kw)
+    assert expect in msg, msg
+    assert f"pallas_call '{kernel.__name__}'" in msg and "test_lowering.py:" in msg

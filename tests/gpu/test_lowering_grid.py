@@ -219,7 +219,7 @@ def test_atomics_keep_the_grid_parallel():
 
 
 # ---------------------------------------------------------------------------
-# Out-of-range block indices: the block index is clamped into range.
+# Out-of-range block indices: a negative one counts once from the end, then it is clamped.
 
 
 @pytest.mark.parametrize("shift", [-1, 1, 100000, -100000])
@@ -239,9 +239,14 @@ def test_out_of_range_block_index_is_clamped(shift):
         out_specs=pl.BlockSpec((b,), lambda i: (i,)),
     )(x)
     padded = jnp.pad(x, (0, nb * b - n))
-    blocks = [padded[min(max(i + shift, 0), nb - 1) * b :][:b] for i in range(nb)]
+
+    def block(i):  # JAX's interpret mode: a negative index counts once from the end, then clamps
+        j = i + shift
+        return min(max(j + nb if j < 0 else j, 0), nb - 1)
+
+    blocks = [padded[block(i) * b :][:b] for i in range(nb)]
     ref = jnp.concatenate(blocks) * 2
-    valid = np.concatenate([np.arange(b) + min(max(i + shift, 0), nb - 1) * b < n for i in range(nb)])
+    valid = np.concatenate([np.arange(b) + block(i) * b < n for i in range(nb)])
     assert_close(np.asarray(out)[valid], np.asarray(ref)[valid])
 
 

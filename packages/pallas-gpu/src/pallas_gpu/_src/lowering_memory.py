@@ -106,10 +106,21 @@ def _clamp(em: Emitter, ix, hi: int):
     return name
 
 
+def _wrap(em: Emitter, ix, n: int):
+    """``ix`` counted once from the end (``+ n``) when negative, as a negative
+    block start is in interpret mode (JAX's)."""
+    if isinstance(ix, int):
+        return ix + n if ix < 0 else ix
+    name = em.fresh("ix")
+    em.emit(f"{name} = tl.where({ix} < 0, {ix} + {n}, {ix})")
+    return name
+
+
 def block_ref(kl: KernelLowering, i: int, bm, ids: list[Val]) -> BlockRef:
     """The BlockRef of block mapping ``i``: its element starts from the index
-    map, clamped (like interpret mode's ``dynamic_slice`` on the array padded
-    to whole blocks) so that an out-of-range block index picks the nearest block."""
+    map, as in interpret mode (``dynamic_slice`` on the array padded to whole
+    blocks): a negative block index counts once from the last block, then it
+    is clamped into range, so nothing outside the array is touched."""
     em = kl.em
     em.emit(f"# {bm.origin}: {bm.dtype}{list(bm.array_shape)}, block {tuple(str(d) for d in bm.block_shape)}")
     idx = kl.lower_jaxpr(bm.index_map, ids)
@@ -133,7 +144,9 @@ def block_ref(kl: KernelLowering, i: int, bm, ids: list[Val]) -> BlockRef:
         else:
             size = 1 if isinstance(dim, pallas_backend.Squeezed) else dim.block_size
             last = -(-n // size) - 1
-            start = _mul(ix if bound is not None and bound <= last else _clamp(em, ix, last), size)
+            if bound is None or bound > last:
+                ix = _clamp(em, _wrap(em, ix, last + 1), last)
+            start = _mul(ix, size)
             in_bounds.append(n % size == 0)
             nonneg.append(True)
         if not isinstance(start, int):

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 JAX_OLDEST = ["jax==0.11.2", "jaxlib==0.11.2"]
 JAX_NEWEST = ["jax>=0.11.2,<0.13", "jaxlib>=0.11.2,<0.13"]
 TRITON = ["triton==3.6.0"]
-TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "flatbuffers"]
+TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "flatbuffers", "hypothesis>=6"]
 
 # The runtime (repo root) first: the others depend on it.
 LOCAL_PACKAGES = [

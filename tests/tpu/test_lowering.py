@@ -764,3 +764,14 @@ def test_unsupported_forms_are_errors(kernel, kw, shape, expect):
     msg = _lowering_error(kernel, shape, **kw)
     assert expect in msg, msg
     assert f"pallas_call '{kernel.__name__}'" in msg and "test_lowering.py:" in msg
+
+
+def test_argmax_argmin():
+    def kernel(x_ref, o_ref):
+        x = x_ref[...]
+        am = jnp.argmax(x, axis=1).astype(jnp.float32)  # (8,)
+        an = jnp.argmin(x, axis=0).astype(jnp.float32)  # (128,)
+        o_ref[...] = am[:, None] + an[None, :]
+
+    s = str(_one_kernel(kernel, (8, 128)))
+    assert "#tpu.reduction_kind<arg_max>" in s and "#tpu.reduction_kind<arg_min>" in s

@@ -360,3 +360,10 @@ def test_einshape():
     np.testing.assert_array_equal(
         run_ours(whole(f), x), x.reshape(2, 8, 128).transpose(1, 0, 2).reshape(SHAPE)
     )
+
+
+@pytest.mark.xfail(strict=True, reason="run_mosaic does not execute tpu.reduce_index yet")
+def test_argmax_argmin():
+    f = lambda x: (jnp.argmax(x, axis=1)[:, None] + jnp.argmin(x, axis=0)[None, :]).astype(jnp.int32)
+    x = rand(SHAPE, jnp.float32, 23)
+    np.testing.assert_array_equal(run_ours(whole(f), x), f(x))

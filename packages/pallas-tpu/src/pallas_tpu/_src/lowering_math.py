@@ -357,6 +357,21 @@ def _reduce(ctx, x, axes, **_):
 _PRECISION = {"HIGH": "bf16x3", "HIGHEST": "fp32"}
 
 
+@register_lowering(lax.argmax_p, lax.argmin_p)
+def _arg_reduce(ctx, x, axes, index_dtype):
+    """``tpu.reduce_index`` along one axis (float32/bfloat16 values)."""
+    aval, out = ctx.avals_in[0], ctx.avals_out[0]
+    if np.dtype(aval.dtype).name not in ("float32", "bfloat16") or len(axes) != 1:
+        raise NotImplementedError(f"{ctx.eqn.primitive.name} of one axis of float32 or bfloat16 values only")
+    axis, shape, out_shape = axes[0], aval.shape, out.shape
+    if len(shape) == 1:  # Mosaic reduces 2-D and up
+        x, axis, shape, out_shape = shape_cast(x, (1, *shape), aval.dtype), 1, (1, *shape), (1, *out_shape)
+    kind = "arg_max" if ctx.eqn.primitive is lax.argmax_p else "arg_min"
+    kind_attr = ir.Attribute.parse(f"#tpu.reduction_kind<{kind}>")
+    r = tpu.reduce_index(aval_type(_Aval(out_shape, index_dtype)), x, axis, kind_attr)
+    return shape_cast(r, out.shape, index_dtype)
+
+
 def _any(x, axes):
     return jnp.max(jnp.where(x, 1.0, 0.0), axis=axes) > 0.0
 

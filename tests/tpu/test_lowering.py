@@ -631,13 +631,22 @@ def test_prng_delay_debug_print():
     assert "no placeholders" in s
 
 
-def test_debug_print_of_an_array_is_an_error():
+def test_debug_print_of_an_array():
     def print_array(x_ref, o_ref):
         pl.debug_print("x: {}", x_ref[...])
         o_ref[...] = x_ref[...]
 
-    msg = _lowering_error(print_array, (8, 128))
-    assert "lowering 'debug_print'" in msg and "print scalars" in msg
+    s = str(_one_kernel(print_array, (8, 128)))
+    assert "tpu.log_buffer" in s and '"x: "' in s and "memref.alloca" in s
+
+
+def test_debug_print_of_two_arrays_is_an_error():
+    def print_arrays(x_ref, o_ref):
+        pl.debug_print("x: {} {}", x_ref[...], x_ref[...])
+        o_ref[...] = x_ref[...]
+
+    msg = _lowering_error(print_arrays, (8, 128))
+    assert "lowering 'debug_print'" in msg and "one array with a format ending in {}" in msg
 
 
 def test_concatenate_bool_reductions_bitcast():

@@ -30,6 +30,7 @@ from pallas_tpu._src.lowering import (
     is_smem,
     is_unsigned,
     lower_jaxpr,
+    memref_type,
     ref_type,
     register_lowering,
     shape_cast,
@@ -290,17 +291,27 @@ def _prng_random_bits(ctx, *, shape):
 
 @register_lowering(plb.debug_print_p)
 def _debug_print(ctx, *args, fmt, **_):
-    """``tpu.log`` of scalars; ``{}`` placeholders become Mosaic's ``$s0``, ``$f1``..."""
-    if any(a.shape for a in ctx.avals_in):
-        raise NotImplementedError(
-            "pl.debug_print of arrays is not supported in Mosaic kernels; print scalars"
-        )
+    """``tpu.log`` of scalars (``{}`` placeholders become Mosaic's ``$s0``,
+    ``$f1``...), or ``tpu.log_buffer`` of one array (``fmt`` ending in ``{}``)."""
+    avals = ctx.avals_in
+    if any(a.shape for a in avals):
+        if len(avals) != 1 or not fmt.endswith("{}") or "{}" in fmt[:-2]:
+            raise NotImplementedError(
+                "pl.debug_print prints scalars, or one array with a format ending in {} (e.g. 'x: {}')"
+            )
+        region = tpu.RegionOp([])
+        with ir.InsertionPoint(region.body):
+            buf = memref.alloca(memref_type(avals[0].shape, avals[0].dtype, None), [], [])
+            vector.store(args[0], buf, [index(0)] * len(avals[0].shape))
+            tpu.log_buffer(buf, list(avals[0].shape), fmt[:-2])
+            tpu.yield_([])
+        return []
     pieces = list(string.Formatter().parse(fmt))
     formatted = any(field is not None for _, field, _, _ in pieces)
     if formatted:
-        if any(np.dtype(a.dtype).itemsize != 4 or is_bool(a.dtype) for a in ctx.avals_in):
+        if any(np.dtype(a.dtype).itemsize != 4 or is_bool(a.dtype) for a in avals):
             raise TypeError("pl.debug_print with {} placeholders prints 32-bit ints and floats only")
-        spec = ["f" if is_float(a.dtype) else "u" if is_unsigned(a.dtype) else "s" for a in ctx.avals_in]
+        spec = ["f" if is_float(a.dtype) else "u" if is_unsigned(a.dtype) else "s" for a in avals]
         fmt = "".join(
             t + (f"${spec[i]}{i}" if f is not None else "") for i, (t, f, _, _) in enumerate(pieces)
         )

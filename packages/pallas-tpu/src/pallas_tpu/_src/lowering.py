@@ -109,6 +109,18 @@ def value_type(shape: Sequence[int], dtype) -> ir.Type:
     return ir.VectorType.get(list(shape), el) if len(shape) else el
 
 
+@dataclasses.dataclass(frozen=True)
+class Aval:
+    """A shape and dtype (what rules need of an abstract value)."""
+
+    shape: tuple
+    dtype: Any
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(self.shape))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+
 def aval_type(aval) -> ir.Type:
     return value_type(aval.shape, aval.dtype)
 

@@ -3,7 +3,8 @@
 The module holds, as JAX's Mosaic lowering makes it:
 
 * ``func.func @<kernel>(grid indices: i32..., scalar-prefetch memrefs (SMEM)...,
-  operand windows (memrefs of the block shape, squeezed dims dropped)...,
+  operand windows (memrefs of the block shape; squeezed dims kept with size 1,
+  the kernel's Ref is a ``BlockRef`` without them)...,
   scratch memrefs...)`` with the attributes ``dimension_semantics``,
   ``iteration_bounds``, ``scalar_prefetch``, ``scratch_operands``,
   ``tpu.core_type`` and ``window_params``: one dict per operand,

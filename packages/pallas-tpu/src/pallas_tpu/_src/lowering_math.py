@@ -14,6 +14,7 @@ from pallas import backend as plb
 from pallas_tpu._src import vector_primitives as vp
 from pallas_tpu._src.einshape import einshape_p
 from pallas_tpu._src.lowering import (
+    Aval,
     aval_type,
     broadcast_to,
     constant,
@@ -224,11 +225,11 @@ def _clamp(ctx, lo, x, hi):
 def convert(x, src, dst, shape):
     """``x`` of dtype ``src`` converted to ``dst`` (as ``lax.convert_element_type``)."""
     src, dst = np.dtype(src), np.dtype(dst)
-    out_t = aval_type(_Aval(shape, dst))
+    out_t = aval_type(Aval(shape, dst))
     if src == dst:
         return x
     if is_bool(dst):
-        return _cmp(x, constant(0, shape, src), "une" if is_float(src) else "ne", _Aval(shape, src))
+        return _cmp(x, constant(0, shape, src), "une" if is_float(src) else "ne", Aval(shape, src))
     if is_float(src) and is_float(dst):
         return (arith.extf if src.itemsize < dst.itemsize else arith.truncf)(out_t, x)
     if is_float(src):
@@ -240,11 +241,6 @@ def convert(x, src, dst, shape):
     if is_bool(src) or src.itemsize < dst.itemsize:
         return (arith.extui if is_unsigned(src) else arith.extsi)(out_t, x)
     return arith.trunci(out_t, x)
-
-
-class _Aval:
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
 
 
 @register_lowering(lax.convert_element_type_p)
@@ -267,7 +263,7 @@ def _bitcast_convert_type(ctx, x, new_dtype):
 @register_lowering(lax.iota_p)
 def _iota(ctx, *dyn, dtype, shape, dimension, **_):
     out = ctx.avals_out[0]
-    i32 = _Aval(shape, np.int32)
+    i32 = Aval(shape, np.int32)
     if len(shape) < 2:
         raise NotImplementedError("iota must be at least 2-D on the TPU (use broadcasted_iota)")
     x = tpu.iota(aval_type(i32), [dimension])
@@ -368,7 +364,7 @@ def _arg_reduce(ctx, x, axes, index_dtype):
         x, axis, shape, out_shape = shape_cast(x, (1, *shape), aval.dtype), 1, (1, *shape), (1, *out_shape)
     kind = "arg_max" if ctx.eqn.primitive is lax.argmax_p else "arg_min"
     kind_attr = ir.Attribute.parse(f"#tpu.reduction_kind<{kind}>")
-    r = tpu.reduce_index(aval_type(_Aval(out_shape, index_dtype)), x, axis, kind_attr)
+    r = tpu.reduce_index(aval_type(Aval(out_shape, index_dtype)), x, axis, kind_attr)
     return shape_cast(r, out.shape, index_dtype)
 
 

@@ -20,6 +20,7 @@ from pallas_tpu._src import random as tpu_random
 from pallas_tpu._src.lowering import (
     BACKEND,
     BOOL_MEMORY_DTYPE,
+    Aval,
     BlockRef,
     as_i32,
     aval_type,
@@ -37,12 +38,6 @@ from pallas_tpu._src.lowering import (
     value_type,
 )
 from pallas_tpu._src.lowering_math import BINARY
-
-
-@dataclasses.dataclass
-class _Aval:
-    shape: tuple
-    dtype: np.dtype
 
 
 @dataclasses.dataclass
@@ -151,7 +146,7 @@ def _access(ref, tree, leaves):
 
 def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:
     if is_bool(out_aval.dtype):  # stored as int32
-        mem = _Aval(out_aval.shape, BOOL_MEMORY_DTYPE)
+        mem = Aval(out_aval.shape, BOOL_MEMORY_DTYPE)
         x = load(ctx, ref, ref_aval, tree, leaves, mem)
         return arith.cmpi(arith.CmpIPredicate.ne, x, constant(0, out_aval.shape, BOOL_MEMORY_DTYPE))
     ref, w = _access(ref, tree, leaves)
@@ -169,7 +164,7 @@ def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:
 
 def store(ctx, ref, ref_aval, tree, leaves, val, val_aval) -> None:
     if is_bool(val_aval.dtype):
-        mem = _Aval(val_aval.shape, BOOL_MEMORY_DTYPE)
+        mem = Aval(val_aval.shape, BOOL_MEMORY_DTYPE)
         val = arith.extui(aval_type(mem), val)
         val_aval = mem
     ref, w = _access(ref, tree, leaves)

@@ -180,10 +180,6 @@ def test_paged_attention_same_as_jax():
     assert_same_as_jax(ours, theirs, same_ops=False)
 
 
-@pytest.mark.xfail(
-    jax.__version_info__ >= (0, 12),
-    reason="run_mosaic does not execute tpu.wait_dma yet (the DMA wait JAX 0.12's lowering, and ours, emit)",
-)
 def test_paged_attention_runs():
     pa = load("paged_attention")
     args = _paged_inputs()
@@ -240,10 +236,6 @@ def test_ragged_paged_attention_same_as_jax():
     assert_same_as_jax(modules(call(rpa), *args), modules(call(jrpa), *args), same_ops=False)
 
 
-@pytest.mark.xfail(
-    jax.__version_info__ >= (0, 12),
-    reason="run_mosaic does not execute tpu.wait_dma yet (the DMA wait JAX 0.12's lowering, and ours, emit)",
-)
 def test_ragged_paged_attention_runs():
     from test_jax_tpu_ops import ragged_paged_attention_ref
 
@@ -282,10 +274,6 @@ def test_all_gather_lowers_with_remote_dmas():
         assert "tpu.sem_barrier" in m and "tpu.device_id" in m
 
 
-@pytest.mark.xfail(
-    jax.__version_info__ >= (0, 12),
-    reason="run_mosaic does not execute tpu.wait_dma yet (the DMA wait JAX 0.12's lowering, and ours, emit)",
-)
 def test_emit_pipeline_inside_a_kernel_runs():
     import pallas as pl
 

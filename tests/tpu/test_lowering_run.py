@@ -74,17 +74,9 @@ BINARY_CASES = [
 ]
 
 
-def _executor_gap(name, dtype):
-    # run_mosaic computes arith.divsi with np.abs, which overflows on INT8_MIN
-    # (-128 / 3 gives 43); the lowering emits divsi as JAX does.
-    if name == "div" and dtype == jnp.int8:
-        return pytest.mark.xfail(strict=True, reason="run_mosaic: arith.divsi of INT8_MIN")
-    return ()
-
-
 @pytest.mark.parametrize(
     "name,f,dtype",
-    [pytest.param(n, f, d, marks=_executor_gap(n, d)) for n, f, ds in BINARY_CASES for d in ds],
+    [(n, f, d) for n, f, ds in BINARY_CASES for d in ds],
     ids=[f"{n}-{np.dtype(d).name}" for n, _, ds in BINARY_CASES for d in ds],
 )
 def test_binary(name, f, dtype):
@@ -188,10 +180,7 @@ def test_slice_concatenate_bool_reductions():
     "dtype",
     [
         jnp.int32,
-        pytest.param(
-            jnp.uint32,
-            marks=pytest.mark.xfail(strict=True, reason="run_mosaic: multi_reduction <maxui>/<minui>"),
-        ),
+        jnp.uint32,
     ],
 )
 def test_int_reductions(dtype):
@@ -291,10 +280,6 @@ def test_dynamic_slices():
     np.testing.assert_allclose(got, dyn(pl, pltpu, x, interpret=pltpu.InterpretParams()))
 
 
-@pytest.mark.xfail(
-    jax.__version_info__ >= (0, 12),
-    reason="run_mosaic does not execute tpu.wait_dma yet (the DMA wait JAX 0.12's lowering, and ours, emit)",
-)
 def test_dma_run_scoped_roll():
     def kernel(x_hbm, o_ref, buf, sem):
         c = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 8)], buf, sem)
@@ -362,7 +347,6 @@ def test_einshape():
     )
 
 
-@pytest.mark.xfail(strict=True, reason="run_mosaic does not execute tpu.reduce_index yet")
 def test_argmax_argmin():
     f = lambda x: (jnp.argmax(x, axis=1)[:, None] + jnp.argmin(x, axis=0)[None, :]).astype(jnp.int32)
     x = rand(SHAPE, jnp.float32, 23)

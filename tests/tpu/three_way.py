@@ -83,9 +83,20 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies):
             out_shape = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
             aliases = dict(eqn.params.get("input_output_aliases", ()))
             outs = pltpu.run_mosaic(bodies.pop(0), *invals, out_shape=out_shape, input_output_aliases=aliases)
-        elif name in ("pjit", "jit", "closed_call"):
-            sub = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
-            outs = _eval_with_mosaic(sub.jaxpr, sub.consts, invals, bodies)
+        elif name in (
+            "pjit",
+            "jit",
+            "closed_call",
+            "custom_jvp_call",
+            "custom_vjp_call",
+            "checkpoint",
+            "remat",
+        ):
+            sub = next(eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in eqn.params)
+            if hasattr(sub, "consts"):
+                outs = _eval_with_mosaic(sub.jaxpr, sub.consts, invals, bodies)
+            else:
+                outs = _eval_with_mosaic(sub, (), invals, bodies)
         else:
             outs = eqn.primitive.bind(*invals, **eqn.params)
             outs = outs if eqn.primitive.multiple_results else [outs]

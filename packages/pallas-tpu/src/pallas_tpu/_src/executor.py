@@ -280,6 +280,6 @@ def custom_call_bodies(hlo_text: str) -> list[bytes]:
     for m in re.finditer(
         r"stablehlo\.custom_call @tpu_custom_call\(.*?backend_config = \"((?:[^\"\\]|\\.)*)\"", hlo_text
     ):
-        raw = m.group(1).replace("\\22", '"').replace("\\5C", "\\").replace('\\"', '"')
-        out.append(base64.b64decode(json.loads(raw)["custom_call_config"]["body"]))
+        raw = re.sub(r"\\([0-9A-Fa-f]{2})", lambda e: chr(int(e.group(1), 16)), m.group(1))
+        out.append(base64.b64decode(json.loads(raw, strict=False)["custom_call_config"]["body"]))
     return out

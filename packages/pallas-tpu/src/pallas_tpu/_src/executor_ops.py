@@ -306,6 +306,7 @@ def _scalar(attr):
 
 
 def _trunc_div(a, b):
+    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)  # INT_MIN / -1 wraps when cast back
     b_safe = np.where(b == 0, 1, b)
     q = np.abs(a) // np.abs(b_safe)
     q = np.where((a < 0) != (b_safe < 0), -q, q)
@@ -323,7 +324,7 @@ _BINARY_INT = {
     "arith.subi": np.subtract,
     "arith.muli": np.multiply,
     "arith.divsi": _trunc_div,
-    "arith.remsi": lambda a, b: np.where(b == 0, a, a - _trunc_div(a, b) * b),
+    "arith.remsi": lambda a, b: np.where(b == 0, a, np.asarray(a, np.int64) - _trunc_div(a, b) * b),
     "arith.floordivsi": lambda a, b: np.floor_divide(a, np.where(b == 0, 1, b)),
     "arith.maxsi": np.maximum,
     "arith.minsi": np.minimum,

@@ -14,6 +14,7 @@ from pallas_tpu._src.executor_ops import (
     _cast,
     _f32,
     _out_dtype,
+    _unsigned,
     allocate,
     np_dtype,
     rule,
@@ -210,6 +211,8 @@ _REDUCE = {
     "add": np.add,
     "mul": np.multiply,
     "maxsi": np.maximum,
+    "maxui": np.maximum,
+    "minui": np.minimum,
     "maxnumf": np.fmax,
     "maximumf": np.maximum,
     "minsi": np.minimum,
@@ -228,7 +231,10 @@ def _reduce(x, dims, kind, op):
     fn = _REDUCE.get(kind)
     if fn is None:
         raise MosaicError(f"run_mosaic: {where(op)}: reduction kind {kind} is not supported")
-    x = _f32(x) if np.asarray(x).dtype.kind in "fV" else np.asarray(x)
+    x = np.asarray(x)
+    if kind in ("maxui", "minui"):
+        return fn.reduce(_unsigned(x), axis=tuple(dims)).view(x.dtype) if dims else x
+    x = _f32(x) if x.dtype.kind in "fV" else x
     return fn.reduce(x, axis=tuple(dims)) if dims else x
 
 
@@ -238,10 +244,23 @@ def _kind(op) -> str:
 
 @rule("vector.multi_reduction")
 def _multi_reduction(ex, op, vals, env):
-    src, acc = vals
+    src, acc = (np.asarray(v) for v in vals)
     kind = _kind(op)
     r = _reduce(src, _array_attr(op, "reduction_dims"), kind, op)
-    return [_cast(_REDUCE[kind](r, _f32(acc) if np.asarray(acc).dtype.kind in "fV" else acc), op)]
+    if kind in ("maxui", "minui"):
+        return [_REDUCE[kind](_unsigned(r), _unsigned(acc)).view(acc.dtype)]
+    return [_cast(_REDUCE[kind](r, _f32(acc) if acc.dtype.kind in "fV" else acc), op)]
+
+
+@rule("tpu.reduce_index")
+def _reduce_index(ex, op, vals, env):
+    kind = re.search(r"<(\w+)>", str(op.attributes["kind"])).group(1)
+    axis = _array_attr(op, "axis")[0]
+    x = _f32(vals[0]) if np.asarray(vals[0]).dtype.kind in "fV" else np.asarray(vals[0])
+    fn = {"arg_max": np.argmax, "arg_min": np.argmin}.get(kind)
+    if fn is None:
+        raise MosaicError(f"run_mosaic: {where(op)}: index reduction kind {kind} is not supported")
+    return [fn(x, axis=axis).astype(_out_dtype(op))]
 
 
 @rule("tpu.reduce", "tpu.all_reduce")
@@ -437,9 +456,15 @@ def _enqueue_dma(ex, op, vals, env):
 
 @rule("tpu.wait_dma2", "tpu.wait_dma")
 def _wait_dma(ex, op, vals, env):
-    sem = _sem(op, _operand(op, env, "semaphore"), "the DMA semaphore")
-    dst = _operand(op, env, "dst") if hasattr(op, "dst") else _operand(op, env, "ref")
-    _wait(ex, op, sem, dst.array.nbytes, f"a DMA semaphore (a DMA of {dst.array.nbytes} bytes)")
+    if "wait_target" in op.attributes:  # JAX 0.12's form: the enqueue's operands and which side to wait for
+        target = str(op.attributes["wait_target"]) == "true"
+        sem_name, ref_name = ("target_semaphore", "target") if target else ("source_semaphore", "source")
+        sem = _sem(op, _operand(op, env, sem_name), f"the DMA's {sem_name.replace('_', ' ')}")
+        ref = _operand(op, env, ref_name)
+    else:
+        sem = _sem(op, _operand(op, env, "semaphore"), "the DMA semaphore")
+        ref = _operand(op, env, "dst") if hasattr(op, "dst") else _operand(op, env, "ref")
+    _wait(ex, op, sem, ref.array.nbytes, f"a DMA semaphore (a DMA of {ref.array.nbytes} bytes)")
 
 
 @rule("tpu.device_id")

@@ -35,7 +35,6 @@ NEWER_TPU = {
 # Names of jax.experimental.pallas we do not offer, and why.
 MISSING_PL = {
     "Indirect": "indirect (gathered) block dims: not implemented yet",
-    "broadcast_to": "Ref broadcast (a JAX state primitive): not implemented yet",
     "enable_poison_buffers": "JAX-internal debugging switch",
     "get_global": "global (cross-call) semaphores: not implemented yet",
     "lower_as_mlir": "JAX-internal debugging helper",

@@ -446,3 +446,18 @@ def test_example_export_round_trip(name):
             body, x, out_shape=jax.ShapeDtypeStruct((4, 8, 128), jnp.float32), num_devices=n_dev
         )
         close(np.asarray(out).reshape(4, 32, 128), want, 0)
+
+
+@pytest.mark.parametrize("mode", ["interpret", "ours"])
+def test_broadcast_to(mode):
+    """``pl.broadcast_to`` (numpy broadcasting of a value). JAX's Mosaic
+    lowering refuses it ("a Triton-specific primitive"); ours lowers it."""
+    x = rand(40, (8, 1))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, o_ref):
+            o_ref[...] = pl.broadcast_to(x_ref[...], (8, 128)) * 3.0
+
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+
+    close(three_way(build, (x,), mode), jnp.broadcast_to(x, (8, 128)) * 3.0)

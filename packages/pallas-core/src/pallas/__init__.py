@@ -34,6 +34,7 @@ from pallas._src.interpret import InterpretParams as InterpretParams
 from pallas._src.kernel import kernel as kernel
 from pallas._src.pallas_call import pallas_call as pallas_call
 from pallas._src.pallas_call_rules import pallas_call_p as pallas_call_p
+from pallas._src.compat import broadcast_to as broadcast_to
 from pallas._src.primitives import cdiv as cdiv
 from pallas._src.primitives import debug_print as debug_print
 from pallas._src.primitives import ds as ds

@@ -10,6 +10,7 @@ never from ``pallas._src``.
 """
 
 from pallas._src.backends import register_backend as register_backend
+from pallas._src.compat import broadcast_to_p as broadcast_to_p
 from pallas._src.core import ANY as ANY
 from pallas._src.core import Blocked as Blocked
 from pallas._src.core import BlockMapping as BlockMapping

@@ -236,3 +236,9 @@ def axis_index_primitive():
     from jax._src.lax import parallel
 
     return parallel.axis_index_p
+
+
+# ``pl.broadcast_to``: JAX's state primitive, so kernels written for either
+# package trace to the same primitive and every backend lowers one rule.
+broadcast_to = state_primitives.broadcast_to
+broadcast_to_p = state_primitives.broadcast_to_p

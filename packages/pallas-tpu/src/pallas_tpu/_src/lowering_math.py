@@ -282,6 +282,12 @@ def _broadcast_in_dim(ctx, x, *dyn, shape, broadcast_dimensions, **_):
     return broadcast_to(shape_cast(x, keep, aval.dtype), shape)
 
 
+@register_lowering(plb.broadcast_to_p)
+def _state_broadcast_to(ctx, x, *, shape):
+    # ``pl.broadcast_to`` (numpy broadcasting), through the broadcast_in_dim rule.
+    return lower_fun(lambda v: jnp.broadcast_to(v, shape), ctx, x)
+
+
 @register_lowering(lax.reshape_p, lax.squeeze_p)
 def _reshape(ctx, x, *dyn, **_):
     out = ctx.avals_out[0]

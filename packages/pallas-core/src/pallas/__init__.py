@@ -7,6 +7,7 @@ compile them for accelerators.
 """
 
 from pallas._src.compat import Slice as Slice
+from pallas._src.compat import broadcast_to as broadcast_to
 from pallas._src.core import ANY as ANY
 from pallas._src.core import HOST as HOST
 from pallas._src.core import BlockDim as BlockDim
@@ -34,7 +35,6 @@ from pallas._src.interpret import InterpretParams as InterpretParams
 from pallas._src.kernel import kernel as kernel
 from pallas._src.pallas_call import pallas_call as pallas_call
 from pallas._src.pallas_call_rules import pallas_call_p as pallas_call_p
-from pallas._src.compat import broadcast_to as broadcast_to
 from pallas._src.primitives import cdiv as cdiv
 from pallas._src.primitives import debug_print as debug_print
 from pallas._src.primitives import ds as ds

@@ -59,18 +59,35 @@ def _pick_backend() -> Backend:
     return Backend("cpu-interpret", interpret=True)
 
 
-def setup(description: str, sizes: dict[str, dict[str, Any]]) -> tuple[Backend, dict[str, Any]]:
+def use_cpu_for_tpu_interpret() -> bool:
+    """TPU kernels off a TPU run in TPU interpret mode, which models a TPU on the
+    CPU: make the CPU the default device (on a GPU machine the interpreted
+    program would otherwise run on the GPU, with its own f32 dot precision).
+    Returns True when not on a TPU."""
+    if jax.default_backend() == "tpu":
+        return False
+    jax.config.update("jax_default_device", jax.devices("cpu")[0])
+    return True
+
+
+def setup(
+    description: str, sizes: dict[str, dict[str, Any]], *, tpu: bool = False
+) -> tuple[Backend, dict[str, Any]]:
     """Parses `--size`/`--runs`, picks the backend and prints it.
 
     Args:
       description: one line shown by `--help`.
       sizes: `{"small": {...}, "large": {...}}` problem sizes. The default is `large` on a GPU
         and `small` in interpret mode, so every example finishes in seconds on a laptop CPU.
+      tpu: a TPU example: off a TPU it runs in TPU interpret mode on the CPU.
 
     Returns:
       The backend and the chosen size dict, with `runs` (timed repetitions) added.
     """
-    backend = _pick_backend()
+    if tpu and use_cpu_for_tpu_interpret():
+        backend = Backend("tpu-interpret", interpret=True)
+    else:
+        backend = _pick_backend()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--size",

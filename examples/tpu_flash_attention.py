@@ -152,6 +152,7 @@ def main():
                 "block_k": 512,
             },
         },
+        tpu=True,
     )
     backend, call_kwargs = tpu_backend()
     print(f"tpu backend: {backend.name}")

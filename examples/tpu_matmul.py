@@ -73,6 +73,7 @@ def main():
             "small": {"m": 512, "n": 384, "k": 512, "bm": 128, "bn": 128, "bk": 128},
             "large": {"m": 4096, "n": 4096, "k": 4096, "bm": 512, "bn": 512, "bk": 512},
         },
+        tpu=True,
     )
     backend, call_kwargs = tpu_backend()
     print(f"tpu backend: {backend.name}")

@@ -27,7 +27,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import Backend, check_and_report, time_ms
+from _common import Backend, check_and_report, time_ms, use_cpu_for_tpu_interpret
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -79,17 +79,18 @@ def main():
     parser.add_argument("--detect-races", action="store_true")
     args = parser.parse_args()
     cfg = sizes[args.size]
-    on_tpu = jax.default_backend() == "tpu"
+    on_tpu = not use_cpu_for_tpu_interpret()
     backend = Backend("tpu" if on_tpu else "tpu-interpret", interpret=not on_tpu)
     print(
         f"backend: {backend.name}  (jax {jax.__version__}, {jax.device_count()} devices: {jax.devices()[0]}...)"
     )
     print(f"size: {args.size}  " + "  ".join(f"{k}={v}" for k, v in cfg.items()))
-    if jax.device_count() < N:
+    if len(jax.devices() if on_tpu else jax.devices("cpu")) < N:
         print(f"tpu_ring_allgather: FAIL  needs {N} devices, found {jax.device_count()}")
         sys.exit(1)
     interpret = False if on_tpu else pltpu.InterpretParams(detect_races=args.detect_races)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("x",))
+    devices = jax.devices() if on_tpu else jax.devices("cpu")
+    mesh = jax.sharding.Mesh(np.array(devices[:N]), ("x",))
     fn = jax.jit(
         jax.shard_map(
             lambda x: allgather(x, interpret=interpret),

@@ -254,7 +254,6 @@ _RUNTIME_TUNE_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     import jax_kernel_runtime as jkr
-from jax_kernel_runtime import _triton_cache
     import pallas as pl, pallas_gpu as plgpu
 
     def kernel(x_ref, o_ref):

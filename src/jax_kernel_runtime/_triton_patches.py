@@ -124,7 +124,16 @@ def _cast(self, src, dst_type):
     return _originals()["cast_impl"](self, src, dst_type)
 
 
+def _get_bf16(self, value):
+    """A bf16 constant (``bf16_block + 0.1``): Triton 3.6's interpreter has no
+    ``get_bf16``. Its bf16 data are uint16 bit patterns, rounded to nearest even."""
+    import triton.language as tl
+
+    return interpreter().TensorHandle(_fp32_to_bf16(np.array([value], np.float32)), tl.bfloat16)
+
+
 _BUILDER_PATCHES = {
+    "get_bf16": _get_bf16,
     "create_masked_load": _masked_load,
     "create_masked_store": _masked_store,
     "create_atomic_rmw": _atomic_rmw,

@@ -6,7 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernels import add_kernel
-from test_robustness import add, annotated_kernel, assert_kernel, flag_kernel, scale_by_ref_kernel
+from test_robustness import (
+    add,
+    add_const_kernel,
+    annotated_kernel,
+    assert_kernel,
+    flag_kernel,
+    scale_by_ref_kernel,
+)
 
 import jax_triton as jt
 
@@ -73,3 +80,12 @@ def test_bool_scalar_on_the_gpu(flag):
     x = jax.random.normal(jax.random.key(5), (64,))
     out = jt.triton_call(x, flag, kernel=flag_kernel, out_shape=x, grid=1, BLOCK=64)
     np.testing.assert_array_equal(out, x * 2 if flag else x)
+
+
+def test_bf16_plus_python_float_on_the_gpu():
+    """The GPU's answer for the interpreter test of the same name: the Python
+    float becomes a bf16 constant, the sum is rounded to bf16."""
+    x = jax.random.normal(jax.random.key(12), (64,), jnp.float32).astype(jnp.bfloat16)
+    out = jt.triton_call(x, kernel=add_const_kernel, out_shape=x, grid=1, BLOCK=64)
+    c = np.float32(jnp.asarray(0.1, jnp.bfloat16))
+    np.testing.assert_array_equal(out, (x.astype(jnp.float32) + c).astype(jnp.bfloat16))

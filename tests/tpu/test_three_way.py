@@ -29,19 +29,8 @@ def close(a, b, tol=1e-5):
     np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol)
 
 
-def _ours_lowering_pending(mode, exc):
-    """Our lowering is built in the same issue; until a primitive is covered its
-    error says so (NotImplementedError naming the primitive)."""
-    if mode == "ours" and isinstance(exc, NotImplementedError):
-        pytest.xfail(f"our Mosaic lowering: {str(exc).splitlines()[0][:200]}")
-    raise exc
-
-
 def three_way(build, args, mode, **kw):
-    try:
-        return run(build, args, mode, **kw)
-    except NotImplementedError as e:
-        _ours_lowering_pending(mode, e)
+    return run(build, args, mode, **kw)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -192,10 +181,7 @@ def test_example_tpu_ring_allgather(mode):
     def build(pl, pltpu):
         return functools.partial(ex.allgather, interpret=False)
 
-    try:
-        out = run_sharded(build, x, mode, 4)
-    except NotImplementedError as e:
-        _ours_lowering_pending(mode, e)
+    out = run_sharded(build, x, mode, 4)
     close(out.reshape(4, 4 * 8, 128), jnp.broadcast_to(x, (4, *x.shape)), 0)
 
 

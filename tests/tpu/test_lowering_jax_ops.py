@@ -10,9 +10,7 @@ are compared with a ``jnp`` reference.
 
 from __future__ import annotations
 
-import base64
 import collections
-import json
 import re
 
 import jax
@@ -20,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import three_way
-from jax import export
 from jaxlib.mlir import passmanager
 from test_jax_tpu_ops import (  # noqa: F401
     _flash_blocks,
@@ -36,53 +33,8 @@ from test_lowering import funcs, structure
 import pallas_tpu as pltpu
 from pallas_tpu._src import executor
 
-
-def custom_call_bodies(text: str) -> list[bytes]:
-    """The serialized modules in the ``tpu_custom_call``s of exported text
-    (MLIR escapes a string attribute's bytes as ``\\XX`` hex pairs)."""
-    out = []
-    for m in re.finditer(r'custom_call @tpu_custom_call\(.*?backend_config = "((?:[^"\\]|\\.)*)"', text):
-        raw = re.sub(r"\\([0-9A-Fa-f]{2})", lambda h: chr(int(h.group(1), 16)), m.group(1))
-        out.append(base64.b64decode(json.loads(raw)["custom_call_config"]["body"]))
-    return out
-
-
-def exported_bodies(f, *args) -> list[bytes]:
-    with jax.sharding.use_abstract_mesh(three_way.TPU_V5E):
-        text = export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
-    return custom_call_bodies(text)
-
-
-def run_ours(f, *args):
-    """``f(*args)`` with each pallas_call replaced by run_mosaic of our exported module."""
-    bodies = exported_bodies(f, *args)
-    closed = jax.make_jaxpr(f)(*args)
-    outs = _eval(closed.jaxpr, closed.consts, list(args), bodies)
-    assert not bodies
-    return outs
-
-
-CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr"}
-CALLS["custom_vjp_call"] = "call_jaxpr"
-
-
-def _eval(jaxpr, consts, args, bodies):
-    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-    read = lambda v: v.val if type(v).__name__ == "Literal" else env[v]
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        if eqn.primitive.name == "pallas_call":
-            shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
-            aliases = dict(eqn.params.get("input_output_aliases", ()))
-            outs = pltpu.run_mosaic(bodies.pop(0), *ins, out_shape=shapes, input_output_aliases=aliases)
-        elif eqn.primitive.name in CALLS:
-            sub = eqn.params[CALLS[eqn.primitive.name]]
-            outs = _eval(sub.jaxpr, sub.consts, ins, bodies)
-        else:
-            outs = eqn.primitive.bind(*ins, **eqn.params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+exported_bodies = three_way.tpu_modules
+run_ours = three_way.run_with_mosaic  # each pallas_call replaced by run_mosaic of our module
 
 
 def modules(f, *args) -> list:

@@ -59,11 +59,18 @@ def run(build, args, mode, **interpret_params):
     if mode == "interpret":
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
             return jax.jit(f)(*args)
+    outs = run_with_mosaic(f, *args)
+    return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(f, *args)), outs)
+
+
+def run_with_mosaic(f, *args) -> list:
+    """The flat outputs of ``f(*args)``, each ``pallas_call`` replaced by
+    ``run_mosaic`` of the module ``f`` exports for TPU (in program order)."""
     bodies = tpu_modules(f, *args)
     closed = jax.make_jaxpr(f)(*args)
     outs = _eval_with_mosaic(closed.jaxpr, closed.consts, jax.tree.leaves(args), bodies)
     assert not bodies, f"{len(bodies)} exported kernels were not reached"
-    return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(f, *args)), outs)
+    return outs
 
 
 def _eval_with_mosaic(jaxpr, consts, args, bodies):

@@ -200,6 +200,7 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
     windows = _window_params(kernel)
     args = list(kernel.regions[0].blocks[0].arguments)
     nwin = len(windows) if windows else len(args) - len(bounds) - nsp - nscratch
+    windows = windows or [{"transform": None, "bounds": None}] * nwin  # no grid, whole arrays
     n_in = nwin - len(out_leaves)
     if n_in != len(operands) - nsp or n_in < 0:
         raise ValueError(
@@ -217,7 +218,7 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
     win_args = args[len(bounds) + nsp : len(bounds) + nsp + nwin]
     padded = []
     for k, arr in enumerate(arrays):
-        w = windows[k] if windows else {"transform": None, "bounds": None}
+        w = windows[k]
         if w["transform"] is not None:
             pads = [(0, -n % b) for n, b in zip(arr.shape, w["bounds"])]
             arr = np.pad(arr, pads) if any(p for _, p in pads) else np.ascontiguousarray(arr)
@@ -232,7 +233,7 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
         idx = [np.int32(i) for i in point]
         views = []
         for k, (arr, arg) in enumerate(zip(padded, win_args)):
-            w = windows[k] if windows else {"transform": None, "bounds": None}
+            w = windows[k]
             views.append(_window(ex, arr, arg, w, idx, prefetch, k))
         ex.call(kernel, [*idx, *prefetch, *views, *scratch])
     with mesh.cv:  # the other devices' signals to this device are in once all are done

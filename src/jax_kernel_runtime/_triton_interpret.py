@@ -151,7 +151,7 @@ def interpret(fn: Any, grid: tuple[int, int, int], args: dict[str, Any], *, name
                 buffers.append((arg_name, addr, arr.nbytes, arr.dtype))
                 call_args[arg_name] = patches.pointer_arg(value.type, addr)
             else:
-                call_args[arg_name] = interp._implicit_cvt(value)
+                call_args[arg_name] = patches.scalar_arg(value)
         _bounds = _Bounds(name, buffers)
         scope = patches.apply(fn)
         builder = interp.interpreter_builder

@@ -29,6 +29,18 @@ def pointer_arg(signature_type: str, address: int):
     return tl.tensor(interp.TensorHandle(np.array([address], dtype=np.uint64), ty), ty)
 
 
+def scalar_arg(value):
+    """A scalar kernel argument as the interpreter passes it. A Python bool is
+    an ``int1`` holding a NumPy bool (Triton 3.6's ``_implicit_cvt`` stores it
+    as int32 data, which its ``TensorHandle`` then rejects)."""
+    import triton.language as tl
+
+    interp = interpreter()
+    if isinstance(value, (bool, np.bool_)):
+        return tl.tensor(interp.TensorHandle(np.array([bool(value)], np.bool_), tl.int1), tl.int1)
+    return interp._implicit_cvt(value)
+
+
 def _elem_bytes(ptrs) -> int:
     return max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
 

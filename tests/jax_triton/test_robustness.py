@@ -220,16 +220,25 @@ def test_bool_parameter_annotated_int1_refuses_other_ints():
         jt.triton_call(x, 2, kernel=flag_kernel, out_shape=x, grid=1, BLOCK=64)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Triton 3.6's interpreter turns a Python bool argument into int32 data typed int1 "
-    "(_implicit_cvt); the fix belongs in jax_kernel_runtime's interpreter",
-)
-@pytest.mark.parametrize("flag", [True, False])
+@triton.jit
+def unannotated_flag_kernel(x_ptr, flag, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    tl.store(out_ptr + offs, tl.where(flag, x * 3, x - 1))
+
+
+@pytest.mark.parametrize("flag", [True, False, np.bool_(True), np.bool_(False)])
 def test_bool_scalar_in_the_interpreter(flag):
     x = rand((64,), 24)
     out = jt.triton_call(x, flag, kernel=flag_kernel, out_shape=x, grid=1, BLOCK=64)
     np.testing.assert_array_equal(out, x * 2 if flag else x)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_unannotated_bool_scalar_in_the_interpreter(flag):
+    x = rand((64,), 25)
+    out = jt.triton_call(x, flag, kernel=unannotated_flag_kernel, out_shape=x, grid=1, BLOCK=64)
+    np.testing.assert_allclose(out, x * 3 if flag else x - 1, rtol=1e-6)
 
 
 def test_autotune_configs_with_and_without_programs():

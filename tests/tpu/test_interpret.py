@@ -3,7 +3,9 @@ and the same kernel source run by JAX's own TPU interpret mode as a reference.
 
 Each kernel is built by a function of ``(pl, pltpu)``, so one source runs with
 our modules and with JAX's (``jax.experimental.pallas``): moving a kernel over
-is an import change.
+is an import change. Every kernel that computes a result also runs the three
+ways of ``three_way.py`` (the ``way`` parameter); tests of what only the
+interpreter does carry ``interpret_only``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from three_way import DMA_WAYS, WAYS, call, run, ways
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas_tpu._src.lowering import LoweringException
+
+interpret_only = pytest.mark.interpret_only
 
 jax.config.update("jax_enable_checks", True)
 
@@ -182,67 +188,81 @@ def smem_scalars(pl, pltpu, s, x, *, interpret):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_matmul_vmem_accumulator(dtype):
+def test_matmul_vmem_accumulator(dtype, way):
     x, y = rand(0, (256, 384), dtype), rand(1, (384, 256), dtype)
-    out = jax.jit(lambda x, y: matmul(*OURS, x, y, interpret=pltpu.InterpretParams()))(x, y)
+    out = call(matmul, (x, y), way)
     ref = jnp.dot(x.astype(jnp.float32), y.astype(jnp.float32))
     close(out, ref, 1e-4 if dtype == jnp.float32 else 5e-2 * float(jnp.abs(ref).max()))
-    theirs = matmul(*JAXS, x, y, interpret=jpltpu.InterpretParams())
-    close(out, theirs, 1e-4 if dtype == jnp.float32 else 1e-2)
+    if way == "interpret":
+        theirs = matmul(*JAXS, x, y, interpret=jpltpu.InterpretParams())
+        close(out, theirs, 1e-4 if dtype == jnp.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("mode", ["on_wait", "eager"])
-def test_double_buffered_dma(mode):
+@pytest.mark.parametrize("way", DMA_WAYS)
+def test_double_buffered_dma(way):
     x = rand(2, (16 * 64, 128))
-    out = dma_loop(*OURS, x, chunk=64, interpret=pltpu.InterpretParams(dma_execution_mode=mode))
+    out = call(dma_loop, (x,), way, chunk=64)
     close(out, 2 * x.sum(0, keepdims=True), 1e-3)
-    theirs = dma_loop(*JAXS, x, chunk=64, interpret=jpltpu.InterpretParams(dma_execution_mode=mode))
-    close(out, theirs, 1e-4)
+    if way.startswith("interpret"):
+        mode = way.partition(":")[2]
+        theirs = dma_loop(*JAXS, x, chunk=64, interpret=jpltpu.InterpretParams(dma_execution_mode=mode))
+        close(out, theirs, 1e-4)
 
 
-def test_scalar_prefetch_index_map():
+@pytest.mark.parametrize("way", WAYS)
+def test_scalar_prefetch_index_map(way):
     x = rand(3, (64, 128))
     idx = jax.random.randint(jax.random.key(4), (6,), 0, 8, jnp.int32)
-    out = gather_rows(*OURS, idx, x, interpret=pltpu.InterpretParams())
+    out = call(gather_rows, (idx, x), way)
     ref = jnp.concatenate([x[8 * i : 8 * i + 8] * 2.0 + i for i in np.asarray(idx)])
     close(out, ref)
-    close(out, gather_rows(*JAXS, idx, x, interpret=jpltpu.InterpretParams()))
+    if way == "interpret":
+        close(out, gather_rows(*JAXS, idx, x, interpret=jpltpu.InterpretParams()))
 
 
-def test_output_revisited_along_arbitrary_axis():
+@pytest.mark.parametrize("way", WAYS)
+def test_output_revisited_along_arbitrary_axis(way):
     x = rand(5, (32, 512))
-    out = accumulate_into_output(*OURS, x, interpret=pltpu.InterpretParams())
+    out = call(accumulate_into_output, (x,), way)
     close(out, x.reshape(32, 4, 128).sum(1), 1e-5)
-    close(out, accumulate_into_output(*JAXS, x, interpret=jpltpu.InterpretParams()))
+    if way == "interpret":
+        close(out, accumulate_into_output(*JAXS, x, interpret=jpltpu.InterpretParams()))
 
 
-def test_semaphore_signal_wait_read():
+@pytest.mark.parametrize("way", WAYS)
+def test_semaphore_signal_wait_read(way):
     x = rand(6, (8, 128))
-    out = semaphore_counts(*OURS, x, interpret=pltpu.InterpretParams())
+    out = call(semaphore_counts, (x,), way)
     close(out, x * 5 + 1)  # JAX's TPU interpret mode has no rule for semaphore_read: jnp only
 
 
-def test_smem_scalars():
+@pytest.mark.parametrize("way", WAYS)
+def test_smem_scalars(way):
     s = rand(7, (3,))
     x = rand(8, (8, 128))
-    out = smem_scalars(*OURS, s, x, interpret=pltpu.InterpretParams())
+    out = call(smem_scalars, (s, x), way)
     close(out, x * (s[0] * s[1]) + (s[2] + 1.0))
-    close(out, smem_scalars(*JAXS, s, x, interpret=jpltpu.InterpretParams()))
+    if way == "interpret":
+        close(out, smem_scalars(*JAXS, s, x, interpret=jpltpu.InterpretParams()))
 
 
+@interpret_only(reason="interpret=True routing to the TPU interpreter")
 def test_interpret_true_runs_tpu_kernels():
     """interpret=True hands a TPU kernel (VMEM scratch, DMAs) to the TPU interpreter."""
     x = rand(9, (4 * 32, 128))
     close(dma_loop(*OURS, x, chunk=32, interpret=True), 2 * x.sum(0, keepdims=True), 1e-3)
 
 
-def test_vmap_and_jit_of_a_tpu_kernel():
+@pytest.mark.parametrize("way", WAYS)
+def test_vmap_and_jit_of_a_tpu_kernel(way):
     x, y = rand(10, (3, 128, 256)), rand(11, (3, 256, 128))
-    f = jax.jit(jax.vmap(lambda a, b: matmul(*OURS, a, b, interpret=pltpu.InterpretParams())))
-    close(f(x, y), jnp.einsum("bij,bjk->bik", x, y), 1e-4)
+    build = lambda pl, pltpu: jax.vmap(lambda a, b: matmul(pl, pltpu, a, b, interpret=False))  # noqa: E731
+    close(run(build, (x, y), way), jnp.einsum("bij,bjk->bik", x, y), 1e-4)
 
 
+@interpret_only(reason="DMA execution order: uninitialized data before the wait")
 def test_read_before_wait_shows_uninitialized_on_wait():
     """on_wait (the default) copies when the DMA is waited on: reading the
     destination before the wait sees uninitialized (NaN) data."""
@@ -265,6 +285,7 @@ def test_read_before_wait_shows_uninitialized_on_wait():
     close(call("eager"), x)
 
 
+@interpret_only(reason="uninitialized-memory poisoning")
 @pytest.mark.parametrize("mode,expect", [("nan", np.nan), ("zero", 0.0)])
 def test_uninitialized_memory(mode, expect):
     def kernel(x_ref, o_ref, scratch):
@@ -280,6 +301,7 @@ def test_uninitialized_memory(mode, expect):
     np.testing.assert_array_equal(np.asarray(out), np.full(x.shape, expect, np.float32))
 
 
+@interpret_only(reason="InterpretParams knobs: random_seed, grid_point_recorder")
 def test_random_order_of_parallel_axes_and_recorder():
     seen = []
     x = rand(14, (64, 256))
@@ -313,6 +335,7 @@ def test_random_order_of_parallel_axes_and_recorder():
     assert all(order1[2 * k][0] == order1[2 * k + 1][0] for k in range(8))  # arbitrary axis stays inner
 
 
+@interpret_only(reason="InterpretParams knobs: num_cores_or_threads, grid_point_recorder")
 def test_core_parallel_axis_runs_on_separate_cores():
     cores = []
     x = rand(15, (4 * 8, 128))
@@ -345,6 +368,7 @@ def test_core_parallel_axis_runs_on_separate_cores():
     assert sorted(cores) == [((0, 0), 0), ((0, 1), 0), ((1, 0), 1), ((1, 1), 1)]
 
 
+@interpret_only(reason="two TensorCores (num_cores_or_threads=2): run_mosaic runs one core")
 def test_pl_kernel_over_tensorcore_mesh():
     x = rand(16, (2 * 8, 128))
     mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
@@ -365,40 +389,41 @@ def test_pl_kernel_over_tensorcore_mesh():
     close(double(x), x)
 
 
-def test_named_grid_axis_index():
+@pytest.mark.parametrize("way", WAYS)
+def test_named_grid_axis_index(way):
     x = rand(17, (4 * 8, 2 * 128))
 
     def kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...] * 10.0 + lax.axis_index("i").astype(jnp.float32) + 0.5 * lax.axis_index("j")
 
-    out = pl.pallas_call(
+    build = lambda pl, pltpu: pl.pallas_call(  # noqa: E731
         kernel,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         grid=(("i", 4), ("j", 2)),
         in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, j))],
         out_specs=pl.BlockSpec((8, 128), lambda i, j: (i, j)),
-        interpret=pltpu.InterpretParams(),
-    )(x)
+    )
+    out = run(build, (x,), way)
     ii = jnp.repeat(jnp.arange(4.0), 8)[:, None]
     jj = jnp.repeat(jnp.arange(2.0), 128)[None, :]
     close(out, x * 10 + ii + 0.5 * jj)
 
 
-def test_out_shape_list_and_no_outputs():
+@pytest.mark.parametrize("way", WAYS)
+def test_out_shape_list_and_no_outputs(way):
     x = rand(18, (8, 128))
 
     def two(x_ref, a_ref, b_ref):
         a_ref[...] = x_ref[...] + 1
         b_ref[...] = x_ref[...] * 3
 
-    outs = pl.pallas_call(
-        two,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2,
-        interpret=pltpu.InterpretParams(),
-    )(x)
-    assert isinstance(outs, list) and len(outs) == 2
+    build = lambda pl, pltpu: pl.pallas_call(two, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2)  # noqa: E731
+    outs = run(build, (x,), way)
+    assert len(outs) == 2 and (way == "jax" or isinstance(outs, list))  # JAX's gives a tuple
     close(outs[0], x + 1)
     close(outs[1], x * 3)
+    if way != "interpret":
+        return
 
     def nothing(x_ref):
         pl.semaphore_read  # noqa: B018  (the kernel has no outputs to write)
@@ -406,9 +431,7 @@ def test_out_shape_list_and_no_outputs():
     assert pl.pallas_call(nothing, out_shape=(), interpret=pltpu.InterpretParams())(x) == ()
 
 
-def test_input_output_aliases_in_hbm():
-    x = rand(19, (16, 128))
-
+def aliased_hbm(pl, pltpu, x, *, interpret):
     def kernel(x_hbm, o_hbm, buf, sem):
         pltpu.make_async_copy(x_hbm.at[pl.ds(8, 8)], buf, sem).start()
         pltpu.make_async_copy(x_hbm.at[pl.ds(8, 8)], buf, sem).wait()
@@ -417,16 +440,21 @@ def test_input_output_aliases_in_hbm():
         copy.start()
         copy.wait()
 
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
         scratch_shapes=[pltpu.VMEM((8, 128), x.dtype), pltpu.SemaphoreType.DMA],
         input_output_aliases={0: 0},
-        interpret=pltpu.InterpretParams(),
+        interpret=interpret,
     )(x)
-    close(out, x.at[:8].set(2 * x[8:]))
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_input_output_aliases_in_hbm(way):
+    x = rand(19, (16, 128))
+    close(call(aliased_hbm, (x,), way), x.at[:8].set(2 * x[8:]))
 
 
 # ---------------------------------------------------------------------------
@@ -440,6 +468,7 @@ def _raises(match, fn):
     return str(info.value)
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_out_of_bounds_dynamic_ref_read_names_kernel_line_and_ref():
     x = rand(20, (16, 128))
 
@@ -460,6 +489,7 @@ def test_out_of_bounds_dynamic_ref_read_names_kernel_line_and_ref():
     assert "[8, 8 + 16)" in msg
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_out_of_bounds_dma_and_store():
     x = rand(21, (64, 128))
 
@@ -496,6 +526,7 @@ def test_out_of_bounds_dma_and_store():
     _raises(r"out-of-bounds write of out_specs\[0\] block", call)
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_index_map_out_of_range():
     x = rand(22, (16, 128))
     call = lambda: pl.pallas_call(  # noqa: E731
@@ -509,6 +540,7 @@ def test_index_map_out_of_range():
     _raises(r"in_specs\[0\]\.index_map returned block index 2 for dimension 0", call)
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_wait_that_never_completes_is_a_deadlock_error():
     def kernel(x_ref, o_ref, sem):
         pl.semaphore_signal(sem, 1)
@@ -525,6 +557,7 @@ def test_wait_that_never_completes_is_a_deadlock_error():
     _raises(r"for 2 but it holds 1.*deadlock", call)
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_dma_never_waited_is_an_error():
     def kernel(x_hbm, o_ref, buf, sem):
         pltpu.make_async_copy(x_hbm, buf, sem).start()
@@ -547,6 +580,7 @@ def _simple(kernel, x, **kw):
     )(x)
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_block_shape_must_fit_the_tpu_tile():
     x = rand(25, (64, 256))
     with pytest.raises(ValueError, match=r"in_specs\[0\].*dimension 1 has block size 64.*multiple of 128"):
@@ -567,12 +601,14 @@ def test_block_shape_must_fit_the_tpu_tile():
         )
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_smem_holds_32_bit_scalars_only():
     x = rand(26, (8, 128))
     with pytest.raises(TypeError, match=r"scratch_shapes\[0\].*SMEM holds 32-bit scalars only, got int8"):
         _simple(lambda x_ref, o_ref, s: None, x, scratch_shapes=[pltpu.SMEM((4,), jnp.int8)])
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_scratch_over_vmem_limit():
     x = rand(27, (8, 128))
     with pytest.raises(ValueError, match=r"vmem_limit_bytes is 65536"):
@@ -584,6 +620,7 @@ def test_scratch_over_vmem_limit():
         )
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_dma_between_refs_of_different_shapes_or_dtypes():
     x = rand(28, (8, 128))
 
@@ -609,6 +646,7 @@ def test_dma_between_refs_of_different_shapes_or_dtypes():
         )
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_semaphore_of_the_wrong_type():
     x = rand(29, (8, 128))
 
@@ -639,6 +677,7 @@ def test_semaphore_of_the_wrong_type():
         _simple(signal_data, x)
 
 
+@interpret_only(reason="interpret-mode error message")
 def test_dimension_semantics_validation():
     with pytest.raises(ValueError, match=r"unknown dimension semantics 'parallell'"):
         pltpu.CompilerParams(dimension_semantics=("parallell",))
@@ -654,6 +693,7 @@ def test_dimension_semantics_validation():
         )
 
 
+@interpret_only(reason="force_tpu_interpret_mode itself")
 def test_force_tpu_interpret_mode():
     x = rand(31, (8, 128))
 
@@ -679,24 +719,30 @@ def test_force_tpu_interpret_mode():
         )
 
 
-def test_masked_load_and_store():
-    x = rand(32, (8, 128))
-    y = rand(33, (8, 128))
-    mask = jax.random.bernoulli(jax.random.key(34), 0.5, (8, 128))
-
+def masked_load_store(pl, pltpu, x, y, mask, *, interpret):
     def kernel(x_ref, y_ref, m_ref, a_ref, b_ref):
         m = m_ref[...] != 0
         a_ref[...] = pltpu.load(x_ref, mask=m)
         b_ref[...] = y_ref[...]
         pltpu.store(b_ref, x_ref[...] * 2, mask=m)
 
-    a, b = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2,
-        interpret=pltpu.InterpretParams(),
-    )(x, y, mask.astype(jnp.int32))
+    return pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2, interpret=interpret
+    )(x, y, mask)
+
+
+@pytest.mark.parametrize(
+    "way", ways(jax_skip="masked load (pltpu.load with mask) raises NotImplementedError")
+)
+def test_masked_load_and_store(way):
+    x = rand(32, (8, 128))
+    y = rand(33, (8, 128))
+    mask = jax.random.bernoulli(jax.random.key(34), 0.5, (8, 128))
+    a, b = call(masked_load_store, (x, y, mask.astype(jnp.int32)), way)
     close(a, jnp.where(mask, x, 0))
     close(b, jnp.where(mask, 2 * x, y))
+    if way != "interpret":
+        return
 
     def bad(x_ref, o_ref):
         o_ref[...] = pltpu.load(x_ref, mask=jnp.ones((8, 64), bool))
@@ -707,7 +753,8 @@ def test_masked_load_and_store():
         _simple(bad, x)
 
 
-def test_pytree_scratch_shapes():
+@pytest.mark.parametrize("way", WAYS)
+def test_pytree_scratch_shapes(way):
     x = rand(35, (8, 128))
 
     def kernel(x_ref, o_ref, scratch):
@@ -715,12 +762,15 @@ def test_pytree_scratch_shapes():
         scratch["b"][0][...] = scratch["a"][...] + 1
         o_ref[...] = scratch["b"][0][...]
 
-    out = _simple(
-        kernel, x, scratch_shapes=[{"a": pltpu.VMEM(x.shape, x.dtype), "b": [pltpu.VMEM(x.shape, x.dtype)]}]
+    build = lambda pl, pltpu: pl.pallas_call(  # noqa: E731
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_shapes=[{"a": pltpu.VMEM(x.shape, x.dtype), "b": [pltpu.VMEM(x.shape, x.dtype)]}],
     )
-    close(out, 2 * x + 1)
+    close(run(build, (x,), way), 2 * x + 1)
 
 
+@interpret_only(reason="pl.debug_check is checked by the interpreter")
 def test_debug_check():
     x = rand(36, (16, 128))
 
@@ -746,6 +796,7 @@ def test_debug_check():
         )
 
 
+@interpret_only(reason="InterpretParams knob: chip_version")
 @pytest.mark.parametrize("chip,generation", [("v4", 4), ("v5e", 5), ("v6e", 6)])
 def test_chip_version_is_what_get_tpu_info_sees(chip, generation):
     x = rand(37, (8, 128))
@@ -763,26 +814,37 @@ def test_chip_version_is_what_get_tpu_info_sees(chip, generation):
         pltpu.InterpretParams(chip_version="v99")
 
 
-@pytest.mark.parametrize("mode", ["on_wait", "eager"])
-def test_dma_that_adds(mode):
-    x = rand(38, (16, 128))
-
+def dma_that_adds(pl, pltpu, x, *, interpret):
     def kernel(x_hbm, o_ref, acc, sem):
         acc[...] = jnp.ones_like(acc)
         pltpu.async_copy(x_hbm.at[pl.ds(0, 8)], acc, sem, add=True).wait()
         pltpu.sync_copy(x_hbm.at[pl.ds(8, 8)], acc, add=True)
         o_ref[...] = acc[...]
 
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
         scratch_shapes=[pltpu.VMEM((8, 128), x.dtype), pltpu.SemaphoreType.DMA],
-        interpret=pltpu.InterpretParams(dma_execution_mode=mode),
+        interpret=interpret,
     )(x)
-    close(out, 1 + x[:8] + x[8:])
 
 
+@pytest.mark.parametrize(
+    "way",
+    ways(
+        dma=True,
+        ours_xfail="Mosaic has no adding DMA (tpu.enqueue_dma has no add): lowering dma_start(add=True) raises",
+        raises=LoweringException,
+        jax_skip="DMA with add=True is not supported",
+    ),
+)
+def test_dma_that_adds(way):
+    x = rand(38, (16, 128))
+    close(call(dma_that_adds, (x,), way), 1 + x[:8] + x[8:])
+
+
+@interpret_only(reason="InterpretParams knobs: num_cores_or_threads, grid_point_recorder")
 def test_megacore_splits_leading_parallel_axes_over_cores():
     """Without core_parallel axes, a megacore chip splits the leading 'parallel'
     axes over its cores (as JAX's interpreter does); each core has its own SMEM
@@ -815,14 +877,7 @@ def test_megacore_splits_leading_parallel_axes_over_cores():
     assert sorted(cores) == [((0, 0), 0), ((0, 1), 0), ((1, 0), 1), ((1, 1), 1)]
 
 
-@pytest.mark.parametrize("mode", ["on_wait", "eager"])
-def test_wait_with_another_descriptor_on_the_same_semaphore(mode):
-    """JAX's paged attention starts one DMA per page into slices of a buffer and
-    waits once with a whole-buffer descriptor on the same semaphore: the wait
-    lands every DMA that semaphore counts, whatever descriptor it is given."""
-    x = rand(40, (8, 8, 128))
-    pages = jnp.array([5, 2, 7, 0], jnp.int32)
-
+def wait_with_another_descriptor(pl, pltpu, pages, x, *, interpret):
     def kernel(pages_ref, x_hbm, o_ref, buf, sem):
         for i in range(4):
             pltpu.make_async_copy(x_hbm.at[pages_ref[i]], buf.at[i], sem).start()
@@ -830,7 +885,7 @@ def test_wait_with_another_descriptor_on_the_same_semaphore(mode):
         pltpu.make_async_copy(buf, buf, sem).wait()
         o_ref[...] = buf[...]
 
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((4, 8, 128), x.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -838,6 +893,15 @@ def test_wait_with_another_descriptor_on_the_same_semaphore(mode):
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
             scratch_shapes=[pltpu.VMEM((4, 8, 128), x.dtype), pltpu.SemaphoreType.DMA],
         ),
-        interpret=pltpu.InterpretParams(dma_execution_mode=mode),
+        interpret=interpret,
     )(pages, x)
-    close(out, x[pages])
+
+
+@pytest.mark.parametrize("way", DMA_WAYS)
+def test_wait_with_another_descriptor_on_the_same_semaphore(way):
+    """JAX's paged attention starts one DMA per page into slices of a buffer and
+    waits once with a whole-buffer descriptor on the same semaphore: the wait
+    lands every DMA that semaphore counts, whatever descriptor it is given."""
+    x = rand(40, (8, 8, 128))
+    pages = jnp.array([5, 2, 7, 0], jnp.int32)
+    close(call(wait_with_another_descriptor, (pages, x), way), x[pages])

@@ -9,6 +9,16 @@ called with our modules for (a) and (b) and JAX's for (c). For (b) and (c),
 ``pallas_call`` replaced by ``run_mosaic`` of the next exported module.
 ``run(build, args, mode)`` gives the outputs; ``MODES`` parametrizes a test.
 Adding a kernel to all three is one ``@pytest.mark.parametrize("mode", MODES)``.
+
+Kernels of the interpret-mode suites are written as ``fn(pl, pltpu, *arrays,
+interpret=..., **kw)`` that call their ``pallas_call``: ``call(fn, args, way,
+**kw)`` runs one of those the ``way`` way (a test parametrized over ``WAYS``).
+``DMA_WAYS`` splits the interpret way by DMA execution mode
+(``"interpret:on_wait"``, ``"interpret:eager"``): a DMA mode means nothing to
+a Mosaic module, so the Mosaic ways run once. A test that checks what only the
+interpreter does (races, poisoning, DMA order, its error messages and knobs)
+carries ``@pytest.mark.interpret_only(reason=...)`` (registered in
+``conftest.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ import pallas_tpu as pltpu
 from pallas_tpu._src import executor
 
 MODES = ("interpret", "ours", "jax")
+WAYS = MODES
+DMA_WAYS = ("interpret:on_wait", "interpret:eager", "ours", "jax")
 
 # JAX's lowering asks the device for its TPU generation for some ops: name one.
 TPU_V5E = jax.sharding.AbstractMesh(
@@ -42,6 +54,21 @@ def jax_namespaces():
     return jpl, jtpu
 
 
+def ways(*, dma=False, ours_xfail=None, jax_skip=None, raises=None):
+    """``WAYS`` (``DMA_WAYS`` when ``dma``) for ``parametrize("way", ...)``:
+    ``ours_xfail`` names a gap of our lowering or executor (a strict xfail,
+    ``raises`` the exception expected), ``jax_skip`` why JAX's lowering does
+    not support the kernel on TPU (that way skipped)."""
+    import pytest
+
+    marks = {}
+    if ours_xfail:
+        marks["ours"] = pytest.mark.xfail(strict=True, raises=raises, reason=ours_xfail)
+    if jax_skip:
+        marks["jax"] = pytest.mark.skip(reason=f"JAX's Mosaic lowering: {jax_skip}")
+    return [pytest.param(w, marks=marks.get(w, ()), id=w) for w in (DMA_WAYS if dma else WAYS)]
+
+
 def namespaces(mode):
     return jax_namespaces() if mode == "jax" else (pl, pltpu)
 
@@ -54,20 +81,44 @@ def tpu_modules(f, *args) -> list[bytes]:
 
 
 def run(build, args, mode, **interpret_params):
-    """The outputs of the kernel ``build`` makes, run the ``mode`` way."""
+    """The outputs of the kernel ``build`` makes, run the ``mode`` way
+    (``"interpret:<dma_execution_mode>"`` is the interpret way with that DMA mode)."""
+    mode, _, dma = mode.partition(":")
+    if dma:
+        interpret_params = {"dma_execution_mode": dma, **interpret_params}
     f = build(*namespaces(mode))
     if mode == "interpret":
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
             return jax.jit(f)(*args)
+    with jax.sharding.use_abstract_mesh(TPU_V5E):
+        shapes = jax.eval_shape(f, *args)
     outs = run_with_mosaic(f, *args)
-    return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(f, *args)), outs)
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+
+def call(fn, args, way, interpret_params=None, **kw):
+    """``fn(pl, pltpu, *args, interpret=False, **kw)`` (a kernel written as a
+    function of the two modules that calls its ``pallas_call``) run the ``way``
+    way; ``interpret_params`` (a dict) go to ``InterpretParams`` in the
+    interpret way."""
+
+    def build(pl, pltpu):
+        return lambda *a: fn(pl, pltpu, *a, interpret=False, **kw)
+
+    return run(build, args, way, **(interpret_params or {}))
+
+
+def builder(make, **kw):
+    """A ``run`` build from ``make(pl, pltpu, *, interpret, **kw) -> f``."""
+    return lambda pl, pltpu: make(pl, pltpu, interpret=False, **kw)
 
 
 def run_with_mosaic(f, *args) -> list:
     """The flat outputs of ``f(*args)``, each ``pallas_call`` replaced by
     ``run_mosaic`` of the module ``f`` exports for TPU (in program order)."""
     bodies = tpu_modules(f, *args)
-    closed = jax.make_jaxpr(f)(*args)
+    with jax.sharding.use_abstract_mesh(TPU_V5E):
+        closed = jax.make_jaxpr(f)(*args)
     outs = _eval_with_mosaic(closed.jaxpr, closed.consts, jax.tree.leaves(args), bodies)
     assert not bodies, f"{len(bodies)} exported kernels were not reached"
     return outs

@@ -1,4 +1,5 @@
 """Ready-made Pallas kernels for GPUs, each with the API of its namesake
 among JAX's Pallas GPU ops (the ``ops/gpu`` modules of JAX's Pallas):
-``attention`` (``mha``), ``layer_norm``, ``rms_norm`` and ``softmax``.
+``attention`` (``mha``), ``decode_attention`` (``mqa``, ``gqa``),
+``paged_attention``, ``layer_norm``, ``rms_norm`` and ``softmax``.
 """

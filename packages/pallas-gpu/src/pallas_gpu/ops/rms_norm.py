@@ -1,22 +1,124 @@
 """RMS norm over the last axis, forward and backward, with the API of JAX's
 Pallas GPU op ``rms_norm`` (``rms_norm``,
-``rms_norm_reference``; like JAX's, it takes a bias)."""
+``rms_norm_reference``; like JAX's, it takes a bias).
+
+The forward pass is memory bound: it must read ``x`` once and write ``y``
+once. Called without differentiation, ``rms_norm`` runs a single-pass kernel
+that holds its rows whole in registers (one row per program for rows of
+4096 elements or more, a few short rows per program otherwise), loads and
+stores them with the ``evict_first`` cache hint (streamed data that will not
+be read again should not push ``weight`` and ``bias``, which every program
+reads, out of L2), and writes nothing else. Under ``jax.vjp``/``jax.grad``
+the forward kernel of ``layer_norm`` (without centering) runs instead: it
+also saves each row's reciprocal standard deviation for the backward kernel.
+"""
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
+import pallas as pl
+from pallas_gpu._src.primitives import load as _gpu_load
+from pallas_gpu._src.primitives import store as _gpu_store
 from pallas_gpu.ops import _norm
+from pallas_gpu.ops._common import call_params, next_power_of_2
 
-rms_norm = _norm.make(
-    "rms_norm",
-    center=False,
-    doc="""``x / sqrt(mean(x**2) + eps) * weight + bias`` over the last axis of
-    ``x`` (any leading shape), differentiable in x, weight and bias; the
-    other arguments as in ``layer_norm``.""",
+_F32 = jnp.float32
+_ROW_ELEMENTS = 4096  # elements per program below which short rows are batched together
+
+
+def forward_launch(rows: int, n: int, itemsize: int, num_warps: int | None) -> tuple[int, int]:
+    """(rows per program, warps) of the single-pass forward kernel: at least
+    ``_ROW_ELEMENTS`` elements per program (whole rows), and a warp per 512
+    elements up to 16 warps (8 to 16 f32 elements a thread: one or a few
+    16-byte loads)."""
+    width = next_power_of_2(n)
+    block_rows = max(1, min(16, _ROW_ELEMENTS // width, next_power_of_2(rows)))
+    warps = num_warps or min(16, max(1, block_rows * width * max(itemsize, 2) // 2048))
+    return block_rows, warps
+
+
+def _forward_kernel(x_ref, w_ref, b_ref, y_ref, *, eps: float, evict: str | None):
+    x = _gpu_load(x_ref, eviction_policy=evict).astype(_F32)
+    rstd = lax.rsqrt(jnp.mean(x * x, axis=1) + eps)
+    y = x * rstd[:, None] * w_ref[...].astype(_F32)[None, :] + b_ref[...].astype(_F32)[None, :]
+    _gpu_store(y_ref, y.astype(y_ref.dtype), eviction_policy=evict)
+
+
+def forward(x, weight, bias, *, eps=1e-5, block_rows=None, num_warps=None, evict="evict_first", interpret=False,
+            debug=False):  # fmt: skip
+    """``rms_norm``'s forward value only (no residuals): one pass over ``x``.
+    ``block_rows`` and ``num_warps`` default to ``forward_launch``'s choice;
+    ``evict`` is the cache hint of the loads and stores of ``x`` and ``y``
+    (``"evict_first"``, ``"evict_last"`` or None)."""
+    shape, n = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, n)
+    rows = x2.shape[0]
+    auto_rows, warps = forward_launch(rows, n, x.dtype.itemsize, num_warps)
+    block_rows = block_rows or auto_rows
+    row_spec = pl.BlockSpec((block_rows, n), lambda i: (i, 0))
+    vec_spec = pl.BlockSpec((n,), lambda i: (0,))
+    y = pl.pallas_call(
+        functools.partial(_forward_kernel, eps=eps, evict=evict),
+        out_shape=x2,
+        grid=(pl.cdiv(rows, block_rows),),
+        in_specs=[row_spec, vec_spec, vec_spec],
+        out_specs=row_spec,
+        name="rms_norm_forward",
+        debug=debug,
+        **call_params(interpret, warps, 1),
+    )(x2, weight, bias)
+    return y.reshape(shape)
+
+
+_differentiable = _norm.make("rms_norm", center=False, doc="")
+
+
+def _primal(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret):
+    del num_stages  # no loop to pipeline: a row is loaded whole
+    _norm._check("rms_norm", x, weight, bias)
+    if backward_pass_impl not in ("triton", "xla"):
+        raise ValueError(
+            f"rms_norm: backward_pass_impl must be 'triton' or 'xla', got {backward_pass_impl!r}"
+        )
+    return forward(x, weight, bias, eps=eps, num_warps=num_warps, interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+@functools.partial(
+    jax.jit, static_argnames=["num_warps", "num_stages", "eps", "backward_pass_impl", "interpret"]
 )
+def rms_norm(
+    x,
+    weight,
+    bias,
+    num_warps: int | None = None,
+    num_stages: int | None = 3,
+    eps: float = 1e-5,
+    backward_pass_impl: str = "triton",
+    interpret: Any = False,
+):
+    """``x / sqrt(mean(x**2) + eps) * weight + bias`` over the last axis of
+    ``x`` (any leading shape), differentiable in x, weight and bias; the
+    other arguments as in ``layer_norm``. Without differentiation, a
+    single-pass kernel (read x, write y, nothing else)."""
+    return _primal(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret)
+
+
+def _fwd(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret):
+    return _differentiable.fwd(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret)
+
+
+def _bwd(num_warps, num_stages, eps, backward_pass_impl, interpret, res, dy):
+    return _differentiable.bwd(num_warps, num_stages, eps, backward_pass_impl, interpret, res, dy)
+
+
+rms_norm.defvjp(_fwd, _bwd)
 
 
 @functools.partial(jax.jit, static_argnames=["eps"])

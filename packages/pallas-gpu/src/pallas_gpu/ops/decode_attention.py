@@ -158,6 +158,13 @@ def combine(o, m, l, out_dtype, *, normalize: bool, residuals: bool, base2: bool
     maxima ``m`` and sums ``l`` [B, H, k_splits] -> [B, H, D] (and the
     residuals ``l``, ``m`` [B, H] in natural-log units with ``residuals``)."""
     B, H, ks, D = o.shape
+    if ks == 1:
+        # One part: an elementwise epilogue (one XLA fusion). A Pallas kernel over
+        # (1,)-shaped blocks here fails to lower (a length-1 block dim loads a scalar).
+        l1 = l[:, :, 0]
+        out = o[:, :, 0] / jnp.where(l1 > 0, l1, 1.0)[..., None] if normalize else o[:, :, 0]
+        m1 = jnp.where(l1 > 0, m[:, :, 0] / LOG2E if base2 else m[:, :, 0], -jnp.inf)
+        return (out.astype(out_dtype), (l1, m1)) if residuals else out.astype(out_dtype)
     vec = pl.BlockSpec((None, None, ks), lambda b, h: (b, h, 0))
     out_specs = [pl.BlockSpec((None, None, D), lambda b, h: (b, h, 0))]
     out_shape = [jax.ShapeDtypeStruct((B, H, D), out_dtype)]

@@ -1,6 +1,13 @@
-"""Sessions that build, test and demo every package of the monorepo.
+"""Sessions that build, test, demo and release every package of the monorepo.
 
 Run through ./dev (it bootstraps nox in a Python 3.12 venv): ``./dev tests``.
+
+The JAX x Triton matrix has two ends, one session each, so CI does not grow:
+``tests`` runs the whole suite on the oldest JAX (0.11.2) with the pinned Triton
+(3.6.0, the GPU machine's); ``tests_newest`` on the newest JAX with the newest
+Triton release in pallas-gpu's tested range (jax-triton-bridge's exact pin is
+overridden there: its import warns, and the suites show how far the newest
+Triton works).
 """
 
 from __future__ import annotations
@@ -8,7 +15,9 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import sys
 import tempfile
+import tomllib
 
 import nox
 
@@ -16,86 +25,206 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = os.environ.get("PALLAS_PYTHON") or "3.12"
+# The interpreter the install checks make their fresh venvs with.
+BASE_PYTHON = PYTHON if os.path.isabs(PYTHON) else (shutil.which(f"python{PYTHON}") or sys.executable)
 ROOT = os.path.dirname(os.path.abspath(__file__))
+DIST = os.path.join(ROOT, "dist")
 
-# The two ends of the supported JAX range (DESIGN.md, "Versions").
+# Distribution name -> folder, the runtime (repo root) first: the others depend on it.
+PACKAGES = {
+    "jax-kernel-runtime": ".",
+    "jax-pallas-core": "packages/pallas-core",
+    "jax-triton-bridge": "packages/jax-triton",
+    "jax-pallas-gpu": "packages/pallas-gpu",
+    "jax-pallas-tpu": "packages/pallas-tpu",
+}
+
+# The two ends of the supported ranges (DESIGN.md, "Versions"); tests/packaging checks
+# that the oldest ones are the packages' lower bounds.
 JAX_OLDEST = ["jax==0.11.2", "jaxlib==0.11.2"]
 JAX_NEWEST = ["jax>=0.11.2,<0.13", "jaxlib>=0.11.2,<0.13"]
-TRITON = ["triton==3.6.0"]
+TRITON_PINNED = ["triton==3.6.0"]
+TRITON_NEWEST = ["triton>=3.6.0,<3.10"]
 TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "flatbuffers", "hypothesis>=6"]
-
-# The runtime (repo root) first: the others depend on it.
-LOCAL_PACKAGES = [
-    ".",
-    "packages/pallas-core",
-    "packages/jax-triton",
-    "packages/pallas-gpu",
-    "packages/pallas-tpu",
-]
+# Building without isolation (one environment for the ten builds, not ten): the
+# runtime's build-system requires, plus the release tools.
+BUILD_DEPS = ["scikit-build-core>=1.0", "nanobind>=2.0", "jaxlib==0.11.2", "build", "twine", "auditwheel"]
 
 
-def _local_packages() -> list[str]:
-    return [p for p in LOCAL_PACKAGES if os.path.exists(os.path.join(ROOT, p, "pyproject.toml"))]
+def _version(dist: str) -> str:
+    folder = os.path.join(ROOT, PACKAGES[dist])
+    with open(os.path.join(folder, "pyproject.toml"), "rb") as f:
+        input_file = tomllib.load(f)["tool"]["scikit-build"]["metadata"]["version"]["input"]
+    scope: dict = {}
+    with open(os.path.join(folder, input_file), encoding="utf-8") as f:
+        exec(f.read(), scope)
+    return scope["__version__"]
 
 
-def _install_all(session: nox.Session, jax_req: list[str]) -> None:
-    session.install(*jax_req, *TRITON, *TEST_DEPS)
-    # Regular (non-editable) installs: the tests see what users install.
-    session.install(*_local_packages(), *jax_req, *TRITON)
-    session.run("python", "-c", "import jax; print('jax', jax.__version__, jax.devices())")
+def _wheel_name(dist: str) -> str:
+    return dist.replace("-", "_")
+
+
+def _built(dist: str, outdir: str = DIST) -> list[str]:
+    """This package's wheel and sdist of the current version in ``outdir``."""
+    stem = f"{_wheel_name(dist)}-{_version(dist)}"
+    return sorted(
+        glob.glob(os.path.join(outdir, f"{stem}-*.whl")) + glob.glob(os.path.join(outdir, f"{stem}.tar.gz"))
+    )
+
+
+def _sources(dists: list[str]) -> list[str]:
+    """pip arguments that install ``dists``: the wheels CI built (PALLAS_FROM_DIST=1, after
+    ``./dev wheels``: what users install), else the folders (regular installs, not editable)."""
+    if os.environ.get("PALLAS_FROM_DIST") == "1":
+        return ["--find-links", DIST, *dists]
+    return [os.path.join(ROOT, PACKAGES[d]) for d in dists]
+
+
+def _install_all(session: nox.Session, jax_req: list[str], triton_req: list[str]) -> None:
+    if os.environ.get("PALLAS_FROM_DIST") == "1" and not all(_built(d) for d in PACKAGES):
+        session.error("PALLAS_FROM_DIST=1 but dist/ lacks this checkout's versions: run ./dev wheels")
+    session.install(*jax_req, *triton_req, *TEST_DEPS)
+    pinned = triton_req == TRITON_PINNED
+    session.install(
+        *_sources([d for d in PACKAGES if pinned or d != "jax-triton-bridge"]), *jax_req, *triton_req
+    )
+    if not pinned:  # jax-triton-bridge pins triton==3.6.0: here it runs on the newest Triton on purpose
+        session.install("--no-deps", *_sources(["jax-triton-bridge"]))
+    session.run(
+        "python",
+        "-c",
+        "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())",
+    )
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Full test suite on the oldest supported JAX (the GPU machine's)."""
-    _install_all(session, JAX_OLDEST)
+    """Full test suite on the oldest supported JAX (the GPU machine's) and the pinned Triton."""
+    _install_all(session, JAX_OLDEST, TRITON_PINNED)
     args = session.posargs or ["tests", "-n", "2", "-q", "-rs"]
     session.run("python", "-m", "pytest", *args)
 
 
 @nox.session(python=PYTHON)
 def tests_newest(session: nox.Session) -> None:
-    """The whole test suite on the newest supported JAX, and one example.
+    """The whole test suite on the newest supported JAX and the newest Triton, and one example.
 
     The runtime is built against the oldest jaxlib's FFI headers (its build-system
     requires pin them), so tests/runtime/test_registration.py checks here that
     that build registers its handlers in the newest jaxlib.
     """
-    _install_all(session, JAX_NEWEST)
+    _install_all(session, JAX_NEWEST, TRITON_NEWEST)
     args = session.posargs or ["tests", "-n", "2", "-q", "-rs"]
-    session.run("python", "-m", "pytest", *args)
-    session.run("python", "examples/add.py")
+    session.run("python", "-m", "pytest", *args, env={"JAX_TRITON_PIN_CHECK": "0"})
+    session.run("python", "examples/add.py", env={"JAX_TRITON_PIN_CHECK": "0"})
 
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """Runs every example (on the GPU if there is one, else on the CPU) and checks it against jnp."""
-    _install_all(session, JAX_OLDEST)
+    _install_all(session, JAX_OLDEST, TRITON_PINNED)
     session.run("python", "examples/run_all.py", *session.posargs)
+
+
+def _build(session: nox.Session, dists: list[str], outdir: str) -> None:
+    """Sdist, then the wheel from the sdist (so a file missing from the sdist fails
+    the build); the runtime's wheel is repaired to a manylinux tag."""
+    raw = os.path.join(outdir, "_raw")
+    for dist in dists:
+        session.run(
+            "python", "-m", "build", "--no-isolation", "--outdir", raw, os.path.join(ROOT, PACKAGES[dist])
+        )
+    for path in glob.glob(os.path.join(raw, "*")):
+        if path.endswith("-linux_x86_64.whl") or path.endswith("-linux_aarch64.whl"):
+            # The native wheel: auditwheel checks the symbols it needs and retags it
+            # manylinux_2_X (it refuses a wheel that links a library outside the policy).
+            session.run("auditwheel", "repair", "--wheel-dir", outdir, path)
+        else:
+            shutil.move(path, os.path.join(outdir, os.path.basename(path)))
+    shutil.rmtree(raw)
+    session.run("twine", "check", "--strict", *sorted(glob.glob(os.path.join(outdir, "*"))))
+
+
+def _python313() -> str | None:
+    for c in [
+        shutil.which("python3.13"),
+        *sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.13*/bin/python3.13"))),
+    ]:
+        if c and os.path.exists(c):
+            return c
+    return None
+
+
+def _install_check(session: nox.Session, dist: str, find_links: str, python: str, tmp: str) -> None:
+    """Installs ``dist`` alone into a fresh venv from ``find_links`` (dependencies from
+    the package index), runs one small kernel with it and lists what got installed."""
+    venv = os.path.join(tmp, f"venv-{dist}-{os.path.basename(python)}")
+    session.run(python, "-m", "venv", venv, external=True)
+    py = os.path.join(venv, "bin", "python")
+    pip = [py, "-m", "pip", "--disable-pip-version-check"]
+    session.run(*pip, "install", "-q", "--no-compile", "--find-links", find_links, dist, external=True)
+    work = os.path.join(tmp, "work")  # no source tree on the path
+    os.makedirs(work, exist_ok=True)
+    with session.chdir(work):
+        session.run(py, os.path.join(ROOT, "tests", "packaging", "install_smoke.py"), dist, external=True)
+    listing = session.run(*pip, "list", "--format=freeze", external=True, silent=True)
+    report = os.path.join(ROOT, "build", "install-lists", f"{dist}-{os.path.basename(python)}.txt")
+    os.makedirs(os.path.dirname(report), exist_ok=True)
+    with open(report, "w") as f:
+        f.write(listing)
+    session.log(f"pip install {dist} ({os.path.basename(python)}) installed: " + " ".join(listing.split()))
+    shutil.rmtree(venv)
 
 
 @nox.session(python=PYTHON)
 def wheels(session: nox.Session) -> None:
-    """Builds one wheel per package into dist/, installs them in a fresh venv and imports each."""
-    dist = os.path.join(ROOT, "dist")
-    shutil.rmtree(dist, ignore_errors=True)
-    session.install("build", "pip")
-    for pkg in _local_packages():
-        session.run("python", "-m", "build", "--wheel", "--outdir", dist, pkg)
-    built = sorted(glob.glob(os.path.join(dist, "*.whl")))
-    session.log("built:\n  " + "\n  ".join(os.path.basename(w) for w in built))
+    """Builds the wheel and sdist of every package into dist/ (twine-checked); installs each
+    package alone into a fresh venv from there and runs a small kernel with it; installs
+    the stable-ABI runtime wheel under Python 3.13 too."""
+    shutil.rmtree(DIST, ignore_errors=True)
+    session.install(*BUILD_DEPS)
+    _build(session, list(PACKAGES), DIST)
+    session.log("built:\n  " + "\n  ".join(sorted(os.listdir(DIST))))
     with tempfile.TemporaryDirectory() as tmp:
-        venv = os.path.join(tmp, "venv")
-        session.run(PYTHON if os.path.isabs(PYTHON) else "python", "-m", "venv", venv, external=True)
-        py = os.path.join(venv, "bin", "python")
-        session.run(py, "-m", "pip", "install", "-q", *built, *JAX_OLDEST, *TRITON, external=True)
-        # No source tree on the path: run from an empty folder, examples copied in.
-        work = os.path.join(tmp, "work")
-        shutil.copytree(os.path.join(ROOT, "examples"), os.path.join(work, "examples"))
-        imports = "import pallas, jax_kernel_runtime, jax_triton; print('imported', pallas.__file__)"
-        with session.chdir(work):
-            session.run(py, "-c", imports, external=True)
-            session.run(py, "examples/run_all.py", external=True)
+        for dist in PACKAGES:
+            _install_check(session, dist, DIST, BASE_PYTHON, tmp)
+        py313 = _python313()
+        if py313 is None:
+            if os.environ.get("PALLAS_REQUIRE_PY313") == "1":
+                session.error(
+                    "Python 3.13 not found: the cp312-abi3 runtime wheel is checked under 3.13 in CI"
+                )
+            session.warn("Python 3.13 not found: the abi3 runtime wheel was imported under 3.12 only")
+        else:
+            _install_check(session, "jax-kernel-runtime", DIST, py313, tmp)
+
+
+@nox.session(python=PYTHON)
+def release(session: nox.Session) -> None:
+    """``./dev release NAME``: the wheel and sdist of one package into dist/release/,
+    ``twine check``, and the installed-wheel smoke test. Never uploads."""
+    if len(session.posargs) != 1 or session.posargs[0] not in PACKAGES:
+        session.error(f"usage: ./dev release NAME, NAME one of {', '.join(PACKAGES)}")
+    dist = session.posargs[0]
+    version = _version(dist)
+    out = os.path.join(DIST, "release", f"{dist}-{version}")
+    shutil.rmtree(out, ignore_errors=True)
+    session.install(*BUILD_DEPS)
+    with tempfile.TemporaryDirectory() as tmp:
+        # The siblings it depends on, built from this checkout, only for the smoke test.
+        siblings = os.path.join(tmp, "siblings")
+        _build(session, [d for d in PACKAGES if d != dist], siblings)
+        _build(session, [dist], out)
+        for path in _built(dist, out):
+            shutil.copy(path, siblings)
+        _install_check(session, dist, siblings, BASE_PYTHON, tmp)
+    session.log(
+        f"{dist} {version}: "
+        + ", ".join(os.path.basename(p) for p in _built(dist, out))
+        + f" in {os.path.relpath(out, ROOT)}; tag: git tag {dist}-v{version}; "
+        + f"upload (by hand, not done here): twine upload {os.path.relpath(out, ROOT)}/*"
+    )
 
 
 @nox.session(python=PYTHON)

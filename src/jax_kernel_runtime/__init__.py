@@ -21,8 +21,7 @@ from jax_kernel_runtime._config import normalize_grid as normalize_grid
 from jax_kernel_runtime._triton import config_from_triton as config_from_triton
 from jax_kernel_runtime._triton import memoize_triton_key as memoize_triton_key
 from jax_kernel_runtime._triton import prepare_triton as prepare_triton
-
-__version__ = "0.1.0"
+from jax_kernel_runtime._version import __version__ as __version__
 
 
 def _register_on_import() -> None:

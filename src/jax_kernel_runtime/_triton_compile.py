@@ -30,7 +30,7 @@ import types
 import warnings
 from typing import Any
 
-from jax_kernel_runtime import _triton_interpret
+from jax_kernel_runtime import _triton_interpret, _triton_versions
 from jax_kernel_runtime._triton import prepare_triton
 from jax_kernel_runtime._triton_cache import DiskCache
 
@@ -109,12 +109,12 @@ def _install_stage_hook() -> None:
             return
         previous = current
 
-        def hook(backend, stages, options, language, capability):
-            if previous is not None:
-                previous(backend, stages, options, language, capability)
+        def on_stages(backend, stages, options, language, capability):
             if getattr(_hook_state, "active", False) and "ptx" in stages:
                 make_ptx = stages["ptx"]
                 stages["ptx"] = lambda src, metadata: stable_ptx(make_ptx(src, metadata))
+
+        hook = _triton_versions.stages_hook(previous, on_stages)
 
         knobs.runtime.add_stages_inspection_hook = hook
         _installed_hook = hook

@@ -129,7 +129,7 @@ class TestBackendNames(PallasTest):
         pytest.importorskip("pallas_tpu")
         assert "tpu_custom_call" in lower_for("tpu", name).as_text()
         with pytest.raises(
-            ValueError, match=r"backend='tpu' \(pallas-tpu\) lowers for tpu, not for platform 'cuda'"
+            ValueError, match=r"backend='tpu' \(jax-pallas-tpu\) lowers for tpu, not for platform 'cuda'"
         ):
             lower_for("cuda", name)
 
@@ -150,7 +150,7 @@ class TestBackendNames(PallasTest):
         monkeypatch.setattr(backends, "backends", lambda: {})
         with pytest.raises(
             ValueError,
-            match=r"backend='gpu' selects pallas-gpu, which is not installed \(pip install pallas-gpu\)",
+            match=r"backend='gpu' selects jax-pallas-gpu, which is not installed \(pip install jax-pallas-gpu\)",
         ):
             lower_for("cuda", "triton")
 

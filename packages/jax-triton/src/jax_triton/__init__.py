@@ -13,12 +13,11 @@ from jax_triton._src.triton_compat import (
 from jax_triton._src.triton_compat import (
     VALIDATED_TRITON_VERSION as VALIDATED_TRITON_VERSION,
 )
-from jax_triton._src.triton_compat import check_triton_version as _check_version
+from jax_triton._src.triton_pin import check_at_import as _check_version
 from jax_triton._src.utils import cdiv as cdiv
 from jax_triton._src.utils import next_power_of_2 as next_power_of_2
 from jax_triton._src.utils import strides_from_shape as strides_from_shape
-
-__version__ = "0.5.0"
+from jax_triton._version import __version__ as __version__
 
 _check_version()
 

@@ -55,5 +55,4 @@ from pallas._src.semaphores import enable_debug_checks as enable_debug_checks
 from pallas._src.semaphores import semaphore_read as semaphore_read
 from pallas._src.semaphores import semaphore_signal as semaphore_signal
 from pallas._src.semaphores import semaphore_wait as semaphore_wait
-
-__version__ = "0.1.0"
+from pallas._version import __version__ as __version__

@@ -27,8 +27,9 @@ from pallas_gpu._src.primitives import elementwise_inline_asm as elementwise_inl
 from pallas_gpu._src.primitives import load as load
 from pallas_gpu._src.primitives import max_contiguous as max_contiguous
 from pallas_gpu._src.primitives import store as store
+from pallas_gpu._version import __version__ as __version__
 
-__version__ = "0.1.0"
+# isort: split
 
 # Register with pallas-core now, so the first pallas_call neither scans the
 # installed entry points nor imports the lowering (the entry point remains for

@@ -82,8 +82,7 @@ from pallas_tpu._src.vector_primitives import touch as touch
 from pallas_tpu._src.vector_primitives import trace_value as trace_value
 from pallas_tpu._src.vector_primitives import unpack_elementwise as unpack_elementwise
 from pallas_tpu._src.vector_primitives import with_memory_space_constraint as with_memory_space_constraint
-
-__version__ = "0.1.0"
+from pallas_tpu._version import __version__ as __version__
 
 _plb.register_internal_dir(__file__)
 _plb.register_backend("tpu", _registration)

@@ -18,7 +18,7 @@ from importlib import metadata
 from typing import Any
 
 # Which distribution provides each platform, for the "not installed" error.
-PACKAGE_FOR_PLATFORM = {"cuda": "pallas-gpu", "rocm": "pallas-gpu", "tpu": "pallas-tpu"}
+PACKAGE_FOR_PLATFORM = {"cuda": "jax-pallas-gpu", "rocm": "jax-pallas-gpu", "tpu": "jax-pallas-tpu"}
 
 # pallas_call(backend=...): our backends' names, and JAX's names for the same backends.
 PACKAGE_FOR_BACKEND = {"gpu": PACKAGE_FOR_PLATFORM["cuda"], "tpu": PACKAGE_FOR_PLATFORM["tpu"]}

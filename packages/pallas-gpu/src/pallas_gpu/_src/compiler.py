@@ -80,7 +80,7 @@ def compile_kernel(lk: LoweredKernel, cc: int, options: tuple[tuple[str, Any], .
 
 @functools.cache
 def _versions() -> str:
-    return f"{_triton_compile.triton_versions('pallas-gpu')}; format {_CACHE_FORMAT}"
+    return f"{_triton_compile.triton_versions('jax-pallas-gpu')}; format {_CACHE_FORMAT}"
 
 
 def cache_key(lk: LoweredKernel, cc: int, options: tuple[tuple[str, Any], ...]) -> str:

@@ -54,11 +54,12 @@ def jax_namespaces():
     return jpl, jtpu
 
 
-def ways(*, dma=False, ours_xfail=None, jax_skip=None, raises=None):
+def ways(*, dma=False, ours_xfail=None, jax_skip=None, jax_xfail=None, raises=None):
     """``WAYS`` (``DMA_WAYS`` when ``dma``) for ``parametrize("way", ...)``:
     ``ours_xfail`` names a gap of our lowering or executor (a strict xfail,
-    ``raises`` the exception expected), ``jax_skip`` why JAX's lowering does
-    not support the kernel on TPU (that way skipped)."""
+    ``raises`` the exception expected), ``jax_xfail`` a gap of ``run_mosaic``
+    on JAX's module (a strict xfail), ``jax_skip`` why JAX's lowering does not
+    support the kernel on TPU (that way skipped)."""
     import pytest
 
     marks = {}
@@ -66,6 +67,8 @@ def ways(*, dma=False, ours_xfail=None, jax_skip=None, raises=None):
         marks["ours"] = pytest.mark.xfail(strict=True, raises=raises, reason=ours_xfail)
     if jax_skip:
         marks["jax"] = pytest.mark.skip(reason=f"JAX's Mosaic lowering: {jax_skip}")
+    if jax_xfail:
+        marks["jax"] = pytest.mark.xfail(strict=True, reason=jax_xfail)
     return [pytest.param(w, marks=marks.get(w, ()), id=w) for w in (DMA_WAYS if dma else WAYS)]
 
 

@@ -1,5 +1,7 @@
-"""``pltpu.sync_copy``, ``run_on_first_core`` and ``core_barrier`` in TPU
-interpret mode, against plain jnp on fresh random data."""
+"""``pltpu.sync_copy``, ``run_on_first_core`` and ``core_barrier`` against
+plain jnp on fresh random data: ``sync_copy`` kernels run the three ways of
+``three_way.py``; the two-core kernels run in TPU interpret mode only
+(``run_mosaic`` executes one core)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from three_way import DMA_WAYS, WAYS, call
 
 import pallas as pl
 import pallas_tpu as pltpu
+
+TWO_CORES = pytest.mark.interpret_only(
+    reason="two TensorCores (num_cores_or_threads=2): run_mosaic runs one core"
+)
 
 jax.config.update("jax_enable_checks", True)
 
@@ -26,9 +33,8 @@ def close(a, b, tol=1e-6):
 HBM = pl.BlockSpec(memory_space=pl.ANY)
 
 
-@pytest.mark.parametrize("mode", ["on_wait", "eager"])
-def test_sync_copy_round_trip_through_vmem(mode):
-    x = rand(0, (16, 256))
+def sync_copy_round_trip(pl, pltpu, x, *, interpret):
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
 
     def kernel(x_hbm, o_hbm, buf):
         pltpu.sync_copy(x_hbm.at[pl.ds(8, 8)], buf)
@@ -36,19 +42,24 @@ def test_sync_copy_round_trip_through_vmem(mode):
         pltpu.sync_copy(buf, o_hbm.at[pl.ds(0, 8)])
         pltpu.sync_copy(x_hbm.at[pl.ds(0, 8)], o_hbm.at[pl.ds(8, 8)])  # HBM to HBM
 
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        in_specs=[HBM],
-        out_specs=HBM,
+        in_specs=[hbm],
+        out_specs=hbm,
         scratch_shapes=[pltpu.VMEM((8, 256), jnp.float32)],
-        interpret=pltpu.InterpretParams(dma_execution_mode=mode),
+        interpret=interpret,
     )(x)
-    close(out, jnp.concatenate([x[8:] * 2.0 + 1.0, x[:8]]))
 
 
-def test_sync_copy_pytrees():
-    x, y = rand(1, (8, 128)), rand(2, (16, 128))
+@pytest.mark.parametrize("way", DMA_WAYS)
+def test_sync_copy_round_trip_through_vmem(way):
+    x = rand(0, (16, 256))
+    close(call(sync_copy_round_trip, (x,), way), jnp.concatenate([x[8:] * 2.0 + 1.0, x[:8]]))
+
+
+def sync_copy_pytrees(pl, pltpu, x, y, *, interpret):
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
 
     def kernel(x_hbm, y_hbm, a_hbm, b_hbm):
         def body(bufs):
@@ -59,17 +70,20 @@ def test_sync_copy_pytrees():
         pl.run_scoped(body, {"x": pltpu.VMEM(x.shape, jnp.float32), "y": pltpu.VMEM(y.shape, jnp.float32)})
 
     out_shape = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype))
-    a, b = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        in_specs=[HBM, HBM],
-        out_specs=(HBM, HBM),
-        interpret=pltpu.InterpretParams(),
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, in_specs=[hbm, hbm], out_specs=(hbm, hbm), interpret=interpret
     )(x, y)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_sync_copy_pytrees(way):
+    x, y = rand(1, (8, 128)), rand(2, (16, 128))
+    a, b = call(sync_copy_pytrees, (x, y), way)
     close(a, x + 1.0)
     close(b, y)
 
 
+@pytest.mark.interpret_only(reason="error message")
 def test_sync_copy_errors():
     x = rand(3, (8, 128))
 
@@ -99,6 +113,7 @@ def _two_core_kernel(body, x, scratch=()):
     )(x)
 
 
+@TWO_CORES
 def test_run_on_first_core():
     x = rand(4, (16, 128))
 
@@ -114,6 +129,7 @@ def test_run_on_first_core():
     close(out, jnp.concatenate([x[8:], x[8:]]))
 
 
+@TWO_CORES
 def test_core_barrier_orders_the_cores():
     """Core 1 writes its half only after core 0 has written the whole output:
     without the barrier the result would depend on the order of the cores."""
@@ -136,6 +152,7 @@ def test_core_barrier_orders_the_cores():
     close(out, jnp.concatenate([x[:8], x[:8]]))
 
 
+@TWO_CORES
 def test_core_barrier_each_grid_step_of_a_core_parallel_grid():
     """Two cores, four grid points each: at every step each core adds its
     block into a shared HBM accumulator row, then, after a barrier, reads the
@@ -179,6 +196,7 @@ def test_core_barrier_each_grid_step_of_a_core_parallel_grid():
     close(out, prefix[::-1], 1e-5)
 
 
+@TWO_CORES
 def test_wait_for_a_later_core_inside_control_flow_is_a_deadlock():
     """A wait inside lax.cond is one step of its core: core 0 waiting there for
     core 1's signal is reported as a deadlock, never a hang or a wrong answer."""

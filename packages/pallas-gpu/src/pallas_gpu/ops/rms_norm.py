@@ -32,13 +32,13 @@ _F32 = jnp.float32
 _ROW_ELEMENTS = 4096  # elements per program below which short rows are batched together
 
 
-def forward_launch(rows: int, n: int, itemsize: int, num_warps: int | None) -> tuple[int, int]:
-    """(rows per program, warps) of the single-pass forward kernel: at least
-    ``_ROW_ELEMENTS`` elements per program (whole rows), and a warp per 512
-    elements up to 16 warps (8 to 16 f32 elements a thread: one or a few
-    16-byte loads)."""
+def forward_launch(rows: int, n: int, itemsize: int, num_warps=None, block_rows=None) -> tuple[int, int]:
+    """(rows per program, warps) of the single-pass forward kernel, for those
+    left at None: at least ``_ROW_ELEMENTS`` elements per program (whole
+    rows), and a warp per 2 KiB of the block up to 16 warps (16 bytes of
+    ``x`` a thread per 512 threads: one or a few 16-byte loads)."""
     width = next_power_of_2(n)
-    block_rows = max(1, min(16, _ROW_ELEMENTS // width, next_power_of_2(rows)))
+    block_rows = block_rows or max(1, min(16, _ROW_ELEMENTS // width, next_power_of_2(rows)))
     warps = num_warps or min(16, max(1, block_rows * width * max(itemsize, 2) // 2048))
     return block_rows, warps
 
@@ -56,11 +56,17 @@ def forward(x, weight, bias, *, eps=1e-5, block_rows=None, num_warps=None, evict
     ``block_rows`` and ``num_warps`` default to ``forward_launch``'s choice;
     ``evict`` is the cache hint of the loads and stores of ``x`` and ``y``
     (``"evict_first"``, ``"evict_last"`` or None)."""
+    _norm._check("rms_norm", x, weight, bias)
+    if evict not in (None, "evict_first", "evict_last"):
+        raise ValueError(
+            f"rms_norm forward: evict must be 'evict_first', 'evict_last' or None; got {evict!r}"
+        )
+    if block_rows is not None and (not isinstance(block_rows, int) or block_rows < 1):
+        raise ValueError(f"rms_norm forward: block_rows must be a positive int or None; got {block_rows!r}")
     shape, n = x.shape, x.shape[-1]
     x2 = x.reshape(-1, n)
     rows = x2.shape[0]
-    auto_rows, warps = forward_launch(rows, n, x.dtype.itemsize, num_warps)
-    block_rows = block_rows or auto_rows
+    block_rows, warps = forward_launch(rows, n, x.dtype.itemsize, num_warps, block_rows)
     row_spec = pl.BlockSpec((block_rows, n), lambda i: (i, 0))
     vec_spec = pl.BlockSpec((n,), lambda i: (0,))
     y = pl.pallas_call(
@@ -81,7 +87,6 @@ _differentiable = _norm.make("rms_norm", center=False, doc="")
 
 def _primal(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret):
     del num_stages  # no loop to pipeline: a row is loaded whole
-    _norm._check("rms_norm", x, weight, bias)
     if backward_pass_impl not in ("triton", "xla"):
         raise ValueError(
             f"rms_norm: backward_pass_impl must be 'triton' or 'xla', got {backward_pass_impl!r}"

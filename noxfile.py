@@ -16,6 +16,7 @@ import glob
 import os
 import shutil
 import sys
+import tarfile
 import tempfile
 import tomllib
 
@@ -39,6 +40,15 @@ PACKAGES = {
     "jax-pallas-tpu": "packages/pallas-tpu",
 }
 
+# Which of ours each distribution depends on (tests/packaging checks the pyprojects agree).
+SIBLINGS = {
+    "jax-kernel-runtime": [],
+    "jax-pallas-core": [],
+    "jax-triton-bridge": ["jax-kernel-runtime"],
+    "jax-pallas-gpu": ["jax-kernel-runtime", "jax-pallas-core"],
+    "jax-pallas-tpu": ["jax-pallas-core"],
+}
+
 # The two ends of the supported ranges (DESIGN.md, "Versions"); tests/packaging checks
 # that the oldest ones are the packages' lower bounds.
 JAX_OLDEST = ["jax==0.11.2", "jaxlib==0.11.2"]
@@ -48,7 +58,16 @@ TRITON_NEWEST = ["triton>=3.6.0,<3.10"]
 TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "flatbuffers", "hypothesis>=6"]
 # Building without isolation (one environment for the ten builds, not ten): the
 # runtime's build-system requires, plus the release tools.
-BUILD_DEPS = ["scikit-build-core>=1.0", "nanobind>=2.0", "jaxlib==0.11.2", "build", "twine", "auditwheel"]
+BUILD_DEPS = [
+    "scikit-build-core>=1.0",
+    "nanobind>=2.0",
+    "jaxlib==0.11.2",
+    "cmake>=3.18",
+    "ninja",
+    "build",
+    "twine",
+    "auditwheel",
+]
 
 
 def _version(dist: str) -> str:
@@ -127,6 +146,30 @@ def demo(session: nox.Session) -> None:
     session.run("python", "examples/run_all.py", *session.posargs)
 
 
+# What an sdist may hold besides PKG-INFO: its own package's files, nothing of the monorepo.
+SDIST_FILES = {
+    "jax-kernel-runtime": ("pyproject.toml", "LICENSE", "CMakeLists.txt", "RUNTIME.md", "RUNTIME_CHANGELOG.md",
+                           "cpp/", "src/jax_kernel_runtime/"),
+    "jax-pallas-core": ("pyproject.toml", "LICENSE", "README.md", "CHANGELOG.md", "src/pallas/"),
+    "jax-pallas-gpu": ("pyproject.toml", "LICENSE", "README.md", "CHANGELOG.md", "src/pallas_gpu/"),
+    "jax-pallas-tpu": ("pyproject.toml", "LICENSE", "README.md", "CHANGELOG.md", "src/pallas_tpu/"),
+    "jax-triton-bridge": ("pyproject.toml", "LICENSE", "README.md", "CHANGELOG.md", "src/jax_triton/"),
+}  # fmt: skip
+
+
+def _check_sdist(session: nox.Session, dist: str, path: str) -> None:
+    with tarfile.open(path) as tar:
+        names = [m.name for m in tar.getmembers() if m.isfile()]
+    top = f"{_wheel_name(dist)}-{_version(dist)}/"
+    rel = [n[len(top) :] if n.startswith(top) else n for n in names]
+    stray = [n for n in rel if n != "PKG-INFO" and not n.startswith(SDIST_FILES[dist])]
+    stray += [n for n in rel if "__pycache__" in n or n.endswith((".so", ".pyc", ".o"))]
+    if stray or "LICENSE" not in rel:
+        session.error(
+            f"{os.path.basename(path)}: files outside the package {stray}, LICENSE: {'LICENSE' in rel}"
+        )
+
+
 def _build(session: nox.Session, dists: list[str], outdir: str) -> None:
     """Sdist, then the wheel from the sdist (so a file missing from the sdist fails
     the build); the runtime's wheel is repaired to a manylinux tag."""
@@ -143,6 +186,8 @@ def _build(session: nox.Session, dists: list[str], outdir: str) -> None:
         else:
             shutil.move(path, os.path.join(outdir, os.path.basename(path)))
     shutil.rmtree(raw)
+    for dist in dists:
+        _check_sdist(session, dist, os.path.join(outdir, f"{_wheel_name(dist)}-{_version(dist)}.tar.gz"))
     session.run("twine", "check", "--strict", *sorted(glob.glob(os.path.join(outdir, "*"))))
 
 
@@ -214,7 +259,9 @@ def release(session: nox.Session) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # The siblings it depends on, built from this checkout, only for the smoke test.
         siblings = os.path.join(tmp, "siblings")
-        _build(session, [d for d in PACKAGES if d != dist], siblings)
+        os.makedirs(siblings)
+        if SIBLINGS[dist]:
+            _build(session, SIBLINGS[dist], siblings)
         _build(session, [dist], out)
         for path in _built(dist, out):
             shutil.copy(path, siblings)

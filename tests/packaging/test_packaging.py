@@ -101,6 +101,7 @@ def test_sibling_pins_hold_the_siblings_minor_release(dist):
 
 def test_what_each_distribution_depends_on():
     ours = {d: {n for n in requirements(d) if n in FOLDERS} for d in FOLDERS}
+    assert ours == {d: set(s) for d, s in noxfile_constants()["SIBLINGS"].items()}
     assert ours == {
         "jax-kernel-runtime": set(),
         "jax-pallas-core": set(),

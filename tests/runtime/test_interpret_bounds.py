@@ -168,14 +168,21 @@ PROGRESS = textwrap.dedent(
 )
 
 
-def test_long_interpreted_launch_reports_progress(tmp_path):
-    r = run(tmp_path, PROGRESS, JAX_KERNEL_RUNTIME_INTERPRET_PROGRESS_S="0")
+@pytest.mark.parametrize("batch, first", [("1", "1/16"), ("4", "4/16")])
+def test_long_interpreted_launch_reports_progress(tmp_path, batch, first):
+    # batch 1: one program at a time (Triton's way); 4: passes of 4 programs.
+    r = run(
+        tmp_path,
+        PROGRESS,
+        JAX_KERNEL_RUNTIME_INTERPRET_PROGRESS_S="0",
+        JAX_KERNEL_RUNTIME_INTERPRET_BATCH=batch,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[jax_kernel_runtime] interpreting")]
     assert lines, r.stderr[-3000:]
-    assert "triton_call 'add_one' on the CPU: 1/16 programs done in" in lines[0]
+    assert f"triton_call 'add_one' on the CPU: {first} programs done in" in lines[0]
     assert "16/16 programs done" in lines[-1] and lines[-1].rstrip().endswith(
-        "done (Triton's interpreter runs one program at a time; use a smaller grid to go faster)"
+        "done (programs run one at a time where they cannot run together; a smaller grid goes faster)"
     )
 
 

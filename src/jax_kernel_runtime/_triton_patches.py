@@ -164,37 +164,34 @@ def _call_jit_function_interpreted(self, *args, **kwargs):
     """Stands in for ``JITFunction.__call__`` while a kernel is interpreted:
     a nested ``@triton.jit`` call (``tl.max`` and other library helpers
     too) runs interpreted, and its language patch is undone afterwards."""
+    from jax_kernel_runtime import _triton_batched
+
     interp = interpreter()
     scope = interp._patch_lang(self.fn)
+    _triton_batched.lang_patches(scope)  # the language patch above replaced them
     try:
         return interp.InterpretedFunction(self.fn).rewrite()(*args, **kwargs)
     finally:
         scope.restore()
 
 
-def _as_scalar(t):
-    return t.handle.data.reshape(-1)[0]
-
-
 def apply(fn) -> Any:
     """Patches the language for ``fn`` and the interpreter; returns what
     ``restore`` undoes."""
-    import triton.language as tl
     from triton.runtime.jit import JITFunction
+
+    from jax_kernel_runtime import _triton_batched
 
     interp = interpreter()
     scope = interp._patch_lang(fn)
-    # NumPy 2.5 removed int() of arrays with ndim > 0, which the interpreter
-    # uses on scalar tensors (shape (1,)): convert through the element.
-    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(_as_scalar(self)))
-    scope.set_attr(
-        tl.core.tensor,
-        "__bool__",
-        lambda self: bool(_as_scalar(self)) if self.handle.data.size == 1 else True,
-    )
+    # Scalar conversions that work with NumPy >= 2.5 (which removed int() of
+    # arrays with ndim > 0, used on the interpreter's (1,)-shaped scalars) and
+    # with batched programs; reductions and scans that know the program axis.
+    _triton_batched.lang_patches(scope)
     _originals()
     for name, patched in _BUILDER_PATCHES.items():
         scope.set_attr(interp.InterpreterBuilder, name, patched)
+    _triton_batched.builder_patches(scope)  # on top of the patches above
     original_call = JITFunction.__call__
     JITFunction.__call__ = _call_jit_function_interpreted
     return scope, original_call

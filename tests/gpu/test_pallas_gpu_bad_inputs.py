@@ -175,23 +175,3 @@ def test_bad_compute_capability_override(monkeypatch):
     x = jax.random.normal(jax.random.key(6), (256,))
     with pytest.raises(ValueError, match=r"pallas_call 'scale'.*PALLAS_GPU_COMPUTE_CAPABILITY='hopper'"):
         export_for_cuda(scale_call(jnp.float32), x)
-
-
-def test_tpu_only_grid_features_are_refused_by_the_gpu_backend():
-    x = jnp.arange(256, dtype=jnp.float32)
-
-    def kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...] + 1
-
-    call = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        grid=(("i", 2),),
-        in_specs=[pl.BlockSpec((128,), lambda i: (i,))],
-        out_specs=pl.BlockSpec((128,), lambda i: (i,)),
-        interpret=plgpu.InterpretParams(),
-    )
-    with pytest.raises(
-        NotImplementedError, match="a named grid is a TPU feature the GPU backend does not lower"
-    ):
-        call(x)

@@ -209,6 +209,16 @@ def _run_scoped_rule(rc: RuleContext, *consts, jaxpr, num_consts):
     return rc.lowering.lower_jaxpr(jaxpr, [*consts, *scratch])
 
 
+@register_lowering(pallas_backend.grid_axis_index_p)
+def _grid_axis_index_rule(rc: RuleContext, *, axis_name):
+    """``lax.axis_index(name)`` of a named grid (``grid=(("i", 4),)``): the
+    index along that grid axis, as ``pl.program_id`` gives it."""
+    names = tuple(rc.lowering.gm.grid_names)
+    if axis_name not in names:
+        raise rc.error(f"axis {axis_name!r} is not a grid axis of the kernel (grid names {names})")
+    return rc.lowering.grid_ids[names.index(axis_name)]
+
+
 @register_lowering(pallas_backend.multiple_of_p)
 def _multiple_of_rule(rc: RuleContext, x, *, values):
     if x.shape == ():

@@ -84,6 +84,7 @@ class KernelLowering:
         self._used: set[int] = set()
         self._outer_eqns: list[Any] = []  # equations whose sub-jaxprs are being lowered
         self.gpu_only: list[str] = []  # uses that Triton's interpreter cannot run (inline PTX)
+        self.grid_ids: list[Val] = []  # the grid index of each axis (for lax.axis_index of a named grid)
 
     def source_line(self, eqn) -> str:
         """The user's line of ``eqn``, else of the nearest enclosing equation
@@ -240,6 +241,7 @@ class KernelLowering:
                 )
         sequential = sequential_axes(gm, self.jaxpr)
         ids, launch_grid = self.program_ids(sequential)
+        self.grid_ids = ids  # updated in place by the sequential loops
         n_in = gm.num_inputs
         refs: list[Any] = [None] * len(gm.block_mappings)
         # Output blocks do not move along sequential axes: address them once.

@@ -64,11 +64,11 @@ def _compiler_params_list(cp: Any, gm) -> list[CompilerParams]:
 
 def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debug, compiler_params, **_):
     gm = grid_mapping
-    if gm.num_scalar_prefetch or gm.grid_names:
-        what = "scalar prefetch (PrefetchScalarGridSpec)" if gm.num_scalar_prefetch else "a named grid"
+    if gm.num_scalar_prefetch:
         raise NotImplementedError(
-            f"{where(gm)}: {what} is a TPU feature the GPU backend does not lower; run the kernel "
-            "with interpret=pltpu.InterpretParams() (pallas-tpu) or use a plain grid"
+            f"{where(gm)}: scalar prefetch (PrefetchScalarGridSpec) is a TPU feature the GPU backend "
+            "does not lower; run the kernel with interpret=pltpu.InterpretParams() (pallas-tpu) or use "
+            "a plain grid"
         )
     if gm.num_dynamic_grid_bounds:  # the launch grid and the generated kernel need static sizes
         raise NotImplementedError(

@@ -263,12 +263,10 @@ def _mask_handle(mask):
     return mask
 
 
-def _masked_load(self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile):
+def _masked_load(self, ptrs, mask, other, *policy):  # *policy: as in _triton_patches
     mask = _mask_handle(mask)
     if _active is None:
-        return _BUILDER_ORIGINALS["create_masked_load"](
-            self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile
-        )
+        return _BUILDER_ORIGINALS["create_masked_load"](self, ptrs, mask, other, *policy)
     interp = _triton_patches.interpreter()
     batched, shape, p, m = _operands(ptrs, mask, other)
     elem = ptrs.get_element_ty()
@@ -284,12 +282,10 @@ def _masked_load(self, ptrs, mask, other, cache_modifier, eviction_policy, is_vo
     return _handle(data, elem, batched)
 
 
-def _masked_store(self, ptrs, value, mask, cache_modifier, eviction_policy):
+def _masked_store(self, ptrs, value, mask, *policy):
     mask = _mask_handle(mask)
     if _active is None:
-        return _BUILDER_ORIGINALS["create_masked_store"](
-            self, ptrs, value, mask, cache_modifier, eviction_policy
-        )
+        return _BUILDER_ORIGINALS["create_masked_store"](self, ptrs, value, mask, *policy)
     interp = _triton_patches.interpreter()
     batched, shape, p, m = _operands(ptrs, mask, value)
     elem = ptrs.get_element_ty()

@@ -249,13 +249,6 @@ def _convert_element_type(ctx, x, new_dtype, **_):
     return convert(x, aval.dtype, new_dtype, aval.shape)
 
 
-@register_lowering(lax.bitcast_convert_type_p)
-def _bitcast_convert_type(ctx, x, new_dtype):
-    if ctx.avals_in[0].shape != ctx.avals_out[0].shape:
-        raise NotImplementedError("bitcasts that change the shape are not supported")
-    return arith.bitcast(aval_type(ctx.avals_out[0]), x)
-
-
 # ---------------------------------------------------------------------------
 # Shapes
 
@@ -457,3 +450,328 @@ def _touch(ctx, *refs):
 def _roll(ctx, x, shift, *, axis, stride=None, stride_axis=None, **_):
     shift = shift if isinstance(shift, ir.Value) else constant(shift, (), np.int32)
     return tpu.dynamic_rotate(x, shift, axis, stride=stride, stride_dimension=stride_axis)
+
+
+# ---------------------------------------------------------------------------
+# Cumulative reductions. JAX's TensorCore lowering has no rule for them; ours
+# is a log-step (Hillis-Steele) scan written in jnp and lowered through the
+# slice, concatenate and elementwise rules: ceil(log2(n)) shifted combines.
+
+_CUMULATIVE = {
+    lax.cumsum_p: (jnp.add, lambda dt: 0),
+    lax.cumprod_p: (jnp.multiply, lambda dt: 1),
+    lax.cummax_p: (jnp.maximum, lambda dt: -np.inf if is_float(dt) else np.iinfo(dt).min),
+    lax.cummin_p: (jnp.minimum, lambda dt: np.inf if is_float(dt) else np.iinfo(dt).max),
+    lax.cumlogsumexp_p: (jnp.logaddexp, lambda dt: -np.inf),
+}
+
+
+def _scan(x, *, combine, identity, axis, reverse):
+    n = x.shape[axis]
+    k = 1
+    while k < n:
+        pad_shape = list(x.shape)
+        pad_shape[axis] = k
+        pad = lax.full(pad_shape, identity, x.dtype)
+        if reverse:  # element i combines element i + k
+            shifted = lax.concatenate([lax.slice_in_dim(x, k, n, axis=axis), pad], axis)
+        else:
+            shifted = lax.concatenate([pad, lax.slice_in_dim(x, 0, n - k, axis=axis)], axis)
+        x = combine(x, shifted)
+        k *= 2
+    return x
+
+
+@register_lowering(*_CUMULATIVE)
+def _cumulative(ctx, x, *, axis, reverse):
+    aval = ctx.avals_in[0]
+    if is_bool(aval.dtype):
+        raise NotImplementedError(f"{ctx.eqn.primitive.name} of bool; cast to int32 first")
+    if not aval.shape:
+        return x
+    combine, identity = _CUMULATIVE[ctx.eqn.primitive]
+    return lower_fun(
+        _scan, ctx, x, combine=combine, identity=identity(aval.dtype), axis=axis, reverse=reverse
+    )
+
+
+# ---------------------------------------------------------------------------
+# Bitcasts, packing and stochastic rounding (the Mosaic ops JAX emits).
+
+
+def _bits(dtype) -> int:
+    import jax
+
+    return jax.dtypes.itemsize_bits(np.dtype(dtype))
+
+
+def _bitcast_narrow(x, *, new_dtype):
+    # (...) of S bits -> (..., S // D) of D bits, least significant part first.
+    src, dst = _bits(x.dtype), _bits(new_dtype)
+    u = lax.bitcast_convert_type(x, np.dtype(f"uint{src}"))
+    mask = np.array((1 << dst) - 1, u.dtype)
+    parts = [((u >> np.array(j * dst, u.dtype)) & mask).astype(f"uint{dst}") for j in range(src // dst)]
+    return lax.bitcast_convert_type(jnp.stack(parts, axis=-1), new_dtype)
+
+
+def _bitcast_widen(x, *, new_dtype):
+    # (..., D // S) of S bits -> (...) of D bits.
+    src, dst = _bits(x.dtype), _bits(new_dtype)
+    u = lax.bitcast_convert_type(x, np.dtype(f"uint{src}")).astype(f"uint{dst}")
+    word = u[..., 0]
+    for j in range(1, dst // src):
+        word = word | (u[..., j] << np.array(j * src, word.dtype))
+    return lax.bitcast_convert_type(word, new_dtype)
+
+
+@register_lowering(lax.bitcast_convert_type_p)
+def _bitcast_convert_type(ctx, x, new_dtype):
+    """Same width: ``tpu.bitcast`` of vectors, ``arith.bitcast`` of scalars (as
+    JAX). A change of width (JAX's TPU lowering has none) is shifts and masks
+    of same-width bitcasts, through ``lower_fun``."""
+    aval, out = ctx.avals_in[0], ctx.avals_out[0]
+    src, dst = _bits(aval.dtype), _bits(new_dtype)
+    if is_bool(aval.dtype) or is_bool(new_dtype):
+        raise NotImplementedError("bitcasts of bool are not supported")
+    if src > dst:
+        return lower_fun(_bitcast_narrow, ctx, x, new_dtype=np.dtype(new_dtype))
+    if src < dst:
+        return lower_fun(_bitcast_widen, ctx, x, new_dtype=np.dtype(new_dtype))
+    if out.shape:
+        return tpu.bitcast(aval_type(out), x)
+    return arith.bitcast(aval_type(out), x)
+
+
+def _element(dtype) -> ir.Type:
+    """The MLIR element type of ``dtype``, sub-byte integers (int4) included."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        return ir.IntegerType.get_signless(_bits(dtype))
+    return aval_type(Aval((), dtype))
+
+
+@register_lowering(vp.pack_elementwise_p)
+def _pack_elementwise(ctx, *xs, packed_dtype):
+    return tpu.pack_elementwise(aval_type(ctx.avals_out[0]), list(xs), _element(packed_dtype))
+
+
+@register_lowering(vp.unpack_elementwise_p)
+def _unpack_elementwise(ctx, x, *, index, packed_dtype, unpacked_dtype):
+    aval, out = ctx.avals_in[0], ctx.avals_out[0]
+    if is_float(aval.dtype):  # Mosaic unpacks integer words
+        x = tpu.bitcast(aval_type(Aval(aval.shape, f"uint{_bits(aval.dtype)}")), x)
+    r = tpu.unpack_elementwise(aval_type(out), x, _element(packed_dtype), index)
+    if jnp.issubdtype(packed_dtype, jnp.unsignedinteger):
+        # Mosaic sign-extends (its integers are signless); unsigned fields zero-extend.
+        r = arith.andi(r, constant((1 << _bits(packed_dtype)) - 1, out.shape, out.dtype))
+    return r
+
+
+@register_lowering(vp.stochastic_round_p)
+def _stochastic_round(ctx, x, random_bits, *, target_dtype):
+    return tpu.stochastic_convert(aval_type(ctx.avals_out[0]), x, random_bits)
+
+
+# ---------------------------------------------------------------------------
+# Shapes: split, stack, unstack, pad
+
+
+@register_lowering(lax.split_p)
+def _split(ctx, x, *, sizes, axis):
+    aval = ctx.avals_in[0]
+    starts, outs = [0] * len(aval.shape), []
+    for size, out in zip(sizes, ctx.avals_out, strict=True):
+        shape = list(aval.shape)
+        shape[axis] = int(size)
+        outs.append(vector.extract_strided_slice(aval_type(out), x, list(starts), shape, [1] * len(shape)))
+        starts[axis] += int(size)
+    return outs
+
+
+@register_lowering(lax.stack_p)
+def _stack(ctx, *xs, axis):
+    aval = ctx.avals_in[0]
+    shape = list(aval.shape)
+    shape.insert(axis, 1)
+    parts = [shape_cast(x, shape, aval.dtype) for x in xs]
+    return parts[0] if len(parts) == 1 else tpu.concatenate(parts, axis)
+
+
+@register_lowering(lax.unstack_p)
+def _unstack(ctx, x, *, axis):
+    aval = ctx.avals_in[0]
+    size = list(aval.shape)
+    size[axis] = 1
+    out = ctx.avals_out[0]
+    outs = []
+    for i in range(aval.shape[axis]):
+        starts = [0] * len(size)
+        starts[axis] = i
+        part = vector.extract_strided_slice(
+            aval_type(Aval(size, aval.dtype)), x, starts, size, [1] * len(size)
+        )
+        outs.append(shape_cast(part, out.shape, out.dtype))
+    return outs
+
+
+@register_lowering(lax.pad_p)
+def _pad(ctx, x, padding_value, *, padding_config):
+    """Edge padding with a scalar: concatenated splats (as JAX; negative
+    padding slices, interior padding is not supported)."""
+    aval = ctx.avals_in[0]
+    if not aval.shape:
+        return x
+    shape = list(aval.shape)
+    for axis, (lo, hi, interior) in enumerate(padding_config):
+        if interior:
+            raise NotImplementedError("interior padding is not supported")
+        if lo < 0 or hi < 0:
+            start, stop = max(-lo, 0), shape[axis] - max(-hi, 0)
+            sizes = list(shape)
+            sizes[axis] = stop - start
+            offsets = [0] * len(shape)
+            offsets[axis] = start
+            x = vector.extract_strided_slice(
+                aval_type(Aval(sizes, aval.dtype)), x, offsets, sizes, [1] * len(shape)
+            )
+            shape = sizes
+        parts = []
+        for n in (max(lo, 0), None, max(hi, 0)):
+            if n is None:
+                parts.append(x)
+            elif n:
+                pad_shape = list(shape)
+                pad_shape[axis] = n
+                parts.append(broadcast_to(padding_value, pad_shape))
+        if len(parts) > 1:
+            x = tpu.concatenate(parts, axis)
+            shape[axis] += max(lo, 0) + max(hi, 0)
+    return x
+
+
+@register_lowering(lax.gather_p)
+def _gather(ctx, x, indices, *, dimension_numbers, slice_sizes, mode, **_):
+    """``jnp.take_along_axis`` along one of the two minor dimensions:
+    ``tpu.dynamic_gather`` (the only gather JAX's TPU lowering accepts)."""
+    aval, out = ctx.avals_in[0], ctx.avals_out[0]
+    dn = dimension_numbers
+    rank = len(out.shape)
+    if not (
+        len(aval.shape) == rank
+        and ctx.avals_in[1].shape == (*out.shape, 1)
+        and tuple(slice_sizes) == (1,) * rank
+        and not dn.offset_dims
+        and tuple(dn.collapsed_slice_dims) == tuple(dn.start_index_map)
+        and len(dn.collapsed_slice_dims) == 1
+        and tuple(dn.operand_batching_dims) == tuple(dn.start_indices_batching_dims)
+        and len(dn.operand_batching_dims) == rank - 1
+        and mode in (lax.GatherScatterMode.FILL_OR_DROP, lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    ):
+        raise NotImplementedError("only take_along_axis-like gathers (jnp.take_along_axis) are supported")
+    (axis,) = dn.collapsed_slice_dims
+    if axis < rank - 2:
+        raise NotImplementedError("gathers along one of the two minor dimensions only")
+    idx = shape_cast(indices, out.shape, ctx.avals_in[1].dtype)
+    return tpu.dynamic_gather(x, idx, [axis])
+
+
+# ---------------------------------------------------------------------------
+# More math: log2, erf_inv, nextafter, one_minus_square, mulhi, reduce_precision
+
+
+@register_lowering(lax.log2_p)
+def _log2(ctx, x, **_):
+    return math.log2(x)
+
+
+@register_lowering(lax.stop_gradient_p)
+def _stop_gradient(ctx, x):
+    return x
+
+
+@register_lowering(lax.one_minus_square_p)
+def _one_minus_square(ctx, x, **_):
+    return lower_fun(lambda v: (1 + v) * (1 - v), ctx, x)
+
+
+# Giles, "Approximating the erfinv function" (2010), single precision: the
+# coefficients XLA uses for float32 erf_inv.
+_ERFINV_CENTRAL = (
+    2.81022636e-08,
+    3.43273939e-07,
+    -3.5233877e-06,
+    -4.39150654e-06,
+    0.00021858087,
+    -0.00125372503,
+    -0.00417768164,
+    0.246640727,
+    1.50140941,
+)
+_ERFINV_TAIL = (
+    -0.000200214257,
+    0.000100950558,
+    0.00134934322,
+    -0.00367342844,
+    0.00573950773,
+    -0.0076224613,
+    0.00943887047,
+    1.00167406,
+    2.83297682,
+)
+
+
+def _erf_inv_f32(x):
+    w = -jnp.log1p(-x * x)
+    central = w < 5.0
+    w = jnp.where(central, w - 2.5, jnp.sqrt(w) - 3.0)
+    p = jnp.where(central, np.float32(_ERFINV_CENTRAL[0]), np.float32(_ERFINV_TAIL[0]))
+    for a, b in zip(_ERFINV_CENTRAL[1:], _ERFINV_TAIL[1:]):
+        p = jnp.where(central, np.float32(a), np.float32(b)) + p * w
+    return jnp.where(jnp.abs(x) == 1.0, x * np.float32(np.inf), p * x)
+
+
+@register_lowering(lax.erf_inv_p)
+def _erf_inv(ctx, x, **_):
+    if np.dtype(ctx.avals_in[0].dtype) != np.float32:
+        raise NotImplementedError("erf_inv of float32 only")
+    return lower_fun(_erf_inv_f32, ctx, x)
+
+
+def _nextafter_f32(x, y):
+    # Step the bit pattern of x one unit toward y (IEEE nextafter).
+    xi = lax.bitcast_convert_type(x, jnp.int32)
+    mag = xi & np.int32(0x7FFFFFFF)
+    toward_zero = (x > y) == (x > 0)
+    step = jnp.where(toward_zero, np.int32(-1), np.int32(1))
+    moved = lax.bitcast_convert_type(xi + step, jnp.float32)
+    # From +-0 the next value is the smallest subnormal with y's sign.
+    tiny = lax.bitcast_convert_type(
+        (lax.bitcast_convert_type(y, jnp.int32) & np.int32(-(2**31))) | np.int32(1), jnp.float32
+    )
+    out = jnp.where(mag == 0, tiny, moved)
+    out = jnp.where(x == y, y, out)
+    return jnp.where(jnp.isnan(x) | jnp.isnan(y), np.float32(np.nan), out)
+
+
+@register_lowering(lax.nextafter_p)
+def _nextafter(ctx, x, y):
+    if np.dtype(ctx.avals_in[0].dtype) != np.float32:
+        raise NotImplementedError("nextafter of float32 only")
+    return lower_fun(_nextafter_f32, ctx, x, y)
+
+
+@register_lowering(lax.mulhi_p)
+def _mulhi(ctx, x, y):
+    """The high half of the double-width product (int32/uint32, as JAX)."""
+    dtype = np.dtype(ctx.avals_out[0].dtype)
+    if dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
+        raise NotImplementedError(f"mulhi of {dtype.name}; int32 and uint32 are supported")
+    x, y = _operands(ctx, x, y)
+    op = arith.MulUIExtendedOp if dtype == np.uint32 else arith.MulSIExtendedOp
+    return op(x, y).high
+
+
+@register_lowering(lax.reduce_precision_p)
+def _reduce_precision(ctx, x, *, exponent_bits, mantissa_bits):
+    if not ctx.avals_in[0].shape:
+        raise NotImplementedError("reduce_precision of a scalar; Mosaic's op takes vectors")
+    return tpu.reduce_precision(x, exponent_bits, mantissa_bits)

@@ -1,0 +1,443 @@
+"""Math lowering and ``run_mosaic`` gaps, three ways (``three_way.py``): TPU
+interpret mode, our Mosaic lowering + ``run_mosaic``, JAX's Mosaic lowering +
+``run_mosaic``; each against plain jnp on fresh random data. Where JAX's TPU
+(TensorCore) lowering has no rule for a primitive, only mode "jax" is skipped,
+with that reason."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+pytest.importorskip("jax.experimental.pallas.tpu")
+
+from three_way import MODES, run  # noqa: E402
+
+jax.config.update("jax_enable_checks", True)
+
+
+def rand(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def rand_int(seed, shape, dtype, lo=None, hi=None):
+    """Random integers of ``dtype`` in ``[lo, hi)`` (default: its whole range)."""
+    info = np.iinfo(dtype)
+    lo = int(info.min) if lo is None else lo
+    hi = int(info.max) + 1 if hi is None else hi
+    return jnp.asarray(np.random.default_rng(seed).integers(lo, hi, shape, dtype=np.int64).astype(dtype))
+
+
+def close(a, b, tol=1e-5):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol)
+
+
+def equal(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    np.testing.assert_array_equal(a, b)
+
+
+def _jax_has_rule(name: str) -> bool:
+    from jax._src.pallas.mosaic import lowering as jax_lowering
+
+    rules = jax_lowering.lowering_rules
+    tc = (
+        rules[next(k for k in rules if getattr(k, "name", str(k)) == "TC")]
+        if isinstance(rules, dict)
+        else rules
+    )
+    return any(p.name == name for p in tc)
+
+
+def skip_jax_without(mode, name, why=""):
+    if mode == "jax" and not _jax_has_rule(name):
+        pytest.skip(f"JAX's TPU (TensorCore) lowering has no rule for '{name}'{why}")
+
+
+def elementwise(fn, out_dtype=None, n_in=1):
+    """``build`` of a one-block kernel ``o = fn(*inputs)``."""
+
+    def build(pl, pltpu):
+        def kernel(*refs):
+            *ins, o_ref = refs
+            o_ref[...] = fn(*(r[...] for r in ins), pltpu=pltpu)
+
+        def f(*xs):
+            dtype = out_dtype or xs[0].dtype
+            shape = jax.eval_shape(lambda *a: fn(*a, pltpu=pltpu), *xs).shape
+            return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(shape, dtype))(*xs)
+
+        return f
+
+    return build
+
+
+# -- cumulative reductions ----------------------------------------------------
+
+CUMULATIVE = [
+    ("cumsum", lax.cumsum, jnp.float32, 1e-4),
+    ("cumsum", lax.cumsum, jnp.int32, 0),
+    ("cumprod", lax.cumprod, jnp.float32, 1e-4),
+    ("cummax", lax.cummax, jnp.float32, 0),
+    ("cummin", lax.cummin, jnp.int32, 0),
+    ("cumlogsumexp", lax.cumlogsumexp, jnp.float32, 1e-4),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "name,op,dtype,tol", CUMULATIVE, ids=[f"{c[0]}-{np.dtype(c[2]).name}" for c in CUMULATIVE]
+)
+@pytest.mark.parametrize("axis,reverse", [(1, False), (0, True)])
+def test_cumulative(mode, name, op, dtype, tol, axis, reverse):
+    skip_jax_without(mode, name)
+    x = rand(10, (8, 128))
+    if name == "cumprod":
+        x = 1.0 + 0.05 * x  # keeps the product of 128 terms in range
+    if dtype == jnp.int32:
+        x = (x * 100).astype(jnp.int32)
+    fn = lambda v, pltpu: op(v, axis=axis, reverse=reverse)  # noqa: E731
+    got = run(elementwise(fn), (x,), mode)
+    want = op(x, axis=axis, reverse=reverse)
+    if tol:
+        close(got, want, tol)
+    else:
+        equal(got, want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_jnp_cumsum_of_a_column(mode):
+    skip_jax_without(mode, "cumsum")
+    x = rand(11, (16, 128))
+    fn = lambda v, pltpu: jnp.cumsum(v, axis=0) * 0.5  # noqa: E731
+    close(run(elementwise(fn), (x,), mode), jnp.cumsum(x, axis=0) * 0.5, 1e-4)
+
+
+# -- bitcasts ------------------------------------------------------------------
+
+PLTPU_BITCASTS = [
+    (jnp.int32, jnp.int8, (8, 128)),
+    (jnp.float32, jnp.bfloat16, (8, 128)),
+    (jnp.int8, jnp.int32, (32, 128)),
+    (jnp.bfloat16, jnp.uint32, (16, 128)),
+    (jnp.float32, jnp.int32, (8, 128)),
+]
+
+
+def _bitcast_reference(x, ty):
+    """``pltpu.bitcast``'s documented layout, from ``lax.bitcast_convert_type``:
+    narrowing, row ``k*i + j`` is part ``j`` of row ``i``."""
+    src, dst = jnp.dtype(x.dtype).itemsize * 8, jnp.dtype(ty).itemsize * 8
+    m, n = x.shape
+    if src > dst:
+        parts = lax.bitcast_convert_type(x, ty)  # (m, n, k)
+        return jnp.transpose(parts, (0, 2, 1)).reshape(m * (src // dst), n)
+    if src < dst:
+        k = dst // src
+        return lax.bitcast_convert_type(jnp.transpose(x.reshape(m // k, k, n), (0, 2, 1)), ty)
+    return lax.bitcast_convert_type(x, ty)
+
+
+def _random_of(dtype, shape, seed):
+    if jnp.issubdtype(dtype, jnp.integer):
+        return rand_int(seed, shape, dtype)
+    return rand(seed, shape, dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "src,dst,shape",
+    PLTPU_BITCASTS,
+    ids=[f"{np.dtype(a).name}-{np.dtype(b).name}" for a, b, _ in PLTPU_BITCASTS],
+)
+def test_pltpu_bitcast(mode, src, dst, shape):
+    x = _random_of(src, shape, 20)
+    fn = lambda v, pltpu: pltpu.bitcast(v, dst)  # noqa: E731
+    got = run(elementwise(fn, out_dtype=dst), (x,), mode)
+    want = _bitcast_reference(x, dst)
+    bits = f"uint{np.dtype(dst).itemsize * 8}"
+    equal(np.asarray(got).view(bits), np.asarray(want).view(bits))
+
+
+BITCAST_CONVERT = [
+    (jnp.int32, jnp.int8, (8, 128)),
+    (jnp.float32, jnp.bfloat16, (8, 128)),
+    (jnp.uint32, jnp.uint16, (8, 128)),
+    (jnp.int8, jnp.int32, (8, 128, 4)),
+    (jnp.bfloat16, jnp.float32, (8, 128, 2)),
+    (jnp.float32, jnp.uint32, (8, 128)),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "src,dst,shape",
+    BITCAST_CONVERT,
+    ids=[f"{np.dtype(a).name}-{np.dtype(b).name}" for a, b, _ in BITCAST_CONVERT],
+)
+def test_bitcast_convert_type(mode, src, dst, shape):
+    if mode == "jax" and np.dtype(src).itemsize != np.dtype(dst).itemsize:
+        pytest.skip("JAX's TPU lowering of bitcast_convert_type does not change the element width")
+    x = _random_of(src, shape, 21)
+    fn = lambda v, pltpu: lax.bitcast_convert_type(v, dst)  # noqa: E731
+    got = run(elementwise(fn, out_dtype=dst), (x,), mode)
+    want = lax.bitcast_convert_type(x, dst)
+    bits = f"uint{np.dtype(dst).itemsize * 8}"
+    equal(np.asarray(got).view(bits), np.asarray(want).view(bits))
+
+
+# -- pack / unpack, stochastic rounding ------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pack_elementwise_f32_to_bf16(mode):
+    a, b = rand(30, (8, 128)), rand(31, (8, 128))
+    fn = lambda x, y, pltpu: pltpu.pack_elementwise([x, y], packed_dtype=jnp.bfloat16)  # noqa: E731
+    got = run(elementwise(fn, out_dtype=jnp.uint32), (a, b), mode)
+    lo = lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+    hi = lax.bitcast_convert_type(b.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+    equal(got, lo | (hi << 16))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pack_elementwise_int32_to_int8(mode):
+    xs = [rand_int(32 + i, (8, 128), jnp.int32) for i in range(4)]
+    fn = lambda *v, pltpu: pltpu.pack_elementwise(list(v), packed_dtype=jnp.int8)  # noqa: E731
+    got = run(elementwise(fn, out_dtype=jnp.uint32), tuple(xs), mode)
+    want = sum((lax.bitcast_convert_type(x, jnp.uint32) & 0xFF) << (8 * i) for i, x in enumerate(xs))
+    equal(got, want.astype(jnp.uint32))
+
+
+UNPACKS = [(jnp.int8, jnp.int32, 0), (jnp.int8, jnp.int32, 3), (jnp.bfloat16, jnp.float32, 1)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "packed,unpacked,index", UNPACKS, ids=[f"{np.dtype(p).name}-{i}" for p, _, i in UNPACKS]
+)
+def test_unpack_elementwise(mode, packed, unpacked, index):
+    words = rand_int(40, (8, 128), jnp.int32)
+    x = words
+
+    def fn(v, pltpu):
+        return pltpu.unpack_elementwise(v, index=index, packed_dtype=packed, unpacked_dtype=unpacked)
+
+    got = run(elementwise(fn, out_dtype=unpacked), (x,), mode)
+    p = np.dtype(packed).itemsize * 8
+    field = (lax.bitcast_convert_type(words, jnp.uint32) >> (index * p)) & ((1 << p) - 1)
+    want = lax.bitcast_convert_type(field.astype(f"uint{p}"), packed).astype(unpacked)
+    equal(got, want)
+
+
+def _stochastic_bf16_reference(x, bits):
+    # Add 16 random bits below bfloat16's mantissa, then truncate.
+    word = lax.bitcast_convert_type(x, jnp.uint32) + (bits >> 16)
+    return lax.bitcast_convert_type(word & np.uint32(0xFFFF0000), jnp.float32).astype(jnp.bfloat16)
+
+
+def _stochastic_grid_reference(x, bits, dtype):
+    # The two neighbours of |x| in ``dtype`` by enumerating all its values; up
+    # with probability (|x| - lo) / (hi - lo), compared with bits / 2**32.
+    values = np.unique(np.abs(np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)))
+    values = values[np.isfinite(values)]
+    mag = np.minimum(np.abs(np.asarray(x)), values[-1])
+    i = np.clip(np.searchsorted(values, mag, side="right") - 1, 0, len(values) - 2)
+    lo, hi = values[i], values[i + 1]
+    exact = mag == lo
+    u = (np.asarray(bits) >> 8).astype(np.float32) * np.float32(2.0**-24)
+    up = (u < (mag - lo) / (hi - lo)) & ~exact
+    out = np.where(up, hi, lo) * np.sign(np.asarray(x))
+    return out.astype(dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("target", [jnp.bfloat16, jnp.float8_e5m2, jnp.float8_e4m3fn])
+def test_stochastic_round(mode, target):
+    x = rand(50, (8, 128)) * 3.0
+    bits = jax.random.bits(jax.random.key(51), (8, 128), jnp.uint32)
+    fn = lambda v, b, pltpu: pltpu.stochastic_round(v, b, target_dtype=target)  # noqa: E731
+    got = np.asarray(run(elementwise(fn, out_dtype=target), (x, bits), mode))
+    if target == jnp.bfloat16:
+        want = np.asarray(_stochastic_bf16_reference(x, bits))
+    else:
+        want = _stochastic_grid_reference(x, bits, np.dtype(target))
+    equal(got.astype(np.float32), want.astype(np.float32))
+    # Unbiased: both neighbours occur (not round-to-nearest).
+    nearest = np.asarray(x).astype(target).astype(np.float32)
+    assert np.any(got.astype(np.float32) != nearest)
+
+
+# -- the hardware PRNG ----------------------------------------------------------
+
+
+def _prng_reference(seeds, shapes):
+    """The documented model (pallas_tpu/_src/random.py), in plain jax.random:
+    fold each seed into key(0, 0x5EED); draw n is bits(fold_in(key, n))."""
+    key = jax.random.wrap_key_data(jnp.array([0, 0x5EED], jnp.uint32), impl="threefry2x32")
+    for s in seeds:
+        key = jax.random.fold_in(key, jnp.uint32(s))
+    return [
+        lax.bitcast_convert_type(jax.random.bits(jax.random.fold_in(key, n), shape, jnp.uint32), jnp.int32)
+        for n, shape in enumerate(shapes)
+    ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prng_seed_and_random_bits(mode):
+    seed = np.random.default_rng().integers(0, 2**31)
+    x = rand(60, (8, 128))
+
+    def build(pl, pltpu):
+        def kernel(s_ref, x_ref, o1_ref, o2_ref):
+            pltpu.prng_seed(s_ref[0], 7)
+            o1_ref[...] = pltpu.prng_random_bits((8, 128))
+            o2_ref[...] = (
+                pltpu.prng_random_bits((16, 128)) ^ lax.bitcast_convert_type(x_ref[...], jnp.int32)[0, 0]
+            )
+
+        def f(s, v):
+            return pl.pallas_call(
+                kernel,
+                out_shape=(
+                    jax.ShapeDtypeStruct((8, 128), jnp.int32),
+                    jax.ShapeDtypeStruct((16, 128), jnp.int32),
+                ),
+                in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec()],
+            )(s, v)
+
+        return f
+
+    s = jnp.array([seed], jnp.int32)
+    o1, o2 = run(build, (s, x), mode)
+    w1, w2 = _prng_reference([seed, 7], [(8, 128), (16, 128)])
+    equal(o1, w1)
+    equal(o2, w2 ^ lax.bitcast_convert_type(x, jnp.int32)[0, 0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prng_state_lives_through_the_grid(mode):
+    # Seeded once at step 0; each step draws the next bits (one core's PRNG).
+    def build(pl, pltpu):
+        def kernel(o_ref):
+            @pl.when(pl.program_id(0) == 0)
+            def _():
+                pltpu.prng_seed(123)
+
+            o_ref[...] = pltpu.prng_random_bits((8, 128))
+
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((3, 8, 128), jnp.int32),
+            grid=(3,),
+            out_specs=pl.BlockSpec((None, 8, 128), lambda i: (i, 0, 0)),
+        )
+
+    got = run(lambda pl, pltpu: lambda: build(pl, pltpu)(), (), mode)
+    want = jnp.stack(_prng_reference([123], [(8, 128)] * 3))
+    equal(got, want)
+
+
+# -- other math primitives --------------------------------------------------------
+
+MATH = [
+    ("log2", lambda v: jnp.log2(jnp.abs(v) + 0.1), 1e-5),
+    ("erf_inv", lambda v: lax.erf_inv(jnp.tanh(v) * 0.99), 1e-5),
+    ("nextafter", lambda v: lax.nextafter(v, v * 2.0 - 1.0), 0),
+    ("reduce_precision", lambda v: lax.reduce_precision(v * 1e3, exponent_bits=5, mantissa_bits=7), 0),
+    ("stop_gradient", lambda v: lax.stop_gradient(v) * 2.0, 0),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name,fn,tol", MATH, ids=[m[0] for m in MATH])
+def test_math_primitives(mode, name, fn, tol):
+    skip_jax_without(mode, name)
+    x = rand(70, (8, 128))
+    if name == "nextafter":
+        x = x.at[0, :4].set(jnp.array([0.0, -0.0, 1.0, -1.0]))
+    got = run(elementwise(lambda v, pltpu: fn(v)), (x,), mode)
+    want = fn(x)
+    if tol:
+        close(got, want, tol)
+    else:
+        equal(got, want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32])
+def test_mulhi(mode, dtype):
+    skip_jax_without(mode, "mulhi")
+    a, b = rand_int(80, (8, 128), dtype, 0, 2**31 - 1), rand_int(81, (8, 128), dtype, 0, 2**31 - 1)
+    if dtype == jnp.int32:
+        b = b * jnp.where(rand(82, (8, 128)) > 0, 1, -1).astype(dtype)
+    else:
+        a = a | jnp.uint32(2**31)
+    got = run(elementwise(lambda x, y, pltpu: lax.mulhi(x, y)), (a, b), mode)
+    wide = np.asarray(a).astype(np.int64 if dtype == jnp.int32 else np.uint64) * np.asarray(b).astype(
+        np.int64 if dtype == jnp.int32 else np.uint64
+    )
+    equal(got, (wide >> 32).astype(dtype))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_split_stack_pad(mode):
+    x = rand(90, (16, 128))
+
+    def fn(v, pltpu):
+        a, b = jnp.split(v, 2, axis=0)
+        s = jnp.stack([a, b * 2.0], axis=0)  # (2, 8, 128)
+        p = jnp.pad(a, ((1, 7), (0, 0)), constant_values=3.0)  # (16, 128)
+        return s.sum(axis=0) + p[:8] + p[8:]
+
+    got = run(elementwise(fn), (x,), mode)
+    close(got, fn(x, None))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_take_along_axis(mode):
+    x = rand(91, (8, 128))
+    idx = jax.random.randint(jax.random.key(92), (8, 128), 0, 128, jnp.int32)
+    fn = lambda v, i, pltpu: jnp.take_along_axis(v, i, axis=1)  # noqa: E731
+    close(run(elementwise(fn), (x, idx), mode), jnp.take_along_axis(x, idx, axis=1))
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+def test_unsupported_primitive_names_it():
+    import pallas as pl
+    import pallas_tpu as pltpu
+    from pallas_tpu._src.lowering import LoweringException
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = lax.sort(x_ref[...], dimension=1)
+
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    with pytest.raises(LoweringException, match=r"primitive 'sort'.*test_three_way_math.py"):
+        pltpu.mosaic_modules(f, rand(0, (8, 128)))
+
+
+def test_unsupported_op_in_run_mosaic_names_it():
+    import pallas_tpu as pltpu
+
+    module = """
+    module {
+      func.func @main(%arg0: memref<8x128xf32, #tpu.memory_space<vmem>>, %arg1: memref<8x128xf32, #tpu.memory_space<vmem>>) {
+        %c0 = arith.constant 0 : index
+        %0 = vector.load %arg0[%c0, %c0] : memref<8x128xf32, #tpu.memory_space<vmem>>, vector<8x128xf32>
+        %1 = math.erfc %0 : vector<8x128xf32> loc("mine.py":3:1)
+        vector.store %1, %arg1[%c0, %c0] : memref<8x128xf32, #tpu.memory_space<vmem>>, vector<8x128xf32>
+        return
+      }
+    }
+    """
+    with pytest.raises(pltpu.MosaicError, match=r"math.erfc.*mine.py"):
+        pltpu.run_mosaic(
+            module, np.ones((8, 128), np.float32), out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32)
+        )

@@ -34,6 +34,14 @@ from jax_kernel_runtime import _triton_interpret, _triton_versions
 from jax_kernel_runtime._triton import prepare_triton
 from jax_kernel_runtime._triton_cache import DiskCache
 
+# Largest dynamic shared memory per block (the opt-in limit), by compute
+# capability (CUDA programming guide), for pallas-gpu and jax-triton alike.
+SHARED_MEMORY_LIMITS = {
+    70: 98304, 72: 98304, 75: 65536,
+    80: 166912, 86: 101376, 87: 166912, 89: 101376,
+    90: 232448, 100: 232448, 103: 232448, 120: 101376, 121: 101376,
+}  # fmt: skip
+
 _modules: dict[str, types.ModuleType] = {}
 _modules_lock = threading.Lock()
 

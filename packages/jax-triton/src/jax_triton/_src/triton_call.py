@@ -20,23 +20,13 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 import jax_kernel_runtime as jkr
+from jax_kernel_runtime import _triton_compile
 from jax_triton._src import arguments, autotune, frontend
 from jax_triton._src.compile import CompileOptions, TritonCompilationError, compile_kernel
 from jax_triton._src.interpret import run_on_host
 from jax_triton._src.signature import BoundCall, bind, is_array
 from jax_triton._src.triton_compat import check_triton_version, dispatch, triton
 from jax_triton._src.utils import user_source
-
-# Opt-in dynamic shared memory per block by compute capability (CUDA guide).
-_MAX_SHARED = {
-    70: 98304,
-    75: 65536,
-    80: 166912,
-    86: 101376,
-    87: 166912,
-    89: 101376,
-    90: 232448,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +232,7 @@ def _runtime_params(bound: BoundCall, operand_avals):
 
 def _cuda_lowering(ctx, *args, call: CallSpec):
     cc = _compute_capability(ctx, call)
-    limit = _MAX_SHARED.get(cc, 232448)
+    limit = _triton_compile.SHARED_MEMORY_LIMITS.get(cc, 232448)  # the shared layer's table
     compiled = []
     for _i, v in enumerate(call.variants):
         try:

@@ -30,13 +30,9 @@ from pallas_gpu._src.lowering import LoweredKernel
 _CACHE_FORMAT = 2
 
 # Largest dynamic shared memory per block (the opt-in limit), by compute
-# capability. Unknown capabilities are not checked here; the runtime reports
-# a failed launch instead.
-SHARED_MEMORY_LIMITS = {
-    70: 98304, 72: 98304, 75: 65536,
-    80: 166912, 86: 101376, 87: 166912, 89: 101376,
-    90: 232448, 100: 232448, 103: 232448, 120: 101376, 121: 101376,
-}  # fmt: skip
+# capability: the shared Triton layer's table. Unknown capabilities are not
+# checked here; the runtime reports a failed launch instead.
+SHARED_MEMORY_LIMITS = _triton_compile.SHARED_MEMORY_LIMITS
 
 # fp8 types Triton needs sm_89+ for (cvt with .e4m3x2/.e5m2x2).
 _FP8_TYPES = ("fp8e4nv", "fp8e5", "float8e4nv", "float8e5")

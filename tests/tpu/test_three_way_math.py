@@ -206,7 +206,12 @@ def test_pack_elementwise_int32_to_int8(mode):
     equal(got, want.astype(jnp.uint32))
 
 
-UNPACKS = [(jnp.int8, jnp.int32, 0), (jnp.int8, jnp.int32, 3), (jnp.bfloat16, jnp.float32, 1)]
+UNPACKS = [
+    (jnp.int8, jnp.int32, 0),
+    (jnp.int8, jnp.int32, 3),
+    (jnp.bfloat16, jnp.float32, 1),
+    (jnp.uint8, jnp.uint32, 2),
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -224,6 +229,10 @@ def test_unpack_elementwise(mode, packed, unpacked, index):
     p = np.dtype(packed).itemsize * 8
     field = (lax.bitcast_convert_type(words, jnp.uint32) >> (index * p)) & ((1 << p) - 1)
     want = lax.bitcast_convert_type(field.astype(f"uint{p}"), packed).astype(unpacked)
+    if mode == "jax" and packed == jnp.uint8:
+        # JAX's lowering passes the signless i8 to Mosaic, which sign-extends;
+        # ours masks the field (zero extension, as interpret mode).
+        want = lax.bitcast_convert_type(field.astype(jnp.uint8), jnp.int8).astype(jnp.int32).astype(unpacked)
     equal(got, want)
 
 
@@ -392,6 +401,15 @@ def test_split_stack_pad(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_negative_padding(mode):
+    if mode == "jax":
+        pytest.skip("JAX's TPU lowering of pad does not take negative padding")
+    x = rand(94, (16, 128))
+    fn = lambda v, pltpu: lax.pad(v, 1.5, [(-3, 3, 0), (2, -2, 0)])  # noqa: E731
+    equal(run(elementwise(fn), (x,), mode), fn(x, None))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_take_along_axis(mode):
     x = rand(91, (8, 128))
     idx = jax.random.randint(jax.random.key(92), (8, 128), 0, 128, jnp.int32)
@@ -432,4 +450,134 @@ def test_unsupported_op_in_run_mosaic_names_it():
     with pytest.raises(pltpu.MosaicError, match=r"math.erfc.*mine.py"):
         pltpu.run_mosaic(
             module, np.ones((8, 128), np.float32), out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32)
+        )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_top_k(mode):
+    x = rand(93, (8, 128))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, v_ref, i_ref):
+            v_ref[...], i_ref[...] = lax.top_k(x_ref[...], 3, is_stable=False)
+
+        shapes = (jax.ShapeDtypeStruct((8, 3), jnp.float32), jax.ShapeDtypeStruct((8, 3), jnp.int32))
+        return pl.pallas_call(kernel, out_shape=shapes)
+
+    vals, idxs = run(build, (x,), mode)
+    want_vals, want_idxs = lax.top_k(x, 3)
+    equal(vals, want_vals)
+    equal(idxs, want_idxs)
+
+
+# -- errors: unsupported forms at lowering name the primitive, kernel and line ----
+
+LOWERING_ERRORS = [
+    ("erf_inv", lambda v: lax.erf_inv(v.astype(jnp.bfloat16)).astype(jnp.float32), "erf_inv of float32 only"),
+    (
+        "nextafter",
+        lambda v: lax.nextafter(v.astype(jnp.bfloat16), v.astype(jnp.bfloat16)).astype(jnp.float32),
+        "nextafter of float32 only",
+    ),
+    ("gather", lambda v: v[jnp.array([3, 1, 2, 0, 4, 5, 6, 7])], "take_along_axis-like gathers"),
+    ("pad", lambda v: lax.pad(v, 0.0, [(0, -7, 1), (0, 0, 0)]), "interior padding"),
+    (
+        "mulhi",
+        lambda v: lax.mulhi(v.astype(jnp.int16), v.astype(jnp.int16)).astype(jnp.float32),
+        "int32 and uint32",
+    ),
+    ("top_k", lambda v: jnp.broadcast_to(lax.top_k(v[0], 3)[0].sum(), v.shape), "rank >= 2"),
+    (
+        "reduce_precision",
+        lambda v: v + lax.reduce_precision(v[0, 0], exponent_bits=5, mantissa_bits=7),
+        "scalar",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,fn,match", LOWERING_ERRORS, ids=[e[0] for e in LOWERING_ERRORS])
+def test_lowering_error_names_primitive_and_line(name, fn, match):
+    import pallas as pl
+    import pallas_tpu as pltpu
+    from pallas_tpu._src.lowering import LoweringException
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = fn(x_ref[...])
+
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    with pytest.raises(LoweringException, match=rf"'{name}' at .*test_three_way_math.py:\d+.*{match}"):
+        pltpu.mosaic_modules(f, rand(0, (8, 128)))
+
+
+def test_run_mosaic_gather_out_of_bounds_names_the_op():
+    import pallas as pl
+    import pallas_tpu as pltpu
+
+    def kernel(x_ref, i_ref, o_ref):
+        o_ref[...] = jnp.take_along_axis(x_ref[...], i_ref[...], axis=1)
+
+    x, idx = rand(1, (8, 128)), jnp.full((8, 128), 200, jnp.int32)
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    (module,) = pltpu.mosaic_modules(f, x, idx)
+    with pytest.raises(pltpu.MosaicError, match=r"tpu.dynamic_gather.*index 200 is out of bounds"):
+        pltpu.run_mosaic(module, x, idx, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+
+
+def _module(body, in_type, out_type):
+    vm = "#tpu.memory_space<vmem>"
+    return f"""
+module {{
+  func.func @main(%arg0: memref<{in_type}, {vm}>, %arg1: memref<{out_type}, {vm}>) {{
+    %c0 = arith.constant 0 : index
+    %0 = vector.load %arg0[%c0, %c0] : memref<{in_type}, {vm}>, vector<{in_type}>
+{body}
+    vector.store %1, %arg1[%c0, %c0] : memref<{out_type}, {vm}>, vector<{out_type}>
+    return
+  }}
+}}"""
+
+
+RUN_MOSAIC_ERRORS = [
+    (
+        "prng_random_bits",
+        '    %1 = "tpu.prng_random_bits"() : () -> vector<8x128xi16> loc("k.py":1:1)',
+        ("8x128xf32", "8x128xi16"),
+        "draws 32-bit words",
+    ),
+    (
+        "mulsi_extended",
+        '    %1, %2 = arith.mulsi_extended %0, %0 : vector<8x128xi64> loc("k.py":1:1)',
+        ("8x128xi64", "8x128xi64"),
+        "64-bit integers are not supported",
+    ),
+    (
+        "bitcast_vreg",
+        '    %1 = "tpu.bitcast_vreg"(%0) : (vector<8x128xi32>) -> vector<32x128xi8> loc("k.py":1:1)',
+        ("8x128xi32", "32x128xi8"),
+        "needs tpu.bitcast",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,body,types,match", RUN_MOSAIC_ERRORS, ids=[e[0] for e in RUN_MOSAIC_ERRORS])
+def test_run_mosaic_error_names_op_and_location(name, body, types, match):
+    import ml_dtypes
+
+    import pallas_tpu as pltpu
+
+    def parse(t):
+        *dims, el = t.split("x")
+        return tuple(map(int, dims)), {
+            "f32": np.float32,
+            "i16": np.int16,
+            "i64": np.int64,
+            "i32": np.int32,
+            "i8": np.int8,
+            "bf16": ml_dtypes.bfloat16,
+        }[el]
+
+    (ishape, idt), (oshape, odt) = map(parse, types)
+    with pytest.raises(pltpu.MosaicError, match=rf"'[a-z_]+\.{name}' at loc\(\"k.py\":1:1\): .*{match}"):
+        pltpu.run_mosaic(
+            _module(body, *types), np.ones(ishape, idt), out_shape=jax.ShapeDtypeStruct(oshape, odt)
         )

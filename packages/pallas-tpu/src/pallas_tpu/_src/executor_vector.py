@@ -472,9 +472,7 @@ def _stochastic_convert(ex, op, vals, env):
 
     from pallas_tpu._src import vector_primitives as vp
 
-    x, bits = np.asarray(vals[0]), np.asarray(vals[1])
-    if x.dtype != np.float32:
-        raise MosaicError(f"run_mosaic: {where(op)}: stochastic_convert takes float32, got {x.dtype}")
+    x, bits = np.asarray(vals[0]), np.asarray(vals[1])  # float32 (the verifier checks)
     target = _out_dtype(op)
     r = vp._stochastic_round_impl(jnp.asarray(x), jnp.asarray(bits.view(np.uint32)), target_dtype=target)
     return [np.asarray(r).astype(target)]

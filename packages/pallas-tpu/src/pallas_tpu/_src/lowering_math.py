@@ -775,3 +775,32 @@ def _reduce_precision(ctx, x, *, exponent_bits, mantissa_bits):
     if not ctx.avals_in[0].shape:
         raise NotImplementedError("reduce_precision of a scalar; Mosaic's op takes vectors")
     return tpu.reduce_precision(x, exponent_bits, mantissa_bits)
+
+
+def _top_k(x, *, k, axis):
+    # k rounds of: the max, the lowest index holding it among the untaken, taken.
+    # Only max/min reductions and selects (JAX's rule uses argmax, whose tie
+    # order is the hardware's); ours is stable by construction.
+    n = x.shape[axis]
+    low = -np.inf if is_float(x.dtype) else np.iinfo(x.dtype).min
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    taken = jnp.zeros(x.shape, jnp.bool_)
+    vals, idxs = [], []
+    for _ in range(k):
+        curr = jnp.where(taken, jnp.array(low, x.dtype), x)
+        val = jnp.max(curr, axis=axis, keepdims=True)
+        idx = jnp.min(jnp.where((curr == val) & ~taken, iota, n), axis=axis, keepdims=True)
+        taken = taken | (iota == idx)
+        vals.append(val)
+        idxs.append(idx)
+    return lax.concatenate(vals, axis), lax.concatenate(idxs, axis)
+
+
+@register_lowering(lax.top_k_p)
+def _top_k_rule(ctx, x, *, k, axis=-1, **_):
+    """The ``k`` largest along ``axis`` and their indices (ties: lowest index
+    first, so ``is_stable`` either way), from ``k`` max/min reductions."""
+    aval = ctx.avals_in[0]
+    if np.dtype(aval.dtype).name not in ("float32", "bfloat16", "int32") or len(aval.shape) < 2:
+        raise NotImplementedError("top_k of float32, bfloat16 or int32 arrays of rank >= 2 only")
+    return lower_fun(_top_k, ctx, x, multiple_results=True, k=int(k), axis=axis % len(aval.shape))

@@ -243,16 +243,16 @@ def _operands(ptrs, mask, extra):
     return batched, shape, p, m
 
 
-def _load(self, ptr, cache_modifier, eviction_policy, is_volatile):
+def _load(self, ptr, *policy):  # *policy: as in _triton_patches._masked_load
     if _active is None:
-        return _BUILDER_ORIGINALS["create_load"](self, ptr, cache_modifier, eviction_policy, is_volatile)
-    return _masked_load(self, ptr, None, None, cache_modifier, eviction_policy, is_volatile)
+        return _BUILDER_ORIGINALS["create_load"](self, ptr, *policy)
+    return _masked_load(self, ptr, None, None, *policy)
 
 
-def _store(self, ptr, value, cache_modifier, eviction_policy):
+def _store(self, ptr, value, *policy):
     if _active is None:
-        return _BUILDER_ORIGINALS["create_store"](self, ptr, value, cache_modifier, eviction_policy)
-    return _masked_store(self, ptr, value, None, cache_modifier, eviction_policy)
+        return _BUILDER_ORIGINALS["create_store"](self, ptr, value, *policy)
+    return _masked_store(self, ptr, value, None, *policy)
 
 
 def _mask_handle(mask):

@@ -352,6 +352,7 @@ MATH = [
     ("nextafter", lambda v: lax.nextafter(v, v * 2.0 - 1.0), 0),
     ("reduce_precision", lambda v: lax.reduce_precision(v * 1e3, exponent_bits=5, mantissa_bits=7), 0),
     ("stop_gradient", lambda v: lax.stop_gradient(v) * 2.0, 0),
+    ("one_minus_square", lambda v: lax.one_minus_square(v), 1e-6),
 ]
 
 
@@ -394,7 +395,8 @@ def test_split_stack_pad(mode):
         a, b = jnp.split(v, 2, axis=0)
         s = jnp.stack([a, b * 2.0], axis=0)  # (2, 8, 128)
         p = jnp.pad(a, ((1, 7), (0, 0)), constant_values=3.0)  # (16, 128)
-        return s.sum(axis=0) + p[:8] + p[8:]
+        c, d = jnp.unstack(s, axis=0)
+        return c - d * 0.5 + s.sum(axis=0) + p[:8] + p[8:]
 
     got = run(elementwise(fn), (x,), mode)
     close(got, fn(x, None))

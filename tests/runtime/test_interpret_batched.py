@@ -297,3 +297,36 @@ def test_batch_size_setting():
         os.environ.pop("JAX_KERNEL_RUNTIME_INTERPRET_BATCH", None)
         if old is not None:
             os.environ["JAX_KERNEL_RUNTIME_INTERPRET_BATCH"] = old
+
+
+def test_pallas_gpu_loop_with_program_dependent_bounds(passes, mode):
+    # The generated kernel's loop bounds go through _loop_bound: each program
+    # has its own, so the programs run one by one.
+    pl = pytest.importorskip("pallas")
+    plgpu = pytest.importorskip("pallas_gpu")
+    from jax import lax
+
+    x = rand((16, 8), 14)
+
+    def kernel(x_ref, o_ref):
+        p = pl.program_id(0)
+
+        def body(i, c):
+            return c + x_ref[pl.ds(i, 1), :] * (i + 1).astype(jnp.float32)
+
+        o_ref[...] = lax.fori_loop(p - 1, 2 * p - 1, body, jnp.zeros((1, 8), jnp.float32))
+
+    out = pl.pallas_call(
+        kernel,
+        jax.ShapeDtypeStruct((8, 8), jnp.float32),
+        grid=(8,),
+        in_specs=[pl.BlockSpec((16, 8), lambda p: (0, 0))],
+        out_specs=pl.BlockSpec((1, 8), lambda p: (p, 0)),
+        interpret=plgpu.InterpretParams(),
+    )(x)
+    xs, rows = np.asarray(x), np.arange(16)[:, None]
+    want = np.stack(
+        [np.where((rows >= p - 1) & (rows < 2 * p - 1), xs * (rows + 1), 0).sum(0) for p in range(8)]
+    )
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert not any(passes)

@@ -84,6 +84,7 @@ def _mulhi(x, y):
     bits = 8 * x.dtype.itemsize
     if bits == 32:
         return ((x.astype(np.int64) * y.astype(np.int64)) >> 32).astype(x.dtype)
+    x, y = np.broadcast_arrays(x, y)
     return (
         np.array([(int(a) * int(b)) >> 64 for a, b in zip(x.ravel(), y.ravel())], dtype=object)
         .astype(x.dtype)

@@ -410,8 +410,10 @@ def _approx_tanh(x):
 
 
 def _loop_bound(x):
-    # The interpreter's scalars hold a 1-element array, which range() cannot take.
-    return int(x.handle.data.reshape(-1)[0]) if hasattr(x, "handle") else int(x)
+    # The interpreter's scalars hold a 1-element array, which range() cannot take;
+    # the interpreter's patched __index__ converts it (and, in a batched pass of
+    # programs, checks that every program has the same bound).
+    return x.__index__() if hasattr(x, "handle") else int(x)
 """
 
 

@@ -353,6 +353,7 @@ MATH = [
     ("reduce_precision", lambda v: lax.reduce_precision(v * 1e3, exponent_bits=5, mantissa_bits=7), 0),
     ("stop_gradient", lambda v: lax.stop_gradient(v) * 2.0, 0),
     ("one_minus_square", lambda v: lax.one_minus_square(v), 1e-6),
+    ("add_any", jax.grad(lambda v: jnp.sum(jnp.sin(v) * v)), 1e-5),  # jax.grad in a kernel
 ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.interpreters import ad
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, math, vector
 from jaxlib.mosaic.python import tpu
@@ -100,13 +101,17 @@ def _operands(ctx, *args):
     return [broadcast_to(a, shape) for a in args]
 
 
+def _binary_op(prim, ctx, x, y):
+    dtype = ctx.avals_in[0].dtype
+    op = _pick(BINARY[prim], dtype)
+    if op is None:
+        raise NotImplementedError(f"'{prim.name}' of {np.dtype(dtype).name} is not supported")
+    return op(*_operands(ctx, x, y))
+
+
 @register_lowering(*BINARY)
 def _binary(ctx, x, y, **_):
-    dtype = ctx.avals_in[0].dtype
-    op = _pick(BINARY[ctx.eqn.primitive], dtype)
-    if op is None:
-        raise NotImplementedError(f"'{ctx.eqn.primitive.name}' of {np.dtype(dtype).name} is not supported")
-    return op(*_operands(ctx, x, y))
+    return _binary_op(ctx.eqn.primitive, ctx, x, y)
 
 
 @register_lowering(*(set(UNARY_FLOAT) | set(UNARY_INT)))
@@ -804,3 +809,9 @@ def _top_k_rule(ctx, x, *, k, axis=-1, **_):
     if np.dtype(aval.dtype).name not in ("float32", "bfloat16", "int32") or len(aval.shape) < 2:
         raise NotImplementedError("top_k of float32, bfloat16 or int32 arrays of rank >= 2 only")
     return lower_fun(_top_k, ctx, x, multiple_results=True, k=int(k), axis=axis % len(aval.shape))
+
+
+@register_lowering(ad.add_jaxvals_p)
+def _add_any(ctx, x, y):
+    # The sum of two cotangents (jax.grad inside a kernel).
+    return _binary_op(lax.add_p, ctx, x, y)

@@ -85,18 +85,18 @@ def columns(op, small, jax_fns, tuned=True):
     it = (True if FAST_INTERPRET else plgpu.InterpretParams()) if small else False
     cols = {"ours": {}}
     if op == "softmax":
-        for w in (4, 8, 16) if tuned and not small else (4,):
+        for w in (4, 8, 16) if tuned and (not small or FAST_INTERPRET) else (4,):
             cols["ours"]["default" if w == 4 else f"{w}w"] = jax.jit(
                 lambda x, _w, _b, w=w: ours_sm.softmax(x, num_warps=w, interpret=it)
             )
     elif op == "layer_norm":
-        for w in (None, 4, 8, 16) if tuned and not small else (None,):
+        for w in (None, 4, 8, 16) if tuned and (not small or FAST_INTERPRET) else (None,):
             cols["ours"]["default" if w is None else f"{w}w"] = jax.jit(
                 lambda x, wt, b, w=w: ours_ln.layer_norm(x, wt, b, num_warps=w, interpret=it)
             )
     else:
         cols["ours"]["default"] = jax.jit(lambda x, wt, b: ours_rms.rms_norm(x, wt, b, interpret=it))
-        if tuned and not small:
+        if tuned and (not small or FAST_INTERPRET):
             for rows, w, ev in [(1, 8, "evict_first"), (1, 16, None), (1, 8, None), (2, 16, "evict_first"),
                                 (1, 4, "evict_first"), (4, 16, "evict_first")]:  # fmt: skip
                 cols["ours"][f"{rows}r/{w}w/{ev or 'no hint'}"] = jax.jit(

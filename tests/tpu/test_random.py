@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental.pallas import tpu as jpltpu
+from three_way import WAYS, run
 
 import pallas as pl
 import pallas_tpu
@@ -63,35 +64,42 @@ def _seeds(rng, n=2):
     return jnp.asarray(rng.integers(-(2**31), 2**31 - 1, size=(n,)), jnp.int32)
 
 
-def draw_twice(seeds, params=None):
-    """Seeds from SMEM, then two draws of (8, 128) bits."""
+def draw_twice(seeds, way="interpret"):
+    """Seeds from SMEM, then two draws of (8, 128) bits, run the ``way`` way."""
 
-    def kernel(s_ref, o_ref):
-        prng_seed(s_ref[0], s_ref[1])
-        o_ref[0] = prng_random_bits((8, 128))
-        o_ref[1] = prng_random_bits((8, 128))
+    def build(pl, t):
+        def kernel(s_ref, o_ref):
+            t.prng_seed(s_ref[0], s_ref[1])
+            o_ref[0] = t.prng_random_bits((8, 128))
+            o_ref[1] = t.prng_random_bits((8, 128))
 
-    return pl.pallas_call(
-        kernel, out_shape=_sds((2, 8, 128)), in_specs=[_smem()], interpret=params or _tpu()
-    )(seeds)
+        return pl.pallas_call(
+            kernel, out_shape=_sds((2, 8, 128)), in_specs=[pl.BlockSpec(memory_space=t.SMEM)]
+        )
+
+    return run(build, (seeds,), way)
 
 
 # ------------------------------------------------------------- stateful PRNG
 
 
-def test_prng_is_deterministic_per_seed_and_fresh_per_call(rng):
+@pytest.mark.parametrize("way", WAYS)
+def test_prng_is_deterministic_per_seed_and_fresh_per_call(way, rng):
     seeds = _seeds(rng)
-    a, b = draw_twice(seeds), draw_twice(seeds)
+    a, b = draw_twice(seeds, way), draw_twice(seeds, way)
     assert a.dtype == jnp.int32
     np.testing.assert_array_equal(a, b)  # same seed, same bits
     assert np.mean(a[0] == a[1]) < 0.01  # two calls differ
-    other = draw_twice(seeds.at[1].add(1))
+    other = draw_twice(seeds.at[1].add(1), way)
     assert np.mean(other[0] == a[0]) < 0.01  # another seed differs
     # About half of all bits are set.
     ones = np.unpackbits(np.asarray(a).view(np.uint8)).mean()
     assert 0.49 < ones < 0.51
 
 
+@pytest.mark.interpret_only(
+    reason="the interpreter's PRNG bits are jax.random.bits of a Pallas key (not a TPU's)"
+)
 def test_prng_matches_pallas_key_bits(rng):
     # As on a TPU: jax.random.bits(key) == prng_seed(*key_data) then prng_random_bits.
     seeds = _seeds(rng)
@@ -101,37 +109,44 @@ def test_prng_matches_pallas_key_bits(rng):
     )
 
 
-def test_prng_differs_between_loop_iterations_and_grid_steps(rng):
+@pytest.mark.parametrize("way", WAYS)
+def test_prng_differs_between_loop_iterations_and_grid_steps(way, rng):
     seed = _seeds(rng, 1)
 
-    def kernel(s_ref, o_ref):
-        prng_seed(s_ref[0])
+    def build_loop(pl, t):
+        def kernel(s_ref, o_ref):
+            t.prng_seed(s_ref[0])
 
-        def body(i, c):
-            o_ref[i] = prng_random_bits((8, 128))
-            return c
+            def body(i, c):
+                o_ref[i] = t.prng_random_bits((8, 128))
+                return c
 
-        lax.fori_loop(0, 4, body, 0)
+            lax.fori_loop(0, 4, body, 0)
 
-    out = pl.pallas_call(kernel, out_shape=_sds((4, 8, 128)), in_specs=[_smem()], interpret=_tpu())(seed)
+        return pl.pallas_call(
+            kernel, out_shape=_sds((4, 8, 128)), in_specs=[pl.BlockSpec(memory_space=t.SMEM)]
+        )
+
+    out = run(build_loop, (seed,), way)
     for i in range(4):
         for j in range(i):
             assert np.mean(out[i] == out[j]) < 0.01
 
-    def per_step(s_ref, o_ref):
-        prng_seed(s_ref[0], pl.program_id(0))
-        o_ref[...] = prng_random_bits((8, 128))[None]
+    def build_steps(pl, t):
+        def per_step(s_ref, o_ref):
+            t.prng_seed(s_ref[0], pl.program_id(0))
+            o_ref[...] = t.prng_random_bits((8, 128))[None]
 
-    spec = pl.BlockSpec((1, 8, 128), lambda i: (i, 0, 0))
-    steps = pl.pallas_call(
-        per_step, out_shape=_sds((3, 8, 128)), grid=(3,), in_specs=[_smem()], out_specs=spec, interpret=_tpu()
-    )(seed)
+        spec = pl.BlockSpec((1, 8, 128), lambda i: (i, 0, 0))
+        smem = pl.BlockSpec(memory_space=t.SMEM)
+        return pl.pallas_call(
+            per_step, out_shape=_sds((3, 8, 128)), grid=(3,), in_specs=[smem], out_specs=spec
+        )
+
+    steps = run(build_steps, (seed,), way)
     assert np.mean(steps[0] == steps[1]) < 0.01 and np.mean(steps[1] == steps[2]) < 0.01
     # Deterministic: the same grid again gives the same bits.
-    again = pl.pallas_call(
-        per_step, out_shape=_sds((3, 8, 128)), grid=(3,), in_specs=[_smem()], out_specs=spec, interpret=_tpu()
-    )(seed)
-    np.testing.assert_array_equal(steps, again)
+    np.testing.assert_array_equal(steps, run(build_steps, (seed,), way))
 
 
 def test_prng_without_seed_and_with_python_seeds():

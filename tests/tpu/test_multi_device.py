@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
 from jax.sharding import PartitionSpec as P
+from three_way import run_sharded
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -51,6 +52,15 @@ def _fresh_state():
     yield
     interpret_multi.reset_tpu_interpret_mode_state()
     interpret_multi.set_deadlock_timeout(old)
+
+
+IMPL_WAYS = [
+    pytest.param("ours", "interpret", id="interpret-ours"),
+    pytest.param("jax", "interpret", id="interpret-jax"),
+    pytest.param(None, "ours", id="ours"),
+    pytest.param(None, "jax", id="jax"),
+]
+"""Our and JAX's TPU interpret mode, then the Mosaic ways of ``three_way.py``."""
 
 
 def mesh1d():
@@ -107,21 +117,23 @@ def allgather_kernel(pl, pltpu, logical):
     return kernel
 
 
-def allgather(impl, x, logical=False, **params):
-    pl, pltpu, make_params = IMPLS[impl]
+def allgather(impl, x, logical=False, way="interpret", **params):
 
-    def f(x):
-        return pl.pallas_call(
+    def build(pl, pltpu, interpret=False):
+        return lambda x: pl.pallas_call(
             allgather_kernel(pl, pltpu, logical),
             out_shape=jax.ShapeDtypeStruct((N, *x.shape), x.dtype),
             in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
             out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
             scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA],
             compiler_params=pltpu.CompilerParams(collective_id=0),
-            interpret=make_params(**params),
+            interpret=interpret,
         )(x)
 
-    return smap(f, mesh1d(), P("x"), P("x"))(x)
+    if way != "interpret":  # three_way's Mosaic ways: lowered by ours or JAX's, run by run_mosaic
+        return run_sharded(build, x, way, N)
+    pl, pltpu, make_params = IMPLS[impl]
+    return smap(build(pl, pltpu, make_params(**params)), mesh1d(), P("x"), P("x"))(x)
 
 
 def allreduce_kernel(pl, pltpu, flow_control=True):
@@ -164,11 +176,10 @@ def allreduce_kernel(pl, pltpu, flow_control=True):
     return kernel
 
 
-def allreduce(impl, x, flow_control=True, **params):
-    pl, pltpu, make_params = IMPLS[impl]
+def allreduce(impl, x, flow_control=True, way="interpret", **params):
 
-    def f(x):
-        return pl.pallas_call(
+    def build(pl, pltpu, interpret=False):
+        return lambda x: pl.pallas_call(
             allreduce_kernel(pl, pltpu, flow_control),
             out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
             in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
@@ -180,10 +191,13 @@ def allreduce(impl, x, flow_control=True, **params):
                 pltpu.SemaphoreType.REGULAR,
             ],
             compiler_params=pltpu.CompilerParams(collective_id=0),
-            interpret=make_params(**params),
+            interpret=interpret,
         )(x)
 
-    return smap(f, mesh1d(), P("x"), P("x"))(x)
+    if way != "interpret":  # three_way's Mosaic ways: lowered by ours or JAX's, run by run_mosaic
+        return run_sharded(build, x, way, N)
+    pl, pltpu, make_params = IMPLS[impl]
+    return smap(build(pl, pltpu, make_params(**params)), mesh1d(), P("x"), P("x"))(x)
 
 
 def exchange2d_kernel(pl, pltpu, logical):
@@ -226,44 +240,47 @@ def exchange2d(impl, x, logical=False, **params):
     return smap(f, mesh2d(), P(("x", "y")), P(("x", "y")))(x)
 
 
-def signal_ring(impl, x, **params):
+def signal_ring(impl, x, way="interpret", **params):
     """Remote semaphore signals carry values: device d signals its right
     neighbour with d + 1 and waits for exactly left + 1, then adds what it
     read from the semaphore before waiting (always left + 1) to x."""
-    pl, pltpu, make_params = IMPLS[impl]
 
-    def kernel(x_ref, o_ref, sem):
-        me = lax.axis_index("x")
-        right, left = lax.rem(me + 1, N), lax.rem(me - 1 + N, N)
-        pl.semaphore_signal(sem, me + 1, device_id=right, device_id_type=pl.DeviceIdType.LOGICAL)
-        pl.semaphore_wait(sem, left + 1)
-        o_ref[...] = x_ref[...] + (left + 1).astype(x_ref.dtype)
+    def build(pl, pltpu, interpret=False):
+        def kernel(x_ref, o_ref, sem):
+            me = lax.axis_index("x")
+            right, left = lax.rem(me + 1, N), lax.rem(me - 1 + N, N)
+            pl.semaphore_signal(sem, me + 1, device_id=right, device_id_type=pl.DeviceIdType.LOGICAL)
+            pl.semaphore_wait(sem, left + 1)
+            o_ref[...] = x_ref[...] + (left + 1).astype(x_ref.dtype)
 
-    def f(x):
-        return pl.pallas_call(
+        return lambda x: pl.pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
             in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
             out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
             scratch_shapes=[pltpu.SemaphoreType.REGULAR],
-            interpret=make_params(**params),
+            interpret=interpret,
         )(x)
 
-    return smap(f, mesh1d(), P("x"), P("x"))(x)
+    if way != "interpret":  # three_way's Mosaic ways: lowered by ours or JAX's, run by run_mosaic
+        return run_sharded(build, x, way, N)
+    pl, pltpu, make_params = IMPLS[impl]
+    return smap(build(pl, pltpu, make_params(**params)), mesh1d(), P("x"), P("x"))(x)
 
 
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", ["ours", "jax"])
+@pytest.mark.parametrize("impl,way", IMPL_WAYS)
 @pytest.mark.parametrize("logical", [False, True], ids=["mesh", "logical"])
-def test_ring_allgather(impl, logical):
+def test_ring_allgather(impl, way, logical):
     x = rand((N * 8, 128), 1)
-    out = allgather(impl, x, logical=logical)
+    out = allgather(impl, x, logical=logical, way=way)
     expected = jnp.tile(x.reshape(1, N, 8, 128), (N, 1, 1, 1)).reshape(N * N, 8, 128)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
 
 
+@pytest.mark.interpret_only(reason="race detection")
 def test_ring_allgather_matches_jax_with_race_detection():
     x = rand((N * 8, 256), 2)
     ours = allgather("ours", x, detect_races=True)
@@ -272,14 +289,15 @@ def test_ring_allgather_matches_jax_with_race_detection():
     assert not interpret_multi.races.races_found
 
 
-@pytest.mark.parametrize("impl", ["ours", "jax"])
-def test_ring_allreduce_with_remote_signals(impl):
+@pytest.mark.parametrize("impl,way", IMPL_WAYS)
+def test_ring_allreduce_with_remote_signals(impl, way):
     x = rand((N * 8, 128), 3)
-    out = allreduce(impl, x)
+    out = allreduce(impl, x, way=way)
     expected = jnp.tile(x.reshape(N, 8, 128).sum(0), (N, 1))
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.interpret_only(reason="race detection")
 def test_ring_allreduce_race_free():
     x = rand((N * 8, 128), 4)
     out = allreduce("ours", x, detect_races=True)
@@ -300,15 +318,16 @@ def test_2d_mesh_exchange(impl, logical):
             np.testing.assert_array_equal(out[i, j, 1], xs[1 - i, j])
 
 
-@pytest.mark.parametrize("impl", ["ours", "jax"])
-def test_remote_signal_values(impl):
+@pytest.mark.parametrize("impl,way", IMPL_WAYS)
+def test_remote_signal_values(impl, way):
     x = rand((N * 8, 128), 6)
-    out = signal_ring(impl, x)
+    out = signal_ring(impl, x, way=way)
     left = (np.arange(N) - 1) % N
     expected = np.asarray(x).reshape(N, 8, 128) + (left + 1)[:, None, None]
     np.testing.assert_allclose(np.asarray(out).reshape(N, 8, 128), expected)
 
 
+@pytest.mark.interpret_only(reason="the interpreter pairs the devices' kernel calls")
 def test_two_kernels_in_one_program_pair_up():
     # The n-th call on each device meets the n-th call on the others.
     x = rand((N * 8, 128), 7)
@@ -342,6 +361,7 @@ def test_two_kernels_in_one_program_pair_up():
 # Error paths.
 
 
+@pytest.mark.interpret_only(reason="interpret-mode error message")
 def test_remote_copy_outside_shard_map_is_a_trace_time_error():
     def kernel(x_ref, o_ref, send_sem, recv_sem):
         pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem, device_id=(1,)).start()
@@ -355,6 +375,7 @@ def test_remote_copy_outside_shard_map_is_a_trace_time_error():
         )(jnp.ones((8, 128)))
 
 
+@pytest.mark.interpret_only(reason="interpret-mode error message")
 def test_barrier_needs_collective_id():
     def kernel(x_ref, o_ref):
         barrier(pl, pltpu, [(lax.rem(lax.axis_index("x") + 1, N),)])
@@ -387,6 +408,7 @@ def _run_signal_kernel(signal_to, wait_for, x):
     return smap(f, mesh1d(), P("x"), P("x"))(x)
 
 
+@pytest.mark.interpret_only(reason="deadlock detection")
 def test_deadlock_is_reported_not_hung():
     def signal_to(me, sem):
         @pl.when(me != 0)
@@ -404,6 +426,7 @@ def test_deadlock_is_reported_not_hung():
     assert time.monotonic() - t0 < 15  # found when every device is stuck or done, not by the timeout
 
 
+@pytest.mark.interpret_only(reason="deadlock detection")
 def test_wait_while_the_others_finished_is_a_deadlock():
     def signal_to(me, sem):
         @pl.when(me != 0)
@@ -417,6 +440,7 @@ def test_wait_while_the_others_finished_is_a_deadlock():
         jax.block_until_ready(_run_signal_kernel(signal_to, wait_for, rand((N * 8, 128), 9)))
 
 
+@pytest.mark.interpret_only(reason="deadlock detection")
 def test_deadlock_timeout_when_a_device_never_starts():
     # Not every device of the mesh joined, so only the timeout can end the wait.
     interpret_multi.set_deadlock_timeout(0.3)
@@ -425,6 +449,7 @@ def test_deadlock_timeout_when_a_device_never_starts():
         s.block(0, lambda: False, "waits on a semaphore")
 
 
+@pytest.mark.interpret_only(reason="interpret-mode error message")
 def test_signal_outside_the_mesh():
     def signal_to(me, sem):
         pl.semaphore_signal(sem, 1, device_id=(me + 1,))  # device 3 signals device 4
@@ -436,6 +461,7 @@ def test_signal_outside_the_mesh():
         jax.block_until_ready(_run_signal_kernel(signal_to, wait_for, rand((N * 8, 128), 10)))
 
 
+@pytest.mark.interpret_only(reason="interpret-mode error message")
 def test_unwaited_remote_signal_is_reported():
     def signal_to(me, sem):
         pl.semaphore_signal(sem, 1, device_id=(lax.rem(me + 1, N),))
@@ -447,6 +473,7 @@ def test_unwaited_remote_signal_is_reported():
         jax.block_until_ready(_run_signal_kernel(signal_to, wait_for, rand((N * 8, 128), 11)))
 
 
+@pytest.mark.interpret_only(reason="interpret-mode error message")
 def test_wrong_number_of_mesh_coordinates():
     def signal_to(me, sem):
         pl.semaphore_signal(sem, 1, device_id=(0, 0))
@@ -455,6 +482,7 @@ def test_wrong_number_of_mesh_coordinates():
         _run_signal_kernel(signal_to, lambda me, sem: None, rand((N * 8, 128), 12))
 
 
+@pytest.mark.interpret_only(reason="the interpreter's shared state after an error")
 def test_state_recovers_after_an_error():
     # A failed run (deadlock) must not desynchronize the pairing of later calls.
     def wait_for(me, sem):

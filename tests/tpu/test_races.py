@@ -36,6 +36,9 @@ IMPLS = {"ours": (pl, pltpu), "jax": (jpl, jpltpu)}
 HERE = "test_races.py"
 
 
+pytestmark = pytest.mark.interpret_only(reason="race detection")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_state():
     old = interpret_multi.set_deadlock_timeout(20)

@@ -33,6 +33,7 @@ import pytest
 import pallas_tpu as pltpu
 
 jops = pytest.importorskip("jax.experimental.pallas.ops.tpu")
+import three_way  # noqa: E402
 from jax.experimental.pallas import tpu as jpltpu  # noqa: E402
 
 OPS_DIR = Path(jops.__file__).parent
@@ -300,6 +301,51 @@ def test_flash_attention_backward():
 
 # ---------------------------------------------------------------------------
 # paged_attention/
+
+
+# ---------------------------------------------------------------------------
+# The same ops the two Mosaic ways of three_way.py: the ported op lowered by us
+# and JAX's original op lowered by JAX, both run by run_mosaic (the interpret
+# way of each op is its test above: test_example_kernel_double, test_matmul,
+# test_flash_attention_forward, test_paged_attention).
+# One entry per op: (module, call(m, *args), inputs(), reference(*args), tol).
+
+THREE_WAY_OPS = {
+    "double": ("example_kernel", lambda m, x: m.double(x), lambda: (rand(0, (16, 256)),), lambda x: 2 * x, 0),
+    "matmul": (
+        "matmul",
+        lambda m, x, y: m.matmul(x, y, block_shape=(128, 128), block_k=128, out_dtype=jnp.float32),
+        lambda: (rand(1, (128, 256)), rand(2, (256, 128))),
+        lambda x, y: jnp.dot(x, y, precision="highest"),
+        5e-4,
+    ),
+    "flash_attention_causal": (
+        "flash_attention",
+        lambda m, q, k, v: m.flash_attention(
+            q, k, v, causal=True, sm_scale=0.5, block_sizes=_flash_blocks(m)
+        ),
+        lambda: _flash_inputs(H=1),
+        lambda q, k, v: attention_ref(q, k, v, causal=True, sm_scale=0.5),
+        2e-5,
+    ),
+    "paged_attention": (
+        "paged_attention",
+        lambda m, *a: m.paged_attention(*a, pages_per_compute_block=2),
+        lambda: _paged_inputs(B=1),
+        lambda *a: paged_attention_ref(*a),
+        2e-5,  # run_mosaic's tpu.matmul is ~9e-6 off XLA's CPU dot here (our module and JAX's alike)
+    ),
+}
+
+
+@pytest.mark.parametrize("way", ["ours", "jax"])
+@pytest.mark.parametrize("op", list(THREE_WAY_OPS))
+def test_ops_three_ways(op, way):
+    rel, call, inputs, reference, tol = THREE_WAY_OPS[op]
+    args = inputs()
+    m = load(rel) if way == "ours" else load_jax(rel)
+    (out,) = three_way.run_with_mosaic(lambda *a: call(m, *a), *args)
+    check(out, reference(*args), tol=tol)
 
 
 def _bf16_exact(x):

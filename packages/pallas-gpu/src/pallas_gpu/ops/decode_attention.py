@@ -41,7 +41,6 @@ from jax import lax
 
 import pallas as pl
 from pallas_gpu._src.primitives import load as _gpu_load
-from pallas_gpu._src.primitives import store as _gpu_store
 from pallas_gpu.ops._common import call_params, next_power_of_2
 
 LOG2E = math.log2(math.e)
@@ -106,14 +105,19 @@ def token_bounds(lo_tok, hi_tok, split, block_k: int, per_split: int):
     return lo, jnp.where(lo_tok < hi_tok, hi, lo)
 
 
+def pad_rows(x, rows: int):
+    """``x`` (group, D) with zero rows appended up to ``rows`` (the dot needs
+    at least 16); done in registers, once per program."""
+    return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
 def _split_kernel(q_ref, k_ref, v_ref, start_ref, len_ref, o_ref, m_ref, l_ref, *, scale, block_k, per_split,
                   group, rows):  # fmt: skip
     seq_len = k_ref.shape[0]
     lo_tok = jnp.maximum(start_ref[()], 0)
     hi_tok = jnp.minimum(len_ref[()], seq_len)
     lo, hi = token_bounds(lo_tok, hi_tok, pl.program_id(2), block_k, per_split)
-    head_ok = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < group
-    q = _gpu_load(q_ref.at[pl.ds(0, rows), :], mask=head_ok, other=0)
+    q = pad_rows(q_ref[...], rows)
 
     def body(j, carry):
         t0 = pl.multiple_of(j * block_k, block_k)
@@ -132,9 +136,7 @@ def _split_kernel(q_ref, k_ref, v_ref, start_ref, len_ref, o_ref, m_ref, l_ref, 
         jnp.zeros((rows, q_ref.shape[1]), _F32),
     )
     m, l, acc = lax.fori_loop(lo, hi, body, init)
-    _gpu_store(o_ref.at[pl.ds(0, rows), :], acc, mask=head_ok)
-    _gpu_store(m_ref.at[pl.ds(0, rows)], m, mask=head_ok[:, 0])
-    _gpu_store(l_ref.at[pl.ds(0, rows)], l, mask=head_ok[:, 0])
+    o_ref[...], m_ref[...], l_ref[...] = acc[:group], m[:group], l[:group]
 
 
 def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *res_refs, normalize: bool, base2: bool):

@@ -38,7 +38,6 @@ from jax import lax
 
 import pallas as pl
 from pallas_gpu._src.primitives import load as _gpu_load
-from pallas_gpu._src.primitives import store as _gpu_store
 from pallas_gpu.ops import decode_attention as _dec
 from pallas_gpu.ops._common import call_params
 
@@ -58,8 +57,7 @@ def _kernel(*refs, has_k_scales, has_v_scales, block_pages, page_size, per_split
     block_k = block_pages * page_size
     hi_tok = jnp.minimum(len_ref[()], bt_ref.shape[0] * page_size)
     lo, hi = _dec.token_bounds(0, hi_tok, pl.program_id(2), block_k, per_split)
-    head_ok = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < group
-    q = _gpu_load(q_ref.at[pl.ds(0, rows), :], mask=head_ok, other=0)
+    q = _dec.pad_rows(q_ref[...], rows)
 
     def body(j, carry):
         tok = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -87,9 +85,7 @@ def _kernel(*refs, has_k_scales, has_v_scales, block_pages, page_size, per_split
         jnp.zeros((rows, q_ref.shape[1]), _F32),
     )
     m, l, acc = lax.fori_loop(lo, hi, body, init)
-    _gpu_store(o_ref.at[pl.ds(0, rows), :], acc, mask=head_ok)
-    _gpu_store(m_ref.at[pl.ds(0, rows)], m, mask=head_ok[:, 0])
-    _gpu_store(l_ref.at[pl.ds(0, rows)], l, mask=head_ok[:, 0])
+    o_ref[...], m_ref[...], l_ref[...] = acc[:group], m[:group], l[:group]
 
 
 def _check(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_pages, block_h,

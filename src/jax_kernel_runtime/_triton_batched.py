@@ -536,11 +536,13 @@ def _conflicts(p: _Pass) -> bool:
     the pass (or stored for all programs and read)."""
     if not any(store for *_, store in p.accesses):
         return False
+    if _apart(p):
+        return False
     accesses = _units(p)
-    stored = np.unique(np.concatenate([w for w, _, s in accesses if s]))
+    stored = np.sort(np.concatenate([w for w, _, s in accesses if s]))
     words, programs = [], []
     for w, prog, _ in accesses:
-        hit = np.isin(w, stored)
+        hit = _member(w, stored)
         if hit.any():
             words.append(w[hit])
             programs.append(np.full(int(hit.sum()), -1, np.int32) if prog is None else prog[hit])
@@ -555,8 +557,42 @@ def _conflicts(p: _Pass) -> bool:
     stored_by_all = [w for w, prog, s in accesses if s and prog is None]
     reads = [w for w, _, s in accesses if not s]
     if stored_by_all and reads:
-        return bool(np.isin(np.concatenate(stored_by_all), np.concatenate(reads)).any())
+        return bool(_member(np.concatenate(stored_by_all), np.sort(np.concatenate(reads))).any())
     return False
+
+
+def _apart(p: _Pass) -> bool:
+    """A quick sufficient test: every program's accesses, one address range
+    per operation and program, overlap no range of another program (as in
+    elementwise kernels). Operations every program runs (unbatched) make it
+    answer False: ``_conflicts`` then compares addresses one by one."""
+    los, his, programs = [], [], []
+    for ptrs, program, elem_bytes, _ in p.accesses:
+        if program is None:
+            return False
+        # ``program`` is non-decreasing (the pointers are in program-major order).
+        starts = np.flatnonzero(np.concatenate([[True], program[1:] != program[:-1]]))
+        los.append(np.minimum.reduceat(ptrs, starts))
+        his.append(np.maximum.reduceat(ptrs, starts) + np.uint64(elem_bytes))
+        programs.append(program[starts])
+    lo, hi, prog = np.concatenate(los), np.concatenate(his), np.concatenate(programs)
+    order = np.argsort(lo, kind="stable")
+    lo, hi, prog = lo[order], hi[order], prog[order]
+    # Clusters of overlapping ranges: a range starting at or after the end of
+    # every earlier one starts a new cluster. Apart: one program per cluster.
+    reach = np.maximum.accumulate(hi)
+    new = np.concatenate([[True], lo[1:] >= reach[:-1]])
+    starts = np.flatnonzero(new)
+    return bool((np.minimum.reduceat(prog, starts) == np.maximum.reduceat(prog, starts)).all())
+
+
+def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """``np.isin(values, sorted_set)`` for a sorted ``sorted_set`` (a binary
+    search: much faster than NumPy's hash-based unique/isin on large arrays)."""
+    if sorted_set.size == 0:
+        return np.zeros(values.shape, bool)
+    at = np.searchsorted(sorted_set, values).clip(max=sorted_set.size - 1)
+    return sorted_set[at] == values
 
 
 def _undo(p: _Pass) -> None:

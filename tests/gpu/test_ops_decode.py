@@ -63,6 +63,7 @@ CASES = [
     ((2, 12, 3, 150, 64), jnp.bfloat16, 64, 2, None, [150, 37]),  # group of 4, S % block_k != 0
     ((2, 6, 1, 130, 32), jnp.bfloat16, 32, 5, [3, 0], None),  # MQA-shaped, only start_idx
     ((1, 32, 2, 64, 32), jnp.float32, 16, 1, None, None),  # group of 16, one split, no bounds
+    ((2, 4, 2, 10, 16), jnp.float32, 64, None, None, [10, 3]),  # fewer tokens than the smallest block
 ]
 
 

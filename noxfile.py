@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -193,11 +194,13 @@ def _build(session: nox.Session, dists: list[str], outdir: str) -> None:
 
 
 def _python313() -> str | None:
+    """A Python 3.13 that runs (a pyenv shim for an inactive version does not)."""
     for c in [
-        shutil.which("python3.13"),
         *sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.13*/bin/python3.13"))),
+        shutil.which("python3.13"),
     ]:
-        if c and os.path.exists(c):
+        check = "import sys; assert sys.version_info[:2] == (3, 13)"
+        if c and subprocess.run([c, "-c", check], capture_output=True).returncode == 0:
             return c
     return None
 

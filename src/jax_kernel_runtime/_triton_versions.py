@@ -1,8 +1,10 @@
 """What differs between the Triton releases the shared Triton layer supports.
 
-pallas-gpu accepts Triton 3.6.0 (validated on an H200) to the newest release (3.9.0,
-validated on the CPU: Triton's interpreter and cubins compiled for sm_80/sm_90).
+The shared layer runs on Triton 3.6.0 (validated on an H200) and, with these shims, on
+3.9.0 (the jax-triton and runtime suites pass on the CPU; pallas-gpu's do not all yet).
 Each difference is handled here, once, and named by the release that made it.
+(The load/store cache-policy arguments, ``cache_modifier, eviction_policy`` in 3.6 and
+``cache_policy`` in 3.9, are passed through as ``*policy`` by the interpreter patches.)
 """
 
 from __future__ import annotations

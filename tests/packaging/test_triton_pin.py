@@ -98,6 +98,7 @@ def test_same_version_other_build_is_named_with_the_fix(cache_dir, fake_libtrito
 def test_warns_once_with_the_fix_and_can_be_silenced(cache_dir, fake_libtriton, monkeypatch):
     _pin_to(monkeypatch, "not-the-hash", fake_libtriton.stat().st_size)
     monkeypatch.setattr(triton_pin, "_checked", False)
+    monkeypatch.delenv("JAX_TRITON_PIN_CHECK", raising=False)  # tests_newest sets it to 0
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         triton_pin.check_triton_pin()

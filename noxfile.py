@@ -105,8 +105,9 @@ def _sources(dists: list[str]) -> list[str]:
 def _install_all(session: nox.Session, jax_req: list[str], triton_req: list[str]) -> None:
     if os.environ.get("PALLAS_FROM_DIST") == "1" and not all(_built(d) for d in PACKAGES):
         session.error("PALLAS_FROM_DIST=1 but dist/ lacks this checkout's versions: run ./dev wheels")
-    session.install(*jax_req, *triton_req, *TEST_DEPS)
     pinned = triton_req == TRITON_PINNED
+    # The newest end: --upgrade, so a reused venv moves to a newer JAX or Triton release too.
+    session.install(*([] if pinned else ["--upgrade"]), *jax_req, *triton_req, *TEST_DEPS)
     session.install(
         *_sources([d for d in PACKAGES if pinned or d != "jax-triton-bridge"]), *jax_req, *triton_req
     )

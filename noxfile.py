@@ -124,7 +124,7 @@ def _install_all(session: nox.Session, jax_req: list[str], triton_req: list[str]
 def tests(session: nox.Session) -> None:
     """Full test suite on the oldest supported JAX (the GPU machine's) and the pinned Triton."""
     _install_all(session, JAX_OLDEST, TRITON_PINNED)
-    args = session.posargs or ["tests", "-n", "2", "-q", "-rs"]
+    args = session.posargs or ["tests", "-n", "2", "-q", "-rs", "--durations=25"]
     session.run("python", "-m", "pytest", *args)
 
 
@@ -137,7 +137,7 @@ def tests_newest(session: nox.Session) -> None:
     that build registers its handlers in the newest jaxlib.
     """
     _install_all(session, JAX_NEWEST, TRITON_NEWEST)
-    args = session.posargs or ["tests", "-n", "2", "-q", "-rs"]
+    args = session.posargs or ["tests", "-n", "2", "-q", "-rs", "--durations=25"]
     session.run("python", "-m", "pytest", *args, env={"JAX_TRITON_PIN_CHECK": "0"})
     session.run("python", "examples/add.py", env={"JAX_TRITON_PIN_CHECK": "0"})
 

@@ -35,8 +35,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from pallas_tpu._src import executor_memory, executor_vector  # noqa: F401  (register the memory, DMA, control and vector rules)
 from pallas_tpu._src import executor_ops as ops
-from pallas_tpu._src import executor_vector  # noqa: F401  (registers the vector, memory and control rules)
 
 Buffer = ops.Buffer
 MosaicError = ops.MosaicError

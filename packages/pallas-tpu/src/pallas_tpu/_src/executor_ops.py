@@ -551,3 +551,32 @@ def _bitcast(ex, op, vals, env):
 @rule("tpu.assume_multiple", "tpu.assume_layout", "tpu.erase_memref_layout")
 def _identity(ex, op, vals, env):
     return [vals[0]]
+
+
+# -- attribute and operand helpers --------------------------------------------
+
+
+def _array_attr(op, name) -> list[int]:
+    """An integer array attribute (``array<i64: ...>`` or ``[1, 2] : ...``)."""
+    if name not in op.attributes:
+        return []
+    s = str(op.attributes[name])
+    if s.startswith("array<"):
+        body = s[s.index("<") + 1 : -1]
+        return (
+            [int(x) for x in body.split(":", 1)[1].split(",")]
+            if ":" in body and body.split(":", 1)[1].strip()
+            else []
+        )
+    return [int(x.split(":")[0]) for x in re.findall(r"-?\d+\s*:\s*i\d+", s)] or [
+        int(x) for x in re.findall(r"-?\d+", s)
+    ]
+
+
+def _operand(op, env, name):
+    v = getattr(op, name)
+    return None if v is None else env[v]
+
+
+def _operands(op, env, name):
+    return [env[v] for v in getattr(op, name)]

@@ -198,3 +198,37 @@ def sharding_identity_primitives():
     from jax._src import pjit
 
     return [p for p in (getattr(pjit, "reshard_p", None),) if p is not None]
+
+
+# --- PRNG keys in kernels (lowering_random.py)
+
+
+def random_primitives() -> dict:
+    """JAX's PRNG primitives by name: ``random_seed``, ``random_bits``,
+    ``random_split``, ``random_fold_in``, ``random_wrap``, ``random_unwrap``,
+    ``threefry2x32`` and ``iota_2x32_shape``."""
+    from jax._src.random import prng, threefry2x32
+
+    prims = [
+        prng.random_seed_p,
+        prng.random_bits_p,
+        prng.random_split_p,
+        prng.random_fold_in_p,
+        prng.random_wrap_p,
+        prng.random_unwrap_p,
+        prng.iota_2x32_shape_p,
+        threefry2x32.threefry2x32_p,
+    ]
+    return {p.name: p for p in prims}
+
+
+def physical_aval(aval):
+    """A key array's aval as its key data (``key<fry>[n]`` -> ``uint32[n, 2]``);
+    any other aval unchanged."""
+    return jax_core.physical_aval(aval)
+
+
+def key_impl(dtype):
+    """The PRNG implementation of a key dtype (its ``seed``, ``split``,
+    ``fold_in``, ``random_bits`` act on key data)."""
+    return dtype._impl

@@ -13,6 +13,10 @@ index-map functions). Conventions:
   ``!tpu.semaphore`` or ``!tpu.dma_semaphore``; a bool Ref is a memref of i32
   (0/1), converted at loads and stores and at the custom call. ``ref.at[...]`` views become
   ``tpu.memref_slice`` (+ ``tpu.memref_squeeze``) where an op needs a memref.
+* A PRNG key array (``jax.random.key``) is its key data: ``key<fry>[n]`` is
+  the value of a ``uint32[n, 2]`` (``physical``). Rules see physical avals,
+  except the rules of PRNG primitives (``key_rules``); a structural primitive
+  on keys lowers only where ``key_params`` says how (``lowering_random.py``).
 * A rule is ``rule(ctx, *args, **params) -> value or list of values``; ``ctx``
   holds the equation, its avals and the kernel (``RuleContext``). Rules are
   registered with ``register_lowering(*prims)`` and live by theme:
@@ -52,6 +56,11 @@ class LoweringException(NotImplementedError):
 
 Rule = Callable[..., Any]
 lowering_rules: dict[Any, Rule] = {}
+# Primitives whose rules take PRNG key avals as they are (random_seed, ...).
+key_rules: set[Any] = set()
+# How a primitive's params change when its key operands are key data:
+# ``key_params[p](params, avals_in, avals_out) -> params`` (raises where it cannot).
+key_params: dict[Any, Callable[..., dict]] = {}
 
 
 def register_lowering(*prims) -> Callable[[Rule], Rule]:
@@ -121,7 +130,18 @@ class Aval:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
 
+def is_key(dtype) -> bool:
+    """Whether ``dtype`` is a PRNG key dtype (``key<fry>``)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def physical(aval):
+    """The aval of a value's data: a key array's key data, else ``aval``."""
+    return compat.physical_aval(aval) if is_key(aval.dtype) else aval
+
+
 def aval_type(aval) -> ir.Type:
+    aval = physical(aval)
     return value_type(aval.shape, aval.dtype)
 
 
@@ -307,9 +327,14 @@ def lower_jaxpr(kernel: KernelContext, jaxpr, args: Sequence[Any]) -> list[ir.Va
                 f"Mosaic lowering in {BACKEND}; run the kernel with interpret=pltpu.InterpretParams() "
                 "or rewrite it with supported operations"
             )
-        ctx = RuleContext(kernel, eqn, [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars])
+        avals_in, avals_out = [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars]
+        params = eqn.params
+        if eqn.primitive not in key_rules and any(is_key(a.dtype) for a in avals_in + avals_out):
+            params = _key_data_params(kernel, eqn, avals_in, avals_out)
+            avals_in, avals_out = list(map(physical, avals_in)), list(map(physical, avals_out))
+        ctx = RuleContext(kernel, eqn, avals_in, avals_out)
         try:
-            out = rule(ctx, *map(read, eqn.invars), **eqn.params)
+            out = rule(ctx, *map(read, eqn.invars), **params)
         except LoweringException:
             raise
         except Exception as e:
@@ -322,10 +347,33 @@ def lower_jaxpr(kernel: KernelContext, jaxpr, args: Sequence[Any]) -> list[ir.Va
     return [read(v) for v in jaxpr.outvars]
 
 
-def lower_fun(fn: Callable[..., Any], ctx: RuleContext, *args, multiple_results: bool = False, **params):
+def _key_data_params(kernel, eqn, avals_in, avals_out) -> dict:
+    """The params of ``eqn`` (which has PRNG key operands or results) for its
+    rule on key data, or a ``LoweringException`` naming it."""
+    translate = key_params.get(eqn.primitive)
+    try:
+        if translate is None:
+            raise NotImplementedError("it has no rule for key data")
+        return translate(dict(eqn.params), avals_in, avals_out)
+    except NotImplementedError as e:
+        raise LoweringException(
+            f"{kernel.describe()}: primitive '{eqn.primitive.name}'{_where(eqn)} on PRNG key arrays has "
+            f"no Mosaic lowering in {BACKEND} ({e}); apply it to the key data "
+            "(jax.random.key_data / wrap_key_data) or to the random values instead"
+        ) from e
+
+
+def lower_fun(
+    fn: Callable[..., Any],
+    ctx: RuleContext,
+    *args,
+    multiple_results: bool = False,
+    avals_in: Sequence[Any] | None = None,
+    **params,
+):
     """Lowers a composite op through its ``jnp`` definition ``fn(*args, **params)``
-    (traced on the equation's input avals) and the existing rules."""
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_in]
+    (traced on ``avals_in``, by default the equation's input avals) and the existing rules."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (avals_in or ctx.avals_in)]
     closed = jax.make_jaxpr(functools.partial(fn, **params))(*avals)
     if closed.consts:
         raise NotImplementedError(f"the jnp definition of '{ctx.eqn.primitive.name}' closes over arrays")

@@ -1,0 +1,177 @@
+"""Primitives the Mosaic lowering added for the issue "every primitive a TPU
+kernel accepts lowers", three ways (``three_way.py``: TPU interpret mode, our
+lowering + ``run_mosaic``, JAX's lowering + ``run_mosaic``), each against
+plain jnp on fresh random data; what stays unsupported is a
+``pltpu.LoweringException`` naming the primitive, the kernel and the line.
+Every module our lowering builds here is verified (``mosaic_module``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jaxlib.mlir import ir
+from jaxlib.mosaic.python import tpu as tpu_dialect
+
+pytest.importorskip("jax.experimental.pallas.tpu")
+
+from three_way import WAYS, run, ways  # noqa: E402
+
+import pallas as pl  # noqa: E402
+import pallas_tpu as pltpu  # noqa: E402
+
+jax.config.update("jax_enable_checks", True)
+
+
+def rand(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def fresh_seed() -> int:
+    return int(np.random.default_rng().integers(0, 2**31 - 1))
+
+
+def close(a, b, tol=1e-5):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol)
+
+
+def equal(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    np.testing.assert_array_equal(a, b)
+
+
+def verified(f, *args) -> list[str]:
+    """Our Mosaic modules of ``f(*args)``, each parsed back and verified."""
+    texts = pltpu.mosaic_modules(f, *args)
+    from jax.interpreters import mlir
+
+    ctx = mlir.make_ir_context()
+    tpu_dialect.register_dialect(ctx)
+    with ctx:
+        for t in texts:
+            assert ir.Module.parse(t).operation.verify()
+    return texts
+
+
+def lowering_error(f, *args) -> str:
+    with pytest.raises(pltpu.LoweringException) as e:
+        pltpu.mosaic_modules(f, *args)
+    return str(e.value)
+
+
+def _smem(pl, pltpu):
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
+
+
+# ---------------------------------------------------------------------------
+# jax.random with threefry keys inside a kernel
+
+
+def _seeded(kernel, shape, dtype, grid=()):
+    """``build`` of a kernel ``kernel(pl, seed_ref, o_ref)`` with a seed in SMEM
+    and an output of ``shape`` (blocks of (8, 128) over ``grid``)."""
+
+    def build(pl, pltpu):
+        spec = pl.BlockSpec((8, 128), lambda *i: (i[0] if i else 0, 0)) if grid else pl.BlockSpec()
+        return lambda s: pl.pallas_call(
+            lambda s_ref, o_ref: kernel(pl, s_ref, o_ref),
+            out_shape=jax.ShapeDtypeStruct(shape, dtype),
+            name=kernel.__name__,
+            grid=grid,
+            in_specs=[_smem(pl, pltpu)],
+            out_specs=spec,
+        )(s)
+
+    return build
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_random_uniform_normal_bits_match_jax_random(way):
+    seed = fresh_seed()
+
+    def kernel(pl, s_ref, o_ref):
+        k = jax.random.key(s_ref[0])
+        o_ref[0] = jax.random.uniform(k, (8, 128))
+        o_ref[1] = jax.random.normal(k, (8, 128))
+        o_ref[2] = jax.random.bits(k, (8, 128)).astype(jnp.float32)
+
+    out = run(_seeded(kernel, (3, 8, 128), jnp.float32), (jnp.array([seed], jnp.int32),), way)
+    k = jax.random.key(seed)
+    equal(out[0], jax.random.uniform(k, (8, 128)))
+    close(out[1], jax.random.normal(k, (8, 128)), tol=1e-5)
+    equal(out[2], jax.random.bits(k, (8, 128)).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="no rule for random_split"))
+def test_random_split_fold_in_per_block(way):
+    """``split`` (unstacked keys), ``fold_in`` of the program id, on a grid."""
+    seed = fresh_seed()
+
+    def kernel(pl, s_ref, o_ref):
+        k = jax.random.key(s_ref[0])
+        _, k2 = jax.random.split(k)
+        k3 = jax.random.fold_in(k2, pl.program_id(0))
+        o_ref[...] = jax.random.bits(k3, (8, 128))
+
+    out = run(_seeded(kernel, (24, 128), jnp.uint32, grid=(3,)), (jnp.array([seed], jnp.int32),), way)
+    _, k2 = jax.random.split(jax.random.key(seed))
+    expect = jnp.concatenate([jax.random.bits(jax.random.fold_in(k2, i), (8, 128)) for i in range(3)])
+    equal(out, expect)
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="no rule for random_split"))
+def test_random_keys_in_a_loop_carry_and_batched_split(way):
+    """Keys carried through ``fori_loop`` and a ``(4,)`` key array indexed statically."""
+    seed = fresh_seed()
+
+    def kernel(pl, s_ref, o_ref):
+        keys = jax.random.split(jax.random.key(s_ref[0]), 4)
+
+        def body(i, carry):
+            k, acc = carry
+            k, sub = jax.random.split(k)
+            return k, acc + jax.random.uniform(sub, (8, 128))
+
+        _, acc = lax.fori_loop(0, 3, body, (keys[2], jnp.zeros((8, 128), jnp.float32)))
+        o_ref[...] = acc + jax.random.randint(keys[1], (8, 128), 0, 10).astype(jnp.float32)
+
+    out = run(_seeded(kernel, (8, 128), jnp.float32), (jnp.array([seed], jnp.int32),), way)
+    keys = jax.random.split(jax.random.key(seed), 4)
+    k, acc = keys[2], jnp.zeros((8, 128), jnp.float32)
+    for _ in range(3):
+        k, sub = jax.random.split(k)
+        acc = acc + jax.random.uniform(sub, (8, 128))
+    close(out, acc + jax.random.randint(keys[1], (8, 128), 0, 10).astype(jnp.float32))
+
+
+def test_random_modules_verify_and_key_errors_name_the_line():
+    f = _seeded(
+        lambda pl, s, o: o.__setitem__(..., jax.random.uniform(jax.random.key(s[0]), (8, 128))),
+        (8, 128),
+        jnp.float32,
+    )(pl, pltpu)
+    seed = jnp.array([fresh_seed()], jnp.int32)
+    (text,) = verified(f, seed)
+    assert "arith.xori" in text and "arith.shli" in text  # the hash, as uint32 arithmetic
+
+    def select_keys(pl, s_ref, o_ref):
+        keys = jax.random.split(jax.random.key(s_ref[0]), 4)
+        pred = jnp.full((4,), s_ref[1] > 0)
+        keys = lax.select_n(pred, keys, jax.random.split(keys[0], 4))  # an array predicate
+        o_ref[...] = jax.random.uniform(keys[1], (8, 128))
+
+    g = _seeded(select_keys, (8, 128), jnp.float32)(pl, pltpu)
+    msg = lowering_error(g, jnp.array([1, 2], jnp.int32))
+    assert "'select_n'" in msg and "on PRNG key arrays" in msg and "array predicate" in msg, msg
+    assert "test_three_way_lowering.py:" in msg and "'select_keys'" in msg, msg
+
+    def rbg(pl, s_ref, o_ref):
+        o_ref[...] = jax.random.uniform(jax.random.key(s_ref[0], impl="rbg"), (8, 128))
+
+    msg = lowering_error(_seeded(rbg, (8, 128), jnp.float32)(pl, pltpu), seed)
+    assert "'rbg'" in msg and "random_seed" in msg and "test_three_way_lowering.py:" in msg, msg

@@ -581,15 +581,6 @@ def test_error_inside_rule_names_the_line():
     assert "SMEM holds scalars" in msg and "lowering 'get'" in msg and "test_lowering.py:" in msg
 
 
-def test_scan_over_xs_is_an_error():
-    def scan_kernel(x_ref, o_ref):
-        _, ys = lax.scan(lambda c, x: (c, x * 2.0), 0.0, x_ref[...])
-        o_ref[...] = ys
-
-    msg = _lowering_error(scan_kernel, (8, 128))
-    assert "lax.scan over arrays" in msg and "fori_loop" in msg
-
-
 def test_dimension_semantics_rank_mismatch():
     def k(x_ref, o_ref):
         o_ref[...] = x_ref[...]
@@ -738,10 +729,6 @@ def _k_gather(x_ref, o_ref):
     o_ref[...] = x_ref[lax.broadcasted_iota(jnp.int32, (8, 128), 0)[:, 0]]
 
 
-def _k_scan_reverse(x_ref, o_ref):
-    o_ref[...] = lax.scan(lambda c, _: (c * 2.0, None), x_ref[...], None, length=3, reverse=True)[0]
-
-
 def _k_print_f16(x_ref, o_ref):
     pl.debug_print("v={}", x_ref[0, 0].astype(jnp.float16))
     o_ref[...] = x_ref[...]
@@ -764,7 +751,6 @@ VMEM_DMA = dict(scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.Semapho
         (_k_dma_add, VMEM_DMA, (8, 128), "add=True"),
         (_k_strided_view, VMEM_DMA, (16, 128), "strided views"),
         (_k_gather, {}, (8, 128), "with an array (a gather)"),
-        (_k_scan_reverse, {}, (8, 128), "reverse=True"),
         (_k_print_f16, {}, (8, 128), "32-bit ints and floats"),
     ],
     ids=lambda v: v.__name__ if callable(v) else None,

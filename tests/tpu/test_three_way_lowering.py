@@ -175,3 +175,74 @@ def test_random_modules_verify_and_key_errors_name_the_line():
 
     msg = lowering_error(_seeded(rbg, (8, 128), jnp.float32)(pl, pltpu), seed)
     assert "'rbg'" in msg and "random_seed" in msg and "test_three_way_lowering.py:" in msg, msg
+
+
+# ---------------------------------------------------------------------------
+# lax.scan over arrays (xs, stacked ys)
+
+
+def _one_block(kernel, out_shapes):
+    """``build`` of a grid-less kernel over whole-array blocks."""
+
+    def build(pl, pltpu):
+        return lambda *xs: pl.pallas_call(kernel, out_shape=out_shapes, name=kernel.__name__)(*xs)
+
+    return build
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("unroll", [1, 2, True])
+@pytest.mark.parametrize("way", ways(jax_skip="scan over arrays (xs, ys) is not supported"))
+def test_scan_over_rows_with_stacked_ys(way, reverse, unroll):
+    x, w = rand(1, (6, 8, 128)), rand(2, (8, 128))
+
+    def step(c, xw):
+        x, w = xw
+        c = jnp.tanh(c * w + x)
+        return c, (c.sum(axis=0, keepdims=True), c > 0)
+
+    def scan_rows(x_ref, w_ref, c_ref, s_ref, p_ref):
+        ws = jnp.broadcast_to(w_ref[...], x_ref.shape)
+        c, (s, p) = lax.scan(
+            step, jnp.zeros((8, 128), jnp.float32), (x_ref[...], ws), reverse=reverse, unroll=unroll
+        )
+        c_ref[...], s_ref[...], p_ref[...] = c, s, p.astype(jnp.int32)
+
+    shapes = (
+        jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        jax.ShapeDtypeStruct((6, 1, 128), jnp.float32),
+        jax.ShapeDtypeStruct((6, 8, 128), jnp.int32),
+    )
+    c, s, p = run(_one_block(scan_rows, shapes), (x, w), way)
+    ec, (es, ep) = lax.scan(
+        step, jnp.zeros((8, 128), jnp.float32), (x, jnp.broadcast_to(w, x.shape)), reverse=reverse
+    )
+    close(c, ec)
+    close(s, es, tol=1e-4)
+    equal(p, ep.astype(jnp.int32))
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="scan over arrays (xs, ys) is not supported"))
+def test_scan_xs_only_and_ys_only(way):
+    """A scan with xs and no ys (a reduction over rows), one with ys and no xs."""
+    x = rand(3, (4, 8, 128))
+
+    def kernel(x_ref, o_ref, y_ref):
+        o_ref[...], _ = lax.scan(lambda c, r: (jnp.maximum(c, r), None), x_ref[0], x_ref[...])
+        _, y_ref[...] = lax.scan(lambda c, _: (c * 0.5, c), x_ref[1], None, length=4)
+
+    shapes = (jax.ShapeDtypeStruct((8, 128), jnp.float32), jax.ShapeDtypeStruct((4, 8, 128), jnp.float32))
+    o, y = run(_one_block(kernel, shapes), (x,), way)
+    close(o, x.max(axis=0))
+    close(y, x[1] * (0.5 ** jnp.arange(4.0))[:, None, None])
+
+
+def test_scan_over_arrays_module_verifies():
+    x = rand(4, (4, 8, 128))
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = lax.scan(lambda c, r: (c + r, None), jnp.zeros((8, 128)), x_ref[...])[0]
+
+    f = _one_block(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32))(pl, pltpu)
+    (text,) = verified(f, x)
+    assert "tpu.region" in text and "scf.for" in text and "memref.alloca" in text, text

@@ -1,20 +1,28 @@
 """Mosaic rules for control flow: ``cond``/``pl.when`` (``scf.if``),
-``fori_loop`` (its ``scan`` without xs: ``scf.for``), ``while_loop``
+``fori_loop`` and ``scan`` (``scf.for``; xs and ys through VMEM scratch), ``while_loop``
 (``scf.while``), inlined calls, and the grid's named axes."""
 
 from __future__ import annotations
 
 from jax import lax
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, scf
+from jaxlib.mlir.dialects import arith, memref, scf, vector
+from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.lowering import (
+    BOOL_MEMORY_DTYPE,
     aval_type,
     constant,
+    index,
+    is_bool,
     lower_jaxpr,
+    memref_type,
+    physical,
     register_lowering,
+    shape_cast,
+    value_type,
 )
 
 
@@ -69,16 +77,13 @@ def _fori_counter(jaxpr, n_consts: int, carry) -> bool:
 @register_lowering(compat.scan_p)
 def _scan(ctx, *args, jaxpr, length, reverse, unroll=1, **params):
     """``scf.for`` (a fully unrolled ``unroll`` emits the body ``length``
-    times; a partial one is Mosaic's ``tpu.late_unroll``), as JAX lowers it."""
+    times; a partial one is Mosaic's ``tpu.late_unroll``), as JAX lowers it.
+    A scan over arrays (xs, stacked ys) goes through VMEM scratch."""
     consts, carry, xs = compat.scan_split(params, args)
-    if xs or len(ctx.avals_out) != len(carry):
-        raise NotImplementedError(
-            "lax.scan over arrays (xs or stacked ys) is not supported in TPU kernels; use "
-            "lax.fori_loop and index Refs with the loop counter"
-        )
-    if reverse:
-        raise NotImplementedError("lax.scan(reverse=True) is not supported")
     unroll = length if unroll is True or unroll == 0 else int(unroll)
+    if xs or len(ctx.avals_out) != len(carry):
+        return _scan_arrays(ctx, consts, carry, xs, jaxpr, length, reverse, unroll)
+    # Without xs and ys the order of the steps is not observable: reverse is moot.
     counter = _fori_counter(jaxpr, len(consts), carry)
     body_carry = list(carry[1:]) if counter else list(carry)
 
@@ -93,12 +98,77 @@ def _scan(ctx, *args, jaxpr, length, reverse, unroll=1, **params):
         end = arith.addi(start, constant(length, (), "int32"))
         return [end, *body_carry] if counter else body_carry
     end = arith.addi(start, constant(length, (), "int32")) if counter else constant(length, (), "int32")
-    op = scf.ForOp(start, end, constant(1, (), "int32"), body_carry)
+    return _for(0, length, body_carry, body, unroll, start=start, end=end, counter=counter)
+
+
+def _for(lo, hi, carry, body, unroll, *, start=None, end=None, counter=False):
+    """``scf.for`` from ``start`` (or ``lo``) to ``end`` (or ``hi``) of ``body(i, carry)``."""
+    start = constant(lo, (), "int32") if start is None else start
+    end = constant(hi, (), "int32") if end is None else end
+    op = scf.ForOp(start, end, constant(1, (), "int32"), list(carry))
     if unroll > 1:
         op.attributes["tpu.late_unroll"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), unroll)
     with ir.InsertionPoint(op.body):
         scf.YieldOp(body(op.induction_variable, list(op.inner_iter_args)))
     return [end, *op.results] if counter else list(op.results)
+
+
+def _scan_arrays(ctx, consts, carry, xs, jaxpr, length, reverse, unroll):
+    """A scan with xs or ys: in a ``tpu.region``, each xs is stored into a VMEM
+    buffer and step ``i`` loads row ``i`` (``length - 1 - i`` when ``reverse``);
+    each y is stored into row ``i`` of a buffer read whole after the loop."""
+    nc = len(carry)
+    x_avals = [physical(a) for a in ctx.avals_in[len(ctx.avals_in) - len(xs) :]]
+    y_avals = [physical(a) for a in ctx.avals_out[nc:]]
+    region = tpu.RegionOp([aval_type(a) for a in ctx.avals_out])
+    with ir.InsertionPoint(region.body):
+        x_bufs = [_scratch(a) for a in x_avals]
+        for buf, x, a in zip(x_bufs, xs, x_avals, strict=True):
+            _store(buf, x, a, None)
+        y_bufs = [_scratch(a) for a in y_avals]
+
+        def body(i, values):
+            row = i if not reverse else arith.subi(constant(length - 1, (), "int32"), i)
+            x_rows = [_load(buf, a, row) for buf, a in zip(x_bufs, x_avals)]
+            outs = lower_jaxpr(ctx.kernel, jaxpr, [*consts, *values, *x_rows])
+            for buf, y, a in zip(y_bufs, outs[nc:], y_avals, strict=True):
+                _store(buf, y, a, row)
+            return outs[:nc]
+
+        if length and unroll >= length:
+            carry = list(carry)
+            for k in range(length):
+                carry = body(constant(k, (), "int32"), carry)
+        else:
+            carry = _for(0, length, carry, body, unroll)
+        tpu.yield_([*carry, *(_load(buf, a, None) for buf, a in zip(y_bufs, y_avals))])
+    return list(region.results)
+
+
+def _scratch(aval) -> ir.Value:
+    return memref.alloca(memref_type(aval.shape, aval.dtype, None), [], [])
+
+
+def _load(buf, aval, row) -> ir.Value:
+    """All of ``buf`` (``row`` None) or its row ``row``, as a value of ``aval``'s dtype."""
+    shape = list(aval.shape) if row is None else [1, *aval.shape[1:]]
+    starts = [index(0 if row is None else row)] + [index(0)] * (len(aval.shape) - 1)
+    mem = BOOL_MEMORY_DTYPE if is_bool(aval.dtype) else aval.dtype
+    v = vector.load(value_type(shape, mem), buf, starts)
+    out_shape = aval.shape if row is None else aval.shape[1:]
+    v = shape_cast(v, out_shape, mem)
+    if is_bool(aval.dtype):
+        v = arith.cmpi(arith.CmpIPredicate.ne, v, constant(0, out_shape, mem))
+    return v
+
+
+def _store(buf, v, aval, row) -> None:
+    shape = list(aval.shape) if row is None else [1, *aval.shape[1:]]
+    starts = [index(0 if row is None else row)] + [index(0)] * (len(aval.shape) - 1)
+    mem = BOOL_MEMORY_DTYPE if is_bool(aval.dtype) else aval.dtype
+    if is_bool(aval.dtype):
+        v = arith.extui(value_type(aval.shape if row is None else aval.shape[1:], mem), v)
+    tpu.vector_store(shape_cast(v, shape, mem), buf, starts, strides=[])
 
 
 def _fori_while(cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):

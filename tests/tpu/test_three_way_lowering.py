@@ -246,3 +246,65 @@ def test_scan_over_arrays_module_verifies():
     f = _one_block(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32))(pl, pltpu)
     (text,) = verified(f, x)
     assert "tpu.region" in text and "scf.for" in text and "memref.alloca" in text, text
+
+
+# ---------------------------------------------------------------------------
+# Strided .at[...] views
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="strided slices of references are unsupported"))
+def test_strided_views_read_and_written(way):
+    """Strided views composed with the access after them (nested views,
+    dynamic starts, integer indices, a write through a view)."""
+    x = rand(5, (32, 256))
+
+    def build(pl, pltpu):
+        ds = pl.ds
+
+        def strided_views(x_ref, o_ref):
+            evens = x_ref.at[ds(0, 16, stride=2)]  # rows 0, 2, ..., 30
+            i = lax.convert_element_type(x_ref[0, 0] > 100.0, jnp.int32) + 2  # a traced 2
+            o_ref[0:8, :] = evens[ds(i, 8), ds(0, 128)]  # rows 4, 6, ..., 18
+            o_ref[8:16, :] = evens.at[ds(1, 8, stride=2)][:, ds(128, 128)]  # rows 2, 6, ..., 30
+            cols = x_ref.at[:, ds(1, 128, stride=2)]  # odd columns
+            o_ref[16, :] = cols[3]
+            o_ref[17:24, :] = jnp.zeros((7, 128), jnp.float32)
+            o_ref.at[ds(24, 4, stride=2)][...] = evens[0:4, 0:128] * 2.0  # rows 24, 26, 28, 30
+            o_ref.at[ds(25, 4, stride=2)][...] = cols[ds(i, 4)]  # rows 25, 27, 29, 31
+
+        return lambda x: pl.pallas_call(
+            strided_views, out_shape=jax.ShapeDtypeStruct((32, 128), jnp.float32)
+        )(x)
+
+    out = run(build, (x,), way)
+    expect = jnp.zeros((32, 128), jnp.float32)
+    expect = expect.at[0:8].set(x[4:20:2, :128])
+    expect = expect.at[8:16].set(x[2:32:4, 128:])
+    expect = expect.at[16].set(x[3, 1::2])
+    expect = expect.at[24:32:2].set(x[0:8:2, :128] * 2.0)
+    expect = expect.at[25:32:2].set(x[2:6, 1::2])
+    close(out, expect)
+
+
+def test_strided_view_modules_verify_and_dma_is_an_error():
+    x = rand(6, (16, 128))
+
+    def strided_read(x_ref, o_ref):
+        o_ref[...] = x_ref.at[pl.ds(1, 8, stride=2)][...]
+
+    f = _one_block(strided_read, jax.ShapeDtypeStruct((8, 128), jnp.float32))(pl, pltpu)
+    (text,) = verified(f, x)
+    assert "tpu.strided_load" in text and "tpu.memref_slice" not in text, text
+
+    def strided_dma(x_ref, o_ref, buf, sem):
+        pltpu.async_copy(x_ref.at[pl.ds(0, 8, stride=2)], buf, sem).wait()
+        o_ref[...] = buf[...]
+
+    g = lambda x: pl.pallas_call(  # noqa: E731
+        strided_dma,
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+    )(x)
+    msg = lowering_error(g, x)
+    assert "strided views" in msg and "dma_start" in msg and "'strided_dma'" in msg, msg
+    assert "test_three_way_lowering.py:" in msg, msg

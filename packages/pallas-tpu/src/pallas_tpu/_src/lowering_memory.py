@@ -118,7 +118,9 @@ def apply_view(ref: ir.Value, v) -> ir.Value:
         return tpu.memref_reshape(like(v), ref)
     if v.strided:
         raise NotImplementedError(
-            "strided views (ref.at[pl.ds(..., stride=k)]) are not supported; index the Ref"
+            "strided views (ref.at[pl.ds(..., stride=k)]) as a DMA, semaphore or call operand are not "
+            "supported: a Mosaic memref view has no strides (tpu.memref_slice takes none); read or "
+            "write the view (a strided load/store), or copy a contiguous window"
         )
     out = tpu.memref_slice(like(v.sizes), ref, [as_i32(s) for s in v.starts], [])
     if any(v.squeezed):
@@ -136,12 +138,46 @@ def view(ref, leaves, tree) -> ir.Value:
 
 def _access(ref, tree, leaves):
     """(memref, window) of a read or write: the transforms before the last
-    indexing become views; that one is the accessed window."""
+    indexing become views; that one is the accessed window. Where a view is
+    strided, it and the windows after it compose into the accessed window
+    (one strided load/store: Mosaic has no strided memref view)."""
     ref, views = _views(ref, tree, leaves)
-    last = views.pop() if views and isinstance(views[-1], Window) else None
-    for v in views:
+    first = len(views)
+    while first and isinstance(views[first - 1], Window):
+        first -= 1
+    windows = views[first:]
+    if any(isinstance(v, Window) and v.strided for v in views[:first]):
+        raise NotImplementedError(
+            "a reshape of a strided view (ref.at[pl.ds(..., stride=k)]) is not supported"
+        )
+    if not any(w.strided for w in windows[:-1]):
+        first = len(views) - 1 if windows else len(views)
+        windows = views[first:]
+    for v in views[:first]:
         ref = apply_view(ref, v)
-    return ref, last or _whole(ir.MemRefType(ref.type).shape)
+    if not windows:
+        return ref, _whole(ir.MemRefType(ref.type).shape)
+    last = windows[0]
+    for w in windows[1:]:
+        last = _compose(last, w)
+    return ref, last
+
+
+def _compose(outer: Window, inner: Window) -> Window:
+    """``inner`` (a window of ``outer``'s result) as one window of ``outer``'s memref."""
+    dims = iter(zip(inner.starts, inner.sizes, inner.squeezed, inner.strides or [1] * len(inner.sizes)))
+    out = []
+    for s, q, k in zip(outer.starts, outer.squeezed, outer.strides or [1] * len(outer.sizes)):
+        if q:
+            out.append((s, 1, True, 1))
+            continue
+        s2, n2, q2, k2 = next(dims)
+        if isinstance(s, int) and isinstance(s2, int):
+            start = s + s2 * k
+        else:
+            start = arith.addi(index(s), arith.muli(index(s2), index(k)))
+        out.append((start, n2, q2, k * k2))
+    return Window(*map(list, zip(*out)))
 
 
 def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:

@@ -770,3 +770,71 @@ def test_argmax_argmin():
 
     s = str(_one_kernel(kernel, (8, 128)))
     assert "#tpu.reduction_kind<arg_max>" in s and "#tpu.reduction_kind<arg_min>" in s
+
+
+def dynamic_grid_call(P, TP, n, s, x, **kw):
+    """A grid of (n, 2) with n traced, scalar prefetch and an aliased output."""
+
+    def kernel(s_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0 + (P.num_programs(0) * 10 + P.program_id(1) + s_ref[0]).astype(
+            jnp.float32
+        )
+
+    gs = TP.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(n, 2),
+        in_specs=[P.BlockSpec((8, 128), lambda i, j, s: (i, j))],
+        out_specs=P.BlockSpec((8, 128), lambda i, j, s: (i, j)),
+    )
+    return P.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid_spec=gs,
+        input_output_aliases={1: 0},
+        **kw,
+    )(s, x)
+
+
+def test_dynamic_grid_matches_jax():
+    n, s, x = jnp.int32(3), jnp.array([7], jnp.int32), _rand((32, 256), jnp.float32)
+    [m] = ours(lambda n, s, x: dynamic_grid_call(pl, pltpu, n, s, x), n, s, x)
+    [ref] = jax_modules(lambda n, s, x: dynamic_grid_call(jpl, jpltpu, n, s, x, debug=True), n, s, x)
+    assert structure(m) == structure(ref)
+    assert op_counts(m) == op_counts(ref)
+    assert "iteration_bounds = array<i64: -9223372036854775808, 2>" in str(m)
+    assert ops(m).count("tpu.iteration_bound") == 1
+    # The custom call takes the traced size first; the alias points past it.
+    hlo = jax.export.export(
+        jax.jit(lambda n, s, x: dynamic_grid_call(pl, pltpu, n, s, x)), platforms=["tpu"]
+    )(n, s, x).mlir_module()
+    call = re.search(r"stablehlo.custom_call @tpu_custom_call\(([^)]*)\)", hlo)
+    assert call and len(call.group(1).split(",")) == 3, hlo
+    assert "operand_index = 2" in hlo, hlo
+
+
+def test_aliases_count_scalar_prefetch_operands():
+    """The custom call's operand alias counts the scalar-prefetch operands (as JAX's)."""
+
+    def call(P, TP, s, x):
+        gs = TP.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(4,),
+            in_specs=[P.BlockSpec((8, 128), lambda i, s: (i, 0))],
+            out_specs=P.BlockSpec((8, 128), lambda i, s: (i, 0)),
+        )
+        kernel = lambda s_ref, x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] + s_ref[0].astype(jnp.float32))  # noqa: E731
+        return P.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid_spec=gs,
+            input_output_aliases={1: 0},
+        )(s, x)
+
+    s, x = jnp.array([3], jnp.int32), _rand((32, 128), jnp.float32)
+    found = []
+    for P, TP in ((pl, pltpu), (jpl, jpltpu)):
+        hlo = jax.export.export(jax.jit(lambda s, x: call(P, TP, s, x)), platforms=["tpu"])(
+            s, x
+        ).mlir_module()
+        found.append(re.findall(r"operand_index = \d+", hlo))
+    assert found[0] == found[1] == ["operand_index = 1"], found

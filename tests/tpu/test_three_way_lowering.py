@@ -308,3 +308,58 @@ def test_strided_view_modules_verify_and_dma_is_an_error():
     msg = lowering_error(g, x)
     assert "strided views" in msg and "dma_start" in msg and "'strided_dma'" in msg, msg
     assert "test_three_way_lowering.py:" in msg, msg
+
+
+# ---------------------------------------------------------------------------
+# Dynamic grids (traced grid sizes)
+
+_NO_DYNAMIC_RUN = "run_mosaic has no dynamic grid sizes (iteration_bounds '?'): executor.py refuses them"
+
+
+@pytest.mark.parametrize(
+    "way",
+    ways(ours_xfail=_NO_DYNAMIC_RUN, raises=NotImplementedError, jax_xfail=_NO_DYNAMIC_RUN),
+)
+def test_dynamic_grid(way):
+    """A grid of (n, 2) with n traced: blocks past n * 8 rows stay as aliased."""
+    x = rand(7, (32, 256))
+    n = jnp.int32(3)
+
+    def build(pl, pltpu):
+        def dynamic_grid(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2.0 + (pl.num_programs(0) * 10 + pl.program_id(1)).astype(jnp.float32)
+
+        def f(n, x):
+            spec = pl.BlockSpec((8, 128), lambda i, j: (i, j))
+            return pl.pallas_call(
+                dynamic_grid,
+                out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                grid=(n, 2),
+                in_specs=[spec],
+                out_specs=spec,
+                input_output_aliases={0: 0},
+            )(x)
+
+        return f
+
+    out = run(build, (n, x), way)
+    bias = 30.0 + (jnp.arange(256) // 128).astype(jnp.float32)
+    close(out, x.at[:24].set(x[:24] * 2.0 + bias))
+
+
+def test_dynamic_grid_module_verifies():
+    def dynamic_grid(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + pl.num_programs(0).astype(jnp.float32)
+
+    def f(n, x):
+        spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+        return pl.pallas_call(
+            dynamic_grid,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(n,),
+            in_specs=[spec],
+            out_specs=spec,
+        )(x)
+
+    (text,) = verified(f, jnp.int32(2), rand(8, (32, 128)))
+    assert "tpu.iteration_bound 0" in text and "iteration_bounds = array<i64: -9223372036854775808>" in text

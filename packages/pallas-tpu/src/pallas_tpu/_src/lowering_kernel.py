@@ -15,7 +15,10 @@ The module holds, as JAX's Mosaic lowering makes it:
   ``pl.Element`` dims, whose window then has a ``window_kind``).
 
 Without a grid there are no transforms, no ``window_params`` and no
-``iteration_bounds`` (every block is the whole array).
+``iteration_bounds`` (every block is the whole array). A dynamic (traced)
+grid size is a dynamic ``iteration_bounds`` entry (``?``, INT64_MIN): the custom
+call takes the sizes as its first operands and the kernel reads them with
+``tpu.iteration_bound`` (``pl.num_programs``), as in JAX's lowering.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import re
 
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func
+from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
@@ -81,8 +85,11 @@ def lower_kernel(jaxpr, gm, compiler_params=None, mesh_axes=()) -> ir.Module:
     tpu dialect registered and a location. ``mesh_axes``: ((name, size), ...)
     of the device mesh (``jax.shard_map``) the kernel runs in."""
     G = len(gm.grid)
-    if any(not isinstance(g, int) for g in gm.grid):
-        raise LoweringException(f"{plb.describe(gm.kernel_name, gm.source)}: the grid must be static ints")
+    dynamic = [a for a, g in enumerate(gm.grid) if g is plb.dynamic_grid_dim]
+    if any(not isinstance(g, int) for a, g in enumerate(gm.grid) if a not in dynamic):
+        raise LoweringException(
+            f"{plb.describe(gm.kernel_name, gm.source)}: the grid {gm.grid} must be ints or traced int32 sizes"
+        )
     prefetch_types = [ref_type(a) for a in gm.prefetch_avals]
     operand_types = [_operand_type(bm) for bm in gm.block_mappings]
     scratch_types = [ref_type(a) for a in gm.scratch_avals]
@@ -104,14 +111,16 @@ def lower_kernel(jaxpr, gm, compiler_params=None, mesh_axes=()) -> ir.Module:
         for i, bm in enumerate(gm.block_mappings):
             refs[first + i] = _operand_ref(bm, refs[first + i])
         with ir.InsertionPoint(block):
-            lower_jaxpr(kernel, jaxpr, refs)
+            sizes = [tpu.iteration_bound(a) for a in dynamic]  # the kernel's inputs after the grid indices
+            lower_jaxpr(kernel, jaxpr, [*refs[:G], *sizes, *refs[G:]])
             func.ReturnOp([])
         fn.attributes["dimension_semantics"] = _semantics(gm, compiler_params)
         fn.attributes["scalar_prefetch"] = _i64_attr(len(prefetch_types))
         fn.attributes["scratch_operands"] = _i64_attr(len(scratch_types))
         fn.attributes["tpu.core_type"] = ir.Attribute.parse("#tpu.core_type<tc>")
         if G:
-            fn.attributes["iteration_bounds"] = ir.DenseI64ArrayAttr.get(list(gm.grid))
+            bounds = [ir.ShapedType.get_dynamic_size() if a in dynamic else g for a, g in enumerate(gm.grid)]
+            fn.attributes["iteration_bounds"] = ir.DenseI64ArrayAttr.get(bounds)
             windows = [_window(i, bm, gm, prefetch_types) for i, bm in enumerate(gm.block_mappings)]
             fn.attributes["window_params"] = ir.ArrayAttr.get(windows)
     return module

@@ -28,6 +28,8 @@ from pallas_tpu._src.lowering import BOOL_MEMORY_DTYPE, LoweringException
 from pallas_tpu._src.lowering_kernel import func_name, lower_kernel
 
 PLATFORMS = ("tpu",)
+# Grids with traced sizes lower: the sizes are the custom call's first operands.
+DYNAMIC_GRID = True
 __all__ = ["LoweringException", "lower", "mosaic_modules"]
 
 COMPILER_PARAMS = tpu_core.CompilerParams
@@ -166,7 +168,12 @@ def lower(
         print(text)
     for sink in getattr(_collecting, "sinks", ()):
         sink.append(text)
-    config = _custom_call_config(cp, cost_estimate, input_output_aliases, params.get("metadata"))
+    # Aliases count the inputs after the scalar-prefetch operands (pallas-core's
+    # normalization); the custom call's operands are the dynamic grid sizes, the
+    # scalar-prefetch operands, then those inputs.
+    first = gm.num_dynamic_grid_bounds + gm.num_scalar_prefetch
+    aliases = tuple((i + first, o) for i, o in input_output_aliases)
+    config = _custom_call_config(cp, cost_estimate, aliases, params.get("metadata"))
     return _bool_as_int32(ctx, args, functools.partial(_custom_call, module=module, gm=gm, config=config))
 
 

@@ -161,23 +161,12 @@ def test_add(way, buffers):
     close(out, x + y, 0)
 
 
-# run_mosaic gaps on JAX's modules for partial blocks (memref ops of executor_vector.py).
-_JAX_PARTIAL_BLOCKS = {
-    (
-        520,
-        200,
-    ): "run_mosaic: tpu.memref_reshape with dynamic sizes (JAX's partial blocks; executor_vector.py)",
-    (100, 256): "run_mosaic: tpu.memref_slice into the (8, 128) tile padding of an HBM memref "
-    "(JAX's partial blocks; executor_vector.py)",
-}
-
-
 @pytest.mark.parametrize(
     "shape,way",
     [
         pytest.param(shape, *w.values, marks=w.marks, id=f"{shape[0]}x{shape[1]}-{w.id}")
         for shape in [(600, 384), (520, 200), (100, 256)]
-        for w in ways(dma=True, jax_xfail=_JAX_PARTIAL_BLOCKS.get(shape))
+        for w in ways(dma=True)
     ],
 )
 def test_add_blocks_not_dividing(way, shape):

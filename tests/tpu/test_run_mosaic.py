@@ -104,3 +104,48 @@ def test_module_as_text_and_bytecode():
     out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
     close(pltpu.run_mosaic(text, x, out_shape=out_shape), jnp.sin(x) * 2.0)
     close(pltpu.run_mosaic(body, x, out_shape=out_shape), jnp.sin(x) * 2.0)
+
+
+def _hbm_rows_kernel(start, rows):
+    """A kernel copying rows ``[start, start + rows)`` of an HBM operand to its
+    output by a DMA (the start is dynamic, so JAX does not check it)."""
+
+    def kernel(x_hbm, o_ref, sem):
+        begin = jpl.program_id(0) * 0 + start
+        copy = jtpu.make_async_copy(x_hbm.at[jpl.ds(begin, rows)], o_ref, sem)
+        copy.start()
+        copy.wait()
+
+    return kernel
+
+
+_HBM_CALL = dict(
+    grid=(1,),
+    in_specs=[jpl.BlockSpec(memory_space=jpl.ANY)],
+    out_specs=jpl.BlockSpec(memory_space=jtpu.VMEM),
+    scratch_shapes=[jtpu.SemaphoreType.DMA(())],
+)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32, jnp.bfloat16])
+def test_hbm_tile_padding_reads_are_poisoned(dtype):
+    """An HBM array of 100 rows is stored as 104 (whole (8, 128) tiles), as Mosaic lays it
+    out: a slice may reach into the 4 padding rows, which hold no plausible values (NaN, the
+    most negative integer), so a kernel that lets them into its output shows it."""
+    x = rand(11, (100, 128), dtype)
+    out = run_jax_kernel(_hbm_rows_kernel(96, 8), (x,), jax.ShapeDtypeStruct((8, 128), dtype), **_HBM_CALL)
+    close(out[:4], x[96:])
+    pad = np.asarray(out[4:]).astype(np.float64)
+    assert np.all(np.isnan(pad)) if dtype != jnp.int32 else np.all(pad == np.iinfo(np.int32).min)
+
+
+def test_hbm_slice_beyond_tile_padding_is_an_error():
+    x = rand(12, (100, 128))
+    with pytest.raises(
+        pltpu.MosaicError,
+        match=r"'tpu\.memref_slice' at .*slice at \[96, 0\] of shape \[16, 128\] is out of bounds of a memref "
+        r"of shape \[100, 128\] in memory space any \(stored padded to \[104, 128\]",
+    ):
+        run_jax_kernel(
+            _hbm_rows_kernel(96, 16), (x,), jax.ShapeDtypeStruct((16, 128), jnp.float32), **_HBM_CALL
+        )

@@ -536,13 +536,7 @@ def test_einshape_errors(equation, sizes, match):
 
 @pytest.mark.parametrize(
     "mode",
-    [
-        m
-        for m in modes(
-            jax_xfail="run_mosaic: tpu.annotate with a result (JAX's gives the memref; executor_vector.py)"
-        )
-        if m.values[0] != "direct"
-    ],
+    [m for m in modes() if m.values[0] != "direct"],
 )
 def test_trace_touch_annotate_are_value_identities(mode, rng):
     x = _rand(rng, (8, 128), jnp.float32)

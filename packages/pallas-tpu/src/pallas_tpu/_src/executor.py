@@ -35,8 +35,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_tpu._src import executor_memory, executor_vector  # noqa: F401  (register the memory, DMA, control and vector rules)
+from pallas_tpu._src import executor_memory as memory
 from pallas_tpu._src import executor_ops as ops
+from pallas_tpu._src import executor_vector  # noqa: F401  (registers the vector rules)
 
 Buffer = ops.Buffer
 MosaicError = ops.MosaicError
@@ -222,6 +223,12 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
         if w["transform"] is not None:
             pads = [(0, -n % b) for n, b in zip(arr.shape, w["bounds"])]
             arr = np.pad(arr, pads) if any(p for _, p in pads) else np.ascontiguousarray(arr)
+        else:  # a whole array: stored padded to its memory tiling, the padding poisoned
+            tiled = memory.tiled_shape(win_args[k].type)
+            if tiled != arr.shape and len(tiled) == arr.ndim:
+                store = np.full(tiled, memory.padding_fill(arr.dtype), arr.dtype)
+                store[tuple(slice(0, n) for n in arr.shape)] = arr
+                arr = store
         padded.append(arr)
         mesh.register(device, ("window", k), arr)
     scratch = []
@@ -255,7 +262,9 @@ def _window(ex, arr, arg, w, idx, prefetch, k):
     mt = ir.MemRefType(arg.type)
     space = ops.memory_space(mt)
     if w["transform"] is None:
-        return Buffer(arr, space, key=("window", k), root=arr)
+        shape = tuple(mt.shape)
+        view = arr[tuple(slice(0, n) for n in shape)] if arr.shape != shape else arr
+        return Buffer(view, space, key=("window", k), root=arr, padded=arr if view is not arr else None)
     block = ex.call(ex.funcs[w["transform"]], [*idx, *prefetch])
     starts = []
     for d, (b, n) in enumerate(zip(block, w["bounds"])):

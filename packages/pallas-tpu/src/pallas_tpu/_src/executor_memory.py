@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import ml_dtypes
 import numpy as np
 
 from pallas_tpu._src.executor_ops import (
@@ -120,22 +121,119 @@ def _alloca(ex, op, vals, env):
     return [ex.allocate(op)]
 
 
+def _tiling_factor(num_128s: int, bitwidth: int) -> int:
+    """Mosaic's ``getTilingFactor`` (infer_memref_layout.cc) for TPU v4 and
+    later with XLA's default tiling flags: the rows of a memory tile."""
+    packing = 32 // bitwidth
+    if num_128s >= 8:  # tall enough for a whole (8, 128) tile
+        return 8
+    tiling = packing
+    while tiling < min(num_128s, 8):
+        tiling *= 2
+    return tiling
+
+
+def tiled_shape(t) -> tuple[int, ...]:
+    """The shape a kernel argument of memref type ``t`` occupies in memory:
+    Mosaic's ``infer-memref-layout`` gives it a tiled layout and pads its
+    tiled dimensions to whole tiles (``(rows, 128)`` tiles on the last two
+    dimensions, ``rows * 128`` elements for a 1-D memref); the padding holds
+    whatever the memory held. Semaphores, SMEM, 0-d memrefs and elements
+    narrower than 4 bits are not tiled here."""
+    from jaxlib.mlir import ir
+
+    from pallas_tpu._src.executor_ops import element_type, memory_space
+
+    mt = ir.MemRefType(t)
+    shape = tuple(mt.shape)
+    if not shape or memory_space(mt) in ("smem", "semaphore_mem") or "semaphore" in element_type(t):
+        return shape
+    bits = np_dtype(t).itemsize * 8 if element_type(t) != "i4" else 4
+    if element_type(t) == "i1" or bits > 32:
+        return shape
+    up = lambda n, m: -(-n // m) * m  # noqa: E731
+    if len(shape) == 1:
+        return (up(shape[0], _tiling_factor(-(-shape[0] // 128), bits) * 128),)
+    rows = _tiling_factor(shape[-2], bits)
+    return (*shape[:-2], up(shape[-2], rows), up(shape[-1], 128))
+
+
+def padding_fill(dtype) -> np.ndarray:
+    """What tile padding holds before anything writes it: NaN for floats, the
+    most negative value for integers (not a plausible result, so a read of
+    padding that reaches a visible output shows)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "fV" or dtype == np.dtype(ml_dtypes.bfloat16):
+        return np.array(np.nan, dtype)
+    if dtype.kind == "b":
+        return np.array(True)
+    info = ml_dtypes.iinfo(dtype) if dtype == np.dtype(ml_dtypes.int4) else np.iinfo(dtype)
+    return np.array(info.min, dtype)
+
+
 @rule("tpu.memref_slice")
 def _memref_slice(ex, op, vals, env):
+    """A view of ``buf`` at ``base_idx``. A slice of a kernel argument may
+    reach into its tile padding (JAX's partial blocks copy the padded edge
+    tile and mask), but not beyond it."""
     buf = _operand(op, env, "mem_ref")
-    base = _operands(op, env, "base_idx")
+    base = [int(b) for b in _operands(op, env, "base_idx")]
     dyn = iter(int(x) for x in _operands(op, env, "dynamic_sizes"))
     shape = [next(dyn) if s < 0 else s for s in shape_of(op.operation.results[0].type)]
-    sl = []
+    full = buf.padded if buf.padded is not None else buf.array
+    if len(base) != full.ndim or len(shape) != full.ndim:
+        raise MosaicError(
+            f"run_mosaic: {where(op)}: {len(base)} indices and a slice of rank {len(shape)} for a memref of "
+            f"shape {list(buf.array.shape)}"
+        )
+    sl, keep = [], []
     for d, (b, n) in enumerate(zip(base, shape)):
-        b = int(b)
-        if b < 0 or b + n > buf.array.shape[d]:
+        if b < 0 or n < 0 or b + n > full.shape[d]:
+            padding = (
+                f" (stored padded to {list(full.shape)} by its memory tiling)"
+                if full is not buf.array
+                else ""
+            )
             raise MosaicError(
-                f"run_mosaic: {where(op)}: slice at {[int(x) for x in base]} of shape {shape} is out of bounds "
-                f"of a memref of shape {list(buf.array.shape)}"
+                f"run_mosaic: {where(op)}: slice at {base} of shape {shape} is out of bounds of a "
+                f"memref of shape {list(buf.array.shape)} in memory space {buf.space}{padding}"
             )
         sl.append(slice(b, b + n))
-    return [buf.view(buf.array[tuple(sl)])]
+        # a slice of a whole dimension keeps that dimension's padding (Mosaic: "the data is padded to tiling")
+        keep.append(slice(b, full.shape[d]) if b == 0 and n == buf.array.shape[d] else sl[-1])
+    out = buf.view(full[tuple(sl)])
+    if any(k != s for k, s in zip(keep, sl)):
+        out.padded = full[tuple(keep)]
+    return [out]
+
+
+def _reshaped(op, src: tuple[int, ...]) -> tuple[int, ...]:
+    """The result shape of a memref reshape or squeeze of a ``src``-shaped
+    view (the result type's, with its dynamic dimensions filled in). A
+    squeeze drops the static size-1 dimensions of the operand type that the
+    result type lacks (matched from the minor end, as Mosaic does); a reshape
+    may have one dynamic dimension."""
+    want = shape_of(op.operation.results[0].type)
+    if all(w >= 0 for w in want):
+        return want
+    if op.operation.name == "tpu.memref_squeeze":
+        have = shape_of(op.operation.operands[0].type)
+        kept, j = [], len(want) - 1
+        for i in reversed(range(len(have))):
+            if j >= 0 and (have[i] == want[j] or have[i] < 0 and want[j] < 0):
+                kept.append(i)
+                j -= 1
+            elif have[i] != 1:
+                break
+        if j < 0 and len(kept) == len(want):
+            return tuple(src[i] for i in reversed(kept))
+    elif sum(w < 0 for w in want) == 1:
+        rest = int(np.prod([w for w in want if w >= 0]))
+        if rest and int(np.prod(src)) % rest == 0:
+            return tuple(int(np.prod(src)) // rest if w < 0 else w for w in want)
+    raise MosaicError(
+        f"run_mosaic: {where(op)}: cannot reshape a memref view of shape {list(src)} to {op.operation.results[0].type}"
+    )
 
 
 @rule(
@@ -147,8 +245,7 @@ def _memref_slice(ex, op, vals, env):
 )
 def _memref_reshape(ex, op, vals, env):
     buf = vals[0]
-    shape = shape_of(op.operation.results[0].type)
-    view = buf.array.reshape(shape)
+    view = buf.array.reshape(_reshaped(op, buf.array.shape))
     if not np.shares_memory(view, buf.array) and view.size:
         raise MosaicError(f"run_mosaic: {where(op)}: reshape of a strided memref view is not supported")
     return [buf.view(view)]
@@ -274,13 +371,18 @@ def _core_id(ex, op, vals, env):
     return [np.zeros((), _out_dtype(op))]
 
 
+@rule("tpu.annotate")
+def _annotate(ex, op, vals, env):
+    """Access hints; JAX's form gives the memref back (the same memory)."""
+    return [vals[0]] if len(op.operation.results) else None
+
+
 @rule(
     "tpu.trace_start",
     "tpu.trace_stop",
     "tpu.delay",
     "tpu.log",
     "tpu.trace_value",
-    "tpu.annotate",
     "memref.dealloc",
 )
 def _nothing(ex, op, vals, env):

@@ -26,13 +26,20 @@ class Buffer:
     ``key`` names the allocation the view is part of, the same on every device
     (a window, a scratch operand, an alloca), and ``root`` is that
     allocation's array on this device: a remote DMA or signal reaches the
-    same part of the same allocation on another device (``on``)."""
+    same part of the same allocation on another device (``on``).
+
+    ``padded``, where set, is the tile-padded storage whose corner
+    ``[:n0, :n1, ...]`` is ``array``: a kernel argument (an HBM array or a
+    whole-array VMEM window) is stored padded to its memory tiling, as
+    Mosaic's ``infer-memref-layout`` lays it out, and ``tpu.memref_slice``
+    may cut into that padding (see ``executor_memory.tiled_shape``)."""
 
     array: np.ndarray
     space: str
     is_semaphore: bool = False
     key: Any = None
     root: np.ndarray | None = None
+    padded: np.ndarray | None = None
 
     def view(self, array) -> Buffer:
         return Buffer(array, self.space, self.is_semaphore, self.key, self.root)

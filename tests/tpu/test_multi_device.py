@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
 from jax.sharding import PartitionSpec as P
-from three_way import run_sharded
+from three_way import run_sharded, tpu_modules
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -223,21 +223,23 @@ def exchange2d_kernel(pl, pltpu, logical):
     return kernel
 
 
-def exchange2d(impl, x, logical=False, **params):
-    pl, pltpu, make_params = IMPLS[impl]
+def exchange2d(impl, x, logical=False, way="interpret", **params):
 
-    def f(x):
-        return pl.pallas_call(
+    def build(pl, pltpu, interpret=False):
+        return lambda x: pl.pallas_call(
             exchange2d_kernel(pl, pltpu, logical),
             out_shape=jax.ShapeDtypeStruct((2, *x.shape), x.dtype),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
             scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA],
             compiler_params=pltpu.CompilerParams(collective_id=0),
-            interpret=make_params(**params),
+            interpret=interpret,
         )(x)
 
-    return smap(f, mesh2d(), P(("x", "y")), P(("x", "y")))(x)
+    if way != "interpret":  # three_way's Mosaic ways on a (2, 2) mesh, run by run_mosaic(mesh_shape=(2, 2))
+        return run_sharded(build, x, way, (2, 2))
+    pl, pltpu, make_params = IMPLS[impl]
+    return smap(build(pl, pltpu, make_params(**params)), mesh2d(), P(("x", "y")), P(("x", "y")))(x)
 
 
 def signal_ring(impl, x, way="interpret", **params):
@@ -306,11 +308,11 @@ def test_ring_allreduce_race_free():
     assert not interpret_multi.races.races_found
 
 
-@pytest.mark.parametrize("impl", ["ours", "jax"])
+@pytest.mark.parametrize("impl,way", IMPL_WAYS)
 @pytest.mark.parametrize("logical", [False, True], ids=["mesh", "logical"])
-def test_2d_mesh_exchange(impl, logical):
+def test_2d_mesh_exchange(impl, way, logical):
     x = rand((N * 8, 128), 5)
-    out = np.asarray(exchange2d(impl, x, logical=logical)).reshape(2, 2, 2, 8, 128)
+    out = np.asarray(exchange2d(impl, x, logical=logical, way=way)).reshape(2, 2, 2, 8, 128)
     xs = np.asarray(x).reshape(2, 2, 8, 128)
     for i in range(2):
         for j in range(2):
@@ -496,6 +498,79 @@ def test_state_recovers_after_an_error():
         np.asarray(out).reshape(N, N, 8, 128),
         np.broadcast_to(np.asarray(x).reshape(N, 8, 128), (N, N, 8, 128)),
     )
+
+
+# ---------------------------------------------------------------------------
+# run_mosaic on a 2-D mesh: its errors name devices by id and mesh coordinates.
+
+
+def _run_2d_signal_kernel(way, body):
+    """``body(pl, i, j, sem)`` in a kernel on a (2, 2) mesh, lowered the ``way``
+    way and run by ``run_mosaic(mesh_shape=(2, 2))``."""
+
+    def build(pl, pltpu, interpret=False):
+        def kernel(x_ref, o_ref, sem):
+            body(pl, lax.axis_index("x"), lax.axis_index("y"), sem)
+            o_ref[...] = x_ref[...]
+
+        return lambda x: pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+            out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+            scratch_shapes=[pltpu.SemaphoreType.REGULAR],
+        )(x)
+
+    return run_sharded(build, rand((N * 8, 128), 15), way, (2, 2))
+
+
+@pytest.mark.parametrize("way", ["ours", "jax"])
+def test_run_mosaic_2d_mesh_signal_outside_the_mesh(way):
+    def body(pl, i, j, sem):
+        @pl.when((i == 1) & (j == 1))
+        def _():  # mesh coordinates (2, 1): logical id 5
+            pl.semaphore_signal(sem, 1, device_id=(i + 1, j), device_id_type=pl.DeviceIdType.MESH)
+
+    with pytest.raises(
+        pltpu.MosaicError,
+        match=r"device id 5 is outside the mesh of shape \(2, 2\): 4 devices \(ids 0\.\.3\)",
+    ):
+        _run_2d_signal_kernel(way, body)
+
+
+@pytest.mark.parametrize("way", ["ours", "jax"])
+def test_run_mosaic_2d_mesh_deadlock_names_mesh_coordinates(way):
+    def body(pl, i, j, sem):
+        @pl.when((i == 1) & (j == 0))
+        def _():
+            pl.semaphore_wait(sem, 1)  # nobody signals device (1, 0)
+
+    with pytest.raises(
+        pltpu.MosaicError,
+        match=r"deadlock: device 2 \(mesh coordinates \(1, 0\)\) waits at 'tpu.sem_wait' .* \(device 0 \(mesh "
+        r"coordinates \(0, 0\)\) finished; device 1 \(mesh coordinates \(0, 1\)\) finished; device 3",
+    ):
+        _run_2d_signal_kernel(way, body)
+
+
+def test_run_mosaic_mesh_shape_operands():
+    """Device (i, j) of a (2, 2) mesh gets operand[i, j]; the outputs have the mesh axes too."""
+    out_shape = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    (body,) = tpu_modules(
+        lambda a: pl.pallas_call(
+            lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2), out_shape=out_shape
+        )(a),
+        jnp.ones((8, 128), jnp.float32),
+    )
+    x = np.asarray(rand((2, 2, 8, 128), 16))
+    np.testing.assert_array_equal(pltpu.run_mosaic(body, x, out_shape=out_shape, mesh_shape=(2, 2)), x * 2)
+    with pytest.raises(
+        ValueError,
+        match=r"operand 0 has shape \[4, 8, 128\]; with mesh_shape=\(2, 2\) its leading axes must be \[2, 2\]",
+    ):
+        pltpu.run_mosaic(body, x.reshape(4, 8, 128), out_shape=out_shape, mesh_shape=(2, 2))
+    with pytest.raises(ValueError, match=r"mesh_shape=\(2, 2\) \(4 devices\) with num_devices=3"):
+        pltpu.run_mosaic(body, x, out_shape=out_shape, mesh_shape=(2, 2), num_devices=3)
 
 
 del functools

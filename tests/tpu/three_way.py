@@ -168,33 +168,41 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies):
 
 def run_sharded(build, x, mode, num_devices, **interpret_params):
     """``build(pl, pltpu) -> f``, ``f`` one ``pallas_call`` per device, run over
-    ``num_devices`` devices on the leading axis of ``x`` (``shard_map``); the
-    outputs concatenated along it, as ``shard_map(..., out_specs=P("x"))``."""
+    a mesh of devices on the leading axis of ``x`` (``shard_map``); the outputs
+    concatenated along it. ``num_devices``: ``n`` for a 1-D mesh with axis
+    ``"x"`` (``in_specs=P("x")``), or a mesh shape such as ``(2, 2)`` with axes
+    ``("x", "y", ...)`` that shards the leading axis over all of them, row-major
+    (``in_specs=P(("x", "y"))``), as ``run_mosaic(mesh_shape=...)`` numbers
+    the devices."""
+    import numpy as np
     from jax.sharding import PartitionSpec as P
 
+    shape = (num_devices,) if isinstance(num_devices, int) else tuple(num_devices)
+    n = int(np.prod(shape))
+    names = ("x", "y", "z", "w")[: len(shape)]
+    spec = P(names[0]) if len(shape) == 1 else P(names)
     f = build(*namespaces(mode))
-    shard = jax.ShapeDtypeStruct((x.shape[0] // num_devices, *x.shape[1:]), x.dtype)
     if mode == "interpret":
-        mesh = jax.sharding.Mesh(jax.devices()[:num_devices], ("x",))
-        g = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+        g = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
             return jax.jit(g)(x)
     mesh = jax.sharding.AbstractMesh(
-        (num_devices,),
-        ("x",),
-        axis_types=(jax.sharding.AxisType.Auto,),
+        shape,
+        names,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
         abstract_device=TPU_V5E.abstract_device,
     )
-    g = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+    g = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
     with jax.sharding.use_abstract_mesh(mesh):
         txt = export.export(jax.jit(g), platforms=["tpu"])(x).mlir_module()
         whole = jax.eval_shape(g, x)
     (body,) = executor.custom_call_bodies(txt)
-    out_shape = jax.ShapeDtypeStruct((whole.shape[0] // num_devices, *whole.shape[1:]), whole.dtype)
-    per_device = pltpu.run_mosaic(
-        body, x.reshape(num_devices, *shard.shape), out_shape=out_shape, num_devices=num_devices
-    )
-    return per_device.reshape(num_devices * out_shape.shape[0], *out_shape.shape[1:])
+    out_shape = jax.ShapeDtypeStruct((whole.shape[0] // n, *whole.shape[1:]), whole.dtype)
+    shards = x.reshape(*shape, x.shape[0] // n, *x.shape[1:])
+    kw = dict(num_devices=n) if len(shape) == 1 else dict(mesh_shape=shape)
+    per_device = pltpu.run_mosaic(body, shards, out_shape=out_shape, **kw)
+    return per_device.reshape(n * out_shape.shape[0], *out_shape.shape[1:])
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -123,7 +123,12 @@ def _int_attr(kernel, name, default=0) -> int:
 
 
 def run_mosaic(
-    module, *operands, out_shape, input_output_aliases: dict[int, int] | Sequence = (), num_devices: int = 1
+    module,
+    *operands,
+    out_shape,
+    input_output_aliases: dict[int, int] | Sequence = (),
+    num_devices: int = 1,
+    mesh_shape: Sequence[int] | None = None,
 ):
     """Executes a Mosaic kernel module on the CPU.
 
@@ -141,27 +146,47 @@ def run_mosaic(
         see them). Every operand then has a leading axis of this size (device
         ``d`` gets ``operand[d]``), and so does every output, as a
         ``shard_map`` over the devices would see them.
+      mesh_shape: run the kernel on an N-D mesh of devices of this shape
+        instead (``num_devices`` is then its size or left out). Every operand
+        and output has these leading axes: the device at mesh coordinates
+        ``c`` gets ``operand[c]``. Device ids are logical: a device's id is
+        its row-major position in the mesh (coordinates ``(i, j)`` of a
+        ``(m, n)`` mesh are device ``i * n + j``), as ``shard_map`` numbers
+        the devices of a mesh and as both lowerings flatten a
+        ``DeviceIdType.MESH`` device id.
 
     Returns:
       the outputs as NumPy arrays, in the structure of ``out_shape``.
     """
     import threading
 
+    if mesh_shape is not None:
+        mesh_shape = tuple(int(n) for n in mesh_shape)
+        size = int(np.prod(mesh_shape))
+        if num_devices not in (1, size) or not mesh_shape or min(mesh_shape) < 1:
+            raise ValueError(
+                f"run_mosaic: mesh_shape={mesh_shape} ({size} devices) with num_devices={num_devices}"
+            )
+        num_devices = size
     ctx = _context()
     with ctx:
         mod = parse_module(module, ctx)
         kernel, funcs = _funcs(mod)
         out_leaves, out_tree = jax.tree.flatten(out_shape)
         aliases = dict(input_output_aliases)
-        mesh = ops.Mesh(num_devices)
-        if num_devices == 1:
+        mesh = ops.Mesh(num_devices, shape=mesh_shape)
+        if num_devices == 1 and mesh_shape is None:
             outs = _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, 0)
             return jax.tree.unflatten(out_tree, outs)
+        lead = mesh.shape
         for i, x in enumerate(operands):
-            if np.shape(x)[:1] != (num_devices,):
+            if np.shape(x)[: len(lead)] != lead:
+                what = f"mesh_shape={lead}" if mesh_shape is not None else f"num_devices={num_devices}"
                 raise ValueError(
-                    f"run_mosaic: operand {i} has shape {list(np.shape(x))}; with num_devices={num_devices} its leading axis must be {num_devices}"
+                    f"run_mosaic: operand {i} has shape {list(np.shape(x))}; with {what} its leading "
+                    f"{'axes' if len(lead) > 1 else 'axis'} must be {list(lead)}"
                 )
+        flat = [np.asarray(x).reshape(num_devices, *np.shape(x)[len(lead) :]) for x in operands]
         results: list[Any] = [None] * num_devices
         errors: list[BaseException] = []
 
@@ -169,7 +194,7 @@ def run_mosaic(
             try:
                 with ctx:
                     results[d] = _run_device(
-                        kernel, funcs, [np.asarray(x)[d] for x in operands], out_leaves, aliases, mesh, d
+                        kernel, funcs, [x[d] for x in flat], out_leaves, aliases, mesh, d
                     )
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 errors.append(e)
@@ -187,7 +212,10 @@ def run_mosaic(
         if errors:
             first = next((e for e in errors if "another device failed" not in str(e)), errors[0])
             raise first
-        outs = [np.stack([results[d][o] for d in range(num_devices)]) for o in range(len(out_leaves))]
+        outs = [
+            np.stack([results[d][o] for d in range(num_devices)]).reshape(*lead, *out_leaves[o].shape)
+            for o in range(len(out_leaves))
+        ]
         return jax.tree.unflatten(out_tree, outs)
 
 
@@ -250,7 +278,7 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
     for i, b in enumerate(scratch):
         if b.is_semaphore and np.any(b.array != 0):
             raise MosaicError(
-                f"run_mosaic: semaphore scratch operand {i} of device {device} holds {b.array.tolist()} when the "
+                f"run_mosaic: semaphore scratch operand {i} of {mesh.name(device)} holds {b.array.tolist()} when the "
                 "kernel ends (a DMA or signal was not waited for)"
             )
     return [padded[n_in + o][tuple(slice(0, n) for n in leaf.shape)] for o, leaf in enumerate(out_leaves)]

@@ -286,7 +286,7 @@ def _target_device(ex, op, env):
 def _wait(ex, op, sem, amount, what):
     mesh = ex.mesh
     with mesh.cv:
-        desc = f"device {ex.device} waits at {where(op)} for {amount} on {what}"
+        desc = f"{mesh.name(ex.device)} waits at {where(op)} for {amount} on {what}"
         mesh.wait(
             ex.device, lambda: int(sem.array) >= amount, desc + f" (holding {int(sem.array)})", who=ex.device
         )

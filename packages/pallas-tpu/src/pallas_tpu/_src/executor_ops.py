@@ -58,11 +58,20 @@ class Mesh:
     """The devices of one ``run_mosaic`` call: each device's allocations by
     key, and one condition variable for semaphores. Devices run in threads; a
     wait blocks until its semaphore holds enough, and is a deadlock error when
-    no running device can signal it any more."""
+    no running device can signal it any more.
 
-    def __init__(self, num_devices: int, timeout: float = 60.0):
+    The devices form a mesh of ``shape`` (1-D: ``(num_devices,)``). A device
+    is named by its logical id, its position in the mesh in row-major order:
+    what ``tpu.device_id`` gives and what a remote DMA or signal's
+    ``device_id`` operand takes (a kernel's ``DeviceIdType.MESH`` coordinates
+    are flattened to it by the lowering, ours and JAX's)."""
+
+    def __init__(self, num_devices: int, timeout: float = 60.0, shape: tuple[int, ...] | None = None):
         import threading
 
+        self.shape = tuple(shape) if shape is not None else (num_devices,)
+        if int(np.prod(self.shape)) != num_devices:
+            raise ValueError(f"run_mosaic: a mesh of shape {self.shape} does not have {num_devices} devices")
         self.num_devices = num_devices
         self.cv = threading.Condition()
         self.roots: list[dict[Any, np.ndarray]] = [{} for _ in range(num_devices)]
@@ -76,9 +85,20 @@ class Mesh:
             self.roots[device][key] = array
             self.cv.notify_all()
 
+    def name(self, device: int) -> str:
+        """``device 3``, with its mesh coordinates on an N-D mesh."""
+        if len(self.shape) == 1:
+            return f"device {device}"
+        coords = tuple(int(c) for c in np.unravel_index(device, self.shape))
+        return f"device {device} (mesh coordinates {coords})"
+
     def root(self, device: int, key) -> np.ndarray:
         if not 0 <= device < self.num_devices:
-            raise MosaicError(f"run_mosaic: device id {device} is outside the {self.num_devices} devices")
+            mesh = f"mesh of shape {self.shape}: " if len(self.shape) > 1 else ""
+            raise MosaicError(
+                f"run_mosaic: device id {device} is outside the {mesh}{self.num_devices} devices "
+                f"(ids 0..{self.num_devices - 1})"
+            )
         with self.cv:
             self.wait(device, lambda: key in self.roots[device], f"allocating {key}", who=None)
             return self.roots[device][key]
@@ -107,7 +127,7 @@ class Mesh:
                     for d in range(self.num_devices)
                 ):
                     others = "; ".join(
-                        f"device {d} {self.blocked[d][1]}" if d in self.blocked else f"device {d} finished"
+                        self.blocked[d][1] if d in self.blocked else f"{self.name(d)} finished"
                         for d in range(self.num_devices)
                         if d != who
                     )

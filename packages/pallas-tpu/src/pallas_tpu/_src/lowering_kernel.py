@@ -35,6 +35,7 @@ from pallas_tpu._src import lowering_control as _control  # noqa: F401  (registe
 from pallas_tpu._src import lowering_math as _math  # noqa: F401
 from pallas_tpu._src import lowering_memory as _memory  # noqa: F401
 from pallas_tpu._src import lowering_random as _random  # noqa: F401
+from pallas_tpu._src import lowering_sort as _sort  # noqa: F401
 from pallas_tpu._src.lowering import (
     BlockRef,
     KernelContext,

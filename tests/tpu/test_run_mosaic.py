@@ -149,3 +149,26 @@ def test_hbm_slice_beyond_tile_padding_is_an_error():
         run_jax_kernel(
             _hbm_rows_kernel(96, 16), (x,), jax.ShapeDtypeStruct((16, 128), jnp.float32), **_HBM_CALL
         )
+
+
+def test_dynamic_grid_sizes_come_first():
+    """A grid with a traced size: its size is the first operand (as the custom call's)."""
+    x = rand(13, (32, 128))
+
+    def f(n, a):
+        spec = jpl.BlockSpec((8, 128), lambda i: (i, 0))
+        return jpl.pallas_call(
+            lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] + jpl.num_programs(0).astype(jnp.float32)),
+            out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
+            grid=(n,),
+            in_specs=[spec],
+            out_specs=spec,
+            input_output_aliases={0: 0},
+        )(a)
+
+    (body,) = jax_modules(f, jnp.int32(3), x)
+    out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    out = pltpu.run_mosaic(body, np.int32(3), x, out_shape=out_shape, input_output_aliases={0: 0})
+    close(out, x.at[:24].add(3.0))
+    with pytest.raises(ValueError, match=r"expects 1 grid-size \+ 0 scalar-prefetch \+ 1 operands; got 1"):
+        pltpu.run_mosaic(body, x, out_shape=out_shape, input_output_aliases={0: 0})

@@ -136,7 +136,9 @@ def run_mosaic(
       module: the module as MLIR text (``str``), bytecode (``bytes``, also
         Mosaic's serialized form) or an ``ir.Module``.
       *operands: the ``pallas_call``'s operands, scalar-prefetch operands
-        first.
+        first; for a grid with dynamic sizes (``iteration_bounds`` entries
+        ``?``) the sizes come before them, one scalar each, as the custom
+        call's first operands.
       out_shape: the ``pallas_call``'s ``out_shape`` (a ``ShapeDtypeStruct``
         or a pytree of them).
       input_output_aliases: ``{input index: output index}`` as ``pallas_call``
@@ -222,8 +224,8 @@ def run_mosaic(
 def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
     """One device's run of the kernel over the whole grid; its outputs."""
     bounds = _ints(kernel.attributes["iteration_bounds"]) if "iteration_bounds" in kernel.attributes else []
-    if any(b < 0 for b in bounds):
-        raise NotImplementedError("run_mosaic: dynamic grid sizes (iteration_bounds '?') are not supported")
+    ndyn = sum(b < 0 for b in bounds)  # dynamic grid sizes ('?'): the first operands, as the custom call's
+    sizes, operands = operands[:ndyn], operands[ndyn:]
     nsp = _int_attr(kernel, "scalar_prefetch")
     nscratch = _int_attr(kernel, "scratch_operands")
     windows = _window_params(kernel)
@@ -231,11 +233,14 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
     nwin = len(windows) if windows else len(args) - len(bounds) - nsp - nscratch
     windows = windows or [{"transform": None, "bounds": None}] * nwin  # no grid, whole arrays
     n_in = nwin - len(out_leaves)
-    if n_in != len(operands) - nsp or n_in < 0:
+    if n_in != len(operands) - nsp or n_in < 0 or any(np.ndim(x) != 0 for x in sizes):
         raise ValueError(
             f"run_mosaic: the kernel takes {nwin} windows, so with {len(out_leaves)} outputs it expects "
-            f"{nsp} scalar-prefetch + {nwin - len(out_leaves)} operands; got {len(operands)} operands"
+            + (f"{ndyn} grid-size + " if ndyn else "")
+            + f"{nsp} scalar-prefetch + {nwin - len(out_leaves)} operands; got {len(sizes) + len(operands)} operands"
         )
+    it = iter(max(int(np.asarray(x)), 0) for x in sizes)
+    bounds = [next(it) if b < 0 else b for b in bounds]
     arrays = [np.array(x) for x in operands[nsp:]]
     for o, leaf in enumerate(out_leaves):
         src = {v: k for k, v in aliases.items()}.get(o)
@@ -264,6 +269,7 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
         scratch.append(ops.allocate(a.type, ("scratch", i)))
         mesh.register(device, ("scratch", i), scratch[-1].root)
     ex = ops.Executor(funcs, mesh, device)
+    ex.iteration_bounds = bounds
     for point in itertools.product(*(range(b) for b in bounds)):
         idx = [np.int32(i) for i in point]
         views = []

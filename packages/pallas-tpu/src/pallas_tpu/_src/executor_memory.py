@@ -426,6 +426,18 @@ def _switch(ex, op, vals, env):
     return ex.region(region, [], env)
 
 
+@rule("tpu.iteration_bound")
+def _iteration_bound(ex, op, vals, env):
+    """The grid's size along ``dim`` (a dynamic size: the operand given for it)."""
+    from jaxlib.mlir import ir
+
+    dim = ir.IntegerAttr(op.attributes["dim"]).value
+    bounds = ex.iteration_bounds
+    if not 0 <= dim < len(bounds):
+        raise MosaicError(f"run_mosaic: {where(op)}: the grid has {len(bounds)} dimensions, not {dim + 1}")
+    return [np.asarray(bounds[dim], _out_dtype(op))]
+
+
 @rule("tpu.region", "tpu.trace")
 def _region(ex, op, vals, env):
     return ex.region(op.regions[0], [], env)

@@ -227,6 +227,7 @@ class Executor:
         self.mesh = mesh
         self.device = device
         self.allocations: dict[Any, int] = {}
+        self.iteration_bounds: list[int] = []  # the grid (dynamic sizes filled in), for tpu.iteration_bound
 
     def allocate(self, op) -> Buffer:
         """A buffer for an alloca op; its key is the op and how many times this

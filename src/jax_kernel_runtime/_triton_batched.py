@@ -243,16 +243,16 @@ def _operands(ptrs, mask, extra):
     return batched, shape, p, m
 
 
-def _load(self, ptr, *policy):  # *policy: as in _triton_patches._masked_load
+def _load(self, ptr, *policy, **policy_kw):  # *policy, **policy_kw: as in _triton_patches._masked_load
     if _active is None:
-        return _BUILDER_ORIGINALS["create_load"](self, ptr, *policy)
-    return _masked_load(self, ptr, None, None, *policy)
+        return _BUILDER_ORIGINALS["create_load"](self, ptr, *policy, **policy_kw)
+    return _masked_load(self, ptr, None, None, *policy, **policy_kw)
 
 
-def _store(self, ptr, value, *policy):
+def _store(self, ptr, value, *policy, **policy_kw):
     if _active is None:
-        return _BUILDER_ORIGINALS["create_store"](self, ptr, value, *policy)
-    return _masked_store(self, ptr, value, None, *policy)
+        return _BUILDER_ORIGINALS["create_store"](self, ptr, value, *policy, **policy_kw)
+    return _masked_store(self, ptr, value, None, *policy, **policy_kw)
 
 
 def _mask_handle(mask):
@@ -263,10 +263,10 @@ def _mask_handle(mask):
     return mask
 
 
-def _masked_load(self, ptrs, mask, other, *policy):  # *policy: as in _triton_patches
+def _masked_load(self, ptrs, mask, other, *policy, **policy_kw):  # *policy: as in _triton_patches
     mask = _mask_handle(mask)
     if _active is None:
-        return _BUILDER_ORIGINALS["create_masked_load"](self, ptrs, mask, other, *policy)
+        return _BUILDER_ORIGINALS["create_masked_load"](self, ptrs, mask, other, *policy, **policy_kw)
     interp = _triton_patches.interpreter()
     batched, shape, p, m = _operands(ptrs, mask, other)
     elem = ptrs.get_element_ty()
@@ -282,10 +282,10 @@ def _masked_load(self, ptrs, mask, other, *policy):  # *policy: as in _triton_pa
     return _handle(data, elem, batched)
 
 
-def _masked_store(self, ptrs, value, mask, *policy):
+def _masked_store(self, ptrs, value, mask, *policy, **policy_kw):
     mask = _mask_handle(mask)
     if _active is None:
-        return _BUILDER_ORIGINALS["create_masked_store"](self, ptrs, value, mask, *policy)
+        return _BUILDER_ORIGINALS["create_masked_store"](self, ptrs, value, mask, *policy, **policy_kw)
     interp = _triton_patches.interpreter()
     batched, shape, p, m = _operands(ptrs, mask, value)
     elem = ptrs.get_element_ty()

@@ -58,15 +58,16 @@ def _originals() -> dict[str, Any]:
 
 
 # *policy: (cache_modifier, eviction_policy, is_volatile) in Triton 3.6, (cache_policy,
-# is_volatile) in 3.9 (loads), without is_volatile for stores: passed through as given.
-def _masked_load(self, ptrs, mask, other, *policy):
+# is_volatile) in 3.9 (loads), without is_volatile for stores: passed through as given,
+# positionally or by keyword (the interpreter's tensor-descriptor loads pass keywords).
+def _masked_load(self, ptrs, mask, other, *policy, **policy_kw):
     _triton_interpret.check_access("load", ptrs.data, _mask_of(mask), _elem_bytes(ptrs))
-    return _originals()["create_masked_load"](self, ptrs, mask, other, *policy)
+    return _originals()["create_masked_load"](self, ptrs, mask, other, *policy, **policy_kw)
 
 
-def _masked_store(self, ptrs, value, mask, *policy):
+def _masked_store(self, ptrs, value, mask, *policy, **policy_kw):
     _triton_interpret.check_access("store", ptrs.data, _mask_of(mask), _elem_bytes(ptrs))
-    return _originals()["create_masked_store"](self, ptrs, value, mask, *policy)
+    return _originals()["create_masked_store"](self, ptrs, value, mask, *policy, **policy_kw)
 
 
 def _atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):

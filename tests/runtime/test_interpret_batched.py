@@ -330,3 +330,23 @@ def test_pallas_gpu_loop_with_program_dependent_bounds(passes, mode):
     )
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     assert not any(passes)
+
+
+@triton.jit
+def descriptor_tile_kernel(
+    x_ptr, o_ptr, M: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+):
+    # Device-side TMA descriptors (tl.make_tensor_descriptor): the interpreter's
+    # descriptor loads and stores reach the shared patches with keyword arguments.
+    i, j = tl.program_id(0), tl.program_id(1)
+    src = tl.make_tensor_descriptor(x_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    dst = tl.make_tensor_descriptor(o_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    dst.store([i * BM, j * BN], src.load([i * BM, j * BN]) * 2.0 + 1.0)
+
+
+def test_tensor_descriptor_tiles_with_partial_edges(mode):
+    x = rand((100, 80), 7)  # 100 = 3 * 32 + 4 rows, 80 = 2 * 32 + 16 cols: partial edge tiles
+    out = jt.triton_call(
+        x, kernel=descriptor_tile_kernel, out_shape=x, grid=(4, 3), M=100, N=80, BM=32, BN=32
+    )
+    np.testing.assert_allclose(out, x * 2.0 + 1.0, rtol=1e-6, atol=1e-6)

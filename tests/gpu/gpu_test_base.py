@@ -137,7 +137,19 @@ def lowered(f, *args):
 
     jaxpr = jax.make_jaxpr(f)(*args)
     (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
-    return lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"])
+    return lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"], source_options(eqn))
+
+
+def source_options(eqn) -> tuple:
+    """The source options (``use_tma``, ...) of a pallas_call equation's
+    compiler params, as the GPU lowering takes them."""
+    cp = eqn.params.get("compiler_params")
+    cp = cp[0] if isinstance(cp, (list, tuple)) and cp else cp
+    return (
+        cp.source_options()
+        if isinstance(cp, plgpu.CompilerParams)
+        else plgpu.CompilerParams().source_options()
+    )
 
 
 def all_lowered(f, *args):
@@ -152,7 +164,9 @@ def all_lowered(f, *args):
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                found.append(lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"]))
+                found.append(
+                    lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"], source_options(eqn))
+                )
                 continue
             for p in eqn.params.values():
                 for sub in p if isinstance(p, (tuple, list)) else (p,):

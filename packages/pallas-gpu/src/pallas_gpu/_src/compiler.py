@@ -125,6 +125,28 @@ def check_fp8(lk: LoweredKernel, cc: int, where: str) -> None:
         )
 
 
+def check_warp_specialize(lk: LoweredKernel, cc: int, where: str) -> None:
+    """Warp-specialized loops compile for Blackwell (sm_100+) only: on Hopper,
+    Triton 3.6 leaves them unspecialized or fails inside its NVGPU-to-LLVM pass
+    (upstream Triton specializes Hopper loops only in Meta's AutoWS fork)."""
+    if cc < 100 and dict(lk.source_options).get("warp_specialize"):
+        raise ValueError(
+            f"{where}: plgpu.CompilerParams(warp_specialize=True) needs a Blackwell GPU (sm_100 or "
+            f"newer), but the kernel is being compiled for sm_{cc}: Triton {_triton_release()} does not "
+            "warp-specialize loops on earlier GPUs (on Hopper its pass fails to compile some). Drop "
+            "warp_specialize on this GPU; use_tma=True and num_stages pipeline the loads on Hopper."
+        )
+
+
+def _triton_release() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:  # pragma: no cover - compile_kernel needs Triton anyway
+        return "?"
+
+
 def compiled_configs(
     lk: LoweredKernel, cc: int, cps: Sequence[CompilerParams], where: str = ""
 ) -> list[tuple[CompilerParams, Any]]:
@@ -137,6 +159,7 @@ def compiled_configs(
     """
     where = where or f"pallas_call '{lk.name}'"
     check_fp8(lk, cc, where)
+    check_warp_specialize(lk, cc, where)
     limit = SHARED_MEMORY_LIMITS.get(cc)
     kept, too_big = [], []
     for cp in cps:

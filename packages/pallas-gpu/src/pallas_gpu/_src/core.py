@@ -17,6 +17,24 @@ class CompilerParams(pl.CompilerParams):
       num_ctas: CTAs per cluster (Hopper and newer).
       enable_fp_fusion: let the compiler fuse multiply-adds.
       debug: compile with Triton's device-side assertions.
+      use_tma: read and write the blocks of input/output Refs through Hopper's
+        Tensor Memory Accelerator (device-side ``tl.make_tensor_descriptor``
+        loads and stores) wherever an access allows it: a dense tile whose dims
+        are powers of two of at most 256 elements, the last one at least 16
+        bytes, in an array whose leading strides are multiples of 16 bytes.
+        Other accesses keep pointer arithmetic. Out-of-bounds parts of a tile
+        read as zero and are not written, as the masked path does. TMA is
+        Hopper's (sm_90+); on earlier GPUs Triton compiles the descriptors to
+        ordinary loads and stores. Runs anywhere under ``plgpu.InterpretParams()``.
+      warp_specialize: ask Triton to warp-specialize the kernel's outermost
+        loops (``tl.range(..., warp_specialize=True)``: producer warps issue
+        the loads while consumer warps compute). Blackwell (sm_100+) only:
+        Triton 3.6 does not specialize loops on Hopper, so compiling for an
+        earlier GPU is an error that says so.
+
+    ``use_tma`` and ``warp_specialize`` change the generated kernel, so all the
+    configs of one autotuned ``pallas_call`` (a list of ``CompilerParams``)
+    must agree on them; tune them with ``plgpu.autotune`` instead.
     """
 
     PLATFORM = "cuda"
@@ -25,6 +43,8 @@ class CompilerParams(pl.CompilerParams):
     num_ctas: int = 1
     enable_fp_fusion: bool = True
     debug: bool = False
+    use_tma: bool = False
+    warp_specialize: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -46,6 +66,13 @@ class CompilerParams(pl.CompilerParams):
             raise ValueError(f"{where}: num_stages must be a positive int, got {self.num_stages!r}")
         if not isinstance(self.num_ctas, int) or self.num_ctas < 1:
             raise ValueError(f"{where}: num_ctas must be a positive int, got {self.num_ctas!r}")
+        for name in ("use_tma", "warp_specialize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{where}: {name} must be True or False, got {getattr(self, name)!r}")
+
+    def source_options(self) -> tuple[tuple[str, bool], ...]:
+        """The fields that change the generated kernel (not only its compilation)."""
+        return (("use_tma", self.use_tma), ("warp_specialize", self.warp_specialize))
 
     def compile_options(self) -> dict:
         return {

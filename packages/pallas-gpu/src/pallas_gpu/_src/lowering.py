@@ -431,6 +431,7 @@ class LoweredKernel:
     launch_grid: tuple[int, int, int]
     gpu_only: tuple[str, ...] = ()
     kernel_name: str = ""
+    source_options: tuple[tuple[str, bool], ...] = ()  # CompilerParams.source_options it was made with
 
     def module_source(self, interpret: bool) -> str:
         if interpret and self.gpu_only:

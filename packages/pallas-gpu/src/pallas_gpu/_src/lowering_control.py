@@ -9,6 +9,7 @@ iteration; Refs pass through loops unchanged.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -68,13 +69,31 @@ def _scan_rule(rc: RuleContext, *args, jaxpr, length, reverse=False, **params):
     ys = [const(em, 0, a.dtype, a.shape) for a in ys_avals]
     ys = _carry_vars(em, ys, "ys")
     it = em.fresh("it")
-    with em.block(f"for {it} in range(0, {length}):"):
+    with em.block(f"for {it} in {_loop_range(rc.lowering, f'0, {length}')}:"), _nested(rc.lowering):
         i = f"({length - 1} - {it})" if reverse else it
         rows = [_row(em, x, i) for x in xs]
         outs = rc.lowering.lower_jaxpr(jaxpr, [*consts, *carry, *rows])
         new_ys = [_set_row(em, y, i, o) for y, o in zip(ys, outs[num_carry:])]
         _reassign(em, [*carry, *ys], [*outs[:num_carry], *new_ys])
     return [*carry, *ys]
+
+
+def _loop_range(kl, bounds: str) -> str:
+    """The iterator of a lowered loop: with ``warp_specialize``, the outermost
+    loops are ``tl.range(..., warp_specialize=True)`` (Triton specializes one
+    loop level)."""
+    if kl.warp_specialize and not kl.loop_depth:
+        return f"tl.range({bounds}, warp_specialize=True)"
+    return f"range({bounds})"
+
+
+@contextlib.contextmanager
+def _nested(kl):
+    kl.loop_depth += 1
+    try:
+        yield
+    finally:
+        kl.loop_depth -= 1
 
 
 def _row_selector(x: Val, i: str) -> str:
@@ -140,7 +159,8 @@ def _while_rule(rc: RuleContext, *args, cond_jaxpr, body_jaxpr, cond_nconsts, bo
         # A Triton `for` over run-time bounds (scf.for) is software-pipelined
         # (num_stages); a `while` loop is not.
         it = em.fresh("it")
-        with em.block(f"for {it} in range(_loop_bound({carry[0].expr}), _loop_bound({carry[1].expr})):"):
+        bounds = f"_loop_bound({carry[0].expr}), _loop_bound({carry[1].expr})"
+        with em.block(f"for {it} in {_loop_range(kl, bounds)}:"), _nested(kl):
             outs = kl.lower_jaxpr(body_jaxpr, [*bconsts, *carry])
             _reassign(em, carry, outs)
         return carry

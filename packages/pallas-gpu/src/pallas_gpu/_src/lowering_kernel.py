@@ -74,7 +74,22 @@ MAX_RESIDENT_NUMEL = 2**15
 class KernelLowering:
     """Lowers one kernel jaxpr and its grid mapping to Triton source."""
 
-    def __init__(self, jaxpr, grid_mapping, fn_name: str, in_memory: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        jaxpr,
+        grid_mapping,
+        fn_name: str,
+        in_memory: frozenset[int] = frozenset(),
+        options: dict | None = None,
+    ):
+        options = options or {}
+        # Source options (CompilerParams.source_options): TMA tensor descriptors for
+        # block Ref accesses, warp-specialized loops.
+        self.use_tma = bool(options.get("use_tma", False))
+        self.warp_specialize = bool(options.get("warp_specialize", False))
+        self.loop_depth = 0  # fori loops being lowered around the current equation
+        self.tma_descriptors: dict[tuple, str] = {}  # (pointer, block shape) -> descriptor variable
+        self.prologue: list[str] = []  # lines at the top of the kernel (descriptor creation)
         self.jaxpr = jaxpr
         self.gm = grid_mapping
         self.name = grid_mapping.kernel_name  # the user's name, for messages
@@ -263,11 +278,25 @@ class KernelLowering:
             if sequential and len(resident) < gm.num_outputs:
                 em.emit("tl.debug_barrier()  # the next step reads what this one stored")
         for r in resident.values():
-            store_block(em, r.block, Val(r.var, r.shape, r.dtype))
+            store_block(em, r.block, Val(r.var, r.shape, r.dtype), self)
         args = [arg_name(bm, i) for i, bm in enumerate(gm.block_mappings)]
         sig = [pointer_signature(bm.dtype) for bm in gm.block_mappings]
         header = [f"def {self.fn_name}({', '.join(args)}):"]
-        return "\n".join(header + em.lines) + "\n", sig, launch_grid
+        return "\n".join(header + self.prologue + em.lines) + "\n", sig, launch_grid
+
+    def tma_descriptor(self, ptr: str, array_shape, block_shape) -> str:
+        """The tensor descriptor of array ``ptr`` for tiles of ``block_shape``,
+        made once at the top of the kernel (it depends only on the argument)."""
+        key = (ptr, tuple(block_shape))
+        if key not in self.tma_descriptors:
+            name = f"{ptr}_desc{len(self.tma_descriptors)}"
+            strides = [math.prod(array_shape[d + 1 :]) for d in range(len(array_shape))]
+            self.prologue.append(
+                f"    {name} = tl.make_tensor_descriptor({ptr}, shape={list(array_shape)}, "
+                f"strides={strides}, block_shape={list(block_shape)})"
+            )
+            self.tma_descriptors[key] = name
+        return self.tma_descriptors[key]
 
     def _resident_outputs(self, refs: list[Any], sequential: Sequence[int]) -> dict[int, ResidentRef]:
         """Output blocks loaded into registers before the sequential loops."""
@@ -280,7 +309,7 @@ class KernelLowering:
             if i in self.in_memory or numel > budget:
                 continue
             budget -= numel
-            v = load_block(self.em, refs[i])
+            v = load_block(self.em, refs[i], self)
             out[i] = ResidentRef(v.expr, tuple(refs[i].block_shape), refs[i].dtype, index=i, block=refs[i])
         return out
 
@@ -412,11 +441,11 @@ def kernel_name(name: str) -> str:
     return out
 
 
-def lower_kernel(jaxpr, grid_mapping) -> LoweredKernel:
+def lower_kernel(jaxpr, grid_mapping, options: dict | None = None) -> LoweredKernel:
     name = kernel_name(grid_mapping.kernel_name)
     in_memory: frozenset[int] = frozenset()
     while True:
-        kl = KernelLowering(jaxpr, grid_mapping, name, in_memory)
+        kl = KernelLowering(jaxpr, grid_mapping, name, in_memory, options)
         try:
             src, sig, launch_grid = kl.lower()
             break
@@ -424,4 +453,12 @@ def lower_kernel(jaxpr, grid_mapping) -> LoweredKernel:
             in_memory |= {e.index}
     helpers = "".join(f"@triton.jit\n{s}\n\n" for s in kl.em.helpers.values())
     body = helpers + "@triton.jit\n" + src
-    return LoweredKernel(name, body, tuple(sig), launch_grid, tuple(kl.gpu_only), grid_mapping.kernel_name)
+    return LoweredKernel(
+        name,
+        body,
+        tuple(sig),
+        launch_grid,
+        tuple(kl.gpu_only),
+        grid_mapping.kernel_name,
+        tuple(sorted((options or {}).items())),
+    )

@@ -27,6 +27,7 @@ from pallas import backend as pallas_backend
 from pallas_gpu._src import compat
 from pallas_gpu._src import primitives as gpu_primitives
 from pallas_gpu._src.lowering import (
+    _DTYPES,
     INT4,
     BlockRef,
     Emitter,
@@ -299,6 +300,71 @@ def _clipped_elements(em: Emitter, v: DimView, ar: str) -> str:
     )
 
 
+# ---------------------------------------------------------------------------
+# TMA (CompilerParams(use_tma=True)): dense tiles through tensor descriptors
+
+# Largest TMA box dimension (elements), and the smallest inner box (bytes).
+TMA_MAX_BOX = 256
+TMA_MIN_INNER_BYTES = 16
+
+
+def tma_tile(ref: BlockRef, view: list[DimView]) -> tuple[list[int], list] | None:
+    """(box shape per array dim, element offset per array dim) when the access
+    ``view`` of ``ref`` can be one TMA tile, else None (pointer arithmetic)."""
+    itemsize = ref.dtype.itemsize
+    rank = len(ref.array_shape)
+    if is_bool(ref.dtype) or ref.dtype.name in INT4 or not 1 <= rank <= 5:
+        return None
+    # Global strides other than the innermost must be multiples of 16 bytes.
+    if any(math.prod(ref.array_shape[d + 1 :]) * itemsize % 16 for d in range(rank - 1)):
+        return None
+    kdim = {d: k for k, d in enumerate(ref.kernel_dims)}
+    box, offsets = [], []
+    for d in range(rank):
+        v = view[kdim[d]] if d in kdim else DimView(0, None)
+        if v.clip is not None or v.elements is not None:
+            return None
+        size = 1 if v.size is None else v.size
+        if size > 1 and v.stride != 1:
+            return None
+        if size & (size - 1) or size > TMA_MAX_BOX:
+            return None
+        box.append(size)
+        offsets.append(_add(ref.starts[d], v.start))
+    if box[-1] * itemsize < TMA_MIN_INNER_BYTES:
+        return None
+    return box, offsets
+
+
+def _tma_load(rc_or_kl, ref: BlockRef, view: list[DimView]) -> tuple[str, tuple[int, ...]] | None:
+    kl = getattr(rc_or_kl, "lowering", rc_or_kl)
+    tile = tma_tile(ref, view) if kl is not None and kl.use_tma else None
+    if tile is None:
+        return None
+    box, offsets = tile
+    desc = kl.tma_descriptor(ref.ptr, ref.array_shape, box)
+    shape = tuple(v.size for v in view if v.size is not None)
+    expr = f"{desc}.load([{', '.join(str(o) for o in offsets)}])"
+    if list(shape) != box:
+        expr = f"tl.reshape({expr}, {list(shape)})"
+    return expr, shape
+
+
+def _tma_store(kl, ref: BlockRef, view: list[DimView], val: Val) -> bool:
+    tile = tma_tile(ref, view) if kl is not None and kl.use_tma else None
+    if tile is None:
+        return False
+    box, offsets = tile
+    desc = kl.tma_descriptor(ref.ptr, ref.array_shape, box)
+    x = val.expr
+    if val.dtype != ref.dtype:
+        x = f"{x}.to({_DTYPES[ref.dtype.name][0]})"
+    if list(val.shape) != box:
+        x = f"tl.reshape({x}, {box})"
+    kl.em.emit(f"{desc}.store([{', '.join(str(o) for o in offsets)}], {x})")
+    return True
+
+
 def _load_ref(rc: RuleContext, ref, view, out_dtype) -> Val:
     em = rc.em
     if isinstance(ref, ScratchRef):
@@ -306,6 +372,9 @@ def _load_ref(rc: RuleContext, ref, view, out_dtype) -> Val:
         return em.assign(ref.var, ref.shape, ref.dtype)
     if ref.dtype.name in INT4:
         return _load_int4(em, ref, view)
+    tma = _tma_load(rc, ref, view)
+    if tma is not None:
+        return em.assign(tma[0], tma[1], out_dtype)
     ptr, mask, shape = block_address(em, ref, view)
     if mask is None:
         expr = f"tl.load({ptr})"
@@ -340,10 +409,13 @@ def _store_ref(rc: RuleContext, ref, view, val: Val) -> None:
         em.emit(f"{ref.var} = {val.expr}")
         return
     _no_int4(rc, ref, "stores into")
-    ptr, mask, shape = block_address(em, ref, view)
-    x = val.expr
+    shape = tuple(v.size for v in view if v.size is not None)
     if shape != val.shape:
         raise rc.error(f"storing a {val.shape} value into a {shape} slice of a Ref")
+    if _tma_store(rc.lowering, ref, view, val):
+        return
+    ptr, mask, shape = block_address(em, ref, view)
+    x = val.expr
     if is_bool(ref.dtype):
         x = f"{x}.to(tl.int8)"
     if shape == () and val.shape == ():
@@ -372,14 +444,21 @@ def _check_whole(rc: RuleContext, ref: ScratchRef, view: list[DimView]) -> None:
         )
 
 
-def load_block(em: Emitter, ref: BlockRef) -> Val:
-    """The whole block of ``ref`` (masked at the array's edges)."""
-    ptr, mask, shape = block_address(em, ref, [DimView(0, n) for n in ref.block_shape])
+def load_block(em: Emitter, ref: BlockRef, kl: KernelLowering | None = None) -> Val:
+    """The whole block of ``ref`` (masked at the array's edges; a TMA tile
+    where ``kl`` asks for TMA and the block allows it)."""
+    whole = [DimView(0, n) for n in ref.block_shape]
+    tma = _tma_load(kl, ref, whole)
+    if tma is not None:
+        return em.assign(tma[0], tma[1], ref.dtype, "acc")
+    ptr, mask, shape = block_address(em, ref, whole)
     expr = f"tl.load({ptr}, mask={mask}, other=0)" if mask else f"tl.load({ptr})"
     return em.assign(f"{expr} != 0" if is_bool(ref.dtype) else expr, shape, ref.dtype, "acc")
 
 
-def store_block(em: Emitter, ref: BlockRef, val: Val) -> None:
+def store_block(em: Emitter, ref: BlockRef, val: Val, kl: KernelLowering | None = None) -> None:
+    if _tma_store(kl, ref, [DimView(0, n) for n in ref.block_shape], val):
+        return
     ptr, mask, _ = block_address(em, ref, [DimView(0, n) for n in ref.block_shape])
     x = f"{val.expr}.to(tl.int8)" if is_bool(ref.dtype) else val.expr
     em.emit(f"tl.store({ptr}, {x}, mask={mask})" if mask else f"tl.store({ptr}, {x})")

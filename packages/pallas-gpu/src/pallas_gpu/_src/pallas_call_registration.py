@@ -32,14 +32,29 @@ from pallas_gpu._src.lowering_kernel import lower_kernel
 _lowered_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def lowered_kernel(jaxpr, grid_mapping) -> LoweredKernel:
+def lowered_kernel(jaxpr, grid_mapping, options: tuple = ()) -> LoweredKernel:
     """The generated kernel, cached per grid mapping object (pallas-core
-    keeps one per traced kernel)."""
+    keeps one per traced kernel) and source options (``CompilerParams.source_options``)."""
     per_gm = _lowered_cache.setdefault(grid_mapping, {})
-    key = id(jaxpr)
+    key = (id(jaxpr), options)
     if key not in per_gm:
-        per_gm[key] = (jaxpr, lower_kernel(jaxpr, grid_mapping))
+        per_gm[key] = (jaxpr, lower_kernel(jaxpr, grid_mapping, dict(options)))
     return per_gm[key][1]
+
+
+def _source_options(cps: list[CompilerParams], gm) -> tuple:
+    """The source options all of ``cps`` share (they share one generated kernel)."""
+    first = cps[0].source_options()
+    for i, c in enumerate(cps[1:], 1):
+        for (name, a), (_, b) in zip(first, c.source_options()):
+            if a != b:
+                raise ValueError(
+                    f"{where(gm)}: compiler_params[{i}] has {name}={b!r} but compiler_params[0] has "
+                    f"{name}={a!r}; the configs of one pallas_call share the generated kernel and "
+                    f"differ only in compile options (num_warps, num_stages, ...): tune {name} with "
+                    "plgpu.autotune (one pallas_call per config) instead"
+                )
+    return first
 
 
 def where(gm) -> str:
@@ -62,6 +77,11 @@ def _compiler_params_list(cp: Any, gm) -> list[CompilerParams]:
     return cps
 
 
+def _all_gpu_params(cp: Any) -> bool:
+    cps = list(cp) if isinstance(cp, (list, tuple)) else [cp]
+    return bool(cps) and all(isinstance(c, CompilerParams) for c in cps)
+
+
 def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debug, compiler_params, **_):
     gm = grid_mapping
     if gm.num_scalar_prefetch:
@@ -76,7 +96,11 @@ def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debu
             "lower; use static grid sizes (e.g. the largest size, skipping the extra programs with "
             "pl.when), or run the kernel with interpret=True"
         )
-    lk = lowered_kernel(jaxpr, gm)
+    if isinstance(interpret, InterpretParams) and not _all_gpu_params(compiler_params):
+        cps = [CompilerParams()]  # params for another backend: the interpreter needs none
+    else:
+        cps = _compiler_params_list(compiler_params, gm)
+    lk = lowered_kernel(jaxpr, gm, _source_options(cps, gm))
     if debug:
         print(f"The Triton kernel for pallas_call '{gm.kernel_name}' ({gm.source}):")
         print(lk.module_source(interpret=False))
@@ -84,7 +108,6 @@ def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debu
         lk.module_source(interpret=True)  # uses the interpreter cannot run fail here, not in the callback
         fun = functools.partial(_interpret_call, lk=lk, gm=gm, aliases=input_output_aliases, params=interpret)
         return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
-    cps = _compiler_params_list(compiler_params, gm)
     cc, device = _target(gm)
     fun = functools.partial(
         _gpu_call, lk=lk, gm=gm, aliases=input_output_aliases, cps=tuple(cps), cc=cc, device=device

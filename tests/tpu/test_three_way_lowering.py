@@ -337,12 +337,7 @@ def test_dynamic_grid(way):
 
         return f
 
-    try:
-        out = run(build, (n, x), way)
-    except NotImplementedError as e:  # a run_mosaic without dynamic grids (before executor.py has them)
-        if "run_mosaic: dynamic grid sizes" not in str(e):
-            raise
-        pytest.xfail(str(e))
+    out = run(build, (n, x), way)
     bias = 30.0 + (jnp.arange(256) // 128).astype(jnp.float32)
     close(out, x.at[:24].set(x[:24] * 2.0 + bias))
 

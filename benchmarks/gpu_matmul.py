@@ -1,0 +1,243 @@
+"""Matmul against cuBLAS (issue 13, item 4): ``pallas_gpu.ops.matmul`` with its
+autotuned default, each of its candidate configs, JAX's Pallas (Triton
+backend) running the same grouped kernel at its best of three configs, and
+cuBLAS through XLA (``jnp.dot``) and through torch, all in one run.
+
+Rows: bf16 8192^3, 4096^3 and a skinny 8192 x 8192 x 1024 (bf16 result), and
+fp8 e4m3 8192^3 with an f32 result (XLA's fp8 path is cuBLASLt). Figures are
+TFLOP/s (2mnk / time) and the ratio ours / cuBLAS (XLA). Every candidate's
+output is checked against an f32 XLA reference first; one that fails is
+reported and left out. Then a sweep (square 1k-8k and skinny k=1024 at
+m = n = 1k-8k, defaults only) writes ``benchmarks/results/matmul.csv`` and, if
+matplotlib imports, ``matmul.png`` (also copied to ``$OUT`` when set).
+
+    python benchmarks/gpu_matmul.py            # on the GPU
+    python benchmarks/gpu_matmul.py --small    # tiny shapes through Triton's interpreter, no timing
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import os
+import shutil
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from _timing import measure
+from jax import lax
+
+import pallas_gpu as plgpu
+from pallas_gpu.ops import matmul as mm
+
+F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+RESULTS = Path(__file__).resolve().parent / "results"
+JAX_CFGS = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
+
+
+def has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def jax_pallas_matmul(a, b, cfg, out_dtype, interpret=False):
+    """The same grouped k-loop kernel written with JAX's Pallas (the reference)."""
+    from jax.experimental import pallas as jpl
+    from jax.experimental.pallas import triton as jplgpu
+
+    bm, bn, bk, w, s = cfg
+    (m, k), n = a.shape, b.shape[1]
+    nm, nn, g = m // bm, n // bn, min(8, m // bm)
+
+    def ids(p):
+        r = lax.rem(p, g * nn)
+        return lax.div(p, g * nn) * g + lax.rem(r, g), lax.div(r, g)
+
+    def kernel(a_ref, b_ref, o_ref):
+        def body(i, acc):
+            k0 = jpl.multiple_of(i * bk, bk)
+            return acc + jnp.dot(
+                a_ref[:, jpl.ds(k0, bk)], b_ref[jpl.ds(k0, bk), :], preferred_element_type=F32
+            )
+
+        o_ref[...] = lax.fori_loop(0, k // bk, body, jnp.zeros((bm, bn), F32)).astype(o_ref.dtype)
+
+    return jpl.pallas_call(
+        kernel,
+        jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(nm * nn,),
+        in_specs=[
+            jpl.BlockSpec((bm, k), lambda p: (ids(p)[0], 0)),
+            jpl.BlockSpec((k, bn), lambda p: (0, ids(p)[1])),
+        ],
+        out_specs=jpl.BlockSpec((bm, bn), ids),
+        compiler_params=jplgpu.CompilerParams(num_warps=w, num_stages=s),
+        interpret=interpret,
+    )(a, b)
+
+
+def candidates(m, k, n, dtype, small, tuned=True):
+    """{column: {label: jitted f(a, b)}}; ours' first entry is the default."""
+    out = BF16 if dtype == BF16 else F32
+    it = plgpu.InterpretParams() if small else False
+    cols = {
+        "ours": {"default": jax.jit(lambda a, b: mm.matmul(a, b, preferred_element_type=out, interpret=it))}
+    }
+    if tuned:
+        for c in mm.configs_for(m, n, k):
+            label = f"{c.block_m}x{c.block_n}x{c.block_k}/{c.num_warps}w/{c.num_stages}s/{'tma' if c.use_tma else 'ptr'}"
+            cols["ours"][label] = jax.jit(
+                functools.partial(mm.matmul, preferred_element_type=out, config=c, interpret=it)
+            )
+        if not small and dtype == BF16:
+            cols["JAX Pallas"] = {
+                f"{c[0]}x{c[1]}x{c[2]}/{c[3]}w/{c[4]}s": jax.jit(
+                    functools.partial(jax_pallas_matmul, cfg=c, out_dtype=out)
+                )
+                for c in JAX_CFGS
+            }
+    cols["cuBLAS (XLA)"] = {"": jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=out))}
+    return cols
+
+
+def run_row(m, k, n, dtype, small, tuned=True, torch=None):
+    key = jax.random.key(m + k + n)
+    a = jax.random.normal(key, (m, k), F32).astype(dtype)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (k, n), F32).astype(dtype)
+    ref = jnp.dot(a.astype(F32), b.astype(F32), precision="highest")
+    scale = float(jnp.max(jnp.abs(ref)))
+    flops = 2 * m * n * k
+    best = {}
+    for col, fns in candidates(m, k, n, dtype, small, tuned).items():
+        ok = {}
+        for label, f in fns.items():
+            try:
+                err = float(jnp.max(jnp.abs(f(a, b).astype(F32) - ref))) / scale
+            except Exception as e:  # noqa: BLE001
+                print(f"  {col} {label}: failed: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            if err > 2e-2:
+                print(f"  {col} {label}: WRONG (error {err:.2e} of max)")
+                continue
+            ok[label] = f
+        if small or not ok:
+            best[col] = (None, "checked" if ok else "failed")
+            continue
+        times = measure({lbl: (functools.partial(f, a, b), jax.block_until_ready) for lbl, f in ok.items()})
+        for lbl, t in times.items():
+            if len(times) > 1:
+                print(f"  {col:13s} {lbl:32s} {flops / t / 1e12:7.1f} TFLOP/s")
+        if col == "ours":
+            best["ours (default)"] = (times["default"], "default")
+            del times["default"]
+        if times:
+            lbl = min(times, key=times.get)
+            best[col if col != "ours" else "ours (best)"] = (times[lbl], lbl)
+    if torch is not None and dtype == BF16 and not small:
+        ta, tb = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (k, n)))
+        t = measure({"torch": (lambda: torch.matmul(ta, tb), lambda _: torch.cuda.synchronize())})["torch"]
+        best["cuBLAS (torch)"] = (t, "")
+    return best, flops
+
+
+def report(name, best, flops):
+    print(f"{name}")
+    ref = best.get("cuBLAS (XLA)", (None,))[0]
+    for col, (t, lbl) in best.items():
+        if t is None:
+            print(f"  {col:16s} {lbl}")
+            continue
+        ratio = f"  ours/cuBLAS {ref / t:5.2f}" if ref and col.startswith("ours") else ""
+        print(f"  {col:16s} {flops / t / 1e12:7.1f} TFLOP/s  {lbl}{ratio}")
+
+
+def sweep(small, out_dir):
+    sizes = [256] if small else [1024, 2048, 4096, 8192]
+    rows = []
+    for kind in ("square", "skinny"):
+        for s in sizes:
+            m, n, k = s, s, (s if kind == "square" else min(1024, s))
+            try:
+                best, flops = run_row(m, k, n, BF16, small, tuned=False)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                continue
+            for col, (t, _) in best.items():
+                if t is not None:
+                    rows.append(
+                        {"kind": kind, "m": m, "n": n, "k": k, "impl": col, "tflops": flops / t / 1e12}
+                    )
+    if small:
+        return
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "matmul.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, ["kind", "m", "n", "k", "impl", "tflops"])
+        w.writeheader()
+        w.writerows(rows)
+    files = [path]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, kind in zip(axes, ("square", "skinny")):
+            for impl in sorted({r["impl"] for r in rows}):
+                pts = [(r["m"], r["tflops"]) for r in rows if r["kind"] == kind and r["impl"] == impl]
+                ax.plot(*zip(*pts), marker="o", label=impl) if pts else None
+            ax.set_title(f"bf16 matmul, {kind} ({'m=n=k' if kind == 'square' else 'k=1024'})")
+            ax.set_xlabel("m = n")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_xscale("log", base=2)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "matmul.png", dpi=100)
+        files.append(RESULTS / "matmul.png")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    for p in files:
+        print(f"wrote {p}")
+        if out_dir:
+            shutil.copy(p, out_dir)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--small", action="store_true", help="tiny shapes through Triton's interpreter, no timing"
+    )
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    small = args.small
+    if not small and not has_gpu():
+        print("gpu_matmul: no GPU; run with --small for the interpreted check")
+        return
+    try:
+        import torch
+
+        torch = torch if torch.cuda.is_available() else None
+    except ImportError:
+        torch = None
+    rows = [(512, 256, 384, BF16), (256, 256, 256, FP8)] if small else [
+        (8192, 8192, 8192, BF16), (4096, 4096, 4096, BF16), (8192, 1024, 8192, BF16), (8192, 8192, 8192, FP8)
+    ]  # fmt: skip
+    for m, k, n, dtype in rows:
+        name = f"matmul {jnp.dtype(dtype).name} m={m} k={k} n={n}"
+        try:
+            report(name, *run_row(m, k, n, dtype, small, torch=torch))
+        except Exception:  # noqa: BLE001
+            print(f"{name}: failed")
+            traceback.print_exc()
+    if not args.no_sweep:
+        sweep(small, os.environ.get("OUT"))
+
+
+if __name__ == "__main__":
+    main()

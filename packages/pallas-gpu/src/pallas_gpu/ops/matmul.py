@@ -1,0 +1,184 @@
+"""Matrix multiplication ``a @ b`` as a Pallas kernel, autotuned per shape.
+
+One program computes one ``(block_m, block_n)`` tile of the result: it walks
+``k`` in steps of ``block_k`` (a ``fori_loop``, software-pipelined by Triton
+over ``num_stages``), accumulating ``jnp.dot`` of the two panels in f32.
+Programs are ordered in groups of ``group_m`` block rows ("swizzled"), so the
+programs running at once share the panels of ``b`` they read in L2. With
+``use_tma`` the panels and the result move through Hopper's TMA (see
+``plgpu.CompilerParams``). Edge tiles of any ``m`` and ``n`` are masked; a
+``k`` that ``block_k`` does not divide is zero-padded.
+
+``matmul(a, b)`` picks its configuration by timing the candidates of
+``configs_for`` on the first call with given shapes and dtypes on a GPU
+(``plgpu.autotune``: kept in memory and in pallas-gpu's disk cache); pass
+``config=MatmulConfig(...)`` to choose one. fp8 (``float8_e4m3fn``,
+``float8_e5m2``) inputs accumulate in f32 as the others do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallas as pl
+from pallas_gpu._src.autotune import autotune
+from pallas_gpu._src.core import CompilerParams
+from pallas_gpu.ops._common import next_power_of_2
+
+_FLOAT_INPUTS = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """One launch configuration of ``matmul``."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    use_tma: bool = True
+
+    def fitted(self, m: int, n: int, k: int) -> MatmulConfig:
+        """This config with blocks no larger than the (power-of-two padded) problem."""
+
+        def fit(b, d):
+            return max(16, min(b, next_power_of_2(d)))
+
+        return dataclasses.replace(
+            self, block_m=fit(self.block_m, m), block_n=fit(self.block_n, n), block_k=fit(self.block_k, k)
+        )
+
+
+# Candidates timed by the autotuner on the first call with a shape, best-known first
+# (what a CPU run uses). Block shapes and depths of the fastest Triton matmuls on Hopper.
+CONFIGS = (
+    MatmulConfig(128, 256, 64, 8, 8, 3, True),
+    MatmulConfig(256, 128, 64, 8, 8, 3, True),
+    MatmulConfig(128, 256, 64, 8, 8, 4, True),
+    MatmulConfig(128, 128, 64, 8, 4, 4, True),
+    MatmulConfig(128, 256, 64, 8, 8, 3, False),
+    MatmulConfig(128, 128, 128, 8, 8, 3, True),
+)
+
+
+def configs_for(m: int, n: int, k: int) -> tuple[MatmulConfig, ...]:
+    """The distinct candidates for an ``(m, k) @ (k, n)`` problem."""
+    return tuple(dict.fromkeys(c.fitted(m, n, k) for c in CONFIGS))
+
+
+def _tile(p, nm: int, nn: int, group_m: int):
+    """Program ``p`` -> (block row, block col): ``group_m`` block rows at a time,
+    column by column inside a group (the last group may have fewer rows)."""
+    per_group = group_m * nn
+    first = lax.div(p, per_group) * group_m
+    rows = jnp.minimum(nm - first, group_m)
+    r = lax.rem(p, per_group)
+    return first + lax.rem(r, rows), lax.div(r, rows)
+
+
+def _kernel(a_ref, b_ref, o_ref, *, block_k: int, steps: int):
+    def body(i, acc):
+        k0 = pl.multiple_of(i * block_k, block_k)
+        a, b = a_ref[:, pl.ds(k0, block_k)], b_ref[pl.ds(k0, block_k), :]
+        return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _check(a, b, preferred_element_type):
+    for name, x in (("a", a), ("b", b)):
+        if getattr(x, "ndim", None) != 2:
+            raise ValueError(f"pallas_gpu.ops.matmul: {name} must be a 2-d array, got shape {jnp.shape(x)}")
+        if jnp.dtype(x.dtype).name not in _FLOAT_INPUTS:
+            raise TypeError(
+                f"pallas_gpu.ops.matmul: {name} has dtype {jnp.dtype(x.dtype).name}; expected one of "
+                f"{', '.join(_FLOAT_INPUTS)}"
+            )
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"pallas_gpu.ops.matmul: a {a.shape} @ b {b.shape}: the inner dimensions differ "
+            f"({a.shape[1]} != {b.shape[0]})"
+        )
+    if a.dtype != b.dtype:
+        raise TypeError(
+            f"pallas_gpu.ops.matmul: a is {jnp.dtype(a.dtype).name} but b is {jnp.dtype(b.dtype).name}; "
+            "cast one so both have the same dtype"
+        )
+    out = jnp.dtype(preferred_element_type or a.dtype)
+    if out.name not in ("float32", "bfloat16", "float16"):
+        raise TypeError(
+            f"pallas_gpu.ops.matmul: preferred_element_type {out.name} is not supported; use float32, "
+            "bfloat16 or float16 (fp8 inputs accumulate in float32)"
+        )
+    return out
+
+
+def matmul_with_config(a, b, config: MatmulConfig, *, out_dtype, interpret=False, debug=False):
+    """``a @ b`` with one launch configuration (no tuning)."""
+    (m, k), n = a.shape, b.shape[1]
+    c = config.fitted(m, n, k)
+    if k % c.block_k:  # zero-pad k to whole blocks (zeros add nothing to the dot)
+        pad = c.block_k - k % c.block_k
+        a, b = jnp.pad(a, ((0, 0), (0, pad))), jnp.pad(b, ((0, pad), (0, 0)))
+        k += pad
+    nm, nn = pl.cdiv(m, c.block_m), pl.cdiv(n, c.block_n)
+    group_m = max(1, min(c.group_m, nm))
+
+    def rows(p):
+        return _tile(p, nm, nn, group_m)[0], 0
+
+    def cols(p):
+        return 0, _tile(p, nm, nn, group_m)[1]
+
+    kw = {}
+    if interpret is not False and interpret is not None:
+        kw["interpret"] = interpret
+    return pl.pallas_call(
+        functools.partial(_kernel, block_k=c.block_k, steps=k // c.block_k),
+        jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(nm * nn,),
+        in_specs=[pl.BlockSpec((c.block_m, k), rows), pl.BlockSpec((k, c.block_n), cols)],
+        out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda p: _tile(p, nm, nn, group_m)),
+        compiler_params=CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages, use_tma=c.use_tma),
+        name="matmul",
+        debug=debug,
+        **kw,
+    )(a, b)
+
+
+def _by_config(a, b, *, config, out_dtype, interpret, debug):
+    return matmul_with_config(a, b, config, out_dtype=out_dtype, interpret=interpret, debug=debug)
+
+
+@functools.cache
+def _tuned(configs: tuple[MatmulConfig, ...]):
+    return autotune(_by_config, configs=[dict(config=c) for c in configs], name="pallas_gpu.ops.matmul")
+
+
+def matmul(
+    a, b, *, preferred_element_type=None, config: MatmulConfig | None = None, interpret=False, debug=False
+):
+    """``a @ b`` for 2-d ``a`` (m, k) and ``b`` (k, n) of one float dtype.
+
+    Args:
+      a, b: the operands (float32, bfloat16, float16 or fp8).
+      preferred_element_type: the result's dtype (default: the inputs'; fp8
+        inputs need float32, bfloat16 or float16). Accumulation is f32.
+      config: a ``MatmulConfig``; None tunes over ``configs_for(m, n, k)`` on
+        the first call with these shapes on a GPU (the first candidate on a CPU).
+      interpret: ``True`` (pallas-core's interpreter) or
+        ``plgpu.InterpretParams()`` (the generated Triton code on the CPU).
+    """
+    out_dtype = _check(a, b, preferred_element_type)
+    if config is not None:
+        return matmul_with_config(a, b, config, out_dtype=out_dtype, interpret=interpret, debug=debug)
+    (m, k), n = a.shape, b.shape[1]
+    return _tuned(configs_for(m, n, k))(a, b, out_dtype=out_dtype, interpret=interpret, debug=debug)

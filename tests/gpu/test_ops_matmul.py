@@ -1,0 +1,125 @@
+"""pallas_gpu.ops.matmul against ``jnp.dot`` in f32 on random data: through
+Triton's interpreter on the CPU (also compiled for sm_80 and sm_90), or on the
+GPU with PALLAS_GPU_TESTS=gpu; edge tiles, a padded k, each config; the
+argument checks; ``gpu``-marked tests at the benchmark's sizes, autotuned."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gpu_test_base import check_all_compile, fresh_key, triton_mode
+
+import pallas_gpu as plgpu
+from pallas_gpu.ops import matmul as mm
+
+F32 = jnp.float32
+
+
+def operands(m, k, n, dtype):
+    a = jax.random.normal(fresh_key(), (m, k), F32).astype(dtype)
+    b = jax.random.normal(fresh_key(), (k, n), F32).astype(dtype)
+    return a, b
+
+
+def reference(a, b):
+    return jnp.dot(a.astype(F32), b.astype(F32), precision="highest")
+
+
+def check(out, a, b, rel):
+    ref = reference(a, b)
+    err = float(jnp.max(jnp.abs(out.astype(F32) - ref)))
+    scale = float(jnp.max(jnp.abs(ref)))
+    assert err <= rel * scale, (err, scale)
+
+
+@pytest.mark.parametrize(
+    "m,k,n,dtype",
+    [
+        (256, 128, 256, jnp.bfloat16),
+        (200, 96, 176, jnp.bfloat16),  # edge tiles in m and n, k padded to whole blocks
+        (130, 70, 40, F32),
+        (64, 512, 96, jnp.float16),
+    ],
+)
+def test_matmul_matches_jnp(m, k, n, dtype):
+    a, b = operands(m, k, n, dtype)
+    out = mm.matmul(a, b, preferred_element_type=F32, interpret=triton_mode())
+    assert out.shape == (m, n) and out.dtype == F32
+    check(out, a, b, 1e-5 if dtype == F32 else 2e-3)
+    out16 = mm.matmul(a, b, interpret=triton_mode())  # the inputs' dtype by default
+    assert out16.dtype == dtype
+    check(out16, a, b, 2e-6 if dtype == F32 else 1e-2)
+
+
+@pytest.mark.parametrize(
+    "config", mm.CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-tma{c.use_tma}"
+)
+def test_every_candidate_config(config):
+    a, b = operands(192, 160, 320, jnp.bfloat16)
+    out = mm.matmul(a, b, preferred_element_type=F32, config=config, interpret=triton_mode())
+    check(out, a, b, 2e-3)
+
+
+def test_fp8_inputs_accumulate_in_f32():
+    a, b = operands(128, 128, 128, jnp.float8_e4m3fn)
+    out = mm.matmul(a, b, preferred_element_type=F32, interpret=triton_mode())
+    check(out, a, b, 1e-5)  # fp8 products are exact in f32; only the summation order differs
+
+
+def test_candidates_compile_for_sm80_and_sm90():
+    a, b = operands(512, 512, 512, jnp.bfloat16)
+    for c in mm.configs_for(512, 512, 512)[:2]:
+        f = lambda a, b, c=c: mm.matmul(a, b, config=c)  # noqa: E731
+        assert (
+            check_all_compile(f, [a, b], plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages))
+            == 1
+        )
+
+
+def test_configs_fit_small_problems():
+    for c in mm.configs_for(40, 8, 24):  # m, n, k
+        assert c.block_m == 64 and c.block_n == 16 and c.block_k == 32
+
+
+@pytest.mark.parametrize(
+    "args,exc,match",
+    [
+        (
+            (jnp.zeros((2, 3, 4)), jnp.zeros((4, 5))),
+            ValueError,
+            r"matmul: a must be a 2-d array, got shape \(2, 3, 4\)",
+        ),
+        ((jnp.zeros((3, 4)), jnp.zeros((5, 6))), ValueError, r"inner dimensions differ \(4 != 5\)"),
+        ((jnp.zeros((3, 4)), jnp.zeros((4, 5), jnp.bfloat16)), TypeError, "a is float32 but b is bfloat16"),
+        ((jnp.zeros((3, 4), jnp.int32), jnp.zeros((4, 5), jnp.int32)), TypeError, "a has dtype int32"),
+    ],
+)
+def test_argument_errors(args, exc, match):
+    with pytest.raises(exc, match=match):
+        mm.matmul(*args, interpret=True)
+
+
+def test_fp8_result_dtype_error():
+    a = jnp.zeros((16, 16), jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="preferred_element_type float8_e4m3fn is not supported"):
+        mm.matmul(a, a, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,k,n,dtype",
+    [
+        (4096, 4096, 4096, jnp.bfloat16),
+        (8192, 1024, 8192, jnp.bfloat16),
+        (2048, 2048, 2048, jnp.float8_e4m3fn),
+    ],
+)
+def test_autotuned_matmul_on_gpu(m, k, n, dtype):
+    a, b = operands(m, k, n, dtype)
+    out = jax.jit(lambda a, b: mm.matmul(a, b, preferred_element_type=F32))(a, b)
+    ref = reference(a, b)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(ref), rtol=2e-3, atol=2e-3 * float(jnp.max(jnp.abs(ref)))
+    )

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_test_base import ON_DEVICE, assert_close, check_all_compile, fresh_key, triton_mode
+from gpu_test_base import ON_DEVICE, assert_close, check_all_compile, fresh_key, has_gpu, triton_mode
 
 import pallas_gpu as plgpu
 from pallas_gpu.ops import attention
@@ -100,6 +100,53 @@ def test_mha_backward_large_on_gpu(num_stages):
     for name, g, r in zip("qkv", grads, ref_grads):
         scale = float(jnp.max(jnp.abs(r)))
         assert float(jnp.max(jnp.abs(up(g) - r))) < 0.02 * scale, f"d{name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_mha_default_launches_on_gpu(causal):
+    # The launches of the per-device table (block_sizes, num_warps and
+    # num_stages left at None) at a size where every kernel loops many times.
+    shape = (2, 2048, 4, 128)
+    q, k, v, do = qkv(shape, jnp.bfloat16)
+    f = lambda q, k, v: attention.mha(q, k, v, None, sm_scale=128**-0.5, causal=causal)  # noqa: E731
+    up = lambda a: a.astype(jnp.float32)  # noqa: E731
+    ref = lambda q, k, v: attention.mha_reference(
+        up(q), up(k), up(v), None, sm_scale=128**-0.5, causal=causal
+    )  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        ref_out, ref_grads = run_vjp(ref, q, k, v, up(do))
+    out, grads = run_vjp(f, q, k, v, do)
+    for name, g, r in zip(["out", "dq", "dk", "dv"], [out, *grads], [ref_out, *ref_grads]):
+        scale = float(jnp.max(jnp.abs(r)))
+        assert float(jnp.max(jnp.abs(up(g) - r))) < 0.02 * scale, name
+
+
+def test_default_launches_come_from_the_table_or_the_fallback():
+    measured = attention.default_launches(128, 90)
+    assert set(measured) == {"fwd", "dkv", "dq"}
+    assert measured == attention._MEASURED[90, 128]
+    for d in (16, 64, 96, 128, 256):
+        launches = attention.default_launches(d, None)  # no GPU: sized to head_dim
+        assert all(bq >= 16 and bk >= 16 and w in (4, 8) for bq, bk, w, _ in launches.values())
+    assert attention.default_launches(64, 80) == attention.default_launches(64, None)
+    assert [attention._fit(128, s) for s in (4096, 96, 192, 64, 48)] == [128, 96, 64, 64, 48]
+
+
+def test_mha_default_arguments_fit_the_sequence():
+    # block_sizes=None: the default blocks are halved until they divide the
+    # sequence (192 = 3 * 64), where BlockSizes(128, ...) would raise.
+    q, k, v, do = qkv((1, 192, 2, 32), jnp.float32)
+    f = lambda q, k, v: attention.mha(q, k, v, None, sm_scale=0.3, causal=True, interpret=triton_mode())  # noqa: E731
+    out, grads = run_vjp(f, q, k, v, do)
+    ref_out, ref_grads = run_vjp(
+        lambda q, k, v: attention.mha_reference(q, k, v, None, sm_scale=0.3, causal=True), q, k, v, do
+    )
+    tol = 2e-2 if ON_DEVICE else 5e-5  # the GPU's f32 dots run in TF32
+    assert_close(out, ref_out, rtol=tol, atol=tol)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert_close(g, r, rtol=tol, atol=tol, err_msg=f"d{name}")
 
 
 def test_return_residuals_gives_the_log_sum_exp():

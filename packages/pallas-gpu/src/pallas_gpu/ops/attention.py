@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any
 
 import jax
@@ -66,9 +67,6 @@ class BlockSizes:
     @property
     def has_backward_blocks(self) -> bool:
         return None not in (self.block_q_dkv, self.block_kv_dkv, self.block_q_dq, self.block_kv_dq)
-
-
-_DEFAULT_BLOCKS = BlockSizes.get_default()
 
 
 def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Array:
@@ -144,6 +142,71 @@ def _blocks(bs: BlockSizes, T: int, S: int) -> dict[str, int]:
         "block_q_dq": q(bs.block_q_dq or bs.block_q),
         "block_kv_dq": kv(bs.block_kv_dq or bs.block_k),
     }
+
+
+# Default launches, {kernel: (block_q, block_k, num_warps, num_stages)}, per
+# (compute capability, head_dim), measured on the H200 with jax 0.11.2 and
+# Triton 3.6.0 (benchmarks/gpu_attention.py --tune: bf16, B4 H32 S4096 causal,
+# each kernel timed alone over a grid of launches). Fastest there, in ms:
+# fwd 1.307 (128x128, 8 warps, 3 stages; 1.554 at 2 stages), dk/dv 2.564
+# (64x64, 4 warps; 4.592 at the 32x128, 8 warps of FlashAttention-2's
+# shapes), dq 1.663 (64x64, 4 warps, 2 stages; 1.665 at 128x32, 8 warps, 3).
+_MEASURED: dict[tuple[int, int], dict[str, tuple[int, int, int, int]]] = {
+    (90, 128): {"fwd": (128, 128, 8, 3), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
+}
+# Other GPUs and head dims (keyed by the largest head_dim each serves): the
+# H200's backward tiles, which fit any GPU Triton supports, and forward tiles
+# that fit the 100-164 KiB of shared memory of sm_80/sm_86/sm_89 (the H200's
+# 128x128 forward at 3 stages takes 224 KiB).
+_FALLBACK: dict[int, dict[str, tuple[int, int, int, int]]] = {
+    64: {"fwd": (128, 64, 4, 3), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
+    128: {"fwd": (128, 64, 8, 2), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
+    1 << 30: {"fwd": (64, 64, 8, 2), "dkv": (32, 64, 8, 1), "dq": (64, 32, 8, 2)},
+}
+
+
+def compute_capability() -> int | None:
+    """The compute capability of JAX's first GPU as an int (90 for sm_90),
+    ``PALLAS_GPU_COMPUTE_CAPABILITY`` when set (compiling for a GPU from a
+    CPU machine), None without a GPU."""
+    forced = os.environ.get("PALLAS_GPU_COMPUTE_CAPABILITY", "")
+    if forced:
+        try:
+            return int(forced.replace(".", "").removeprefix("sm_"))
+        except ValueError:
+            return None
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    cc = getattr(devices[0], "compute_capability", None) if devices else None
+    if cc is None:
+        return None
+    major, minor = str(cc).split(".")[:2]
+    return int(major) * 10 + int(minor)
+
+
+def default_launches(head_dim: int, cc: int | None) -> dict[str, tuple[int, int, int, int]]:
+    """``mha``'s launch of each kernel ("fwd", "dkv", "dq") at its default
+    arguments: ``(block_q, block_k, num_warps, num_stages)`` measured on this
+    compute capability and head_dim where the table has them, else sized to
+    head_dim. Blocks are then capped at (and halved to divide) the sequence
+    lengths."""
+    if (cc, head_dim) in _MEASURED:
+        return dict(_MEASURED[cc, head_dim])
+    return dict(_FALLBACK[min(d for d in _FALLBACK if d >= head_dim)])
+
+
+def _fit(block: int, seq: int) -> int:
+    """``block`` capped at ``seq`` and halved (down to 16) until it divides ``seq``."""
+    block = min(block, seq)
+    while block > 16 and seq % block:
+        block //= 2
+    return block
+
+
+def _interpreted(interpret) -> bool:
+    return interpret is not False and interpret is not None
 
 
 def _mask(x, qi0, kj0, q_seg, kv_seg, causal: bool):
@@ -345,34 +408,30 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_
     dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
 
 
-def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, bs: BlockSizes, num_warps, num_stages,
-              interpret, debug):  # fmt: skip
+def _backward_dkv(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block_q, block_k, num_warps,
+                  interpret, debug):  # fmt: skip
+    """dk, dv: one program per (b, h, key block), looping over the query
+    blocks that see it. ``lse2`` is the log-sum-exp in base 2, ``delta`` is
+    ``sum(out * do)`` per row, both ``[batch, heads, seq]`` f32."""
     B, T, H, D = q.shape
     S = k.shape[1]
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(_F32), do.astype(_F32))
-    lse2 = lse * LOG2E
-    scale = sm_scale * LOG2E
     seg = segment_ids is not None
-
-    # dk, dv: one program per (b, h, key block), looping over all query blocks.
-    blocks = _blocks(bs, T, S)
-    bq, bk = blocks["block_q_dkv"], blocks["block_kv_dkv"]
-    nk = S // bk
+    nk = S // block_k
     b_of, h_of, kj_of = _program_ids(nk, H, reverse=False)
-    kv_rows, _ = _specs_2d(b_of, h_of, kj_of, bk, S, D)
-    _, q_full = _specs_2d(b_of, h_of, kj_of, bk, T, D)
+    kv_rows, _ = _specs_2d(b_of, h_of, kj_of, block_k, S, D)
+    _, q_full = _specs_2d(b_of, h_of, kj_of, block_k, T, D)
     full_vec = pl.BlockSpec((None, None, T), lambda p: (b_of(p), h_of(p), 0))
     in_specs = [q_full, kv_rows, kv_rows, q_full, full_vec, full_vec]
     args = [q, k, v, do, lse2, delta]
     if seg:
         in_specs += [
             pl.BlockSpec((None, T), lambda p: (b_of(p), 0)),
-            pl.BlockSpec((None, bk), lambda p: (b_of(p), kj_of(p))),
+            pl.BlockSpec((None, block_k), lambda p: (b_of(p), kj_of(p))),
         ]
         args += [segment_ids, segment_ids]
-    kernel = functools.partial(_dkv_kernel if seg else _no_segments(_dkv_kernel, 6), scale=scale,
-                               sm_scale=sm_scale, causal=causal, block_q=bq, nk=nk)  # fmt: skip
-    dk, dv = pl.pallas_call(
+    kernel = functools.partial(_dkv_kernel if seg else _no_segments(_dkv_kernel, 6), scale=sm_scale * LOG2E,
+                               sm_scale=sm_scale, causal=causal, block_q=block_q, nk=nk)  # fmt: skip
+    return pl.pallas_call(
         kernel,
         out_shape=[k, v],
         grid=(B * H * nk,),
@@ -386,23 +445,28 @@ def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, bs: BlockSiz
         **call_params(interpret, num_warps, 1),
     )(*args)
 
-    # dq: one program per (b, h, query block), looping over the key blocks it sees.
-    bq, bk = blocks["block_q_dq"], blocks["block_kv_dq"]
-    nq = T // bq
+
+def _backward_dq(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block_q, block_k, num_warps,
+                 num_stages, interpret, debug):  # fmt: skip
+    """dq: one program per (b, h, query block), looping over the key blocks it sees."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    seg = segment_ids is not None
+    nq = T // block_q
     b_of, h_of, qi_of = _program_ids(nq, H, reverse=True)
-    q_rows, kv_full = _specs_2d(b_of, h_of, qi_of, bq, S, D)
-    row_vec = pl.BlockSpec((None, None, bq), lambda p: (b_of(p), h_of(p), qi_of(p)))
+    q_rows, kv_full = _specs_2d(b_of, h_of, qi_of, block_q, S, D)
+    row_vec = pl.BlockSpec((None, None, block_q), lambda p: (b_of(p), h_of(p), qi_of(p)))
     in_specs = [q_rows, kv_full, kv_full, q_rows, row_vec, row_vec]
     args = [q, k, v, do, lse2, delta]
     if seg:
         in_specs += [
-            pl.BlockSpec((None, bq), lambda p: (b_of(p), qi_of(p))),
+            pl.BlockSpec((None, block_q), lambda p: (b_of(p), qi_of(p))),
             pl.BlockSpec((None, S), lambda p: (b_of(p), 0)),
         ]
         args += [segment_ids, segment_ids]
-    kernel = functools.partial(_dq_kernel if seg else _no_segments(_dq_kernel, 6), scale=scale,
-                               sm_scale=sm_scale, causal=causal, block_k=bk, nq=nq)  # fmt: skip
-    dq = pl.pallas_call(
+    kernel = functools.partial(_dq_kernel if seg else _no_segments(_dq_kernel, 6), scale=sm_scale * LOG2E,
+                               sm_scale=sm_scale, causal=causal, block_k=block_k, nq=nq)  # fmt: skip
+    return pl.pallas_call(
         kernel,
         out_shape=q,
         grid=(B * H * nq,),
@@ -412,6 +476,17 @@ def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, bs: BlockSiz
         debug=debug,
         **call_params(interpret, num_warps, num_stages),
     )(*args)
+
+
+def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, launches, interpret, debug):
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(_F32), do.astype(_F32))
+    lse2 = lse * LOG2E
+    bq, bk, warps, _ = launches["dkv"]
+    dk, dv = _backward_dkv(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, bq, bk, warps, interpret,
+                           debug)  # fmt: skip
+    bq, bk, warps, stages = launches["dq"]
+    dq = _backward_dq(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, bq, bk, warps, stages, interpret,
+                      debug)  # fmt: skip
     return dq, dk, dv
 
 
@@ -432,10 +507,10 @@ def mha(
     segment_ids: jax.Array | None,
     sm_scale: float = 1.0,
     causal: bool = False,
-    block_sizes: BlockSizes = _DEFAULT_BLOCKS,
+    block_sizes: BlockSizes | None = None,
     backward_pass_impl: str = "triton",
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     grid: tuple[int, ...] | None = None,
     interpret: Any = False,
     debug: bool = False,
@@ -446,10 +521,44 @@ def mha(
     and v. ``segment_ids`` (``[batch, seq_len]`` ints, or None) lets a query
     attend only to keys of its own segment. With ``return_residuals`` it also
     returns the log-sum-exp of each row, ``[batch, num_heads, seq_len]`` f32.
+
+    ``block_sizes``, ``num_warps`` and ``num_stages`` left at None take, for
+    each kernel (forward, dk/dv, dq), the launch measured fastest on this GPU
+    (``default_launches``); given, they apply as in JAX's ``mha`` (one
+    ``num_warps`` and ``num_stages`` for every kernel, ``num_stages`` 2 when
+    only ``block_sizes`` is given). The dk/dv kernel always runs one stage.
     """
     out, lse = _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_pass_impl,
                              num_warps, num_stages, grid, interpret, debug)  # fmt: skip
     return (out, lse) if return_residuals else out
+
+
+def _launches(q, k, block_sizes, num_warps, num_stages, interpret, causal, segment_ids):
+    """{kernel: (block_q, block_k, num_warps, num_stages)} for "fwd", "dkv", "dq", checked."""
+    T, S, D = q.shape[1], k.shape[1], q.shape[-1]
+    if block_sizes is None:
+        table = default_launches(D, None if _interpreted(interpret) else compute_capability())
+        launches = {
+            kern: (_fit(bq, T), _fit(bk, S), num_warps or w, st if num_stages is None else num_stages)
+            for kern, (bq, bk, w, st) in table.items()
+        }
+    else:
+        b = _blocks(block_sizes, T, S)
+        w = num_warps if num_warps is not None else (4 if D <= 64 else 8)
+        st = 2 if num_stages is None else num_stages
+        launches = {
+            "fwd": (b["block_q"], b["block_k"], w, st),
+            "dkv": (b["block_q_dkv"], b["block_kv_dkv"], w, st),
+            "dq": (b["block_q_dq"], b["block_kv_dq"], w, st),
+        }
+    launches["dkv"] = (*launches["dkv"][:3], 1)  # see _backward_dkv
+    names = {"fwd": ("block_q", "block_k"), "dkv": ("block_q_dkv", "block_kv_dkv"),
+             "dq": ("block_q_dq", "block_kv_dq")}  # fmt: skip
+    blocks = {}
+    for kern, (nq, nk) in names.items():
+        blocks[nq], blocks[nk] = (launches[kern][0], T), (launches[kern][1], S)
+    _check(q, k, k, segment_ids, causal, blocks)
+    return launches
 
 
 def _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_pass_impl, num_warps,
@@ -458,26 +567,10 @@ def _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_
         raise NotImplementedError("mha: grid= is chosen by pallas_gpu's kernels; pass grid=None")
     if backward_pass_impl not in ("triton", "xla"):
         raise ValueError(f"mha: backward_pass_impl must be 'triton' or 'xla', got {backward_pass_impl!r}")
-    T, S = q.shape[1], k.shape[1]
-    blocks = _blocks(block_sizes, T, S)
-    _check(
-        q, k, v, segment_ids, causal, {n: (b, T if n.startswith("block_q") else S) for n, b in blocks.items()}
-    )
-    warps = num_warps if num_warps is not None else (4 if q.shape[-1] <= 64 else 8)
-    return _forward(
-        q,
-        k,
-        v,
-        segment_ids,
-        sm_scale,
-        causal,
-        blocks["block_q"],
-        blocks["block_k"],
-        warps,
-        num_stages,
-        interpret,
-        debug,
-    )
+    _check(q, k, v, segment_ids, causal, {})
+    bq, bk, warps, stages = _launches(q, k, block_sizes, num_warps, num_stages, interpret, causal,
+                                      segment_ids)["fwd"]  # fmt: skip
+    return _forward(q, k, v, segment_ids, sm_scale, causal, bq, bk, warps, stages, interpret, debug)
 
 
 def _mha_fwd(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_pass_impl, num_warps, num_stages,
@@ -497,9 +590,8 @@ def _mha_bwd(sm_scale, causal, block_sizes, backward_pass_impl, num_warps, num_s
         )
         dq, dk, dv, _ = vjp(do)
         return dq, dk, dv, None
-    warps = num_warps if num_warps is not None else (4 if q.shape[-1] <= 64 else 8)
-    dq, dk, dv = _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, block_sizes, warps, num_stages,
-                           interpret, debug)  # fmt: skip
+    launches = _launches(q, k, block_sizes, num_warps, num_stages, interpret, causal, segment_ids)
+    dq, dk, dv = _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, launches, interpret, debug)
     return dq, dk, dv, None
 
 

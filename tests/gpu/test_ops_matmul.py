@@ -62,6 +62,17 @@ def test_every_candidate_config(config):
     check(out, a, b, 2e-3)
 
 
+@pytest.mark.parametrize("sms", [3, 132])
+def test_persistent_programs_walk_their_tiles(monkeypatch, sms):
+    # 3 programs over 2 x 4 tiles: programs 0 and 1 take three tiles, program 2 takes two.
+    monkeypatch.setattr(mm, "num_sms", lambda: sms)
+    a, b = operands(256, 192, 512, jnp.bfloat16)
+    config = mm.MatmulConfig(128, 128, 64, 2, 4, 3, True, persistent=True)
+    assert config.fitted(256, 512, 192).persistent and not config.fitted(250, 512, 192).persistent
+    out = mm.matmul(a, b, preferred_element_type=F32, config=config, interpret=triton_mode())
+    check(out, a, b, 2e-3)
+
+
 def test_fp8_inputs_accumulate_in_f32():
     a, b = operands(128, 128, 128, jnp.float8_e4m3fn)
     out = mm.matmul(a, b, preferred_element_type=F32, interpret=triton_mode())
@@ -70,7 +81,8 @@ def test_fp8_inputs_accumulate_in_f32():
 
 def test_candidates_compile_for_sm80_and_sm90():
     a, b = operands(512, 512, 512, jnp.bfloat16)
-    for c in mm.configs_for(512, 512, 512)[:2]:
+    configs = mm.configs_for(512, 512, 512)
+    for c in [configs[0], next(c for c in configs if c.persistent)]:
         f = lambda a, b, c=c: mm.matmul(a, b, config=c)  # noqa: E731
         assert (
             check_all_compile(f, [a, b], plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages))

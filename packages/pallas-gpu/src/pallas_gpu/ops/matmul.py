@@ -7,7 +7,9 @@ Programs are ordered in groups of ``group_m`` block rows ("swizzled"), so the
 programs running at once share the panels of ``b`` they read in L2. With
 ``use_tma`` the panels and the result move through Hopper's TMA (see
 ``plgpu.CompilerParams``). Edge tiles of any ``m`` and ``n`` are masked; a
-``k`` that ``block_k`` does not divide is zero-padded.
+``k`` that ``block_k`` does not divide is zero-padded. ``persistent`` configs
+launch one program per SM, each walking every ``P``-th tile in the same
+grouped order (where the blocks divide ``m`` and ``n``).
 
 ``matmul(a, b)`` picks its configuration by timing the candidates of
 ``configs_for`` on the first call with given shapes and dtypes on a GPU
@@ -44,16 +46,22 @@ class MatmulConfig:
     num_warps: int = 8
     num_stages: int = 3
     use_tma: bool = True
+    persistent: bool = False  # one program per SM, each walking its share of the tiles
 
     def fitted(self, m: int, n: int, k: int) -> MatmulConfig:
-        """This config with blocks no larger than the (power-of-two padded) problem."""
+        """This config with blocks no larger than the (power-of-two padded) problem;
+        persistent only where the blocks divide m and n (its tiles are pl.ds slices,
+        which clamp at the edges instead of masking)."""
 
         def fit(b, d):
             return max(16, min(b, next_power_of_2(d)))
 
-        return dataclasses.replace(
+        c = dataclasses.replace(
             self, block_m=fit(self.block_m, m), block_n=fit(self.block_n, n), block_k=fit(self.block_k, k)
         )
+        if c.persistent and (m % c.block_m or n % c.block_n):
+            c = dataclasses.replace(c, persistent=False)
+        return c
 
 
 # Candidates timed by the autotuner on the first call with a shape, best-known first
@@ -65,6 +73,8 @@ CONFIGS = (
     MatmulConfig(128, 128, 64, 8, 4, 4, True),
     MatmulConfig(128, 256, 64, 8, 8, 3, False),
     MatmulConfig(128, 128, 128, 8, 8, 3, True),
+    MatmulConfig(128, 256, 64, 8, 8, 3, True, persistent=True),
+    MatmulConfig(128, 256, 64, 8, 8, 4, True, persistent=True),
 )
 
 
@@ -91,6 +101,42 @@ def _kernel(a_ref, b_ref, o_ref, *, block_k: int, steps: int):
 
     acc = lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _persistent_kernel(a_ref, b_ref, o_ref, *, block_k, steps, nm, nn, group_m, block_m, block_n):
+    """Each program walks tiles ``pid, pid + P, ...`` (``P`` programs, one per SM)."""
+    pid, programs = pl.program_id(0), pl.num_programs(0)
+    tiles = nm * nn
+
+    def k_step(i, acc, m0, n0):
+        k0 = pl.multiple_of(i * block_k, block_k)
+        a = a_ref[pl.ds(m0, block_m), pl.ds(k0, block_k)]
+        b = b_ref[pl.ds(k0, block_k), pl.ds(n0, block_n)]
+        return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    def tile_step(t, carry):
+        tile = pid + t * programs
+
+        @pl.when(tile < tiles)
+        def _():
+            i, j = _tile(tile, nm, nn, group_m)
+            m0, n0 = pl.multiple_of(i * block_m, block_m), pl.multiple_of(j * block_n, block_n)
+            acc = lax.fori_loop(
+                0, steps, functools.partial(k_step, m0=m0, n0=n0), jnp.zeros((block_m, block_n), jnp.float32)
+            )
+            o_ref[pl.ds(m0, block_m), pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
+
+        return carry
+
+    lax.fori_loop(0, lax.div(tiles - pid + programs - 1, programs), tile_step, 0)
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device (132 where it does not say: an H100/H200)."""
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+    except RuntimeError:
+        return 132
 
 
 def _check(a, b, preferred_element_type):
@@ -141,13 +187,31 @@ def matmul_with_config(a, b, config: MatmulConfig, *, out_dtype, interpret=False
     kw = {}
     if interpret is not False and interpret is not None:
         kw["interpret"] = interpret
+    params = CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages, use_tma=c.use_tma)
+    if c.persistent:
+        kernel = functools.partial(
+            _persistent_kernel, block_k=c.block_k, steps=k // c.block_k, nm=nm, nn=nn, group_m=group_m,
+            block_m=c.block_m, block_n=c.block_n,
+        )  # fmt: skip
+        whole = [pl.BlockSpec((m, k), lambda p: (0, 0)), pl.BlockSpec((k, n), lambda p: (0, 0))]
+        return pl.pallas_call(
+            kernel,
+            jax.ShapeDtypeStruct((m, n), out_dtype),
+            grid=(min(nm * nn, num_sms()),),
+            in_specs=whole,
+            out_specs=pl.BlockSpec((m, n), lambda p: (0, 0)),
+            compiler_params=params,
+            name="matmul_persistent",
+            debug=debug,
+            **kw,
+        )(a, b)
     return pl.pallas_call(
         functools.partial(_kernel, block_k=c.block_k, steps=k // c.block_k),
         jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(nm * nn,),
         in_specs=[pl.BlockSpec((c.block_m, k), rows), pl.BlockSpec((k, c.block_n), cols)],
         out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda p: _tile(p, nm, nn, group_m)),
-        compiler_params=CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages, use_tma=c.use_tma),
+        compiler_params=params,
         name="matmul",
         debug=debug,
         **kw,

@@ -309,11 +309,6 @@ def test_sample_block_matches_jax_on_threefry_keys(sampler, rng):
         np.testing.assert_array_equal(ours, theirs)
 
 
-_PALLAS_KEYS_OURS = (
-    "Pallas (pallas_tpu_key) keys inside the kernel have no Mosaic lowering yet (threefry keys do)"
-)
-
-
 @pytest.mark.parametrize(
     "impl,way",
     [
@@ -321,7 +316,7 @@ _PALLAS_KEYS_OURS = (
         for impl in ["threefry2x32", "pallas"]
         for w in [
             pytest.param("core_interpret", id="core_interpret"),
-            *ways(ours_xfail=_PALLAS_KEYS_OURS if impl == "pallas" else None),
+            *ways(),
         ]
     ],
 )

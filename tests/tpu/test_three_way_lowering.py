@@ -178,6 +178,65 @@ def test_random_modules_verify_and_key_errors_name_the_line():
 
 
 # ---------------------------------------------------------------------------
+# Pallas keys (pltpu.to_pallas_key) inside a kernel: prng_set_seed_32 + prng_random_bits
+
+
+def _pallas_key_ops(data):
+    """What the Pallas-key test kernel draws from key data ``uint32[2]`` (in the
+    kernel and, as the reference, outside one: the impl's own definitions)."""
+    from pallas_tpu._src import random as tpu_random
+
+    k = jax.random.wrap_key_data(data.reshape(1, 2), impl=tpu_random.pallas_key_impl)
+    k2 = jax.random.fold_in(k, 7)
+    _, k3 = jax.random.split(k2)
+    return (
+        jax.random.bits(k, (8, 128)),
+        jax.random.uniform(k2, (8, 128)),
+        jax.random.bits(k3, (8, 128), jnp.uint8).astype(jnp.uint32),
+        jnp.broadcast_to(jax.random.bits(k, (128,)), (8, 128)),  # a rank-1 draw
+        jnp.broadcast_to(jax.random.key_data(k3).reshape(2, 1), (2, 128)),
+    )
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="wrap_key_data of Pallas keys is refused (wrap_pallas_seed)"))
+def test_pallas_keys_bits_uniform_fold_in_split(way):
+    key = pltpu.to_pallas_key(jax.random.key(fresh_seed()))
+    data = jax.random.key_data(key).reshape(2)
+
+    def build(pl, pltpu):
+        def pallas_keys(k_ref, a_ref, b_ref, c_ref, d_ref, e_ref):
+            outs = _pallas_key_ops(jnp.stack([k_ref[0], k_ref[1]]))
+            for ref, v in zip((a_ref, b_ref, c_ref, d_ref, e_ref), outs, strict=True):
+                ref[...] = v
+
+        shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in jax.eval_shape(_pallas_key_ops, data)]
+        return lambda d: pl.pallas_call(pallas_keys, out_shape=shapes, in_specs=[_smem(pl, pltpu)])(d)
+
+    outs = run(build, (data,), way)
+    for got, expect in zip(outs, _pallas_key_ops(data), strict=True):
+        equal(got, expect)
+    assert len(np.unique(np.asarray(outs[0]))) > 1000
+
+
+def test_pallas_key_module_seeds_the_core_prng():
+    data = jax.random.key_data(pltpu.to_pallas_key(jax.random.key(fresh_seed()))).reshape(2)
+
+    def kernel(k_ref, o_ref):
+        from pallas_tpu._src import random as tpu_random
+
+        d = jnp.stack([k_ref[0], k_ref[1]]).reshape(1, 2)
+        o_ref[...] = jax.random.uniform(
+            jax.random.wrap_key_data(d, impl=tpu_random.pallas_key_impl), (8, 128)
+        )
+
+    f = lambda d: pl.pallas_call(  # noqa: E731
+        kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), in_specs=[_smem(pl, pltpu)]
+    )(d)
+    (text,) = verified(f, data)
+    assert "tpu.prng_set_seed_32" in text and "tpu.prng_random_bits" in text, text
+
+
+# ---------------------------------------------------------------------------
 # lax.scan over arrays (xs, stacked ys)
 
 

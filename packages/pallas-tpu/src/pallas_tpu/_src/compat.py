@@ -228,6 +228,12 @@ def physical_aval(aval):
     return jax_core.physical_aval(aval)
 
 
+def prng_spec_impl(spec):
+    """The PRNG implementation behind a ``jax.extend.random`` spec (what
+    ``define_prng_impl`` returns; ``key_impl`` of its keys' dtype)."""
+    return getattr(spec, "_impl", spec)
+
+
 def key_impl(dtype):
     """The PRNG implementation of a key dtype (its ``seed``, ``split``,
     ``fold_in``, ``random_bits`` act on key data)."""

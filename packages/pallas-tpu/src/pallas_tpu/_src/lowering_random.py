@@ -11,6 +11,13 @@ rotations and xors (Salmon et al., "Parallel random numbers: as easy as 1, 2,
 hashes the 64-bit linear index of each element of the requested shape, so
 the bits equal those ``jax.random`` gives outside a kernel.
 
+Pallas keys (``pltpu.to_pallas_key``, the ``pallas_tpu_key`` implementation,
+key data ``uint32[*keys, 1, 2]``) lower as pallas_tpu's interpret mode runs
+them (``random.py``): ``random_bits`` reseeds the core's PRNG with the two key
+words (``tpu.prng_set_seed_32``) and draws ``tpu.prng_random_bits`` (narrow
+widths are the low bits of 32-bit words, as threefry's), while ``seed``,
+``fold_in`` and ``split`` are the threefry definitions above on the key data.
+
 Structural primitives on key arrays (``unstack`` after ``split``, slicing,
 reshapes, broadcasts, loops and conds carrying keys) lower on the key data:
 ``key_params`` says how each one's params change (the key's trailing dim).
@@ -26,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from pallas_tpu._src import compat
+from pallas_tpu._src import random as tpu_random
 from pallas_tpu._src.lowering import (
     key_params,
     key_rules,
@@ -117,17 +125,58 @@ def random_bits(data, bit_width, shape):
 # Rules
 
 
-def _check_impl(aval):
+# Pallas keys: the key data is [*keys, 1, 2]
+
+
+def pallas_seed(seeds):
+    """Pallas key data of integer seeds: each seed in both words (``_key_seed``)."""
+    words = seeds.astype(jnp.int32).astype(jnp.uint32)
+    return jnp.broadcast_to(words[..., None, None], (*seeds.shape, 1, 2))
+
+
+def pallas_fold_in(data, msgs, out_shape):
+    return fold_in(data[..., 0, :], msgs, out_shape)[..., None, :]
+
+
+def pallas_split(data, shape):
+    keys = data.shape[:-2]
+    flat = split(data[..., 0, :], (math.prod(shape),))
+    return flat.reshape(*keys, *shape, 1, 2)
+
+
+def pallas_random_bits(data, bit_width, shape):
+    """``prng_seed(k0, k1)`` then ``prng_random_bits`` for each key of ``data``
+    (the TPU draws rank >= 2 shapes: a lower rank draws ``(1, ..., *shape)``)."""
+    if bit_width not in (8, 16, 32):
+        raise NotImplementedError(f"random bits of {bit_width} bits (Mosaic has 8, 16 and 32)")
+    keys = data.shape[:-2]
+    drawn = (1,) * (2 - len(shape)) + tuple(shape)
+    flat = data.reshape(-1, 2)
+    outs = []
+    for k in range(flat.shape[0]):
+        tpu_random.prng_seed(flat[k, 0], flat[k, 1])
+        bits = lax.bitcast_convert_type(tpu_random.prng_random_bits(drawn), jnp.uint32)
+        bits = bits if bit_width == 32 else bits.astype(f"uint{bit_width}")
+        outs.append(bits.reshape(shape))
+    return jnp.stack(outs).reshape(*keys, *shape) if keys else outs[0]
+
+
+def _kind(aval) -> str:
+    """``"threefry"`` or ``"pallas"``: the implementation of a key aval's keys."""
     impl = compat.key_impl(aval.dtype)
+    if impl.name == compat.prng_spec_impl(tpu_random.pallas_key_impl).name:
+        return "pallas"
     if impl.name != "threefry2x32":
         raise NotImplementedError(
             f"PRNG keys of the '{impl.name}' implementation; kernels lower threefry2x32 keys "
-            "(jax.random.key(seed)) or the stateful pltpu.prng_seed / prng_random_bits"
+            "(jax.random.key(seed)), Pallas keys (pltpu.to_pallas_key) or the stateful "
+            "pltpu.prng_seed / prng_random_bits"
         )
     if not jax.config.jax_threefry_partitionable:
         raise NotImplementedError(
             "jax_threefry_partitionable=False (kernels follow the partitionable scheme)"
         )
+    return "threefry"
 
 
 def _key_rule(prim_name):
@@ -141,31 +190,30 @@ def _key_rule(prim_name):
 
 @_key_rule("random_seed")
 def _random_seed(ctx, seeds, *, impl):
-    _check_impl(ctx.avals_out[0])
-    return lower_fun(seed, ctx, seeds)
+    pallas = _kind(ctx.avals_out[0]) == "pallas"
+    return lower_fun(pallas_seed if pallas else seed, ctx, seeds)
 
 
 @_key_rule("random_split")
 def _random_split(ctx, keys, *, shape):
-    _check_impl(ctx.avals_in[0])
-    return lower_fun(split, ctx, keys, shape=tuple(shape), avals_in=[physical(ctx.avals_in[0])])
+    fn = pallas_split if _kind(ctx.avals_in[0]) == "pallas" else split
+    return lower_fun(fn, ctx, keys, shape=tuple(shape), avals_in=[physical(ctx.avals_in[0])])
 
 
 @_key_rule("random_fold_in")
 def _random_fold_in(ctx, keys, msgs):
     keys_aval, msgs_aval = ctx.avals_in
-    _check_impl(keys_aval)
+    fn = pallas_fold_in if _kind(keys_aval) == "pallas" else fold_in
     out_shape = tuple(ctx.avals_out[0].shape)
     avals = [physical(keys_aval), msgs_aval.update(dtype=jnp.uint32)]
     if msgs_aval.dtype != jnp.uint32:
         raise NotImplementedError(f"fold_in of {msgs_aval.dtype} data (jax.random.fold_in passes uint32)")
-    return lower_fun(fold_in, ctx, keys, msgs, out_shape=out_shape, avals_in=avals)
+    return lower_fun(fn, ctx, keys, msgs, out_shape=out_shape, avals_in=avals)
 
 
 @_key_rule("random_bits")
 def _random_bits(ctx, keys, *, bit_width, shape):
-    _check_impl(ctx.avals_in[0])
-    fn = random_bits
+    fn = pallas_random_bits if _kind(ctx.avals_in[0]) == "pallas" else random_bits
     return lower_fun(
         fn, ctx, keys, bit_width=bit_width, shape=tuple(shape), avals_in=[physical(ctx.avals_in[0])]
     )
@@ -173,13 +221,13 @@ def _random_bits(ctx, keys, *, bit_width, shape):
 
 @_key_rule("random_wrap")
 def _random_wrap(ctx, data, *, impl):
-    _check_impl(ctx.avals_out[0])
+    _kind(ctx.avals_out[0])
     return data
 
 
 @_key_rule("random_unwrap")
 def _random_unwrap(ctx, keys):
-    _check_impl(ctx.avals_in[0])
+    _kind(ctx.avals_in[0])
     return keys
 
 

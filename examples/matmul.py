@@ -10,6 +10,8 @@ kernel starts (interpret mode fills it with NaN on purpose), so the `pl.when` is
 Accumulating along a grid axis relies on the grid running its steps in order, as interpret
 mode and TPUs do. On a GPU the programs of a grid run concurrently, so there the k loop moves
 inside the kernel (`matmul_k_loop`): a grid of `(m / bm, n / bn)` and a `fori_loop` over k.
+On a GPU it also runs with `plgpu.CompilerParams(use_tma=True)` (`matmul_k_loop_tma`): the
+same kernel, its tiles moved by Hopper's Tensor Memory Accelerator.
 
 Run: python examples/matmul.py [--size small|large]
 """
@@ -58,7 +60,7 @@ def matmul_k_loop_kernel(x_ref, y_ref, o_ref, *, bk):
     o_ref[...] = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, acc)
 
 
-def matmul_k_loop(x, y, *, bm, bn, bk, backend):
+def matmul_k_loop(x, y, *, bm, bn, bk, backend, **hopper):
     (m, k), (_, n) = x.shape, y.shape
     return pl.pallas_call(
         functools.partial(matmul_k_loop_kernel, bk=bk),
@@ -69,7 +71,7 @@ def matmul_k_loop(x, y, *, bm, bn, bk, backend):
             pl.BlockSpec((k, bn), lambda i, j: (0, j)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        **backend.call_kwargs(num_warps=4, num_stages=3),
+        **backend.call_kwargs(num_warps=4, num_stages=3, **hopper),
     )(x, y)
 
 
@@ -91,6 +93,9 @@ def main():
     variants = {"matmul": matmul, "matmul_k_loop": matmul_k_loop}
     if not backend.interpret:
         del variants["matmul"]  # grid-axis accumulation needs sequential grid steps
+        # The same kernel with its panels and result moved by Hopper's TMA (tensor descriptors):
+        # one CompilerParams field, no change to the kernel (older GPUs: ordinary loads).
+        variants["matmul_k_loop_tma"] = functools.partial(matmul_k_loop, use_tma=True)
     for name, impl in variants.items():
         blocks = {b: cfg[b] for b in ("bm", "bn", "bk")}
         fn = jax.jit(functools.partial(impl, **blocks, backend=backend))

@@ -17,6 +17,7 @@ import pytest
 from gpu_test_base import ON_DEVICE, assert_close, check_all_compile, fresh_key, triton_mode
 
 import pallas_gpu as plgpu
+from pallas_gpu.ops import _norm as norm_mod
 from pallas_gpu.ops import layer_norm as ln_mod
 from pallas_gpu.ops import rms_norm as rms_mod
 from pallas_gpu.ops import softmax as softmax_mod
@@ -108,6 +109,44 @@ def test_default_launch():
     assert rms_mod.forward_launch(16384, 1024, 4) == (4, 8)
     assert rms_mod.forward_launch(3, 100, 4) == (4, 1)
     assert rms_mod.forward_launch(100, 100, 4, num_warps=2, block_rows=7) == (7, 2)
+
+
+def test_default_launch_of_softmax_and_layer_norm():
+    # the measured defaults (H200, 16384 x 8192): softmax 16 warps, layer norm 16 (f32) or 4 (bf16)
+    assert softmax_mod.launch(16384, 8192) == (1, 16)
+    assert softmax_mod.launch(8192, 16384) == (1, 4)  # rows over 8192 elements keep JAX's 4
+    assert softmax_mod.launch(131072, 1024) == (4, 8)
+    assert softmax_mod.launch(3, 100, num_warps=2, block_rows=5) == (5, 2)
+    assert norm_mod.forward_launch(16384, 8192, 4) == (1, 16)
+    assert norm_mod.forward_launch(16384, 8192, 2) == (1, 4)
+    assert norm_mod.forward_launch(131072, 1024, 4) == (4, 8)
+    assert norm_mod.forward_launch(131072, 1024, 2) == (4, 4)
+    assert norm_mod.forward_evict(2) == "evict_first" and norm_mod.forward_evict(4) is None
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(block_rows=3), dict(block_rows=1, num_warps=1), dict(evict=None), dict(evict="evict_last")]
+)
+@pytest.mark.parametrize("op", ["softmax", "layer_norm"])
+def test_softmax_and_layer_norm_launch_options(op, kw):
+    x, w, b = data((10, 200), jnp.bfloat16)
+    xf = x.astype(jnp.float32)
+    if op == "softmax":
+        out, ref = softmax_mod.forward(x, interpret=triton_mode(), **kw), jax.nn.softmax(xf, axis=-1)
+    else:
+        out = norm_mod.forward(x, w, b, eps=1e-5, center=True, num_warps=kw.get("num_warps"), num_stages=1,
+                               interpret=triton_mode(), name="layer_norm",
+                               **{k: v for k, v in kw.items() if k != "num_warps"})[0]  # fmt: skip
+        ref = norm_mod.reference(x, w, b, eps=1e-5, center=True)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out.astype(jnp.float32), ref.astype(jnp.float32), rtol=2e-2, atol=5e-2)
+
+
+def test_softmax_forward_bad_arguments():
+    with pytest.raises(ValueError, match=r"evict must be 'evict_first', 'evict_last' or None; got 'x'"):
+        softmax_mod.forward(jnp.zeros((4, 8)), evict="x")
+    with pytest.raises(ValueError, match=r"block_rows must be a positive int or None; got 0"):
+        softmax_mod.forward(jnp.zeros((4, 8)), block_rows=0)
 
 
 def test_pallas_core_interpreter():

@@ -137,7 +137,10 @@ def test_same_signatures_as_jax():
         up_sm = pytest.importorskip("jax.experimental.pallas.ops.gpu.softmax")
     for ours, theirs in ((ln_mod.layer_norm, up_ln.layer_norm), (rms_mod.rms_norm, up_rms.rms_norm),
                          (softmax_mod.softmax, up_sm.softmax)):  # fmt: skip
-        assert params(ours) == params(theirs), ours
+        expected = params(theirs)
+        if ours is softmax_mod.softmax:  # ours picks the warps from the row length (None) for JAX's 4
+            expected = [(n, k, None if n == "num_warps" else d) for n, k, d in expected]
+        assert params(ours) == expected, ours
 
 
 def params(fn):

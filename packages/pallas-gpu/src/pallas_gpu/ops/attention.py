@@ -18,6 +18,11 @@ is an import change. Arrays are ``[batch, seq_len, num_heads, head_dim]``.
   The dk/dv kernel runs with one pipeline stage whatever ``num_stages`` says
   (see ``_backward``).
 
+Launches: with ``block_sizes``, ``num_warps`` and ``num_stages`` at None
+(the defaults) each kernel takes its own from ``_MEASURED`` (per compute
+capability and head_dim, timed on the H200) or ``_FALLBACK``
+(``default_launches``).
+
 ``interpret`` takes ``True`` (pallas-core's interpreter) or
 ``pallas_gpu.InterpretParams()`` (the generated Triton kernel under Triton's
 interpreter), so the kernels run on a CPU.
@@ -148,19 +153,19 @@ def _blocks(bs: BlockSizes, T: int, S: int) -> dict[str, int]:
 # (compute capability, head_dim), measured on the H200 with jax 0.11.2 and
 # Triton 3.6.0 (benchmarks/gpu_attention.py --tune: bf16, B4 H32 S4096 causal,
 # each kernel timed alone over a grid of launches). Fastest there, in ms:
-# fwd 1.307 (128x128, 8 warps, 3 stages; 1.554 at 2 stages), dk/dv 2.564
+# fwd 1.226 (64x64, 4 warps, 3 stages; 1.301 at 128x128, 8 warps, 3 stages, 1.554
+# at 2; non-causal 2.345, 2.389, 2.611), dk/dv 2.564
 # (64x64, 4 warps; 4.592 at the 32x128, 8 warps of FlashAttention-2's
 # shapes), dq 1.663 (64x64, 4 warps, 2 stages; 1.665 at 128x32, 8 warps, 3).
 _MEASURED: dict[tuple[int, int], dict[str, tuple[int, int, int, int]]] = {
-    (90, 128): {"fwd": (128, 128, 8, 3), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
+    (90, 128): {"fwd": (64, 64, 4, 3), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
 }
 # Other GPUs and head dims (keyed by the largest head_dim each serves): the
-# H200's backward tiles, which fit any GPU Triton supports, and forward tiles
-# that fit the 100-164 KiB of shared memory of sm_80/sm_86/sm_89 (the H200's
-# 128x128 forward at 3 stages takes 224 KiB).
+# H200's tiles, which fit the 100-164 KiB of shared memory of sm_80/sm_86/sm_89
+# (the 64x64 forward at 3 stages takes about 64 KiB at head_dim 128).
 _FALLBACK: dict[int, dict[str, tuple[int, int, int, int]]] = {
     64: {"fwd": (128, 64, 4, 3), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
-    128: {"fwd": (128, 64, 8, 2), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
+    128: {"fwd": (64, 64, 4, 3), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
     1 << 30: {"fwd": (64, 64, 8, 2), "dkv": (32, 64, 8, 1), "dq": (64, 32, 8, 2)},
 }
 

@@ -563,12 +563,12 @@ def _lowering_error(kernel, *shapes, out=(8, 128), **kw):
 
 
 def test_unsupported_primitive_names_it_the_kernel_and_line():
-    def my_lgamma_kernel(x_ref, o_ref):
-        o_ref[...] = lax.lgamma(x_ref[...])  # the line
+    def my_igamma_kernel(x_ref, o_ref):
+        o_ref[...] = lax.igamma(x_ref[...], x_ref[...])  # the line
 
-    msg = _lowering_error(my_lgamma_kernel, (8, 128))
-    assert "primitive 'lgamma'" in msg
-    assert "pallas_call 'my_lgamma_kernel'" in msg
+    msg = _lowering_error(my_igamma_kernel, (8, 128))
+    assert "primitive 'igamma'" in msg
+    assert "pallas_call 'my_igamma_kernel'" in msg
     assert re.search(r"test_lowering.py:\d+", msg)
     assert "no Mosaic lowering" in msg
 
@@ -725,8 +725,8 @@ def _k_strided_view(x_ref, o_ref, buf, sem):
     o_ref[...] = buf[...]
 
 
-def _k_gather(x_ref, o_ref):
-    o_ref[...] = x_ref[lax.broadcasted_iota(jnp.int32, (8, 128), 0)[:, 0]]
+def _k_scatter(x_ref, o_ref):
+    o_ref[lax.broadcasted_iota(jnp.int32, (8, 128), 0)[:, 0]] = x_ref[...]
 
 
 def _k_print_f16(x_ref, o_ref):
@@ -750,7 +750,7 @@ VMEM_DMA = dict(scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.Semapho
         ),
         (_k_dma_add, VMEM_DMA, (8, 128), "add=True"),
         (_k_strided_view, VMEM_DMA, (16, 128), "strided views"),
-        (_k_gather, {}, (8, 128), "with an array (a gather)"),
+        (_k_scatter, {}, (8, 128), "through an array index (a scatter"),
         (_k_print_f16, {}, (8, 128), "32-bit ints and floats"),
     ],
     ids=lambda v: v.__name__ if callable(v) else None,

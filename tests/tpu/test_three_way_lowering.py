@@ -473,3 +473,168 @@ def test_sort_module_verifies():
 
     (text,) = verified(_one_block(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32))(pl, pltpu), x)
     assert "arith.select" in text and "tpu.sort" not in text
+
+
+# ---------------------------------------------------------------------------
+# Gathers: Ref reads indexed by an array (one dynamic load per index)
+
+
+def _gathers(x, i):
+    """The gathers of the gather test, as jnp indexing of ``x`` (4, 16, 128)."""
+    return (
+        x[2][i],  # rows of a 2-D Ref
+        x[1][:, i],  # columns
+        x[1, i],  # an integer and an array: adjacent, the index shape in place
+        x[i % 4, :, 3],  # an array and an integer apart: the index shape leads
+        x[0][i.reshape(2, 4)],  # a 2-D index array
+        x[3, i, i * 8],  # single elements
+    )
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="array-indexed Ref reads: 'Cannot do int indexing on TPU'"))
+def test_gather_ref_reads(way):
+    x = rand(fresh_seed(), (4, 16, 128))
+    i = jnp.asarray(np.random.default_rng().integers(0, 16, 8), jnp.int32)
+
+    def build(pl, pltpu):
+        def gathers(x_ref, i_ref, *o_refs):
+            i = i_ref[...]
+            outs = (
+                x_ref.at[2][i],
+                x_ref.at[1][:, i],
+                x_ref[1, i],
+                x_ref[i % 4, :, 3],
+                x_ref.at[0][i.reshape(2, 4)],
+                x_ref[3, i, i * 8],
+            )
+            for o_ref, v in zip(o_refs, outs, strict=True):
+                o_ref[...] = v
+
+        shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in jax.eval_shape(_gathers, x, i)]
+        return lambda x, i: pl.pallas_call(gathers, out_shape=shapes)(x, i)
+
+    for got, expect in zip(run(build, (x, i), way), _gathers(x, i), strict=True):
+        equal(got, expect)
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="array-indexed Ref reads: 'Cannot do int indexing on TPU'"))
+def test_gather_from_smem_and_bool_ref(way):
+    table = jnp.asarray(np.random.default_rng().integers(-100, 100, 64), jnp.int32)
+    flags = rand(fresh_seed(), (16, 128)) > 0
+    i = jnp.asarray(np.random.default_rng().integers(0, 16, 8), jnp.int32)
+
+    def build(pl, pltpu):
+        def smem_gather(t_ref, f_ref, i_ref, o_ref, b_ref):
+            i = i_ref[...]
+            o_ref[...] = t_ref[i * 4]
+            b_ref[...] = f_ref[i].astype(jnp.int32)
+
+        shapes = (jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((8, 128), jnp.int32))
+        specs = [pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(), pl.BlockSpec()]
+        return lambda t, f, i: pl.pallas_call(smem_gather, out_shape=shapes, in_specs=specs)(t, f, i)
+
+    out, b = run(build, (table, flags, i), way)
+    equal(out, table[i * 4])
+    equal(b, flags[i].astype(jnp.int32))
+
+
+def test_gather_module_verifies_and_scatter_is_an_error():
+    x, i = rand(12, (16, 128)), jnp.arange(8, dtype=jnp.int32)[::-1]
+
+    def gather(x_ref, i_ref, o_ref):
+        o_ref[...] = x_ref[i_ref[...]]
+
+    f = lambda x, i: pl.pallas_call(gather, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(x, i)  # noqa: E731
+    (text,) = verified(f, x, i)
+    assert "vector.extract" in text and "memref.alloca" in text and "tpu.region" in text, text
+
+    def scatter(x_ref, i_ref, o_ref):
+        o_ref[i_ref[...]] = x_ref[0:8]
+
+    g = lambda x, i: pl.pallas_call(scatter, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32))(x, i)  # noqa: E731
+    msg = lowering_error(g, x, i)
+    assert "'swap'" in msg and "a scatter" in msg and "'scatter'" in msg, msg
+    assert "test_three_way_lowering.py:" in msg, msg
+
+    def gather_dma(x_ref, i_ref, o_ref, buf, sem):
+        pltpu.async_copy(x_ref.at[i_ref[...]], buf, sem).wait()
+        o_ref[...] = buf[...]
+
+    h = lambda x, i: pl.pallas_call(  # noqa: E731
+        gather_dma,
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+    )(x, i)
+    msg = lowering_error(h, x, i)
+    assert "array-indexed view" in msg and "'gather_dma'" in msg, msg
+
+
+# ---------------------------------------------------------------------------
+# dynamic_slice / dynamic_update_slice of values (through a VMEM scratch)
+
+
+def _dynamic_slices(x, u, s):
+    return (
+        lax.dynamic_slice(x, (s[0], s[1]), (8, 128)),
+        lax.dynamic_update_slice(x, u, (s[2], s[3])),  # starts clamped (s[3] < 0)
+        lax.dynamic_slice(x[0], (s[1],), (128,)),
+        lax.dynamic_slice(x, (s[2], s[1]), (8, 128)),  # clamped past the end
+        lax.dynamic_update_slice(x > 0, u > 1, (s[0], s[1])).astype(jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="no rule for dynamic_slice (nor dynamic_update_slice)"))
+def test_dynamic_slice_and_update_of_values(way):
+    x, u = rand(fresh_seed(), (16, 256)), rand(fresh_seed(), (8, 128))
+    rng = np.random.default_rng()
+    s = jnp.array(
+        [rng.integers(0, 9), rng.integers(0, 129), rng.integers(9, 16), -rng.integers(1, 50)], jnp.int32
+    )
+
+    def build(pl, pltpu):
+        def dynamic_slices(x_ref, u_ref, s_ref, *o_refs):
+            outs = _dynamic_slices(x_ref[...], u_ref[...], [s_ref[k] for k in range(4)])
+            for o_ref, v in zip(o_refs, outs, strict=True):
+                o_ref[...] = v
+
+        shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in jax.eval_shape(_dynamic_slices, x, u, s)]
+        specs = [pl.BlockSpec(), pl.BlockSpec(), _smem(pl, pltpu)]
+        return lambda x, u, s: pl.pallas_call(dynamic_slices, out_shape=shapes, in_specs=specs)(x, u, s)
+
+    for got, expect in zip(run(build, (x, u, s), way), _dynamic_slices(x, u, s), strict=True):
+        equal(got, expect)
+
+
+# ---------------------------------------------------------------------------
+# lgamma, digamma (lower_fun of XLA's Lanczos approximation)
+
+
+def _gammas(x):
+    return (
+        lax.lgamma(x),
+        lax.digamma(x),
+        lax.lgamma(x.astype(jnp.bfloat16)).astype(jnp.float32),
+        jax.scipy.special.gammaln(jnp.abs(x) + 1.0),
+    )
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="no rule for lgamma (nor digamma)"))
+def test_lgamma_digamma(way):
+    x = rand(fresh_seed(), (8, 128)) * 6.0
+    x = x.at[0, :10].set(jnp.array([0.0, -1.0, -2.0, 1.0, 2.0, 0.5, -0.5, 1e-3, 1e30, -jnp.inf]))
+
+    def build(pl, pltpu):
+        def gammas(x_ref, *o_refs):
+            for o_ref, v in zip(o_refs, _gammas(x_ref[...]), strict=True):
+                o_ref[...] = v
+
+        shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in jax.eval_shape(_gammas, x)]
+        return lambda x: pl.pallas_call(gammas, out_shape=shapes)(x)
+
+    for got, expect in zip(run(build, (x,), way), _gammas(x), strict=True):
+        got, expect = np.asarray(got), np.asarray(expect)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(expect))
+        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expect))
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expect))
+        ok = np.isfinite(expect)
+        np.testing.assert_allclose(got[ok], expect[ok], rtol=2e-5, atol=2e-5)

@@ -680,7 +680,7 @@ def _gather(ctx, x, indices, *, dimension_numbers, slice_sizes, mode, **_):
 
 
 # ---------------------------------------------------------------------------
-# More math: log2, erf_inv, nextafter, one_minus_square, mulhi, reduce_precision
+# More math: log2, erf_inv, lgamma, digamma, nextafter, one_minus_square, mulhi, reduce_precision
 
 
 @register_lowering(lax.log2_p)
@@ -739,6 +739,77 @@ def _erf_inv(ctx, x, **_):
     if np.dtype(ctx.avals_in[0].dtype) != np.float32:
         raise NotImplementedError("erf_inv of float32 only")
     return lower_fun(_erf_inv_f32, ctx, x)
+
+
+# lgamma and digamma: XLA's Lanczos approximation (g = 7, 8 terms; Press et al.,
+# "Numerical Recipes"), with the reflection formula below 1/2, in float32.
+_LANCZOS_G = 7.0
+_LANCZOS_BASE = 0.99999999999980993227684700473478
+_LANCZOS = (
+    676.520368121885098567009190444019,
+    -1259.13921672240287047156078755283,
+    771.3234287776530788486528258894,
+    -176.61502916214059906584551354,
+    12.507343278686904814458936853,
+    -0.13857109526572011689554707,
+    9.984369578019570859563e-6,
+    1.50563273514931155834e-7,
+)
+
+
+def _lanczos(x):
+    """(reflect, z, t, log_t): the Lanczos argument of ``x`` (``-x`` where ``x < 1/2``)."""
+    reflect = x < 0.5
+    z = jnp.where(reflect, -x, x - 1.0)
+    t = z + np.float32(_LANCZOS_G + 0.5)
+    log_t = np.float32(np.log(_LANCZOS_G + 0.5)) + jnp.log1p(z / np.float32(_LANCZOS_G + 0.5))
+    return reflect, z, t, log_t
+
+
+def _lgamma_f32(x):
+    reflect, z, t, log_t = _lanczos(x)
+    a = np.float32(_LANCZOS_BASE)
+    for i, c in enumerate(_LANCZOS):
+        a = a + np.float32(c) / (z + np.float32(i + 1))
+    log_y = np.float32(0.5 * np.log(2 * np.pi)) + (z + 0.5) * log_t - t + jnp.log(a)
+    frac = jnp.abs(x) - jnp.floor(jnp.abs(x))
+    frac = jnp.where(frac > 0.5, 1.0 - frac, frac)
+    denom = jnp.log(jnp.sin(np.float32(np.pi) * frac))
+    reflection = jnp.where(jnp.isfinite(denom), np.float32(np.log(np.pi)) - denom - log_y, -denom)
+    return jnp.where(jnp.isinf(x), np.float32(np.inf), jnp.where(reflect, reflection, log_y))
+
+
+def _digamma_f32(x):
+    reflect, z, t, log_t = _lanczos(x)
+    num, denom = np.float32(0.0), np.float32(_LANCZOS_BASE)
+    for i, c in enumerate(_LANCZOS):
+        zi = z + np.float32(i + 1)
+        num = num - np.float32(c) / (zi * zi)
+        denom = denom + np.float32(c) / zi
+    y = log_t + num / denom - np.float32(_LANCZOS_G) / t
+    reduced = x + jnp.abs(jnp.floor(x + 0.5))
+    pi = np.float32(np.pi)
+    reflection = y - pi * jnp.cos(pi * reduced) / jnp.sin(pi * reduced)
+    out = jnp.where(reflect, reflection, y)
+    out = jnp.where((x < 0) & (x == jnp.floor(x)), np.float32(np.nan), out)  # poles
+    return jnp.where(x == 0, np.float32(-np.inf), out)
+
+
+def _in_f32(fn):
+    def f(x):
+        return fn(x.astype(jnp.float32)).astype(x.dtype)
+
+    return f
+
+
+@register_lowering(lax.lgamma_p)
+def _lgamma(ctx, x, **_):
+    return lower_fun(_in_f32(_lgamma_f32), ctx, x)
+
+
+@register_lowering(lax.digamma_p)
+def _digamma(ctx, x, **_):
+    return lower_fun(_in_f32(_digamma_f32), ctx, x)
 
 
 def _nextafter_f32(x, y):

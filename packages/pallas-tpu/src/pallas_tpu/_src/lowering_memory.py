@@ -1,6 +1,14 @@
 """Mosaic rules for memory: Ref reads and writes (``vector.load`` /
 ``tpu.vector_store`` in VMEM, ``memref.load/store`` of SMEM scalars),
-``ref.at[...]`` views, scoped scratch, DMAs and semaphores."""
+``ref.at[...]`` views, scoped scratch, DMAs and semaphores.
+
+Gathers (a Ref read indexed by an array, ``x_ref[idx]``, ``x_ref[idx, :]``)
+have no Mosaic op: each gathered index is extracted from the index vector
+(``vector.extract`` at a static position), its slice is read at that dynamic
+start, and the pieces are stored into a VMEM scratch of the result (in a
+``tpu.region``) that is read back whole. ``lax.dynamic_slice`` and
+``dynamic_update_slice`` of values go through a VMEM scratch too: the value
+is stored, the window read (written) at the clamped dynamic starts."""
 
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from pallas_tpu._src.lowering import (
     BlockRef,
     as_i32,
     aval_type,
+    broadcast_to,
     constant,
     index,
     is_bool,
@@ -54,6 +63,21 @@ class Window:
     def strided(self) -> bool:
         return any(s != 1 for s in self.strides or ())
 
+    @property
+    def gather(self) -> bool:
+        return any(_is_vector(s) for s in self.starts)
+
+
+def _is_vector(v) -> bool:
+    return isinstance(v, ir.Value) and isinstance(v.type, ir.VectorType)
+
+
+_GATHER_REFUSED = (
+    "an array-indexed view (ref.at[idx_array]) as a DMA, semaphore or call operand, or with "
+    "views after it, is not supported: a Mosaic memref view has one start per dim; read or write "
+    "ref[idx_array] (a gather) instead"
+)
+
 
 def window(indexer) -> Window:
     _, Slice = compat.indexing_types()
@@ -65,9 +89,7 @@ def window(indexer) -> Window:
             squeezed.append(False)
             strides.append(int(idx.stride))
         else:
-            if isinstance(idx, ir.Value) and isinstance(idx.type, ir.VectorType):
-                raise NotImplementedError("indexing a Ref with an array (a gather) is not supported")
-            starts.append(idx)
+            starts.append(idx)  # an integer, a scalar, or an index vector (a gather)
             sizes.append(1)
             squeezed.append(True)
             strides.append(1)
@@ -116,6 +138,8 @@ def apply_view(ref: ir.Value, v) -> ir.Value:
     like = lambda shape: ir.MemRefType.get(list(shape), t.element_type, memory_space=t.memory_space)  # noqa: E731
     if not isinstance(v, Window):
         return tpu.memref_reshape(like(v), ref)
+    if v.gather:
+        raise NotImplementedError(_GATHER_REFUSED)
     if v.strided:
         raise NotImplementedError(
             "strided views (ref.at[pl.ds(..., stride=k)]) as a DMA, semaphore or call operand are not "
@@ -165,6 +189,8 @@ def _access(ref, tree, leaves):
 
 def _compose(outer: Window, inner: Window) -> Window:
     """``inner`` (a window of ``outer``'s result) as one window of ``outer``'s memref."""
+    if outer.gather or inner.gather:
+        raise NotImplementedError(_GATHER_REFUSED)
     dims = iter(zip(inner.starts, inner.sizes, inner.squeezed, inner.strides or [1] * len(inner.sizes)))
     out = []
     for s, q, k in zip(outer.starts, outer.squeezed, outer.strides or [1] * len(outer.sizes)):
@@ -186,6 +212,8 @@ def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:
         x = load(ctx, ref, ref_aval, tree, leaves, mem)
         return arith.cmpi(arith.CmpIPredicate.ne, x, constant(0, out_aval.shape, BOOL_MEMORY_DTYPE))
     ref, w = _access(ref, tree, leaves)
+    if w.gather:
+        return _gather(ref, w, is_smem(ref_aval), out_aval)
     idx = [index(s) for s in w.starts]
     if is_smem(ref_aval):
         if out_aval.shape:
@@ -198,12 +226,65 @@ def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:
     return shape_cast(v, out_aval.shape, out_aval.dtype)
 
 
+# Gathers run one index at a time: more than this many is refused (the module grows with it).
+MAX_GATHERED = 1024
+
+
+def _gather(ref, w: Window, smem: bool, out_aval) -> ir.Value:
+    """``ref[w]`` where some starts are index vectors (NumPy's advanced
+    indexing: the index shape replaces the indexed dims where they are
+    adjacent, else leads)."""
+    int_dims = [d for d, q in enumerate(w.squeezed) if q]
+    vectors = [s for s in w.starts if _is_vector(s)]
+    batch = tuple(np.broadcast_shapes(*(tuple(ir.VectorType(v.type).shape) for v in vectors)))
+    slices = [n for n, q in zip(w.sizes, w.squeezed) if not q]
+    if int_dims == list(range(int_dims[0], int_dims[-1] + 1)):
+        lead = sum(1 for d in range(int_dims[0]) if not w.squeezed[d])
+    else:
+        lead = 0
+    out_shape = (*slices[:lead], *batch, *slices[lead:])
+    if out_shape != tuple(out_aval.shape):
+        raise NotImplementedError(f"a gather of shape {out_aval.shape} (expected {out_shape})")
+    count = int(np.prod(batch))
+    if count > MAX_GATHERED:
+        raise NotImplementedError(
+            f"a gather of {count} indices (at most {MAX_GATHERED}: each is one load); "
+            "gather in a loop over smaller index blocks"
+        )
+    if smem and slices:
+        raise NotImplementedError("gathering slices from SMEM: SMEM holds scalars, gather single elements")
+    dtype = out_aval.dtype
+    slot = (*slices[:lead], *(1 for _ in batch), *slices[lead:])
+    region = tpu.RegionOp([value_type(out_shape, dtype)])
+    with ir.InsertionPoint(region.body):
+        scratch = memref.alloca(memref_type(out_shape, dtype, None), [], [])
+        starts = [broadcast_to(s, batch) if _is_vector(s) else s for s in w.starts]
+        for pos in np.ndindex(*batch):
+            idx = [index(vector.extract(s, [], list(pos)) if _is_vector(s) else s) for s in starts]
+            if smem:
+                piece = broadcast_to(memref.load(ref, idx), slot)
+            else:
+                t = value_type(w.sizes, dtype)
+                piece = tpu.strided_load(t, ref, idx, w.strides) if w.strided else vector.load(t, ref, idx)
+                piece = shape_cast(piece, slot, dtype)
+            at = [*(0 for _ in slices[:lead]), *pos, *(0 for _ in slices[lead:])]
+            tpu.vector_store(piece, scratch, [index(i) for i in at], strides=[])
+        zeros = [index(0) for _ in out_shape]
+        tpu.yield_([vector.load(value_type(out_shape, dtype), scratch, zeros)])
+    return region.results[0]
+
+
 def store(ctx, ref, ref_aval, tree, leaves, val, val_aval) -> None:
     if is_bool(val_aval.dtype):
         mem = Aval(val_aval.shape, BOOL_MEMORY_DTYPE)
         val = arith.extui(aval_type(mem), val)
         val_aval = mem
     ref, w = _access(ref, tree, leaves)
+    if w.gather:
+        raise NotImplementedError(
+            "writing a Ref through an array index (a scatter, ref[idx_array] = v) is not supported; "
+            "write the rows one at a time (ref[i] = v[j] in a loop)"
+        )
     idx = [index(s) for s in w.starts]
     if is_smem(ref_aval):
         if val_aval.shape:
@@ -217,6 +298,66 @@ def store(ctx, ref, ref_aval, tree, leaves, val, val_aval) -> None:
         tpu.strided_store(val, ref, idx, w.strides)
     else:
         tpu.vector_store(val, ref, idx, strides=[])
+
+
+# ---------------------------------------------------------------------------
+# dynamic_slice / dynamic_update_slice of values (through a VMEM scratch)
+
+
+def _clamped_starts(starts, shape, sizes) -> list[ir.Value]:
+    """``lax.dynamic_slice``'s starts: each clamped to ``[0, dim - size]``."""
+    out = []
+    for s, n, k in zip(starts, shape, sizes, strict=True):
+        s = index(s)
+        s = arith.maxsi(arith.minsi(s, index(n - k)), index(0))
+        out.append(s)
+    return out
+
+
+def _through_scratch(x, aval, out_shape, body) -> ir.Value:
+    """``body(scratch, dtype)`` in a ``tpu.region`` with a VMEM scratch holding
+    ``x`` (of ``aval``; bools as int32 ``dtype``); returns its value of ``out_shape``."""
+    dtype = BOOL_MEMORY_DTYPE if is_bool(aval.dtype) else aval.dtype
+    if is_bool(aval.dtype):
+        x = arith.extui(value_type(aval.shape, dtype), x)
+    zeros = [index(0) for _ in aval.shape]
+    region = tpu.RegionOp([value_type(out_shape, dtype)])
+    with ir.InsertionPoint(region.body):
+        scratch = memref.alloca(memref_type(aval.shape, dtype, None), [], [])
+        tpu.vector_store(x, scratch, zeros, strides=[])
+        tpu.yield_([body(scratch, dtype)])
+    out = region.results[0]
+    if is_bool(aval.dtype):
+        out = arith.cmpi(arith.CmpIPredicate.ne, out, constant(0, out_shape, dtype))
+    return out
+
+
+@register_lowering(lax.dynamic_slice_p)
+def _dynamic_slice(ctx, x, *starts, slice_sizes):
+    aval = ctx.avals_in[0]
+    if not aval.shape:
+        return x
+    n = len(aval.shape)
+    starts, sizes = _clamped_starts(starts[:n], aval.shape, slice_sizes), tuple(slice_sizes)
+    read = lambda scratch, dtype: vector.load(value_type(sizes, dtype), scratch, starts)  # noqa: E731
+    return _through_scratch(x, aval, sizes, read)
+
+
+@register_lowering(lax.dynamic_update_slice_p)
+def _dynamic_update_slice(ctx, x, update, *starts):
+    aval, upd_aval = ctx.avals_in[:2]
+    if not aval.shape:
+        return update
+    starts = _clamped_starts(starts, aval.shape, upd_aval.shape)
+
+    def body(scratch, dtype):
+        upd = update
+        if is_bool(upd_aval.dtype):
+            upd = arith.extui(value_type(upd_aval.shape, dtype), upd)
+        tpu.vector_store(upd, scratch, starts, strides=[])
+        return vector.load(value_type(aval.shape, dtype), scratch, [index(0) for _ in aval.shape])
+
+    return _through_scratch(x, aval, aval.shape, body)
 
 
 @register_lowering(compat.get_p)

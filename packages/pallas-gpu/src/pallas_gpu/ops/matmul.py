@@ -69,12 +69,11 @@ class MatmulConfig:
 CONFIGS = (
     MatmulConfig(128, 256, 64, 8, 8, 3, True),
     MatmulConfig(256, 128, 64, 8, 8, 3, True),
-    MatmulConfig(128, 256, 64, 8, 8, 4, True),
     MatmulConfig(128, 128, 64, 8, 4, 4, True),
     MatmulConfig(128, 256, 64, 8, 8, 3, False),
     MatmulConfig(128, 128, 128, 8, 8, 3, True),
     MatmulConfig(128, 256, 64, 8, 8, 3, True, persistent=True),
-    MatmulConfig(128, 256, 64, 8, 8, 4, True, persistent=True),
+    MatmulConfig(256, 128, 64, 8, 8, 3, True, persistent=True),
 )
 
 

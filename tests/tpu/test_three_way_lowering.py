@@ -631,10 +631,53 @@ def test_lgamma_digamma(way):
         shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in jax.eval_shape(_gammas, x)]
         return lambda x: pl.pallas_call(gammas, out_shape=shapes)(x)
 
-    for got, expect in zip(run(build, (x,), way), _gammas(x), strict=True):
+    for k, (got, expect) in enumerate(zip(run(build, (x,), way), _gammas(x), strict=True)):
         got, expect = np.asarray(got), np.asarray(expect)
+        tol = 1e-2 if k == 2 else 2e-5  # k == 2: bfloat16 results (one ulp apart, near lgamma's zeros)
         np.testing.assert_array_equal(np.isnan(got), np.isnan(expect))
         np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expect))
         np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expect))
         ok = np.isfinite(expect)
-        np.testing.assert_allclose(got[ok], expect[ok], rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(got[ok], expect[ok], rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------
+# Scalar prefetch with input_output_aliases (the alias indices count the prefetch operands)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static_grid", "dynamic_grid"])
+@pytest.mark.parametrize("way", WAYS)
+def test_scalar_prefetch_with_aliased_output(way, dynamic):
+    """Two prefetch operands (the blocks to update, a scale), the output aliased
+    to input 3 (``y``): the blocks the grid does not visit keep ``y``'s values."""
+    rng = np.random.default_rng()
+    x, y = rand(fresh_seed(), (32, 128)), rand(fresh_seed(), (32, 128))
+    blocks = jnp.asarray(rng.permutation(4)[:2], jnp.int32)
+    scale = jnp.asarray(rng.integers(1, 9, 1), jnp.int32)
+    n = jnp.int32(2) if dynamic else 2
+
+    def build(pl, pltpu):
+        def prefetch_alias(b_ref, t_ref, x_ref, y_ref, o_ref):
+            o_ref[...] = x_ref[...] + y_ref[...] * t_ref[0].astype(jnp.float32)
+
+        def f(n, blocks, scale, x, y):
+            spec = pl.BlockSpec((8, 128), lambda i, b, t: (b[i], 0))
+            grid_spec = pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2, grid=(n,), in_specs=[spec, spec], out_specs=spec
+            )
+            return pl.pallas_call(
+                prefetch_alias,
+                out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+                grid_spec=grid_spec,
+                input_output_aliases={3: 0},
+            )(blocks, scale, x, y)
+
+        return f if dynamic else (lambda *a: f(n, *a))
+
+    args = (n, blocks, scale, x, y) if dynamic else (blocks, scale, x, y)
+    out = run(build, args, way)
+    expect = y
+    for b in np.asarray(blocks):
+        rows = slice(8 * int(b), 8 * int(b) + 8)
+        expect = expect.at[rows].set(x[rows] + y[rows] * scale[0].astype(jnp.float32))
+    close(out, expect)

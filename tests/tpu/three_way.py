@@ -143,6 +143,11 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies):
         if name == "pallas_call":
             out_shape = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
             aliases = dict(eqn.params.get("input_output_aliases", ()))
+            if eqn.primitive is pl.pallas_call_p:
+                # pallas-core's params count the inputs after the scalar-prefetch operands
+                # (JAX's count them, as run_mosaic's input_output_aliases and pallas_call's do).
+                nsp = eqn.params["grid_mapping"].num_scalar_prefetch
+                aliases = {i + nsp: o for i, o in aliases.items()}
             outs = pltpu.run_mosaic(bodies.pop(0), *invals, out_shape=out_shape, input_output_aliases=aliases)
         elif name in (
             "pjit",

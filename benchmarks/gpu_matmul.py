@@ -90,7 +90,7 @@ def candidates(m, k, n, dtype, small, tuned=True):
     }
     if tuned:
         for c in mm.configs_for(m, n, k):
-            label = f"{c.block_m}x{c.block_n}x{c.block_k}/{c.num_warps}w/{c.num_stages}s/{'tma' if c.use_tma else 'ptr'}"
+            label = c.label()
             cols["ours"][label] = jax.jit(
                 functools.partial(mm.matmul, preferred_element_type=out, config=c, interpret=it)
             )

@@ -1,5 +1,6 @@
 """Ready-made Pallas kernels for GPUs, each with the API of its namesake
 among JAX's Pallas GPU ops (the ``ops/gpu`` modules of JAX's Pallas):
 ``attention`` (``mha``), ``decode_attention`` (``mqa``, ``gqa``),
-``paged_attention``, ``layer_norm``, ``rms_norm`` and ``softmax``.
+``paged_attention``, ``layer_norm``, ``rms_norm`` and ``softmax``; and ``matmul``
+(autotuned, TMA; JAX's GPU ops have none).
 """

@@ -334,8 +334,8 @@ def test_with_allocations_reused_and_explicit_step(way):
     close(run(builder(build_reused_allocations), (x,), way), 9.0 * x, 1e-6)
 
 
-def build_async_prefetch(pl, pltpu, *, interpret):
-    del interpret
+def async_prefetch_pipeline(pl, pltpu):
+    """(mesh, pipeline, async_prefetch) of a 2-input elementwise pipeline over one core."""
     mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=1)
     spec = pl.BlockSpec((16, 128), lambda i, j: (i, j))
 
@@ -345,15 +345,24 @@ def build_async_prefetch(pl, pltpu, *, interpret):
     pipeline, async_prefetch = pltpu.emit_pipeline_with_async_prefetch(
         body, grid=(4, 2), in_specs=[spec, spec], out_specs=[spec], mesh=mesh
     )
+    return mesh, pipeline, async_prefetch
+
+
+def later_kernel(pl, mesh, pipeline, allocations, out, **kw):
+    @pl.kernel(out_type=out, mesh=mesh, **kw)
+    def k(x_hbm, y_hbm, o_hbm):
+        pipeline(x_hbm, y_hbm, o_hbm, allocations=allocations)
+
+    return k
+
+
+def build_async_prefetch(pl, pltpu, *, interpret):
+    del interpret
+    mesh, pipeline, async_prefetch = async_prefetch_pipeline(pl, pltpu)
 
     def f(x, y):
         allocations = async_prefetch(x, y)  # outside the kernel, before it
-
-        @pl.kernel(out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh)
-        def k(x_hbm, y_hbm, o_hbm):
-            pipeline(x_hbm, y_hbm, o_hbm, allocations=allocations)
-
-        return k(x, y)
+        return later_kernel(pl, mesh, pipeline, allocations, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, y)
 
     return f
 
@@ -366,49 +375,21 @@ def build_async_prefetch(pl, pltpu, *, interpret):
         "harness evaluates one kernel's state at a time"
     ),
 )
-def test_async_prefetch_three_ways(way):
-    # Ours lowers async_prefetch to nothing: the pipeline fetches its first blocks when it
-    # starts (same data; no overlap with earlier work on a TPU).
+def test_async_prefetch_then_pipeline_in_a_later_kernel(way):
+    """async_prefetch runs outside the kernel; the pipeline of a later kernel over the mesh
+    takes its allocations (JAX's usage). Ours lowers async_prefetch to nothing: the pipeline
+    fetches its first blocks when it starts (same data; no overlap with earlier work)."""
     x, y = rand(16, (64, 256)), rand(17, (64, 256))
     close(run(builder(build_async_prefetch), (x, y), way), x * y + 1.0, 1e-6)
 
 
-def test_async_prefetch_then_pipeline_in_a_later_kernel():
-    """async_prefetch runs outside the kernel; the pipeline of a later kernel
-    over the mesh takes its allocations (JAX's usage)."""
-    x = rand(16, (64, 256))
-    y = rand(17, (64, 256))
-    mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=1)
-    spec = pl.BlockSpec((16, 128), lambda i, j: (i, j))
-
-    def body(x_ref, y_ref, o_ref):
-        o_ref[...] = x_ref[...] * y_ref[...] + 1.0
-
-    pipeline, async_prefetch = pltpu.emit_pipeline_with_async_prefetch(
-        body, grid=(4, 2), in_specs=[spec, spec], out_specs=[spec], mesh=mesh
-    )
-
-    @jax.jit
-    def f(x, y):
-        allocations = async_prefetch(x, y)
-
-        @pl.kernel(
-            out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh, interpret=pltpu.InterpretParams()
-        )
-        def k(x_hbm, y_hbm, o_hbm):
-            pipeline(x_hbm, y_hbm, o_hbm, allocations=allocations)
-
-        return k(x, y)
-
-    close(f(x, y), x * y + 1.0, 1e-6)
-
-    # allocations made for other inputs are refused, naming both
+@pytest.mark.interpret_only(reason="interpret-mode error messages")
+def test_async_prefetch_allocations_for_other_inputs_are_refused():
+    x, y = rand(16, (64, 256)), rand(17, (64, 256))
+    mesh, pipeline, async_prefetch = async_prefetch_pipeline(pl, pltpu)
     allocations = async_prefetch(x[:32], y[:32])
-
-    @pl.kernel(out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh, interpret=pltpu.InterpretParams())
-    def wrong(x_hbm, y_hbm, o_hbm):
-        pipeline(x_hbm, y_hbm, o_hbm, allocations=allocations)
-
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    wrong = later_kernel(pl, mesh, pipeline, allocations, out, interpret=pltpu.InterpretParams())
     with pytest.raises(ValueError, match=r"made for inputs float32\[32, 256\].*runs on float32\[64, 256\]"):
         wrong(x, y)
     with pytest.raises(ValueError, match="one input per in_spec"):

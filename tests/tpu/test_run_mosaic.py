@@ -172,3 +172,79 @@ def test_dynamic_grid_sizes_come_first():
     close(out, x.at[:24].add(3.0))
     with pytest.raises(ValueError, match=r"expects 1 grid-size \+ 0 scalar-prefetch \+ 1 operands; got 1"):
         pltpu.run_mosaic(body, x, out_shape=out_shape, input_output_aliases={0: 0})
+
+
+def _two_core_module(body, x):
+    """Our lowering of ``body`` over the two TensorCores of a chip (a
+    semaphore scratch operand), as three_way exports it."""
+    import three_way
+
+    import pallas as pl
+
+    f = pl.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        mesh=pltpu.TensorCoreMesh(axis_name="core", num_cores=2),
+        scratch_types=[pltpu.SemaphoreType.REGULAR],
+    )
+    (module,) = three_way.tpu_modules(f, x, num_cores=2)
+    return module
+
+
+def test_two_cores_signal_to_a_core_that_does_not_exist():
+    from jax import lax
+
+    import pallas as pl
+
+    x = rand(20, (16, 128))
+
+    def body(x_hbm, o_hbm, sem):
+        @pl.when(lax.axis_index("core") == 1)
+        def _():
+            pl.semaphore_signal(sem, 1, core_index=2)
+
+    module = _two_core_module(body, x)
+    out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    with pytest.raises(pltpu.MosaicError, match=r"'tpu\.sem_signal' at .*: core_id 2 is outside the 2 cores"):
+        pltpu.run_mosaic(module, x, out_shape=out_shape, num_cores=2)
+    with pytest.raises(pltpu.MosaicError, match=r"core_id 2 is outside the 1 core of a device"):
+        pltpu.run_mosaic(module, x, out_shape=out_shape)
+    with pytest.raises(ValueError, match="num_cores must be a positive int"):
+        pltpu.run_mosaic(module, x, out_shape=out_shape, num_cores=0)
+
+
+def test_two_cores_wait_that_no_core_signals_is_a_deadlock_naming_the_core():
+    from jax import lax
+
+    import pallas as pl
+
+    x = rand(21, (16, 128))
+
+    def body(x_hbm, o_hbm, sem):
+        @pl.when(lax.axis_index("core") == 0)
+        def _():
+            pl.semaphore_wait(sem, 1)
+
+    module = _two_core_module(body, x)
+    with pytest.raises(
+        pltpu.MosaicError, match=r"deadlock: core 0 waits at 'tpu\.sem_wait'.*core 1 finished"
+    ):
+        pltpu.run_mosaic(module, x, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), num_cores=2)
+
+
+def test_two_cores_share_hbm_and_split_a_core_parallel_grid():
+    """Each core runs its half of a core_parallel grid axis; both write the one
+    HBM output (what a signal of one core makes visible to the other)."""
+    from jax import lax
+
+    import pallas as pl
+
+    x = rand(22, (16, 128))
+
+    def body(x_hbm, o_hbm, sem):
+        c = lax.axis_index("core")
+        pltpu.sync_copy(x_hbm.at[pl.ds(c * 8, 8)], o_hbm.at[pl.ds((1 - c) * 8, 8)])
+
+    module = _two_core_module(body, x)
+    out = pltpu.run_mosaic(module, x, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), num_cores=2)
+    close(out, jnp.concatenate([x[8:], x[:8]]))

@@ -47,6 +47,18 @@ TPU_V5E = jax.sharding.AbstractMesh(
 )
 
 
+# A megacore chip (two TensorCores per device) for kernels run with num_cores=2.
+TPU_V4 = jax.sharding.AbstractMesh(
+    (1,),
+    ("x",),
+    abstract_device=jax.sharding.AbstractDevice(device_kind="TPU v4", num_cores=2, platform="tpu"),
+)
+
+
+def _abstract_mesh(num_cores):
+    return TPU_V5E if num_cores == 1 else TPU_V4
+
+
 def jax_namespaces():
     from jax.experimental import pallas as jpl
     from jax.experimental.pallas import tpu as jtpu
@@ -76,26 +88,32 @@ def namespaces(mode):
     return jax_namespaces() if mode == "jax" else (pl, pltpu)
 
 
-def tpu_modules(f, *args) -> list[bytes]:
-    """The serialized Mosaic modules of ``f(*args)`` exported for TPU."""
-    with jax.sharding.use_abstract_mesh(TPU_V5E):
+def tpu_modules(f, *args, num_cores=1) -> list[bytes]:
+    """The serialized Mosaic modules of ``f(*args)`` exported for TPU (a chip
+    with ``num_cores`` TensorCores: TPU v5e for one, TPU v4 for two)."""
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(num_cores)):
         txt = export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
     return executor.custom_call_bodies(txt)
 
 
-def run(build, args, mode, **interpret_params):
+def run(build, args, mode, num_cores=1, **interpret_params):
     """The outputs of the kernel ``build`` makes, run the ``mode`` way
-    (``"interpret:<dma_execution_mode>"`` is the interpret way with that DMA mode)."""
+    (``"interpret:<dma_execution_mode>"`` is the interpret way with that DMA mode).
+    ``num_cores``: TensorCores per device (``num_cores_or_threads`` in the
+    interpret way; ``run_mosaic(num_cores=)`` of modules exported for a chip
+    with that many cores in the Mosaic ways)."""
     mode, _, dma = mode.partition(":")
     if dma:
         interpret_params = {"dma_execution_mode": dma, **interpret_params}
+    if num_cores != 1:
+        interpret_params = {"num_cores_or_threads": num_cores, **interpret_params}
     f = build(*namespaces(mode))
     if mode == "interpret":
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
             return jax.jit(f)(*args)
-    with jax.sharding.use_abstract_mesh(TPU_V5E):
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(num_cores)):
         shapes = jax.eval_shape(f, *args)
-    outs = run_with_mosaic(f, *args)
+    outs = run_with_mosaic(f, *args, num_cores=num_cores)
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
@@ -116,18 +134,18 @@ def builder(make, **kw):
     return lambda pl, pltpu: make(pl, pltpu, interpret=False, **kw)
 
 
-def run_with_mosaic(f, *args) -> list:
+def run_with_mosaic(f, *args, num_cores=1) -> list:
     """The flat outputs of ``f(*args)``, each ``pallas_call`` replaced by
     ``run_mosaic`` of the module ``f`` exports for TPU (in program order)."""
-    bodies = tpu_modules(f, *args)
-    with jax.sharding.use_abstract_mesh(TPU_V5E):
+    bodies = tpu_modules(f, *args, num_cores=num_cores)
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(num_cores)):
         closed = jax.make_jaxpr(f)(*args)
-    outs = _eval_with_mosaic(closed.jaxpr, closed.consts, jax.tree.leaves(args), bodies)
+    outs = _eval_with_mosaic(closed.jaxpr, closed.consts, jax.tree.leaves(args), bodies, num_cores)
     assert not bodies, f"{len(bodies)} exported kernels were not reached"
     return outs
 
 
-def _eval_with_mosaic(jaxpr, consts, args, bodies):
+def _eval_with_mosaic(jaxpr, consts, args, bodies, num_cores=1):
     env = {}
 
     def read(v):
@@ -140,7 +158,7 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies):
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
-        if name == "pallas_call":
+        if name in ("pallas_call", "mpmd_map"):  # mpmd_map: JAX's pl.kernel over a TensorCoreMesh
             out_shape = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
             aliases = dict(eqn.params.get("input_output_aliases", ()))
             if eqn.primitive is pl.pallas_call_p:
@@ -148,7 +166,9 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies):
                 # (JAX's count them, as run_mosaic's input_output_aliases and pallas_call's do).
                 nsp = eqn.params["grid_mapping"].num_scalar_prefetch
                 aliases = {i + nsp: o for i, o in aliases.items()}
-            outs = pltpu.run_mosaic(bodies.pop(0), *invals, out_shape=out_shape, input_output_aliases=aliases)
+            outs = pltpu.run_mosaic(
+                bodies.pop(0), *invals, out_shape=out_shape, input_output_aliases=aliases, num_cores=num_cores
+            )
         elif name in (
             "pjit",
             "jit",
@@ -160,9 +180,9 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies):
         ):
             sub = next(eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in eqn.params)
             if hasattr(sub, "consts"):
-                outs = _eval_with_mosaic(sub.jaxpr, sub.consts, invals, bodies)
+                outs = _eval_with_mosaic(sub.jaxpr, sub.consts, invals, bodies, num_cores)
             else:
-                outs = _eval_with_mosaic(sub, (), invals, bodies)
+                outs = _eval_with_mosaic(sub, (), invals, bodies, num_cores)
         else:
             outs = eqn.primitive.bind(*invals, **eqn.params)
             outs = outs if eqn.primitive.multiple_results else [outs]

@@ -129,6 +129,7 @@ def run_mosaic(
     input_output_aliases: dict[int, int] | Sequence = (),
     num_devices: int = 1,
     mesh_shape: Sequence[int] | None = None,
+    num_cores: int = 1,
 ):
     """Executes a Mosaic kernel module on the CPU.
 
@@ -156,12 +157,23 @@ def run_mosaic(
         ``(m, n)`` mesh are device ``i * n + j``), as ``shard_map`` numbers
         the devices of a mesh and as both lowerings flatten a
         ``DeviceIdType.MESH`` device id.
+      num_cores: TensorCores per device (2 on a megacore chip such as TPU v4
+        or v5p; a module does not say). Each core runs in a thread with its own
+        VMEM/SMEM scratch, allocas and semaphores; the cores of one device
+        share its HBM: the operands and outputs (every window is a view of
+        them). The grid is split over the cores as Mosaic splits it: the first
+        ``core_parallel`` axis in contiguous chunks of ``ceil(n / num_cores)``
+        indices, or else the leading ``parallel`` axes' sub-grid in contiguous
+        ranges; each core runs its grid points in order. ``tpu.core_id`` gives
+        the core, and ``core_id`` operands of signals and DMAs name one.
 
     Returns:
       the outputs as NumPy arrays, in the structure of ``out_shape``.
     """
     import threading
 
+    if not isinstance(num_cores, int) or num_cores < 1:
+        raise ValueError(f"run_mosaic: num_cores must be a positive int, got {num_cores!r}")
     if mesh_shape is not None:
         mesh_shape = tuple(int(n) for n in mesh_shape)
         size = int(np.prod(mesh_shape))
@@ -176,11 +188,13 @@ def run_mosaic(
         kernel, funcs = _funcs(mod)
         out_leaves, out_tree = jax.tree.flatten(out_shape)
         aliases = dict(input_output_aliases)
-        mesh = ops.Mesh(num_devices, shape=mesh_shape)
-        if num_devices == 1 and mesh_shape is None:
-            outs = _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, 0)
+        mesh = ops.Mesh(num_devices, shape=mesh_shape, num_cores=num_cores)
+        single = num_devices == 1 and mesh_shape is None
+        if single and num_cores == 1:
+            state = _prepare(kernel, operands, out_leaves, aliases)
+            outs = _run_core(kernel, funcs, state, mesh, 0, _core_points(kernel, state, 1)[0])
             return jax.tree.unflatten(out_tree, outs)
-        lead = mesh.shape
+        lead = () if single else mesh.shape
         for i, x in enumerate(operands):
             if np.shape(x)[: len(lead)] != lead:
                 what = f"mesh_shape={lead}" if mesh_shape is not None else f"num_devices={num_devices}"
@@ -189,14 +203,16 @@ def run_mosaic(
                     f"{'axes' if len(lead) > 1 else 'axis'} must be {list(lead)}"
                 )
         flat = [np.asarray(x).reshape(num_devices, *np.shape(x)[len(lead) :]) for x in operands]
-        results: list[Any] = [None] * num_devices
+        states = [_prepare(kernel, [x[d] for x in flat], out_leaves, aliases) for d in range(num_devices)]
+        points = _core_points(kernel, states[0], num_cores)
+        results: list[Any] = [None] * mesh.num_units
         errors: list[BaseException] = []
 
-        def device(d):
+        def device(d):  # d: a unit, core d % num_cores of device d // num_cores
             try:
                 with ctx:
-                    results[d] = _run_device(
-                        kernel, funcs, [x[d] for x in flat], out_leaves, aliases, mesh, d
+                    results[d] = _run_core(
+                        kernel, funcs, states[d // num_cores], mesh, d, points[d % num_cores]
                     )
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 errors.append(e)
@@ -206,7 +222,7 @@ def run_mosaic(
                     mesh.done.add(d)
                     mesh.cv.notify_all()
 
-        threads = [threading.Thread(target=device, args=(d,), daemon=True) for d in range(num_devices)]
+        threads = [threading.Thread(target=device, args=(d,), daemon=True) for d in range(mesh.num_units)]
         for t in threads:
             t.start()
         for t in threads:
@@ -215,14 +231,16 @@ def run_mosaic(
             first = next((e for e in errors if "another device failed" not in str(e)), errors[0])
             raise first
         outs = [
-            np.stack([results[d][o] for d in range(num_devices)]).reshape(*lead, *out_leaves[o].shape)
+            np.stack([results[d * num_cores][o] for d in range(num_devices)]).reshape(
+                *lead, *out_leaves[o].shape
+            )
             for o in range(len(out_leaves))
         ]
         return jax.tree.unflatten(out_tree, outs)
 
 
-def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
-    """One device's run of the kernel over the whole grid; its outputs."""
+def _prepare(kernel, operands, out_leaves, aliases) -> dict:
+    """One device's arrays (its HBM, shared by its cores) and grid."""
     bounds = _ints(kernel.attributes["iteration_bounds"]) if "iteration_bounds" in kernel.attributes else []
     ndyn = sum(b < 0 for b in bounds)  # dynamic grid sizes ('?'): the first operands, as the custom call's
     sizes, operands = operands[:ndyn], operands[ndyn:]
@@ -248,7 +266,6 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
             arrays.append(np.array(operands[src], dtype=leaf.dtype))
         else:
             arrays.append(ops.uninitialized(leaf.shape, leaf.dtype))
-    prefetch = [Buffer(np.array(x), "smem") for x in operands[:nsp]]
     win_args = args[len(bounds) + nsp : len(bounds) + nsp + nwin]
     padded = []
     for k, arr in enumerate(arrays):
@@ -263,6 +280,55 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
                 store[tuple(slice(0, n) for n in arr.shape)] = arr
                 arr = store
         padded.append(arr)
+    return dict(
+        bounds=bounds,
+        nsp=nsp,
+        windows=windows,
+        args=args,
+        nwin=nwin,
+        n_in=n_in,
+        prefetch=[np.array(x) for x in operands[:nsp]],
+        win_args=win_args,
+        padded=padded,
+        out_leaves=out_leaves,
+    )
+
+
+def _core_points(kernel, state, num_cores) -> list[list[tuple[int, ...]]]:
+    """Each core's grid points, in order (see ``run_mosaic``'s ``num_cores``)."""
+    from jaxlib.mlir import ir
+
+    bounds = state["bounds"]
+    points = list(itertools.product(*(range(b) for b in bounds)))
+    if num_cores == 1:
+        return [points]
+    sems = []
+    if "dimension_semantics" in kernel.attributes:
+        for a in ir.ArrayAttr(kernel.attributes["dimension_semantics"]):
+            sems.append(str(a).rsplit("<", 1)[-1].rstrip(">"))
+    core_axes = [a for a, m in enumerate(sems) if m in ("core_parallel", "subcore_parallel")]
+    if core_axes:
+        a = core_axes[0]
+        chunk = -(-bounds[a] // num_cores)
+        return [[p for p in points if p[a] // chunk == c] for c in range(num_cores)]
+    prefix = 0
+    while prefix < len(sems) and prefix < len(bounds) and sems[prefix] == "parallel":
+        prefix += 1
+    if prefix == 0:  # nothing to split: core 0 runs the grid, the others nothing
+        return [points] + [[] for _ in range(num_cores - 1)]
+    sub = int(np.prod(bounds[:prefix]))
+    per_core = -(-sub // num_cores) * (len(points) // sub) if sub else 0
+    return [points[c * per_core : (c + 1) * per_core] for c in range(num_cores)]
+
+
+def _run_core(kernel, funcs, state, mesh, device, points):
+    """One core's run of the kernel over its grid points (``device``: its unit
+    of ``mesh``); the outputs (its device's, shared by its cores)."""
+    bounds, nsp, windows, args = state["bounds"], state["nsp"], state["windows"], state["args"]
+    nwin, n_in, win_args, padded = state["nwin"], state["n_in"], state["win_args"], state["padded"]
+    out_leaves = state["out_leaves"]
+    prefetch = [Buffer(np.array(x), "smem") for x in state["prefetch"]]  # each core's own SMEM
+    for k, arr in enumerate(padded):
         mesh.register(device, ("window", k), arr)
     scratch = []
     for i, a in enumerate(args[len(bounds) + nsp + nwin :]):
@@ -270,7 +336,7 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
         mesh.register(device, ("scratch", i), scratch[-1].root)
     ex = ops.Executor(funcs, mesh, device)
     ex.iteration_bounds = bounds
-    for point in itertools.product(*(range(b) for b in bounds)):
+    for point in points:
         idx = [np.int32(i) for i in point]
         views = []
         for k, (arr, arg) in enumerate(zip(padded, win_args)):
@@ -280,7 +346,7 @@ def _run_device(kernel, funcs, operands, out_leaves, aliases, mesh, device):
     with mesh.cv:  # the other devices' signals to this device are in once all are done
         mesh.done.add(device)
         mesh.cv.notify_all()
-        mesh.wait(device, lambda: len(mesh.done) == mesh.num_devices, "finishing", who=None)
+        mesh.wait(device, lambda: len(mesh.done) == mesh.num_units, "finishing", who=None)
     for i, b in enumerate(scratch):
         if b.is_semaphore and np.any(b.array != 0):
             raise MosaicError(

@@ -275,12 +275,22 @@ def _sem(op, buf, what) -> Buffer:
 
 
 def _target_device(ex, op, env):
-    if hasattr(op, "core_id") and op.core_id is not None and int(env[op.core_id]) != 0:
-        raise MosaicError(
-            f"run_mosaic: {where(op)}: core_id {int(env[op.core_id])}: run_mosaic runs one core per device"
-        )
+    """The unit (device and core) an op's ``device_id``/``core_id`` name: by
+    default this device, and the same core (of the other device)."""
+    mesh = ex.mesh
+    core = ex.core
+    if hasattr(op, "core_id") and op.core_id is not None:
+        core = int(env[op.core_id])
+        if not 0 <= core < mesh.num_cores:
+            raise MosaicError(
+                f"run_mosaic: {where(op)}: core_id {core} is outside the {mesh.num_cores} "
+                f"core{'s' if mesh.num_cores > 1 else ''} of a device (core ids 0..{mesh.num_cores - 1}; "
+                "run_mosaic's num_cores)"
+            )
     dev = _operand(op, env, "device_id") if hasattr(op, "device_id") else None
-    return ex.device if dev is None else int(dev)
+    dev = ex.chip if dev is None else int(dev)
+    mesh.check_device(dev)
+    return dev * mesh.num_cores + core
 
 
 def _wait(ex, op, sem, amount, what):
@@ -363,12 +373,12 @@ def _wait_dma(ex, op, vals, env):
 
 @rule("tpu.device_id")
 def _device_id(ex, op, vals, env):
-    return [np.asarray(ex.device, _out_dtype(op))]
+    return [np.asarray(ex.chip, _out_dtype(op))]
 
 
 @rule("tpu.core_id", "tpu.subcore_id")
 def _core_id(ex, op, vals, env):
-    return [np.zeros((), _out_dtype(op))]
+    return [np.asarray(ex.core, _out_dtype(op))]
 
 
 @rule("tpu.annotate")

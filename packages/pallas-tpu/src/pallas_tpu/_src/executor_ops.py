@@ -66,15 +66,26 @@ class Mesh:
     ``device_id`` operand takes (a kernel's ``DeviceIdType.MESH`` coordinates
     are flattened to it by the lowering, ours and JAX's)."""
 
-    def __init__(self, num_devices: int, timeout: float = 60.0, shape: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        num_devices: int,
+        timeout: float = 60.0,
+        shape: tuple[int, ...] | None = None,
+        num_cores: int = 1,
+    ):
         import threading
 
         self.shape = tuple(shape) if shape is not None else (num_devices,)
         if int(np.prod(self.shape)) != num_devices:
             raise ValueError(f"run_mosaic: a mesh of shape {self.shape} does not have {num_devices} devices")
         self.num_devices = num_devices
+        # Each device runs num_cores TensorCores; a "unit" (device * num_cores + core)
+        # is one running core, with its own allocations (the cores of a device share
+        # the HBM arrays: the same array is registered for each of them).
+        self.num_cores = num_cores
+        self.num_units = num_devices * num_cores
         self.cv = threading.Condition()
-        self.roots: list[dict[Any, np.ndarray]] = [{} for _ in range(num_devices)]
+        self.roots: list[dict[Any, np.ndarray]] = [{} for _ in range(self.num_units)]
         self.blocked: dict[int, tuple[Callable[[], bool], str]] = {}
         self.done: set[int] = set()
         self.error: str | None = None
@@ -85,20 +96,34 @@ class Mesh:
             self.roots[device][key] = array
             self.cv.notify_all()
 
-    def name(self, device: int) -> str:
-        """``device 3``, with its mesh coordinates on an N-D mesh."""
-        if len(self.shape) == 1:
-            return f"device {device}"
-        coords = tuple(int(c) for c in np.unravel_index(device, self.shape))
-        return f"device {device} (mesh coordinates {coords})"
+    def name(self, unit: int) -> str:
+        """``device 3``, with its mesh coordinates on an N-D mesh; with two or
+        more cores ``core 1`` (one device) or ``device 3, core 1``."""
+        device, core = divmod(unit, self.num_cores)
+        if self.num_cores == 1:
+            return self._device_name(device)
+        if self.num_devices == 1:
+            return f"core {core}"
+        return f"{self._device_name(device)}, core {core}"
 
-    def root(self, device: int, key) -> np.ndarray:
+    def check_device(self, device: int) -> None:
         if not 0 <= device < self.num_devices:
             mesh = f"mesh of shape {self.shape}: " if len(self.shape) > 1 else ""
             raise MosaicError(
                 f"run_mosaic: device id {device} is outside the {mesh}{self.num_devices} devices "
                 f"(ids 0..{self.num_devices - 1})"
             )
+
+    def _device_name(self, device: int) -> str:
+        if len(self.shape) == 1:
+            return f"device {device}"
+        coords = tuple(int(c) for c in np.unravel_index(device, self.shape))
+        return f"device {device} (mesh coordinates {coords})"
+
+    def root(self, device: int, key) -> np.ndarray:
+        """The allocation ``key`` of unit ``device`` (a device and core)."""
+        if not 0 <= device < self.num_units:
+            self.check_device(device // self.num_cores)
         with self.cv:
             self.wait(device, lambda: key in self.roots[device], f"allocating {key}", who=None)
             return self.roots[device][key]
@@ -124,11 +149,11 @@ class Mesh:
                 self.cv.notify_all()
                 if all(
                     d in self.done or (d in self.blocked and not self.blocked[d][0]())
-                    for d in range(self.num_devices)
+                    for d in range(self.num_units)
                 ):
                     others = "; ".join(
                         self.blocked[d][1] if d in self.blocked else f"{self.name(d)} finished"
-                        for d in range(self.num_devices)
+                        for d in range(self.num_units)
                         if d != who
                     )
                     raise self.fail(f"run_mosaic: deadlock: {desc}" + (f" ({others})" if others else ""))
@@ -220,12 +245,14 @@ def where(op) -> str:
 
 
 class Executor:
-    """Runs one device's kernel: ``device`` of ``mesh``."""
+    """Runs one core's kernel: ``device`` is its unit of ``mesh`` (device id
+    ``chip``, core ``core``)."""
 
     def __init__(self, funcs: dict[str, Any], mesh: Mesh, device: int):
         self.funcs = funcs
         self.mesh = mesh
         self.device = device
+        self.chip, self.core = divmod(device, mesh.num_cores)
         self.allocations: dict[Any, int] = {}
         self.iteration_bounds: list[int] = []  # the grid (dynamic sizes filled in), for tpu.iteration_bound
 

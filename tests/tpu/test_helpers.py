@@ -1,7 +1,7 @@
 """``pltpu.sync_copy``, ``run_on_first_core`` and ``core_barrier`` against
 plain jnp on fresh random data: ``sync_copy`` kernels run the three ways of
-``three_way.py``; the two-core kernels run in TPU interpret mode only
-(``run_mosaic`` executes one core)."""
+``three_way.py``, the two-core kernels too (``num_cores=2``: a megacore
+chip), but for the deadlock report, which only interpret mode gives."""
 
 from __future__ import annotations
 
@@ -10,14 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import DMA_WAYS, WAYS, call
+from three_way import DMA_WAYS, WAYS, call, run
 
 import pallas as pl
 import pallas_tpu as pltpu
-
-TWO_CORES = pytest.mark.interpret_only(
-    reason="two TensorCores (num_cores_or_threads=2): run_mosaic runs one core"
-)
 
 jax.config.update("jax_enable_checks", True)
 
@@ -102,8 +98,14 @@ def test_sync_copy_errors():
         run(lambda x_hbm, o_hbm: pltpu.sync_copy([x_hbm], [o_hbm, o_hbm]))
 
 
+def _tensorcore_mesh(pltpu):
+    if hasattr(pltpu, "TensorCoreMesh"):
+        return pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
+    return pltpu.create_tensorcore_mesh("core", num_cores=2)
+
+
 def _two_core_kernel(body, x, scratch=()):
-    mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
+    mesh = _tensorcore_mesh(pltpu)
     return pl.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -113,90 +115,117 @@ def _two_core_kernel(body, x, scratch=()):
     )(x)
 
 
-@TWO_CORES
-def test_run_on_first_core():
+def _two_cores(make_body, x, way, scratch=lambda pltpu: ()):
+    """``make_body(pl, pltpu)``'s kernel over the two TensorCores of a chip, run
+    the ``way`` way."""
+
+    def build(pl, pltpu):
+        return pl.kernel(
+            make_body(pl, pltpu),
+            out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            mesh=_tensorcore_mesh(pltpu),
+            scratch_types=scratch(pltpu),
+        )
+
+    return run(build, (x,), way, num_cores=2)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_run_on_first_core(way):
     x = rand(4, (16, 128))
 
-    def body(x_hbm, o_hbm):
-        c = lax.axis_index("core")
-        pltpu.sync_copy(x_hbm.at[pl.ds(c * 8, 8)], o_hbm.at[pl.ds(c * 8, 8)])
+    def make_body(pl, pltpu):
+        def body(x_hbm, o_hbm):
+            c = lax.axis_index("core")
+            pltpu.sync_copy(x_hbm.at[pl.ds(c * 8, 8)], o_hbm.at[pl.ds(c * 8, 8)])
 
-        @pltpu.run_on_first_core("core")
-        def _():
-            pltpu.sync_copy(x_hbm.at[pl.ds(8, 8)], o_hbm.at[pl.ds(0, 8)])
+            @pltpu.run_on_first_core("core")
+            def _():
+                pltpu.sync_copy(x_hbm.at[pl.ds(8, 8)], o_hbm.at[pl.ds(0, 8)])
 
-    out = _two_core_kernel(body, x)
-    close(out, jnp.concatenate([x[8:], x[8:]]))
+        return body
+
+    close(_two_cores(make_body, x, way), jnp.concatenate([x[8:], x[8:]]))
 
 
-@TWO_CORES
-def test_core_barrier_orders_the_cores():
+@pytest.mark.parametrize("way", WAYS)
+def test_core_barrier_orders_the_cores(way):
     """Core 1 writes its half only after core 0 has written the whole output:
     without the barrier the result would depend on the order of the cores."""
     x = rand(5, (16, 128))
 
-    def body(x_hbm, o_hbm, sem):
-        c = lax.axis_index("core")
+    def make_body(pl, pltpu):
+        def body(x_hbm, o_hbm, sem):
+            c = lax.axis_index("core")
 
-        @pl.when(c == 0)
-        def _():
-            pltpu.sync_copy(x_hbm, o_hbm)
+            @pl.when(c == 0)
+            def _():
+                pltpu.sync_copy(x_hbm, o_hbm)
 
-        pltpu.core_barrier(sem, core_axis_name="core")
+            pltpu.core_barrier(sem, core_axis_name="core")
 
-        @pl.when(c == 1)
-        def _():
-            pltpu.sync_copy(x_hbm.at[pl.ds(0, 8)], o_hbm.at[pl.ds(8, 8)])
+            @pl.when(c == 1)
+            def _():
+                pltpu.sync_copy(x_hbm.at[pl.ds(0, 8)], o_hbm.at[pl.ds(8, 8)])
 
-    out = _two_core_kernel(body, x, scratch=[pltpu.SemaphoreType.REGULAR])
+        return body
+
+    out = _two_cores(make_body, x, way, scratch=lambda pltpu: [pltpu.SemaphoreType.REGULAR])
     close(out, jnp.concatenate([x[:8], x[:8]]))
 
 
-@TWO_CORES
-def test_core_barrier_each_grid_step_of_a_core_parallel_grid():
+@pytest.mark.parametrize("way", WAYS)
+def test_core_barrier_each_grid_step_of_a_core_parallel_grid(way):
     """Two cores, four grid points each: at every step each core adds its
     block into a shared HBM accumulator row, then, after a barrier, reads the
     other core's row. The barrier makes every step's read see the other
     core's write of the same step."""
     x = rand(6, (2, 4, 8, 128))
 
-    def kernel(x_ref, acc_hbm, o_ref, sem, buf):
-        c = pl.program_id(0)
-        s = pl.program_id(1)
+    def build(pl, pltpu):
+        def kernel(x_ref, acc_hbm, o_ref, sem, buf):
+            c = pl.program_id(0)
+            s = pl.program_id(1)
 
-        @pl.when(s == 0)
-        def _():
-            buf[...] = jnp.zeros_like(buf)
+            @pl.when(s == 0)
+            def _():
+                buf[...] = jnp.zeros_like(buf)
+                pltpu.sync_copy(buf, acc_hbm.at[c])
+
+            pltpu.core_barrier(sem, core_axis_name="core")
+            pltpu.sync_copy(acc_hbm.at[c], buf)
+            buf[...] += x_ref[...]
             pltpu.sync_copy(buf, acc_hbm.at[c])
+            pltpu.core_barrier(sem, core_axis_name="core")
+            pltpu.sync_copy(acc_hbm.at[1 - c], buf)
+            o_ref[...] = buf[...]
+            pltpu.core_barrier(sem, core_axis_name="core")
 
-        pltpu.core_barrier(sem, core_axis_name="core")
-        pltpu.sync_copy(acc_hbm.at[c], buf)
-        buf[...] += x_ref[...]
-        pltpu.sync_copy(buf, acc_hbm.at[c])
-        pltpu.core_barrier(sem, core_axis_name="core")
-        pltpu.sync_copy(acc_hbm.at[1 - c], buf)
-        o_ref[...] = buf[...]
-        pltpu.core_barrier(sem, core_axis_name="core")
+        return pl.pallas_call(
+            kernel,
+            grid=(("core", 2), ("s", 4)),
+            in_specs=[pl.BlockSpec((None, None, 8, 128), lambda c, s: (c, s, 0, 0))],
+            out_specs=[
+                pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec((None, None, 8, 128), lambda c, s: (c, s, 0, 0)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((2, 8, 128), jnp.float32),
+                jax.ShapeDtypeStruct(x.shape, x.dtype),
+            ],
+            scratch_shapes=[pltpu.SemaphoreType.REGULAR, pltpu.VMEM((8, 128), jnp.float32)],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("core_parallel", "arbitrary")),
+        )
 
-    acc, out = pl.pallas_call(
-        kernel,
-        grid=(("core", 2), ("s", 4)),
-        in_specs=[pl.BlockSpec((None, None, 8, 128), lambda c, s: (c, s, 0, 0))],
-        out_specs=[
-            pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec((None, None, 8, 128), lambda c, s: (c, s, 0, 0)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct((2, 8, 128), jnp.float32), jax.ShapeDtypeStruct(x.shape, x.dtype)],
-        scratch_shapes=[pltpu.SemaphoreType.REGULAR, pltpu.VMEM((8, 128), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("core_parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams(num_cores_or_threads=2),
-    )(x)
+    acc, out = run(build, (x,), way, num_cores=2)
     prefix = jnp.cumsum(x, axis=1)  # per core, the running sum after each step
     close(acc, prefix[:, -1], 1e-5)
     close(out, prefix[::-1], 1e-5)
 
 
-@TWO_CORES
+@pytest.mark.interpret_only(
+    reason="interpret mode's deadlock report (run_mosaic's is tested in test_run_mosaic)"
+)
 def test_wait_for_a_later_core_inside_control_flow_is_a_deadlock():
     """A wait inside lax.cond is one step of its core: core 0 waiting there for
     core 1's signal is reported as a deadlock, never a hang or a wrong answer."""

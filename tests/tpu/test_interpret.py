@@ -368,25 +368,23 @@ def test_core_parallel_axis_runs_on_separate_cores():
     assert sorted(cores) == [((0, 0), 0), ((0, 1), 0), ((1, 0), 1), ((1, 1), 1)]
 
 
-@interpret_only(reason="two TensorCores (num_cores_or_threads=2): run_mosaic runs one core")
-def test_pl_kernel_over_tensorcore_mesh():
+@pytest.mark.parametrize("way", WAYS)
+def test_pl_kernel_over_tensorcore_mesh(way):
     x = rand(16, (2 * 8, 128))
-    mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
 
-    @pl.kernel(
-        out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        mesh=mesh,
-        interpret=pltpu.InterpretParams(num_cores_or_threads=2),
-    )
-    def double(x_hbm, o_hbm):
-        c = lax.axis_index("core")
-        pltpu.sync_copy(x_hbm.at[pl.ds(c * 8, 8)], o_hbm.at[pl.ds(c * 8, 8)]) if hasattr(
-            pltpu, "sync_copy"
-        ) else None
+    def build(pl, pltpu):
+        if hasattr(pltpu, "TensorCoreMesh"):
+            mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
+        else:
+            mesh = pltpu.create_tensorcore_mesh("core", num_cores=2)
 
-    if not hasattr(pltpu, "sync_copy"):
-        pytest.skip("pltpu.sync_copy not exported yet")
-    close(double(x), x)
+        def copy(x_hbm, o_hbm):
+            c = lax.axis_index("core")
+            pltpu.sync_copy(x_hbm.at[pl.ds(c * 8, 8)], o_hbm.at[pl.ds(c * 8, 8)])
+
+        return pl.kernel(copy, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh)
+
+    close(run(build, (x,), way, num_cores=2), x)
 
 
 @pytest.mark.parametrize("way", WAYS)

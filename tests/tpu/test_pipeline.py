@@ -410,33 +410,33 @@ def test_buffered_ref_public_fields():
     assert again.index[0] == 1 and int(again.local_index) == 3
 
 
-@interpret_only(reason="two TensorCores (num_cores_or_threads=2): run_mosaic runs one core")
-def test_core_axis_name_splits_the_grid():
+@pytest.mark.parametrize("way", WAYS)
+def test_core_axis_name_splits_the_grid(way):
     x = rand(15, (8 * 8, 128))
-    mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
-    seen = []
 
-    @pl.kernel(
-        out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        mesh=mesh,
-        interpret=pltpu.InterpretParams(num_cores_or_threads=2),
-    )
-    def double(x_hbm, o_hbm):
-        def body(x_ref, o_ref):
-            o_ref[...] = x_ref[...] * 2.0
+    def build(pl, pltpu):
+        if hasattr(pltpu, "TensorCoreMesh"):
+            mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
+        else:
+            mesh = pltpu.create_tensorcore_mesh("core", num_cores=2)
 
-        spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
-        pltpu.emit_pipeline(
-            body,
-            grid=(8,),
-            in_specs=[spec],
-            out_specs=[spec],
-            core_axis_name="core",
-            dimension_semantics=("parallel",),
-        )(x_hbm, o_hbm)
-        seen.append(True)
+        def double(x_hbm, o_hbm):
+            def body(x_ref, o_ref):
+                o_ref[...] = x_ref[...] * 2.0
 
-    close(double(x), 2.0 * x, 0)
+            spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+            pltpu.emit_pipeline(
+                body,
+                grid=(8,),
+                in_specs=[spec],
+                out_specs=[spec],
+                core_axis_name="core",
+                dimension_semantics=(pltpu.PARALLEL,),
+            )(x_hbm, o_hbm)
+
+        return pl.kernel(double, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh)
+
+    close(run(build, (x,), way, num_cores=2), 2.0 * x, 0)
 
 
 # ---------------------------------------------------------------------------

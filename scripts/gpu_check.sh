@@ -6,7 +6,10 @@
 #     tests: install, GPU tests, examples; bench: install, benchmarks; all (default): both.
 #     BENCHMARK names (e.g. gpu_compile) run only those benchmarks.
 #   One device call may run at most 10 minutes: `all` can exceed it, so run tests and bench
-#   as two calls when the benchmarks are included.
+#   as two calls when the benchmarks are included. Compiling on the device costs its time:
+#   `python benchmarks/gpu_matmul.py --prewarm` (or gpu_attention.py --prewarm) on a CPU with
+#   PALLAS_GPU_CACHE_DIR=build/gpu-cache fills a cache to carry (device tool: carry
+#   build/gpu-cache) and export PALLAS_GPU_CACHE_DIR=$PWD/build/gpu-cache before this script.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/gpu-logs}"; mkdir -p "$OUT"
@@ -38,7 +41,8 @@ python3 examples/run_all.py 2>&1 | tail -30 | tee "$OUT/examples.log"
 
 fi
 [ "$MODE" = tests ] && exit 0
-for b in benchmarks/gpu_*.py benchmarks/triton_kernels.py benchmarks/runtime_launch_overhead.py; do
+for b in benchmarks/gpu_*.py benchmarks/memory_bound.py benchmarks/decode_attention.py benchmarks/revisit_loop.py \
+  benchmarks/triton_kernels.py benchmarks/runtime_launch_overhead.py; do
   [ -f "$b" ] || continue
   [ "$ONLY" = "  " ] || [[ "$ONLY" == *" $(basename "$b" .py) "* ]] || continue
   step "benchmark $b"

@@ -17,7 +17,7 @@ from jaxlib.mosaic.python import tpu as tpu_dialect
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import WAYS, run, ways  # noqa: E402
+from three_way import WAYS, close, equal, run, ways  # noqa: E402
 
 import pallas as pl  # noqa: E402
 import pallas_tpu as pltpu  # noqa: E402
@@ -31,18 +31,6 @@ def rand(seed, shape, dtype=jnp.float32):
 
 def fresh_seed() -> int:
     return int(np.random.default_rng().integers(0, 2**31 - 1))
-
-
-def close(a, b, tol=1e-5):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol)
-
-
-def equal(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-    np.testing.assert_array_equal(a, b)
 
 
 def verified(f, *args) -> list[str]:

@@ -14,7 +14,7 @@ from jax import lax
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import MODES, run  # noqa: E402
+from three_way import MODES, close, equal, run  # noqa: E402
 
 jax.config.update("jax_enable_checks", True)
 
@@ -29,18 +29,6 @@ def rand_int(seed, shape, dtype, lo=None, hi=None):
     lo = int(info.min) if lo is None else lo
     hi = int(info.max) + 1 if hi is None else hi
     return jnp.asarray(np.random.default_rng(seed).integers(lo, hi, shape, dtype=np.int64).astype(dtype))
-
-
-def close(a, b, tol=1e-5):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol)
-
-
-def equal(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-    np.testing.assert_array_equal(a, b)
 
 
 def _jax_has_rule(name: str) -> bool:

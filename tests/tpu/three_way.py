@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax import export
 
 import pallas as pl
@@ -57,6 +58,20 @@ TPU_V4 = jax.sharding.AbstractMesh(
 
 def _abstract_mesh(num_cores):
     return TPU_V5E if num_cores == 1 else TPU_V4
+
+
+def close(a, b, tol=1e-5):
+    """Same shape and dtype, and equal to ``tol`` (relative and absolute) in float64."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol)
+
+
+def equal(a, b):
+    """Same shape and dtype, and bit-for-bit equal values."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    np.testing.assert_array_equal(a, b)
 
 
 def jax_namespaces():

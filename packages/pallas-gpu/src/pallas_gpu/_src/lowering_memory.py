@@ -336,8 +336,7 @@ def tma_tile(ref: BlockRef, view: list[DimView]) -> tuple[list[int], list] | Non
     return box, offsets
 
 
-def _tma_load(rc_or_kl, ref: BlockRef, view: list[DimView]) -> tuple[str, tuple[int, ...]] | None:
-    kl = getattr(rc_or_kl, "lowering", rc_or_kl)
+def _tma_load(kl, ref: BlockRef, view: list[DimView]) -> tuple[str, tuple[int, ...]] | None:
     tile = tma_tile(ref, view) if kl is not None and kl.use_tma else None
     if tile is None:
         return None
@@ -372,7 +371,7 @@ def _load_ref(rc: RuleContext, ref, view, out_dtype) -> Val:
         return em.assign(ref.var, ref.shape, ref.dtype)
     if ref.dtype.name in INT4:
         return _load_int4(em, ref, view)
-    tma = _tma_load(rc, ref, view)
+    tma = _tma_load(rc.lowering, ref, view)
     if tma is not None:
         return em.assign(tma[0], tma[1], out_dtype)
     ptr, mask, shape = block_address(em, ref, view)

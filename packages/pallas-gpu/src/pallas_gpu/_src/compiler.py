@@ -130,21 +130,14 @@ def check_warp_specialize(lk: LoweredKernel, cc: int, where: str) -> None:
     Triton 3.6 leaves them unspecialized or fails inside its NVGPU-to-LLVM pass
     (upstream Triton specializes Hopper loops only in Meta's AutoWS fork)."""
     if cc < 100 and dict(lk.source_options).get("warp_specialize"):
+        import triton  # compiling needs it anyway
+
         raise ValueError(
             f"{where}: plgpu.CompilerParams(warp_specialize=True) needs a Blackwell GPU (sm_100 or "
-            f"newer), but the kernel is being compiled for sm_{cc}: Triton {_triton_release()} does not "
+            f"newer), but the kernel is being compiled for sm_{cc}: Triton {triton.__version__} does not "
             "warp-specialize loops on earlier GPUs (on Hopper its pass fails to compile some). Drop "
             "warp_specialize on this GPU; use_tma=True and num_stages pipeline the loads on Hopper."
         )
-
-
-def _triton_release() -> str:
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:  # pragma: no cover - compile_kernel needs Triton anyway
-        return "?"
 
 
 def compiled_configs(

@@ -77,11 +77,6 @@ def _compiler_params_list(cp: Any, gm) -> list[CompilerParams]:
     return cps
 
 
-def _all_gpu_params(cp: Any) -> bool:
-    cps = list(cp) if isinstance(cp, (list, tuple)) else [cp]
-    return bool(cps) and all(isinstance(c, CompilerParams) for c in cps)
-
-
 def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debug, compiler_params, **_):
     gm = grid_mapping
     if gm.num_scalar_prefetch:
@@ -96,10 +91,12 @@ def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debu
             "lower; use static grid sizes (e.g. the largest size, skipping the extra programs with "
             "pl.when), or run the kernel with interpret=True"
         )
-    if isinstance(interpret, InterpretParams) and not _all_gpu_params(compiler_params):
-        cps = [CompilerParams()]  # params for another backend: the interpreter needs none
-    else:
+    try:
         cps = _compiler_params_list(compiler_params, gm)
+    except TypeError:
+        if not isinstance(interpret, InterpretParams):
+            raise
+        cps = [CompilerParams()]  # params for another backend: the interpreter needs none
     lk = lowered_kernel(jaxpr, gm, _source_options(cps, gm))
     if debug:
         print(f"The Triton kernel for pallas_call '{gm.kernel_name}' ({gm.source}):")

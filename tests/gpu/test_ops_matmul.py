@@ -58,7 +58,7 @@ def test_matmul_matches_jnp(m, k, n, dtype):
 
 
 @pytest.mark.parametrize(
-    "config", mm.CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-tma{c.use_tma}"
+    "config", mm.CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-tma{c.use_tma}-{c.label()}"
 )
 def test_every_candidate_config(config):
     # bf16 results: an f32 128x256 result tile staged for its TMA store would need 128 KiB
@@ -68,12 +68,13 @@ def test_every_candidate_config(config):
     check(out, a, b, 1e-2)
 
 
+@pytest.mark.parametrize("flatten", [False, True])
 @pytest.mark.parametrize("sms", [3, 132])
-def test_persistent_programs_walk_their_tiles(monkeypatch, sms):
+def test_persistent_programs_walk_their_tiles(monkeypatch, sms, flatten):
     # 3 programs over 2 x 4 tiles: programs 0 and 1 take three tiles, program 2 takes two.
     monkeypatch.setattr(mm, "num_sms", lambda: sms)
     a, b = operands(256, 192, 512, jnp.bfloat16)
-    config = mm.MatmulConfig(128, 128, 64, 2, 4, 3, True, persistent=True)
+    config = mm.MatmulConfig(128, 128, 64, 2, 4, 3, True, persistent=True, flatten=flatten)
     assert config.fitted(256, 512, 192).persistent and not config.fitted(250, 512, 192).persistent
     out = mm.matmul(a, b, preferred_element_type=F32, config=config, interpret=triton_mode())
     check(out, a, b, 2e-3)
@@ -83,6 +84,25 @@ def test_fp8_inputs_accumulate_in_f32():
     a, b = operands(128, 128, 128, jnp.float8_e4m3fn)
     out = mm.matmul(a, b, preferred_element_type=F32, interpret=triton_mode())
     check(out, a, b, FP8_REL)  # fp8 products are exact in f32; only the summation differs
+
+
+@pytest.mark.parametrize(
+    "config",
+    mm.FP8_CONFIGS,
+    ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-tma{c.use_tma}-p{c.persistent}",
+)
+def test_every_fp8_candidate_config(config):
+    # b is read k-major (transposed by XLA first); k = 320 is padded to whole blocks.
+    a, b = operands(256, 320, 512, jnp.float8_e4m3fn)
+    assert config in mm.configs_for(256, 512, 320, jnp.float8_e4m3fn) or config.block_k > 320
+    out = mm.matmul(a, b, preferred_element_type=jnp.bfloat16, config=config, interpret=triton_mode())
+    check(out, a, b, 1e-2)
+
+
+def test_fp8_edge_tiles():
+    a, b = operands(200, 96, 176, jnp.float8_e5m2)  # masked fp8 loads (other=0.0)
+    out = mm.matmul(a, b, preferred_element_type=F32, config=mm.FP8_CONFIGS[2], interpret=triton_mode())
+    check(out, a, b, FP8_REL)
 
 
 def test_candidates_compile_for_sm80_and_sm90():
@@ -99,6 +119,7 @@ def test_candidates_compile_for_sm80_and_sm90():
 def test_configs_fit_small_problems():
     for c in mm.configs_for(40, 8, 24):  # m, n, k
         assert c.block_m == 64 and c.block_n == 16 and c.block_k == 32
+    assert {c.block_k for c in mm.configs_for(4096, 4096, 4096, jnp.float8_e4m3fn)} == {64, 128}
 
 
 @pytest.mark.parametrize(

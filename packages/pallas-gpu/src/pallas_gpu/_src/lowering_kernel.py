@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
+import functools
 import hashlib
 import keyword
 import math
@@ -52,6 +54,7 @@ from pallas_gpu._src.lowering import (
     Val,
     arg_name,
     const,
+    is_float,
     lowering_rules,
     pad_shape,
     pointer_signature,
@@ -141,9 +144,17 @@ class KernelLowering:
                 return self._const_val(v.val, v.aval)
             return env[v]
 
+        fused = _dot_accumulations(jaxpr)
         for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
+            if id(eqn) in fused.deferred:
+                continue  # lowered by the add that takes its result (below)
+            binds = eqn.outvars  # the variables the results are bound to
             rule = lowering_rules.get(eqn.primitive)
+            if id(eqn) in fused.adds:  # acc + dot(a, b): lowered as tl.dot(a, b, acc)
+                dot, acc_index = fused.adds[id(eqn)]
+                rule = functools.partial(lowering_rules[lax.dot_general_p], acc=read(eqn.invars[acc_index]))
+                eqn = dot
+            invals = [read(v) for v in eqn.invars]
             rc = RuleContext(self.em, eqn, [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars], self)
             if rule is None:
                 raise rc.error(
@@ -163,7 +174,7 @@ class KernelLowering:
                 self._outer_eqns.pop()
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            for v, o in zip(eqn.outvars, outs):
+            for v, o in zip(binds, outs):
                 if not isinstance(v, compat.DropVar):
                     env[v] = o
         return [read(v) for v in jaxpr.outvars]
@@ -399,6 +410,58 @@ def subjaxprs(p):
     elif isinstance(p, (tuple, list)):
         for q in p:
             yield from subjaxprs(q)
+
+
+@dataclasses.dataclass
+class _DotAccumulations:
+    """``d = add(acc, dot_general(a, b))`` pairs of one jaxpr to lower as ``tl.dot(a, b, acc)``."""
+
+    adds: dict[int, tuple[Any, int]]  # id(add eqn) -> (its dot eqn, the index of acc among its operands)
+    deferred: set[int]  # id(dot eqn): not lowered on its own
+
+
+def _dot_accumulations(jaxpr) -> _DotAccumulations:
+    """Finds ``acc + dot(a, b)`` where the f32 dot result has no other use. Triton folds
+    ``dot(a, b, 0) + acc`` into ``dot(a, b, acc)`` itself only for some operand types: for
+    fp8 on sm_90 it does not (its ``max_num_imprecise_acc`` stops the fold), and the unfused
+    form waits for every wgmma to finish and adds the tile in registers at each k step."""
+    uses: dict[int, int] = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if isinstance(v, compat.Var):
+                uses[id(v)] = uses.get(id(v), 0) + 1
+    for v in jaxpr.outvars:
+        if isinstance(v, compat.Var):
+            uses[id(v)] = uses.get(id(v), 0) + 2  # never fuse a jaxpr output
+    dots = {}
+    for e in jaxpr.eqns:
+        out = e.outvars[0] if e.outvars else None
+        if (
+            e.primitive is lax.dot_general_p
+            and out is not None
+            and uses.get(id(out)) == 1
+            and np.dtype(out.aval.dtype) == np.float32
+            and is_float(e.invars[0].aval.dtype)
+            and not isinstance(e.params.get("precision"), lax.DotAlgorithmPreset)
+        ):
+            dots[id(out)] = e
+    found = _DotAccumulations({}, set())
+    for e in jaxpr.eqns:
+        if e.primitive is not lax.add_p:
+            continue
+        for i in (1, 0):  # the dot is usually the second operand
+            v, acc = e.invars[i], e.invars[1 - i]
+            dot = dots.get(id(v)) if isinstance(v, compat.Var) else None
+            if (
+                dot is not None
+                and id(dot) not in found.deferred
+                and getattr(acc.aval, "shape", None) == v.aval.shape
+                and np.dtype(acc.aval.dtype) == np.float32
+            ):
+                found.adds[id(e)] = (dot, 1 - i)
+                found.deferred.add(id(dot))
+                break
+    return found
 
 
 def _located(e: Exception, rc: RuleContext) -> Exception:

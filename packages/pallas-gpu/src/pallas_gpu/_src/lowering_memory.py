@@ -39,6 +39,7 @@ from pallas_gpu._src.lowering import (
     arg_name,
     expand_to_axis,
     is_bool,
+    is_float,
     next_pow2,
     register_lowering,
 )
@@ -380,7 +381,7 @@ def _load_ref(rc: RuleContext, ref, view, out_dtype) -> Val:
     else:
         m = em.fresh("mask")
         em.emit(f"{m} = {mask}")
-        expr = f"tl.load({ptr}, mask={m}, other=0)"
+        expr = f"tl.load({ptr}, mask={m}, other={_zero(ref.dtype)})"
     if is_bool(ref.dtype):
         expr = f"{expr} != 0"
     return em.assign(expr, shape, out_dtype)
@@ -451,8 +452,14 @@ def load_block(em: Emitter, ref: BlockRef, kl: KernelLowering | None = None) -> 
     if tma is not None:
         return em.assign(tma[0], tma[1], ref.dtype, "acc")
     ptr, mask, shape = block_address(em, ref, whole)
-    expr = f"tl.load({ptr}, mask={mask}, other=0)" if mask else f"tl.load({ptr})"
+    expr = f"tl.load({ptr}, mask={mask}, other={_zero(ref.dtype)})" if mask else f"tl.load({ptr})"
     return em.assign(f"{expr} != 0" if is_bool(ref.dtype) else expr, shape, ref.dtype, "acc")
+
+
+def _zero(dtype) -> str:
+    """``other=`` of a masked load: Triton casts an int 0 to every type but fp8 (it converts
+    fp8 only from other floats)."""
+    return "0.0" if np.dtype(dtype).itemsize == 1 and is_float(dtype) else "0"
 
 
 def store_block(em: Emitter, ref: BlockRef, val: Val, kl: KernelLowering | None = None) -> None:

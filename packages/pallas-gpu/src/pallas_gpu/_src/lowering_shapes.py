@@ -471,7 +471,19 @@ def _split_dot(em, a: Val, b: Val, split, out_shape) -> Val:
 
 
 @register_lowering(lax.dot_general_p)
-def _dot_general_rule(rc: RuleContext, a, b, *, dimension_numbers, precision, preferred_element_type, **_):
+def _dot_general_rule(
+    rc: RuleContext,
+    a,
+    b,
+    *,
+    dimension_numbers,
+    precision,
+    preferred_element_type,
+    acc: Val | None = None,
+    **_,
+):
+    """``acc`` (an f32 Val shaped like the result) is added in the dot: the kernel frame passes
+    it for ``acc + dot(a, b)`` (see ``_dot_accumulations``)."""
     em = rc.em
     (lc, rc_), (lb, rb) = dimension_numbers
     if len(lc) != 1 or len(rc_) != 1:
@@ -512,24 +524,33 @@ def _dot_general_rule(rc: RuleContext, a, b, *, dimension_numbers, precision, pr
     a = fill_padding(em, a, 0, [nb + 1])
     b = fill_padding(em, b, 0, [nb])
     if is_float(a.dtype):
-        acc = np.dtype(np.float64) if a.dtype == np.float64 else np.dtype(np.float32)
+        acc_dtype = np.dtype(np.float64) if a.dtype == np.float64 else np.dtype(np.float32)
         if (
             out.dtype == np.float16
             and preferred_element_type is not None
             and np.dtype(preferred_element_type) == np.float16
         ):
-            acc = np.dtype(np.float16)
+            acc_dtype = np.dtype(np.float16)
     else:
-        acc = np.dtype(np.int32)
+        acc_dtype = np.dtype(np.int32)
     if a.dtype != b.dtype:
         raise rc.error(f"dot operands must have the same dtype, got {a.dtype} and {b.dtype}")
     split = _split_preset(precision, a.dtype)
     if split is not None:
-        return cast(em, _split_dot(em, a, b, split, out.shape), out.dtype)
+        v = _split_dot(em, a, b, split, out.shape)
+        return (
+            cast(em, v, out.dtype)
+            if acc is None
+            else em.assign(f"{acc.expr} + {v.expr}", out.shape, acc.dtype)
+        )
     if a.dtype == BF16:  # Triton's interpreter multiplies raw uint16 bf16 bits
         a = em.assign(f"_dot_operand({a.expr})", a.shape, a.dtype)
         b = em.assign(f"_dot_operand({b.expr})", b.shape, b.dtype)
     prec = _input_precision(rc, precision, a.dtype)
     kw = f", input_precision={prec!r}" if prec else ""
-    v = em.assign(f"tl.dot({a.expr}, {b.expr}{kw}, out_dtype={tl_dtype(acc)})", out.shape, acc)
+    if acc is not None:
+        return em.assign(
+            f"tl.dot({a.expr}, {b.expr}, {acc.expr}{kw}, out_dtype=tl.float32)", out.shape, acc.dtype
+        )
+    v = em.assign(f"tl.dot({a.expr}, {b.expr}{kw}, out_dtype={tl_dtype(acc_dtype)})", out.shape, acc_dtype)
     return cast(em, v, out.dtype)

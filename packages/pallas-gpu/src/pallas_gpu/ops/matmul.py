@@ -9,13 +9,21 @@ programs running at once share the panels of ``b`` they read in L2. With
 ``plgpu.CompilerParams``). Edge tiles of any ``m`` and ``n`` are masked; a
 ``k`` that ``block_k`` does not divide is zero-padded. ``persistent`` configs
 launch one program per SM, each walking every ``P``-th tile in the same
-grouped order (where the blocks divide ``m`` and ``n``).
+grouped order (where the blocks divide ``m`` and ``n``); ``flatten`` makes
+their tile loop and k loop one loop, so that Triton's software pipeline runs
+on across tiles (the next tile's first panels load while this one's result is
+stored), which counts most where k is short.
 
 ``matmul(a, b)`` picks its configuration by timing the candidates of
 ``configs_for`` on the first call with given shapes and dtypes on a GPU
 (``plgpu.autotune``: kept in memory and in pallas-gpu's disk cache); pass
 ``config=MatmulConfig(...)`` to choose one. fp8 (``float8_e4m3fn``,
-``float8_e5m2``) inputs accumulate in f32 as the others do.
+``float8_e5m2``) inputs accumulate in f32 as the others do; their ``b`` is
+transposed by XLA to ``(n, k)`` first and the kernel reads ``(block_n,
+block_k)`` tiles of it, because Hopper's fp8 tensor-core instructions
+(``wgmma``) take both shared-memory tiles k-major (16-bit types may be either
+way): an n-major fp8 tile has Triton transpose it in shared memory every k
+step. cuBLASLt has the same rule (XLA transposes ``b`` for it too).
 """
 
 from __future__ import annotations
@@ -47,9 +55,10 @@ class MatmulConfig:
     num_stages: int = 3
     use_tma: bool = True
     persistent: bool = False  # one program per SM, each walking its share of the tiles
+    flatten: bool = False  # persistent programs: one loop over (tile, k step) pairs
 
     def label(self) -> str:
-        kind = "persistent" if self.persistent else "grid"
+        kind = ("flat-persistent" if self.flatten else "persistent") if self.persistent else "grid"
         load = "tma" if self.use_tma else "ptr"
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k}/{self.num_warps}w/{self.num_stages}s/{load}/{kind}"
@@ -67,7 +76,7 @@ class MatmulConfig:
             self, block_m=fit(self.block_m, m), block_n=fit(self.block_n, n), block_k=fit(self.block_k, k)
         )
         if c.persistent and (m % c.block_m or n % c.block_n):
-            c = dataclasses.replace(c, persistent=False)
+            c = dataclasses.replace(c, persistent=False, flatten=False)
         return c
 
 
@@ -77,6 +86,7 @@ class MatmulConfig:
 # 617, 128x128x128 583; the autotuned default 648 (cuBLAS via XLA 701).
 CONFIGS = (
     MatmulConfig(128, 256, 64, 8, 8, 3, True, persistent=True),
+    MatmulConfig(128, 256, 64, 8, 8, 3, True, persistent=True, flatten=True),
     MatmulConfig(256, 128, 64, 8, 8, 3, True, persistent=True),
     MatmulConfig(128, 256, 64, 8, 8, 3, True),
     MatmulConfig(128, 256, 64, 8, 8, 3, False),
@@ -84,11 +94,30 @@ CONFIGS = (
     MatmulConfig(128, 128, 128, 8, 8, 3, True),
     MatmulConfig(256, 128, 64, 8, 8, 3, True),
 )
+# fp8 candidates: 128-byte rows of k per tile (block_k=128), as the 16-bit ones have with 64.
+# An f32 128x256 result tile passes through 128 KiB of shared memory (the TMA store's
+# staging, or the layout conversion of a pointer store): beside a 3-stage 128x256x128
+# pipeline that is more than sm_90 has, so the flattened candidates (whose pipeline
+# buffers stay live during the store) take 2 stages of 128 or 4 of 64 (224 KiB); the
+# autotuner drops a candidate that does not fit (the first, for an f32 result).
+FP8_CONFIGS = (
+    MatmulConfig(128, 256, 128, 8, 8, 3, True, persistent=True),
+    MatmulConfig(128, 256, 128, 8, 8, 2, False, persistent=True, flatten=True),
+    MatmulConfig(128, 256, 64, 8, 8, 4, False, persistent=True, flatten=True),
+    MatmulConfig(128, 256, 128, 8, 8, 3, False),
+    MatmulConfig(128, 128, 128, 8, 8, 4, True, persistent=True),
+    MatmulConfig(128, 128, 128, 8, 8, 4, True),
+    MatmulConfig(128, 256, 64, 8, 8, 4, False, persistent=True),
+)
 
 
-def configs_for(m: int, n: int, k: int) -> tuple[MatmulConfig, ...]:
-    """The distinct candidates for an ``(m, k) @ (k, n)`` problem."""
-    return tuple(dict.fromkeys(c.fitted(m, n, k) for c in CONFIGS))
+def _is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1
+
+
+def configs_for(m: int, n: int, k: int, dtype=jnp.bfloat16) -> tuple[MatmulConfig, ...]:
+    """The distinct candidates for an ``(m, k) @ (k, n)`` problem with inputs of ``dtype``."""
+    return tuple(dict.fromkeys(c.fitted(m, n, k) for c in (FP8_CONFIGS if _is_fp8(dtype) else CONFIGS)))
 
 
 def _tile(p, nm: int, nn: int, group_m: int):
@@ -101,17 +130,24 @@ def _tile(p, nm: int, nn: int, group_m: int):
     return first + lax.rem(r, rows), lax.div(r, rows)
 
 
-def _kernel(a_ref, b_ref, o_ref, *, block_k: int, steps: int):
+def _dot(a, b, b_k_major: bool):
+    """f32 ``a @ b`` of an ``(bm, bk)`` tile and a ``(bk, bn)`` tile, or ``(bn, bk)`` if ``b_k_major``."""
+    dims = (((1,), (1,)), ((), ())) if b_k_major else (((1,), (0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _kernel(a_ref, b_ref, o_ref, *, block_k: int, steps: int, b_k_major: bool):
     def body(i, acc):
         k0 = pl.multiple_of(i * block_k, block_k)
-        a, b = a_ref[:, pl.ds(k0, block_k)], b_ref[pl.ds(k0, block_k), :]
-        return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+        a = a_ref[:, pl.ds(k0, block_k)]
+        b = b_ref[:, pl.ds(k0, block_k)] if b_k_major else b_ref[pl.ds(k0, block_k), :]
+        return acc + _dot(a, b, b_k_major)
 
     acc = lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _persistent_kernel(a_ref, b_ref, o_ref, *, block_k, steps, nm, nn, group_m, block_m, block_n):
+def _persistent_kernel(a_ref, b_ref, o_ref, *, block_k, steps, nm, nn, group_m, block_m, block_n, b_k_major):
     """Each program walks tiles ``pid, pid + P, ...`` (``P`` programs, one per SM)."""
     pid, programs = pl.program_id(0), pl.num_programs(0)
     tiles = nm * nn
@@ -119,8 +155,11 @@ def _persistent_kernel(a_ref, b_ref, o_ref, *, block_k, steps, nm, nn, group_m, 
     def k_step(i, acc, m0, n0):
         k0 = pl.multiple_of(i * block_k, block_k)
         a = a_ref[pl.ds(m0, block_m), pl.ds(k0, block_k)]
-        b = b_ref[pl.ds(k0, block_k), pl.ds(n0, block_n)]
-        return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+        if b_k_major:
+            b = b_ref[pl.ds(n0, block_n), pl.ds(k0, block_k)]
+        else:
+            b = b_ref[pl.ds(k0, block_k), pl.ds(n0, block_n)]
+        return acc + _dot(a, b, b_k_major)
 
     def tile_step(t, carry):
         tile = pid + t * programs
@@ -137,6 +176,37 @@ def _persistent_kernel(a_ref, b_ref, o_ref, *, block_k, steps, nm, nn, group_m, 
         return carry
 
     lax.fori_loop(0, lax.div(tiles - pid + programs - 1, programs), tile_step, 0)
+
+
+def _flat_persistent_kernel(
+    a_ref, b_ref, o_ref, *, block_k, steps, nm, nn, group_m, block_m, block_n, b_k_major
+):
+    """``_persistent_kernel`` with one loop over (tile, k step): iteration ``it`` is k step
+    ``it % steps`` of the program's tile ``it // steps``; the last k step stores the tile
+    and starts the next accumulator from zero."""
+    pid, programs = pl.program_id(0), pl.num_programs(0)
+    tiles = nm * nn
+
+    def step(it, acc):
+        t, ki = lax.div(it, steps), lax.rem(it, steps)
+        i, j = _tile(pid + t * programs, nm, nn, group_m)
+        m0, n0 = pl.multiple_of(i * block_m, block_m), pl.multiple_of(j * block_n, block_n)
+        k0 = pl.multiple_of(ki * block_k, block_k)
+        a = a_ref[pl.ds(m0, block_m), pl.ds(k0, block_k)]
+        if b_k_major:
+            b = b_ref[pl.ds(n0, block_n), pl.ds(k0, block_k)]
+        else:
+            b = b_ref[pl.ds(k0, block_k), pl.ds(n0, block_n)]
+        acc = acc + _dot(a, b, b_k_major)
+
+        def store(acc):
+            o_ref[pl.ds(m0, block_m), pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
+            return jnp.zeros_like(acc)
+
+        return lax.cond(ki == steps - 1, store, lambda acc: acc, acc)
+
+    my_tiles = lax.div(tiles - pid + programs - 1, programs)
+    lax.fori_loop(0, my_tiles * steps, step, jnp.zeros((block_m, block_n), jnp.float32))
 
 
 def num_sms() -> int:
@@ -185,12 +255,16 @@ def matmul_with_config(a, b, config: MatmulConfig, *, out_dtype, interpret=False
         k += pad
     nm, nn = pl.cdiv(m, c.block_m), pl.cdiv(n, c.block_n)
     group_m = max(1, min(c.group_m, nm))
+    b_k_major = _is_fp8(b.dtype)
+    if b_k_major:
+        b = b.T  # (n, k): see the module docstring
 
     def rows(p):
         return _tile(p, nm, nn, group_m)[0], 0
 
     def cols(p):
-        return 0, _tile(p, nm, nn, group_m)[1]
+        j = _tile(p, nm, nn, group_m)[1]
+        return (j, 0) if b_k_major else (0, j)
 
     kw = {}
     if interpret is not False and interpret is not None:
@@ -198,10 +272,10 @@ def matmul_with_config(a, b, config: MatmulConfig, *, out_dtype, interpret=False
     params = CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages, use_tma=c.use_tma)
     if c.persistent:
         kernel = functools.partial(
-            _persistent_kernel, block_k=c.block_k, steps=k // c.block_k, nm=nm, nn=nn, group_m=group_m,
-            block_m=c.block_m, block_n=c.block_n,
+            _flat_persistent_kernel if c.flatten else _persistent_kernel, block_k=c.block_k, steps=k // c.block_k, nm=nm, nn=nn, group_m=group_m,
+            block_m=c.block_m, block_n=c.block_n, b_k_major=b_k_major,
         )  # fmt: skip
-        whole = [pl.BlockSpec((m, k), lambda p: (0, 0)), pl.BlockSpec((k, n), lambda p: (0, 0))]
+        whole = [pl.BlockSpec(x.shape, lambda p: (0, 0)) for x in (a, b)]
         return pl.pallas_call(
             kernel,
             jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -214,10 +288,13 @@ def matmul_with_config(a, b, config: MatmulConfig, *, out_dtype, interpret=False
             **kw,
         )(a, b)
     return pl.pallas_call(
-        functools.partial(_kernel, block_k=c.block_k, steps=k // c.block_k),
+        functools.partial(_kernel, block_k=c.block_k, steps=k // c.block_k, b_k_major=b_k_major),
         jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(nm * nn,),
-        in_specs=[pl.BlockSpec((c.block_m, k), rows), pl.BlockSpec((k, c.block_n), cols)],
+        in_specs=[
+            pl.BlockSpec((c.block_m, k), rows),
+            pl.BlockSpec((c.block_n, k) if b_k_major else (k, c.block_n), cols),
+        ],
         out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda p: _tile(p, nm, nn, group_m)),
         compiler_params=params,
         name="matmul",
@@ -260,4 +337,4 @@ def matmul(
     if config is not None:
         return matmul_with_config(a, b, config, out_dtype=out_dtype, interpret=interpret, debug=debug)
     (m, k), n = a.shape, b.shape[1]
-    return _tuned(configs_for(m, n, k))(a, b, out_dtype=out_dtype, interpret=interpret, debug=debug)
+    return _tuned(configs_for(m, n, k, a.dtype))(a, b, out_dtype=out_dtype, interpret=interpret, debug=debug)

@@ -23,27 +23,23 @@ timed). Then a sweep over 1k-32k cached tokens (default arguments) writes
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import math
-import os
-import shutil
 import sys
 import traceback
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import measure
+from _timing import RESULTS, Panel, measure, write_results
 
 import pallas_gpu as plgpu
 from pallas_gpu.ops import decode_attention as ours_dec
 from pallas_gpu.ops import paged_attention as ours_paged
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-RESULTS = Path(__file__).resolve().parent / "results"
+FIELDS = ["tokens", "impl", "ms", "TBps_kv", "of_copy"]
 FAST_INTERPRET = "--time" in sys.argv
 
 
@@ -248,49 +244,17 @@ def sweep(args, jdec, jpaged, failed):
             if c == "copy":
                 continue
             tbs = pb.kv_bytes / s / 1e12
-            rows.append([S, c, f"{s * 1e3:.4f}", f"{tbs:.3f}", f"{tbs / copy_tbs:.3f}"])
+            rows.append({"tokens": S, "impl": c, "ms": f"{s * 1e3:.4f}", "TBps_kv": f"{tbs:.3f}",
+                         "of_copy": f"{tbs / copy_tbs:.3f}"})  # fmt: skip
             line.append(f"{c} {tbs:.2f}")
-        rows.append([S, "copy", "", f"{copy_tbs:.3f}", "1.000"])
+        rows.append({"tokens": S, "impl": "copy", "ms": "", "TBps_kv": f"{copy_tbs:.3f}", "of_copy": "1.000"})
         print(f"  {S:6d} tokens (TB/s of KV): " + " | ".join(line) + f" | copy {copy_tbs:.2f}", flush=True)
         del pb, cols, runners, flat
         gc.collect()
     if rows:
-        write_results(args.out, "decode_attention", ["tokens", "impl", "ms", "TBps_kv", "of_copy"], rows,
-                      "cached tokens", "TB/s of KV read", "decode attention, B32 32q/8kv heads D128 bf16")  # fmt: skip
-
-
-def write_results(out_dir, stem, header, rows, xlabel, ylabel, title):
-    """``stem``.csv, and ``stem``.png when matplotlib imports (one line per impl
-    of column 3 against column 0, log2 x axis); copies both to $OUT if set."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{stem}.csv"]
-    with open(paths[0], "w", newline="") as fh:
-        csv.writer(fh).writerows([header, *rows])
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not importable: wrote {paths[0]} only (no PNG)")
-    else:
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for impl in dict.fromkeys(r[1] for r in rows):
-            pts = [(float(r[0]), float(r[3])) for r in rows if r[1] == impl]
-            ax.plot(*zip(*pts), marker="o", label=impl, linestyle="--" if impl == "copy" else "-")
-        ax.set_xscale("log", base=2)
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        paths.append(out_dir / f"{stem}.png")
-        fig.savefig(paths[1], dpi=120)
-        plt.close(fig)
-    for p in paths:
-        print(f"wrote {p}")
-        if os.environ.get("OUT"):
-            shutil.copy(p, os.environ["OUT"])
+        title = f"decode attention, B{B} {Hq}q/{Hkv}kv heads D{D} bf16"
+        panel = Panel(title, "tokens", "TBps_kv", xlabel="cached tokens", ylabel="TB/s of KV read")
+        write_results("decode_attention", rows, FIELDS, [panel], out_dir=args.out, panel_size=(8, 5))
 
 
 def main() -> int:

@@ -10,21 +10,28 @@ the last batch row and the first and last head (attention is independent per
 batch row and head). FLOPs: forward 4·B·H·S²·D (half when causal); backward
 2.5 times the forward, so forward + backward counts 3.5 times.
 
-    python benchmarks/gpu_attention.py            # on the GPU
-    python benchmarks/gpu_attention.py --small    # tiny shapes on the CPU (Triton's interpreter), no timing
+Then a sweep (default arguments only: ours, JAX's and cuDNN) over seq
+1024-16384 at 16384 tokens (batch 16-1), 32 heads, head dim 128, writes
+``benchmarks/results/attention.csv`` and, if matplotlib imports,
+``attention.png`` (also copied to ``$OUT`` when set).
+
+    python benchmarks/gpu_attention.py               # on the GPU
+    python benchmarks/gpu_attention.py --sweep-only  # on the GPU: the sweep alone
+    python benchmarks/gpu_attention.py --small       # tiny shapes on the CPU (Triton's interpreter), no timing
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import sys
 import warnings
 
 import jax
 import jax.numpy as jnp
-from _timing import measure
+from _timing import Panel, measure, write_results
 
 import pallas_gpu as plgpu
 from pallas_gpu.ops import attention as ours
@@ -64,6 +71,99 @@ def check(label, got, ref, tol=3e-2, grad_tol=5e-2) -> bool:
     detail = ", ".join(f"{n} {e:.2f}" for n, e in zip(("out", "dq", "dk", "dv"), errs))
     print(f"  check {label:36s} {'PASS' if ok else 'FAIL'}  error / tolerance: {detail}")
     return ok
+
+
+def checked_runner(f, backward, inputs, ref, label):
+    """Jits ``f(q, k, v)`` (the forward, or with ``backward`` the forward and
+    ``jax.vjp``'s gradients for the cotangent ``do``), runs it once on
+    ``inputs`` = (q, k, v, do) and checks it against ``ref``. Returns
+    (runner for ``measure`` or None, whether the check failed); an exception
+    is printed and gives (None, False)."""
+    if backward:
+        run = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o, *vjp(do)))(*jax.vjp(f, q, k, v)))
+    else:
+        run = jax.jit(lambda q, k, v, do: (f(q, k, v),))
+    try:
+        got = run(*inputs)
+    except Exception as e:  # noqa: BLE001
+        print(f"  check {label}: ERROR {type(e).__name__}: {str(e)[:300]}")
+        return None, False
+    if check(label, got, ref[: len(got)]):
+        return (functools.partial(run, *inputs), jax.block_until_ready), False
+    return None, True
+
+
+def sweep_shapes(small, head_dim=128):
+    """[batch, seq, heads, dim] of the sweep: 16384 tokens at seq 1k-16k (--small: two tiny CPU shapes)."""
+    if small:
+        return [(1, s, 2, 32) for s in (128, 256)]
+    return [(16384 // s, s, 32, head_dim) for s in (1024, 2048, 4096, 8192, 16384)]
+
+
+SWEEP_FIELDS = ["seq", "batch", "causal", "pass", "impl", "ms", "tflops"]
+
+
+def sweep(args, theirs) -> list[str]:
+    """Each implementation at its default arguments over ``sweep_shapes``,
+    causal and not, forward and forward + backward: checked (the last batch
+    row, first and last head), then timed in 3 interleaved rounds; writes
+    results/attention.csv and .png. --small: ours only, checks, no timing, no
+    files. Returns the failed checks (and ours' errors)."""
+    it = plgpu.InterpretParams() if args.small else False
+    impls = {"ours": functools.partial(ours.mha, segment_ids=None, interpret=it)}
+    if not args.small:
+        if theirs is not None:
+            impls["JAX Pallas"] = functools.partial(theirs.mha, segment_ids=None)
+        impls["cuDNN"] = lambda q, k, v, sm_scale, causal: jax.nn.dot_product_attention(
+            q, k, v, scale=sm_scale, is_causal=causal, implementation="cudnn"
+        )
+    rows, failed = [], []
+    print(f"\nsweep (default arguments): {', '.join(impls)}")
+    for shape in sweep_shapes(args.small, args.head_dim):
+        B, S, H, D = shape
+        scale = D**-0.5
+        try:
+            keys = jax.random.split(jax.random.key(S), 4)
+            inputs = tuple(jax.random.normal(kk, shape, F32).astype(jnp.bfloat16) for kk in keys)
+            for causal in (False, True):
+                ref = reference(*inputs, causal, scale)
+                fwd_flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+                for what, flops in (("fwd", fwd_flops), ("fwd+bwd", 3.5 * fwd_flops)):
+                    cands, tag = {}, f"B{B} S{S} {what}{' causal' if causal else ''}"
+                    for impl, f in impls.items():
+                        label = f"sweep {impl} {tag}"
+                        fn = functools.partial(f, sm_scale=scale, causal=causal)
+                        r, bad = checked_runner(fn, what == "fwd+bwd", inputs, ref, label)
+                        if bad or (r is None and impl == "ours"):
+                            failed.append(label)
+                        if r is not None:
+                            cands[impl] = r
+                    if args.small or not cands:
+                        continue
+                    try:
+                        t = measure(cands, rounds=3)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  {tag}: timing ERROR {type(e).__name__}: {str(e)[:300]}")
+                        continue
+                    for impl, sec in t.items():
+                        rows.append({"seq": S, "batch": B, "causal": causal, "pass": what, "impl": impl,
+                                     "ms": f"{sec * 1e3:.4f}", "tflops": f"{flops / sec / 1e12:.2f}"})  # fmt: skip
+                    figs = " | ".join(f"{c} {flops / sec / 1e12:.1f}" for c, sec in t.items())
+                    print(f"  {tag}: {figs} TFLOP/s", flush=True)
+                    del cands
+                del ref
+        except Exception as e:  # noqa: BLE001
+            print(f"  sweep B{B} S{S}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            failed.append(f"sweep B{B} S{S}")
+        inputs = None
+        gc.collect()
+    if rows:
+        panels = [[Panel(f"{'forward' if p == 'fwd' else 'forward + backward'}, {'causal' if c else 'non-causal'}",
+                         "seq", "tflops", {"pass": p, "causal": c}, ylabel="TFLOP/s",
+                         xlabel=f"sequence length (batch x seq = {B * S}; H{H} D{D} bf16)") for c in (False, True)]
+                  for p in ("fwd", "fwd+bwd")]  # fmt: skip
+        write_results("attention", rows, SWEEP_FIELDS, panels)
+    return failed
 
 
 # Launches timed by --tune, one kernel at a time: (block_q, block_k, num_warps, num_stages).
@@ -178,8 +278,9 @@ def tune(args) -> int:
 
 def prewarm(args) -> int:
     """Compiles (without a GPU: PALLAS_GPU_COMPUTE_CAPABILITY) every kernel
-    that --tune and the default rows run, at full size, filling the disk
-    cache (PALLAS_GPU_CACHE_DIR) that a GPU run then reads."""
+    that --tune, the default rows and the sweep (ours' defaults, forward and
+    forward + backward at every sweep shape) run, at full size, filling the
+    disk cache (PALLAS_GPU_CACHE_DIR) that a GPU run then reads."""
     import time
 
     os.environ.setdefault("PALLAS_GPU_COMPUTE_CAPABILITY", "90")
@@ -201,6 +302,14 @@ def prewarm(args) -> int:
                 [spec] * 4,
             )
         ]
+        for sweep_shape in sweep_shapes(False, args.head_dim):  # the sweep's defaults, forward and fwd+bwd
+            sspec = jax.ShapeDtypeStruct(sweep_shape, jnp.bfloat16)
+            Bs, Ss = sweep_shape[:2]
+            f = lambda q, k, v, c=causal: ours.mha(q, k, v, None, sm_scale=scale, causal=c)
+            todo.append((f"sweep fwd B{Bs} S{Ss}", jax.jit(f), [sspec] * 3))
+            if sweep_shape != shape:  # the main shape's fwd+bwd is "default" above
+                g = lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do)
+                todo.append((f"sweep fwd+bwd B{Bs} S{Ss}", jax.jit(g), [sspec] * 4))
         for kern, launches in (EXTRA if args.extra else TUNE).items():
             if not causal and kern != "fwd" and not args.all:
                 continue
@@ -232,24 +341,9 @@ def prewarm(args) -> int:
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--small", action="store_true", help="tiny shapes, Triton's interpreter, no timing")
-    ap.add_argument("--defaults-only", action="store_true", help="default arguments only (no tuned rows)")
-    ap.add_argument("--tune", action="store_true", help="time each kernel alone over TUNE's launches")
-    ap.add_argument("--prewarm", action="store_true", help="compile the kernels into the disk cache (no GPU)")
-    ap.add_argument(
-        "--all", action="store_true", help="with --prewarm: also the non-causal backward launches"
-    )
-    ap.add_argument(
-        "--extra", action="store_true", help="with --tune/--prewarm: EXTRA's launches, not TUNE's"
-    )
-    ap.add_argument("--head-dim", type=int, default=128)
-    args = ap.parse_args()
-    if args.prewarm:
-        return prewarm(args)
-    if args.tune:
-        return tune(args)
+def main_rows(args, theirs) -> list[str]:
+    """The [4, 4096, 32, head dim] rows: each side's defaults and (without
+    --defaults-only) its best candidate, and cuDNN. Returns the failed checks."""
     shape = (1, 128, 2, 32) if args.small else (4, 4096, 32, args.head_dim)
     B, S, H, D = shape
     scale = D**-0.5
@@ -257,13 +351,8 @@ def main() -> int:
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(kk, shape, F32).astype(jnp.bfloat16) for kk in keys)
     impls = {"ours": (ours, interpret)}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from jax.experimental.pallas.ops.gpu import attention as theirs
+    if theirs is not None:
         impls["JAX Pallas"] = (theirs, bool(args.small))
-    except Exception as e:  # noqa: BLE001
-        print(f"JAX Pallas mha unavailable: {e!r}")
     failed = []
     print(f"mha bf16 B{B} S{S} H{H} D{D}; jax {jax.__version__}, device {jax.devices()[0]}")
     for causal in (False, True):
@@ -273,21 +362,10 @@ def main() -> int:
             print(f"\n[{what}, causal={causal}]")
 
             def runner(f, label):
-                if what == "forward":
-                    run = jax.jit(lambda q, k, v, do, f=f: (f(q, k, v),))
-                else:
-                    run = jax.jit(
-                        lambda q, k, v, do, f=f: (lambda o, vjp: (o, *vjp(do)))(*jax.vjp(f, q, k, v))
-                    )
-                try:
-                    got = run(q, k, v, do)
-                except Exception as e:  # noqa: BLE001
-                    print(f"  check {label}: ERROR {type(e).__name__}: {str(e)[:300]}")
-                    return None
-                if check(label, got, ref[: len(got)]):
-                    return (functools.partial(run, q, k, v, do), jax.block_until_ready)
-                failed.append(f"{what} causal={causal} {label}")
-                return None
+                r, bad = checked_runner(f, what == "forward+backward", (q, k, v, do), ref, label)
+                if bad:
+                    failed.append(f"{what} causal={causal} {label}")
+                return r
 
             final, labels = {}, {}
             for col, (mod, interp) in impls.items():
@@ -333,6 +411,39 @@ def main() -> int:
                     f"{ref_} {figs[mine] / figs[ref_]:.3f}x" for ref_ in figs if not ref_.startswith("ours")
                 ]
                 print(f"  {mine} / " + " | ".join(parts))
+    return failed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small", action="store_true", help="tiny shapes, Triton's interpreter, no timing")
+    ap.add_argument("--defaults-only", action="store_true", help="default arguments only (no tuned rows)")
+    ap.add_argument("--tune", action="store_true", help="time each kernel alone over TUNE's launches")
+    ap.add_argument("--prewarm", action="store_true", help="compile the kernels into the disk cache (no GPU)")
+    ap.add_argument(
+        "--all", action="store_true", help="with --prewarm: also the non-causal backward launches"
+    )
+    ap.add_argument(
+        "--extra", action="store_true", help="with --tune/--prewarm: EXTRA's launches, not TUNE's"
+    )
+    ap.add_argument("--no-sweep", action="store_true", help="only the [4, 4096, 32, head dim] rows")
+    ap.add_argument("--sweep-only", action="store_true", help="only the sweep over seq 1k-16k")
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args()
+    if args.prewarm:
+        return prewarm(args)
+    if args.tune:
+        return tune(args)
+    theirs = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import attention as theirs
+    except Exception as e:  # noqa: BLE001
+        print(f"JAX Pallas mha unavailable: {e!r}")
+    failed = [] if args.sweep_only else main_rows(args, theirs)
+    if not args.no_sweep:
+        failed += sweep(args, theirs)
     print(f"\nfailed checks: {', '.join(failed) or 'none'}")
     return 1 if failed else 0
 

@@ -18,23 +18,19 @@ matplotlib imports, ``matmul.png`` (also copied to ``$OUT`` when set).
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import os
-import shutil
 import traceback
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from _timing import measure
+from _timing import Panel, measure, write_results
 from jax import lax
 
 import pallas_gpu as plgpu
 from pallas_gpu.ops import matmul as mm
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
-RESULTS = Path(__file__).resolve().parent / "results"
 JAX_CFGS = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
 
 
@@ -156,7 +152,7 @@ def report(name, best, flops):
         print(f"  {col:16s} {flops / t / 1e12:7.1f} TFLOP/s  {lbl}{ratio}")
 
 
-def sweep(small, out_dir):
+def sweep(small):
     rows = []
     for m, k, n in [(256, 256, 256)] if small else SWEEP:
         kind = "square" if k == m else "skinny"
@@ -170,38 +166,11 @@ def sweep(small, out_dir):
                 rows.append({"kind": kind, "m": m, "n": n, "k": k, "impl": col, "tflops": flops / t / 1e12})
     if small:
         return
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "matmul.csv"
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, ["kind", "m", "n", "k", "impl", "tflops"])
-        w.writeheader()
-        w.writerows(rows)
-    files = [path]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for ax, kind in zip(axes, ("square", "skinny")):
-            for impl in sorted({r["impl"] for r in rows}):
-                pts = [(r["m"], r["tflops"]) for r in rows if r["kind"] == kind and r["impl"] == impl]
-                ax.plot(*zip(*pts), marker="o", label=impl) if pts else None
-            ax.set_title(f"bf16 matmul, {kind} ({'m=n=k' if kind == 'square' else 'k=1024'})")
-            ax.set_xlabel("m = n")
-            ax.set_ylabel("TFLOP/s")
-            ax.set_xscale("log", base=2)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(RESULTS / "matmul.png", dpi=100)
-        files.append(RESULTS / "matmul.png")
-    except ImportError:
-        print("matplotlib not installed: no plot")
-    for p in files:
-        print(f"wrote {p}")
-        if out_dir:
-            shutil.copy(p, out_dir)
+    write_results("matmul", rows, ["kind", "m", "n", "k", "impl", "tflops"], [
+        Panel(f"bf16 matmul, {kind} ({'m=n=k' if kind == 'square' else 'k=1024'})", "m", "tflops",
+              {"kind": kind}, xlabel="m = n", ylabel="TFLOP/s")
+        for kind in ("square", "skinny")
+    ])  # fmt: skip
 
 
 ROWS = [(8192, 8192, 8192, BF16), (4096, 4096, 4096, BF16), (8192, 1024, 8192, BF16), (8192, 8192, 8192, FP8)]
@@ -256,7 +225,7 @@ def main():
             print(f"{name}: failed")
             traceback.print_exc()
     if not args.no_sweep:
-        sweep(small, os.environ.get("OUT"))
+        sweep(small)
 
 
 if __name__ == "__main__":

@@ -19,18 +19,14 @@ matplotlib imports, ``memory_bound.png`` (also copied to ``$OUT`` when set).
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
-import os
-import shutil
 import sys
 import traceback
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from _timing import measure
+from _timing import RESULTS, Panel, measure, write_results
 from jax import lax
 
 import pallas_gpu as plgpu
@@ -40,7 +36,7 @@ from pallas_gpu.ops import rms_norm as ours_rms
 from pallas_gpu.ops import softmax as ours_sm
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-RESULTS = Path(__file__).resolve().parent / "results"
+FIELDS = ["op", "dtype", "features", "rows", "impl", "ms", "TBps", "of_copy"]
 FAST_INTERPRET = "--time" in sys.argv
 OPS = ("softmax", "layer_norm", "rms_norm")
 # (rows per program, warps, cache hint) timed beside softmax's and layer norm's defaults
@@ -227,53 +223,18 @@ def sweep(args, jax_fns, failed):
                 line = []
                 for c, s in t.items():
                     tbs = copy_tbs if c == "copy" else nbytes / s / 1e12
-                    rows_out.append([op, jnp.dtype(dtype).name, n, rows, c, "" if c == "copy" else f"{s * 1e3:.4f}",
-                                     f"{tbs:.3f}", f"{tbs / copy_tbs:.3f}"])  # fmt: skip
+                    rows_out.append({"op": op, "dtype": jnp.dtype(dtype).name, "features": n, "rows": rows,
+                                     "impl": c, "ms": "" if c == "copy" else f"{s * 1e3:.4f}", "TBps": f"{tbs:.3f}",
+                                     "of_copy": f"{tbs / copy_tbs:.3f}"})  # fmt: skip
                     line.append(f"{c} {tbs:.2f}")
                 print(f"  {op} {jnp.dtype(dtype).name} {rows}x{n}: " + " | ".join(line) + " TB/s", flush=True)
                 del data, runners, flat
                 gc.collect()
     if rows_out:
-        write_results(args.out, rows_out)
-
-
-def write_results(out_dir, rows):
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "memory_bound.csv"]
-    with open(paths[0], "w", newline="") as fh:
-        csv.writer(fh).writerows(
-            [["op", "dtype", "features", "rows", "impl", "ms", "TBps", "of_copy"], *rows]
-        )
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not importable: wrote {paths[0]} only (no PNG)")
-    else:
-        panels = list(dict.fromkeys((r[0], r[1]) for r in rows))
-        fig, axes = plt.subplots(
-            2, (len(panels) + 1) // 2, figsize=(5 * ((len(panels) + 1) // 2), 8), squeeze=False
-        )
-        for ax, (op, dt) in zip(axes.T.flat, panels):
-            sel = [r for r in rows if (r[0], r[1]) == (op, dt)]
-            for impl in dict.fromkeys(r[4] for r in sel):
-                pts = [(r[2], float(r[6])) for r in sel if r[4] == impl]
-                ax.plot(*zip(*pts), marker="o", label=impl, linestyle="--" if impl == "copy" else "-")
-            ax.set_xscale("log", base=2)
-            ax.set(title=f"{op} {dt}", xlabel="features per row (2**27 elements)", ylabel="TB/s")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out_dir / "memory_bound.png")
-        fig.savefig(paths[1], dpi=110)
-        plt.close(fig)
-    for p in paths:
-        print(f"wrote {p}")
-        if os.environ.get("OUT"):
-            shutil.copy(p, os.environ["OUT"])
+        panels = [[Panel(f"{op} {dt}", "features", "TBps", {"op": op, "dtype": dt},
+                         xlabel="features per row (2**27 elements)", ylabel="TB/s") for op in OPS]
+                  for dt in ("float32", "bfloat16")]  # fmt: skip
+        write_results("memory_bound", rows_out, FIELDS, panels, out_dir=args.out, panel_size=(5, 4))
 
 
 def main() -> int:

@@ -85,7 +85,7 @@ def candidates(m, k, n, dtype, small, tuned=True):
         "ours": {"default": jax.jit(lambda a, b: mm.matmul(a, b, preferred_element_type=out, interpret=it))}
     }
     if tuned:
-        for c in mm.configs_for(m, n, k):
+        for c in mm.configs_for(m, n, k, dtype):
             label = c.label()
             cols["ours"][label] = jax.jit(
                 functools.partial(mm.matmul, preferred_element_type=out, config=c, interpret=it)
@@ -186,7 +186,7 @@ def prewarm() -> None:
     for m, k, n, dtype in dict.fromkeys(shapes):
         a, b = jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype)
         out = BF16 if dtype == BF16 else F32
-        for c in mm.configs_for(m, n, k):
+        for c in mm.configs_for(m, n, k, dtype):
             f = jax.jit(functools.partial(mm.matmul, preferred_element_type=out, config=c))
             try:
                 f.trace(a, b).lower(lowering_platforms=("cuda",))

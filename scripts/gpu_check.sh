@@ -2,9 +2,10 @@
 # The one call on the GPU machine (../shared/GPU.md): install every package with the
 # machine's preinstalled dependencies, run all GPU tests, the examples (on the GPU) and
 # the GPU benchmarks. Logs go to $OUT so they come back even when a step fails.
-#   usage (device tool):  bash scripts/gpu_check.sh [all|tests|bench] [BENCHMARK...]
-#     tests: install, GPU tests, examples; bench: install, benchmarks; all (default): both.
-#     BENCHMARK names (e.g. gpu_compile) run only those benchmarks.
+#   usage (device tool):  bash scripts/gpu_check.sh [all|tests|bench|profile] [NAME...]
+#     tests: install, GPU tests, examples; bench: install, benchmarks; all (default): both;
+#     profile: install, Nsight Compute reports of benchmarks/gpu_profile.py's workloads.
+#     NAMEs (e.g. gpu_compile, or attn_fwd for profile) run only those benchmarks/workloads.
 #   One device call may run at most 10 minutes: `all` can exceed it, so run tests and bench
 #   as two calls when the benchmarks are included. Compiling on the device costs its time:
 #   `python benchmarks/gpu_matmul.py --prewarm` (or gpu_attention.py --prewarm) on a CPU with
@@ -21,6 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"
 
 step "install"
+[ -n "${PALLAS_SKIP_INSTALL:-}" ] && echo "skipped (PALLAS_SKIP_INSTALL: installed by an earlier step)" || \
 python3 -m pip install -q --no-deps --no-build-isolation ./ ./packages/pallas-core ./packages/jax-triton \
   ./packages/pallas-gpu ./packages/pallas-tpu 2>&1 | grep -v "^WARNING" | tail -5 | tee "$OUT/install.log"
 python3 -c "import pallas, pallas_gpu, jax_triton, jax_kernel_runtime as r; print('runtime driver error:', repr(r.driver_error()))" || exit 1
@@ -28,6 +30,19 @@ python3 -c "import pallas, pallas_gpu, jax_triton, jax_kernel_runtime as r; prin
 MODE="${1:-all}"
 shift || true
 ONLY=" $* "
+if [ "$MODE" = profile ]; then  # Nsight Compute reports of benchmarks/gpu_profile.py's workloads
+  command -v ncu >/dev/null || { echo "ncu not found"; exit 1; }
+  python3 benchmarks/gpu_profile.py --list | while read -r w regex; do
+    [ "$ONLY" = "  " ] || [[ "$ONLY" == *" $w "* ]] || continue
+    step "profile $w (kernels matching $regex)"
+    python3 benchmarks/gpu_profile.py "$w" || continue  # compile and autotune into the disk cache first
+    ncu --clock-control none -k "regex:$regex" -s 4 -c 1 --section SpeedOfLight \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+      --section LaunchStats --section WarpStateStats python3 benchmarks/gpu_profile.py "$w" 2>&1 \
+      | grep -v "^==PROF==" | tee -a "$OUT/ncu.txt"
+  done
+  exit 0
+fi
 if [ "$MODE" != bench ]; then
 step "GPU tests (all packages)"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -60 | tee "$OUT/tests.log"

@@ -54,7 +54,9 @@ def test_accumulating_dot_is_fused(name, dtype):
     combine = COMBINES[name]
     run, plain = k_loop(a, b, combine)
     src = lowered(plain, a, b).body
-    assert FUSED.search(src), src
+    # fp8 fuses only a loop-carried accumulator: fused, acc * 0.5 + dot gave wrong sums on the H200.
+    fused = name != "scaled_acc_plus_dot" or jnp.dtype(dtype).itemsize > 1
+    assert bool(FUSED.search(src)) == fused, src
     ref = jnp.zeros((64, 32), F32)
     for i in range(4):
         ref = combine(ref, a[:, 64 * i : 64 * (i + 1)].astype(F32), b[64 * i : 64 * (i + 1)].astype(F32))

@@ -134,6 +134,24 @@ def test_default_launches_come_from_the_table_or_the_fallback():
     assert [attention._fit(128, s) for s in (4096, 96, 192, 64, 48)] == [128, 96, 64, 64, 48]
 
 
+def test_dkv_pipelines_only_at_the_launches_measured_exact(monkeypatch):
+    # Triton 3.6 miscompiled dk at 2-3 stages for some launches: only the measured default
+    # launch pipelines; configured launches, other GPUs and interpret mode run one stage.
+    monkeypatch.setattr(attention, "compute_capability", lambda: 90)
+    q = jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.bfloat16)
+
+    def dkv(**kw):
+        args = dict(block_sizes=None, num_warps=None, num_stages=None, interpret=False)
+        return attention._launches(q, q, **{**args, **kw}, causal=True, segment_ids=None)["dkv"]
+
+    assert dkv() == attention._DKV_PIPELINED[90, 128] and dkv()[3] > 1
+    assert dkv(num_stages=3)[3] == 1 and dkv(num_warps=4)[3] == 1
+    assert dkv(block_sizes=attention.BlockSizes(64, 64, 64, 64, 64, 64))[3] == 1
+    assert dkv(interpret=True)[3] == 1
+    monkeypatch.setattr(attention, "compute_capability", lambda: 80)
+    assert dkv()[3] == 1
+
+
 def test_mha_default_arguments_fit_the_sequence():
     # block_sizes=None: the default blocks are halved until they divide the
     # sequence (192 = 3 * 64), where BlockSizes(128, ...) would raise.

@@ -109,29 +109,45 @@ def _timing_data(x, i: int):
     return jax.device_put(data)
 
 
-def median_time(
-    f: Callable[..., Any], args: Sequence[Any], warmup: int = 1, repeats: int = 5, min_batch_s: float = 2e-3
-) -> float:
-    """Median time in seconds of ``f(*args)`` (compiled and warmed up first).
+def interleaved_times(
+    fns: Sequence[Callable[..., Any]],
+    args: Sequence[Any],
+    warmup: int = 1,
+    repeats: int = 5,
+    min_batch_s: float = 2e-3,
+) -> tuple[list[float], list[tuple[int, Exception]]]:
+    """(median seconds per call of each of ``fns`` on ``args``, inf for one that
+    raised; [(index, exception)] of those).
 
-    Each of the ``repeats`` samples times a batch of calls issued back to back and
-    waited for once, long enough to last ``min_batch_s``: a single call of a kernel
-    of a few hundred microseconds would also time the host's dispatch and wait,
-    tens of microseconds that vary from call to call (they made the matmul tuner
-    pick candidates 5-10 % slower than the best on the H200)."""
-    for _ in range(1 + warmup):
-        jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    batch = max(1, min(1000, math.ceil(min_batch_s / max(time.perf_counter() - t, 1e-7))))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(batch):
-            out = f(*args)
-        jax.block_until_ready(out)  # one stream: the last call ends after the others
-        times.append((time.perf_counter() - t) / batch)
-    return float(np.median(times))
+    Each function is compiled and warmed up first. Then ``repeats`` rounds each
+    time every function in turn (the order alternating between rounds, so that
+    clock and temperature drift hits all alike) over a batch of calls issued back
+    to back and waited for once, long enough to last ``min_batch_s``: one synced
+    call of a kernel of a few hundred microseconds also times the host's dispatch
+    and wait, tens of microseconds that vary from call to call. (Timed one call
+    at a time and one config after the other, the matmul tuner picked candidates
+    5-10 % slower than the best on the H200.)"""
+    batch: dict[int, int] = {}
+    errors: list[tuple[int, Exception]] = []
+    for i, f in enumerate(fns):
+        try:
+            for _ in range(1 + warmup):
+                jax.block_until_ready(f(*args))
+            t = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            batch[i] = max(1, min(1000, math.ceil(min_batch_s / max(time.perf_counter() - t, 1e-7))))
+        except Exception as e:  # noqa: BLE001 - a config that cannot run loses
+            errors.append((i, e))
+    samples: dict[int, list[float]] = {i: [] for i in batch}
+    for r in range(repeats):
+        for i in list(batch)[:: 1 if r % 2 == 0 else -1]:
+            f, t = fns[i], time.perf_counter()
+            for _ in range(batch[i]):
+                out = f(*args)
+            jax.block_until_ready(out)  # one stream: the last call ends after the others
+            samples[i].append((time.perf_counter() - t) / batch[i])
+    times = [float(np.median(samples[i])) if i in samples else float("inf") for i in range(len(fns))]
+    return times, errors
 
 
 class Autotuned:
@@ -188,14 +204,17 @@ class Autotuned:
     def _time_configs(self, key: str, args, kwargs) -> int:
         leaves, tree = jax.tree.flatten(args)
         data = jax.tree.unflatten(tree, [_timing_data(x, i) for i, x in enumerate(leaves)])
-        timer = self.timer or functools.partial(median_time, warmup=self.warmup, repeats=self.repeats)
-        times, errors = [], []
-        for i in range(len(self.configs)):
-            try:
-                times.append(float(timer(self._jit(i, kwargs), data)))
-            except Exception as e:  # noqa: BLE001 - a config that cannot run loses
-                times.append(float("inf"))
-                errors.append((i, e))
+        if self.timer is None:
+            fns = [self._jit(i, kwargs) for i in range(len(self.configs))]
+            times, errors = interleaved_times(fns, data, warmup=self.warmup, repeats=self.repeats)
+        else:
+            times, errors = [], []
+            for i in range(len(self.configs)):
+                try:
+                    times.append(float(self.timer(self._jit(i, kwargs), data)))
+                except Exception as e:  # noqa: BLE001 - a config that cannot run loses
+                    times.append(float("inf"))
+                    errors.append((i, e))
         self.times[key] = times
         best = int(np.argmin(times))
         if times[best] == float("inf"):
@@ -249,7 +268,9 @@ def autotune(
     ``plgpu.CompilerParams`` come from ``config``). The returned function
     takes ``(*args, **kwargs)``; on its first call with given argument
     shapes and dtypes on a GPU it runs every config (jitted, ``warmup`` runs,
-    then the median of ``repeats``), keeps the fastest in memory and on disk,
+    then ``repeats`` rounds that time each config in turn over a batch of
+    back-to-back calls of at least 2 ms, the order alternating; the median
+    counts: ``interleaved_times``), keeps the fastest in memory and on disk,
     and from then on calls only that one. Inside ``jit`` it tunes at trace
     time on random data of the traced shapes (zeros for integer inputs).
     A config that fails (too much shared memory, say) is skipped.
@@ -265,7 +286,7 @@ def autotune(
         arguments and the values of ``kwargs`` (which must be hashable).
       name: identifies ``fn`` in the disk cache and messages (default: its
         module and qualified name).
-      warmup, repeats: timing runs per config.
+      warmup, repeats: warm-up runs and timed rounds per config.
       timer: ``timer(jitted_fn, args) -> seconds``, replacing the built-in
         timing (also on the CPU).
 

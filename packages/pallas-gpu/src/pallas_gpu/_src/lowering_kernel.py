@@ -424,7 +424,10 @@ def _dot_accumulations(jaxpr) -> _DotAccumulations:
     """Finds ``acc + dot(a, b)`` where the f32 dot result has no other use. Triton folds
     ``dot(a, b, 0) + acc`` into ``dot(a, b, acc)`` itself only for some operand types: for
     fp8 on sm_90 it does not (its ``max_num_imprecise_acc`` stops the fold), and the unfused
-    form waits for every wgmma to finish and adds the tile in registers at each k step."""
+    form waits for every wgmma to finish and adds the tile in registers at each k step.
+    With fp8 operands only an accumulator that is an input of this jaxpr (a loop carry) is
+    fused: Triton 3.6 on the H200 gave wrong sums for ``acc * 0.5 + dot(a, b)`` fused
+    (tests/gpu/test_dot_accumulate.py)."""
     uses: dict[int, int] = {}
     for e in jaxpr.eqns:
         for v in e.invars:
@@ -445,6 +448,7 @@ def _dot_accumulations(jaxpr) -> _DotAccumulations:
             and not isinstance(e.params.get("precision"), lax.DotAlgorithmPreset)
         ):
             dots[id(out)] = e
+    inputs = {id(v) for v in jaxpr.invars}
     found = _DotAccumulations({}, set())
     for e in jaxpr.eqns:
         if e.primitive is not lax.add_p:
@@ -457,6 +461,7 @@ def _dot_accumulations(jaxpr) -> _DotAccumulations:
                 and id(dot) not in found.deferred
                 and getattr(acc.aval, "shape", None) == v.aval.shape
                 and np.dtype(acc.aval.dtype) == np.float32
+                and (np.dtype(dot.invars[0].aval.dtype).itemsize > 1 or id(acc) in inputs)
             ):
                 found.adds[id(e)] = (dot, 1 - i)
                 found.deferred.add(id(dot))

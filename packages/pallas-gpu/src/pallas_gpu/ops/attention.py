@@ -15,8 +15,8 @@ is an import change. Arrays are ``[batch, seq_len, num_heads, head_dim]``.
   (dk, dv) and one per block of queries that loops over the keys (dq), both
   recomputing the probabilities from the saved log-sum-exp.
   ``backward_pass_impl="xla"`` differentiates ``mha_reference`` instead.
-  The dk/dv kernel runs with one pipeline stage whatever ``num_stages`` says
-  (see ``_backward``).
+  The dk/dv kernel runs with one pipeline stage whatever ``num_stages`` says,
+  but at the default launches measured exact with more (``_DKV_PIPELINED``).
 
 Launches: with ``block_sizes``, ``num_warps`` and ``num_stages`` at None
 (the defaults) each kernel takes its own from ``_MEASURED`` (per compute
@@ -156,8 +156,8 @@ def _blocks(bs: BlockSizes, T: int, S: int) -> dict[str, int]:
 # fwd 1.301 (128x128, 8 warps, 3 stages; 1.554 at 2 stages; non-causal 2.389
 # and 2.611; 64x64, 4 warps, 3 stages timed 1.226 and 2.345 alone but ran the
 # non-causal default row at 447 TFLOP/s against 466 for 128x128), dk/dv 2.564
-# (64x64, 4 warps; 4.592 at the 32x128, 8 warps of FlashAttention-2's
-# shapes), dq 1.663 (64x64, 4 warps, 2 stages; 1.665 at 128x32, 8 warps, 3).
+# (64x64, 4 warps, 1 stage; 4.592 at the 32x128, 8 warps of FlashAttention-2's
+# shapes; see _DKV_PIPELINED for its stages), dq 1.663 (64x64, 4 warps, 2 stages; 1.665 at 128x32, 8 warps, 3).
 _MEASURED: dict[tuple[int, int], dict[str, tuple[int, int, int, int]]] = {
     (90, 128): {"fwd": (128, 128, 8, 3), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
 }
@@ -415,7 +415,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_
 
 
 def _backward_dkv(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block_q, block_k, num_warps,
-                  interpret, debug):  # fmt: skip
+                  num_stages, interpret, debug):  # fmt: skip
     """dk, dv: one program per (b, h, key block), looping over the query
     blocks that see it. ``lse2`` is the log-sum-exp in base 2, ``delta`` is
     ``sum(out * do)`` per row, both ``[batch, heads, seq]`` f32."""
@@ -445,10 +445,8 @@ def _backward_dkv(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block
         out_specs=[kv_rows, kv_rows],
         name="mha_backward_dkv",
         debug=debug,
-        # One stage: with Triton 3.6 on the H200, the same generated source
-        # gave dk off by up to 0.053 on values up to 0.19 at num_stages=2 and 3 (dq and
-        # dv exact), and exact results at 1 (test_mha_backward_large_on_gpu).
-        **call_params(interpret, num_warps, 1),
+        # num_stages is 1 but for launches measured exact with more (_dkv_stages).
+        **call_params(interpret, num_warps, num_stages),
     )(*args)
 
 
@@ -487,9 +485,9 @@ def _backward_dq(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block_
 def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, launches, interpret, debug):
     delta = jnp.einsum("bthd,bthd->bht", out.astype(_F32), do.astype(_F32))
     lse2 = lse * LOG2E
-    bq, bk, warps, _ = launches["dkv"]
-    dk, dv = _backward_dkv(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, bq, bk, warps, interpret,
-                           debug)  # fmt: skip
+    bq, bk, warps, stages = launches["dkv"]
+    dk, dv = _backward_dkv(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, bq, bk, warps, stages,
+                           interpret, debug)  # fmt: skip
     bq, bk, warps, stages = launches["dq"]
     dq = _backward_dq(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, bq, bk, warps, stages, interpret,
                       debug)  # fmt: skip
@@ -532,7 +530,8 @@ def mha(
     each kernel (forward, dk/dv, dq), the launch measured fastest on this GPU
     (``default_launches``); given, they apply as in JAX's ``mha`` (one
     ``num_warps`` and ``num_stages`` for every kernel, ``num_stages`` 2 when
-    only ``block_sizes`` is given). The dk/dv kernel always runs one stage.
+    only ``block_sizes`` is given). The dk/dv kernel runs one stage but at the
+    default launches measured exact with more (``_DKV_PIPELINED``).
     """
     out, lse = _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_pass_impl,
                              num_warps, num_stages, grid, interpret, debug)  # fmt: skip
@@ -557,7 +556,8 @@ def _launches(q, k, block_sizes, num_warps, num_stages, interpret, causal, segme
             "dkv": (b["block_q_dkv"], b["block_kv_dkv"], w, st),
             "dq": (b["block_q_dq"], b["block_kv_dq"], w, st),
         }
-    launches["dkv"] = (*launches["dkv"][:3], 1)  # see _backward_dkv
+    launches["dkv"] = (*launches["dkv"][:3], _dkv_stages(launches["dkv"], D, interpret, block_sizes, num_warps,
+                                                         num_stages))  # fmt: skip
     names = {"fwd": ("block_q", "block_k"), "dkv": ("block_q_dkv", "block_kv_dkv"),
              "dq": ("block_q_dq", "block_kv_dq")}  # fmt: skip
     blocks = {}
@@ -565,6 +565,24 @@ def _launches(q, k, block_sizes, num_warps, num_stages, interpret, causal, segme
         blocks[nq], blocks[nk] = (launches[kern][0], T), (launches[kern][1], S)
     _check(q, k, k, segment_ids, causal, blocks)
     return launches
+
+
+# dk/dv launches (block_q, block_k, num_warps, num_stages) that may pipeline: with Triton
+# 3.6 on the H200 the dk/dv kernel's dk came out wrong at num_stages 2 and 3 with 32x128
+# blocks and 8 warps (relative error 0.26 and 0.38; dq, dv exact; test_mha_backward_large_on_gpu
+# keeps that launch), while the default 64x64, 4-warp launch was exact at 1, 2 and 3 stages
+# (relative error of dk 0.0053 causal, 0.0046 not, at B2 S2048 H4 D128, the same at every
+# count: test_mha_default_launches_on_gpu's size) and forward + backward causal at B4
+# S4096 H32 D128 ran 336.2 / 366.2 / 332.5 TFLOP/s at 1 / 2 / 3 stages. Every other launch,
+# and any launch a user configures, runs one stage.
+_DKV_PIPELINED: dict[tuple[int, int], tuple[int, int, int, int]] = {(90, 128): (64, 64, 4, 2)}
+
+
+def _dkv_stages(launch, head_dim, interpret, block_sizes, num_warps, num_stages) -> int:
+    if block_sizes is not None or num_warps is not None or num_stages is not None or _interpreted(interpret):
+        return 1
+    measured = _DKV_PIPELINED.get((compute_capability(), head_dim))
+    return measured[3] if measured is not None and tuple(launch[:3]) == measured[:3] else 1
 
 
 def _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_pass_impl, num_warps,

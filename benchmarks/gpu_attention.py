@@ -208,7 +208,7 @@ def kernel_fns(shape, causal, small):
     lse2 = lse * ours.LOG2E
     dkv = lambda bq, bk, w, st: jax.jit(  # noqa: E731
         lambda q, k, v, do: ours._backward_dkv(
-            q, k, v, None, do, lse2, delta, scale, causal, bq, bk, w, it, False
+            q, k, v, None, do, lse2, delta, scale, causal, bq, bk, w, st, it, False
         )
     )
     dq = lambda bq, bk, w, st: jax.jit(  # noqa: E731
@@ -320,10 +320,10 @@ def prewarm(args) -> int:
                     )
                     todo.append((f"fwd {(bq, bk, w, st)}", jax.jit(f), [spec] * 3))
                 elif kern == "dkv":
-                    f = lambda q, k, v, do, l, d, c=(bq, bk, w): ours._backward_dkv(
+                    f = lambda q, k, v, do, l, d, c=(bq, bk, w, st): ours._backward_dkv(
                         q, k, v, None, do, l, d, scale, causal, *c, False, False
                     )
-                    todo.append((f"dkv {(bq, bk, w)}", jax.jit(f), [spec] * 4 + [vec, vec]))
+                    todo.append((f"dkv {(bq, bk, w, st)}", jax.jit(f), [spec] * 4 + [vec, vec]))
                 else:
                     f = lambda q, k, v, do, l, d, c=(bq, bk, w, st): ours._backward_dq(
                         q, k, v, None, do, l, d, scale, causal, *c, False, False

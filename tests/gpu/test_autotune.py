@@ -173,6 +173,36 @@ def test_tunes_at_trace_time_under_jit():
     assert f.best_config(x, y) == dict(block=256)
 
 
+def test_configs_are_timed_outside_the_callers_trace():
+    # Under jit the tuner runs at trace time; its timing runs on a worker thread, where jitted
+    # calls take JAX's fast dispatch (inside a trace each call takes the Python path: ~10x
+    # slower on this CPU, which a GPU tuner would time instead of a short kernel).
+    import threading
+
+    threads = []
+
+    def timer(fn, args):
+        threads.append(threading.current_thread())
+        jax.block_until_ready(fn(*args))  # runs eagerly: a concrete result, not a tracer
+        return float(args[0].shape[0] + len(threads))
+
+    f = plgpu.autotune(scaled_add, configs=CONFIGS, timer=timer)
+    x, y = random((300,), jnp.float32), random((300,), jnp.float32)
+    assert_close(jax.jit(f)(x, y), x + y)
+    assert len(threads) == 3 and threading.main_thread() not in threads
+    assert f.best_config(x, y) == CONFIGS[0]
+
+
+def test_a_failing_tuner_raises_in_the_callers_thread():
+    def timer(fn, args):
+        raise KeyboardInterrupt  # not an Exception: the tuner stops, the caller sees it
+
+    f = plgpu.autotune(scaled_add, configs=CONFIGS, timer=timer)
+    x = random((300,), jnp.float32)
+    with pytest.raises(KeyboardInterrupt):
+        f(x, x)
+
+
 def test_without_gpu_or_timer_uses_first_config(fresh_cache):
     if has_gpu():
         pytest.skip("checks the no-GPU path")

@@ -197,9 +197,24 @@ class Autotuned:
         return dict(self.configs[self.best_index(*args, **kwargs)])
 
     def _tune(self, key: str, args, kwargs) -> int:
-        # Inside jit this runs at trace time: run the configs now, not staged.
-        with jax.ensure_compile_time_eval():
-            return self._time_configs(key, args, kwargs)
+        # Inside jit this runs at trace time. The configs run on a worker thread, which has
+        # no trace: run from inside one (under ensure_compile_time_eval), each call of a jitted
+        # function would take JAX's Python dispatch path, slow enough to be timed instead of
+        # a sub-millisecond kernel.
+        result: dict[str, Any] = {}
+
+        def work():
+            try:
+                result["best"] = self._time_configs(key, args, kwargs)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                result["error"] = e
+
+        worker = threading.Thread(target=work, name=f"plgpu.autotune({self.name})", daemon=True)
+        worker.start()
+        worker.join()
+        if "error" in result:
+            raise result["error"]
+        return result["best"]
 
     def _time_configs(self, key: str, args, kwargs) -> int:
         leaves, tree = jax.tree.flatten(args)

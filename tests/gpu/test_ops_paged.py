@@ -182,7 +182,7 @@ def test_same_signature_as_jax():
     ours, theirs = inspect.signature(pa.paged_attention), inspect.signature(upstream.paged_attention)
     differ = {n for n, p in ours.parameters.items() if p.default != theirs.parameters[n].default}
     # Chosen from the shapes (None) or tuned for bandwidth; every other default is JAX's.
-    assert differ == {"pages_per_compute_block", "k_splits", "num_warps", "num_stages"}, differ
+    assert differ == {"pages_per_compute_block", "k_splits", "num_warps"}, differ
     assert pa.DEFAULT_MASK_VALUE == upstream.DEFAULT_MASK_VALUE
 
 

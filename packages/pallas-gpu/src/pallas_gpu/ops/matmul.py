@@ -147,19 +147,24 @@ def _kernel(a_ref, b_ref, o_ref, *, block_k: int, steps: int, b_k_major: bool):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def _tile_dot(a_ref, b_ref, m0, n0, ki, block_m, block_n, block_k, b_k_major):
+    """The f32 product of k step ``ki`` of the output tile at (``m0``, ``n0``) (whole-array Refs)."""
+    k0 = pl.multiple_of(ki * block_k, block_k)
+    a = a_ref[pl.ds(m0, block_m), pl.ds(k0, block_k)]
+    if b_k_major:
+        b = b_ref[pl.ds(n0, block_n), pl.ds(k0, block_k)]
+    else:
+        b = b_ref[pl.ds(k0, block_k), pl.ds(n0, block_n)]
+    return _dot(a, b, b_k_major)
+
+
 def _persistent_kernel(a_ref, b_ref, o_ref, *, block_k, steps, nm, nn, group_m, block_m, block_n, b_k_major):
     """Each program walks tiles ``pid, pid + P, ...`` (``P`` programs, one per SM)."""
     pid, programs = pl.program_id(0), pl.num_programs(0)
     tiles = nm * nn
 
     def k_step(i, acc, m0, n0):
-        k0 = pl.multiple_of(i * block_k, block_k)
-        a = a_ref[pl.ds(m0, block_m), pl.ds(k0, block_k)]
-        if b_k_major:
-            b = b_ref[pl.ds(n0, block_n), pl.ds(k0, block_k)]
-        else:
-            b = b_ref[pl.ds(k0, block_k), pl.ds(n0, block_n)]
-        return acc + _dot(a, b, b_k_major)
+        return acc + _tile_dot(a_ref, b_ref, m0, n0, i, block_m, block_n, block_k, b_k_major)
 
     def tile_step(t, carry):
         tile = pid + t * programs
@@ -191,13 +196,7 @@ def _flat_persistent_kernel(
         t, ki = lax.div(it, steps), lax.rem(it, steps)
         i, j = _tile(pid + t * programs, nm, nn, group_m)
         m0, n0 = pl.multiple_of(i * block_m, block_m), pl.multiple_of(j * block_n, block_n)
-        k0 = pl.multiple_of(ki * block_k, block_k)
-        a = a_ref[pl.ds(m0, block_m), pl.ds(k0, block_k)]
-        if b_k_major:
-            b = b_ref[pl.ds(n0, block_n), pl.ds(k0, block_k)]
-        else:
-            b = b_ref[pl.ds(k0, block_k), pl.ds(n0, block_n)]
-        acc = acc + _dot(a, b, b_k_major)
+        acc = acc + _tile_dot(a_ref, b_ref, m0, n0, ki, block_m, block_n, block_k, b_k_major)
 
         def store(acc):
             o_ref[pl.ds(m0, block_m), pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)

@@ -573,8 +573,9 @@ def _launches(q, k, block_sizes, num_warps, num_stages, interpret, causal, segme
 # keeps that launch), while the default 64x64, 4-warp launch was exact at 1, 2 and 3 stages
 # (relative error of dk 0.0053 causal, 0.0046 not, at B2 S2048 H4 D128, the same at every
 # count: test_mha_default_launches_on_gpu's size) and forward + backward causal at B4
-# S4096 H32 D128 ran 336.2 / 366.2 / 332.5 TFLOP/s at 1 / 2 / 3 stages. Every other launch,
-# and any launch a user configures, runs one stage.
+# S4096 H32 D128 ran 336.2 / 366.2 / 332.5 TFLOP/s at 1 / 2 / 3 stages
+# (benchmarks/attention_dkv_stages.py). Every other launch, and any launch a user
+# configures, runs one stage.
 _DKV_PIPELINED: dict[tuple[int, int], tuple[int, int, int, int]] = {(90, 128): (64, 64, 4, 2)}
 
 

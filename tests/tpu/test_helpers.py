@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import DMA_WAYS, WAYS, call, run
+from three_way import DMA_WAYS, WAYS, call, run, tensorcore_mesh
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -98,14 +98,8 @@ def test_sync_copy_errors():
         run(lambda x_hbm, o_hbm: pltpu.sync_copy([x_hbm], [o_hbm, o_hbm]))
 
 
-def _tensorcore_mesh(pltpu):
-    if hasattr(pltpu, "TensorCoreMesh"):
-        return pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
-    return pltpu.create_tensorcore_mesh("core", num_cores=2)
-
-
 def _two_core_kernel(body, x, scratch=()):
-    mesh = _tensorcore_mesh(pltpu)
+    mesh = tensorcore_mesh(pltpu)
     return pl.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -123,7 +117,7 @@ def _two_cores(make_body, x, way, scratch=lambda pltpu: ()):
         return pl.kernel(
             make_body(pl, pltpu),
             out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-            mesh=_tensorcore_mesh(pltpu),
+            mesh=tensorcore_mesh(pltpu),
             scratch_types=scratch(pltpu),
         )
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import DMA_WAYS, WAYS, call, run, ways
+from three_way import DMA_WAYS, WAYS, call, run, tensorcore_mesh, ways
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -373,10 +373,7 @@ def test_pl_kernel_over_tensorcore_mesh(way):
     x = rand(16, (2 * 8, 128))
 
     def build(pl, pltpu):
-        if hasattr(pltpu, "TensorCoreMesh"):
-            mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
-        else:
-            mesh = pltpu.create_tensorcore_mesh("core", num_cores=2)
+        mesh = tensorcore_mesh(pltpu)
 
         def copy(x_hbm, o_hbm):
             c = lax.axis_index("core")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import DMA_WAYS, WAYS, builder, run, ways
+from three_way import DMA_WAYS, WAYS, builder, run, tensorcore_mesh, ways
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -415,10 +415,7 @@ def test_core_axis_name_splits_the_grid(way):
     x = rand(15, (8 * 8, 128))
 
     def build(pl, pltpu):
-        if hasattr(pltpu, "TensorCoreMesh"):
-            mesh = pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
-        else:
-            mesh = pltpu.create_tensorcore_mesh("core", num_cores=2)
+        mesh = tensorcore_mesh(pltpu)
 
         def double(x_hbm, o_hbm):
             def body(x_ref, o_ref):

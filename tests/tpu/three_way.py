@@ -144,6 +144,14 @@ def call(fn, args, way, interpret_params=None, **kw):
     return run(build, args, way, **(interpret_params or {}))
 
 
+def tensorcore_mesh(pltpu):
+    """A mesh of a chip's two TensorCores in ``pltpu`` (ours or JAX's): JAX's releases
+    name its constructor ``TensorCoreMesh`` or ``create_tensorcore_mesh``."""
+    if hasattr(pltpu, "TensorCoreMesh"):
+        return pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
+    return pltpu.create_tensorcore_mesh("core", num_cores=2)
+
+
 def builder(make, **kw):
     """A ``run`` build from ``make(pl, pltpu, *, interpret, **kw) -> f``."""
     return lambda pl, pltpu: make(pl, pltpu, interpret=False, **kw)

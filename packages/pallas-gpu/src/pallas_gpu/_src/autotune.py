@@ -124,9 +124,8 @@ def interleaved_times(
     clock and temperature drift hits all alike) over a batch of calls issued back
     to back and waited for once, long enough to last ``min_batch_s``: one synced
     call of a kernel of a few hundred microseconds also times the host's dispatch
-    and wait, tens of microseconds that vary from call to call. (Timed one call
-    at a time and one config after the other, the matmul tuner picked candidates
-    5-10 % slower than the best on the H200.)"""
+    and wait, tens of microseconds that vary from call to call. (Callers time from
+    a thread outside any trace: see ``Autotuned._tune``.)"""
     batch: dict[int, int] = {}
     errors: list[tuple[int, Exception]] = []
     for i, f in enumerate(fns):

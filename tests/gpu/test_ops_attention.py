@@ -179,6 +179,25 @@ def test_return_residuals_gives_the_log_sum_exp():
                  rtol=2e-2 if ON_DEVICE else 2e-5, atol=2e-2 if ON_DEVICE else 2e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("sm_scale", [-0.4, 0.0])
+def test_non_positive_sm_scale(sm_scale):
+    """Unmasked blocks take the max of the raw logits and scale it afterwards,
+    which is the scaled max only for sm_scale > 0; other scales keep the
+    multiply first (causal and not: masked and unmasked blocks)."""
+    q, k, v, _ = qkv((1, 128, 2, 32), jnp.float32)
+    q = q * 20  # logits of hundreds: a max taken on the wrong side overflows exp2
+    for causal in (False, True):
+        out = attention.mha(q, k, v, None, sm_scale=sm_scale, causal=causal, block_sizes=SMALL,
+                            interpret=triton_mode())  # fmt: skip
+        # mha_reference (as JAX's) masks before scaling: -inf * sm_scale is not -inf here.
+        logits = jnp.einsum("bqhc,bkhc->bhqk", q, k) * sm_scale
+        if causal:
+            logits = jnp.where(jnp.tril(jnp.ones((128, 128), bool)), logits, -jnp.inf)
+        ref = jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(logits, axis=-1), v)
+        tol = 2e-2 if ON_DEVICE else 2e-5
+        assert_close(out, ref, rtol=tol, atol=tol, err_msg=f"causal={causal}")
+
+
 def test_xla_backward_matches_triton_backward():
     q, k, v, do = qkv((1, 64, 2, 32), jnp.float32)
     grads = {}

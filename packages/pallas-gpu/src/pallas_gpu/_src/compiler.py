@@ -126,17 +126,21 @@ def check_fp8(lk: LoweredKernel, cc: int, where: str) -> None:
 
 
 def check_warp_specialize(lk: LoweredKernel, cc: int, where: str) -> None:
-    """Warp-specialized loops compile for Blackwell (sm_100+) only: on Hopper,
-    Triton 3.6 leaves them unspecialized or fails inside its NVGPU-to-LLVM pass
-    (upstream Triton specializes Hopper loops only in Meta's AutoWS fork)."""
+    """Warp-specialized loops compile for Blackwell (sm_100+) only. Triton 3.6
+    does specialize Hopper loops (``num_warps=4``), but on the H200 a plain
+    Triton flash-attention forward so specialized gave wrong causal results
+    (max error 0.87) and NaN with 128x64 tiles, and its data-partition pass
+    aborts on the reshaped 4-D TMA blocks this backend loads
+    (``benchmarks/hopper_warp_specialize.py``)."""
     if cc < 100 and dict(lk.source_options).get("warp_specialize"):
         import triton  # compiling needs it anyway
 
         raise ValueError(
             f"{where}: plgpu.CompilerParams(warp_specialize=True) needs a Blackwell GPU (sm_100 or "
-            f"newer), but the kernel is being compiled for sm_{cc}: Triton {triton.__version__} does not "
-            "warp-specialize loops on earlier GPUs (on Hopper its pass fails to compile some). Drop "
-            "warp_specialize on this GPU; use_tma=True and num_stages pipeline the loads on Hopper."
+            f"newer), but the kernel is being compiled for sm_{cc}: Triton {triton.__version__}'s "
+            "warp specialization for earlier GPUs miscompiled kernels on the H200 (wrong results, "
+            "NaN) or aborts in its data-partition pass. Drop warp_specialize on this GPU; "
+            "use_tma=True and num_stages pipeline the loads on Hopper."
         )
 
 

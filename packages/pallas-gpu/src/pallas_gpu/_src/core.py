@@ -28,9 +28,12 @@ class CompilerParams(pl.CompilerParams):
         ordinary loads and stores. Runs anywhere under ``plgpu.InterpretParams()``.
       warp_specialize: ask Triton to warp-specialize the kernel's outermost
         loops (``tl.range(..., warp_specialize=True)``: producer warps issue
-        the loads while consumer warps compute). Blackwell (sm_100+) only:
-        Triton 3.6 does not specialize loops on Hopper, so compiling for an
-        earlier GPU is an error that says so.
+        the loads while consumer warps compute). Blackwell (sm_100+) only;
+        compiling for an earlier GPU is an error that says why: Triton 3.6's
+        Hopper pass (num_warps=4: a producer and two consumer warpgroups)
+        miscompiled plain Triton attention kernels on the H200 (wrong causal
+        masks, NaN with 128x64 tiles) and rejects the reshaped 4-D blocks this
+        backend loads for squeezed block dims.
 
     ``use_tma`` and ``warp_specialize`` change the generated kernel, so all the
     configs of one autotuned ``pallas_call`` (a list of ``CompilerParams``)

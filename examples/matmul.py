@@ -13,6 +13,12 @@ inside the kernel (`matmul_k_loop`): a grid of `(m / bm, n / bn)` and a `fori_lo
 On a GPU it also runs with `plgpu.CompilerParams(use_tma=True)` (`matmul_k_loop_tma`): the
 same kernel, its tiles moved by Hopper's Tensor Memory Accelerator.
 
+`matmul_persistent` launches one program per streaming multiprocessor (at most one per output
+tile) instead of one per tile: program `p` of `P` walks the tiles `p, p + P, p + 2P, ...`, with
+whole-array Refs and `pl.ds` slices for its panels. No new primitive is needed: the grid size
+and `pl.program_id`/`pl.num_programs` say it all. It runs everywhere; on a GPU it saves the
+launch of a program per tile (`pallas_gpu.ops.matmul`'s persistent candidates are this form).
+
 Run: python examples/matmul.py [--size small|large]
 """
 
@@ -75,6 +81,46 @@ def matmul_k_loop(x, y, *, bm, bn, bk, backend, **hopper):
     )(x, y)
 
 
+def matmul_persistent_kernel(x_ref, y_ref, o_ref, *, bm, bn, bk):
+    # Whole-array Refs: this program computes the tiles pid, pid + P, ... of the output.
+    pid, programs = pl.program_id(0), pl.num_programs(0)
+    tiles_n = o_ref.shape[1] // bn
+    tiles = (o_ref.shape[0] // bm) * tiles_n
+
+    def tile_step(t, carry):
+        tile = pid + t * programs
+        m0 = pl.multiple_of((tile // tiles_n) * bm, bm)
+        n0 = pl.multiple_of((tile % tiles_n) * bn, bn)
+
+        def k_step(kk, acc):
+            k0 = pl.multiple_of(kk * bk, bk)
+            x = x_ref[pl.ds(m0, bm), pl.ds(k0, bk)]
+            y = y_ref[pl.ds(k0, bk), pl.ds(n0, bn)]
+            return acc + jnp.dot(x, y, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, x_ref.shape[1] // bk, k_step, jnp.zeros((bm, bn), jnp.float32))
+        o_ref[pl.ds(m0, bm), pl.ds(n0, bn)] = acc
+        return carry
+
+    # This program's share of the tiles: ceil((tiles - pid) / programs).
+    jax.lax.fori_loop(0, (tiles - pid + programs - 1) // programs, tile_step, 0)
+
+
+def matmul_persistent(x, y, *, bm, bn, bk, backend, programs=None):
+    (m, k), (_, n) = x.shape, y.shape
+    tiles = (m // bm) * (n // bn)
+    # One program per multiprocessor (132 on an H100/H200; a CPU device reports none: 4 there).
+    programs = programs or getattr(jax.devices()[0], "core_count", 0) or 4
+    return pl.pallas_call(
+        functools.partial(matmul_persistent_kernel, bm=bm, bn=bn, bk=bk),
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        grid=(min(tiles, programs),),
+        in_specs=[pl.BlockSpec((m, k), lambda p: (0, 0)), pl.BlockSpec((k, n), lambda p: (0, 0))],
+        out_specs=pl.BlockSpec((m, n), lambda p: (0, 0)),
+        **backend.call_kwargs(num_warps=4, num_stages=3),
+    )(x, y)
+
+
 def main():
     backend, cfg = setup(
         "Pallas blocked matmul with k-axis accumulation",
@@ -90,7 +136,7 @@ def main():
     expected = jnp.dot(x, y, preferred_element_type=jnp.float32)
     tol = 1e-6 * cfg["k"]
 
-    variants = {"matmul": matmul, "matmul_k_loop": matmul_k_loop}
+    variants = {"matmul": matmul, "matmul_k_loop": matmul_k_loop, "matmul_persistent": matmul_persistent}
     if not backend.interpret:
         del variants["matmul"]  # grid-axis accumulation needs sequential grid steps
         # The same kernel with its panels and result moved by Hopper's TMA (tensor descriptors):

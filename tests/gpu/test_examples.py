@@ -80,6 +80,14 @@ def test_matmul_k_loop(m, n, k, bm, bn, bk):
     assert_close(out, jnp.dot(x, y, preferred_element_type=jnp.float32), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("m,n,k,programs", [(384, 256, 128, 4), (256, 384, 64, 5), (128, 128, 64, 8)])
+def test_matmul_persistent(m, n, k, programs):
+    """Fewer programs than tiles (each walks several, some one more than others) and more."""
+    x, y = random((m, k), jnp.bfloat16), random((k, n), jnp.bfloat16)
+    out = run_and_compile(matmul_example.matmul_persistent, x, y, bm=64, bn=64, bk=32, programs=programs)
+    assert_close(out, jnp.dot(x, y, preferred_element_type=jnp.float32), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("seq,block_q,block_k", [(128, 32, 32), (192, 64, 32)])
 def test_flash_attention(seq, block_q, block_k):
     q, k, v = (random((1, 2, seq, 32), jnp.float32, low=-1, high=1) for _ in range(3))

@@ -153,9 +153,12 @@ def test_matches_jax_pallas_op_in_interpret_mode(op):
 
 
 def test_default_k_splits_fill_the_gpu():
-    # Serving size: 32 rows x 8 KV heads, 8192 tokens in blocks of 64 -> 8 splits, 2048 programs.
-    assert da.default_k_splits(32 * 8, 8192 // 64) == 8
-    # Few (row, head) pairs: more splits, but at least 4 blocks each.
+    # Serving size: 32 rows x 8 KV heads fill the H200 in one wave of 256 programs: no split.
+    assert da.default_k_splits(32 * 8, 8192 // 64) == 1
+    # Fewer (row, head) pairs: as many splits as keep one wave of at most 264 programs...
+    assert da.default_k_splits(64, 8192 // 64) == 4
+    assert da.default_k_splits(100, 8192 // 64) == 2
+    # ... but at least 4 blocks each.
     assert da.default_k_splits(8, 8192 // 64) == 32
     assert da.default_k_splits(8, 6) == 1
     # A big batch needs no split.

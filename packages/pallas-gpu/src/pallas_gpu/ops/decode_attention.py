@@ -11,8 +11,9 @@ width, with enough programs in flight to fill the GPU:
   group, not once per query head. The group's queries are the rows of the
   ``q @ k^T`` tile (padded to at least 16 rows, the smallest dot Triton runs).
 * Split-K: the cached tokens are cut into ``k_splits`` parts handled by
-  separate programs (enough of them that ``batch * kv_heads * k_splits``
-  fills the SMs several times); each walks its part in blocks of ``block_k``
+  separate programs (by default as many as keep ``batch * kv_heads *
+  k_splits`` to one wave of programs, none where the (row, KV head) pairs
+  fill the GPU alone); each walks its part in blocks of ``block_k``
   tokens with an online softmax in base 2 (f32 accumulation, inputs loaded in
   their own dtype, software-pipelined by ``num_stages``) and writes its
   unnormalized partial output with its running max and sum. A second, small
@@ -45,7 +46,11 @@ from pallas_gpu.ops._common import call_params, next_power_of_2
 
 LOG2E = math.log2(math.e)
 _F32 = jnp.float32
-_TARGET_PROGRAMS = 2048  # about 16 programs per SM of a 132-SM H200: several waves, small tails
+# At most this many programs, in one wave: two per SM of a 132-SM H200 (they fit three per SM).
+# On the H200 at 32 rows x 8 KV heads x 8192 tokens, one program per (row, KV head) and no
+# split read the cache at 0.99x cuDNN's speed, 8 splits (5.2 waves) at 0.93x
+# (benchmarks/decode_splits.py; cuDNN's kernel is one wave of 256 programs, unsplit).
+_WAVE_PROGRAMS = 264
 _MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this spends more on its prologue than it saves
 
 
@@ -54,10 +59,13 @@ _MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this spends more on its prolog
 
 
 def default_k_splits(batch_heads: int, n_blocks: int) -> int:
-    """Splits of the key axis so that ``batch_heads * k_splits`` is about
-    ``_TARGET_PROGRAMS`` (a power of two), keeping at least
-    ``_MIN_BLOCKS_PER_SPLIT`` blocks per split where there are that many."""
-    want = next_power_of_2(max(1, -(-_TARGET_PROGRAMS // batch_heads)))
+    """Splits of the key axis: the most for which ``batch_heads * k_splits``
+    programs still run as one wave (``_WAVE_PROGRAMS``), so 1 where the
+    (row, KV head) pairs alone fill the GPU, keeping at least
+    ``_MIN_BLOCKS_PER_SPLIT`` blocks per split where there are that many.
+    Several waves leave a partial last one and more partial outputs for the
+    combine kernel to read."""
+    want = max(1, _WAVE_PROGRAMS // batch_heads)
     return max(1, min(want, n_blocks // _MIN_BLOCKS_PER_SPLIT))
 
 

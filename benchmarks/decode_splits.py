@@ -1,0 +1,88 @@
+"""Decode attention at the serving size of ``decode_attention.py`` (B32, 32
+query heads over 8 KV heads, 8192 cached tokens, D128 bf16; paged: 16-token
+pages), timed over the launch parameters that set how the work fills the GPU:
+``k_splits`` (programs per (batch row, KV head)), ``block_k`` /
+``pages_per_compute_block`` and ``num_stages``, beside cuDNN through
+``jax.nn.dot_product_attention`` in the same run. This is the measurement
+behind the defaults of ``ops.decode_attention`` and ``ops.paged_attention``
+(issue 13, item 3): Nsight Compute shows cuDNN's kernel as one wave of
+256 programs (one per (row, KV head), two per SM), ours as 5.2 waves.
+
+    python benchmarks/decode_splits.py             # on the GPU
+    python benchmarks/decode_splits.py --prewarm   # no GPU: compile every candidate into
+                                                   # PALLAS_GPU_CACHE_DIR for a GPU run to read
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from _timing import measure
+from decode_attention import Problem
+
+from pallas_gpu.ops import decode_attention as dec
+from pallas_gpu.ops import paged_attention as paged
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+SPLITS = (1, 2, 3, 4, 6, 8, 16)
+GQA = ((64, 3), (64, 4), (128, 2), (128, 3))  # block_k, num_stages
+PAGED = ((4, 3), (8, 2), (8, 3))  # pages_per_compute_block, num_stages
+
+
+def candidates(pb: Problem):
+    """{label: (function, args)}: ours at every launch choice, then the defaults."""
+    q, k, v = pb.q, pb.k, pb.v
+    qs = (q.astype(F32) * pb.scale).astype(BF16)
+    P = (qs, pb.k_pages, pb.v_pages, pb.tables, pb.lengths)
+    out = {"gqa default": (jax.jit(dec.gqa), (q, k, v)), "paged default": (jax.jit(paged.paged_attention), P)}
+    for ks in SPLITS:
+        for bk, st in GQA:
+            f = jax.jit(
+                lambda q, k, v, ks=ks, bk=bk, st=st: dec.gqa(q, k, v, k_splits=ks, block_k=bk, num_stages=st)
+            )
+            out[f"gqa ks{ks} bk{bk} {st}s"] = (f, (q, k, v))
+        for pp, st in PAGED:
+            f = jax.jit(
+                lambda *a, ks=ks, pp=pp, st=st: paged.paged_attention(
+                    *a, k_splits=ks, pages_per_compute_block=pp, num_stages=st
+                )
+            )
+            out[f"paged ks{ks} pp{pp} {st}s"] = (f, P)
+    return out
+
+
+def main(argv) -> int:
+    if "--prewarm" in argv:
+        os.environ.setdefault("PALLAS_GPU_COMPUTE_CAPABILITY", "90")
+        pb = Problem(32, 32, 8, 8192, 128, 16)
+        for f, args in candidates(pb).values():
+            f.trace(*args).lower(lowering_platforms=("cuda",))
+        print(f"prewarmed into {os.environ.get('PALLAS_GPU_CACHE_DIR', 'the default cache')}")
+        return 0
+    pb = Problem(32, 32, 8, 8192, 128, 16)
+    ref = pb.reference()
+    s = pb.scale
+    cudnn = jax.jit(
+        lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, scale=s, implementation="cudnn")[:, 0]
+    )
+    runners = {"cuDNN": (lambda: cudnn(pb.q, pb.k, pb.v), jax.block_until_ready)}
+    for label, (f, args) in candidates(pb).items():
+        err = float(jnp.max(jnp.abs(f(*args).astype(F32) - ref)))
+        if err > 2e-2:
+            print(f"{label}: FAIL max_abs_err={err:.2e}")
+            continue
+        runners[label] = (lambda f=f, args=args: f(*args), jax.block_until_ready)
+    times = measure(runners, rounds=3, min_round_s=0.03)
+    base = times["cuDNN"]
+    for label, t in sorted(times.items(), key=lambda kv: kv[1]):
+        print(
+            f"{label:24s} {t * 1e3:.4f} ms  {pb.kv_bytes / t / 1e12:.2f} TB/s  {base / t:.3f}x cuDNN's speed"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

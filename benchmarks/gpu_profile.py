@@ -2,9 +2,10 @@
 our kernel beside the library kernel it is compared with.
 
 Each workload runs its function a few times (compile, autotune, warm-up) and
-then once more; ``scripts/gpu_check.sh profile`` runs every workload under
-``ncu --launch-skip`` so that only that last launch of the named kernel is
-profiled (SpeedOfLight, compute and memory workload, occupancy, launch stats,
+then once more between ``cuProfilerStart`` and ``cuProfilerStop``;
+``scripts/gpu_check.sh profile`` runs every workload under
+``ncu --profile-from-start off`` so that only the kernels of that last call
+whose names match the workload's regex are profiled (SpeedOfLight, compute and memory workload, occupancy, launch stats,
 warp stall reasons), and writes one report per workload to ``$OUT``.
 
     python benchmarks/gpu_profile.py --list     # workload: kernel-name regex
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 BF16, F32, FP8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
-WARMUP = 4  # runs before the profiled one (ncu --launch-skip counts the kernel's launches)
+WARMUP = 4  # runs before the profiled one
 
 
 def _attention(causal: bool, impl: str):
@@ -53,6 +54,33 @@ def _matmul(m, k, n, dtype, impl: str):
     return lambda: f(a, b)
 
 
+def _decode(impl: str):
+    """Decode at the serving size of benchmarks/decode_attention.py: B32, 32 query heads
+    over 8 KV heads, 8192 cached tokens, D128 bf16; paged: 16-token pages, shuffled."""
+    import numpy as np
+
+    from pallas_gpu.ops import decode_attention, paged_attention
+
+    B, Hq, Hkv, S, D, page = 32, 32, 8, 8192, 128, 16
+    q = jax.random.normal(jax.random.key(0), (B, Hq, D), F32).astype(BF16)
+    k, v = (jax.random.normal(jax.random.key(i), (B, S, Hkv, D), F32).astype(BF16) for i in (1, 2))
+    if impl == "paged":
+        pages = B * S // page
+        tables = jnp.asarray(np.random.default_rng(0).permutation(pages).reshape(B, -1), jnp.int32)
+        k_pages, v_pages = (jax.random.normal(jax.random.key(i), (Hkv, pages, page, D), F32).astype(BF16)
+                            for i in (3, 4))  # fmt: skip
+        lengths = jnp.full((B,), S, jnp.int32)
+        f = jax.jit(paged_attention.paged_attention)
+        return lambda: f(q, k_pages, v_pages, tables, lengths)
+    if impl == "ours":
+        f = jax.jit(decode_attention.gqa)
+    else:
+        f = jax.jit(
+            lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn")[:, 0]
+        )
+    return lambda: f(q, k, v)
+
+
 # name -> (make the function, regex of the kernel to profile: ours are named by their
 # pallas_call, the libraries' by what cuDNN / cuBLAS call theirs)
 WORKLOADS = {
@@ -70,7 +98,25 @@ WORKLOADS = {
         functools.partial(_matmul, 8192, 8192, 8192, FP8, "cublas"),
         "gemm|nvjet|xmma|cutlass",
     ),
+    "matmul_skinny_cublas": (
+        functools.partial(_matmul, 8192, 1024, 8192, BF16, "cublas"),
+        "gemm|nvjet|xmma|cutlass",
+    ),
+    # decode: our split kernel and its combine kernel; cuDNN's every kernel of one call
+    "decode_gqa": (functools.partial(_decode, "ours"), "gqa_decode|gqa_combine"),
+    "decode_gqa_cudnn": (functools.partial(_decode, "cudnn"), "."),
+    "decode_paged": (functools.partial(_decode, "paged"), "paged_attention"),
 }
+
+
+def _cuda_driver():
+    """libcuda (for cuProfilerStart/Stop), or None where there is none."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
 
 
 def main(argv: list[str]) -> int:
@@ -82,7 +128,10 @@ def main(argv: list[str]) -> int:
     run = make()
     for _ in range(WARMUP):
         jax.block_until_ready(run())
-    jax.block_until_ready(run())  # the profiled launch
+    driver = _cuda_driver()
+    driver and driver.cuProfilerStart()
+    jax.block_until_ready(run())  # the profiled call (ncu --profile-from-start off)
+    driver and driver.cuProfilerStop()
     return 0
 
 

@@ -3,7 +3,9 @@ flash-attention forward (GPU, needs torch): the evidence behind
 ``plgpu.CompilerParams(warp_specialize=True)`` being refused before sm_100,
 and behind ``ops.attention``'s FMA form of the softmax.
 
-Usage (GPU machine): ``python benchmarks/hopper_warp_specialize.py``
+Usage (GPU machine): ``python benchmarks/hopper_warp_specialize.py`` (attention),
+``... --matmul`` (a persistent TMA bf16 matmul, its k loop specialized or not,
+beside torch's cuBLAS).
 
 B4 S4096 H32 D128 bf16, causal and not. Each row is one launch of the kernel
 below, ``(block_m, block_n, warp_specialize, fma, num_warps, num_stages)``,
@@ -94,6 +96,72 @@ def attention_forward(Q, K, V, O, sm_scale, S, H: tl.constexpr, D: tl.constexpr,
     od.store([row0, 0], (acc / l[:, None]).to(tl.bfloat16))
 
 
+@triton.jit
+def matmul_ws(A, B, C, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+              NUM_SMS: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+    """Persistent TMA matmul, tiles in groups of GROUP_M block rows. WS: 0 no
+    warp specialization, 1 of the k loop, 2 of the tile loop (the outermost
+    loop, which is what ``CompilerParams(warp_specialize=True)`` asks)."""
+    ad = tl.make_tensor_descriptor(A, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    bd = tl.make_tensor_descriptor(B, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
+    cd = tl.make_tensor_descriptor(C, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, warp_specialize=WS == 2):
+        group = tile // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        size_m = min(tiles_m - first_m, GROUP_M)
+        pm = first_m + (tile % (GROUP_M * tiles_n)) % size_m
+        pn = (tile % (GROUP_M * tiles_n)) // size_m
+        acc = tl.zeros([BM, BN], tl.float32)
+        for kk in tl.range(0, tl.cdiv(K, BK), warp_specialize=WS == 1):
+            acc = tl.dot(ad.load([pm * BM, kk * BK]), bd.load([kk * BK, pn * BN]), acc)
+        cd.store([pm * BM, pn * BN], acc.to(tl.bfloat16))
+
+
+MATMUL_CONFIGS = [  # block_m, block_n, block_k, WS (0 none, 1 k loop, 2 tile loop), num_warps, num_stages
+    (128, 256, 64, 0, 8, 3),
+    (128, 256, 64, 1, 4, 3),
+    (128, 256, 64, 2, 4, 3),
+    (256, 128, 64, 1, 4, 3),
+    (128, 128, 64, 1, 4, 4),
+    (128, 128, 64, 2, 4, 4),
+    (128, 128, 64, 1, 4, 6),
+]
+
+
+def matmul_main() -> None:
+    """bf16 matmuls at the issue's sizes: each config beside torch's cuBLAS."""
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m, n, k in [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 1024)]:
+        torch.manual_seed(0)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        ref = a.float() @ b.float()
+        flops = 2 * m * n * k
+        ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300)
+        cublas = flops / ms * 1e-9
+        print(f"matmul {m}x{n}x{k}: cuBLAS (torch) {ms:.3f} ms, {cublas:.1f} TFLOP/s")
+        for bm, bn, bk, ws, nw, st in MATMUL_CONFIGS:
+            c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+            def go(c=c, bm=bm, bn=bn, bk=bk, ws=ws, nw=nw, st=st):
+                matmul_ws[(sms,)](a, b, c, m, n, k, bm, bn, bk, 8, sms, ws, num_warps=nw, num_stages=st)
+                return c
+
+            cfg = (bm, bn, bk, ws, nw, st)
+            try:
+                err = ((go().float() - ref).abs().max() / ref.abs().max()).item()
+                ms = triton.testing.do_bench(go, warmup=50, rep=300)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                continue
+            tf = flops / ms * 1e-9
+            print(f"  {cfg}: {ms:.3f} ms, {tf:.1f} TFLOP/s ({tf / cublas:.3f}x cuBLAS), max rel error {err:.4f}",
+                  flush=True)  # fmt: skip
+
+
 def run(q, k, v, causal_mode, bm, bn, ws, fma, num_warps, num_stages):
     B, S, H, D = q.shape
     o = torch.empty_like(q)
@@ -136,4 +204,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if "--matmul" in sys.argv:
+        matmul_main()
+    else:
+        main()

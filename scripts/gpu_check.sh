@@ -36,7 +36,7 @@ if [ "$MODE" = profile ]; then  # Nsight Compute reports of benchmarks/gpu_profi
     [ "$ONLY" = "  " ] || [[ "$ONLY" == *" $w "* ]] || continue
     step "profile $w (kernels matching $regex)"
     python3 benchmarks/gpu_profile.py "$w" || continue  # compile and autotune into the disk cache first
-    ncu --clock-control none -k "regex:$regex" -s 4 -c 1 --section SpeedOfLight \
+    ncu --clock-control none --profile-from-start off -k "regex:$regex" -c 8 --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
       --section LaunchStats --section WarpStateStats python3 benchmarks/gpu_profile.py "$w" 2>&1 \
       | grep -v "^==PROF==" | tee -a "$OUT/ncu.txt"

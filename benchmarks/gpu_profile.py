@@ -55,30 +55,24 @@ def _matmul(m, k, n, dtype, impl: str):
 
 
 def _decode(impl: str):
-    """Decode at the serving size of benchmarks/decode_attention.py: B32, 32 query heads
-    over 8 KV heads, 8192 cached tokens, D128 bf16; paged: 16-token pages, shuffled."""
-    import numpy as np
+    """Decode at the serving size of benchmarks/decode_attention.py (its Problem: B32,
+    32 query heads over 8 KV heads, 8192 cached tokens, D128 bf16; paged: 16-token
+    pages in a shuffled pool)."""
+    from decode_attention import Problem
 
     from pallas_gpu.ops import decode_attention, paged_attention
 
-    B, Hq, Hkv, S, D, page = 32, 32, 8, 8192, 128, 16
-    q = jax.random.normal(jax.random.key(0), (B, Hq, D), F32).astype(BF16)
-    k, v = (jax.random.normal(jax.random.key(i), (B, S, Hkv, D), F32).astype(BF16) for i in (1, 2))
+    pb = Problem(32, 32, 8, 8192, 128, 16)
     if impl == "paged":
-        pages = B * S // page
-        tables = jnp.asarray(np.random.default_rng(0).permutation(pages).reshape(B, -1), jnp.int32)
-        k_pages, v_pages = (jax.random.normal(jax.random.key(i), (Hkv, pages, page, D), F32).astype(BF16)
-                            for i in (3, 4))  # fmt: skip
-        lengths = jnp.full((B,), S, jnp.int32)
         f = jax.jit(paged_attention.paged_attention)
-        return lambda: f(q, k_pages, v_pages, tables, lengths)
+        return lambda: f(pb.q, pb.k_pages, pb.v_pages, pb.tables, pb.lengths)
     if impl == "ours":
         f = jax.jit(decode_attention.gqa)
     else:
         f = jax.jit(
             lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn")[:, 0]
         )
-    return lambda: f(q, k, v)
+    return lambda: f(pb.q, pb.k, pb.v)
 
 
 # name -> (make the function, regex of the kernel to profile: ours are named by their
@@ -129,9 +123,11 @@ def main(argv: list[str]) -> int:
     for _ in range(WARMUP):
         jax.block_until_ready(run())
     driver = _cuda_driver()
-    driver and driver.cuProfilerStart()
+    if driver is not None:
+        driver.cuProfilerStart()
     jax.block_until_ready(run())  # the profiled call (ncu --profile-from-start off)
-    driver and driver.cuProfilerStop()
+    if driver is not None:
+        driver.cuProfilerStop()
     return 0
 
 

@@ -33,7 +33,7 @@ PAGED = ((4, 3), (8, 2), (8, 3))  # pages_per_compute_block, num_stages
 
 
 def candidates(pb: Problem):
-    """{label: (function, args)}: ours at every launch choice, then the defaults."""
+    """{label: (function, args)}: the defaults of `gqa` and `paged_attention`, then each at every launch choice."""
     q, k, v = pb.q, pb.k, pb.v
     qs = (q.astype(F32) * pb.scale).astype(BF16)
     P = (qs, pb.k_pages, pb.v_pages, pb.tables, pb.lengths)

@@ -151,6 +151,22 @@ def compile_triton(src: Any, cc: int, options: dict[str, Any]) -> Any:
             _hook_state.active = False
 
 
+def compile_gluon(
+    fn: Any, signature: dict[str, str], constexprs: dict[str, Any], cc: int, options: dict[str, Any]
+) -> Any:
+    """``compile_triton`` of a ``@gluon.jit`` kernel (Triton's lower-level
+    language, ``triton.experimental.gluon``) with ``signature`` (the runtime
+    parameters' Triton types) and ``constexprs``. Pointer parameters are
+    specialized 16-byte aligned, as XLA's buffers are (the runtime checks it)."""
+    prepare_triton()
+    from triton.experimental.gluon._runtime import GluonASTSource  # no public name in Triton 3.6
+
+    names = list(fn.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t.startswith("*")}
+    full = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    return compile_triton(GluonASTSource(fn, full, constexprs, attrs), cc, options)
+
+
 _cache_dir_checked: dict[str, str | None] = {}  # Triton's cache dir -> replacement (None: usable)
 
 

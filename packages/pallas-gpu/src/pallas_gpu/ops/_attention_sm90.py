@@ -1,0 +1,148 @@
+"""``mha``'s forward on Hopper (sm_90): when the hand-scheduled Gluon kernel
+(``_attention_sm90_kernel``) applies, and its launch through the shared
+Triton layer and ``jax_kernel_runtime.kernel_call``.
+
+It applies at ``mha``'s default arguments (``block_sizes``, ``num_warps``
+and ``num_stages`` None), compiled for a GPU of compute capability 9.0, with
+no ``segment_ids``, bf16 or f16 inputs, head_dim 64 or 128, sequence lengths
+that are multiples of 128, ``sm_scale > 0`` and a Triton release it was
+validated on (``VALIDATED_TRITON``: Gluon's API still changes between
+releases). Every other call runs the Pallas forward, as does any call with
+``block_sizes`` given. The backward is the same either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_kernel_runtime as jkr
+from jax_kernel_runtime import _triton_cache, _triton_compile
+
+BLOCK_Q = 128  # two math warpgroups of 64 rows
+BLOCK_K = 128
+NUM_BUFFERS = 3  # K/V ring slots: 0.947x cuDNN at 3 against 0.824x at 2 (H200, non-causal)
+HEAD_DIMS = (64, 128)
+DTYPES = ("bfloat16", "float16")
+# Triton releases (major.minor) the kernel was run and checked on, on the H200.
+VALIDATED_TRITON = ("3.6",)
+NAME = "mha_forward_sm90"
+
+
+def _triton_release() -> str:
+    from importlib import metadata
+
+    try:
+        return ".".join(metadata.version("triton").split(".")[:2])
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def unsupported(q, k, segment_ids, sm_scale: float, cc: int | None) -> str | None:
+    """Why the sm_90 kernel does not run this forward (None: it does). The
+    caller has already checked that the launch is ``mha``'s default."""
+    T, D = q.shape[1], q.shape[-1]
+    S = k.shape[1]
+    if cc != 90:
+        return f"compute capability {cc}, not 90"
+    if segment_ids is not None:
+        return "segment_ids"
+    if jnp.dtype(q.dtype).name not in DTYPES or jnp.dtype(k.dtype) != jnp.dtype(q.dtype):
+        return f"dtype {jnp.dtype(q.dtype).name}"
+    if D not in HEAD_DIMS:
+        return f"head_dim {D}"
+    if T % BLOCK_Q or S % BLOCK_K:
+        return f"sequence lengths {T}, {S} (needs multiples of {BLOCK_Q})"
+    if not sm_scale > 0:
+        return f"sm_scale {sm_scale}"
+    if _triton_release() not in VALIDATED_TRITON:
+        return f"Triton {_triton_release()} (validated: {', '.join(VALIDATED_TRITON)})"
+    return None
+
+
+@functools.cache
+def _kernel_source_digest() -> str:
+    from pallas_gpu.ops import _attention_sm90_kernel
+
+    return hashlib.sha256(inspect.getsource(_attention_sm90_kernel).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def kernel_config(dtype: str, T: int, S: int, H: int, D: int, causal: bool) -> jkr.KernelConfig:
+    """The compiled kernel for these static sizes: from memory, the disk cache
+    (pallas-gpu's, ``PALLAS_GPU_CACHE_DIR``), else ``triton.compile``."""
+    from pallas_gpu._src import compiler
+
+    constexprs = {"T": T, "S": S, "H": H, "D": D, "BN": BLOCK_K, "NBUF": NUM_BUFFERS, "CAUSAL": causal}
+    key = hashlib.sha256(
+        "\0".join(
+            [NAME, dtype, repr(sorted(constexprs.items())), _kernel_source_digest(), compiler._versions()]
+        ).encode()
+    ).hexdigest()
+
+    def compile_config():
+        from pallas_gpu.ops import _attention_sm90_kernel
+
+        ptr = "*bf16" if dtype == "bfloat16" else "*fp16"
+        signature = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "LSE": "*fp32", "sm_scale": "fp32"}
+        compiled = _triton_compile.compile_gluon(
+            _attention_sm90_kernel.mha_forward_sm90, signature, constexprs, 90, {"num_warps": 4}
+        )
+        return jkr.config_from_triton(compiled)
+
+    return _triton_cache.cached_config(key, compile_config, compiler.DISK)
+
+
+def forward(q, k, v, sm_scale: float, causal: bool, debug: bool = False):
+    """(out, log-sum-exp): ``[B, T, H, D]`` like q and ``[B, H, T]`` f32.
+    Batched (``vmap``) calls fold the batch axes into B."""
+    if debug:
+        print(
+            f"mha forward: the sm_90 Gluon kernel {NAME} (pallas_gpu/ops/_attention_sm90_kernel.py), "
+            f"block_q {BLOCK_Q}, block_k {BLOCK_K}, {NUM_BUFFERS} K/V buffers, causal={causal}"
+        )
+    return _batched(float(sm_scale), bool(causal))(q, k, v)
+
+
+def _launch(q, k, v, sm_scale: float, causal: bool):
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    cfg = kernel_config(jnp.dtype(q.dtype).name, T, S, H, D, causal)
+    out, lse = jkr.kernel_call(
+        q,
+        k,
+        v,
+        configs=[cfg],
+        grid=(B * H * (T // BLOCK_Q),),
+        out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), np.float32)],
+        params=[jkr.Buffer(i) for i in range(5)] + [jkr.Scalar("fp32", sm_scale)],
+        name=NAME,
+    )
+    return out, lse
+
+
+@functools.cache
+def _batched(sm_scale: float, causal: bool):
+    """``_launch`` with a ``vmap`` rule (kernel launches have none): the
+    batched axes are moved in front and merged with the batch axis."""
+
+    @jax.custom_batching.custom_vmap
+    def call(q, k, v):
+        return _launch(q, k, v, sm_scale, causal)
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, q, k, v):
+        xs = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip((q, k, v), in_batched)]
+        merged = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in xs]
+        out, lse = call(*merged)
+        return (out.reshape(axis_size, -1, *out.shape[1:]), lse.reshape(axis_size, -1, *lse.shape[1:])), (
+            True,
+            True,
+        )
+
+    return call

@@ -36,9 +36,10 @@ kernels:
 
 Causal programs mask only the blocks that cross the diagonal (a branch per
 block). H200, B4 S4096 H32 D128, torch's cuDNN SDPA in the same process,
-non-causal / causal TFLOP/s at (128, 128, 3): plain 465.7 / 420.0, ws 482.8
-/ 440.3, pp 572.9 / 500.1 (0.947x / 0.958x cuDNN); pp at 2 slots 506.3 /
-392.5.
+non-causal / causal TFLOP/s at (128, 128, 3), 2026-12-02: plain 465.7 /
+420.0, ws 482.8 / 440.3; pp's first form (per-head descriptors, O stored by
+TMA) 572.9 / 500.1 (0.947x / 0.958x cuDNN; 506.3 / 392.5 at 2 slots); the
+committed pp 566.7 / 495.4, ppp 598.6 / 494.7 (0.996x / 0.945x cuDNN).
 
     python benchmarks/gluon_attention.py             # GPU: check against torch's cuDNN SDPA, time both
     python benchmarks/gluon_attention.py --kernel=ws --config=0   # one launch (a process each: a hang stays local)
@@ -56,9 +57,19 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from pallas_gpu.ops._attention_sm90_kernel import load_kv, mha_forward_sm90, softmax_any
+from pallas_gpu.ops._attention_sm90_kernel import mha_forward_sm90, softmax_any
 
 CONFIGS = [(128, 128, 2), (128, 128, 3), (128, 64, 4), (128, 64, 6)]  # block_m, block_n, NBUF
+
+
+@gluon.jit
+def load_kv(kd, vd, k_smem, v_smem, k_bar, v_bar, block, row0, BN: gl.constexpr, NBUF: gl.constexpr):
+    """K and V block ``block`` (rows ``row0 + block * BN``) into ring slot ``block % NBUF``."""
+    slot = block % NBUF
+    mbarrier.expect(k_bar.index(slot), kd.block_type.nbytes)
+    tma.async_copy_global_to_shared(kd, [row0 + block * BN, 0], k_bar.index(slot), k_smem.index(slot))
+    mbarrier.expect(v_bar.index(slot), vd.block_type.nbytes)
+    tma.async_copy_global_to_shared(vd, [row0 + block * BN, 0], v_bar.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -237,8 +248,13 @@ def attention_forward_ws(Q, K, V, O, sm_scale, S, H: gl.constexpr, D: gl.constex
     )
 
 
-KERNELS = {"plain": attention_forward, "ws": attention_forward_ws, "pp": mha_forward_sm90}
-NUM_WARPS = {"plain": 8, "ws": 8, "pp": 4}  # pp: the first math warpgroup
+KERNELS = {
+    "plain": attention_forward,
+    "ws": attention_forward_ws,
+    "pp": mha_forward_sm90,
+    "ppp": mha_forward_sm90,
+}
+NUM_WARPS = {"plain": 8, "ws": 8, "pp": 4, "ppp": 4}  # pp: the first math warpgroup
 
 
 def _launches(argv):
@@ -263,10 +279,10 @@ def compile_only(argv) -> None:
         for name, (bm, bn, nbuf) in _launches(argv):
             sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "sm_scale": "fp32", "S": "i32"}
             consts = {"H": 32, "D": 128, "BM": bm, "BN": bn, "NBUF": nbuf, "CAUSAL": causal}
-            if name == "pp":  # the package's kernel: also the LSE, static lengths, block_m 128
+            if name in ("pp", "ppp"):  # the package's kernel: also the LSE, static sizes, block_m 128
                 sig = {**sig, "LSE": "*fp32"}
                 del sig["S"], consts["BM"]
-                consts = {**consts, "T": 4096, "S": 4096}
+                consts = {**consts, "B": 4, "T": 4096, "S": 4096}
             src = GluonASTSource(KERNELS[name], {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
             label = f"{name} causal={causal} {(bm, bn, nbuf)}"
             try:
@@ -318,8 +334,15 @@ def main(argv) -> None:
 
             def go(o=o, lse=lse, name=name, bm=bm, bn=bn, nbuf=nbuf, causal=causal):
                 grid = (B * H * (S // bm),)
-                if name == "pp":
-                    KERNELS[name][grid](q, k, v, o, lse, D**-0.5, S, S, H, D, bn, nbuf, causal, num_warps=4)
+                if name in ("pp", "ppp"):  # ppp: persistent, one program per multiprocessor
+                    grid = (
+                        (min(grid[0], torch.cuda.get_device_properties(0).multi_processor_count),)
+                        if name == "ppp"
+                        else grid
+                    )
+                    KERNELS[name][grid](
+                        q, k, v, o, lse, D**-0.5, B, S, S, H, D, bn, nbuf, causal, num_warps=4
+                    )
                 else:
                     KERNELS[name][grid](q, k, v, o, D**-0.5, S, H, D, bm, bn, nbuf, causal, num_warps=8)
                 return o

@@ -85,11 +85,18 @@ def test_lowers_for_sm90_on_any_machine(monkeypatch, causal):
 @pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 64)])
 def test_compiles_within_the_h200s_limits(dtype, head_dim):
     for causal in (False, True):
-        cfg = _attention_sm90.kernel_config(dtype, 256, 512, 2, head_dim, causal)
+        cfg = _attention_sm90.kernel_config(dtype, 2, 256, 512, 2, head_dim, causal)
         assert cfg.function == "mha_forward_sm90"
         assert cfg.block_dims == (384, 1, 1)  # 2 math warpgroups + the producer warp's (padded) warpgroup
         assert 0 < cfg.shared_memory_bytes <= _triton_compile.SHARED_MEMORY_LIMITS[90]
         assert cfg.global_scratch_bytes > 0  # the TMA descriptors made on the device
+
+
+def test_grid_is_persistent_only_without_causal_masking(monkeypatch):
+    monkeypatch.setattr(_attention_sm90, "multiprocessor_count", lambda: 132)
+    assert _attention_sm90.grid_size(4096, causal=False) == 132
+    assert _attention_sm90.grid_size(100, causal=False) == 100
+    assert _attention_sm90.grid_size(4096, causal=True) == 4096  # unequal tiles: the GPU balances them
 
 
 def reference(q, k, v, sm_scale, causal):
@@ -116,9 +123,11 @@ NEEDS_HOPPER = pytest.mark.skipif(
     "dtype,shape_q,seq_k,causal",
     [
         (jnp.bfloat16, (2, 1024, 3, 128), 1024, True),
-        (jnp.bfloat16, (2, 512, 3, 128), 1536, False),  # queries and keys of different lengths
+        # Queries and keys of different lengths; 256 non-causal tiles over 132 persistent programs.
+        (jnp.bfloat16, (2, 512, 32, 128), 1536, False),
         (jnp.float16, (1, 2048, 2, 64), 2048, True),
-        (jnp.float16, (2, 1024, 2, 128), 1024, False),
+        (jnp.float16, (1, 4096, 16, 64), 4096, False),  # 512 tiles: 3-4 per program
+        (jnp.float16, (2, 1024, 2, 128), 1024, False),  # fewer tiles than programs
         (jnp.bfloat16, (3, 128, 5, 64), 128, True),  # one block: the diagonal only
     ],
 )

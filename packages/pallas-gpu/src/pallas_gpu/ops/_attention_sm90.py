@@ -73,12 +73,21 @@ def _kernel_source_digest() -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def kernel_config(dtype: str, T: int, S: int, H: int, D: int, causal: bool) -> jkr.KernelConfig:
+def kernel_config(dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bool) -> jkr.KernelConfig:
     """The compiled kernel for these static sizes: from memory, the disk cache
     (pallas-gpu's, ``PALLAS_GPU_CACHE_DIR``), else ``triton.compile``."""
     from pallas_gpu._src import compiler
 
-    constexprs = {"T": T, "S": S, "H": H, "D": D, "BN": BLOCK_K, "NBUF": NUM_BUFFERS, "CAUSAL": causal}
+    constexprs = {
+        "B": B,
+        "T": T,
+        "S": S,
+        "H": H,
+        "D": D,
+        "BN": BLOCK_K,
+        "NBUF": NUM_BUFFERS,
+        "CAUSAL": causal,
+    }
     key = hashlib.sha256(
         "\0".join(
             [NAME, dtype, repr(sorted(constexprs.items())), _kernel_source_digest(), compiler._versions()]
@@ -112,18 +121,38 @@ def forward(q, k, v, sm_scale: float, causal: bool, debug: bool = False):
 def _launch(q, k, v, sm_scale: float, causal: bool):
     B, T, H, D = q.shape
     S = k.shape[1]
-    cfg = kernel_config(jnp.dtype(q.dtype).name, T, S, H, D, causal)
+    cfg = kernel_config(jnp.dtype(q.dtype).name, B, T, S, H, D, causal)
     out, lse = jkr.kernel_call(
         q,
         k,
         v,
         configs=[cfg],
-        grid=(B * H * (T // BLOCK_Q),),
+        grid=(grid_size(B * H * (T // BLOCK_Q), causal),),
         out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), np.float32)],
         params=[jkr.Buffer(i) for i in range(5)] + [jkr.Scalar("fp32", sm_scale)],
         name=NAME,
     )
     return out, lse
+
+
+def grid_size(tiles: int, causal: bool) -> int:
+    """Programs to launch for ``tiles`` tiles of 128 query rows. Non-causal
+    tiles are equal work: one persistent program per multiprocessor, each
+    taking every grid-th tile, so a program's next Q and K/V load while it
+    finishes a tile. Causal tiles are not (1 to T / 128 blocks): one program
+    per tile, heaviest first, balanced by the GPU's block scheduler."""
+    return tiles if causal else min(tiles, multiprocessor_count())
+
+
+def multiprocessor_count() -> int:
+    """Multiprocessors of JAX's first GPU; 132 (H100/H200 SXM) when compiling
+    without one (``PALLAS_GPU_COMPUTE_CAPABILITY``)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        devices = []
+    count = getattr(devices[0], "core_count", None) if devices else None
+    return int(count) if count else 132
 
 
 @functools.cache

@@ -10,6 +10,9 @@ is an import change. Arrays are ``[batch, seq_len, num_heads, head_dim]``.
   ``causal=True`` only the blocks on the diagonal are masked, the blocks left
   of it run unmasked and the blocks right of it are skipped. It also writes
   the log-sum-exp of every row, the residual of the backward pass.
+* On Hopper (sm_90) at the default arguments the forward is a hand-scheduled
+  Gluon kernel instead (``_attention_sm90``: ping-ponging math warpgroups
+  and a TMA producer warp) where it applies (``sm90_forward_applies``).
 * Backward (``backward_pass_impl="triton"``): ``delta = sum(out * dout)`` per
   row (XLA), then one kernel per block of keys that loops over the queries
   (dk, dv) and one per block of queries that loops over the keys (dq), both

@@ -91,8 +91,9 @@ def clear_modules() -> None:
 # ---------------------------------------------------------------------------
 # triton.compile with a stable PTX
 
-_FILE_DIRECTIVE = re.compile(r'^(\s*\.file\s+\d+\s+"(?:[^"\\]|\\.)*")\s*$', re.MULTILINE)
-_STABLE_ENV = ("JAX_KERNEL_RUNTIME_STABLE_PTX", "1")  # keeps our cubins apart in Triton's cache
+_FILE_DIRECTIVE = re.compile(r'^([ \t]*\.file[ \t]+\d+[ \t]+)"((?:[^"\\]|\\.)*)"[ \t]*$', re.MULTILINE)
+# Keeps our cubins apart in Triton's cache; "2": source paths relative to their sys.path entry.
+_STABLE_ENV = ("JAX_KERNEL_RUNTIME_STABLE_PTX", "2")
 _hook_state = threading.local()
 _installed_hook: Any = None
 _hook_lock = threading.Lock()
@@ -101,8 +102,31 @@ _hook_lock = threading.Lock()
 def stable_ptx(ptx: str) -> str:
     """``ptx`` with timestamp 1 and size 0 on each ``.file`` directive that has
     none, so ``ptxas`` does not read them from the file system (it does for
-    timestamp 0)."""
-    return _FILE_DIRECTIVE.sub(r"\1, 1, 0", ptx)
+    timestamp 0), and each such file named relative to the ``sys.path`` entry
+    it lies under (``triton/language/standard.py``, not the path of a
+    site-packages), so the cubin does not depend on where packages are
+    installed."""
+    roots = _path_roots()
+
+    def stable(m: re.Match) -> str:
+        return f'{m.group(1)}"{relative_source_path(m.group(2), roots)}", 1, 0'
+
+    return _FILE_DIRECTIVE.sub(stable, ptx)
+
+
+def _path_roots() -> list[str]:
+    """The absolute ``sys.path`` entries, longest first."""
+    roots = {os.path.normpath(p) for p in sys.path if p and os.path.isabs(p)}
+    return sorted(roots, key=len, reverse=True)
+
+
+def relative_source_path(path: str, roots: list[str]) -> str:
+    """``path`` relative to the longest of ``roots`` it lies under, else unchanged."""
+    for root in roots:
+        prefix = root.rstrip(os.sep) + os.sep
+        if path.startswith(prefix):
+            return path[len(prefix) :]
+    return path
 
 
 def _install_stage_hook() -> None:

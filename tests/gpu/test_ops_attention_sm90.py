@@ -6,11 +6,15 @@ random data, under ``jax.grad`` and ``jax.vmap``."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
+import triton
 from gpu_test_base import fresh_key, has_gpu
 
+import pallas_gpu
 from jax_kernel_runtime import _triton_compile
 from pallas_gpu.ops import _attention_sm90, attention
 
@@ -90,6 +94,11 @@ def test_compiles_within_the_h200s_limits(dtype, head_dim):
         assert cfg.block_dims == (384, 1, 1)  # 2 math warpgroups + the producer warp's (padded) warpgroup
         assert 0 < cfg.shared_memory_bytes <= _triton_compile.SHARED_MEMORY_LIMITS[90]
         assert cfg.global_scratch_bytes > 0  # the TMA descriptors made on the device
+        # The line table names the kernel's file relative to its sys.path entry: the image (and the
+        # HLO holding it) does not depend on where pallas-gpu or Triton are installed.
+        assert b"_attention_sm90_kernel.py" in cfg.image
+        for package in (pallas_gpu, triton):
+            assert os.path.dirname(os.path.abspath(package.__file__)).encode() not in cfg.image
 
 
 def test_grid_is_persistent_only_without_causal_masking(monkeypatch):

@@ -111,3 +111,21 @@ def test_stable_ptx_rewrites_only_file_directives_without_a_timestamp():
 
     ptx = '\t.file\t1 "k.py"\n\t.file\t2 "/a b/c.py", 5, 6\n\t.loc\t1 3 0\n'
     assert stable_ptx(ptx) == '\t.file\t1 "k.py", 1, 0\n\t.file\t2 "/a b/c.py", 5, 6\n\t.loc\t1 3 0\n'
+
+
+def test_stable_ptx_names_files_relative_to_their_sys_path_entry():
+    from jax_kernel_runtime._triton_compile import relative_source_path, stable_ptx
+
+    roots = ["/opt/venv/lib/python3.12/site-packages", "/home/me/project/src", "/home/me"]
+    assert relative_source_path(
+        "/opt/venv/lib/python3.12/site-packages/triton/language/standard.py", roots
+    ) == ("triton/language/standard.py")
+    assert relative_source_path("/home/me/project/src/pkg/k.py", roots) == "pkg/k.py"  # the longest root
+    assert relative_source_path("/elsewhere/k.py", roots) == "/elsewhere/k.py"
+    assert relative_source_path("/opt/venv/lib/python3.12/site-packages-other/k.py", roots) == (
+        "/opt/venv/lib/python3.12/site-packages-other/k.py"  # a prefix of the name is not a parent
+    )
+    import triton
+
+    standard = os.path.join(os.path.dirname(triton.__file__), "language", "standard.py")
+    assert stable_ptx(f'\t.file\t3 "{standard}"\n') == '\t.file\t3 "triton/language/standard.py", 1, 0\n'

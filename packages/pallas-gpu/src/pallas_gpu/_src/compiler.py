@@ -27,7 +27,7 @@ from pallas_gpu._src.lowering import LoweredKernel
 
 # Bump when the meaning of a cached entry changes (compile flags we pass,
 # the file layout), so stale entries are never read.
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3  # 3: cubins name their source files relative to sys.path
 
 # Largest dynamic shared memory per block (the opt-in limit), by compute
 # capability: the shared Triton layer's table. Unknown capabilities are not

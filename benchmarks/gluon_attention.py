@@ -43,6 +43,7 @@ committed pp 566.7 / 495.4, ppp 598.6 / 494.7 (0.996x / 0.945x cuDNN).
 
     python benchmarks/gluon_attention.py             # GPU: check against torch's cuDNN SDPA, time both
     python benchmarks/gluon_attention.py --kernel=ws --config=0   # one launch (a process each: a hang stays local)
+    python benchmarks/gluon_attention.py --kernel=ppp --seq=1024  # seq 1024 at 16384 tokens (batch 16)
     python benchmarks/gluon_attention.py --compile   # no GPU: compile for sm_90; registers, spills, wgmma waits,
                                                      # setmaxnreg, and whether ptxas serialized the wgmmas
 """
@@ -312,7 +313,8 @@ def main(argv) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    B, S, H, D = 4, 4096, 32, 128
+    S = next((int(a.split("=")[1]) for a in argv if a.startswith("--seq=")), 4096)
+    B, H, D = max(1, 16384 // S), 32, 128  # 16384 tokens, as gpu_attention.py's sweep
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     print(

@@ -83,11 +83,10 @@ def test_lowers_for_sm90_on_any_machine(monkeypatch, causal):
     )  # the backward is the Pallas one
 
 
-@pytest.mark.skipif(
-    not VALIDATED, reason="the Gluon kernel is compiled only on the Triton releases it was run on"
-)
 @pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 64)])
 def test_compiles_within_the_h200s_limits(dtype, head_dim):
+    # Every Triton of pallas-gpu's range compiles it (Gluon's renamed functions are looked up by
+    # name), though mha launches it only on the releases it was run on (VALIDATED_TRITON).
     for causal in (False, True):
         cfg = _attention_sm90.kernel_config(dtype, 2, 256, 512, 2, head_dim, causal)
         assert cfg.function == "mha_forward_sm90"

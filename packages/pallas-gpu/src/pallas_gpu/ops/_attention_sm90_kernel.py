@@ -41,11 +41,20 @@ warp specialization. Through ``mha`` and ``jax.jit``
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia import hopper
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+import jax_kernel_runtime
 
+# Importing pallas_gpu starts importing Triton in a background thread: importing
+# Triton's Gluon here at the same time can meet a half-initialized triton package.
+jax_kernel_runtime.prepare_triton()
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia import hopper  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
+
+# Gluon's names in Triton 3.6 and in later releases (which removed the old ones).
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
 
@@ -189,19 +198,15 @@ def _producer(qd, kd, vd, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, 
             if i > 0:
                 mbarrier.wait(q_empty.index(w), (i - 1) & 1)
             mbarrier.expect(q_bar.index(w), qd.block_type.nbytes)
-            tma.async_copy_global_to_shared(qd, [b * T + q0 + 64 * w, h * D], q_bar.index(w), q_smem.index(w))
+            _tma_load(qd, [b * T + q0 + 64 * w, h * D], q_bar.index(w), q_smem.index(w))
         for blk in range(n):
             slot = c % NBUF
             if c >= NBUF:
                 mbarrier.wait(kv_empty.index(slot), ((c // NBUF) - 1) & 1)
             mbarrier.expect(k_bar.index(slot), kd.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                kd, [b * S + blk * BN, h * D], k_bar.index(slot), k_smem.index(slot)
-            )
+            _tma_load(kd, [b * S + blk * BN, h * D], k_bar.index(slot), k_smem.index(slot))
             mbarrier.expect(v_bar.index(slot), vd.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                vd, [b * S + blk * BN, h * D], v_bar.index(slot), v_smem.index(slot)
-            )
+            _tma_load(vd, [b * S + blk * BN, h * D], v_bar.index(slot), v_smem.index(slot))
             c += 1
         i += 1
 
@@ -248,7 +253,7 @@ def mha_forward_sm90(Q, K, V, O, LSE, sm_scale, B: gl.constexpr, T: gl.constexpr
         mbarrier.init(v_bar.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
     fence_async_shared()
-    gl.thread_barrier()  # every thread sees the barriers initialized
+    _cta_barrier()  # every thread sees the barriers initialized
     mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
     # fmt: off
     gl.warp_specialize(

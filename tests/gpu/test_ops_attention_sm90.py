@@ -107,6 +107,17 @@ def test_grid_is_persistent_only_without_causal_masking(monkeypatch):
     assert _attention_sm90.grid_size(4096, causal=True) == 4096  # unequal tiles: the GPU balances them
 
 
+def test_debug_says_which_forward_runs(monkeypatch, capsys):
+    monkeypatch.setenv("PALLAS_GPU_COMPUTE_CAPABILITY", "90")
+    x = spec((1, 256, 2, 64))
+    names_in_hlo(jax.jit(lambda q, k, v: attention.mha(q, k, v, None, sm_scale=0.1, debug=True)), x, x, x)
+    printed = capsys.readouterr().out
+    if VALIDATED:
+        assert "the sm_90 Gluon kernel mha_forward_sm90" in printed
+    else:
+        assert "The Triton kernel for pallas_call 'mha_forward'" in printed
+
+
 def reference(q, k, v, sm_scale, causal):
     up = lambda a: a.astype(jnp.float32)  # noqa: E731
     logits = jnp.einsum("bqhc,bkhc->bhqk", up(q), up(k), precision="highest") * sm_scale

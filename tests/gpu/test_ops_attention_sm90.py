@@ -25,11 +25,12 @@ def spec(shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def applies(q=None, k=None, segment_ids=None, sm_scale=0.1, **kw):
+def applies(q=None, k=None, v=None, segment_ids=None, sm_scale=0.1, **kw):
     q = q if q is not None else spec((2, 1024, 4, 128))
+    k = k if k is not None else q
     args = dict(block_sizes=None, num_warps=None, num_stages=None, interpret=False)
     return attention.sm90_forward_applies(
-        q, k if k is not None else q, segment_ids, sm_scale, **{**args, **kw}
+        q, k, v if v is not None else k, segment_ids, sm_scale, **{**args, **kw}
     )
 
 
@@ -37,7 +38,8 @@ def test_taken_only_at_the_default_arguments_on_hopper(monkeypatch):
     monkeypatch.setattr(attention, "compute_capability", lambda: 90)
     assert applies() is VALIDATED
     if not VALIDATED:  # a Triton release the kernel was not run on: the Pallas forward, with the reason
-        reason = _attention_sm90.unsupported(spec((2, 1024, 4, 128)), spec((2, 1024, 4, 128)), None, 0.1, 90)
+        x = spec((2, 1024, 4, 128))
+        reason = _attention_sm90.unsupported(x, x, x, None, 0.1, 90)
         assert reason.startswith("Triton ")
         return
     assert applies(q=spec((1, 256, 2, 64), jnp.float16), k=spec((1, 512, 2, 64), jnp.float16))
@@ -47,6 +49,8 @@ def test_taken_only_at_the_default_arguments_on_hopper(monkeypatch):
     assert not applies(interpret=True)
     assert not applies(segment_ids=spec((2, 1024), jnp.int32))
     assert not applies(q=spec((2, 1024, 4, 128), jnp.float32))
+    assert not applies(v=spec((2, 1024, 4, 128), jnp.float32))  # q and k bf16, v f32
+    assert not applies(k=spec((2, 1024, 4, 128), jnp.float16))
     assert not applies(q=spec((2, 1024, 4, 96)))
     assert not applies(q=spec((2, 192, 4, 128)))
     assert not applies(q=spec((2, 256, 4, 128)), k=spec((2, 320, 4, 128)))
@@ -157,7 +161,7 @@ def test_output_and_lse_on_gpu(dtype, shape_q, seq_k, causal):
     q = jax.random.normal(fresh_key(), shape_q, jnp.float32).astype(dtype)
     k, v = (jax.random.normal(fresh_key(), (B, seq_k, H, D), jnp.float32).astype(dtype) for _ in range(2))
     sm_scale = D**-0.5
-    assert applies(q=q, k=k, sm_scale=sm_scale)
+    assert applies(q=q, k=k, v=v, sm_scale=sm_scale)
     out, lse = attention.mha(q, k, v, None, sm_scale=sm_scale, causal=causal, return_residuals=True)
     ref_out, ref_lse = reference(q, k, v, sm_scale, causal)
     assert out.dtype == dtype and out.shape == q.shape and lse.shape == (B, H, T)

@@ -26,7 +26,7 @@ from jax_kernel_runtime import _triton_cache, _triton_compile
 
 BLOCK_Q = 128  # two math warpgroups of 64 rows
 BLOCK_K = 128
-NUM_BUFFERS = 3  # K/V ring slots: 0.947x cuDNN at 3 against 0.824x at 2 (H200, non-causal)
+NUM_BUFFERS = 3  # K/V ring slots: 0.947x cuDNN at 3 against 0.824x at 2 (H200, non-causal, first form)
 HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 # Triton releases (major.minor) the kernel was run and checked on, on the H200.
@@ -43,7 +43,7 @@ def _triton_release() -> str:
         return ""
 
 
-def unsupported(q, k, segment_ids, sm_scale: float, cc: int | None) -> str | None:
+def unsupported(q, k, v, segment_ids, sm_scale: float, cc: int | None) -> str | None:
     """Why the sm_90 kernel does not run this forward (None: it does). The
     caller has already checked that the launch is ``mha``'s default."""
     T, D = q.shape[1], q.shape[-1]
@@ -52,8 +52,9 @@ def unsupported(q, k, segment_ids, sm_scale: float, cc: int | None) -> str | Non
         return f"compute capability {cc}, not 90"
     if segment_ids is not None:
         return "segment_ids"
-    if jnp.dtype(q.dtype).name not in DTYPES or jnp.dtype(k.dtype) != jnp.dtype(q.dtype):
-        return f"dtype {jnp.dtype(q.dtype).name}"
+    dtypes = {jnp.dtype(x.dtype).name for x in (q, k, v)}
+    if len(dtypes) != 1 or not dtypes <= set(DTYPES):
+        return f"dtypes {', '.join(sorted(dtypes))}"
     if D not in HEAD_DIMS:
         return f"head_dim {D}"
     if T % BLOCK_Q or S % BLOCK_K:

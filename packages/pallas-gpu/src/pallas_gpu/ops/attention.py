@@ -598,13 +598,15 @@ def _dkv_stages(launch, head_dim, interpret, block_sizes, num_warps, num_stages)
     return measured[3] if measured is not None and tuple(launch[:3]) == measured[:3] else 1
 
 
-def sm90_forward_applies(q, k, segment_ids, sm_scale, block_sizes, num_warps, num_stages, interpret) -> bool:
+def sm90_forward_applies(
+    q, k, v, segment_ids, sm_scale, block_sizes, num_warps, num_stages, interpret
+) -> bool:
     """Whether ``mha``'s forward runs the Hopper Gluon kernel
     (``_attention_sm90``) rather than the Pallas one: default arguments on an
     sm_90 GPU, and shapes, dtypes and a Triton release it supports."""
     if block_sizes is not None or num_warps is not None or num_stages is not None or _interpreted(interpret):
         return False
-    return _attention_sm90.unsupported(q, k, segment_ids, sm_scale, compute_capability()) is None
+    return _attention_sm90.unsupported(q, k, v, segment_ids, sm_scale, compute_capability()) is None
 
 
 def _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_pass_impl, num_warps,
@@ -614,7 +616,7 @@ def _mha_fwd_impl(q, k, v, segment_ids, sm_scale, causal, block_sizes, backward_
     if backward_pass_impl not in ("triton", "xla"):
         raise ValueError(f"mha: backward_pass_impl must be 'triton' or 'xla', got {backward_pass_impl!r}")
     _check(q, k, v, segment_ids, causal, {})
-    if sm90_forward_applies(q, k, segment_ids, sm_scale, block_sizes, num_warps, num_stages, interpret):
+    if sm90_forward_applies(q, k, v, segment_ids, sm_scale, block_sizes, num_warps, num_stages, interpret):
         return _attention_sm90.forward(q, k, v, sm_scale, causal, debug)
     bq, bk, warps, stages = _launches(q, k, block_sizes, num_warps, num_stages, interpret, causal,
                                       segment_ids)["fwd"]  # fmt: skip

@@ -268,13 +268,7 @@ def _launches(argv):
 
 def compile_only(argv) -> None:
     """Compiles every launch for sm_90 (no GPU) and prints registers, spills and shared memory."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from _gluon import compile_report
 
     for causal in (False, True):
         for name, (bm, bn, nbuf) in _launches(argv):
@@ -284,27 +278,9 @@ def compile_only(argv) -> None:
                 sig = {**sig, "LSE": "*fp32"}
                 del sig["S"], consts["BM"]
                 consts = {**consts, "B": 4, "T": 4096, "S": 4096}
-            src = GluonASTSource(KERNELS[name], {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
-            label = f"{name} causal={causal} {(bm, bn, nbuf)}"
-            try:
-                k = triton.compile(
-                    src, target=GPUTarget("cuda", 90, 64), options={"num_warps": NUM_WARPS[name]}
-                )
-            except Exception as e:  # noqa: BLE001
-                print(f"{label}: FAILED {type(e).__name__}: {str(e)[:2000]}")
-                continue
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                f.write(k.asm["ptx"])
-                f.flush()
-                out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                                     capture_output=True, text=True)  # fmt: skip
-            regs = re.findall(r"Used (\d+) registers", out.stderr)
-            spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
-            waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", k.asm["ptx"])
-            setmaxnreg = re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])
-            print(f"{label}: shared {k.metadata.shared} B, registers {regs}, spill stores {spills} B, "
-                  f"wgmma waits {waits[:8]}, setmaxnreg {sorted(set(setmaxnreg))}, "
-                  f"wgmma serialized by ptxas (C7514): {'C7514' in out.stderr}")  # fmt: skip
+            compile_report(
+                KERNELS[name], sig, consts, NUM_WARPS[name], f"{name} causal={causal} {(bm, bn, nbuf)}"
+            )
 
 
 def main(argv) -> None:

@@ -174,37 +174,14 @@ def _pick(argv, flag, items):
 
 def compile_only(argv) -> None:
     """Compiles every config for sm_90 (no GPU): registers, spills, shared memory, waits."""
-    import re
-    import subprocess
-    import tempfile
+    from _gluon import compile_report
 
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    sig = {"A": "*bf16", "B": "*bf16", "C": "*bf16"}
     M, N, K = SHAPES[0]
     for bm, bn, bk, nbuf in _pick(argv, "--config", CONFIGS):
         consts = {"M": M, "N": N, "K": K, "BM": bm, "BN": bn, "BK": bk, "NBUF": nbuf, "GROUP": GROUP_M}
-        src = GluonASTSource(matmul_pingpong, {**sig, **dict.fromkeys(consts, "constexpr")}, consts)
-        label = f"{(bm, bn, bk, nbuf)}"
-        try:
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        except Exception as e:  # noqa: BLE001
-            print(f"{label}: FAILED {type(e).__name__}: {str(e)[:3000]}")
-            continue
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(k.asm["ptx"])
-            f.flush()
-            out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                                 capture_output=True, text=True)  # fmt: skip
-        regs = re.findall(r"Used (\d+) registers", out.stderr)
-        spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
-        waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", k.asm["ptx"])
-        setmaxnreg = re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])
-        print(f"{label}: {k.metadata.num_warps} warps, shared {k.metadata.shared} B, registers {regs}, "
-              f"spill stores {spills} B, wgmma waits {waits[:8]}, setmaxnreg {sorted(set(setmaxnreg))}, "
-              f"wgmma serialized by ptxas (C7514): {'C7514' in out.stderr}")  # fmt: skip
+        compile_report(
+            matmul_pingpong, {"A": "*bf16", "B": "*bf16", "C": "*bf16"}, consts, 4, f"{(bm, bn, bk, nbuf)}"
+        )
 
 
 def main(argv) -> None:

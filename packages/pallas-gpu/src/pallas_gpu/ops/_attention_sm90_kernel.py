@@ -34,7 +34,7 @@ writes the natural log-sum-exp of its rows (the backward's residual).
 H200, B4 H32 S4096 D128 bf16 (benchmarks/gluon_attention.py, torch's cuDNN
 SDPA in the same process): 598.6 TFLOP/s non-causal on 132 persistent
 programs (0.996x cuDNN; 566.7 with a program per tile), 495.4 causal
-(0.942x); 483.5 / 440.3 without the ping-pong and 465.7 / 420.0 without
+(0.942x); 482.8 / 440.3 without the ping-pong and 465.7 / 420.0 without
 warp specialization. Through ``mha`` and ``jax.jit``
 (benchmarks/gpu_attention.py): 611.8 (1.021x cuDNN) and 494.2 (0.979x).
 """

@@ -254,8 +254,21 @@ KERNELS = {
     "ws": attention_forward_ws,
     "pp": mha_forward_sm90,
     "ppp": mha_forward_sm90,
+    "pps": mha_forward_sm90,
 }
-NUM_WARPS = {"plain": 8, "ws": 8, "pp": 4, "ppp": 4}  # pp: the first math warpgroup
+NUM_WARPS = {"plain": 8, "ws": 8, "pp": 4, "ppp": 4, "pps": 4}  # pp: the first math warpgroup
+PACKAGE = (
+    "pp",
+    "ppp",
+    "pps",
+)  # the package's kernel: a program per tile, persistent, persistent in snake order
+
+
+def group_heads(bh: int, nq: int, programs: int) -> int:
+    """Heads per group for ``pps`` (the kernel's GH): the largest divisor of
+    the (batch, head) count whose tiles fill about one wave of programs."""
+    want = max(1, programs // nq)
+    return max(g for g in range(1, bh + 1) if bh % g == 0 and g <= want)
 
 
 def _launches(argv):
@@ -274,10 +287,16 @@ def compile_only(argv) -> None:
         for name, (bm, bn, nbuf) in _launches(argv):
             sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "sm_scale": "fp32", "S": "i32"}
             consts = {"H": 32, "D": 128, "BM": bm, "BN": bn, "NBUF": nbuf, "CAUSAL": causal}
-            if name in ("pp", "ppp"):  # the package's kernel: also the LSE, static sizes, block_m 128
+            if name in PACKAGE:  # the package's kernel: also the LSE, static sizes, block_m 128
                 sig = {**sig, "LSE": "*fp32"}
                 del sig["S"], consts["BM"]
-                consts = {**consts, "B": 4, "T": 4096, "S": 4096}
+                consts = {
+                    **consts,
+                    "B": 4,
+                    "T": 4096,
+                    "S": 4096,
+                    "GH": group_heads(128, 32, 132) if name == "pps" else 0,
+                }
             compile_report(
                 KERNELS[name], sig, consts, NUM_WARPS[name], f"{name} causal={causal} {(bm, bn, nbuf)}"
             )
@@ -312,14 +331,12 @@ def main(argv) -> None:
 
             def go(o=o, lse=lse, name=name, bm=bm, bn=bn, nbuf=nbuf, causal=causal):
                 grid = (B * H * (S // bm),)
-                if name in ("pp", "ppp"):  # ppp: persistent, one program per multiprocessor
-                    grid = (
-                        (min(grid[0], torch.cuda.get_device_properties(0).multi_processor_count),)
-                        if name == "ppp"
-                        else grid
-                    )
+                if name in PACKAGE:
+                    sms = torch.cuda.get_device_properties(0).multi_processor_count
+                    gh = group_heads(B * H, S // bm, sms) if name == "pps" else 0
+                    grid = grid if name == "pp" else (min(grid[0], sms),)
                     KERNELS[name][grid](
-                        q, k, v, o, lse, D**-0.5, B, S, S, H, D, bn, nbuf, causal, num_warps=4
+                        q, k, v, o, lse, D**-0.5, B, S, S, H, D, bn, nbuf, causal, gh, num_warps=4
                     )
                 else:
                     KERNELS[name][grid](q, k, v, o, D**-0.5, S, H, D, bm, bn, nbuf, causal, num_warps=8)

@@ -88,6 +88,7 @@ def kernel_config(dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bo
         "BN": BLOCK_K,
         "NBUF": NUM_BUFFERS,
         "CAUSAL": causal,
+        "GH": 0,  # tile order: each head's blocks adjacent (grid_size: a program per causal tile)
     }
     key = hashlib.sha256(
         "\0".join(

@@ -95,17 +95,33 @@ def softmax_any(s, m, l, qk_scale, q0, k0, CAUSAL: gl.constexpr, BM: gl.constexp
 
 
 @gluon.jit
-def _tile(t, H: gl.constexpr, NQ: gl.constexpr, BM: gl.constexpr):
-    """Tile ``t``: (batch, head, first query row); a head's query blocks are
-    adjacent (its K/V stay in L2), the heaviest causal block first."""
-    bh = t // NQ
-    return bh // H, bh % H, (NQ - 1 - t % NQ) * BM
+def _tile(t, TILES: gl.constexpr, H: gl.constexpr, NQ: gl.constexpr, BM: gl.constexpr, GH: gl.constexpr):
+    """Tile ``t`` (= pid + i * grid, the program's i-th): (batch, head, first
+    query row). GH = 0: a head's query blocks are adjacent (its K/V stay in
+    L2), the heaviest causal block first. GH > 0 (for persistent causal
+    programs): heads in groups of GH, each group's tiles heaviest first, and
+    the programs take them in snake order (program p the p-th tile of even
+    rounds, the p-th from the end of odd ones), which evens out their sums of
+    blocks."""
+    if GH == 0:
+        bh = t // NQ
+        b, h, q0 = bh // H, bh % H, (NQ - 1 - t % NQ) * BM
+    else:
+        grid = gl.num_programs(0)
+        base = (t // grid) * grid
+        left = gl.minimum(grid, TILES - base)
+        s = gl.where((t // grid) % 2 == 0, t, base + left - 1 - t % grid)
+        r = s % (GH * NQ)
+        bh = (s // (GH * NQ)) * GH + r % GH
+        b, h, q0 = bh // H, bh % H, (NQ - 1 - r // GH) * BM
+    return b, h, q0
 
 
 @gluon.jit
 def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, turn, sm_scale,
                     WG: gl.constexpr, T: gl.constexpr, S: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
-                    BN: gl.constexpr, NBUF: gl.constexpr, CAUSAL: gl.constexpr, TILES: gl.constexpr):  # fmt: skip
+                    BN: gl.constexpr, NBUF: gl.constexpr, CAUSAL: gl.constexpr, TILES: gl.constexpr,
+                    GH: gl.constexpr):  # fmt: skip
     """Rows ``q0 + 64 WG`` to ``+ 64`` of each of this program's tiles: every
     block's two wgmmas, issued in this warpgroup's turn, and its softmax; then
     O and the LSE, stored from registers (the Q slot is released for the next
@@ -127,7 +143,7 @@ def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar
     it = 0  # turns taken so far
     i = 0  # tiles done so far
     for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
-        b, h, q0 = _tile(t, H, T // BM, BM)
+        b, h, q0 = _tile(t, TILES, H, T // BM, BM, GH)
         n = (q0 + BM) // BN if CAUSAL else S // BN
         row0 = q0 + WG * HM
         mbarrier.wait(q_bar.index(WG), i & 1)
@@ -184,7 +200,7 @@ def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar
 @gluon.jit
 def _producer(qd, kd, vd, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, T: gl.constexpr,
               S: gl.constexpr, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-              CAUSAL: gl.constexpr, TILES: gl.constexpr):  # fmt: skip
+              CAUSAL: gl.constexpr, TILES: gl.constexpr, GH: gl.constexpr):  # fmt: skip
     """For each tile: Q's two halves once their slots are free, then every
     K/V block into its ring slot once both warpgroups have released the
     slot's previous block (the ring runs on across tiles)."""
@@ -192,7 +208,7 @@ def _producer(qd, kd, vd, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, 
     c = 0
     i = 0
     for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
-        b, h, q0 = _tile(t, H, T // BM, BM)
+        b, h, q0 = _tile(t, TILES, H, T // BM, BM, GH)
         n = (q0 + BM) // BN if CAUSAL else S // BN
         for w in gl.static_range(2):
             if i > 0:
@@ -214,7 +230,7 @@ def _producer(qd, kd, vd, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, 
 @gluon.jit
 def mha_forward_sm90(Q, K, V, O, LSE, sm_scale, B: gl.constexpr, T: gl.constexpr, S: gl.constexpr,
                      H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-                     CAUSAL: gl.constexpr):  # fmt: skip
+                     CAUSAL: gl.constexpr, GH: gl.constexpr):  # fmt: skip
     """Q, O: [B, T, H, D]; K, V: [B, S, H, D] (bf16 or f16); LSE: [B, H, T]
     f32. Tiles of 128 query rows, B * H * T // 128 of them; any grid: each
     program takes tiles pid, pid + grid, ... (one each when the grid is the
@@ -259,11 +275,11 @@ def mha_forward_sm90(Q, K, V, O, LSE, sm_scale, B: gl.constexpr, T: gl.constexpr
     gl.warp_specialize(
         [
             (_math_warpgroup, (O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, turn, sm_scale,
-                               0, T, S, H, D, BN, NBUF, CAUSAL, TILES)),
+                               0, T, S, H, D, BN, NBUF, CAUSAL, TILES, GH)),
             (_math_warpgroup, (O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, turn, sm_scale,
-                               1, T, S, H, D, BN, NBUF, CAUSAL, TILES)),
+                               1, T, S, H, D, BN, NBUF, CAUSAL, TILES, GH)),
             (_producer, (qd, kd, vd, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, T, S, H, D, BN,
-                         NBUF, CAUSAL, TILES)),
+                         NBUF, CAUSAL, TILES, GH)),
         ],
         worker_num_warps=[4, 1],
         worker_num_regs=[240, 24],

@@ -34,6 +34,7 @@ VALIDATED_TRITON = ("3.6",)
 NAME = "mha_forward_sm90"
 
 
+@functools.cache
 def _triton_release() -> str:
     from importlib import metadata
 

@@ -58,6 +58,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from pallas_gpu.ops._attention_sm90 import head_group
 from pallas_gpu.ops._attention_sm90_kernel import mha_forward_sm90, softmax_any
 
 CONFIGS = [(128, 128, 2), (128, 128, 3), (128, 64, 4), (128, 64, 6)]  # block_m, block_n, NBUF
@@ -264,13 +265,6 @@ PACKAGE = (
 )  # the package's kernel: a program per tile, persistent, persistent in snake order
 
 
-def group_heads(bh: int, nq: int, programs: int) -> int:
-    """Heads per group for ``pps`` (the kernel's GH): the largest divisor of
-    the (batch, head) count whose tiles fill about one wave of programs."""
-    want = max(1, programs // nq)
-    return max(g for g in range(1, bh + 1) if bh % g == 0 and g <= want)
-
-
 def _launches(argv):
     """(kernel name, (block_m, block_n, NBUF)) pairs asked on the command line
     (``--kernel=plain|ws|pp``, ``--config=i``), every pair by default."""
@@ -295,7 +289,7 @@ def compile_only(argv) -> None:
                     "B": 4,
                     "T": 4096,
                     "S": 4096,
-                    "GH": group_heads(128, 32, 132) if name == "pps" else 0,
+                    "GH": head_group(128, 32, 132) if name == "pps" else 0,
                 }
             compile_report(
                 KERNELS[name], sig, consts, NUM_WARPS[name], f"{name} causal={causal} {(bm, bn, nbuf)}"
@@ -333,7 +327,7 @@ def main(argv) -> None:
                 grid = (B * H * (S // bm),)
                 if name in PACKAGE:
                     sms = torch.cuda.get_device_properties(0).multi_processor_count
-                    gh = group_heads(B * H, S // bm, sms) if name == "pps" else 0
+                    gh = head_group(B * H, S // bm, sms) if name == "pps" else 0
                     grid = grid if name == "pp" else (min(grid[0], sms),)
                     KERNELS[name][grid](
                         q, k, v, o, lse, D**-0.5, B, S, S, H, D, bn, nbuf, causal, gh, num_warps=4

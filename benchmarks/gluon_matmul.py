@@ -41,130 +41,20 @@ from __future__ import annotations
 import sys
 
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia import hopper
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-# (BM, BN, BK, NBUF): a 128 x BN f32 accumulator is BN registers per thread of a warpgroup, and
-# the ring (NBUF x (BM + BN) x BK) plus two BM x BN output tiles must fit 227 KB of shared memory.
-CONFIGS = [(128, 128, 64, 4), (128, 128, 64, 5), (128, 128, 128, 2)]
-SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 1024)]
+from pallas_gpu.ops._matmul_sm90_kernel import matmul_coop, matmul_pingpong
+
 GROUP_M = 8
-
-
-@gluon.jit
-def _tile(t, M: gl.constexpr, N: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GROUP: gl.constexpr):
-    """Tile ``t`` in grouped order: (first row, first column)."""
-    tiles_m: gl.constexpr = M // BM
-    tiles_n: gl.constexpr = N // BN
-    per_group = GROUP * tiles_n
-    first_m = (t // per_group) * GROUP
-    rows = gl.minimum(tiles_m - first_m, GROUP)
-    pid_m = first_m + (t % per_group) % rows
-    pid_n = (t % per_group) // rows
-    return pid_m * BM, pid_n * BN
-
-
-@gluon.jit
-def _math_warpgroup(cd, a_smem, b_smem, c_smem, ready, empty, turn, WG: gl.constexpr, M: gl.constexpr,
-                    N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                    NBUF: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
-    """Tiles 2i + WG of this program: the k loop in this warpgroup's turn,
-    then the tile through ``c_smem`` (its own) to C by TMA while the other
-    warpgroup runs its k loop."""
-    warps: gl.constexpr = gl.num_warps()
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                         instr_shape=[16, BN, 16])  # fmt: skip
-    KSTEPS: gl.constexpr = K // BK
-    TILES: gl.constexpr = (M // BM) * (N // BN)
-    G = gl.num_programs(0)
-    i = 0
-    for t in range(gl.program_id(0) + WG * G, TILES, 2 * G):
-        m0, n0 = _tile(t, M, N, BM, BN, GROUP)
-        c = (2 * i + WG) * KSTEPS  # ring position of this tile's first k step
-        mbarrier.wait(turn.index(WG), i & 1)
-        mbarrier.wait(ready.index(c % NBUF), (c // NBUF) & 1)
-        acc = hopper.warpgroup_mma(a_smem.index(c % NBUF), b_smem.index(c % NBUF),
-                                   gl.zeros([BM, BN], gl.float32, acc_layout), use_acc=False,
-                                   is_async=True)  # fmt: skip
-        acc = hopper.warpgroup_mma_wait(1, deps=[acc])  # stays in flight (one allowed): a tensor to carry
-        for k in range(1, KSTEPS):
-            slot = (c + k) % NBUF
-            mbarrier.wait(ready.index(slot), ((c + k) // NBUF) & 1)
-            acc = hopper.warpgroup_mma(a_smem.index(slot), b_smem.index(slot), acc, is_async=True)
-            acc = hopper.warpgroup_mma_wait(1, deps=[acc])  # k step k-1 is done: release its slot
-            mbarrier.arrive(empty.index((c + k - 1) % NBUF))
-        mbarrier.arrive(turn.index(1 - WG))  # every wgmma of this tile is issued: the other's turn
-        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index((c + KSTEPS - 1) % NBUF))
-        tma.store_wait(0)  # this warpgroup's previous tile has left c_smem (the issuing thread waits;
-        gl.thread_barrier()  # the others wait for it before overwriting the tile)
-        c_smem.store(acc.to(cd.dtype))
-        fence_async_shared()
-        gl.thread_barrier()  # the whole tile is in shared memory before one thread issues the store
-        tma.async_copy_shared_to_global(cd, [m0, n0], c_smem)
-        i += 1
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _producer(ad, bd, a_smem, b_smem, ready, empty, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, NBUF: gl.constexpr,
-              GROUP: gl.constexpr):  # fmt: skip
-    """Every k step of every tile of this program, in consumption order, into
-    the ring slot its last reader has released."""
-    KSTEPS: gl.constexpr = K // BK
-    TILES: gl.constexpr = (M // BM) * (N // BN)
-    c = 0
-    for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
-        m0, n0 = _tile(t, M, N, BM, BN, GROUP)
-        for k in range(KSTEPS):
-            slot = c % NBUF
-            if c >= NBUF:
-                mbarrier.wait(empty.index(slot), ((c // NBUF) - 1) & 1)
-            mbarrier.expect(ready.index(slot), ad.block_type.nbytes + bd.block_type.nbytes)
-            tma.async_copy_global_to_shared(ad, [m0, k * BK], ready.index(slot), a_smem.index(slot))
-            tma.async_copy_global_to_shared(bd, [k * BK, n0], ready.index(slot), b_smem.index(slot))
-            c += 1
-
-
-@gluon.jit
-def matmul_pingpong(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr,
-                    BN: gl.constexpr, BK: gl.constexpr, NBUF: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
-    """C = A @ B; any grid (persistent: one program per multiprocessor).
-    Launched with 4 warps (the first math warpgroup; 12 with the others)."""
-    dtype: gl.constexpr = A.dtype.element_ty
-    tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ad = tma.make_tensor_descriptor(A, shape=[M, K], strides=[K, 1], block_shape=[BM, BK], layout=tile)
-    bd = tma.make_tensor_descriptor(B, shape=[K, N], strides=[N, 1], block_shape=[BK, BN], layout=tile)
-    cd = tma.make_tensor_descriptor(C, shape=[M, N], strides=[N, 1], block_shape=[BM, BN], layout=tile)
-    a_smem = gl.allocate_shared_memory(dtype, [NBUF, BM, BK], tile)
-    b_smem = gl.allocate_shared_memory(dtype, [NBUF, BK, BN], tile)
-    c0_smem = gl.allocate_shared_memory(dtype, [BM, BN], tile)
-    c1_smem = gl.allocate_shared_memory(dtype, [BM, BN], tile)
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NBUF):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(turn.index(0))  # warpgroup 0 runs its k loop first
-    # fmt: off
-    gl.warp_specialize(
-        [
-            (_math_warpgroup, (cd, a_smem, b_smem, c0_smem, ready, empty, turn, 0, M, N, K, BM, BN, BK, NBUF, GROUP)),
-            (_math_warpgroup, (cd, a_smem, b_smem, c1_smem, ready, empty, turn, 1, M, N, K, BM, BN, BK, NBUF, GROUP)),
-            (_producer, (ad, bd, a_smem, b_smem, ready, empty, M, N, K, BM, BN, BK, NBUF, GROUP)),
-        ],
-        worker_num_warps=[4, 1],
-        worker_num_regs=[240, 24],
-    )
-    # fmt: on
+SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 1024), (1992, 3000, 1000)]  # the last: edge tiles
+# kind "pp": ping-pong (each warpgroup its own tiles); "co": cooperative (both on each tile, 64 rows each).
+CONFIGS = [
+    ("pp", 128, 128, 64, 5),
+    ("pp", 64, 256, 64, 4),
+    ("pp", 64, 256, 64, 3),
+    ("co", 128, 256, 64, 3),
+    ("co", 128, 128, 64, 6),
+]
+KERNELS = {"pp": matmul_pingpong, "co": matmul_coop}
 
 
 def _pick(argv, flag, items):
@@ -177,10 +67,10 @@ def compile_only(argv) -> None:
     from _gluon import compile_report
 
     M, N, K = SHAPES[0]
-    for bm, bn, bk, nbuf in _pick(argv, "--config", CONFIGS):
+    for kind, bm, bn, bk, nbuf in _pick(argv, "--config", CONFIGS):
         consts = {"M": M, "N": N, "K": K, "BM": bm, "BN": bn, "BK": bk, "NBUF": nbuf, "GROUP": GROUP_M}
         compile_report(
-            matmul_pingpong, {"A": "*bf16", "B": "*bf16", "C": "*bf16"}, consts, 4, f"{(bm, bn, bk, nbuf)}"
+            KERNELS[kind], {"A": "*bf16", "B": "*bf16", "C": "*bf16"}, consts, 4, f"{kind} {(bm, bn, bk, nbuf)}"
         )
 
 
@@ -201,15 +91,15 @@ def main(argv) -> None:
         ms = triton.testing.do_bench(lambda: torch.matmul(a, b), warmup=50, rep=300)  # noqa: B023
         cublas = flops / ms * 1e-9
         print(f"{M}x{N}x{K}: cuBLAS (torch) {ms:.3f} ms, {cublas:.1f} TFLOP/s")
-        for bm, bn, bk, nbuf in _pick(argv, "--config", CONFIGS):
+        for kind, bm, bn, bk, nbuf in _pick(argv, "--config", CONFIGS):
             c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-            grid = (min(sms, (M // bm) * (N // bn)),)
+            grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
 
-            def go(c=c, bm=bm, bn=bn, bk=bk, nbuf=nbuf):
-                matmul_pingpong[grid](a, b, c, M, N, K, bm, bn, bk, nbuf, GROUP_M, num_warps=4)  # noqa: B023
+            def go(c=c, kind=kind, bm=bm, bn=bn, bk=bk, nbuf=nbuf):
+                KERNELS[kind][grid](a, b, c, M, N, K, bm, bn, bk, nbuf, GROUP_M, num_warps=4)  # noqa: B023
                 return c
 
-            label = f"  {(bm, bn, bk, nbuf)}"
+            label = f"  {kind} {(bm, bn, bk, nbuf)}"
             try:
                 err = ((go().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                 ms = triton.testing.do_bench(go, warmup=50, rep=300)

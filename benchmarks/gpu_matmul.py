@@ -1,5 +1,6 @@
 """Matmul against cuBLAS (issue 13, item 4): ``pallas_gpu.ops.matmul`` with its
-autotuned default, each of its candidate configs, JAX's Pallas (Triton
+autotuned default, each of its candidate configs (on sm_90 the Gluon
+kernels of ``_matmul_sm90`` among them), JAX's Pallas (Triton
 backend) running the same grouped kernel at its best of three configs, and
 cuBLAS through XLA (``jnp.dot``) and through torch, all in one run.
 
@@ -29,6 +30,7 @@ from jax import lax
 
 import pallas_gpu as plgpu
 from pallas_gpu.ops import matmul as mm
+from pallas_gpu.ops._common import compute_capability
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
 JAX_CFGS = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
@@ -85,7 +87,8 @@ def candidates(m, k, n, dtype, small, tuned=True):
         "ours": {"default": jax.jit(lambda a, b: mm.matmul(a, b, preferred_element_type=out, interpret=it))}
     }
     if tuned:
-        for c in mm.configs_for(m, n, k, dtype):
+        cc = None if small else compute_capability()
+        for c in mm.configs_for(m, n, k, dtype, out, cc):
             label = c.label()
             cols["ours"][label] = jax.jit(
                 functools.partial(mm.matmul, preferred_element_type=out, config=c, interpret=it)
@@ -186,7 +189,7 @@ def prewarm() -> None:
     for m, k, n, dtype in dict.fromkeys(shapes):
         a, b = jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype)
         out = BF16 if dtype == BF16 else F32
-        for c in mm.configs_for(m, n, k, dtype):
+        for c in mm.configs_for(m, n, k, dtype, out, compute_capability()):
             f = jax.jit(functools.partial(mm.matmul, preferred_element_type=out, config=c))
             try:
                 f.trace(a, b).lower(lowering_platforms=("cuda",))

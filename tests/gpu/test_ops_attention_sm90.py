@@ -104,11 +104,21 @@ def test_compiles_within_the_h200s_limits(dtype, head_dim):
             assert os.path.dirname(os.path.abspath(package.__file__)).encode() not in cfg.image
 
 
-def test_grid_is_persistent_only_without_causal_masking(monkeypatch):
+def test_grid_is_persistent(monkeypatch):
     monkeypatch.setattr(_attention_sm90, "multiprocessor_count", lambda: 132)
-    assert _attention_sm90.grid_size(4096, causal=False) == 132
-    assert _attention_sm90.grid_size(100, causal=False) == 100
-    assert _attention_sm90.grid_size(4096, causal=True) == 4096  # unequal tiles: the GPU balances them
+    for causal in (False, True):
+        assert _attention_sm90.grid_size(4096, causal=causal) == 132
+        assert _attention_sm90.grid_size(100, causal=causal) == 100
+
+
+@pytest.mark.parametrize(
+    "heads,q_tiles,programs,want",
+    [(128, 32, 132, 4), (512, 8, 132, 16), (6, 8, 132, 6), (15, 1, 132, 15), (7, 32, 132, 1), (128, 64, 132, 2)],
+)
+def test_causal_tiles_are_grouped_by_about_one_wave(heads, q_tiles, programs, want):
+    gh = _attention_sm90.head_group(heads, q_tiles, programs)
+    assert gh == want
+    assert heads % gh == 0 and (gh == 1 or gh * q_tiles <= programs)
 
 
 def test_debug_says_which_forward_runs(monkeypatch, capsys):
@@ -150,6 +160,8 @@ NEEDS_HOPPER = pytest.mark.skipif(
         (jnp.bfloat16, (2, 512, 32, 128), 1536, False),
         (jnp.float16, (1, 2048, 2, 64), 2048, True),
         (jnp.float16, (1, 4096, 16, 64), 4096, False),  # 512 tiles: 3-4 per program
+        (jnp.bfloat16, (1, 4096, 16, 128), 4096, True),  # causal: 512 tiles in groups of 4 heads, snake order
+        (jnp.bfloat16, (2, 3072, 7, 64), 3072, True),  # 14 (batch, head) pairs of 24 tiles: groups of 2
         (jnp.float16, (2, 1024, 2, 128), 1024, False),  # fewer tiles than programs
         (jnp.bfloat16, (3, 128, 5, 64), 128, True),  # one block: the diagonal only
     ],

@@ -23,25 +23,16 @@ import numpy as np
 
 import jax_kernel_runtime as jkr
 from jax_kernel_runtime import _triton_cache, _triton_compile
+from pallas_gpu.ops._common import GLUON_VALIDATED_TRITON, multiprocessor_count
+from pallas_gpu.ops._common import triton_release as _triton_release
 
 BLOCK_Q = 128  # two math warpgroups of 64 rows
 BLOCK_K = 128
 NUM_BUFFERS = 3  # K/V ring slots: 0.947x cuDNN at 3 against 0.824x at 2 (H200, non-causal, first form)
 HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
-# Triton releases (major.minor) the kernel was run and checked on, on the H200.
-VALIDATED_TRITON = ("3.6",)
+VALIDATED_TRITON = GLUON_VALIDATED_TRITON
 NAME = "mha_forward_sm90"
-
-
-@functools.cache
-def _triton_release() -> str:
-    from importlib import metadata
-
-    try:
-        return ".".join(metadata.version("triton").split(".")[:2])
-    except metadata.PackageNotFoundError:
-        return ""
 
 
 def unsupported(q, k, v, segment_ids, sm_scale: float, cc: int | None) -> str | None:
@@ -89,7 +80,7 @@ def kernel_config(dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bo
         "BN": BLOCK_K,
         "NBUF": NUM_BUFFERS,
         "CAUSAL": causal,
-        "GH": 0,  # tile order: each head's blocks adjacent (grid_size: a program per causal tile)
+        "GH": head_group(B * H, T // BLOCK_Q, multiprocessor_count()) if causal else 0,
     }
     key = hashlib.sha256(
         "\0".join(
@@ -139,23 +130,26 @@ def _launch(q, k, v, sm_scale: float, causal: bool):
 
 
 def grid_size(tiles: int, causal: bool) -> int:
-    """Programs to launch for ``tiles`` tiles of 128 query rows. Non-causal
-    tiles are equal work: one persistent program per multiprocessor, each
-    taking every grid-th tile, so a program's next Q and K/V load while it
-    finishes a tile. Causal tiles are not (1 to T / 128 blocks): one program
-    per tile, heaviest first, balanced by the GPU's block scheduler."""
-    return tiles if causal else min(tiles, multiprocessor_count())
+    """Programs to launch for ``tiles`` tiles of 128 query rows: one
+    persistent program per multiprocessor, each taking every grid-th tile, so
+    a program's next Q and K/V load while it finishes a tile. Causal tiles
+    are unequal work (1 to T / 128 blocks): ``head_group`` orders them so that
+    the programs' sums come out even. H200, B4 H32 S4096 D128 causal, torch's
+    cuDNN in the same process: 530.4 TFLOP/s (0.998x cuDNN) persistent in
+    that order, 499.5 (0.940x) with a program per tile, 509.3 (0.959x)
+    persistent in head order; at S1024 (B16) 0.852x, 0.673x and 0.737x."""
+    del causal  # both persistent; the causal order is the kernel's GH
+    return min(tiles, multiprocessor_count())
 
 
-def multiprocessor_count() -> int:
-    """Multiprocessors of JAX's first GPU; 132 (H100/H200 SXM) when compiling
-    without one (``PALLAS_GPU_COMPUTE_CAPABILITY``)."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        devices = []
-    count = getattr(devices[0], "core_count", None) if devices else None
-    return int(count) if count else 132
+def head_group(heads: int, q_tiles: int, programs: int) -> int:
+    """The kernel's ``GH`` for a causal launch: tiles are taken heaviest first
+    within groups of GH (batch, head) pairs, dealt to the programs in snake
+    order. GH is the largest divisor of ``heads`` whose group holds about one
+    wave of tiles (``GH * q_tiles <= programs``), so each round of programs
+    gets tiles of nearly equal weight."""
+    want = max(1, programs // q_tiles)
+    return max(g for g in range(1, heads + 1) if heads % g == 0 and g <= want)
 
 
 @functools.cache

@@ -4,8 +4,9 @@ plain Triton cannot express is written by hand. Imported only when that path
 is taken: it imports Triton.
 
 Tiles of 128 query rows of one (batch, head); a program takes tiles pid,
-pid + grid, ... (``_attention_sm90.grid_size``: one per tile when causal, one
-program per multiprocessor otherwise). 12 warps in three partitions
+pid + grid, ... (``_attention_sm90.grid_size``: one program per
+multiprocessor; causal tiles in the order of ``_tile``'s GH, which evens out
+the programs' work). 12 warps in three partitions
 (``gl.warp_specialize``):
 
 * two math warpgroups (4 warps each, 240 registers), each owning 64 of the
@@ -33,8 +34,9 @@ writes the natural log-sum-exp of its rows (the backward's residual).
 
 H200, B4 H32 S4096 D128 bf16 (benchmarks/gluon_attention.py, torch's cuDNN
 SDPA in the same process): 598.6 TFLOP/s non-causal on 132 persistent
-programs (0.996x cuDNN; 566.7 with a program per tile), 495.4 causal
-(0.942x); 482.8 / 440.3 without the ping-pong and 465.7 / 420.0 without
+programs (0.996x cuDNN; 566.7 with a program per tile), 495.4 causal with a
+program per tile (0.942x; 530.4, 0.998x, persistent in snake order, in
+another run); 482.8 / 440.3 without the ping-pong and 465.7 / 420.0 without
 warp specialization. Through ``mha`` and ``jax.jit``
 (benchmarks/gpu_attention.py): 611.8 (1.021x cuDNN) and 494.2 (0.979x).
 """

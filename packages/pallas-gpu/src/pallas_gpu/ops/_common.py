@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
+import jax
+
 from pallas_gpu._src.core import CompilerParams
+
+# Triton releases (major.minor) the Gluon kernels (``_attention_sm90_kernel``,
+# ``_matmul_sm90_kernel``) were run and checked on, on the H200: Gluon's API
+# still changes between releases.
+GLUON_VALIDATED_TRITON = ("3.6",)
 
 
 def call_params(interpret: Any, num_warps: int, num_stages: int | None) -> dict[str, Any]:
@@ -21,3 +30,46 @@ def call_params(interpret: Any, num_warps: int, num_stages: int | None) -> dict[
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def compute_capability() -> int | None:
+    """The compute capability of JAX's first GPU as an int (90 for sm_90),
+    ``PALLAS_GPU_COMPUTE_CAPABILITY`` when set (compiling for a GPU from a
+    CPU machine), None without a GPU."""
+    forced = os.environ.get("PALLAS_GPU_COMPUTE_CAPABILITY", "")
+    if forced:
+        try:
+            return int(forced.replace(".", "").removeprefix("sm_"))
+        except ValueError:
+            return None
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    cc = getattr(devices[0], "compute_capability", None) if devices else None
+    if cc is None:
+        return None
+    major, minor = str(cc).split(".")[:2]
+    return int(major) * 10 + int(minor)
+
+
+def multiprocessor_count() -> int:
+    """Multiprocessors of JAX's first GPU; 132 (H100/H200 SXM) when compiling
+    without one (``PALLAS_GPU_COMPUTE_CAPABILITY``)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        devices = []
+    count = getattr(devices[0], "core_count", None) if devices else None
+    return int(count) if count else 132
+
+
+@functools.cache
+def triton_release() -> str:
+    """The installed Triton's major.minor ("" if none)."""
+    from importlib import metadata
+
+    try:
+        return ".".join(metadata.version("triton").split(".")[:2])
+    except metadata.PackageNotFoundError:
+        return ""

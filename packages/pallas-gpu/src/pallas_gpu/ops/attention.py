@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -46,6 +45,7 @@ from jax import lax
 import pallas as pl
 from pallas_gpu.ops import _attention_sm90
 from pallas_gpu.ops._common import call_params
+from pallas_gpu.ops._common import compute_capability as compute_capability
 
 LOG2E = math.log2(math.e)
 _F32 = jnp.float32
@@ -173,27 +173,6 @@ _FALLBACK: dict[int, dict[str, tuple[int, int, int, int]]] = {
     128: {"fwd": (64, 64, 4, 3), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
     1 << 30: {"fwd": (64, 64, 8, 2), "dkv": (32, 64, 8, 1), "dq": (64, 32, 8, 2)},
 }
-
-
-def compute_capability() -> int | None:
-    """The compute capability of JAX's first GPU as an int (90 for sm_90),
-    ``PALLAS_GPU_COMPUTE_CAPABILITY`` when set (compiling for a GPU from a
-    CPU machine), None without a GPU."""
-    forced = os.environ.get("PALLAS_GPU_COMPUTE_CAPABILITY", "")
-    if forced:
-        try:
-            return int(forced.replace(".", "").removeprefix("sm_"))
-        except ValueError:
-            return None
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    cc = getattr(devices[0], "compute_capability", None) if devices else None
-    if cc is None:
-        return None
-    major, minor = str(cc).split(".")[:2]
-    return int(major) * 10 + int(minor)
 
 
 def default_launches(head_dim: int, cc: int | None) -> dict[str, tuple[int, int, int, int]]:

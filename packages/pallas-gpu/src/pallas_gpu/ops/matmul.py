@@ -17,7 +17,11 @@ stored), which counts most where k is short.
 ``matmul(a, b)`` picks its configuration by timing the candidates of
 ``configs_for`` on the first call with given shapes and dtypes on a GPU
 (``plgpu.autotune``: kept in memory and in pallas-gpu's disk cache); pass
-``config=MatmulConfig(...)`` to choose one. fp8 (``float8_e4m3fn``,
+``config=MatmulConfig(...)`` to choose one. On Hopper (sm_90), 16-bit
+products with a result of the same dtype also have the hand-scheduled Gluon
+kernels of ``_matmul_sm90`` among the candidates (``Sm90Config``:
+warp-specialized, a TMA producer warp, persistent; measured faster than the
+Pallas ones at every size of ``benchmarks/gpu_matmul.py``). fp8 (``float8_e4m3fn``,
 ``float8_e5m2``) inputs accumulate in f32 as the others do; their ``b`` is
 transposed by XLA to ``(n, k)`` first and the kernel reads ``(block_n,
 block_k)`` tiles of it, because Hopper's fp8 tensor-core instructions
@@ -38,7 +42,9 @@ from jax import lax
 import pallas as pl
 from pallas_gpu._src.autotune import autotune
 from pallas_gpu._src.core import CompilerParams
-from pallas_gpu.ops._common import next_power_of_2
+from pallas_gpu.ops import _matmul_sm90
+from pallas_gpu.ops._common import compute_capability, next_power_of_2
+from pallas_gpu.ops._matmul_sm90 import Sm90Config as Sm90Config
 
 _FLOAT_INPUTS = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
@@ -115,9 +121,16 @@ def _is_fp8(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 1
 
 
-def configs_for(m: int, n: int, k: int, dtype=jnp.bfloat16) -> tuple[MatmulConfig, ...]:
-    """The distinct candidates for an ``(m, k) @ (k, n)`` problem with inputs of ``dtype``."""
-    return tuple(dict.fromkeys(c.fitted(m, n, k) for c in (FP8_CONFIGS if _is_fp8(dtype) else CONFIGS)))
+def configs_for(
+    m: int, n: int, k: int, dtype=jnp.bfloat16, out_dtype=None, cc: int | None = None
+) -> tuple[MatmulConfig | Sm90Config, ...]:
+    """The distinct candidates for an ``(m, k) @ (k, n)`` problem with inputs of
+    ``dtype`` and a result of ``out_dtype`` (default: ``dtype``), compiled for
+    compute capability ``cc`` (None: no GPU, the Pallas kernels alone)."""
+    pallas = tuple(dict.fromkeys(c.fitted(m, n, k) for c in (FP8_CONFIGS if _is_fp8(dtype) else CONFIGS)))
+    if _matmul_sm90.unsupported(m, n, k, dtype, out_dtype or dtype, cc) is None:
+        return _matmul_sm90.CONFIGS + pallas
+    return pallas
 
 
 def _tile(p, nm: int, nn: int, group_m: int):
@@ -244,9 +257,20 @@ def _check(a, b, preferred_element_type):
     return out
 
 
-def matmul_with_config(a, b, config: MatmulConfig, *, out_dtype, interpret=False, debug=False):
+def matmul_with_config(a, b, config: MatmulConfig | Sm90Config, *, out_dtype, interpret=False, debug=False):
     """``a @ b`` with one launch configuration (no tuning)."""
     (m, k), n = a.shape, b.shape[1]
+    if isinstance(config, Sm90Config):
+        cc = None if interpret is not False and interpret is not None else compute_capability()
+        why = _matmul_sm90.unsupported(m, n, k, a.dtype, out_dtype, cc)
+        if interpret is not False and interpret is not None:
+            why = "interpret mode (Triton's interpreter does not run Gluon kernels)"
+        if why is not None:
+            raise ValueError(
+                f"pallas_gpu.ops.matmul: config={config.label()} is a Hopper Gluon kernel, which cannot "
+                f"compute ({m}, {k}) @ ({k}, {n}) here: {why}; pass a MatmulConfig (or config=None)"
+            )
+        return _matmul_sm90.matmul(a, b, config, debug=debug)
     c = config.fitted(m, n, k)
     if k % c.block_k:  # zero-pad k to whole blocks (zeros add nothing to the dot)
         pad = c.block_k - k % c.block_k
@@ -319,7 +343,13 @@ def _tuned(configs: tuple[MatmulConfig, ...]):
 
 
 def matmul(
-    a, b, *, preferred_element_type=None, config: MatmulConfig | None = None, interpret=False, debug=False
+    a,
+    b,
+    *,
+    preferred_element_type=None,
+    config: MatmulConfig | Sm90Config | None = None,
+    interpret=False,
+    debug=False,
 ):
     """``a @ b`` for 2-d ``a`` (m, k) and ``b`` (k, n) of one float dtype.
 
@@ -327,8 +357,9 @@ def matmul(
       a, b: the operands (float32, bfloat16, float16 or fp8).
       preferred_element_type: the result's dtype (default: the inputs'; fp8
         inputs need float32, bfloat16 or float16). Accumulation is f32.
-      config: a ``MatmulConfig``; None tunes over ``configs_for(m, n, k)`` on
-        the first call with these shapes on a GPU (the first candidate on a CPU).
+      config: a ``MatmulConfig`` (or, on an sm_90 GPU, an ``Sm90Config``);
+        None tunes over ``configs_for(m, n, k, ...)`` on the first call with
+        these shapes on a GPU (the first candidate on a CPU).
       interpret: ``True`` (pallas-core's interpreter) or
         ``plgpu.InterpretParams()`` (the generated Triton code on the CPU).
     """
@@ -336,4 +367,6 @@ def matmul(
     if config is not None:
         return matmul_with_config(a, b, config, out_dtype=out_dtype, interpret=interpret, debug=debug)
     (m, k), n = a.shape, b.shape[1]
-    return _tuned(configs_for(m, n, k, a.dtype))(a, b, out_dtype=out_dtype, interpret=interpret, debug=debug)
+    cc = None if interpret is not False and interpret is not None else compute_capability()
+    configs = configs_for(m, n, k, a.dtype, out_dtype, cc)
+    return _tuned(configs)(a, b, out_dtype=out_dtype, interpret=interpret, debug=debug)

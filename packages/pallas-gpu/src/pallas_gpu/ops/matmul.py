@@ -332,13 +332,14 @@ def _by_config(a, b, *, config, out_dtype, interpret, debug):
 
 @functools.cache
 def _tuned(configs: tuple[MatmulConfig, ...]):
-    # More timed runs than autotune's default: the candidates differ by a few percent.
+    # More timed runs than autotune's default: the candidates differ by a few percent. At 10
+    # rounds the H200 picked a 632.7 TFLOP/s candidate at 4096^3 where the best ran 670.7.
     return autotune(
         _by_config,
         configs=[dict(config=c) for c in configs],
         name="pallas_gpu.ops.matmul",
         warmup=3,
-        repeats=10,
+        repeats=30,
     )
 
 

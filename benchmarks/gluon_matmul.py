@@ -1,39 +1,25 @@
-"""A persistent ping-pong bf16 matmul for Hopper written in Gluon (Triton
-3.6's ``triton.experimental.gluon``), to measure whether the schedule of
-cuBLAS's kernel closes ``ops.matmul``'s gap to cuBLAS (issue 13, item 4:
-0.96x at 8192^3, 0.86x at 8192 x 8192 x 1024, ``results/ncu_matmul.txt``).
-GPU, needs torch.
+"""``ops.matmul``'s Hopper kernels (``pallas_gpu/ops/_matmul_sm90_kernel.py``,
+written in Gluon) launched directly from torch over several tile shapes,
+beside torch's cuBLAS, each checked against it. GPU, needs torch.
 
-Nsight Compute put the k = 1024 gap in the tile boundaries: with 16 k steps
-per tile, a program fills its pipeline and stores its tile between tiles,
-with the tensor cores idle, where cuBLAS's producer warp keeps loading and
-its epilogue overlaps the other warpgroup's products. Here, as in the sm_90
-attention forward (``pallas_gpu/ops/_attention_sm90_kernel.py``), which this
-kernel copies the structure of:
-
-* two math warpgroups (4 warps, 240 registers), each computing whole
-  ``BM x BN`` tiles: warpgroup w takes this program's tiles 2i + w. They
-  take turns running their k loops (``turn`` mbarriers): while one runs its
-  wgmmas, the other stores its finished tile (registers -> shared -> TMA),
-  so the tensor cores never wait for an epilogue (CUTLASS's "ping-pong");
-* a one-warp producer (24 registers) that streams the A and B blocks of
-  every k step of every tile, in the order the warpgroups consume them,
-  through an ``NBUF``-deep ring of shared-memory slots by TMA; a slot is
-  released by the warpgroup that read it once its wgmma is done (one wgmma
-  in flight: ``warpgroup_mma_wait(1)``);
-* one program per multiprocessor, tiles in grouped order (``GROUP_M`` rows
-  of tiles share their B columns in L2).
-
-A is [M, K], B is [K, N], C is [M, N], row-major bf16, f32 accumulation;
-M % BM == N % BN == K % BK == 0 here (a benchmark, not the op).
+Nsight Compute put ``ops.matmul``'s k = 1024 gap (0.86x cuBLAS) in the tile
+boundaries: with 16 k steps per tile, a program fills its pipeline and stores
+its tile between tiles, with the tensor cores idle, where cuBLAS's producer
+warp keeps loading and its epilogue overlaps the other warpgroup's products.
+The kernels here have a one-warp TMA producer over a ring that runs on across
+tiles, one program per multiprocessor in grouped order, and two math
+warpgroups: ``pp`` (ping-pong) gives each whole tiles and has them take turns
+so one's epilogue overlaps the other's wgmmas; ``co`` (cooperative) puts both
+on each tile, 64 rows each.
 
     python benchmarks/gluon_matmul.py              # GPU: each config beside torch's cuBLAS, checked
     python benchmarks/gluon_matmul.py --config=0 --shape=2   # one config, one shape (a process each)
     python benchmarks/gluon_matmul.py --compile    # no GPU: compile for sm_90; registers, spills,
                                                    # shared memory, wgmma waits, setmaxnreg
 
-Status (2026-12-02): compiled for sm_90 on the CPU only, not yet run on a
-GPU (Triton's interpreter does not run Gluon).
+H200, 2026-12-02 (benchmarks/README.md has every row): co 128x256x64/3
+0.957x / 0.990x / 1.043x torch's cuBLAS at 8192^3 / 4096^3 / 8192x8192x1024,
+pp 128x128x64/5 0.904x / 0.943x / 1.023x.
 """
 
 from __future__ import annotations
@@ -45,7 +31,12 @@ import triton
 from pallas_gpu.ops._matmul_sm90_kernel import matmul_coop, matmul_pingpong
 
 GROUP_M = 8
-SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 1024), (1992, 3000, 1000)]  # the last: edge tiles
+SHAPES = [
+    (8192, 8192, 8192),
+    (4096, 4096, 4096),
+    (8192, 8192, 1024),
+    (1992, 3000, 1000),
+]  # the last: edge tiles
 # kind "pp": ping-pong (each warpgroup its own tiles); "co": cooperative (both on each tile, 64 rows each).
 CONFIGS = [
     ("pp", 128, 128, 64, 5),
@@ -70,7 +61,11 @@ def compile_only(argv) -> None:
     for kind, bm, bn, bk, nbuf in _pick(argv, "--config", CONFIGS):
         consts = {"M": M, "N": N, "K": K, "BM": bm, "BN": bn, "BK": bk, "NBUF": nbuf, "GROUP": GROUP_M}
         compile_report(
-            KERNELS[kind], {"A": "*bf16", "B": "*bf16", "C": "*bf16"}, consts, 4, f"{kind} {(bm, bn, bk, nbuf)}"
+            KERNELS[kind],
+            {"A": "*bf16", "B": "*bf16", "C": "*bf16"},
+            consts,
+            4,
+            f"{kind} {(bm, bn, bk, nbuf)}",
         )
 
 

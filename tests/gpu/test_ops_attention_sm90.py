@@ -113,7 +113,14 @@ def test_grid_is_persistent(monkeypatch):
 
 @pytest.mark.parametrize(
     "heads,q_tiles,programs,want",
-    [(128, 32, 132, 4), (512, 8, 132, 16), (6, 8, 132, 6), (15, 1, 132, 15), (7, 32, 132, 1), (128, 64, 132, 2)],
+    [
+        (128, 32, 132, 4),
+        (512, 8, 132, 16),
+        (6, 8, 132, 6),
+        (15, 1, 132, 15),
+        (7, 32, 132, 1),
+        (128, 64, 132, 2),
+    ],
 )
 def test_causal_tiles_are_grouped_by_about_one_wave(heads, q_tiles, programs, want):
     gh = _attention_sm90.head_group(heads, q_tiles, programs)

@@ -32,7 +32,9 @@ def test_candidates_only_where_the_kernels_apply():
         return
     assert sm90_candidates(4096, 4096, 4096) == list(_matmul_sm90.CONFIGS)
     assert mm.configs_for(4096, 4096, 4096, BF16, None, 90)[0] == _matmul_sm90.CONFIGS[0]  # fastest first
-    assert sm90_candidates(1000, 1992, 520, jnp.float16) == list(_matmul_sm90.CONFIGS)  # edge tiles: TMA clips
+    assert sm90_candidates(1000, 1992, 520, jnp.float16) == list(
+        _matmul_sm90.CONFIGS
+    )  # edge tiles: TMA clips
     assert sm90_candidates(4096, 4096, 4096, out_dtype=F32) == []  # a wider result: the Pallas kernels
     assert sm90_candidates(4096, 4096, 4096, F32) == []
     assert sm90_candidates(4096, 4096, 4096, jnp.float8_e4m3fn, F32) == []
@@ -61,7 +63,9 @@ def test_grid_is_one_program_per_multiprocessor(monkeypatch):
     assert _matmul_sm90.grid_size(1000, 1992, coop) == 8 * 8  # ceil(1000 / 128) * ceil(1992 / 256)
 
 
-@pytest.mark.skipif(not VALIDATED, reason="the Gluon matmul is taken only on the Triton releases it was run on")
+@pytest.mark.skipif(
+    not VALIDATED, reason="the Gluon matmul is taken only on the Triton releases it was run on"
+)
 def test_lowers_for_sm90_on_any_machine(monkeypatch):
     monkeypatch.setenv("PALLAS_GPU_COMPUTE_CAPABILITY", "90")  # compile for the H200 from a CPU machine
     x = jax.ShapeDtypeStruct((512, 512), BF16)
@@ -78,7 +82,9 @@ def test_lowers_for_sm90_on_any_machine(monkeypatch):
 def test_sm90_config_errors():
     a = jnp.ones((64, 64), BF16)
     coop = _matmul_sm90.CONFIGS[0]
-    with pytest.raises(ValueError, match=r"config=sm90-coop/128x256x64/3buf is a Hopper Gluon kernel.*interpret"):
+    with pytest.raises(
+        ValueError, match=r"config=sm90-coop/128x256x64/3buf is a Hopper Gluon kernel.*interpret"
+    ):
         mm.matmul(a, a, config=coop, interpret=True)
     if not has_gpu():
         with pytest.raises(ValueError, match="compute capability None, not 90; pass a MatmulConfig"):

@@ -332,8 +332,10 @@ def _by_config(a, b, *, config, out_dtype, interpret, debug):
 
 @functools.cache
 def _tuned(configs: tuple[MatmulConfig, ...]):
-    # More timed runs than autotune's default: the candidates differ by a few percent. At 10
-    # rounds the H200 picked a 632.7 TFLOP/s candidate at 4096^3 where the best ran 670.7.
+    # More timed runs than autotune's default: the candidates differ by a few percent. At 4096^3
+    # on the H200 the tuned default still measured below the best candidate timed beside it
+    # (632.7 against 670.7 TFLOP/s at 10 rounds, 618.7 against 644.4 at 30; 672.3 in a sweep):
+    # the cause is not established.
     return autotune(
         _by_config,
         configs=[dict(config=c) for c in configs],

@@ -89,8 +89,35 @@ def test_sm90_config_errors():
     if not has_gpu():
         with pytest.raises(ValueError, match="compute capability None, not 90; pass a MatmulConfig"):
             mm.matmul(a, a, config=coop)
-    with pytest.raises(ValueError, match="Sm90Config.kind 'split'"):
-        _matmul_sm90.matmul(a, a, _matmul_sm90.Sm90Config("split"))
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        (dict(kind="split"), r"kind 'split': expected one of \('coop', 'pingpong'\)"),
+        (dict(kind="coop", block_m=64), "block_m 64: coop takes 128"),
+        (dict(kind="pingpong", block_m=256), "block_m 256: pingpong takes 64 or 128"),
+        (dict(block_n=96), "block_n 96: expected 64, 128 or 256"),
+        (dict(block_k=32), "block_k 32: expected 64 or 128"),
+        (dict(kind="pingpong", block_m=128, block_n=256), "128x256 f32 accumulator per math warpgroup"),
+        (dict(num_buffers=1), "num_buffers 1 and group_m 8: expected >= 2"),
+    ],
+)
+def test_sm90_config_shape_errors(config, match):
+    bad = _matmul_sm90.Sm90Config(**config)
+    a = jnp.ones((256, 256), BF16)
+    with pytest.raises(ValueError, match=r"pallas_gpu\.ops\.matmul: config=Sm90Config\(.*" + match):
+        _matmul_sm90.matmul(a, a, bad)
+    with pytest.raises(ValueError, match=match):
+        _matmul_sm90.kernel_config("bfloat16", 256, 256, 256, bad)
+
+
+def test_sm90_config_shared_memory_error():
+    too_deep = _matmul_sm90.Sm90Config("coop", 128, 256, 64, 5)  # 5 x 48 KiB of ring + 64 KiB of C tiles
+    with pytest.raises(
+        ValueError, match=r"needs \d+ bytes of shared memory, more than sm_90 allows \(232448\)"
+    ):
+        _matmul_sm90.kernel_config("bfloat16", 1024, 1024, 1024, too_deep)
 
 
 def hopper_gpu() -> bool:

@@ -53,6 +53,34 @@ class Sm90Config:
 CONFIGS = (Sm90Config("coop", 128, 256, 64, 3), Sm90Config("pingpong", 128, 128, 64, 5))
 
 
+def check_config(config: Sm90Config) -> None:
+    """Raises ValueError, naming the config, unless the kernels can be built
+    with it: the tile shapes their layouts take (128-byte rows of A and B
+    tiles for the TMA swizzle, wgmma's n <= 256, an f32 accumulator of at
+    most 128 registers per thread of a math warpgroup), two or more ring
+    slots. Shared memory is checked once compiled (``kernel_config``)."""
+    c = config
+    rows = {"coop": (128,), "pingpong": (64, 128)}.get(c.kind)
+    problems = []
+    if rows is None:
+        problems.append(f"kind {c.kind!r}: expected one of {KINDS}")
+    elif c.block_m not in rows:
+        problems.append(f"block_m {c.block_m}: {c.kind} takes {' or '.join(map(str, rows))}")
+    if c.block_n not in (64, 128, 256):
+        problems.append(f"block_n {c.block_n}: expected 64, 128 or 256")
+    if c.block_k not in (64, 128):
+        problems.append(f"block_k {c.block_k}: expected 64 or 128")
+    acc_rows = c.block_m // 2 if c.kind == "coop" else c.block_m
+    if rows is not None and acc_rows * c.block_n > 128 * 128:
+        problems.append(
+            f"a {acc_rows}x{c.block_n} f32 accumulator per math warpgroup is more than 128 registers per thread"
+        )
+    if c.num_buffers < 2 or c.group_m < 1:
+        problems.append(f"num_buffers {c.num_buffers} and group_m {c.group_m}: expected >= 2 and >= 1")
+    if problems:
+        raise ValueError(f"pallas_gpu.ops.matmul: config={c}: {'; '.join(problems)}")
+
+
 def unsupported(m: int, n: int, k: int, dtype, out_dtype, cc: int | None) -> str | None:
     """Why the sm_90 kernels cannot compute this product (None: they can)."""
     if cc != 90:
@@ -105,7 +133,15 @@ def kernel_config(dtype: str, m: int, n: int, k: int, config: Sm90Config) -> jkr
         )
         return jkr.config_from_triton(compiled)
 
-    return _triton_cache.cached_config(key, compile_config, compiler.DISK)
+    check_config(config)
+    cfg = _triton_cache.cached_config(key, compile_config, compiler.DISK)
+    limit = _triton_compile.SHARED_MEMORY_LIMITS[90]
+    if cfg.shared_memory_bytes > limit:
+        raise ValueError(
+            f"pallas_gpu.ops.matmul: config={config} needs {cfg.shared_memory_bytes} bytes of shared "
+            f"memory, more than sm_90 allows ({limit}): use fewer num_buffers or smaller blocks"
+        )
+    return cfg
 
 
 def grid_size(m: int, n: int, config: Sm90Config) -> int:
@@ -117,8 +153,7 @@ def grid_size(m: int, n: int, config: Sm90Config) -> int:
 def matmul(a, b, config: Sm90Config, debug: bool = False):
     """``a @ b`` (2-d, one 16-bit dtype, a result of that dtype) by the sm_90
     kernel ``config`` names; batched (``vmap``) calls run as 2-d products."""
-    if config.kind not in KINDS:
-        raise ValueError(f"pallas_gpu.ops.matmul: Sm90Config.kind {config.kind!r}; expected one of {KINDS}")
+    check_config(config)
     if debug:
         print(
             f"matmul: the sm_90 Gluon kernel matmul_{config.kind} (pallas_gpu/ops/_matmul_sm90_kernel.py), {config}"

@@ -154,7 +154,7 @@ def tuner_pick(a, b, dtype) -> str:
     pick = tuned.best_config(a, b, **kw)["config"].label()
     times = tuned.times.get(tuned.tune_key(a, b, **kw))
     if not times:
-        return f"{pick} (from the disk cache)"
+        return f"{pick} (not timed in this process: a recorded winner, or no GPU)"
     ranked = sorted(zip(times, (c["config"].label() for c in tuned.configs)))
     return f"{pick} (tuning ms: " + ", ".join(f"{lbl} {t * 1e3:.3f}" for t, lbl in ranked[:4]) + ")"
 

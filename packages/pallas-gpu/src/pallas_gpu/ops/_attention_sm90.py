@@ -14,16 +14,13 @@ releases). Every other call runs the Pallas forward, as does any call with
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jax_kernel_runtime as jkr
-from jax_kernel_runtime import _triton_cache, _triton_compile
-from pallas_gpu.ops._common import GLUON_VALIDATED_TRITON, multiprocessor_count
+from pallas_gpu.ops._common import GLUON_VALIDATED_TRITON, gluon_kernel_config, multiprocessor_count
 from pallas_gpu.ops._common import triton_release as _triton_release
 
 BLOCK_Q = 128  # two math warpgroups of 64 rows
@@ -58,19 +55,10 @@ def unsupported(q, k, v, segment_ids, sm_scale: float, cc: int | None) -> str | 
     return None
 
 
-@functools.cache
-def _kernel_source_digest() -> str:
-    from pallas_gpu.ops import _attention_sm90_kernel
-
-    return hashlib.sha256(inspect.getsource(_attention_sm90_kernel).encode()).hexdigest()
-
-
 @functools.lru_cache(maxsize=64)
 def kernel_config(dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bool) -> jkr.KernelConfig:
     """The compiled kernel for these static sizes: from memory, the disk cache
     (pallas-gpu's, ``PALLAS_GPU_CACHE_DIR``), else ``triton.compile``."""
-    from pallas_gpu._src import compiler
-
     constexprs = {
         "B": B,
         "T": T,
@@ -82,23 +70,9 @@ def kernel_config(dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bo
         "CAUSAL": causal,
         "GH": head_group(B * H, T // BLOCK_Q, multiprocessor_count()) if causal else 0,
     }
-    key = hashlib.sha256(
-        "\0".join(
-            [NAME, dtype, repr(sorted(constexprs.items())), _kernel_source_digest(), compiler._versions()]
-        ).encode()
-    ).hexdigest()
-
-    def compile_config():
-        from pallas_gpu.ops import _attention_sm90_kernel
-
-        ptr = "*bf16" if dtype == "bfloat16" else "*fp16"
-        signature = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "LSE": "*fp32", "sm_scale": "fp32"}
-        compiled = _triton_compile.compile_gluon(
-            _attention_sm90_kernel.mha_forward_sm90, signature, constexprs, 90, {"num_warps": 4}
-        )
-        return jkr.config_from_triton(compiled)
-
-    return _triton_cache.cached_config(key, compile_config, compiler.DISK)
+    ptr = "*bf16" if dtype == "bfloat16" else "*fp16"
+    signature = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "LSE": "*fp32", "sm_scale": "fp32"}
+    return gluon_kernel_config("pallas_gpu.ops._attention_sm90_kernel", NAME, signature, constexprs)
 
 
 def forward(q, k, v, sm_scale: float, causal: bool, debug: bool = False):

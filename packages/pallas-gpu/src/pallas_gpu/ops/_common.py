@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
+import inspect
 import os
 from typing import Any
 
@@ -73,3 +76,35 @@ def triton_release() -> str:
         return ".".join(metadata.version("triton").split(".")[:2])
     except metadata.PackageNotFoundError:
         return ""
+
+
+@functools.cache
+def _module_digest(module: str) -> str:
+    return hashlib.sha256(inspect.getsource(importlib.import_module(module)).encode()).hexdigest()
+
+
+def gluon_kernel_config(module: str, kernel: str, signature: dict[str, str], constexprs: dict[str, Any]):
+    """The ``jax_kernel_runtime.KernelConfig`` of the ``@gluon.jit`` function
+    ``kernel`` of ``module`` (imported on first use: it imports Triton),
+    compiled for sm_90 with 4 warps (its first partition) for ``signature``
+    and ``constexprs``: from pallas-gpu's disk cache (``PALLAS_GPU_CACHE_DIR``;
+    keyed by the module's source, the constexprs and the Triton and package
+    versions), else compiled by the shared Triton layer."""
+    import jax_kernel_runtime as jkr
+    from jax_kernel_runtime import _triton_cache, _triton_compile
+    from pallas_gpu._src import compiler
+
+    parts = [
+        kernel,
+        repr(sorted(signature.items())),
+        repr(sorted(constexprs.items())),
+        _module_digest(module),
+    ]
+    key = hashlib.sha256("\0".join([*parts, compiler._versions()]).encode()).hexdigest()
+
+    def compile_config():
+        fn = getattr(importlib.import_module(module), kernel)
+        compiled = _triton_compile.compile_gluon(fn, signature, constexprs, 90, {"num_warps": 4})
+        return jkr.config_from_triton(compiled)
+
+    return _triton_cache.cached_config(key, compile_config, compiler.DISK)

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import inspect
 
 import jax
 import jax.numpy as jnp
 
 import jax_kernel_runtime as jkr
-from jax_kernel_runtime import _triton_cache, _triton_compile
-from pallas_gpu.ops._common import GLUON_VALIDATED_TRITON, multiprocessor_count, triton_release
+from jax_kernel_runtime import _triton_compile
+from pallas_gpu.ops._common import (
+    GLUON_VALIDATED_TRITON,
+    gluon_kernel_config,
+    multiprocessor_count,
+    triton_release,
+)
 
 DTYPES = ("bfloat16", "float16")
 KINDS = ("coop", "pingpong")
@@ -99,42 +102,18 @@ def unsupported(m: int, n: int, k: int, dtype, out_dtype, cc: int | None) -> str
     return None
 
 
-@functools.cache
-def _kernel_source_digest() -> str:
-    from pallas_gpu.ops import _matmul_sm90_kernel
-
-    return hashlib.sha256(inspect.getsource(_matmul_sm90_kernel).encode()).hexdigest()
-
-
 @functools.lru_cache(maxsize=64)
 def kernel_config(dtype: str, m: int, n: int, k: int, config: Sm90Config) -> jkr.KernelConfig:
     """The compiled kernel for these sizes: from memory, the disk cache
     (pallas-gpu's, ``PALLAS_GPU_CACHE_DIR``), else ``triton.compile``."""
-    from pallas_gpu._src import compiler
-
     c = config
     constexprs = dict(
         M=m, N=n, K=k, BM=c.block_m, BN=c.block_n, BK=c.block_k, NBUF=c.num_buffers, GROUP=c.group_m
     )
-    name = f"matmul_{c.kind}"
-    key = hashlib.sha256(
-        "\0".join(
-            [name, dtype, repr(sorted(constexprs.items())), _kernel_source_digest(), compiler._versions()]
-        ).encode()
-    ).hexdigest()
-
-    def compile_config():
-        from pallas_gpu.ops import _matmul_sm90_kernel
-
-        ptr = "*bf16" if dtype == "bfloat16" else "*fp16"
-        fn = getattr(_matmul_sm90_kernel, name)
-        compiled = _triton_compile.compile_gluon(
-            fn, {"A": ptr, "B": ptr, "C": ptr}, constexprs, 90, {"num_warps": 4}
-        )
-        return jkr.config_from_triton(compiled)
-
     check_config(config)
-    cfg = _triton_cache.cached_config(key, compile_config, compiler.DISK)
+    ptr = "*bf16" if dtype == "bfloat16" else "*fp16"
+    signature = {"A": ptr, "B": ptr, "C": ptr}
+    cfg = gluon_kernel_config("pallas_gpu.ops._matmul_sm90_kernel", f"matmul_{c.kind}", signature, constexprs)
     limit = _triton_compile.SHARED_MEMORY_LIMITS[90]
     if cfg.shared_memory_bytes > limit:
         raise ValueError(

@@ -49,10 +49,12 @@ class Sm90Config:
         return f"sm90-{self.kind}/{self.block_m}x{self.block_n}x{self.block_k}/{self.num_buffers}buf"
 
 
-# Candidates, fastest first. H200 (benchmarks/gluon_matmul.py, torch's cuBLAS in the same process,
-# bf16): coop 128x256x64/3 716.5 / 726.4 / 691.3 TFLOP/s at 8192^3 / 4096^3 / 8192x8192x1024
-# (0.957x / 0.990x / 1.043x cuBLAS); pingpong 128x128x64/5 676.9 / 692.4 / 677.4; pingpong 64x256
-# and coop 128x128 slower at each.
+# Candidates (the first is what a lowering without a GPU takes). H200, bf16, at 8192^3 / 4096^3 /
+# 8192x8192x1024: launched from torch (benchmarks/gluon_matmul.py) coop 128x256x64/3 716.5 / 726.4 /
+# 691.3 TFLOP/s (0.957x / 0.990x / 1.043x torch's cuBLAS), pingpong 128x128x64/5 676.9 / 692.4 /
+# 677.4, pingpong 64x256 and coop 128x128 slower at each; through jax.jit (gpu_matmul.py, two runs)
+# coop 703.3 / 648 / 618 and 687.8 / 637.5 / 608.1, pingpong 682.3 / 670.7 / 649.7 and 674.7 /
+# 644.4 / 654.7: each leads somewhere, so the tuner keeps both.
 CONFIGS = (Sm90Config("coop", 128, 256, 64, 3), Sm90Config("pingpong", 128, 128, 64, 5))
 
 

@@ -16,9 +16,9 @@ from gpu_test_base import fresh_key, has_gpu
 
 import pallas_gpu
 from jax_kernel_runtime import _triton_compile
-from pallas_gpu.ops import _attention_sm90, attention
+from pallas_gpu.ops import _attention_sm90, _common, attention
 
-VALIDATED = _attention_sm90._triton_release() in _attention_sm90.VALIDATED_TRITON
+VALIDATED = _common.triton_release() in _common.GLUON_VALIDATED_TRITON
 
 
 def spec(shape, dtype=jnp.bfloat16):
@@ -90,7 +90,7 @@ def test_lowers_for_sm90_on_any_machine(monkeypatch, causal):
 @pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 64)])
 def test_compiles_within_the_h200s_limits(dtype, head_dim):
     # Every Triton of pallas-gpu's range compiles it (Gluon's renamed functions are looked up by
-    # name), though mha launches it only on the releases it was run on (VALIDATED_TRITON).
+    # name), though mha launches it only on the releases it was run on (_common.GLUON_VALIDATED_TRITON).
     for causal in (False, True):
         cfg = _attention_sm90.kernel_config(dtype, 2, 256, 512, 2, head_dim, causal)
         assert cfg.function == "mha_forward_sm90"

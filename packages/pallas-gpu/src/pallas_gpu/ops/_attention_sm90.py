@@ -6,7 +6,7 @@ It applies at ``mha``'s default arguments (``block_sizes``, ``num_warps``
 and ``num_stages`` None), compiled for a GPU of compute capability 9.0, with
 no ``segment_ids``, bf16 or f16 inputs, head_dim 64 or 128, sequence lengths
 that are multiples of 128, ``sm_scale > 0`` and a Triton release it was
-validated on (``VALIDATED_TRITON``: Gluon's API still changes between
+validated on (``_common.GLUON_VALIDATED_TRITON``: Gluon's API still changes between
 releases). Every other call runs the Pallas forward, as does any call with
 ``block_sizes`` given. The backward is the same either way.
 """
@@ -20,15 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_kernel_runtime as jkr
-from pallas_gpu.ops._common import GLUON_VALIDATED_TRITON, gluon_kernel_config, multiprocessor_count
-from pallas_gpu.ops._common import triton_release as _triton_release
+from pallas_gpu.ops._common import (
+    GLUON_VALIDATED_TRITON,
+    gluon_kernel_config,
+    multiprocessor_count,
+    triton_release,
+)
 
 BLOCK_Q = 128  # two math warpgroups of 64 rows
 BLOCK_K = 128
 NUM_BUFFERS = 3  # K/V ring slots: 0.947x cuDNN at 3 against 0.824x at 2 (H200, non-causal, first form)
 HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
-VALIDATED_TRITON = GLUON_VALIDATED_TRITON
 NAME = "mha_forward_sm90"
 
 
@@ -50,8 +53,8 @@ def unsupported(q, k, v, segment_ids, sm_scale: float, cc: int | None) -> str | 
         return f"sequence lengths {T}, {S} (needs multiples of {BLOCK_Q})"
     if not sm_scale > 0:
         return f"sm_scale {sm_scale}"
-    if _triton_release() not in VALIDATED_TRITON:
-        return f"Triton {_triton_release()} (validated: {', '.join(VALIDATED_TRITON)})"
+    if triton_release() not in GLUON_VALIDATED_TRITON:
+        return f"Triton {triton_release()} (validated: {', '.join(GLUON_VALIDATED_TRITON)})"
     return None
 
 

@@ -19,11 +19,17 @@ from pallas_gpu._src.core import CompilerParams
 GLUON_VALIDATED_TRITON = ("3.6",)
 
 
+def interpreted(interpret: Any) -> bool:
+    """Whether an op's ``interpret`` argument asks for an interpreter
+    (``True`` or ``plgpu.InterpretParams()``) rather than the GPU."""
+    return interpret is not False and interpret is not None
+
+
 def call_params(interpret: Any, num_warps: int, num_stages: int | None) -> dict[str, Any]:
     """``pallas_call`` keyword arguments: ``interpret`` when asked for
     (``True`` for pallas-core's interpreter, ``plgpu.InterpretParams()`` for
     Triton's), else ``CompilerParams(num_warps, num_stages)``."""
-    if interpret is not False and interpret is not None:
+    if interpreted(interpret):
         return {"interpret": interpret}
     kw = {"num_warps": num_warps}
     if num_stages is not None:

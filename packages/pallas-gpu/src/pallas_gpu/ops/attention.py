@@ -44,7 +44,7 @@ from jax import lax
 
 import pallas as pl
 from pallas_gpu.ops import _attention_sm90
-from pallas_gpu.ops._common import call_params
+from pallas_gpu.ops._common import call_params, interpreted
 from pallas_gpu.ops._common import compute_capability as compute_capability
 
 LOG2E = math.log2(math.e)
@@ -192,10 +192,6 @@ def _fit(block: int, seq: int) -> int:
     while block > 16 and seq % block:
         block //= 2
     return block
-
-
-def _interpreted(interpret) -> bool:
-    return interpret is not False and interpret is not None
 
 
 def _mask(x, qi0, kj0, q_seg, kv_seg, causal: bool):
@@ -533,7 +529,7 @@ def _launches(q, k, block_sizes, num_warps, num_stages, interpret, causal, segme
     """{kernel: (block_q, block_k, num_warps, num_stages)} for "fwd", "dkv", "dq", checked."""
     T, S, D = q.shape[1], k.shape[1], q.shape[-1]
     if block_sizes is None:
-        table = default_launches(D, None if _interpreted(interpret) else compute_capability())
+        table = default_launches(D, None if interpreted(interpret) else compute_capability())
         launches = {
             kern: (_fit(bq, T), _fit(bk, S), num_warps or w, st if num_stages is None else num_stages)
             for kern, (bq, bk, w, st) in table.items()
@@ -571,7 +567,7 @@ _DKV_PIPELINED: dict[tuple[int, int], tuple[int, int, int, int]] = {(90, 128): (
 
 
 def _dkv_stages(launch, head_dim, interpret, block_sizes, num_warps, num_stages) -> int:
-    if block_sizes is not None or num_warps is not None or num_stages is not None or _interpreted(interpret):
+    if block_sizes is not None or num_warps is not None or num_stages is not None or interpreted(interpret):
         return 1
     measured = _DKV_PIPELINED.get((compute_capability(), head_dim))
     return measured[3] if measured is not None and tuple(launch[:3]) == measured[:3] else 1
@@ -583,7 +579,7 @@ def sm90_forward_applies(
     """Whether ``mha``'s forward runs the Hopper Gluon kernel
     (``_attention_sm90``) rather than the Pallas one: default arguments on an
     sm_90 GPU, and shapes, dtypes and a Triton release it supports."""
-    if block_sizes is not None or num_warps is not None or num_stages is not None or _interpreted(interpret):
+    if block_sizes is not None or num_warps is not None or num_stages is not None or interpreted(interpret):
         return False
     return _attention_sm90.unsupported(q, k, v, segment_ids, sm_scale, compute_capability()) is None
 

@@ -20,8 +20,8 @@ stored), which counts most where k is short.
 ``config=MatmulConfig(...)`` to choose one. On Hopper (sm_90), 16-bit
 products with a result of the same dtype also have the hand-scheduled Gluon
 kernels of ``_matmul_sm90`` among the candidates (``Sm90Config``:
-warp-specialized, a TMA producer warp, persistent; measured faster than the
-Pallas ones at every size of ``benchmarks/gpu_matmul.py``). fp8 (``float8_e4m3fn``,
+warp-specialized, a TMA producer warp, persistent; on the H200 one of them
+was the fastest candidate at each bf16 row of ``benchmarks/gpu_matmul.py``). fp8 (``float8_e4m3fn``,
 ``float8_e5m2``) inputs accumulate in f32 as the others do; their ``b`` is
 transposed by XLA to ``(n, k)`` first and the kernel reads ``(block_n,
 block_k)`` tiles of it, because Hopper's fp8 tensor-core instructions
@@ -43,7 +43,7 @@ import pallas as pl
 from pallas_gpu._src.autotune import autotune
 from pallas_gpu._src.core import CompilerParams
 from pallas_gpu.ops import _matmul_sm90
-from pallas_gpu.ops._common import compute_capability, next_power_of_2
+from pallas_gpu.ops._common import compute_capability, interpreted, next_power_of_2
 from pallas_gpu.ops._matmul_sm90 import Sm90Config as Sm90Config
 
 _FLOAT_INPUTS = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
@@ -261,10 +261,10 @@ def matmul_with_config(a, b, config: MatmulConfig | Sm90Config, *, out_dtype, in
     """``a @ b`` with one launch configuration (no tuning)."""
     (m, k), n = a.shape, b.shape[1]
     if isinstance(config, Sm90Config):
-        cc = None if interpret is not False and interpret is not None else compute_capability()
-        why = _matmul_sm90.unsupported(m, n, k, a.dtype, out_dtype, cc)
-        if interpret is not False and interpret is not None:
+        if interpreted(interpret):
             why = "interpret mode (Triton's interpreter does not run Gluon kernels)"
+        else:
+            why = _matmul_sm90.unsupported(m, n, k, a.dtype, out_dtype, compute_capability())
         if why is not None:
             raise ValueError(
                 f"pallas_gpu.ops.matmul: config={config.label()} is a Hopper Gluon kernel, which cannot "
@@ -290,7 +290,7 @@ def matmul_with_config(a, b, config: MatmulConfig | Sm90Config, *, out_dtype, in
         return (j, 0) if b_k_major else (0, j)
 
     kw = {}
-    if interpret is not False and interpret is not None:
+    if interpreted(interpret):
         kw["interpret"] = interpret
     params = CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages, use_tma=c.use_tma)
     if c.persistent:
@@ -331,7 +331,7 @@ def _by_config(a, b, *, config, out_dtype, interpret, debug):
 
 
 @functools.cache
-def _tuned(configs: tuple[MatmulConfig, ...]):
+def _tuned(configs: tuple[MatmulConfig | Sm90Config, ...]):
     # More timed runs than autotune's default: the candidates differ by a few percent. At 4096^3
     # on the H200 the tuned default still measured below the best candidate timed beside it
     # (632.7 against 670.7 TFLOP/s at 10 rounds, 618.7 against 644.4 at 30; 672.3 in a sweep):
@@ -370,6 +370,6 @@ def matmul(
     if config is not None:
         return matmul_with_config(a, b, config, out_dtype=out_dtype, interpret=interpret, debug=debug)
     (m, k), n = a.shape, b.shape[1]
-    cc = None if interpret is not False and interpret is not None else compute_capability()
+    cc = None if interpreted(interpret) else compute_capability()
     configs = configs_for(m, n, k, a.dtype, out_dtype, cc)
     return _tuned(configs)(a, b, out_dtype=out_dtype, interpret=interpret, debug=debug)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +231,35 @@ def test_disabled_cache_keeps_winners_in_memory_only(fresh_cache, monkeypatch):
 def test_bad_configs():
     with pytest.raises(ValueError, match="configs must be a non-empty list of dicts"):
         plgpu.autotune(scaled_add, configs=[])
+    for bad in (0, -1.0, "2ms", True):
+        with pytest.raises(
+            ValueError, match=r"plgpu.autotune\(.*scaled_add\): min_batch_s must be a positive"
+        ):
+            plgpu.autotune(scaled_add, configs=CONFIGS, min_batch_s=bad)
+
+
+def test_a_long_tuning_prints_its_progress(monkeypatch, capfd):
+    """A tuning that outlasts PROGRESS_AFTER_S says what it times, then its pick."""
+    monkeypatch.setattr(autotune, "PROGRESS_AFTER_S", 0.05)
+    timer = FakeTimer([2.0, 1.0, 3.0])
+
+    def slow_timer(f, args):
+        time.sleep(0.1)
+        return timer(f, args)
+
+    x = random((300,), jnp.float32)
+    f = plgpu.autotune(scaled_add, configs=CONFIGS, timer=slow_timer, name="slow_add")
+    np.testing.assert_allclose(f(x, x), x * 2, rtol=1e-6)
+    err = capfd.readouterr().err.splitlines()
+    assert err[0].startswith("plgpu.autotune(slow_add): timing 3 configs for (300,):float32, (300,):float32")
+    assert err[1].startswith("plgpu.autotune(slow_add): timing 3 configs for ")
+    assert ": config 1 {'block': 128}, after " in err[1]
+    assert float(err[1].rsplit("after ", 1)[1].removesuffix(" s")) >= 0.3
+    # A quick tuning prints nothing.
+    monkeypatch.setattr(autotune, "PROGRESS_AFTER_S", 60.0)
+    g = plgpu.autotune(scaled_add, configs=CONFIGS, timer=FakeTimer([2.0, 1.0, 3.0]), name="quick_add")
+    g(x, x)
+    assert "plgpu.autotune" not in capfd.readouterr().err
 
 
 def test_runtime_tuning_results_are_recorded(fresh_cache, monkeypatch):

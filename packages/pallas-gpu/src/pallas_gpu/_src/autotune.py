@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -70,6 +71,11 @@ sha256 = _triton_cache.sha256
 
 # ---------------------------------------------------------------------------
 # plgpu.autotune
+
+
+# A tuning that runs longer than this many seconds says so on stderr (which function, how many
+# configs, and at the end the pick and the time it took).
+PROGRESS_AFTER_S = 1.0
 
 
 def _default_device() -> jax.Device:
@@ -152,9 +158,14 @@ def interleaved_times(
 class Autotuned:
     """A function tuned over ``configs``; see ``plgpu.autotune``."""
 
-    def __init__(self, fn, configs, key, name, warmup, repeats, timer):
+    def __init__(self, fn, configs, key, name, warmup, repeats, timer, min_batch_s=2e-3):
         if not configs or not all(isinstance(c, dict) for c in configs):
             raise ValueError(f"plgpu.autotune({_fn_name(fn)}): configs must be a non-empty list of dicts")
+        if isinstance(min_batch_s, bool) or not isinstance(min_batch_s, (int, float)) or not min_batch_s > 0:
+            raise ValueError(
+                f"plgpu.autotune({_fn_name(fn)}): min_batch_s must be a positive number of seconds; "
+                f"got {min_batch_s!r}"
+            )
         self.fn = fn
         self.configs = [dict(c) for c in configs]
         self.key = key
@@ -162,6 +173,7 @@ class Autotuned:
         self.warmup = warmup
         self.repeats = repeats
         self.timer = timer
+        self.min_batch_s = min_batch_s
         self.times: dict[str, list[float]] = {}  # tune key -> seconds per config (inf: failed)
         self._identity = sha256(self.name, _source_hash(fn), [sorted(c.items()) for c in self.configs])
         self._jitted: dict[tuple[int, str], Callable] = {}
@@ -208,19 +220,43 @@ class Autotuned:
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 result["error"] = e
 
+        what = f"plgpu.autotune({self.name}): timing {len(self.configs)} configs for {self._shapes(args)}"
+        said = threading.Event()
+
+        def say():
+            said.set()
+            print(f"{what} (once per shape; the pick is kept on disk) ...", file=sys.stderr, flush=True)
+
+        start = time.perf_counter()
+        progress = threading.Timer(PROGRESS_AFTER_S, say)
+        progress.daemon = True
+        progress.start()
         worker = threading.Thread(target=work, name=f"plgpu.autotune({self.name})", daemon=True)
         worker.start()
         worker.join()
+        progress.cancel()
+        if said.is_set():
+            took = time.perf_counter() - start
+            ending = (
+                f"config {result['best']} {self.configs[result['best']]}" if "best" in result else "failed"
+            )
+            print(f"{what}: {ending}, after {took:.1f} s", file=sys.stderr, flush=True)
         if "error" in result:
             raise result["error"]
         return result["best"]
+
+    @staticmethod
+    def _shapes(args) -> str:
+        return ", ".join(_aval_key(x) for x in jax.tree.leaves(args))
 
     def _time_configs(self, key: str, args, kwargs) -> int:
         leaves, tree = jax.tree.flatten(args)
         data = jax.tree.unflatten(tree, [_timing_data(x, i) for i, x in enumerate(leaves)])
         if self.timer is None:
             fns = [self._jit(i, kwargs) for i in range(len(self.configs))]
-            times, errors = interleaved_times(fns, data, warmup=self.warmup, repeats=self.repeats)
+            times, errors = interleaved_times(
+                fns, data, warmup=self.warmup, repeats=self.repeats, min_batch_s=self.min_batch_s
+            )
         else:
             times, errors = [], []
             for i in range(len(self.configs)):
@@ -274,6 +310,7 @@ def autotune(
     warmup: int = 1,
     repeats: int = 5,
     timer: Callable[[Callable, Sequence[Any]], float] | None = None,
+    min_batch_s: float = 2e-3,
 ):
     """Picks the fastest of several configurations of a kernel, per shape.
 
@@ -283,11 +320,13 @@ def autotune(
     takes ``(*args, **kwargs)``; on its first call with given argument
     shapes and dtypes on a GPU it runs every config (jitted, ``warmup`` runs,
     then ``repeats`` rounds that time each config in turn over a batch of
-    back-to-back calls of at least 2 ms, the order alternating; the median
-    counts: ``interleaved_times``), keeps the fastest in memory and on disk,
+    back-to-back calls of at least ``min_batch_s``, the order alternating; the
+    median counts: ``interleaved_times``), keeps the fastest in memory and on disk,
     and from then on calls only that one. Inside ``jit`` it tunes at trace
     time on random data of the traced shapes (zeros for integer inputs).
-    A config that fails (too much shared memory, say) is skipped.
+    A config that fails (too much shared memory, say) is skipped. A tuning
+    that takes longer than a second prints a line to stderr when it starts
+    and one with its pick when it ends.
 
     On a machine without a GPU (CPU, interpret mode) no timing is done: the
     first config is used.
@@ -303,6 +342,9 @@ def autotune(
       warmup, repeats: warm-up runs and timed rounds per config.
       timer: ``timer(jitted_fn, args) -> seconds``, replacing the built-in
         timing (also on the CPU).
+      min_batch_s: the shortest timed batch, in seconds. A GPU can run a short
+        burst at a higher clock than a sustained load; batches as long as a
+        real workload's steps rank the configs as that workload sees them.
 
     Returns:
       An ``Autotuned`` callable; ``.best_config(*args)`` says which config it
@@ -310,6 +352,13 @@ def autotune(
     """
     if fn is None:
         return functools.partial(
-            autotune, configs=configs, key=key, name=name, warmup=warmup, repeats=repeats, timer=timer
+            autotune,
+            configs=configs,
+            key=key,
+            name=name,
+            warmup=warmup,
+            repeats=repeats,
+            timer=timer,
+            min_batch_s=min_batch_s,
         )
-    return Autotuned(fn, configs, key, name, warmup, repeats, timer)
+    return Autotuned(fn, configs, key, name, warmup, repeats, timer, min_batch_s)

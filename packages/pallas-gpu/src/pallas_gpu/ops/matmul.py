@@ -332,16 +332,19 @@ def _by_config(a, b, *, config, out_dtype, interpret, debug):
 
 @functools.cache
 def _tuned(configs: tuple[MatmulConfig | Sm90Config, ...]):
-    # More timed runs than autotune's default: the candidates differ by a few percent. At 4096^3
-    # on the H200 the tuned default still measured below the best candidate timed beside it
-    # (632.7 against 670.7 TFLOP/s at 10 rounds, 618.7 against 644.4 at 30; 672.3 in a sweep):
-    # the cause is not established.
+    # Batches of 25 ms, not autotune's 2 ms: a big matmul draws the H200 to its power limit
+    # (690 W) within milliseconds and its clock falls from 1980 MHz to 1425-1575 MHz under a
+    # sustained load, which ranks the candidates differently than short bursts at full clock
+    # (benchmarks/matmul_tuning.py, 2026-12-02: at 4096^3 the 2 ms ranking put a candidate
+    # first in one pass and last of the four fastest in the next; 25 ms batches and 0.1 s rounds
+    # agreed on the leader at 4096^3 and k = 1024).
     return autotune(
         _by_config,
         configs=[dict(config=c) for c in configs],
         name="pallas_gpu.ops.matmul",
         warmup=3,
-        repeats=30,
+        repeats=12,
+        min_batch_s=0.025,
     )
 
 

@@ -181,8 +181,8 @@ def test_same_signature_as_jax():
         ], name
     ours, theirs = inspect.signature(pa.paged_attention), inspect.signature(upstream.paged_attention)
     differ = {n for n, p in ours.parameters.items() if p.default != theirs.parameters[n].default}
-    # Chosen from the shapes (None) or tuned for bandwidth; every other default is JAX's.
-    assert differ == {"pages_per_compute_block", "k_splits", "num_warps"}, differ
+    # Chosen from the shapes and the GPU (None); every other default is JAX's.
+    assert differ == {"pages_per_compute_block", "k_splits", "num_warps", "num_stages"}, differ
     assert pa.DEFAULT_MASK_VALUE == upstream.DEFAULT_MASK_VALUE
 
 
@@ -246,6 +246,29 @@ def test_configs_on_gpu(block_pages, num_stages, num_warps):
     lengths = [4000, 3333, 65, 2049]
     out = pa.paged_attention(q * (D**-0.5), k_pages, v_pages, tables, jnp.asarray(lengths, jnp.int32),
                              pages_per_compute_block=block_pages, num_stages=num_stages, num_warps=num_warps)  # fmt: skip
+    ref = attention_jnp(q * (D**-0.5), k, v, lengths)
+    assert_close(up(out), ref.astype(np.float32), rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "stage_bytes,cc,stages",
+    [(64 << 10, 90, 3), (128 << 10, 90, 1), (96 << 10, 90, 2), (64 << 10, 80, 2), (32 << 10, 86, 2),
+     (64 << 10, 86, 1), (300 << 10, 90, 1), (64 << 10, None, 3)],
+)  # fmt: skip
+def test_default_stages_fit_the_shared_memory(stage_bytes, cc, stages):
+    from pallas_gpu.ops._common import pipeline_stages
+
+    assert pipeline_stages(stage_bytes, 3, cc) == stages
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,dtype", [(128, jnp.bfloat16), (256, jnp.bfloat16), (128, jnp.float32)])
+def test_default_stages_on_gpu(D, dtype):
+    """num_stages=None at head dims and dtypes whose 3-stage K/V buffers do not all fit."""
+    B, Hq, Hkv, ps, pps = 2, 8, 2, 16, 40
+    q, k_pages, v_pages, tables, k, v = paged_problem(B, Hq, Hkv, D, ps, pps, dtype)
+    lengths = [640, 301]
+    out = pa.paged_attention(q * (D**-0.5), k_pages, v_pages, tables, jnp.asarray(lengths, jnp.int32))
     ref = attention_jnp(q * (D**-0.5), k, v, lengths)
     assert_close(up(out), ref.astype(np.float32), rtol=2e-2, atol=1e-2)
 

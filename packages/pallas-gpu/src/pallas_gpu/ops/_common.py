@@ -62,6 +62,17 @@ def compute_capability() -> int | None:
     return int(major) * 10 + int(minor)
 
 
+def pipeline_stages(bytes_per_stage: int, most: int, cc: int | None) -> int:
+    """The most software-pipelining stages, up to ``most``, whose buffers of
+    ``bytes_per_stage`` each fit in the shared memory of a GPU of compute
+    capability ``cc`` (sm_90's when None) with 16 KiB to spare for the
+    kernel's other buffers; at least 1."""
+    from jax_kernel_runtime._triton_compile import SHARED_MEMORY_LIMITS
+
+    budget = SHARED_MEMORY_LIMITS.get(cc or 90, SHARED_MEMORY_LIMITS[90]) - 16 * 1024
+    return max(1, min(most, budget // max(1, bytes_per_stage)))
+
+
 def multiprocessor_count() -> int:
     """Multiprocessors of JAX's first GPU; 132 (H100/H200 SXM) when compiling
     without one (``PALLAS_GPU_COMPUTE_CAPABILITY``)."""

@@ -39,14 +39,17 @@ from jax import lax
 import pallas as pl
 from pallas_gpu._src.primitives import load as _gpu_load
 from pallas_gpu.ops import decode_attention as _dec
-from pallas_gpu.ops._common import call_params
+from pallas_gpu.ops._common import call_params, compute_capability, interpreted, pipeline_stages
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.dtype("float32")).max)
 _F32 = jnp.float32
 # Tokens per loop step when pages_per_compute_block is None, and the default stages: on the
-# H200 at batch 32, 32/8 heads, 8192 tokens, 16-token pages (benchmarks/decode_attention.py,
-# one run) 128 tokens at 2 stages read 4.00 TB/s of KV, 64 at 3 stages 3.79, 64 at 4 3.77.
+# H200 at batch 32, 32/8 heads, 8192 tokens, 16-token pages, no split
+# (benchmarks/decode_splits.py --wide, 2026-12-02) 128 tokens at 3 stages read 4.15 TB/s of
+# KV (0.981x cuDNN's speed), at 2 stages 4.09 (0.966x), 64 tokens at 3 or 4 stages 3.55;
+# 8 warps trail 4 by 1-2 %. Fewer stages where K and V blocks of 3 stages do not fit.
 _BLOCK_TOKENS = 128
+_MOST_STAGES = 3
 
 
 def _kernel(*refs, has_k_scales, has_v_scales, block_pages, page_size, per_split, group, rows, mask_value,
@@ -168,7 +171,7 @@ def paged_attention(
     pages_per_compute_block: int | None = None,
     k_splits: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: Any = False,
     debug: bool = False,
     mask_value: float = DEFAULT_MASK_VALUE,
@@ -193,7 +196,9 @@ def paged_attention(
       k_splits: programs per (row, KV head) along the pages; None picks enough
         to fill the GPU. Need not divide anything.
       num_warps: None picks 4 (8 for tiles of more than 32 rows).
-      num_stages: software-pipelining stages of the page loop.
+      num_stages: software-pipelining stages of the page loop; None picks 3,
+        or fewer where 3 stages of K and V blocks do not fit in the GPU's
+        shared memory.
       interpret: ``True`` or ``pallas_gpu.InterpretParams()`` to run on a CPU.
       mask_value: the logit of the tokens past a sequence's length inside the
         blocks a program walks.
@@ -214,6 +219,11 @@ def paged_attention(
         k_splits = _dec.default_k_splits(B * Hkv, n_blocks)
     per_split, ks = _dec.split_plan(n_blocks, k_splits)
     rows = _dec.heads_per_program(block_h, group)
+    if num_stages is None:
+        stage_bytes = block_pages * page_size * D * (k_pages.dtype.itemsize + v_pages.dtype.itemsize)
+        num_stages = pipeline_stages(
+            stage_bytes, _MOST_STAGES, None if interpreted(interpret) else compute_capability()
+        )
     if lengths is None:
         lengths = jnp.full((B,), pps * page_size, jnp.int32)
 

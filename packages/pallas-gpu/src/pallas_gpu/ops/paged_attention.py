@@ -39,7 +39,13 @@ from jax import lax
 import pallas as pl
 from pallas_gpu._src.primitives import load as _gpu_load
 from pallas_gpu.ops import decode_attention as _dec
-from pallas_gpu.ops._common import call_params, compute_capability, interpreted, pipeline_stages
+from pallas_gpu.ops._common import (
+    call_params,
+    compute_capability,
+    interpreted,
+    next_power_of_2,
+    pipeline_stages,
+)
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.dtype("float32")).max)
 _F32 = jnp.float32
@@ -47,8 +53,10 @@ _F32 = jnp.float32
 # H200 at batch 32, 32/8 heads, 8192 tokens, 16-token pages, no split
 # (benchmarks/decode_splits.py --wide, 2026-12-02) 128 tokens at 3 stages read 4.15 TB/s of
 # KV (0.981x cuDNN's speed), at 2 stages 4.09 (0.966x), 64 tokens at 3 or 4 stages 3.55;
-# 8 warps trail 4 by 1-2 %. Fewer stages where K and V blocks of 3 stages do not fit.
+# 8 warps trail 4 by 1-2 %. Fewer tokens where a step would hold more than 64 KiB of K and V
+# (larger heads or dtypes), fewer stages where 3 do not fit.
 _BLOCK_TOKENS = 128
+_STEP_BYTES = 64 * 1024
 _MOST_STAGES = 3
 
 
@@ -191,8 +199,9 @@ def paged_attention(
       block_h: a multiple of 16; the query tile has ``max(block_h, group)``
         rows (rounded up to a power of two), where group is
         ``num_heads // num_kv_heads``: one program takes the whole group.
-      pages_per_compute_block: pages per loop step; None takes
-        ``max(1, 128 // page_size)``.
+      pages_per_compute_block: pages per loop step; None takes 128 tokens
+        worth (``max(1, 128 // page_size)`` pages), fewer where those hold more
+        than 64 KiB of K and V (head dims above 128, f32 pages).
       k_splits: programs per (row, KV head) along the pages; None picks enough
         to fill the GPU. Need not divide anything.
       num_warps: None picks 4 (8 for tiles of more than 32 rows).
@@ -212,7 +221,10 @@ def paged_attention(
     Hkv, P, page_size, _ = k_pages.shape
     pps = block_tables.shape[1]
     group = Hq // Hkv
-    block_pages = pages_per_compute_block or max(1, _BLOCK_TOKENS // page_size)
+    kv_itemsize = k_pages.dtype.itemsize + v_pages.dtype.itemsize
+    # By default at most 64 KiB of K and V per step (128 tokens of bf16 at head dim 128).
+    block_tokens = min(_BLOCK_TOKENS, next_power_of_2(_STEP_BYTES // (D * kv_itemsize) + 1) // 2)
+    block_pages = pages_per_compute_block or max(1, block_tokens // page_size)
     block_pages = min(block_pages, max(pps, -(-16 // page_size)))
     n_blocks = -(-pps // block_pages)
     if k_splits is None:
@@ -220,7 +232,7 @@ def paged_attention(
     per_split, ks = _dec.split_plan(n_blocks, k_splits)
     rows = _dec.heads_per_program(block_h, group)
     if num_stages is None:
-        stage_bytes = block_pages * page_size * D * (k_pages.dtype.itemsize + v_pages.dtype.itemsize)
+        stage_bytes = block_pages * page_size * D * kv_itemsize
         num_stages = pipeline_stages(
             stage_bytes, _MOST_STAGES, None if interpreted(interpret) else compute_capability()
         )

@@ -86,6 +86,11 @@ WORKLOADS = {
         functools.partial(_matmul, 8192, 8192, 8192, BF16, "cublas"),
         "gemm|nvjet|xmma|cutlass",
     ),
+    "matmul_4096": (functools.partial(_matmul, 4096, 4096, 4096, BF16, "ours"), "matmul"),
+    "matmul_4096_cublas": (
+        functools.partial(_matmul, 4096, 4096, 4096, BF16, "cublas"),
+        "gemm|nvjet|xmma|cutlass",
+    ),
     "matmul_skinny": (functools.partial(_matmul, 8192, 1024, 8192, BF16, "ours"), "matmul"),
     "matmul_fp8": (functools.partial(_matmul, 8192, 8192, 8192, FP8, "ours"), "matmul"),
     "matmul_fp8_cublas": (

@@ -232,9 +232,11 @@ class Autotuned:
         progress.daemon = True
         progress.start()
         worker = threading.Thread(target=work, name=f"plgpu.autotune({self.name})", daemon=True)
-        worker.start()
-        worker.join()
-        progress.cancel()
+        try:
+            worker.start()
+            worker.join()
+        finally:  # an interrupted join (Ctrl-C) leaves no progress line to print later
+            progress.cancel()
         if said.is_set():
             took = time.perf_counter() - start
             ending = (

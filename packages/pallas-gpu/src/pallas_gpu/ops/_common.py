@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from pallas import next_power_of_2 as next_power_of_2  # re-exported for the ops
 from pallas_gpu._src.core import CompilerParams
 
 # Triton releases (major.minor) the Gluon kernels (``_attention_sm90_kernel``,
@@ -35,10 +36,6 @@ def call_params(interpret: Any, num_warps: int, num_stages: int | None) -> dict[
     if num_stages is not None:
         kw["num_stages"] = num_stages
     return {"compiler_params": CompilerParams(**kw)}
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def compute_capability() -> int | None:

@@ -143,6 +143,13 @@ def test_shapes_dtypes_and_configs_are_part_of_the_key():
     assert len({f.tune_key(x, x), f.tune_key(x[:200], x[:200]), f.tune_key(xb, xb)}) == 3
     g = plgpu.autotune(scaled_add, configs=CONFIGS[:2], timer=FakeTimer([1.0, 2.0]))
     assert g.tune_key(x, x) != f.tune_key(x, x)
+    # How the configs are timed too: a winner from 2 ms bursts is not reused for 25 ms batches.
+    same = plgpu.autotune(scaled_add, configs=CONFIGS)
+    assert same.tune_key(x, x) == plgpu.autotune(scaled_add, configs=CONFIGS).tune_key(x, x)
+    assert plgpu.autotune(scaled_add, configs=CONFIGS, min_batch_s=0.025).tune_key(x, x) != same.tune_key(
+        x, x
+    )
+    assert plgpu.autotune(scaled_add, configs=CONFIGS, repeats=12).tune_key(x, x) != same.tune_key(x, x)
 
 
 def test_key_function_shares_tuning_between_shapes():

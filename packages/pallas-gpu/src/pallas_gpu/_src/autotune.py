@@ -175,7 +175,11 @@ class Autotuned:
         self.timer = timer
         self.min_batch_s = min_batch_s
         self.times: dict[str, list[float]] = {}  # tune key -> seconds per config (inf: failed)
-        self._identity = sha256(self.name, _source_hash(fn), [sorted(c.items()) for c in self.configs])
+        # How the configs are timed is part of the key: a winner picked from short bursts is
+        # not reused by a tuner that asks for sustained batches.
+        self._identity = sha256(
+            self.name, _source_hash(fn), [sorted(c.items()) for c in self.configs], repeats, min_batch_s
+        )
         self._jitted: dict[tuple[int, str], Callable] = {}
         self._lock = threading.Lock()
         functools.update_wrapper(self, fn)

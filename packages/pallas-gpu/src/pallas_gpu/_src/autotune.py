@@ -14,7 +14,8 @@ Two ways to tune a kernel:
 
 Winners live in ``$PALLAS_GPU_CACHE_DIR/autotune/<key>.json`` (written
 atomically), keyed by everything the choice depends on: the kernel (or the
-tuned function), the configs, the argument shapes and dtypes and the device.
+tuned function), the configs, how they are timed (``repeats``,
+``min_batch_s``), the argument shapes and dtypes and the device.
 ``PALLAS_GPU_DISABLE_CACHE=1`` keeps them in memory only.
 """
 

@@ -3,9 +3,9 @@
 ``plgpu.autotune`` times each candidate in rounds of back-to-back calls; this
 script ranks ``ops.matmul``'s candidates at the sizes of ``gpu_matmul.py``
 three ways in one run: the tuner's timing with short batches (2 ms, 30 rounds),
-with long batches (``--long`` ms, 10 rounds), and the benchmark harness
-(``_timing.measure``: rounds of >= 0.1 s, 7 rounds), and prints each ranking's
-fastest four with TFLOP/s. A GPU that runs at a higher clock for a burst than
+with long batches (``--long`` ms, 10 rounds), the benchmark harness
+(``_timing.measure``: rounds of >= 0.1 s, 7 rounds), then short batches again (do
+two passes agree?), and prints each ranking's fastest four with TFLOP/s. A GPU that runs at a higher clock for a burst than
 under a sustained load can rank the candidates differently in bursts.
 
     python benchmarks/matmul_tuning.py            # on the GPU

@@ -253,7 +253,7 @@ def test_configs_on_gpu(block_pages, num_stages, num_warps):
 @pytest.mark.parametrize(
     "stage_bytes,cc,stages",
     [(64 << 10, 90, 3), (128 << 10, 90, 1), (96 << 10, 90, 2), (64 << 10, 80, 2), (32 << 10, 86, 2),
-     (64 << 10, 86, 1), (300 << 10, 90, 1), (64 << 10, None, 3)],
+     (64 << 10, 86, 1), (300 << 10, 90, 1), (64 << 10, None, 3), (32 << 10, 61, 1)],
 )  # fmt: skip
 def test_default_stages_fit_the_shared_memory(stage_bytes, cc, stages):
     from pallas_gpu.ops._common import pipeline_stages

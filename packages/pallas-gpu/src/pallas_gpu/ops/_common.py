@@ -62,11 +62,17 @@ def compute_capability() -> int | None:
 def pipeline_stages(bytes_per_stage: int, most: int, cc: int | None) -> int:
     """The most software-pipelining stages, up to ``most``, whose buffers of
     ``bytes_per_stage`` each fit in the shared memory of a GPU of compute
-    capability ``cc`` (sm_90's when None) with 16 KiB to spare for the
-    kernel's other buffers; at least 1."""
+    capability ``cc`` (sm_90's when None: no GPU; the smallest known when the
+    table lacks ``cc``) with 16 KiB to spare for the kernel's other buffers;
+    at least 1."""
     from jax_kernel_runtime._triton_compile import SHARED_MEMORY_LIMITS
 
-    budget = SHARED_MEMORY_LIMITS.get(cc or 90, SHARED_MEMORY_LIMITS[90]) - 16 * 1024
+    limit = (
+        SHARED_MEMORY_LIMITS[90]
+        if cc is None
+        else SHARED_MEMORY_LIMITS.get(cc, min(SHARED_MEMORY_LIMITS.values()))
+    )
+    budget = limit - 16 * 1024
     return max(1, min(most, budget // max(1, bytes_per_stage)))
 
 

@@ -43,7 +43,6 @@ from pallas_gpu.ops._common import (
     call_params,
     compute_capability,
     interpreted,
-    next_power_of_2,
     pipeline_stages,
 )
 
@@ -223,7 +222,7 @@ def paged_attention(
     group = Hq // Hkv
     kv_itemsize = k_pages.dtype.itemsize + v_pages.dtype.itemsize
     # By default at most 64 KiB of K and V per step (128 tokens of bf16 at head dim 128).
-    block_tokens = min(_BLOCK_TOKENS, next_power_of_2(_STEP_BYTES // (D * kv_itemsize) + 1) // 2)
+    block_tokens = min(_BLOCK_TOKENS, 1 << (max(1, _STEP_BYTES // (D * kv_itemsize)).bit_length() - 1))
     block_pages = pages_per_compute_block or max(1, block_tokens // page_size)
     block_pages = min(block_pages, max(pps, -(-16 // page_size)))
     n_blocks = -(-pps // block_pages)

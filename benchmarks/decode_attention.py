@@ -6,7 +6,9 @@ device copy ceiling, all measured in the same run (issue 13, item 3).
 
 Serving size: batch 32, 32 query heads over 8 KV heads, 8192 cached tokens,
 head dim 128, bf16 (K + V read: 1.07 GB); paged: 16-token pages in a
-shuffled pool. Every sequence is full (the same bytes for every column).
+shuffled pool, and (column "ours paged in-order") the same default kernel on a
+pool that holds each sequence's pages in order, which shows what the shuffle
+costs. Every sequence is full (the same bytes for every column).
 Figures: ms and TB/s of KV bytes read (the copy ceiling: bytes read + written
 by an XLA ``a + 1`` over 1 GiB), and the ratios ours / each reference. Our
 defaults row is always printed; a few tuned configurations of ours are timed
@@ -77,14 +79,23 @@ class Problem:
         self.tables = jnp.asarray(perm.reshape(B, pps), jnp.int32)
         inv = jnp.asarray(np.argsort(perm), jnp.int32)  # pool page p holds (row, page) inv[p]
 
-        def pool(x):  # [B, S, Hkv, D] -> [Hkv, B * pps, page_size, D] in the tables' order
-            x = jnp.transpose(x.reshape(B * pps, page_size, Hkv, D), (2, 0, 1, 3))
-            return x[:, inv]
-
-        self.k_pages, self.v_pages = pool(self.k), pool(self.v)
+        self.page_size = page_size
+        self.k_pages, self.v_pages = self._pool(self.k)[:, inv], self._pool(self.v)[:, inv]
         self.lengths = jnp.full((B,), S, jnp.int32)
         self.scale = 1.0 / math.sqrt(D)
         self.kv_bytes = 2 * B * S * Hkv * D * 2
+
+    def _pool(self, x):  # [B, S, Hkv, D] -> [Hkv, B * pps, page_size, D], each row's pages in order
+        B, S, Hkv, D = x.shape
+        return jnp.transpose(x.reshape(B * S // self.page_size, self.page_size, Hkv, D), (2, 0, 1, 3))
+
+    def inorder(self):
+        """(k_pages, v_pages, tables) of a pool that holds row b's pages in order at
+        b * pps ... b * pps + pps - 1: a dense cache's layout, which separates what reading
+        scattered pages costs from what the kernel does."""
+        B, S = self.k.shape[:2]
+        pps = S // self.page_size
+        return self._pool(self.k), self._pool(self.v), jnp.arange(B * pps, dtype=jnp.int32).reshape(B, pps)
 
     def reference(self):
         """f32 XLA attention (the check for every candidate)."""
@@ -121,6 +132,10 @@ def columns(pb: Problem, small: bool, jdec, jpaged):
     def paged(**kw):
         return jax.jit(lambda q, *a: ours_paged.paged_attention(q, *a, interpret=it, **kw)), (qs, *P)
 
+    def paged_on(k_pages, v_pages, tables):
+        f = jax.jit(lambda q, *a: ours_paged.paged_attention(q, *a, interpret=it))
+        return f, (qs, k_pages, v_pages, tables, pb.lengths)
+
     cols = {"ours gqa": {"default": gqa()}, "ours paged": {"default": paged()}}
     if not small or FAST_INTERPRET:
         for bk, st, w, ks in [(64, 4, 4, None), (128, 2, 4, None), (128, 3, 8, None), (32, 4, 4, None),
@@ -132,6 +147,8 @@ def columns(pb: Problem, small: bool, jdec, jpaged):
             cols["ours paged"][f"pp{pp}/{st}s/{w}w/ks{ks or 'auto'}"] = paged(
                 pages_per_compute_block=pp, num_stages=st, num_warps=w, k_splits=ks
             )
+    if not small:  # the default kernel on a pool whose pages are in order: what the shuffle costs
+        cols["ours paged in-order"] = {"default": paged_on(*pb.inorder())}
     if jdec is not None:
         cols["JAX gqa"] = {
             "default": (jax.jit(lambda q, k, v: jdec.gqa(q, k, v, interpret=bool(small))), (q, k, v))

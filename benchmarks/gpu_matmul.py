@@ -8,7 +8,10 @@ Rows: bf16 8192^3, 4096^3 and a skinny 8192 x 8192 x 1024 (bf16 result), and
 fp8 e4m3 8192^3 with an f32 result (XLA's fp8 path is cuBLASLt). Figures are
 TFLOP/s (2mnk / time) and the ratio ours / cuBLAS (XLA). Every candidate's
 output is checked against an f32 XLA reference first; one that fails is
-reported and left out. Then a sweep (square 1k-8k and skinny k=1024 at
+reported and left out. All candidates of a row are timed in one measurement
+whose rounds alternate their order (a big matmul holds the H200 at its power
+limit, and the clock sinks as it warms); then our default and cuBLAS (XLA),
+the row's headline, are timed again alone, in 15 alternating rounds. Then a sweep (square 1k-8k and skinny k=1024 at
 m = n = 1k-8k, defaults only) writes ``benchmarks/results/matmul.csv`` and, if
 matplotlib imports, ``matmul.png`` (also copied to ``$OUT`` when set).
 
@@ -111,9 +114,9 @@ def run_row(m, k, n, dtype, small, tuned=True, torch=None):
     ref = jnp.dot(a.astype(F32), b.astype(F32), precision="highest")
     scale = float(jnp.max(jnp.abs(ref)))
     flops = 2 * m * n * k
-    best = {}
+    best, ok = {}, {}  # ok: {(column, label): f} of the candidates that compute the right thing
     for col, fns in candidates(m, k, n, dtype, small, tuned).items():
-        ok = {}
+        n_ok = 0
         for label, f in fns.items():
             try:
                 err = float(jnp.max(jnp.abs(f(a, b).astype(F32) - ref))) / scale
@@ -123,24 +126,34 @@ def run_row(m, k, n, dtype, small, tuned=True, torch=None):
             if err > 2e-2:
                 print(f"  {col} {label}: WRONG (error {err:.2e} of max)")
                 continue
-            ok[label] = f
-        if small or not ok:
-            best[col] = (None, "checked" if ok else "failed")
-            continue
-        times = measure({lbl: (functools.partial(f, a, b), jax.block_until_ready) for lbl, f in ok.items()})
-        for lbl, t in times.items():
-            if len(times) > 1:
-                print(f"  {col:13s} {lbl:32s} {flops / t / 1e12:7.1f} TFLOP/s")
-        if col == "ours":
-            best["ours (default)"] = (times["default"], "default: " + tuner_pick(a, b, dtype))
-            del times["default"]
-        if times:
-            lbl = min(times, key=times.get)
-            best[col if col != "ours" else "ours (best)"] = (times[lbl], lbl)
-    if torch is not None and dtype == BF16 and not small:
+            ok[col, label] = f
+            n_ok += 1
+        if small or not n_ok:
+            best[col] = (None, "checked" if n_ok else "failed")
+    if small:
+        return best, flops
+    # One measurement of every candidate of every column: its rounds alternate their order,
+    # so the clock's fall under the power cap as the GPU warms hits ours and cuBLAS alike.
+    runners = {key: (functools.partial(f, a, b), jax.block_until_ready) for key, f in ok.items()}
+    if torch is not None and dtype == BF16:
         ta, tb = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (k, n)))
-        t = measure({"torch": (lambda: torch.matmul(ta, tb), lambda _: torch.cuda.synchronize())})["torch"]
-        best["cuBLAS (torch)"] = (t, "")
+        runners["cuBLAS (torch)", ""] = (lambda: torch.matmul(ta, tb), lambda _: torch.cuda.synchronize())
+    times = measure(runners)
+    for (col, lbl), t in times.items():
+        if sum(c == col for c, _ in times) > 1:
+            print(f"  {col:13s} {lbl:32s} {flops / t / 1e12:7.1f} TFLOP/s")
+    head = [key for key in (("ours", "default"), ("cuBLAS (XLA)", "")) if key in runners]
+    if len(head) == 2 and len(runners) > 2:
+        # The headline pair again, alone: 15 rounds of 0.1 s, so that both see the same clock
+        # (two runs of the one default kernel differed by 3-6 % in the listing's measurement).
+        times.update(measure({key: runners[key] for key in head}, rounds=15, min_round_s=0.1))
+    for col in dict.fromkeys(c for c, _ in times):
+        mine = {lbl: t for (c, lbl), t in times.items() if c == col}
+        if col == "ours":
+            best["ours (default)"] = (mine.pop("default"), "default: " + tuner_pick(a, b, dtype))
+        if mine:
+            lbl = min(mine, key=mine.get)
+            best[col if col != "ours" else "ours (best)"] = (mine[lbl], lbl)
     return best, flops
 
 

@@ -179,6 +179,29 @@ def all_lowered(f, *args):
     return found
 
 
+def ops_outside_kernels(f, *args) -> set[str]:
+    """The primitives ``f`` runs outside its pallas_call kernels (through jit
+    and other sub-jaxprs, not into a kernel's body)."""
+    from jax.extend import core as jex_core
+
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            found.add(eqn.primitive.name)
+            if eqn.primitive.name == "pallas_call":
+                continue
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return found
+
+
 def check_all_compile(f, args, compiler_params) -> int:
     """Compiles every pallas_call kernel in ``f`` for each of ``COMPILE_TARGETS``;
     returns how many kernels there were."""

@@ -17,7 +17,8 @@ width, with enough programs in flight to fill the GPU:
   tokens with an online softmax in base 2 (f32 accumulation, inputs loaded in
   their own dtype, software-pipelined by ``num_stages``) and writes its
   unnormalized partial output with its running max and sum. A second, small
-  kernel combines the parts per query head.
+  kernel combines the parts per query head. With one split (no residuals
+  asked) the program finishes its rows itself and no second kernel runs.
 * ``start_idx`` and ``kv_seq_len`` (per batch row) bound the tokens each row
   attends to: a program only walks the blocks that hold valid tokens (a part
   wholly outside them does no memory traffic), and masks the tokens of its
@@ -119,8 +120,36 @@ def pad_rows(x, rows: int):
     return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
-def _split_kernel(q_ref, k_ref, v_ref, start_ref, len_ref, o_ref, m_ref, l_ref, *, scale, block_k, per_split,
-                  group, rows):  # fmt: skip
+def store_result(out_refs, m, l, acc, group: int, normalize: bool):
+    """Stores a program's rows. One output ref (one split, no residuals): the
+    finished output in its dtype, so no second kernel runs; three: the
+    unnormalized part with its running max and sum, for ``combine``."""
+    if len(out_refs) == 1:
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None] if normalize else acc
+        out_refs[0][...] = out[:group].astype(out_refs[0].dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...], m_ref[...], l_ref[...] = acc[:group], m[:group], l[:group]
+
+
+def result_specs(B: int, H: int, group: int, D: int, ks: int, out_dtype, residuals: bool):
+    """(out_shape, out_specs) of a decode kernel over the grid (row, KV head,
+    split): the output itself for one split without residuals (see
+    ``store_result``), else the parts for ``combine``."""
+    if ks == 1 and not residuals:
+        return [jax.ShapeDtypeStruct((B, H, D), out_dtype)], [
+            pl.BlockSpec((None, group, D), lambda b, h, s: (b, h, 0))
+        ]
+    stat_spec = pl.BlockSpec((None, group, None), lambda b, h, s: (b, h, s))
+    return [jax.ShapeDtypeStruct((B, H, ks, D), _F32), *[jax.ShapeDtypeStruct((B, H, ks), _F32)] * 2], [
+        pl.BlockSpec((None, group, None, D), lambda b, h, s: (b, h, s, 0)),
+        stat_spec,
+        stat_spec,
+    ]
+
+
+def _split_kernel(q_ref, k_ref, v_ref, start_ref, len_ref, *out_refs, scale, block_k, per_split, group, rows,
+                  normalize):  # fmt: skip
     seq_len = k_ref.shape[0]
     lo_tok = jnp.maximum(start_ref[()], 0)
     hi_tok = jnp.minimum(len_ref[()], seq_len)
@@ -144,7 +173,7 @@ def _split_kernel(q_ref, k_ref, v_ref, start_ref, len_ref, o_ref, m_ref, l_ref, 
         jnp.zeros((rows, q_ref.shape[1]), _F32),
     )
     m, l, acc = lax.fori_loop(lo, hi, body, init)
-    o_ref[...], m_ref[...], l_ref[...] = acc[:group], m[:group], l[:group]
+    store_result(out_refs, m, l, acc, group, normalize)
 
 
 def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *res_refs, normalize: bool, base2: bool):
@@ -272,16 +301,12 @@ def _decode(q, k, v, start_idx, kv_seq_len, *, name, sm_scale, block_h, block_k,
 
     kv_spec = pl.BlockSpec((None, S, None, D), lambda b, h, s: (b, 0, h, 0))
     pos_spec = pl.BlockSpec((None,), lambda b, h, s: (b,))
-    part_spec = pl.BlockSpec((None, group, None, D), lambda b, h, s: (b, h, s, 0))
-    stat_spec = pl.BlockSpec((None, group, None), lambda b, h, s: (b, h, s))
+    out_shape, out_specs = result_specs(B, Hq, group, D, ks, q.dtype, return_residuals)
     kernel = functools.partial(_split_kernel, scale=sm_scale * LOG2E, block_k=block_k, per_split=per_split,
-                               group=group, rows=rows)  # fmt: skip
-    o, m, l = pl.pallas_call(
+                               group=group, rows=rows, normalize=normalize_output)  # fmt: skip
+    outs = pl.pallas_call(
         kernel,
-        out_shape=[
-            jax.ShapeDtypeStruct((B, Hq, ks, D), _F32),
-            *[jax.ShapeDtypeStruct((B, Hq, ks), _F32)] * 2,
-        ],
+        out_shape=out_shape,
         grid=(B, Hkv, ks),
         in_specs=[
             pl.BlockSpec((None, group, D), lambda b, h, s: (b, h, 0)),
@@ -290,11 +315,14 @@ def _decode(q, k, v, start_idx, kv_seq_len, *, name, sm_scale, block_h, block_k,
             pos_spec,
             pos_spec,
         ],
-        out_specs=[part_spec, stat_spec, stat_spec],
+        out_specs=out_specs,
         name=f"{name}_decode",
         debug=debug,
         **call_params(interpret, num_warps or default_warps(rows), num_stages),
     )(q, k, v, start, length)
+    if len(outs) == 1:  # one split: the kernel wrote the output
+        return outs[0]
+    o, m, l = outs
     return combine(o, m, l, q.dtype, normalize=normalize_output, residuals=return_residuals, base2=True,
                    interpret=interpret, debug=debug, name=name)  # fmt: skip
 

@@ -13,7 +13,9 @@ page-table gather:
   (each row one contiguous ``head_dim`` vector) straight from the page pool,
   software-pipelined like a dense load;
 * the tokens are split ``k_splits`` ways over programs, and a small kernel
-  combines the parts; a program only walks blocks below its row's length,
+  combines the parts (with one split, the default where the (row, KV head)
+  pairs fill the GPU, the program writes the output itself); a program only
+  walks blocks below its row's length,
   and tokens past the length are masked and never read (nor are their
   block-table entries).
 
@@ -66,7 +68,7 @@ def _kernel(*refs, has_k_scales, has_v_scales, block_pages, page_size, per_split
     ks_ref = refs.pop(0) if has_k_scales else None
     v_ref = refs.pop(0)
     vs_ref = refs.pop(0) if has_v_scales else None
-    bt_ref, len_ref, o_ref, m_ref, l_ref = refs
+    bt_ref, len_ref, *out_refs = refs
     block_k = block_pages * page_size
     hi_tok = jnp.minimum(len_ref[()], bt_ref.shape[0] * page_size)
     lo, hi = _dec.token_bounds(0, hi_tok, pl.program_id(2), block_k, per_split)
@@ -98,7 +100,7 @@ def _kernel(*refs, has_k_scales, has_v_scales, block_pages, page_size, per_split
         jnp.zeros((rows, q_ref.shape[1]), _F32),
     )
     m, l, acc = lax.fori_loop(lo, hi, body, init)
-    o_ref[...], m_ref[...], l_ref[...] = acc[:group], m[:group], l[:group]
+    _dec.store_result(out_refs, m, l, acc, group, normalize=True)
 
 
 def _check(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_pages, block_h,
@@ -255,6 +257,7 @@ def paged_attention(
         pl.BlockSpec((None,), lambda b, h, s: (b,)),
     ]
     args += [block_tables.astype(jnp.int32), lengths]
+    out_shape, out_specs = _dec.result_specs(B, Hq, group, D, ks, q.dtype, residuals=False)
     kernel = functools.partial(
         _kernel,
         has_k_scales=k_scales_pages is not None,
@@ -268,22 +271,19 @@ def paged_attention(
         mask_value=max(mask_value * _dec.LOG2E, -float(np.finfo(np.float32).max)),
         soft_cap=attn_logits_soft_cap,
     )
-    o, m, l = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
-        out_shape=[
-            jax.ShapeDtypeStruct((B, Hq, ks, D), _F32),
-            *[jax.ShapeDtypeStruct((B, Hq, ks), _F32)] * 2,
-        ],
+        out_shape=out_shape,
         grid=(B, Hkv, ks),
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, group, None, D), lambda b, h, s: (b, h, s, 0)),
-            *[pl.BlockSpec((None, group, None), lambda b, h, s: (b, h, s))] * 2,
-        ],
+        out_specs=out_specs,
         name="paged_attention",
         debug=debug,
         **call_params(interpret, num_warps or _dec.default_warps(rows), num_stages),
     )(*args)
+    if len(outs) == 1:  # one split: the kernel wrote the output
+        return outs[0]
+    o, m, l = outs
     return _dec.combine(o, m, l, q.dtype, normalize=True, residuals=False, base2=True, interpret=interpret,
                         debug=debug, name="paged_attention")  # fmt: skip
 

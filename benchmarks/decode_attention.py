@@ -274,6 +274,16 @@ def sweep(args, jdec, jpaged, failed):
         write_results("decode_attention", rows, FIELDS, [panel], out_dir=args.out, panel_size=(8, 5))
 
 
+def serving_table(args, jdec, jpaged, failed) -> None:
+    shape = (2, 8, 2, 256, 32) if args.small else (32, 32, 8, 8192, 128)
+    pb = Problem(*shape, page_size=16)
+    print(f"decode: batch {shape[0]}, {shape[1]} q heads / {shape[2]} KV heads, {shape[3]} tokens, D{shape[4]}, "
+          f"bf16, 16-token pages; KV read {pb.kv_bytes / 1e9:.3f} GB")  # fmt: skip
+    runners = checked(columns(pb, args.small, jdec, jpaged), pb.reference(), 3e-2, failed)
+    if not args.small or args.time:
+        main_table(pb, runners, copy_runner(1 << (20 if args.small else 30)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -283,6 +293,7 @@ def main() -> int:
         "--time", action="store_true", help="with --small: also run the timing code (to test the script)"
     )
     ap.add_argument("--no-sweep", action="store_true", help="only the serving-size table")
+    ap.add_argument("--sweep-only", action="store_true", help="only the sweep over 1k-32k cached tokens")
     ap.add_argument("--out", default=str(RESULTS), help="folder of the CSV and PNG")
     args = ap.parse_args()
     if not args.small and not has_gpu():
@@ -293,19 +304,13 @@ def main() -> int:
     jdec, jpaged = jax_ops()
     failed = []
     print(f"jax {jax.__version__}, device {jax.devices()[0]}")
-    try:
-        shape = (2, 8, 2, 256, 32) if args.small else (32, 32, 8, 8192, 128)
-        pb = Problem(*shape, page_size=16)
-        print(f"decode: batch {shape[0]}, {shape[1]} q heads / {shape[2]} KV heads, {shape[3]} tokens, D{shape[4]}, "
-              f"bf16, 16-token pages; KV read {pb.kv_bytes / 1e9:.3f} GB")  # fmt: skip
-        runners = checked(columns(pb, args.small, jdec, jpaged), pb.reference(), 3e-2, failed)
-        if not args.small or args.time:
-            main_table(pb, runners, copy_runner(1 << (20 if args.small else 30)))
-        del pb, runners
+    if not args.sweep_only:
+        try:
+            serving_table(args, jdec, jpaged, failed)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            failed.append("serving-size table")
         gc.collect()
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-        failed.append("serving-size table")
     if not args.no_sweep:
         try:
             sweep(args, jdec, jpaged, failed)

@@ -304,19 +304,16 @@ def main() -> int:
     jdec, jpaged = jax_ops()
     failed = []
     print(f"jax {jax.__version__}, device {jax.devices()[0]}")
-    if not args.sweep_only:
+    for wanted, part, what in ((not args.sweep_only, serving_table, "serving-size table"),
+                               (not args.no_sweep, sweep, "sweep")):  # fmt: skip
+        if not wanted:
+            continue
         try:
-            serving_table(args, jdec, jpaged, failed)
+            part(args, jdec, jpaged, failed)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-            failed.append("serving-size table")
+            failed.append(what)
         gc.collect()
-    if not args.no_sweep:
-        try:
-            sweep(args, jdec, jpaged, failed)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            failed.append("sweep")
     print(f"failed: {', '.join(failed) or 'none'}")
     return 1 if failed else 0
 

@@ -171,6 +171,86 @@ def test_failing_configs_are_skipped_and_all_failing_raises():
         g(x, x)
 
 
+def maybe_wrong_add(x, y, *, block, wrong=False):
+    """scaled_add, off by one where ``wrong`` (a miscompiled config, as a checked tuner meets it)."""
+    out = scaled_add(x, y, block=block)
+    return out + 1.0 if wrong else out
+
+
+def adds_up(out, x, y, **kwargs):
+    return bool(jnp.allclose(out, x + y, rtol=1e-6))
+
+
+CHECKED = [dict(block=64), dict(block=128, wrong=True), dict(block=256)]
+
+
+def test_a_config_with_a_wrong_result_is_left_out(capfd):
+    x, y = random((300,), jnp.float32), random((300,), jnp.float32)
+    timer = FakeTimer([2.0, 1.0])  # the configs that pass the check: 64 and 256
+    f = plgpu.autotune(maybe_wrong_add, configs=CHECKED, timer=timer, check=adds_up, name="checked_add")
+    np.testing.assert_allclose(f(x, y), x + y, rtol=1e-6)
+    assert f.best_config(x, y) == dict(block=256)
+    assert len(timer.calls) == 2
+    (times,) = f.times.values()
+    assert times == [2.0, float("inf"), 1.0]
+    err = capfd.readouterr().err
+    assert (
+        "plgpu.autotune(checked_add): config 1 {'block': 128, 'wrong': True} gave a wrong result for " in err
+    )
+    assert "(300,):float32" in err and "its output fails the check); it is left out" in err
+    # Unchecked, the fastest config wins whatever it computes.
+    g = plgpu.autotune(maybe_wrong_add, configs=CHECKED, timer=FakeTimer([2.0, 1.0, 3.0]), name="unchecked")
+    assert g.best_config(x, y) == dict(block=128, wrong=True)
+
+
+def test_a_check_that_raises_rejects_the_output_and_all_wrong_raises(capfd):
+    x = random((256,), jnp.float32)
+
+    def strict(out, x, y, **kwargs):
+        if not jnp.allclose(out, x + y):
+            raise AssertionError("not x + y")
+        return True
+
+    f = plgpu.autotune(
+        maybe_wrong_add, configs=CHECKED, timer=FakeTimer([1.0, 2.0]), check=strict, name="strict"
+    )
+    assert f.best_config(x, x) == dict(block=64)
+    assert "the check raised AssertionError: not x + y" in capfd.readouterr().err
+    all_wrong = [dict(block=64, wrong=True), dict(block=128, wrong=True)]
+    g = plgpu.autotune(
+        maybe_wrong_add, configs=all_wrong, timer=FakeTimer([]), check=adds_up, name="wrong_add"
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"plgpu.autotune\(wrong_add\): every config failed; config 0 .* raised WrongResult: "
+        r"config 0 .*: its output fails the check",
+    ):
+        g(x, x)
+
+
+def test_a_checked_tuning_is_not_an_unchecked_ones_winner():
+    x = random((256,), jnp.float32)
+    plgpu.autotune(maybe_wrong_add, configs=CHECKED, timer=FakeTimer([2.0, 1.0, 3.0]), name="w").best_config(
+        x, x
+    )
+    # The unchecked winner (the wrong config) is on disk; a checking tuner of the same function tunes again.
+    timer = FakeTimer([2.0, 3.0])
+    f = plgpu.autotune(maybe_wrong_add, configs=CHECKED, timer=timer, check=adds_up, name="w")
+    assert f.best_config(x, x) == dict(block=64) and len(timer.calls) == 2
+
+
+def test_matmul_checks_its_candidates():
+    from pallas_gpu.ops import matmul as mm
+
+    a, b = random((64, 32), jnp.bfloat16), random((32, 48), jnp.bfloat16)
+    good = jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    assert mm._close_to_dot(good, a, b, out_dtype=jnp.bfloat16)
+    assert not mm._close_to_dot(good.at[3, 7].set(jnp.nan), a, b)
+    assert not mm._close_to_dot(good.at[0, 0].add(1.0 + jnp.max(jnp.abs(good))), a, b)
+    assert not mm._close_to_dot(jnp.zeros_like(good), a, b)
+    assert mm._tuned(mm.configs_for(64, 48, 32)).check is mm._close_to_dot
+
+
 def test_tunes_at_trace_time_under_jit():
     timer = FakeTimer([2.0, 3.0, 1.0])
     f = plgpu.autotune(configs=CONFIGS, timer=timer)(scaled_add)  # decorator form
@@ -243,6 +323,8 @@ def test_bad_configs():
             ValueError, match=r"plgpu.autotune\(.*scaled_add\): min_batch_s must be a positive"
         ):
             plgpu.autotune(scaled_add, configs=CONFIGS, min_batch_s=bad)
+    with pytest.raises(ValueError, match=r"plgpu.autotune\(.*scaled_add\): check must be a callable"):
+        plgpu.autotune(scaled_add, configs=CONFIGS, check=1e-3)
 
 
 def test_a_long_tuning_prints_its_progress(monkeypatch, capfd):

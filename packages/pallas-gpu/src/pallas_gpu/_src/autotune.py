@@ -156,10 +156,14 @@ def interleaved_times(
     return times, errors
 
 
+class WrongResult(Exception):
+    """A config's output failed the ``check`` of ``plgpu.autotune``."""
+
+
 class Autotuned:
     """A function tuned over ``configs``; see ``plgpu.autotune``."""
 
-    def __init__(self, fn, configs, key, name, warmup, repeats, timer, min_batch_s=2e-3):
+    def __init__(self, fn, configs, key, name, warmup, repeats, timer, min_batch_s=2e-3, check=None):
         if not configs or not all(isinstance(c, dict) for c in configs):
             raise ValueError(f"plgpu.autotune({_fn_name(fn)}): configs must be a non-empty list of dicts")
         if isinstance(min_batch_s, bool) or not isinstance(min_batch_s, (int, float)) or not min_batch_s > 0:
@@ -174,13 +178,21 @@ class Autotuned:
         self.warmup = warmup
         self.repeats = repeats
         self.timer = timer
+        if check is not None and not callable(check):
+            raise ValueError(
+                f"plgpu.autotune({_fn_name(fn)}): check must be a callable check(out, *args, **kwargs) -> bool "
+                f"or None; got {check!r}"
+            )
         self.min_batch_s = min_batch_s
+        self.check = check
         self.times: dict[str, list[float]] = {}  # tune key -> seconds per config (inf: failed)
-        # How the configs are timed is part of the key: a winner picked from short bursts is
-        # not reused by a tuner that asks for sustained batches.
+        # How the configs are timed (and whether their outputs are checked) is part of the key:
+        # a winner picked from short bursts is not reused by a tuner that asks for sustained
+        # batches, nor an unchecked one by a tuner that checks.
         self._identity = sha256(
-            self.name, _source_hash(fn), [sorted(c.items()) for c in self.configs], repeats, min_batch_s
-        )
+            self.name, _source_hash(fn), [sorted(c.items()) for c in self.configs], repeats, min_batch_s,
+            check is not None,
+        )  # fmt: skip
         self._jitted: dict[tuple[int, str], Callable] = {}
         self._lock = threading.Lock()
         functools.update_wrapper(self, fn)
@@ -256,26 +268,58 @@ class Autotuned:
     def _shapes(args) -> str:
         return ", ".join(_aval_key(x) for x in jax.tree.leaves(args))
 
+    def _wrong_results(self, data, kwargs) -> list[tuple[int, Exception]]:
+        """[(index, WrongResult)] of the configs whose output on ``data`` fails
+        ``check`` (a config that cannot run is left to the timing to report)."""
+        wrong = []
+        for i in range(len(self.configs)):
+            try:
+                out = self._jit(i, kwargs)(*data)
+            except Exception:  # noqa: BLE001 - reported by the timing, as a config that cannot run
+                continue
+            try:
+                ok = bool(self.check(out, *data, **kwargs))
+                why = "its output fails the check"
+            except Exception as e:  # noqa: BLE001 - a check that raises rejects the output
+                ok, why = False, f"the check raised {type(e).__name__}: {e}"
+            if not ok:
+                wrong.append((i, WrongResult(f"config {i} {self.configs[i]}: {why}")))
+                print(
+                    f"plgpu.autotune({self.name}): config {i} {self.configs[i]} gave a wrong result for "
+                    f"{self._shapes(data)} ({why}); it is left out",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return wrong
+
     def _time_configs(self, key: str, args, kwargs) -> int:
         leaves, tree = jax.tree.flatten(args)
         data = jax.tree.unflatten(tree, [_timing_data(x, i) for i, x in enumerate(leaves)])
+        errors = self._wrong_results(data, kwargs) if self.check is not None else []
+        wrong = {i for i, _ in errors}
+        timed = [i for i in range(len(self.configs)) if i not in wrong]
+        times = [float("inf")] * len(self.configs)
         if self.timer is None:
-            fns = [self._jit(i, kwargs) for i in range(len(self.configs))]
-            times, errors = interleaved_times(
-                fns, data, warmup=self.warmup, repeats=self.repeats, min_batch_s=self.min_batch_s
+            ts, errs = interleaved_times(
+                [self._jit(i, kwargs) for i in timed],
+                data,
+                warmup=self.warmup,
+                repeats=self.repeats,
+                min_batch_s=self.min_batch_s,
             )
+            for i, t in zip(timed, ts):
+                times[i] = t
+            errors += [(timed[j], e) for j, e in errs]
         else:
-            times, errors = [], []
-            for i in range(len(self.configs)):
+            for i in timed:
                 try:
-                    times.append(float(self.timer(self._jit(i, kwargs), data)))
+                    times[i] = float(self.timer(self._jit(i, kwargs), data))
                 except Exception as e:  # noqa: BLE001 - a config that cannot run loses
-                    times.append(float("inf"))
                     errors.append((i, e))
         self.times[key] = times
         best = int(np.argmin(times))
         if times[best] == float("inf"):
-            i, e = errors[0]
+            i, e = min(errors, key=lambda ie: ie[0])
             raise RuntimeError(
                 f"plgpu.autotune({self.name}): every config failed; config {i} "
                 f"{self.configs[i]} raised {type(e).__name__}: {e}"
@@ -318,6 +362,7 @@ def autotune(
     repeats: int = 5,
     timer: Callable[[Callable, Sequence[Any]], float] | None = None,
     min_batch_s: float = 2e-3,
+    check: Callable[..., bool] | None = None,
 ):
     """Picks the fastest of several configurations of a kernel, per shape.
 
@@ -352,6 +397,13 @@ def autotune(
       min_batch_s: the shortest timed batch, in seconds. A GPU can run a short
         burst at a higher clock than a sustained load; batches as long as a
         real workload's steps rank the configs as that workload sees them.
+      check: ``check(out, *args, **kwargs) -> bool``, whether a config's
+        output on the tuning data is right (say, close to a plain-jnp
+        reference). A config whose output fails it, or whose check raises, is
+        left out of the timing, with a line on stderr: a compiler can
+        miscompile one launch configuration of a correct kernel (Triton 3.6
+        gave NaN for some on the H200). ``pallas_gpu.ops.matmul`` checks its
+        candidates against an f32 XLA dot.
 
     Returns:
       An ``Autotuned`` callable; ``.best_config(*args)`` says which config it
@@ -367,5 +419,6 @@ def autotune(
             repeats=repeats,
             timer=timer,
             min_batch_s=min_batch_s,
+            check=check,
         )
-    return Autotuned(fn, configs, key, name, warmup, repeats, timer, min_batch_s)
+    return Autotuned(fn, configs, key, name, warmup, repeats, timer, min_batch_s, check)

@@ -330,6 +330,14 @@ def _by_config(a, b, *, config, out_dtype, interpret, debug):
     return matmul_with_config(a, b, config, out_dtype=out_dtype, interpret=interpret, debug=debug)
 
 
+def _close_to_dot(out, a, b, **_) -> bool:
+    """Whether ``out`` is ``a @ b`` to within 2 % of the largest entry (bf16
+    rounding of the result is 0.4 %; a miscompiled kernel is off by far more, or NaN)."""
+    ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    err = jnp.max(jnp.abs(out.astype(jnp.float32) - ref))
+    return bool(err <= 2e-2 * jnp.max(jnp.abs(ref)))  # False for NaN
+
+
 @functools.cache
 def _tuned(configs: tuple[MatmulConfig | Sm90Config, ...]):
     # Batches of 25 ms, not autotune's 2 ms: a big matmul draws the H200 to its power limit
@@ -345,6 +353,7 @@ def _tuned(configs: tuple[MatmulConfig | Sm90Config, ...]):
         warmup=3,
         repeats=12,
         min_batch_s=0.025,
+        check=_close_to_dot,
     )
 
 
@@ -365,7 +374,8 @@ def matmul(
         inputs need float32, bfloat16 or float16). Accumulation is f32.
       config: a ``MatmulConfig`` (or, on an sm_90 GPU, an ``Sm90Config``);
         None tunes over ``configs_for(m, n, k, ...)`` on the first call with
-        these shapes on a GPU (the first candidate on a CPU).
+        these shapes on a GPU, leaving out a candidate whose output is not
+        close to an f32 XLA dot (the first candidate on a CPU).
       interpret: ``True`` (pallas-core's interpreter) or
         ``plgpu.InterpretParams()`` (the generated Triton code on the CPU).
     """

@@ -152,54 +152,42 @@ def source_options(eqn) -> tuple:
     )
 
 
+def eqns_outside_kernels(f, *args):
+    """The equations of ``f``'s jaxpr, through jit, custom_vjp and other
+    sub-jaxprs (e.g. a backward pass), not into a pallas_call kernel's body
+    (the pallas_call equations themselves are included)."""
+    from jax.extend import core as jex_core
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            if eqn.primitive.name == "pallas_call":
+                continue
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        yield from walk(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        yield from walk(sub)
+
+    return list(walk(jax.make_jaxpr(f)(*args).jaxpr))
+
+
 def all_lowered(f, *args):
     """The generated Triton kernels of every pallas_call in ``f``, including
     those inside jit, custom_vjp and other sub-jaxprs (e.g. a backward pass)."""
-    from jax.extend import core as jex_core
-
     from pallas_gpu._src.pallas_call_registration import lowered_kernel
 
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found.append(
-                    lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"], source_options(eqn))
-                )
-                continue
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    if isinstance(sub, jex_core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jex_core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(f)(*args).jaxpr)
-    return found
+    return [
+        lowered_kernel(eqn.params["jaxpr"], eqn.params["grid_mapping"], source_options(eqn))
+        for eqn in eqns_outside_kernels(f, *args)
+        if eqn.primitive.name == "pallas_call"
+    ]
 
 
 def ops_outside_kernels(f, *args) -> set[str]:
-    """The primitives ``f`` runs outside its pallas_call kernels (through jit
-    and other sub-jaxprs, not into a kernel's body)."""
-    from jax.extend import core as jex_core
-
-    found = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            found.add(eqn.primitive.name)
-            if eqn.primitive.name == "pallas_call":
-                continue
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    if isinstance(sub, jex_core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jex_core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(f)(*args).jaxpr)
-    return found
+    """The primitives ``f`` runs outside its pallas_call kernels."""
+    return {eqn.primitive.name for eqn in eqns_outside_kernels(f, *args)}
 
 
 def check_all_compile(f, args, compiler_params) -> int:

@@ -125,6 +125,19 @@ def test_gqa_residuals_and_unnormalized_output():
         assert np.all(np.isneginf(np.asarray(m[1])))
 
 
+@pytest.mark.parametrize("k_splits", [1, 3])  # one split: the kernel writes the output itself
+def test_mqa_unnormalized_output_without_residuals(k_splits):
+    B, H, S, D = 2, 4, 64, 32
+    q, k, v = normal((B, H, D)), normal((B, S, D)), normal((B, S, D))
+    ln = jnp.asarray([64, 21], jnp.int32)
+    out = da.mqa(q, k, v, None, ln, block_k=16, k_splits=k_splits, normalize_output=False,
+                 interpret=triton_mode())  # fmt: skip
+    for b, n in enumerate([64, 21]):  # plain jnp: sum_t exp(logit_t - max) v_t over the row's tokens
+        logits = q[b] @ k[b, :n].T / math.sqrt(D)
+        p = jnp.exp(logits - logits.max(-1, keepdims=True))
+        assert_close(out[b], p @ v[b, :n], **tolerance(jnp.float32))
+
+
 def test_mqa_matches_plain_attention():
     B, H, S, D = 2, 20, 77, 32
     q, k, v = (

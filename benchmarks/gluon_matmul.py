@@ -27,8 +27,10 @@ from __future__ import annotations
 import sys
 
 import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
-from pallas_gpu.ops._matmul_sm90_kernel import matmul_coop, matmul_pingpong
+from pallas_gpu.ops._matmul_sm90_kernel import _matmul, matmul_coop, matmul_pingpong
 
 GROUP_M = 8
 SHAPES = [
@@ -44,8 +46,20 @@ CONFIGS = [
     ("pp", 64, 256, 64, 3),
     ("co", 128, 256, 64, 3),
     ("co", 128, 128, 64, 6),
+    ("co-", 128, 256, 64, 3),
 ]
-KERNELS = {"pp": matmul_pingpong, "co": matmul_coop}
+
+
+@gluon.jit
+def matmul_coop_unstored(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr,
+                         BN: gl.constexpr, BK: gl.constexpr, NBUF: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
+    """``matmul_coop`` without its epilogue (C is left unwritten): a timing
+    diagnostic; its time beside "co"'s is what the epilogue costs."""
+    _matmul(A, B, C, M, N, K, BM, BN, BK, NBUF, GROUP, True, False)
+
+
+# "co-": "co" with C left unwritten (its error is reported, not a failure).
+KERNELS = {"pp": matmul_pingpong, "co": matmul_coop, "co-": matmul_coop_unstored}
 
 
 def _pick(argv, flag, items):

@@ -118,9 +118,10 @@ def _pingpong_warpgroup(cd, a_smem, b_smem, c_smem, ready, empty, turn, WG: gl.c
 @gluon.jit
 def _coop_warpgroup(cd, a_smem, b_smem, c_smem, ready, empty, turn, WG: gl.constexpr, M: gl.constexpr,
                     N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                    NBUF: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
+                    NBUF: gl.constexpr, GROUP: gl.constexpr, STORE: gl.constexpr):  # fmt: skip
     """Rows ``64 WG`` to ``+ 64`` of each of this program's tiles (``turn``
-    unused)."""
+    unused). ``STORE`` False leaves C unwritten: a timing diagnostic
+    (``benchmarks/gluon_matmul.py``) of what the epilogue costs."""
     HM: gl.constexpr = BM // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BN, 16])  # fmt: skip
@@ -134,7 +135,8 @@ def _coop_warpgroup(cd, a_smem, b_smem, c_smem, ready, empty, turn, WG: gl.const
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((c + KSTEPS - 1) % NBUF))
         c += KSTEPS
-        _store_tile(cd, c_smem, acc, m0 + WG * HM, n0)
+        if STORE:
+            _store_tile(cd, c_smem, acc, m0 + WG * HM, n0)
     tma.store_wait(0)
 
 
@@ -161,7 +163,8 @@ def _producer(ad, bd, a_smem, b_smem, ready, empty, M: gl.constexpr, N: gl.const
 
 @gluon.jit
 def _matmul(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-            BK: gl.constexpr, NBUF: gl.constexpr, GROUP: gl.constexpr, COOP: gl.constexpr):  # fmt: skip
+            BK: gl.constexpr, NBUF: gl.constexpr, GROUP: gl.constexpr, COOP: gl.constexpr,
+            STORE: gl.constexpr = True):  # fmt: skip
     dtype: gl.constexpr = A.dtype.element_ty
     tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     CM: gl.constexpr = BM // 2 if COOP else BM  # rows of C one warpgroup stores
@@ -187,8 +190,8 @@ def _matmul(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BM: gl.c
     if COOP:
         gl.warp_specialize(
             [
-                (_coop_warpgroup, (cd, a_smem, b_smem, c0_smem, ready, empty, turn, 0, M, N, K, BM, BN, BK, NBUF, GROUP)),
-                (_coop_warpgroup, (cd, a_smem, b_smem, c1_smem, ready, empty, turn, 1, M, N, K, BM, BN, BK, NBUF, GROUP)),
+                (_coop_warpgroup, (cd, a_smem, b_smem, c0_smem, ready, empty, turn, 0, M, N, K, BM, BN, BK, NBUF, GROUP, STORE)),
+                (_coop_warpgroup, (cd, a_smem, b_smem, c1_smem, ready, empty, turn, 1, M, N, K, BM, BN, BK, NBUF, GROUP, STORE)),
                 (_producer, (ad, bd, a_smem, b_smem, ready, empty, M, N, K, BM, BN, BK, NBUF, GROUP)),
             ],
             worker_num_warps=[4, 1],

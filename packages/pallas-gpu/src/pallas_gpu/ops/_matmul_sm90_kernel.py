@@ -62,23 +62,12 @@ def _k_loop(a_smem, b_smem, ready, empty, c, acc, HM: gl.constexpr, WG: gl.const
             NBUF: gl.constexpr):  # fmt: skip
     """The k steps of one tile from ring position ``c`` on, rows ``WG * HM``
     to ``+ HM`` of each A slot; every slot is released once read, the last
-    one after the final wait (the caller's). Returns the accumulator with
-    its last wgmma in flight."""
+    one after the final wait. Returns the accumulator (all wgmmas done)."""
     mbarrier.wait(ready.index(c % NBUF), (c // NBUF) & 1)
     acc = hopper.warpgroup_mma(a_smem.index(c % NBUF).slice(WG * HM, HM), b_smem.index(c % NBUF), acc,
                                use_acc=False, is_async=True)  # fmt: skip
-    return _k_steps(a_smem, b_smem, ready, empty, c, acc, HM, WG, 1, KSTEPS, NBUF)
-
-
-@gluon.jit
-def _k_steps(a_smem, b_smem, ready, empty, c, acc, HM: gl.constexpr, WG: gl.constexpr, FIRST: gl.constexpr,
-             KSTEPS: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
-    """k steps ``FIRST`` to ``KSTEPS - 1`` of the tile whose first step is at
-    ring position ``c``, step ``FIRST - 1`` already issued: one wgmma in
-    flight, each slot released once the wgmma after the one that read it is
-    issued."""
     acc = hopper.warpgroup_mma_wait(1, deps=[acc])
-    for k in range(FIRST, KSTEPS):
+    for k in range(1, KSTEPS):
         slot = (c + k) % NBUF
         mbarrier.wait(ready.index(slot), ((c + k) // NBUF) & 1)
         acc = hopper.warpgroup_mma(a_smem.index(slot).slice(WG * HM, HM), b_smem.index(slot), acc,
@@ -129,49 +118,28 @@ def _pingpong_warpgroup(cd, a_smem, b_smem, c_smem, ready, empty, turn, WG: gl.c
 @gluon.jit
 def _coop_warpgroup(cd, a_smem, b_smem, c_smem, ready, empty, turn, WG: gl.constexpr, M: gl.constexpr,
                     N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                    NBUF: gl.constexpr, GROUP: gl.constexpr, STORE: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
+                    NBUF: gl.constexpr, GROUP: gl.constexpr, STORE: gl.constexpr):  # fmt: skip
     """Rows ``64 WG`` to ``+ 64`` of each of this program's tiles (``turn``
-    unused). ``OVERLAP``: a tile's result waits in registers (converted to
-    C's dtype) until the next tile's first wgmma is issued, and goes to C
-    while the tensor cores run it, so they are idle between tiles only while
-    the last wgmma drains; without, the store comes first. ``STORE`` False
-    leaves C unwritten. Both are timing diagnostics of what the epilogue
-    costs (``benchmarks/gluon_matmul.py``); the kernel has both True."""
+    unused). ``STORE`` False stores only the program's last tile: a timing
+    diagnostic (``benchmarks/gluon_matmul.py``) of what the epilogue costs
+    (with no tile stored, the compiler drops the wgmmas)."""
     HM: gl.constexpr = BM // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BN, 16])  # fmt: skip
     KSTEPS: gl.constexpr = (K + BK - 1) // BK
     TILES: gl.constexpr = ((M + BM - 1) // BM) * ((N + BN - 1) // BN)
     c = 0
-    pending = gl.zeros([HM, BN], cd.dtype, acc_layout)  # the previous tile's rows, not yet stored
-    pm0 = 0
-    pn0 = 0
     for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
         m0, n0 = _tile(t, M, N, BM, BN, GROUP)
-        acc = gl.zeros([HM, BN], gl.float32, acc_layout)
-        if OVERLAP:
-            mbarrier.wait(ready.index(c % NBUF), (c // NBUF) & 1)
-            acc = hopper.warpgroup_mma(a_smem.index(c % NBUF).slice(WG * HM, HM), b_smem.index(c % NBUF), acc,
-                                       use_acc=False, is_async=True)  # fmt: skip
-            if STORE:
-                if c > 0:
-                    _store_tile(cd, c_smem, pending, pm0 + WG * HM, pn0)
-            acc = _k_steps(a_smem, b_smem, ready, empty, c, acc, HM, WG, 1, KSTEPS, NBUF)
-        else:
-            acc = _k_loop(a_smem, b_smem, ready, empty, c, acc, HM, WG, KSTEPS, NBUF)
+        acc = _k_loop(a_smem, b_smem, ready, empty, c, gl.zeros([HM, BN], gl.float32, acc_layout), HM, WG,
+                      KSTEPS, NBUF)  # fmt: skip
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((c + KSTEPS - 1) % NBUF))
         c += KSTEPS
         if STORE:
-            if OVERLAP:
-                pending = acc.to(cd.dtype)
-                pm0 = m0
-                pn0 = n0
-            else:
-                _store_tile(cd, c_smem, acc, m0 + WG * HM, n0)
-    if STORE and OVERLAP:
-        if c > 0:
-            _store_tile(cd, c_smem, pending, pm0 + WG * HM, pn0)
+            _store_tile(cd, c_smem, acc, m0 + WG * HM, n0)
+        elif t + gl.num_programs(0) >= TILES:
+            _store_tile(cd, c_smem, acc, m0 + WG * HM, n0)
     tma.store_wait(0)
 
 
@@ -199,7 +167,7 @@ def _producer(ad, bd, a_smem, b_smem, ready, empty, M: gl.constexpr, N: gl.const
 @gluon.jit
 def _matmul(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
             BK: gl.constexpr, NBUF: gl.constexpr, GROUP: gl.constexpr, COOP: gl.constexpr,
-            STORE: gl.constexpr = True, OVERLAP: gl.constexpr = True):  # fmt: skip
+            STORE: gl.constexpr = True):  # fmt: skip
     dtype: gl.constexpr = A.dtype.element_ty
     tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     CM: gl.constexpr = BM // 2 if COOP else BM  # rows of C one warpgroup stores
@@ -225,8 +193,8 @@ def _matmul(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BM: gl.c
     if COOP:
         gl.warp_specialize(
             [
-                (_coop_warpgroup, (cd, a_smem, b_smem, c0_smem, ready, empty, turn, 0, M, N, K, BM, BN, BK, NBUF, GROUP, STORE, OVERLAP)),
-                (_coop_warpgroup, (cd, a_smem, b_smem, c1_smem, ready, empty, turn, 1, M, N, K, BM, BN, BK, NBUF, GROUP, STORE, OVERLAP)),
+                (_coop_warpgroup, (cd, a_smem, b_smem, c0_smem, ready, empty, turn, 0, M, N, K, BM, BN, BK, NBUF, GROUP, STORE)),
+                (_coop_warpgroup, (cd, a_smem, b_smem, c1_smem, ready, empty, turn, 1, M, N, K, BM, BN, BK, NBUF, GROUP, STORE)),
                 (_producer, (ad, bd, a_smem, b_smem, ready, empty, M, N, K, BM, BN, BK, NBUF, GROUP)),
             ],
             worker_num_warps=[4, 1],

@@ -55,7 +55,7 @@ def matmul_coop_unstored(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.conste
                          BN: gl.constexpr, BK: gl.constexpr, NBUF: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
     """``matmul_coop`` storing only each program's last tile (so the compiler
     keeps every wgmma): a timing diagnostic; its time beside "co"'s is what
-    the epilogue of the other tiles costs."""
+    the other tiles' epilogues cost, their writes of C included."""
     _matmul(A, B, C, M, N, K, BM, BN, BK, NBUF, GROUP, True, False)
 
 

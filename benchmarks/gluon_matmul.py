@@ -30,7 +30,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from pallas_gpu.ops._matmul_sm90_kernel import _matmul, matmul_coop, matmul_coop_staggered, matmul_pingpong
+from pallas_gpu.ops._matmul_sm90_kernel import _matmul, matmul_coop, matmul_pingpong
 
 GROUP_M = 8
 SHAPES = [
@@ -39,17 +39,13 @@ SHAPES = [
     (8192, 8192, 1024),
     (1992, 3000, 1000),
 ]  # the last: edge tiles
-# kind "pp": ping-pong (each warpgroup its own tiles); "co": cooperative (both on each tile, 64 rows each);
-# "csL": cooperative, warpgroup 1 L k steps behind warpgroup 0 (matmul_coop_staggered).
+# kind "pp": ping-pong (each warpgroup its own tiles); "co": cooperative (both on each tile, 64 rows each).
 CONFIGS = [
     ("pp", 128, 128, 64, 5),
     ("pp", 64, 256, 64, 4),
     ("pp", 64, 256, 64, 3),
     ("co", 128, 256, 64, 3),
-    ("cs1", 128, 256, 64, 3),
     ("co", 128, 128, 64, 6),
-    ("cs2", 128, 128, 64, 6),
-    ("cs4", 128, 128, 64, 6),
     ("co-", 128, 256, 64, 3),
 ]
 
@@ -63,14 +59,8 @@ def matmul_coop_unstored(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.conste
     _matmul(A, B, C, M, N, K, BM, BN, BK, NBUF, GROUP, True, False)
 
 
-# "co-": "co" with most of C left unwritten (its error is reported, not a failure). Each kind: the
-# kernel and the constexprs it takes after the common ones.
-KERNELS = {
-    "pp": (matmul_pingpong, {}),
-    "co": (matmul_coop, {}),
-    "co-": (matmul_coop_unstored, {}),
-    **{f"cs{lag}": (matmul_coop_staggered, {"LAG": lag}) for lag in (1, 2, 3, 4)},
-}
+# "co-": "co" with most of C left unwritten (its error is reported, not a failure).
+KERNELS = {"pp": matmul_pingpong, "co": matmul_coop, "co-": matmul_coop_unstored}
 
 
 def _pick(argv, flag, items):
@@ -84,10 +74,9 @@ def compile_only(argv) -> None:
 
     M, N, K = SHAPES[0]
     for kind, bm, bn, bk, nbuf in _pick(argv, "--config", CONFIGS):
-        kernel, extra = KERNELS[kind]
-        consts = {"M": M, "N": N, "K": K, "BM": bm, "BN": bn, "BK": bk, "NBUF": nbuf, "GROUP": GROUP_M, **extra}
+        consts = {"M": M, "N": N, "K": K, "BM": bm, "BN": bn, "BK": bk, "NBUF": nbuf, "GROUP": GROUP_M}
         compile_report(
-            kernel,
+            KERNELS[kind],
             {"A": "*bf16", "B": "*bf16", "C": "*bf16"},
             consts,
             4,
@@ -117,8 +106,7 @@ def main(argv) -> None:
             grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
 
             def go(c=c, kind=kind, bm=bm, bn=bn, bk=bk, nbuf=nbuf):
-                kernel, extra = KERNELS[kind]
-                kernel[grid](a, b, c, M, N, K, bm, bn, bk, nbuf, GROUP_M, *extra.values(), num_warps=4)  # noqa: B023
+                KERNELS[kind][grid](a, b, c, M, N, K, bm, bn, bk, nbuf, GROUP_M, num_warps=4)  # noqa: B023
                 return c
 
             label = f"  {kind} {(bm, bn, bk, nbuf)}"

@@ -50,7 +50,7 @@ def test_compiles_within_the_h200s_limits(config, shape):
     # name), though matmul tunes over it only on the releases it was run on.
     m, n, k = shape
     cfg = _matmul_sm90.kernel_config("bfloat16", m, n, k, config)
-    assert cfg.function == ("matmul_coop_staggered" if config.lag else f"matmul_{config.kind}")
+    assert cfg.function == f"matmul_{config.kind}"
     assert cfg.block_dims == (384, 1, 1)  # 2 math warpgroups + the producer warp's (padded) warpgroup
     assert 0 < cfg.shared_memory_bytes <= _triton_compile.SHARED_MEMORY_LIMITS[90]
     assert cfg.global_scratch_bytes > 0  # the TMA descriptors made on the device
@@ -104,8 +104,6 @@ def test_sm90_config_errors():
         (dict(block_k=32), "block_k 32: expected 64 or 128"),
         (dict(kind="pingpong", block_m=128, block_n=256), "128x256 f32 accumulator per math warpgroup"),
         (dict(num_buffers=1), "num_buffers 1 and group_m 8: expected >= 2"),
-        (dict(lag=2), r"lag 2: a coop config's lag is 0 to num_buffers - 2 \(1\)"),
-        (dict(kind="pingpong", block_m=128, block_n=128, lag=1), "lag 1: a coop config's lag"),
     ],
 )
 def test_sm90_config_shape_errors(config, match):

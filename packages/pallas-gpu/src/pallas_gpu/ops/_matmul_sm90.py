@@ -36,11 +36,7 @@ class Sm90Config:
     """One launch of the sm_90 Gluon matmul: ``kind`` "coop" (both math
     warpgroups on each ``block_m x block_n`` tile) or "pingpong" (each on
     whole tiles, taking turns), ``num_buffers`` ring slots of A and B blocks,
-    tiles in groups of ``group_m`` block rows. One program per multiprocessor.
-    ``lag`` (coop only, at most ``num_buffers - 2``): the second math
-    warpgroup starts each tile that many k steps after the first, so their
-    epilogues do not leave the tensor cores idle together (taken where a
-    tile has ``num_buffers`` or more k steps)."""
+    tiles in groups of ``group_m`` block rows. One program per multiprocessor."""
 
     kind: str = "coop"
     block_m: int = 128
@@ -48,11 +44,9 @@ class Sm90Config:
     block_k: int = 64
     num_buffers: int = 3
     group_m: int = 8
-    lag: int = 0
 
     def label(self) -> str:
-        lag = f"/lag{self.lag}" if self.lag else ""
-        return f"sm90-{self.kind}/{self.block_m}x{self.block_n}x{self.block_k}/{self.num_buffers}buf{lag}"
+        return f"sm90-{self.kind}/{self.block_m}x{self.block_n}x{self.block_k}/{self.num_buffers}buf"
 
 
 # Candidates (the first is what a lowering without a GPU takes). H200, bf16, at 8192^3 / 4096^3 /
@@ -61,11 +55,7 @@ class Sm90Config:
 # 677.4, pingpong 64x256 and coop 128x128 slower at each; through jax.jit (gpu_matmul.py, two runs)
 # coop 703.3 / 648 / 618 and 687.8 / 637.5 / 608.1, pingpong 682.3 / 670.7 / 649.7 and 674.7 /
 # 644.4 / 654.7: each leads somewhere, so the tuner keeps both.
-CONFIGS = (
-    Sm90Config("coop", 128, 256, 64, 3),
-    Sm90Config("pingpong", 128, 128, 64, 5),
-    Sm90Config("coop", 128, 256, 64, 3, lag=1),
-)
+CONFIGS = (Sm90Config("coop", 128, 256, 64, 3), Sm90Config("pingpong", 128, 128, 64, 5))
 
 
 def check_config(config: Sm90Config) -> None:
@@ -92,8 +82,6 @@ def check_config(config: Sm90Config) -> None:
         )
     if c.num_buffers < 2 or c.group_m < 1:
         problems.append(f"num_buffers {c.num_buffers} and group_m {c.group_m}: expected >= 2 and >= 1")
-    if c.lag and (c.kind != "coop" or not 0 < c.lag <= c.num_buffers - 2):
-        problems.append(f"lag {c.lag}: a coop config's lag is 0 to num_buffers - 2 ({c.num_buffers - 2})")
     if problems:
         raise ValueError(f"pallas_gpu.ops.matmul: config={c}: {'; '.join(problems)}")
 
@@ -127,9 +115,7 @@ def kernel_config(dtype: str, m: int, n: int, k: int, config: Sm90Config) -> jkr
     check_config(config)
     ptr = "*bf16" if dtype == "bfloat16" else "*fp16"
     signature = {"A": ptr, "B": ptr, "C": ptr}
-    if c.lag:
-        constexprs["LAG"] = c.lag
-    cfg = gluon_kernel_config("pallas_gpu.ops._matmul_sm90_kernel", kernel_name(c), signature, constexprs)
+    cfg = gluon_kernel_config("pallas_gpu.ops._matmul_sm90_kernel", f"matmul_{c.kind}", signature, constexprs)
     limit = _triton_compile.SHARED_MEMORY_LIMITS[90]
     if cfg.shared_memory_bytes > limit:
         raise ValueError(
@@ -137,11 +123,6 @@ def kernel_config(dtype: str, m: int, n: int, k: int, config: Sm90Config) -> jkr
             f"memory, more than sm_90 allows ({limit}): use fewer num_buffers or smaller blocks"
         )
     return cfg
-
-
-def kernel_name(config: Sm90Config) -> str:
-    """The Gluon kernel of ``_matmul_sm90_kernel`` that runs ``config``."""
-    return "matmul_coop_staggered" if config.lag else f"matmul_{config.kind}"
 
 
 def grid_size(m: int, n: int, config: Sm90Config) -> int:
@@ -156,7 +137,7 @@ def matmul(a, b, config: Sm90Config, debug: bool = False):
     check_config(config)
     if debug:
         print(
-            f"matmul: the sm_90 Gluon kernel {kernel_name(config)} (pallas_gpu/ops/_matmul_sm90_kernel.py), {config}"
+            f"matmul: the sm_90 Gluon kernel matmul_{config.kind} (pallas_gpu/ops/_matmul_sm90_kernel.py), {config}"
         )
     return _batched(config)(a, b)
 
@@ -170,7 +151,7 @@ def _launch(a, b, config: Sm90Config):
         configs=[cfg],
         grid=(grid_size(m, n, config),),
         out_shapes=[jax.ShapeDtypeStruct((m, n), a.dtype)],
-        name=kernel_name(config),
+        name=f"matmul_{config.kind}",
     )
     return out
 

@@ -59,26 +59,19 @@ def _tile(t, M: gl.constexpr, N: gl.constexpr, BM: gl.constexpr, BN: gl.constexp
 
 @gluon.jit
 def _k_loop(a_smem, b_smem, ready, empty, c, acc, HM: gl.constexpr, WG: gl.constexpr, KSTEPS: gl.constexpr,
-            NBUF: gl.constexpr, lead, LEAD_AT: gl.constexpr = -1):  # fmt: skip
+            NBUF: gl.constexpr):  # fmt: skip
     """The k steps of one tile from ring position ``c`` on, rows ``WG * HM``
     to ``+ HM`` of each A slot; every slot is released once read, the last
-    one after the final wait. With ``LEAD_AT >= 0``, arrives on mbarrier
-    ``lead`` once the wgmma of k step ``LEAD_AT`` is issued. Returns the
-    accumulator (all wgmmas done)."""
+    one after the final wait. Returns the accumulator (all wgmmas done)."""
     mbarrier.wait(ready.index(c % NBUF), (c // NBUF) & 1)
     acc = hopper.warpgroup_mma(a_smem.index(c % NBUF).slice(WG * HM, HM), b_smem.index(c % NBUF), acc,
                                use_acc=False, is_async=True)  # fmt: skip
-    if LEAD_AT == 0:
-        mbarrier.arrive(lead)
     acc = hopper.warpgroup_mma_wait(1, deps=[acc])
     for k in range(1, KSTEPS):
         slot = (c + k) % NBUF
         mbarrier.wait(ready.index(slot), ((c + k) // NBUF) & 1)
         acc = hopper.warpgroup_mma(a_smem.index(slot).slice(WG * HM, HM), b_smem.index(slot), acc,
                                    is_async=True)  # fmt: skip
-        if LEAD_AT > 0:
-            if k == LEAD_AT:
-                mbarrier.arrive(lead)
         acc = hopper.warpgroup_mma_wait(1, deps=[acc])  # k step k-1 is done: release its slot
         mbarrier.arrive(empty.index((c + k - 1) % NBUF))
     return acc
@@ -113,7 +106,7 @@ def _pingpong_warpgroup(cd, a_smem, b_smem, c_smem, ready, empty, turn, WG: gl.c
         c = (2 * i + WG) * KSTEPS  # ring position of this tile's first k step
         mbarrier.wait(turn.index(WG), i & 1)
         acc = _k_loop(a_smem, b_smem, ready, empty, c, gl.zeros([BM, BN], gl.float32, acc_layout), BM, 0,
-                      KSTEPS, NBUF, turn.index(0))  # fmt: skip
+                      KSTEPS, NBUF)  # fmt: skip
         mbarrier.arrive(turn.index(1 - WG))  # every wgmma of this tile is issued: the other's turn
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((c + KSTEPS - 1) % NBUF))
@@ -125,32 +118,21 @@ def _pingpong_warpgroup(cd, a_smem, b_smem, c_smem, ready, empty, turn, WG: gl.c
 @gluon.jit
 def _coop_warpgroup(cd, a_smem, b_smem, c_smem, ready, empty, turn, WG: gl.constexpr, M: gl.constexpr,
                     N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                    NBUF: gl.constexpr, GROUP: gl.constexpr, STORE: gl.constexpr, LAG: gl.constexpr):  # fmt: skip
-    """Rows ``64 WG`` to ``+ 64`` of each of this program's tiles. ``STORE``
-    False stores only the program's last tile: a timing diagnostic
-    (``benchmarks/gluon_matmul.py``) of what the epilogue costs (with no tile
-    stored, the compiler drops the wgmmas). ``LAG`` > 0 (staggered): warpgroup
-    1 starts each tile's k loop once warpgroup 0 has issued its wgmma of k
-    step ``LAG`` (mbarrier ``turn[1]``), so one's drain and epilogue overlap
-    the other's last (first) k steps instead of leaving the tensor cores idle;
-    taken only where a tile has ``NBUF`` or more k steps (so warpgroup 0
-    cannot arrive twice before warpgroup 1 waits)."""
+                    NBUF: gl.constexpr, GROUP: gl.constexpr, STORE: gl.constexpr):  # fmt: skip
+    """Rows ``64 WG`` to ``+ 64`` of each of this program's tiles (``turn``
+    unused). ``STORE`` False stores only the program's last tile: a timing
+    diagnostic (``benchmarks/gluon_matmul.py``) of what the epilogue costs
+    (with no tile stored, the compiler drops the wgmmas)."""
     HM: gl.constexpr = BM // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BN, 16])  # fmt: skip
     KSTEPS: gl.constexpr = (K + BK - 1) // BK
     TILES: gl.constexpr = ((M + BM - 1) // BM) * ((N + BN - 1) // BN)
-    STAGGER: gl.constexpr = LAG > 0 and KSTEPS >= NBUF and LAG <= NBUF - 2
-    LEAD_AT: gl.constexpr = LAG if STAGGER and WG == 0 else -1
     c = 0
-    i = 0
     for t in range(gl.program_id(0), TILES, gl.num_programs(0)):
         m0, n0 = _tile(t, M, N, BM, BN, GROUP)
-        if STAGGER and WG == 1:
-            mbarrier.wait(turn.index(1), i & 1)
         acc = _k_loop(a_smem, b_smem, ready, empty, c, gl.zeros([HM, BN], gl.float32, acc_layout), HM, WG,
-                      KSTEPS, NBUF, turn.index(1), LEAD_AT)  # fmt: skip
-        i += 1
+                      KSTEPS, NBUF)  # fmt: skip
         acc = hopper.warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((c + KSTEPS - 1) % NBUF))
         c += KSTEPS
@@ -185,7 +167,7 @@ def _producer(ad, bd, a_smem, b_smem, ready, empty, M: gl.constexpr, N: gl.const
 @gluon.jit
 def _matmul(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
             BK: gl.constexpr, NBUF: gl.constexpr, GROUP: gl.constexpr, COOP: gl.constexpr,
-            STORE: gl.constexpr = True, LAG: gl.constexpr = 0):  # fmt: skip
+            STORE: gl.constexpr = True):  # fmt: skip
     dtype: gl.constexpr = A.dtype.element_ty
     tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     CM: gl.constexpr = BM // 2 if COOP else BM  # rows of C one warpgroup stores
@@ -206,14 +188,13 @@ def _matmul(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BM: gl.c
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
     _cta_barrier()  # every thread sees the barriers initialized
-    if not COOP:
-        mbarrier.arrive(turn.index(0))  # ping-pong: warpgroup 0 runs its k loop first
+    mbarrier.arrive(turn.index(0))  # ping-pong: warpgroup 0 runs its k loop first
     # fmt: off
     if COOP:
         gl.warp_specialize(
             [
-                (_coop_warpgroup, (cd, a_smem, b_smem, c0_smem, ready, empty, turn, 0, M, N, K, BM, BN, BK, NBUF, GROUP, STORE, LAG)),
-                (_coop_warpgroup, (cd, a_smem, b_smem, c1_smem, ready, empty, turn, 1, M, N, K, BM, BN, BK, NBUF, GROUP, STORE, LAG)),
+                (_coop_warpgroup, (cd, a_smem, b_smem, c0_smem, ready, empty, turn, 0, M, N, K, BM, BN, BK, NBUF, GROUP, STORE)),
+                (_coop_warpgroup, (cd, a_smem, b_smem, c1_smem, ready, empty, turn, 1, M, N, K, BM, BN, BK, NBUF, GROUP, STORE)),
                 (_producer, (ad, bd, a_smem, b_smem, ready, empty, M, N, K, BM, BN, BK, NBUF, GROUP)),
             ],
             worker_num_warps=[4, 1],
@@ -247,12 +228,3 @@ def matmul_coop(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BM: 
     """C = A @ B, both math warpgroups on each ``BM x BN`` tile (``BM / 2``
     rows each); any grid. Launched with 4 warps."""
     _matmul(A, B, C, M, N, K, BM, BN, BK, NBUF, GROUP, True)
-
-
-@gluon.jit
-def matmul_coop_staggered(A, B, C, M: gl.constexpr, N: gl.constexpr, K: gl.constexpr, BM: gl.constexpr,
-                          BN: gl.constexpr, BK: gl.constexpr, NBUF: gl.constexpr, GROUP: gl.constexpr,
-                          LAG: gl.constexpr):  # fmt: skip
-    """``matmul_coop`` with warpgroup 1 ``LAG`` k steps behind warpgroup 0 on
-    each tile (``_coop_warpgroup``); launched with 4 warps."""
-    _matmul(A, B, C, M, N, K, BM, BN, BK, NBUF, GROUP, True, True, LAG)

@@ -20,7 +20,8 @@ A pass is abandoned, its stores undone, and the programs are run one by one
 order: control flow that differs between programs (``if pid == 0``, loop
 bounds, ``int(x)``), atomics, ``tl.device_print``, block pointers or tensor
 descriptors with program-dependent offsets, reductions and scans other than
-sum/min/max/argmin/argmax/cumsum/cumprod, any operation this module does not
+sum/min/max/argmin/argmax/cumsum/cumprod and those whose combine function is
+one NumPy ufunc (``_triton_combine``), any operation this module does not
 know, an out-of-bounds access or a failed ``device_assert`` (the one-by-one
 run then raises the error naming the program), and memory that one program
 writes and another reads or writes in the same pass (on a GPU a race; in
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_kernel_runtime import _triton_interpret, _triton_patches
+from jax_kernel_runtime import _triton_combine, _triton_interpret, _triton_patches
 
 _TAG = "_jkr_batched"
 
@@ -397,8 +398,18 @@ def _axis(data: np.ndarray, axis):
 def _reduce(input, axis, combine_fn, keep_dims=False, **kwargs):
     interp = _triton_patches.interpreter()
     inputs = input if isinstance(input, tuple) else (input,)
+    ufunc = _triton_combine.ufunc_for(combine_fn, inputs)
     if _active is None or not _batched([x.handle for x in inputs]):
-        return interp.ReduceOps(axis, combine_fn, keep_dims).apply(input)
+        ops = interp.ReduceOps(axis, combine_fn, keep_dims)
+        if ufunc is None:
+            return ops.apply(input)
+        ops.check_tensor(inputs)
+        data = inputs[0].handle.data
+        ax = None if axis is None else int(getattr(axis, "value", axis))
+        value = ops.to_tensor(
+            ufunc.reduce(data, axis=ax, keepdims=keep_dims, dtype=data.dtype), inputs[0].dtype
+        )
+        return (value,) if isinstance(input, tuple) else value
     tl = _tl()
     std = tl.standard
     x = inputs[0]
@@ -414,6 +425,10 @@ def _reduce(input, axis, combine_fn, keep_dims=False, **kwargs):
         (std._argmin_combine_tie_break_left, (np.min, np.argmin)),
     ]
     found = [op for fn, op in ops if fn is combine_fn]
+    if not found and ufunc is not None:
+        found = [
+            (lambda d, axis, keepdims: ufunc.reduce(d, axis=axis, keepdims=keepdims, dtype=d.dtype), None)
+        ]
     if not found:
         raise Unbatchable(f"a reduction with combine function {getattr(combine_fn, '__name__', combine_fn)}")
     value_op, index_op = found[0]
@@ -433,12 +448,22 @@ def _reduce(input, axis, combine_fn, keep_dims=False, **kwargs):
 def _scan(input, axis, combine_fn, reverse=False, **kwargs):
     interp = _triton_patches.interpreter()
     inputs = input if isinstance(input, tuple) else (input,)
+    ufunc = _triton_combine.ufunc_for(combine_fn, inputs)
     if _active is None or not _batched([x.handle for x in inputs]):
-        return interp.ScanOps(axis, combine_fn, reverse).apply(input)
+        ops = interp.ScanOps(axis, combine_fn, reverse)
+        if ufunc is None:
+            return ops.apply(input)
+        ops.check_tensor(inputs)
+        data, ax = inputs[0].handle.data, int(getattr(axis, "value", axis))
+        flip = (lambda d: np.flip(d, axis=ax)) if reverse else (lambda d: d)  # noqa: E731
+        value = ops.to_tensor(flip(ufunc.accumulate(flip(data), axis=ax, dtype=data.dtype)), inputs[0].dtype)
+        return (value,) if isinstance(input, tuple) else value
     std = _tl().standard
     found = [
         op for fn, op in ((std._sum_combine, np.cumsum), (std._prod_combine, np.cumprod)) if fn is combine_fn
     ]
+    if not found and ufunc is not None:
+        found = [lambda d, axis: ufunc.accumulate(d, axis=axis, dtype=d.dtype)]
     if len(inputs) != 1 or not found:
         raise Unbatchable(f"a scan with combine function {getattr(combine_fn, '__name__', combine_fn)}")
     x = inputs[0]

@@ -117,6 +117,125 @@ def test_reductions_scans_and_dots(passes, mode):
 
 
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _nan_max(a, b):
+    """A docstring does not hide the one operation."""
+    return tl.maximum(b, a, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def _mul(a, b):
+    return a * b
+
+
+@triton.jit
+def _sub_abs(a, b):  # not one commutative ufunc: Triton's generic reduction
+    return tl.abs(a - b)
+
+
+@triton.jit
+def combine_kernel(x_ptr, i_ptr, sum_ptr, max_ptr, xor_ptr, cum_ptr, prod_ptr, gen_ptr, N: tl.constexpr):
+    row = tl.program_id(0)
+    r = tl.arange(0, 8)[:, None]
+    c = tl.arange(0, N)[None, :]
+    x = tl.load(x_ptr + row * 8 * N + r * N + c)
+    i = tl.load(i_ptr + row * 8 * N + r * N + c)
+    tl.store(sum_ptr + row * 8 + tl.arange(0, 8), tl.reduce(x, 1, _add))
+    tl.store(max_ptr + row * N + tl.arange(0, N), tl.reduce(x, 0, _nan_max))
+    tl.store(xor_ptr + row, tl.reduce(i, None, _xor))
+    tl.store(cum_ptr + row * 8 * N + r * N + c, tl.associative_scan(x, 1, _add, reverse=True))
+    tl.store(prod_ptr + row * 8 * N + r * N + c, tl.associative_scan(i, 1, _mul))
+    tl.store(gen_ptr + row * 8 + tl.arange(0, 8), tl.reduce(x, 1, _sub_abs))
+
+
+def test_reductions_and_scans_by_user_combine_functions(passes, mode, monkeypatch):
+    """Combine functions of one ufunc (``_triton_combine``) reduce and scan
+    with NumPy, batched and one by one; NaN propagates through ``tl.maximum``
+    with ``PropagateNan.ALL`` as in the interpreter's own call of it; int32
+    products wrap; any other combine function keeps Triton's generic path."""
+    from triton.runtime import interpreter
+
+    generic = []  # the combine functions Triton's per-element reduction and scan ran
+    for cls, name in ((interpreter.ReduceOps, "generic_reduce"), (interpreter.ScanOps, "generic_scan")):
+        original = getattr(cls, name)
+
+        def spy(self, input, original=original):
+            generic.append(self.combine_fn.__name__)
+            return original(self, input)
+
+        monkeypatch.setattr(cls, name, spy)
+    rows, n = 12, 16
+    x = np.array(rand((rows, 8, n), 4))
+    x[3, 5, 7] = np.nan
+    i = np.array(jax.random.randint(jax.random.key(5), (rows, 8, n), -(2**31), 2**31 - 1, jnp.int32))
+    f32, i32 = jnp.float32, jnp.int32
+    shapes = [
+        jax.ShapeDtypeStruct((rows, 8), f32),
+        jax.ShapeDtypeStruct((rows, n), f32),
+        jax.ShapeDtypeStruct((rows,), i32),
+        jax.ShapeDtypeStruct((rows, 8, n), f32),
+        jax.ShapeDtypeStruct((rows, 8, n), i32),
+        jax.ShapeDtypeStruct((rows, 8), f32),
+    ]
+    s, m, xr, cum, prod, gen = jt.triton_call(
+        jnp.asarray(x), jnp.asarray(i), kernel=combine_kernel, out_shape=shapes, grid=rows, N=n
+    )
+    ok = ~np.isnan(x).any(2)
+    np.testing.assert_allclose(np.asarray(s)[ok], x.sum(2)[ok], rtol=1e-5, atol=1e-5)
+    assert np.isnan(np.asarray(s)[~ok]).all()
+    np.testing.assert_array_equal(m, np.maximum.reduce(x, axis=1))  # NaN at [3, 7]
+    assert np.isnan(np.asarray(m)[3, 7])
+    np.testing.assert_array_equal(xr, np.bitwise_xor.reduce(i.reshape(rows, -1), axis=1))
+    want_cum = np.flip(np.cumsum(np.flip(x, 2), 2), 2)
+    np.testing.assert_allclose(np.asarray(cum)[ok], want_cum[ok], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(prod, np.multiply.accumulate(i, axis=2, dtype=np.int32))
+    # _sub_abs folds left to right: |...||x0 - x1| - x2| ...|
+    want_gen = np.abs(x[..., 0] - x[..., 1])
+    for k in range(2, n):
+        want_gen = np.abs(want_gen - x[..., k])
+    np.testing.assert_allclose(np.asarray(gen)[ok], want_gen[ok], rtol=1e-5, atol=1e-5)
+    # _sub_abs cannot run batched: every pass was abandoned, and the launch ran one by one.
+    assert not any(passes) and (mode == "one_by_one") == (passes == [])
+    assert generic == ["_sub_abs"] * rows  # once per program; the others never element by element
+
+
+def test_combine_ufunc_recognizes_one_operation_only():
+    from jax_kernel_runtime._triton_combine import combine_ufunc
+
+    assert combine_ufunc(_add) is np.add
+    assert combine_ufunc(_nan_max) is np.maximum
+    assert combine_ufunc(_xor) is np.bitwise_xor
+    assert combine_ufunc(_mul) is np.multiply
+    assert combine_ufunc(_sub_abs) is None
+    assert combine_ufunc(tl.standard._argmax_combine_tie_break_left) is None  # four arguments
+
+    def a_minus_b(a, b):
+        return a - b  # not commutative
+
+    def a_plus_a(a, b):
+        return a + a
+
+    def two_steps(a, b):
+        c = a + b
+        return c
+
+    def np_maximum(a, b):
+        return np.maximum(a, b)  # not triton.language's
+
+    for fn in (a_minus_b, a_plus_a, two_steps, np_maximum, len):
+        assert combine_ufunc(fn) is None, fn
+
+
+@triton.jit
 def in_place_kernel(x_ptr, o_ptr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(o_ptr + offs, tl.load(x_ptr + offs) * 2.0 + 1.0)  # o_ptr is x_ptr's buffer

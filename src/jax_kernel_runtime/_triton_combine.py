@@ -10,9 +10,11 @@ library function, which generated kernels cannot call in the interpreter), and
 users of jax-triton write them. ``combine_ufunc`` recognizes a combine function
 whose body is one commutative elementwise operation of its two arguments, so
 the reduction runs as that ufunc's ``reduce`` (a scan as its ``accumulate``):
-the same values up to the order of floating-point additions, and the same
-NaN handling as the interpreter's ``tl.maximum``/``tl.minimum``
-(``np.maximum``/``np.minimum`` either way).
+the same values up to the order of floating-point additions. ``tl.maximum``
+and ``tl.minimum`` are taken on floats only with ``propagate_nan=
+tl.PropagateNan.ALL`` (``np.maximum``/``np.minimum``): without it, Triton 3.6's
+interpreter propagates NaN and later ones ignore it (``np.fmax``), so those
+keep the generic path, which follows the installed interpreter.
 """
 
 from __future__ import annotations
@@ -33,37 +35,43 @@ _BINARY = {
 }
 _CALLS = {"maximum": np.maximum, "minimum": np.minimum}
 
-# id(combine function) -> (the function, its ufunc or None); the function is
-# kept so that a recycled id is not mistaken for it.
-_seen: dict[int, tuple[Any, np.ufunc | None]] = {}
+# id(combine function) -> (the function, its ufunc or None, whether floats may
+# use it); the function is kept so that a recycled id is not mistaken for it.
+_seen: dict[int, tuple[Any, np.ufunc | None, bool]] = {}
 
 
 def combine_ufunc(combine_fn) -> np.ufunc | None:
     """The ufunc ``combine_fn`` computes (``return a + b``, ``a * b``,
     ``a & b``, ``a | b``, ``a ^ b``, ``tl.maximum(a, b, ...)``,
     ``tl.minimum(a, b, ...)``, arguments in either order), else None."""
+    return _lookup(combine_fn)[0]
+
+
+def _lookup(combine_fn) -> tuple[np.ufunc | None, bool]:
     hit = _seen.get(id(combine_fn))
-    if hit is not None and hit[0] is combine_fn:
-        return hit[1]
-    ufunc = _parse(getattr(combine_fn, "fn", combine_fn))
-    _seen[id(combine_fn)] = (combine_fn, ufunc)
-    return ufunc
+    if hit is None or hit[0] is not combine_fn:
+        hit = (combine_fn, *_parse(getattr(combine_fn, "fn", combine_fn)))
+        _seen[id(combine_fn)] = hit
+    return hit[1], hit[2]
 
 
-def _parse(fn) -> np.ufunc | None:
+_NONE = (None, False)
+
+
+def _parse(fn) -> tuple[np.ufunc | None, bool]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
-        return None
+        return _NONE
     f = tree.body[0] if len(tree.body) == 1 else None
     if not isinstance(f, ast.FunctionDef):
-        return None
+        return _NONE
     a = f.args
     if len(a.args) != 2 or a.posonlyargs or a.vararg or a.kwonlyargs or a.kwarg or a.defaults:
-        return None
+        return _NONE
     body = [s for s in f.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if len(body) != 1 or not isinstance(body[0], ast.Return):
-        return None
+        return _NONE
     names = {arg.arg for arg in a.args}
     value = body[0].value
 
@@ -71,19 +79,22 @@ def _parse(fn) -> np.ufunc | None:
         return isinstance(x, ast.Name) and isinstance(y, ast.Name) and {x.id, y.id} == names
 
     if isinstance(value, ast.BinOp) and type(value.op) in _BINARY:
-        return _BINARY[type(value.op)] if the_arguments(value.left, value.right) else None
+        return (_BINARY[type(value.op)], True) if the_arguments(value.left, value.right) else _NONE
     if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)):
-        return None
+        return _NONE
     module = value.func.value
     if not (isinstance(module, ast.Name) and value.func.attr in _CALLS and len(value.args) == 2):
-        return None
+        return _NONE
     import triton.language as tl
 
     if getattr(fn, "__globals__", {}).get(module.id) is not tl or not the_arguments(*value.args):
-        return None
+        return _NONE
     if any(k.arg != "propagate_nan" for k in value.keywords):
-        return None
-    return _CALLS[value.func.attr]
+        return _NONE
+    # Floats only with propagate_nan=tl.PropagateNan.ALL (the module docstring says why).
+    nan = [k.value for k in value.keywords]
+    floats = bool(nan) and isinstance(nan[0], ast.Attribute) and nan[0].attr == "ALL"
+    return _CALLS[value.func.attr], floats
 
 
 def ufunc_for(combine_fn, inputs) -> np.ufunc | None:
@@ -93,7 +104,7 @@ def ufunc_for(combine_fn, inputs) -> np.ufunc | None:
     patterns), and no arithmetic on booleans (Triton would widen them)."""
     if len(inputs) != 1:
         return None
-    ufunc = combine_ufunc(combine_fn)
+    ufunc, floats = _lookup(combine_fn)
     if ufunc is None:
         return None
     import triton.language as tl
@@ -101,6 +112,6 @@ def ufunc_for(combine_fn, inputs) -> np.ufunc | None:
     dtype = inputs[0].dtype.scalar
     if dtype == tl.int1:
         return None if ufunc in (np.add, np.multiply) else ufunc
-    if dtype.is_int() or dtype in (tl.float16, tl.float32, tl.float64):
+    if dtype.is_int() or (floats and dtype in (tl.float16, tl.float32, tl.float64)):
         return ufunc
     return None

@@ -138,12 +138,19 @@ def _mul(a, b):
 
 
 @triton.jit
+def _plain_max(a, b):  # NaN handling differs between Triton releases: ints only
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _sub_abs(a, b):  # not one commutative ufunc: Triton's generic reduction
     return tl.abs(a - b)
 
 
 @triton.jit
-def combine_kernel(x_ptr, i_ptr, sum_ptr, max_ptr, xor_ptr, cum_ptr, prod_ptr, gen_ptr, N: tl.constexpr):
+def combine_kernel(
+    x_ptr, i_ptr, sum_ptr, max_ptr, xor_ptr, cum_ptr, prod_ptr, gen_ptr, imax_ptr, fmax_ptr, N: tl.constexpr
+):
     row = tl.program_id(0)
     r = tl.arange(0, 8)[:, None]
     c = tl.arange(0, N)[None, :]
@@ -155,6 +162,8 @@ def combine_kernel(x_ptr, i_ptr, sum_ptr, max_ptr, xor_ptr, cum_ptr, prod_ptr, g
     tl.store(cum_ptr + row * 8 * N + r * N + c, tl.associative_scan(x, 1, _add, reverse=True))
     tl.store(prod_ptr + row * 8 * N + r * N + c, tl.associative_scan(i, 1, _mul))
     tl.store(gen_ptr + row * 8 + tl.arange(0, 8), tl.reduce(x, 1, _sub_abs))
+    tl.store(imax_ptr + row * 8 + tl.arange(0, 8), tl.reduce(i, 1, _plain_max))
+    tl.store(fmax_ptr + row * 8 + tl.arange(0, 8), tl.reduce(x, 1, _plain_max))
 
 
 def test_reductions_and_scans_by_user_combine_functions(passes, mode, monkeypatch):
@@ -185,8 +194,10 @@ def test_reductions_and_scans_by_user_combine_functions(passes, mode, monkeypatc
         jax.ShapeDtypeStruct((rows, 8, n), f32),
         jax.ShapeDtypeStruct((rows, 8, n), i32),
         jax.ShapeDtypeStruct((rows, 8), f32),
+        jax.ShapeDtypeStruct((rows, 8), i32),
+        jax.ShapeDtypeStruct((rows, 8), f32),
     ]
-    s, m, xr, cum, prod, gen = jt.triton_call(
+    s, m, xr, cum, prod, gen, imax, fmax = jt.triton_call(
         jnp.asarray(x), jnp.asarray(i), kernel=combine_kernel, out_shape=shapes, grid=rows, N=n
     )
     ok = ~np.isnan(x).any(2)
@@ -203,9 +214,12 @@ def test_reductions_and_scans_by_user_combine_functions(passes, mode, monkeypatc
     for k in range(2, n):
         want_gen = np.abs(want_gen - x[..., k])
     np.testing.assert_allclose(np.asarray(gen)[ok], want_gen[ok], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(imax, i.max(2))
+    np.testing.assert_array_equal(np.asarray(fmax)[ok], x.max(2)[ok])
     # _sub_abs cannot run batched: every pass was abandoned, and the launch ran one by one.
     assert not any(passes) and (mode == "one_by_one") == (passes == [])
-    assert generic == ["_sub_abs"] * rows  # once per program; the others never element by element
+    # Once per program each, the others never element by element.
+    assert generic == ["_sub_abs", "_plain_max"] * rows
 
 
 def test_combine_ufunc_recognizes_one_operation_only():
@@ -215,6 +229,7 @@ def test_combine_ufunc_recognizes_one_operation_only():
     assert combine_ufunc(_nan_max) is np.maximum
     assert combine_ufunc(_xor) is np.bitwise_xor
     assert combine_ufunc(_mul) is np.multiply
+    assert combine_ufunc(_plain_max) is np.maximum  # (taken on integers only)
     assert combine_ufunc(_sub_abs) is None
     assert combine_ufunc(tl.standard._argmax_combine_tie_break_left) is None  # four arguments
 

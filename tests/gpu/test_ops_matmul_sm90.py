@@ -76,10 +76,9 @@ def test_lowers_for_sm90_on_any_machine(monkeypatch):
         (jax.jit(jax.vmap(lambda a, b: mm.matmul(a, b))), (xb, xb)),
     ):
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        # With no GPU to time them on, the first candidate is taken; on a GPU the autotuner picks
-        # one of the two (an H200 run of PALLAS_GPU_TESTS=gpu picked pingpong at this size).
-        picked = ("matmul_coop",) if not has_gpu() else ("matmul_coop", "matmul_pingpong")
-        assert any(name in text for name in picked), text[:400]
+        assert "custom_call @jax_kernel_runtime_launch" in text
+        if not has_gpu():  # on a GPU the autotuner times every candidate, Pallas kernels too
+            assert 'name = "matmul_coop"' in text  # with no GPU the first candidate is taken
 
 
 def test_sm90_config_errors():

@@ -14,6 +14,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 
+# libtpu (the TPU suites' compiled way) takes a lock file per machine: let each
+# pytest worker load it. Read when libtpu starts, so set before anything imports jax.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
 @functools.cache
 def _has_gpu() -> bool:
     try:

@@ -9,8 +9,11 @@ knobs, deadlock detection) and so does not run the three ways of
 ``three_way.py``. ``pytest -m interpret_only --collect-only -q`` counts them.
 """
 
+import collections
+import json
 import os
 import sys
+import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
@@ -18,7 +21,39 @@ if _HERE not in sys.path:
 
 
 def pytest_configure(config):
+    # The compiled way records each libtpu compile here (three_way._record); set before
+    # pytest-xdist starts its workers, which inherit it.
+    if not os.environ.get("PALLAS_TPU_COMPILE_REPORT"):
+        os.environ["PALLAS_TPU_COMPILE_REPORT"] = tempfile.mkdtemp(prefix="pallas-tpu-compiles-")
     config.addinivalue_line(
         "markers",
         "interpret_only(reason): checks TPU-interpret-mode-only behaviour, so it does not run three ways",
     )
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Counts of the compiled way: per chip, the kernels libtpu compiled from our
+    lowering and from JAX's, and those only ours gets through."""
+    folder = os.environ.get("PALLAS_TPU_COMPILE_REPORT")
+    rows = []
+    for name in os.listdir(folder) if folder and os.path.isdir(folder) else ():
+        with open(os.path.join(folder, name)) as fh:
+            rows += [json.loads(line) for line in fh if line.strip()]
+    if not rows:
+        return
+    by = collections.defaultdict(dict)  # (chip, test) -> lowering -> outcome
+    for r in rows:
+        by[r["chip"], r["test"]][r["lowering"]] = r["outcome"]
+    tr = terminalreporter
+    tr.section("TPU kernels compiled by libtpu (the compiled way)")
+    for chip in sorted({c for c, _ in by}):
+        tests = [v for (c, _), v in by.items() if c == chip]
+        count = collections.Counter
+        ours, jax_ = count(t.get("ours") for t in tests), count(t.get("jax") for t in tests)
+        only = sum(1 for t in tests if t.get("ours") == "compiled" and t.get("jax") != "compiled")
+        tr.write_line(
+            f"{chip}: {len(tests)} tests; ours compiled {ours['compiled']}, refused by Mosaic "
+            f"{ours['refused by Mosaic']}; JAX's compiled {jax_['compiled']}, refused by Mosaic "
+            f"{jax_['refused by Mosaic']}, refused by JAX's lowering {jax_['refused by its lowering']}; "
+            f"compiled from ours only {only}"
+        )

@@ -24,6 +24,8 @@ carries ``@pytest.mark.interpret_only(reason=...)`` (registered in
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -34,11 +36,17 @@ from jax import export
 
 import pallas as pl
 import pallas_tpu as pltpu
-from pallas_tpu._src import executor
+from pallas_tpu._src import compile_check, executor
+from pallas_tpu._src.compile_check import MosaicCompileError
 
-MODES = ("interpret", "ours", "jax")
+MODES = ("interpret", "ours", "jax", "compiled")
 WAYS = MODES
-DMA_WAYS = ("interpret:on_wait", "interpret:eager", "ours", "jax")
+DMA_WAYS = ("interpret:on_wait", "interpret:eager", "ours", "jax", "compiled")
+# The chips the compiled way compiles for (libtpu's compile-only devices):
+# PALLAS_TPU_CHIPS, comma-separated (CI: v5e and v6e in `tests`, v4 and v5p in `tests_newest`).
+# Kernels over a chip's two TensorCores (num_cores=2) compile for the megacore chips.
+COMPILE_CHIPS = tuple(c for c in os.environ.get("PALLAS_TPU_CHIPS", "v5e,v6e").split(",") if c)
+MEGACORE_CHIPS = ("v5p",)  # libtpu's v4 topology has one TensorCore per device
 
 # JAX's lowering asks the device for its TPU generation for some ops: name one.
 TPU_V5E = jax.sharding.AbstractMesh(
@@ -81,17 +89,21 @@ def jax_namespaces():
     return jpl, jtpu
 
 
-def ways(*, dma=False, ours_xfail=None, jax_skip=None, jax_xfail=None, raises=None):
+def ways(*, dma=False, ours_xfail=None, jax_skip=None, jax_xfail=None, raises=None, compiled_xfail=None):
     """``WAYS`` (``DMA_WAYS`` when ``dma``) for ``parametrize("way", ...)``:
     ``ours_xfail`` names a gap of our lowering or executor (a strict xfail,
-    ``raises`` the exception expected), ``jax_xfail`` a gap of ``run_mosaic``
+    ``raises`` the exception expected; the compiled way too), ``jax_xfail`` a gap of ``run_mosaic``
     on JAX's module (a strict xfail), ``jax_skip`` why JAX's lowering does not
-    support the kernel on TPU (that way skipped)."""
+    support the kernel on TPU (that way skipped), ``compiled_xfail`` why Mosaic
+    (libtpu) refuses our module (a strict xfail of the compiled way)."""
     import pytest
 
     marks = {}
     if ours_xfail:
         marks["ours"] = pytest.mark.xfail(strict=True, raises=raises, reason=ours_xfail)
+        marks["compiled"] = marks["ours"]
+    if compiled_xfail:
+        marks["compiled"] = pytest.mark.xfail(strict=True, raises=MosaicCompileError, reason=compiled_xfail)
     if jax_skip:
         marks["jax"] = pytest.mark.skip(reason=f"JAX's Mosaic lowering: {jax_skip}")
     if jax_xfail:
@@ -126,10 +138,71 @@ def run(build, args, mode, num_cores=1, **interpret_params):
     if mode == "interpret":
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
             return jax.jit(f)(*args)
+    if mode == "compiled":
+        compile_both(build, args, tuple(dict.fromkeys(COMPILE_CHIPS + (MEGACORE_CHIPS if num_cores == 2 else ()))))
+        mode = "ours"
+        f = build(*namespaces(mode))
     with jax.sharding.use_abstract_mesh(_abstract_mesh(num_cores)):
         shapes = jax.eval_shape(f, *args)
     outs = run_with_mosaic(f, *args, num_cores=num_cores)
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+
+def compile_both(build, args, chips, mesh=None, spec=None):
+    """The compiled way: ``build``'s kernels lowered by us and compiled by libtpu's
+    Mosaic for each of ``chips`` (a ``MosaicCompileError`` fails the test), and
+    JAX's lowering of the same kernels compiled beside them (its outcome is
+    recorded, never asserted). The way then checks values as ``"ours"`` does:
+    ``run_mosaic`` of the module the compiler took. ``mesh``/``spec``: the kernel
+    is ``shard_map``ped over a mesh of that shape of the chip's devices."""
+    import pytest
+
+    if not compile_check.libtpu_available():
+        pytest.skip('the compiled way needs libtpu: pip install "jax[tpu]"')
+    for chip in chips:
+        for mode in ("ours", "jax"):
+            f = build(*namespaces(mode))
+            if mesh is not None:
+                f, args_c = _sharded_for_chip(f, args, chip, mesh, spec)
+            else:
+                args_c = args
+            try:
+                compile_check.compile_for(f, args_c, chip)
+                outcome = "compiled"
+            except compile_check.MosaicCompileError:
+                outcome = "refused by Mosaic"
+                if mode == "ours":
+                    _record(chip, mode, outcome)
+                    raise
+            except Exception:  # JAX's lowering refuses the kernel
+                if mode == "ours":
+                    raise
+                outcome = "refused by its lowering"
+            _record(chip, mode, outcome)
+
+
+def _sharded_for_chip(f, args, chip, mesh_shape, spec):
+    devices = compile_check.tpu_devices(chip)
+    n = int(np.prod(mesh_shape))
+    names = ("x", "y", "z", "w")[: len(mesh_shape)]
+    mesh = jax.sharding.Mesh(np.array(devices[:n]).reshape(mesh_shape), names)
+    g = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    return (lambda *a: g(*a)), placed
+
+
+def _record(chip, mode, outcome):
+    """One line per compile in $PALLAS_TPU_COMPILE_REPORT/<worker>.jsonl (conftest sums them)."""
+    import os as _os
+
+    folder = _os.environ.get("PALLAS_TPU_COMPILE_REPORT")
+    if not folder:
+        return
+    test = _os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    worker = _os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(_os.path.join(folder, f"{worker}.jsonl"), "a") as fh:
+        fh.write(json.dumps(dict(test=test, chip=chip, lowering=mode, outcome=outcome)) + "\n")
 
 
 def call(fn, args, way, interpret_params=None, **kw):
@@ -229,6 +302,9 @@ def run_sharded(build, x, mode, num_devices, **interpret_params):
     n = int(np.prod(shape))
     names = ("x", "y", "z", "w")[: len(shape)]
     spec = P(names[0]) if len(shape) == 1 else P(names)
+    if mode == "compiled":
+        compile_both(build, [x], COMPILE_CHIPS, mesh=shape, spec=spec)
+        mode = "ours"
     f = build(*namespaces(mode))
     if mode == "interpret":
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)

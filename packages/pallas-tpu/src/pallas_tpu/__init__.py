@@ -10,6 +10,10 @@ a TPU's memories, DMAs, semaphores, cores and devices.
 from pallas import backend as _plb
 from pallas_tpu._src import core as core
 from pallas_tpu._src import pallas_call_registration as _registration
+from pallas_tpu._src.compile_check import CompileCheckError as CompileCheckError
+from pallas_tpu._src.compile_check import KernelCompile as KernelCompile
+from pallas_tpu._src.compile_check import MosaicCompileError as MosaicCompileError
+from pallas_tpu._src.compile_check import compile_check as compile_check
 from pallas_tpu._src.core import ARBITRARY as ARBITRARY
 from pallas_tpu._src.core import CMEM as CMEM
 from pallas_tpu._src.core import CORE_PARALLEL as CORE_PARALLEL

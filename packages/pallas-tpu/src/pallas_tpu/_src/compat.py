@@ -124,6 +124,25 @@ def eqn_user_source(eqn) -> str | None:
     return None
 
 
+def eqn_location(eqn):
+    """The MLIR location of ``eqn``: its primitive's name over the file, line and
+    column of the innermost frame of the user's code (as JAX's lowerings give
+    every op), so Mosaic's diagnostics name the user's line; unknown without one."""
+    from jax._src import source_info_util
+    from jaxlib.mlir import ir
+
+    tb = eqn.source_info.traceback
+    frame = None
+    if tb is not None:
+        frame = next(
+            (f for f in source_info_util.user_frames(tb) if not plb.is_internal_file(f.file_name)), None
+        )
+    if frame is None:
+        return ir.Location.name(eqn.primitive.name)
+    file_loc = ir.Location.file(frame.file_name, frame.start_line, max(frame.start_column, 0) + 1)
+    return ir.Location.name(eqn.primitive.name, childLoc=file_loc)
+
+
 def scan_split(params, ops):
     """(consts, carry init, xs) of a scan equation's operands on every JAX."""
     ops = list(ops)

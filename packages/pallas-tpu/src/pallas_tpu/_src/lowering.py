@@ -30,6 +30,7 @@ index-map functions). Conventions:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -301,9 +302,13 @@ def _where(eqn) -> str:
     return f" at {line}" if line else ""
 
 
-def lower_jaxpr(kernel: KernelContext, jaxpr, args: Sequence[Any]) -> list[ir.Value]:
+def lower_jaxpr(
+    kernel: KernelContext, jaxpr, args: Sequence[Any], own_locations: bool = True
+) -> list[ir.Value]:
     """Emits ``jaxpr`` (invars bound to ``args``) at the current insertion
-    point; returns the values of its outvars."""
+    point; returns the values of its outvars. Each op carries the location of
+    its equation, or with ``own_locations=False`` the current one (a composite
+    op's ``jnp`` definition, traced inside our rule, speaks for the user's equation)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     if jaxpr.constvars:
         raise LoweringException(
@@ -334,7 +339,8 @@ def lower_jaxpr(kernel: KernelContext, jaxpr, args: Sequence[Any]) -> list[ir.Va
             avals_in, avals_out = list(map(physical, avals_in)), list(map(physical, avals_out))
         ctx = RuleContext(kernel, eqn, avals_in, avals_out)
         try:
-            out = rule(ctx, *map(read, eqn.invars), **params)
+            with compat.eqn_location(eqn) if own_locations else contextlib.nullcontext():
+                out = rule(ctx, *map(read, eqn.invars), **params)
         except LoweringException:
             raise
         except Exception as e:
@@ -377,7 +383,7 @@ def lower_fun(
     closed = jax.make_jaxpr(functools.partial(fn, **params))(*avals)
     if closed.consts:
         raise NotImplementedError(f"the jnp definition of '{ctx.eqn.primitive.name}' closes over arrays")
-    outs = lower_jaxpr(ctx.kernel, closed.jaxpr, args)
+    outs = lower_jaxpr(ctx.kernel, closed.jaxpr, args, own_locations=False)
     return outs if multiple_results else outs[0]
 
 

@@ -166,8 +166,11 @@ def lower(
     if debug:
         print(f"\nThe Mosaic module for {_where(gm)}:")
         print(text)
-    for sink in getattr(_collecting, "sinks", ()):
-        sink.append(text)
+    sinks = getattr(_collecting, "sinks", ())
+    if sinks:  # with locations: compile_check finds a Mosaic error's kernel by its line
+        with_locations = module.operation.get_asm(enable_debug_info=True, assume_verified=True)
+        for sink in sinks:
+            sink.append((_where(gm), text, with_locations))
     # Aliases count the inputs after the scalar-prefetch operands (pallas-core's
     # normalization); the custom call's operands are the dynamic grid sizes, the
     # scalar-prefetch operands, then those inputs.
@@ -217,9 +220,12 @@ def _bool_as_int32(ctx, args, call):
 
 
 @contextlib.contextmanager
-def _collect():
+def collect_kernels():
+    """Collects ``(kernel, module text, module text with locations)`` of every
+    kernel lowered to Mosaic in this thread inside the ``with`` (``kernel``
+    names it and its line)."""
     sinks = _collecting.__dict__.setdefault("sinks", [])
-    sink: list[str] = []
+    sink: list[tuple[str, str, str]] = []
     sinks.append(sink)
     try:
         yield sink
@@ -243,6 +249,6 @@ def mosaic_modules(fn, *args, **kwargs) -> list[str]:
     def wrapper(*a, **k):
         return fn(*a, **k)
 
-    with _collect() as sink:
+    with collect_kernels() as sink:
         jax.export.export(jax.jit(wrapper), platforms=["tpu"])(*args, **kwargs)
-    return list(sink)
+    return [text for _, text, _ in sink]

@@ -1,0 +1,347 @@
+"""Will a kernel compile on a TPU? libtpu's Mosaic compiler, on any machine.
+
+libtpu (``pip install "jax[tpu]"``, never a dependency of ours) gives compile-only
+TPU devices on machines without a TPU: ``jax.experimental.topologies``. A
+function jitted for one of them goes through XLA's TPU compiler and, for every
+``tpu_custom_call``, Mosaic's own pipeline down to LLO (the TPU's instructions):
+the compiler a TPU user's program meets. ``compile_check`` runs it per chip and
+reports per kernel; with ``llo=True`` it also counts the LLO ops Mosaic emitted
+(``LIBTPU_INIT_ARGS=--xla_mosaic_dump_to``, which libtpu reads once per process:
+the compile then runs in a child process unless this one was started with it).
+
+It does not run the kernel and says nothing of speed beyond instruction counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+# A chip name -> the smallest topology libtpu knows for it (one host).
+TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+DUMP_FLAG = "--xla_mosaic_dump_to"
+
+
+class CompileCheckError(RuntimeError):
+    """libtpu is missing, or a chip it does not know."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCompile:
+    """What Mosaic made of one kernel for one chip.
+
+    Attributes:
+      kernel: the kernel's name.
+      chip: the TPU generation (``"v5e"``...).
+      compiled: whether libtpu compiled the function holding it.
+      error: Mosaic's message (with the kernel's file and line) when it did not.
+      llo_ops: LLO ops Mosaic emitted for the kernel (``llo=True``), else None.
+      llo_loop_ops: of those, the ops inside its innermost loop (0 with no loop).
+    """
+
+    kernel: str
+    chip: str
+    compiled: bool
+    error: str | None = None
+    llo_ops: int | None = None
+    llo_loop_ops: int | None = None
+
+
+def libtpu_available() -> bool:
+    """Whether libtpu is installed (``pip install "jax[tpu]"``)."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@functools.cache
+def tpu_devices(chip: str) -> tuple:
+    """The compile-only devices of ``chip``'s one-host topology (``TOPOLOGIES``)."""
+    if chip not in TOPOLOGIES:
+        raise CompileCheckError(f"compile_check: unknown TPU chip {chip!r}; known: {', '.join(TOPOLOGIES)}")
+    if not libtpu_available():
+        raise CompileCheckError(
+            'compile_check needs libtpu, which compiles for TPUs on any machine: pip install "jax[tpu]"'
+        )
+    from jax.experimental import topologies
+
+    return tuple(topologies.get_topology_desc(TOPOLOGIES[chip], "tpu").devices)
+
+
+def _placed(args, chip: str, mesh_shape):
+    """``args`` as ShapeDtypeStructs on ``chip``: on its first device, or sharded
+    like their NamedShardings over a mesh of ``mesh_shape`` of its devices."""
+    devices = tpu_devices(chip)
+
+    def place(x):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            return x
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None and {d.platform for d in sharding.device_set} == {"tpu"}:
+            return x  # already on compile-only TPU devices
+        if mesh_shape is not None and isinstance(sharding, jax.sharding.NamedSharding):
+            n = int(np.prod(mesh_shape))
+            if n > len(devices):
+                raise CompileCheckError(f"compile_check: {chip} has {len(devices)} devices here, {n} asked")
+            mesh = jax.sharding.Mesh(np.array(devices[:n]).reshape(mesh_shape), sharding.mesh.axis_names)
+            target = jax.sharding.NamedSharding(mesh, sharding.spec)
+        else:
+            target = jax.sharding.SingleDeviceSharding(devices[0])
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
+
+    return jax.tree.map(place, args)
+
+
+def compile_for(fn, args: Sequence, chip: str, mesh_shape=None, kwargs=None):
+    """``jax.jit(fn)`` lowered for ``chip`` and compiled by libtpu (XLA and
+    Mosaic); raises ``MosaicCompileError`` where Mosaic refuses a kernel."""
+    from pallas_tpu._src import pallas_call_registration as reg
+
+    placed = _placed(tuple(args), chip, mesh_shape)
+    kwargs = _placed(kwargs or {}, chip, mesh_shape)
+    with reg.collect_kernels() as kernels:
+        # A fresh wrapper: jit caches lowerings, and a cached one would not collect the kernels.
+        lowered = jax.jit(lambda *a, **k: fn(*a, **k)).lower(*placed, **kwargs)
+    try:
+        return lowered.compile(), kernels
+    except Exception as e:  # JaxRuntimeError: INTERNAL: Mosaic failed to compile ...
+        raise MosaicCompileError.from_libtpu(e, chip, kernels) from None
+
+
+class MosaicCompileError(RuntimeError):
+    """Mosaic (libtpu) refused a kernel: its message, the kernel and the user's line."""
+
+    def __init__(self, message: str, chip: str, kernel: str | None, source: str | None):
+        super().__init__(message)
+        self.chip, self.kernel, self.source = chip, kernel, source
+
+    @classmethod
+    def from_libtpu(cls, e: Exception, chip: str, kernels) -> MosaicCompileError:
+        text = str(e)
+        m = re.search(r'at location: loc\((?:"[^"]*"\()?"([^"]+)":(\d+):\d+', text)
+        source = f"{os.path.basename(m.group(1))}:{m.group(2)}" if m else None
+        kernel = _kernel_of(text, kernels, source)
+        reason = re.search(r"Mosaic failed to compile TPU kernel[^:]*: (.*)", text)
+        op = re.search(r"The MLIR operation involved:\s*\n\s*(.*)", text)
+        where = kernel or "a TPU kernel"
+        if source:
+            where += f", at {source},"
+        if reason is None:
+            return cls(f"libtpu could not compile for {chip}: {text}", chip, kernel, source)
+        msg = f"Mosaic (libtpu) refused {where} for TPU {chip}: {reason.group(1).strip()}"
+        if op:
+            msg += f"\n  operation: {op.group(1).strip()}"
+        msg += f"\n(libtpu's message follows)\n{text}"
+        return cls(msg, chip, kernel, source)
+
+
+def _kernel_of(text: str, kernels, source: str | None) -> str | None:
+    """Which collected kernel a Mosaic error is about: the one whose module names
+    the error's file and line, or the only one."""
+    if source:
+        file, line = source.rsplit(":", 1)
+        for name, _, module_text in kernels:
+            if re.search(rf'{re.escape(file)}":{line}:', module_text):
+                return name
+    return kernels[0][0] if len(kernels) == 1 else None
+
+
+def compile_check(
+    fn,
+    *args,
+    chips: Sequence[str] = ("v5e", "v6e"),
+    llo: bool = False,
+    mesh_shape: Sequence[int] | None = None,
+    **kwargs,
+) -> list[KernelCompile]:
+    """Compiles ``jax.jit(fn)(*args)`` for each TPU generation in ``chips`` with
+    libtpu's Mosaic compiler (no TPU needed) and reports per kernel.
+
+    Args:
+      fn: a function of JAX arrays that calls TPU kernels (``pallas_call``).
+      *args, **kwargs: its arguments: arrays or ``jax.ShapeDtypeStruct`` (placed on
+        one compile-only device of each chip, or, when they carry a
+        ``NamedSharding`` and ``mesh_shape`` is given, sharded the same way over a
+        mesh of that shape of the chip's devices, e.g. ``(4,)`` for ``jax.shard_map``).
+      chips: of ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``.
+      llo: also count the LLO ops (TPU instructions) Mosaic emits per kernel.
+    Returns:
+      One ``KernelCompile`` per kernel and chip, in program order; a kernel of a
+      function that did not compile carries Mosaic's message, which names the
+      kernel's file and line.
+    Raises:
+      CompileCheckError: libtpu is not installed, or a chip is unknown.
+    """
+    for chip in chips:
+        tpu_devices(chip)  # clear errors first
+    if llo and DUMP_FLAG not in os.environ.get("LIBTPU_INIT_ARGS", ""):
+        if mesh_shape is not None:
+            raise CompileCheckError(
+                "compile_check(llo=True, mesh_shape=...) counts LLO ops only in a process started with "
+                f"LIBTPU_INIT_ARGS={DUMP_FLAG}=<dir> (libtpu reads it once)"
+            )
+        return _in_child(fn, args, kwargs, tuple(chips))
+    dump = _dump_dir() if llo else None
+    out = []
+    for chip in chips:
+        before = set(_llo_files(dump)) if dump else set()
+        try:
+            _, kernels = compile_for(fn, args, chip, mesh_shape, kwargs)
+        except MosaicCompileError as e:
+            names = (
+                [e.kernel] if e.kernel else [n for n, _, _ in _kernels_of(fn, args, kwargs, chip, mesh_shape)]
+            )
+            out += [KernelCompile(n, chip, False, str(e)) for n in names]
+            continue
+        counts = _llo_counts(sorted(set(_llo_files(dump)) - before)) if dump else []
+        for i, (name, _, _) in enumerate(kernels):
+            ops, loop = counts[i] if i < len(counts) else (None, None)
+            out.append(KernelCompile(name, chip, True, None, ops, loop))
+    return out
+
+
+def _kernels_of(fn, args, kwargs, chip, mesh_shape):
+    from pallas_tpu._src import pallas_call_registration as reg
+
+    with reg.collect_kernels() as kernels:
+        jax.jit(lambda *a, **k: fn(*a, **k)).lower(
+            *_placed(tuple(args), chip, mesh_shape), **_placed(kwargs, chip, mesh_shape)
+        )
+    return kernels
+
+
+def _dump_dir() -> str:
+    m = re.search(rf"{DUMP_FLAG}=(\S+)", os.environ.get("LIBTPU_INIT_ARGS", ""))
+    return m.group(1)
+
+
+def _llo_files(dump: str) -> list[str]:
+    return glob.glob(os.path.join(dump, "*-post-finalize-llo.txt"))
+
+
+def _llo_counts(files: Sequence[str]) -> list[tuple[int, int]]:
+    """(ops, ops in the innermost loop) of each kernel's final LLO, in the order
+    Mosaic compiled them (the dump files' serial numbers)."""
+    return [llo_op_counts(open(f).read()) for f in sorted(files, key=os.path.basename)]
+
+
+_OP = re.compile(r"^\s*(?:%[\w#:, %]+=\s*)?\"?((?:llo|scf|arith|func)\.[\w.]+)")
+
+
+def llo_op_counts(text: str) -> tuple[int, int]:
+    """(LLO ops of the kernel's main function, of them the ops inside its
+    innermost loop) in a ``*-post-finalize-llo.txt`` dump. Loop structure is read
+    from the ``scf.for``/``scf.while`` regions still around the LLO ops."""
+    total = 0
+    main = False
+    stack: list[list] = []  # open regions: [is_loop, ops directly inside, max depth loop ops]
+    best = (0, 0)  # (loop depth, ops) of the innermost loop seen
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("func.func"):
+            main = "tpu.main" in s or "window_params" in s or "iteration_bounds" in s
+            stack = []
+            continue
+        if not main:
+            continue
+        m = _OP.match(line)
+        if m and m.group(1).startswith("llo."):
+            total += 1
+            for frame in stack:
+                if frame[0]:
+                    frame[1] += 1
+        opens = s.endswith("{")
+        closes = s.startswith("}")
+        if closes and stack:
+            frame = stack.pop()
+            if frame[0]:
+                depth = sum(1 for f in stack if f[0]) + 1
+                if depth > best[0] or (depth == best[0] and frame[1] > best[1]):
+                    best = (depth, frame[1])
+        if opens:
+            stack.append([bool(re.search(r"\bscf\.(for|while)\b|llo\.loop|\bloop\b", s)), 0])
+    return total, best[1]
+
+
+def _in_child(fn, args, kwargs, chips) -> list[KernelCompile]:
+    """``compile_check(..., llo=True)`` where this process's libtpu does not dump:
+    the function exported per chip (``jax.export``, for that chip's device kind),
+    compiled by a child process started with the dump flag."""
+    from jax import export
+
+    from pallas_tpu._src import pallas_call_registration as reg
+
+    payload = []
+    for chip in chips:
+        placed = _placed(tuple(args), chip, None)
+        with reg.collect_kernels() as kernels:
+            exp = export.export(jax.jit(lambda *a, **k: fn(*a, **k)), platforms=["tpu"])(
+                *placed, **_placed(kwargs, chip, None)
+            )
+        payload.append((chip, [n for n, _, _ in kernels], exp.serialize()))
+    with tempfile.TemporaryDirectory() as tmp:
+        blobs = []
+        for i, (chip, names, blob) in enumerate(payload):
+            path = os.path.join(tmp, f"{i}.bin")
+            with open(path, "wb") as f:
+                f.write(blob)
+            blobs.append(dict(chip=chip, kernels=names, path=path))
+        spec = os.path.join(tmp, "spec.json")
+        with open(spec, "w") as f:
+            json.dump(dict(blobs=blobs), f)
+        env = dict(os.environ)
+        dump = os.path.join(tmp, "dump")
+        env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + f" {DUMP_FLAG}={dump}").strip()
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # this process holds libtpu's lock file too
+        proc = subprocess.run(
+            [sys.executable, "-m", "pallas_tpu._src.compile_check", spec],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise CompileCheckError(f"compile_check's libtpu process failed:\n{proc.stderr[-4000:]}")
+        rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [KernelCompile(**r) for r in rows]
+
+
+def _child_main(spec_path: str) -> None:
+    from jax import export
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    dump = _dump_dir()
+    rows = []
+    for blob in spec["blobs"]:
+        chip, names = blob["chip"], blob["kernels"]
+        with open(blob["path"], "rb") as f:
+            exp = export.deserialize(bytearray(f.read()))
+        shardings = [jax.sharding.SingleDeviceSharding(tpu_devices(chip)[0])] * len(exp.in_avals)
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exp.in_avals, shardings)]
+        before = set(_llo_files(dump)) if os.path.isdir(dump) else set()
+        try:
+            jax.jit(exp.call).lower(*args).compile()
+        except Exception as e:
+            err = MosaicCompileError.from_libtpu(e, chip, [(n, "", "") for n in names])
+            rows += [dataclasses.asdict(KernelCompile(n, chip, False, str(err))) for n in names]
+            continue
+        counts = _llo_counts(sorted(set(_llo_files(dump)) - before))
+        for i, n in enumerate(names):
+            ops, loop = counts[i] if i < len(counts) else (None, None)
+            rows.append(dataclasses.asdict(KernelCompile(n, chip, True, None, ops, loop)))
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1])

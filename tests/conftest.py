@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 
 import pytest
 
@@ -17,6 +18,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # libtpu (the TPU suites' compiled way) takes a lock file per machine: let each
 # pytest worker load it. Read when libtpu starts, so set before anything imports jax.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# benchmarks/tpu_llo.py: each worker's libtpu dumps Mosaic's passes into its own folder.
+if os.environ.get("PALLAS_TPU_LLO_DUMP"):
+    _dump = os.path.join(os.environ["PALLAS_TPU_LLO_DUMP"], os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    _args = re.sub(r"--xla_mosaic_dump_to=\S+", "", os.environ.get("LIBTPU_INIT_ARGS", ""))  # the controller's
+    os.environ["LIBTPU_INIT_ARGS"] = f"{_args} --xla_mosaic_dump_to={_dump}".strip()
 
 
 @functools.cache

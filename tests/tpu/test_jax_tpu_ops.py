@@ -338,11 +338,18 @@ THREE_WAY_OPS = {
 }
 
 
-@pytest.mark.parametrize("way", ["ours", "jax"])
+@pytest.mark.parametrize("way", ["ours", "jax", "compiled"])
 @pytest.mark.parametrize("op", list(THREE_WAY_OPS))
 def test_ops_three_ways(op, way):
     rel, call, inputs, reference, tol = THREE_WAY_OPS[op]
     args = inputs()
+    if way == "compiled":  # the ported op compiled by libtpu, JAX's original beside it; values as "ours"
+        three_way.compile_both(
+            lambda pl, pltpu: (lambda *a: call(load(rel) if pl.__name__ == "pallas" else load_jax(rel), *a)),
+            args,
+            three_way.COMPILE_CHIPS,
+        )
+        way = "ours"
     m = load(rel) if way == "ours" else load_jax(rel)
     (out,) = three_way.run_with_mosaic(lambda *a: call(m, *a), *args)
     check(out, reference(*args), tol=tol)

@@ -59,8 +59,10 @@ IMPL_WAYS = [
     pytest.param("jax", "interpret", id="interpret-jax"),
     pytest.param(None, "ours", id="ours"),
     pytest.param(None, "jax", id="jax"),
+    pytest.param(None, "compiled", id="compiled"),
 ]
-"""Our and JAX's TPU interpret mode, then the Mosaic ways of ``three_way.py``."""
+"""Our and JAX's TPU interpret mode, then the Mosaic ways of ``three_way.py``
+(compiled: by libtpu for a mesh of four compile-only chips)."""
 
 
 def mesh1d():

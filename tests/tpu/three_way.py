@@ -166,19 +166,20 @@ def compile_both(build, args, chips, mesh=None, spec=None):
                 f, args_c = _sharded_for_chip(f, args, chip, mesh, spec)
             else:
                 args_c = args
+            llo = None
             try:
-                compile_check.compile_for(f, args_c, chip)
+                _, _, llo = compile_check.compile_counting_llo(f, args_c, chip)
                 outcome = "compiled"
             except compile_check.MosaicCompileError:
                 outcome = "refused by Mosaic"
                 if mode == "ours":
-                    _record(chip, mode, outcome)
+                    _record(chip, mode, outcome, None)
                     raise
             except Exception:  # JAX's lowering refuses the kernel
                 if mode == "ours":
                     raise
                 outcome = "refused by its lowering"
-            _record(chip, mode, outcome)
+            _record(chip, mode, outcome, llo)
 
 
 def _sharded_for_chip(f, args, chip, mesh_shape, spec):
@@ -192,8 +193,9 @@ def _sharded_for_chip(f, args, chip, mesh_shape, spec):
     return (lambda *a: g(*a)), placed
 
 
-def _record(chip, mode, outcome):
-    """One line per compile in $PALLAS_TPU_COMPILE_REPORT/<worker>.jsonl (conftest sums them)."""
+def _record(chip, mode, outcome, llo):
+    """One line per compile in $PALLAS_TPU_COMPILE_REPORT/<worker>.jsonl (conftest sums
+    them; benchmarks/tpu_llo.py reads the LLO counts, per kernel in program order)."""
     import os as _os
 
     folder = _os.environ.get("PALLAS_TPU_COMPILE_REPORT")
@@ -202,7 +204,8 @@ def _record(chip, mode, outcome):
     test = _os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
     worker = _os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(_os.path.join(folder, f"{worker}.jsonl"), "a") as fh:
-        fh.write(json.dumps(dict(test=test, chip=chip, lowering=mode, outcome=outcome)) + "\n")
+        row = dict(test=test, chip=chip, lowering=mode, outcome=outcome, llo=llo)
+        fh.write(json.dumps(row) + "\n")
 
 
 def call(fn, args, way, interpret_params=None, **kw):

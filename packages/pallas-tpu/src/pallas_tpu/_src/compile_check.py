@@ -220,13 +220,24 @@ def _kernels_of(fn, args, kwargs, chip, mesh_shape):
     return kernels
 
 
-def _dump_dir() -> str:
-    m = re.search(rf"{DUMP_FLAG}=(\S+)", os.environ.get("LIBTPU_INIT_ARGS", ""))
-    return m.group(1)
+def _dump_dir() -> str | None:
+    """Where this process's libtpu dumps Mosaic's passes (None: it does not)."""
+    found = re.findall(rf"{DUMP_FLAG}=(\S+)", os.environ.get("LIBTPU_INIT_ARGS", ""))
+    return found[-1] if found else None  # libtpu takes the last
 
 
 def _llo_files(dump: str) -> list[str]:
     return glob.glob(os.path.join(dump, "*-post-finalize-llo.txt"))
+
+
+def compile_counting_llo(fn, args: Sequence, chip: str, mesh_shape=None):
+    """``compile_for``, and the (LLO ops, innermost-loop LLO ops) of each kernel
+    it compiled, or None where this process's libtpu does not dump its passes."""
+    dump = _dump_dir()
+    before = set(_llo_files(dump)) if dump else set()
+    compiled, kernels = compile_for(fn, args, chip, mesh_shape)
+    counts = _llo_counts(sorted(set(_llo_files(dump)) - before)) if dump else None
+    return compiled, kernels, counts
 
 
 def _llo_counts(files: Sequence[str]) -> list[tuple[int, int]]:

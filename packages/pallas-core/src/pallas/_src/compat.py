@@ -18,6 +18,7 @@ from jax._src.api_util import debug_info as _debug_info
 from jax._src.debugging import debug_effect  # noqa: E402
 from jax._src.indexing import Slice  # noqa: F401
 from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.state import discharge as state_discharge
 from jax._src.state import indexing as state_indexing  # noqa: F401
@@ -242,3 +243,31 @@ def axis_index_primitive():
 # package trace to the same primitive and every backend lowers one rule.
 broadcast_to = state_primitives.broadcast_to
 broadcast_to_p = state_primitives.broadcast_to_p
+
+
+# --- Lowering for several platforms at once (jax.export(..., platforms=[...]))
+
+
+def lowering_platforms(ctx) -> tuple[str, ...]:
+    """The platforms a lowering rule emits code for: one, or several when
+    ``jax.export`` lowers for many (inside a branch of another multi-platform
+    rule, only that branch's)."""
+    return tuple(_mlir._platforms_for_eqn(ctx))
+
+
+def lower_per_platform(ctx, description: str, rules: dict, *args, **kwargs):
+    """Emits ``rules[p](ctx, *args, **kwargs)`` for each lowering platform ``p``,
+    behind a switch on the platform index when there are several (JAX's
+    ``mlir.lower_per_platform``, the same in 0.11 and 0.12; not public)."""
+    return _mlir.lower_per_platform(ctx, description, rules, None, no_effects, *args, **kwargs)
+
+
+def lowering_for_export(ctx) -> bool:
+    """Whether the module being lowered is for ``jax.export`` (serialized)."""
+    return bool(ctx.module_context.lowering_parameters.for_export)
+
+
+def host_callback_count(ctx) -> int:
+    """How many host callbacks the module lowered so far calls (``jax.export``
+    refuses modules with any)."""
+    return len(ctx.module_context.host_callbacks)

@@ -275,20 +275,37 @@ def _interpret_lowering(ctx, *args, **params):
                 "not model; install the TPU interpreter (pip install jax-pallas-tpu) and pass "
                 "interpret=pltpu.InterpretParams() or interpret=True"
             )
-        return backend.interpret_lower(ctx, *args, **params)
+        callbacks = compat.host_callback_count(ctx)
+        outs = backend.interpret_lower(ctx, *args, **params)
+        if compat.lowering_for_export(ctx) and compat.host_callback_count(ctx) > callbacks:
+            pkg = getattr(backend, "__name__", type(backend).__name__).split(".")[0]
+            mode = "in interpret mode" if params["interpret"] else "on the CPU"
+            raise NotImplementedError(
+                f"{describe(gm.kernel_name, gm.source)}: jax.export cannot serialize this kernel "
+                f"{mode}: it uses backend memory spaces, semaphores, a named grid or scalar "
+                f"prefetch, so it runs in {pkg}'s interpreter, which calls back into Python (host "
+                "callbacks). Export it without interpret mode for its hardware platform only (e.g. "
+                "platforms=['tpu']), or leave those features out of the kernel to export it for "
+                "the CPU as well."
+            )
+        return outs
 
     fun = functools.partial(interpret_pallas_call, **params)
     return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
 
 
-def _platform_rule(platform: str, params):
+def _platform_rule(platform: str, params, platforms: tuple[str, ...] = ()):
+    """The lowering rule of one platform; ``platforms``: all those being lowered
+    for (several under ``jax.export(..., platforms=[...])``)."""
     gm = params["grid_mapping"]
     cp = params.get("compiler_params")
     if isinstance(cp, tuple):  # several configs to autotune over: all of one type
         cp = cp[0]
     if platform == "cpu":
         want = getattr(cp, "PLATFORM", "")
-        if want and want != "cpu":
+        # Exported for ("cpu", "tpu") with TPU compiler_params: the TPU branch uses
+        # them, the CPU branch runs the kernel in interpret mode.
+        if want and want != "cpu" and want not in platforms:
             raise ValueError(
                 f"{describe(gm.kernel_name, gm.source)}: compiler_params {type(cp).__name__} are for "
                 f"'{want}', but the kernel is being lowered for the CPU (no {want} device). Pass "
@@ -346,11 +363,24 @@ def _lowering(ctx, *args, **params):
                 "understood by pallas-core or any installed backend"
             )
         return backend.lower(ctx, *args, **params)
-    platforms = ctx.module_context.platforms
+    platforms = compat.lowering_platforms(ctx)
     if len(platforms) == 1:
         return _platform_rule(platforms[0], params)(ctx, *args, **params)
-    rules = {p: functools.partial(_platform_rule(p, params), **params) for p in platforms}
-    return mlir.lower_per_platform(ctx, "pallas_call", rules, None, jax.core.no_effects, *args)
+    # Several platforms (jax.export(..., platforms=[...])): one branch per platform,
+    # chosen by the platform the exported module runs on, as JAX's Pallas does.
+    # Each branch's rule is looked up when that branch is lowered, so an error names
+    # the platform whose backend is missing.
+    rules = {p: functools.partial(_lower_for_platform, p, platforms) for p in platforms}
+    return compat.lower_per_platform(ctx, "pallas_call", rules, *args, **params)
+
+
+def _lower_for_platform(platform: str, platforms: tuple[str, ...], ctx, *args, **params):
+    try:
+        rule = _platform_rule(platform, params, platforms)
+    except ValueError as e:
+        e.add_note(f"(lowering for the platforms {', '.join(platforms)}: the '{platform}' branch failed)")
+        raise
+    return rule(ctx, *args, **params)
 
 
 def _interpret_params_type():

@@ -1,4 +1,5 @@
-"""jax.export of a pallas_call for several platforms at once.
+"""jax.export of a pallas_call for several platforms at once, and
+``pallas_call(metadata=...)`` in the exported TPU custom call.
 
 A module exported for ("cpu", "tpu") holds one branch per platform, chosen by
 the platform it runs on: the CPU branch is the kernel in interpret mode, the TPU
@@ -299,3 +300,76 @@ class TestMissingBackend:
             _export(interpreted, ["cpu"], _sds((8, 128)))
         # For the TPU alone it exports.
         assert list(_kernel_calls(_export(call, ["tpu"], _sds((8, 128))))) == [TPU_TARGET]
+
+
+# ---------------------------------------------------------------------------
+# pallas_call(metadata=...)
+
+
+def _add_one(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+
+
+def _kernel_metadata(exported) -> list[dict | None]:
+    return [call.kernel_metadata for call in _kernel_calls(exported).get(TPU_TARGET, [])]
+
+
+class TestMetadata(PallasTest):
+    METADATA = {"model": "decoder layer 3", "shape": "(8, 128)", "owner": "ñ team"}
+
+    def test_tpu_custom_call_carries_metadata(self):
+        _need("tpu")
+        call = pl.pallas_call(_add_one, _sds((8, 128)), metadata=self.METADATA)
+        assert _kernel_metadata(_export(call, ["tpu"], _sds((8, 128)))) == [self.METADATA]
+        # And in the TPU branch of a multi-platform export, whose CPU branch runs.
+        exported = _export(call, ["cpu", "tpu"], _sds((8, 128)))
+        assert _kernel_metadata(exported) == [self.METADATA]
+        x = self.rand((8, 128))
+        assert_allclose(_run_on_cpu(jax.export.deserialize(exported.serialize()), x), x + 1.0)
+
+    def test_same_frontend_attributes_as_jax(self):
+        # JAX's own Pallas is the reference: the same kernel_metadata attribute, with
+        # metadata and without ("{}").
+        _need("tpu")
+        from jax.experimental import pallas as jax_pl
+
+        for metadata in (self.METADATA, None):
+            ours = pl.pallas_call(_add_one, _sds((8, 128)), metadata=metadata)
+            theirs = jax_pl.pallas_call(_add_one, _sds((8, 128)), metadata=metadata)
+            (a,) = _kernel_calls(_export(ours, ["tpu"], _sds((8, 128))))[TPU_TARGET]
+            (b,) = _kernel_calls(_export(theirs, ["tpu"], _sds((8, 128))))[TPU_TARGET]
+            assert a.attributes["mhlo.frontend_attributes"] == b.attributes["mhlo.frontend_attributes"]
+            assert a.kernel_metadata == (metadata or {})
+
+    def test_pl_kernel_passes_metadata(self):
+        pltpu = pytest.importorskip("pallas_tpu")
+
+        def body(x_hbm, o_hbm):
+            pltpu.sync_copy(x_hbm, o_hbm)
+
+        run = pl.kernel(
+            body, _sds((8, 128)), mesh=pltpu.create_tensorcore_mesh("core", num_cores=1), metadata={"k": "v"}
+        )
+        assert _kernel_metadata(_export(run, ["tpu"], _sds((8, 128)))) == [{"k": "v"}]
+
+    def test_interpret_mode_accepts_metadata(self):
+        x = self.rand((8, 128))
+        call = pl.pallas_call(_add_one, _sds((8, 128)), metadata=self.METADATA, interpret=True)
+        assert_allclose(jax.jit(call)(x), x + 1.0)
+
+    @pytest.mark.parametrize(
+        "metadata, message",
+        [
+            ({"layers": 3}, r"metadata: values must be str, got the int 3 for key 'layers'"),
+            ({3: "layers"}, r"metadata: keys must be str, got the int key 3"),
+            ([("a", "b")], r"metadata: expected a dict of str to str, got \[\('a', 'b'\)\]"),
+            ("a=b", r"metadata: expected a dict of str to str, got 'a=b'"),
+        ],
+        ids=["int-value", "int-key", "list", "str"],
+    )
+    def test_bad_metadata(self, metadata, message):
+        call = pl.pallas_call(_add_one, _sds((8, 128)), metadata=metadata, interpret=True, name="add_one")
+        with pytest.raises(
+            TypeError, match=rf"pallas_call 'add_one' at test_export_platforms.py:\d+: {message}"
+        ):
+            call(self.rand((8, 128)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -217,6 +217,9 @@ def pallas_call(
       backend: the backend to lower with on hardware: ``"gpu"`` (pallas-gpu; JAX's
         name ``"triton"`` is accepted) or ``"tpu"`` (pallas-tpu; ``"mosaic_tpu"``,
         ``"mosaic"``), or another installed backend's name. Interpret mode ignores it.
+      metadata: a dict of str to str about the kernel, serialized as JSON into
+        the TPU custom call (its ``kernel_metadata`` frontend attribute), for
+        debugging and analysis tools; other backends ignore it.
     Returns:
       A function of the inputs returning arrays shaped like ``out_shape``.
     """
@@ -280,6 +283,7 @@ def pallas_call(
             backend_ = backends.resolve_name(backend)
         except ValueError as e:
             raise err(ValueError, "backend", str(e)) from None
+        metadata_ = _normalize_metadata(metadata, err)
         if cost_estimate is not None and not isinstance(cost_estimate, pallas_core.CostEstimate):
             raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
         if not isinstance(scratch_shapes_, (tuple, list)):
@@ -343,7 +347,7 @@ def pallas_call(
             print(f"The kernel jaxpr for pallas_call '{kernel_name}' ({source}):")
             print(jaxpr)
             print(gm)
-        return jaxpr, gm, aliases, compiler_params_, consts, backend_
+        return jaxpr, gm, aliases, compiler_params_, consts, backend_, metadata_
 
     @functools.wraps(kernel)
     def wrapped(*args):
@@ -356,7 +360,7 @@ def pallas_call(
             err = Err(kernel_name, source)
             in_avals = [_arg_aval(x, f"args{keystr(p)}", err) for p, x in leaves]
             cache[key] = prepare(source, args, in_tree, [p for p, _ in leaves], in_avals)
-        jaxpr, gm, aliases, compiler_params_, consts, backend_ = cache[key]
+        jaxpr, gm, aliases, compiler_params_, consts, backend_, metadata_ = cache[key]
         if any(isinstance(c, jax.core.Tracer) for c in consts):
             del cache[key]  # constants of an enclosing trace: retrace the next time
         consts = [jnp.asarray(c) for c in consts]
@@ -376,6 +380,7 @@ def pallas_call(
             compiler_params=compiler_params_,
             cost_estimate=cost_estimate,
             backend=backend_,
+            metadata=metadata_,
         )
         result = tree_util.tree_unflatten(tree_util.tree_structure(outs_tuple), outs)
         if is_seq:
@@ -383,6 +388,26 @@ def pallas_call(
         return result[0]
 
     return wrapped
+
+
+def _normalize_metadata(metadata: Any, err: Err) -> tuple[tuple[str, str], ...] | None:
+    """None, or the (key, value) pairs of a dict of str to str, sorted (a
+    primitive parameter must be hashable; the JSON sorts its keys anyway)."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise err(TypeError, "metadata", f"expected a dict of str to str, got {metadata!r:.80}")
+    for k, v in metadata.items():
+        if not isinstance(k, str):
+            raise err(TypeError, "metadata", f"keys must be str, got the {type(k).__name__} key {k!r:.40}")
+        if not isinstance(v, str):
+            raise err(
+                TypeError,
+                "metadata",
+                f"values must be str, got the {type(v).__name__} {v!r:.40} for key {k!r}; "
+                f"write it as a string (e.g. str({v!r:.40}))",
+            )
+    return tuple(sorted(metadata.items()))
 
 
 def _prefetch_aval(grid_spec, aval, what: str, err: Err):

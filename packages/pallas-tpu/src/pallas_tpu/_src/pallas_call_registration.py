@@ -127,7 +127,7 @@ def _custom_call_config(cp: tpu_core.CompilerParams, cost_estimate, aliases, met
         allow_collective_id_without_custom_barrier=cp.allow_collective_id_without_custom_barrier,
         shape_invariant_numerics=cp.shape_invariant_numerics,
         needs_layout_passes=cp.needs_layout_passes,
-        metadata=dict(metadata) if metadata else None,
+        metadata=dict(metadata or ()),  # as JAX: kernel_metadata = "{}" when there is none
         opt_level=cp.opt_level,
     )
 

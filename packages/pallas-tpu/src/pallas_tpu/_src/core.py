@@ -304,7 +304,10 @@ class TensorCoreMesh(pl.Mesh):
             given = CompilerParams()
         if not isinstance(given, CompilerParams):
             raise TypeError(f"pl.kernel over a TensorCoreMesh takes pltpu.CompilerParams, got {given!r}")
-        return given.replace(dimension_semantics=(CORE_PARALLEL,))
+        # "parallel", as JAX's lowering marks a TensorCoreMesh's axis: a chip with two
+        # TensorCores (v4, v5p) splits it over them, a one-core chip (v5e, v6e) runs both
+        # steps in turn. Mosaic refuses "core_parallel" with more steps than the chip's cores.
+        return given.replace(dimension_semantics=(PARALLEL,))
 
 
 def create_tensorcore_mesh(axis_name: str, num_cores: int | None = None) -> TensorCoreMesh:

@@ -27,7 +27,6 @@ import tempfile
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
 # A chip name -> the smallest topology libtpu knows for it (one host).
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
@@ -75,40 +74,35 @@ def tpu_devices(chip: str) -> tuple:
         )
     from jax.experimental import topologies
 
+    # Compiling needs no TPU: don't let libtpu's one-process-per-machine lock refuse a second
+    # process (read when libtpu starts; a process that started it already keeps its setting).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return tuple(topologies.get_topology_desc(TOPOLOGIES[chip], "tpu").devices)
 
 
-def _placed(args, chip: str, mesh_shape):
-    """``args`` as ShapeDtypeStructs on ``chip``: on its first device, or sharded
-    like their NamedShardings over a mesh of ``mesh_shape`` of its devices."""
-    devices = tpu_devices(chip)
+def _placed(args, chip: str):
+    """``args`` as ShapeDtypeStructs on ``chip``'s first device; those already on
+    compile-only TPU devices (a ``shard_map`` over a mesh of them) as they are."""
+    device = tpu_devices(chip)[0]
 
     def place(x):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             return x
         sharding = getattr(x, "sharding", None)
         if sharding is not None and {d.platform for d in sharding.device_set} == {"tpu"}:
-            return x  # already on compile-only TPU devices
-        if mesh_shape is not None and isinstance(sharding, jax.sharding.NamedSharding):
-            n = int(np.prod(mesh_shape))
-            if n > len(devices):
-                raise CompileCheckError(f"compile_check: {chip} has {len(devices)} devices here, {n} asked")
-            mesh = jax.sharding.Mesh(np.array(devices[:n]).reshape(mesh_shape), sharding.mesh.axis_names)
-            target = jax.sharding.NamedSharding(mesh, sharding.spec)
-        else:
-            target = jax.sharding.SingleDeviceSharding(devices[0])
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
 
     return jax.tree.map(place, args)
 
 
-def compile_for(fn, args: Sequence, chip: str, mesh_shape=None, kwargs=None):
+def compile_for(fn, args: Sequence, chip: str, kwargs=None):
     """``jax.jit(fn)`` lowered for ``chip`` and compiled by libtpu (XLA and
     Mosaic); raises ``MosaicCompileError`` where Mosaic refuses a kernel."""
     from pallas_tpu._src import pallas_call_registration as reg
 
-    placed = _placed(tuple(args), chip, mesh_shape)
-    kwargs = _placed(kwargs or {}, chip, mesh_shape)
+    placed = _placed(tuple(args), chip)
+    kwargs = _placed(kwargs or {}, chip)
     with reg.collect_kernels() as kernels:
         # A fresh wrapper: jit caches lowerings, and a cached one would not collect the kernels.
         lowered = jax.jit(lambda *a, **k: fn(*a, **k)).lower(*placed, **kwargs)
@@ -133,12 +127,12 @@ class MosaicCompileError(RuntimeError):
         kernel = _kernel_of(text, kernels, source)
         reason = re.search(r"Mosaic failed to compile TPU kernel[^:]*: (.*)", text)
         op = re.search(r"The MLIR operation involved:\s*\n\s*(.*)", text)
-        where = kernel or "a TPU kernel"
+        where = f"{kernel or 'a TPU kernel'} for TPU {chip}"
         if source:
-            where += f", at {source},"
+            where += f", at the kernel's line {source}"
         if reason is None:
             return cls(f"libtpu could not compile for {chip}: {text}", chip, kernel, source)
-        msg = f"Mosaic (libtpu) refused {where} for TPU {chip}: {reason.group(1).strip()}"
+        msg = f"Mosaic (libtpu) refused {where}: {reason.group(1).strip()}"
         if op:
             msg += f"\n  operation: {op.group(1).strip()}"
         msg += f"\n(libtpu's message follows)\n{text}"
@@ -161,7 +155,6 @@ def compile_check(
     *args,
     chips: Sequence[str] = ("v5e", "v6e"),
     llo: bool = False,
-    mesh_shape: Sequence[int] | None = None,
     **kwargs,
 ) -> list[KernelCompile]:
     """Compiles ``jax.jit(fn)(*args)`` for each TPU generation in ``chips`` with
@@ -169,10 +162,10 @@ def compile_check(
 
     Args:
       fn: a function of JAX arrays that calls TPU kernels (``pallas_call``).
-      *args, **kwargs: its arguments: arrays or ``jax.ShapeDtypeStruct`` (placed on
-        one compile-only device of each chip, or, when they carry a
-        ``NamedSharding`` and ``mesh_shape`` is given, sharded the same way over a
-        mesh of that shape of the chip's devices, e.g. ``(4,)`` for ``jax.shard_map``).
+      *args, **kwargs: its arguments: arrays or ``jax.ShapeDtypeStruct``, placed on
+        one compile-only device of each chip; for a ``jax.shard_map`` over several
+        chips, build the mesh from ``compile_check.tpu_devices(chip)`` and pass
+        ``ShapeDtypeStruct``s sharded over it (kept as they are).
       chips: of ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``.
       llo: also count the LLO ops (TPU instructions) Mosaic emits per kernel.
     Returns:
@@ -184,23 +177,16 @@ def compile_check(
     """
     for chip in chips:
         tpu_devices(chip)  # clear errors first
-    if llo and DUMP_FLAG not in os.environ.get("LIBTPU_INIT_ARGS", ""):
-        if mesh_shape is not None:
-            raise CompileCheckError(
-                "compile_check(llo=True, mesh_shape=...) counts LLO ops only in a process started with "
-                f"LIBTPU_INIT_ARGS={DUMP_FLAG}=<dir> (libtpu reads it once)"
-            )
+    if llo and _dump_dir() is None:
         return _in_child(fn, args, kwargs, tuple(chips))
     dump = _dump_dir() if llo else None
     out = []
     for chip in chips:
         before = set(_llo_files(dump)) if dump else set()
         try:
-            _, kernels = compile_for(fn, args, chip, mesh_shape, kwargs)
+            _, kernels = compile_for(fn, args, chip, kwargs)
         except MosaicCompileError as e:
-            names = (
-                [e.kernel] if e.kernel else [n for n, _, _ in _kernels_of(fn, args, kwargs, chip, mesh_shape)]
-            )
+            names = [e.kernel] if e.kernel else [n for n, _, _ in _kernels_of(fn, args, kwargs, chip)]
             out += [KernelCompile(n, chip, False, str(e)) for n in names]
             continue
         counts = _llo_counts(sorted(set(_llo_files(dump)) - before)) if dump else []
@@ -210,12 +196,12 @@ def compile_check(
     return out
 
 
-def _kernels_of(fn, args, kwargs, chip, mesh_shape):
+def _kernels_of(fn, args, kwargs, chip):
     from pallas_tpu._src import pallas_call_registration as reg
 
     with reg.collect_kernels() as kernels:
         jax.jit(lambda *a, **k: fn(*a, **k)).lower(
-            *_placed(tuple(args), chip, mesh_shape), **_placed(kwargs, chip, mesh_shape)
+            *_placed(tuple(args), chip), **_placed(kwargs, chip)
         )
     return kernels
 
@@ -230,12 +216,12 @@ def _llo_files(dump: str) -> list[str]:
     return glob.glob(os.path.join(dump, "*-post-finalize-llo.txt"))
 
 
-def compile_counting_llo(fn, args: Sequence, chip: str, mesh_shape=None):
+def compile_counting_llo(fn, args: Sequence, chip: str):
     """``compile_for``, and the (LLO ops, innermost-loop LLO ops) of each kernel
     it compiled, or None where this process's libtpu does not dump its passes."""
     dump = _dump_dir()
     before = set(_llo_files(dump)) if dump else set()
-    compiled, kernels = compile_for(fn, args, chip, mesh_shape)
+    compiled, kernels = compile_for(fn, args, chip)
     counts = _llo_counts(sorted(set(_llo_files(dump)) - before)) if dump else None
     return compiled, kernels, counts
 
@@ -294,10 +280,10 @@ def _in_child(fn, args, kwargs, chips) -> list[KernelCompile]:
 
     payload = []
     for chip in chips:
-        placed = _placed(tuple(args), chip, None)
+        placed = _placed(tuple(args), chip)
         with reg.collect_kernels() as kernels:
             exp = export.export(jax.jit(lambda *a, **k: fn(*a, **k)), platforms=["tpu"])(
-                *placed, **_placed(kwargs, chip, None)
+                *placed, **_placed(kwargs, chip)
             )
         payload.append((chip, [n for n, _, _ in kernels], exp.serialize()))
     with tempfile.TemporaryDirectory() as tmp:

@@ -87,6 +87,8 @@ def mosaic_module(
     tpu.register_dialect(context)
     with context, ir.Location.unknown(context):
         module = lower_kernel(jaxpr, grid_mapping, compiler_params, mesh_axes)
+        # Named after the kernel: libtpu's errors say "MLIR module name `<kernel>`".
+        module.operation.attributes["sym_name"] = ir.StringAttr.get(func_name(grid_mapping.kernel_name))
         if not module.operation.verify():  # verify() raises with the diagnostics on failure
             raise LoweringException(f"{_where(grid_mapping)}: the Mosaic module does not verify")
     return module

@@ -1,0 +1,140 @@
+"""``pltpu.compile_check``: libtpu's Mosaic compiler on compile-only TPU devices
+(no TPU needed). Skipped where libtpu is not installed (``pip install "jax[tpu]"``)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas as pl
+import pallas_tpu as pltpu
+from pallas_tpu._src import compile_check
+
+pytestmark = pytest.mark.skipif(
+    not compile_check.libtpu_available(), reason='needs libtpu: pip install "jax[tpu]"'
+)
+
+
+def scaled_exp(x):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.exp(x_ref[...]) * 2.0
+
+    spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(x.shape[0] // 8,),
+        in_specs=[spec],
+        out_specs=spec,
+    )(x)
+
+
+def unaligned_window(x):
+    """Reads 128 lanes at a dynamic offset 3*i: Mosaic cannot prove it is a multiple of 128."""
+
+    def kernel(x_ref, o_ref):
+        i = pl.program_id(0)
+        o_ref[...] = x_ref[:, pl.ds(i * 3, 128)]  # the line Mosaic refuses
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
+        grid=(2,),
+        in_specs=[pl.BlockSpec((8, 512), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+    )(x)
+
+
+def _line_of(fn, text):
+    import inspect
+
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_a_kernel_that_compiles_on_each_chip():
+    x = jax.random.normal(jax.random.key(0), (32, 128))
+    reports = pltpu.compile_check(scaled_exp, x, chips=("v5e", "v6e"))
+    assert [(r.chip, r.compiled, r.error) for r in reports] == [("v5e", True, None), ("v6e", True, None)]
+    assert all("pallas_call 'kernel'" in r.kernel and "test_compile_check.py" in r.kernel for r in reports)
+
+
+def test_mosaic_error_names_the_users_line():
+    x = jax.ShapeDtypeStruct((8, 512), jnp.float32)
+    line = _line_of(unaligned_window, "the line Mosaic refuses")
+    (r,) = pltpu.compile_check(unaligned_window, x, chips=("v5e",))
+    assert not r.compiled
+    assert f"test_compile_check.py:{line}" in r.error
+    assert "cannot statically prove" in r.error and "TPU v5e" in r.error
+
+
+def test_mosaic_error_inside_jit_compile_names_the_kernel_and_line():
+    # A plain jax.jit(...).compile() for a TPU: libtpu's own message names the
+    # kernel (the module's name) and the user's line (every op carries its location).
+    dev = compile_check.tpu_devices("v6e")[0]
+    x = jax.ShapeDtypeStruct((8, 512), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(dev))
+    line = _line_of(unaligned_window, "the line Mosaic refuses")
+    with pytest.raises(Exception) as e:
+        jax.jit(unaligned_window).lower(x).compile()
+    assert "MLIR module name `kernel`" in str(e.value)
+    assert f'test_compile_check.py":{line}:' in str(e.value)
+    with pytest.raises(pltpu.MosaicCompileError, match=rf"at the kernel's line test_compile_check.py:{line}"):
+        compile_check.compile_for(unaligned_window, [x], "v6e")
+
+
+def test_llo_counts_in_a_child_process():
+    # This process's libtpu does not dump Mosaic's passes: the counts come from a child process.
+    assert "xla_mosaic_dump_to" not in os.environ.get("LIBTPU_INIT_ARGS", "")
+    x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+    reports = pltpu.compile_check(scaled_exp, x, chips=("v5e",), llo=True)
+    (r,) = reports
+    assert r.compiled and r.llo_ops is not None
+    # load, exp, multiply, store at least; the loop over the grid is outside the kernel body
+    assert r.llo_ops >= 4 and r.llo_loop_ops == 0
+
+
+def test_llo_op_counts_reads_loops():
+    text = """module {
+  func.func @k(%arg0: i32) attributes {iteration_bounds = array<i64: 2>, tpu.main} {
+    %0 = llo.constant {value = 0 : i32} : i32
+    scf.for %i = %c0 to %c4 step %c1 {
+      %1 = llo.vector_load %arg0 : i32 -> vector<8x128xf32>
+      scf.for %j = %c0 to %c4 step %c1 {
+        %2 = llo.vexp.f32 %1 : vector<8x128xf32>
+        llo.vector_store %2 into %arg0 : vector<8x128xf32> into i32
+      }
+    }
+    return
+  }
+  func.func @transform_0(%arg0: i32) -> (i32) {
+    %0 = llo.constant {value = 0 : i32} : i32
+    return %0 : i32
+  }
+}"""
+    assert compile_check.llo_op_counts(text) == (4, 2)
+
+
+def test_unknown_chip_and_missing_libtpu(monkeypatch):
+    with pytest.raises(pltpu.CompileCheckError, match="unknown TPU chip 'v9'; known: v4, v5e, v5p, v6e"):
+        pltpu.compile_check(scaled_exp, jax.ShapeDtypeStruct((8, 128), jnp.float32), chips=("v9",))
+    compile_check.tpu_devices.cache_clear()
+    monkeypatch.setattr(compile_check, "libtpu_available", lambda: False)
+    try:
+        with pytest.raises(pltpu.CompileCheckError, match=r'needs libtpu.*pip install "jax\[tpu\]"'):
+            pltpu.compile_check(scaled_exp, jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    finally:
+        compile_check.tpu_devices.cache_clear()
+
+
+def test_sharded_kernel_on_a_mesh_of_four_chips():
+    # A shard_map over a mesh of four compile-only v5e chips, as a user checks a sharded kernel.
+    mesh = jax.sharding.Mesh(np.array(compile_check.tpu_devices("v5e")[:4]), ("x",))
+    spec = jax.sharding.PartitionSpec("x")
+    f = jax.shard_map(scaled_exp, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, spec))
+    reports = pltpu.compile_check(f, x, chips=("v5e",))
+    assert [(r.chip, r.compiled) for r in reports] == [("v5e", True)]

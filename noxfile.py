@@ -57,6 +57,14 @@ JAX_NEWEST = ["jax>=0.11.2,<0.13", "jaxlib>=0.11.2,<0.13"]
 TRITON_PINNED = ["triton==3.6.0"]
 TRITON_NEWEST = ["triton>=3.6.0,<3.10"]  # pallas-gpu's range: see its pyproject.toml
 TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "flatbuffers", "hypothesis>=6"]
+
+
+def _with_libtpu(jax_req: list[str]) -> list[str]:
+    """``jax`` with its ``tpu`` extra: libtpu, the release JAX names, whose Mosaic
+    compiler the TPU suites' compiled way runs on compile-only TPU devices (a
+    test dependency only: no package of ours depends on libtpu)."""
+    return [r.replace("jax", "jax[tpu]", 1) if r.startswith(("jax=", "jax>")) else r for r in jax_req]
+
 # Building without isolation (one environment for the ten builds, not ten): the
 # runtime's build-system requires, plus the release tools.
 BUILD_DEPS = [
@@ -123,9 +131,10 @@ def _install_all(session: nox.Session, jax_req: list[str], triton_req: list[str]
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Full test suite on the oldest supported JAX (the GPU machine's) and the pinned Triton."""
-    _install_all(session, JAX_OLDEST, TRITON_PINNED)
+    _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
     args = session.posargs or ["tests", "-n", "2", "-q", "-rs", "--durations=25"]
-    session.run("python", "-m", "pytest", *args)
+    # The compiled way of the TPU suites compiles for TPU v5e and v6e (tests/tpu/three_way.py).
+    session.run("python", "-m", "pytest", *args, env={"PALLAS_TPU_CHIPS": "v5e,v6e"})
 
 
 @nox.session(python=PYTHON)
@@ -136,9 +145,11 @@ def tests_newest(session: nox.Session) -> None:
     requires pin them), so tests/runtime/test_registration.py checks here that
     that build registers its handlers in the newest jaxlib.
     """
-    _install_all(session, JAX_NEWEST, TRITON_NEWEST)
+    _install_all(session, _with_libtpu(JAX_NEWEST), TRITON_NEWEST)
     args = session.posargs or ["tests", "-n", "2", "-q", "-rs", "--durations=25"]
-    session.run("python", "-m", "pytest", *args, env={"JAX_TRITON_PIN_CHECK": "0"})
+    # The compiled way here compiles for the other two generations libtpu knows: TPU v4 and v5p.
+    env = {"JAX_TRITON_PIN_CHECK": "0", "PALLAS_TPU_CHIPS": "v4,v5p"}
+    session.run("python", "-m", "pytest", *args, env=env)
     session.run("python", "examples/add.py", env={"JAX_TRITON_PIN_CHECK": "0"})
 
 

@@ -48,23 +48,65 @@ if TYPE_CHECKING:
     from pallas_gpu._src.lowering_kernel import KernelLowering
 
 
+@dataclasses.dataclass(frozen=True)
+class GatherGroup:
+    """The integer-array indices of one indexer (``ref.at[rows, cols]``): their
+    broadcast shape, which the result holds on consecutive axes, and where:
+    first (``front``, NumPy's rule when scalar or array indices are not
+    adjacent) or where the first of them stands."""
+
+    shape: tuple[int, ...]
+    front: bool
+
+
 @dataclasses.dataclass
 class DimView:
     """One kernel-block dim after ``ref.at[...]``/indexing: a scalar index
-    (``size is None``) or a strided slice."""
+    (``size is None``), a strided slice, or one dim of a gather (``group``)."""
 
     start: str | int
     size: int | None
     stride: int = 1
     inside: bool = True  # statically known to lie inside the block
     # Per-element indices into the parent view (whose start and stride are
-    # parent_*): ``elements`` (an int array index: a gather) or, if None,
-    # start + arange * stride (a strided dynamic slice); with ``clip``, each is
-    # wrapped and clamped into [0, clip).
+    # parent_*): ``elements`` (an int array index: a gather, a tensor of the
+    # group's rank broadcastable to its shape) or, if None, start + arange *
+    # stride (a strided dynamic slice); with ``clip``, each is wrapped and
+    # clamped into [0, clip).
     clip: int | None = None
     parent_start: str | int = 0
     parent_stride: int = 1
     elements: str | None = None
+    group: GatherGroup | None = None
+
+
+def view_axes(view: list[DimView]) -> tuple[tuple[int, ...], list[int | None]]:
+    """(result shape, the result axis of each dim of ``view``): a slice has
+    one axis, the dims of a gather share their group's axes (the first is
+    given), a scalar index has none."""
+    group = next((v.group for v in view if v.group is not None), None)
+    shape: list[int] = list(group.shape) if group is not None and group.front else []
+    first = 0 if group is not None and group.front else None
+    axes: list[int | None] = []
+    for v in view:
+        if v.group is not None:
+            if first is None:
+                first = len(shape)
+                shape += v.group.shape
+            axes.append(first)
+        elif v.size is not None:
+            axes.append(len(shape))
+            shape.append(v.size)
+        else:
+            axes.append(None)
+    return tuple(shape), axes
+
+
+def _place(expr: str, first: int, k: int, rank: int) -> str:
+    """A rank-``k`` tensor expression on axes ``first..first+k`` of rank ``rank``."""
+    if k == rank:
+        return expr
+    return f"{expr}[{', '.join(['None'] * first + [':'] * k + ['None'] * (rank - first - k))}]"
 
 
 # ---------------------------------------------------------------------------
@@ -178,34 +220,68 @@ def _apply_indexers(ref, transforms, rule_ctx: RuleContext, clamp: bool = True) 
     for t in transforms:
         if not isinstance(t, compat.NDIndexer):
             raise rule_ctx.error(f"Ref transform {type(t).__name__} is not supported")
+        if any(v.clip is not None or v.group is not None for v in view):
+            if _whole(t, view_axes(view)[0]):  # plgpu.load(x_ref.at[idx]) adds one
+                continue
+            raise rule_ctx.error(_INDEX_ONCE)
         live = [i for i, v in enumerate(view) if v.size is not None]
         if len(t.indices) != len(live):
             raise rule_ctx.error(f"indexer {t} does not match the Ref's {len(live)} dims")
+        group = _gather_group(t.indices)
         for i, idx in zip(live, t.indices):
-            view[i] = _index_dim(rule_ctx, view[i], idx, clamp)
+            view[i] = _index_dim(rule_ctx, view[i], idx, clamp, group)
     return view
 
 
-def _index_dim(rc: RuleContext, v: DimView, idx, clamp: bool) -> DimView:
-    """``v`` (a sliced dim) indexed by one index: a slice or a scalar."""
-    if v.clip is not None or v.elements is not None:
-        raise rc.error(
-            "indexing a Ref again after an integer-array index or a strided pl.ds with a dynamic "
-            "start is not supported; index once (or load, then index the value)"
-        )
+_INDEX_ONCE = (
+    "indexing a Ref again after an integer-array index or a strided pl.ds with a dynamic "
+    "start is not supported; index once (or load, then index the value)"
+)
+
+
+def _whole(t, shape: tuple[int, ...]) -> bool:
+    """Whether the indexer ``t`` takes the whole of a view of ``shape``."""
+    return len(t.indices) == len(shape) and all(
+        isinstance(i, compat.Slice) and _scalar_or_none(i.start) == 0 and i.size == n and i.stride == 1
+        for i, n in zip(t.indices, shape)
+    )
+
+
+def _scalar_or_none(x) -> int | None:
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, Val) and x.static is not None and not isinstance(x.static, bool):
+        return int(x.static)
+    return None
+
+
+def _gather_group(indices) -> GatherGroup | None:
+    """The gather of one indexer's integer-array indices, as JAX's NDIndexer
+    shapes it (NumPy's advanced indexing): the arrays broadcast together; their
+    axes stand where the first integer index is when every integer index
+    (scalars too) is adjacent, else first."""
+    arrays = [idx.shape for idx in indices if isinstance(idx, Val) and idx.shape != ()]
+    if not arrays:
+        return None
+    ints = [i for i, idx in enumerate(indices) if not isinstance(idx, compat.Slice)]
+    adjacent = all(b - a == 1 for a, b in zip(ints, ints[1:]))
+    return GatherGroup(tuple(int(d) for d in np.broadcast_shapes(*arrays)), front=not adjacent)
+
+
+def _index_dim(rc: RuleContext, v: DimView, idx, clamp: bool, group: GatherGroup | None) -> DimView:
+    """``v`` (a sliced dim) indexed by one index: a slice, a scalar or an
+    integer array (one dim of the gather ``group``)."""
     if isinstance(idx, compat.Slice):
         size, stride = idx.size, idx.stride
         start = _scalar_expr(idx.start, rc)
     elif isinstance(idx, Val) and idx.shape == ():
         size, stride, start = None, 1, _scalar_expr(idx, rc)
     elif isinstance(idx, Val):
-        if len(idx.shape) != 1:
-            raise rc.error(
-                f"indexing a Ref with a {len(idx.shape)}-d integer array is not supported by the Triton "
-                "backend; use 1-d index arrays (one per indexed dim)"
-            )
+        assert group is not None
+        k, r = len(group.shape), len(idx.shape)
+        elements = idx.expr if r == k else f"({idx.expr})[{', '.join(['None'] * (k - r) + [':'] * r)}]"
         clip = v.size if clamp else None
-        return DimView(0, idx.shape[0], 1, v.inside and clamp, clip, v.start, v.stride, idx.expr)
+        return DimView(0, None, 1, v.inside and clamp, clip, v.start, v.stride, elements, group)
     elif isinstance(idx, (int, np.integer)):
         size, stride, start = None, 1, int(idx)
     else:
@@ -240,20 +316,35 @@ def _scalar_expr(x, rule_ctx) -> str | int:
 
 def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str, str | None, tuple[int, ...]]:
     """(pointer expression, mask expression or None, logical result shape)."""
-    out_shape = tuple(v.size for v in view if v.size is not None)
+    out_shape, axes = view_axes(view)
     rank = len(out_shape)
     kdim = {d: k for k, d in enumerate(ref.kernel_dims)}
     wide = math.prod(ref.array_shape) >= 2**31
     offsets, masks = [], []
-    axis = 0
+    group = next((v.group for v in view if v.group is not None), None)
+    if group is not None:  # the gather's padding
+        first = axes[next(k for k, v in enumerate(view) if v.group is not None)]
+        for j, m in enumerate(group.shape):
+            if next_pow2(m) != m:
+                masks.append(f"({expand_to_axis(f'tl.arange(0, {next_pow2(m)})', first + j, rank)} < {m})")
     for d, n in enumerate(ref.array_shape):
         stride = math.prod(ref.array_shape[d + 1 :])
         base = ref.starts[d]
         if wide and base != 0:
             base = f"{base}.to(tl.int64)"
-        v = view[kdim[d]] if d in kdim else DimView(0, None)
+        k = kdim.get(d)
+        v = view[k] if k is not None else DimView(0, None)
         # Inside the block: the block's own bounds decide whether to mask.
         safe, nonneg = ref.in_bounds[d] and v.inside, ref.nonnegative[d] and v.inside
+        if v.group is not None:
+            lin = _add(_add(base, v.parent_start), _mul(_clipped_elements(em, v, ""), v.parent_stride))
+            off = _named(em, "offs", _place(f"({lin})", axes[k], len(v.group.shape), rank))
+            if not safe:
+                masks.append(f"({off} < {n})")
+                if not nonneg:
+                    masks.append(f"({off} >= 0)")
+            offsets.append(_mul(off, stride))  # even where n == 1: it gives the gather's shape
+            continue
         if v.size is None:
             off = _add(base, v.start)
             if not safe:
@@ -267,6 +358,7 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
             lin = _add(_add(base, v.start), _mul(ar, v.stride) if v.stride != 1 else ar)
             if v.clip is not None or v.elements is not None:
                 lin = _add(_add(base, v.parent_start), _mul(_clipped_elements(em, v, ar), v.parent_stride))
+            axis = axes[k]
             off = _named(em, "offs", expand_to_axis(str(lin), axis, rank))
             if p != v.size:
                 masks.append(f"({expand_to_axis(ar, axis, rank)} < {v.size})")
@@ -274,8 +366,7 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
                 masks.append(f"({off} < {n})")
                 if not (nonneg and v.stride > 0):
                     masks.append(f"({off} >= 0)")
-            axis += 1
-        if n > 1:
+        if n > 1 or v.size is not None:  # a slice gives the pointer its axis, even of one element
             offsets.append(_mul(off, stride))
     ptr = ref.ptr
     for o in offsets:
@@ -343,7 +434,7 @@ def _tma_load(kl, ref: BlockRef, view: list[DimView]) -> tuple[str, tuple[int, .
         return None
     box, offsets = tile
     desc = kl.tma_descriptor(ref.ptr, ref.array_shape, box)
-    shape = tuple(v.size for v in view if v.size is not None)
+    shape = view_axes(view)[0]
     expr = f"{desc}.load([{', '.join(str(o) for o in offsets)}])"
     if list(shape) != box:
         expr = f"tl.reshape({expr}, {list(shape)})"
@@ -409,7 +500,7 @@ def _store_ref(rc: RuleContext, ref, view, val: Val) -> None:
         em.emit(f"{ref.var} = {val.expr}")
         return
     _no_int4(rc, ref, "stores into")
-    shape = tuple(v.size for v in view if v.size is not None)
+    shape = view_axes(view)[0]
     if shape != val.shape:
         raise rc.error(f"storing a {val.shape} value into a {shape} slice of a Ref")
     if _tma_store(rc.lowering, ref, view, val):

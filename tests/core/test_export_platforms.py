@@ -246,8 +246,10 @@ class TestMissingBackend:
             keep = lambda found: {  # noqa: E731
                 n: b for n, b in found.items() if platform not in getattr(b, "PLATFORMS", ())
             }
+            # Load every entry point first: importing a backend registers it.
+            from_entry_points = backends._load()
             monkeypatch.setattr(backends, "_registered", keep(backends._registered))
-            monkeypatch.setattr(backends, "_backends", keep(backends._load()))
+            monkeypatch.setattr(backends, "_backends", keep(from_entry_points))
 
         return hide
 

@@ -115,6 +115,9 @@ def lower_kernel(jaxpr, gm, compiler_params=None, mesh_axes=()) -> ir.Module:
             sizes = [tpu.iteration_bound(a) for a in dynamic]  # the kernel's inputs after the grid indices
             lower_jaxpr(kernel, jaxpr, [*refs[:G], *sizes, *refs[G:]])
             func.ReturnOp([])
+            for size in sizes:  # Mosaic keeps an unused tpu.iteration_bound (one LLO op): JAX emits none
+                if not list(size.uses):
+                    size.owner.erase()
         fn.attributes["dimension_semantics"] = _semantics(gm, compiler_params)
         fn.attributes["scalar_prefetch"] = _i64_attr(len(prefetch_types))
         fn.attributes["scratch_operands"] = _i64_attr(len(scratch_types))

@@ -152,12 +152,28 @@ def apply_view(ref: ir.Value, v) -> ir.Value:
     return out
 
 
-def view(ref, leaves, tree) -> ir.Value:
-    """The memref of ``ref`` after all its transforms."""
+def view(ref, leaves, tree, padded_shape=None) -> ir.Value:
+    """The memref of ``ref`` after all its transforms; ``padded_shape``: the
+    last one, a window, widened to that shape (a DMA's ``padded_shape``)."""
     ref, views = _views(ref, tree, leaves)
+    if padded_shape is not None:
+        views[-1] = _widened(views[-1] if views else None, padded_shape)
     for v in views:
         ref = apply_view(ref, v)
     return ref
+
+
+def _widened(w, shape) -> Window:
+    """Window ``w`` with its kept dims' sizes widened to ``shape``."""
+    if not isinstance(w, Window) or w.gather or w.strided:
+        raise NotImplementedError("a DMA's padded_shape needs its views to end in a contiguous window")
+    kept = [d for d, q in enumerate(w.squeezed) if not q]
+    if len(kept) != len(shape) or any(shape[i] < w.sizes[d] for i, d in enumerate(kept)):
+        raise NotImplementedError(f"a DMA's padded_shape {list(shape)} does not cover its window {w.sizes}")
+    sizes = list(w.sizes)
+    for i, d in enumerate(kept):
+        sizes[d] = shape[i]
+    return dataclasses.replace(w, sizes=sizes)
 
 
 def _access(ref, tree, leaves):
@@ -497,7 +513,8 @@ def _dma_operands(ctx, args, layout):
     trees = {"src": layout.src_tree, "dst": layout.dst_tree, "dst_sem": layout.dst_sem_tree}
     if layout.src_sem_tree is not None:
         trees["src_sem"] = layout.src_sem_tree
-    views = {k: view(*parts[k], trees[k]) for k in trees}
+    padded = {"src": layout.padded_shape, "dst": layout.padded_shape}
+    views = {k: view(*parts[k], trees[k], padded.get(k)) for k in trees}
     device = logical_device_id(ctx, parts["device_id"], layout.device_id_tree, layout.device_id_type)
     return views, device
 

@@ -30,9 +30,13 @@ block index differs from the previous step's):
 Blocks that do not divide the array: a dimension whose block size does not
 divide it is allowed where JAX allows it (the block size is a multiple of the
 memory tiling of that dimension, from ``tpu_info.infer_tiling``); the last
-block's DMA then copies only the elements that exist (JAX rounds the size up
-to the tiling, reading the TPU's tile padding; the interpreter has none), and
-the rest of the buffer keeps stale data, as padding would on a TPU.
+block's DMA then copies, in interpret mode (which has no tile padding), only
+the elements that exist, the rest of the buffer keeping stale data, and in
+Mosaic whole memory tiles (its size rounded up to the tiling, into the edge
+tile's padding, as JAX's pipeline copies it: Mosaic slices tiled dimensions by
+whole tiles), from the last block's static start (the DMA's ``padded_shape``).
+A Ref view (``ref.at[...]``) has no padding of its own: its edge is copied
+exactly, which Mosaic takes only where the last block is whole tiles.
 """
 
 from __future__ import annotations
@@ -354,61 +358,74 @@ class _Operand:
     bref: BufferedRef
     ref: Any  # the Ref (or view) the blocks come from / go to
     shape: tuple[int, ...]
-    partial: dict[int, tuple[int, int]]  # dim -> (number of blocks, size of the last block)
+    # dim -> (number of blocks, size of the last block, that size rounded up to the tiling)
+    partial: dict[int, tuple[int, int, int]]
+    # whether the operand is a whole Ref (not a view): its edge tiles end in tile padding
+    whole_ref: bool = False
 
     @property
     def spec(self):
         return self.bref.spec
 
-    def sizes(self, combo):
-        """Per-dim DMA sizes for one choice of (full, last) per partial dim."""
+    def sizes(self, combo, padded=False):
+        """Per-dim DMA sizes for one choice of (full, last) per partial dim
+        (``padded``: the last block's sizes rounded up to whole memory tiles)."""
         sizes = [_dim_size(bd) for bd in self.spec.block_shape]
-        for (d, (_, last)), is_last in zip(self.partial.items(), combo):
+        for (d, (_, last, rounded)), is_last in zip(self.partial.items(), combo):
             if is_last:
-                sizes[d] = last
+                sizes[d] = rounded if padded else last
         return sizes
 
     def per_block(self, block_indices, fn):
-        """Calls ``fn(hbm_view, window_indexer_tail)`` for this block's shape:
-        under ``pl.when`` per variant when the last block may be cut."""
+        """Calls ``fn(hbm_view, window_indexer_tail, padded_shape)`` for this
+        block's shape: under ``pl.when`` per variant when the last block may be
+        cut. A cut block is copied as its exact view in interpret mode and as
+        whole memory tiles in Mosaic (``padded_shape``, the DMA's shape there, as
+        JAX's pipeline copies it: Mosaic slices tiled dims by whole tiles); its
+        start is static (the last block's)."""
         if not self.partial:
-            fn(self.ref.at[_block_indexer(self.spec, block_indices)], ())
+            fn(self.ref.at[_block_indexer(self.spec, block_indices)], (), None)
             return
-        conds = [block_indices[d] == nb - 1 for d, (nb, _) in self.partial.items()]
+        conds = [block_indices[d] == nb - 1 for d, (nb, _, _) in self.partial.items()]
         for combo in itertools.product((False, True), repeat=len(self.partial)):
             sizes = self.sizes(combo)
             tail = tuple(pl.ds(0, s) for s in sizes if s is not None)
+            padded = None
+            if any(combo) and self.whole_ref:
+                padded = tuple(s for s in self.sizes(combo, padded=True) if s is not None)
+            indices = list(block_indices)
             pred = True
-            for c, is_last in zip(conds, combo):
+            for (d, (nb, _, _)), c, is_last in zip(self.partial.items(), conds, combo):
+                if is_last:
+                    indices[d] = nb - 1
                 c = c if is_last else jnp.logical_not(c)
                 pred = c if pred is True else jnp.logical_and(pred, c)
 
-            def go(sizes=sizes, tail=tail):
-                fn(self.ref.at[_block_indexer(self.spec, block_indices, sizes)], tail)
+            def go(sizes=sizes, tail=tail, padded=padded, indices=tuple(indices)):
+                fn(self.ref.at[_block_indexer(self.spec, indices, sizes)], tail, padded)
 
             _when(pred, go)
 
+    def _copy(self, src, dst, sem, padded, start, wait):
+        copy = tpu_prims.make_async_copy(src, dst, sem)
+        if padded is not None and padded != copy.shape:
+            copy.layout = dataclasses.replace(copy.layout, padded_shape=padded)
+        if start:
+            copy.start()
+        if wait:
+            copy.wait()
+
     def copy_in(self, block_indices, slot, *, start=True, wait=False):
-        def fn(src, tail):
-            copy = tpu_prims.make_async_copy(
-                src, self.bref.window_ref.at[(slot, *tail)], self.bref.sem_recvs.at[slot]
-            )
-            if start:
-                copy.start()
-            if wait:
-                copy.wait()
+        def fn(src, tail, padded):
+            window = self.bref.window_ref.at[(slot, *tail)]
+            self._copy(src, window, self.bref.sem_recvs.at[slot], padded, start, wait)
 
         self.per_block(block_indices, fn)
 
     def copy_out(self, block_indices, slot, *, start=True, wait=False):
-        def fn(dst, tail):
-            copy = tpu_prims.make_async_copy(
-                self.bref.window_ref.at[(slot, *tail)], dst, self.bref.sem_sends.at[slot]
-            )
-            if start:
-                copy.start()
-            if wait:
-                copy.wait()
+        def fn(dst, tail, padded):
+            window = self.bref.window_ref.at[(slot, *tail)]
+            self._copy(window, dst, self.bref.sem_sends.at[slot], padded, start, wait)
 
         self.per_block(block_indices, fn)
 
@@ -467,8 +484,9 @@ def _normalize_spec(spec, aval, origin):
     return dataclasses.replace(spec, block_shape=block_shape)
 
 
-def _partial_dims(spec, aval, tiling, origin) -> dict[int, tuple[int, int]]:
-    """Dims the block does not divide: dim -> (number of blocks, last size)."""
+def _partial_dims(spec, aval, tiling, origin) -> dict[int, tuple[int, int, int]]:
+    """Dims the block does not divide: dim -> (number of blocks, last size,
+    last size rounded up to the memory tiling of the dim)."""
     out = {}
     tiles = None
     for d, (bd, n) in enumerate(zip(spec.block_shape, aval.shape)):
@@ -487,7 +505,8 @@ def _partial_dims(spec, aval, tiling, origin) -> dict[int, tuple[int, int]]:
                 f"(shape {tuple(aval.shape)}); that needs a block size that is a multiple of the "
                 f"memory tiling of that dimension ({t}), as on a TPU",
             )
-        out[d] = (-(-n // b), n - (n // b) * b)
+        last = n - (n // b) * b
+        out[d] = (-(-n // b), last, -(-last // t) * t)
     return out
 
 
@@ -587,7 +606,8 @@ def _plan(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations)
                 is_trivial_windowing=full,
             )
         partial = _partial_dims(spec, aval, tiling, origin) if bref.is_buffered else {}
-        plan.append(_Operand(origin, bref, ref, tuple(aval.shape), partial))
+        whole_ref = not isinstance(ref, compat.TransformedRef)
+        plan.append(_Operand(origin, bref, ref, tuple(aval.shape), partial, whole_ref))
 
     n_in = len(in_leaves)
 

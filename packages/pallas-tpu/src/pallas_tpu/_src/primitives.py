@@ -38,6 +38,11 @@ class DmaOperands:
     src_sem_tree: Any  # None for a local copy
     device_id_tree: Any  # None for a local copy
     device_id_type: Any
+    # The copy's shape in Mosaic where it covers whole memory tiles of an array's edge
+    # (``emit_pipeline``'s last block of a dimension that its block does not divide): the
+    # lowering widens the last window of src and dst to it, reading and writing the edge
+    # tile's padding, as JAX's pipeline copies such blocks. Interpret mode copies the views.
+    padded_shape: tuple[int, ...] | None = None
 
     def split(self, flat):
         """flat operands -> dict of (ref, leaves) pairs and device id leaves."""

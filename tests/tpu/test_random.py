@@ -392,3 +392,17 @@ def sample_interpret(build, key_data):
 def test_sample_block_errors(args, match):
     with pytest.raises(ValueError, match=match):
         sample_block(jax.random.uniform, jax.random.key(0), *args, block_index=(0, 0))
+
+
+def test_pallas_key_fold_in_matches_jax(rng):
+    # JAX's Pallas keys fold data in with one Threefry round (jax/_src/pallas/mosaic/random.py:
+    # the data added to the second word, threefry2x32.apply_round(..., 13)), not a full threefry
+    # hash; JAX's own fold_in runs only inside a TPU kernel, so its round is the reference here.
+    from jax._src.random import threefry2x32
+
+    key = to_pallas_key(jax.random.key(int(rng.integers(0, 2**31))))
+    data = np.uint32(rng.integers(0, 2**32))
+    k0, k1 = np.asarray(jax.random.key_data(key)).reshape(2)
+    want = threefry2x32.apply_round([jnp.uint32(k0), jnp.uint32(k1) + data], 13)
+    got = jax.random.key_data(jax.random.fold_in(key, data)).reshape(2)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.stack(want)))

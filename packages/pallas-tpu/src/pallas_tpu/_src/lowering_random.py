@@ -15,8 +15,9 @@ Pallas keys (``pltpu.to_pallas_key``, the ``pallas_tpu_key`` implementation,
 key data ``uint32[*keys, 1, 2]``) lower as pallas_tpu's interpret mode runs
 them (``random.py``): ``random_bits`` reseeds the core's PRNG with the two key
 words (``tpu.prng_set_seed_32``) and draws ``tpu.prng_random_bits`` (narrow
-widths are the low bits of 32-bit words, as threefry's), while ``seed``,
-``fold_in`` and ``split`` are the threefry definitions above on the key data.
+widths are the low bits of 32-bit words, as threefry's), ``split`` is the
+threefry definition above on the key data, and ``fold_in`` is JAX's Pallas-key
+mix (the data added to the second word, one Threefry round).
 
 Structural primitives on key arrays (``unstack`` after ``split``, slicing,
 reshapes, broadcasts, loops and conds carrying keys) lower on the key data:
@@ -135,7 +136,10 @@ def pallas_seed(seeds):
 
 
 def pallas_fold_in(data, msgs, out_shape):
-    return fold_in(data[..., 0, :], msgs, out_shape)[..., None, :]
+    """JAX's Pallas-key ``fold_in`` (``tpu_random.mix_fold_in``), as interpret mode runs it."""
+    data = jnp.broadcast_to(data[..., 0, :], (*out_shape, 2))
+    k0, k1 = tpu_random.mix_fold_in(data[..., 0], data[..., 1], jnp.broadcast_to(msgs, out_shape))
+    return jnp.stack([k0, k1], axis=-1)[..., None, :]
 
 
 def pallas_split(data, shape):

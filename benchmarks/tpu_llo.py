@@ -40,7 +40,9 @@ def collect(chips: str, select: str | None, workers: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         report, dump = os.path.join(tmp, "report"), os.path.join(tmp, "dump")
         os.makedirs(report)
-        env = dict(os.environ, PALLAS_TPU_COMPILE_REPORT=report, PALLAS_TPU_LLO_DUMP=dump, PALLAS_TPU_CHIPS=chips)
+        env = dict(
+            os.environ, PALLAS_TPU_COMPILE_REPORT=report, PALLAS_TPU_LLO_DUMP=dump, PALLAS_TPU_CHIPS=chips
+        )
         k = "compiled" + (f" and ({select})" if select else "")
         cmd = [sys.executable, "-m", "pytest", "tests/tpu", "-q", "-k", k, "-p", "no:cacheprovider"]
         if workers > 1:
@@ -98,7 +100,9 @@ def markdown(rows: list[dict]) -> str:
         else:
             jax_col = f"{r['jax_ops']} ({r['jax_loop_ops']})"
             ratio = f"{r['ratio']:.3f}" + (f" ({r['loop_ratio']:.3f})" if r["loop_ratio"] != "" else "")
-        lines.append(f"| {r['kernel']} | {r['chip']} | {r['ours_ops']} ({r['ours_loop_ops']}) | {jax_col} | {ratio} |")
+        lines.append(
+            f"| {r['kernel']} | {r['chip']} | {r['ours_ops']} ({r['ours_loop_ops']}) | {jax_col} | {ratio} |"
+        )
     return "\n".join(lines)
 
 

@@ -562,13 +562,18 @@ def _pack_elementwise(ctx, *xs, packed_dtype):
 @register_lowering(vp.unpack_elementwise_p)
 def _unpack_elementwise(ctx, x, *, index, packed_dtype, unpacked_dtype):
     aval, out = ctx.avals_in[0], ctx.avals_out[0]
+    bits = _bits(packed_dtype)
+    if jnp.issubdtype(packed_dtype, jnp.unsignedinteger) and not is_float(aval.dtype):
+        # Mosaic's unpack sign-extends (its integers are signless); an unsigned field
+        # zero-extends: a logical shift and a mask, no more instructions than its unpack.
+        shift = bits * index
+        r = arith.shrui(x, constant(shift, aval.shape, aval.dtype)) if shift else x
+        if shift + bits < _bits(aval.dtype):
+            r = arith.andi(r, constant((1 << bits) - 1, aval.shape, aval.dtype))
+        return r
     if is_float(aval.dtype):  # Mosaic unpacks integer words
         x = tpu.bitcast(aval_type(Aval(aval.shape, f"uint{_bits(aval.dtype)}")), x)
-    r = tpu.unpack_elementwise(aval_type(out), x, _element(packed_dtype), index)
-    if jnp.issubdtype(packed_dtype, jnp.unsignedinteger):
-        # Mosaic sign-extends (its integers are signless); unsigned fields zero-extend.
-        r = arith.andi(r, constant((1 << _bits(packed_dtype)) - 1, out.shape, out.dtype))
-    return r
+    return tpu.unpack_elementwise(aval_type(out), x, _element(packed_dtype), index)
 
 
 @register_lowering(vp.stochastic_round_p)

@@ -249,3 +249,63 @@ def test_emit_pipeline_inside_a_kernel_runs():
     assert "tpu.enqueue_dma" in str(m) and ("scf.for" in str(m) or "scf.if" in str(m))
     [out] = run_ours(f, x)
     np.testing.assert_allclose(out, x * 2.0 + 1.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# The compiled way for the ops above: each ported op lowered by us and compiled by
+# libtpu's Mosaic for three_way.COMPILE_CHIPS, JAX's original compiled beside it
+# (three_way.compile_both; benchmarks/tpu_llo.py reads their LLO op counts). The
+# values of these ops are checked by the tests above and in test_jax_tpu_ops.py.
+
+
+def _grads(f):
+    return jax.grad(lambda *a: f(*a).sum(), argnums=tuple(range(3)))
+
+
+def _gmm(m, with_vjp):
+    gs = jnp.array([100, 0, 250, 162], jnp.int32)
+    if not with_vjp:
+        return lambda a, b: m.gmm(a, b, gs)
+    return lambda a, b: jax.grad(lambda a, b: m.gmm(a, b, gs).sum(), argnums=(0, 1))(a, b)
+
+
+_QKV = (jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.float32),) * 3
+_SPLASH = (jax.ShapeDtypeStruct((2, 256, 128), jnp.float32),) * 3
+_GMM = (jax.ShapeDtypeStruct((512, 256), jnp.float32), jax.ShapeDtypeStruct((4, 256, 256), jnp.float32))
+COMPILED_OPS = {
+    # name: (module, make(m) -> f, args)
+    "flash_fwd": ("flash_attention", lambda m: _flash(m, False), _QKV),
+    "flash_fwd_causal": ("flash_attention", lambda m: _flash(m, True), _QKV),
+    "flash_fwd_bwd": ("flash_attention", lambda m: _grads(_flash(m, False)), _QKV),
+    "splash_fwd": ("splash_attention", _splash, _SPLASH),
+    "splash_fwd_bwd": ("splash_attention", lambda m: _grads(_splash(m)), _SPLASH),
+    "paged": ("paged_attention", lambda m: lambda *a: m.paged_attention(*a, pages_per_compute_block=2), None),
+    "ragged_paged": (
+        "ragged_paged_attention.kernel",
+        lambda m: (
+            lambda *a: m.ragged_paged_attention(
+                *a, sm_scale=0.5, num_kv_pages_per_block=2, num_queries_per_block=8
+            )
+        ),
+        None,
+    ),
+    "megablox_gmm": ("megablox.ops", lambda m: _gmm(m, False), _GMM),
+    "megablox_gmm_fwd_bwd": ("megablox.ops", lambda m: _gmm(m, True), _GMM),
+    "matmul": (
+        "matmul",
+        lambda m: lambda x, y: m.matmul(x, y, block_shape=(128, 128), block_k=128, out_dtype=jnp.float32),
+        (jax.ShapeDtypeStruct((256, 512), jnp.float32), jax.ShapeDtypeStruct((512, 256), jnp.float32)),
+    ),
+}
+
+
+@pytest.mark.parametrize("op", list(COMPILED_OPS))
+def test_jax_op_compiled(op):
+    rel, make, args = COMPILED_OPS[op]
+    if args is None:
+        args = {"paged": _paged_inputs, "ragged_paged": _ragged_args}[op]()
+
+    def build(pl, pltpu):
+        return make(load(rel) if pl.__name__ == "pallas" else load_jax(rel))
+
+    three_way.compile_both(build, args, three_way.COMPILE_CHIPS)

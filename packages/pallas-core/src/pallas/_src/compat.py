@@ -14,6 +14,7 @@ from typing import Any
 from jax._src import core as jax_core
 from jax._src import linear_util as lu
 from jax._src import source_info_util, tree_util
+from jax._src import xla_bridge as _xla_bridge
 from jax._src.api_util import debug_info as _debug_info
 from jax._src.debugging import debug_effect  # noqa: E402
 from jax._src.indexing import Slice  # noqa: F401
@@ -271,3 +272,14 @@ def host_callback_count(ctx) -> int:
     """How many host callbacks the module lowered so far calls (``jax.export``
     refuses modules with any)."""
     return len(ctx.module_context.host_callbacks)
+
+
+def host_callbacks_unavailable(ctx) -> bool:
+    """Whether JAX refuses to lower a host callback here: the module's backend
+    is for another platform than the one being lowered (``jax.export`` for
+    'cpu' on a machine whose default backend is a GPU)."""
+    backend = ctx.module_context.backend
+    platforms = lowering_platforms(ctx)
+    if backend is None:
+        return False
+    return len(platforms) > 1 or _xla_bridge.canonicalize_platform(backend.platform) != platforms[0]

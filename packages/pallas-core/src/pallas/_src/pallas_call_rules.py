@@ -275,23 +275,35 @@ def _interpret_lowering(ctx, *args, **params):
                 "not model; install the TPU interpreter (pip install jax-pallas-tpu) and pass "
                 "interpret=pltpu.InterpretParams() or interpret=True"
             )
+        if not compat.lowering_for_export(ctx):
+            return backend.interpret_lower(ctx, *args, **params)
         callbacks = compat.host_callback_count(ctx)
-        outs = backend.interpret_lower(ctx, *args, **params)
-        if compat.lowering_for_export(ctx) and compat.host_callback_count(ctx) > callbacks:
-            pkg = getattr(backend, "__name__", type(backend).__name__).split(".")[0]
-            mode = "in interpret mode" if params["interpret"] else "on the CPU"
-            raise NotImplementedError(
-                f"{describe(gm.kernel_name, gm.source)}: jax.export cannot serialize this kernel "
-                f"{mode}: it uses backend memory spaces, semaphores, a named grid or scalar "
-                f"prefetch, so it runs in {pkg}'s interpreter, which calls back into Python (host "
-                "callbacks). Export it without interpret mode for its hardware platform only (e.g. "
-                "platforms=['tpu']), or leave those features out of the kernel to export it for "
-                "the CPU as well."
-            )
+        try:
+            outs = backend.interpret_lower(ctx, *args, **params)
+        except ValueError as e:
+            # On a machine whose default backend is not the CPU (a GPU machine), JAX
+            # refuses to lower the interpreter's host callbacks for the CPU at all.
+            if compat.host_callbacks_unavailable(ctx):
+                raise _export_error(gm, backend, params["interpret"]) from e
+            raise
+        if compat.host_callback_count(ctx) > callbacks:
+            raise _export_error(gm, backend, params["interpret"])
         return outs
 
     fun = functools.partial(interpret_pallas_call, **params)
     return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+
+
+def _export_error(gm, backend, interpret) -> NotImplementedError:
+    pkg = getattr(backend, "__name__", type(backend).__name__).split(".")[0]
+    mode = "in interpret mode" if interpret else "on the CPU"
+    return NotImplementedError(
+        f"{describe(gm.kernel_name, gm.source)}: jax.export cannot serialize this kernel {mode}: "
+        "it uses backend memory spaces, semaphores, a named grid or scalar prefetch, so it runs in "
+        f"{pkg}'s interpreter, which calls back into Python (host callbacks). Export it without "
+        "interpret mode for its hardware platform only (e.g. platforms=['tpu']), or leave those "
+        "features out of the kernel to export it for the CPU as well."
+    )
 
 
 def _platform_rule(platform: str, params, platforms: tuple[str, ...] = ()):

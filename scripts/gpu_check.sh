@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The one call on the GPU machine (../shared/GPU.md): install every package with the
-# machine's preinstalled dependencies, run all GPU tests, the examples (on the GPU) and
-# the GPU benchmarks. Logs go to $OUT so they come back even when a step fails.
+# machine's preinstalled dependencies, run the whole test suite (its gpu-marked tests on
+# the GPU), the examples (on the GPU) and the GPU benchmarks. Logs go to $OUT so they
+# come back even when a step fails.
 #   usage (device tool):  bash scripts/gpu_check.sh [all|tests|bench|profile] [NAME...]
-#     tests: install, GPU tests, examples; bench: install, benchmarks; all (default): both;
+#     tests: install, the whole test suite (-n $(nproc), PYTEST_WORKERS to change) and the
+#       examples; `tests lowering`: the tests/gpu suite compiled and run on the GPU
+#       (PALLAS_GPU_TESTS=gpu), in a call of its own; bench: install, benchmarks;
+#       all (default): tests and bench;
 #     profile: install, Nsight Compute reports of benchmarks/gpu_profile.py's workloads.
-#     NAMEs (e.g. gpu_compile, or attn_fwd for profile) run only those benchmarks/workloads.
+#     NAMEs (e.g. gpu_compile, or attn_fwd for profile) run only those benchmarks/workloads;
+#     for tests, only those steps (suite, examples, lowering).
 #   One device call may run at most 10 minutes: `all` can exceed it, so run tests and bench
 #   as two calls when the benchmarks are included. Compiling on the device costs its time:
 #   `python benchmarks/gpu_matmul.py --prewarm` (or gpu_attention.py --prewarm) on a CPU with
@@ -44,15 +49,31 @@ if [ "$MODE" = profile ]; then  # Nsight Compute reports of benchmarks/gpu_profi
   exit 0
 fi
 if [ "$MODE" != bench ]; then
-step "GPU tests (all packages)"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -60 | tee "$OUT/tests.log"
+# Many test processes share the GPU: none may take most of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+WORKERS="${PYTEST_WORKERS:-$(nproc)}"
+# tests mode's NAMEs: suite, examples (the default: 7-8 minutes together), lowering (a call of its own)
+wants() { [[ "$ONLY" == *" $1 "* ]] || { [ "$ONLY" = "  " ] && [ "$1" != lowering ]; }; }
+if wants suite; then
+step "the whole test suite, every package (gpu-marked tests on the GPU, the rest as on a CPU machine)"
+# Full log to $OUT; the summary (failures, slowest tests, counts) here.
+python3 -m pytest -q -rfE --durations=15 -n "$WORKERS" -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
+echo "pytest exit status $?"
+grep -E "^(FAILED|ERROR) |passed|failed|slowest|^[0-9.]+s (call|setup)" "$OUT/tests.log" | tail -80
+fi
 
+if wants lowering; then
 step "pallas-gpu lowering tests compiled and run on the GPU (the CPU suite, PALLAS_GPU_TESTS=gpu)"
-PALLAS_GPU_TESTS=gpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu 2>&1 | tail -60 | tee "$OUT/tests_gpu_lowering.log"
+PALLAS_GPU_TESTS=gpu python3 -m pytest -q -n "$WORKERS" -p no:cacheprovider tests/gpu \
+  > "$OUT/tests_gpu_lowering.log" 2>&1
+echo "pytest exit status $?"
+grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests_gpu_lowering.log" | tail -60
+fi
 
+if wants examples; then
 step "examples on the GPU"
 python3 examples/run_all.py 2>&1 | tail -30 | tee "$OUT/examples.log"
+fi
 
 fi
 [ "$MODE" = tests ] && exit 0

@@ -1,4 +1,5 @@
-"""Shared pytest setup: the `gpu` marker skips cleanly on machines with no GPU."""
+"""Shared pytest setup: the `gpu` marker skips cleanly on machines with no GPU,
+and tests without it run on JAX's CPU device on a machine with a GPU too."""
 
 import functools
 import os
@@ -50,3 +51,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_gpu(request):
+    """JAX's default device is the CPU for every test without the ``gpu`` marker.
+
+    Those tests mean the CPU: Triton's interpreter (a ``triton_call`` runs where
+    its arrays are), interpret mode (plain JAX, whose f32 dots would take TF32 on
+    a GPU), TPU interpret mode and ``run_mosaic``. On a machine with a GPU they
+    would otherwise run there: a kernel meant to fire a device assert in the
+    interpreter poisoned the worker's CUDA context, and tolerances meant for CPU
+    arithmetic failed. ``PALLAS_GPU_TESTS=gpu`` (scripts/gpu_check.sh) runs the
+    tests/gpu suite on the GPU on purpose: there they keep the GPU.
+    """
+    on_purpose = os.environ.get("PALLAS_GPU_TESTS") == "gpu" and request.node.path.parent.name == "gpu"
+    if request.node.get_closest_marker("gpu") is not None or on_purpose or not _has_gpu():
+        yield
+        return
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

@@ -1,6 +1,11 @@
 """The cases of test_robustness.py that only a GPU shows: what the CUDA path
 launches (or does not launch) for odd input, checked against numpy/jnp."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +71,38 @@ def test_debug_kernel_runs_when_its_asserts_hold():
     x = jax.random.normal(jax.random.key(3), (64,))
     out = jt.triton_call(x, kernel=assert_kernel, out_shape=x, grid=1, BLOCK=64, debug=True)
     np.testing.assert_array_equal(out, x)
+
+
+_FIRE_ASSERT = """
+import jax
+from test_robustness import assert_kernel, rand
+
+import jax_triton as jt
+
+x = rand((64,), 10).at[17].set(1000.0)
+try:
+    jt.triton_call(x, kernel=assert_kernel, out_shape=x, grid=1, BLOCK=64, debug=True).block_until_ready()
+    jax.effects_barrier()
+except Exception as e:
+    print("RAISED", type(e).__name__, str(e).splitlines()[0])
+else:
+    print("NO ERROR")
+"""
+
+
+def test_device_assert_fires_on_the_gpu_in_a_subprocess():
+    # A firing device assert leaves the CUDA context unusable for the rest of the
+    # process (every later launch fails), so it fires in a child process.
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here), str(here.parents[1] / "examples"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    r = subprocess.run(
+        [sys.executable, "-c", _FIRE_ASSERT], env=env, capture_output=True, text=True, timeout=300
+    )
+    out = r.stdout + r.stderr
+    assert "NO ERROR" not in r.stdout, out[-3000:]
+    assert "RAISED" in r.stdout or r.returncode != 0, out[-3000:]
+    assert "x must stay below 100" in out or "device-side assert" in out, out[-3000:]
 
 
 def test_eager_and_jitted_calls_agree():

@@ -14,11 +14,13 @@ memory access), yet it models what matters on a TPU:
 * grid order: lexicographic; ``parallel`` axes may be shuffled
   (``random_seed``); ``core_parallel`` axes are split over
   ``num_cores_or_threads`` cores, each with its own scratch and semaphores;
-* DMAs and semaphores: ``dma_execution_mode="eager"`` copies at ``start``;
-  ``"on_wait"`` (the default, as JAX's) copies when the DMA is waited on,
-  so reading a destination before waiting shows uninitialized data. DMA
-  semaphores count bytes; a wait that nothing can satisfy, and a kernel that
-  ends with a semaphore not back at zero, are errors;
+* DMAs and semaphores (``interpret_dma``): a DMA goes where its ``start``
+  said; a wait takes its byte count off the semaphore, whatever descriptor it
+  is given. ``dma_execution_mode="eager"`` copies at ``start``; ``"on_wait"``
+  (the default, as JAX's) lands a copy into VMEM/SMEM when a wait on its
+  semaphore comes, so reading a destination before waiting shows its old
+  contents. A wait that nothing can satisfy, and a kernel that ends with a
+  semaphore not back at zero, are errors;
 * uninitialized memory (outputs, scratch) is NaN or zero (``uninitialized_memory``);
 * every dynamic Ref access and DMA is bounds-checked: an out-of-bounds index
   raises an error naming the kernel, the user's line, the Ref and the index.
@@ -33,6 +35,7 @@ barrier semaphores) and race detection need the multi-device interpreter
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -54,8 +57,10 @@ class InterpretParams:
     """Options of TPU interpret mode (JAX's ``pltpu.InterpretParams`` fields).
 
     Attributes:
-      dma_execution_mode: ``"on_wait"`` (copy when the DMA is waited on) or
-        ``"eager"`` (copy when it starts).
+      dma_execution_mode: ``"on_wait"`` (a copy into VMEM/SMEM lands when a
+        wait on its semaphore comes, one into HBM when it starts) or
+        ``"eager"`` (every copy when it starts). Either way the data goes where
+        ``start`` said, whatever descriptor the wait is given.
       detect_races: find data races (DMAs in flight against kernel accesses,
         cores and devices touching the same memory unsynchronized); a race
         raises an error naming both accesses.
@@ -146,6 +151,21 @@ def _is_slice(x) -> bool:
     return hasattr(x, "start") and hasattr(x, "size") and hasattr(x, "stride")
 
 
+def _traced_sizes(transform) -> bool:
+    """True if ``transform`` is an indexer with a slice whose size is traced."""
+    return any(_is_slice(ix) and not _static_int(ix.size) for ix in getattr(transform, "indices", ()))
+
+
+def _static_int(x) -> bool:
+    return isinstance(x, (int, np.integer))
+
+
+def _on_chip(space) -> bool:
+    """VMEM (the default of kernel scratch), SMEM: buffers small enough to
+    shadow, where on_wait DMAs land at their wait (see interpret_dma)."""
+    return space is None or space in (tpu_core.VMEM, tpu_core.SMEM, tpu_core.VMEM_SHARED)
+
+
 def _uninit(shape, dtype, mode: str):
     if mode == "zero":
         return jnp.zeros(shape, dtype)
@@ -169,10 +189,11 @@ class Interpreter:
         self.checks: list[str] = []
         self.grid_env: dict[str, jax.Array] = {}  # named grid axis -> index
         self.hidden_cells: dict[str, int] = {}  # cells the kernel reaches by name (barrier semaphore)
-        # dma_execution_mode="on_wait": cell -> (shadow cell, pending cell); see _dma_start.
+        # dma_execution_mode="on_wait": cell -> (shadow cell, pending cell); see interpret_dma.
         self.dma_shadows = False
         self.shadows: dict[int, tuple[int, int]] = {}
         self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
+        self._unchecked = 0
         self._next_cell = 0
 
     # -- lifecycle (the multi-device interpreter extends these) ----------------
@@ -224,6 +245,7 @@ class Interpreter:
         return c
 
     def free_cell(self, c: int) -> None:
+        self.check_dmas_landed(c, "when its scope ends")
         del self.state[c]
         for companion in self.shadows.pop(c, ()):
             del self.state[companion]
@@ -238,7 +260,7 @@ class Interpreter:
     def check(self, ok, message: str, values: Sequence[Any] = ()) -> None:
         """Records ``message`` (with up to 8 int values, shown where the message
         has ``{0}``...) as the kernel's error if ``ok`` is false."""
-        if isinstance(ok, (bool, np.bool_)) and ok:
+        if self._unchecked or (isinstance(ok, (bool, np.bool_)) and ok):
             return
         self.checks.append(message)
         code = len(self.checks)
@@ -248,6 +270,31 @@ class Interpreter:
         vals = [jnp.asarray(v, jnp.int32).reshape(()) for v in values][:8]
         vals += [jnp.zeros((), jnp.int32)] * (8 - len(vals))
         self.hidden["__errvals"] = jnp.where(first, jnp.stack(vals), self.hidden["__errvals"])
+
+    @contextlib.contextmanager
+    def unchecked(self):
+        """Records no errors inside: for views a TPU never touches (the
+        descriptor of a DMA wait only gives a byte count)."""
+        self._unchecked += 1
+        try:
+            yield
+        finally:
+            self._unchecked -= 1
+
+    def check_dmas_landed(self, cell: int, when: str) -> None:
+        """on_wait DMAs: an error if data started into ``cell`` has not landed
+        though no semaphore is owed it any more (a wait consumed its bytes but
+        the interpreter could not tell where that DMA went)."""
+        if cell not in self.shadows or len(self.shadows[cell]) != 2:
+            return
+        pending = self.state[self.shadows[cell][1]]
+        self.check(
+            jnp.logical_not(jnp.any(pending != 0)),
+            f"{self.kernel_desc}: a DMA into {self.describe_ref(RefView(cell))} was waited for but never "
+            f"landed {when}: its wait named another buffer than the one the DMA went to, and the TPU "
+            "interpreter had not seen that buffer used by a DMA on the semaphore before the wait; "
+            "run with dma_execution_mode='eager', or wait with the descriptor the DMA was started with",
+        )
 
     def ordered_callback(self, fn, *args) -> None:
         """Calls ``fn(*args)`` on the host, in program order: each call takes
@@ -465,6 +512,72 @@ class Interpreter:
             x = self._read1(x, t, eqn, view, "read")
         return x.reshape(())
 
+    def view_indices(self, view: RefView, eqn, what: str):
+        """(flat element indices of the cell that ``view`` covers, the view's
+        shape). A slice whose size is traced (``pl.ds(i, n)``, in DMAs) takes
+        the dimension's whole length; its positions past ``n`` hold the cell's
+        size (out of range, so a scatter drops them), and its entry of the
+        shape is ``n`` (traced)."""
+        x = self.state[view.cell]
+        idx = jnp.arange(max(x.size, 1), dtype=jnp.int32)[: x.size].reshape(x.shape)
+        valid, shape = None, list(x.shape)
+        for t in view.transforms:
+            if valid is None and not _traced_sizes(t):
+                idx = (
+                    self._read1(idx, t, eqn, view, what)
+                    if hasattr(t, "indices")
+                    else self._transform_other(idx, t, eqn)
+                )
+                shape = list(idx.shape)
+            elif hasattr(t, "indices"):
+                idx, valid, shape = self._index_traced(idx, valid, shape, t, eqn, view, what)
+            else:
+                raise NotImplementedError(
+                    f"{self.where(eqn)}: the TPU interpreter cannot apply {type(t).__name__} after a slice "
+                    "whose size is traced (pl.ds(start, n) with n traced); apply it before that slice"
+                )
+        if valid is not None:
+            idx = jnp.where(valid, idx, x.size)
+        return idx, tuple(shape)
+
+    def _index_traced(self, idx, valid, shape, indexer, eqn, view, what):
+        """``view_indices`` of one NDIndexer when a size is traced."""
+        if valid is None:
+            valid = jnp.ones(idx.shape, jnp.bool_)
+        out_shape, squeeze = [], []
+        for d, ix in enumerate(indexer.indices):
+            n, bound = shape[d], idx.shape[d]
+            if not _is_slice(ix) and jnp.ndim(ix) > 0:
+                raise NotImplementedError(
+                    f"{self.where(eqn)}: a DMA view with a traced size cannot also be indexed with an "
+                    "array of indices"
+                )
+            if _is_slice(ix):
+                start, size, stride = jnp.asarray(ix.start, jnp.int32), ix.size, int(ix.stride)
+            else:
+                start, size, stride = jnp.asarray(ix, jnp.int32), 1, 1
+                squeeze.append(d)
+            static = _static_int(size)
+            count = int(size) if static else -(-bound // stride)
+            out_shape.append(count if static else jnp.asarray(size, jnp.int32))
+            size = jnp.asarray(size, jnp.int32)
+            ok = jnp.logical_and(size >= 0, start >= 0)
+            ok = jnp.logical_and(ok, jnp.logical_or(size == 0, start + (size - 1) * stride < n))
+            self.check(
+                ok,
+                f"{self.where(eqn)}: out-of-bounds {what} of {self.describe_ref(view)}: dimension {d} "
+                f"takes {{1}} elements from {{0}} (stride {stride}) but its size is {{2}}",
+                [start, size, n],
+            )
+            pos = jnp.clip(start + stride * jnp.arange(count, dtype=jnp.int32), 0, max(bound - 1, 0))
+            idx, valid = jnp.take(idx, pos, axis=d), jnp.take(valid, pos, axis=d)
+            if not static:
+                inside = (jnp.arange(count) < size).reshape([-1 if k == d else 1 for k in range(idx.ndim)])
+                valid = jnp.logical_and(valid, inside)
+        keep = [d for d in range(idx.ndim) if d not in squeeze]
+        idx, valid = jnp.squeeze(idx, squeeze), jnp.squeeze(valid, squeeze)
+        return idx, valid, [out_shape[d] for d in keep]
+
     def write_view(self, view: RefView, val, eqn):
         self.on_access(view, eqn, write=True)
 
@@ -492,7 +605,14 @@ class Interpreter:
         raise NotImplementedError(f"{self.where(eqn)}: remote DMAs need the multi-device TPU interpreter")
 
     def remote_dma_wait(self, eqn, parts, layout, which) -> None:
+        """``.wait_send()`` of a remote DMA."""
         raise NotImplementedError(f"{self.where(eqn)}: remote DMAs need the multi-device TPU interpreter")
+
+    def dma_receive(self, eqn, sem: RefView, dst: RefView, nbytes, remote: bool) -> None:
+        """Before a DMA wait on ``sem`` takes ``nbytes``: remote DMAs sent to
+        this device land and add their bytes to ``sem`` (multi-device interpreter)."""
+        if remote:
+            raise NotImplementedError(f"{self.where(eqn)}: remote DMAs need the multi-device TPU interpreter")
 
     def remote_signal(self, eqn, view, inc, device_id, core_index) -> None:
         raise NotImplementedError(
@@ -713,9 +833,10 @@ def _iter_run_scoped(interp, eqn, consts, pause):
         )
     views = [RefView(c) for c in cells]
     outs = yield from interp.iter_jaxpr(jaxpr.jaxpr, jaxpr.consts, [*consts, *views], pause)
-    for aval, c, v in zip(jaxpr.in_avals[n:], cells, views):
+    for aval, v in zip(jaxpr.in_avals[n:], views):
         if plb.semaphore_kind(aval) is not None:
             _check_sem_zero(interp, v, eqn, "at the end of pl.run_scoped")
+    for c in cells:  # after the semaphore checks: a DMA never waited for is reported as that
         interp.free_cell(c)
     return outs
 
@@ -774,163 +895,7 @@ def _sem_read(interp, eqn, *ops):
     return interp.read_view(_sem_view(ops, eqn.params["sem_tree"]), eqn)
 
 
-# -- DMAs --
-
-
-def _dma_parts(eqn, ops):
-    layout = eqn.params["layout"]
-    parts = layout.split(ops)
-    views = {}
-    for name, tree in (
-        ("src", layout.src_tree),
-        ("dst", layout.dst_tree),
-        ("dst_sem", layout.dst_sem_tree),
-        ("src_sem", layout.src_sem_tree),
-    ):
-        if name in parts:
-            ref, leaves = parts[name]
-            views[name] = ref.with_transforms(plb.unflatten_transforms(tree, leaves))
-    views["device_id"] = parts["device_id"]
-    return layout, views
-
-
-def _nbytes(interp, view, eqn):
-    aval = plb.transformed_aval(
-        compat.shaped_array(interp.state[view.cell].shape, interp.state[view.cell].dtype), view.transforms
-    )
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-
-
-def _copy(interp, eqn, src, dst):
-    val = interp.read_view(src, eqn, what="DMA read")
-    if eqn.params.get("add", False):
-        val = interp.read_view(dst, eqn, what="write") + val
-    interp.write_view(dst, val, eqn)
-
-
-@rule(tpu_prims.dma_start_p)
-def _dma_start(interp, eqn, *ops):
-    layout, v = _dma_parts(eqn, ops)
-    if layout.device_id_tree is not None:
-        interp.remote_dma_start(eqn, v, layout)
-        return []
-    nbytes = _nbytes(interp, v["src"], eqn)
-    if interp.params.dma_execution_mode == "eager":
-        _copy(interp, eqn, v["src"], v["dst"])
-    elif v["dst"].cell in interp.shadows:
-        _start_pending(interp, eqn, v)
-    interp.sem_add(v["dst_sem"], nbytes, eqn)
-    interp.on_dma_start(eqn, v)
-    return []
-
-
-def _sem_code(interp, view, eqn):
-    """A number naming one semaphore (its cell and element), >= 1."""
-    return view.cell * 65536 + interp.flat_index(view, eqn) + 1
-
-
-def _start_pending(interp, eqn, v):
-    """on_wait: the data lands in the destination's shadow, marked with the
-    semaphore whose wait commits it (so a wait with another descriptor on the
-    same semaphore still completes it, as on a TPU)."""
-    dst, sem = v["dst"], v["dst_sem"]
-    shadow, pending = interp.shadows[dst.cell]
-    interp.read_view(dst, eqn, what="DMA write")  # bounds of the destination
-    val = interp.read_view(v["src"], eqn, what="DMA read")
-    interp.write_view(RefView(shadow, dst.transforms), val, eqn)
-    mark = _sem_code(interp, sem, eqn) * 2 + int(eqn.params.get("add", False))
-    shape = jnp.shape(val)
-    interp.write_view(RefView(pending, dst.transforms), jnp.full(shape, mark, jnp.int32), eqn)
-    count = RefView(interp.shadows[sem.cell][0], sem.transforms)
-    interp.write_view(count, interp.read_view(count, eqn) + math.prod(shape), eqn)
-    site = (sem.cell, dst.cell)
-    if site not in interp.dma_sites:
-        interp.dma_sites.append(site)
-
-
-def _on_chip(space) -> bool:
-    """VMEM (the default of kernel scratch), SMEM: buffers small enough to
-    shadow. DMAs into HBM land when waited on, as the wait's descriptor says."""
-    return space is None or space in (tpu_core.VMEM, tpu_core.SMEM, tpu_core.VMEM_SHARED)
-
-
-def _land(shadow_val, mark, cur, code):
-    """(new value, new marks, elements landed) of the DMAs marked ``code``."""
-    mine = (mark >> 1) == code
-    landed = jnp.where((mark & 1) == 1, cur + shadow_val, shadow_val)
-    return jnp.where(mine, landed, cur), jnp.where(mine, 0, mark), jnp.sum(mine, dtype=jnp.int32)
-
-
-def _commit_pending(interp, eqn, v):
-    """on_wait: a wait on a DMA semaphore lands the pending DMAs it signals.
-
-    The wait's own destination view is landed first (cheap). Only if that
-    landed fewer elements than the wait is for, while DMAs on this semaphore
-    are still pending (the wait was given a descriptor naming another buffer),
-    are the other on-chip buffers DMAs on this semaphore went to scanned."""
-    dst, sem = v["dst"], v["dst_sem"]
-    code = _sem_code(interp, sem, eqn)
-    count = RefView(interp.shadows[sem.cell][0], sem.transforms)
-    left = interp.read_view(count, eqn)
-    n = jnp.zeros((), jnp.int32)
-    needed = 0
-    if dst.cell in interp.shadows:
-        shadow, pending = interp.shadows[dst.cell]
-        cur = interp.read_view(dst, eqn, what="DMA write")
-        needed = math.prod(jnp.shape(cur))
-        new, mark, n = _land(
-            interp.read_view(RefView(shadow, dst.transforms), eqn),
-            interp.read_view(RefView(pending, dst.transforms), eqn),
-            cur,
-            code,
-        )
-        interp.write_view(dst, new, eqn)
-        interp.write_view(RefView(pending, dst.transforms), mark, eqn)
-        left = left - n
-    cells = sorted(
-        c
-        for c in {d for s, d in interp.dma_sites if s == sem.cell} - {dst.cell}
-        if c in interp.shadows and _on_chip(interp.cell_spaces.get(c))
-    )
-    if cells:
-
-        def scan(vals):
-            out, landed = [], jnp.zeros((), jnp.int32)
-            for cur, sh, mark in vals:
-                new, mark, k = _land(sh, mark, cur, code)
-                out.append((new, sh, mark))
-                landed = landed + k
-            return out, landed
-
-        vals = [
-            (interp.state[c], interp.state[interp.shadows[c][0]], interp.state[interp.shadows[c][1]])
-            for c in cells
-        ]
-        short = jnp.logical_and(n < needed, left > 0) if needed else left > 0
-        vals, landed = lax.cond(short, scan, lambda vals: (vals, jnp.zeros((), jnp.int32)), vals)
-        for c, (new, _, mark) in zip(cells, vals):
-            interp.state[c] = new
-            interp.state[interp.shadows[c][1]] = mark
-        left = left - landed
-    interp.write_view(count, jnp.maximum(left, 0), eqn)
-
-
-@rule(tpu_prims.dma_wait_p)
-def _dma_wait(interp, eqn, *ops):
-    layout, v = _dma_parts(eqn, ops)
-    which = eqn.params["which"]
-    if layout.device_id_tree is not None:
-        interp.remote_dma_wait(eqn, v, layout, which)
-        return []
-    nbytes = _nbytes(interp, v["src"], eqn)
-    interp.sem_wait(v["dst_sem"], nbytes, eqn, what="DMA semaphore")
-    if interp.params.dma_execution_mode == "on_wait":
-        if v["dst"].cell in interp.shadows or any(s == v["dst_sem"].cell for s, _ in interp.dma_sites):
-            _commit_pending(interp, eqn, v)
-        if v["dst"].cell not in interp.shadows:
-            _copy(interp, eqn, v["src"], v["dst"])
-    interp.on_dma_wait(eqn, v)
-    return []
+# -- DMAs: interpret_dma.py --
 
 
 @rule(tpu_prims.get_barrier_semaphore_p)

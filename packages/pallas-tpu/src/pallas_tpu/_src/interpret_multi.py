@@ -57,9 +57,9 @@ from jax import lax, tree_util
 from jax.experimental import io_callback
 
 from pallas import backend as plb
-from pallas_tpu._src import compat
+from pallas_tpu._src import compat, interpret_dma
 from pallas_tpu._src import primitives as tpu_prims
-from pallas_tpu._src.interpret import Interpreter, KernelError, RefView, _nbytes
+from pallas_tpu._src.interpret import Interpreter, KernelError, RefView
 
 
 def needs_multi_device(jaxpr) -> bool:
@@ -152,6 +152,17 @@ class _Message:
     site: str
 
 
+def _inside(idx, shape) -> np.ndarray:
+    """The flat indices of ``idx`` inside a cell of ``shape`` (positions past
+    a traced DMA size hold the cell's size)."""
+    idx = np.asarray(idx).reshape(-1)
+    return idx[idx < math.prod(shape)]
+
+
+def _text(desc) -> str:
+    return desc() if callable(desc) else desc
+
+
 def _join(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
@@ -190,6 +201,7 @@ class _Session:
         self.accesses: dict[Any, list[_Access]] = collections.defaultdict(list)
         self.inflight: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self.dma_sites: dict[Any, str] = {}
+        self.staged: dict[Any, list[_Message]] = {}  # (device, core) -> remote DMAs a wait took, to land
         self.n_dma = 0
 
     # -- errors --
@@ -210,8 +222,10 @@ class _Session:
 
     # -- blocking --
 
-    def block(self, dev: int, pred, desc: str) -> None:
-        """Waits (holding ``cv``) until ``pred()``; raises on deadlock or timeout."""
+    def block(self, dev: int, pred, desc) -> None:
+        """Waits (holding ``cv``) until ``pred()``; raises on deadlock or timeout.
+        ``desc`` (a string, or a function giving one when it is reported) says
+        what ``dev`` waits for."""
         deadline = time.monotonic() + deadlock_timeout
         while not pred():
             self.check_alive(dev)
@@ -222,14 +236,14 @@ class _Session:
                 for d in range(self.num_devices)
             ):
                 states = [
-                    f"device {d} {self.blocked[d][1]}"
+                    f"device {d} {_text(self.blocked[d][1])}"
                     if d in self.blocked
                     else f"device {d} finished the kernel"
                     for d in range(self.num_devices)
                     if d != dev
                 ]
                 raise self.fail(
-                    f"{self.kernel}: deadlock: device {dev} {desc}, and no device can signal it any more ("
+                    f"{self.kernel}: deadlock: device {dev} {_text(desc)}, and no device can signal it any more ("
                     + "; ".join(states)
                     + ")"
                 )
@@ -238,7 +252,7 @@ class _Session:
                 missing = sorted(set(range(self.num_devices)) - self.joined)
                 extra = f"; devices {missing} never started the kernel" if missing else ""
                 raise self.fail(
-                    f"{self.kernel}: deadlock: device {dev} {desc} and waited {deadlock_timeout:g} s "
+                    f"{self.kernel}: deadlock: device {dev} {_text(desc)} and waited {deadlock_timeout:g} s "
                     f"(pallas_tpu interpret deadlock_timeout){extra}"
                 )
             self.cv.wait(min(left, 0.25))
@@ -323,6 +337,8 @@ class MultiDeviceInterpreter(Interpreter):
         self.my_dev = dev
         self.core_id = 0
         self.races = self.params.detect_races
+        self.remote_dst_cells: set[int] = set()  # where remote DMAs traced so far go
+        self.remote_sem_cells: set[int] = set()  # and the semaphores they signal there
         self.hidden["__tok"] = jnp.zeros((), jnp.int32)
         if _kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}):
             cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
@@ -402,15 +418,12 @@ class MultiDeviceInterpreter(Interpreter):
     # -- views, indices, device ids --
 
     def _flat_indices(self, view: RefView, eqn, what: str):
-        """The flat element indices of the cell that ``view`` covers (traced)."""
-        x = self.state[view.cell]
-        idx = jnp.arange(max(x.size, 1), dtype=jnp.int32)[: x.size].reshape(x.shape)
+        """The flat element indices of the cell that ``view`` covers (traced;
+        past a traced size, the cell's size: see ``Interpreter.view_indices``)."""
         try:
-            for t in view.transforms:
-                idx = self._read1(idx, t, eqn, view, what)
+            return self.view_indices(view, eqn, what)[0]
         except NotImplementedError:
-            idx = jnp.arange(x.size, dtype=jnp.int32)
-        return idx
+            return jnp.arange(self.state[view.cell].size, dtype=jnp.int32)
 
     def _sem_key(self, view: RefView, eqn):
         name = self.cell_names.get(view.cell, f"ref#{view.cell}")
@@ -484,6 +497,7 @@ class MultiDeviceInterpreter(Interpreter):
         s.tick(thread)
         s.inflight[sem_key].append(dma)
         src_cell, dst_cell = v
+        src_idx, dst_idx = _inside(src_idx, shapes[0]), _inside(dst_idx, shapes[1])
         remote = "remote " if dst_dev is not None else ""
         by = f"the {remote}DMA started at {site} ({self._who(dev, core)})"
         s.record(
@@ -624,11 +638,12 @@ class MultiDeviceInterpreter(Interpreter):
     # -- remote DMAs --
 
     def remote_dma_start(self, eqn, v, layout) -> None:
-        nbytes = _nbytes(self, v["src"], eqn)
-        src, dst = v["src"], v["dst"]
-        data = self.read_view(src, eqn, what="DMA read")
-        dst_idx = self._flat_indices(dst, eqn, "remote DMA write")
-        src_idx = self._flat_indices(src, eqn, "read") if self.races else jnp.zeros((0,), jnp.int32)
+        src, dst = interpret_dma.endpoints(self, eqn, v["src"], v["dst"])
+        nbytes = src.nbytes
+        data = interpret_dma.read(self, src, eqn, "DMA read").reshape(-1)
+        dst_idx = dst.idx if dst.idx is not None else self._flat_indices(dst.view, eqn, "remote DMA write")
+        dst_idx = dst_idx.reshape(-1)
+        src_idx = self._flat_indices(src.view, eqn, "read") if self.races else jnp.zeros((0,), jnp.int32)
         device_id = tree_util.tree_unflatten(layout.device_id_tree, v["device_id"])
         target = self._target(device_id, layout.device_id_type, eqn)
         key, _, sem_idx = self._sem_key(v["dst_sem"], eqn)
@@ -636,8 +651,10 @@ class MultiDeviceInterpreter(Interpreter):
         core, site, what = self.core_id, self._site(eqn), f"{self.where(eqn)}: pltpu.make_async_remote_copy"
         cells = (src.cell, dst.cell)
         shapes = (self.state[src.cell].shape, self.state[dst.cell].shape)
+        self.remote_dst_cells.add(dst.cell)
+        self.remote_sem_cells.add(v["dst_sem"].cell)
 
-        def send(sid, dev, target, sem_idx, ssem_idx, data, dst_idx, src_idx):
+        def send(sid, dev, target, sem_idx, ssem_idx, nbytes, data, dst_idx, src_idx):
             s, dev, target = _session(sid), int(dev), int(target)
             with s.cv:
                 s.check_alive(dev)
@@ -654,55 +671,166 @@ class MultiDeviceInterpreter(Interpreter):
                         s, dev, core, target, cells, src_idx, dst_idx, shapes, site, sk
                     )
                 msg = _Message(
-                    np.asarray(data), np.asarray(dst_idx), cells[1], nbytes, dma, f"{site} (device {dev})"
+                    np.asarray(data),
+                    np.asarray(dst_idx),
+                    cells[1],
+                    int(nbytes),
+                    dma,
+                    f"{site} (device {dev})",
                 )
                 s.mail[(target, core, key, int(sem_idx))].append(msg)
                 s.cv.notify_all()
 
-        self._callback(send, [], self.sid, self.my_dev, target, sem_idx, ssem_idx, data, dst_idx, src_idx)
+        self._callback(
+            send,
+            [],
+            self.sid,
+            self.my_dev,
+            target,
+            sem_idx,
+            ssem_idx,
+            jnp.asarray(nbytes, jnp.int32),
+            data,
+            dst_idx,
+            src_idx,
+        )
         Interpreter.sem_add(self, v["src_sem"], nbytes, eqn)
 
     def remote_dma_wait(self, eqn, v, layout, which) -> None:
-        nbytes = _nbytes(self, v["src"], eqn)
-        if which == "send":
-            Interpreter.sem_wait(self, v["src_sem"], nbytes, eqn, what="DMA send semaphore")
-            if self.races:
-                self._dma_done(eqn, v["src_sem"], "send")
-            return
-        dst = v["dst"]
-        key, name, sem_idx = self._sem_key(v["dst_sem"], eqn)
-        x = self.state[dst.cell]
-        shape = tuple(plb.transformed_aval(compat.shaped_array(x.shape, x.dtype), dst.transforms).shape)
-        core, where, cell = self.core_id, self._site(eqn), dst.cell
-        cell_name = self.cell_names.get(cell, "")
-        dtype = np.dtype(x.dtype)
+        nbytes = interpret_dma.dma_nbytes(self, v["src"], eqn)
+        Interpreter.sem_wait(self, v["src_sem"], nbytes, eqn, what="DMA send semaphore")
+        if self.races:
+            self._dma_done(eqn, v["src_sem"], "send")
 
-        def recv(sid, dev, sem_idx):
-            s, dev = _session(sid), int(dev)
+    def dma_receive(self, eqn, sem, dst, nbytes, remote) -> None:
+        """A DMA wait (``.wait_recv()``, or a local descriptor's ``.wait()`` on
+        a semaphore remote DMAs signal): when ``sem`` holds fewer than ``nbytes``,
+        remote DMAs sent to it land, in the order they were started, until it
+        holds enough (blocking for them; a deadlock when no device can send
+        more). They land where their ``start`` said, whatever this wait's
+        descriptor names; bytes beyond ``nbytes`` stay on the semaphore."""
+        if not (remote or sem.cell in self.remote_sem_cells):
+            return  # a local wait on a semaphore no remote DMA (so far in the code) signals
+        need = jnp.maximum(jnp.asarray(nbytes, jnp.int32) - Interpreter.read_view(self, sem, eqn), 0)
+        key, name, sem_idx = self._sem_key(sem, eqn)
+        with self.unchecked():  # the wait's descriptor names no memory on a TPU
+            wait = interpret_dma.dma_view(self, dst, eqn, "DMA wait")
+        cap = wait.idx.size if wait.idx is not None else math.prod(wait.shape)
+        cell, x = dst.cell, self.state[dst.cell]
+        size, dtype = x.size, np.dtype(x.dtype)
+        core, where = self.core_id, self._site(eqn)
+        label = f"{name}[{{}}] (core {core})"
+
+        def pull(sid, dev, sem_idx, need):
+            s, dev, need = _session(sid), int(dev), int(need)
             k = (dev, core, key, int(sem_idx))
             with s.cv:
                 s.check_alive(dev)
                 q = s.mail[k]
-                s.block(dev, lambda: bool(q), f"waits at {where} for a remote DMA on {name}[{int(sem_idx)}]")
-                msg = q.popleft()
-                if msg.nbytes != nbytes or msg.dst_cell != cell:
-                    raise s.fail(
-                        f"{s.kernel}: .wait_recv() at {where} waits for {nbytes} bytes into {cell_name}, but the DMA started at "
-                        f"{msg.site} on its semaphore sends {msg.nbytes} bytes into "
-                        f"{self.cell_names.get(msg.dst_cell, '?')}: the TPU interpreter needs each receive wait "
-                        "to match one DMA"
-                    )
-                if s.detect_races and msg.dma is not None:
-                    thread = ("core", dev, core)
-                    s.clocks[thread] = _join(s.clock(thread), s.clocks[msg.dma])
-                return msg.data.reshape(shape).astype(dtype), msg.idx.reshape(shape).astype(np.int32)
+                s.block(
+                    dev,
+                    lambda: sum(m.nbytes for m in q) >= need,
+                    lambda: (
+                        f"waits at {where} on {label.format(int(sem_idx))} for {need} bytes more than it holds, "
+                        f"and the remote DMAs sent to it carry {sum(m.nbytes for m in q)}"
+                    ),
+                )
+                got, received = [], 0
+                while received < need:
+                    m = q.popleft()
+                    got.append(m)
+                    received += m.nbytes
+                    if s.detect_races and m.dma is not None:
+                        thread = ("core", dev, core)
+                        s.clocks[thread] = _join(s.clock(thread), s.clocks[m.dma])
+                data, idx = np.zeros(cap, dtype), np.full(cap, size, np.int32)
+                n = sum(m.data.size for m in got)
+                if all(m.dst_cell == cell for m in got) and n <= cap:  # all into the buffer the wait names
+                    if got:
+                        data[:n] = np.concatenate([m.data.reshape(-1) for m in got])
+                        idx[:n] = np.concatenate([m.idx.reshape(-1) for m in got])
+                    return np.int32(received), data, idx, np.int32(0)
+                s.staged[(dev, core)] = got
+                return np.int32(received), data, idx, np.int32(1)
 
-        data, idx = self._callback(
-            recv,
-            [jax.ShapeDtypeStruct(shape, x.dtype), jax.ShapeDtypeStruct(shape, jnp.int32)],
-            self.sid,
-            self.my_dev,
-            sem_idx,
+        shapes = [
+            jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((cap,), x.dtype),
+            jax.ShapeDtypeStruct((cap,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        ]
+
+        def take(tok, need):
+            self.hidden["__tok"] = tok
+            outs = self._callback(pull, shapes, self.sid, self.my_dev, sem_idx, need)
+            return self.hidden["__tok"], *outs
+
+        def nothing(tok, need):
+            return (
+                tok,
+                *(jnp.zeros(a.shape, a.dtype) for a in shapes[:2]),
+                jnp.full((cap,), size, jnp.int32),
+                jnp.int32(0),
+            )
+
+        tok, received, data, idx, staged = lax.cond(need > 0, take, nothing, self.hidden["__tok"], need)
+        self.hidden["__tok"] = tok
+        self.state[cell] = x.reshape(-1).at[idx].set(data, mode="drop").reshape(x.shape)
+        self._land_staged(eqn, staged, [cell, *sorted(self.remote_dst_cells - {cell})])
+        Interpreter.sem_add(self, sem, received, eqn)
+
+    def _land_staged(self, eqn, staged, cells) -> None:
+        """The remote DMAs a wait took that did not all go to the buffer its
+        descriptor names land in ``cells`` (the buffers remote DMAs started so
+        far went to), whole buffers at a time."""
+        cells = [c for c in cells if c in self.state]
+        metas = [(c, self.state[c].size, np.dtype(self.state[c].dtype)) for c in cells]
+        names = {c: self.cell_names.get(c, f"ref#{c}") for c in cells}
+        core, where = self.core_id, self._site(eqn)
+
+        def land(sid, dev):
+            s, dev = _session(sid), int(dev)
+            outs = [(np.zeros(n, dt), np.full(n, n, np.int32)) for _, n, dt in metas]
+            with s.cv:
+                for m in s.staged.pop((dev, core), []):
+                    j = next((j for j, (c, _, _) in enumerate(metas) if c == m.dst_cell), None)
+                    if j is None:
+                        raise s.fail(
+                            f"{s.kernel}: the remote DMA started at {m.site} goes to "
+                            f"{self.cell_names.get(m.dst_cell, '?')}, but the wait at {where} that takes its "
+                            f"bytes names {names[cells[0]]}, and the TPU interpreter lands a remote DMA only at "
+                            "a wait whose descriptor names its destination buffer, or the destination of a remote "
+                            "DMA that comes before the wait in the kernel's code: wait with a descriptor of the "
+                            "DMA's destination buffer"
+                        )
+                    data, idx = outs[j]
+                    inside = m.idx < metas[j][1]
+                    data[m.idx[inside]] = m.data.reshape(-1)[inside]
+                    idx[m.idx[inside]] = m.idx[inside]
+            return tuple(a for pair in outs for a in pair)
+
+        shapes = [
+            s
+            for _, n, dt in metas
+            for s in (jax.ShapeDtypeStruct((n,), dt), jax.ShapeDtypeStruct((n,), jnp.int32))
+        ]
+
+        def go(tok, vals):
+            self.hidden["__tok"] = tok
+            outs = self._callback(land, shapes, self.sid, self.my_dev)
+            new = [
+                v.reshape(-1).at[i].set(d, mode="drop").reshape(v.shape)
+                for v, d, i in zip(vals, outs[0::2], outs[1::2])
+            ]
+            return self.hidden["__tok"], new
+
+        tok, vals = lax.cond(
+            staged > 0,
+            go,
+            lambda tok, vals: (tok, list(vals)),
+            self.hidden["__tok"],
+            [self.state[c] for c in cells],
         )
-        flat = x.reshape(-1).at[idx.reshape(-1)].set(data.reshape(-1), mode="drop")
-        self.state[cell] = flat.reshape(x.shape)
+        self.hidden["__tok"] = tok
+        for c, v in zip(cells, vals):
+            self.state[c] = v

@@ -14,6 +14,7 @@ from jax import lax
 
 from pallas import backend as plb
 from pallas_tpu._src import core as tpu_core
+from pallas_tpu._src import interpret_dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
 from pallas_tpu._src import interpret_rules
 from pallas_tpu._src import primitives as tpu_prims
 from pallas_tpu._src.interpret import Interpreter, InterpretParams, RefView, _check_sem_zero, _uninit
@@ -348,6 +349,9 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
         carry = step(0, carry) if not D and n == 1 else lax.fori_loop(0, n, step, carry)
         interp.restore(*carry)
         for _, slot, core_ops, _, scratch in lanes:
+            for i, a in enumerate(gm.scratch_avals):
+                if plb.semaphore_kind(a) is not None:
+                    _check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
             for i in blocked:
                 if i >= gm.num_inputs:  # the last output block goes back to HBM
                     op = core_ops[i]
@@ -362,11 +366,10 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
                     interp.hidden.pop(f"__prev{i}.{slot}")
                 if slot > 0:
                     interp.free_cell(core_ops[i].buf)
-            for i, a in enumerate(gm.scratch_avals):
-                if plb.semaphore_kind(a) is not None:
-                    _check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
             for c in scratch:
                 interp.free_cell(c)
+    for c in list(interp.shadows):
+        interp.check_dmas_landed(c, "when the kernel ends")
     interp.finish()
     outs = [_unpad(interp.state[op.hbm], op.bm) for op in ops[gm.num_inputs :]]
     interp.raise_checks()

@@ -11,6 +11,7 @@ leaves]; the params hold the treedefs that split them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -110,6 +111,14 @@ def _check_sem(sem, what: str):
     return base, leaves, tree
 
 
+def _same_shape(a, b) -> bool:
+    """Equal shapes; a traced size (``pl.ds(i, n)``) matches any size of the
+    other view (TPU interpret mode checks the values when the DMA runs)."""
+    if len(a) != len(b):
+        return False
+    return all(x == y for x, y in zip(a, b) if isinstance(x, int) and isinstance(y, int))
+
+
 def _bound_mesh_axes() -> tuple[str, ...]:
     return tuple(compat.bound_axis_names())
 
@@ -133,7 +142,7 @@ class AsyncCopyDescriptor:
         for name, r in (("src_ref", s_ref), ("dst_ref", d_ref)):
             if plb.semaphore_kind(compat.get_aval(r)) is not None:
                 raise _err(TypeError, f"{what}: {name} is a semaphore; DMAs copy data Refs")
-        if tuple(s_aval.shape) != tuple(d_aval.shape) or s_aval.dtype != d_aval.dtype:
+        if not _same_shape(s_aval.shape, d_aval.shape) or s_aval.dtype != d_aval.dtype:
             raise _err(
                 ValueError,
                 f"{what}: src_ref and dst_ref must have the same shape and dtype, got "
@@ -163,8 +172,10 @@ class AsyncCopyDescriptor:
         self.is_remote = device_id is not None
 
     @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+    def nbytes(self):
+        """The bytes the DMA moves: an int, or a traced int32 when a size is traced."""
+        n = math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return n if isinstance(n, int) else jnp.asarray(n, jnp.int32)
 
     def start(self, priority: int = 0, add: bool = False) -> None:
         """Issues the DMA; ``add=True`` adds into the destination."""

@@ -1,0 +1,291 @@
+"""DMAs in TPU interpret mode: the rules of ``dma_start_p`` and ``dma_wait_p``.
+
+What a TPU does, and so what is modelled: ``start`` issues a copy from the
+start descriptor's source to its destination; as the data lands, the DMA adds
+its byte count to the destination semaphore. ``wait`` blocks until that
+semaphore holds the wait descriptor's byte count and takes it off: the wait's
+source and destination name no memory, only a size. Kernels rely on it: they
+wait with a rebuilt descriptor, or a "dummy" one of the same size (another
+slot of the buffer, another buffer, a local descriptor for a remote copy).
+
+* ``dma_execution_mode="eager"``: the copy happens at ``start``.
+* ``"on_wait"`` (the default): a copy into on-chip memory (VMEM, SMEM) reads
+  its source at ``start`` into a shadow of its destination, each element
+  marked with the semaphore whose wait lands it. A wait lands what is marked
+  with its semaphore in its own descriptor's region, and, when that is fewer
+  bytes than it waits for, in every buffer that a DMA on the semaphore went to.
+  So a kernel that reads a destination before waiting sees the old contents.
+  A copy into HBM lands at ``start``: a kernel reads HBM only through DMAs, and
+  a DMA that reads what another still writes is a race on a TPU too.
+* Semaphores count bytes, as on a TPU: a wait for more than its semaphore can
+  ever hold is reported as a deadlock (a TPU hangs), and bytes left on a
+  semaphore when the kernel ends as a DMA that was not waited for.
+* A DMA whose size is traced (``src.at[pl.ds(i, n)]`` with ``n`` read from
+  SMEM) moves the flat elements of its views (``Interpreter.view_indices``):
+  static upper-bound shapes, the elements past ``n`` masked out.
+
+Remote DMAs (``device_id=``) go through the hooks ``remote_dma_start``,
+``remote_dma_wait`` (the send side) and ``dma_receive``, which the
+multi-device interpreter (``interpret_multi``) implements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas import backend as plb
+from pallas_tpu._src import compat, interpret_rules
+from pallas_tpu._src import primitives as tpu_prims
+from pallas_tpu._src.interpret import RefView, _traced_sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class DmaView:
+    """One end of a DMA: a view of a cell, its dtype and shape (ints, or traced
+    sizes), and for a view whose size is traced its flat element indices
+    (``Interpreter.view_indices``; None for a static view)."""
+
+    view: RefView
+    dtype: Any
+    shape: tuple
+    idx: Any = None
+
+    @property
+    def cell(self) -> int:
+        return self.view.cell
+
+    def on(self, cell: int) -> DmaView:
+        """The same region of a companion cell of the same shape (shadow, marks)."""
+        return dataclasses.replace(self, view=RefView(cell, self.view.transforms))
+
+    @property
+    def nbytes(self):
+        """The byte count: an int, or a traced int32 when the size is traced."""
+        return _as_count(math.prod(self.shape) * np.dtype(self.dtype).itemsize)
+
+
+def _as_count(n):
+    return n if isinstance(n, (int, np.integer)) else jnp.asarray(n, jnp.int32)
+
+
+def dma_view(interp, view: RefView, eqn, what: str) -> DmaView:
+    x = interp.state[view.cell]
+    if not any(_traced_sizes(t) for t in view.transforms):
+        aval = plb.transformed_aval(compat.shaped_array(x.shape, x.dtype), view.transforms)
+        return DmaView(view, aval.dtype, tuple(aval.shape))
+    idx, shape = interp.view_indices(view, eqn, what)
+    return DmaView(view, x.dtype, shape, idx)
+
+
+def dma_nbytes(interp, view: RefView, eqn):
+    """The byte count of a descriptor's view: what a wait on it takes off its semaphore."""
+    x = interp.state[view.cell]
+    aval = plb.transformed_aval(compat.shaped_array(x.shape, x.dtype), view.transforms)
+    return _as_count(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+
+
+def endpoints(interp, eqn, src_view: RefView, dst_view: RefView) -> tuple[DmaView, DmaView]:
+    """The two ends of a DMA. When a size is traced, both as flat indices of
+    one static shape (position i of one is position i of the other)."""
+    src = dma_view(interp, src_view, eqn, "DMA read")
+    dst = dma_view(interp, dst_view, eqn, "DMA write")
+    if src.idx is None and dst.idx is None:
+        return src, dst
+    if src.idx is None:
+        src = dataclasses.replace(src, idx=interp.view_indices(src_view, eqn, "DMA read")[0])
+    if dst.idx is None:
+        dst = dataclasses.replace(dst, idx=interp.view_indices(dst_view, eqn, "DMA write")[0])
+    common = tuple(slice(0, min(a, b)) for a, b in zip(src.idx.shape, dst.idx.shape))
+    src = dataclasses.replace(src, idx=src.idx[common])
+    dst = dataclasses.replace(dst, idx=dst.idx[common])
+    for d, (a, b) in enumerate(zip(src.shape, dst.shape)):
+        if not (isinstance(a, int) and isinstance(b, int)):
+            interp.check(
+                jnp.asarray(a) == jnp.asarray(b),
+                f"{interp.where(eqn)}: the DMA's source has {{0}} elements along dimension {d} "
+                "and its destination {1}; they must be equal",
+                [a, b],
+            )
+    return src, dst
+
+
+def read(interp, dv: DmaView, eqn, what: str, cell: int | None = None):
+    dv = dv if cell is None else dv.on(cell)
+    if dv.idx is None:
+        return interp.read_view(dv.view, eqn, what=what)
+    x = interp.state[dv.cell]
+    return x.reshape(-1)[jnp.clip(dv.idx, 0, max(x.size - 1, 0))]
+
+
+def write(interp, dv: DmaView, val, eqn, cell: int | None = None) -> None:
+    dv = dv if cell is None else dv.on(cell)
+    if dv.idx is None:
+        interp.write_view(dv.view, val, eqn)
+        return
+    x = interp.state[dv.cell]
+    val = jnp.asarray(val, x.dtype).reshape(-1)
+    interp.state[dv.cell] = x.reshape(-1).at[dv.idx.reshape(-1)].set(val, mode="drop").reshape(x.shape)
+
+
+def _valid(interp, dv: DmaView):
+    return None if dv.idx is None else dv.idx < interp.state[dv.cell].size
+
+
+def _dma_parts(eqn, ops):
+    layout = eqn.params["layout"]
+    parts = layout.split(ops)
+    views = {}
+    for name, tree in (
+        ("src", layout.src_tree),
+        ("dst", layout.dst_tree),
+        ("dst_sem", layout.dst_sem_tree),
+        ("src_sem", layout.src_sem_tree),
+    ):
+        if name in parts:
+            ref, leaves = parts[name]
+            views[name] = ref.with_transforms(plb.unflatten_transforms(tree, leaves))
+    views["device_id"] = parts["device_id"]
+    return layout, views
+
+
+def _shadowed(interp, cell: int) -> bool:
+    """An on-chip data buffer that on_wait DMAs land in through a shadow."""
+    return len(interp.shadows.get(cell, ())) == 2
+
+
+def _copy(interp, eqn, src: DmaView, dst: DmaView, add: bool) -> None:
+    val = read(interp, src, eqn, "DMA read")
+    if add:
+        val = read(interp, dst, eqn, "write") + val
+    write(interp, dst, val, eqn)
+
+
+def _dma_start(interp, eqn, *ops):
+    layout, v = _dma_parts(eqn, ops)
+    if layout.device_id_tree is not None:
+        interp.remote_dma_start(eqn, v, layout)
+        return []
+    src, dst = endpoints(interp, eqn, v["src"], v["dst"])
+    add = bool(eqn.params.get("add", False))
+    if interp.params.dma_execution_mode == "on_wait" and _shadowed(interp, dst.cell):
+        _start_pending(interp, eqn, src, dst, v["dst_sem"], add)
+    else:
+        _copy(interp, eqn, src, dst, add)
+    interp.sem_add(v["dst_sem"], src.nbytes, eqn)
+    interp.on_dma_start(eqn, v)
+    return []
+
+
+def _sem_code(interp, view, eqn):
+    """A number naming one semaphore (its cell and element), >= 1."""
+    return view.cell * 65536 + interp.flat_index(view, eqn) + 1
+
+
+def _pending_bytes(interp, sem) -> RefView:
+    """Per DMA semaphore: bytes of started on_wait DMAs that have not landed yet."""
+    return RefView(interp.shadows[sem.cell][0], sem.transforms)
+
+
+def _start_pending(interp, eqn, src: DmaView, dst: DmaView, sem, add: bool) -> None:
+    """on_wait: the data goes to the destination's shadow, marked with the
+    semaphore whose wait lands it (whatever descriptor that wait is given)."""
+    shadow, pending = interp.shadows[dst.cell]
+    val = read(interp, src, eqn, "DMA read")
+    if dst.idx is None:
+        interp.read_view(dst.view, eqn, what="DMA write")  # bounds of the destination
+    write(interp, dst, val, eqn, cell=shadow)
+    mark = _sem_code(interp, sem, eqn) * 2 + int(add)
+    write(interp, dst, jnp.full(jnp.shape(val), mark, jnp.int32), eqn, cell=pending)
+    count = _pending_bytes(interp, sem)
+    interp.write_view(count, interp.read_view(count, eqn) + src.nbytes, eqn)
+    site = (sem.cell, dst.cell)
+    if site not in interp.dma_sites:
+        interp.dma_sites.append(site)
+
+
+def _land(shadow_val, mark, cur, code, valid=None):
+    """(new value, new marks, elements landed) of the DMAs marked ``code``."""
+    mine = (mark >> 1) == code
+    if valid is not None:
+        mine = jnp.logical_and(mine, valid)
+    landed = jnp.where((mark & 1) == 1, cur + shadow_val, shadow_val)
+    return jnp.where(mine, landed, cur), jnp.where(mine, 0, mark), jnp.sum(mine, dtype=jnp.int32)
+
+
+def _commit_pending(interp, eqn, sem, dst_view: RefView, nbytes) -> None:
+    """on_wait: a wait on a DMA semaphore lands the DMAs started on it.
+
+    The region the wait's descriptor names is landed first (cheap, and all a
+    wait with the start's own descriptor needs). Only when that landed fewer
+    bytes than the wait takes while DMAs on the semaphore are still pending
+    (the descriptor was rebuilt for another slot or buffer) are the buffers
+    that DMAs on the semaphore went to landed whole."""
+    code = _sem_code(interp, sem, eqn)
+    count = _pending_bytes(interp, sem)
+    left = interp.read_view(count, eqn)
+    landed = jnp.zeros((), jnp.int32)
+    if _shadowed(interp, dst_view.cell):
+        with interp.unchecked():  # on a TPU the wait's descriptor names no memory: nothing to bound-check
+            dv = dma_view(interp, dst_view, eqn, "DMA wait")
+            shadow, pending = interp.shadows[dv.cell]
+            new, mark, n = _land(
+                read(interp, dv, eqn, "read", cell=shadow),
+                read(interp, dv, eqn, "read", cell=pending),
+                read(interp, dv, eqn, "read"),
+                code,
+                _valid(interp, dv),
+            )
+            write(interp, dv, new, eqn)
+            write(interp, dv, mark, eqn, cell=pending)
+        landed = n * np.dtype(interp.state[dv.cell].dtype).itemsize
+    cells = sorted(
+        {d for s, d in interp.dma_sites if s == sem.cell and _shadowed(interp, d)}
+        | ({dst_view.cell} if _shadowed(interp, dst_view.cell) else set())
+    )
+    if cells:
+
+        def land_all(vals):
+            out, k = [], jnp.zeros((), jnp.int32)
+            for cur, sh, mark in vals:
+                new, mark, n = _land(sh, mark, cur, code)
+                out.append((new, sh, mark))
+                k = k + n * np.dtype(cur.dtype).itemsize
+            return out, k
+
+        vals = [
+            (interp.state[c], interp.state[interp.shadows[c][0]], interp.state[interp.shadows[c][1]])
+            for c in cells
+        ]
+        short = jnp.logical_and(landed < nbytes, left > landed)
+        vals, more = lax.cond(short, land_all, lambda vals: (vals, jnp.zeros((), jnp.int32)), vals)
+        for c, (new, _, mark) in zip(cells, vals):
+            interp.state[c] = new
+            interp.state[interp.shadows[c][1]] = mark
+        landed = landed + more
+    interp.write_view(count, jnp.maximum(left - landed, 0), eqn)
+
+
+def _dma_wait(interp, eqn, *ops):
+    layout, v = _dma_parts(eqn, ops)
+    which = eqn.params["which"]
+    if which == "send":
+        interp.remote_dma_wait(eqn, v, layout, which)
+        return []
+    nbytes = dma_nbytes(interp, v["src"], eqn)
+    interp.dma_receive(eqn, v["dst_sem"], v["dst"], nbytes, remote=layout.device_id_tree is not None)
+    interp.sem_wait(v["dst_sem"], nbytes, eqn, what="DMA semaphore")
+    if interp.params.dma_execution_mode == "on_wait" and v["dst_sem"].cell in interp.shadows:
+        _commit_pending(interp, eqn, v["dst_sem"], v["dst"], nbytes)
+    if which == "dst":
+        interp.on_dma_wait(eqn, v)
+    return []
+
+
+interpret_rules.STATE_RULES[tpu_prims.dma_start_p] = _dma_start
+interpret_rules.STATE_RULES[tpu_prims.dma_wait_p] = _dma_wait

@@ -52,6 +52,11 @@ class OutOfBoundsError(IndexError):
     """An interpreted kernel accessed memory outside its argument buffers."""
 
 
+class HintError(ValueError):
+    """An interpreted kernel gave the compiler a hint that its values break
+    (``tl.multiple_of``, ``tl.max_contiguous``; ``pl.multiple_of``)."""
+
+
 class _Bounds:
     def __init__(self, kernel: str, buffers: list[tuple[str, int, int, np.dtype]]):
         self.kernel = kernel
@@ -230,3 +235,45 @@ def check_access(what: str, ptrs: np.ndarray, mask: np.ndarray | None, elem_byte
     """Called by the patched memory operations; raises ``OutOfBoundsError``."""
     if _bounds is not None:
         _bounds.check(what, ptrs, mask, elem_bytes)
+
+
+def check_hint(kind: str, values: np.ndarray, hint: list[int], shape: list[int]) -> None:
+    """Raises ``HintError`` when ``values`` (a tensor of ``shape``, maybe with
+    leading program axes) break the compiler hint ``kind`` (``tt.divisibility``,
+    ``tt.contiguity``): the GPU compiler trusts a hint (it vectorizes and aligns
+    accesses by it), so a false one gives wrong answers there and none here.
+
+    ``multiple_of`` is checked on scalars (the start of a ``pl.ds``), where it
+    means every value; on a tensor it speaks of the first element of each
+    contiguous run, which is left to ``max_contiguous``'s check.
+    """
+    data = np.asarray(values)
+    if not np.issubdtype(data.dtype, np.integer):
+        return
+    where = _bounds.kernel if _bounds is not None else "a Triton kernel"
+    if kind == "tt.divisibility":
+        n = int(hint[0]) if hint else 1
+        if shape or n <= 1:
+            return
+        bad = data[data % n != 0]
+        if bad.size:
+            raise HintError(
+                f"{where}: multiple_of(x, {n}) is false: x = {int(bad.reshape(-1)[0])}. The GPU "
+                "compiler trusts the hint (aligned, vectorized accesses), so the kernel would read or "
+                "write the wrong elements there; fix the hint (pl.multiple_of / tl.multiple_of) or drop it"
+            )
+    elif kind == "tt.contiguity":
+        for d, (size, c) in enumerate(zip(shape, hint)):
+            c = int(c)
+            if c <= 1 or size % c:
+                continue
+            axis = data.ndim - len(shape) + d
+            runs = np.moveaxis(data.astype(np.int64), axis, -1).reshape(*data.shape[:axis],
+                                                                        *data.shape[axis + 1 :], size // c, c)  # fmt: skip
+            if not (np.diff(runs, axis=-1) == 1).all():
+                raise HintError(
+                    f"{where}: max_contiguous(x, {list(hint)}) is false: along dim {d}, x does not "
+                    f"hold runs of {c} consecutive values. The GPU compiler trusts the hint (vectorized "
+                    "accesses), so the kernel would read or write the wrong elements there; fix the "
+                    "hint (plgpu.max_contiguous / tl.max_contiguous) or drop it"
+                )

@@ -161,6 +161,25 @@ _BUILDER_PATCHES = {
 # Nested @jit calls and NumPy >= 2.5
 
 
+def hint_patches(scope) -> None:
+    """``tl.multiple_of`` and ``tl.max_contiguous`` check their hint on the
+    values (``_triton_interpret.check_hint``); Triton's interpreter ignores it."""
+    import triton.language as tl
+
+    for name, kind in (("multiple_of", "tt.divisibility"), ("max_contiguous", "tt.contiguity")):
+        scope.set_attr(tl, name, functools.partial(_checked_hint, getattr(tl, name), kind))
+
+
+def _checked_hint(original, kind, input, values, *args, **kwargs):
+    import triton.language as tl
+
+    if isinstance(input, tl.tensor):
+        hint = values if isinstance(values, (list, tuple)) else [values]
+        hint = [v.value if isinstance(v, tl.constexpr) else v for v in hint]
+        _triton_interpret.check_hint(kind, input.handle.data, hint, [int(d) for d in input.shape])
+    return original(input, values, *args, **kwargs)
+
+
 def _call_jit_function_interpreted(self, *args, **kwargs):
     """Stands in for ``JITFunction.__call__`` while a kernel is interpreted:
     a nested ``@triton.jit`` call (``tl.max`` and other library helpers
@@ -170,6 +189,7 @@ def _call_jit_function_interpreted(self, *args, **kwargs):
     interp = interpreter()
     scope = interp._patch_lang(self.fn)
     _triton_batched.lang_patches(scope)  # the language patch above replaced them
+    hint_patches(scope)
     try:
         return interp.InterpretedFunction(self.fn).rewrite()(*args, **kwargs)
     finally:
@@ -189,6 +209,7 @@ def apply(fn) -> Any:
     # arrays with ndim > 0, used on the interpreter's (1,)-shaped scalars) and
     # with batched programs; reductions and scans that know the program axis.
     _triton_batched.lang_patches(scope)
+    hint_patches(scope)
     _originals()
     for name, patched in _BUILDER_PATCHES.items():
         scope.set_attr(interp.InterpreterBuilder, name, patched)

@@ -23,6 +23,7 @@ from pallas_gpu._src.lowering import (
     is_float,
     is_signed_int,
     is_unsigned_int,
+    next_pow2,
     register_lowering,
     tl_dtype,
 )
@@ -408,4 +409,7 @@ def _inline_asm_rule(rc: RuleContext, *args, asm, constraints, pack, result_shap
 def _max_contiguous_rule(rc: RuleContext, x, *, values):
     if x.shape == ():
         return x
-    return rc.out(f"tl.max_contiguous({x.expr}, {list(values)})")
+    # A dim held padded (to a power of two) has garbage past its end: runs there
+    # are not known, and the hint holds for the held tensor only as 1.
+    values = [v if next_pow2(n) == n else 1 for v, n in zip(values, x.shape)]
+    return rc.out(f"tl.max_contiguous({x.expr}, {values})")

@@ -371,7 +371,7 @@ def jax_sharded(build, x, mode, n=2):
     """``build`` with JAX's Pallas, in JAX's interpret mode, over ``n`` CPU devices."""
     jpl, jpltpu = jax_namespaces()
     f = build(jpl, jpltpu, interpret=jpltpu.InterpretParams(dma_execution_mode=mode))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:n]), ("x",))
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)
 
 
@@ -460,7 +460,7 @@ def test_remote_wait_for_more_bytes_than_sent_is_a_deadlock(fresh_sessions):
         scratch_shapes=[pltpu.SemaphoreType.DMA] * 2,
         interpret=pltpu.InterpretParams(),
     )
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
     x = rand(8, (16, 128))
     t0 = time.monotonic()
@@ -618,7 +618,7 @@ def test_remote_copy_waited_before_its_start_on_another_buffer_is_reported(fresh
         scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)] + [pltpu.SemaphoreType.DMA] * 2,
         interpret=pltpu.InterpretParams(),
     )
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
     with pytest.raises(
         Exception,

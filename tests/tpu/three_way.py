@@ -310,7 +310,7 @@ def run_sharded(build, x, mode, num_devices, **interpret_params):
         mode = "ours"
     f = build(*namespaces(mode))
     if mode == "interpret":
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+        mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:n]).reshape(shape), names)
         g = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
             return jax.jit(g)(x)

@@ -56,4 +56,9 @@ def pytest_terminal_summary(terminalreporter):
             f"{ours['refused by Mosaic']}; JAX's compiled {jax_['compiled']}, refused by Mosaic "
             f"{jax_['refused by Mosaic']}, refused by JAX's lowering {jax_['refused by its lowering']}; "
             f"compiled from ours only {only}"
+            + (
+                f"; the chip lacks a feature the kernel needs: {ours['lacks the feature']}"
+                if ours["lacks the feature"]
+                else ""
+            )
         )

@@ -248,3 +248,23 @@ def test_two_cores_share_hbm_and_split_a_core_parallel_grid():
     module = _two_core_module(body, x)
     out = pltpu.run_mosaic(module, x, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), num_cores=2)
     close(out, jnp.concatenate([x[8:], x[:8]]))
+
+
+def test_errors_name_the_users_line_of_our_module():
+    # Every op of our Mosaic module carries the location of the kernel line that made it,
+    # so run_mosaic's errors (and libtpu's, tests/tpu/test_compile_check.py) name it.
+    import inspect
+
+    import three_way
+
+    import pallas as pl
+
+    def oob(x_ref, o_ref):
+        o_ref[...] = x_ref[pl.ds(pl.program_id(0) * 8 + 60, 8), :]  # reads rows 60..67 of 64
+
+    line = inspect.getsourcelines(oob)[1] + 1
+    f = lambda x: pl.pallas_call(oob, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), grid=(1,))(x)
+    with pytest.raises(
+        pltpu.MosaicError, match=rf'vector\.load.*test_run_mosaic\.py":{line}:.*out of bounds'
+    ):
+        three_way.run_with_mosaic(f, rand(10, (64, 128)))

@@ -593,6 +593,80 @@ def test_dynamic_slice_and_update_of_values(way):
         equal(got, expect)
 
 
+def _unaligned_accesses(x, b, u, s, idx):
+    """The reads and writes of the unaligned-access test, as jnp: ``x`` f32
+    (16, 256), ``b`` bf16 (32, 256), ``u`` f32 (8, 128)."""
+    s3 = s[3] * 8
+    strided = jnp.zeros((16, 256), jnp.float32).at[:, 1:128:2].set(x[:, :64])
+    return (
+        x[idx],  # rows of a Ref two tiles wide at dynamic rows
+        lax.dynamic_slice(b, (s[0], s[1]), (8, 128)),  # 16-bit, unaligned rows and columns
+        lax.dynamic_update_slice(b, u.astype(jnp.bfloat16), (s[2], s[1])),
+        lax.dynamic_slice(x, (s3, 0), (8, 256)),  # a start Mosaic proves aligned
+        x[:, 0:256:2],  # a stride on the lanes, read
+        strided,  # and written
+    )
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="no rule for dynamic_slice; array-indexed Ref reads"))
+def test_unaligned_dynamic_accesses_in_forms_mosaic_takes(way):
+    """Dynamic starts Mosaic cannot prove aligned (gathered rows of a wide Ref,
+    16-bit dynamic slices) are read whole and rotated into place; an aligned
+    start (pl.multiple_of) is read directly; lane strides one column at a time."""
+    rng = np.random.default_rng()
+    x, u = rand(fresh_seed(), (16, 256)), rand(fresh_seed(), (8, 128))
+    b = rand(fresh_seed(), (32, 256), jnp.bfloat16)
+    s = jnp.array(
+        [rng.integers(0, 25), rng.integers(0, 129), rng.integers(0, 25), rng.integers(0, 2)], jnp.int32
+    )
+    idx = jnp.asarray(rng.integers(0, 16, 8), jnp.int32)
+
+    def build(pl, pltpu):
+        def accesses(x_ref, b_ref, u_ref, s_ref, i_ref, *o_refs):
+            s = [s_ref[k] for k in range(4)]
+            o_refs[0][...] = x_ref[i_ref[...]]
+            o_refs[1][...] = lax.dynamic_slice(b_ref[...], (s[0], s[1]), (8, 128))
+            o_refs[2][...] = lax.dynamic_update_slice(
+                b_ref[...], u_ref[...].astype(jnp.bfloat16), (s[2], s[1])
+            )
+            o_refs[3][...] = lax.dynamic_slice(x_ref[...], (pl.multiple_of(s[3] * 8, 8), 0), (8, 256))
+            o_refs[4][...] = x_ref.at[:, pl.ds(0, 128, stride=2)][...]
+            o_refs[5][...] = jnp.zeros((16, 256), jnp.float32)
+            o_refs[5].at[:, pl.ds(1, 64, stride=2)][...] = x_ref[:, 0:64]
+
+        shapes = [
+            jax.ShapeDtypeStruct(v.shape, v.dtype)
+            for v in jax.eval_shape(_unaligned_accesses, x, b, u, s, idx)
+        ]
+        specs = [pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec(), _smem(pl, pltpu), pl.BlockSpec()]
+        return lambda *a: pl.pallas_call(accesses, out_shape=shapes, in_specs=specs)(*a)
+
+    args = (x, b, u, s, idx)
+    for got, expect in zip(run(build, args, way), _unaligned_accesses(*args), strict=True):
+        equal(got, expect)
+
+
+def test_dynamic_slice_at_an_aligned_start_is_one_load():
+    """pl.multiple_of's start stays provable through the clamp (tpu.assume_multiple):
+    one vector.load, no rotate; an unaligned start is read whole and rotated."""
+    x = rand(13, (16, 256))
+
+    def kernel(aligned):
+        def body(x_ref, s_ref, o_ref):
+            start = pl.multiple_of(s_ref[0] * 8, 8) if aligned else s_ref[0]
+            o_ref[...] = lax.dynamic_slice(x_ref[...], (start, 0), (8, 256))
+
+        specs = [pl.BlockSpec(), pl.BlockSpec(memory_space=pltpu.SMEM)]
+        out = jax.ShapeDtypeStruct((8, 256), jnp.float32)
+        return lambda x, s: pl.pallas_call(body, out_shape=out, in_specs=specs)(x, s)
+
+    s = jnp.array([1], jnp.int32)
+    (aligned,) = verified(kernel(True), x, s)
+    assert "tpu.assume_multiple" in aligned and "tpu.dynamic_rotate" not in aligned, aligned
+    (unaligned,) = verified(kernel(False), x, s)
+    assert "tpu.dynamic_rotate" in unaligned, unaligned
+
+
 # ---------------------------------------------------------------------------
 # lgamma, digamma (lower_fun of XLA's Lanczos approximation)
 

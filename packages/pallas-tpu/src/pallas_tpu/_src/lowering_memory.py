@@ -8,7 +8,10 @@ have no Mosaic op: each gathered index is extracted from the index vector
 start, and the pieces are stored into a VMEM scratch of the result (in a
 ``tpu.region``) that is read back whole. ``lax.dynamic_slice`` and
 ``dynamic_update_slice`` of values go through a VMEM scratch too: the value
-is stored, the window read (written) at the clamped dynamic starts."""
+is stored, the window read (written) at the clamped dynamic starts. Those
+reads and writes, and strided views, take the forms Mosaic compiles
+(``read_window``, ``write_window``: a dynamic start on a tiled dim that Mosaic
+cannot prove aligned is a whole-extent access and a ``tpu.dynamic_rotate``)."""
 
 from __future__ import annotations
 
@@ -230,15 +233,16 @@ def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:
     ref, w = _access(ref, tree, leaves)
     if w.gather:
         return _gather(ref, w, is_smem(ref_aval), out_aval)
-    idx = [index(s) for s in w.starts]
     if is_smem(ref_aval):
         if out_aval.shape:
             raise NotImplementedError(
                 f"reading a {list(out_aval.shape)} block from SMEM: SMEM holds scalars, read one element at a time"
             )
-        return memref.load(ref, idx)
-    t = value_type(w.sizes, out_aval.dtype)
-    v = tpu.strided_load(t, ref, idx, w.strides) if w.strided else vector.load(t, ref, idx)
+        return memref.load(ref, [index(s) for s in w.starts])
+    if w.strided:
+        v = _strided_read(ref, w, out_aval.dtype)
+    else:  # as JAX's lowering: Mosaic proves the alignment of dynamic starts, or refuses
+        v = vector.load(value_type(w.sizes, out_aval.dtype), ref, [index(s) for s in w.starts])
     return shape_cast(v, out_aval.shape, out_aval.dtype)
 
 
@@ -249,7 +253,8 @@ MAX_GATHERED = 1024
 def _gather(ref, w: Window, smem: bool, out_aval) -> ir.Value:
     """``ref[w]`` where some starts are index vectors (NumPy's advanced
     indexing: the index shape replaces the indexed dims where they are
-    adjacent, else leads)."""
+    adjacent, else leads). Each index's slice is read as ``read_window`` reads
+    a dynamic start."""
     int_dims = [d for d, q in enumerate(w.squeezed) if q]
     vectors = [s for s in w.starts if _is_vector(s)]
     batch = tuple(np.broadcast_shapes(*(tuple(ir.VectorType(v.type).shape) for v in vectors)))
@@ -276,12 +281,12 @@ def _gather(ref, w: Window, smem: bool, out_aval) -> ir.Value:
         scratch = memref.alloca(memref_type(out_shape, dtype, None), [], [])
         starts = [broadcast_to(s, batch) if _is_vector(s) else s for s in w.starts]
         for pos in np.ndindex(*batch):
-            idx = [index(vector.extract(s, [], list(pos)) if _is_vector(s) else s) for s in starts]
+            idx = [vector.extract(s, [], list(pos)) if _is_vector(s) else s for s in starts]
             if smem:
-                piece = broadcast_to(memref.load(ref, idx), slot)
+                piece = broadcast_to(memref.load(ref, [index(i) for i in idx]), slot)
             else:
-                t = value_type(w.sizes, dtype)
-                piece = tpu.strided_load(t, ref, idx, w.strides) if w.strided else vector.load(t, ref, idx)
+                at = dataclasses.replace(w, starts=idx)
+                piece = _strided_read(ref, at, dtype) if w.strided else read_window(ref, idx, w.sizes, dtype)
                 piece = shape_cast(piece, slot, dtype)
             at = [*(0 for _ in slices[:lead]), *pos, *(0 for _ in slices[lead:])]
             tpu.vector_store(piece, scratch, [index(i) for i in at], strides=[])
@@ -311,22 +316,281 @@ def store(ctx, ref, ref_aval, tree, leaves, val, val_aval) -> None:
         return
     val = shape_cast(val, w.sizes, val_aval.dtype)
     if w.strided:
-        tpu.strided_store(val, ref, idx, w.strides)
+        _strided_write(ref, w, val, val_aval.dtype)
     else:
         tpu.vector_store(val, ref, idx, strides=[])
+
+
+# ---------------------------------------------------------------------------
+# Reads and writes at starts Mosaic cannot prove aligned
+#
+# Mosaic's vector loads and stores of VMEM take any start on the leading dims
+# of a memref, and on its last two (tiled) dims a static start, or a dynamic
+# one it proves a multiple of the memory tiling (constants, pl.multiple_of's
+# tpu.assume_multiple, products and sums of those); 32-bit data in a memref
+# one tile wide (last dim <= 128, never sliced along it) also takes any row.
+# A start we prove a multiple of the tiling (``is_multiple``) is given to
+# Mosaic as tpu.assume_multiple.
+# What our rules make at other dynamic starts (a gather's indices, the clamped
+# starts of lax.dynamic_slice, the rows of a strided view) is read as the
+# whole extent of those dims rotated into place (tpu.dynamic_rotate) and
+# written by rotating the value into place and selecting it into the extent.
+# tpu.strided_load/store take a stride on the rows only, in a memref whose
+# last dim is 128 (32-bit, lane start 0): other strided views are read as their
+# covering window, picked row by row (column by column for a lane stride), and
+# written one row (column) at a time.
+
+_LANES = 128
+
+
+def _tile(dtype) -> tuple[int, int]:
+    """The (rows, lanes) of a VMEM memory tile of ``dtype`` (Mosaic's native tiling)."""
+    return 8 * max(1, 4 // np.dtype(dtype).itemsize), _LANES
+
+
+def _producer(v: ir.Value):
+    owner = v.owner
+    return owner if isinstance(owner, (ir.Operation, ir.OpView)) else None
+
+
+def is_multiple(v, n: int, fuel: int = 256) -> bool:
+    """Whether index ``v`` is provably a multiple of ``n``: constants,
+    ``tpu.assume_multiple`` (``pl.multiple_of``), products, sums, differences,
+    selects, min/max and casts of those. Mosaic proves fewer forms: a start
+    proved here is given to it as ``tpu.assume_multiple``."""
+    if isinstance(v, (int, np.integer)):
+        return int(v) % n == 0
+    if n == 1:
+        return True
+    op = _producer(v)
+    if op is None or fuel <= 0:
+        return False
+    op = getattr(op, "operation", op)
+    name, args = op.name, list(op.operands)
+    if name == "arith.constant":
+        return ir.IntegerAttr(op.attributes["value"]).value % n == 0
+    if name == "tpu.assume_multiple":
+        return ir.IntegerAttr(op.attributes["multiple"]).value % n == 0 or is_multiple(args[0], n, fuel - 1)
+    if name in ("arith.index_cast", "arith.extsi"):
+        return is_multiple(args[0], n, fuel - 1)
+    if name == "arith.muli":
+        return any(is_multiple(x, n, fuel // 2) for x in args)
+    if name in ("arith.addi", "arith.subi", "arith.minsi", "arith.maxsi"):
+        return all(is_multiple(x, n, fuel // 2) for x in args)
+    if name == "arith.select":
+        return all(is_multiple(x, n, fuel // 2) for x in args[1:])
+    return False
+
+
+def _one_tile_wide(ref: ir.Value) -> bool:
+    """Whether ``ref`` and every memref it is a view of are at most 128 wide."""
+    while True:
+        shape = ir.MemRefType(ref.type).shape
+        if not shape or shape[-1] > _LANES:
+            return False
+        op = _producer(ref)
+        op = getattr(op, "operation", op)
+        if op is None or op.name not in ("tpu.memref_slice", "tpu.memref_squeeze"):
+            return True
+        ref = op.operands[0]
+
+
+def _direct_start(ref, d: int, start, dtype):
+    """``start`` as Mosaic takes it as the start of dim ``d`` of ``ref`` (a
+    proved multiple of the tiling given as ``tpu.assume_multiple``), or None
+    where it would refuse it."""
+    rank = len(ir.MemRefType(ref.type).shape)
+    if d < rank - 2 or isinstance(start, (int, np.integer)):
+        return start
+    if rank == 1:
+        return None  # 1-D memrefs are tiled by a multiple of 128 lanes: read whole and rotated
+    rows, lanes = _tile(dtype)
+    if d == rank - 2 and np.dtype(dtype).itemsize == 4 and _one_tile_wide(ref):
+        return start
+    multiple = lanes if d == rank - 1 else rows
+    return tpu.assume_multiple(as_i32(start), multiple) if is_multiple(start, multiple) else None
+
+
+def _starts(ref, starts, sizes, dtype) -> tuple[list, set]:
+    """The starts of a direct access to ``ref`` (0 on a whole dim, and on each
+    dim Mosaic would refuse the start of: those are the set returned)."""
+    shape = list(ir.MemRefType(ref.type).shape)
+    at, whole = [], set()
+    for d, (s, n) in enumerate(zip(starts, sizes)):
+        direct = 0 if n == shape[d] else _direct_start(ref, d, s, dtype)
+        if direct is None:
+            whole.add(d)
+        at.append(0 if direct is None else direct)
+    return at, whole
+
+
+def _to_32bit(v: ir.Value, dtype):
+    """``v`` widened to 32 bits for a rotate (exactly), and the narrowing back."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 4:
+        return v, lambda x: x
+    shape = ir.VectorType(v.type).shape
+    if is_float(dtype):
+        wide = value_type(shape, np.float32)
+        return arith.extf(wide, v), lambda x: arith.truncf(v.type, x)
+    wide = value_type(shape, np.int32)
+    ext = arith.extui if is_unsigned(dtype) else arith.extsi
+    return ext(wide, v), lambda x: arith.trunci(v.type, x)
+
+
+def _rotate(v: ir.Value, amounts: dict, dtype) -> ir.Value:
+    """``v`` rolled by ``amounts[d]`` (an index) along each dim ``d`` (``jnp.roll``)."""
+    shape = ir.VectorType(v.type).shape
+    v, back = _to_32bit(v, dtype)
+    for d, k in amounts.items():
+        k = arith.remsi(arith.addi(index(k), index(shape[d])), index(shape[d]))  # in [0, n)
+        v = tpu.dynamic_rotate(v, as_i32(k), d)
+    return back(v)
+
+
+def read_window(ref: ir.Value, starts, sizes, dtype) -> ir.Value:
+    """``ref[starts : starts + sizes]`` (a VMEM memref; starts are ints or
+    scalars), a vector of ``sizes``, in a form Mosaic takes: a dim whose
+    dynamic start it would refuse is read whole and rotated into place."""
+    shape = list(ir.MemRefType(ref.type).shape)
+    if len(shape) == 1 and _direct_start(ref, 0, starts[0], dtype) is None:
+        whole = shape_cast(vector.load(value_type(shape, dtype), ref, [index(0)]), (1, shape[0]), dtype)
+        v = _rotate(whole, {1: arith.subi(index(0), index(starts[0]))}, dtype)
+        v = vector.extract_strided_slice(value_type((1, sizes[0]), dtype), v, [0, 0], [1, sizes[0]], [1, 1])
+        return shape_cast(v, sizes, dtype)
+    at, rotated = _starts(ref, starts, sizes, dtype)
+    extent = [shape[d] if d in rotated else n for d, n in enumerate(sizes)]
+    v = vector.load(value_type(extent, dtype), ref, [index(s) for s in at])
+    if not rotated:
+        return v
+    v = _rotate(v, {d: arith.subi(index(0), index(starts[d])) for d in sorted(rotated)}, dtype)
+    return vector.extract_strided_slice(
+        value_type(sizes, dtype), v, [0] * len(sizes), list(sizes), [1] * len(sizes)
+    )
+
+
+def write_window(ref: ir.Value, starts, val: ir.Value, dtype) -> None:
+    """``ref[starts : starts + val.shape] = val`` in a form Mosaic takes: a dim
+    whose dynamic start it would refuse is written whole (the value rotated
+    into place and selected into what the extent holds)."""
+    shape = list(ir.MemRefType(ref.type).shape)
+    sizes = list(ir.VectorType(val.type).shape)
+    if len(shape) == 1:
+        if (start := _direct_start(ref, 0, starts[0], dtype)) is not None:
+            tpu.vector_store(val, ref, [index(start)], strides=[])
+            return
+        raise NotImplementedError(
+            "writing a 1-D Ref at a dynamic start Mosaic cannot prove a multiple of its tiling; "
+            "write a 2-D Ref (shape (1, n)), or give the start with pl.multiple_of"
+        )
+    at, moved = _starts(ref, starts, sizes, dtype)
+    if not moved:
+        tpu.vector_store(val, ref, [index(s) for s in at], strides=[])
+        return
+    extent = [shape[d] if d in moved else n for d, n in enumerate(sizes)]
+    old = vector.load(value_type(extent, dtype), ref, [index(s) for s in at])
+    region = tpu.RegionOp([value_type(extent, dtype)])
+    with ir.InsertionPoint(region.body):  # the value at the start of an extent-shaped scratch
+        pad = memref.alloca(memref_type(extent, dtype, None), [], [])
+        tpu.vector_store(val, pad, [index(0) for _ in extent], strides=[])
+        tpu.yield_([vector.load(value_type(extent, dtype), pad, [index(0) for _ in extent])])
+    new = _rotate(region.results[0], {d: starts[d] for d in sorted(moved)}, dtype)
+    inside = None
+    for d in sorted(moved):
+        pos = tpu.iota(value_type(extent, np.int32), [d])
+        lo = broadcast_to(as_i32(starts[d]), extent)
+        hi = broadcast_to(arith.addi(as_i32(starts[d]), as_i32(sizes[d])), extent)
+        m = arith.andi(
+            arith.cmpi(arith.CmpIPredicate.sge, pos, lo), arith.cmpi(arith.CmpIPredicate.slt, pos, hi)
+        )
+        inside = m if inside is None else arith.andi(inside, m)
+    tpu.vector_store(arith.select(inside, new, old), ref, [index(s) for s in at], strides=[])
+
+
+def _mosaic_strided(ref, w: Window, dtype) -> bool:
+    """Whether tpu.strided_load/store takes window ``w`` of ``ref``: 32-bit,
+    rank >= 2, a memref 128 wide (never sliced along it), lane start 0, no lane stride."""
+    shape = ir.MemRefType(ref.type).shape
+    return (
+        w.strides[-1] == 1
+        and np.dtype(dtype).itemsize == 4
+        and len(shape) >= 2
+        and shape[-1] == _LANES
+        and _one_tile_wide(ref)
+        and isinstance(w.starts[-1], (int, np.integer))
+        and int(w.starts[-1]) == 0
+        and not any(w.squeezed)
+    )
+
+
+def _strided_rows(w: Window):
+    """The strided dims of ``w`` and every combination of positions along them."""
+    dims = [d for d, k in enumerate(w.strides) if k != 1]
+    return dims, list(np.ndindex(*(w.sizes[d] for d in dims)))
+
+
+def _strided_read(ref, w: Window, dtype) -> ir.Value:
+    """A strided window: ``tpu.strided_load`` where Mosaic takes it, else its
+    covering window read once and its rows (columns) picked into a scratch."""
+    if _mosaic_strided(ref, w, dtype):
+        return tpu.strided_load(value_type(w.sizes, dtype), ref, [index(s) for s in w.starts], w.strides)
+    dims, picks = _strided_rows(w)
+    if len(picks) > MAX_GATHERED:
+        raise NotImplementedError(
+            f"a strided read of {len(picks)} rows (at most {MAX_GATHERED}, one at a time)"
+        )
+    span = [(n - 1) * k + 1 for n, k in zip(w.sizes, w.strides)]
+    whole = read_window(ref, w.starts, span, dtype)
+    region = tpu.RegionOp([value_type(w.sizes, dtype)])
+    with ir.InsertionPoint(region.body):
+        out = memref.alloca(memref_type(w.sizes, dtype, None), [], [])
+        for pos in picks:
+            offsets, sizes, at = [0] * len(span), list(w.sizes), [0] * len(span)
+            for d, j in zip(dims, pos):
+                offsets[d], sizes[d], at[d] = j * w.strides[d], 1, j
+            row = vector.extract_strided_slice(
+                value_type(sizes, dtype), whole, offsets, sizes, [1] * len(sizes)
+            )
+            tpu.vector_store(row, out, [index(i) for i in at], strides=[])
+        tpu.yield_([vector.load(value_type(w.sizes, dtype), out, [index(0) for _ in w.sizes])])
+    return region.results[0]
+
+
+def _strided_write(ref, w: Window, val, dtype) -> None:
+    """A strided window written: ``tpu.strided_store`` where Mosaic takes it,
+    else one row (column) at a time (``write_window``)."""
+    if _mosaic_strided(ref, w, dtype):
+        tpu.strided_store(val, ref, [index(s) for s in w.starts], w.strides)
+        return
+    dims, picks = _strided_rows(w)
+    if len(picks) > MAX_GATHERED:
+        raise NotImplementedError(
+            f"a strided write of {len(picks)} rows (at most {MAX_GATHERED}, one at a time)"
+        )
+    for pos in picks:
+        offsets, sizes, starts = [0] * len(w.sizes), list(w.sizes), list(w.starts)
+        for d, j in zip(dims, pos):
+            offsets[d], sizes[d] = j, 1
+            s = w.starts[d]
+            step = j * w.strides[d]
+            starts[d] = s + step if isinstance(s, (int, np.integer)) else arith.addi(index(s), index(step))
+        row = vector.extract_strided_slice(value_type(sizes, dtype), val, offsets, sizes, [1] * len(sizes))
+        write_window(ref, starts, row, dtype)
 
 
 # ---------------------------------------------------------------------------
 # dynamic_slice / dynamic_update_slice of values (through a VMEM scratch)
 
 
-def _clamped_starts(starts, shape, sizes) -> list[ir.Value]:
-    """``lax.dynamic_slice``'s starts: each clamped to ``[0, dim - size]``."""
+def _clamped_starts(starts, shape, sizes) -> list:
+    """``lax.dynamic_slice``'s starts: each clamped to ``[0, dim - size]`` (0
+    where the size is the dim's)."""
     out = []
     for s, n, k in zip(starts, shape, sizes, strict=True):
-        s = index(s)
-        s = arith.maxsi(arith.minsi(s, index(n - k)), index(0))
-        out.append(s)
+        if k == n:
+            out.append(0)
+            continue
+        out.append(arith.maxsi(arith.minsi(index(s), index(n - k)), index(0)))
     return out
 
 
@@ -348,32 +612,54 @@ def _through_scratch(x, aval, out_shape, body) -> ir.Value:
     return out
 
 
+def _as_2d(x, aval):
+    """A 1-D value as ``(1, n)`` (Mosaic rotates and slices 2-D vectors), its aval, and the way back."""
+    if len(aval.shape) != 1:
+        return x, aval, lambda v, shape: v
+    flat = Aval((1, *aval.shape), aval.dtype)
+    return (
+        shape_cast(x, flat.shape, aval.dtype),
+        flat,
+        lambda v, shape: shape_cast(v, shape, aval.dtype),
+    )
+
+
 @register_lowering(lax.dynamic_slice_p)
 def _dynamic_slice(ctx, x, *starts, slice_sizes):
+    """The value through a VMEM scratch, read at the clamped starts (``read_window``)."""
     aval = ctx.avals_in[0]
     if not aval.shape:
         return x
     n = len(aval.shape)
-    starts, sizes = _clamped_starts(starts[:n], aval.shape, slice_sizes), tuple(slice_sizes)
-    read = lambda scratch, dtype: vector.load(value_type(sizes, dtype), scratch, starts)  # noqa: E731
-    return _through_scratch(x, aval, sizes, read)
+    sizes = tuple(slice_sizes)
+    starts = _clamped_starts(starts[:n], aval.shape, sizes)
+    x, aval2, back = _as_2d(x, aval)
+    if len(aval2.shape) != n:
+        starts, sizes = [0, *starts], (1, *sizes)
+    read = lambda scratch, dtype: read_window(scratch, starts, sizes, dtype)  # noqa: E731
+    return back(_through_scratch(x, aval2, sizes, read), tuple(slice_sizes))
 
 
 @register_lowering(lax.dynamic_update_slice_p)
 def _dynamic_update_slice(ctx, x, update, *starts):
+    """The value through a VMEM scratch, the update written at the clamped starts (``write_window``)."""
     aval, upd_aval = ctx.avals_in[:2]
     if not aval.shape:
         return update
     starts = _clamped_starts(starts, aval.shape, upd_aval.shape)
+    x, aval2, back = _as_2d(x, aval)
+    update, upd2, _ = _as_2d(update, upd_aval)
+    if len(aval2.shape) != len(aval.shape):
+        starts = [0, *starts]
 
     def body(scratch, dtype):
         upd = update
         if is_bool(upd_aval.dtype):
-            upd = arith.extui(value_type(upd_aval.shape, dtype), upd)
-        tpu.vector_store(upd, scratch, starts, strides=[])
-        return vector.load(value_type(aval.shape, dtype), scratch, [index(0) for _ in aval.shape])
+            upd = arith.extui(value_type(upd2.shape, dtype), upd)
+        write_window(scratch, starts, upd, dtype)
+        return vector.load(value_type(aval2.shape, dtype), scratch, [index(0) for _ in aval2.shape])
 
-    return _through_scratch(x, aval, aval.shape, body)
+    return back(_through_scratch(x, aval2, aval2.shape, body), aval.shape)
 
 
 @register_lowering(compat.get_p)

@@ -14,7 +14,7 @@ from jax import lax
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import MODES, close, equal, run  # noqa: E402
+from three_way import MODES, close, equal, run, ways  # noqa: E402
 
 jax.config.update("jax_enable_checks", True)
 
@@ -374,6 +374,132 @@ def test_mulhi(mode, dtype):
         np.int64 if dtype == jnp.int32 else np.uint64
     )
     equal(got, (wide >> 32).astype(dtype))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32])
+def test_mulhi_edge_values(mode, dtype):
+    # Mosaic takes no two-result mul*_extended: ours is 16-bit halves in 32-bit arithmetic.
+    skip_jax_without(mode, "mulhi")
+    edges = np.array([0, 1, -1, 2**31 - 1, -(2**31), 0xFFFF, 0x10000, -0x10001], np.int64).astype(np.int32)
+    a = rand_int(83, (8, 128), dtype).at[0, :64].set(jnp.asarray(np.repeat(edges, 8)).view(dtype))
+    b = rand_int(84, (8, 128), dtype).at[0, :64].set(jnp.asarray(np.tile(edges, 8)).view(dtype))
+    got = run(elementwise(lambda x, y, pltpu: lax.mulhi(x, y)), (a, b), mode)
+    wide = np.int64 if dtype == jnp.int32 else np.uint64
+    equal(got, ((np.asarray(a).astype(wide) * np.asarray(b).astype(wide)) >> 32).astype(dtype))
+
+
+# -- forms Mosaic refuses, written another way: float !=, sign, bool comparisons, sort, rev ---------
+
+
+def _nan_zero_inf(seed):
+    x = rand(seed, (8, 128))
+    return x.at[0, :6].set(jnp.array([0.0, -0.0, jnp.nan, -jnp.nan, jnp.inf, -jnp.inf]))
+
+
+@pytest.mark.parametrize(
+    "way",
+    ways(
+        jax_xfail="JAX's lowering compares != with cmpf one, which run_mosaic runs as ordered "
+        "(NaN != NaN is False); libtpu lowers it to the TPU's vcmp.ne"
+    ),
+)
+def test_float_not_equal_is_true_for_nan(way):
+    # Mosaic has no cmpf une: ours is not (x == y), as lax.ne (NaN != anything);
+    # is_finite is |x| < inf (ordered, false for NaN).
+    x = _nan_zero_inf(85)
+    y = jnp.roll(x, 1, axis=1).at[1, :3].set(jnp.array([jnp.nan, 0.0, 1.0]))
+
+    def fn(a, b, pltpu):
+        ne = (a != b).astype(jnp.int32)
+        finite = jnp.isfinite(a).astype(jnp.int32)
+        return (
+            ne + 2 * jnp.isnan(a).astype(jnp.int32) + 4 * a.astype(jnp.bool_).astype(jnp.int32) + 8 * finite
+        )
+
+    got = run(elementwise(fn, out_dtype=jnp.int32), (x, y), way)
+    equal(got, fn(x, y, None))
+
+
+@pytest.mark.parametrize("way", ways())
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sign_of_zeros_nan_and_inf(way, dtype):
+    # Mosaic has no copysign: ours puts x's sign bit on 1.0 (bit for bit: -0.0 stays -0.0).
+    x = _nan_zero_inf(86).astype(dtype)
+    got = run(elementwise(lambda v, pltpu: jnp.sign(v)), (x,), way)
+    np.testing.assert_array_equal(
+        np.asarray(got).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32),
+        np.asarray(jnp.sign(x)).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32),
+    )
+
+
+@pytest.mark.parametrize("way", ways())
+@pytest.mark.parametrize("op", ["eq", "ne", "lt", "le", "gt", "ge", "max", "min"])
+def test_bool_comparisons(way, op):
+    # Mosaic widens i1 vectors for cmpi/max/min and cannot lay them out: ours is and/or/xor.
+    if way == "jax" and op in ("max", "min"):
+        pytest.skip("JAX's Mosaic lowering: no max/min of bool (NotImplementedError)")
+    f = getattr(lax, op)
+    x, y = rand(87, (8, 128)), rand(88, (8, 128))
+
+    def fn(a, b, pltpu):
+        return f(a > 0, b > 0).astype(jnp.int32)
+
+    equal(run(elementwise(fn, out_dtype=jnp.int32), (x, y), way), fn(x, y, None))
+
+
+SORTS = {  # name: (shape, fn)
+    "rows_not_pow2_axis0": ((6, 128), lambda v: jnp.sort(v, axis=0)),
+    "3d_major_axis": ((4, 8, 128), lambda v: jnp.sort(v, axis=0)),
+    "3d_sublanes": ((4, 8, 128), lambda v: jnp.sort(v, axis=1)),
+    "argsort_256_lanes": ((8, 256), lambda v: jnp.argsort(v, axis=1, stable=True).astype(jnp.float32)),
+    "bfloat16": ((8, 128), lambda v: jnp.sort(v.astype(jnp.bfloat16), axis=1).astype(jnp.float32)),
+    "bool_values": ((8, 128), lambda v: lax.sort((v, v > 0), dimension=1, num_keys=1)[1].astype(jnp.float32)),
+    "bool_keys": ((8, 128), lambda v: lax.sort((v > 0, v), dimension=1, num_keys=1, is_stable=True)[1]),
+    "one_dim": ((8, 128), lambda v: jnp.broadcast_to(jnp.sort(v[0])[None], (8, 128))),
+    "flip_3d": ((4, 8, 128), lambda v: jnp.flip(v, axis=(0, 2))),
+    "flip_bool_100": ((8, 128), lambda v: jnp.flip(v[:, :100] > 0, axis=1).astype(jnp.float32)),
+}
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="no rule for sort (nor rev) on the TensorCore"))
+@pytest.mark.parametrize("case", list(SORTS))
+def test_sort_and_rev_shapes(way, case):
+    # Pairs i ^ j by rolls along the sorted dim (any of them), never by reshapes into narrow vectors.
+    shape, fn = SORTS[case]
+    x = rand(89, shape)
+    got = run(elementwise(lambda v, pltpu: fn(v)), (x,), way)
+    equal(got, fn(x))
+
+
+def test_refused_forms_are_not_emitted():
+    """What Mosaic refuses (une, copysign, mul*_extended, cmpi/maxui/minui of i1
+    vectors) is not in our modules of the kernels above."""
+    import re
+
+    import pallas as pl
+    import pallas_tpu as pltpu
+
+    def kernel(x_ref, y_ref, i_ref, o_ref, n_ref):
+        x, y = x_ref[...], y_ref[...]
+        a, b = x > 0, y > 0
+        mixed = (a == b) | (a < b) | lax.max(a, b) | (x != y) | jnp.isnan(x) | x.astype(jnp.bool_)
+        o_ref[...] = jnp.sign(x) + jnp.sort(x, axis=1) + mixed.astype(jnp.float32)
+        n_ref[...] = lax.mulhi(i_ref[...], i_ref[...])
+
+    def f(x, y, i):
+        return pl.pallas_call(
+            kernel,
+            out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(i.shape, i.dtype)),
+        )(x, y, i)
+
+    sds = jax.ShapeDtypeStruct
+    (text,) = pltpu.mosaic_modules(
+        f, sds((8, 128), jnp.float32), sds((8, 128), jnp.float32), sds((8, 128), jnp.int32)
+    )
+    for refused in ("cmpf une", "copysign", "mulsi_extended", "mului_extended", "maxui", "minui"):
+        assert refused not in text, refused
+    assert not re.search(r"arith\.cmpi \w+, [^\n]*: vector<[0-9x]+xi1>", text)
 
 
 @pytest.mark.parametrize("mode", MODES)

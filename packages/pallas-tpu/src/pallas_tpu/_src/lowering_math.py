@@ -101,9 +101,14 @@ def _operands(ctx, *args):
     return [broadcast_to(a, shape) for a in args]
 
 
+# Bools are i1, which Mosaic's max/min do not take: or and and are the same.
+_BOOL_BINARY = {lax.max_p: arith.ori, lax.min_p: arith.andi}
+
+
 def _binary_op(prim, ctx, x, y):
     dtype = ctx.avals_in[0].dtype
-    op = _pick(BINARY[prim], dtype)
+    op = _BOOL_BINARY.get(prim) if is_bool(dtype) else None
+    op = op or _pick(BINARY[prim], dtype)
     if op is None:
         raise NotImplementedError(f"'{prim.name}' of {np.dtype(dtype).name} is not supported")
     return op(*_operands(ctx, x, y))
@@ -132,12 +137,20 @@ def _not(ctx, x, **_):
     return arith.xori(x, constant(-1 if not is_bool(aval.dtype) else 1, aval.shape, aval.dtype))
 
 
+def _sign_float(x):
+    # 1.0 with x's sign bit (Mosaic has no copysign); +-0 and NaN are themselves.
+    u = lax.bitcast_convert_type(x, np.dtype(f"uint{_bits(x.dtype)}"))
+    sign_bit = u & np.array(1 << (_bits(x.dtype) - 1), u.dtype)
+    one = lax.bitcast_convert_type(np.array(1, x.dtype), u.dtype)
+    return jnp.where(jnp.abs(x) > 0, lax.bitcast_convert_type(sign_bit | one, x.dtype), x)
+
+
 @register_lowering(lax.sign_p)
 def _sign(ctx, x, **_):
     aval = ctx.avals_in[0]
-    zero, one = constant(0, aval.shape, aval.dtype), constant(1, aval.shape, aval.dtype)
     if is_float(aval.dtype):
-        return math.copysign(arith.select(_cmp(x, zero, "une", aval), one, zero), x)
+        return lower_fun(_sign_float, ctx, x)
+    zero, one = constant(0, aval.shape, aval.dtype), constant(1, aval.shape, aval.dtype)
     pos = arith.select(_cmp(x, zero, "ugt" if is_unsigned(aval.dtype) else "sgt", aval), one, zero)
     if is_unsigned(aval.dtype):
         return pos
@@ -153,7 +166,9 @@ def _round(ctx, x, rounding_method):
 def _is_finite(ctx, x, **_):
     aval = ctx.avals_in[0]
     inf = constant(np.inf, aval.shape, aval.dtype)
-    return _cmp(math.absf(x), inf, "one", aval)
+    # |x| < inf, false for NaN: libtpu lowers cmpf one to the hardware's not-equal
+    # compare, whose NaN result an ordered predicate need not rely on.
+    return _cmp(math.absf(x), inf, "olt", aval)
 
 
 @register_lowering(lax.logistic_p)
@@ -186,16 +201,38 @@ def _square(ctx, x, **_):
     return (arith.mulf if is_float(ctx.avals_in[0].dtype) else arith.muli)(x, x)
 
 
+def _true_like(x) -> ir.Value:
+    """An all-true i1 of the shape of ``x`` (a scalar or a vector)."""
+    shape = ir.VectorType(x.type).shape if isinstance(x.type, ir.VectorType) else ()
+    return constant(True, shape, np.bool_)
+
+
 def _cmp(x, y, pred: str, aval):
     if is_float(aval.dtype):
+        if pred == "une":  # Mosaic refuses une: x != y (true for NaN) is not x == y
+            return arith.xori(arith.cmpf(arith.CmpFPredicate.OEQ, x, y), _true_like(x))
         return arith.cmpf(getattr(arith.CmpFPredicate, pred.upper()), x, y)
     return arith.cmpi(getattr(arith.CmpIPredicate, pred), x, y)
+
+
+def _bool_compare(prim, x, y):
+    """A comparison of bools (False < True) in boolean algebra: Mosaic's ``cmpi``
+    widens i1 vectors, which it cannot lay out (as JAX's lowering)."""
+    if prim in (lax.eq_p, lax.ne_p):
+        ne = arith.xori(x, y)
+        return ne if prim is lax.ne_p else arith.xori(ne, _true_like(ne))
+    if prim in (lax.gt_p, lax.ge_p):
+        x, y = y, x  # x > y is y < x
+    not_x = arith.xori(x, _true_like(x))
+    return arith.andi(not_x, y) if prim in (lax.lt_p, lax.gt_p) else arith.ori(not_x, y)
 
 
 @register_lowering(*COMPARE)
 def _compare(ctx, x, y):
     aval = ctx.avals_in[0]
     x, y = _operands(ctx, x, y)
+    if is_bool(aval.dtype):
+        return _bool_compare(ctx.eqn.primitive, x, y)
     return _cmp(x, y, _pick(COMPARE[ctx.eqn.primitive], aval.dtype), aval)
 
 
@@ -840,15 +877,33 @@ def _nextafter(ctx, x, y):
     return lower_fun(_nextafter_f32, ctx, x, y)
 
 
+def _mulhi_32(x, y):
+    # The high word of the 64-bit product from 16-bit halves, in uint32 arithmetic
+    # (every partial product and sum fits in 32 bits).
+    signed = x.dtype == np.int32
+    a, b = (lax.bitcast_convert_type(v, jnp.uint32) for v in (x, y))
+    lo16, s16 = np.uint32(0xFFFF), np.uint32(16)
+    al, ah, bl, bh = a & lo16, a >> s16, b & lo16, b >> s16
+    lh, hl = al * bh, ah * bl
+    mid = ((al * bl) >> s16) + (lh & lo16) + (hl & lo16)
+    hi = ah * bh + (lh >> s16) + (hl >> s16) + (mid >> s16)
+    if signed:  # two's complement: subtract b where a < 0 and a where b < 0
+        hi = hi - jnp.where(x < 0, b, np.uint32(0)) - jnp.where(y < 0, a, np.uint32(0))
+        return lax.bitcast_convert_type(hi, jnp.int32)
+    return hi
+
+
 @register_lowering(lax.mulhi_p)
 def _mulhi(ctx, x, y):
-    """The high half of the double-width product (int32/uint32, as JAX)."""
+    """The high half of the double-width product (int32/uint32). Mosaic takes
+    ``arith.mul{s,u}i_extended`` only with one result: 32-bit halves of 16-bit
+    products instead."""
     dtype = np.dtype(ctx.avals_out[0].dtype)
     if dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
         raise NotImplementedError(f"mulhi of {dtype.name}; int32 and uint32 are supported")
     x, y = _operands(ctx, x, y)
-    op = arith.MulUIExtendedOp if dtype == np.uint32 else arith.MulSIExtendedOp
-    return op(x, y).high
+    out = ctx.avals_out[0]
+    return lower_fun(_mulhi_32, ctx, x, y, avals_in=[out, out])
 
 
 @register_lowering(lax.reduce_precision_p)

@@ -4,13 +4,17 @@ sorts) and ``lax.rev`` (``jnp.flip``, descending sorts).
 Mosaic's ``tpu.sort`` is a hardware sort of one vreg's keys and values with a
 mask, which ``run_mosaic`` does not run; the rule instead lowers a bitonic
 sorting network through ``lower_fun``: ``log2(n) * (log2(n) + 1) / 2`` stages,
-each a reshape that pairs element ``i`` with ``i ^ j``, a lexicographic compare
-of the keys and selects. Keys compare in ``lax.sort``'s total order (floats
-through the integer key that puts -NaN first and NaN last, -0 == 0). A size that
-is not a power of two is padded (a leading "padding" key sorts it last); a
-stable sort adds the element index as the last key, so ties keep their order.
-``rev`` along a dim of size ``2**m`` flips each of the ``m`` bits of the index:
-``m`` reshapes that swap two halves (padded to a power of two, then sliced).
+each pairing element ``i`` with ``i ^ j`` along the sorted dim (two
+``pltpu.roll``s by ``j`` and a select: rotations on the XLU, every vector of the
+full shape), a lexicographic compare of the keys and selects. Keys compare in
+``lax.sort``'s total order (floats through the integer key that puts -NaN first
+and NaN last, -0 == 0). A size that is not a power of two is padded (a leading
+"padding" key sorts it last); a stable sort adds the element index as the last
+key, so ties keep their order. ``rev`` along a dim of size ``2**m`` flips each of
+the ``m`` bits of the index the same way (padded to a power of two, then
+sliced). Pairing by reshapes (``(..., n // 2j, 2, j)``) instead gives vectors
+whose minor dims are a few lanes wide, which Mosaic tiles into many vregs: a
+sort of 128 lanes then took minutes and gigabytes to compile.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_tpu._src import vector_primitives as vp
 from pallas_tpu._src.lowering import lower_fun, register_lowering
 
 _SIGNED = {2: jnp.int16, 4: jnp.int32}
@@ -49,80 +54,87 @@ def _less(a_keys, b_keys):
     return lt
 
 
-def _iota(shape, dim):
-    full = (1,) * (2 - len(shape)) + tuple(shape)  # Mosaic's iota is at least 2-D
-    return lax.broadcasted_iota(jnp.int32, full, dim + len(full) - len(shape)).reshape(shape)
+def _partner(x, j: int, axis: int, low):
+    """``x[i ^ j]`` along ``axis`` (a power-of-two size), where ``low`` is ``i & j == 0``."""
+    n = x.shape[axis]
+    return jnp.where(low, vp.roll(x, n - j, axis), vp.roll(x, j, axis))
 
 
-def bitonic_sort(operands, *, num_keys: int, is_stable: bool):
-    """``lax.sort(operands, dimension=-1, num_keys=num_keys)`` as a sorting network."""
-    n = operands[0].shape[-1]
+def _pad_to_pow2(x, axis: int):
+    n = x.shape[axis]
     N = 1 << max(n - 1, 0).bit_length()
-    keys = [sort_key(x) for x in operands[:num_keys]]
-    values = list(operands)
-    lead = operands[0].shape[:-1]
+    if N == n:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, N - n)
+    return jnp.pad(x, pad)
+
+
+def bitonic_sort(operands, *, num_keys: int, is_stable: bool, axis: int):
+    """``lax.sort(operands, dimension=axis, num_keys=num_keys)`` as a sorting network."""
+    if operands[0].ndim == 1:  # Mosaic rotates vectors of rank 2 and up
+        outs = bitonic_sort([x[None] for x in operands], num_keys=num_keys, is_stable=is_stable, axis=1)
+        return [o[0] for o in outs]
+    n = operands[0].shape[axis]
+    keys = [_pad_to_pow2(sort_key(x), axis) for x in operands[:num_keys]]
+    # Bools travel as int32 (Mosaic rotates and selects no i1 vectors).
+    values = [_pad_to_pow2(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis) for x in operands]
+    N = values[0].shape[axis]
+    index = lax.broadcasted_iota(jnp.int32, values[0].shape, axis)
     if N != n:
-        pad = [(0, 0)] * len(lead) + [(0, N - n)]
-        keys = [jnp.pad(k, pad) for k in keys]
-        values = [jnp.pad(v, pad) for v in values]
-        keys.insert(0, (_iota((*lead, N), len(lead)) >= n).astype(jnp.int32))
+        keys.insert(0, (index >= n).astype(jnp.int32))
     if is_stable or N != n:
-        keys.append(_iota((*lead, N), len(lead)))
+        keys.append(index)
     arrays = keys + values
     k = 2
     while k <= N:
         j = k // 2
         while j >= 1:
-            split = [a.reshape(*lead, N // (2 * j), 2, j) for a in arrays]
-            lo = [a[..., 0, :] for a in split]
-            hi = [a[..., 1, :] for a in split]
-            block = _iota((*lead, N // (2 * j), j), len(lead)) * (2 * j)
-            ascending = (block & k) == 0
-            swap = _less(hi[: len(keys)], lo[: len(keys)]) == ascending
-            new_lo = [jnp.where(swap, h, lo_) for lo_, h in zip(lo, hi)]
-            new_hi = [jnp.where(swap, lo_, h) for lo_, h in zip(lo, hi)]
-            arrays = [
-                jnp.stack([a, b], axis=-2).reshape(*lead, N) for a, b in zip(new_lo, new_hi, strict=True)
-            ]
+            low = (index & j) == 0
+            partners = [_partner(a, j, axis, low) for a in arrays]
+            mine, theirs = arrays[: len(keys)], partners[: len(keys)]
+            # The low element of an ascending pair keeps the smaller: it takes its
+            # partner's where that is less; the others where their own is less.
+            keep_min = low == ((index & k) == 0)
+            take = (keep_min & _less(theirs, mine)) | (~keep_min & _less(mine, theirs))
+            arrays = [jnp.where(take, b, a) for a, b in zip(arrays, partners, strict=True)]
             j //= 2
         k *= 2
-    return [v[..., :n] for v in arrays[len(keys) :]]
+    outs = [lax.slice_in_dim(v, 0, n, axis=axis) for v in arrays[len(keys) :]]
+    return [o != 0 if x.dtype == jnp.bool_ else o for o, x in zip(outs, operands, strict=True)]
 
 
 @register_lowering(lax.sort_p)
 def _sort(ctx, *operands, dimension, is_stable, num_keys):
-    rank = len(ctx.avals_in[0].shape)
-
     def fn(*xs):
-        if dimension == rank - 1:
-            return bitonic_sort(xs, num_keys=num_keys, is_stable=is_stable)
-        moved = [jnp.moveaxis(x, dimension, -1) for x in xs]
-        outs = bitonic_sort(moved, num_keys=num_keys, is_stable=is_stable)
-        return [jnp.moveaxis(o, -1, dimension) for o in outs]
+        return bitonic_sort(xs, num_keys=num_keys, is_stable=is_stable, axis=dimension)
 
     return lower_fun(fn, ctx, *operands, multiple_results=True)
 
 
-def reverse_last(x):
-    """``x`` reversed along its last dim."""
-    n = x.shape[-1]
-    N = 1 << max(n - 1, 0).bit_length()
-    lead = x.shape[:-1]
-    if N != n:
-        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, N - n)])
+def reverse(x, axis: int):
+    """``x`` reversed along ``axis``: index ``i`` of the padded size ``N`` takes
+    ``i ^ s`` for each bit ``s`` of ``N``, which is ``N - 1 - i``."""
+    if x.ndim == 1:
+        return reverse(x[None], 1)[0]
+    if x.dtype == jnp.bool_:  # as int32 (Mosaic rotates and selects no i1 vectors)
+        return reverse(x.astype(jnp.int32), axis) != 0
+    n = x.shape[axis]
+    x = _pad_to_pow2(x, axis)
+    N = x.shape[axis]
+    index = lax.broadcasted_iota(jnp.int32, x.shape, axis)
     s = 1
     while s < N:
-        pairs = x.reshape(*lead, N // (2 * s), 2, s)
-        x = jnp.concatenate([pairs[..., 1:, :], pairs[..., :1, :]], axis=-2).reshape(*lead, N)
+        x = _partner(x, s, axis, (index & s) == 0)
         s *= 2
-    return x[..., N - n :]
+    return lax.slice_in_dim(x, N - n, N, axis=axis)
 
 
 @register_lowering(lax.rev_p)
 def _rev(ctx, x, *, dimensions):
     def fn(x):
         for d in dimensions:
-            x = jnp.moveaxis(reverse_last(jnp.moveaxis(x, d, -1)), -1, d)
+            x = reverse(x, d)
         return x
 
     return lower_fun(fn, ctx, x)

@@ -406,3 +406,43 @@ def test_pallas_key_fold_in_matches_jax(rng):
     want = threefry2x32.apply_round([jnp.uint32(k0), jnp.uint32(k1) + data], 13)
     got = jax.random.key_data(jax.random.fold_in(key, data)).reshape(2)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.stack(want)))
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="no rule for random_split"))
+def test_threefry_keys_carried_by_while_and_traced_fori_loops(way):
+    # A key taken from a split (row r > 0 of the key data) carried by scf.while and
+    # scf.for: Mosaic lays out such a 1-D scf.for carry wrongly, so ours carries it as (1, 2).
+    def build(pl, t):
+        def kernel(s_ref, o_ref):
+            keys = jax.random.split(jax.random.key(s_ref[0]), 4)
+
+            def body(carry):
+                i, k, acc = carry
+                k, sub = jax.random.split(k)
+                return i + 1, k, acc + jax.random.uniform(sub, (8, 128))
+
+            init = (0, keys[3], jnp.zeros((8, 128), jnp.float32))
+            _, _, acc = lax.while_loop(lambda c: c[0] < s_ref[1], body, init)
+
+            def body2(i, carry):
+                k, acc = carry
+                k, sub = jax.random.split(k)
+                return k, acc + jax.random.uniform(sub, (8, 128))
+
+            o_ref[...] = lax.fori_loop(0, s_ref[1], body2, (keys[1], acc))[1]
+
+        smem = pl.BlockSpec(memory_space=t.SMEM)
+        return lambda s: pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), in_specs=[smem]
+        )(s)
+
+    seed = int(np.random.default_rng().integers(0, 2**31))
+    got = run(build, (jnp.array([seed, 3], jnp.int32),), way)
+    keys = jax.random.split(jax.random.key(seed), 4)
+    want = jnp.zeros((8, 128), jnp.float32)
+    for k0 in (keys[3], keys[1]):
+        k = k0
+        for _ in range(3):
+            k, sub = jax.random.split(k)
+            want = want + jax.random.uniform(sub, (8, 128))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)

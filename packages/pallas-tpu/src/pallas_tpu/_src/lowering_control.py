@@ -101,16 +101,40 @@ def _scan(ctx, *args, jaxpr, length, reverse, unroll=1, **params):
     return _for(0, length, body_carry, body, unroll, start=start, end=end, counter=counter)
 
 
+def _carried(values) -> list:
+    """``scf.for``-carried ``values`` with each 1-D vector as a ``(1, n)`` one:
+    Mosaic infers the carry's layout of a 1-D vector taken from row ``r > 0`` of a
+    2-D one (a PRNG key of a split) without its implicit dim, and refuses its own
+    ``tpu.assume_layout`` ("Invalid input layout"); ``scf.while`` takes it."""
+    return [_with_shape(v, [1, *_vector_shape(v)]) if len(_vector_shape(v)) == 1 else v for v in values]
+
+
+def _uncarried(values, like) -> list:
+    """``values`` (from ``_carried``) back in the types of ``like``."""
+    return [
+        _with_shape(v, _vector_shape(t)) if v.type != t.type else v for v, t in zip(values, like, strict=True)
+    ]
+
+
+def _vector_shape(v) -> list:
+    return list(ir.VectorType(v.type).shape) if isinstance(v.type, ir.VectorType) else []
+
+
+def _with_shape(v, shape) -> ir.Value:
+    return vector.shape_cast(ir.VectorType.get(shape, ir.VectorType(v.type).element_type), v)
+
+
 def _for(lo, hi, carry, body, unroll, *, start=None, end=None, counter=False):
     """``scf.for`` from ``start`` (or ``lo``) to ``end`` (or ``hi``) of ``body(i, carry)``."""
     start = constant(lo, (), "int32") if start is None else start
     end = constant(hi, (), "int32") if end is None else end
-    op = scf.ForOp(start, end, constant(1, (), "int32"), list(carry))
+    op = scf.ForOp(start, end, constant(1, (), "int32"), _carried(carry))
     if unroll > 1:
         op.attributes["tpu.late_unroll"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), unroll)
     with ir.InsertionPoint(op.body):
-        scf.YieldOp(body(op.induction_variable, list(op.inner_iter_args)))
-    return [end, *op.results] if counter else list(op.results)
+        scf.YieldOp(_carried(body(op.induction_variable, _uncarried(op.inner_iter_args, carry))))
+    results = _uncarried(op.results, carry)
+    return [end, *results] if counter else results
 
 
 def _scan_arrays(ctx, consts, carry, xs, jaxpr, length, reverse, unroll):
@@ -204,11 +228,12 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
     if fori is not None:
         where, k = fori
         hi = cconsts[k] if where == "const" else init[k]
-        op = scf.ForOp(init[0], hi, constant(1, (), "int32"), list(init[1:]))
+        carry = init[1:]
+        op = scf.ForOp(init[0], hi, constant(1, (), "int32"), _carried(carry))
         with ir.InsertionPoint(op.body):
-            outs = lower_jaxpr(ctx.kernel, body_jaxpr, [*bconsts, op.induction_variable, *op.inner_iter_args])
-            scf.YieldOp(outs[1:])
-        return [arith.maxsi(init[0], hi), *op.results]
+            args = [*bconsts, op.induction_variable, *_uncarried(op.inner_iter_args, carry)]
+            scf.YieldOp(_carried(lower_jaxpr(ctx.kernel, body_jaxpr, args)[1:]))
+        return [arith.maxsi(init[0], hi), *_uncarried(op.results, carry)]
     types = [aval_type(a) for a in ctx.avals_out]
     op = scf.WhileOp(types, list(init))
     before = op.before.blocks.append(*types)

@@ -96,6 +96,19 @@ def _placed(args, chip: str):
     return jax.tree.map(place, args)
 
 
+def _jit_for(fn, placed, chip: str):
+    """``jax.jit(fn)`` that runs on ``chip``: its placed arguments say where, and
+    without any (a kernel of no inputs) its outputs go to the chip's first device;
+    otherwise jit would lower for the default backend, the CPU."""
+    on_tpu = any(
+        {d.platform for d in getattr(getattr(x, "sharding", None), "device_set", ())} == {"tpu"}
+        for x in jax.tree.leaves(placed)
+    )
+    if on_tpu:
+        return jax.jit(fn)
+    return jax.jit(fn, out_shardings=jax.sharding.SingleDeviceSharding(tpu_devices(chip)[0]))
+
+
 def compile_for(fn, args: Sequence, chip: str, kwargs=None):
     """``jax.jit(fn)`` lowered for ``chip`` and compiled by libtpu (XLA and
     Mosaic); raises ``MosaicCompileError`` where Mosaic refuses a kernel."""
@@ -105,7 +118,7 @@ def compile_for(fn, args: Sequence, chip: str, kwargs=None):
     kwargs = _placed(kwargs or {}, chip)
     with reg.collect_kernels() as kernels:
         # A fresh wrapper: jit caches lowerings, and a cached one would not collect the kernels.
-        lowered = jax.jit(lambda *a, **k: fn(*a, **k)).lower(*placed, **kwargs)
+        lowered = _jit_for(lambda *a, **k: fn(*a, **k), (placed, kwargs), chip).lower(*placed, **kwargs)
     try:
         return lowered.compile(), kernels
     except Exception as e:  # JaxRuntimeError: INTERNAL: Mosaic failed to compile ...
@@ -199,10 +212,9 @@ def compile_check(
 def _kernels_of(fn, args, kwargs, chip):
     from pallas_tpu._src import pallas_call_registration as reg
 
+    placed, kwargs = _placed(tuple(args), chip), _placed(kwargs, chip)
     with reg.collect_kernels() as kernels:
-        jax.jit(lambda *a, **k: fn(*a, **k)).lower(
-            *_placed(tuple(args), chip), **_placed(kwargs, chip)
-        )
+        _jit_for(lambda *a, **k: fn(*a, **k), (placed, kwargs), chip).lower(*placed, **kwargs)
     return kernels
 
 
@@ -328,7 +340,7 @@ def _child_main(spec_path: str) -> None:
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exp.in_avals, shardings)]
         before = set(_llo_files(dump)) if os.path.isdir(dump) else set()
         try:
-            jax.jit(exp.call).lower(*args).compile()
+            _jit_for(exp.call, args, chip).lower(*args).compile()
         except Exception as e:
             err = MosaicCompileError.from_libtpu(e, chip, [(n, "", "") for n in names])
             rows += [dataclasses.asdict(KernelCompile(n, chip, False, str(err))) for n in names]

@@ -33,20 +33,18 @@ def scaled_exp(x):
     )(x)
 
 
-def unaligned_window(x):
-    """Reads 128 lanes at a dynamic offset 3*i: Mosaic cannot prove it is a multiple of 128."""
+def stochastic_bf16(x, bits):
+    """Stochastic rounding to bfloat16: TPU v5 and later have it; Mosaic refuses it for v4."""
 
-    def kernel(x_ref, o_ref):
-        i = pl.program_id(0)
-        o_ref[...] = x_ref[:, pl.ds(i * 3, 128)]  # the line Mosaic refuses
+    def kernel(x_ref, b_ref, o_ref):
+        o_ref[...] = pltpu.stochastic_round(
+            x_ref[...], b_ref[...], target_dtype=jnp.bfloat16
+        )
 
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
-        grid=(2,),
-        in_specs=[pl.BlockSpec((8, 512), lambda i: (0, 0))],
-        out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
-    )(x)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.bfloat16))(x, bits)
+
+
+_SR_ARGS = (jax.ShapeDtypeStruct((8, 128), jnp.float32), jax.ShapeDtypeStruct((8, 128), jnp.uint32))
 
 
 def _line_of(fn, text):
@@ -64,26 +62,30 @@ def test_a_kernel_that_compiles_on_each_chip():
 
 
 def test_mosaic_error_names_the_users_line():
-    x = jax.ShapeDtypeStruct((8, 512), jnp.float32)
-    line = _line_of(unaligned_window, "the line Mosaic refuses")
-    (r,) = pltpu.compile_check(unaligned_window, x, chips=("v5e",))
-    assert not r.compiled
-    assert f"test_compile_check.py:{line}" in r.error
-    assert "cannot statically prove" in r.error and "TPU v5e" in r.error
+    line = _line_of(stochastic_bf16, "pltpu.stochastic_round(")
+    v4, v5e = pltpu.compile_check(stochastic_bf16, *_SR_ARGS, chips=("v4", "v5e"))
+    assert (v5e.chip, v5e.compiled, v5e.error) == ("v5e", True, None)
+    assert v4.chip == "v4" and not v4.compiled
+    assert "pallas_call 'kernel'" in v4.kernel
+    assert f"at the kernel's line test_compile_check.py:{line}" in v4.error
+    assert "Stochastic convert not supported" in v4.error and "TPU v4" in v4.error
 
 
 def test_mosaic_error_inside_jit_compile_names_the_kernel_and_line():
     # A plain jax.jit(...).compile() for a TPU: libtpu's own message names the
     # kernel (the module's name) and the user's line (every op carries its location).
-    dev = compile_check.tpu_devices("v6e")[0]
-    x = jax.ShapeDtypeStruct((8, 512), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(dev))
-    line = _line_of(unaligned_window, "the line Mosaic refuses")
+    dev = compile_check.tpu_devices("v4")[0]
+    placed = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(dev))
+        for a in _SR_ARGS
+    ]
+    line = _line_of(stochastic_bf16, "pltpu.stochastic_round(")
     with pytest.raises(Exception) as e:
-        jax.jit(unaligned_window).lower(x).compile()
+        jax.jit(stochastic_bf16).lower(*placed).compile()
     assert "MLIR module name `kernel`" in str(e.value)
     assert f'test_compile_check.py":{line}:' in str(e.value)
     with pytest.raises(pltpu.MosaicCompileError, match=rf"at the kernel's line test_compile_check.py:{line}"):
-        compile_check.compile_for(unaligned_window, [x], "v6e")
+        compile_check.compile_for(stochastic_bf16, placed, "v4")
 
 
 def test_llo_counts_in_a_child_process():

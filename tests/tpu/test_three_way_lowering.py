@@ -593,12 +593,14 @@ def test_dynamic_slice_and_update_of_values(way):
         equal(got, expect)
 
 
-def _unaligned_accesses(x, b, u, s, idx):
+def _unaligned_accesses(x, b, u, s, idx, v):
     """The reads and writes of the unaligned-access test, as jnp: ``x`` f32
-    (16, 256), ``b`` bf16 (32, 256), ``u`` f32 (8, 128)."""
+    (16, 256), ``b`` bf16 (32, 256), ``u`` f32 (8, 128), ``v`` f32 (256,)."""
     s3 = s[3] * 8
     strided = jnp.zeros((16, 256), jnp.float32).at[:, 1:128:2].set(x[:, :64])
     return (
+        lax.dynamic_slice(x, (s[3] + 5, 0), (8, 256)),  # a plain Ref read at an unaligned row
+        lax.dynamic_update_slice(jnp.zeros(256, jnp.float32), lax.dynamic_slice(v, (s[1],), (64,)), (s[0],)),
         x[idx],  # rows of a Ref two tiles wide at dynamic rows
         lax.dynamic_slice(b, (s[0], s[1]), (8, 128)),  # 16-bit, unaligned rows and columns
         lax.dynamic_update_slice(b, u.astype(jnp.bfloat16), (s[2], s[1])),
@@ -620,10 +622,15 @@ def test_unaligned_dynamic_accesses_in_forms_mosaic_takes(way):
         [rng.integers(0, 25), rng.integers(0, 129), rng.integers(0, 25), rng.integers(0, 2)], jnp.int32
     )
     idx = jnp.asarray(rng.integers(0, 16, 8), jnp.int32)
+    v = rand(fresh_seed(), (256,))
 
     def build(pl, pltpu):
-        def accesses(x_ref, b_ref, u_ref, s_ref, i_ref, *o_refs):
+        def accesses(x_ref, b_ref, u_ref, s_ref, i_ref, v_ref, *o_refs):
             s = [s_ref[k] for k in range(4)]
+            p_refs, o_refs = o_refs[:2], o_refs[2:]
+            p_refs[0][...] = x_ref[pl.ds(s[3] + 5, 8), :]
+            p_refs[1][...] = jnp.zeros((256,), jnp.float32)
+            p_refs[1][pl.ds(s[0], 64)] = v_ref[pl.ds(s[1], 64)]  # 1-D, read and written
             o_refs[0][...] = x_ref[i_ref[...]]
             o_refs[1][...] = lax.dynamic_slice(b_ref[...], (s[0], s[1]), (8, 128))
             o_refs[2][...] = lax.dynamic_update_slice(
@@ -634,16 +641,38 @@ def test_unaligned_dynamic_accesses_in_forms_mosaic_takes(way):
             o_refs[5][...] = jnp.zeros((16, 256), jnp.float32)
             o_refs[5].at[:, pl.ds(1, 64, stride=2)][...] = x_ref[:, 0:64]
 
-        shapes = [
-            jax.ShapeDtypeStruct(v.shape, v.dtype)
-            for v in jax.eval_shape(_unaligned_accesses, x, b, u, s, idx)
+        outs = jax.eval_shape(_unaligned_accesses, x, b, u, s, idx, v)
+        shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+        specs = [
+            pl.BlockSpec(),
+            pl.BlockSpec(),
+            pl.BlockSpec(),
+            _smem(pl, pltpu),
+            pl.BlockSpec(),
+            pl.BlockSpec(),
         ]
-        specs = [pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec(), _smem(pl, pltpu), pl.BlockSpec()]
         return lambda *a: pl.pallas_call(accesses, out_shape=shapes, in_specs=specs)(*a)
 
-    args = (x, b, u, s, idx)
+    args = (x, b, u, s, idx, v)
     for got, expect in zip(run(build, args, way), _unaligned_accesses(*args), strict=True):
         equal(got, expect)
+
+
+def test_unaligned_read_of_a_large_ref_is_a_lowering_error():
+    """Reading a whole 1 MiB block to pick 8 rows at a start Mosaic cannot prove
+    aligned is refused, naming the fix."""
+    x = rand(14, (1024, 256))
+
+    def body(x_ref, s_ref, o_ref):
+        o_ref[...] = x_ref[pl.ds(s_ref[0] + 1, 8), :]
+
+    specs = [pl.BlockSpec(), pl.BlockSpec(memory_space=pltpu.SMEM)]
+    f = lambda x, s: pl.pallas_call(  # noqa: E731
+        body, out_shape=jax.ShapeDtypeStruct((8, 256), jnp.float32), in_specs=specs
+    )(x, s)
+    msg = lowering_error(f, x, jnp.array([3], jnp.int32))
+    assert "'get'" in msg and "'body'" in msg and "test_three_way_lowering.py:" in msg, msg
+    assert "pl.multiple_of" in msg and "cannot prove a multiple" in msg, msg
 
 
 def test_dynamic_slice_at_an_aligned_start_is_one_load():

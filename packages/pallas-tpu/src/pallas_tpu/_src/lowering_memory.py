@@ -241,8 +241,8 @@ def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:
         return memref.load(ref, [index(s) for s in w.starts])
     if w.strided:
         v = _strided_read(ref, w, out_aval.dtype)
-    else:  # as JAX's lowering: Mosaic proves the alignment of dynamic starts, or refuses
-        v = vector.load(value_type(w.sizes, out_aval.dtype), ref, [index(s) for s in w.starts])
+    else:
+        v = read_window(ref, w.starts, w.sizes, out_aval.dtype)
     return shape_cast(v, out_aval.shape, out_aval.dtype)
 
 
@@ -318,7 +318,7 @@ def store(ctx, ref, ref_aval, tree, leaves, val, val_aval) -> None:
     if w.strided:
         _strided_write(ref, w, val, val_aval.dtype)
     else:
-        tpu.vector_store(val, ref, idx, strides=[])
+        write_window(ref, w.starts, val, val_aval.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -353,11 +353,15 @@ def _producer(v: ir.Value):
     return owner if isinstance(owner, (ir.Operation, ir.OpView)) else None
 
 
-def is_multiple(v, n: int, fuel: int = 256) -> bool:
+# The forms Mosaic's own analysis (isGuaranteedDivisible) follows, in every release we meet.
+_MOSAIC_PROVES = ("arith.constant", "tpu.assume_multiple", "arith.index_cast", "arith.muli", "arith.addi")
+
+
+def is_multiple(v, n: int, fuel: int = 256, mosaic: bool = False) -> bool:
     """Whether index ``v`` is provably a multiple of ``n``: constants,
     ``tpu.assume_multiple`` (``pl.multiple_of``), products, sums, differences,
-    selects, min/max and casts of those. Mosaic proves fewer forms: a start
-    proved here is given to it as ``tpu.assume_multiple``."""
+    selects, min/max and casts of those (``mosaic``: only the forms Mosaic
+    proves itself; a start proved only here is given to it as ``tpu.assume_multiple``)."""
     if isinstance(v, (int, np.integer)):
         return int(v) % n == 0
     if n == 1:
@@ -367,18 +371,22 @@ def is_multiple(v, n: int, fuel: int = 256) -> bool:
         return False
     op = getattr(op, "operation", op)
     name, args = op.name, list(op.operands)
+    if mosaic and name not in _MOSAIC_PROVES:
+        return False
     if name == "arith.constant":
         return ir.IntegerAttr(op.attributes["value"]).value % n == 0
     if name == "tpu.assume_multiple":
-        return ir.IntegerAttr(op.attributes["multiple"]).value % n == 0 or is_multiple(args[0], n, fuel - 1)
+        return ir.IntegerAttr(op.attributes["multiple"]).value % n == 0 or (
+            not mosaic and is_multiple(args[0], n, fuel - 1)
+        )
     if name in ("arith.index_cast", "arith.extsi"):
-        return is_multiple(args[0], n, fuel - 1)
+        return is_multiple(args[0], n, fuel - 1, mosaic)
     if name == "arith.muli":
-        return any(is_multiple(x, n, fuel // 2) for x in args)
+        return any(is_multiple(x, n, fuel // 2, mosaic) for x in args)
     if name in ("arith.addi", "arith.subi", "arith.minsi", "arith.maxsi"):
-        return all(is_multiple(x, n, fuel // 2) for x in args)
+        return all(is_multiple(x, n, fuel // 2, mosaic) for x in args)
     if name == "arith.select":
-        return all(is_multiple(x, n, fuel // 2) for x in args[1:])
+        return all(is_multiple(x, n, fuel // 2, mosaic) for x in args[1:])
     return False
 
 
@@ -408,6 +416,8 @@ def _direct_start(ref, d: int, start, dtype):
     if d == rank - 2 and np.dtype(dtype).itemsize == 4 and _one_tile_wide(ref):
         return start
     multiple = lanes if d == rank - 1 else rows
+    if is_multiple(start, multiple, mosaic=True):
+        return start
     return tpu.assume_multiple(as_i32(start), multiple) if is_multiple(start, multiple) else None
 
 
@@ -448,12 +458,41 @@ def _rotate(v: ir.Value, amounts: dict, dtype) -> ir.Value:
     return back(v)
 
 
-def read_window(ref: ir.Value, starts, sizes, dtype) -> ir.Value:
+# A whole-extent access of a kernel's Ref (not our scratch) is refused beyond
+# this many bytes: reading a large block to pick a few rows would be silently slow.
+MAX_WHOLE_EXTENT_BYTES = 256 * 1024
+
+
+def _check_extent(ref, extent, dtype, starts, sizes, whole, limited) -> None:
+    nbytes = int(np.prod(extent)) * np.dtype(dtype).itemsize
+    if not limited or nbytes <= MAX_WHOLE_EXTENT_BYTES:
+        return
+    shape = list(ir.MemRefType(ref.type).shape)
+    rows, lanes = _tile(dtype)
+    dims = ", ".join(
+        f"dim {d} ({'lanes, tiles of ' + str(lanes) if d == len(shape) - 1 else 'rows, tiles of ' + str(rows)})"
+        for d in sorted(whole)
+    )
+    raise NotImplementedError(
+        f"a window of {list(sizes)} of a Ref of shape {shape} at a dynamic start on {dims} that Mosaic "
+        "cannot prove a multiple of the memory tiling: Mosaic loads and stores start tiled dims at "
+        f"multiples of it, and reading the whole extent instead ({nbytes} bytes, more than "
+        f"{MAX_WHOLE_EXTENT_BYTES}) is refused. Give the start as pl.multiple_of(start, tile) where it "
+        "is one, keep 32-bit rows in a Ref at most 128 lanes wide (any row start), or copy the window "
+        "with a DMA (pltpu.sync_copy)"
+    )
+
+
+def read_window(ref: ir.Value, starts, sizes, dtype, limited=True) -> ir.Value:
     """``ref[starts : starts + sizes]`` (a VMEM memref; starts are ints or
     scalars), a vector of ``sizes``, in a form Mosaic takes: a dim whose
-    dynamic start it would refuse is read whole and rotated into place."""
+    dynamic start it would refuse is read whole and rotated into place
+    (``limited``: at most ``MAX_WHOLE_EXTENT_BYTES``)."""
     shape = list(ir.MemRefType(ref.type).shape)
-    if len(shape) == 1 and _direct_start(ref, 0, starts[0], dtype) is None:
+    if len(shape) == 1:
+        if (start := _direct_start(ref, 0, starts[0], dtype)) is not None or sizes[0] == shape[0]:
+            return vector.load(value_type(sizes, dtype), ref, [index(0 if start is None else start)])
+        _check_extent(ref, shape, dtype, starts, sizes, {0}, limited)
         whole = shape_cast(vector.load(value_type(shape, dtype), ref, [index(0)]), (1, shape[0]), dtype)
         v = _rotate(whole, {1: arith.subi(index(0), index(starts[0]))}, dtype)
         v = vector.extract_strided_slice(value_type((1, sizes[0]), dtype), v, [0, 0], [1, sizes[0]], [1, 1])
@@ -463,48 +502,62 @@ def read_window(ref: ir.Value, starts, sizes, dtype) -> ir.Value:
     v = vector.load(value_type(extent, dtype), ref, [index(s) for s in at])
     if not rotated:
         return v
+    _check_extent(ref, extent, dtype, starts, sizes, rotated, limited)
     v = _rotate(v, {d: arith.subi(index(0), index(starts[d])) for d in sorted(rotated)}, dtype)
     return vector.extract_strided_slice(
         value_type(sizes, dtype), v, [0] * len(sizes), list(sizes), [1] * len(sizes)
     )
 
 
-def write_window(ref: ir.Value, starts, val: ir.Value, dtype) -> None:
+def _merged(old, val, starts: dict, dtype) -> ir.Value:
+    """``old`` with ``val`` written at ``starts[d]`` along each dim ``d`` of
+    ``starts`` (at 0 along the others): ``val`` placed at the start of a
+    scratch shaped like ``old``, rotated into place and selected."""
+    extent = list(ir.VectorType(old.type).shape)
+    sizes = list(ir.VectorType(val.type).shape)
+    region = tpu.RegionOp([value_type(extent, dtype)])
+    with ir.InsertionPoint(region.body):
+        pad = memref.alloca(memref_type(extent, dtype, None), [], [])
+        tpu.vector_store(val, pad, [index(0) for _ in extent], strides=[])
+        tpu.yield_([vector.load(value_type(extent, dtype), pad, [index(0) for _ in extent])])
+    new = _rotate(region.results[0], dict(sorted(starts.items())), dtype)
+    inside = None
+    for d, start in sorted(starts.items()):
+        pos = tpu.iota(value_type(extent, np.int32), [d])
+        lo = broadcast_to(as_i32(start), extent)
+        hi = broadcast_to(arith.addi(as_i32(start), as_i32(sizes[d])), extent)
+        m = arith.andi(
+            arith.cmpi(arith.CmpIPredicate.sge, pos, lo), arith.cmpi(arith.CmpIPredicate.slt, pos, hi)
+        )
+        inside = m if inside is None else arith.andi(inside, m)
+    return arith.select(inside, new, old)
+
+
+def write_window(ref: ir.Value, starts, val: ir.Value, dtype, limited=True) -> None:
     """``ref[starts : starts + val.shape] = val`` in a form Mosaic takes: a dim
     whose dynamic start it would refuse is written whole (the value rotated
-    into place and selected into what the extent holds)."""
+    into place and selected into what the extent holds; ``limited``: at most
+    ``MAX_WHOLE_EXTENT_BYTES``)."""
     shape = list(ir.MemRefType(ref.type).shape)
     sizes = list(ir.VectorType(val.type).shape)
     if len(shape) == 1:
-        if (start := _direct_start(ref, 0, starts[0], dtype)) is not None:
-            tpu.vector_store(val, ref, [index(start)], strides=[])
+        if (start := _direct_start(ref, 0, starts[0], dtype)) is not None or sizes[0] == shape[0]:
+            tpu.vector_store(val, ref, [index(0 if start is None else start)], strides=[])
             return
-        raise NotImplementedError(
-            "writing a 1-D Ref at a dynamic start Mosaic cannot prove a multiple of its tiling; "
-            "write a 2-D Ref (shape (1, n)), or give the start with pl.multiple_of"
-        )
+        _check_extent(ref, shape, dtype, starts, sizes, {0}, limited)
+        old = shape_cast(vector.load(value_type(shape, dtype), ref, [index(0)]), (1, shape[0]), dtype)
+        new = _merged(old, shape_cast(val, (1, sizes[0]), dtype), {1: starts[0]}, dtype)
+        tpu.vector_store(shape_cast(new, shape, dtype), ref, [index(0)], strides=[])
+        return
     at, moved = _starts(ref, starts, sizes, dtype)
     if not moved:
         tpu.vector_store(val, ref, [index(s) for s in at], strides=[])
         return
     extent = [shape[d] if d in moved else n for d, n in enumerate(sizes)]
+    _check_extent(ref, extent, dtype, starts, sizes, moved, limited)
     old = vector.load(value_type(extent, dtype), ref, [index(s) for s in at])
-    region = tpu.RegionOp([value_type(extent, dtype)])
-    with ir.InsertionPoint(region.body):  # the value at the start of an extent-shaped scratch
-        pad = memref.alloca(memref_type(extent, dtype, None), [], [])
-        tpu.vector_store(val, pad, [index(0) for _ in extent], strides=[])
-        tpu.yield_([vector.load(value_type(extent, dtype), pad, [index(0) for _ in extent])])
-    new = _rotate(region.results[0], {d: starts[d] for d in sorted(moved)}, dtype)
-    inside = None
-    for d in sorted(moved):
-        pos = tpu.iota(value_type(extent, np.int32), [d])
-        lo = broadcast_to(as_i32(starts[d]), extent)
-        hi = broadcast_to(arith.addi(as_i32(starts[d]), as_i32(sizes[d])), extent)
-        m = arith.andi(
-            arith.cmpi(arith.CmpIPredicate.sge, pos, lo), arith.cmpi(arith.CmpIPredicate.slt, pos, hi)
-        )
-        inside = m if inside is None else arith.andi(inside, m)
-    tpu.vector_store(arith.select(inside, new, old), ref, [index(s) for s in at], strides=[])
+    new = _merged(old, val, {d: starts[d] for d in moved}, dtype)
+    tpu.vector_store(new, ref, [index(s) for s in at], strides=[])
 
 
 def _mosaic_strided(ref, w: Window, dtype) -> bool:
@@ -636,7 +689,7 @@ def _dynamic_slice(ctx, x, *starts, slice_sizes):
     x, aval2, back = _as_2d(x, aval)
     if len(aval2.shape) != n:
         starts, sizes = [0, *starts], (1, *sizes)
-    read = lambda scratch, dtype: read_window(scratch, starts, sizes, dtype)  # noqa: E731
+    read = lambda scratch, dtype: read_window(scratch, starts, sizes, dtype, limited=False)  # noqa: E731
     return back(_through_scratch(x, aval2, sizes, read), tuple(slice_sizes))
 
 
@@ -656,7 +709,7 @@ def _dynamic_update_slice(ctx, x, update, *starts):
         upd = update
         if is_bool(upd_aval.dtype):
             upd = arith.extui(value_type(upd2.shape, dtype), upd)
-        write_window(scratch, starts, upd, dtype)
+        write_window(scratch, starts, upd, dtype, limited=False)
         return vector.load(value_type(aval2.shape, dtype), scratch, [index(0) for _ in aval2.shape])
 
     return back(_through_scratch(x, aval2, aval2.shape, body), aval.shape)

@@ -65,6 +65,7 @@ def _with_libtpu(jax_req: list[str]) -> list[str]:
     test dependency only: no package of ours depends on libtpu)."""
     return [r.replace("jax", "jax[tpu]", 1) if r.startswith(("jax=", "jax>")) else r for r in jax_req]
 
+
 # Building without isolation (one environment for the ten builds, not ten): the
 # runtime's build-system requires, plus the release tools.
 BUILD_DEPS = [
@@ -158,6 +159,24 @@ def demo(session: nox.Session) -> None:
     """Runs every example (on the GPU if there is one, else on the CPU) and checks it against jnp."""
     _install_all(session, JAX_OLDEST, TRITON_PINNED)
     session.run("python", "examples/run_all.py", *session.posargs)
+
+
+# tokamax, the Pallas kernel library whose own tests the downstream session runs: the
+# release known_differences.toml was measured on, with its test extra.
+TOKAMAX = ["tokamax[test]==0.0.17", "pytest-timeout"]
+
+
+@nox.session(python=PYTHON)
+def downstream(session: nox.Session) -> None:
+    """tokamax's own Pallas TPU and Pallas Triton tests on the CPU, on JAX's Pallas and
+    on ours (imports rewritten at import time), compared test by test; fails on a test
+    that passes on JAX's and not on ours without a reason in
+    tests/downstream/known_differences.toml. ``./dev downstream -- --subset ci`` runs the
+    fixed subset; other arguments go to tests/downstream/run_tokamax.py."""
+    _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
+    # jax and triton named again so that tokamax's dependencies cannot move them.
+    session.install(*TOKAMAX, *_with_libtpu(JAX_OLDEST), *TRITON_PINNED)
+    session.run("python", "tests/downstream/run_tokamax.py", *session.posargs)
 
 
 # What an sdist may hold besides PKG-INFO: its own package's files, nothing of the monorepo.

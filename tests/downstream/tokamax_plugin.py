@@ -1,0 +1,195 @@
+"""pytest plugin for running tokamax's own tests on one Pallas or the other.
+
+Loaded by ``run_tokamax.py`` into a pytest run over tokamax's installed test files
+(``-p tokamax_plugin``, this folder on ``PYTHONPATH``):
+
+``--pallas=ours``
+    tokamax's modules, its tests included, are loaded with their Pallas imports
+    rewritten to ours (``pallas_rewrite``); ``--pallas=jax`` leaves them on JAX's.
+``--downstream-report=PATH``
+    writes ``{test id: [outcome, message, kernels, seconds]}`` as JSON at the end of
+    the run: outcome ``passed``, ``failed``, ``skipped`` or ``error``; kernels: how
+    many ``pallas_call``/``pl.kernel`` calls the test made (0 where tokamax reused a
+    kernel a test before it traced).
+
+What the two runs share, so that tokamax's kernels run on a CPU at all:
+
+* TPU interpret mode is the default for every kernel (``set_tpu_interpret_mode`` of
+  JAX's or of our TPU package): on a CPU, JAX's Pallas runs nothing else.
+* A kernel whose compiler params are the Triton backend's runs in plain interpret
+  mode (``interpret=True``), the interpreter JAX has for Triton kernels.
+* tokamax's own ``cross_compile`` option is on: its ops otherwise refuse a CPU device
+  (``NotImplementedError: Not supported on cpu``) before any kernel is traced.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("downstream")
+    group.addoption("--pallas", choices=("jax", "ours"), default="jax", help="whose Pallas tokamax runs on")
+    group.addoption("--downstream-report", default=None, help="JSON file of outcomes per test")
+
+
+def _is_triton(compiler_params, triton_params_type) -> bool:
+    return isinstance(compiler_params, triton_params_type) or (
+        isinstance(compiler_params, dict) and "triton" in compiler_params
+    )
+
+
+_CALLS = [0]  # pallas_call and pl.kernel calls made by the running test
+
+
+def _counted(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        _CALLS[0] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _interpret_jax() -> None:
+    import jax.experimental.pallas as jpl
+    from jax.experimental.pallas import tpu as jpltpu
+    from jax.experimental.pallas import triton as jpltriton
+
+    jpltpu.set_tpu_interpret_mode(jpltpu.InterpretParams())
+    original = jpl.pallas_call
+
+    @functools.wraps(original)
+    def pallas_call(*args, **kwargs):
+        if not _is_triton(kwargs.get("compiler_params"), jpltriton.CompilerParams):
+            return original(*args, **kwargs)
+        kwargs["interpret"] = kwargs.get("interpret") or True
+
+        # JAX's forced TPU interpret mode wins over `interpret=`: lift it for this kernel.
+        with jpltpu.force_tpu_interpret_mode(None):
+            call = original(*args, **kwargs)
+
+        @functools.wraps(call)
+        def run(*a, **k):
+            with jpltpu.force_tpu_interpret_mode(None):
+                return call(*a, **k)
+
+        return run
+
+    jpl.pallas_call = _counted(pallas_call)
+    jpl.kernel = _counted(jpl.kernel)
+
+
+def _interpret_ours() -> None:
+    import pallas as pl
+    import pallas_gpu
+    import pallas_tpu as pltpu
+
+    pltpu.set_tpu_interpret_mode(pltpu.InterpretParams())
+    original = pl.pallas_call
+
+    @functools.wraps(original)
+    def pallas_call(*args, **kwargs):
+        if _is_triton(kwargs.get("compiler_params"), pallas_gpu.CompilerParams):
+            kwargs["interpret"] = kwargs.get("interpret") or True
+        elif kwargs.get("interpret") is True:
+            # As JAX's forced TPU interpret mode does with an explicit interpret=True.
+            kwargs["interpret"] = pltpu.InterpretParams()
+        return original(*args, **kwargs)
+
+    pl.pallas_call = _counted(pallas_call)
+    pl.kernel = _counted(pl.kernel)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _CALLS[0] = 0
+    yield
+    item.user_properties.append(("pallas_calls", _CALLS[0]))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    # Before tokamax's conftest.py, the first tokamax module pytest imports.
+    if early_config.known_args_namespace.pallas == "ours":
+        import pallas_rewrite
+
+        pallas_rewrite.install("tokamax")
+        _interpret_ours()
+    else:
+        _interpret_jax()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long: tokamax's mark for long tests")
+    from absl import flags
+    from tokamax._src import config as tokamax_config  # noqa: F401  (defines the flag)
+
+    flags.FLAGS.tokamax_cross_compile = True
+    config._downstream = {}
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _record(report.nodeid or "?", "error", _message(report))
+
+
+def _message(report) -> str:
+    """The exception's type and first line, as pytest's short summary shows it."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return crash.message.strip().splitlines()[0][:300] if crash.message.strip() else ""
+    lines = str(report.longrepr).strip().splitlines()
+    errs = [x[2:].strip() for x in lines if x.startswith("E ")]
+    return (errs[0] if errs else (lines[-1] if lines else ""))[:300]
+
+
+_OUTCOMES: dict[str, list] = {}
+
+
+def _record(nodeid: str, outcome: str, msg: str, calls: int = 0, seconds: float = 0.0) -> None:
+    old = _OUTCOMES.get(nodeid)
+    seconds = round(seconds + (old[3] if old else 0.0), 2)
+    if old is not None and old[0] in ("failed", "error", "skipped"):
+        old[3] = seconds  # the first bad phase decides
+        return
+    _OUTCOMES[nodeid] = [outcome, msg, max(calls, old[2] if old else 0), seconds]
+
+
+def pytest_runtest_logreport(report):
+    calls = dict(report.user_properties).get("pallas_calls", 0)
+    if type(report).__name__ == "SubtestReport":
+        if report.failed:
+            _record(
+                report.nodeid,
+                "failed",
+                f"subtest {getattr(getattr(report, 'context', None), 'msg', None) or ''}: {_message(report)}",
+            )
+        return
+    if report.when == "call" or report.failed or report.skipped:
+        if report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            _record(report.nodeid, "skipped", str(reason)[:300], 0, report.duration)
+        elif report.failed:
+            _record(
+                report.nodeid,
+                "failed" if report.when == "call" else "error",
+                _message(report),
+                calls,
+                report.duration,
+            )
+        else:
+            _record(report.nodeid, "passed", "", calls, report.duration)
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("downstream_report")
+    if path and not hasattr(session.config, "workerinput"):
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(_OUTCOMES, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)

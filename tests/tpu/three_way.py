@@ -179,7 +179,8 @@ def compile_both(build, args, chips, mesh=None, spec=None):
                 args_c = args
             llo = None
             try:
-                _, _, llo = compile_check.compile_counting_llo(f, args_c, chip)
+                with _chip_context(chip, mesh is None):
+                    _, _, llo = compile_check.compile_counting_llo(f, args_c, chip)
                 outcome = "compiled"
             except compile_check.MosaicCompileError as e:
                 outcome = "refused by Mosaic"
@@ -193,6 +194,21 @@ def compile_both(build, args, chips, mesh=None, spec=None):
                     raise
                 outcome = "refused by its lowering"
             _record(chip, mode, outcome, llo)
+
+
+def _chip_context(chip, single_device):
+    """An abstract mesh of ``chip``'s device kind: JAX's lowering asks the context
+    for the TPU generation (without one it sees the CPU, and refuses:
+    "Unsupported TPU device kind: cpu"). A shard_map's mesh of the chip's devices says it itself."""
+    import contextlib
+
+    if not single_device:
+        return contextlib.nullcontext()
+    dev = compile_check.tpu_devices(chip)[0]
+    kind = jax.sharding.AbstractDevice(
+        device_kind=dev.device_kind, num_cores=getattr(dev, "num_cores", 1) or 1, platform="tpu"
+    )
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=kind))
 
 
 def _sharded_for_chip(f, args, chip, mesh_shape, spec):

@@ -1,6 +1,8 @@
-"""Three-way runs of a TPU kernel (DESIGN.md, "Tests"): (a) our TPU interpret
+"""Four-way runs of a TPU kernel (DESIGN.md, "Tests"): (a) our TPU interpret
 mode, (b) our Mosaic lowering executed by ``run_mosaic``, (c) JAX's own Mosaic
-lowering (a test-only reference) executed by ``run_mosaic``.
+lowering (a test-only reference) executed by ``run_mosaic``, (d) ``compiled``:
+our lowering compiled by libtpu's Mosaic for compile-only TPUs (``COMPILE_CHIPS``),
+JAX's compiled beside it (``compile_both``), then run as (b).
 
 A kernel is written once as ``build(pl, pltpu) -> f``, where ``f(*args)`` is
 a JAX function that calls ``pallas_call``s (no ``interpret=``); ``build`` is
@@ -225,14 +227,12 @@ def _sharded_for_chip(f, args, chip, mesh_shape, spec):
 def _record(chip, mode, outcome, llo):
     """One line per compile in $PALLAS_TPU_COMPILE_REPORT/<worker>.jsonl (conftest sums
     them; benchmarks/tpu_llo.py reads the LLO counts, per kernel in program order)."""
-    import os as _os
-
-    folder = _os.environ.get("PALLAS_TPU_COMPILE_REPORT")
+    folder = os.environ.get("PALLAS_TPU_COMPILE_REPORT")
     if not folder:
         return
-    test = _os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-    worker = _os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(_os.path.join(folder, f"{worker}.jsonl"), "a") as fh:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(folder, f"{worker}.jsonl"), "a") as fh:
         row = dict(test=test, chip=chip, lowering=mode, outcome=outcome, llo=llo)
         fh.write(json.dumps(row) + "\n")
 

@@ -318,6 +318,8 @@ def _kernel_metadata(exported) -> list[dict | None]:
 
 class TestMetadata(PallasTest):
     METADATA = {"model": "decoder layer 3", "shape": "(8, 128)", "owner": "ñ team"}
+    # JSON scalars besides strings, as tokamax's gmm_v2 passes them ({"dims.size_group": 8}).
+    SCALARS = {"dims.size_group": 8, "ratio": 0.5, "fused": True, "bias": None, "name": "gmm"}
 
     def test_tpu_custom_call_carries_metadata(self):
         _need("tpu")
@@ -335,7 +337,7 @@ class TestMetadata(PallasTest):
         _need("tpu")
         from jax.experimental import pallas as jax_pl
 
-        for metadata in (self.METADATA, None):
+        for metadata in (self.METADATA, self.SCALARS, None):
             ours = pl.pallas_call(_add_one, _sds((8, 128)), metadata=metadata)
             theirs = jax_pl.pallas_call(_add_one, _sds((8, 128)), metadata=metadata)
             (a,) = _kernel_calls(_export(ours, ["tpu"], _sds((8, 128))))[TPU_TARGET]
@@ -350,24 +352,32 @@ class TestMetadata(PallasTest):
             pltpu.sync_copy(x_hbm, o_hbm)
 
         run = pl.kernel(
-            body, _sds((8, 128)), mesh=pltpu.create_tensorcore_mesh("core", num_cores=1), metadata={"k": "v"}
+            body,
+            _sds((8, 128)),
+            mesh=pltpu.create_tensorcore_mesh("core", num_cores=1),
+            metadata={"k": "v", "n": 8},
         )
-        assert _kernel_metadata(_export(run, ["tpu"], _sds((8, 128)))) == [{"k": "v"}]
+        assert _kernel_metadata(_export(run, ["tpu"], _sds((8, 128)))) == [{"k": "v", "n": 8}]
 
     def test_interpret_mode_accepts_metadata(self):
         x = self.rand((8, 128))
-        call = pl.pallas_call(_add_one, _sds((8, 128)), metadata=self.METADATA, interpret=True)
-        assert_allclose(jax.jit(call)(x), x + 1.0)
+        for metadata in (self.METADATA, self.SCALARS):
+            call = pl.pallas_call(_add_one, _sds((8, 128)), metadata=metadata, interpret=True)
+            assert_allclose(jax.jit(call)(x), x + 1.0)
 
     @pytest.mark.parametrize(
         "metadata, message",
         [
-            ({"layers": 3}, r"metadata: values must be str, got the int 3 for key 'layers'"),
+            (
+                {"layers": [3]},
+                r"metadata: values must be str, int, float, bool or None \(written as JSON\), "
+                r"got the list \[3\] for key 'layers'",
+            ),
             ({3: "layers"}, r"metadata: keys must be str, got the int key 3"),
             ([("a", "b")], r"metadata: expected a dict of str to str, got \[\('a', 'b'\)\]"),
             ("a=b", r"metadata: expected a dict of str to str, got 'a=b'"),
         ],
-        ids=["int-value", "int-key", "list", "str"],
+        ids=["list-value", "int-key", "list", "str"],
     )
     def test_bad_metadata(self, metadata, message):
         call = pl.pallas_call(_add_one, _sds((8, 128)), metadata=metadata, interpret=True, name="add_one")

@@ -3,7 +3,7 @@ on whole-array Refs. Built on ``pallas_call`` with a named grid."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jax import tree_util
@@ -26,6 +26,12 @@ def kernel(
     metadata: dict[str, str] | None = None,
 ):
     """Runs ``body(*in_refs, *out_refs, *scratch_refs)`` once per mesh point.
+
+    The Refs come as JAX's ``pl.kernel`` passes them: one argument per operand
+    (pytree operands as pytrees of Refs), one per element of a sequence
+    ``out_type`` (else the output pytree as one argument), the scratch Refs in
+    ``scratch_types``' structure (``None`` entries as ``None``; a dict as keyword
+    arguments).
 
     Args:
       body: the kernel body; omit it to use ``pl.kernel(...)`` as a decorator.
@@ -54,19 +60,36 @@ def kernel(
     if not isinstance(mesh, pallas_core.Mesh):
         raise TypeError(f"pl.kernel: mesh must be a pl.Mesh (e.g. pltpu.TensorCoreMesh), got {mesh!r}")
     grid = tuple((n, s) for n, s in mesh.shape.items())
-    flat_scratch, _ = tree_util.tree_flatten(scratch_types, is_leaf=lambda x: hasattr(x, "get_ref_aval"))
+    is_scratch = lambda x: hasattr(x, "get_ref_aval")
+    flat_scratch, scratch_tree = tree_util.tree_flatten(scratch_types, is_leaf=is_scratch)
     ms = mesh.default_memory_space
     out_leaves, out_tree = tree_util.tree_flatten(out_type)
     spec = pallas_core.BlockSpec(memory_space=ms)
 
     def run(*args):
-        n_in = len(tree_util.tree_leaves(args))
+        in_leaves, in_tree = tree_util.tree_flatten(args)
+        n_in, n_out = len(in_leaves), len(out_leaves)
+
+        def refs_as_jax_passes_them(*refs):
+            # JAX's pl.kernel: one argument per operand (a pytree of Refs like the
+            # operand), the outputs one per element of a sequence out_type (else one
+            # pytree), the scratch Refs in scratch_types' structure, a None entry
+            # passed as None (tokamax's gmm_v2 keeps unused slots so); a dict of
+            # scratch types is passed as keyword arguments.
+            ins = tree_util.tree_unflatten(in_tree, refs[:n_in])
+            outs = tree_util.tree_unflatten(out_tree, refs[n_in : n_in + n_out])
+            scratch = tree_util.tree_unflatten(scratch_tree, refs[n_in + n_out :])
+            positional = [*ins, *outs] if isinstance(out_type, Sequence) else [*ins, outs]
+            if isinstance(scratch, Mapping):
+                return body(*positional, **scratch)
+            return body(*positional, *scratch)
+
         call = pallas_call(
-            lambda *refs: body(*refs),
+            refs_as_jax_passes_them,
             out_shape=tuple(out_leaves),
             grid=grid,
             in_specs=[spec] * n_in,
-            out_specs=[spec] * len(out_leaves),
+            out_specs=[spec] * n_out,
             scratch_shapes=flat_scratch,
             compiler_params=mesh.compiler_params(compiler_params),
             interpret=interpret,
@@ -75,7 +98,7 @@ def kernel(
             name=name or getattr(body, "__name__", None),
             metadata=metadata,
         )
-        outs = call(*tree_util.tree_leaves(args))
+        outs = call(*in_leaves)
         return tree_util.tree_unflatten(out_tree, list(outs))
 
     run.__name__ = getattr(body, "__name__", "kernel")

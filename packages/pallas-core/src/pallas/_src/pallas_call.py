@@ -217,9 +217,10 @@ def pallas_call(
       backend: the backend to lower with on hardware: ``"gpu"`` (pallas-gpu; JAX's
         name ``"triton"`` is accepted) or ``"tpu"`` (pallas-tpu; ``"mosaic_tpu"``,
         ``"mosaic"``), or another installed backend's name. Interpret mode ignores it.
-      metadata: a dict of str to str about the kernel, serialized as JSON into
-        the TPU custom call (its ``kernel_metadata`` frontend attribute), for
-        debugging and analysis tools; other backends ignore it.
+      metadata: a dict of str to str (or int, float, bool, None, as JAX's Pallas
+        takes) about the kernel, serialized as JSON into the TPU custom call (its
+        ``kernel_metadata`` frontend attribute), for debugging and analysis tools;
+        other backends ignore it.
     Returns:
       A function of the inputs returning arrays shaped like ``out_shape``.
     """
@@ -390,8 +391,13 @@ def pallas_call(
     return wrapped
 
 
-def _normalize_metadata(metadata: Any, err: Err) -> tuple[tuple[str, str], ...] | None:
-    """None, or the (key, value) pairs of a dict of str to str, sorted (a
+# What JAX's Pallas writes into the TPU custom call's kernel_metadata (json.dumps of the
+# dict): tokamax's gmm_v2 passes ints ({"dims.size_group": 8}).
+_METADATA_VALUES = (str, int, float, bool, type(None))
+
+
+def _normalize_metadata(metadata: Any, err: Err) -> tuple[tuple[str, Any], ...] | None:
+    """None, or the (key, value) pairs of a dict of str to JSON scalars, sorted (a
     primitive parameter must be hashable; the JSON sorts its keys anyway)."""
     if metadata is None:
         return None
@@ -400,12 +406,12 @@ def _normalize_metadata(metadata: Any, err: Err) -> tuple[tuple[str, str], ...] 
     for k, v in metadata.items():
         if not isinstance(k, str):
             raise err(TypeError, "metadata", f"keys must be str, got the {type(k).__name__} key {k!r:.40}")
-        if not isinstance(v, str):
+        if not isinstance(v, _METADATA_VALUES):
             raise err(
                 TypeError,
                 "metadata",
-                f"values must be str, got the {type(v).__name__} {v!r:.40} for key {k!r}; "
-                f"write it as a string (e.g. str({v!r:.40}))",
+                f"values must be str, int, float, bool or None (written as JSON), got the "
+                f"{type(v).__name__} {v!r:.40} for key {k!r}; write it as a string (e.g. str({v!r:.40}))",
             )
     return tuple(sorted(metadata.items()))
 

@@ -143,6 +143,19 @@ def eqn_location(eqn):
     return ir.Location.name(eqn.primitive.name, childLoc=file_loc)
 
 
+def forget_failed_effects() -> None:
+    """Drops JAX's runtime tokens of ordered effects (the io_callbacks of TPU interpret
+    mode): a kernel error stays attached to them, and ``jax.effects_barrier()`` would raise
+    it again at every later call, since JAX clears them only after a clean wait."""
+    from jax._src import dispatch
+
+    try:
+        dispatch.runtime_tokens.block_until_ready()
+    except Exception:
+        pass
+    dispatch.runtime_tokens.clear()
+
+
 def scan_split(params, ops):
     """(consts, carry init, xs) of a scan equation's operands on every JAX."""
     ops = list(ops)

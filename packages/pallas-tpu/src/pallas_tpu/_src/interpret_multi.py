@@ -113,9 +113,11 @@ _next_sid = 0
 
 
 def reset_tpu_interpret_mode_state() -> None:
-    """Forgets every kernel session (devices that never met, after an error)
-    and the races found so far."""
+    """Forgets every kernel session (devices that never met, after an error),
+    the races found so far, and a failed kernel's error that JAX would raise
+    again at the next ``jax.effects_barrier()``."""
     global races
+    compat.forget_failed_effects()
     with _lock:
         for s in _sessions.values():
             with s.cv:

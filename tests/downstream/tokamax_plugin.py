@@ -24,6 +24,7 @@ What the two runs share, so that tokamax's kernels run on a CPU at all:
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -149,6 +150,21 @@ def _message(report) -> str:
 
 
 _OUTCOMES: dict[str, list] = {}
+_SUBTESTS: dict[str, collections.Counter] = {}
+_SKIPPED_SUBTEST: dict[str, str] = {}
+
+
+def _skip_reason(report) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return str(reason)[:300]
+
+
+def _resolve_subtests() -> None:
+    """A test whose subtests all skipped ran nothing: it counts as skipped, not passed."""
+    for nodeid, counts in _SUBTESTS.items():
+        out = _OUTCOMES.get(nodeid)
+        if out is not None and out[0] == "passed" and counts["passed"] == 0 and counts["skipped"]:
+            out[0], out[1] = "skipped", f"every subtest skipped: {_SKIPPED_SUBTEST.get(nodeid, '')}"
 
 
 def _record(nodeid: str, outcome: str, msg: str, calls: int = 0, seconds: float = 0.0) -> None:
@@ -162,18 +178,20 @@ def _record(nodeid: str, outcome: str, msg: str, calls: int = 0, seconds: float 
 
 def pytest_runtest_logreport(report):
     calls = dict(report.user_properties).get("pallas_calls", 0)
-    if type(report).__name__ == "SubtestReport":
+    if type(report).__name__ == "SubtestReport":  # unittest's subTest, pytest >= 9
+        _SUBTESTS.setdefault(report.nodeid, collections.Counter())[report.outcome] += 1
         if report.failed:
             _record(
                 report.nodeid,
                 "failed",
                 f"subtest {getattr(getattr(report, 'context', None), 'msg', None) or ''}: {_message(report)}",
             )
+        elif report.skipped and report.nodeid not in _SKIPPED_SUBTEST:
+            _SKIPPED_SUBTEST[report.nodeid] = _skip_reason(report)
         return
     if report.when == "call" or report.failed or report.skipped:
         if report.skipped:
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            _record(report.nodeid, "skipped", str(reason)[:300], 0, report.duration)
+            _record(report.nodeid, "skipped", _skip_reason(report), 0, report.duration)
         elif report.failed:
             _record(
                 report.nodeid,
@@ -189,6 +207,7 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     path = session.config.getoption("downstream_report")
     if path and not hasattr(session.config, "workerinput"):
+        _resolve_subtests()
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(_OUTCOMES, f, indent=0, sort_keys=True)

@@ -74,3 +74,16 @@ def _no_kernel_error_outlives_its_test():
     from pallas_tpu._src import compat
 
     compat.forget_failed_effects()
+
+
+@pytest.fixture
+def fresh_sessions():
+    """Multi-device TPU interpret mode with no sessions left from earlier tests and a
+    20 s deadlock timeout, restored afterwards."""
+    from pallas_tpu._src import interpret_multi
+
+    old = interpret_multi.set_deadlock_timeout(20)
+    interpret_multi.reset_tpu_interpret_mode_state()
+    yield
+    interpret_multi.reset_tpu_interpret_mode_state()
+    interpret_multi.set_deadlock_timeout(old)

@@ -160,3 +160,12 @@ def test_sharded_kernel_on_a_mesh_of_four_chips():
     x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, spec))
     reports = pltpu.compile_check(f, x, chips=("v5e",))
     assert [(r.chip, r.compiled) for r in reports] == [("v5e", True)]
+
+
+def test_devices_are_libtpus_compile_only_topology():
+    from jax.experimental import topologies
+
+    want = topologies.get_topology_desc("v6e:2x2", "tpu").devices
+    got = compile_check.tpu_devices("v6e")
+    assert [(d.id, d.device_kind) for d in got] == [(d.id, d.device_kind) for d in want]
+    assert all(d.platform == "tpu" and d.device_kind == "TPU v6 lite" for d in got)

@@ -34,7 +34,6 @@ from three_way import call, close, jax_namespaces, run_sharded, ways
 
 import pallas as pl
 import pallas_tpu as pltpu
-from pallas_tpu._src import interpret_multi
 
 interpret_only = pytest.mark.interpret_only
 HERE = os.path.basename(__file__)
@@ -294,15 +293,6 @@ def test_traced_size(way, dst, wait):
 
 # ---------------------------------------------------------------------------
 # Two devices: remote copies waited for on rebuilt and dummy descriptors.
-
-
-@pytest.fixture
-def fresh_sessions():
-    old = interpret_multi.set_deadlock_timeout(20)
-    interpret_multi.reset_tpu_interpret_mode_state()
-    yield
-    interpret_multi.reset_tpu_interpret_mode_state()
-    interpret_multi.set_deadlock_timeout(old)
 
 
 def all_gather(pl, pltpu, *, form, interpret=False):

@@ -40,12 +40,8 @@ pytestmark = pytest.mark.interpret_only(reason="race detection")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_state():
-    old = interpret_multi.set_deadlock_timeout(20)
-    interpret_multi.reset_tpu_interpret_mode_state()
+def _fresh_state(fresh_sessions):
     yield
-    interpret_multi.reset_tpu_interpret_mode_state()
-    interpret_multi.set_deadlock_timeout(old)
 
 
 def rand(shape, seed):

@@ -22,7 +22,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # benchmarks/tpu_llo.py: each worker's libtpu dumps Mosaic's passes into its own folder.
 if os.environ.get("PALLAS_TPU_LLO_DUMP"):
     _dump = os.path.join(os.environ["PALLAS_TPU_LLO_DUMP"], os.environ.get("PYTEST_XDIST_WORKER", "main"))
-    _args = re.sub(r"--xla_mosaic_dump_to=\S+", "", os.environ.get("LIBTPU_INIT_ARGS", ""))  # the controller's
+    _args = re.sub(
+        r"--xla_mosaic_dump_to=\S+", "", os.environ.get("LIBTPU_INIT_ARGS", "")
+    )  # the controller's
     os.environ["LIBTPU_INIT_ARGS"] = f"{_args} --xla_mosaic_dump_to={_dump}".strip()
 
 

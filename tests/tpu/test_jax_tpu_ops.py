@@ -345,7 +345,7 @@ def test_ops_three_ways(op, way):
     args = inputs()
     if way == "compiled":  # the ported op compiled by libtpu, JAX's original beside it; values as "ours"
         three_way.compile_both(
-            lambda pl, pltpu: (lambda *a: call(load(rel) if pl.__name__ == "pallas" else load_jax(rel), *a)),
+            lambda pl, pltpu: lambda *a: call(load(rel) if pl.__name__ == "pallas" else load_jax(rel), *a),
             args,
             three_way.COMPILE_CHIPS,
         )

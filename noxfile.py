@@ -161,6 +161,33 @@ def demo(session: nox.Session) -> None:
     session.run("python", "examples/run_all.py", *session.posargs)
 
 
+DOCS_BUILD = os.path.join(ROOT, "docs", "_build", "html")
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Builds the documentation site (docs/) into docs/_build/html with warnings as
+    errors: the guides' cells run on the CPU (a failing cell fails the build), every
+    public name needs a docstring, internal links must resolve; then runs the READMEs'
+    python blocks (tests/docs). ``./dev docs --serve`` then serves the site on
+    http://localhost:8000."""
+    serve = "--serve" in session.posargs
+    # JAX 0.11.2 and Triton 3.6.0 as in `tests`; libtpu so that pltpu.compile_check runs.
+    _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
+    session.install("-r", os.path.join(ROOT, "docs", "requirements.txt"))
+    # The cells run on JAX's CPU device, also on a machine with a GPU or a TPU.
+    env = {"JAX_PLATFORMS": "cpu", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+    shutil.rmtree(DOCS_BUILD, ignore_errors=True)
+    session.run(
+        "python", "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-j", "auto",
+        os.path.join(ROOT, "docs"), DOCS_BUILD, env=env,
+    )  # fmt: skip
+    session.run("python", "-m", "pytest", "-q", os.path.join(ROOT, "tests", "docs"), env=env)
+    session.log(f"site: {DOCS_BUILD}/index.html (browse: python -m http.server -d {DOCS_BUILD})")
+    if serve:
+        session.run("python", "-m", "http.server", "-d", DOCS_BUILD, "8000")
+
+
 # tokamax, the Pallas kernel library whose own tests the downstream session runs: the
 # release known_differences.toml was measured on, with its test extra.
 TOKAMAX = ["tokamax[test]==0.0.17", "pytest-timeout"]

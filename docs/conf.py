@@ -1,0 +1,59 @@
+"""Sphinx configuration of the documentation site (built by ``./dev docs``)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_ext"))
+
+project = "Pallas + jax-triton, maintained"
+author = "the project's authors"
+copyright = "the project's authors, Apache-2.0"
+
+extensions = [
+    "myst_nb",  # MyST Markdown and executed notebooks (includes myst_parser)
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.napoleon",
+    "apigen",  # docs/_ext/apigen.py: the API pages, and the check that every public name is documented
+]
+
+exclude_patterns = ["_build", "README.md", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]
+source_suffix = {".rst": "restructuredtext", ".md": "myst-nb"}
+
+# Warnings are errors (-W): references that do not resolve are warnings too.
+nitpicky = True
+nitpick_ignore_regex = [
+    # Types from other projects (no intersphinx: CI has no network) and typing internals.
+    (r"py:.*", r"(jax|jaxlib|numpy|np|triton|typing|collections|enum|dataclasses|types|jnp|lax)(\..*)?"),
+    (r"py:.*", r"(Any|Callable|Sequence|Mapping|Iterable|Iterator|Hashable|Literal|Union|Optional)(\[.*)?"),
+    (r"py:.*", r"(int|float|str|bool|bytes|tuple|list|dict|set|object|None|type|complex|slice)"),
+    (r"py:.*", r".*\._src\..*"),  # private implementation modules named in signatures
+    (r"py:class", r".*"),  # annotation strings autodoc cannot resolve without intersphinx
+]
+
+autosummary_generate = True
+autosummary_imported_members = True
+autodoc_typehints = "signature"
+autodoc_member_order = "bysource"
+autodoc_default_options = {"members": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+# MyST and MyST-NB: every notebook is executed at each build; a failing cell fails the build.
+myst_enable_extensions = ["colon_fence", "deflist", "dollarmath"]
+myst_heading_anchors = 3
+nb_execution_mode = "force"
+nb_execution_raise_on_error = True
+nb_execution_timeout = 180
+nb_execution_show_tb = True
+nb_merge_streams = True
+
+html_theme = "sphinx_book_theme"
+html_title = "Pallas + jax-triton"
+html_theme_options = {
+    "show_toc_level": 2,
+    "use_download_button": False,
+    "home_page_in_toc": True,
+}
+html_static_path = []
+suppress_warnings = ["mystnb.unknown_mime_type"]

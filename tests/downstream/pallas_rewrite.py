@@ -12,25 +12,27 @@ every import spelling and for a whole installed package, its tests included):
     import jax.experimental.pallas.triton as plgpu        -> import pallas_gpu as plgpu
 
 Imports of JAX Pallas modules that have no counterpart in our packages stay as they
-are (``KEPT``): Mosaic GPU (out of our scope), SparseCore (``tpu_sc``) and ``fuser``.
-A kernel that uses one of them still runs on JAX's module for that part, and its test
-shows whether that mixes with ours. Anything else that still names JAX's Pallas after
-the rewrite (``jax._src.pallas``, ``jax.experimental.pallas.X`` used inline) makes the
-module refuse to load (:class:`CannotRunUnchanged`), so nothing runs half on JAX's
-Pallas unnoticed.
+are (``KEPT``): Mosaic GPU (out of our scope), SparseCore (``tpu_sc``), ``fuser``, and
+splash attention's mask modules (numpy and jnp, no kernel). A kernel that uses one of
+them still runs on JAX's module for that part, and its test shows whether that mixes
+with ours. Anything else that still names JAX's Pallas in code after the rewrite
+(``jax._src.pallas``, ``jax.experimental.pallas.X`` used inline) makes the module refuse
+to load (:class:`CannotRunUnchanged`), so nothing runs half on JAX's Pallas unnoticed.
+Annotations are not checked: they may name JAX's types (ejkernel annotates a helper's
+argument ``jax._src.pallas.mosaic.primitives.AsyncCopyDescriptor``); nothing runs on
+them, and a type checker that reads them fails loudly on our objects.
 
 Nothing is copied: the sources are read from the installed package at import time.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import io
 import re
 import sys
-import tokenize
 
 # `from PARENT import NAME as alias` or `import PARENT.NAME as alias`, a comment allowed after.
 _AS = r"^(?P<indent>[ \t]*)(?:from {parent} import {name}|import {parent}\.{name}) as (?P<alias>\w+)(?P<rest>[ \t]*(?:#.*)?)$"
@@ -51,72 +53,162 @@ REWRITES = tuple(
 
 # JAX Pallas modules without a counterpart in our packages: their imports stay.
 KEPT = {
-    "mosaic_gpu": "Mosaic GPU: out of our scope (pallas-gpu lowers to Triton)",
-    "tpu_sc": "SparseCore (jax.experimental.pallas.tpu_sc): pallas-tpu has no SparseCore",
-    "fuser": "jax.experimental.pallas.fuser: no counterpart (kernel fusion helpers)",
+    "jax.experimental.pallas.mosaic_gpu": "Mosaic GPU: out of our scope (pallas-gpu lowers to Triton)",
+    "jax.experimental.pallas.tpu_sc": "SparseCore (jax.experimental.pallas.tpu_sc): pallas-tpu has no SparseCore",
+    "jax.experimental.pallas.fuser": "jax.experimental.pallas.fuser: no counterpart (kernel fusion helpers)",
+    "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask": (
+        "splash attention's mask classes (numpy, no Pallas)"
+    ),
+    "jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info": (
+        "splash attention's mask preprocessing (numpy and jnp, no Pallas)"
+    ),
 }
-_KEPT_LINE = re.compile(
-    r"^\s*(?:from jax\.experimental\.pallas import ({0})\b|import jax\.experimental\.pallas\.({0})\b)".format(
-        "|".join(KEPT)
-    )
-)
-FORBIDDEN = re.compile(r"jax\.experimental\.pallas|jax\._src\.pallas|jax\.experimental import pallas")
+FORBIDDEN = re.compile(r"jax\.experimental\.pallas|jax\._src\.pallas")
 
 
 class CannotRunUnchanged(ImportError):
     """The module uses JAX's Pallas beyond the imports we rewrite."""
 
 
-def _code_lines(src: str) -> dict[int, str]:
-    """Each line's code without its strings and comments, tokens joined by spaces
-    (``a . b`` joined back to ``a.b``)."""
-    skip = {tokenize.COMMENT, tokenize.STRING, tokenize.FSTRING_MIDDLE, tokenize.NL, tokenize.NEWLINE}
-    lines: dict[int, list[str]] = {}
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type not in skip and tok.string.strip():
-            lines.setdefault(tok.start[0], []).append(tok.string)
-    return {n: " ".join(t).replace(" . ", ".") for n, t in lines.items()}
+def _kept(module: str) -> str | None:
+    """The ``KEPT`` module that ``module`` is or lies in."""
+    return next((k for k in KEPT if module == k or module.startswith(k + ".")), None)
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` for an attribute chain on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules (or module attributes) an absolute import names."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if node.level or not node.module:
+        return []
+    return [f"{node.module}.{a.name}" for a in node.names]
+
+
+def _annotations(tree: ast.Module) -> set[int]:
+    """ids of the annotation nodes of ``tree``."""
+    found = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.arg) and n.annotation is not None:
+            found.add(id(n.annotation))
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns is not None:
+            found.add(id(n.returns))
+        elif isinstance(n, ast.AnnAssign):
+            found.add(id(n.annotation))
+    return found
+
+
+def _uses(src: str, origin: str) -> list[str]:
+    """Where ``src``'s code (not its strings, comments or annotations)
+    names JAX's Pallas outside a ``KEPT`` import: ``line N: code``."""
+    tree = ast.parse(src, origin)
+    skip = _annotations(tree)
+    left = []
+
+    def visit(node):
+        if id(node) in skip:
+            return
+        bad = None
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bad = [m for m in _imported(node) if FORBIDDEN.search(m) and not _kept(m)]
+        elif isinstance(node, ast.Attribute):
+            name = _dotted(node)
+            if name is not None:
+                bad = [name] if FORBIDDEN.search(name) and not _kept(name) else []
+        if bad:
+            left.append(f"line {node.lineno}: {ast.get_source_segment(src, node) or bad[0]}")
+        if bad is None or isinstance(node, (ast.Import, ast.ImportFrom)):
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+    visit(tree)
+    return left
 
 
 def port_source(src: str, origin: str) -> str:
     """``src`` with its Pallas imports rewritten to ours; raises :class:`CannotRunUnchanged`
-    if JAX's Pallas is still named in its code (not its strings or comments) anywhere
-    but in a ``KEPT`` import."""
+    if JAX's Pallas is still named in its code anywhere but in a ``KEPT`` import."""
     for pattern, replacement in REWRITES:
         src = pattern.sub(replacement, src)
-    left = [
-        code for code in _code_lines(src).values() if FORBIDDEN.search(code) and not _KEPT_LINE.match(code)
-    ]
+    left = _uses(src, origin)
     if left:
         raise CannotRunUnchanged(f"{origin} still uses JAX's Pallas after the import rewrite: {left}")
     return src
 
 
 def kept_imports(src: str) -> set[str]:
-    """The ``KEPT`` JAX Pallas modules that ``src`` imports."""
+    """The ``KEPT`` JAX Pallas modules that ``src`` imports (last name: ``mosaic_gpu``)."""
     found = set()
-    for code in _code_lines(src).values():
-        m = _KEPT_LINE.match(code)
-        if m:
-            found.add(m.group(1) or m.group(2))
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update(k.rpartition(".")[2] for m in _imported(node) if (k := _kept(m)))
     return found
+
+
+class _Refused:
+    """Stands for a name of a module that refused to load: calling it raises why."""
+
+    def __init__(self, name: str, why: str):
+        self.name, self.why = name, why
+
+    def __call__(self, *args, **kwargs):
+        raise CannotRunUnchanged(f"{self.name}: {self.why}")
+
+    def __repr__(self):
+        return f"<refused {self.name}>"
 
 
 class _RewritingLoader(importlib.machinery.SourceFileLoader):
     """Compiles the file's source after :func:`port_source` (never from a cached .pyc,
-    which holds the unrewritten code)."""
+    which holds the unrewritten code). With a ``refused`` dict, a module that cannot
+    run unchanged loads as a stub whose every name raises :class:`CannotRunUnchanged`
+    when called, and is recorded there (``{module: why}``), so that the rest of its
+    package still loads."""
+
+    def __init__(self, fullname, path, refused: dict[str, str] | None = None):
+        super().__init__(fullname, path)
+        self.refused = refused
 
     def get_code(self, fullname):
         path = self.get_filename(fullname)
         src = importlib.util.decode_source(self.get_data(path))
         return compile(port_source(src, path), path, "exec", dont_inherit=True)
 
+    def exec_module(self, module):
+        try:
+            code = self.get_code(module.__name__)
+        except CannotRunUnchanged as e:
+            if self.refused is None:
+                raise
+            name, why = module.__name__, str(e)
+            self.refused[name] = why
+
+            def __getattr__(attr):
+                if attr.startswith("__"):
+                    raise AttributeError(attr)
+                return _Refused(f"{name}.{attr}", why)
+
+            module.__getattr__ = __getattr__
+            return
+        exec(code, module.__dict__)
+
 
 class RewritingFinder(importlib.abc.MetaPathFinder):
     """Loads every module of the ``packages`` (top-level names) with :func:`port_source`."""
 
-    def __init__(self, *packages: str):
+    def __init__(self, *packages: str, refused: dict[str, str] | None = None):
         self.packages = frozenset(packages)
+        self.refused = refused
 
     def find_spec(self, name, path=None, target=None):
         if name.partition(".")[0] not in self.packages:
@@ -124,16 +216,18 @@ class RewritingFinder(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or type(spec.loader) is not importlib.machinery.SourceFileLoader:
             return spec
-        spec.loader = _RewritingLoader(name, spec.origin)
+        spec.loader = _RewritingLoader(name, spec.origin, self.refused)
         return spec
 
 
-def install(*packages: str) -> RewritingFinder:
+def install(*packages: str, refused: dict[str, str] | None = None) -> RewritingFinder:
     """Rewrites the ``packages``' Pallas imports from now on (first on ``sys.meta_path``);
-    refuses if one of them is already imported (it would stay on JAX's Pallas)."""
+    refuses if one of them is already imported (it would stay on JAX's Pallas). With
+    ``refused`` (a dict), a module that cannot run unchanged loads as a stub and is
+    recorded there instead of failing its package's import."""
     loaded = [n for n in sys.modules if n.partition(".")[0] in packages]
     if loaded:
         raise RuntimeError(f"already imported before the rewrite was installed: {sorted(loaded)[:5]}")
-    finder = RewritingFinder(*packages)
+    finder = RewritingFinder(*packages, refused=refused)
     sys.meta_path.insert(0, finder)
     return finder

@@ -1,0 +1,401 @@
+"""ejkernel's Pallas kernels, on JAX's Pallas and on ours, compared kernel by kernel.
+
+    python tests/downstream/run_ejkernel.py               # every kernel with a case below
+    python tests/downstream/run_ejkernel.py flash_attention gated_delta_rule
+
+ejkernel (PyPI, installed with ``--no-deps``: it pins jax 0.10) ships no tests. This
+script is its test driver: each side runs in a fresh process (``--side jax`` or
+``--side ours``, the latter with ejkernel's Pallas imports rewritten at import time by
+``pallas_rewrite.py``) that
+
+1. imports every module of ``ejkernel.kernels._pallas`` (and ``ejkernel.callib._pallas_call``)
+   and records which load and, for those that do not, the exception's first line; on ours
+   a module that cannot run unchanged loads as a stub (``pallas_rewrite.install(refused=)``)
+   so that the rest of ejkernel still imports;
+2. calls each kernel's public entry point (``ejkernel.kernels._pallas.{tpu,gpu}.<name>``)
+   on small fresh random inputs (the same seed on both sides): TPU kernels in TPU
+   interpret mode, Pallas Triton kernels with ``interpret=True`` (``tokamax_plugin``'s
+   switches); the JAX side also calls ejkernel's XLA implementation of the same
+   algorithm (its kernel registry's ``Platform.XLA`` entry, same arguments) as the
+   ``jnp`` reference.
+
+The parent compares: per kernel, runs on JAX, runs on ours, max abs diff ours vs JAX's
+and each vs the XLA reference; ``ejkernel.tsv`` and ``imports.tsv`` in ``--out``. The exit
+status is 1 when a kernel runs on JAX's Pallas and not on ours, or ours differs from
+JAX's by more than the kernel's tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+EJKERNEL_VERSION = "0.0.80.3"  # the release the README's counts were measured on
+
+# ---------------------------------------------------------------------------
+# Cases: name -> (backend, build(rng) -> (args, kwargs), tolerance ours vs JAX's).
+# Small shapes that still fill the TPU kernels' (8, 128) tiles.
+
+
+def _normal(rng, *shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _attention(rng, b=1, s=128, h=2, d=128, kvh=None):
+    kvh = kvh or h
+    return _normal(rng, b, s, h, d), _normal(rng, b, s, kvh, d), _normal(rng, b, s, kvh, d)
+
+
+def _flash_attention(rng):
+    return _attention(rng), dict(causal=True)
+
+
+def _blocksparse_attention(rng):
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in _attention(rng))
+    return (q, k, v), dict(causal=True)
+
+
+def _ring_attention(rng):
+    return _attention(rng), dict(causal=True)
+
+
+def _gated_delta_rule(rng, b=1, s=128, h=2, d=128):
+    q, k, v = _attention(rng, b, s, h, d)
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    beta = 1 / (1 + np.exp(-_normal(rng, b, s, h)))
+    decay = -np.abs(_normal(rng, b, s, h)) * 0.1
+    return (q, k, v, beta.astype(np.float32)), dict(decay=decay.astype(np.float32))
+
+
+def _fused_cross_entropy(rng, n=16, vocab=512):
+    return (_normal(rng, n, vocab), rng.integers(0, vocab, (n,)).astype(np.int32)), {}
+
+
+def _fused_kl_divergence(rng, n=16, vocab=512):
+    return (_normal(rng, n, vocab), _normal(rng, n, vocab)), {}
+
+
+def _grouped_matmul(rng, m=256, k=128, n=128, groups=4):
+    sizes = np.array([64, 32, 96, 64], np.int32)
+    return (_normal(rng, m, k), _normal(rng, groups, k, n), sizes), {}
+
+
+def _page_attention(rng, seqs=2, h=2, d=128, pages=8, page_size=16, per_seq=4):
+    q = _normal(rng, seqs, h, d)
+    kc, vc = _normal(rng, h, pages, page_size, d), _normal(rng, h, pages, page_size, d)
+    lens = np.array([40, 64], np.int32)
+    tables = rng.permutation(pages).astype(np.int32).reshape(seqs, per_seq)
+    return (q, kc, vc, lens, tables), {}
+
+
+def _prefill_page_attention(rng, chunk=32, h=2, d=128, pages=8, page_size=16):
+    q = _normal(rng, chunk, h, d)
+    kc, vc = _normal(rng, h, pages, page_size, d), _normal(rng, h, pages, page_size, d)
+    return (q, kc, vc, np.array([64], np.int32), rng.permutation(pages).astype(np.int32)), {}
+
+
+def _ragged_decode_attention(rng, b=2, s=256, h=4, kvh=2, d=128):
+    q = _normal(rng, b, h, d)
+    k, v = _normal(rng, b, s, kvh, d), _normal(rng, b, s, kvh, d)
+    return (q, k, v, np.array([0, 32], np.int32), np.array([200, 256], np.int32)), {}
+
+
+def _mla(rng, b=1, s=128, h=2, nope=128, rope=64, rank=128, vd=128):
+    q = _normal(rng, b, s, h, nope + rope) * 0.1
+    kv = _normal(rng, b, s, rank) * 0.1
+    w_kc, w_vc = _normal(rng, rank, h, nope) * 0.1, _normal(rng, rank, h, vd) * 0.1
+    return (q, kv, w_kc, w_vc), dict(b_k=_normal(rng, b, s, rope) * 0.1, causal=True)
+
+
+CASES = {
+    "flash_attention": ("tpu", _flash_attention, 1e-4),
+    "blocksparse_attention": ("tpu", _blocksparse_attention, 1e-4),
+    "ring_attention": ("tpu", _ring_attention, 1e-4),
+    "gated_delta_rule": ("tpu", _gated_delta_rule, 1e-4),
+    "fused_cross_entropy": ("tpu", _fused_cross_entropy, 1e-4),
+    "fused_kl_divergence": ("tpu", _fused_kl_divergence, 1e-4),
+    "grouped_matmul": ("tpu", _grouped_matmul, 1e-3),
+    "grouped_matmulv2": ("tpu", _grouped_matmul, 1e-3),
+    "grouped_matmulv3": ("tpu", _grouped_matmul, 1e-3),
+    "page_attention": ("tpu", _page_attention, 1e-4),
+    "prefill_page_attention": ("tpu", _prefill_page_attention, 1e-4),
+    "ragged_decode_attention": ("tpu", _ragged_decode_attention, 1e-4),
+    "flash_mla": ("tpu", _mla, 1e-4),
+    "ragged_decode_attention[gpu]": ("gpu", _ragged_decode_attention, 1e-4),
+}
+# Pallas kernels with no case here, and why (listed in the report).
+NO_CASE = {
+    "all_gather_matmul": "needs a device mesh axis (shard_map) and remote DMAs",
+    "reduce_scatter_matmul": "needs a device mesh axis (shard_map) and remote DMAs",
+    "deepseek_attn": "no case written yet (MLA with a lightning indexer)",
+    "quantized_matmul": "no case written yet (packed quantized weights)",
+    "multi_latent_ragged_page_attention": "no case written yet (ragged paged KV cache)",
+    "multi_latent_ragged_page_attention_v2": "no case written yet (ragged paged KV cache)",
+    "ragged_gated_delta_rule": "no case written yet (ragged recurrent state)",
+    "ragged_page_attention_v2": "no case written yet (ragged paged KV cache)",
+    "ragged_page_attention_v3": "no case written yet (ragged paged KV cache)",
+    "scaled_dot_product_attention[gpu]": "not a Pallas kernel: calls jax.nn.dot_product_attention(cudnn)",
+}
+
+
+# ---------------------------------------------------------------------------
+# One side (a fresh process).
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _import_all(refused: dict[str, str]) -> dict[str, str]:
+    """Every Pallas module of ejkernel: ``ok``, ``refused: ...`` (ours: a stub) or the error."""
+    results = {}
+    try:
+        pkg = importlib.import_module("ejkernel.kernels._pallas")
+    except Exception as e:  # noqa: BLE001
+        return {"ejkernel.kernels._pallas": _first_line(e)}
+    names = ["ejkernel.callib._pallas_call"]
+    names += [m.name for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
+    for name in names:
+        try:
+            importlib.import_module(name)
+            results[name] = "ok"
+        except Exception as e:  # noqa: BLE001
+            results[name] = _first_line(e)
+    for name, why in refused.items():
+        results[name] = "refused: " + why.partition("rewrite: ")[2].strip("[]\x27")[:250]
+    return results
+
+
+def _leaves(out) -> list[np.ndarray]:
+    import jax
+
+    return [np.asarray(x, np.float32) for x in jax.tree.leaves(out)]
+
+
+def _call(fn, args, kwargs):
+    import jax
+    import jax.numpy as jnp
+
+    # ejkernel's beartype checks want jax Arrays, not numpy ones.
+    args, kwargs = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, (args, kwargs))
+    out = fn(*args, **kwargs)
+    jax.block_until_ready(out)
+    return _leaves(out)
+
+
+def run_side(side: str, name: str | None, out: Path) -> None:
+    """In a fresh process: the import listing (``name`` None) or one kernel's call,
+    written to ``out/side/``."""
+    sys.path.insert(0, str(HERE))
+    refused: dict[str, str] = {}
+    if side == "ours":
+        import pallas_rewrite
+
+        pallas_rewrite.install("ejkernel", refused=refused)
+    import tokamax_plugin
+
+    (tokamax_plugin._interpret_ours if side == "ours" else tokamax_plugin._interpret_jax)()
+    where = out / side
+    where.mkdir(parents=True, exist_ok=True)
+    if name is None:
+        (where / "imports.json").write_text(json.dumps(_import_all(refused), indent=1))
+        return
+
+    from ejkernel.kernels import _pallas
+    from ejkernel.kernels._registry import kernel_registry
+
+    backend, build, _ = CASES[name]
+    algo = name.partition("[")[0]
+    args, kwargs = build(np.random.default_rng(0))
+    rec = {"status": "failed", "message": "", "seconds": 0.0}
+    arrays = {}
+    start = time.monotonic()
+    try:
+        fn = getattr(getattr(_pallas, backend), algo)
+        for i, x in enumerate(_call(fn, args, kwargs)):
+            arrays[f"pallas/{i}"] = x
+        rec["status"] = "ran"
+    except Exception as e:  # noqa: BLE001
+        rec["message"] = _first_line(e)
+        rec["where"] = _where(e)
+    rec["seconds"] = round(time.monotonic() - start, 1)
+    if side == "jax":  # the XLA reference does not depend on whose Pallas is loaded
+        try:
+            ref = kernel_registry.get(algo, platform="xla")
+            for i, x in enumerate(_call(ref, args, kwargs)):
+                arrays[f"xla/{i}"] = x
+            rec["xla"] = "ran"
+        except Exception as e:  # noqa: BLE001
+            rec["xla"] = _first_line(e)
+    np.savez(where / f"{name}.npz", **arrays)
+    (where / f"{name}.json").write_text(json.dumps(rec))
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame in our packages, or else ejkernel's: ``file:line``."""
+    frames = traceback.extract_tb(e.__traceback__)
+    for marks in (("/pallas", "/pallas_tpu", "/pallas_gpu"), ("/ejkernel/",)):
+        hits = [f for f in frames if any(m in f.filename for m in marks) and "/jax/" not in f.filename]
+        if hits:
+            f = hits[-1]
+            return f"{f.filename.rpartition('site-packages/')[2] or f.filename}:{f.lineno}"
+    return ""
+
+
+# ---------------------------------------------------------------------------
+# The parent: both sides, then the comparison.
+
+
+def _max_diff(a: dict, b: dict, ka: str, kb: str) -> float | None:
+    xs = sorted(k for k in a if k.startswith(f"{ka}/"))
+    ys = sorted(k for k in b if k.startswith(f"{kb}/"))
+    if not xs or len(xs) != len(ys) or any(a[x].shape != b[y].shape for x, y in zip(xs, ys)):
+        return None
+    return max(float(np.max(np.abs(a[x] - b[y]), initial=0.0)) for x, y in zip(xs, ys))
+
+
+def _spawn(side: str, name: str | None, out: Path, timeout: int) -> dict:
+    """One side's import listing or one kernel, in a fresh process; its record."""
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    if "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    stem = name or "imports"
+    (out / side).mkdir(parents=True, exist_ok=True)
+    report = out / side / f"{stem}.json"
+    report.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--side", side, "--out", str(out), *([name] if name else [])]
+    start = time.monotonic()
+    with open(out / side / f"{stem}.log", "w") as f:
+        try:
+            subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "message": f"no result after {timeout} s", "seconds": timeout}
+    if not report.exists():
+        msg = f"the process wrote no report: see {out / side / stem}.log"
+        return {"status": "crashed", "message": msg, "seconds": round(time.monotonic() - start, 1)}
+    return json.loads(report.read_text())
+
+
+def _load_all(path: Path) -> dict:
+    return dict(np.load(path)) if path.exists() else {}
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--side", choices=("jax", "ours"), help=argparse.SUPPRESS)
+    p.add_argument("--out", default="build/downstream/ejkernel", help="where the logs and reports go")
+    p.add_argument("--only", choices=("jax", "ours"), help="run one side; the other's report is reused")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per kernel and side")
+    p.add_argument("kernels", nargs="*", help=f"kernel names (default: all {len(CASES)} with a case)")
+    args = p.parse_args(argv)
+    names = args.kernels or list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        sys.exit(f"no case for {unknown}; cases: {sorted(CASES)}")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.side:
+        run_side(args.side, args.kernels[0] if args.kernels else None, out)
+        return 0
+
+    if importlib.util.find_spec("ejkernel") is None:
+        sys.exit(f"ejkernel is not installed: pip install --no-deps ejkernel=={EJKERNEL_VERSION}")
+    from importlib.metadata import version
+
+    ev = version("ejkernel")
+    if ev != EJKERNEL_VERSION:
+        print(f"warning: ejkernel {ev}; the README's counts are for {EJKERNEL_VERSION}")
+    sides = [s for s in ("jax", "ours") if not (args.only and args.only != s)]
+    imports = {}
+    for side in ("jax", "ours"):
+        if side in sides:
+            _spawn(side, None, out, args.timeout)
+        imports[side] = json.loads((out / side / "imports.json").read_text())
+    with open(out / "imports.tsv", "w") as f:
+        f.write("module\tjax\tours\n")
+        for m in sorted(imports["jax"] | imports["ours"]):
+            f.write(f"{m}\t{imports['jax'].get(m, '-')}\t{imports['ours'].get(m, '-')}\n")
+    for side, res in imports.items():
+        bad = {m: r for m, r in res.items() if r != "ok"}
+        print(f"imports on {side}: {len(res) - len(bad)} of {len(res)} Pallas modules load")
+        for m, r in sorted(bad.items()):
+            print(f"  {m}: {r}")
+
+    rep, arr = {"jax": {}, "ours": {}}, {"jax": {}, "ours": {}}
+    for name in names:
+        for side in ("jax", "ours"):
+            if side in sides:
+                rec = _spawn(side, name, out, args.timeout)
+            else:
+                path = out / side / f"{name}.json"
+                rec = json.loads(path.read_text()) if path.exists() else {"status": "missing"}
+            rep[side][name] = rec
+            npz = out / side / f"{name}.npz"
+            arr[side][name] = dict(np.load(npz)) if npz.exists() and rec.get("status") == "ran" else {}
+            print(
+                f"{side:4} {name:34} {rec['status']:8} {rec.get('seconds', 0):6} s {rec.get('message', '')[:120]}"
+            )
+
+    failures = []
+    rows = []
+    for name in names:
+        j, o = rep["jax"][name], rep["ours"][name]
+        xla = {k: v for k, v in _load_all(out / "jax" / f"{name}.npz").items() if k.startswith("xla/")}
+        d_ours = _max_diff(arr["ours"][name], arr["jax"][name], "pallas", "pallas")
+        d_jax_ref = _max_diff(arr["jax"][name], xla, "pallas", "xla")
+        d_ours_ref = _max_diff(arr["ours"][name], xla, "pallas", "xla")
+        rows.append((name, j, o, d_ours, d_jax_ref, d_ours_ref))
+        tol = CASES[name][2]
+        if j.get("status") == "ran" and (o.get("status") != "ran" or d_ours is None or d_ours > tol):
+            failures.append(name)
+    with open(out / "ejkernel.tsv", "w") as f:
+        f.write(
+            "kernel\tjax\tours\tours_vs_jax\tjax_vs_xla\tours_vs_xla\tjax_s\tours_s\tjax_message\tours_message\n"
+        )
+        for name, j, o, d1, d2, d3 in rows:
+            f.write(
+                f"{name}\t{j.get('status', 'missing')}\t{o.get('status', 'missing')}\t{_fmt(d1)}\t{_fmt(d2)}"
+                f"\t{_fmt(d3)}\t{j.get('seconds', '')}\t{o.get('seconds', '')}\t{j.get('message', '')}"
+                f"\t{o.get('message', '')} {o.get('where', '')}\n"
+            )
+    print(f"\n{'kernel':34} {'JAX':6} {'ours':6} {'ours-JAX':>9} {'JAX-XLA':>9} {'ours-XLA':>9}")
+    for name, j, o, d1, d2, d3 in rows:
+        print(
+            f"{name:34} {j.get('status', '-'):6} {o.get('status', '-'):6} {_fmt(d1):>9} {_fmt(d2):>9} {_fmt(d3):>9}"
+        )
+    for name, j, o, *_ in rows:
+        for s, r in (("JAX", j), ("ours", o)):
+            if r.get("status") != "ran":
+                print(f"  {name} on {s}: {r.get('message', '')} {r.get('where', '')}")
+        if j.get("xla", "ran") != "ran":
+            print(f"  {name}, XLA reference: {j['xla']}")
+    print(
+        f"\nran on JAX: {sum(r[1].get('status') == 'ran' for r in rows)} of {len(rows)};"
+        f" on ours: {sum(r[2].get('status') == 'ran' for r in rows)}"
+    )
+    print("no case: " + "; ".join(f"{k} ({v})" for k, v in NO_CASE.items()))
+    if failures:
+        print(f"\nrun on JAX's Pallas, not on ours or differing: {failures}")
+    print(f"per kernel: {out / 'ejkernel.tsv'}; per module: {out / 'imports.tsv'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

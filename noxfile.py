@@ -206,6 +206,30 @@ def downstream(session: nox.Session) -> None:
     session.run("python", "tests/downstream/run_tokamax.py", *session.posargs)
 
 
+# ejkernel, installed without its dependencies (it pins jax 0.10), then those it imports.
+EJKERNEL = ["ejkernel==0.0.80.3"]
+EJKERNEL_DEPS = [
+    "beartype>=0.22.2",
+    "chex>=0.1.91",
+    "einops>=0.8.1",
+    "jaxtyping>=0.3.2",
+    "pydantic>=2.11.10",
+    "tqdm",
+]
+
+
+@nox.session(python=PYTHON)
+def downstream_ejkernel(session: nox.Session) -> None:
+    """ejkernel's Pallas kernels (it ships no tests) on the CPU, on JAX's Pallas and on
+    ours: tests/downstream/run_ejkernel.py lists which of its Pallas modules load on
+    each and calls each kernel with a case on small random inputs, compared with each
+    other and with ejkernel's XLA implementation. Arguments go to run_ejkernel.py."""
+    _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
+    session.install("--no-deps", *EJKERNEL)
+    session.install(*EJKERNEL_DEPS, *_with_libtpu(JAX_OLDEST), *TRITON_PINNED)
+    session.run("python", "tests/downstream/run_ejkernel.py", *session.posargs)
+
+
 # What an sdist may hold besides PKG-INFO: its own package's files, nothing of the monorepo.
 SDIST_FILES = {
     "jax-kernel-runtime": ("pyproject.toml", "LICENSE", "CMakeLists.txt", "RUNTIME.md", "RUNTIME_CHANGELOG.md",

@@ -24,6 +24,7 @@ from jax_kernel_runtime._config import (
     normalize_grid,
 )
 
+#: The name of the runtime's XLA FFI custom-call target (platform CUDA).
 TARGET_NAME = "jax_kernel_runtime_launch"
 _registered = False
 _lock = threading.Lock()

@@ -92,7 +92,7 @@ class KernelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Buffer:
-    """A kernel parameter bound to an operand: ``inputs ++ outputs``[operand].
+    """A kernel parameter bound to an operand: element ``operand`` of ``inputs ++ outputs``.
 
     ``alignment`` is what the kernel was specialized for (Triton's
     ``tt.divisibility`` of 16); the runtime checks it at every launch.
@@ -186,6 +186,7 @@ def _int_range(dtype: str) -> tuple[int, int]:
     return (0, 2**bits - 1) if dtype[0] == "u" else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
 
 
+#: One kernel parameter: a ``Buffer`` or a ``Scalar``.
 Param = Buffer | Scalar
 
 

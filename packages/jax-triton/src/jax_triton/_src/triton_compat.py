@@ -22,7 +22,9 @@ from triton.runtime.jit import JITFunction
 # The Triton this release was validated against. The wheel identity is the
 # sha256 of triton/_C/libtriton.so recorded in triton-3.6.0.dist-info/RECORD
 # (PyPI manylinux_2_27/2_28 x86_64 wheel, cp312), i.e. the v3.6.0 release tag.
+#: The Triton release this jax-triton-bridge release was validated against (its pin).
 VALIDATED_TRITON_VERSION = "3.6.0"
+#: The validated Triton build: its release tag and the sha256 of its ``libtriton.so``.
 VALIDATED_TRITON_BUILD = (
     "v3.6.0 release wheel; libtriton.so sha256=KNqqcKkE5Pit11TlGFM-imm5SrixZDHOd9RfHyUoK4c"
 )

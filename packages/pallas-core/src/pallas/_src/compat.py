@@ -243,6 +243,7 @@ def axis_index_primitive():
 # ``pl.broadcast_to``: JAX's state primitive, so kernels written for either
 # package trace to the same primitive and every backend lowers one rule.
 broadcast_to = state_primitives.broadcast_to
+#: JAX's ``pl.broadcast_to`` state primitive (backends lower it).
 broadcast_to_p = state_primitives.broadcast_to_p
 
 

@@ -28,7 +28,10 @@ class MemorySpace(enum.Enum):
         return self.value
 
 
+#: Whole-array operands left where they are (HBM on a TPU, global memory on a GPU): the
+#: kernel gets a Ref of the array and copies parts itself (DMAs, ``plgpu.load``).
 ANY = MemorySpace.ANY
+#: Host memory (a TPU's pinned host buffers).
 HOST = MemorySpace.HOST
 
 # Backends (pallas-tpu's VMEM/SMEM, ...) register their memory-space types so
@@ -37,6 +40,8 @@ _memory_space_types: set[type] = {MemorySpace}
 
 
 def register_memory_space_type(cls: type) -> None:
+    """Makes ``cls`` (a backend's memory space enum) a memory space that
+    ``BlockSpec(memory_space=...)`` and scratch shapes accept."""
     _memory_space_types.add(cls)
     compat.register_neutral_memory_space(cls)
 
@@ -102,7 +107,9 @@ class Squeezed:
         return "squeezed"
 
 
+#: The ``Squeezed`` block dimension (``None`` in a ``block_shape`` means the same).
 squeezed = Squeezed()
+#: The type of one entry of a ``BlockSpec``'s block shape after normalization.
 BlockDim = Blocked | Element | Squeezed
 
 
@@ -114,6 +121,7 @@ class DynamicGridDim:
         return "dynamic"
 
 
+#: The size recorded in a ``GridMapping``'s grid for an axis whose size is traced.
 dynamic_grid_dim: Any = DynamicGridDim()
 
 
@@ -122,6 +130,7 @@ class _NoBlockSpec:
         return "no_block_spec"
 
 
+#: The default ``in_specs``/``out_specs``: the whole array, as one block.
 no_block_spec: Any = _NoBlockSpec()
 
 

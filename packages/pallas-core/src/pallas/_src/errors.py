@@ -36,6 +36,7 @@ def user_source() -> str:
 
 
 def describe(kernel_name: str | None, source: str | None) -> str:
+    """How messages name a kernel: ``pallas_call 'name' at file.py:12``."""
     where = f" at {source}" if source else ""
     return f"pallas_call '{kernel_name}'{where}" if kernel_name else f"pallas{where}"
 

@@ -201,7 +201,7 @@ def pallas_call(
       grid_spec: a ``GridSpec``; exclusive with grid/in_specs/out_specs/
         scratch_shapes.
       grid: the number of programs along each axis (int or tuple of ints).
-      in_specs, out_specs: pytree prefixes of ``BlockSpec``s for the inputs
+      in_specs, out_specs: pytree prefixes of ``BlockSpec`` objects for the inputs
         and outputs (default: the whole array).
       scratch_shapes: scratch buffers passed after the output Refs.
       input_output_aliases: ``{input index: output index}`` over the

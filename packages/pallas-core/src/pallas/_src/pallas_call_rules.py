@@ -15,6 +15,7 @@ from pallas._src import backends, compat
 from pallas._src import core as pallas_core
 from pallas._src.errors import describe
 
+#: The primitive ``pallas_call`` binds; backends register its MLIR lowering for their platform.
 pallas_call_p = Primitive("pallas_call")
 pallas_call_p.multiple_results = True
 

@@ -24,6 +24,8 @@ from pallas._src.errors import kernel_error
 
 @dataclasses.dataclass
 class KernelContext:
+    """The kernel being traced: its grid, the grid index tracers and its name."""
+
     grid: tuple[Any, ...]  # ints, or pallas_core.dynamic_grid_dim
     grid_indices: Sequence[Any]  # int32 scalar tracers, one per grid axis
     name: str
@@ -45,6 +47,9 @@ def _kernel_context(what: str) -> KernelContext:
 
 
 class kernel_context:
+    """Context manager that makes ``ctx`` the kernel being traced (``program_id``
+    and ``num_programs`` read it)."""
+
     def __init__(self, ctx: KernelContext):
         self.ctx = ctx
 
@@ -103,6 +108,7 @@ def num_programs(axis: int) -> int | jax.Array:
 # Named grid axes: lax.axis_index("i") inside a kernel with grid=(("i", n), ...)
 # becomes grid_axis_index_p, resolved by the backend from the grid index.
 
+#: ``lax.axis_index`` of a named grid axis inside a kernel.
 grid_axis_index_p = Primitive("grid_axis_index")
 grid_axis_index_p.def_abstract_eval(lambda *, axis_name: compat.shaped_array((), jnp.int32))
 
@@ -126,6 +132,7 @@ def resolve_grid_axis_names(jaxpr, names):
 # ---------------------------------------------------------------------------
 # multiple_of: a divisibility hint for the compiler; the identity elsewhere.
 
+#: ``pl.multiple_of``: a hint that a value is a multiple of a constant.
 multiple_of_p = Primitive("multiple_of")
 
 
@@ -157,6 +164,7 @@ mlir.register_lowering(multiple_of_p, lambda ctx, x, **_: [x])
 # ---------------------------------------------------------------------------
 # debug_print
 
+#: ``pl.debug_print`` inside a kernel.
 debug_print_p = Primitive("debug_print")
 debug_print_p.multiple_results = True
 
@@ -209,6 +217,7 @@ batching.primitive_batchers[debug_print_p] = _debug_print_batch
 # ---------------------------------------------------------------------------
 # run_scoped: scratch Refs that live for the duration of a function.
 
+#: ``pl.run_scoped``: a body run with freshly allocated scratch Refs.
 run_scoped_p = Primitive("run_scoped")
 run_scoped_p.multiple_results = True
 
@@ -231,9 +240,10 @@ def run_scoped(f: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
 
     Args:
       f: a function taking one Ref per type.
-      *types, **kw_types: the scratch buffers' shapes (``MemoryRef`` such as
+      *types: the scratch buffers' shapes (``MemoryRef`` such as
         ``pl.ANY((8, 128), jnp.float32)``, a backend memory space's shape, or
-        a ``jax.ShapeDtypeStruct``).
+        a ``jax.ShapeDtypeStruct``), one positional Ref each.
+      **kw_types: likewise, passed to ``f`` by keyword.
     Returns:
       What ``f`` returns (arrays, not Refs).
     """

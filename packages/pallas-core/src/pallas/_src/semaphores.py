@@ -44,6 +44,7 @@ def flatten_ref(ref: Any, what: str) -> tuple[Any, list[Any], Any]:
 
 
 def unflatten_transforms(tree, leaves) -> tuple[Any, ...]:
+    """The Ref transforms (``.at[...]`` views) a semaphore primitive carries flattened."""
     return tuple(tree_util.tree_unflatten(tree, list(leaves)))
 
 
@@ -120,6 +121,7 @@ def flatten_device_id(device_id: Any, device_id_type: DeviceIdType, what: str):
 
 # ---------------------------------------------------------------------------
 
+#: ``pl.semaphore_signal``.
 semaphore_signal_p = Primitive("semaphore_signal")
 semaphore_signal_p.multiple_results = True
 
@@ -171,6 +173,7 @@ def _signal_abstract_eval(*avals, **_):
 semaphore_signal_p.def_effectful_abstract_eval(_signal_abstract_eval)
 
 
+#: ``pl.semaphore_wait``.
 semaphore_wait_p = Primitive("semaphore_wait")
 semaphore_wait_p.multiple_results = True
 
@@ -192,6 +195,7 @@ def semaphore_wait(sem_or_view: Any, value: int | jax.Array = 1, *, decrement: b
 semaphore_wait_p.def_effectful_abstract_eval(_signal_abstract_eval)
 
 
+#: ``pl.semaphore_read``.
 semaphore_read_p = Primitive("semaphore_read")
 
 
@@ -210,6 +214,7 @@ def _read_abstract_eval(*avals, **_):
 semaphore_read_p.def_effectful_abstract_eval(_read_abstract_eval)
 
 
+#: ``pl.delay``.
 delay_p = Primitive("delay")
 delay_p.multiple_results = True
 
@@ -226,6 +231,7 @@ delay_p.def_effectful_abstract_eval(lambda *_: ([], {compat.delay_effect}))
 # pl.debug_check: a run-time assertion that interpreters check when debug
 # checks are enabled (and that compiles to nothing otherwise).
 
+#: ``pl.debug_check``.
 debug_check_p = Primitive("debug_check")
 debug_check_p.multiple_results = True
 _debug_checks: list[bool] = [False]

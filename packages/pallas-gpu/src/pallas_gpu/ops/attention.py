@@ -47,6 +47,7 @@ from pallas_gpu.ops import _attention_sm90
 from pallas_gpu.ops._common import call_params, interpreted
 from pallas_gpu.ops._common import compute_capability as compute_capability
 
+#: log2(e): the kernels compute ``exp`` as ``exp2`` of logits scaled by it.
 LOG2E = math.log2(math.e)
 _F32 = jnp.float32
 _MASKED = -1e30  # finite: a fully masked block must not turn into NaN through inf - inf

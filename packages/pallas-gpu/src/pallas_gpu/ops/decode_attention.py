@@ -45,6 +45,7 @@ import pallas as pl
 from pallas_gpu._src.primitives import load as _gpu_load
 from pallas_gpu.ops._common import call_params, next_power_of_2
 
+#: log2(e): the kernels compute ``exp`` as ``exp2`` of logits scaled by it.
 LOG2E = math.log2(math.e)
 _F32 = jnp.float32
 # At most this many programs, in one wave: two per SM of a 132-SM H200 (they fit three per SM).
@@ -83,6 +84,7 @@ def heads_per_program(block_h: int, group: int) -> int:
 
 
 def default_warps(rows: int) -> int:
+    """The default ``num_warps`` for a program holding ``rows`` query rows."""
     return 4 if rows <= 32 else 8
 
 

@@ -86,8 +86,8 @@ class MatmulConfig:
         return c
 
 
-# Candidates timed by the autotuner on the first call with a shape; the first is what a CPU
-# run uses. On the H200 at bf16 8192^3 (benchmarks/gpu_matmul.py, one run): persistent
+#: Candidates timed by the autotuner on the first call with a shape; the first is what a CPU
+#: run uses. On the H200 at bf16 8192^3 (benchmarks/gpu_matmul.py, one run): persistent
 # 128x256 679 TFLOP/s, persistent 256x128 658, 128x256 with pointer loads 639, 128x128x64
 # 617, 128x128x128 583; the autotuned default 648 (cuBLAS via XLA 701).
 CONFIGS = (
@@ -100,7 +100,7 @@ CONFIGS = (
     MatmulConfig(128, 128, 128, 8, 8, 3, True),
     MatmulConfig(256, 128, 64, 8, 8, 3, True),
 )
-# fp8 candidates: 128-byte rows of k per tile (block_k=128), as the 16-bit ones have with 64.
+#: fp8 candidates: 128-byte rows of k per tile (block_k=128), as the 16-bit ones have with 64.
 # An f32 128x256 result tile passes through 128 KiB of shared memory (the TMA store's
 # staging, or the layout conversion of a pointer store): beside a 3-stage 128x256x128
 # pipeline that is more than sm_90 has, so the flattened candidates (whose pipeline

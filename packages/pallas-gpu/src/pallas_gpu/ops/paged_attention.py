@@ -48,6 +48,7 @@ from pallas_gpu.ops._common import (
     pipeline_stages,
 )
 
+#: The logit of a masked token (JAX's ``paged_attention`` uses the same).
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.dtype("float32")).max)
 _F32 = jnp.float32
 # Tokens per loop step when pages_per_compute_block is None, and the default stages: on the

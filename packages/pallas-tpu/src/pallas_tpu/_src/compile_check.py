@@ -175,10 +175,11 @@ def compile_check(
 
     Args:
       fn: a function of JAX arrays that calls TPU kernels (``pallas_call``).
-      *args, **kwargs: its arguments: arrays or ``jax.ShapeDtypeStruct``, placed on
+      *args: its arguments: arrays or ``jax.ShapeDtypeStruct``, placed on
         one compile-only device of each chip; for a ``jax.shard_map`` over several
         chips, build the mesh from ``compile_check.tpu_devices(chip)`` and pass
-        ``ShapeDtypeStruct``s sharded over it (kept as they are).
+        ``ShapeDtypeStruct`` objects sharded over it (kept as they are).
+      **kwargs: its keyword arguments, likewise.
       chips: of ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``.
       llo: also count the LLO ops (TPU instructions) Mosaic emits per kernel.
     Returns:

@@ -18,6 +18,8 @@ from pallas import backend as plb
 
 
 class CoreType(enum.Enum):
+    """The core a kernel runs on: a TensorCore or a SparseCore's scalar or vector subcore."""
+
     TC = "tc"
     SC_SCALAR_SUBCORE = "sc_scalar_subcore"
     SC_VECTOR_SUBCORE = "sc_vector_subcore"
@@ -37,9 +39,13 @@ class GridDimensionSemantics(enum.Enum):
     ARBITRARY = "arbitrary"
 
 
+#: A grid axis whose steps are independent (a megacore chip may split it over its cores).
 PARALLEL = GridDimensionSemantics.PARALLEL
+#: A grid axis split over the TensorCores (``num_cores_or_threads`` in interpret mode).
 CORE_PARALLEL = GridDimensionSemantics.CORE_PARALLEL
+#: A grid axis split over a SparseCore's subcores.
 SUBCORE_PARALLEL = GridDimensionSemantics.SUBCORE_PARALLEL
+#: A grid axis whose steps run in order (e.g. one that revisits an output block).
 ARBITRARY = GridDimensionSemantics.ARBITRARY
 DimensionSemantics = (
     GridDimensionSemantics | Literal["parallel", "core_parallel", "subcore_parallel", "arbitrary"]
@@ -47,6 +53,8 @@ DimensionSemantics = (
 
 
 class SideEffectType(enum.Enum):
+    """Whether XLA may remove or reorder a kernel: pure, or with side effects."""
+
     PURE = "pure"
     DATAFLOW_SIDE_EFFECTING = "dataflow_side_effecting"
     SIDE_EFFECTING = "side_effecting"
@@ -205,11 +213,17 @@ class MemorySpace(enum.Enum):
 
 plb.register_memory_space_type(MemorySpace)
 
+#: Vector memory: the default for blocks; ``VMEM(shape, dtype)`` makes a scratch buffer.
 VMEM = MemorySpace.VMEM
+#: Scalar memory (32-bit scalars): scalar prefetch and ``SMEM(shape, dtype)`` scratch.
 SMEM = MemorySpace.SMEM
+#: High-bandwidth memory: the whole array, reached by DMA.
 HBM = MemorySpace.HBM
+#: Common memory of TPU v4 and v5p.
 CMEM = MemorySpace.CMEM
+#: VMEM shared by a SparseCore's subcores.
 VMEM_SHARED = MemorySpace.VMEM_SHARED
+#: Semaphore memory: ``SemaphoreType`` scratch lives there.
 SEMAPHORE = MemorySpace.SEMAPHORE
 
 

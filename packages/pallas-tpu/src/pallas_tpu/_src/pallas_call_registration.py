@@ -241,7 +241,8 @@ def mosaic_modules(fn, *args, **kwargs) -> list[str]:
 
     Args:
       fn: a function of JAX arrays calling TPU kernels.
-      *args, **kwargs: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+      *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+      **kwargs: its keyword arguments.
     Returns:
       One ``str`` per kernel lowering.
     """

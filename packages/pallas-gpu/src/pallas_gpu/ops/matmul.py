@@ -88,8 +88,8 @@ class MatmulConfig:
 
 #: Candidates timed by the autotuner on the first call with a shape; the first is what a CPU
 #: run uses. On the H200 at bf16 8192^3 (benchmarks/gpu_matmul.py, one run): persistent
-# 128x256 679 TFLOP/s, persistent 256x128 658, 128x256 with pointer loads 639, 128x128x64
-# 617, 128x128x128 583; the autotuned default 648 (cuBLAS via XLA 701).
+#: 128x256 679 TFLOP/s, persistent 256x128 658, 128x256 with pointer loads 639, 128x128x64
+#: 617, 128x128x128 583; the autotuned default 648 (cuBLAS via XLA 701).
 CONFIGS = (
     MatmulConfig(128, 256, 64, 8, 8, 3, True, persistent=True),
     MatmulConfig(128, 256, 64, 8, 8, 3, True, persistent=True, flatten=True),
@@ -101,11 +101,11 @@ CONFIGS = (
     MatmulConfig(256, 128, 64, 8, 8, 3, True),
 )
 #: fp8 candidates: 128-byte rows of k per tile (block_k=128), as the 16-bit ones have with 64.
-# An f32 128x256 result tile passes through 128 KiB of shared memory (the TMA store's
-# staging, or the layout conversion of a pointer store): beside a 3-stage 128x256x128
-# pipeline that is more than sm_90 has, so the flattened candidates (whose pipeline
-# buffers stay live during the store) take 2 stages of 128 or 4 of 64 (224 KiB); the
-# autotuner drops a candidate that does not fit (the first, for an f32 result).
+#: An f32 128x256 result tile passes through 128 KiB of shared memory (the TMA store's
+#: staging, or the layout conversion of a pointer store): beside a 3-stage 128x256x128
+#: pipeline that is more than sm_90 has, so the flattened candidates (whose pipeline
+#: buffers stay live during the store) take 2 stages of 128 or 4 of 64 (224 KiB); the
+#: autotuner drops a candidate that does not fit (the first, for an f32 result).
 FP8_CONFIGS = (
     MatmulConfig(128, 256, 128, 8, 8, 3, True, persistent=True),
     MatmulConfig(128, 256, 128, 8, 8, 2, False, persistent=True, flatten=True),

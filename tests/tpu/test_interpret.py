@@ -597,10 +597,15 @@ def test_block_shape_must_fit_the_tpu_tile():
 
 
 @interpret_only(reason="interpret-mode error message")
-def test_smem_holds_32_bit_scalars_only():
+def test_smem_holds_scalars_of_at_most_32_bits():
     x = rand(26, (8, 128))
-    with pytest.raises(TypeError, match=r"scratch_shapes\[0\].*SMEM holds 32-bit scalars only, got int8"):
-        _simple(lambda x_ref, o_ref, s: None, x, scratch_shapes=[pltpu.SMEM((4,), jnp.int8)])
+    with (
+        jax.enable_x64(),
+        pytest.raises(
+            TypeError, match=r"scratch_shapes\[0\].*SMEM holds scalars of at most 32 bits, got int64"
+        ),
+    ):
+        _simple(lambda x_ref, o_ref, s: None, x, scratch_shapes=[pltpu.SMEM((4,), jnp.int64)])
 
 
 @interpret_only(reason="interpret-mode error message")

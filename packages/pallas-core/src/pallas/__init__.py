@@ -8,6 +8,7 @@ compile them for accelerators.
 
 from pallas._src.compat import Slice as Slice
 from pallas._src.compat import broadcast_to as broadcast_to
+from pallas._src.compat import run_state as run_state
 from pallas._src.core import ANY as ANY
 from pallas._src.core import HOST as HOST
 from pallas._src.core import BlockDim as BlockDim

@@ -51,6 +51,10 @@ def close_jaxpr(jaxpr):
 
 Literal = jax_core.Literal
 register_discharge_rule = state_discharge.register_discharge_rule
+# ``run_state(f)(init)``: runs ``f`` over Refs holding ``init`` and returns their final
+# values. JAX's state primitive (not part of its Pallas); every JAX rule for it
+# (discharge, AD, vmap, lowering) comes with it, so it works inside kernels too.
+run_state = state_discharge.run_state
 register_neutral_memory_space = state_discharge.register_neutral_memory_space
 no_effects = jax_core.no_effects
 eval_jaxpr = jax_core.eval_jaxpr

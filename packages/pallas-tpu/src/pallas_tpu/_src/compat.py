@@ -82,6 +82,7 @@ def default_device():
 from jax._src.lax import control_flow as _cf  # noqa: E402
 from jax._src.lax import parallel as _parallel  # noqa: E402
 from jax._src.state import primitives as _state_prims  # noqa: E402
+from jax._src.state.discharge import run_state_p  # noqa: E402,F401  (``pl.run_state`` inside kernels)
 
 get_p = _state_prims.get_p
 swap_p = _state_prims.swap_p

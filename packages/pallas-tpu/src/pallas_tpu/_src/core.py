@@ -175,7 +175,7 @@ class CompilerParams(pl.CompilerParams):
 
 class MemorySpace(enum.Enum):
     """TPU memory spaces. ``VMEM`` (vector memory, the default for blocks),
-    ``SMEM`` (scalar memory: 32-bit scalars), ``HBM`` (device memory: whole
+    ``SMEM`` (scalar memory: scalars of up to 32 bits), ``HBM`` (device memory: whole
     arrays, reached by DMAs), ``SEMAPHORE``, ``VMEM_SHARED``, ``CMEM``."""
 
     VMEM = "vmem"
@@ -215,7 +215,7 @@ plb.register_memory_space_type(MemorySpace)
 
 #: Vector memory: the default for blocks; ``VMEM(shape, dtype)`` makes a scratch buffer.
 VMEM = MemorySpace.VMEM
-#: Scalar memory (32-bit scalars): scalar prefetch and ``SMEM(shape, dtype)`` scratch.
+#: Scalar memory (scalars of up to 32 bits): scalar prefetch and ``SMEM(shape, dtype)`` scratch.
 SMEM = MemorySpace.SMEM
 #: High-bandwidth memory: the whole array, reached by DMA.
 HBM = MemorySpace.HBM

@@ -847,6 +847,29 @@ def _check_sem_zero(interp, view, eqn, when):
     interp.check(
         jnp.logical_not(bad),
         f"{interp.where(eqn) if eqn is not None else interp.kernel_desc}: semaphore "
+@rule(compat.run_state_p)
+def _run_state(interp, eqn, *args):
+    """``pl.run_state`` inside a kernel: fresh cells for the values it starts from
+    (Refs it closes over are used in place); returns every Ref's final value."""
+    p = eqn.params
+    args, views, cells = iter(args), [], []
+    for i, (aval, init) in enumerate(zip(p["jaxpr"].in_avals, p["is_initialized"])):
+        val = next(args) if init else None
+        if isinstance(val, RefView):
+            views.append(val)
+            continue
+        inner = aval.inner_aval
+        if val is None:
+            val = _uninit(inner.shape, inner.dtype, interp.params.uninitialized_memory)
+        cells.append(interp.new_cell(jnp.asarray(val, inner.dtype), f"pl.run_state buffer {i}"))
+        views.append(RefView(cells[-1]))
+    interp.eval_jaxpr(p["jaxpr"], (), views)
+    outs = [interp.read_view(v, eqn) for v in views]
+    for c in cells:
+        interp.free_cell(c)
+    return outs
+
+
         f"{interp.describe_ref(view)} is not zero {when} (a DMA or signal was not waited for; "
         "first nonzero value {0})",
         [val.reshape(-1)[jnp.argmax(val.reshape(-1) != 0)]],

@@ -73,7 +73,9 @@ def check_block_shapes(gm) -> None:
 
 
 def _smem_ok(dtype) -> bool:
-    return np.dtype(dtype).itemsize == 4
+    # 8- and 16-bit scalars are accepted as JAX's TPU interpret mode accepts them
+    # (a TPU widens them to 32-bit words); 64-bit ones have no SMEM form.
+    return np.dtype(dtype).itemsize <= 4
 
 
 def check_memory(gm, compiler_params) -> None:
@@ -83,14 +85,14 @@ def check_memory(gm, compiler_params) -> None:
                 gm,
                 TypeError,
                 bm.origin,
-                f"SMEM holds 32-bit scalars only, got {bm.dtype} (use int32/float32 or VMEM)",
+                f"SMEM holds scalars of at most 32 bits, got {bm.dtype} (use int32/float32 or VMEM)",
             )
     vmem = 0
     for i, a in enumerate(gm.scratch_avals):
         ms = getattr(a, "memory_space", None)
         if ms is tpu_core.SMEM and not _smem_ok(a.dtype):
             raise _err(
-                gm, TypeError, f"scratch_shapes[{i}]", f"SMEM holds 32-bit scalars only, got {a.dtype}"
+                gm, TypeError, f"scratch_shapes[{i}]", f"SMEM holds scalars of at most 32 bits, got {a.dtype}"
             )
         if ms is tpu_core.VMEM or ms is None:
             vmem += math.prod(a.shape) * np.dtype(a.dtype).itemsize

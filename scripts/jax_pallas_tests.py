@@ -1,0 +1,208 @@
+"""Run JAX's own Pallas test files on JAX's Pallas and on ours, and compare (issue 30 §3).
+
+Usage::
+
+    python scripts/jax_pallas_tests.py JAX_TESTS_DIR [FILE ...] [-n 2] [-k EXPR] [--out DIR]
+
+``JAX_TESTS_DIR`` holds test files of JAX's ``tests/pallas`` folder (``pallas_test.py``,
+``indexing_test.py``, ``pallas_vmap_test.py``, ``ops_test.py``, ``tpu_pallas_test.py``,
+``tpu_pallas_interpret_test.py``...). They are not in the jax wheel or sdist: fetch them
+from JAX's repository at the tag of the installed jax, and keep them outside this repo
+(never commit them). ``FILE`` picks some of them (default: every ``*_test.py`` there).
+The Python running this script needs what JAX's tests import (``absl-py``,
+``hypothesis``) and ``pytest-xdist``; /work/venv-downstream has them.
+
+Each file runs twice under pytest, on the CPU in interpret mode, with
+``JAX_ENABLE_CHECKS=1`` (as JAX's CI runs them):
+
+* **jax**: the file as it is, on ``jax.experimental.pallas``;
+* **ours**: the file with its Pallas imports rewritten to our packages by
+  ``tests/downstream/pallas_rewrite.py`` (``jax.experimental.pallas`` -> ``pallas``,
+  ``.tpu`` -> ``pallas_tpu``, ``.triton`` -> ``pallas_gpu``), plus the few imports of
+  JAX's private Pallas modules the tests make (``INTERNAL_OURS``) mapped to ours.
+
+Both sides also get ``COMPAT`` (imports the test files make of JAX internals that
+the installed jax no longer has, e.g. ``for_loop``, replaced by a few lines of
+equivalent code), so that a file written for another jax still imports.
+
+Per-test outcomes come from ``--junitxml``. The report prints, per file and in total:
+tests passing on JAX, how many of those pass on ours, the percentage, and the tests that
+pass on JAX but not on ours grouped by the first line of their error. A test that fails
+on JAX itself is not counted. ``--out`` keeps the rewritten files and the XML reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "downstream"))
+import pallas_rewrite  # noqa: E402
+
+# Imports of JAX internals some versions of the test files make and the installed jax
+# lacks; applied on both sides. (pattern, replacement)
+_FOR_LOOP = """\
+def for_loop(nsteps, body, init_state):  # compat (scripts/jax_pallas_tests.py)
+  def _run(refs):
+    lax.fori_loop(0, nsteps, lambda i, c: (body(i, refs), c)[1], None)
+  return pl.run_state(_run)(init_state)
+"""
+# (jax 0.11's ``_trace_kernel_to_jaxpr`` has no cache to clear.)
+_TRACE_STUB = "_trace_kernel_to_jaxpr = type('_NoCache', (), {'cache_clear': staticmethod(lambda: None)})"
+_HYPOTHESIS = (
+    "hp.settings.register_profile('jax_compat', max_examples=\\1, deadline=None)\n"
+    "hp.settings.load_profile('jax_compat')"
+)
+COMPAT = (
+    (r"^from jax\._src\.pallas\.pallas_call import _trace_kernel_to_jaxpr$", _TRACE_STUB),
+    (r"^from jax\._src\.lax\.control_flow\.for_loop import for_loop\n", _FOR_LOOP),
+    (r"^jtu\.setup_hypothesis\(max_examples=(\d+)\)$", _HYPOTHESIS),
+)
+
+# Imports of JAX's private Pallas modules made by the tests, mapped to ours (ours only).
+INTERNAL_OURS = (
+    (
+        r"^from jax\._src\.pallas\.mosaic\.interpret import interpret_pallas_call as (\w+)$",
+        r"from pallas_tpu._src import interpret_multi as \1",
+    ),
+    (
+        r"^import jax\._src\.pallas\.mosaic\.interpret as (\w+)$",
+        r"from pallas_tpu._src import interpret_multi as \1",
+    ),
+)
+
+
+def rewrite(src: str, side: str, origin: str) -> str:
+    for pattern, replacement in COMPAT:
+        src = re.sub(pattern, replacement, src, flags=re.M)
+    if side == "ours":
+        for pattern, replacement in INTERNAL_OURS:
+            src = re.sub(pattern, replacement, src, flags=re.M)
+        src = pallas_rewrite.port_source(src, origin)
+    return src
+
+
+def run_side(files: list[Path], side: str, work: Path, workers: int, kexpr: str | None) -> Path:
+    """Writes the (rewritten) files under ``work/side`` and runs pytest there."""
+    where = work / side
+    where.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        (where / f.name).write_text(rewrite(f.read_text(), side, str(f)))
+    xml = work / f"{side}.xml"
+    env = dict(os.environ, JAX_ENABLE_CHECKS="1", JAX_PLATFORMS="cpu", PYTHONDONTWRITEBYTECODE="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(where),
+        "-c",
+        os.devnull,
+        f"--junitxml={xml}",
+        "-o",
+        "junit_family=xunit1",
+    ]
+    cmd += ["-n", str(workers)] if workers > 1 else ["-p", "no:xdist"]
+    if kexpr:
+        cmd += ["-k", kexpr]
+    cmd += [f.name for f in files]
+    print(f"[{side}] {' '.join(cmd[3:])}", flush=True)
+    subprocess.run(cmd, cwd=where, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return xml
+
+
+def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
+    """``file::Class::test`` -> (passed|failed|skipped, first line of the error)."""
+    result = {}
+    if not xml.exists():
+        return result
+    for case in ET.parse(xml).iter("testcase"):
+        module, _, klass = case.get("classname", "").partition(".")
+        key = f"{module}.py::{klass}::{case.get('name')}"
+        status, first = "passed", ""
+        for tag in ("failure", "error"):
+            el = case.find(tag)
+            if el is not None:
+                status = "failed"
+                text = (el.get("message") or el.text or "").strip()
+                first = text.splitlines()[0] if text else tag
+                break
+        else:
+            if case.find("skipped") is not None:
+                status = "skipped"
+        result[key] = (status, first)
+    return result
+
+
+def _norm(line: str, width: int = 150) -> str:
+    line = re.sub(r"0x[0-9a-f]+", "0x..", line)
+    return line[:width]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("tests_dir", type=Path)
+    ap.add_argument("files", nargs="*")
+    ap.add_argument("-n", type=int, default=2, help="pytest-xdist workers per side (default 2)")
+    ap.add_argument("-k", default=None, help="pytest -k expression")
+    ap.add_argument("--out", type=Path, default=None, help="keep rewritten files and XML here")
+    ap.add_argument("--side", choices=("both", "jax", "ours"), default="both")
+    ap.add_argument("--show", type=int, default=5, help="tests listed per error group")
+    args = ap.parse_args(argv)
+
+    names = args.files or sorted(p.name for p in args.tests_dir.glob("*_test.py"))
+    files = [args.tests_dir / n for n in names]
+    work = args.out or Path(tempfile.mkdtemp(prefix="jax_pallas_tests_"))
+    work.mkdir(parents=True, exist_ok=True)
+    sides = ("jax", "ours") if args.side == "both" else (args.side,)
+    for side in sides:
+        run_side(files, side, work, args.n, args.k)
+    jax_res = outcomes(work / "jax.xml")
+    ours_res = outcomes(work / "ours.xml")
+
+    per_file = collections.defaultdict(lambda: [0, 0])
+    groups = collections.defaultdict(list)
+    for key, (status, _) in sorted(jax_res.items()):
+        if status != "passed":
+            continue
+        fname = key.split("::")[0]
+        per_file[fname][0] += 1
+        o_status, o_first = ours_res.get(key, ("missing", "not run on ours (collection error?)"))
+        if o_status == "passed":
+            per_file[fname][1] += 1
+        else:
+            groups[_norm(o_first or o_status)].append(key)
+
+    print(f"\n{'file':40} {'JAX passes':>10} {'ours':>6} {'%':>7}")
+    tj = to = 0
+    for fname, (j, o) in sorted(per_file.items()):
+        tj, to = tj + j, to + o
+        print(f"{fname:40} {j:10d} {o:6d} {100 * o / max(j, 1):6.1f}%")
+    print(f"{'total':40} {tj:10d} {to:6d} {100 * to / max(tj, 1):6.1f}%")
+    ours_only = sum(
+        1 for k, (s, _) in ours_res.items() if s == "passed" and jax_res.get(k, ("",))[0] != "passed"
+    )
+    print(f"(passing on ours but not on JAX: {ours_only}; results in {work})")
+    print("\nFailing on ours, passing on JAX, by first error line:")
+    for line, keys in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        print(f"\n[{len(keys)}] {line}")
+        for k in keys[: args.show]:
+            print(f"    {k}")
+        if len(keys) > args.show:
+            print(f"    ... {len(keys) - args.show} more")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

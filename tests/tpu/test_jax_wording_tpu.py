@@ -1,0 +1,36 @@
+"""What JAX's own TPU Pallas tests (issue 30 §3) expect of TPU interpret mode: SMEM
+operands of 8- and 16-bit types, and the words of JAX's interpreter ("Out-of-bounds
+read"/"Out-of-bounds write") first in the Python exception of a bad access."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas as pl
+import pallas_tpu as pltpu
+
+
+@pytest.mark.interpret_only(reason="SMEM of 8/16-bit types: what TPU interpret mode accepts (as JAX's)")
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int16, jnp.bfloat16, jnp.float16, jnp.bool_])
+def test_smem_operands_of_8_and_16_bit_types(dtype):
+    rng = np.random.default_rng(7)
+    s = jnp.asarray(rng.integers(0, 2 if dtype == jnp.bool_ else 50, (5,)).astype(dtype))
+    x = jax.random.normal(jax.random.key(1), (8, 128), jnp.float32)
+
+    def kernel(s_ref, x_ref, o_ref, t_ref):
+        t_ref[0] = s_ref[1]
+        t_ref[1] = s_ref[3]
+        o_ref[...] = x_ref[...] * t_ref[0].astype(jnp.float32) + t_ref[1].astype(jnp.float32)
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+        scratch_shapes=[pltpu.SMEM((2,), dtype)],
+        interpret=pltpu.InterpretParams(),
+    )(s, x)
+    f32 = s.astype(jnp.float32)
+    np.testing.assert_allclose(out, x * f32[1] + f32[3], rtol=1e-6, atol=1e-4)

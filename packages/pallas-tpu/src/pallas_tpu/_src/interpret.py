@@ -841,12 +841,6 @@ def _iter_run_scoped(interp, eqn, consts, pause):
     return outs
 
 
-def _check_sem_zero(interp, view, eqn, when):
-    val = interp.state[view.cell]
-    bad = jnp.any(val != 0)
-    interp.check(
-        jnp.logical_not(bad),
-        f"{interp.where(eqn) if eqn is not None else interp.kernel_desc}: semaphore "
 @rule(compat.run_state_p)
 def _run_state(interp, eqn, *args):
     """``pl.run_state`` inside a kernel: fresh cells for the values it starts from
@@ -870,6 +864,12 @@ def _run_state(interp, eqn, *args):
     return outs
 
 
+def _check_sem_zero(interp, view, eqn, when):
+    val = interp.state[view.cell]
+    bad = jnp.any(val != 0)
+    interp.check(
+        jnp.logical_not(bad),
+        f"{interp.where(eqn) if eqn is not None else interp.kernel_desc}: semaphore "
         f"{interp.describe_ref(view)} is not zero {when} (a DMA or signal was not waited for; "
         "first nonzero value {0})",
         [val.reshape(-1)[jnp.argmax(val.reshape(-1) != 0)]],

@@ -3,12 +3,14 @@
 # machine's preinstalled dependencies, run the whole test suite (its gpu-marked tests on
 # the GPU), the examples (on the GPU) and the GPU benchmarks. Logs go to $OUT so they
 # come back even when a step fails.
-#   usage (device tool):  bash scripts/gpu_check.sh [all|tests|bench|profile] [NAME...]
+#   usage (device tool):  bash scripts/gpu_check.sh [all|tests|bench|profile|downstream] [NAME...]
 #     tests: install, the whole test suite (-n $(nproc), PYTEST_WORKERS to change) and the
 #       examples; `tests lowering`: the tests/gpu suite compiled and run on the GPU
 #       (PALLAS_GPU_TESTS=gpu), in a call of its own; bench: install, benchmarks;
 #       all (default): tests and bench;
-#     profile: install, Nsight Compute reports of benchmarks/gpu_profile.py's workloads.
+#     profile: install, Nsight Compute reports of benchmarks/gpu_profile.py's workloads;
+#     downstream: install, tokamax's Pallas Triton tests on the GPU (both Pallas) and
+#       benchmarks/tokamax_attention.py (NAME tests or bench: only that; carry .whl/tokamax).
 #     NAMEs (e.g. gpu_compile, or attn_fwd for profile) run only those benchmarks/workloads;
 #     for tests, only those steps (suite, examples, lowering).
 #   One device call may run at most 10 minutes: `all` can exceed it, so run tests and bench
@@ -35,6 +37,18 @@ python3 -c "import pallas, pallas_gpu, jax_triton, jax_kernel_runtime as r; prin
 MODE="${1:-all}"
 shift || true
 ONLY=" $* "
+if [ "$MODE" = downstream ]; then  # tokamax's Pallas Triton tests and attention on the GPU, JAX's Pallas and ours
+  # No network there: tokamax and its dependencies travel as wheels (carry .whl/tokamax, filled on a
+  # CPU machine by `pip download --no-deps -d .whl/tokamax` of tests/downstream/gpu-wheels.txt).
+  step "install tokamax from .whl/tokamax"
+  python3 -m pip install -q --no-deps .whl/tokamax/*.whl 2>&1 | grep -v "^WARNING" | tail -3
+  [[ "$ONLY" == *" bench "* ]] || {
+    step "tokamax's tests reaching a Pallas Triton kernel, compiled on the GPU: JAX's Pallas, then ours"
+    python3 tests/downstream/run_tokamax.py --way gpu --jobs "${PYTEST_WORKERS:-4}" --out "$OUT/tokamax" 2>&1 | tail -40
+  }
+  [[ "$ONLY" == *" tests "* ]] || { step "benchmark tokamax attention"; python3 benchmarks/tokamax_attention.py 2>&1 | tail -12; }
+  exit 0
+fi
 if [ "$MODE" = profile ]; then  # Nsight Compute reports of benchmarks/gpu_profile.py's workloads
   command -v ncu >/dev/null || { echo "ncu not found"; exit 1; }
   python3 benchmarks/gpu_profile.py --list | while read -r w regex; do

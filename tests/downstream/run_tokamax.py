@@ -44,6 +44,7 @@ _PALLAS_KERNEL = {"tpu": "Pallas TPU", "triton": "Pallas Triton"}
 @dataclass
 class Selection:
     run: list[Path] = field(default_factory=list)
+    triton: list[Path] = field(default_factory=list)  # of ``run``, those reaching a Pallas Triton kernel
     skipped: dict[Path, str] = field(default_factory=dict)
     not_pallas: list[Path] = field(default_factory=list)
 
@@ -105,6 +106,8 @@ def select(root: Path) -> Selection:
             sel.skipped[f] = "tokamax's PyTorch wrappers: need torch and torch_tpu"
         elif marks & set(_PALLAS_KERNEL):
             sel.run.append(f)
+            if "triton" in marks:
+                sel.triton.append(f)
         else:
             sel.not_pallas.append(f)
     return sel
@@ -115,12 +118,21 @@ def _pytest(side: str, targets: list[str], args, out: Path, site: Path) -> dict:
     report.unlink(missing_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("JAX_PLATFORMS", "cpu")
+    if args.way == "gpu":
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # two pytest workers share the GPU
+    else:
+        env.setdefault("JAX_PLATFORMS", "cpu")
     # Four CPU devices, as in our own suites: tokamax's sharded tests need them.
     if "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tokamax_plugin", "-p", "no:cacheprovider"]
-    cmd += [f"--pallas={side}", f"--downstream-report={report}", "--assert=plain", f"--rootdir={site}"]
+    cmd += [
+        f"--pallas={side}",
+        f"--way={args.way}",
+        f"--downstream-report={report}",
+        "--assert=plain",
+        f"--rootdir={site}",
+    ]
     cmd += ["--continue-on-collection-errors", "-o", "console_output_style=count"]
     if args.jobs > 1:
         cmd += ["-n", str(args.jobs)]
@@ -204,6 +216,13 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=600, help="seconds per test (pytest-timeout)")
     p.add_argument("--out", default="build/downstream/tokamax", help="where the logs and reports go")
     p.add_argument("--only", choices=("jax", "ours"), help="run one side; the other's report is reused")
+    p.add_argument(
+        "--way",
+        choices=("interpret", "gpu"),
+        default="interpret",
+        help="interpret (a CPU: every Pallas test file, kernels in interpret mode) or gpu (the test files"
+        " reaching a Pallas Triton kernel, compiled and run on the GPU)",
+    )
     p.add_argument("files", nargs="*", help="test files or ids (default: every Pallas test file)")
     args = p.parse_args(argv)
 
@@ -235,7 +254,7 @@ def main(argv=None) -> int:
     elif args.files:
         targets = args.files
     else:
-        targets = [str(f) for f in sel.run]
+        targets = [str(f) for f in (sel.triton if args.way == "gpu" else sel.run)]
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     reports = {}
@@ -256,7 +275,8 @@ def main(argv=None) -> int:
             f.write(f"{t}\t{j[0]}\t{o[0]}\t{j[2]}\t{o[2]}\t{js}\t{os_}\t{j[1]}\t{o[1]}\n")
 
     c = r["counts"]
-    print(f"\ntests: {c['tests']}; run on the CPU (not skipped on JAX): {c['run on the CPU']}")
+    where = "the GPU" if args.way == "gpu" else "the CPU"
+    print(f"\ntests: {c['tests']}; run on {where} (not skipped on JAX): {c['run on the CPU']}")
     print(
         f"  on JAX's Pallas: {c['jax passed']} passed, {c['jax failed']} failed, {c['jax error']} errors, {c['jax skipped']} skipped"
     )

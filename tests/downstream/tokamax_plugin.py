@@ -6,6 +6,9 @@ Loaded by ``run_tokamax.py`` into a pytest run over tokamax's installed test fil
 ``--pallas=ours``
     tokamax's modules, its tests included, are loaded with their Pallas imports
     rewritten to ours (``pallas_rewrite``); ``--pallas=jax`` leaves them on JAX's.
+``--way=gpu``
+    Pallas Triton kernels compile and run on the GPU as tokamax wrote them (the
+    default ``--way=interpret`` runs them in interpret mode, for a CPU).
 ``--downstream-report=PATH``
     writes ``{test id: [outcome, message, kernels, seconds]}`` as JSON at the end of
     the run: outcome ``passed``, ``failed``, ``skipped`` or ``error``; kernels: how
@@ -36,6 +39,12 @@ def pytest_addoption(parser):
     group = parser.getgroup("downstream")
     group.addoption("--pallas", choices=("jax", "ours"), default="jax", help="whose Pallas tokamax runs on")
     group.addoption("--downstream-report", default=None, help="JSON file of outcomes per test")
+    group.addoption(
+        "--way",
+        choices=("interpret", "gpu"),
+        default="interpret",
+        help="interpret: Pallas Triton kernels in interpret mode (a CPU); gpu: compiled and run on the GPU",
+    )
 
 
 def _is_triton(compiler_params, triton_params_type) -> bool:
@@ -56,13 +65,18 @@ def _counted(fn):
     return wrapper
 
 
-def _interpret_jax() -> None:
+def _interpret_jax(triton_interpreted: bool = True) -> None:
     import jax.experimental.pallas as jpl
     from jax.experimental.pallas import tpu as jpltpu
     from jax.experimental.pallas import triton as jpltriton
 
-    jpltpu.set_tpu_interpret_mode(jpltpu.InterpretParams())
     original = jpl.pallas_call
+    if not triton_interpreted:
+        # On a GPU: kernels compile as tokamax wrote them (its TPU tests skip there); only counted.
+        jpl.pallas_call = _counted(original)
+        jpl.kernel = _counted(jpl.kernel)
+        return
+    jpltpu.set_tpu_interpret_mode(jpltpu.InterpretParams())
 
     @functools.wraps(original)
     def pallas_call(*args, **kwargs):
@@ -85,13 +99,17 @@ def _interpret_jax() -> None:
     jpl.kernel = _counted(jpl.kernel)
 
 
-def _interpret_ours() -> None:
+def _interpret_ours(triton_interpreted: bool = True) -> None:
     import pallas as pl
     import pallas_gpu
     import pallas_tpu as pltpu
 
-    pltpu.set_tpu_interpret_mode(pltpu.InterpretParams())
     original = pl.pallas_call
+    if not triton_interpreted:
+        pl.pallas_call = _counted(original)
+        pl.kernel = _counted(pl.kernel)
+        return
+    pltpu.set_tpu_interpret_mode(pltpu.InterpretParams())
 
     @functools.wraps(original)
     def pallas_call(*args, **kwargs):
@@ -116,13 +134,15 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config, parser, args):
     # Before tokamax's conftest.py, the first tokamax module pytest imports.
-    if early_config.known_args_namespace.pallas == "ours":
+    ns = early_config.known_args_namespace
+    interpreted = ns.way == "interpret"
+    if ns.pallas == "ours":
         import pallas_rewrite
 
         pallas_rewrite.install("tokamax")
-        _interpret_ours()
+        _interpret_ours(interpreted)
     else:
-        _interpret_jax()
+        _interpret_jax(interpreted)
 
 
 def pytest_configure(config):
@@ -130,7 +150,8 @@ def pytest_configure(config):
     from absl import flags
     from tokamax._src import config as tokamax_config  # noqa: F401  (defines the flag)
 
-    flags.FLAGS.tokamax_cross_compile = True
+    # On a CPU only: on a GPU tokamax's ops run where they are.
+    flags.FLAGS.tokamax_cross_compile = config.getoption("way") == "interpret"
     config._downstream = {}
 
 

@@ -266,3 +266,105 @@ def test_devices_race_on_remote_dma_destination():
     devices = set(re.findall(r"\(device (\d), core 0\)", msg))
     assert len(devices) == 2 and target in devices, msg
     assert jax_detects_race(neighbour_copy, x, False)
+
+
+# ---------------------------------------------------------------------------
+# Long grids: the detector forgets what can no longer race (accesses every core
+# has synchronized past, DMAs waited for) without losing what still can.
+
+
+def long_grid(pl, pltpu, x, race_at):
+    """A DMA of one row block a step; at grid step ``race_at`` the kernel reads
+    the scratch before waiting for the DMA."""
+
+    def kernel(x_hbm, o_ref, buf, sem):
+        i = pl.program_id(0)
+        copy = pltpu.make_async_copy(x_hbm.at[pl.ds(i * 8, 8)], buf, sem)
+        copy.start()
+
+        @pl.when(i == race_at)
+        def _():
+            o_ref[...] = buf[...]  # the DMA may not have landed yet
+
+        copy.wait()
+        o_ref[...] = buf[...] + 1.0
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(x.shape[0] // 8,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+        interpret=pltpu.InterpretParams(detect_races=True),
+    )(x)
+
+
+def test_long_grid_race_free():
+    x = rand((300 * 8, 128), 8)
+    out = run("ours", long_grid, x, -1)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x) + 1.0)
+    assert not interpret_multi.races.races_found
+
+
+def test_long_grid_race_late_is_found():
+    x = rand((300 * 8, 128), 9)
+    with pytest.raises(Exception, match="data race") as e:
+        run("ours", long_grid, x, 250)
+    msg = str(e.value)
+    assert f"read of scratch_shapes[0][0:8, 0:128] by the kernel at {HERE}:" in msg
+    assert f"write of scratch_shapes[0][0:8, 0:128] by the DMA started at {HERE}:" in msg
+
+
+def cores_many_steps(pl, pltpu, x, race):
+    """Two cores, one after the other, ``K`` steps each, each step a DMA of its
+    input block to its own rows of the output; with ``race``, core 1's last
+    step writes the rows core 0's first step wrote."""
+    K = x.shape[0] // 16
+
+    def kernel(x_ref, o_hbm, sem):
+        c, k = pl.program_id(0), pl.program_id(1)
+        row = c * K + k
+        if race:
+            row = jnp.where(jnp.logical_and(c == 1, k == K - 1), 0, row)
+        copy = pltpu.make_async_copy(x_ref, o_hbm.at[pl.ds(row * 8, 8)], sem)
+        copy.start()
+        copy.wait()
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(2, K),
+        in_specs=[pl.BlockSpec((8, 128), lambda c, k: (c * K + k, 0))],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.SemaphoreType.DMA],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("core_parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2),
+    )(x)
+
+
+def test_cores_many_steps_disjoint():
+    x = rand((2 * 100 * 8, 128), 10)
+    out = run("ours", cores_many_steps, x, False)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    assert not interpret_multi.races.races_found
+
+
+def test_cores_race_across_many_steps():
+    """Core 0's first access is kept through 200 steps: core 1 never synchronizes with it."""
+    x = rand((2 * 100 * 8, 128), 11)
+    with pytest.raises(Exception, match="data race") as e:
+        run("ours", cores_many_steps, x, True)
+    msg = str(e.value)
+    assert "write of out_specs[0] (HBM)[0:8, 0:128] by the DMA started at" in msg
+    assert "(core 0)" in msg and "(core 1)" in msg
+
+
+def test_progress_line(monkeypatch, capfd):
+    """A long race-detecting run says how far it got on stderr (here at once)."""
+    monkeypatch.setenv("PALLAS_TPU_PROGRESS_S", "0")
+    x = rand((20 * 8, 128), 12)
+    run("ours", long_grid, x, -1)
+    err = capfd.readouterr().err
+    assert "pallas_tpu: detecting races in TPU kernel 'kernel'" in err, err
+    assert re.search(r"grid step \d+ of 20 after", err), err

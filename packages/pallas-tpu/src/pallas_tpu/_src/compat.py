@@ -167,6 +167,80 @@ def scan_split(params, ops):
     return list(consts), list(carry), list(xs)
 
 
+_host_call_p = None
+
+
+def host_callback(fn, result_shapes, *args):
+    """``fn(*args)`` on the host, as ``io_callback(..., ordered=False)`` but
+    handing ``fn`` the NumPy arrays XLA gives the callback: ``io_callback``
+    first copies every argument into a ``jax.Array`` (a ``device_put`` each,
+    most of the cost of the small callbacks of race detection). ``fn``
+    returns a tuple of arrays matching ``result_shapes``."""
+    global _host_call_p
+    if _host_call_p is None:
+        _host_call_p = _make_host_call_p()
+    avals = tuple(jax_core.ShapedArray(s.shape, s.dtype) for s in result_shapes)
+    return _host_call_p.bind(*args, callback=fn, result_avals=avals)
+
+
+def _make_host_call_p():
+    import functools
+
+    import numpy as np
+    from jax import lax
+    from jax._src import callback as jax_callback
+    from jax._src import dispatch
+    from jax._src.interpreters import batching, mlir
+
+    p = jax_core.Primitive("pallas_tpu_host_callback")
+    p.multiple_results = True
+
+    def run(callback, result_avals, *args):
+        # XLA's buffers outlive the call only as copies (race detection keeps indices, DMAs data).
+        outs = callback(*(np.array(a, copy=True) for a in args))
+        return tuple(np.asarray(o, a.dtype).reshape(a.shape) for o, a in zip(outs, result_avals))
+
+    def impl(*args, callback, result_avals):  # outside jit: the jitted primitive
+        return dispatch.apply_primitive(p, *args, callback=callback, result_avals=result_avals)
+
+    def abstract_eval(*avals, callback, result_avals):
+        return result_avals, {jax_callback._IOEffect}
+
+    def lowering(ctx, *args, callback, result_avals):
+        sharding = jax_callback._callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+        out, _, _ = jax_callback.emit_python_callback(
+            ctx,
+            functools.partial(run, callback, result_avals),
+            None,
+            list(args),
+            ctx.avals_in,
+            ctx.avals_out,
+            has_side_effect=True,
+            returns_token=False,
+            sharding=sharding,
+        )
+        return out
+
+    def batch(args, dims, callback, result_avals):  # one call per batch element, as io_callback
+        args = [a if d is None else batching.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+        batched = [i for i, d in enumerate(dims) if d is not None]
+
+        def one(xs):
+            full = list(args)
+            for i, x in zip(batched, xs):
+                full[i] = x
+            return p.bind(*full, callback=callback, result_avals=result_avals)
+
+        outs = lax.map(one, [args[i] for i in batched])
+        return outs, (0,) * len(outs)
+
+    p.def_impl(impl)
+    p.def_effectful_abstract_eval(abstract_eval)
+    mlir.register_lowering(p, lowering, cacheable=False)
+    batching.primitive_batchers[p] = batch
+    return p
+
+
 # --- the Mosaic lowering (lowering*.py, pallas_call_registration.py)
 
 

@@ -195,6 +195,7 @@ class Interpreter:
         self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
         self._unchecked = 0
         self._next_cell = 0
+        self.progress = None  # (grid step, number of steps), traced, while a grid step runs
 
     # -- lifecycle (the multi-device interpreter extends these) ----------------
 

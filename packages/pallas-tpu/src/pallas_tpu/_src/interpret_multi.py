@@ -4,9 +4,10 @@ barrier semaphores, and race detection.
 A kernel called inside ``jax.shard_map`` runs once per device, each device's
 copy as its own XLA program, and XLA's CPU client runs those programs on
 separate threads at the same time. The kernel's data stays functional per
-device (``Interpreter`` cells); what crosses devices goes through
-``io_callback``s into one Python ``_Session`` per kernel call, shared by the
-devices of the mesh:
+device (``Interpreter`` cells); what crosses devices goes through host
+callbacks (``compat.host_callback``: an unordered ``io_callback`` without its
+copies into ``jax.Array``s) into one Python ``_Session`` per kernel call,
+shared by the devices of the mesh:
 
 * semaphores that another device or core can signal (REGULAR and BARRIER
   semaphores) are counters in the session; a wait blocks on a
@@ -35,6 +36,9 @@ Ref and every DMA's source read and destination write is recorded (a callback
 per access) with the flat element indices it touches; two accesses of
 overlapping elements of one buffer, at least one a write, by threads with no
 happens-before between them are a race, reported with both accesses named.
+What can no longer race is forgotten as the kernel runs (``_Session.collect``),
+so the cost per grid step stays flat on long grids; a long run prints its
+progress on stderr every few seconds (``PALLAS_TPU_PROGRESS_S``).
 Cores of a device share their device's program: they run one after the other,
 or, when they signal each other, take turns between semaphore waits
 (``interpret_pallas_call._core_groups``).
@@ -46,6 +50,7 @@ import collections
 import dataclasses
 import math
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -54,7 +59,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax, tree_util
-from jax.experimental import io_callback
 
 from pallas import backend as plb
 from pallas_tpu._src import compat, interpret_dma
@@ -141,7 +145,42 @@ class _Access:
     epoch: int
     write: bool
     idx: np.ndarray  # sorted unique flat element indices
-    what: str  # "write of out_specs[0] (HBM)[0:8, 0:128] by the kernel at k.py:3 (device 1)"
+    # "write of out_specs[0] (HBM)[0:8, 0:128] by the kernel at k.py:3 (device 1)", or a
+    # function giving it: most accesses never race, and naming a region costs more than checking it.
+    what: Any
+
+    @property
+    def lo(self) -> int:
+        return int(self.idx[0]) if self.idx.size else 0
+
+    @property
+    def dense(self) -> bool:
+        """Whether the indices are one contiguous range."""
+        return self.idx.size == 0 or int(self.idx[-1]) - int(self.idx[0]) + 1 == self.idx.size
+
+    def overlaps(self, other: _Access) -> bool:
+        a, b = self.idx, other.idx
+        if a.size == 0 or b.size == 0 or a[-1] < b[0] or b[-1] < a[0]:
+            return False
+        if self.dense and other.dense:
+            return True  # two ranges whose bounds interleave
+        return bool(np.isin(a, b, assume_unique=True).any())
+
+    def same_elements(self, other: _Access) -> bool:
+        if self.idx.size != other.idx.size:
+            return False
+        if self.idx.size == 0:
+            return True
+        if self.dense and other.dense:
+            return self.lo == other.lo
+        return bool(np.array_equal(self.idx, other.idx))
+
+
+def _sorted_unique(idx) -> np.ndarray:
+    idx = np.asarray(idx, np.int64).reshape(-1)
+    if idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1])):
+        idx = np.unique(idx)
+    return idx
 
 
 @dataclasses.dataclass
@@ -187,7 +226,7 @@ def _region(idx: np.ndarray, shape) -> str:
 class _Session:
     """One kernel call shared by the devices of a mesh (see the module docstring)."""
 
-    def __init__(self, sid: int, key, num_devices: int, kernel: str, detect_races: bool):
+    def __init__(self, sid: int, key, num_devices: int, kernel: str, detect_races: bool, num_cores: int = 1):
         self.sid, self.key, self.num_devices, self.kernel = sid, key, num_devices, kernel
         self.detect_races = detect_races
         self.cv = threading.Condition()
@@ -205,6 +244,11 @@ class _Session:
         self.dma_sites: dict[Any, str] = {}
         self.staged: dict[Any, list[_Message]] = {}  # (device, core) -> remote DMAs a wait took, to land
         self.n_dma = 0
+        self.num_cores = num_cores
+        self.n_records, self.collect_at = 0, 64
+        self.num_steps, self.steps_done = 0, 0
+        self.started = time.monotonic()
+        self.next_report = self.started + progress_seconds()
 
     # -- errors --
 
@@ -272,37 +316,113 @@ class _Session:
         c = self.clock(thread)
         c[thread] += 1
 
-    def record(self, buf, thread, write: bool, idx: np.ndarray, what: str) -> None:
-        """Records an access and raises if it races with an earlier one."""
+    def record(self, buf, thread, write: bool, idx: np.ndarray, what) -> None:
+        """Records an access and raises if it races with an earlier one
+        (``what`` names it: a string, or a function giving one)."""
         if not self.detect_races:
             return
         clock = self.clock(thread)
-        idx = np.unique(np.asarray(idx, np.int64).reshape(-1))
-        for acc in self.accesses[buf]:
-            if acc.thread == thread or not (write or acc.write):
+        new = _Access(thread, clock[thread], write, _sorted_unique(idx), what)
+        accesses = self.accesses[buf]
+        replaces = None
+        for j, acc in enumerate(accesses):
+            if acc.thread == thread:
+                # A later access of the same elements by the same thread races with whatever
+                # the earlier one would: keep only the later one.
+                if replaces is None and acc.write == write and acc.same_elements(new):
+                    replaces = j
                 continue
-            if acc.epoch <= clock.get(acc.thread, 0):
+            if not (write or acc.write) or acc.epoch <= clock.get(acc.thread, 0):
                 continue
-            if np.isin(idx, acc.idx, assume_unique=True).any():
+            if new.overlaps(acc):
                 msg = (
-                    f"{self.kernel}: data race: {what} and {acc.what} touch the same memory with no "
-                    "synchronization between them (a semaphore signal and wait, a barrier, or waiting "
-                    "for the DMA)"
+                    f"{self.kernel}: data race: {_text(what)} and {_text(acc.what)} touch the same memory "
+                    "with no synchronization between them (a semaphore signal and wait, a barrier, or "
+                    "waiting for the DMA)"
                 )
                 races.races_found = True
                 races.messages.append(msg)
                 raise self.fail(msg)
-        self.accesses[buf].append(_Access(thread, clock[thread], write, idx, what))
+        if replaces is None:
+            accesses.append(new)
+        else:
+            accesses[replaces] = new
+        self.n_records += 1
+        if self.n_records >= self.collect_at:
+            self.collect()
+
+    def collect(self) -> None:
+        """Forgets what can no longer race. Only cores make new accesses (a DMA
+        makes its own when it starts, with its issuer's clock), so an access
+        that every core's clock has passed is ordered before every access to
+        come; and a DMA with no access left needs no entry in any clock.
+        Without this a long grid makes every access check against all earlier
+        ones and every clock grow by one entry per DMA (a 10^5-step grid with
+        a DMA a step ran 16 ms a step)."""
+        cores = [("core", d, c) for d in range(self.num_devices) for c in range(self.num_cores)]
+        clocks = [(t, self.clocks.get(t, {t: 1})) for t in cores]
+        live: set = set()
+        kept = 0
+        for accesses in self.accesses.values():
+            accesses[:] = [
+                a
+                for a in accesses
+                if not all(t == a.thread or c.get(a.thread, 0) >= a.epoch for t, c in clocks)
+            ]
+            live.update(a.thread for a in accesses)
+            kept += len(accesses)
+        dead = {t for t in self.clocks if t[0] == "dma" and t not in live}
+        if dead:
+            waiting = {d for q in self.inflight.values() for d in q}
+            waiting.update(m.dma for q in self.mail.values() for m in q)
+            waiting.update(m.dma for ms in self.staged.values() for m in ms)
+            for t in dead - waiting:
+                del self.clocks[t]
+            for c in [*self.clocks.values(), *self.sem_clocks.values()]:
+                for t in dead.intersection(c):
+                    del c[t]
+        self.collect_at = self.n_records + max(64, 2 * kept)
+
+    def progress(self, step: int, total: int) -> None:
+        """A line on stderr every few seconds of a long race-detecting run."""
+        self.steps_done = max(self.steps_done, step + 1)
+        self.num_steps = total
+        now = time.monotonic()
+        if now < self.next_report:
+            return
+        self.next_report = now + max(progress_seconds(), 1.0)
+        elapsed, done, total = now - self.started, self.steps_done, self.num_steps
+        tail = ""
+        if total and done < total:
+            tail = f", about {elapsed / done * (total - done):.0f} s left"
+        print(
+            f"pallas_tpu: detecting races {self.kernel}: grid step {done}"
+            + (f" of {total}" if total else "")
+            + f" after {elapsed:.1f} s{tail} (detect_races=True checks every memory access on the host)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def _join_session(key, num_devices: int, dev: int, kernel: str, detect_races: bool) -> _Session:
+def progress_seconds() -> float:
+    """Seconds before a slow interpret-mode step says what it is doing on stderr
+    (``PALLAS_TPU_PROGRESS_S``, default 5)."""
+    try:
+        return float(os.environ.get("PALLAS_TPU_PROGRESS_S", "5"))
+    except ValueError:
+        return 5.0
+
+
+def _join_session(
+    key, num_devices: int, dev: int, kernel: str, detect_races: bool, num_cores: int = 1
+) -> _Session:
     global _next_sid
     with _lock:
         for s in _open[key]:
             if dev not in s.joined:
                 break
         else:
-            s = _Session(_next_sid, key, num_devices, kernel, detect_races)
+            s = _Session(_next_sid, key, num_devices, kernel, detect_races, num_cores)
             _next_sid += 1
             _sessions[s.sid] = s
             _open[key].append(s)
@@ -357,9 +477,10 @@ class MultiDeviceInterpreter(Interpreter):
             self.hidden_cells["__barrier"] = cell
         key = (self.mesh_axes, self.gm.kernel_name)
         n, desc, races_on = self.num_devices, self.kernel_desc, self.races
+        cores = self.params.num_cores_or_threads
 
         def join(dev):
-            return np.int32(_join_session(key, n, int(dev), desc, races_on).sid)
+            return np.int32(_join_session(key, n, int(dev), desc, races_on, cores).sid)
 
         (self.sid,) = self._callback(join, [jax.ShapeDtypeStruct((), jnp.int32)], self.my_dev)
 
@@ -397,12 +518,19 @@ class MultiDeviceInterpreter(Interpreter):
         """``fn(*args)`` on the host, after this device's earlier callbacks."""
         tok_shape = jax.ShapeDtypeStruct((), jnp.int32)
 
+        progress = self.progress if self.races and args and args[0] is getattr(self, "sid", None) else None
+        if progress is not None:  # a long race-detecting run says how far it got (see _Session.progress)
+            args = (*args, *progress)
+
         def host(tok, *a):
+            if progress is not None:
+                *a, step, total = a
+                _session(a[0]).progress(int(step), int(total))
             out = fn(*a)
             out = () if out is None else (out if isinstance(out, tuple) else (out,))
             return (np.asarray(tok, np.int32), *out)
 
-        outs = io_callback(host, (tok_shape, *result_shapes), self.hidden["__tok"], *args, ordered=False)
+        outs = compat.host_callback(host, (tok_shape, *result_shapes), self.hidden["__tok"], *args)
         self.hidden["__tok"] = outs[0]
         return list(outs[1:])
 
@@ -482,10 +610,13 @@ class MultiDeviceInterpreter(Interpreter):
             s, dev = _session(sid), int(dev)
             with s.cv:
                 s.check_alive(dev)
-                what = (
-                    f"{'write' if write else 'read'} of {buf_name(cell, dev, idx, shape)} "
-                    f"by the kernel at {site} ({who(dev, core)})"
-                )
+
+                def what():
+                    return (
+                        f"{'write' if write else 'read'} of {buf_name(cell, dev, idx, shape)} "
+                        f"by the kernel at {site} ({who(dev, core)})"
+                    )
+
                 s.record((dev, cell), ("core", dev, core), write, idx, what)
 
         self._callback(access, [], self.sid, self.my_dev, idx)
@@ -507,7 +638,7 @@ class MultiDeviceInterpreter(Interpreter):
             dma,
             False,
             src_idx,
-            f"read of {self._buf_name(src_cell, dev, src_idx, shapes[0])} by {by}",
+            lambda: f"read of {self._buf_name(src_cell, dev, src_idx, shapes[0])} by {by}",
         )
         tgt = dev if dst_dev is None else dst_dev
         s.record(
@@ -515,7 +646,7 @@ class MultiDeviceInterpreter(Interpreter):
             dma,
             True,
             dst_idx,
-            f"write of {self._buf_name(dst_cell, tgt, dst_idx, shapes[1])} by {by}",
+            lambda: f"write of {self._buf_name(dst_cell, tgt, dst_idx, shapes[1])} by {by}",
         )
         return dma
 

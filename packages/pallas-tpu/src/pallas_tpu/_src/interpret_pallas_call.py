@@ -290,7 +290,10 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
     else:
         per_core = grid_points(gm, sems, params)
     blocked = [i for i, op in enumerate(ops) if op.buf is not None]
-    for group in _core_groups(jaxpr, per_core):
+    groups = _core_groups(jaxpr, per_core)
+    total_steps = n_steps if D else sum(len(per_core[g[0]]) for g in groups)
+    steps_before = 0
+    for group in groups:
         # Each core of a group has its own scratch and block buffers; the cores
         # of a group run their grid points in lockstep (see _core_groups).
         lanes = []
@@ -328,6 +331,7 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
 
         def step(s, carry):
             interp.restore(*carry)
+            interp.progress = (jnp.asarray(steps_before + s, jnp.int32), jnp.asarray(total_steps, jnp.int32))
             pause = _is_sem_wait if len(lanes) > 1 else None
             running = []
             for lane in lanes:
@@ -350,6 +354,8 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
         n = n_steps if D else len(per_core[group[0]])
         carry = step(0, carry) if not D and n == 1 else lax.fori_loop(0, n, step, carry)
         interp.restore(*carry)
+        interp.progress = None
+        steps_before += 0 if D else n
         for _, slot, core_ops, _, scratch in lanes:
             for i, a in enumerate(gm.scratch_avals):
                 if plb.semaphore_kind(a) is not None:

@@ -13,7 +13,8 @@ every import spelling and for a whole installed package, its tests included):
 
 Imports of JAX Pallas modules that have no counterpart in our packages stay as they
 are (``KEPT``): Mosaic GPU (out of our scope), SparseCore (``tpu_sc``), ``fuser``, and
-splash attention's mask modules (numpy and jnp, no kernel). A kernel that uses one of
+splash attention's mask modules (numpy and jnp, no kernel); a module that imports Mosaic
+GPU keeps all its Pallas imports (a Mosaic GPU kernel is JAX's, whole). A kernel that uses one of
 them still runs on JAX's module for that part, and its test shows whether that mixes
 with ours. Anything else that still names JAX's Pallas in code after the rewrite
 (``jax._src.pallas``, ``jax.experimental.pallas.X`` used inline) makes the module refuse
@@ -137,7 +138,12 @@ def _uses(src: str, origin: str) -> list[str]:
 
 def port_source(src: str, origin: str) -> str:
     """``src`` with its Pallas imports rewritten to ours; raises :class:`CannotRunUnchanged`
-    if JAX's Pallas is still named in its code anywhere but in a ``KEPT`` import."""
+    if JAX's Pallas is still named in its code anywhere but in a ``KEPT`` import.
+    A Mosaic GPU kernel module (one importing ``mosaic_gpu``) stays wholly on JAX's
+    Pallas: its ``pl.Element``, ``pl.BlockSpec``, ... go to JAX's Mosaic GPU, which
+    checks for JAX's classes (ours there gave "Unsupported block size type")."""
+    if "mosaic_gpu" in kept_imports(src):
+        return src
     for pattern, replacement in REWRITES:
         src = pattern.sub(replacement, src)
     left = _uses(src, origin)

@@ -71,6 +71,17 @@ def test_modules_without_a_counterpart_keep_their_import():
     assert pallas_rewrite.kept_imports(src) == {"mosaic_gpu", "tpu_sc", "fuser"}
 
 
+def test_a_mosaic_gpu_module_stays_wholly_on_jax():
+    # tokamax's ragged_dot sm80 kernel builds pl.Element blocks for JAX's Mosaic GPU
+    # pipeline, which refuses ours: the whole module keeps JAX's Pallas.
+    src = (
+        "from jax.experimental import pallas as pl\nfrom jax.experimental.pallas import mosaic_gpu as plgpu\n"
+    )
+    assert pallas_rewrite.port_source(src, "m.py") == src
+    other = "from jax.experimental import pallas as pl\nfrom jax.experimental.pallas import tpu_sc as plsc\n"
+    assert pallas_rewrite.port_source(other, "m.py").startswith("import pallas as pl\n")
+
+
 @pytest.mark.parametrize(
     "line",
     [

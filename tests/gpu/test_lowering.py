@@ -679,10 +679,42 @@ def test_unsupported_primitive_names_primitive_and_line():
         R.call(kernel, jax.ShapeDtypeStruct((8, 16), jnp.float32))(x)
 
 
-def test_small_dot_error_says_minimum():
-    a = random((8, 8), jnp.float32)
-    with pytest.raises(NotImplementedError, match="at least 16"):
-        whole(lambda x, y: x @ y, a, a)
+@pytest.mark.parametrize(
+    "m,k,n,dtype",
+    [
+        (8, 8, 8, jnp.float32),  # K below tl.dot's 16: a broadcast product summed over K
+        (1, 64, 64, jnp.bfloat16),  # tokamax's attention at block_q=1: M=1 goes to tl.dot
+        (2, 64, 64, jnp.float32),
+        (16, 4, 32, jnp.bfloat16),
+        (5, 3, 7, jnp.float32),  # padded dims
+        (16, 16, 16, jnp.int8),  # 8-bit: tl.dot needs K >= 32
+    ],
+)
+def test_small_dots(m, k, n, dtype):
+    if dtype == jnp.int8:
+        a = jax.random.randint(fresh_key(), (m, k), -8, 8, jnp.int8)
+        b = jax.random.randint(fresh_key(), (k, n), -8, 8, jnp.int8)
+        out = whole(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.int32), a, b)
+        np.testing.assert_array_equal(out, np.asarray(a, np.int32) @ np.asarray(b, np.int32))
+        return
+    a, b = random((m, k), dtype), random((k, n), dtype)
+    out = whole(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32), a, b)
+    want = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    np.testing.assert_allclose(out, want, rtol=2e-2 if dtype == jnp.bfloat16 else 2e-3, atol=1e-2)
+
+
+def test_small_dot_accumulates_and_batches():
+    a, b, c = random((4, 2, 8), jnp.float32), random((4, 8, 16), jnp.float32), random((2, 16), jnp.float32)
+
+    def kernel(a_ref, b_ref, c_ref, o_ref):
+        acc = c_ref[...]
+        for i in range(4):  # acc + dot(...) with K = 8: the small-K path inside the accumulation
+            acc = acc + jnp.dot(a_ref[i], b_ref[i], preferred_element_type=jnp.float32)
+        o_ref[...] = acc + jnp.einsum("bmk,bkn->bmn", a_ref[...], b_ref[...]).sum(0)
+
+    out = R.call(kernel, jax.ShapeDtypeStruct((2, 16), jnp.float32))(a, b, c)
+    want = np.asarray(c) + 2 * np.einsum("bmk,bkn->mn", np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3)
 
 
 def test_non_pow2_reshape_error():
@@ -726,20 +758,6 @@ def test_block_too_large_names_kernel_line_and_fix():
         r"\(1024, 1536\) \(padded to \(1024, 2048\)\).*at most 2\*\*20.*smaller block shape",
     ):
         R.call(big_block, x)(jnp.zeros(x.shape, x.dtype))
-
-
-def test_small_dot_error_names_kernel_line_minimum_and_fix():
-    a = random((8, 32), jnp.float32)
-    b = random((32, 16), jnp.float32)
-
-    def small_dot(a_ref, b_ref, o_ref):
-        o_ref[...] = jnp.dot(a_ref[...], b_ref[...])  # M = 8
-
-    with pytest.raises(
-        NotImplementedError,
-        match=r"(?s)kernel 'small_dot' at .*test_lowering.py:\d+.*at least 16 \(got M=8\).*pad the block to 16",
-    ):
-        R.call(small_dot, jax.ShapeDtypeStruct((8, 16), jnp.float32))(a, b)
 
 
 def test_unsupported_primitive_names_backend_kernel_line():

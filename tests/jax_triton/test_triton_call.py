@@ -258,3 +258,10 @@ def test_version_warning_once(monkeypatch):
         triton_compat.check_triton_version()
         triton_compat.check_triton_version()
     assert len(w) == 1 and "triton==3.6.0" in str(w[0].message)
+
+
+def test_version_info_is_the_version_as_ints():
+    # Code written for the published jax-triton checks `jax_triton.__version_info__ >= (0, 4, 1)`
+    # (tokamax's ragged_dot tests); ours errored with AttributeError.
+    assert jt.__version_info__ == tuple(int(p) for p in jt.__version__.split("."))
+    assert jt.__version_info__ >= (0, 4, 1)

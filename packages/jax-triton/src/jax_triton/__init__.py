@@ -18,6 +18,7 @@ from jax_triton._src.utils import cdiv as cdiv
 from jax_triton._src.utils import next_power_of_2 as next_power_of_2
 from jax_triton._src.utils import strides_from_shape as strides_from_shape
 from jax_triton._version import __version__ as __version__
+from jax_triton._version import __version_info__ as __version_info__
 
 _check_version()
 

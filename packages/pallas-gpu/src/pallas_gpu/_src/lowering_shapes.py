@@ -404,8 +404,10 @@ for _p, _kind in _CUMULATIVE.items():
 # ---------------------------------------------------------------------------
 # Dot
 
-# Triton's tl.dot needs every dim of its operands to be at least 16.
-MIN_DOT_DIM = 16
+# Triton's tl.dot on NVIDIA GPUs (its min_dot_size) takes any M and N (it pads them for
+# the tensor cores) but needs K of at least 16, 32 for 8-bit operands. A dot with a
+# smaller K is lowered as a broadcast product summed over K (``_small_k_dot``).
+MIN_DOT_K = {1: 32, 2: 16, 4: 16, 8: 16}
 
 
 def _input_precision(rc: RuleContext, precision, dtype) -> str | None:
@@ -459,6 +461,18 @@ def _parts(em, x: Val, dtype, n: int) -> list[Val]:
     return parts
 
 
+def _small_k_dot(em, a: Val, b: Val, acc_dtype, out_shape) -> Val:
+    """``a @ b`` for a K below what tl.dot takes: the products of ``a[..., m, k]``
+    and ``b[..., k, n]`` broadcast to ``(..., M, K, N)`` in ``acc_dtype`` and summed
+    over K (exact f32 products; K's padding is zero in both)."""
+    nb = len(a.shape) - 2
+    lead = ":, " * nb
+    a3 = cast(em, a, acc_dtype)
+    b3 = cast(em, b, acc_dtype)
+    prod = f"{a3.expr}[{lead}:, :, None] * {b3.expr}[{lead}None, :, :]"
+    return em.assign(f"tl.sum({prod}, axis={nb + 1})", out_shape, acc_dtype)
+
+
 def _split_dot(em, a: Val, b: Val, split, out_shape) -> Val:
     dtype, pairs = split
     n = 1 + max(max(p) for p in pairs)
@@ -509,16 +523,7 @@ def _dot_general_rule(
             (*b.shape[:nb], b.shape[nb + 1], b.shape[nb]),
             b.dtype,
         )
-    m, k = a.shape[-2:]
-    n = b.shape[-1]
-    small = [f"{name}={v}" for name, v in (("M", m), ("N", n), ("K", k)) if next_pow2(v) < MIN_DOT_DIM]
-    if small:
-        raise rc.error(
-            f"dot of {a.shape} x {b.shape}: Triton's tl.dot needs M, N and K of at least "
-            f"{MIN_DOT_DIM} (got {', '.join(small)}); pad the block to {MIN_DOT_DIM} (block shapes of "
-            f"at least {MIN_DOT_DIM} along M, N and K, masking the extra rows/columns with jnp.where), "
-            "or compute small products with broadcasting and jnp.sum"
-        )
+    k = a.shape[-1]
     out = rc.avals_out[0]
     # Padding along K would add garbage products: zero it.
     a = fill_padding(em, a, 0, [nb + 1])
@@ -535,6 +540,11 @@ def _dot_general_rule(
         acc_dtype = np.dtype(np.int32)
     if a.dtype != b.dtype:
         raise rc.error(f"dot operands must have the same dtype, got {a.dtype} and {b.dtype}")
+    if next_pow2(k) < MIN_DOT_K.get(np.dtype(a.dtype).itemsize, 16):
+        v = _small_k_dot(em, a, b, acc_dtype, out.shape)
+        if acc is not None:
+            return em.assign(f"{acc.expr} + {v.expr}", out.shape, acc.dtype)
+        return cast(em, v, out.dtype)
     split = _split_preset(precision, a.dtype)
     if split is not None:
         v = _split_dot(em, a, b, split, out.shape)

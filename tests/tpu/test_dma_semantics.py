@@ -492,10 +492,10 @@ def test_traced_size_out_of_bounds_is_reported():
     )
     with pytest.raises(
         Exception,
-        match=rf"TPU kernel 'traced' .* at {HERE}:\d+: out-of-bounds DMA read of the input x_hbm \(HBM\)"
+        match=rf"TPU kernel 'traced' .* at {HERE}:\d+: Out-of-bounds read \(DMA read\) of the input x_hbm \(HBM\)"
         r"|TPU kernel 'traced' .* at "
         + HERE
-        + r":\d+: out-of-bounds DMA read of .*: dimension 0 takes 5 elements from 12 \(stride 1\) but its size is 16",
+        + r":\d+: Out-of-bounds read \(DMA read\) of .*: dimension 0 takes 5 elements from 12 \(stride 1\) but its size is 16",
     ):
         jax.block_until_ready(traced_copy(jnp.array([5, 12, 5], jnp.int32), x, dst_rows=8))
 

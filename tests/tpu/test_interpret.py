@@ -479,7 +479,7 @@ def test_out_of_bounds_dynamic_ref_read_names_kernel_line_and_ref():
         out_specs=pl.BlockSpec((16, 128), lambda i: (0, 0)),
         interpret=pltpu.InterpretParams(),
     )(x)
-    msg = _raises(r"out-of-bounds read", call)
+    msg = _raises(r"Out-of-bounds read", call)
     assert "kernel 'kernel'" in msg and "test_interpret.py" in msg and "in_specs[0] block" in msg
     assert "[8, 8 + 16)" in msg
 
@@ -503,7 +503,7 @@ def test_out_of_bounds_dma_and_store():
         scratch_shapes=[pltpu.VMEM((32, 128), x.dtype), pltpu.SemaphoreType.DMA],
         interpret=pltpu.InterpretParams(),
     )(x)
-    _raises(r"out-of-bounds DMA read of in_specs\[0\] \(HBM\).*\[40, 40 \+ 32\)", call)
+    _raises(r"Out-of-bounds read \(DMA read\) of in_specs\[0\] \(HBM\).*\[40, 40 \+ 32\)", call)
 
     def store(x_ref, o_ref):
         o_ref[pl.ds(pl.program_id(0) + 1, 8), :] = x_ref[...]
@@ -518,7 +518,7 @@ def test_out_of_bounds_dma_and_store():
             interpret=pltpu.InterpretParams(),
         )(x[:8])
     )
-    _raises(r"out-of-bounds write of out_specs\[0\] block", call)
+    _raises(r"Out-of-bounds write of out_specs\[0\] block", call)
 
 
 @interpret_only(reason="interpret-mode error message")
@@ -578,7 +578,9 @@ def _simple(kernel, x, **kw):
 @interpret_only(reason="interpret-mode error message")
 def test_block_shape_must_fit_the_tpu_tile():
     x = rand(25, (64, 256))
-    with pytest.raises(ValueError, match=r"in_specs\[0\].*dimension 1 has block size 64.*multiple of 128"):
+    with pytest.raises(
+        ValueError, match=r"in_specs\[0\].*dimension 1 of the block is 64.*multiples of 8 and 128"
+    ):
         _simple(
             lambda x_ref, o_ref: None,
             x,
@@ -586,7 +588,7 @@ def test_block_shape_must_fit_the_tpu_tile():
             in_specs=[pl.BlockSpec((16, 64), lambda i: (i, 0))],
             out_specs=pl.BlockSpec((16, 256), lambda i: (i, 0)),
         )
-    with pytest.raises(ValueError, match=r"dimension 0 has block size 4.*multiple of 8"):
+    with pytest.raises(ValueError, match=r"dimension 0 of the block is 4.*multiples of 8 and 128"):
         _simple(
             lambda x_ref, o_ref: None,
             x,
@@ -611,7 +613,9 @@ def test_smem_holds_scalars_of_at_most_32_bits():
 @interpret_only(reason="interpret-mode error message")
 def test_scratch_over_vmem_limit():
     x = rand(27, (8, 128))
-    with pytest.raises(ValueError, match=r"vmem_limit_bytes is 65536"):
+    with pytest.raises(
+        ValueError, match=r"139264 bytes .* of VMEM.*more than compiler_params.vmem_limit_bytes \(65536 bytes"
+    ):
         _simple(
             lambda x_ref, o_ref, s: None,
             x,

@@ -575,11 +575,11 @@ def test_unsupported_primitive_names_it_the_kernel_and_line():
 
 
 def test_error_inside_rule_names_the_line():
-    def smem_block(x_ref, o_ref):
-        o_ref[...] = x_ref[...]
+    def one_d_iota(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + lax.iota(jnp.float32, 128)
 
-    msg = _lowering_error(smem_block, (8, 128), in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)])
-    assert "SMEM holds scalars" in msg and "lowering 'get'" in msg and "test_lowering.py:" in msg
+    msg = _lowering_error(one_d_iota, (8, 128))
+    assert "iota must be at least 2-D" in msg and "lowering 'iota'" in msg and "test_lowering.py:" in msg
 
 
 def test_dimension_semantics_rank_mismatch():

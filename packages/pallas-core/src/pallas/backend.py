@@ -48,6 +48,7 @@ from pallas._src.semaphores import semaphore_signal_p as semaphore_signal_p
 from pallas._src.semaphores import semaphore_wait_p as semaphore_wait_p
 from pallas._src.semaphores import transformed_aval as transformed_aval
 from pallas._src.semaphores import unflatten_transforms as unflatten_transforms
+from pallas._src.validate import check_bool_fields as check_bool_fields
 
 
 def forced_interpret() -> list:

@@ -14,7 +14,7 @@ from jax import tree_util
 from pallas._src import compat
 from pallas._src import core as pallas_core
 from pallas._src.core import BlockMapping, BlockSpec
-from pallas._src.errors import describe
+from pallas._src.errors import ValueOrTypeError, describe, function_source, python_arity_message
 
 is_spec = lambda x: x is None or x is pallas_core.no_block_spec or isinstance(x, BlockSpec)  # noqa: E731
 
@@ -32,6 +32,15 @@ class Err:
 
 def keystr(path) -> str:
     return tree_util.keystr(path) if path else ""
+
+
+def jax_origin(origin: str) -> str:
+    """How JAX's Pallas names an operand in its messages: ``args[0]`` for what
+    we call ``in_specs[0]``, ``outputs[0]`` for ``out_specs[0]``."""
+    for ours, theirs in (("in_specs", "args"), ("out_specs", "outputs")):
+        if origin.startswith(ours):
+            return theirs + origin[len(ours) :]
+    return origin
 
 
 def _grid_entries(grid) -> list:
@@ -136,7 +145,7 @@ def block_mapping(
         )
     block_shape = spec.block_shape
     whole = pallas_core.is_whole_array_space(ms)
-    if block_shape is None or whole:
+    if block_shape is None:
         block_shape = shape
     if not isinstance(block_shape, (tuple, list)):
         raise err(TypeError, origin, f"block_shape must be a tuple, got {block_shape!r}")
@@ -144,15 +153,16 @@ def block_mapping(
         raise err(
             ValueError,
             origin,
-            f"block_shape {tuple(block_shape)} has {len(block_shape)} dims but the array "
-            f"{dtype}{list(shape)} has {len(shape)}",
+            f"Block shape for {jax_origin(origin)} (= {tuple(block_shape)}) must have the same number of "
+            f"dimensions as the array shape {shape}: block_shape has {len(block_shape)} dims but the "
+            f"array {dtype}{list(shape)} has {len(shape)}",
         )
     dims = tuple(
         _normalize_block_dim(d, f"{origin}.block_shape[{i}]", err, n)
         for i, (d, n) in enumerate(zip(block_shape, shape))
     )
     index_map = spec.index_map
-    if index_map is None or whole:
+    if index_map is None:
         index_map = lambda *_: (0,) * len(shape)  # noqa: E731
     if not callable(index_map):
         raise err(TypeError, f"{origin}.index_map", f"expected a callable, got {index_map!r}")
@@ -160,11 +170,13 @@ def block_mapping(
     n_args = len(grid) + n_prefetch
     if not _index_map_arity_ok(index_map, n_args):
         extra = f" and {n_prefetch} scalar-prefetch operands" if n_prefetch else ""
+        python_says = python_arity_message(index_map, n_args)
         raise err(
             TypeError,
             f"{origin}.index_map",
             f"the grid has {len(grid)} axes, so index_map must take {n_args} arguments "
-            f"(one grid index each{extra}); {index_map} does not",
+            f"(one grid index each{extra}); {function_source(index_map)} does not"
+            + (f": {python_says}" if python_says else ""),
         )
     n_out = []
 
@@ -180,32 +192,71 @@ def block_mapping(
     idx_avals = [compat.shaped_array((), jnp.int32)] * len(grid) + list(prefetch_avals)
     dbg = compat.make_debug_info("pallas_call index_map", index_map, list(range(len(idx_avals))))
     jaxpr, consts = compat.trace_to_closed_jaxpr(flat_index_map, idx_avals, dbg)
+    # The wording after the culprit is JAX's ("Index map function f at x.py:3 for args[0] ...").
+    index_map_is = f"Index map function {function_source(index_map)} for {jax_origin(origin)}"
     if n_out[0] != len(shape):
         raise err(
             ValueError,
             f"{origin}.index_map",
-            f"returned {n_out[0]} indices but block_shape has {len(shape)} dims",
+            f"{index_map_is} must return {len(shape)} values to match block_shape {tuple(block_shape)} "
+            f"(one index per block dimension). Currently returning {n_out[0]} values.",
         )
     for i, a in enumerate(jaxpr.out_avals):
         if a.shape != () or not jnp.issubdtype(a.dtype, jnp.integer):
             raise err(
-                TypeError,
+                ValueOrTypeError,
                 f"{origin}.index_map",
-                f"result {i} must be an integer scalar, got {a.dtype}{list(a.shape)}",
+                f"{index_map_is} must return integer scalars. Output[{i}] has type {a.str_short()}: "
+                "return one integer scalar (a block index) per block dimension",
             )
+    if whole:
+        _check_whole_array_window(dims, jaxpr, shape, dtype, ms, origin, err)
     if consts:
-        jaxpr = _close_over(jaxpr, consts)
+        jaxpr = _close_over(jaxpr, consts, index_map)
+        if jaxpr is None:
+            raise err(
+                ValueError,
+                f"{origin}.index_map",
+                f"{index_map_is} must not capture constants: "
+                f"{', '.join(compat.get_aval(c).str_short() for c in consts)}. An index map computes block "
+                "indices from the grid indices (and scalar-prefetch operands: pass a table of indices "
+                "with pltpu.PrefetchScalarGridSpec)",
+            )
     return BlockMapping(origin, dims, jaxpr, shape, dtype, ms)
 
 
-def _close_over(jaxpr, consts):
-    """Folds captured constants into a closed jaxpr with no extra inputs."""
+def _check_whole_array_window(dims, jaxpr, shape, dtype, ms, origin: str, err: Err) -> None:
+    """In ``pl.ANY`` (and a backend's HBM) the kernel gets the whole array,
+    which it reaches by DMAs: a block_shape other than the array's, or an
+    index_map not returning zeros, would be ignored, so it is refused (as JAX's
+    TPU lowering refuses it)."""
+    full = all(getattr(d, "block_size", 1) == n for d, n in zip(dims, shape))  # Squeezed: 1
+    zeros = all(hasattr(v, "val") and np.ndim(v.val) == 0 and int(v.val) == 0 for v in jaxpr.jaxpr.outvars)
+    if full and zeros:
+        return
+    name = "pl.ANY" if ms is pallas_core.ANY else str(ms)
+    raise err(
+        ValueError,
+        origin,
+        f"block_shape {tuple(str(d) for d in dims)} of array {dtype}{list(shape)} in memory space {name}: an "
+        "operand in HBM (pl.ANY) is the whole array, which the kernel reaches by DMAs; its BlockSpec takes "
+        f"no block_shape other than the array's {shape} and no index_map other than one returning zeros. Use "
+        "pl.BlockSpec(memory_space=...) and copy the part you need with a DMA, or a VMEM BlockSpec to get blocks",
+    )
+
+
+def _close_over(jaxpr, consts, index_map):
+    """Folds captured scalar constants into a closed jaxpr with no extra inputs;
+    None where an array constant stays captured (it cannot become a literal)."""
     fun = compat.jaxpr_as_fun(jaxpr)
     avals = jaxpr.in_avals[len(consts) :]
-    dbg = jaxpr.debug_info
-    closed, more = compat.trace_to_closed_jaxpr(lambda *a: fun(*consts, *a), avals, dbg)
-    assert not more
-    return closed
+    dbg = compat.make_debug_info("pallas_call index_map", index_map, avals)
+    # A concrete 0-d array (jnp.int32(1)) becomes a numpy scalar, which traces to a literal.
+    scalars = [
+        np.asarray(c)[()] if np.ndim(c) == 0 and not isinstance(c, jax.core.Tracer) else c for c in consts
+    ]
+    closed, more = compat.trace_to_closed_jaxpr(lambda *a: fun(*scalars, *a), avals, dbg)
+    return None if more else closed
 
 
 def flatten_specs(specs, tree_of: tuple, what: str, err: Err) -> list:
@@ -213,18 +264,34 @@ def flatten_specs(specs, tree_of: tuple, what: str, err: Err) -> list:
     kind = "inputs" if what == "in_specs" else "outputs"
     if specs is pallas_core.no_block_spec:
         return [None] * len(tree_util.tree_leaves(tree_of))
+
+    def jax_says(specs) -> str:  # JAX's wording, after ours
+        specs_tree = tree_util.tree_structure(specs, is_leaf=is_spec)
+        return "\n" + compat.pytree_mismatch_message(
+            f"`{what}`",
+            specs_tree,
+            "`inputs`" if what == "in_specs" else "`out_shape`",
+            tree_util.tree_structure(tuple(tree_of)),
+        )
+
     if is_spec(specs):
         if len(tree_of) != 1:
             raise err(
                 ValueError,
                 what,
-                f"got a single block spec but pallas_call has {len(tree_of)} {kind}; pass a tuple of {len(tree_of)}",
+                f"got a single block spec but pallas_call has {len(tree_of)} {kind}; pass a tuple of "
+                f"{len(tree_of)}" + jax_says(specs),
             )
         specs = (specs,)
     if not isinstance(specs, (tuple, list)):
         raise err(TypeError, what, f"expected a pl.BlockSpec or a tuple of them, got {specs!r:.80}")
     if len(specs) != len(tree_of):
-        raise err(ValueError, what, f"got {len(specs)} block specs but pallas_call has {len(tree_of)} {kind}")
+        raise err(
+            ValueError,
+            what,
+            f"got {len(specs)} block specs but pallas_call has {len(tree_of)} {kind}"
+            + jax_says(tuple(specs)),
+        )
     flat = []
     for i, (spec, sub) in enumerate(zip(specs, tree_of)):
         n = len(tree_util.tree_leaves(sub))
@@ -266,8 +333,9 @@ def check_aliases(aliases, in_avals, out_avals, in_names, out_names, err: Err, n
         if not isinstance(i, int) or not 0 <= i < n_prefetch + len(in_avals):
             raise err(
                 ValueError,
-                "input_output_aliases",
-                f"input index {i!r} is out of range: there are {n_prefetch + len(in_avals)} inputs",
+                "",
+                f"input_output_aliases contains the mapping '{i}:{o}' with input index {i!r} outside "
+                f"the range [0, {n_prefetch + len(in_avals)}): there are {n_prefetch + len(in_avals)} inputs",
             )
         if i < n_prefetch:
             raise err(
@@ -278,16 +346,18 @@ def check_aliases(aliases, in_avals, out_avals, in_names, out_names, err: Err, n
         if not isinstance(o, int) or not 0 <= o < len(out_avals):
             raise err(
                 ValueError,
-                "input_output_aliases",
-                f"output index {o!r} is out of range: there are {len(out_avals)} outputs",
+                "",
+                f"input_output_aliases contains the mapping '{i}:{o}' with output index {o!r} outside "
+                f"the range [0, {len(out_avals)}): there are {len(out_avals)} outputs",
             )
         a, b = in_avals[i - n_prefetch], out_avals[o]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise err(
                 ValueError,
-                "input_output_aliases",
-                f"input {i} ({in_names[i - n_prefetch]}: {a.dtype}{list(a.shape)}) and output {o} "
-                f"({out_names[o]}: {b.dtype}{list(b.shape)}) must have the same shape and dtype",
+                "",
+                f"input_output_aliases contains the mapping '{i}:{o}' referring to input[{i}] with abstract "
+                f"value {a.str_short()}, but output[{o}] with a different abstract value {b.str_short()}: "
+                f"{in_names[i - n_prefetch]} and {out_names[o]} must have the same shape and dtype",
             )
         pairs.append((i - n_prefetch, o))
     if len({o for _, o in pairs}) != len(pairs):

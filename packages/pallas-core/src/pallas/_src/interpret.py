@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas._src import compat
+from pallas._src import compat, validate
 from pallas._src import core as pallas_core
 from pallas._src.primitives import uninitialized_value
 
@@ -46,6 +46,9 @@ class InterpretParams:
     """
 
     vectorize: bool = True
+
+    def __post_init__(self):
+        validate.check_bool_fields("pl.InterpretParams", self, ("vectorize",))
 
 
 @dataclasses.dataclass(frozen=True)

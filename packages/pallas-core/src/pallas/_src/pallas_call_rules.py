@@ -121,7 +121,30 @@ def _batching_rule(args, dims, *, jaxpr, grid_mapping, input_output_aliases, **p
         input_output_aliases=input_output_aliases,
         **params,
     )
-    return outs, [0] * len(outs)
+    # Outputs that no batched input reaches are the same for every batch element:
+    # returned unbatched, as jax.jacfwd needs the primal outputs of a jvp.
+    first = len(jaxpr.jaxpr.invars) - gm.num_inputs - gm.num_outputs - len(gm.scratch_avals)
+    reached = _reached_refs(jaxpr.jaxpr, {first + i for i, b in enumerate(batched[nsp:]) if b})
+    out_batched = [first + gm.num_inputs + o in reached for o in range(gm.num_outputs)]
+    outs = [x if b else x[0] for x, b in zip(outs, out_batched)]
+    return outs, [0 if b else None for b in out_batched]
+
+
+def _reached_refs(jaxpr, sources: set[int]) -> set[int]:
+    """The kernel's inputs (by position) that values of the ``sources`` inputs
+    may reach, conservatively: an equation with a reached input reaches all its
+    outputs and every Ref it takes (so a loop or call over a reached value
+    reaches all its Refs). Repeated to a fixed point: the body runs once per
+    grid step, and a Ref written late in one step is read early in the next."""
+    reached = {jaxpr.invars[i] for i in sources}
+    size = -1
+    while len(reached) != size:
+        size = len(reached)
+        for eqn in jaxpr.eqns:
+            if any(not hasattr(v, "val") and v in reached for v in eqn.invars):
+                reached.update(eqn.outvars)
+                reached.update(v for v in eqn.invars if not hasattr(v, "val") and compat.is_ref_aval(v.aval))
+    return {i for i, v in enumerate(jaxpr.invars) if v in reached}
 
 
 batching.primitive_batchers[pallas_call_p] = _batching_rule

@@ -51,3 +51,12 @@ def check_static_indices(jaxpr, describe_kernel: str) -> None:
                     )
     for sub in compat.subjaxprs(jaxpr):
         check_static_indices(sub, describe_kernel)
+
+
+def check_bool_fields(owner: str, obj, names) -> None:
+    """Options documented as bool must be bools: ``detect_races="no"`` is
+    truthy and would silently switch the option on."""
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{owner}: {name} must be True or False, got {v!r} ({type(v).__name__})")

@@ -70,6 +70,17 @@ def normalize_semantics(sem: Any, where: str) -> GridDimensionSemantics:
         raise ValueError(f"{where}: unknown dimension semantics {sem!r}; expected one of {names}") from None
 
 
+_BOOL_FIELDS = (
+    "disable_bounds_checks",
+    "disable_semaphore_checks",
+    "skip_device_barrier",
+    "allow_collective_id_without_custom_barrier",
+    "shape_invariant_numerics",
+    "needs_layout_passes",
+    "fuse_transposed_lhs_in_matmul",
+)
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class CompilerParams(pl.CompilerParams):
     """Mosaic TPU compiler parameters (the fields of JAX's ``pltpu.CompilerParams``).
@@ -135,11 +146,18 @@ class CompilerParams(pl.CompilerParams):
             raise ValueError(
                 f"pltpu.CompilerParams: vmem_limit_bytes must be a positive int, got {vmem_limit_bytes!r}"
             )
+        if allow_input_fusion is not None:
+            allow_input_fusion = tuple(allow_input_fusion)
+            bad = [b for b in allow_input_fusion if not isinstance(b, (bool, np.bool_))]
+            if bad:
+                raise TypeError(
+                    "pltpu.CompilerParams: allow_input_fusion takes one True/False per input of the "
+                    f"pallas_call, got {bad[0]!r} in {allow_input_fusion!r}"
+                )
+            allow_input_fusion = tuple(bool(b) for b in allow_input_fusion)
         values = dict(
             dimension_semantics=sems,
-            allow_input_fusion=None
-            if allow_input_fusion is None
-            else tuple(bool(b) for b in allow_input_fusion),
+            allow_input_fusion=allow_input_fusion,
             vmem_limit_bytes=vmem_limit_bytes,
             collective_id=collective_id,
             has_side_effects=has_side_effects,
@@ -158,6 +176,7 @@ class CompilerParams(pl.CompilerParams):
         )
         for k, v in values.items():
             object.__setattr__(self, k, v)
+        plb.check_bool_fields("pltpu.CompilerParams", self, _BOOL_FIELDS)
 
     def replace(self, **changes) -> CompilerParams:
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

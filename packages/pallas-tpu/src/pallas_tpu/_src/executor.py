@@ -60,6 +60,11 @@ def parse_module(module, ctx=None):
 
     if isinstance(module, ir.Module):
         return module
+    if not isinstance(module, (str, bytes, bytearray)):
+        raise TypeError(
+            "run_mosaic: module must be a Mosaic module as MLIR text (str), bytecode (bytes) or an "
+            f"ir.Module (e.g. pltpu.mosaic_modules(fn, *args)[0]), got {type(module).__name__} {module!r:.80}"
+        )
     ctx = ctx or _context()
     with ctx, ir.Location.unknown():
         mod = ir.Module.parse(module)
@@ -174,6 +179,8 @@ def run_mosaic(
 
     if not isinstance(num_cores, int) or num_cores < 1:
         raise ValueError(f"run_mosaic: num_cores must be a positive int, got {num_cores!r}")
+    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+        raise ValueError(f"run_mosaic: num_devices must be a positive int, got {num_devices!r}")
     if mesh_shape is not None:
         mesh_shape = tuple(int(n) for n in mesh_shape)
         size = int(np.prod(mesh_shape))
@@ -239,6 +246,23 @@ def run_mosaic(
         return jax.tree.unflatten(out_tree, outs)
 
 
+def _check_dtype(what: str, given: np.dtype, memref_type) -> None:
+    """Arrays are the module's memrefs: run_mosaic converts nothing (a bool
+    array is an i32 memref, as the custom call passes it)."""
+    want = ops.np_dtype(memref_type)
+    if given == want or (given == np.bool_ and want == np.int32):
+        return
+    fix = (
+        f"give it dtype {want.name}"
+        if what.startswith("out_shape")
+        else f"pass a {want.name} array (x.astype(jnp.{want.name}) if a conversion is meant)"
+    )
+    raise TypeError(
+        f"run_mosaic: {what} has dtype {given.name}, but the module's memref for it is {memref_type} "
+        f"({want.name}); {fix}"
+    )
+
+
 def _prepare(kernel, operands, out_leaves, aliases) -> dict:
     """One device's arrays (its HBM, shared by its cores) and grid."""
     bounds = _ints(kernel.attributes["iteration_bounds"]) if "iteration_bounds" in kernel.attributes else []
@@ -259,6 +283,14 @@ def _prepare(kernel, operands, out_leaves, aliases) -> dict:
         )
     it = iter(max(int(np.asarray(x)), 0) for x in sizes)
     bounds = [next(it) if b < 0 else b for b in bounds]
+    prefetch_args = args[len(bounds) : len(bounds) + nsp]
+    win_args = args[len(bounds) + nsp : len(bounds) + nsp + nwin]
+    for k, (x, a) in enumerate(zip(operands[:nsp], prefetch_args)):
+        _check_dtype(f"scalar-prefetch operand {k + ndyn}", np.asarray(x).dtype, a.type)
+    for k, (x, a) in enumerate(zip(operands[nsp:], win_args)):
+        _check_dtype(f"operand {k + ndyn + nsp}", np.asarray(x).dtype, a.type)
+    for o, (leaf, a) in enumerate(zip(out_leaves, win_args[n_in:])):
+        _check_dtype(f"out_shape[{o}]", np.dtype(leaf.dtype), a.type)
     arrays = [np.array(x) for x in operands[nsp:]]
     for o, leaf in enumerate(out_leaves):
         src = {v: k for k, v in aliases.items()}.get(o)
@@ -266,7 +298,6 @@ def _prepare(kernel, operands, out_leaves, aliases) -> dict:
             arrays.append(np.array(operands[src], dtype=leaf.dtype))
         else:
             arrays.append(ops.uninitialized(leaf.shape, leaf.dtype))
-    win_args = args[len(bounds) + nsp : len(bounds) + nsp + nwin]
     padded = []
     for k, arr in enumerate(arrays):
         w = windows[k]

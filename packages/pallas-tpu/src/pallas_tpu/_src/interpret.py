@@ -107,6 +107,11 @@ class InterpretParams:
                 "InterpretParams: out_of_bounds_reads must be 'raise' or 'uninitialized', "
                 f"got {self.out_of_bounds_reads!r}"
             )
+        plb.check_bool_fields(
+            "pltpu.InterpretParams",
+            self,
+            ("detect_races", "skip_floating_point_ops", "allow_hbm_allocation_in_run_scoped"),
+        )
         from pallas_tpu._src import tpu_info
 
         tpu_info._as_chip(self.chip_version)  # an unknown generation fails here, naming the known ones
@@ -164,6 +169,13 @@ def _on_chip(space) -> bool:
     """VMEM (the default of kernel scratch), SMEM: buffers small enough to
     shadow, where on_wait DMAs land at their wait (see interpret_dma)."""
     return space is None or space in (tpu_core.VMEM, tpu_core.SMEM, tpu_core.VMEM_SHARED)
+
+
+def _oob(what: str) -> str:
+    """JAX's interpreter's words first ("Out-of-bounds read"/"Out-of-bounds write"),
+    so code matching JAX's messages matches ours; then what the access was."""
+    kind = "write" if "write" in what else "read"
+    return f"Out-of-bounds {kind}" + (f" ({what})" if what != kind else "")
 
 
 def _uninit(shape, dtype, mode: str):
@@ -425,7 +437,7 @@ class Interpreter:
                     hi = jnp.max(a) if a.size else 0
                     self.check(
                         ok,
-                        f"{self.where(eqn)}: out-of-bounds {what} of {self.describe_ref(view)}: index array "
+                        f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)}: index array "
                         f"with values in [{{0}}, {{1}}] along dimension {d} of size {n}",
                         [lo, hi],
                     )
@@ -434,7 +446,7 @@ class Interpreter:
                 ok = jnp.logical_and(starts[d] >= 0, starts[d] + extent <= n)
                 self.check(
                     ok,
-                    f"{self.where(eqn)}: out-of-bounds {what} of {self.describe_ref(view)} "
+                    f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)} "
                     f"(shape {tuple(shape)}): dimension {d} reads [{{0}}, {{0}} + {extent}) "
                     f"but its size is {n}",
                     [starts[d]],
@@ -566,7 +578,7 @@ class Interpreter:
             ok = jnp.logical_and(ok, jnp.logical_or(size == 0, start + (size - 1) * stride < n))
             self.check(
                 ok,
-                f"{self.where(eqn)}: out-of-bounds {what} of {self.describe_ref(view)}: dimension {d} "
+                f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)}: dimension {d} "
                 f"takes {{1}} elements from {{0}} (stride {stride}) but its size is {{2}}",
                 [start, size, n],
             )

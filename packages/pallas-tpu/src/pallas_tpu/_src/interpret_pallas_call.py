@@ -13,15 +13,11 @@ import numpy as np
 from jax import lax
 
 from pallas import backend as plb
+from pallas_tpu._src import checks, compat, interpret_rules
 from pallas_tpu._src import core as tpu_core
 from pallas_tpu._src import interpret_dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
-from pallas_tpu._src import interpret_rules
 from pallas_tpu._src import primitives as tpu_prims
 from pallas_tpu._src.interpret import Interpreter, InterpretParams, RefView, _check_sem_zero, _uninit
-
-# Minimum tile of the last two block dims by element size (Mosaic's native
-# (sublane, lane) tiling): 32-bit (8, 128), 16-bit (16, 128), 8-bit (32, 128).
-_SUBLANES = {4: 8, 2: 16, 1: 32}
 
 
 def _err(gm, cls, what, msg):
@@ -44,34 +40,6 @@ def semantics_of(gm, compiler_params) -> tuple[tpu_core.GridDimensionSemantics, 
     return tuple(sems)
 
 
-def check_block_shapes(gm) -> None:
-    """TPU block-shape rules: the last two dims of a VMEM block are multiples of
-    the dtype's tile (e.g. (8, 128) for 32-bit) or equal to the array's."""
-    for bm in gm.block_mappings:
-        if bm.is_whole_array or bm.memory_space is tpu_core.SMEM:
-            continue
-        dims = bm.block_shape
-        shape = bm.array_shape
-        itemsize = np.dtype(bm.dtype).itemsize
-        tiles = (_SUBLANES.get(itemsize, 8), 128)
-        for k, tile in zip((-2, -1), tiles):
-            if len(dims) < -k:
-                continue
-            d = dims[k]
-            if isinstance(d, plb.Squeezed):
-                continue
-            size = d.block_size
-            if size != shape[k] and size % tile:
-                raise _err(
-                    gm,
-                    ValueError,
-                    bm.origin,
-                    f"block_shape {tuple(str(x) for x in dims)} of array {bm.dtype}{list(shape)}: dimension "
-                    f"{len(dims) + k} has block size {size}, which a TPU needs to be a multiple of {tile} "
-                    f"(the {np.dtype(bm.dtype).name} tile is {tiles}) or equal to the array dimension ({shape[k]})",
-                )
-
-
 def _smem_ok(dtype) -> bool:
     # 8- and 16-bit scalars are accepted as JAX's TPU interpret mode accepts them
     # (a TPU widens them to 32-bit words); 64-bit ones have no SMEM form.
@@ -87,30 +55,11 @@ def check_memory(gm, compiler_params) -> None:
                 bm.origin,
                 f"SMEM holds scalars of at most 32 bits, got {bm.dtype} (use int32/float32 or VMEM)",
             )
-    vmem = 0
     for i, a in enumerate(gm.scratch_avals):
         ms = getattr(a, "memory_space", None)
         if ms is tpu_core.SMEM and not _smem_ok(a.dtype):
             raise _err(
                 gm, TypeError, f"scratch_shapes[{i}]", f"SMEM holds scalars of at most 32 bits, got {a.dtype}"
-            )
-        if ms is tpu_core.VMEM or ms is None:
-            vmem += math.prod(a.shape) * np.dtype(a.dtype).itemsize
-    cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
-    limit = getattr(cp, "vmem_limit_bytes", None)
-    if limit is not None:
-        blocks = sum(
-            2 * math.prod(bm.block_sizes) * np.dtype(bm.dtype).itemsize
-            for bm in gm.block_mappings
-            if not bm.is_whole_array and bm.memory_space is not tpu_core.SMEM
-        )
-        if vmem + blocks > limit:
-            raise _err(
-                gm,
-                ValueError,
-                "scratch_shapes",
-                f"the kernel needs {vmem} bytes of VMEM scratch and {blocks} bytes of double-buffered "
-                f"blocks ({vmem + blocks} in all) but compiler_params.vmem_limit_bytes is {limit}",
             )
 
 
@@ -229,7 +178,7 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
     desc = f"in TPU kernel '{gm.kernel_name}' ({gm.source})"
     interp: Interpreter = interp_cls(params, gm, desc)
     sems = semantics_of(gm, compiler_params)
-    check_block_shapes(gm)
+    checks.check_kernel(gm, jaxpr, compiler_params)  # what the Mosaic lowering refuses too
     check_memory(gm, compiler_params)
     interp.init_checks()
     lane_hidden = list(_hidden_initializers(jaxpr).items())  # per core, e.g. the PRNG state
@@ -326,6 +275,9 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
                 interp.ordered_callback(params.grid_point_recorder, pt, jnp.int32(core_id))
             for i in blocked:
                 _enter_block(interp, core_ops[i], f"__prev{i}.{slot}", i >= gm.num_inputs, gidx, prefetch, s)
+            views = [_batched_view(interp, op, v, gidx, prefetch) for op, v in zip(core_ops, views)] + list(
+                views[len(core_ops) :]
+            )
             invals = [*gidx, *dynamic_sizes, *prefetch, *views]
             yield from interp.iter_jaxpr(jaxpr.jaxpr, jaxpr.consts, invals, pause)
 
@@ -382,6 +334,21 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
     outs = [_unpad(interp.state[op.hbm], op.bm) for op in ops[gm.num_inputs :]]
     interp.raise_checks()
     return outs
+
+
+def _batched_view(interp, op, view, gidx, prefetch):
+    """A whole-array (HBM) operand of a kernel under ``jax.vmap`` has a squeezed
+    block dim per batch axis: the kernel sees the array at its batch index."""
+    bm = op.bm
+    if op.buf is not None or not any(isinstance(d, plb.Squeezed) for d in bm.block_shape):
+        return view
+    idx = interp.eval_closed(bm.index_map, [*gidx, *prefetch])
+    NDIndexer, _ = compat.indexing_types()
+    sel = tuple(
+        jnp.asarray(i, jnp.int32) if isinstance(d, plb.Squeezed) else slice(None)
+        for d, i in zip(bm.block_shape, idx)
+    )
+    return view.with_transforms([NDIndexer.from_indices_shape(sel, tuple(interp.state[op.hbm].shape))])
 
 
 def _is_sem_wait(eqn) -> bool:

@@ -56,8 +56,24 @@ def _i64_attr(v: int) -> ir.Attribute:
 
 
 def _operand_type(bm) -> ir.MemRefType:
-    """A kernel operand's memref: its block (squeezed dims of size 1) in its memory space."""
-    return memref_type(bm.block_sizes, bm.dtype, bm.memory_space)
+    """A kernel operand's memref: its block (squeezed dims of size 1) in its
+    memory space; a whole-array (HBM) operand's is the whole array."""
+    shape = bm.array_shape if bm.is_whole_array else bm.block_sizes
+    return memref_type(shape, bm.dtype, bm.memory_space)
+
+
+def _batched_hbm_ref(kernel, bm, arg, index_args) -> BlockRef:
+    """An HBM operand under ``jax.vmap``: the whole array has a leading batch
+    axis (a squeezed dim per vmap) that the kernel does not see. The kernel's
+    Ref is the array at the batch index that the index map gives."""
+    index_map = getattr(bm.index_map, "jaxpr", bm.index_map)
+    starts = [as_i32(o) for o in lower_jaxpr(kernel, index_map, list(index_args))]
+    t = ir.MemRefType(arg.type)
+    sizes = list(bm.block_sizes)
+    sliced = tpu.memref_slice(
+        ir.MemRefType.get(sizes, t.element_type, memory_space=t.memory_space), arg, starts, []
+    )
+    return BlockRef(sliced, tuple(isinstance(d, plb.Squeezed) for d in bm.block_shape))
 
 
 def _operand_ref(bm, arg):
@@ -112,6 +128,10 @@ def lower_kernel(jaxpr, gm, compiler_params=None, mesh_axes=()) -> ir.Module:
         for i, bm in enumerate(gm.block_mappings):
             refs[first + i] = _operand_ref(bm, refs[first + i])
         with ir.InsertionPoint(block):
+            index_args = [*block.arguments[:G], *refs[G:first]]
+            for i, bm in enumerate(gm.block_mappings):
+                if bm.is_whole_array and any(isinstance(d, plb.Squeezed) for d in bm.block_shape):
+                    refs[first + i] = _batched_hbm_ref(kernel, bm, block.arguments[first + i], index_args)
             sizes = [tpu.iteration_bound(a) for a in dynamic]  # the kernel's inputs after the grid indices
             lower_jaxpr(kernel, jaxpr, [*refs[:G], *sizes, *refs[G:]])
             func.ReturnOp([])
@@ -159,7 +179,7 @@ def _window(i: int, bm, gm, prefetch_types) -> ir.Attribute:
         "transform_indices": ir.FlatSymbolRefAttr.get(name),
         "window_bounds": ir.DenseI64ArrayAttr.get(list(bm.block_sizes)),
     }
-    if _single_buffered(bm):
+    if single_buffered(bm):
         params["pipeline_mode"] = ir.Attribute.parse("#tpu.pipeline_mode<synchronous>")
     if any(isinstance(d, plb.Element) for d in bm.block_shape):
         if not all(isinstance(d, (plb.Element, plb.Squeezed)) for d in bm.block_shape):
@@ -173,7 +193,7 @@ def _window(i: int, bm, gm, prefetch_types) -> ir.Attribute:
     return ir.DictAttr.get(params)
 
 
-def _single_buffered(bm) -> bool:
+def single_buffered(bm) -> bool:
     """A VMEM block that is the whole array at a constant index is copied in
     once: Mosaic keeps one buffer of it (as JAX's lowering asks)."""
     if str(bm.memory_space or "vmem") != "vmem" or tuple(bm.block_sizes) != tuple(bm.array_shape):

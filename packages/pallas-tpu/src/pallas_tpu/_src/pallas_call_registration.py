@@ -21,7 +21,7 @@ from jax.interpreters import mlir
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mosaic.python import tpu
 
-from pallas_tpu._src import compat, interpret_pallas_call
+from pallas_tpu._src import checks, compat, interpret_pallas_call
 from pallas_tpu._src import core as tpu_core
 from pallas_tpu._src.interpret import Interpreter, InterpretParams
 from pallas_tpu._src.lowering import BOOL_MEMORY_DTYPE, LoweringException
@@ -82,6 +82,7 @@ def mosaic_module(
 ) -> ir.Module:
     """The verified Mosaic module of a kernel, built in ``context`` (a new
     one with the tpu dialect when None); ``mesh_axes`` as ``lower_kernel``'s."""
+    checks.check_kernel(grid_mapping, jaxpr, compiler_params)  # what TPU interpret mode refuses too
     if context is None:
         context = mlir.make_ir_context()
     tpu.register_dialect(context)
@@ -148,18 +149,27 @@ def lower(
 ):
     gm = grid_mapping
     if isinstance(interpret, InterpretParams):
-        return interpret_lower(
-            ctx,
-            *args,
-            jaxpr=jaxpr,
-            grid_mapping=gm,
-            input_output_aliases=input_output_aliases,
-            interpret=interpret,
-            debug=debug,
-            compiler_params=compiler_params,
-            cost_estimate=cost_estimate,
-            **params,
-        )
+        if getattr(_collecting, "sinks", ()):
+            raise _interpret_mode_error(gm, interpret, "pltpu.mosaic_modules")
+        try:
+            return interpret_lower(
+                ctx,
+                *args,
+                jaxpr=jaxpr,
+                grid_mapping=gm,
+                input_output_aliases=input_output_aliases,
+                interpret=interpret,
+                debug=debug,
+                compiler_params=compiler_params,
+                cost_estimate=cost_estimate,
+                **params,
+            )
+        except ValueError as e:
+            # JAX's host callbacks lower only for the platform of a backend it has.
+            if "different from the lowering platform" not in str(e):
+                raise
+            platforms = ", ".join(getattr(ctx.module_context, "platforms", ())) or "a TPU"
+            raise _interpret_mode_error(gm, interpret, f"lowering for {platforms}") from e
     cp = compiler_params if compiler_params is not None else tpu_core.CompilerParams()
     if not isinstance(cp, tpu_core.CompilerParams):
         raise TypeError(f"{_where(gm)}: compiler_params for a TPU must be pltpu.CompilerParams, got {cp!r}")
@@ -180,6 +190,15 @@ def lower(
     aliases = tuple((i + first, o) for i, o in input_output_aliases)
     config = _custom_call_config(cp, cost_estimate, aliases, params.get("metadata"))
     return _bool_as_int32(ctx, args, functools.partial(_custom_call, module=module, gm=gm, config=config))
+
+
+def _interpret_mode_error(gm, interpret, what: str) -> ValueError:
+    return ValueError(
+        f"{_where(gm)}: {what}: the kernel asks for TPU interpret mode (interpret={interpret!r}), which runs "
+        "it in Python on the CPU through host callbacks, so there is no Mosaic module to make and nothing "
+        "a TPU can run. Drop interpret= (or pass interpret=False) to lower the kernel for a TPU; keep it to "
+        "run the kernel on the CPU (jax.jit, or jax.export(..., platforms=['cpu']))."
+    )
 
 
 def _custom_call(ctx, *args, module, gm, config):

@@ -1,0 +1,274 @@
+"""What a TPU refuses, refused the same way by TPU interpret mode and by our
+Mosaic lowering: both call ``check_kernel`` before anything else, so a kernel
+that would not compile for a TPU does not run in interpret mode either, and
+the error names the kernel, the operand or the user's line.
+
+* block shapes: JAX's Mosaic lowering's tiling rules (the last two dims
+  multiples of (8, 128) or equal to the array's; rank-1 blocks whole, a
+  multiple of sublanes * lanes, or a power of 2 of at least one packed row);
+* memory spaces: Refs in HBM (``pl.ANY``, ``pltpu.HBM``) are reached by DMAs
+  only, SMEM holds scalars, ``pltpu.SEMAPHORE`` holds semaphores (that HBM
+  operands take whole arrays is checked by pallas-core's ``pallas_call``);
+* VMEM: blocks (two buffers each: the pipeline prefetches the next block)
+  plus VMEM scratch must fit ``vmem_limit_bytes`` (default: XLA's scoped
+  VMEM limit), which must fit the chip's VMEM;
+* ``CompilerParams.allow_input_fusion``: one entry per input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from pallas import backend as plb
+from pallas_tpu._src import compat
+from pallas_tpu._src import core as tpu_core
+
+
+def _err(gm, cls, what, msg):
+    return cls(f"{plb.describe(gm.kernel_name, gm.source)}: {what}: {msg}")
+
+
+def _cp(compiler_params):
+    return compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
+
+
+def _trivial_window(bm) -> bool:
+    """The block is the whole array at block index 0 (as JAX's lowering
+    decides it: a squeezed dim has size 1)."""
+    for d, n, v in zip(bm.block_shape, bm.array_shape, bm.index_map.jaxpr.outvars):
+        if getattr(d, "block_size", 1) != n:
+            return False
+        if not (hasattr(v, "val") and np.ndim(v.val) == 0 and int(v.val) == 0):
+            return False
+    return True
+
+
+def check_block_shapes(gm) -> None:
+    """JAX's Mosaic lowering's rules for the block shapes of VMEM operands."""
+    from pallas_tpu._src import tpu_info
+
+    for bm in gm.block_mappings:
+        ms = bm.memory_space
+        if ms is tpu_core.SEMAPHORE or (ms is tpu_core.SMEM and _trivial_window(bm)):
+            continue
+        dims, shape = bm.block_shape, bm.array_shape
+        shown = f"block_shape {tuple(str(x) for x in dims)} of array {bm.dtype}{list(shape)}"
+        if bm.is_whole_array:  # its block_shape and index_map were checked by pallas_call (pallas-core)
+            continue
+        if not dims:
+            continue
+        sizes = [1 if isinstance(d, plb.Squeezed) else d.block_size for d in dims]
+        if len(dims) >= 2:
+            for k, tile in ((-2, 8), (-1, 128)):
+                if sizes[k] != shape[k] and sizes[k] % tile:
+                    what = "squeezed (None)" if isinstance(dims[k], plb.Squeezed) else f"{sizes[k]}"
+                    raise _err(
+                        gm,
+                        ValueError,
+                        bm.origin,
+                        f"{shown}: dimension {len(dims) + k} of the block is {what}; a TPU needs the last "
+                        "two block dimensions to be multiples of 8 and 128 (one (8, 128) tile) or equal "
+                        f"to the array's ({shape[k]})",
+                    )
+            continue
+        info = tpu_info.get_tpu_info()
+        bits = 32 if np.dtype(bm.dtype) == np.bool_ else np.dtype(bm.dtype).itemsize * 8
+        min_tiling = info.num_lanes * max(32 // bits, 1)
+        chunk = info.num_sublanes * info.num_lanes
+        b = sizes[0]
+        if not (b == shape[0] or b % chunk == 0 or (b >= min_tiling and b & (b - 1) == 0)):
+            raise _err(
+                gm,
+                ValueError,
+                bm.origin,
+                f"{shown}: a rank-1 block must be the whole array ({shape[0]}), a multiple of {chunk} "
+                f"(sublanes * lanes) or a power of 2 of at least {min_tiling} (128 * (32 // {bits}))",
+            )
+
+
+def _vmem_bytes(shape, dtype) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# XLA's default scoped VMEM limit (--xla_tpu_scoped_vmem_limit_kib): what a
+# kernel may use unless CompilerParams(vmem_limit_bytes=...) says otherwise.
+_DEFAULT_SCOPED_VMEM_MIB = {6: 32, 7: 32}
+
+
+def default_scoped_vmem_bytes(info) -> int:
+    return min(_DEFAULT_SCOPED_VMEM_MIB.get(info.generation, 16) * 2**20, info.vmem_capacity_bytes)
+
+
+def check_vmem(gm, compiler_params) -> None:
+    """The VMEM a kernel needs, as Mosaic allocates it (VMEM blocks twice: the
+    pipeline fetches the next block while the kernel works on this one; a
+    whole array at a constant block index once; VMEM scratch once), against
+    ``vmem_limit_bytes`` (default: XLA's scoped VMEM limit of the modelled
+    chip) and the chip's VMEM."""
+    from pallas_tpu._src import tpu_info
+    from pallas_tpu._src.lowering_kernel import single_buffered
+
+    cp = _cp(compiler_params)
+    info = tpu_info.get_tpu_info()
+    chip = f"TPU {info.chip_version.value}"
+    capacity = info.vmem_capacity_bytes
+    limit = getattr(cp, "vmem_limit_bytes", None)
+    if limit is not None and limit > capacity:
+        raise _err(
+            gm,
+            ValueError,
+            "compiler_params.vmem_limit_bytes",
+            f"{limit} bytes ({_mib(limit)}) is more than the VMEM of a {chip} ({capacity} bytes, {_mib(capacity)})",
+        )
+    blocks = sum(
+        (1 if single_buffered(bm) else 2) * _vmem_bytes(bm.block_sizes, bm.dtype)
+        for bm in gm.block_mappings
+        if not bm.is_whole_array and bm.memory_space in (None, tpu_core.VMEM)
+    )
+    scratch = sum(
+        _vmem_bytes(a.shape, a.dtype)
+        for a in gm.scratch_avals
+        if getattr(a, "memory_space", None) in (None, tpu_core.VMEM) and plb.semaphore_kind(a) is None
+    )
+    if limit is not None:
+        bound, which = limit, f"compiler_params.vmem_limit_bytes ({limit} bytes, {_mib(limit)})"
+    else:
+        bound = default_scoped_vmem_bytes(info)
+        which = (
+            f"the default scoped VMEM limit of a {chip} ({_mib(bound)}; raise it with "
+            f"pltpu.CompilerParams(vmem_limit_bytes=...), up to the chip's {_mib(capacity)})"
+        )
+    if blocks + scratch > bound:
+        raise _err(
+            gm,
+            ValueError,
+            "VMEM",
+            f"the kernel needs {blocks + scratch} bytes ({_mib(blocks + scratch)}) of VMEM: {blocks} for its "
+            f"blocks (two buffers each, one for a whole array at a constant index) and {scratch} for VMEM "
+            f"scratch, more than {which}. Use smaller blocks, or keep large operands in HBM "
+            "(memory_space=pl.ANY) and copy parts with DMAs",
+        )
+
+
+def check_compiler_params(gm, compiler_params) -> None:
+    cp = _cp(compiler_params)
+    fusion = getattr(cp, "allow_input_fusion", None)
+    n = gm.num_scalar_prefetch + gm.num_inputs
+    if fusion is not None and len(fusion) != n:
+        raise _err(
+            gm,
+            ValueError,
+            "compiler_params.allow_input_fusion",
+            f"got {len(fusion)} entries for a pallas_call of {n} inputs"
+            + (f" ({gm.num_scalar_prefetch} scalar-prefetch)" if gm.num_scalar_prefetch else "")
+            + "; give one True/False per input",
+        )
+
+
+_ACCESS_WHAT = {"get": "reads", "swap": "writes", "addupdate": "adds to"}
+
+
+def _space_name(ms) -> str:
+    return "pl.ANY (HBM)" if ms is plb.ANY else f"pltpu.{getattr(ms, 'name', ms)}"
+
+
+def check_memory_spaces(gm, jaxpr) -> None:
+    """Memory spaces used as a TPU allows: data operands not in SEMAPHORE
+    space; no loads or stores on HBM Refs (DMAs only); SMEM read and written
+    one scalar at a time."""
+    for bm in gm.block_mappings:
+        if bm.memory_space is tpu_core.SEMAPHORE:
+            raise _err(
+                gm,
+                TypeError,
+                bm.origin,
+                f"an array {bm.dtype}{list(bm.array_shape)} placed in pltpu.SEMAPHORE: that space holds "
+                "semaphores, not data. Put the operand in VMEM, SMEM or HBM (pl.ANY); allocate semaphores "
+                "with scratch_shapes=[pltpu.SemaphoreType.DMA(...)]",
+            )
+    top = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
+    # pl.ANY Refs have no memory space in their avals: follow the kernel's ANY
+    # operands into the jaxprs inside (loops, conds, run_scoped bodies).
+    first = len(top.invars) - len(gm.block_mappings) - len(gm.scratch_avals)
+    any_vars = {top.invars[first + k] for k, bm in enumerate(gm.block_mappings) if bm.memory_space is plb.ANY}
+    _check_accesses(gm, top, any_vars)
+
+
+def _inner_invars(eqn, sub) -> list:
+    """The outer atoms bound to ``sub``'s invars (None where unknown)."""
+    n = len(sub.invars)
+    name = eqn.primitive.name
+    if name == "cond":
+        outer = list(eqn.invars[1:])
+    elif name == "while":
+        c, b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        if sub is eqn.params["cond_jaxpr"].jaxpr:
+            outer = list(eqn.invars[:c]) + list(eqn.invars[c + b :])
+        else:
+            outer = list(eqn.invars[c:])
+    elif name == "run_scoped":
+        outer = list(eqn.invars) + [None] * (n - len(eqn.invars))
+    else:
+        outer = list(eqn.invars)[-n:] if n else []
+    outer = [None] * (n - len(outer)) + outer
+    return outer[:n]
+
+
+def _check_accesses(gm, jaxpr, any_vars) -> None:
+    get_p, swap_p, addupdate_p = compat.get_p, compat.swap_p, compat.addupdate_p
+    for eqn in jaxpr.eqns:
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            sub = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+            outer = _inner_invars(eqn, sub)
+            _check_accesses(
+                gm,
+                sub,
+                {
+                    v
+                    for v, o in zip(sub.invars, outer)
+                    if o is not None and not hasattr(o, "val") and o in any_vars
+                },
+            )
+        if eqn.primitive not in (get_p, swap_p, addupdate_p):
+            continue
+        ref = eqn.invars[0]
+        aval = ref.aval
+        ms = plb.ANY if not hasattr(ref, "val") and ref in any_vars else getattr(aval, "memory_space", None)
+        what = _ACCESS_WHAT[eqn.primitive.name]
+        where = compat.eqn_user_source(eqn)
+        at = f"the kernel at {where}" if where else "the kernel"
+        if ms is plb.ANY or ms is tpu_core.HBM:
+            raise _err(
+                gm,
+                TypeError,
+                at,
+                f"{what} a Ref {aval.dtype}{list(aval.shape)} in {_space_name(ms)} directly; a TPU reaches "
+                "HBM by DMAs only: copy it into a VMEM buffer with pltpu.async_copy / "
+                "pltpu.make_async_copy(...).start() and .wait(), or give the operand a VMEM BlockSpec",
+            )
+        if ms is tpu_core.SMEM:
+            shape = eqn.outvars[0].aval.shape if eqn.primitive is get_p else eqn.invars[1].aval.shape
+            if shape:
+                raise _err(
+                    gm,
+                    TypeError,
+                    at,
+                    f"{what} a {list(shape)} vector of a Ref {aval.dtype}{list(aval.shape)} in pltpu.SMEM; "
+                    "SMEM holds scalars: index one element at a time (x_ref[i, j]), or put the operand "
+                    "in VMEM to use it as a vector",
+                )
+
+
+def check_kernel(gm, jaxpr, compiler_params) -> None:
+    """Every check above; called with ``tpu_info`` describing the target chip."""
+    check_compiler_params(gm, compiler_params)
+    check_block_shapes(gm)
+    check_memory_spaces(gm, jaxpr)
+    check_vmem(gm, compiler_params)

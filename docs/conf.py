@@ -15,6 +15,7 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "apigen",  # docs/_ext/apigen.py: the API pages, and the check that every public name is documented
+    "external_links",  # docs/_ext/external_links.py: every link to the outside, listed on links.md
 ]
 
 exclude_patterns = ["_build", "README.md", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]
@@ -56,4 +57,5 @@ html_theme_options = {
     "home_page_in_toc": True,
 }
 html_static_path = []
+templates_path = ["_templates"]
 suppress_warnings = ["mystnb.unknown_mime_type"]

@@ -7,9 +7,12 @@ underscore: ``from x import Name as Name`` (the re-export idiom of STYLE.md), ``
 classes need a docstring of their own (a dataclass's generated ``Name(field, ...)``
 does not count); any other object (a primitive, an enum member, a constant, a type
 alias) needs a ``#:`` comment or a string literal after its assignment where it is
-defined. A public name without one is a warning, which ``-W`` turns into an error.
+defined. A function of JAX's that we re-export (it has no docstring of its own, and
+none of ours can be attached to it in the source) is documented by the ``#`` comment
+just above its assignment in our source, which is shown as its docstring. A public
+name without any of these is a warning, which ``-W`` turns into an error.
 
-At ``builder-inited`` this writes ``api/_generated/<module>.rst`` (an autosummary
+At ``config-inited`` this writes ``api/_generated/<module>.rst`` (an autosummary
 table of the functions and classes, one page each, and the data with their
 comments) before autosummary generates its stubs.
 """
@@ -21,6 +24,7 @@ import importlib
 import inspect
 import os
 import types
+import warnings
 
 from sphinx.pycode import ModuleAnalyzer
 from sphinx.util import logging
@@ -59,7 +63,43 @@ MODULES = [
     ),
 ]
 
+# Our module -> the JAX module whose API it mirrors.
+MIRRORS = {
+    "pallas": "jax.experimental.pallas",
+    "pallas_gpu": "jax.experimental.pallas.triton",
+    "pallas_tpu": "jax.experimental.pallas.tpu",
+    **{
+        f"pallas_gpu.ops.{m}": f"jax.experimental.pallas.ops.gpu.{m}"
+        for m in ("attention", "decode_attention", "paged_attention", "layer_norm", "rms_norm", "softmax")
+    },
+}
+
+# "module.name" -> the labels of docs/differences.md that say how it differs from JAX's.
+DIFFERS = {
+    "pallas.pallas_call": [
+        "diff-interpret",
+        "diff-index-maps",
+        "diff-dynamic-grid",
+        "diff-grad",
+        "diff-errors",
+        "diff-export",
+        "diff-backend",
+    ],
+    "pallas.program_id": ["diff-program-id"],
+    "pallas.num_programs": ["diff-num-programs"],
+    "pallas.BlockSpec": ["diff-index-maps", "diff-not-yet"],
+    "pallas.Buffered": ["diff-not-yet"],
+    "pallas.GridSpec": ["diff-dynamic-grid"],
+    "pallas.kernel": ["diff-interpret-params"],
+    "pallas_tpu.InterpretParams": ["diff-tpu-interpret"],
+    "pallas_gpu.CompilerParams": ["diff-gpu-params"],
+    "pallas_gpu.ops.decode_attention.mqa": ["diff-decode"],
+    "pallas_gpu.ops.decode_attention.gqa": ["diff-decode"],
+    "pallas_gpu.ops.paged_attention.paged_attention": ["diff-decode"],
+}
+
 OUT = os.path.join("api", "_generated")
+_OURS = ("pallas", "pallas_gpu", "pallas_tpu", "jax_triton", "jax_kernel_runtime")
 
 
 def _source_module(mod: types.ModuleType, name: str) -> str:
@@ -96,7 +136,8 @@ def public_names(mod: types.ModuleType) -> list[str]:
 
 
 def _is_routine_or_class(obj) -> bool:
-    return inspect.isclass(obj) or inspect.isroutine(obj) or isinstance(obj, __import__("functools").partial)
+    # custom_vjp / custom_jvp functions are callables with a __name__, not routines
+    return inspect.isclass(obj) or inspect.isroutine(obj) or (callable(obj) and hasattr(obj, "__name__"))
 
 
 def _own_doc(obj, name: str) -> str | None:
@@ -119,6 +160,27 @@ def _data_doc(mod: types.ModuleType, name: str) -> str | None:
     return "\n".join(lines).strip() if lines else None
 
 
+def _comment_doc(mod: types.ModuleType, name: str) -> str | None:
+    """The ``#`` comment block just above ``name = ...`` in the module defining it."""
+    src = importlib.import_module(_source_module(mod, name))
+    lines = inspect.getsource(src).splitlines()
+    for node in ast.parse("\n".join(lines)).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            comment = []
+            i = node.lineno - 2
+            while i >= 0 and lines[i].lstrip().startswith("#"):
+                comment.insert(0, lines[i].lstrip().lstrip("#:").strip())
+                i -= 1
+            return "\n".join(comment) or None
+    return None
+
+
+# "module.name" -> docstring text for the re-exported JAX functions (see above).
+COMMENT_DOCS: dict[str, str] = {}
+
+
 def _page(modname: str, intro: str) -> tuple[str, list[str]]:
     mod = importlib.import_module(modname)
     routines, data, undocumented = [], [], []
@@ -126,7 +188,13 @@ def _page(modname: str, intro: str) -> tuple[str, list[str]]:
         obj = getattr(mod, name)
         if _is_routine_or_class(obj):
             if not _own_doc(obj, name):
-                undocumented.append(name)
+                doc = (
+                    _comment_doc(mod, name) if not getattr(obj, "__module__", "").startswith(_OURS) else None
+                )
+                if doc:
+                    COMMENT_DOCS[f"{modname}.{name}"] = doc
+                else:
+                    undocumented.append(name)
             routines.append(name)
         else:
             doc = _data_doc(mod, name)
@@ -153,10 +221,49 @@ def _page(modname: str, intro: str) -> tuple[str, list[str]]:
             lines += [f".. py:data:: {name}", ""]
             lines += ["   " + line for line in doc.splitlines()]
             lines.append("")
+    lines += _mirror_section(modname, mod)
     return "\n".join(lines), undocumented
 
 
-def generate(app) -> None:
+def _mirror_section(modname: str, mod: types.ModuleType) -> list[str]:
+    """A table of the names that mirror JAX's, each with the sections saying what differs."""
+    if modname not in MIRRORS:
+        return []
+    jax_mod = importlib.import_module(MIRRORS[modname])
+    names = public_names(mod)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # JAX's deprecated names warn on getattr
+        mirrored = [n for n in names if hasattr(jax_mod, n)]
+    ours = [n for n in names if n not in mirrored]
+    unknown = [k for k in DIFFERS if k.rpartition(".")[0] == modname and k.rpartition(".")[2] not in mirrored]
+    if unknown:
+        raise ValueError(f"apigen.DIFFERS names {unknown}, which are not mirrors of {MIRRORS[modname]}")
+    lines = [
+        "Names that mirror JAX's",
+        "-----------------------",
+        "",
+        f"{len(mirrored)} of the {len(names)} public names mirror ``{MIRRORS[modname]}``: they behave as JAX "
+        "documents them except where the last column links to a difference "
+        "(all of them: :doc:`/differences`).",
+        "",
+        ".. list-table::",
+        "   :header-rows: 1",
+        "",
+        "   * - ours",
+        "     - JAX's",
+        "     - differs",
+    ]
+    for n in mirrored:
+        labels = DIFFERS.get(f"{modname}.{n}", [])
+        differs = ", ".join(f":ref:`{label}`" for label in labels) or "no"
+        lines += [f"   * - :py:obj:`{n}`", f"     - ``{MIRRORS[modname]}.{n}``", f"     - {differs}"]
+    lines.append("")
+    if ours:
+        lines += ["Ours only (no JAX counterpart): " + ", ".join(f":py:obj:`{n}`" for n in ours) + ".", ""]
+    return lines
+
+
+def generate(app, config=None) -> None:
     out = os.path.join(app.srcdir, OUT)
     os.makedirs(out, exist_ok=True)
     index = []
@@ -180,6 +287,13 @@ def generate(app) -> None:
     logger.info(f"apigen: {total} public names in {len(MODULES)} modules")
 
 
+def _fill_docstring(app, what, name, obj, options, lines) -> None:
+    if not lines and name in COMMENT_DOCS:
+        lines.extend(COMMENT_DOCS[name].splitlines())
+
+
 def setup(app):
-    app.connect("builder-inited", generate, priority=400)  # before autosummary's stubs (500)
+    # config-inited: before Sphinx looks for the source files, so the pages are found on a first build
+    app.connect("config-inited", generate)
+    app.connect("autodoc-process-docstring", _fill_docstring)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -24,6 +24,12 @@ shared by the devices of the mesh:
   longer than ``deadlock_timeout`` seconds raises one too. An error on one
   device aborts the session on the others.
 
+All of this lives in one Python process. In a ``jax.distributed`` job, devices
+of other processes never join a session: a kernel that needs other devices
+(remote DMAs, remote signals, barrier semaphores) under a ``shard_map`` whose
+mesh spans processes is refused when it is traced (``_check_one_process``);
+kernels that need no other device run over such meshes as anywhere else.
+
 Callbacks of one device are chained by a token in ``Interpreter.hidden`` so
 XLA keeps them in program order.
 
@@ -47,6 +53,7 @@ or, when they signal each other, take turns between semaphore waits
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import os
@@ -297,6 +304,11 @@ class _Session:
             if left <= 0:
                 missing = sorted(set(range(self.num_devices)) - self.joined)
                 extra = f"; devices {missing} never started the kernel" if missing else ""
+                if missing and jax.process_count() > 1:
+                    extra += (
+                        " (devices run by other processes of a jax.distributed job never join: TPU "
+                        "interpret mode keeps what devices share in one Python process)"
+                    )
                 raise self.fail(
                     f"{self.kernel}: deadlock: device {dev} {_text(desc)} and waited {deadlock_timeout:g} s "
                     f"(pallas_tpu interpret deadlock_timeout){extra}"
@@ -413,6 +425,29 @@ def progress_seconds() -> float:
         return 5.0
 
 
+_lowering_mesh = threading.local()
+
+
+def lowering_mesh_devices():
+    """The devices of the shard_map mesh whose lowering interprets a kernel, when
+    the lowering rule said (``lowering_mesh``); None when not known."""
+    return getattr(_lowering_mesh, "devices", None)
+
+
+@contextlib.contextmanager
+def lowering_mesh(axis_context):
+    """Records the devices of ``axis_context``'s mesh (an SPMD axis context of
+    JAX's lowering) while a kernel is interpreted."""
+    mesh = getattr(axis_context, "mesh", None)
+    devices = getattr(mesh, "devices", None)
+    old = lowering_mesh_devices()
+    _lowering_mesh.devices = None if devices is None else list(np.asarray(devices).reshape(-1))
+    try:
+        yield
+    finally:
+        _lowering_mesh.devices = old
+
+
 def _join_session(
     key, num_devices: int, dev: int, kernel: str, detect_races: bool, num_cores: int = 1
 ) -> _Session:
@@ -453,6 +488,8 @@ class MultiDeviceInterpreter(Interpreter):
         sizes = compat.axis_sizes()
         self.mesh_axes = tuple((n, int(sizes[n])) for n in names)
         self.num_devices = math.prod(s for _, s in self.mesh_axes)
+        if needs_multi_device(jaxpr):
+            self._check_one_process()
         dev = jnp.int32(0)
         for n, s in self.mesh_axes:
             dev = dev * s + lax.axis_index(n).astype(jnp.int32)
@@ -483,6 +520,35 @@ class MultiDeviceInterpreter(Interpreter):
             return np.int32(_join_session(key, n, int(dev), desc, races_on, cores).sid)
 
         (self.sid,) = self._callback(join, [jax.ShapeDtypeStruct((), jnp.int32)], self.my_dev)
+
+    def _check_one_process(self) -> None:
+        """Devices of a mesh meet in this process's ``_Session`` (semaphores, DMAs in
+        flight, the mailboxes of remote DMAs): devices run by other processes of a
+        ``jax.distributed`` job never join it, and a kernel that talks to them would
+        wait for them until the deadlock timeout. Refuse it when it is traced."""
+        if jax.process_count() == 1:
+            return
+        devices = lowering_mesh_devices()
+        local = jax.local_device_count()
+        if devices is not None:
+            processes = sorted({d.process_index for d in devices})
+            if len(processes) == 1:
+                return
+            span = f"spans processes {processes}"
+        elif self.num_devices > local:
+            span = f"has {self.num_devices} devices, more than the {local} of this process"
+        else:
+            return
+        axes = ", ".join(f"{n}={s}" for n, s in self.mesh_axes) or "none"
+        raise NotImplementedError(
+            f"{self.kernel_desc}: TPU interpret mode cannot simulate remote DMAs, remote semaphore signals "
+            f"or barrier semaphores between processes: it keeps what devices share (semaphores, DMAs in "
+            f"flight) in one Python process, and the mesh of this shard_map (axes {axes}) {span} of a "
+            f"jax.distributed job of {jax.process_count()} processes. Run this kernel under shard_map over a mesh "
+            "of this process's devices (jax.local_devices()), or in one process with several CPU devices "
+            "(jax.config.update('jax_num_cpu_devices', n)); kernels without remote DMAs, remote signals or "
+            "barrier semaphores run over meshes that span processes"
+        )
 
     def finish(self) -> None:
         def leave(sid, dev):

@@ -153,12 +153,15 @@ xg = rng.standard_normal((16, 128), np.float32)
 out = smap(ring_local, local_mesh, P("x"), P("x"))(global_array(xg, local_mesh))
 check_shards(out, np.roll(xg, 8, axis=0), "remote DMAs on this process's devices")
 
-xg = rng.standard_normal((32, 128), np.float32)
-try:
-    jax.block_until_ready(smap(ring_local, mesh, P("x"), P("x"))(global_array(xg)))
-except NotImplementedError as e:
-    print(f"REFUSED remote DMAs across processes: {' '.join(str(e).split())}", flush=True)
-else:
-    raise AssertionError("a kernel with remote DMAs ran over a mesh that spans processes")
+# The global mesh, and one of two devices (no more than a process has) that spans both.
+cross_mesh = jax.sharding.Mesh(np.array(jax.devices()[1:3]), ("x",))
+for name, m in (("all devices", mesh), ("one device of each process", cross_mesh)):
+    xg = rng.standard_normal((8 * m.size, 128), np.float32)
+    try:
+        jax.block_until_ready(smap(ring_local, m, P("x"), P("x"))(global_array(xg, m)))
+    except NotImplementedError as e:
+        print(f"REFUSED remote DMAs across processes ({name}): {' '.join(str(e).split())}", flush=True)
+    else:
+        raise AssertionError(f"a kernel with remote DMAs ran over a mesh that spans processes ({name})")
 
 jax.distributed.shutdown()

@@ -97,8 +97,9 @@ def test_kernel_over_two_processes(job, case):
 
 def test_remote_dma_across_processes_is_a_clear_error(job):
     for refused in _lines(job, "REFUSED "):
-        (msg,) = refused
-        assert msg.startswith("remote DMAs across processes: in TPU kernel 'ring_kernel'")
-        assert "cannot simulate remote DMAs" in msg and "between processes" in msg
-        assert "spans processes [0, 1]" in msg or "more than the 2 of this process" in msg
-        assert "jax.local_devices()" in msg
+        assert len(refused) == 2, refused
+        for msg, mesh, axes in zip(refused, ("all devices", "one device of each process"), ("x=4", "x=2")):
+            assert msg.startswith(f"remote DMAs across processes ({mesh}): in TPU kernel 'ring_kernel'")
+            assert "cannot simulate remote DMAs" in msg and "between processes" in msg
+            assert f"the mesh of this shard_map (axes {axes}) spans processes [0, 1]" in msg
+            assert "jax.local_devices()" in msg

@@ -575,11 +575,14 @@ def test_unsupported_primitive_names_it_the_kernel_and_line():
 
 
 def test_error_inside_rule_names_the_line():
-    def one_d_iota(x_ref, o_ref):
-        o_ref[...] = x_ref[...] + lax.iota(jnp.float32, 128)
+    def unsigned_dot(x_ref, o_ref):
+        x = x_ref[...].astype(jnp.uint32)
+        ones = jnp.ones((128, 128), jnp.uint32)
+        o_ref[...] = jnp.dot(x, ones, preferred_element_type=jnp.uint32).astype(jnp.float32)
 
-    msg = _lowering_error(one_d_iota, (8, 128))
-    assert "iota must be at least 2-D" in msg and "lowering 'iota'" in msg and "test_lowering.py:" in msg
+    msg = _lowering_error(unsigned_dot, (8, 128))
+    assert "dot_general of unsigned integers" in msg and "lowering 'dot_general'" in msg, msg
+    assert "test_lowering.py:" in msg
 
 
 def test_dimension_semantics_rank_mismatch():
@@ -709,10 +712,6 @@ def _k_unsigned_dot(x_ref, o_ref):
     )
 
 
-def _k_iota_1d(x_ref, o_ref):
-    o_ref[...] = x_ref[...] + lax.iota(jnp.float32, 128)
-
-
 def _k_wait_no_decrement(x_ref, o_ref, sem):
     pl.semaphore_wait(sem, 1, decrement=False)
     o_ref[...] = x_ref[...]
@@ -744,7 +743,6 @@ VMEM_DMA = dict(scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.Semapho
     "kernel,kw,shape,expect",
     [
         (_k_unsigned_dot, {}, (8, 128), "dot_general of unsigned integers"),
-        (_k_iota_1d, {}, (8, 128), "iota must be at least 2-D"),
         (
             _k_wait_no_decrement,
             dict(scratch_shapes=[pltpu.SemaphoreType.REGULAR]),

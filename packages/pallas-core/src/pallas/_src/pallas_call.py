@@ -224,7 +224,7 @@ def pallas_call(
     Returns:
       A function of the inputs returning arrays shaped like ``out_shape``.
     """
-    kernel_name = name or getattr(kernel, "__name__", None) or "kernel"
+    kernel_name = name or _function_name(kernel)
     is_seq = isinstance(out_shape, (tuple, list))
     outs_tuple = tuple(out_shape) if is_seq else (out_shape,)
     cache: dict[Any, Any] = {}
@@ -425,6 +425,13 @@ def _prefetch_aval(grid_spec, aval, what: str, err: Err):
 
 # A process-wide default for ``interpret`` (``pltpu.force_tpu_interpret_mode``).
 _forced_interpret: list[Any] = []
+
+
+def _function_name(fn) -> str:
+    """``fn``'s name, through ``functools.partial`` wrappers (as JAX names kernels)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or "kernel"
 
 
 def _effective_interpret(interpret):

@@ -298,10 +298,11 @@ def _convert_element_type(ctx, x, new_dtype, **_):
 @register_lowering(lax.iota_p)
 def _iota(ctx, *dyn, dtype, shape, dimension, **_):
     out = ctx.avals_out[0]
-    i32 = Aval(shape, np.int32)
-    if len(shape) < 2:
-        raise NotImplementedError("iota must be at least 2-D on the TPU (use broadcasted_iota)")
-    x = tpu.iota(aval_type(i32), [dimension])
+    if len(shape) == 1:
+        # tpu.iota makes 2-D vectors: a (1, n) iota along its lanes, reshaped (as JAX's lowering does).
+        x = tpu.iota(aval_type(Aval((1, *shape), np.int32)), [1])
+        return convert(shape_cast(x, shape, np.int32), np.int32, out.dtype, shape)
+    x = tpu.iota(aval_type(Aval(shape, np.int32)), [dimension])
     return convert(x, np.int32, out.dtype, shape)
 
 

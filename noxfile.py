@@ -168,10 +168,13 @@ DOCS_BUILD = os.path.join(ROOT, "docs", "_build", "html")
 def docs(session: nox.Session) -> None:
     """Builds the documentation site (docs/) into docs/_build/html with warnings as
     errors: the guides' cells run on the CPU (a failing cell fails the build), every
-    public name needs a docstring, internal links must resolve; then runs the READMEs'
-    python blocks (tests/docs). ``./dev docs --serve`` then serves the site on
-    http://localhost:8000."""
+    public name needs a docstring, links inside the site must resolve; then runs the
+    python blocks of the READMEs and guides and checks their relative links
+    (docs/check_code_blocks.py). ``./dev docs --serve`` then serves the site on
+    http://localhost:8000; ``./dev docs --linkcheck`` also checks the links to the
+    outside (needs a network; they are listed on the site's links page)."""
     serve = "--serve" in session.posargs
+    linkcheck = "--linkcheck" in session.posargs
     # JAX 0.11.2 and Triton 3.6.0 as in `tests`; libtpu so that pltpu.compile_check runs.
     _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
     session.install("-r", os.path.join(ROOT, "docs", "requirements.txt"))
@@ -182,7 +185,12 @@ def docs(session: nox.Session) -> None:
         "python", "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-j", "auto",
         os.path.join(ROOT, "docs"), DOCS_BUILD, env=env,
     )  # fmt: skip
-    session.run("python", "-m", "pytest", "-q", os.path.join(ROOT, "tests", "docs"), env=env)
+    session.run("python", os.path.join(ROOT, "docs", "check_code_blocks.py"), env=env)
+    if linkcheck:
+        session.run(
+            "python", "-m", "sphinx", "-b", "linkcheck", "-D", "nb_execution_mode=off",
+            os.path.join(ROOT, "docs"), os.path.join(ROOT, "docs", "_build", "linkcheck"), env=env,
+        )  # fmt: skip
     session.log(f"site: {DOCS_BUILD}/index.html (browse: python -m http.server -d {DOCS_BUILD})")
     if serve:
         session.run("python", "-m", "http.server", "-d", DOCS_BUILD, "8000")

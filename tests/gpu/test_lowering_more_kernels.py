@@ -213,6 +213,24 @@ def test_int4_operands_are_read_packed(int4, shape, block):
     assert_close(np.asarray(r)[valid], np.asarray(x.astype(jnp.int32))[rows[valid]])
 
 
+@pytest.mark.parametrize("int4", [jnp.int4, jnp.uint4])
+def test_int4_plgpu_load_with_mask_and_other(int4):
+    # tokamax's int4-quantized attention reads K/V through plgpu.load (was refused on the GPU).
+    x = random((16, 40), jnp.int32, low=-1, high=2).astype(int4)
+
+    def kernel(x_ref, o_ref, p_ref):
+        o_ref[...] = plgpu.load(x_ref.at[pl.ds(4, 8), :]).astype(jnp.float32) * 0.5
+        cols = jnp.arange(40)[None, :]
+        p_ref[...] = plgpu.load(x_ref, mask=cols < 23, other=3).astype(jnp.int32)
+
+    o, p = R.call(
+        kernel, (jax.ShapeDtypeStruct((8, 40), jnp.float32), jax.ShapeDtypeStruct((16, 40), jnp.int32))
+    )(x)
+    xi = np.asarray(x.astype(jnp.int32))
+    assert_close(o, xi[4:12].astype(np.float32) * 0.5)
+    np.testing.assert_array_equal(p, np.where(np.arange(40)[None, :] < 23, xi, 3))
+
+
 def test_int4_output_error_names_the_operand():
     def kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...].astype(jnp.int4)

@@ -66,6 +66,7 @@ INT4_PRIMITIVES = {
     lax.convert_element_type_p, lax.broadcast_in_dim_p, lax.reshape_p, lax.squeeze_p,
     lax.transpose_p, lax.select_n_p, lax.concatenate_p, lax.slice_p, lax.rev_p, lax.copy_p,
     compat.jit_p, compat.custom_jvp_call_p, compat.custom_vjp_call_p, compat.cond_p, compat.get_p,
+    gpu_primitives.load_p,
 }  # fmt: skip
 
 # Output blocks kept in registers across sequential grid steps, at most (in

@@ -478,19 +478,36 @@ def _load_ref(rc: RuleContext, ref, view, out_dtype) -> Val:
     return em.assign(expr, shape, out_dtype)
 
 
-def _load_int4(em: Emitter, ref: BlockRef, view: list[DimView]) -> Val:
+def _load_int4(
+    em: Emitter,
+    ref: BlockRef,
+    view: list[DimView],
+    user_mask: str | None = None,
+    other: str | None = None,
+    kw="",
+) -> Val:
     """A load from a 4-bit array, which XLA packs two elements per byte (the
     even element in the low nibble): bytes at offset // 2, shifted and
-    sign-extended into the int8 (uint8) that holds a 4-bit value."""
+    sign-extended into the int8 (uint8) that holds a 4-bit value. ``user_mask``
+    and ``other`` as ``plgpu.load``'s (masked elements read ``other``)."""
     offset, mask, shape = block_address(em, dataclasses.replace(ref, ptr="0"), view)
     o = _named(em, "o", offset)
+    mask = _and_masks(mask, user_mask)
     load = (
-        f"tl.load({ref.ptr} + {o} // 2, mask={mask}, other=0)" if mask else f"tl.load({ref.ptr} + {o} // 2)"
+        f"tl.load({ref.ptr} + {o} // 2, mask={mask}, other=0{kw})"
+        if mask
+        else f"tl.load({ref.ptr} + {o} // 2{kw})"
     )
     nibble = _named(em, "nib", f"({load}.to(tl.int32) >> (({o} % 2) * 4)) & 15")
     if ref.dtype.name == "int4":
-        return em.assign(f"(({nibble} << 28) >> 28).to(tl.int8)", shape, ref.dtype)
-    return em.assign(f"{nibble}.to(tl.uint8)", shape, ref.dtype)
+        val = f"(({nibble} << 28) >> 28).to(tl.int8)"
+    else:
+        val = f"{nibble}.to(tl.uint8)"
+    if mask and other not in (None, "0"):
+        val = (
+            f"tl.where({mask}, {val}, ({other}).to({'tl.int8' if ref.dtype.name == 'int4' else 'tl.uint8'}))"
+        )
+    return em.assign(val, shape, ref.dtype)
 
 
 def _store_ref(rc: RuleContext, ref, view, val: Val) -> None:
@@ -600,9 +617,12 @@ def _gpu_access(rc: RuleContext, ref, tree, args, what: str):
         raise NotResident(ref.index)
     if not isinstance(ref, BlockRef):
         raise rc.error(f"plgpu.{what} works on input/output Refs, not on scratch Refs")
-    _no_int4(rc, ref, f"plgpu.{what} on")
+    if what != "load":  # loads of packed 4-bit arrays: _load_int4
+        _no_int4(rc, ref, f"plgpu.{what} on")
     n = tree.num_leaves
     view = _apply_indexers(ref, _unflatten_transforms(rc, args[:n], tree), rc, clamp=False)
+    if ref.dtype.name in INT4:
+        return view, None, None, list(args[n:])
     ptr, mask, shape = block_address(rc.em, ref, view)
     return ptr, mask, shape, list(args[n:])
 
@@ -622,6 +642,8 @@ def _plgpu_load_rule(
         kw += f", eviction_policy={eviction_policy!r}"
     if volatile:
         kw += ", volatile=True"
+    if ref.dtype.name in INT4:  # ptr is the view: the packed bytes are read by _load_int4
+        return _load_int4(rc.em, ref, ptr, user_mask, other if has_other else None, kw)
     expr = f"tl.load({ptr}, mask={m}, other={other}{kw})" if m else f"tl.load({ptr}{kw})"
     if is_bool(ref.dtype):
         expr = f"{expr} != 0"

@@ -57,3 +57,212 @@ def test_run_state_forward_mode_ad_like_jnp():
     want = jax.jvp(lambda x: jnp.sin(x) * x, (x,), (t,))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+
+
+# -- messages: ours (kernel, culprit, line) and JAX's wording, both in one message ---------
+
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+
+A = np.arange(256, dtype=np.int32)
+HERE = r"test_jax_wording\.py:\d+"
+
+
+def _raises(exc, jax_pattern, ours, call, *args):
+    with pytest.raises(exc) as info:
+        call(*args)
+    msg = str(info.value)
+    assert re.search(jax_pattern, msg, re.DOTALL), msg
+    for part in ours:
+        assert re.search(part, msg), (part, msg)
+    return info.value
+
+
+def test_kernel_returning_a_value_says_should_return_none():
+    def my_kernel(x_ref, o1_ref, o2_ref):
+        return 0
+
+    f = pl.pallas_call(my_kernel, out_shape=(A, A), interpret=True)
+    _raises(
+        ValueError,
+        r"The kernel function .* my_kernel at .*test_jax_wording\.py:.* should return None",
+        [rf"pallas_call 'my_kernel' at {HERE}", "returned int", "output Refs"],
+        f,
+        A,
+    )
+
+
+def test_index_map_with_wrong_result_count_says_must_return_n_values():
+    def my_index_map():
+        return 0, 0
+
+    f = pl.pallas_call(
+        lambda x_ref, o_ref: None,
+        out_shape=A,
+        in_specs=[{"one": pl.BlockSpec((4,), my_index_map)}],
+        interpret=True,
+    )
+    _raises(
+        ValueError,
+        r"Index map function my_index_map at .*test_jax_wording\.py.* for args\[0\]\['one'\] must return 1 "
+        r"values to match .*Currently returning 2 values\.",
+        [HERE, r"in_specs\[0\]\['one'\]\.index_map"],
+        f,
+        {"one": A},
+    )
+
+
+@pytest.mark.parametrize(
+    "result, type_", [(5.0, r"float32\[\]"), (jnp.arange(4, dtype=jnp.int32), r"int32\[4\]")]
+)
+def test_index_map_returning_non_integer_scalars_is_a_value_and_type_error(result, type_):
+    def my_index_map(i):
+        return jnp.asarray(result)
+
+    f = pl.pallas_call(
+        lambda x_ref, o_ref: None,
+        out_shape=A,
+        grid=(1,),
+        in_specs=[pl.BlockSpec((4,), my_index_map)],
+        interpret=True,
+    )
+    for exc in (ValueError, TypeError):  # JAX raises ValueError, pallas-core raised TypeError
+        _raises(
+            exc,
+            rf"Index map function my_index_map at .* for args\[0\] must return integer scalars\. Output\[0\] has type {type_}",
+            [HERE, r"in_specs\[0\]\.index_map"],
+            f,
+            A,
+        )
+
+
+def test_index_map_missing_arguments_says_what_python_says():
+    f = pl.pallas_call(
+        lambda x_ref, o_ref: None, out_shape=A, in_specs=[pl.BlockSpec((4,), lambda i, j: 0)], interpret=True
+    )
+    _raises(
+        TypeError,
+        r"missing 2 required positional arguments: 'i' and 'j'",
+        [HERE, r"in_specs\[0\]\.index_map", "the grid has 0 axes"],
+        f,
+        A,
+    )
+    g = pl.pallas_call(
+        lambda x_ref, o_ref: None,
+        out_shape=A,
+        grid=(2, 2),
+        in_specs=[pl.BlockSpec((128,), lambda i: (i,))],
+        interpret=True,
+    )
+    _raises(TypeError, r"takes 1 positional argument but 2 were given", [HERE], g, A)
+
+
+def test_block_rank_against_array_rank_says_same_number_of_dimensions():
+    f = pl.pallas_call(
+        lambda x_ref, o_ref: None,
+        out_shape=[A],
+        in_specs=[pl.BlockSpec((1, 1), lambda: (0, 0))],
+        interpret=True,
+    )
+    _raises(
+        ValueError,
+        r"Block shape for args\[0\] .* must have the same number of dimensions as the array shape",
+        [HERE, r"in_specs\[0\]", "has 2 dims"],
+        f,
+        A,
+    )
+    g = pl.pallas_call(
+        lambda x_ref, o_ref: None, out_shape=[A], out_specs=[pl.BlockSpec((1, 1), lambda: 0)], interpret=True
+    )
+    _raises(
+        ValueError,
+        r"Block shape for outputs\[0\] .* must have the same number of dimensions as the array shape",
+        [HERE, r"out_specs\[0\]"],
+        g,
+        A,
+    )
+
+
+def test_input_output_aliases_out_of_range_or_mismatched():
+    x = np.arange(8 * 128, dtype=np.int32).reshape((8, 128))
+    kernel = lambda x_ref, y_ref, o_ref: None  # noqa: E731
+    cases = [
+        (
+            {2: 0},
+            [x],
+            (x, x),
+            r"input_output_aliases contains the mapping '2:0' with input index 2 outside the range",
+        ),
+        (
+            {1: 1},
+            [x],
+            (x, x),
+            r"input_output_aliases contains the mapping '1:1' with output index 1 outside the range",
+        ),
+        (
+            {1: 0},
+            [x],
+            (x, np.concatenate([x, x])),
+            r"input_output_aliases contains the mapping '1:0' referring to input\[1\] with abstract value "
+            r".*int32\[16,128\].* output\[0\] with a different abstract value .*int32\[8,128\]",
+        ),
+        (
+            {1: 0},
+            [jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+            (x, x),
+            r"input_output_aliases contains the mapping '1:0' referring to input\[1\] with abstract value "
+            r".*int32\[8,128\].* output\[0\] with a different abstract value .*float32\[8,128\]",
+        ),
+    ]
+    for aliases, out_shape, args, pattern in cases:
+        f = pl.pallas_call(kernel, out_shape=out_shape, input_output_aliases=aliases, interpret=True)
+        _raises(ValueError, pattern, [HERE], f, *args)
+
+
+def test_out_specs_against_out_shape_pytree_mismatch():
+    f = pl.pallas_call(
+        lambda x_ref, o1_ref, o2_ref: None,
+        out_shape=[A, A],
+        out_specs=[pl.BlockSpec((8,), lambda i: i)],
+        grid=(32,),
+        interpret=True,
+    )
+    _raises(
+        ValueError,
+        r"Pytree for `out_specs` and `out_shape` do not match\. There are 1 mismatches, including:"
+        r".* `out_specs` is a tuple of length 1 but `out_shape` is a tuple of length 2",
+        [HERE, "out_specs: got 1 block specs but pallas_call has 2 outputs"],
+        f,
+        A,
+    )
+
+
+def test_index_map_closing_over_a_scalar_runs_and_over_an_array_is_refused():
+    # Under jax_enable_checks (as the suite runs) both once failed an internal assertion.
+    x = _rand(5, (8, 128))
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    def call(index_map):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((4, 128), x.dtype),
+            grid=(4,),
+            in_specs=[pl.BlockSpec((1, 128), index_map)],
+            out_specs=pl.BlockSpec((1, 128), lambda i: (i, 0)),
+            interpret=True,
+        )
+
+    offset = jnp.int32(3)
+    out = call(lambda i: (i + offset, 0))(x)
+    np.testing.assert_allclose(out, x[3:7] * 2, rtol=1e-6)
+    order = np.array([3, 1, 0, 2], dtype=np.int32)
+    _raises(
+        ValueError,
+        r"Index map function .* for args\[0\] must not capture constants:",
+        [HERE, r"in_specs\[0\]\.index_map", "PrefetchScalarGridSpec"],
+        call(lambda i: (jnp.asarray(order)[i], 0)),
+        x,
+    )

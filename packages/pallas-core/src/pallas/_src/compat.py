@@ -137,6 +137,18 @@ def make_debug_info(traced_for: str, fun: Callable, args: Sequence[Any]):
     return _debug_info(traced_for, fun, tuple(range(len(args))), {})
 
 
+def pytree_mismatch_message(what1: str, tree1, what2: str, tree2) -> str:
+    """JAX's Pallas wording for two pytree structures that differ (``Pytree for
+    `in_specs` and `inputs` do not match. There are 1 mismatches, including: ...``),
+    from JAX's own description of the differences (not exported)."""
+    errs = list(tree_util.equality_errors_pytreedef(tree1, tree2))
+    lines = [f"Pytree for {what1} and {what2} do not match. There are {len(errs)} mismatches, including:"]
+    for path, thing1, thing2, explanation in errs:
+        where = f"at {tree_util.keystr(path)}, " if path else ""
+        lines.append(f"    * {where}{what1} is a {thing1} but {what2} is a {thing2}, so {explanation}")
+    return "\n".join(lines)
+
+
 def trace_to_closed_jaxpr(fun: Callable, in_avals: Sequence[Any], debug_info) -> tuple[Any, list[Any]]:
     """Traces ``fun`` (flat args -> flat list of outputs) to a closed jaxpr.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -78,3 +79,58 @@ def is_internal_file(filename: str) -> bool:
     """True for files of JAX, pallas, registered backends and the stdlib: frames
     that error messages skip when naming the user's line."""
     return _is_internal(filename)
+
+
+class ValueOrTypeError(ValueError, TypeError):
+    """A misuse that JAX's Pallas reports as ``ValueError`` where pallas-core has
+    raised ``TypeError`` (an index map returning floats or arrays): catchable as
+    either, so code written against either keeps working."""
+
+
+def function_source(fn) -> str:
+    """``name at file.py:LINE`` of a user function (JAX's ``func_src_info``), for
+    messages that say what JAX's Pallas says; partials are unwrapped."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return name
+    return f"{name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+
+
+def python_arity_message(fn, n: int) -> str | None:
+    """What Python says when ``fn`` is called with ``n`` positional arguments it
+    cannot take (``f() missing 2 required positional arguments: 'i' and 'j'``),
+    or None when it can take them."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    kinds = inspect.Parameter
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    star = any(p.kind is kinds.VAR_POSITIONAL for p in params)
+    name = f"{getattr(fn, '__qualname__', None) or function_source(fn).split(' ')[0]}()"
+    if n < len(required):
+        missing = [f"'{p.name}'" for p in required[n:]]
+        listed = (
+            missing[0]
+            if len(missing) == 1
+            else ", ".join(missing[:-1]) + f"{',' if len(missing) > 2 else ''} and {missing[-1]}"
+        )
+        plural = "s" if len(missing) > 1 else ""
+        return f"{name} missing {len(missing)} required positional argument{plural}: {listed}"
+    if n > len(positional) and not star:
+        takes = (
+            len(positional)
+            if len(required) == len(positional)
+            else f"from {len(required)} to {len(positional)}"
+        )
+        plural = "" if takes == 1 else "s"
+        was = "was" if n == 1 else "were"
+        return f"{name} takes {takes} positional argument{plural} but {n} {was} given"
+    return None

@@ -15,7 +15,7 @@ from jax import tree_util
 from pallas._src import backends, compat, primitives, validate
 from pallas._src import core as pallas_core
 from pallas._src.core import GridMapping, GridSpec
-from pallas._src.errors import describe, kernel_scope, user_source
+from pallas._src.errors import describe, function_source, kernel_scope, user_source
 from pallas._src.grid_mapping import (
     Err,
     block_mapping,
@@ -91,8 +91,8 @@ def _trace_kernel(
         raise err(
             ValueError,
             "",
-            f"the kernel returned {type(returned[0]).__name__}; kernels write their results "
-            "into the output Refs and must return None",
+            f"The kernel function in the pallas_call {function_source(kernel)} should return None "
+            f"(it returned {type(returned[0]).__name__}): kernels write their results into the output Refs",
         )
     if consts:
         jaxpr = _hoist_consts(jaxpr, consts, gm)

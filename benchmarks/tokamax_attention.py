@@ -92,8 +92,11 @@ def _reference(out: Path) -> None:
         def f(q, k, v, causal=causal):
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
 
-        o, vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v))(q, k, v)
-        grads = jax.jit(vjp)(dout)
+        def fwd_bwd(q, k, v, dout, f=f):  # one jit: a vjp closure handed to jit is a constant of GBs
+            o, vjp = jax.vjp(f, q, k, v)
+            return (o, *vjp(dout))
+
+        o, *grads = jax.jit(fwd_bwd)(q, k, v, dout)
         tag = " causal" if causal else ""
         np.save(out / f"ref-fwd{tag}-0.npy", np.asarray(o))
         for i, g in enumerate((o, *grads)):

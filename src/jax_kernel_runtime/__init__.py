@@ -31,6 +31,10 @@ def _register_on_import() -> None:
     # a CUDA backend the registration waits in jaxlib until one starts. A failure
     # (a build whose FFI API this jaxlib refuses) must not break importing: it
     # is reported here and raised again by register() at the first kernel call.
+    from jax_kernel_runtime import _call
+
+    if _call.native_missing():  # said once, when JAX starts (jax_plugin); raised at a GPU launch
+        return
     try:
         register()
     except Exception as e:  # noqa: BLE001

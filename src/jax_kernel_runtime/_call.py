@@ -14,7 +14,6 @@ from jax.ffi import ffi_call, register_ffi_target, register_ffi_type
 from jax.interpreters import mlir
 from jaxlib import xla_client
 
-from jax_kernel_runtime import _jax_kernel_runtime as _native
 from jax_kernel_runtime._config import (
     Buffer,
     KernelConfig,
@@ -24,10 +23,37 @@ from jax_kernel_runtime._config import (
     normalize_grid,
 )
 
+try:
+    from jax_kernel_runtime import _jax_kernel_runtime as _native
+
+    _native_error: ImportError | None = None
+except ImportError as e:  # a missing or broken build: GPU launches fail (native()), the rest works
+    _native = None
+    _native_error = e
+
 #: The name of the runtime's XLA FFI custom-call target (platform CUDA).
 TARGET_NAME = "jax_kernel_runtime_launch"
 _registered = False
 _lock = threading.Lock()
+
+
+def native_missing() -> str:
+    """Why the native extension cannot be imported ("" when it can)."""
+    if _native_error is None:
+        return ""
+    return (
+        "jax-kernel-runtime's native extension (jax_kernel_runtime._jax_kernel_runtime) cannot be "
+        f"imported ({_native_error}), so kernels cannot be launched on a GPU. Reinstall the "
+        "jax-kernel-runtime wheel built for this platform and Python (pip install --force-reinstall "
+        "jax-kernel-runtime); Triton's interpreter on the CPU works without it."
+    )
+
+
+def native():
+    """The native extension; an ImportError naming the wheel without it."""
+    if _native is None:
+        raise ImportError(native_missing()) from _native_error
+    return _native
 
 
 def register() -> None:
@@ -42,9 +68,9 @@ def register() -> None:
     with _lock:
         if _registered:
             return
-        for type_name, registration in _native.type_registrations().items():
+        for type_name, registration in native().type_registrations().items():
             register_ffi_type(type_name, registration, platform="CUDA")
-        for name, stages in _native.registrations().items():
+        for name, stages in native().registrations().items():
             register_ffi_target(
                 name,
                 stages,
@@ -252,7 +278,7 @@ def tune_records() -> list[tuple[str, int, int, list[float]]]:
     Each is ``(tune_key, device ordinal, chosen config index, median time in
     ms per config, negative where a config failed)``.
     """
-    return _native.tune_records()
+    return _native.tune_records() if _native is not None else []
 
 
 def launch_counts() -> tuple[int, int]:
@@ -262,9 +288,9 @@ def launch_counts() -> tuple[int, int]:
     recorded while XLA captured a CUDA graph (command buffers), so replays of
     that graph run them without calling the runtime again.
     """
-    return tuple(_native.launch_counts())
+    return tuple(_native.launch_counts()) if _native is not None else (0, 0)
 
 
 def driver_error() -> str:
     """Why the CUDA driver cannot be used here ("" when it can)."""
-    return _native.driver_error()
+    return _native.driver_error() if _native is not None else native_missing()

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 
 def initialize() -> None:
-    """Registers the FFI targets and their state type for platform CUDA."""
-    from jax_kernel_runtime._call import register
+    """Registers the FFI targets and their state type for platform CUDA.
+    Without the native extension: one warning line (JAX would print the
+    ImportError's whole traceback); a GPU launch raises it."""
+    from jax_kernel_runtime import _call
 
-    register()
+    missing = _call.native_missing()
+    if missing:
+        import logging
+
+        logging.getLogger("jax_kernel_runtime").warning("%s", missing)
+        return
+    _call.register()

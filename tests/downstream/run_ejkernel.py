@@ -19,6 +19,12 @@ script is its test driver: each side runs in a fresh process (``--side jax`` or
    algorithm (its kernel registry's ``Platform.XLA`` entry, same arguments) as the
    ``jnp`` reference.
 
+With ``--way compiled`` each side also lowers every TPU ``pallas_call`` the kernel
+traced (its own lowering: JAX's or ours) and compiles it with libtpu's Mosaic for
+v5e and v6e (``tpu_compiled.py``); a kernel JAX's lowering gets through Mosaic and
+ours does not fails the run unless ``known_differences.toml`` (``[[compiled]]``,
+patterns of ``ejkernel::<kernel case>::<pallas_call name>``) gives a reason.
+
 The parent compares: per kernel, runs on JAX, runs on ours, max abs diff ours vs JAX's
 and each vs the XLA reference; ``ejkernel.tsv`` and ``imports.tsv`` in ``--out``. The exit
 status is 1 when a kernel runs on JAX's Pallas and not on ours, or ours differs from
@@ -67,15 +73,20 @@ def _blocksparse_attention(rng):
 
 
 def _ring_attention(rng):
-    return _attention(rng), dict(causal=True)
+    # Without a mesh axis ejkernel runs its XLA path: the sequence is sharded over the four
+    # CPU devices (``SHARDED``) and the ring is the named axis.
+    return _attention(rng, s=512), dict(causal=True, axis_name="sp")
 
 
-def _gated_delta_rule(rng, b=1, s=128, h=2, d=128):
+def _gated_delta_rule(rng, b=1, s=1, h=2, d=128):
+    # One decode step from a recurrent state: ejkernel routes longer sequences to its XLA
+    # implementation, only the single-step decode is a Pallas kernel.
     q, k, v = _attention(rng, b, s, h, d)
     k = k / np.linalg.norm(k, axis=-1, keepdims=True)
     beta = 1 / (1 + np.exp(-_normal(rng, b, s, h)))
     decay = -np.abs(_normal(rng, b, s, h)) * 0.1
-    return (q, k, v, beta.astype(np.float32)), dict(decay=decay.astype(np.float32))
+    state = _normal(rng, b, h, d, d) * 0.1
+    return (q, k, v, beta.astype(np.float32)), dict(decay=decay.astype(np.float32), initial_state=state)
 
 
 def _fused_cross_entropy(rng, n=16, vocab=512):
@@ -134,6 +145,10 @@ CASES = {
     "flash_mla": ("tpu", _mla, 1e-4),
     "ragged_decode_attention[gpu]": ("gpu", _ragged_decode_attention, 1e-4),
 }
+# Cases run under jax.shard_map over the four CPU devices: name -> (axis, positional
+# arguments sharded along their dimension 1, the sequence).
+SHARDED = {"ring_attention": ("sp", 3)}
+
 # Pallas kernels with no case here, and why (listed in the report).
 NO_CASE = {
     "all_gather_matmul": "needs a device mesh axis (shard_map) and remote DMAs",
@@ -184,18 +199,36 @@ def _leaves(out) -> list[np.ndarray]:
     return [np.asarray(x, np.float32) for x in jax.tree.leaves(out)]
 
 
-def _call(fn, args, kwargs):
+def _call(fn, args, kwargs, sharded=None):
     import jax
     import jax.numpy as jnp
 
     # ejkernel's beartype checks want jax Arrays, not numpy ones.
     args, kwargs = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, (args, kwargs))
+    if sharded is not None:
+        from jax.sharding import PartitionSpec as P
+
+        axis, n = sharded
+        mesh = jax.make_mesh((len(jax.devices()),), (axis,))
+        spec = P(None, axis)
+        body = jax.shard_map(
+            lambda *a: fn(*a, **kwargs),
+            mesh=mesh,
+            in_specs=(spec,) * n + (P(),) * (len(args) - n),  # the same as ``specs``
+            out_specs=spec,
+            check_vma=False,
+        )
+        specs = (spec,) * n + (P(),) * (len(args) - n)
+        args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, p)) for a, p in zip(args, specs)]
+        out = jax.jit(body)(*args)
+        jax.block_until_ready(out)
+        return _leaves(out)
     out = fn(*args, **kwargs)
     jax.block_until_ready(out)
     return _leaves(out)
 
 
-def run_side(side: str, name: str | None, out: Path) -> None:
+def run_side(side: str, name: str | None, out: Path, way: str = "interpret") -> None:
     """In a fresh process: the import listing (``name`` None) or one kernel's call,
     written to ``out/side/``."""
     sys.path.insert(0, str(HERE))
@@ -207,6 +240,10 @@ def run_side(side: str, name: str | None, out: Path) -> None:
     import tokamax_plugin
 
     (tokamax_plugin._interpret_ours if side == "ours" else tokamax_plugin._interpret_jax)()
+    if way == "compiled":
+        import tpu_compiled
+
+        tpu_compiled.record(side)
     where = out / side
     where.mkdir(parents=True, exist_ok=True)
     if name is None:
@@ -224,17 +261,20 @@ def run_side(side: str, name: str | None, out: Path) -> None:
     start = time.monotonic()
     try:
         fn = getattr(getattr(_pallas, backend), algo)
-        for i, x in enumerate(_call(fn, args, kwargs)):
+        for i, x in enumerate(_call(fn, args, kwargs, SHARDED.get(name))):
             arrays[f"pallas/{i}"] = x
         rec["status"] = "ran"
     except Exception as e:  # noqa: BLE001
         rec["message"] = _first_line(e)
         rec["where"] = _where(e)
     rec["seconds"] = round(time.monotonic() - start, 1)
+    rec["kernels"] = tokamax_plugin._CALLS[0]  # pallas_call / pl.kernel calls the case made
+    if way == "compiled":
+        rec["compiled"] = tpu_compiled.compile_recorded(side)
     if side == "jax":  # the XLA reference does not depend on whose Pallas is loaded
         try:
             ref = kernel_registry.get(algo, platform="xla")
-            for i, x in enumerate(_call(ref, args, kwargs)):
+            for i, x in enumerate(_call(ref, args, kwargs, SHARDED.get(name))):
                 arrays[f"xla/{i}"] = x
             rec["xla"] = "ran"
         except Exception as e:  # noqa: BLE001
@@ -266,7 +306,7 @@ def _max_diff(a: dict, b: dict, ka: str, kb: str) -> float | None:
     return max(float(np.max(np.abs(a[x] - b[y]), initial=0.0)) for x, y in zip(xs, ys))
 
 
-def _spawn(side: str, name: str | None, out: Path, timeout: int) -> dict:
+def _spawn(side: str, name: str | None, out: Path, timeout: int, way: str = "interpret") -> dict:
     """One side's import listing or one kernel, in a fresh process; its record."""
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
@@ -276,7 +316,17 @@ def _spawn(side: str, name: str | None, out: Path, timeout: int) -> dict:
     (out / side).mkdir(parents=True, exist_ok=True)
     report = out / side / f"{stem}.json"
     report.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--side", side, "--out", str(out), *([name] if name else [])]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--side",
+        side,
+        "--out",
+        str(out),
+        "--way",
+        way,
+        *([name] if name else []),
+    ]
     start = time.monotonic()
     with open(out / side / f"{stem}.log", "w") as f:
         try:
@@ -303,6 +353,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="build/downstream/ejkernel", help="where the logs and reports go")
     p.add_argument("--only", choices=("jax", "ours"), help="run one side; the other's report is reused")
     p.add_argument("--timeout", type=int, default=600, help="seconds per kernel and side")
+    p.add_argument(
+        "--way",
+        choices=("interpret", "compiled"),
+        default="interpret",
+        help="compiled: also lower each TPU pallas_call traced and compile it with libtpu for v5e and v6e",
+    )
     p.add_argument("kernels", nargs="*", help=f"kernel names (default: all {len(CASES)} with a case)")
     args = p.parse_args(argv)
     names = args.kernels or list(CASES)
@@ -312,7 +368,7 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.side:
-        run_side(args.side, args.kernels[0] if args.kernels else None, out)
+        run_side(args.side, args.kernels[0] if args.kernels else None, out, args.way)
         return 0
 
     if importlib.util.find_spec("ejkernel") is None:
@@ -342,7 +398,7 @@ def main(argv=None) -> int:
     for name in names:
         for side in ("jax", "ours"):
             if side in sides:
-                rec = _spawn(side, name, out, args.timeout)
+                rec = _spawn(side, name, out, args.timeout, args.way)
             else:
                 path = out / side / f"{name}.json"
                 rec = json.loads(path.read_text()) if path.exists() else {"status": "missing"}
@@ -350,7 +406,8 @@ def main(argv=None) -> int:
             npz = out / side / f"{name}.npz"
             arr[side][name] = dict(np.load(npz)) if npz.exists() and rec.get("status") == "ran" else {}
             print(
-                f"{side:4} {name:34} {rec['status']:8} {rec.get('seconds', 0):6} s {rec.get('message', '')[:120]}"
+                f"{side:4} {name:34} {rec['status']:8} {rec.get('seconds', 0):6} s"
+                f" {rec.get('kernels', '-'):>3} kernels {rec.get('message', '')[:120]}"
             )
 
     failures = []
@@ -367,12 +424,14 @@ def main(argv=None) -> int:
             failures.append(name)
     with open(out / "ejkernel.tsv", "w") as f:
         f.write(
-            "kernel\tjax\tours\tours_vs_jax\tjax_vs_xla\tours_vs_xla\tjax_s\tours_s\tjax_message\tours_message\n"
+            "kernel\tjax\tours\tours_vs_jax\tjax_vs_xla\tours_vs_xla\tjax_s\tours_s\tjax_kernels\tours_kernels"
+            "\tjax_message\tours_message\n"
         )
         for name, j, o, d1, d2, d3 in rows:
             f.write(
                 f"{name}\t{j.get('status', 'missing')}\t{o.get('status', 'missing')}\t{_fmt(d1)}\t{_fmt(d2)}"
-                f"\t{_fmt(d3)}\t{j.get('seconds', '')}\t{o.get('seconds', '')}\t{j.get('message', '')}"
+                f"\t{_fmt(d3)}\t{j.get('seconds', '')}\t{o.get('seconds', '')}\t{j.get('kernels', '')}"
+                f"\t{o.get('kernels', '')}\t{j.get('message', '')}"
                 f"\t{o.get('message', '')} {o.get('where', '')}\n"
             )
     print(f"\n{'kernel':34} {'JAX':6} {'ours':6} {'ours-JAX':>9} {'JAX-XLA':>9} {'ours-XLA':>9}")
@@ -393,8 +452,49 @@ def main(argv=None) -> int:
     print("no case: " + "; ".join(f"{k} ({v})" for k, v in NO_CASE.items()))
     if failures:
         print(f"\nrun on JAX's Pallas, not on ours or differing: {failures}")
+    unexplained = _report_compiled(rep, names, out) if args.way == "compiled" else []
     print(f"per kernel: {out / 'ejkernel.tsv'}; per module: {out / 'imports.tsv'}")
-    return 1 if failures else 0
+    return 1 if failures or unexplained else 0
+
+
+def _report_compiled(rep: dict, names: list[str], out: Path) -> list[str]:
+    """Counts per chip and side of the TPU kernels compiled; the kernels JAX's
+    lowering got through Mosaic and ours did not (``compiled.tsv``)."""
+    import run_tokamax
+    import tpu_compiled
+
+    known = run_tokamax.load_known(table="compiled")
+    counts: dict = {}
+    unexplained = []
+    with open(out / "compiled.tsv", "w") as f:
+        f.write("case\tside\tkernel\tchip\toutcome\tmessage\n")
+        for name in names:
+            for side in ("jax", "ours"):
+                for kernel, chip, outcome, msg in rep[side][name].get("compiled", []):
+                    f.write(f"{name}\t{side}\t{kernel}\t{chip}\t{outcome}\t{msg}\n")
+                    counts.setdefault((chip, side), dict.fromkeys(tpu_compiled.OUTCOMES, 0))[outcome] += 1
+    print("\nTPU kernels lowered and compiled by libtpu (pallas_calls traced by the cases):")
+    print(f"  {'chip':5} {'side':5} " + " ".join(f"{o:>20}" for o in tpu_compiled.OUTCOMES))
+    for (chip, side), c in sorted(counts.items()):
+        print(f"  {chip:5} {side:5} " + " ".join(f"{c[o]:>20}" for o in tpu_compiled.OUTCOMES))
+    for name in names:
+        ours = [list(r) for r in rep["ours"][name].get("compiled", [])]
+        for kernel, chip, outcome, _ in rep["jax"][name].get("compiled", []):
+            if outcome != "compiled":
+                continue
+            short = kernel.partition(" at ")[0]
+            mine = next((r for r in ours if r[1] == chip and r[0].partition(" at ")[0] == short), None)
+            if mine is not None:
+                ours.remove(mine)
+            if mine is None or mine[2] != "compiled":
+                key = f"ejkernel::{name}::{short}"
+                reason = run_tokamax.reason_for(key, known)
+                why = f"{mine[2]}: {mine[3]}" if mine else "not traced on ours"
+                print(f"  {chip} {key}: {why[:240]}  [{reason or 'UNEXPLAINED'}]")
+                if reason is None:
+                    unexplained.append(key)
+    print(f"  per kernel: {out / 'compiled.tsv'}")
+    return unexplained
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ _PALLAS_KERNEL = {"tpu": "Pallas TPU", "triton": "Pallas Triton"}
 class Selection:
     run: list[Path] = field(default_factory=list)
     triton: list[Path] = field(default_factory=list)  # of ``run``, those reaching a Pallas Triton kernel
+    tpu: list[Path] = field(default_factory=list)  # of ``run``, those reaching a Pallas TPU kernel
     skipped: dict[Path, str] = field(default_factory=dict)
     not_pallas: list[Path] = field(default_factory=list)
 
@@ -108,6 +109,8 @@ def select(root: Path) -> Selection:
             sel.run.append(f)
             if "triton" in marks:
                 sel.triton.append(f)
+            if "tpu" in marks:
+                sel.tpu.append(f)
         else:
             sel.not_pallas.append(f)
     return sel
@@ -152,10 +155,14 @@ def _pytest(side: str, targets: list[str], args, out: Path, site: Path) -> dict:
     return json.loads(report.read_text())
 
 
-def load_known(path: Path = HERE / "known_differences.toml") -> list[tuple[str, list[str]]]:
-    """[(reason, [test id patterns])] from ``known_differences.toml``."""
+def load_known(
+    path: Path = HERE / "known_differences.toml", table: str = "cause"
+) -> list[tuple[str, list[str]]]:
+    """[(reason, [test id patterns])] from ``known_differences.toml``: ``cause`` for
+    the interpret and GPU ways, ``compiled`` for the compiled way (patterns of
+    ``test id::kernel name``)."""
     data = tomllib.loads(path.read_text())
-    return [(c["reason"], c["tests"]) for c in data.get("cause", [])]
+    return [(c["reason"], c["tests"]) for c in data.get(table, [])]
 
 
 def reason_for(test: str, known) -> str | None:
@@ -208,6 +215,74 @@ def compare(jax: dict, ours: dict, known) -> dict:
     )
 
 
+def compare_compiled(jax: dict, ours: dict, known) -> dict:
+    """The compiled way: per chip and side, TPU kernels compiled / refused by Mosaic /
+    refused by the lowering; a kernel (test id and kernel name, in the order traced)
+    that JAX's lowering gets through Mosaic and ours does not is a difference."""
+    counts = {}  # (side, chip) -> Counter of outcomes
+    tests_with_kernels = collections.Counter()
+    differences, unexplained, used = [], [], set()
+    for side, rep in (("jax", jax), ("ours", ours)):
+        for rec in rep.values():
+            rows = rec[4] if len(rec) > 4 else []
+            tests_with_kernels[side] += bool(rows)
+            for _, chip, outcome, _ in rows:
+                counts.setdefault((side, chip), collections.Counter())[outcome] += 1
+    for t in sorted(set(jax) | set(ours)):
+        j = jax.get(t, [])
+        o = ours.get(t, [])
+        jrows, orows = (r[4] if len(r) > 4 else [] for r in (j, o))
+        by_chip = collections.defaultdict(lambda: ([], []))
+        for i, rows in enumerate((jrows, orows)):
+            for kernel, chip, outcome, msg in rows:
+                by_chip[chip][i].append((kernel.partition(" at ")[0], outcome, msg))
+        for chip, (js, os_) in sorted(by_chip.items()):
+            # Matched by kernel name in trace order; a kernel JAX compiled that ours did not compile.
+            left = list(os_)
+            for name, outcome, _ in js:
+                if outcome != "compiled":
+                    continue
+                mine = next((x for x in left if x[0] == name), None)
+                if mine is not None:
+                    left.remove(mine)
+                if mine is None or mine[1] != "compiled":
+                    key = f"{t}::{name}"
+                    reason = reason_for(key, known)
+                    why = mine[2] if mine else "not traced on ours"
+                    differences.append((key, chip, mine[1] if mine else "missing", why, reason))
+                    if reason is None:
+                        unexplained.append(key)
+                    else:
+                        used.add(reason)
+    stale = [r for r, _ in known if r not in used]
+    return dict(
+        counts=counts, tests=tests_with_kernels, differences=differences, unexplained=unexplained, stale=stale
+    )
+
+
+def _print_compiled(r: dict, out: Path, reports: dict) -> None:
+    sys.path.insert(0, str(HERE))
+    from tpu_compiled import OUTCOMES
+
+    with open(out / "compiled.tsv", "w") as f:
+        f.write("test\tside\tkernel\tchip\toutcome\tmessage\n")
+        for side, rep in reports.items():
+            for t, rec in sorted(rep.items()):
+                for kernel, chip, outcome, msg in rec[4] if len(rec) > 4 else []:
+                    f.write(f"{t}\t{side}\t{kernel}\t{chip}\t{outcome}\t{msg}\n")
+    print(
+        f"\nTPU kernels lowered and compiled by libtpu (tests tracing one: JAX {r['tests']['jax']}, ours"
+        f" {r['tests']['ours']}):"
+    )
+    print(f"  {'chip':5} {'side':5} " + " ".join(f"{o:>20}" for o in OUTCOMES))
+    for (side, chip), c in sorted(r["counts"].items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"  {chip:5} {side:5} " + " ".join(f"{c[o]:>20}" for o in OUTCOMES))
+    print(f"  compiled on JAX's lowering, not on ours: {len(r['differences'])}")
+    for key, chip, outcome, why, reason in r["differences"]:
+        print(f"    {chip} {key}: {outcome}: {why[:200]}  [{reason or 'UNEXPLAINED'}]")
+    print(f"  per kernel: {out / 'compiled.tsv'}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--subset", help="run the test ids listed in subsets/NAME.txt")
@@ -218,10 +293,11 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=("jax", "ours"), help="run one side; the other's report is reused")
     p.add_argument(
         "--way",
-        choices=("interpret", "gpu"),
+        choices=("interpret", "gpu", "compiled"),
         default="interpret",
-        help="interpret (a CPU: every Pallas test file, kernels in interpret mode) or gpu (the test files"
-        " reaching a Pallas Triton kernel, compiled and run on the GPU)",
+        help="interpret (a CPU: every Pallas test file, kernels in interpret mode), gpu (the test files"
+        " reaching a Pallas Triton kernel, compiled and run on the GPU) or compiled (the test files reaching"
+        " a Pallas TPU kernel, in interpret mode, each TPU kernel traced also compiled by libtpu for v5e/v6e)",
     )
     p.add_argument("files", nargs="*", help="test files or ids (default: every Pallas test file)")
     args = p.parse_args(argv)
@@ -254,7 +330,7 @@ def main(argv=None) -> int:
     elif args.files:
         targets = args.files
     else:
-        targets = [str(f) for f in (sel.triton if args.way == "gpu" else sel.run)]
+        targets = [str(f) for f in {"gpu": sel.triton, "compiled": sel.tpu}.get(args.way, sel.run)]
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     reports = {}
@@ -303,6 +379,12 @@ def main(argv=None) -> int:
         for reason in r["stale"]:
             print(f"  {reason}")
     print(f"\nper test: {out / 'tokamax.tsv'}")
+    if args.way == "compiled":
+        rc = compare_compiled(reports["jax"], reports["ours"], load_known(table="compiled"))
+        _print_compiled(rc, out, reports)
+        if rc["stale"] and not (args.subset or args.files or args.k):
+            print("known_differences.toml [[compiled]] causes no kernel showed: " + "; ".join(rc["stale"]))
+        return 1 if r["unexplained"] or rc["unexplained"] else 0
     return 1 if r["unexplained"] else 0
 
 

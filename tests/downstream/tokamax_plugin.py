@@ -9,11 +9,16 @@ Loaded by ``run_tokamax.py`` into a pytest run over tokamax's installed test fil
 ``--way=gpu``
     Pallas Triton kernels compile and run on the GPU as tokamax wrote them (the
     default ``--way=interpret`` runs them in interpret mode, for a CPU).
+``--way=compiled``
+    as ``interpret``, and after each test every TPU ``pallas_call`` it traced is
+    lowered by the side's Pallas and compiled by libtpu's Mosaic for v5e and v6e
+    (``tpu_compiled.py``); the outcomes go to the report.
 ``--downstream-report=PATH``
-    writes ``{test id: [outcome, message, kernels, seconds]}`` as JSON at the end of
-    the run: outcome ``passed``, ``failed``, ``skipped`` or ``error``; kernels: how
-    many ``pallas_call``/``pl.kernel`` calls the test made (0 where tokamax reused a
-    kernel a test before it traced).
+    writes ``{test id: [outcome, message, kernels, seconds, compiled]}`` as JSON at
+    the end of the run: outcome ``passed``, ``failed``, ``skipped`` or ``error``;
+    kernels: how many ``pallas_call``/``pl.kernel`` calls the test made (0 where
+    tokamax reused a kernel a test before it traced); compiled (``--way=compiled``):
+    ``[[kernel, chip, outcome, message], ...]`` of the TPU kernels it traced.
 
 What the two runs share, so that tokamax's kernels run on a CPU at all:
 
@@ -41,9 +46,10 @@ def pytest_addoption(parser):
     group.addoption("--downstream-report", default=None, help="JSON file of outcomes per test")
     group.addoption(
         "--way",
-        choices=("interpret", "gpu"),
+        choices=("interpret", "gpu", "compiled"),
         default="interpret",
-        help="interpret: Pallas Triton kernels in interpret mode (a CPU); gpu: compiled and run on the GPU",
+        help="interpret: Pallas Triton kernels in interpret mode (a CPU); gpu: compiled and run on the GPU;"
+        " compiled: interpret, and each TPU kernel traced lowered and compiled by libtpu for v5e and v6e",
     )
 
 
@@ -129,13 +135,22 @@ def pytest_runtest_call(item):
     _CALLS[0] = 0
     yield
     item.user_properties.append(("pallas_calls", _CALLS[0]))
+    if item.config.getoption("way") == "compiled":
+        import tpu_compiled
+
+        rows = tpu_compiled.compile_recorded(item.config.getoption("pallas"))
+        item.user_properties.append(("tpu_compiled", rows))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config, parser, args):
     # Before tokamax's conftest.py, the first tokamax module pytest imports.
     ns = early_config.known_args_namespace
-    interpreted = ns.way == "interpret"
+    interpreted = ns.way in ("interpret", "compiled")
+    if ns.way == "compiled":
+        import tpu_compiled
+
+        tpu_compiled.record(ns.pallas)
     if ns.pallas == "ours":
         import pallas_rewrite
 
@@ -151,7 +166,7 @@ def pytest_configure(config):
     from tokamax._src import config as tokamax_config  # noqa: F401  (defines the flag)
 
     # On a CPU only: on a GPU tokamax's ops run where they are.
-    flags.FLAGS.tokamax_cross_compile = config.getoption("way") == "interpret"
+    flags.FLAGS.tokamax_cross_compile = config.getoption("way") != "gpu"
     config._downstream = {}
 
 
@@ -197,8 +212,13 @@ def _record(nodeid: str, outcome: str, msg: str, calls: int = 0, seconds: float 
     _OUTCOMES[nodeid] = [outcome, msg, max(calls, old[2] if old else 0), seconds]
 
 
+_COMPILED: dict[str, list] = {}  # test id -> [[kernel, chip, outcome, message], ...]
+
+
 def pytest_runtest_logreport(report):
     calls = dict(report.user_properties).get("pallas_calls", 0)
+    if type(report).__name__ != "SubtestReport" and report.when == "call":
+        _COMPILED.setdefault(report.nodeid, []).extend(dict(report.user_properties).get("tpu_compiled", []))
     if type(report).__name__ == "SubtestReport":  # unittest's subTest, pytest >= 9
         _SUBTESTS.setdefault(report.nodeid, collections.Counter())[report.outcome] += 1
         if report.failed:
@@ -229,6 +249,9 @@ def pytest_sessionfinish(session):
     path = session.config.getoption("downstream_report")
     if path and not hasattr(session.config, "workerinput"):
         _resolve_subtests()
+        if session.config.getoption("way") == "compiled":
+            for nodeid, out in _OUTCOMES.items():
+                out.append(_COMPILED.get(nodeid, []))
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(_OUTCOMES, f, indent=0, sort_keys=True)

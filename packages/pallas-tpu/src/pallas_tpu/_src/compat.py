@@ -17,6 +17,12 @@ ShapedArray = jax_core.ShapedArray
 Literal = jax_core.Literal
 
 
+def current_trace():
+    """The trace ops are staged into now (a jaxpr under construction: one per
+    ``lax.cond`` branch or loop body)."""
+    return jax_core.trace_ctx.trace
+
+
 def get_aval(x):
     return jax_core.typeof(x)
 

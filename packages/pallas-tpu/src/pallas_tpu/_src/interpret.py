@@ -165,6 +165,20 @@ def _static_int(x) -> bool:
     return isinstance(x, (int, np.integer))
 
 
+def _index_value(x):
+    """An index as a Python int when it is known while tracing, else traced int32:
+    static indices need no bounds check and no dynamic slice in the program."""
+    if _static_int(x):
+        return int(x)
+    if isinstance(x, np.ndarray) and x.shape == () and np.issubdtype(x.dtype, np.integer):
+        return int(x)
+    return jnp.asarray(x, jnp.int32)
+
+
+def _clip(x, lo: int, hi: int):
+    return min(max(int(x), lo), hi) if _static_int(x) else jnp.clip(x, lo, hi)
+
+
 def _on_chip(space) -> bool:
     """VMEM (the default of kernel scratch), SMEM: buffers small enough to
     shadow, where on_wait DMAs land at their wait (see interpret_dma)."""
@@ -206,6 +220,8 @@ class Interpreter:
         self.shadows: dict[int, tuple[int, int]] = {}
         self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
         self._unchecked = 0
+        # (trace, index, extent, size) of the traced bounds checks made so far (see _bounds_checked).
+        self._bounds_seen: dict[tuple[int, int, int, int], tuple[Any, Any]] = {}
         self._next_cell = 0
         self.progress = None  # (grid step, number of steps), traced, while a grid step runs
 
@@ -278,11 +294,31 @@ class Interpreter:
         self.checks.append(message)
         code = len(self.checks)
         err = self.hidden["__err"]
-        first = jnp.logical_and(err == 0, jnp.logical_not(ok))
-        self.hidden["__err"] = jnp.where(first, code, err)
-        vals = [jnp.asarray(v, jnp.int32).reshape(()) for v in values][:8]
-        vals += [jnp.zeros((), jnp.int32)] * (8 - len(vals))
-        self.hidden["__errvals"] = jnp.where(first, jnp.stack(vals), self.hidden["__errvals"])
+        # lax, not jnp (no jitted helpers): a large kernel makes hundreds of checks, and
+        # every op here is traced, lowered and compiled with it.
+        first = lax.bitwise_and(lax.eq(err, np.int32(0)), lax.bitwise_not(jnp.asarray(ok, jnp.bool_)))
+        self.hidden["__err"] = lax.select(first, np.int32(code), err)
+        if values:  # no values: __errvals still holds zeros wherever this is the first error
+            vals = [jnp.asarray(v, jnp.int32).reshape(()) for v in values][:8]
+            row = jnp.concatenate([jnp.stack(vals), np.zeros(8 - len(vals), np.int32)])
+            errvals = self.hidden["__errvals"]
+            self.hidden["__errvals"] = lax.select(lax.broadcast(first, errvals.shape), row, errvals)
+
+    def _bounds_checked(self, index, extent: int, size: int) -> bool:
+        """True if ``[index, index + extent)`` was checked against ``size`` before, in
+        the jaxpr being traced now: that check runs whenever this one would, and an
+        error it records comes first, so a second one adds only ops. (DMAs, semaphores
+        and their companion cells index the same Refs with the same traced index many
+        times; a check made in a ``lax.cond`` branch or loop body, another trace, does
+        not count outside it.) Records this one otherwise."""
+        if self._unchecked:
+            return False
+        trace = compat.current_trace()
+        key = (id(trace), id(index), extent, size)
+        if key in self._bounds_seen:
+            return True
+        self._bounds_seen[key] = (trace, index)  # keeps both alive, so their ids stay theirs
+        return False
 
     @contextlib.contextmanager
     def unchecked(self):
@@ -411,12 +447,19 @@ class Interpreter:
     def _index_parts(self, shape, indexer, eqn, view, what):
         """(starts, sizes, strides, squeezed dims, advanced index arrays) of one NDIndexer."""
         starts, sizes, strides, squeeze, arrays = [], [], [], [], {}
+        raw = [ix.start if _is_slice(ix) else ix for ix in indexer.indices]
         for d, (n, ix) in enumerate(zip(shape, indexer.indices)):
             if _is_slice(ix):
-                starts.append(jnp.asarray(ix.start, jnp.int32))
+                starts.append(_index_value(ix.start))
                 sizes.append(int(ix.size))
                 strides.append(int(ix.stride))
             else:
+                if _static_int(ix):
+                    starts.append(int(ix))
+                    sizes.append(1)
+                    strides.append(1)
+                    squeeze.append(d)
+                    continue
                 ix = jnp.asarray(ix)
                 if ix.shape == ():
                     starts.append(ix.astype(jnp.int32))
@@ -443,7 +486,12 @@ class Interpreter:
                     )
                     continue
                 extent = (sizes[d] - 1) * strides[d] + 1 if sizes[d] else 0
-                ok = jnp.logical_and(starts[d] >= 0, starts[d] + extent <= n)
+                if _static_int(starts[d]):  # known while tracing: no check in the program
+                    ok = 0 <= starts[d] and starts[d] + extent <= n
+                elif self._bounds_checked(raw[d], extent, n):
+                    continue
+                else:
+                    ok = jnp.logical_and(starts[d] >= 0, starts[d] + extent <= n)
                 self.check(
                     ok,
                     f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)} "
@@ -458,8 +506,13 @@ class Interpreter:
             return self._transform_other(x, indexer, eqn)
         starts, sizes, strides, squeeze, arrays = self._index_parts(x.shape, indexer, eqn, view, what)
         ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
-        starts_c = [jnp.clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
-        y = lax.dynamic_slice(x, starts_c, ext) if x.ndim else x
+        starts_c = [_clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
+        if not x.ndim:
+            y = x
+        elif all(_static_int(s) for s in starts_c):
+            y = x if tuple(ext) == x.shape else lax.slice(x, starts_c, [s + e for s, e in zip(starts_c, ext)])
+        else:
+            y = lax.dynamic_slice(x, starts_c, ext)
         if any(k != 1 for k in strides):
             y = lax.slice(y, [0] * y.ndim, y.shape, strides)
         if arrays:
@@ -490,9 +543,12 @@ class Interpreter:
             # Basic dims become broadcastable aranges, as numpy's mixed indexing.
             return x.at[tuple(idx)].set(val.astype(x.dtype), mode="drop")
         ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
-        starts_c = [jnp.clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
+        starts_c = [_clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
         blk_shape = [s for d, s in enumerate(sizes)]
         val = jnp.asarray(val, x.dtype).reshape(blk_shape)
+        if tuple(ext) == x.shape and all(_static_int(s) and s == 0 for s in starts_c):
+            if all(k == 1 for k in strides):
+                return val  # the whole buffer
         if any(k != 1 for k in strides):
             old = lax.dynamic_slice(x, starts_c, ext)
             idx = tuple(slice(None, None, k) for k in strides)

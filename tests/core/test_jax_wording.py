@@ -266,3 +266,26 @@ def test_index_map_closing_over_a_scalar_runs_and_over_an_array_is_refused():
         call(lambda i: (jnp.asarray(order)[i], 0)),
         x,
     )
+
+
+def test_an_error_raised_while_the_kernel_runs_arrives_message_first():
+    # A host callback's exception reaches Python wrapped by XLA ("INTERNAL: CpuCallback
+    # error calling callback: Traceback ...", the message last); a backend records the
+    # error it raises there, and the pallas_call raises it as it was.
+    from pallas._src import errors
+
+    x = _rand(6, (8, 128))
+
+    def check(v):
+        if v > 0:
+            raise errors.record_runtime_error(ValueError(f"the kernel saw {float(v):.3f} > 0"))
+
+    def kernel(x_ref, o_ref):
+        jax.debug.callback(check, jnp.max(x_ref[...]))
+        o_ref[...] = x_ref[...] + 1
+
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)
+    np.testing.assert_allclose(f(-jnp.abs(x)), 1 - jnp.abs(x), rtol=1e-6)
+    with pytest.raises(ValueError) as info:
+        jax.block_until_ready(f(jnp.abs(x)))
+    assert str(info.value).splitlines()[0] == f"the kernel saw {float(jnp.max(jnp.abs(x))):.3f} > 0"

@@ -134,3 +134,34 @@ def python_arity_message(fn, n: int) -> str | None:
         was = "was" if n == 1 else "were"
         return f"{name} takes {takes} positional argument{plural} but {n} {was} given"
     return None
+
+
+# Errors raised while a kernel runs, inside a host callback (TPU interpret mode's bounds
+# checks, a deadlock between interpreted devices): XLA wraps them in a JaxRuntimeError
+# whose first line is "INTERNAL: CpuCallback error calling callback: Traceback ...", the
+# message last. A backend records the exception it raises there; a pallas_call called
+# outside jit finds it in the JaxRuntimeError and raises it as it was, message first.
+# (Callbacks run on XLA's threads, hence one list for all threads; the last few only.)
+_runtime_errors: list[BaseException] = []
+_runtime_lock = threading.Lock()
+
+
+def record_runtime_error(exc: BaseException) -> BaseException:
+    """Remembers ``exc``, an error a host callback of a running kernel raises."""
+    with _runtime_lock:
+        _runtime_errors.append(exc)
+        del _runtime_errors[:-16]
+    return exc
+
+
+def runtime_error_in(wrapper: BaseException) -> BaseException | None:
+    """The recorded error that ``wrapper`` (XLA's JaxRuntimeError) carries, if any;
+    forgotten once found."""
+    text = str(wrapper)
+    if "callback" not in text.lower():
+        return None
+    with _runtime_lock:
+        for i in range(len(_runtime_errors) - 1, -1, -1):
+            if str(_runtime_errors[i]) and str(_runtime_errors[i]) in text:
+                return _runtime_errors.pop(i)
+    return None

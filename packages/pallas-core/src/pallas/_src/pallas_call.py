@@ -15,7 +15,7 @@ from jax import tree_util
 from pallas._src import backends, compat, primitives, validate
 from pallas._src import core as pallas_core
 from pallas._src.core import GridMapping, GridSpec
-from pallas._src.errors import describe, function_source, kernel_scope, user_source
+from pallas._src.errors import describe, function_source, kernel_scope, runtime_error_in, user_source
 from pallas._src.grid_mapping import (
     Err,
     block_mapping,
@@ -369,20 +369,28 @@ def pallas_call(
         if gm.num_dynamic_grid_bounds:  # the traced grid sizes go first
             g = grid_spec.grid if grid_spec is not None else grid
             dynamic_sizes = normalize_grid(g, Err(kernel_name, gm.source))[2]
-        outs = pallas_call_p.bind(
-            *dynamic_sizes,
-            *flat_args,
-            *consts,
-            jaxpr=jaxpr,
-            grid_mapping=gm,
-            input_output_aliases=aliases,
-            interpret=_effective_interpret(interpret),
-            debug=debug,
-            compiler_params=compiler_params_,
-            cost_estimate=cost_estimate,
-            backend=backend_,
-            metadata=metadata_,
-        )
+        try:
+            outs = pallas_call_p.bind(
+                *dynamic_sizes,
+                *flat_args,
+                *consts,
+                jaxpr=jaxpr,
+                grid_mapping=gm,
+                input_output_aliases=aliases,
+                interpret=_effective_interpret(interpret),
+                debug=debug,
+                compiler_params=compiler_params_,
+                cost_estimate=cost_estimate,
+                backend=backend_,
+                metadata=metadata_,
+            )
+        except Exception as e:
+            # An error the kernel raised as it ran (in a host callback) arrives wrapped by
+            # XLA, its message last: raise it as it was raised, message first.
+            inner = runtime_error_in(e)
+            if inner is None:
+                raise
+            raise inner from None
         result = tree_util.tree_unflatten(tree_util.tree_structure(outs_tuple), outs)
         if is_seq:
             return tuple(result) if isinstance(out_shape, tuple) else list(result)

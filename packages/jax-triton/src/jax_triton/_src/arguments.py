@@ -8,11 +8,15 @@ specialized for the data JAX actually passes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_kernel_runtime import normalize_grid
+from jax_triton._src.compile import CompileOptions
+from jax_triton._src.triton_compat import compile_option_names
 
 
 def _is_int(x) -> bool:
@@ -31,11 +35,11 @@ def input_aval(x, what: str) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(x.shape), _dtype(x.dtype, what))
 
 
-def output_avals(out_leaves, where: str) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Checked, canonical avals of the ``out_shape`` leaves."""
+def output_avals(out_leaves, where: str, keyword: str = "out_shape") -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Checked, canonical avals of the ``out_type`` (``keyword``) leaves."""
     avals = []
     for i, leaf in enumerate(out_leaves):
-        what = f"{where}: out_shape leaf {i}"
+        what = f"{where}: {keyword} leaf {i}"
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             raise TypeError(
                 f"{what} is {leaf!r} of type {type(leaf).__name__}; every leaf must "
@@ -72,8 +76,13 @@ def check_options(options, where: str) -> None:
             raise ValueError(f"{where}: {field}={value!r}, but {field} must be {expected}")
 
 
-def check_aliases(aliases, in_avals, out_avals, where: str) -> dict[int, int]:
-    """``input_output_aliases`` checked against the array inputs and outputs."""
+def check_aliases(aliases, inputs, out_avals, counted: str, where: str) -> dict[int, int]:
+    """``input_output_aliases`` checked against the inputs and outputs.
+
+    ``inputs``: ``(label, aval)`` for each index the aliases count (``aval``
+    None for a scalar, which cannot be aliased); ``counted`` says what they
+    count, for the out-of-range error.
+    """
     if not isinstance(aliases, dict):
         raise TypeError(
             f"{where}: input_output_aliases is {aliases!r}; expected a dict {{input index: output index}}"
@@ -83,20 +92,20 @@ def check_aliases(aliases, in_avals, out_avals, where: str) -> dict[int, int]:
         entry = f"{where}: input_output_aliases entry {i!r}: {o!r}"
         if not (_is_int(i) and _is_int(o)):
             raise TypeError(f"{entry}: indices must be ints")
-        if not 0 <= i < len(in_avals):
-            raise ValueError(
-                f"{entry}: input index {i} is out of range; there are "
-                f"{len(in_avals)} array inputs (scalars are not counted)"
-            )
+        if not 0 <= i < len(inputs):
+            raise ValueError(f"{entry}: input index {i} is out of range; {counted}")
         if not 0 <= o < len(out_avals):
             raise ValueError(f"{entry}: output index {o} is out of range; there are {len(out_avals)} outputs")
         if o in seen:
             raise ValueError(f"{entry}: output {o} is already aliased to input {seen[o]}")
         seen[o] = i
-        a, b = in_avals[i], out_avals[o]
+        label, a = inputs[i]
+        b = out_avals[o]
+        if a is None:
+            raise ValueError(f"{entry}: {label} is a scalar; only arrays can be aliased to outputs")
         if (a.shape, a.dtype) != (b.shape, b.dtype):
             raise ValueError(
-                f"{entry}: input {i} is {a.dtype}{list(a.shape)} but output {o} is "
+                f"{entry}: {label} is {a.dtype}{list(a.shape)} but output {o} is "
                 f"{b.dtype}{list(b.shape)}; aliased buffers must match"
             )
     return {int(i): int(o) for i, o in aliases.items()}
@@ -134,3 +143,57 @@ def grid_of(grid, meta: dict, name: str, where: str) -> tuple[int, int, int]:
         return normalize_grid(grid, name)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{where}: {e}") from None
+
+
+# Options set by the compile target, not by the caller.
+_TARGET_OPTIONS = frozenset({"arch", "backend_name", "warp_size"})
+
+
+def compile_options(explicit: dict, backend_options, debug_asserts: bool, where: str) -> CompileOptions:
+    """``backend_options`` merged with the explicit ``num_warps``/... arguments.
+
+    ``explicit`` holds the arguments the caller gave (not None); an option in
+    both is an error, as upstream. Options other than those of
+    ``CompileOptions`` must be options of Triton's CUDA backend, with
+    hashable values (they key the compile caches).
+    """
+    if backend_options is None:
+        backend_options = {}
+    if not isinstance(backend_options, Mapping):
+        raise TypeError(
+            f"{where}: backend_options is {backend_options!r}; expected a mapping of "
+            f"Triton compiler options, e.g. {{'num_warps': 8}}"
+        )
+    if both := sorted(explicit.keys() & backend_options.keys()):
+        raise ValueError(
+            f"{where}: {both} given both as arguments and in backend_options; give each option once"
+        )
+    known = compile_option_names() - _TARGET_OPTIONS
+    for k, v in backend_options.items():
+        if k not in known:
+            raise ValueError(
+                f"{where}: backend_options[{k!r}] is not a Triton compiler option for CUDA; "
+                f"the options are {sorted(known)}"
+            )
+        try:
+            hash(v)
+        except TypeError:
+            raise TypeError(
+                f"{where}: backend_options[{k!r}] is {v!r:.60}, which is not hashable; "
+                f"compile options key the kernel caches (use a tuple, not a list)"
+            ) from None
+    if backend_options.get("launch_pdl"):
+        raise NotImplementedError(
+            f"{where}: backend_options['launch_pdl']: jax-kernel-runtime does not launch "
+            f"kernels with programmatic dependent launch"
+        )
+    merged = {**backend_options, **explicit}
+    fields = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "debug")
+    return CompileOptions(
+        num_warps=merged.get("num_warps", 4),
+        num_stages=merged.get("num_stages", 3),
+        num_ctas=merged.get("num_ctas", 1),
+        enable_fp_fusion=bool(merged.get("enable_fp_fusion", True)),
+        debug=bool(merged.get("debug") or debug_asserts),
+        extra=tuple(sorted((k, v) for k, v in merged.items() if k not in fields)),
+    )

@@ -60,13 +60,15 @@ def expand(kernel, named_args: dict, metaparams: dict, options: CompileOptions):
             configs = list(kernel.early_config_prune(configs, {**named_args, **metaparams}))
         out = []
         for cfg in configs:
-            extra = tuple((k, v) for k, v in (("maxnreg", cfg.maxnreg),) if v is not None)
+            extra = dict(options.extra)  # backend_options, under the config's own
+            if cfg.maxnreg is not None:
+                extra["maxnreg"] = cfg.maxnreg
             opts = dataclasses.replace(
                 options,
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
                 num_ctas=cfg.num_ctas,
-                extra=extra,
+                extra=tuple(sorted(extra.items())),
             )
             for v in expand(kernel.fn, named_args, {**metaparams, **cfg.kwargs}, opts):
                 zero = tuple(kernel.reset_to_zero) + v.reset_to_zero

@@ -1,4 +1,4 @@
-"""Binding ``triton_call`` arguments to kernel parameters.
+"""Binding ``triton_call``'s operands to kernel parameters.
 
 The result, a ``BoundCall``, is what both backends consume: the GPU path turns
 it into a Triton signature + specialization and a runtime parameter layout;
@@ -137,17 +137,33 @@ def is_array(x) -> bool:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """What ``triton_call`` gave one kernel parameter (``operands.resolve``).
+
+    kind: "input" (``index`` among the array inputs), "output" (``index``
+    among the outputs) or "value" (a Python/numpy scalar or None, ``value``).
+    ``what`` names it in errors: "argument 0 ('x_ptr')", "output 1 ('y_ptr')".
+    """
+
+    what: str
+    kind: str
+    index: int = -1
+    value: Any = None
+
+
 def bind(
     fn: JITFunction,
-    args: tuple,
-    out_avals: list,
+    operands: dict[str, Operand],
+    in_avals,
+    out_avals,
     metaparams: dict[str, Any],
     where: str | None = None,
 ) -> BoundCall:
-    """Binds inputs, then outputs, positionally; then metaparams by name.
+    """Binds the operands, then metaparams by name, then declared defaults.
 
-    ``args`` holds avals (anything with .shape/.dtype) for arrays and plain
-    Python scalars for scalars. ``where`` (``triton_call 'k' at file.py:12``)
+    Array operands become buffers numbered inputs first, then outputs, as the
+    primitive's operands are. ``where`` (``triton_call 'k' at file.py:12``)
     starts every error message.
     """
     names = list(fn.arg_names)
@@ -159,38 +175,32 @@ def bind(
             f"{where}: metaparam(s) {unknown} of triton_call are not parameters of "
             f"kernel {kernel!r}; its parameters are {names}"
         )
-    positional = list(args) + list(out_avals)
-    n_pos = len(positional)
-    if n_pos > len(names) or any(m in names[:n_pos] for m in metaparams):
+    twice = [m for m in metaparams if m in operands]
+    if twice:
         raise TypeError(
-            f"{where}: kernel {kernel!r} has {len(names)} parameters {names}, but "
-            f"triton_call binds {len(args)} inputs + {len(out_avals)} outputs "
-            f"positionally and metaparams {sorted(metaparams)} by name"
+            f"{where}: kernel {kernel!r} has {len(names)} parameters {names}; {twice} "
+            f"got an argument and a metaparam (of an autotune config or heuristic)"
         )
-    missing = [n for n in names[n_pos:] if n not in metaparams and not _has_default(fn, n)]
+    missing = [n for n in names if n not in operands and n not in metaparams and not has_default(fn, n)]
     if missing:
         raise TypeError(
             f"{where}: kernel {kernel!r} has {len(names)} parameters {names}; "
-            f"triton_call bound {len(args)} inputs + {len(out_avals)} outputs "
-            f"positionally, leaving {missing} without a value: pass them as "
-            f"arguments or metaparams"
+            f"triton_call bound {sorted(operands)} and metaparams {sorted(metaparams)}, "
+            f"leaving {missing} without a value: pass them as arguments or metaparams"
         )
     params = []
-    next_operand = 0  # arrays are operands; scalars are not
-    for i, (name, kp) in enumerate(zip(names, fn.params)):
-        if i < len(args):
-            what = f"argument {i} ({name!r})"
-        elif i < n_pos:
-            what = f"output {i - len(args)} ({name!r})"
+    for name, kp in zip(names, fn.params):
+        operand = -1
+        if name in operands:
+            op = operands[name]
+            what, value = op.what, op.value
+            if op.kind == "input":
+                value, operand = in_avals[op.index], op.index
+            elif op.kind == "output":
+                value, operand = out_avals[op.index], len(in_avals) + op.index
         else:
             what = f"metaparam {name!r}"
-        if i < n_pos:
-            value, operand = positional[i], -1
-            if is_array(value):
-                operand, next_operand = next_operand, next_operand + 1
-        else:
-            value = metaparams[name] if name in metaparams else _default(fn, name)
-            operand = -1
+            value = metaparams[name] if name in metaparams else fn.signature.parameters[name].default
         params.append(_bind_one(f"{where}: {what}", name, kp, value, operand))
     return BoundCall(kernel, tuple(params))
 
@@ -202,7 +212,7 @@ def _describe(value) -> str:
 
 
 def _bind_one(what, name, kp, value, operand) -> ParamBinding:
-    if kp.is_constexpr:
+    if kp.is_constexpr or value is None:  # Triton's JIT makes a None argument a constexpr
         if is_array(value):
             raise TypeError(
                 f"{what} is a tl.constexpr parameter but got {_describe(value)}; "
@@ -266,9 +276,5 @@ def _convert(value, ty: str, what: str):
     raise TypeError(f"{what} is annotated {ty}, which triton_call cannot pass as a scalar")
 
 
-def _has_default(fn, name) -> bool:
+def has_default(fn, name) -> bool:
     return fn.signature.parameters[name].default is not inspect.Parameter.empty
-
-
-def _default(fn, name):
-    return fn.signature.parameters[name].default

@@ -10,21 +10,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 import jax_kernel_runtime as jkr
 from jax_kernel_runtime import _triton_compile
-from jax_triton._src import arguments, autotune, frontend
+from jax_triton._src import arguments, autotune, frontend, operands
 from jax_triton._src.compile import CompileOptions, TritonCompilationError, compile_kernel
 from jax_triton._src.interpret import run_on_host
-from jax_triton._src.signature import BoundCall, bind, is_array
+from jax_triton._src.signature import BoundCall, bind
 from jax_triton._src.triton_compat import check_triton_version, dispatch, triton
 from jax_triton._src.utils import user_source
 
@@ -50,7 +49,7 @@ class CallSpec:
     compute_capability: int | None
     debug: bool
     batch_fold: Callable | None
-    call_args: tuple  # (positional, metaparams, grid, zeroed) for re-binding under vmap
+    call_args: tuple  # (operands, metaparams, grid, zeroed, options) for re-binding under vmap
     where: str  # "triton_call 'name' at file.py:LINE", first words of every error
 
 
@@ -67,94 +66,121 @@ def _abstract_eval(*avals, call: CallSpec):
 def triton_call(
     *args,
     kernel,
-    out_shape,
+    out_type=None,
     grid,
+    name: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    num_ctas: int = 1,
+    num_ctas: int | None = None,
+    compute_capability: int | None = None,
+    backend_options: Mapping[str, Any] | None = None,
     input_output_aliases: dict[int, int] | None = None,
     zeroed_outputs=(),
     debug: bool = False,
-    compute_capability: int | None = None,
-    enable_fp_fusion: bool = True,
+    serialized_metadata: bytes = b"",
+    cost_estimate: Mapping[str, Any] | None = None,
+    has_side_effect: bool = False,
+    enable_fp_fusion: bool | None = None,
     batch_fold: Callable | None = None,
-    name: str | None = None,
-    **metaparams,
+    **kwargs,
 ):
     """Calls a ``@triton.jit`` kernel on JAX arrays.
 
     Args:
-      *args: kernel inputs: arrays (passed as pointers) and Python/numpy
-        scalars (baked into the call). Outputs are bound to the kernel
-        parameters that follow the inputs.
+      *args: kernel arguments, bound to the kernel's parameters in order:
+        arrays (passed as pointers), ``jax.new_ref`` Refs (pointers to buffers
+        the kernel updates in place; not in ``out_type``), Python/numpy
+        scalars (baked into the call) and None (a constexpr None, as in
+        Triton's JIT).
       kernel: a ``@triton.jit`` function, optionally wrapped in
         ``triton.autotune`` and/or ``triton.heuristics``.
-      out_shape: a pytree of objects with ``.shape`` and ``.dtype``
+      out_type: a pytree of objects with ``.shape`` and ``.dtype``
         (e.g. ``jax.ShapeDtypeStruct``); the result has the same structure.
+        The outputs not aliased to an input are bound to the kernel's
+        non-constexpr parameters that got no argument, in parameter order.
+        ``out_shape=`` (jax-triton 0.4) is accepted instead; with it, aliased
+        outputs are bound to parameters too and ``input_output_aliases``
+        counts the array inputs.
       grid: an int, a tuple of 1-3 ints, or a callable of the metaparams dict
         returning one.
-      num_warps, num_stages, num_ctas: Triton compile options.
-      input_output_aliases: ``{input index: output index}`` (indices among the
-        array inputs): the output reuses the input's buffer.
-      zeroed_outputs: output indices (or a callable of the metaparams
-        returning them) zeroed before the kernel runs.
-      debug: print the Triton signature and IR when compiling.
+      name: shown in errors (default: the kernel's name).
+      num_warps, num_stages, num_ctas: Triton compile options (default 4, 3, 1).
       compute_capability: target for compilation when lowering without a
         visible GPU (e.g. ``jax.export``); default: the device's, else 90.
+      backend_options: further options of Triton's CUDA compiler
+        (``{"maxnreg": 128}``), merged with ``num_warps``, ``num_stages``,
+        ``num_ctas``, ``enable_fp_fusion`` and ``debug``; giving an option
+        both ways is an error. Values must be hashable.
+      input_output_aliases: ``{input index: output index}``: the output reuses
+        the input's buffer. With ``out_type=`` the indices count the
+        non-constexpr operands in parameter order (scalars included, None not);
+        with ``out_shape=`` the array inputs.
+      zeroed_outputs: output indices (or a callable of the metaparams
+        returning them) zeroed before the kernel runs.
+      debug: print the Triton signature and IR when compiling, and turn
+        ``tl.device_assert`` on.
+      serialized_metadata, cost_estimate: accepted for upstream compatibility;
+        they have no effect here.
+      has_side_effect: only False is supported.
+      enable_fp_fusion: Triton's fp fusion (default True).
       batch_fold: optional ``(batch_size, grid, scalars) -> (grid, scalars)``
         declaring how ``jax.vmap`` can fold a batch into the grid: the batched
         arrays are laid out contiguously with the batch leading and the kernel
         is re-launched once with the returned grid and scalar arguments
-        (``scalars`` maps positional index -> value). Without it, vmap runs
-        the kernel once per batch element.
-      name: shown in errors (default: the kernel's name).
-      **metaparams: values of further kernel parameters, usually
-        ``tl.constexpr`` ones, by name.
+        (``scalars`` maps the positional index, or the keyword of a keyword
+        argument, to the value). Without it, vmap runs the kernel once per
+        batch element.
+      **kwargs: a keyword naming a non-constexpr kernel parameter is an
+        argument for it, as in ``*args``; the others are metaparams: values of
+        ``tl.constexpr`` parameters, by name (missing ones take the kernel's
+        defaults), also passed to callable ``grid``/``zeroed_outputs``.
 
     Returns:
-      The outputs, in the structure of ``out_shape``.
+      The outputs, in the structure of ``out_type``.
     """
     check_triton_version()
     fn = autotune.base_function(kernel)
     name = name or fn.__name__
     where = f"triton_call {name!r} at {user_source()}"
-    out_leaves, out_tree = jax.tree.flatten(out_shape)
-    out_avals = arguments.output_avals(out_leaves, where)
-    arrays, positional, scalars = [], [], []
-    for i, a in enumerate(args):
-        if is_array(a):
-            arrays.append(a)
-            positional.append(arguments.input_aval(a, f"{where}: argument {i}"))
-        elif isinstance(a, (bool, int, float, np.generic)):
-            positional.append(a)
-            scalars.append((i, a))
-        else:
-            raise TypeError(
-                f"{where}: argument {i} is {type(a).__name__} ({a!r:.60}); "
-                f"triton_call takes arrays and Python/numpy scalars, not pytrees "
-                f"or other objects"
-            )
+    legacy = "out_shape" in kwargs
+    if legacy:
+        if out_type is not None:
+            raise TypeError(f"{where}: give out_type= or out_shape= (its jax-triton 0.4 name), not both")
+        out_type = kwargs.pop("out_shape")
+    elif out_type is None:
+        raise TypeError(
+            f"{where}: triton_call needs out_type=, the outputs' shapes and dtypes "
+            f"(a pytree of jax.ShapeDtypeStruct; out_shape= as in jax-triton 0.4 also works)"
+        )
+    if has_side_effect:
+        raise NotImplementedError(
+            f"{where}: has_side_effect=True is not supported: a triton_call whose outputs "
+            f"are unused may be removed. Return an output that depends on the effect."
+        )
+    del serialized_metadata, cost_estimate  # no place for them in our custom call
+    out_leaves, out_tree = jax.tree.flatten(out_type)
+    out_avals = arguments.output_avals(out_leaves, where, "out_shape" if legacy else "out_type")
+    ops = operands.resolve(fn, args, kwargs, out_avals, input_output_aliases, legacy, where)
+    explicit = dict(num_warps=num_warps, num_stages=num_stages, num_ctas=num_ctas,
+                    enable_fp_fusion=enable_fp_fusion, debug=True if debug else None)  # fmt: skip
     # Triton's JIT turns device asserts on for debug=True, @triton.jit(debug=True)
     # or TRITON_DEBUG=1; so do the GPU compile and the interpreter.
-    debug_asserts = bool(debug or getattr(fn, "debug", False) or triton.knobs.runtime.debug)
+    debug_asserts = bool(getattr(fn, "debug", False) or triton.knobs.runtime.debug)
+    options = arguments.compile_options(
+        {k: v for k, v in explicit.items() if v is not None}, backend_options, debug_asserts, where
+    )
     spec = _make_spec(
-        kernel, fn, name, positional, out_avals, metaparams, grid, zeroed_outputs,
-        {} if input_output_aliases is None else input_output_aliases, tuple(scalars),
-        compute_capability, debug, batch_fold,
-        CompileOptions(
-            num_warps=4 if num_warps is None else num_warps,
-            num_stages=3 if num_stages is None else num_stages,
-            num_ctas=num_ctas,
-            enable_fp_fusion=enable_fp_fusion,
-            debug=debug_asserts,
-        ),
-        where,
+        kernel, fn, name, ops.params, ops.in_avals, ops.out_avals, ops.metaparams, grid,
+        zeroed_outputs, ops.aliases, ops.scalars, compute_capability, debug, batch_fold,
+        options, where,
     )  # fmt: skip
     if any(0 in v.grid for v in spec.variants):
-        outs = _no_programs(spec, arrays)
+        outs = _no_programs(spec, ops.arrays)
     else:
-        outs = triton_call_p.bind(*arrays, call=spec)
-    return jax.tree.unflatten(out_tree, outs)
+        outs = triton_call_p.bind(*ops.arrays, call=spec)
+    for ref, i in ops.refs:
+        ref[...] = outs[ops.aliases[i]]
+    return jax.tree.unflatten(out_tree, outs[: len(out_avals)])
 
 
 def _no_programs(spec: CallSpec, arrays) -> list:
@@ -172,30 +198,28 @@ def _no_programs(spec: CallSpec, arrays) -> list:
     ]
 
 
-def _make_spec(kernel, fn, name, positional, out_avals, metaparams, grid,
+def _make_spec(kernel, fn, name, params, in_avals, out_avals, metaparams, grid,
                zeroed_outputs, aliases, scalars, cc, debug, batch_fold, options, where):  # fmt: skip
-    in_avals = tuple(p for p in positional if hasattr(p, "shape"))
-    aliases = arguments.check_aliases(aliases, in_avals, out_avals, where)
-    names = fn.arg_names
-    named_args = {names[i]: p for i, p in enumerate(positional) if i < len(names)}
+    def value(op):
+        return {"input": in_avals, "output": out_avals}[op.kind][op.index] if op.kind != "value" else op.value
+
+    named_args = {n: value(op) for n, op in params.items()}
     variants = []
     for v in autotune.expand(kernel, named_args, dict(metaparams), options):
         meta = v.meta
         arguments.check_options(v.options, where)
-        bound = bind(fn, tuple(positional), list(out_avals), meta, where)
+        bound = bind(fn, params, in_avals, out_avals, meta, where)
         zeroed = zeroed_outputs(meta) if callable(zeroed_outputs) else zeroed_outputs
         zeroed = arguments.check_zeroed(zeroed, len(out_avals), where)
-        n_in = len(positional)
         for z in v.reset_to_zero:  # autotune's reset_to_zero, when it names outputs
-            idx = names.index(z) if z in names else -1
-            if idx >= n_in:
-                zeroed.add(idx - n_in)
+            if z in params and params[z].kind == "output":
+                zeroed.add(params[z].index)
         grid_v = arguments.grid_of(grid, meta, name, where)
         variants.append(CallVariant(bound, grid_v, v.options, tuple(sorted(zeroed))))
     return CallSpec(
-        kernel, fn, name, tuple(variants), in_avals, out_avals,
+        kernel, fn, name, tuple(variants), tuple(in_avals), tuple(out_avals),
         tuple(sorted(aliases.items())), scalars, cc, debug, batch_fold,
-        (tuple(positional), dict(metaparams), grid, zeroed_outputs, options), where,
+        (params, dict(metaparams), grid, zeroed_outputs, options), where,
     )  # fmt: skip
 
 
@@ -373,17 +397,22 @@ def _batch(args, dims, *, call: CallSpec):
 
 
 def _batch_folded(args, dims, size, call: CallSpec):
-    positional, metaparams, grid, zeroed, options = call.call_args
+    params, metaparams, grid, zeroed, options = call.call_args
     args = [a if d is not None else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims)]
     _, new_scalars = call.batch_fold(size, call.variants[0].grid, dict(call.scalars))
-    new_positional = list(positional)
-    for i, val in (new_scalars or {}).items():
-        new_positional[i] = val
-    in_avals = iter(args)
-    for i, p in enumerate(new_positional):
-        if hasattr(p, "shape"):
-            a = next(in_avals)
-            new_positional[i] = jax.ShapeDtypeStruct(a.shape, a.dtype)
+    new_scalars = dict(new_scalars or {})
+    keys = {k: i for i, (k, _) in enumerate(call.scalars)}
+    names = list(call.fn.arg_names)
+    params = dict(params)
+    for key, val in new_scalars.items():
+        name = names[key] if isinstance(key, int) and 0 <= key < len(names) else key
+        if key not in keys or name not in params:
+            raise ValueError(
+                f"{call.where}: batch_fold returned scalar {key!r}, which is not a scalar "
+                f"argument of the call; its scalars are {[k for k, _ in call.scalars]}"
+            )
+        params[name] = dataclasses.replace(params[name], value=val)
+    in_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
     out_avals = tuple(jax.ShapeDtypeStruct((size, *o.shape), o.dtype) for o in call.out_avals)
 
     def folded_grid(meta):
@@ -392,9 +421,9 @@ def _batch_folded(args, dims, size, call: CallSpec):
         )[0]
 
     spec = _make_spec(
-        call.kernel, call.fn, call.name, new_positional, out_avals, metaparams,
+        call.kernel, call.fn, call.name, params, in_avals, out_avals, metaparams,
         folded_grid, zeroed, dict(call.input_output_aliases),
-        tuple(sorted((new_scalars or {}).items())), call.compute_capability,
+        tuple({**dict(call.scalars), **new_scalars}.items()), call.compute_capability,
         call.debug, None, options, call.where,
     )  # fmt: skip
     return triton_call_p.bind(*args, call=spec)

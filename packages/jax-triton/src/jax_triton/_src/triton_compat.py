@@ -60,6 +60,15 @@ def check_triton_version() -> None:
     )
 
 
+def compile_option_names() -> frozenset[str]:
+    """Names of the options Triton's CUDA backend takes (``CUDAOptions``)."""
+    import dataclasses
+
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return frozenset(f.name for f in dataclasses.fields(CUDAOptions))
+
+
 def pointer_type(signature_type: str):
     """Triton type object for a signature string such as '*fp32'."""
     return tl.str_to_ty(signature_type, None)

@@ -56,6 +56,7 @@ for path, line, is_doctest in blocks:
             test = doctest.DocTestParser().get_doctest(src, ns, f"{sys.argv[2]}:{line}", path, 0)
             runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
             runner.run(test, clear_globs=False)
+            ns.update(test.globs)  # DocTest runs in a copy of the namespace
             if runner.failures:
                 raise AssertionError(f"{runner.failures} doctest example(s) failed (above)")
         else:

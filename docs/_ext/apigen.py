@@ -177,15 +177,28 @@ def _comment_doc(mod: types.ModuleType, name: str) -> str | None:
     return None
 
 
+# id(class) -> "module.name" of the page that documents it (the first module exporting it).
+FIRST_PAGE: dict[int, str] = {}
+
+# "module.name" of every function and class page autosummary writes (api/_generated/_autosummary).
+STUB_NAMES: set[str] = set()
+
 # "module.name" -> docstring text for the re-exported JAX functions (see above).
 COMMENT_DOCS: dict[str, str] = {}
 
 
 def _page(modname: str, intro: str) -> tuple[str, list[str]]:
     mod = importlib.import_module(modname)
-    routines, data, undocumented = [], [], []
+    routines, data, undocumented, also = [], [], [], []
     for name in public_names(mod):
         obj = getattr(mod, name)
+        if inspect.isclass(obj):
+            # A class re-exported by a later module is documented once, under its first
+            # module (two pages for one class would be two descriptions of its canonical name).
+            first = FIRST_PAGE.setdefault(id(obj), f"{modname}.{name}")
+            if first != f"{modname}.{name}":
+                also.append((name, first))
+                continue
         if _is_routine_or_class(obj):
             if not _own_doc(obj, name):
                 doc = (
@@ -212,6 +225,7 @@ def _page(modname: str, intro: str) -> tuple[str, list[str]]:
             "",
         ]
         lines += [f"   {n}" for n in routines]
+        STUB_NAMES.update(f"{modname}.{n}" for n in routines)
         lines.append("")
     if data:
         if not routines:
@@ -221,11 +235,18 @@ def _page(modname: str, intro: str) -> tuple[str, list[str]]:
             lines += [f".. py:data:: {name}", ""]
             lines += ["   " + line for line in doc.splitlines()]
             lines.append("")
-    lines += _mirror_section(modname, mod)
+    if also:
+        lines += [
+            "Also exported here (documented where they are first exported): "
+            + ", ".join(f":py:class:`{modname}.{n} <{first}>`" for n, first in also)
+            + ".",
+            "",
+        ]
+    lines += _mirror_section(modname, mod, dict(also))
     return "\n".join(lines), undocumented
 
 
-def _mirror_section(modname: str, mod: types.ModuleType) -> list[str]:
+def _mirror_section(modname: str, mod: types.ModuleType, elsewhere: dict[str, str]) -> list[str]:
     """A table of the names that mirror JAX's, each with the sections saying what differs."""
     if modname not in MIRRORS:
         return []
@@ -256,10 +277,18 @@ def _mirror_section(modname: str, mod: types.ModuleType) -> list[str]:
     for n in mirrored:
         labels = DIFFERS.get(f"{modname}.{n}", [])
         differs = ", ".join(f":ref:`{label}`" for label in labels) or "no"
-        lines += [f"   * - :py:obj:`{n}`", f"     - ``{MIRRORS[modname]}.{n}``", f"     - {differs}"]
+        ours_ref = f":py:obj:`{n} <{elsewhere[n]}>`" if n in elsewhere else f":py:obj:`{n}`"
+        lines += [f"   * - {ours_ref}", f"     - ``{MIRRORS[modname]}.{n}``", f"     - {differs}"]
     lines.append("")
     if ours:
-        lines += ["Ours only (no JAX counterpart): " + ", ".join(f":py:obj:`{n}`" for n in ours) + ".", ""]
+        lines += [
+            "Ours only (no JAX counterpart): "
+            + ", ".join(
+                f":py:obj:`{n} <{elsewhere[n]}>`" if n in elsewhere else f":py:obj:`{n}`" for n in ours
+            )
+            + ".",
+            "",
+        ]
     return lines
 
 
@@ -268,6 +297,8 @@ def generate(app, config=None) -> None:
     os.makedirs(out, exist_ok=True)
     index = []
     total = 0
+    FIRST_PAGE.clear()
+    STUB_NAMES.clear()
     for modname, intro in MODULES:
         text, undocumented = _page(modname, intro)
         total += len(public_names(importlib.import_module(modname)))
@@ -284,6 +315,12 @@ def generate(app, config=None) -> None:
                 type="apigen",
                 subtype="undocumented",
             )
+    # Stubs of names no longer on a page (removed, or now documented under another module)
+    # would be orphan pages: autosummary writes the stubs but never deletes them.
+    stubs = os.path.join(out, "_autosummary")
+    wanted = {f"{p}.rst" for p in STUB_NAMES}
+    for stale in set(os.listdir(stubs) if os.path.isdir(stubs) else ()) - wanted:
+        os.remove(os.path.join(stubs, stale))
     logger.info(f"apigen: {total} public names in {len(MODULES)} modules")
 
 

@@ -34,3 +34,37 @@ def test_smem_operands_of_8_and_16_bit_types(dtype):
     )(s, x)
     f32 = s.astype(jnp.float32)
     np.testing.assert_allclose(out, x * f32[1] + f32[3], rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.interpret_only(reason="an error raised as the kernel runs: TPU interpret mode's bounds checks")
+@pytest.mark.parametrize("access", ["read", "write"])
+def test_out_of_bounds_access_arrives_as_kernel_error_message_first(access):
+    x = jax.random.normal(jax.random.key(2), (16, 128), jnp.float32)
+
+    def kernel(x_ref, o_ref):
+        start = pl.program_id(0) * 8 + 8  # step 1 reaches rows [16, 24) of 16
+        if access == "read":
+            o_ref[...] = x_ref[pl.ds(start, 8), :]
+        else:
+            o_ref[pl.ds(start, 8), :] = x_ref[pl.ds(0, 8), :]
+
+    out_rows = 8 if access == "read" else 16
+    f = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((out_rows, 128), jnp.float32),
+        grid=(2,),
+        interpret=pltpu.InterpretParams(),
+    )
+    with pytest.raises(pltpu.KernelError) as info:
+        jax.block_until_ready(f(x))
+    first = str(info.value).splitlines()[0]
+    assert f"Out-of-bounds {access}" in first, first
+    assert "in TPU kernel 'kernel'" in first and "test_jax_wording_tpu.py:" in first, first
+    # A kernel that stays in bounds runs as jnp says.
+    g = pl.pallas_call(
+        lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[pl.ds(pl.program_id(0) * 8, 8), :] * 2),
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        grid=(2,),
+        interpret=pltpu.InterpretParams(),
+    )
+    np.testing.assert_allclose(g(x), x[8:] * 2, rtol=1e-6)

@@ -27,6 +27,7 @@ from pallas._src.core import semaphore_kind as semaphore_kind
 from pallas._src.errors import describe as describe
 from pallas._src.errors import is_internal_file as is_internal_file
 from pallas._src.errors import kernel_error as kernel_error
+from pallas._src.errors import record_runtime_error as record_runtime_error
 from pallas._src.errors import register_internal_dir as register_internal_dir
 from pallas._src.errors import user_source as user_source
 from pallas._src.interpret import grid_point as grid_point
@@ -49,6 +50,7 @@ from pallas._src.semaphores import semaphore_wait_p as semaphore_wait_p
 from pallas._src.semaphores import transformed_aval as transformed_aval
 from pallas._src.semaphores import unflatten_transforms as unflatten_transforms
 from pallas._src.validate import check_bool_fields as check_bool_fields
+from pallas._src.validate import inner_invars as inner_invars
 
 
 def forced_interpret() -> list:

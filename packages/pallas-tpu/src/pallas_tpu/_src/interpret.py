@@ -149,7 +149,13 @@ class RefView:
 
 class KernelError(Exception):
     """Raised when an interpreted TPU kernel does something a TPU would not do
-    (out-of-bounds access, a wait that never completes, a race)."""
+    (out-of-bounds access, a wait that never completes, a race). Raised in a host
+    callback as the kernel runs: recorded, so that the pallas_call raises it as it
+    was, message first, rather than inside XLA's "CpuCallback error" wrapper."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        plb.record_runtime_error(self)
 
 
 def _is_slice(x) -> bool:

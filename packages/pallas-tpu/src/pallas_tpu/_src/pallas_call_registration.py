@@ -63,10 +63,13 @@ def _interpret(*args, jaxpr, grid_mapping, input_output_aliases, interpret, comp
 
 def interpret_lower(ctx, *args, **params):
     """MLIR lowering of pallas_call_p through the TPU interpreter."""
-    from pallas_tpu._src import interpret_multi
+    from pallas_tpu._src import compile_progress, interpret_multi
 
     # The mesh's devices tell the multi-device interpreter whether they all live in this process.
-    with interpret_multi.lowering_mesh(ctx.module_context.axis_context):
+    with (
+        compile_progress.interpreting(params["grid_mapping"].kernel_name),
+        interpret_multi.lowering_mesh(ctx.module_context.axis_context),
+    ):
         return mlir.lower_fun(functools.partial(_interpret, **params), multiple_results=True)(ctx, *args)
 
 

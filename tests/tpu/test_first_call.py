@@ -1,0 +1,142 @@
+"""First calls of TPU kernels in interpret mode (issue 30 §4): what makes them cheaper
+must not change what a kernel computes or which errors it reports, and a slow
+trace or compile says so on stderr.
+
+* Ref indices known while tracing are Python ints: no bounds check or dynamic slice
+  in the program, yet a static index out of bounds is still an error.
+* A traced index checked once in a jaxpr is not checked again there, but a check made
+  inside a ``pl.when`` branch does not stand for one outside it.
+* ``PALLAS_TPU_PROGRESS_S``: progress lines while a kernel is traced and while XLA
+  compiles the program that holds it.
+
+``benchmarks/tpu_first_call.py`` times the first call against JAX's interpret mode.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas as pl
+import pallas_tpu as pltpu
+
+pytestmark = pytest.mark.interpret_only("TPU interpret mode's checks and progress lines")
+
+
+def rand(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _raises(match, fn):
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(fn())
+    assert re.search(match, str(info.value)), str(info.value)[-2000:]
+    return str(info.value)
+
+
+def test_static_and_repeated_dynamic_indices_match_jnp():
+    x = rand(1, (4, 16, 128))
+    seed = np.random.default_rng().integers(1 << 30)
+    shift = int(seed % 8)
+
+    def kernel(s_ref, x_ref, o_ref, acc):
+        i = s_ref[0]
+        acc[...] = x_ref[1]  # a static index: a slice
+        acc[pl.ds(0, 8), :] += x_ref[3, pl.ds(8, 8), :]  # static starts
+        acc[pl.ds(i, 8), :] += 2.0 * x_ref[0, pl.ds(i, 8), :]  # one traced index, read and written
+        acc[pl.ds(i, 8), :] += x_ref[2, pl.ds(i, 8), :]
+        o_ref[...] = acc[...]  # the whole buffer
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((16, 128), x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((16, 128), jnp.float32)],
+        interpret=pltpu.InterpretParams(),
+    )(jnp.array([shift], jnp.int32), x)
+    ref = (
+        x[1]
+        .at[:8]
+        .add(x[3, 8:16])
+        .at[shift : shift + 8]
+        .add(2.0 * x[0, shift : shift + 8] + x[2, shift : shift + 8])
+    )
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_static_index_out_of_bounds_is_still_an_error():
+    x = rand(2, (16, 128))
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[pl.ds(12, 8), :]  # rows 12..20 of 16, known while tracing
+
+    call = lambda: pl.pallas_call(  # noqa: E731
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        interpret=pltpu.InterpretParams(),
+    )(x)
+    # Refused while the kernel is traced (JAX's indexing), before the interpreter sees it.
+    _raises(r"kernel 'kernel' \(test_first_call.py:\d+\).*Out of bound slice: start=12, size=8", call)
+
+
+@pytest.mark.parametrize("taken", [False, True])
+def test_a_check_inside_a_branch_does_not_stand_for_one_after_it(taken):
+    """The same traced index read in a ``pl.when`` branch and then after it: when the
+    branch does not run, the read after it must still be checked."""
+    x = rand(3, (16, 128))
+
+    def kernel(s_ref, x_ref, o_ref):
+        i = s_ref[0]
+
+        @pl.when(s_ref[1] == 1)
+        def _():
+            o_ref[...] = x_ref[pl.ds(i, 8), :]
+
+        o_ref[...] = x_ref[pl.ds(i, 8), :] + 1.0
+
+    def call(start):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+            out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+            interpret=pltpu.InterpretParams(),
+        )(jnp.array([start, int(taken)], jnp.int32), x)
+
+    start = int(np.random.default_rng().integers(0, 9))
+    np.testing.assert_allclose(call(start), x[start : start + 8] + 1.0, rtol=1e-6)
+    msg = _raises(r"Out-of-bounds read of in_specs\[1\]", lambda: call(12))
+    assert "[12, 12 + 8)" in msg
+
+
+def test_progress_lines_while_tracing_and_compiling(monkeypatch, capfd):
+    monkeypatch.setenv("PALLAS_TPU_PROGRESS_S", "0")  # every phase is "long"
+    x = rand(4, (16, 128))
+
+    def slow_to_build(x_ref, o_ref):
+        o_ref[...] = jnp.tanh(x_ref[...]) * 2.0
+
+    f = jax.jit(
+        lambda x: pl.pallas_call(
+            slow_to_build,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            interpret=pltpu.InterpretParams(),
+        )(x)
+    )
+    np.testing.assert_allclose(f(x), jnp.tanh(x) * 2.0, rtol=1e-6)
+    err = capfd.readouterr().err
+    assert (
+        "pallas_tpu: XLA is compiling a program with 1 TPU kernel in interpret mode ('slow_to_build')" in err
+    )
+    assert "pallas_tpu: XLA compiled the program with TPU kernels in interpret mode in " in err
+    monkeypatch.setenv("PALLAS_TPU_PROGRESS_S", "60")  # a quiet second compile
+    g = jax.jit(lambda x: f(x) + 1.0)
+    np.testing.assert_allclose(g(x), jnp.tanh(x) * 2.0 + 1.0, rtol=1e-6)
+    assert "pallas_tpu" not in capfd.readouterr().err

@@ -82,6 +82,9 @@ def resolve(fn, args, kwargs, out_avals, aliases, legacy: bool, where: str) -> O
         else:
             metaparams[k] = v
 
+    for n in names:  # declared constexpr defaults are metaparams too: grid callables see them
+        if n in constexpr and n not in given and n not in metaparams and has_default(fn, n):
+            metaparams[n] = fn.signature.parameters[n].default
     params, arrays, in_avals, refs, scalars = {}, [], [], [], []
     for name in names:
         if name not in given:

@@ -68,3 +68,35 @@ def test_out_of_bounds_access_arrives_as_kernel_error_message_first(access):
         interpret=pltpu.InterpretParams(),
     )
     np.testing.assert_allclose(g(x), x[8:] * 2, rtol=1e-6)
+
+
+def _dma_through(sem_type, index_sem: bool = False):
+    def kernel(x_hbm_ref, y_hbm_ref):
+        def body(x_ref, sem):
+            pltpu.async_copy(x_hbm_ref, x_ref, sem.at[0] if index_sem else sem).wait()
+            pltpu.async_copy(x_ref, y_hbm_ref, sem.at[0] if index_sem else sem).wait()
+
+        pl.run_scoped(body, pltpu.VMEM((8, 128), jnp.float32), sem_type)
+
+    return pl.pallas_call(
+        kernel,
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        interpret=pltpu.InterpretParams(),
+    )
+
+
+@pytest.mark.interpret_only(reason="DMA semaphore checks at trace time, worded as JAX's TPU interpret mode")
+def test_dma_semaphore_misuse_says_what_jax_says():
+    x = jax.random.normal(jax.random.key(3), (8, 128), jnp.float32)
+    np.testing.assert_array_equal(_dma_through(pltpu.SemaphoreType.DMA((1,)), index_sem=True)(x), x)
+    with pytest.raises(
+        ValueError, match=r"Cannot signal on a non-\(\)-shaped semaphore: \(1,\).*sem\.at\[i\]"
+    ):
+        _dma_through(pltpu.SemaphoreType.DMA((1,)))(x)
+    for exc in (ValueError, TypeError):  # JAX: ValueError; pallas-tpu raised TypeError
+        with pytest.raises(
+            exc, match=r"DMAs signal DMA semaphores.*dma_wait requires a DMA semaphore.*semaphore_wait"
+        ):
+            _dma_through(pltpu.SemaphoreType.REGULAR)(x)

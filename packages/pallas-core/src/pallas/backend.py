@@ -24,6 +24,7 @@ from pallas._src.core import Squeezed as Squeezed
 from pallas._src.core import dynamic_grid_dim as dynamic_grid_dim
 from pallas._src.core import register_memory_space_type as register_memory_space_type
 from pallas._src.core import semaphore_kind as semaphore_kind
+from pallas._src.errors import ValueOrTypeError as ValueOrTypeError
 from pallas._src.errors import describe as describe
 from pallas._src.errors import is_internal_file as is_internal_file
 from pallas._src.errors import kernel_error as kernel_error

@@ -98,15 +98,23 @@ def _check_sem(sem, what: str):
             if kind is not None
             else f"a Ref in {compat.get_aval(base).memory_space}"
         )
+        # JAX's words follow ours (its TPU interpret mode refuses a regular semaphore at the wait).
+        jax_says = (
+            "; dma_wait requires a DMA semaphore, but got a regular semaphore (wait on a regular "
+            "semaphore with pl.semaphore_wait())"
+            if kind is not None and kind.name == "REGULAR"
+            else ""
+        )
         raise _err(
-            TypeError,
-            f"{what}: DMAs signal DMA semaphores (pltpu.SemaphoreType.DMA), got {got}",
+            plb.ValueOrTypeError,
+            f"{what}: DMAs signal DMA semaphores (pltpu.SemaphoreType.DMA), got {got}{jax_says}",
         )
     shape = tuple(_view_aval(base, leaves, tree).shape)
     if shape != ():
         raise _err(
             ValueError,
-            f"{what}: expected one DMA semaphore, got a view of shape {shape}; index it (sem.at[i])",
+            f"{what}: Cannot signal on a non-()-shaped semaphore: {shape}; a DMA signals one DMA "
+            "semaphore: index the array (sem.at[i])",
         )
     return base, leaves, tree
 

@@ -98,6 +98,19 @@ def test_outputs_between_inputs_and_constexpr_default():
     np.testing.assert_allclose(out, x * 2 + y, rtol=1e-6)
 
 
+@triton.jit
+def block_second_kernel(x_ptr, BLOCK: tl.constexpr, n, out_ptr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+def test_positional_constexpr_is_a_metaparam():
+    x = rand((200,), 16)
+    grid = lambda meta: (jt.cdiv(200, meta["BLOCK"]),)  # noqa: E731
+    out = jt.triton_call(x, 32, 200, kernel=block_second_kernel, out_type=like(x), grid=grid)
+    np.testing.assert_array_equal(out, x * 2)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_none_argument_is_a_constexpr(bias):
     x, b = rand((100,), 4), rand((100,), 5)

@@ -82,7 +82,10 @@ def resolve(fn, args, kwargs, out_avals, aliases, legacy: bool, where: str) -> O
         else:
             metaparams[k] = v
 
-    for n in names:  # declared constexpr defaults are metaparams too: grid callables see them
+    for i, a in enumerate(args):  # a value for a constexpr is a metaparam: grid callables see it
+        if names[i] in constexpr and not (is_ref(a) or is_array(a)):
+            metaparams[names[i]] = given.pop(names[i])[2]
+    for n in names:  # so are the declared constexpr defaults
         if n in constexpr and n not in given and n not in metaparams and has_default(fn, n):
             metaparams[n] = fn.signature.parameters[n].default
     params, arrays, in_avals, refs, scalars = {}, [], [], [], []

@@ -437,3 +437,20 @@ def test_vmap_output_through_scratch_across_steps_is_batched():
     )
     xs = rand(18, (3, 8, 128))
     np.testing.assert_allclose(jax.vmap(f)(xs), xs, rtol=1e-6)
+
+
+def test_vmap_output_aliased_to_a_batched_input_is_batched():
+    """An aliased output starts as its input: batched even where the kernel writes nothing batched."""
+
+    def partial_write(x_ref, y_ref, o_ref):
+        o_ref[0:8, :] = y_ref[...]  # rows 8: keep the (batched) input's values
+
+    f = pl.pallas_call(
+        partial_write,
+        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        input_output_aliases={0: 0},
+        interpret=True,
+    )
+    xs, y = rand(19, (3, 16, 128)), rand(20, (8, 128))
+    out = jax.vmap(f, in_axes=(0, None))(xs, y)
+    np.testing.assert_allclose(out, xs.at[:, 0:8, :].set(y), rtol=1e-6)

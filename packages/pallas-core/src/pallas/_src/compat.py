@@ -50,6 +50,7 @@ def close_jaxpr(jaxpr):
 
 
 Literal = jax_core.Literal
+Var = jax_core.Var
 register_discharge_rule = state_discharge.register_discharge_rule
 # ``run_state(f)(init)``: runs ``f`` over Refs holding ``init`` and returns their final
 # values. JAX's state primitive (not part of its Pallas); every JAX rule for it

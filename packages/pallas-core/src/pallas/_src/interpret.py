@@ -268,6 +268,50 @@ class _DynamicPlan:
         return starts, jnp.stack(pts)[None] if pts else jnp.zeros((1, 0), jnp.int32)
 
 
+def _reads_past_blocks(jaxpr, gm: pallas_core.GridMapping) -> bool:
+    """Whether the kernel reads a block Ref at a dynamic integer index along a
+    dimension whose block is smaller than the array. JAX's interpret mode reads
+    such an index past the end of the block from the array (the block's start
+    plus the index, clamped to the array's end), and so does a plan that runs
+    the steps one by one (``lax.dynamic_slice`` of the block, then the read,
+    as JAX's); a vectorized plan would clamp the index into the block. So these
+    kernels run step by step: one semantics in every mode."""
+    top = getattr(jaxpr, "jaxpr", jaxpr)
+    first = len(top.invars) - gm.num_inputs - gm.num_outputs - len(gm.scratch_avals)
+    short = {}  # block Ref -> for each kernel dim, whether the block is smaller than the array
+    for k, bm in enumerate(gm.block_mappings):
+        dims = [
+            pallas_core._block_size(d) < n
+            for d, n in zip(bm.block_shape, _padded_shape(bm))
+            if not isinstance(d, pallas_core.Squeezed)
+        ]
+        if any(dims):
+            short[top.invars[first + k]] = dims
+    return bool(short) and _reads_past(top, short)
+
+
+def _reads_past(jaxpr, short: dict) -> bool:
+    for eqn in jaxpr.eqns:
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            sub = getattr(sub, "jaxpr", sub)
+            outer = validate.inner_invars(eqn, sub)
+            inner = {
+                v: short[o] for v, o in zip(sub.invars, outer) if isinstance(o, compat.Var) and o in short
+            }
+            if inner and _reads_past(sub, inner):
+                return True
+        if eqn.primitive is not compat.state_primitives.get_p or eqn.invars[0] not in short:
+            continue
+        for t, indexer in enumerate(compat.ref_indexers(eqn)):
+            for d, idx in enumerate(indexer.indices):
+                aval = getattr(idx, "aval", None)  # static indices are plain ints here
+                dynamic_int = not isinstance(idx, compat.Slice) and aval is not None and aval.shape == ()
+                # After a first indexer the dims are the view's: any short dim may be read past.
+                if dynamic_int and (t > 0 or short[eqn.invars[0]][d]):
+                    return True
+    return False
+
+
 def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, interpret, **_):
     gm: pallas_core.GridMapping = grid_mapping
     params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
@@ -282,7 +326,13 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
     )
     # Side effects (debug_print) must happen once per step, in grid order.
     has_side_effects = any(not isinstance(e, compat.RefEffect) for e in jaxpr.effects)
-    fully_sequential = writes_inputs or writes_any_space or n_scratch > 0 or has_side_effects
+    fully_sequential = (
+        writes_inputs
+        or writes_any_space
+        or n_scratch > 0
+        or has_side_effects
+        or _reads_past_blocks(jaxpr, gm)
+    )
     # An aliased input shares its buffer with the output: it reads what earlier steps wrote.
     # Steps stay independent only if the input reads exactly the block the output writes.
     alias_of = {o: i for i, o in input_output_aliases}

@@ -125,7 +125,8 @@ def _batching_rule(args, dims, *, jaxpr, grid_mapping, input_output_aliases, **p
     # returned unbatched, as jax.jacfwd needs the primal outputs of a jvp.
     first = len(jaxpr.jaxpr.invars) - gm.num_inputs - gm.num_outputs - len(gm.scratch_avals)
     reached = _reached_refs(jaxpr.jaxpr, {first + i for i, b in enumerate(batched[nsp:]) if b})
-    out_batched = [first + gm.num_inputs + o in reached for o in range(gm.num_outputs)]
+    aliased = {o for _, o in input_output_aliases}  # start as their (batched) inputs
+    out_batched = [o in aliased or first + gm.num_inputs + o in reached for o in range(gm.num_outputs)]
     outs = [x if b else x[0] for x, b in zip(outs, out_batched)]
     return outs, [0 if b else None for b in out_batched]
 

@@ -60,3 +60,25 @@ def check_bool_fields(owner: str, obj, names) -> None:
         v = getattr(obj, name)
         if not isinstance(v, (bool, np.bool_)):
             raise TypeError(f"{owner}: {name} must be True or False, got {v!r} ({type(v).__name__})")
+
+
+def inner_invars(eqn, sub) -> list:
+    """The outer atoms of ``eqn`` bound to the invars of ``sub``, one of its
+    jaxprs (None where unknown): how a Ref passed to a loop, cond or
+    run_scoped body is followed inside."""
+    n = len(sub.invars)
+    name = eqn.primitive.name
+    if name == "cond":
+        outer = list(eqn.invars[1:])
+    elif name == "while":
+        c, b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        if sub is eqn.params["cond_jaxpr"].jaxpr:
+            outer = list(eqn.invars[:c]) + list(eqn.invars[c + b :])
+        else:
+            outer = list(eqn.invars[c:])
+    elif name == "run_scoped":
+        outer = list(eqn.invars) + [None] * (n - len(eqn.invars))
+    else:
+        outer = list(eqn.invars)[-n:] if n else []
+    outer = [None] * (n - len(outer)) + outer
+    return outer[:n]

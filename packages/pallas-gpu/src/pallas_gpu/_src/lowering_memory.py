@@ -6,12 +6,17 @@ A block Ref is a base pointer plus per-array-dimension element starts; an
 access computes ``pointer + offsets`` and a mask that keeps it inside the
 array (and off the power-of-two padding of the value).
 
-Out-of-range indices follow pallas-core's interpret mode (``lax.dynamic_slice``):
-a block index outside the grid of blocks is clamped into it, and a dynamic
-index or ``pl.ds`` start inside the kernel wraps once if negative (as in
-numpy) and is then clamped so the slice lies inside the Ref (strided slices:
-each element index is clamped). ``plgpu.load``/``store`` and the atomics do
-not clamp: they mask, as Triton code does.
+Out-of-range indices follow interpret mode (JAX's and pallas-core's): a block
+index outside the grid of blocks is clamped into it, and a dynamic index or
+``pl.ds`` start inside the kernel wraps once if negative (as in numpy) and is
+then clamped so the slice lies inside the Ref (strided slices: each element
+index is clamped). One exception, as in JAX's interpret mode: a dynamic
+integer index that *reads* a block Ref (``x_ref[i]``) at the kernel's top
+level (not inside a loop or cond) is not clamped into the block; past the
+block's end it reads the array there, clamped to the array's last element
+(below the block's start, after one wrap, it is clamped to that start).
+``plgpu.load``/``store`` and the atomics do not clamp: they mask, as Triton
+code does.
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ class DimView:
     parent_stride: int = 1
     elements: str | None = None
     group: GatherGroup | None = None
+    # A read at a dynamic integer index of a block dim: block start + index,
+    # clamped into the array rather than into the block (JAX's interpret mode).
+    past_block: bool = False
 
 
 def view_axes(view: list[DimView]) -> tuple[tuple[int, ...], list[int | None]]:
@@ -212,12 +220,16 @@ def block_ref(kl: KernelLowering, i: int, bm, ids: list[Val]) -> BlockRef:
     )
 
 
-def _apply_indexers(ref, transforms, rule_ctx: RuleContext, clamp: bool = True) -> list[DimView]:
+def _apply_indexers(
+    ref, transforms, rule_ctx: RuleContext, clamp: bool = True, read: bool = False
+) -> list[DimView]:
     """The view of ``ref`` after ``transforms``. With ``clamp``, dynamic
-    indices are wrapped and clamped into the view (see the module docstring)."""
+    indices are wrapped and clamped into the view (see the module docstring);
+    ``read``: a read, whose dynamic integer indices of a block dim may pass
+    the block's end."""
     shape = ref.block_shape if isinstance(ref, BlockRef) else ref.shape
     view = [DimView(0, n) for n in shape]
-    for t in transforms:
+    for k, t in enumerate(transforms):
         if not isinstance(t, compat.NDIndexer):
             raise rule_ctx.error(f"Ref transform {type(t).__name__} is not supported")
         if any(v.clip is not None or v.group is not None for v in view):
@@ -228,8 +240,9 @@ def _apply_indexers(ref, transforms, rule_ctx: RuleContext, clamp: bool = True) 
         if len(t.indices) != len(live):
             raise rule_ctx.error(f"indexer {t} does not match the Ref's {len(live)} dims")
         group = _gather_group(t.indices)
+        past = clamp and read and k == 0 and isinstance(ref, BlockRef)
         for i, idx in zip(live, t.indices):
-            view[i] = _index_dim(rule_ctx, view[i], idx, clamp, group)
+            view[i] = _index_dim(rule_ctx, view[i], idx, clamp, group, past)
     return view
 
 
@@ -268,9 +281,12 @@ def _gather_group(indices) -> GatherGroup | None:
     return GatherGroup(tuple(int(d) for d in np.broadcast_shapes(*arrays)), front=not adjacent)
 
 
-def _index_dim(rc: RuleContext, v: DimView, idx, clamp: bool, group: GatherGroup | None) -> DimView:
+def _index_dim(
+    rc: RuleContext, v: DimView, idx, clamp: bool, group: GatherGroup | None, past: bool = False
+) -> DimView:
     """``v`` (a sliced dim) indexed by one index: a slice, a scalar or an
-    integer array (one dim of the gather ``group``)."""
+    integer array (one dim of the gather ``group``); ``past``: a dynamic
+    scalar index of a whole block dim reads past the block (``past_block``)."""
     if isinstance(idx, compat.Slice):
         size, stride = idx.size, idx.stride
         start = _scalar_expr(idx.start, rc)
@@ -288,6 +304,8 @@ def _index_dim(rc: RuleContext, v: DimView, idx, clamp: bool, group: GatherGroup
         raise rc.error(f"unsupported index {idx!r}")
     span = 1 if size is None else (size - 1) * stride + 1
     inside = v.inside and isinstance(start, int) and 0 <= start and start + span <= v.size
+    if past and size is None and not isinstance(start, int) and v.start == 0 and v.stride == 1:
+        return DimView(_wrap(rc.em, start, v.size), None, 1, False, past_block=True)
     if clamp and not isinstance(start, int):
         if stride > 1 and size is not None and size > 1:
             return DimView(start, size, stride, v.inside, v.size, v.start, v.stride)
@@ -345,7 +363,10 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
                     masks.append(f"({off} >= 0)")
             offsets.append(_mul(off, stride))  # even where n == 1: it gives the gather's shape
             continue
-        if v.size is None:
+        if v.past_block:
+            # Below the block (after one wrap) it is clamped to the block's start, as in JAX.
+            off = _named(em, "i", f"tl.minimum({base} + tl.maximum({v.start}, 0), {n - 1})")
+        elif v.size is None:
             off = _add(base, v.start)
             if not safe:
                 off = _named(em, "i", off)
@@ -414,7 +435,7 @@ def tma_tile(ref: BlockRef, view: list[DimView]) -> tuple[list[int], list] | Non
     box, offsets = [], []
     for d in range(rank):
         v = view[kdim[d]] if d in kdim else DimView(0, None)
-        if v.clip is not None or v.elements is not None:
+        if v.clip is not None or v.elements is not None or v.past_block:
             return None
         size = 1 if v.size is None else v.size
         if size > 1 and v.stride != 1:
@@ -584,7 +605,10 @@ def _unflatten_transforms(rc: RuleContext, idx_args, tree):
 
 @register_lowering(compat.get_p)
 def _get_rule(rc: RuleContext, ref, *idx, tree):
-    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
+    # JAX's interpret mode reads past the block only at the kernel's top level, where
+    # XLA fuses the read with the block's slice; inside a loop or cond it clamps.
+    top_level = rc.em.depth == 1
+    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc, read=top_level)
     return _load_ref(rc, ref, view, rc.avals_out[0].dtype)
 
 

@@ -201,32 +201,12 @@ def check_memory_spaces(gm, jaxpr) -> None:
     _check_accesses(gm, top, any_vars)
 
 
-def _inner_invars(eqn, sub) -> list:
-    """The outer atoms bound to ``sub``'s invars (None where unknown)."""
-    n = len(sub.invars)
-    name = eqn.primitive.name
-    if name == "cond":
-        outer = list(eqn.invars[1:])
-    elif name == "while":
-        c, b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        if sub is eqn.params["cond_jaxpr"].jaxpr:
-            outer = list(eqn.invars[:c]) + list(eqn.invars[c + b :])
-        else:
-            outer = list(eqn.invars[c:])
-    elif name == "run_scoped":
-        outer = list(eqn.invars) + [None] * (n - len(eqn.invars))
-    else:
-        outer = list(eqn.invars)[-n:] if n else []
-    outer = [None] * (n - len(outer)) + outer
-    return outer[:n]
-
-
 def _check_accesses(gm, jaxpr, any_vars) -> None:
     get_p, swap_p, addupdate_p = compat.get_p, compat.swap_p, compat.addupdate_p
     for eqn in jaxpr.eqns:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             sub = sub.jaxpr if hasattr(sub, "jaxpr") else sub
-            outer = _inner_invars(eqn, sub)
+            outer = plb.inner_invars(eqn, sub)
             _check_accesses(
                 gm,
                 sub,

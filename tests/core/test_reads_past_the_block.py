@@ -1,0 +1,131 @@
+"""Issue 30 §5: a kernel that reads past its block gets JAX's interpret mode's
+answer in every mode. A dynamic integer index (``x_ref[i]``) at the kernel's
+top level past the block's end reads the array there, clamped to the array's
+last element (inside a loop or cond it is clamped into the block); slices
+(``pl.ds``) and integer-array indices are clamped into the block; writes are
+clamped into the block. TPU interpret mode, which checks bounds, reports it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as jax_pl
+
+import pallas as pl
+
+
+def _modes():
+    modes = [
+        pytest.param(lambda: True, id="vectorized"),
+        pytest.param(lambda: pl.InterpretParams(vectorize=False), id="step-by-step"),
+    ]
+    try:
+        import triton  # noqa: F401
+
+        import pallas_gpu as plgpu
+
+        modes.append(pytest.param(lambda: plgpu.InterpretParams(), id="gpu-triton-interpreter"))
+    except ImportError:
+        pass
+    return modes
+
+
+def row_past(m, x_ref, o_ref):  # a row of the next block
+    o_ref[...] = jnp.broadcast_to(x_ref[m.program_id(0) + 8], o_ref.shape)
+
+
+def element_past(m, x_ref, o_ref):
+    o_ref[...] = jnp.full(o_ref.shape, x_ref[m.program_id(0) + 8, 1])
+
+
+def element_past_in_a_loop(m, x_ref, o_ref):
+    i = m.program_id(0)  # outside the loop: JAX's interpret mode has no program_id inside one
+
+    def body(j, acc):
+        return acc + x_ref[i + 6 + j, 2]
+
+    o_ref[...] = jnp.full(o_ref.shape, jax.lax.fori_loop(0, 3, body, jnp.float32(0)))
+
+
+def element_past_in_a_cond(m, x_ref, o_ref):
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    i = m.program_id(0)  # outside the cond: JAX's interpret mode has no program_id inside one
+
+    @m.when(i < 3)
+    def _():
+        o_ref[...] = jnp.full(o_ref.shape, x_ref[i + 8, 3])
+
+
+def negative_index(m, x_ref, o_ref):  # counts from the end of the block
+    o_ref[...] = jnp.broadcast_to(x_ref[m.program_id(0) - 1], o_ref.shape)
+
+
+def slice_past(m, x_ref, o_ref):  # pl.ds is clamped into the block
+    o_ref[...] = x_ref[m.ds(m.program_id(0) + 4, 8), :]
+
+
+def index_array_past(m, x_ref, o_ref):  # so is an integer-array index
+    o_ref[...] = x_ref[jnp.arange(8) + 3 + m.program_id(0), :]
+
+
+def write_past(m, x_ref, o_ref):  # a write is clamped into the block
+    o_ref[...] = x_ref[...]
+    o_ref[m.program_id(0) + 8] = jnp.full((x_ref.shape[1],), -1.0, jnp.float32)
+
+
+KERNELS = [
+    row_past,
+    element_past,
+    element_past_in_a_loop,
+    element_past_in_a_cond,
+    negative_index,
+    slice_past,
+    index_array_past,
+    write_past,
+]
+
+
+def _call(module, kernel, interpret, x):
+    spec = module.BlockSpec((8, 16), lambda i: (i, 0))
+    return module.pallas_call(
+        lambda x_ref, o_ref: kernel(module, x_ref, o_ref),
+        grid=(4,),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        interpret=interpret,
+    )(x)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=[k.__name__ for k in KERNELS])
+@pytest.mark.parametrize("mode", _modes())
+def test_reads_past_the_block_as_jax(kernel, mode):
+    x = jax.random.normal(jax.random.key(30), (32, 16), jnp.float32)
+    want = _call(jax_pl, kernel, True, x)
+    got = _call(pl, kernel, mode(), x)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_row_past_the_block_reads_the_next_block():
+    """What the semantics is, spelled out against jnp."""
+    x = jax.random.normal(jax.random.key(31), (32, 16), jnp.float32)
+    got = _call(pl, row_past, True, x)
+    rows = np.minimum(np.arange(4) * 8 + np.arange(4) + 8, 31)  # block start + index, clamped
+    np.testing.assert_array_equal(got, np.repeat(np.asarray(x)[rows], 8, axis=0))
+
+
+def test_tpu_interpret_mode_reports_the_read():
+    pltpu = pytest.importorskip("pallas_tpu")
+    x = jax.random.normal(jax.random.key(32), (32, 128), jnp.float32)
+    spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+    f = pl.pallas_call(
+        lambda x_ref, o_ref: row_past(pl, x_ref, o_ref),
+        grid=(4,),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        interpret=pltpu.InterpretParams(),
+    )
+    with pytest.raises(Exception, match=r"Out-of-bounds read of in_specs\[0\] block"):
+        jax.block_until_ready(f(x))

@@ -19,9 +19,11 @@ script is its test driver: each side runs in a fresh process (``--side jax`` or
    algorithm (its kernel registry's ``Platform.XLA`` entry, same arguments) as the
    ``jnp`` reference.
 
-With ``--way compiled`` each side also lowers every TPU ``pallas_call`` the kernel
-traced (its own lowering: JAX's or ours) and compiles it with libtpu's Mosaic for
-v5e and v6e (``tpu_compiled.py``); a kernel JAX's lowering gets through Mosaic and
+With ``--way compiled`` each side, after the interpreted call, traces the case again
+for v5e and for v6e (``jax.eval_shape`` with the chip's device kind in context: kernels
+that read the TPU generation refuse a CPU) and lowers every TPU ``pallas_call`` traced
+(its own lowering: JAX's or ours) and compiles it with libtpu's Mosaic for that chip
+(``tpu_compiled.py``); a kernel JAX's lowering gets through Mosaic and
 ours does not fails the run unless ``known_differences.toml`` (``[[compiled]]``,
 patterns of ``ejkernel::<kernel case>::<pallas_call name>``) gives a reason.
 
@@ -154,11 +156,17 @@ NO_CASE = {
     "all_gather_matmul": "needs a device mesh axis (shard_map) and remote DMAs",
     "reduce_scatter_matmul": "needs a device mesh axis (shard_map) and remote DMAs",
     "deepseek_attn": "no case written yet (MLA with a lightning indexer)",
-    "quantized_matmul": "no case written yet (packed quantized weights)",
+    "quantized_matmul": (
+        "on a CPU ejkernel takes its dense XLA fallback (no pallas_call); with allow_dense_fallback=False"
+        " its packed TPU path refuses the tiling (tried: 16x256 @ 4-bit 256x128, groups of 64)"
+    ),
     "multi_latent_ragged_page_attention": "no case written yet (ragged paged KV cache)",
     "multi_latent_ragged_page_attention_v2": "no case written yet (ragged paged KV cache)",
     "ragged_gated_delta_rule": "no case written yet (ragged recurrent state)",
-    "ragged_page_attention_v2": "no case written yet (ragged paged KV cache)",
+    "ragged_page_attention_v2": (
+        "refuses before tracing a kernel: 'TPU version must be 4 or higher' (it reads the device,"
+        " not the context's device kind), on both sides"
+    ),
     "ragged_page_attention_v3": "no case written yet (ragged paged KV cache)",
     "scaled_dot_product_attention[gpu]": "not a Pallas kernel: calls jax.nn.dot_product_attention(cudnn)",
 }
@@ -269,8 +277,18 @@ def run_side(side: str, name: str | None, out: Path, way: str = "interpret") -> 
         rec["where"] = _where(e)
     rec["seconds"] = round(time.monotonic() - start, 1)
     rec["kernels"] = tokamax_plugin._CALLS[0]  # pallas_call / pl.kernel calls the case made
-    if way == "compiled":
-        rec["compiled"] = tpu_compiled.compile_recorded(side)
+    if way == "compiled" and backend == "tpu":
+        # Traced again per chip with the chip's kind in context (kernels that read the TPU
+        # generation refuse a CPU), each kernel lowered and compiled for that chip.
+        import jax
+        import jax.numpy as jnp
+
+        a, k = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, (args, kwargs))
+        fn = getattr(getattr(_pallas, backend), algo)
+        if name in SHARDED:  # the kernels its interpreted run traced inside the shard_map
+            rec["compiled"] = tpu_compiled.compile_recorded(side)
+        else:
+            rec["compiled"] = tpu_compiled.trace_and_compile(side, fn, a, k)
     if side == "jax":  # the XLA reference does not depend on whose Pallas is loaded
         try:
             ref = kernel_registry.get(algo, platform="xla")
@@ -489,7 +507,8 @@ def _report_compiled(rep: dict, names: list[str], out: Path) -> list[str]:
             if mine is None or mine[2] != "compiled":
                 key = f"ejkernel::{name}::{short}"
                 reason = run_tokamax.reason_for(key, known)
-                why = f"{mine[2]}: {mine[3]}" if mine else "not traced on ours"
+                untraced = [r[3] for r in ours if r[1] == chip and r[2] == "not traced"]
+                why = f"{mine[2]}: {mine[3]}" if mine else f"not traced on ours: {untraced[:1]}"
                 print(f"  {chip} {key}: {why[:240]}  [{reason or 'UNEXPLAINED'}]")
                 if reason is None:
                     unexplained.append(key)

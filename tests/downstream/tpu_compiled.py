@@ -15,7 +15,9 @@ chip's instructions). Outcomes per kernel and chip:
 ``refused by Mosaic``
     lowered, but libtpu refused the module (Mosaic's message);
 ``refused by lowering``
-    the side's lowering raised before any module existed.
+    the side's lowering raised before any module existed;
+``not traced``
+    (``trace_and_compile``) tracing the caller raised: no kernel to compile.
 
 Pallas Triton and Mosaic GPU kernels are not recorded.
 """
@@ -27,7 +29,7 @@ import os
 import threading
 
 CHIPS = ("v5e", "v6e")
-OUTCOMES = ("compiled", "refused by Mosaic", "refused by lowering")
+OUTCOMES = ("compiled", "refused by Mosaic", "refused by lowering", "not traced")
 
 _recorded: list[tuple] = []  # (kernel name, primitive, params, argument avals)
 _seen: set = set()
@@ -165,6 +167,27 @@ def compile_recorded(side: str, chips=CHIPS) -> list[list[str]]:
         for chip in chips:
             outcome, msg = compile_one(side, prim, params, avals, chip)
             rows.append([name, chip, outcome, msg])
+    return rows
+
+
+def trace_and_compile(side: str, fn, args, kwargs, chips=CHIPS) -> list[list[str]]:
+    """For each chip: ``fn(*args, **kwargs)`` traced (``jax.eval_shape``, nothing runs)
+    with the chip's device kind in context, so that kernels which pick their tiling or
+    refuse by the TPU generation (``get_tpu_info``) are traced as for that chip; then
+    every TPU kernel it bound lowered and compiled for that chip. A trace that raises
+    gives one row ``[-, chip, "not traced", message]``."""
+    import jax
+
+    rows = []
+    _recorded.clear()
+    _seen.clear()
+    for chip in chips:
+        try:
+            with _chip_context(chip):
+                jax.eval_shape(lambda *a: fn(*a, **kwargs), *args)
+        except Exception as e:  # noqa: BLE001  (the library or the side refused to trace it)
+            rows.append(["-", chip, "not traced", _first_line(e)])
+        rows += [r for r in compile_recorded(side, (chip,))]
     return rows
 
 

@@ -275,7 +275,8 @@ def _reads_past_blocks(jaxpr, gm: pallas_core.GridMapping) -> bool:
     plus the index, clamped to the array's end), and so does a plan that runs
     the steps one by one (``lax.dynamic_slice`` of the block, then the read,
     as JAX's); a vectorized plan would clamp the index into the block. So these
-    kernels run step by step: one semantics in every mode."""
+    kernels run step by step: one semantics in every mode. Reads inside loops
+    and conds are clamped into the block in every plan (and by JAX)."""
     top = getattr(jaxpr, "jaxpr", jaxpr)
     first = len(top.invars) - gm.num_inputs - gm.num_outputs - len(gm.scratch_avals)
     short = {}  # block Ref -> for each kernel dim, whether the block is smaller than the array
@@ -290,8 +291,15 @@ def _reads_past_blocks(jaxpr, gm: pallas_core.GridMapping) -> bool:
     return bool(short) and _reads_past(top, short)
 
 
+# Inside these JAX's interpret mode clamps into the block (XLA does not fuse the
+# read with the block's slice), as a vectorized plan does.
+_CLAMPING = ("cond", "while", "scan")
+
+
 def _reads_past(jaxpr, short: dict) -> bool:
     for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _CLAMPING:
+            continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             sub = getattr(sub, "jaxpr", sub)
             outer = validate.inner_invars(eqn, sub)

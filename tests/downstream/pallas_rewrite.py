@@ -19,6 +19,11 @@ them still runs on JAX's module for that part, and its test shows whether that m
 with ours. Anything else that still names JAX's Pallas in code after the rewrite
 (``jax._src.pallas``, ``jax.experimental.pallas.X`` used inline) makes the module refuse
 to load (:class:`CannotRunUnchanged`), so nothing runs half on JAX's Pallas unnoticed.
+One private module is rewritten where its use is narrow (``PRIVATE``):
+``from jax._src.pallas import primitives as pp`` becomes ``import pallas_gpu as pp`` in a
+module that also imports ``jax.experimental.pallas.triton`` and uses nothing of it but
+``pp.load`` and ``pp.store`` (the masked loads and stores of a Pallas Triton kernel,
+which JAX's public API has as ``triton.load``/``store``; ejkernel's GPU decode attention).
 Annotations are not checked: they may name JAX's types (ejkernel annotates a helper's
 argument ``jax._src.pallas.mosaic.primitives.AsyncCopyDescriptor``); nothing runs on
 them, and a type checker that reads them fails loudly on our objects.
@@ -65,6 +70,17 @@ KEPT = {
     ),
 }
 FORBIDDEN = re.compile(r"jax\.experimental\.pallas|jax\._src\.pallas")
+
+# JAX Pallas private modules rewritten where a module uses only these names of them:
+# (parent, name) -> (our module, the names, the module must also import, why).
+PRIVATE = {
+    ("jax._src.pallas", "primitives"): (
+        "pallas_gpu",
+        frozenset({"load", "store"}),
+        "jax.experimental.pallas.triton",
+        "masked load/store in a Pallas Triton kernel (JAX's public names: pallas.triton.load/store)",
+    ),
+}
 
 
 class CannotRunUnchanged(ImportError):
@@ -144,11 +160,38 @@ def port_source(src: str, origin: str) -> str:
     checks for JAX's classes (ours there gave "Unsupported block size type")."""
     if "mosaic_gpu" in kept_imports(src):
         return src
+    src = _rewrite_private(src, origin)
     for pattern, replacement in REWRITES:
         src = pattern.sub(replacement, src)
     left = _uses(src, origin)
     if left:
         raise CannotRunUnchanged(f"{origin} still uses JAX's Pallas after the import rewrite: {left}")
+    return src
+
+
+def _rewrite_private(src: str, origin: str) -> str:
+    """``PRIVATE`` imports rewritten to ours where the module uses only the listed
+    names of them (``alias.load``, ``alias.store``) and imports the public module
+    that says what kind of kernel it is; otherwise left for the check to refuse."""
+    tree = ast.parse(src, origin)
+    imported = {
+        m for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for m in _imported(n)
+    }
+    for (parent, name), (ours, names, needs, _) in PRIVATE.items():
+        pattern = re.compile(_AS.format(parent=re.escape(parent), name=name), re.M)
+        for m in list(pattern.finditer(src)):
+            alias = m.group("alias")
+            names_of_alias = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == alias]
+            attrs = [
+                n.attr
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == alias
+            ]
+            # Every use is ``alias.<listed name>`` (never the module itself passed around).
+            if set(attrs) <= names and len(attrs) == len(names_of_alias) and needs in imported:
+                src = src.replace(
+                    m.group(0), f"{m.group('indent')}import {ours} as {alias}{m.group('rest')}", 1
+                )
     return src
 
 

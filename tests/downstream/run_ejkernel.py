@@ -124,6 +124,14 @@ def _ragged_decode_attention(rng, b=2, s=256, h=4, kvh=2, d=128):
     return (q, k, v, np.array([0, 32], np.int32), np.array([200, 256], np.int32)), {}
 
 
+def _ragged_decode_attention_gpu(rng):
+    from ejkernel.ops import FwdParams  # its block sizes: without them the Triton path has none
+
+    args, kwargs = _ragged_decode_attention(rng)
+    params = FwdParams(blocksize_heads=16, kv_blocksize=64, num_key_splits=4, num_warps=4, num_stages=1)
+    return args, dict(kwargs, fwd_params=params)
+
+
 def _mla(rng, b=1, s=128, h=2, nope=128, rope=64, rank=128, vd=128):
     q = _normal(rng, b, s, h, nope + rope) * 0.1
     kv = _normal(rng, b, s, rank) * 0.1
@@ -145,7 +153,7 @@ CASES = {
     "prefill_page_attention": ("tpu", _prefill_page_attention, 1e-4),
     "ragged_decode_attention": ("tpu", _ragged_decode_attention, 1e-4),
     "flash_mla": ("tpu", _mla, 1e-4),
-    "ragged_decode_attention[gpu]": ("gpu", _ragged_decode_attention, 1e-4),
+    "ragged_decode_attention[gpu]": ("gpu", _ragged_decode_attention_gpu, 1e-4),
 }
 # Cases run under jax.shard_map over the four CPU devices: name -> (axis, positional
 # arguments sharded along their dimension 1, the sequence).

@@ -40,6 +40,28 @@ def test_splash_kernel_import_still_refuses():
         pallas_rewrite.port_source(src, "m.py")
 
 
+def test_private_masked_load_store_of_a_triton_kernel():
+    # ejkernel's GPU ragged decode attention: JAX's private primitives module for pl.load/pl.store.
+    src = textwrap.dedent(
+        """\
+        from jax._src.pallas import primitives as pp
+        from jax.experimental.pallas import triton as ptriton
+        def k(x_ref, o_ref, m):
+            pp.store(o_ref, (), pp.load(x_ref, (), mask=m), mask=m)
+        """
+    )
+    out = pallas_rewrite.port_source(src, "m.py")
+    assert out.splitlines()[0] == "import pallas_gpu as pp" and "import pallas_gpu as ptriton" in out
+    # Another name of the private module, the module passed around, or no Triton import: refused.
+    for bad in (
+        src.replace("pp.load(", "pp.program_id(0) + pp.load("),
+        src + "f = pp\n",
+        src.replace("from jax.experimental.pallas import triton as ptriton\n", ""),
+    ):
+        with pytest.raises(pallas_rewrite.CannotRunUnchanged, match="jax._src.pallas"):
+            pallas_rewrite.port_source(bad, "m.py")
+
+
 def test_annotations_may_name_jax_types():
     src = "import jax\ndef f(op: jax._src.pallas.mosaic.primitives.AsyncCopyDescriptor) -> None:\n    op.wait()\n"
     assert pallas_rewrite.port_source(src, "m.py") == src

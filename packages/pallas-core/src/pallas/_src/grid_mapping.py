@@ -234,7 +234,7 @@ def _check_whole_array_window(dims, jaxpr, shape, dtype, ms, origin: str, err: E
     zeros = all(hasattr(v, "val") and np.ndim(v.val) == 0 and int(v.val) == 0 for v in jaxpr.jaxpr.outvars)
     if full and zeros:
         return
-    name = "pl.ANY" if ms is pallas_core.ANY else str(ms)
+    name = "pl.ANY" if ms is pallas_core.ANY else repr(ms)  # e.g. HBM (pltpu.HBM)
     raise err(
         ValueError,
         origin,

@@ -289,3 +289,20 @@ def test_an_error_raised_while_the_kernel_runs_arrives_message_first():
     with pytest.raises(ValueError) as info:
         jax.block_until_ready(f(jnp.abs(x)))
     assert str(info.value).splitlines()[0] == f"the kernel saw {float(jnp.max(jnp.abs(x))):.3f} > 0"
+
+
+def test_in_specs_must_be_a_sequence_as_in_jax():
+    spec = pl.BlockSpec((128,), lambda i: (i,))
+    with pytest.raises(ValueError, match=r"`in_specs` must be a tuple or a list") as info:
+        pl.pallas_call(lambda x_ref, o_ref: None, out_shape=A, grid=(2,), in_specs=spec, interpret=True)
+    assert re.search(HERE, str(info.value)) and "in_specs=[spec]" in str(info.value)
+    x = _rand(7, (256,))
+    out = pl.pallas_call(
+        lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 3),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(2,),
+        in_specs=[spec],
+        out_specs=spec,  # one spec for the one output stays accepted, as in JAX
+        interpret=True,
+    )(x)
+    np.testing.assert_allclose(out, x * 3, rtol=1e-6)

@@ -259,6 +259,13 @@ def _close_over(jaxpr, consts, index_map):
     return None if more else closed
 
 
+# JAX's words first: a single spec for the inputs is refused (out_specs may be one spec).
+IN_SPECS_NOT_A_SEQUENCE = (
+    "`in_specs` must be a tuple or a list (one pl.BlockSpec, or pytree of them, per input), "
+    "got a single pl.BlockSpec: pass in_specs=[spec]"
+)
+
+
 def flatten_specs(specs, tree_of: tuple, what: str, err: Err) -> list:
     """Broadcasts a pytree prefix of BlockSpecs to the leaves of ``tree_of``."""
     kind = "inputs" if what == "in_specs" else "outputs"
@@ -275,6 +282,8 @@ def flatten_specs(specs, tree_of: tuple, what: str, err: Err) -> list:
         )
 
     if is_spec(specs):
+        if what == "in_specs" and specs is not None:
+            raise err(ValueError, what, IN_SPECS_NOT_A_SEQUENCE)
         if len(tree_of) != 1:
             raise err(
                 ValueError,

@@ -17,6 +17,7 @@ from pallas._src import core as pallas_core
 from pallas._src.core import GridMapping, GridSpec
 from pallas._src.errors import describe, function_source, kernel_scope, runtime_error_in, user_source
 from pallas._src.grid_mapping import (
+    IN_SPECS_NOT_A_SEQUENCE,
     Err,
     block_mapping,
     check_aliases,
@@ -225,6 +226,8 @@ def pallas_call(
       A function of the inputs returning arrays shaped like ``out_shape``.
     """
     kernel_name = name or _function_name(kernel)
+    if isinstance(in_specs, pallas_core.BlockSpec):  # refused here, as JAX's Pallas does
+        raise Err(kernel_name, user_source())(ValueError, "in_specs", IN_SPECS_NOT_A_SEQUENCE)
     is_seq = isinstance(out_shape, (tuple, list))
     outs_tuple = tuple(out_shape) if is_seq else (out_shape,)
     cache: dict[Any, Any] = {}

@@ -4,7 +4,8 @@ The guides' ``{code-cell}`` cells are executed by the Sphinx build (MyST-NB); th
 runs what the build does not: every fenced ```python block of the READMEs
 (``README.md``, ``RUNTIME.md``, ``packages/*/README.md``, ``examples/README.md``,
 ``benchmarks/README.md``, ``tests/downstream/README.md``) and of ``docs/*.md``. The blocks of
-one file run in order in one namespace, in a fresh Python per file, on JAX's CPU device: a
+one file run in order in a namespace of their own (all files in one fresh Python), on JAX's
+CPU device: a
 block may use what an earlier block of its file defined, as a reader would. A block written
 as an interactive session (``>>>`` prompts) runs as a doctest, its outputs compared. A block
 that cannot run on a CPU says so in an HTML comment on the line just above its fence,
@@ -43,28 +44,32 @@ FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
-# Runs in the fresh Python: the blocks of one file, each compiled from a file of its own
-# (so that inspect.getsource, which @triton.jit needs, finds it), in one namespace.
+# Runs in one fresh Python: the blocks of each file, each compiled from a file of its own
+# (so that inspect.getsource, which @triton.jit needs, finds it), in a namespace per file.
+# One process for all files: importing JAX once, not once per file, saves most of the time.
 RUNNER = r"""
-import doctest, json, sys, traceback
-blocks = json.load(open(sys.argv[1]))
-ns = {"__name__": "__main__"}
-for path, line, is_doctest in blocks:
-    src = open(path).read()
+import doctest, json, sys, time, traceback
+for rel, blocks in json.load(open(sys.argv[1])):
+    ns = {"__name__": "__main__"}
+    t0 = time.perf_counter()
     try:
-        if is_doctest:
-            test = doctest.DocTestParser().get_doctest(src, ns, f"{sys.argv[2]}:{line}", path, 0)
-            runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-            runner.run(test, clear_globs=False)
-            ns.update(test.globs)  # DocTest runs in a copy of the namespace
-            if runner.failures:
-                raise AssertionError(f"{runner.failures} doctest example(s) failed (above)")
-        else:
-            exec(compile(src, path, "exec"), ns)
+        for path, line, is_doctest in blocks:
+            src = open(path).read()
+            where = f"{rel}:{line}"
+            if is_doctest:
+                test = doctest.DocTestParser().get_doctest(src, ns, where, path, 0)
+                runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+                runner.run(test, clear_globs=False)
+                ns.update(test.globs)  # DocTest runs in a copy of the namespace
+                if runner.failures:
+                    raise AssertionError(f"{runner.failures} doctest example(s) failed (above)")
+            else:
+                exec(compile(src, path, "exec"), ns)
+        print("@@result", json.dumps([rel, None, time.perf_counter() - t0]), flush=True)
     except BaseException:
-        print(f"FAILED: the block at {sys.argv[2]}:{line}", file=sys.stderr)
+        print(f"FAILED: the block at {where}", file=sys.stderr)
         traceback.print_exc()
-        sys.exit(1)
+        print("@@result", json.dumps([rel, where, time.perf_counter() - t0]), flush=True)
 """
 
 
@@ -98,6 +103,7 @@ def main(argv: list[str]) -> int:
     failed, run, doctests, skipped, links = [], 0, 0, [], 0
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
+        todo_by_file = []
         for rel in files:
             text = open(os.path.join(ROOT, rel), encoding="utf-8").read()
             for target in broken_links(os.path.join(ROOT, rel), text):
@@ -113,22 +119,33 @@ def main(argv: list[str]) -> int:
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(src)
                 todo.append((path, line, is_doctest))
-            if not todo:
-                continue
-            spec = os.path.join(tmp, "blocks.json")
-            with open(spec, "w") as f:
-                json.dump(todo, f)
-            t0 = time.perf_counter()
-            proc = subprocess.run(
-                [sys.executable, "-c", RUNNER, spec, rel], cwd=ROOT, env=env, capture_output=True, text=True
-            )
-            status = "ok" if proc.returncode == 0 else "FAILED"
-            print(f"{rel}: {len(todo)} block(s) {status} ({time.perf_counter() - t0:.1f} s)")
-            if proc.returncode != 0:
-                print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n", file=sys.stderr)
-                failed.append(f"{rel}: a block failed")
-            run += len(todo)
-            doctests += sum(1 for t in todo if t[2])
+            if todo:
+                todo_by_file.append((rel, todo))
+                run += len(todo)
+                doctests += sum(1 for t in todo if t[2])
+        spec = os.path.join(tmp, "blocks.json")
+        with open(spec, "w") as f:
+            json.dump(todo_by_file, f)
+        proc = subprocess.run(
+            [sys.executable, "-c", RUNNER, spec], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        reported, block_failed = set(), False
+        for out in proc.stdout.splitlines():
+            if out.startswith("@@result "):  # the blocks' own prints are the other lines
+                rel, where, seconds = json.loads(out.split(" ", 1)[1])
+                reported.add(rel)
+                n = len(dict(todo_by_file)[rel])
+                print(
+                    f"{rel}: {n} block(s) {'ok' if where is None else 'FAILED at ' + where} ({seconds:.1f} s)"
+                )
+                if where is not None:
+                    failed.append(f"{where}: the block failed")
+                    block_failed = True
+        if proc.returncode != 0 or block_failed:
+            print(proc.stderr[-8000:], file=sys.stderr)
+        for rel, _ in todo_by_file:
+            if rel not in reported:
+                failed.append(f"{rel}: not run (the checker's Python exited with status {proc.returncode})")
     for s in skipped:
         print(f"not run: {s}")
     print(

@@ -111,6 +111,43 @@ def test_positional_constexpr_is_a_metaparam():
     np.testing.assert_array_equal(out, x * 2)
 
 
+@triton.jit
+def strided_sum_kernel(x_ptr, out_ptr, shape: tl.constexpr, strides: tl.constexpr, nested: tl.constexpr):
+    """Tuple constexprs unpacked, indexed, measured and compared, as tokamax's kernels do."""
+    rows, cols = shape
+    stride_r, stride_c = strides
+    extra = tl.full((), 0, tl.float32)
+    for i in tl.static_range(len(nested)):
+        extra += len(nested[i])
+    if nested == ((), ()):
+        extra += 100.0
+    offs_r = tl.arange(0, rows)
+    offs_c = tl.arange(0, cols)
+    x = tl.load(x_ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c)
+    tl.store(out_ptr + offs_r, tl.sum(x, axis=1) + extra)
+
+
+@pytest.mark.parametrize("nested", [((), ()), ((1,), (2, 3))])
+def test_tuple_constexprs(nested):
+    x = rand((8, 16), 18)
+    kwargs = dict(
+        kernel=strided_sum_kernel,
+        grid=1,
+        shape=(8, 16),
+        strides=jt.strides_from_shape(x.shape),
+        nested=nested,
+    )
+    out = jt.triton_call(x, out_type=jax.ShapeDtypeStruct((8,), x.dtype), **kwargs)
+    extra = 100.0 if nested == ((), ()) else 3.0
+    np.testing.assert_allclose(out, x.sum(1) + extra, rtol=1e-5)
+    f = jax.jit(
+        lambda x: jt.triton_call(
+            x, out_type=jax.ShapeDtypeStruct((8,), x.dtype), compute_capability=90, **kwargs
+        )
+    )
+    f.trace(x).lower(lowering_platforms=("cuda",))  # Triton compiles it for sm_90
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_none_argument_is_a_constexpr(bias):
     x, b = rand((100,), 4), rand((100,), 5)

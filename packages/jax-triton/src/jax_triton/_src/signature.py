@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_triton._src.triton_compat import JITFunction
+from jax_triton._src.triton_compat import JITFunction, constexpr_tuple
 
 # JAX dtype -> Triton element type name.
 _DTYPES = {
@@ -113,7 +113,8 @@ class BoundCall:
         return {p.name: p.type for p in self.params}
 
     def constexprs(self) -> dict[str, Any]:
-        return {p.name: p.value for p in self.params if p.kind == "constexpr"}
+        """The constexpr values, as Triton's code generator takes them."""
+        return {p.name: _constexpr_value(p.value) for p in self.params if p.kind == "constexpr"}
 
     def attrs(self) -> dict[tuple[int], list]:
         return {(i,): [["tt.divisibility", 16]] for i, p in enumerate(self.params) if p.divisible_by_16}
@@ -121,6 +122,11 @@ class BoundCall:
     def key(self):
         """Hashable identity of the specialization (for compile caches)."""
         return tuple((p.name, p.type, p.operand, _hashable(p.value), p.divisible_by_16) for p in self.params)
+
+
+def _constexpr_value(v):
+    """A tuple becomes a ``tl.tuple`` of constexprs (``triton_compat.constexpr_tuple``)."""
+    return constexpr_tuple(v) if isinstance(v, tuple) else v
 
 
 def _hashable(v):

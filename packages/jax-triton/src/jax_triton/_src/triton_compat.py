@@ -60,6 +60,27 @@ def check_triton_version() -> None:
     )
 
 
+class _ConstexprTuple(tl.tuple):
+    # ASTSource.hash asks constants for `cache_key` with hasattr, and tl.tuple's
+    # __getattr__ raises ValueError for it (a field lookup), not AttributeError.
+    @property
+    def cache_key(self) -> str:
+        return repr(self._key)
+
+
+def constexpr_tuple(values: tuple):
+    """A tuple constexpr value as Triton's code generator can use it.
+
+    Triton 3.6 wraps a constant in ``tl.constexpr``, and a Python tuple inside
+    cannot be unpacked (``a, b = strides``: "cannot convert (1, 1) of type
+    tuple to tensor"). A ``tl.tuple`` of constexprs can, and ``len``, indexing
+    and ``==`` still work (tokamax's kernels take strides and batch shapes so).
+    """
+    t = _ConstexprTuple([constexpr_tuple(v) if isinstance(v, tuple) else tl.constexpr(v) for v in values])
+    t._key = values
+    return t
+
+
 def compile_option_names() -> frozenset[str]:
     """Names of the options Triton's CUDA backend takes (``CUDAOptions``)."""
     import dataclasses

@@ -182,7 +182,9 @@ def _index_value(x):
 
 
 def _clip(x, lo: int, hi: int):
-    return min(max(int(x), lo), hi) if _static_int(x) else jnp.clip(x, lo, hi)
+    if _static_int(x):
+        return min(max(int(x), lo), hi)
+    return lax.clamp(np.int32(lo), jnp.asarray(x, jnp.int32), np.int32(hi))
 
 
 def _on_chip(space) -> bool:
@@ -226,6 +228,8 @@ class Interpreter:
         self.shadows: dict[int, tuple[int, int]] = {}
         self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
         self._unchecked = 0
+        self._dma_memo: dict = {}  # interpret_dma.dma_destinations of the jaxprs seen
+        self._where_memo: dict = {}  # id(eqn) -> (eqn, where(eqn))
         # (trace, index, extent, size) of the traced bounds checks made so far (see _bounds_checked).
         self._bounds_seen: dict[tuple[int, int, int, int], tuple[Any, Any]] = {}
         self._next_cell = 0
@@ -250,13 +254,15 @@ class Interpreter:
 
     # -- cells ---------------------------------------------------------------
 
-    def new_cell(self, value, name: str, space=None) -> int:
+    def new_cell(self, value, name: str, space=None, dma_target: bool = True) -> int:
+        """A new cell holding ``value``. ``dma_target=False``: no DMA writes it
+        (``interpret_dma.dma_destinations``), so it needs no on_wait shadow."""
         c = self._next_cell
         self._next_cell += 1
         self.state[c] = value
         self.cell_names[c] = name
         self.cell_spaces[c] = space
-        if self.dma_shadows and _on_chip(space):
+        if self.dma_shadows and dma_target and _on_chip(space):
             # on_wait DMAs land here first (what landed, and which semaphore's wait commits it).
             shadow = self.new_cell_plain(jnp.zeros_like(value), f"{name} (DMA in flight)", space)
             pending = self.new_cell_plain(
@@ -270,6 +276,15 @@ class Interpreter:
             )
             self.shadows[c] = (count,)
         return c
+
+    def dma_targets(self, jaxpr) -> frozenset[int]:
+        """Positions of ``jaxpr``'s inputs that a DMA may write (all of them when
+        on_wait shadows are off: then it does not matter)."""
+        if not self.dma_shadows:
+            return frozenset(range(len(getattr(jaxpr, "jaxpr", jaxpr).invars)))
+        from pallas_tpu._src import interpret_dma
+
+        return interpret_dma.dma_destinations(jaxpr, self._dma_memo)
 
     def new_cell_plain(self, value, name: str, space=None) -> int:
         c = self._next_cell
@@ -431,8 +446,11 @@ class Interpreter:
         return self.eval_jaxpr(closed.jaxpr, closed.consts, args)
 
     def where(self, eqn) -> str:
-        src = compat.eqn_user_source(eqn)
-        return f"{self.kernel_desc}{' at ' + src if src else ''}"
+        hit = self._where_memo.get(id(eqn))
+        if hit is None or hit[0] is not eqn:  # the user's frame: a walk of the traceback, once per equation
+            src = compat.eqn_user_source(eqn)
+            hit = self._where_memo[id(eqn)] = (eqn, f"{self.kernel_desc}{' at ' + src if src else ''}")
+        return hit[1]
 
     def eval_eqn(self, eqn, invals):
         prim = eqn.primitive
@@ -492,12 +510,17 @@ class Interpreter:
                     )
                     continue
                 extent = (sizes[d] - 1) * strides[d] + 1 if sizes[d] else 0
-                if _static_int(starts[d]):  # known while tracing: no check in the program
-                    ok = 0 <= starts[d] and starts[d] + extent <= n
+                st = starts[d]
+                if _static_int(st):  # known while tracing: no check in the program
+                    if 0 <= st and st + extent <= n:
+                        continue
+                    ok = False
                 elif self._bounds_checked(raw[d], extent, n):
                     continue
-                else:
-                    ok = jnp.logical_and(starts[d] >= 0, starts[d] + extent <= n)
+                else:  # lax, not jnp's operators: each of those is a jitted call to trace
+                    ok = lax.bitwise_and(
+                        lax.ge(st, np.int32(0)), lax.le(lax.add(st, np.int32(extent)), np.int32(n))
+                    )
                 self.check(
                     ok,
                     f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)} "
@@ -518,7 +541,7 @@ class Interpreter:
         elif all(_static_int(s) for s in starts_c):
             y = x if tuple(ext) == x.shape else lax.slice(x, starts_c, [s + e for s, e in zip(starts_c, ext)])
         else:
-            y = lax.dynamic_slice(x, starts_c, ext)
+            y = lax.dynamic_slice(x, starts_c, ext, allow_negative_indices=False)  # clipped above
         if any(k != 1 for k in strides):
             y = lax.slice(y, [0] * y.ndim, y.shape, strides)
         if arrays:
@@ -556,10 +579,12 @@ class Interpreter:
             if all(k == 1 for k in strides):
                 return val  # the whole buffer
         if any(k != 1 for k in strides):
-            old = lax.dynamic_slice(x, starts_c, ext)
+            old = lax.dynamic_slice(x, starts_c, ext, allow_negative_indices=False)
             idx = tuple(slice(None, None, k) for k in strides)
             val = old.at[idx].set(val)
-        return lax.dynamic_update_slice(x, val, starts_c) if x.ndim else val.reshape(())
+        if not x.ndim:
+            return val.reshape(())
+        return lax.dynamic_update_slice(x, val, starts_c, allow_negative_indices=False)
 
     def _transform_other(self, x, t, eqn):
         if isinstance(t, compat.ReshapeTransform):  # JAX's class has no transform_array
@@ -697,18 +722,20 @@ class Interpreter:
     # -- semaphores ----------------------------------------------------------
 
     def sem_add(self, view: RefView, amount, eqn) -> None:
-        self.write_view(view, self.read_view(view, eqn) + amount, eqn)
+        cur = self.read_view(view, eqn)
+        self.write_view(view, lax.add(cur, jnp.asarray(amount, cur.dtype)), eqn)
 
     def sem_wait(self, view: RefView, amount, eqn, decrement=True, what="semaphore") -> None:
         cur = self.read_view(view, eqn)
+        amount = jnp.asarray(amount, cur.dtype)
         self.check(
-            cur >= amount,
+            lax.ge(cur, amount),
             f"{self.where(eqn)}: waiting on {what} {self.describe_ref(view)} for {{1}} but it holds {{0}} "
             "and nothing else can signal it: on a TPU this wait never returns (deadlock)",
             [cur, amount],
         )
         if decrement:
-            self.write_view(view, cur - amount, eqn)
+            self.write_view(view, lax.sub(cur, amount), eqn)
 
 
 # ---------------------------------------------------------------------------
@@ -891,6 +918,7 @@ def _run_scoped(interp, eqn, *consts):
 def _iter_run_scoped(interp, eqn, consts, pause):
     jaxpr = eqn.params["jaxpr"]
     n = eqn.params["num_consts"]
+    targets = interp.dma_targets(jaxpr)
     cells = []
     for i, aval in enumerate(jaxpr.in_avals[n:]):
         space = getattr(aval, "memory_space", None)
@@ -903,9 +931,8 @@ def _iter_run_scoped(interp, eqn, consts, pause):
             init = jnp.zeros(aval.shape, jnp.int32)
         else:
             init = _uninit(aval.shape, aval.dtype, interp.params.uninitialized_memory)
-        cells.append(
-            interp.new_cell(init, f"pl.run_scoped buffer {i} ({aval.dtype}{list(aval.shape)})", space)
-        )
+        name = f"pl.run_scoped buffer {i} ({aval.dtype}{list(aval.shape)})"
+        cells.append(interp.new_cell(init, name, space, dma_target=n + i in targets))
     views = [RefView(c) for c in cells]
     outs = yield from interp.iter_jaxpr(jaxpr.jaxpr, jaxpr.consts, [*consts, *views], pause)
     for aval, v in zip(jaxpr.in_avals[n:], views):

@@ -196,6 +196,11 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
         for i, a in enumerate(args[:nsp])
     ]
     operands = args[nsp:]
+    # The kernel's inputs: grid indices, dynamic grid sizes, scalar prefetch, operands, scratch.
+    first_ref = len(gm.grid) + D + nsp
+    targets = interp.dma_targets(jaxpr)
+    if len(jaxpr.jaxpr.invars) != first_ref + len(gm.block_mappings) + len(gm.scratch_avals):
+        targets = None  # not the layout above: any cell may be a DMA's destination
     alias_of = {o: i for i, o in input_output_aliases}
     ops: list[_Operand] = []
     for k, bm in enumerate(gm.block_mappings):
@@ -217,6 +222,7 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
                 _uninit(bm.kernel_block_shape, bm.dtype, mode),
                 f"{bm.origin} block",
                 bm.memory_space or tpu_core.VMEM,
+                dma_target=targets is None or first_ref + k in targets,
             )
         ops.append(_Operand(bm, hbm, buf))
 
@@ -228,7 +234,9 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
                 if plb.semaphore_kind(a) is not None
                 else _uninit(a.shape, a.dtype, mode)
             )
-            cells.append(interp.new_cell(init, f"scratch_shapes[{i}]", getattr(a, "memory_space", None)))
+            space = getattr(a, "memory_space", None)
+            target = targets is None or first_ref + len(gm.block_mappings) + i in targets
+            cells.append(interp.new_cell(init, f"scratch_shapes[{i}]", space, dma_target=target))
         return cells
 
     G = len(gm.grid)
@@ -255,7 +263,9 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
                 buf = op.buf
                 if slot > 0:
                     name = f"{op.bm.origin} block (core {core_id})"
-                    buf = interp.new_cell(init, name, interp.cell_spaces[op.buf])
+                    buf = interp.new_cell(
+                        init, name, interp.cell_spaces[op.buf], dma_target=op.buf in interp.shadows
+                    )
                 interp.state[buf] = init
                 core_ops[i] = _Operand(op.bm, op.hbm, buf)
                 interp.hidden[f"__prev{i}.{slot}"] = jnp.zeros((len(op.bm.block_shape),), jnp.int32)
@@ -389,20 +399,25 @@ def _enter_block(interp, op, prev_key, is_out, gidx, prefetch, s):
             f"{-(-bm.array_shape[d] // max(bm.block_sizes[d], 1))} blocks)",
             shown,
         )
-    starts_c = [jnp.clip(st, 0, max(n - size, 0)) for st, size, n in zip(starts, bm.block_sizes, hbm.shape)]
+    starts_c = [
+        lax.clamp(np.int32(0), st, np.int32(max(n - size, 0)))
+        for st, size, n in zip(starts, bm.block_sizes, hbm.shape)
+    ]
     prev_arr = interp.hidden[prev_key]
     cur = jnp.stack(starts_c) if starts_c else jnp.zeros((0,), jnp.int32)
     changed = jnp.logical_or(s == 0, jnp.any(cur != prev_arr))
     kshape = bm.kernel_block_shape
     if not is_out:
-        new = lax.dynamic_slice(hbm, starts_c, bm.block_sizes).reshape(kshape)
+        new = lax.dynamic_slice(hbm, starts_c, bm.block_sizes, allow_negative_indices=False).reshape(kshape)
         interp.state[op.buf] = jnp.where(changed, new, interp.state[op.buf])
     else:
         prev = [prev_arr[d] for d in range(len(starts_c))]
-        old_hbm = lax.dynamic_slice(hbm, prev, bm.block_sizes)
+        old_hbm = lax.dynamic_slice(hbm, prev, bm.block_sizes, allow_negative_indices=False)
         blk = interp.state[op.buf].reshape(bm.block_sizes)
         write_back = jnp.logical_and(changed, s > 0)
-        interp.state[op.hbm] = lax.dynamic_update_slice(hbm, jnp.where(write_back, blk, old_hbm), prev)
+        interp.state[op.hbm] = lax.dynamic_update_slice(
+            hbm, jnp.where(write_back, blk, old_hbm), prev, allow_negative_indices=False
+        )
         fresh = _uninit(kshape, bm.dtype, interp.params.uninitialized_memory)
         interp.state[op.buf] = jnp.where(changed, fresh, interp.state[op.buf])
     interp.hidden[prev_key] = cur

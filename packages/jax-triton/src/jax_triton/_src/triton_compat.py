@@ -60,14 +60,6 @@ def check_triton_version() -> None:
     )
 
 
-class _ConstexprTuple(tl.tuple):
-    # ASTSource.hash asks constants for `cache_key` with hasattr, and tl.tuple's
-    # __getattr__ raises ValueError for it (a field lookup), not AttributeError.
-    @property
-    def cache_key(self) -> str:
-        return repr(self._key)
-
-
 def constexpr_tuple(values: tuple):
     """A tuple constexpr value as Triton's code generator can use it.
 
@@ -76,8 +68,12 @@ def constexpr_tuple(values: tuple):
     tuple to tensor"). A ``tl.tuple`` of constexprs can, and ``len``, indexing
     and ``==`` still work (tokamax's kernels take strides and batch shapes so).
     """
-    t = _ConstexprTuple([constexpr_tuple(v) if isinstance(v, tuple) else tl.constexpr(v) for v in values])
-    t._key = values
+    t = tl.tuple([constexpr_tuple(v) if isinstance(v, tuple) else tl.constexpr(v) for v in values])
+    # ASTSource.hash asks constants for `cache_key` with hasattr, and tl.tuple's
+    # __getattr__ raises ValueError for it (a field lookup), not AttributeError.
+    # An instance attribute, not a subclass: loops check that a carried value
+    # keeps its class, and the tuples Triton derives from this one are tl.tuples.
+    t.cache_key = repr(values)
     return t
 
 

@@ -33,6 +33,7 @@ def both_refuse(make, args, exc, pattern):
 
 
 SDS = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+SDS_U32 = jax.ShapeDtypeStruct((16, 128), jnp.uint32)
 
 
 def copy_kernel(x_ref, o_ref):
@@ -248,6 +249,14 @@ def test_run_mosaic_operand_dtype(doubling_module, dtype):
         TypeError, match=rf"operand 0 has dtype {np.dtype(dtype).name}, but the module's memref"
     ):
         pltpu.run_mosaic(doubling_module, x, out_shape=SDS)
+
+
+def test_run_mosaic_unsigned_is_a_signless_memref():
+    """Mosaic's integers are signless: a uint32 array is an i32 memref (no error, no conversion)."""
+    f = pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 3), out_shape=SDS_U32)
+    (module,) = pltpu.mosaic_modules(f, SDS_U32)
+    x = jax.random.bits(jax.random.key(21), (16, 128), jnp.uint32)
+    np.testing.assert_array_equal(pltpu.run_mosaic(module, x, out_shape=SDS_U32), x * 3)
 
 
 def test_run_mosaic_out_shape_dtype(doubling_module):

@@ -248,9 +248,12 @@ def run_mosaic(
 
 def _check_dtype(what: str, given: np.dtype, memref_type) -> None:
     """Arrays are the module's memrefs: run_mosaic converts nothing (a bool
-    array is an i32 memref, as the custom call passes it)."""
+    array is an i32 memref, as the custom call passes it; Mosaic's integers
+    are signless, so uint32 is an i32 memref too)."""
     want = ops.np_dtype(memref_type)
     if given == want or (given == np.bool_ and want == np.int32):
+        return
+    if given.kind in "iu" and want.kind in "iu" and given.itemsize == want.itemsize:
         return
     fix = (
         f"give it dtype {want.name}"

@@ -850,7 +850,12 @@ def _run_pipeline(
     ctx_name = f"emit_pipeline body {name!r}"
 
     def indices_at(t):
-        return tuple(i + o for i, o in zip(_unravel(jnp.asarray(t, jnp.int32), local_grid), offsets))
+        # The steps around this one wrap around the grid, as in JAX's pipeline: an index map
+        # never sees grid indices outside the grid (step -1 of step 0, lookahead past the
+        # last step), where a lookup in a scalar-prefetch table would read out of bounds.
+        # Blocks at wrapped steps are only compared under predicates that are then false.
+        t = lax.rem(jnp.asarray(t, jnp.int32) + num_steps, jnp.maximum(jnp.asarray(num_steps, jnp.int32), 1))
+        return tuple(i + o for i, o in zip(_unravel(t, local_grid), offsets))
 
     class Steps:
         """Grid indices and block indices at the steps around one step,

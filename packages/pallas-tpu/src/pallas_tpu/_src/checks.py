@@ -235,7 +235,10 @@ def _check_accesses(gm, jaxpr, any_vars) -> None:
             )
         if ms is tpu_core.SMEM:
             shape = eqn.outvars[0].aval.shape if eqn.primitive is get_p else eqn.invars[1].aval.shape
-            if shape:
+            # A gather (an integer-array index: t_ref[idx]) reads scalars; Mosaic lowers it.
+            indices = eqn.invars[1:] if eqn.primitive is get_p else eqn.invars[2:]
+            gather = any(getattr(getattr(a, "aval", None), "shape", ()) for a in indices)
+            if shape and not gather:
                 raise _err(
                     gm,
                     TypeError,

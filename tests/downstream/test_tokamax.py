@@ -165,6 +165,39 @@ def test_known_differences_file_parses():
         assert all(p.startswith("tokamax/") for p in patterns), patterns
 
 
+def test_known_compiled_differences_parse():
+    for reason, patterns in run_tokamax.load_known(table="compiled"):
+        assert reason.strip() and patterns, reason
+        assert all(p.startswith(("tokamax/", "ejkernel::")) for p in patterns), patterns
+
+
+def test_compare_compiled_finds_kernels_only_jax_compiles():
+    ok = ["compiled", ""]
+    jax = {
+        "t1": ["passed", "", 1, 0.1, [["k at a.py:1", "v5e", *ok], ["k at a.py:1", "v6e", *ok]]],
+        "t2": ["passed", "", 1, 0.1, [["q at b.py:2", "v5e", *ok]]],
+        "t3": ["failed", "", 1, 0.1, [["r at c.py:3", "v5e", "refused by lowering", "x"]]],
+    }
+    ours = {
+        "t1": [
+            "passed",
+            "",
+            1,
+            0.1,
+            [["k at a.py:9", "v5e", *ok], ["k at a.py:9", "v6e", "refused by Mosaic", "m"]],
+        ],
+        "t2": ["passed", "", 1, 0.1, []],
+        "t3": ["passed", "", 1, 0.1, [["r at c.py:3", "v5e", *ok]]],
+    }
+    r = run_tokamax.compare_compiled(jax, ours, [("why", ["t2::q"])])
+    assert [(d[0], d[1], d[2], d[4]) for d in r["differences"]] == [
+        ("t1::k", "v6e", "refused by Mosaic", None),
+        ("t2::q", "v5e", "missing", "why"),
+    ]
+    assert r["unexplained"] == ["t1::k"] and r["stale"] == []
+    assert r["counts"][("ours", "v5e")]["compiled"] == 2 and r["tests"] == {"jax": 3, "ours": 2}
+
+
 # ---------------------------------------------------------------------------
 # tokamax itself.
 

@@ -260,7 +260,9 @@ def test_run_mosaic_unsigned_is_a_signless_memref():
 
 
 def test_run_mosaic_out_shape_dtype(doubling_module):
-    with pytest.raises(TypeError, match=r"out_shape\[0\] has dtype int32.*give it dtype float32"):
+    with pytest.raises(
+        TypeError, match=r"run_mosaic of kernel @\w+: out_shape\[0\] has dtype int32.*give it dtype float32"
+    ):
         pltpu.run_mosaic(
             doubling_module, rand(5, (16, 128)), out_shape=jax.ShapeDtypeStruct((16, 128), jnp.int32)
         )

@@ -246,7 +246,7 @@ def run_mosaic(
         return jax.tree.unflatten(out_tree, outs)
 
 
-def _check_dtype(what: str, given: np.dtype, memref_type) -> None:
+def _check_dtype(kernel_name: str, what: str, given: np.dtype, memref_type) -> None:
     """Arrays are the module's memrefs: run_mosaic converts nothing (a bool
     array is an i32 memref, as the custom call passes it; Mosaic's integers
     are signless, so uint32 is an i32 memref too)."""
@@ -261,7 +261,8 @@ def _check_dtype(what: str, given: np.dtype, memref_type) -> None:
         else f"pass a {want.name} array (x.astype(jnp.{want.name}) if a conversion is meant)"
     )
     raise TypeError(
-        f"run_mosaic: {what} has dtype {given.name}, but the module's memref for it is {memref_type} "
+        f"run_mosaic of kernel @{kernel_name}: {what} has dtype {given.name}, but the module's memref for it is "
+        f"{memref_type} "
         f"({want.name}); {fix}"
     )
 
@@ -286,14 +287,15 @@ def _prepare(kernel, operands, out_leaves, aliases) -> dict:
         )
     it = iter(max(int(np.asarray(x)), 0) for x in sizes)
     bounds = [next(it) if b < 0 else b for b in bounds]
+    name = kernel.attributes["sym_name"].value
     prefetch_args = args[len(bounds) : len(bounds) + nsp]
     win_args = args[len(bounds) + nsp : len(bounds) + nsp + nwin]
     for k, (x, a) in enumerate(zip(operands[:nsp], prefetch_args)):
-        _check_dtype(f"scalar-prefetch operand {k + ndyn}", np.asarray(x).dtype, a.type)
+        _check_dtype(name, f"scalar-prefetch operand {k + ndyn}", np.asarray(x).dtype, a.type)
     for k, (x, a) in enumerate(zip(operands[nsp:], win_args)):
-        _check_dtype(f"operand {k + ndyn + nsp}", np.asarray(x).dtype, a.type)
+        _check_dtype(name, f"operand {k + ndyn + nsp}", np.asarray(x).dtype, a.type)
     for o, (leaf, a) in enumerate(zip(out_leaves, win_args[n_in:])):
-        _check_dtype(f"out_shape[{o}]", np.dtype(leaf.dtype), a.type)
+        _check_dtype(name, f"out_shape[{o}]", np.dtype(leaf.dtype), a.type)
     arrays = [np.array(x) for x in operands[nsp:]]
     for o, leaf in enumerate(out_leaves):
         src = {v: k for k, v in aliases.items()}.get(o)

@@ -682,7 +682,7 @@ def test_unsupported_primitive_names_primitive_and_line():
 @pytest.mark.parametrize(
     "m,k,n,dtype",
     [
-        (8, 8, 8, jnp.float32),  # K below tl.dot's 16: a broadcast product summed over K
+        (8, 8, 8, jnp.float32),  # K below tl.dot's 16: widened to 16 (_widen_k)
         (1, 64, 64, jnp.bfloat16),  # tokamax's attention at block_q=1: M=1 goes to tl.dot
         (2, 64, 64, jnp.float32),
         (16, 4, 32, jnp.bfloat16),

@@ -406,7 +406,7 @@ for _p, _kind in _CUMULATIVE.items():
 
 # Triton's tl.dot on NVIDIA GPUs (its min_dot_size) takes any M and N (it pads them for
 # the tensor cores) but needs K of at least 16, 32 for 8-bit operands. A dot with a
-# smaller K is lowered as a broadcast product summed over K (``_small_k_dot``).
+# smaller K is widened to that minimum first (``_widen_k``).
 MIN_DOT_K = {1: 32, 2: 16, 4: 16, 8: 16}
 
 

@@ -486,7 +486,7 @@ def dot(
     """Matrix product of two 2-d blocks, accumulated in f32 (int32 for ints).
 
     Args:
-      a, b: 2-d arrays (each dim at least 16 on the GPU).
+      a, b: 2-d arrays (any sizes: M and N below 16 are padded by Triton, K below 16 is widened).
       trans_a, trans_b: use the transpose of ``a``/``b``.
       allow_tf32: ``True`` for TF32 inputs on f32 (fast), ``False`` for IEEE.
       precision: a ``lax.Precision``; overrides ``allow_tf32``.

@@ -301,3 +301,15 @@ def host_callbacks_unavailable(ctx) -> bool:
     if backend is None:
         return False
     return len(platforms) > 1 or _xla_bridge.canonicalize_platform(backend.platform) != platforms[0]
+
+
+def reads_past_the_block_reach_the_array() -> bool:
+    """Whether JAX's interpret mode reads a block Ref at a dynamic integer index
+    past the block's end from the array (jaxlib < 0.12: XLA folds the block's
+    ``dynamic_slice`` and the read's into one slice of the array, clamped to the
+    array) rather than clamping the index into the block (jaxlib 0.12+, which is
+    ``dynamic_slice``'s own semantics). Our interpreters and pallas-gpu follow
+    the installed JAX, so that every mode gives JAX's answer."""
+    import jax
+
+    return jax.__version_info__ < (0, 12)

@@ -276,7 +276,9 @@ def _reads_past_blocks(jaxpr, gm: pallas_core.GridMapping) -> bool:
     the steps one by one (``lax.dynamic_slice`` of the block, then the read,
     as JAX's); a vectorized plan would clamp the index into the block. So these
     kernels run step by step: one semantics in every mode. Reads inside loops
-    and conds are clamped into the block in every plan (and by JAX)."""
+    and conds are clamped into the block in every plan (and by JAX). JAX 0.12+
+    clamps every such read into the block, as a vectorized plan does
+    (``compat.reads_past_the_block_reach_the_array``)."""
     top = getattr(jaxpr, "jaxpr", jaxpr)
     first = len(top.invars) - gm.num_inputs - gm.num_outputs - len(gm.scratch_avals)
     short = {}  # block Ref -> for each kernel dim, whether the block is smaller than the array
@@ -339,7 +341,7 @@ def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, inte
         or writes_any_space
         or n_scratch > 0
         or has_side_effects
-        or _reads_past_blocks(jaxpr, gm)
+        or (compat.reads_past_the_block_reach_the_array() and _reads_past_blocks(jaxpr, gm))
     )
     # An aliased input shares its buffer with the output: it reads what earlier steps wrote.
     # Steps stay independent only if the input reads exactly the block the output writes.

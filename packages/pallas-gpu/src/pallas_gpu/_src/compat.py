@@ -107,3 +107,13 @@ def register_discharge_rule(prim: Any):
         return rule
 
     return deco
+
+
+def reads_past_the_block_reach_the_array() -> bool:
+    """Whether JAX's interpret mode reads a block Ref at a top-level dynamic
+    integer index past the block's end from the array (jaxlib < 0.12, where XLA
+    folds the two slices into one) or clamps it into the block (0.12+): the
+    lowering gives the installed JAX's answer."""
+    import jax
+
+    return jax.__version_info__ < (0, 12)

@@ -10,11 +10,12 @@ Out-of-range indices follow interpret mode (JAX's and pallas-core's): a block
 index outside the grid of blocks is clamped into it, and a dynamic index or
 ``pl.ds`` start inside the kernel wraps once if negative (as in numpy) and is
 then clamped so the slice lies inside the Ref (strided slices: each element
-index is clamped). One exception, as in JAX's interpret mode: a dynamic
+index is clamped). One exception, as in JAX 0.11's interpret mode: a dynamic
 integer index that *reads* a block Ref (``x_ref[i]``) at the kernel's top
 level (not inside a loop or cond) is not clamped into the block; past the
 block's end it reads the array there, clamped to the array's last element
 (below the block's start, after one wrap, it is clamped to that start).
+With JAX 0.12+ that read is clamped into the block too, as JAX 0.12 does it.
 ``plgpu.load``/``store`` and the atomics do not clamp: they mask, as Triton
 code does.
 """
@@ -606,8 +607,9 @@ def _unflatten_transforms(rc: RuleContext, idx_args, tree):
 @register_lowering(compat.get_p)
 def _get_rule(rc: RuleContext, ref, *idx, tree):
     # JAX's interpret mode reads past the block only at the kernel's top level, where
-    # XLA fuses the read with the block's slice; inside a loop or cond it clamps.
-    top_level = rc.em.depth == 1
+    # XLA < 0.12 fuses the read with the block's slice; inside a loop or cond it clamps
+    # (and so does every read with JAX 0.12+).
+    top_level = rc.em.depth == 1 and compat.reads_past_the_block_reach_the_array()
     view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc, read=top_level)
     return _load_ref(rc, ref, view, rc.avals_out[0].dtype)
 

@@ -87,11 +87,11 @@ COMPAT = (
 INTERNAL_OURS = (
     (
         r"^from jax\._src\.pallas\.mosaic\.interpret import interpret_pallas_call as (\w+)$",
-        r"from pallas_tpu._src import interpret_multi as \1",
+        r"from pallas_tpu._src.interpret import multi as \1",
     ),
     (
         r"^import jax\._src\.pallas\.mosaic\.interpret as (\w+)$",
-        r"from pallas_tpu._src import interpret_multi as \1",
+        r"from pallas_tpu._src.interpret import multi as \1",
     ),
 )
 

@@ -1,6 +1,6 @@
 """The compiled way for downstream TPU kernels: every TPU ``pallas_call`` a run
 traces, lowered by the side's Pallas (JAX's or ours) and compiled by libtpu's
-Mosaic for compile-only v5e and v6e devices (``pallas_tpu._src.compile_check``).
+Mosaic for compile-only v5e and v6e devices (``pallas_tpu._src.mosaic.compile_check``).
 
 The kernels run in TPU interpret mode as before (a CPU runs nothing else); this
 module only watches: ``record(side)`` notes the parameters and argument shapes of
@@ -98,7 +98,7 @@ def _chip_context(chip: str):
     generation from the context (without one it sees the CPU)."""
     import jax
 
-    from pallas_tpu._src import compile_check
+    from pallas_tpu._src.mosaic import compile_check
 
     dev = compile_check.tpu_devices(chip)[0]
     kind = jax.sharding.AbstractDevice(
@@ -124,7 +124,7 @@ def compile_one(side: str, prim, params, avals, chip: str) -> tuple[str, str]:
     """(outcome, message) of one recorded kernel lowered and compiled for ``chip``."""
     import jax
 
-    from pallas_tpu._src import compile_check
+    from pallas_tpu._src.mosaic import compile_check
 
     params = dict(params, interpret=False)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals]
@@ -149,7 +149,7 @@ def compile_one(side: str, prim, params, avals, chip: str) -> tuple[str, str]:
 def compile_recorded(side: str, chips=CHIPS) -> list[list[str]]:
     """Lowers and compiles every kernel recorded since the last call, for each chip:
     ``[[kernel, chip, outcome, message], ...]``; the record is emptied."""
-    from pallas_tpu._src import compile_check
+    from pallas_tpu._src.mosaic import compile_check
 
     kernels = list(_recorded)
     _recorded.clear()

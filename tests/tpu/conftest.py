@@ -80,7 +80,7 @@ def _no_kernel_error_outlives_its_test():
 def fresh_sessions():
     """Multi-device TPU interpret mode with no sessions left from earlier tests and a
     20 s deadlock timeout, restored afterwards."""
-    from pallas_tpu._src import interpret_multi
+    from pallas_tpu._src.interpret import multi as interpret_multi
 
     old = interpret_multi.set_deadlock_timeout(20)
     interpret_multi.reset_tpu_interpret_mode_state()

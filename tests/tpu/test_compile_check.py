@@ -14,7 +14,7 @@ import pytest
 
 import pallas as pl
 import pallas_tpu as pltpu
-from pallas_tpu._src import compile_check
+from pallas_tpu._src.mosaic import compile_check
 
 pytestmark = pytest.mark.skipif(
     not compile_check.libtpu_available(), reason='needs libtpu: pip install "jax[tpu]"'

@@ -21,7 +21,7 @@ from three_way import DMA_WAYS, WAYS, call, run, tensorcore_mesh, ways
 
 import pallas as pl
 import pallas_tpu as pltpu
-from pallas_tpu._src.lowering import LoweringException
+from pallas_tpu._src.mosaic.lowering import LoweringException
 
 interpret_only = pytest.mark.interpret_only
 

@@ -31,7 +31,7 @@ from test_jax_tpu_ops import (  # noqa: F401
 from test_lowering import funcs, structure
 
 import pallas_tpu as pltpu
-from pallas_tpu._src import executor
+from pallas_tpu._src.executor import run as executor
 
 exported_bodies = three_way.tpu_modules
 run_ours = three_way.run_with_mosaic  # each pallas_call replaced by run_mosaic of our module

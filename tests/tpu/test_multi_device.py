@@ -30,7 +30,7 @@ from three_way import run_sharded, tpu_modules
 
 import pallas as pl
 import pallas_tpu as pltpu
-from pallas_tpu._src import interpret_multi
+from pallas_tpu._src.interpret import multi as interpret_multi
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 4,

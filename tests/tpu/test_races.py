@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas as pl
 import pallas_tpu as pltpu
-from pallas_tpu._src import interpret_multi
+from pallas_tpu._src.interpret import multi as interpret_multi
 
 N = 4
 IMPLS = {"ours": (pl, pltpu), "jax": (jpl, jpltpu)}

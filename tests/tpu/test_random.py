@@ -20,7 +20,7 @@ from three_way import WAYS, run, ways
 
 import pallas as pl
 import pallas_tpu
-from pallas_tpu._src import random as _random
+from pallas_tpu._src.language import random as _random
 
 
 def _public(name):

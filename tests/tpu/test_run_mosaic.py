@@ -12,7 +12,7 @@ import pytest
 from jax import export
 
 import pallas_tpu as pltpu
-from pallas_tpu._src import executor
+from pallas_tpu._src.executor import run as executor
 
 jpl = pytest.importorskip("jax.experimental.pallas")
 jtpu = pytest.importorskip("jax.experimental.pallas.tpu")

@@ -383,7 +383,7 @@ def test_example_export_round_trip(name):
     from three_way import TPU_V5E
 
     import pallas_tpu as pltpu
-    from pallas_tpu._src import executor
+    from pallas_tpu._src.executor import run as executor
 
     ex = load_example(name, "ours")
     n_dev = 1

@@ -172,7 +172,7 @@ def test_random_modules_verify_and_key_errors_name_the_line():
 def _pallas_key_ops(data):
     """What the Pallas-key test kernel draws from key data ``uint32[2]`` (in the
     kernel and, as the reference, outside one: the impl's own definitions)."""
-    from pallas_tpu._src import random as tpu_random
+    from pallas_tpu._src.language import random as tpu_random
 
     k = jax.random.wrap_key_data(data.reshape(1, 2), impl=tpu_random.pallas_key_impl)
     k2 = jax.random.fold_in(k, 7)
@@ -210,7 +210,7 @@ def test_pallas_key_module_seeds_the_core_prng():
     data = jax.random.key_data(pltpu.to_pallas_key(jax.random.key(fresh_seed()))).reshape(2)
 
     def kernel(k_ref, o_ref):
-        from pallas_tpu._src import random as tpu_random
+        from pallas_tpu._src.language import random as tpu_random
 
         d = jnp.stack([k_ref[0], k_ref[1]]).reshape(1, 2)
         o_ref[...] = jax.random.uniform(

@@ -266,7 +266,7 @@ def test_stochastic_round(mode, target):
 
 
 def _prng_reference(seeds, shapes):
-    """The documented model (pallas_tpu/_src/random.py), in plain jax.random:
+    """The documented model (pallas_tpu/_src/language/random.py), in plain jax.random:
     fold each seed into key(0, 0x5EED); draw n is bits(fold_in(key, n))."""
     key = jax.random.wrap_key_data(jnp.array([0, 0x5EED], jnp.uint32), impl="threefry2x32")
     for s in seeds:
@@ -540,7 +540,7 @@ def test_take_along_axis(mode):
 def test_unsupported_primitive_names_it():
     import pallas as pl
     import pallas_tpu as pltpu
-    from pallas_tpu._src.lowering import LoweringException
+    from pallas_tpu._src.mosaic.lowering import LoweringException
 
     def kernel(x_ref, o_ref):
         o_ref[...] = lax.igamma(x_ref[...], x_ref[...] + 1.0)  # no Mosaic rule (sort lowers now)
@@ -616,7 +616,7 @@ LOWERING_ERRORS = [
 def test_lowering_error_names_primitive_and_line(name, fn, match):
     import pallas as pl
     import pallas_tpu as pltpu
-    from pallas_tpu._src.lowering import LoweringException
+    from pallas_tpu._src.mosaic.lowering import LoweringException
 
     def kernel(x_ref, o_ref):
         o_ref[...] = fn(x_ref[...])

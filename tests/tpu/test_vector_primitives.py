@@ -27,9 +27,9 @@ from jax.experimental.pallas import tpu as jpltpu
 
 import pallas as pl
 import pallas_tpu
-from pallas_tpu._src import einshape as _einshape_mod
-from pallas_tpu._src import tpu_info as _tpu_info_mod
-from pallas_tpu._src import vector_primitives as _vp
+from pallas_tpu._src.language import einshape as _einshape_mod
+from pallas_tpu._src.language import tpu_info as _tpu_info_mod
+from pallas_tpu._src.language import vector_primitives as _vp
 
 
 def _public(name, module):

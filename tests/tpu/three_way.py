@@ -38,8 +38,9 @@ from jax import export
 
 import pallas as pl
 import pallas_tpu as pltpu
-from pallas_tpu._src import compile_check, executor
-from pallas_tpu._src.compile_check import MosaicCompileError
+from pallas_tpu._src.executor import run as executor
+from pallas_tpu._src.mosaic import compile_check
+from pallas_tpu._src.mosaic.compile_check import MosaicCompileError
 
 MODES = ("interpret", "ours", "jax", "compiled")
 WAYS = MODES

@@ -24,7 +24,7 @@ import numpy as np
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
-from pallas_tpu._src import core as tpu_core
+from pallas_tpu._src.language import core as tpu_core
 
 
 def _err(gm, cls, what, msg):
@@ -48,7 +48,7 @@ def _trivial_window(bm) -> bool:
 
 def check_block_shapes(gm) -> None:
     """JAX's Mosaic lowering's rules for the block shapes of VMEM operands."""
-    from pallas_tpu._src import tpu_info
+    from pallas_tpu._src.language import tpu_info
 
     for bm in gm.block_mappings:
         ms = bm.memory_space
@@ -112,8 +112,8 @@ def check_vmem(gm, compiler_params) -> None:
     whole array at a constant block index once; VMEM scratch once), against
     ``vmem_limit_bytes`` (default: XLA's scoped VMEM limit of the modelled
     chip) and the chip's VMEM."""
-    from pallas_tpu._src import tpu_info
-    from pallas_tpu._src.lowering_kernel import single_buffered
+    from pallas_tpu._src.language import tpu_info
+    from pallas_tpu._src.mosaic.lowering_kernel import single_buffered
 
     cp = _cp(compiler_params)
     info = tpu_info.get_tpu_info()

@@ -2,7 +2,7 @@
 
 With ``interpret=pltpu.InterpretParams()`` the kernel runs in the TPU
 interpreter (plain JAX, any platform). Otherwise it is lowered to a Mosaic
-module (``lowering_kernel.py``) and serialized into XLA's ``tpu_custom_call``
+module (``mosaic/lowering_kernel.py``) and serialized into XLA's ``tpu_custom_call``
 with the backend config Mosaic expects, through JAX's own helper (compat): so
 ``jax.export(f, platforms=["tpu"])`` works on a machine without a TPU.
 ``mosaic_modules(fn, *args)`` returns the modules ``fn`` lowers to.
@@ -21,11 +21,12 @@ from jax.interpreters import mlir
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mosaic.python import tpu
 
-from pallas_tpu._src import checks, compat, interpret_pallas_call
-from pallas_tpu._src import core as tpu_core
-from pallas_tpu._src.interpret import Interpreter, InterpretParams
-from pallas_tpu._src.lowering import BOOL_MEMORY_DTYPE, LoweringException
-from pallas_tpu._src.lowering_kernel import func_name, lower_kernel
+from pallas_tpu._src import checks, compat
+from pallas_tpu._src.interpret import pallas_call as interpret_pallas_call
+from pallas_tpu._src.interpret.interpreter import Interpreter, InterpretParams
+from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.mosaic.lowering import BOOL_MEMORY_DTYPE, LoweringException
+from pallas_tpu._src.mosaic.lowering_kernel import func_name, lower_kernel
 
 PLATFORMS = ("tpu",)
 # Grids with traced sizes lower: the sizes are the custom call's first operands.
@@ -37,7 +38,7 @@ INTERPRET_PARAMS = InterpretParams
 
 
 def _interpreter_class(jaxpr, params):
-    from pallas_tpu._src import interpret_multi
+    from pallas_tpu._src.interpret import multi as interpret_multi
 
     if params.detect_races or interpret_multi.needs_multi_device(jaxpr):
         return interpret_multi.MultiDeviceInterpreter
@@ -46,7 +47,7 @@ def _interpreter_class(jaxpr, params):
 
 def _interpret(*args, jaxpr, grid_mapping, input_output_aliases, interpret, compiler_params, **_):
     params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
-    from pallas_tpu._src import tpu_info
+    from pallas_tpu._src.language import tpu_info
 
     cls = _interpreter_class(jaxpr, params)
     with tpu_info.modeled_chip(params.chip_version):
@@ -63,7 +64,8 @@ def _interpret(*args, jaxpr, grid_mapping, input_output_aliases, interpret, comp
 
 def interpret_lower(ctx, *args, **params):
     """MLIR lowering of pallas_call_p through the TPU interpreter."""
-    from pallas_tpu._src import compile_progress, interpret_multi
+    from pallas_tpu._src.interpret import multi as interpret_multi
+    from pallas_tpu._src.interpret import progress as compile_progress
 
     # The mesh's devices tell the multi-device interpreter whether they all live in this process.
     with (

@@ -12,8 +12,8 @@ from jax import lax
 
 import pallas as pl
 from pallas import backend as plb
-from pallas_tpu._src import core as tpu_core
-from pallas_tpu._src import primitives as tpu_prims
+from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.language import primitives as tpu_prims
 
 
 def sync_copy(src_ref: Any, dst_ref: Any, *, add: bool = False) -> None:

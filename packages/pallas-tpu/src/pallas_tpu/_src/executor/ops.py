@@ -1,4 +1,4 @@
-"""The op table of ``run_mosaic`` (see ``executor.py``): one rule per MLIR op
+"""The op table of ``run_mosaic`` (see ``run.py``): one rule per MLIR op
 name, ``rule(ex, op, vals) -> list of results``, on NumPy values. Elementwise
 ops come from tables; float math on 16-bit floats runs in float32 and is
 rounded to the result type, as a TPU's VPU does on chips without bf16 math."""

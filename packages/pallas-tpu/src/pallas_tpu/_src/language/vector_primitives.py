@@ -27,7 +27,8 @@ from jax.extend.core import Effect, Primitive
 from jax.interpreters import ad, batching, mlir
 
 from pallas.backend import kernel_error, register_internal_dir
-from pallas_tpu._src import compat, interpret_rules
+from pallas_tpu._src import compat
+from pallas_tpu._src.interpret import rules as interpret_rules
 
 register_internal_dir(__file__)
 

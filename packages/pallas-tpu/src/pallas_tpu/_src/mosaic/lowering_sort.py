@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_tpu._src import vector_primitives as vp
-from pallas_tpu._src.lowering import lower_fun, register_lowering
+from pallas_tpu._src.language import vector_primitives as vp
+from pallas_tpu._src.mosaic.lowering import lower_fun, register_lowering
 
 _SIGNED = {2: jnp.int16, 4: jnp.int32}
 

@@ -40,9 +40,10 @@ import numpy as np
 from jax import lax
 
 from pallas import backend as plb
-from pallas_tpu._src import compat, interpret_rules
-from pallas_tpu._src import primitives as tpu_prims
-from pallas_tpu._src.interpret import RefView, _traced_sizes
+from pallas_tpu._src import compat
+from pallas_tpu._src.interpret import rules as interpret_rules
+from pallas_tpu._src.interpret.interpreter import RefView, _traced_sizes
+from pallas_tpu._src.language import primitives as tpu_prims
 
 
 @dataclasses.dataclass(frozen=True)

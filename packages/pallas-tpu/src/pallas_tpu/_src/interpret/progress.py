@@ -29,7 +29,7 @@ _install_lock = threading.Lock()
 
 
 def _seconds() -> float:
-    from pallas_tpu._src.interpret_multi import progress_seconds
+    from pallas_tpu._src.interpret.multi import progress_seconds
 
     return progress_seconds()
 

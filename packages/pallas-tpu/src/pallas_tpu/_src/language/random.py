@@ -43,7 +43,7 @@ from jax.interpreters import batching, mlir
 
 from pallas.backend import kernel_error, register_internal_dir
 from pallas_tpu._src import compat
-from pallas_tpu._src import interpret_rules as rules
+from pallas_tpu._src.interpret import rules
 
 register_internal_dir(__file__)
 

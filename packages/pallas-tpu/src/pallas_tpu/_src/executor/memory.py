@@ -1,5 +1,5 @@
 """``run_mosaic`` rules for memory (loads, stores, memref views), DMAs and
-semaphores, and control flow (see ``executor.py``)."""
+semaphores, and control flow (see ``run.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 import ml_dtypes
 import numpy as np
 
-from pallas_tpu._src.executor_ops import (
+from pallas_tpu._src.executor.ops import (
     Buffer,
     MosaicError,
     _array_attr,
@@ -142,7 +142,7 @@ def tiled_shape(t) -> tuple[int, ...]:
     narrower than 4 bits are not tiled here."""
     from jaxlib.mlir import ir
 
-    from pallas_tpu._src.executor_ops import element_type, memory_space
+    from pallas_tpu._src.executor.ops import element_type, memory_space
 
     mt = ir.MemRefType(t)
     shape = tuple(mt.shape)

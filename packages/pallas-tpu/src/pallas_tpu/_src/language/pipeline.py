@@ -57,8 +57,8 @@ from jax import lax, tree_util
 import pallas as pl
 from pallas import backend as plb
 from pallas_tpu._src import compat
-from pallas_tpu._src import core as tpu_core
-from pallas_tpu._src import primitives as tpu_prims
+from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.language import primitives as tpu_prims
 
 VMEM, SMEM, HBM = tpu_core.VMEM, tpu_core.SMEM, tpu_core.HBM
 _WHERE = "pltpu.emit_pipeline"
@@ -512,7 +512,7 @@ def _partial_dims(spec, aval, tiling, origin) -> dict[int, tuple[int, int, int]]
 
 def _tiling_of(aval, tiling):
     try:
-        from pallas_tpu._src import tpu_info
+        from pallas_tpu._src.language import tpu_info
 
         return tuple(tpu_info.infer_tiling(aval, tiling))
     except ImportError:

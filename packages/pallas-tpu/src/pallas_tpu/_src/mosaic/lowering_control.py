@@ -11,7 +11,7 @@ from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
-from pallas_tpu._src.lowering import (
+from pallas_tpu._src.mosaic.lowering import (
     BOOL_MEMORY_DTYPE,
     aval_type,
     constant,

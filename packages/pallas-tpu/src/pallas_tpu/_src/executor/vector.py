@@ -1,4 +1,4 @@
-"""``run_mosaic`` rules for vector ops and math (see ``executor.py``)."""
+"""``run_mosaic`` rules for vector ops and math (see ``run.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import string
 
 import numpy as np
 
-from pallas_tpu._src.executor_ops import (
+from pallas_tpu._src.executor.ops import (
     MosaicError,
     _array_attr,
     _cast,
@@ -297,7 +297,7 @@ def _stochastic_convert(ex, op, vals, env):
     interpret-mode rule (see its docstring), so run_mosaic and interpret mode agree."""
     import jax.numpy as jnp
 
-    from pallas_tpu._src import vector_primitives as vp
+    from pallas_tpu._src.language import vector_primitives as vp
 
     x, bits = np.asarray(vals[0]), np.asarray(vals[1])  # float32 (the verifier checks)
     target = _out_dtype(op)
@@ -306,14 +306,14 @@ def _stochastic_convert(ex, op, vals, env):
 
 
 # The hardware PRNG cannot be reproduced: run_mosaic follows pallas_tpu's TPU
-# interpret mode instead (pallas_tpu._src.random): each device's run of a kernel
+# interpret mode instead (pallas_tpu._src.language.random): each device's run of a kernel
 # starts unseeded; prng_set_seed_32 derives a threefry key from the seeds; each
 # prng_random_bits draws jax.random.bits of (key, counter) and advances the
 # counter. The state lives on through the grid steps, as a core's PRNG does.
 
 
 def _prng_state(ex):
-    from pallas_tpu._src import random as tpu_random
+    from pallas_tpu._src.language import random as tpu_random
 
     if getattr(ex, "prng_state", None) is None:
         ex.prng_state = tpu_random.state_from_seeds(())
@@ -322,7 +322,7 @@ def _prng_state(ex):
 
 @rule("tpu.prng_set_seed_32")
 def _prng_set_seed(ex, op, vals, env):
-    from pallas_tpu._src import random as tpu_random
+    from pallas_tpu._src.language import random as tpu_random
 
     seeds = [np.asarray(v).astype(np.int32).view(np.uint32) for v in vals]
     ex.prng_state = tpu_random.state_from_seeds(seeds)
@@ -330,7 +330,7 @@ def _prng_set_seed(ex, op, vals, env):
 
 @rule("tpu.prng_random_bits")
 def _prng_random_bits(ex, op, vals, env):
-    from pallas_tpu._src import random as tpu_random
+    from pallas_tpu._src.language import random as tpu_random
 
     state = _prng_state(ex)
     shape = shape_of(op.operation.results[0].type)

@@ -26,9 +26,9 @@ from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
-from pallas_tpu._src import primitives as tpu_prims
-from pallas_tpu._src import random as tpu_random
-from pallas_tpu._src.lowering import (
+from pallas_tpu._src.language import primitives as tpu_prims
+from pallas_tpu._src.language import random as tpu_random
+from pallas_tpu._src.mosaic.lowering import (
     BACKEND,
     BOOL_MEMORY_DTYPE,
     Aval,
@@ -49,7 +49,7 @@ from pallas_tpu._src.lowering import (
     shape_cast,
     value_type,
 )
-from pallas_tpu._src.lowering_math import BINARY
+from pallas_tpu._src.mosaic.lowering_math import BINARY
 
 
 @dataclasses.dataclass

@@ -13,11 +13,18 @@ import numpy as np
 from jax import lax
 
 from pallas import backend as plb
-from pallas_tpu._src import checks, compat, interpret_rules
-from pallas_tpu._src import core as tpu_core
-from pallas_tpu._src import interpret_dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
-from pallas_tpu._src import primitives as tpu_prims
-from pallas_tpu._src.interpret import Interpreter, InterpretParams, RefView, _check_sem_zero, _uninit
+from pallas_tpu._src import checks, compat
+from pallas_tpu._src.interpret import dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
+from pallas_tpu._src.interpret import rules as interpret_rules
+from pallas_tpu._src.interpret.interpreter import (
+    Interpreter,
+    InterpretParams,
+    RefView,
+    _check_sem_zero,
+    _uninit,
+)
+from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.language import primitives as tpu_prims
 
 
 def _err(gm, cls, what, msg):

@@ -12,9 +12,9 @@ from jaxlib.mlir.dialects import arith, math, vector
 from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
-from pallas_tpu._src import vector_primitives as vp
-from pallas_tpu._src.einshape import einshape_p
-from pallas_tpu._src.lowering import (
+from pallas_tpu._src.language import vector_primitives as vp
+from pallas_tpu._src.language.einshape import einshape_p
+from pallas_tpu._src.mosaic.lowering import (
     Aval,
     aval_type,
     broadcast_to,

@@ -68,13 +68,14 @@ import numpy as np
 from jax import lax, tree_util
 
 from pallas import backend as plb
-from pallas_tpu._src import compat, interpret_dma
-from pallas_tpu._src import primitives as tpu_prims
-from pallas_tpu._src.interpret import Interpreter, KernelError, RefView
+from pallas_tpu._src import compat
+from pallas_tpu._src.interpret import dma as interpret_dma
+from pallas_tpu._src.interpret.interpreter import Interpreter, KernelError, RefView
+from pallas_tpu._src.language import primitives as tpu_prims
 
 
 def needs_multi_device(jaxpr) -> bool:
-    from pallas_tpu._src.interpret_pallas_call import _kernel_uses
+    from pallas_tpu._src.interpret.pallas_call import _kernel_uses
 
     return _kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}) or _has_remote(jaxpr)
 
@@ -88,7 +89,7 @@ def _is_remote(eqn) -> bool:
 
 
 def _has_remote(jaxpr) -> bool:
-    from pallas_tpu._src.interpret_pallas_call import any_eqn
+    from pallas_tpu._src.interpret.pallas_call import any_eqn
 
     return any_eqn(jaxpr, _is_remote)
 
@@ -482,7 +483,7 @@ class MultiDeviceInterpreter(Interpreter):
     # -- lifecycle --
 
     def setup(self, jaxpr, compiler_params) -> None:
-        from pallas_tpu._src.interpret_pallas_call import _kernel_uses
+        from pallas_tpu._src.interpret.pallas_call import _kernel_uses
 
         names = compat.bound_axis_names()
         sizes = compat.axis_sizes()

@@ -315,7 +315,7 @@ def _in_child(fn, args, kwargs, chips) -> list[KernelCompile]:
         env.setdefault("JAX_PLATFORMS", "cpu")
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # this process holds libtpu's lock file too
         proc = subprocess.run(
-            [sys.executable, "-m", "pallas_tpu._src.compile_check", spec],
+            [sys.executable, "-m", "pallas_tpu._src.mosaic.compile_check", spec],
             env=env,
             capture_output=True,
             text=True,

@@ -47,9 +47,10 @@ import numpy as np
 from jax import lax, tree_util
 
 from pallas import backend as plb
-from pallas_tpu._src import compat, interpret_rules
-from pallas_tpu._src import core as tpu_core
-from pallas_tpu._src import primitives as tpu_prims
+from pallas_tpu._src import compat
+from pallas_tpu._src.interpret import rules as interpret_rules
+from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.language import primitives as tpu_prims
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,7 +113,7 @@ class InterpretParams:
             self,
             ("detect_races", "skip_floating_point_ops", "allow_hbm_allocation_in_run_scoped"),
         )
-        from pallas_tpu._src import tpu_info
+        from pallas_tpu._src.language import tpu_info
 
         tpu_info._as_chip(self.chip_version)  # an unknown generation fails here, naming the known ones
         if not isinstance(self.num_cores_or_threads, int) or self.num_cores_or_threads < 1:
@@ -127,7 +128,7 @@ class InterpretParams:
     def tracing_context(self):
         """Entered while pallas_call traces the kernel: ``get_tpu_info()`` (and
         so ``emit_pipeline``'s tiling) describes ``chip_version``."""
-        from pallas_tpu._src import tpu_info
+        from pallas_tpu._src.language import tpu_info
 
         return tpu_info.modeled_chip(self.chip_version)
 
@@ -282,7 +283,7 @@ class Interpreter:
         on_wait shadows are off: then it does not matter)."""
         if not self.dma_shadows:
             return frozenset(range(len(getattr(jaxpr, "jaxpr", jaxpr).invars)))
-        from pallas_tpu._src import interpret_dma
+        from pallas_tpu._src.interpret import dma as interpret_dma
 
         return interpret_dma.dma_destinations(jaxpr, self._dma_memo)
 
@@ -1061,6 +1062,6 @@ def set_tpu_interpret_mode(params: InterpretParams | None = None) -> None:
 def reset_tpu_interpret_mode_state() -> None:
     """Clears the multi-device interpreter's shared state after an error
     (JAX's API); a forced default interpret mode stays."""
-    from pallas_tpu._src import interpret_multi
+    from pallas_tpu._src.interpret import multi as interpret_multi
 
     interpret_multi.reset_tpu_interpret_mode_state()

@@ -1,4 +1,4 @@
-"""Extension tables of the TPU interpreter (``interpret.py``).
+"""Extension tables of the TPU interpreter (``interpreter.py``).
 
 STATE_RULES: ``{primitive: rule}``; ``rule(ctx, eqn, *invals) -> list of outvals``.
   The interpreter calls the rule instead of binding the primitive. ``ctx`` is

@@ -35,9 +35,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_tpu._src import executor_memory as memory
-from pallas_tpu._src import executor_ops as ops
-from pallas_tpu._src import executor_vector  # noqa: F401  (registers the vector rules)
+from pallas_tpu._src.executor import memory, ops
+from pallas_tpu._src.executor import vector as executor_vector  # noqa: F401  (registers the vector rules)
 
 Buffer = ops.Buffer
 MosaicError = ops.MosaicError

@@ -13,7 +13,7 @@ the bits equal those ``jax.random`` gives outside a kernel.
 
 Pallas keys (``pltpu.to_pallas_key``, the ``pallas_tpu_key`` implementation,
 key data ``uint32[*keys, 1, 2]``) lower as pallas_tpu's interpret mode runs
-them (``random.py``): ``random_bits`` reseeds the core's PRNG with the two key
+them (``language/random.py``): ``random_bits`` reseeds the core's PRNG with the two key
 words (``tpu.prng_set_seed_32``) and draws ``tpu.prng_random_bits`` (narrow
 widths are the low bits of 32-bit words, as threefry's), ``split`` is the
 threefry definition above on the key data, and ``fold_in`` is JAX's Pallas-key
@@ -34,8 +34,8 @@ import numpy as np
 from jax import lax
 
 from pallas_tpu._src import compat
-from pallas_tpu._src import random as tpu_random
-from pallas_tpu._src.lowering import (
+from pallas_tpu._src.language import random as tpu_random
+from pallas_tpu._src.mosaic.lowering import (
     key_params,
     key_rules,
     lower_fun,

@@ -131,8 +131,12 @@ def _install_all(session: nox.Session, jax_req: list[str], triton_req: list[str]
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Full test suite on the oldest supported JAX (the GPU machine's) and the pinned Triton."""
+    """Full test suite on the oldest supported JAX (the GPU machine's) and the pinned Triton,
+    with tokamax installed: tests/downstream/test_tokamax.py then runs the fixed subset of
+    tokamax's tests (subsets/ci.txt) on JAX's Pallas and on ours (issue 31: CI runs
+    downstream code; the whole set is the ``downstream`` session)."""
     _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
+    session.install(*TOKAMAX, *_with_libtpu(JAX_OLDEST), *TRITON_PINNED)
     args = session.posargs or ["tests", "-n", "2", "-q", "-rs", "--durations=25"]
     # The compiled way of the TPU suites compiles for TPU v5e and v6e (tests/tpu/three_way.py).
     session.run("python", "-m", "pytest", *args, env={"PALLAS_TPU_CHIPS": "v5e,v6e"})

@@ -25,6 +25,7 @@ import numpy as np
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.language import tpu_info
 
 
 def _err(gm, cls, what, msg):
@@ -48,8 +49,6 @@ def _trivial_window(bm) -> bool:
 
 def check_block_shapes(gm) -> None:
     """JAX's Mosaic lowering's rules for the block shapes of VMEM operands."""
-    from pallas_tpu._src.language import tpu_info
-
     for bm in gm.block_mappings:
         ms = bm.memory_space
         if ms is tpu_core.SEMAPHORE or (ms is tpu_core.SMEM and _trivial_window(bm)):
@@ -106,15 +105,21 @@ def default_scoped_vmem_bytes(info) -> int:
     return min(_DEFAULT_SCOPED_VMEM_MIB.get(info.generation, 16) * 2**20, info.vmem_capacity_bytes)
 
 
+def single_buffered(bm) -> bool:
+    """A VMEM block that is the whole array at a constant index is copied in
+    once: Mosaic keeps one buffer of it (as JAX's lowering asks)."""
+    if str(bm.memory_space or "vmem") != "vmem" or tuple(bm.block_sizes) != tuple(bm.array_shape):
+        return False
+    outs = getattr(bm.index_map, "jaxpr", bm.index_map).outvars
+    return all(isinstance(v, compat.Literal) and v.val == 0 for v in outs)
+
+
 def check_vmem(gm, compiler_params) -> None:
     """The VMEM a kernel needs, as Mosaic allocates it (VMEM blocks twice: the
     pipeline fetches the next block while the kernel works on this one; a
     whole array at a constant block index once; VMEM scratch once), against
     ``vmem_limit_bytes`` (default: XLA's scoped VMEM limit of the modelled
     chip) and the chip's VMEM."""
-    from pallas_tpu._src.language import tpu_info
-    from pallas_tpu._src.mosaic.lowering_kernel import single_buffered
-
     cp = _cp(compiler_params)
     info = tpu_info.get_tpu_info()
     chip = f"TPU {info.chip_version.value}"

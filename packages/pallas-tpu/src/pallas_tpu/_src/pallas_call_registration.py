@@ -22,9 +22,13 @@ from jaxlib.mlir import ir, passmanager
 from jaxlib.mosaic.python import tpu
 
 from pallas_tpu._src import checks, compat
+from pallas_tpu._src.interpret import facts
+from pallas_tpu._src.interpret import multi as interpret_multi
 from pallas_tpu._src.interpret import pallas_call as interpret_pallas_call
+from pallas_tpu._src.interpret import progress as compile_progress
 from pallas_tpu._src.interpret.interpreter import Interpreter, InterpretParams
 from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.language import tpu_info
 from pallas_tpu._src.mosaic.lowering import BOOL_MEMORY_DTYPE, LoweringException
 from pallas_tpu._src.mosaic.lowering_kernel import func_name, lower_kernel
 
@@ -38,17 +42,13 @@ INTERPRET_PARAMS = InterpretParams
 
 
 def _interpreter_class(jaxpr, params):
-    from pallas_tpu._src.interpret import multi as interpret_multi
-
-    if params.detect_races or interpret_multi.needs_multi_device(jaxpr):
+    if params.detect_races or facts.needs_multi_device(jaxpr):
         return interpret_multi.MultiDeviceInterpreter
     return Interpreter
 
 
 def _interpret(*args, jaxpr, grid_mapping, input_output_aliases, interpret, compiler_params, **_):
     params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
-    from pallas_tpu._src.language import tpu_info
-
     cls = _interpreter_class(jaxpr, params)
     with tpu_info.modeled_chip(params.chip_version):
         return interpret_pallas_call.run(
@@ -64,9 +64,6 @@ def _interpret(*args, jaxpr, grid_mapping, input_output_aliases, interpret, comp
 
 def interpret_lower(ctx, *args, **params):
     """MLIR lowering of pallas_call_p through the TPU interpreter."""
-    from pallas_tpu._src.interpret import multi as interpret_multi
-    from pallas_tpu._src.interpret import progress as compile_progress
-
     # The mesh's devices tell the multi-device interpreter whether they all live in this process.
     with (
         compile_progress.interpreting(params["grid_mapping"].kernel_name),

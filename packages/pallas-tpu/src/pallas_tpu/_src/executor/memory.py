@@ -16,6 +16,8 @@ from pallas_tpu._src.executor.ops import (
     _operands,
     _out_dtype,
     allocate,
+    element_type,
+    memory_space,
     np_dtype,
     rule,
     shape_of,
@@ -141,8 +143,6 @@ def tiled_shape(t) -> tuple[int, ...]:
     whatever the memory held. Semaphores, SMEM, 0-d memrefs and elements
     narrower than 4 bits are not tiled here."""
     from jaxlib.mlir import ir
-
-    from pallas_tpu._src.executor.ops import element_type, memory_space
 
     mt = ir.MemRefType(t)
     shape = tuple(mt.shape)

@@ -19,6 +19,8 @@ from pallas_tpu._src.executor.ops import (
     shape_of,
     where,
 )
+from pallas_tpu._src.language import random as tpu_random
+from pallas_tpu._src.language import vector_primitives as vp
 
 # -- vectors -----------------------------------------------------------------
 
@@ -297,8 +299,6 @@ def _stochastic_convert(ex, op, vals, env):
     interpret-mode rule (see its docstring), so run_mosaic and interpret mode agree."""
     import jax.numpy as jnp
 
-    from pallas_tpu._src.language import vector_primitives as vp
-
     x, bits = np.asarray(vals[0]), np.asarray(vals[1])  # float32 (the verifier checks)
     target = _out_dtype(op)
     r = vp._stochastic_round_impl(jnp.asarray(x), jnp.asarray(bits.view(np.uint32)), target_dtype=target)
@@ -313,8 +313,6 @@ def _stochastic_convert(ex, op, vals, env):
 
 
 def _prng_state(ex):
-    from pallas_tpu._src.language import random as tpu_random
-
     if getattr(ex, "prng_state", None) is None:
         ex.prng_state = tpu_random.state_from_seeds(())
     return ex.prng_state
@@ -322,16 +320,12 @@ def _prng_state(ex):
 
 @rule("tpu.prng_set_seed_32")
 def _prng_set_seed(ex, op, vals, env):
-    from pallas_tpu._src.language import random as tpu_random
-
     seeds = [np.asarray(v).astype(np.int32).view(np.uint32) for v in vals]
     ex.prng_state = tpu_random.state_from_seeds(seeds)
 
 
 @rule("tpu.prng_random_bits")
 def _prng_random_bits(ex, op, vals, env):
-    from pallas_tpu._src.language import random as tpu_random
-
     state = _prng_state(ex)
     shape = shape_of(op.operation.results[0].type)
     if _width(op.operation.results[0].type) != 32:

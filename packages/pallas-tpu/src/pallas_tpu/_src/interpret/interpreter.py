@@ -48,9 +48,11 @@ from jax import lax, tree_util
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
+from pallas_tpu._src.interpret import facts
 from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import primitives as tpu_prims
+from pallas_tpu._src.language import tpu_info
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,8 +115,6 @@ class InterpretParams:
             self,
             ("detect_races", "skip_floating_point_ops", "allow_hbm_allocation_in_run_scoped"),
         )
-        from pallas_tpu._src.language import tpu_info
-
         tpu_info._as_chip(self.chip_version)  # an unknown generation fails here, naming the known ones
         if not isinstance(self.num_cores_or_threads, int) or self.num_cores_or_threads < 1:
             raise ValueError(
@@ -128,8 +128,6 @@ class InterpretParams:
     def tracing_context(self):
         """Entered while pallas_call traces the kernel: ``get_tpu_info()`` (and
         so ``emit_pipeline``'s tiling) describes ``chip_version``."""
-        from pallas_tpu._src.language import tpu_info
-
         return tpu_info.modeled_chip(self.chip_version)
 
 
@@ -229,7 +227,7 @@ class Interpreter:
         self.shadows: dict[int, tuple[int, int]] = {}
         self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
         self._unchecked = 0
-        self._dma_memo: dict = {}  # interpret_dma.dma_destinations of the jaxprs seen
+        self._dma_memo: dict = {}  # facts.dma_destinations of the jaxprs seen
         self._where_memo: dict = {}  # id(eqn) -> (eqn, where(eqn))
         # (trace, index, extent, size) of the traced bounds checks made so far (see _bounds_checked).
         self._bounds_seen: dict[tuple[int, int, int, int], tuple[Any, Any]] = {}
@@ -257,7 +255,7 @@ class Interpreter:
 
     def new_cell(self, value, name: str, space=None, dma_target: bool = True) -> int:
         """A new cell holding ``value``. ``dma_target=False``: no DMA writes it
-        (``interpret_dma.dma_destinations``), so it needs no on_wait shadow."""
+        (``facts.dma_destinations``), so it needs no on_wait shadow."""
         c = self._next_cell
         self._next_cell += 1
         self.state[c] = value
@@ -283,9 +281,7 @@ class Interpreter:
         on_wait shadows are off: then it does not matter)."""
         if not self.dma_shadows:
             return frozenset(range(len(getattr(jaxpr, "jaxpr", jaxpr).invars)))
-        from pallas_tpu._src.interpret import dma as interpret_dma
-
-        return interpret_dma.dma_destinations(jaxpr, self._dma_memo)
+        return facts.dma_destinations(jaxpr, self._dma_memo)
 
     def new_cell_plain(self, value, name: str, space=None) -> int:
         c = self._next_cell
@@ -1057,11 +1053,3 @@ def set_tpu_interpret_mode(params: InterpretParams | None = None) -> None:
     stack = plb.forced_interpret()
     stack.clear()
     stack.append(params or InterpretParams())
-
-
-def reset_tpu_interpret_mode_state() -> None:
-    """Clears the multi-device interpreter's shared state after an error
-    (JAX's API); a forced default interpret mode stays."""
-    from pallas_tpu._src.interpret import multi as interpret_multi
-
-    interpret_multi.reset_tpu_interpret_mode_state()

@@ -70,29 +70,9 @@ from jax import lax, tree_util
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import dma as interpret_dma
+from pallas_tpu._src.interpret import facts, progress
 from pallas_tpu._src.interpret.interpreter import Interpreter, KernelError, RefView
 from pallas_tpu._src.language import primitives as tpu_prims
-
-
-def needs_multi_device(jaxpr) -> bool:
-    from pallas_tpu._src.interpret.pallas_call import _kernel_uses
-
-    return _kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}) or _has_remote(jaxpr)
-
-
-def _is_remote(eqn) -> bool:
-    if eqn.primitive in (tpu_prims.dma_start_p, tpu_prims.dma_wait_p):
-        return eqn.params["layout"].device_id_tree is not None
-    if eqn.primitive is plb.semaphore_signal_p:
-        return eqn.params["device_id_tree"] is not None or eqn.params["has_core_index"]
-    return False
-
-
-def _has_remote(jaxpr) -> bool:
-    from pallas_tpu._src.interpret.pallas_call import any_eqn
-
-    return any_eqn(jaxpr, _is_remote)
-
 
 # ---------------------------------------------------------------------------
 # Process-wide state.
@@ -125,8 +105,9 @@ _next_sid = 0
 
 
 def reset_tpu_interpret_mode_state() -> None:
-    """Forgets every kernel session (devices that never met, after an error),
-    the races found so far, and a failed kernel's error that JAX would raise
+    """Clears TPU interpret mode's shared state after an error (JAX's API; a forced
+    default interpret mode stays): forgets every kernel session (devices that never
+    met), the races found so far, and a failed kernel's error that JAX would raise
     again at the next ``jax.effects_barrier()``."""
     global races
     compat.forget_failed_effects()
@@ -256,7 +237,7 @@ class _Session:
         self.n_records, self.collect_at = 0, 64
         self.num_steps, self.steps_done = 0, 0
         self.started = time.monotonic()
-        self.next_report = self.started + progress_seconds()
+        self.next_report = self.started + progress.progress_seconds()
 
     # -- errors --
 
@@ -403,7 +384,7 @@ class _Session:
         now = time.monotonic()
         if now < self.next_report:
             return
-        self.next_report = now + max(progress_seconds(), 1.0)
+        self.next_report = now + max(progress.progress_seconds(), 1.0)
         elapsed, done, total = now - self.started, self.steps_done, self.num_steps
         tail = ""
         if total and done < total:
@@ -415,15 +396,6 @@ class _Session:
             file=sys.stderr,
             flush=True,
         )
-
-
-def progress_seconds() -> float:
-    """Seconds before a slow interpret-mode step says what it is doing on stderr
-    (``PALLAS_TPU_PROGRESS_S``, default 5)."""
-    try:
-        return float(os.environ.get("PALLAS_TPU_PROGRESS_S", "5"))
-    except ValueError:
-        return 5.0
 
 
 _lowering_mesh = threading.local()
@@ -483,13 +455,11 @@ class MultiDeviceInterpreter(Interpreter):
     # -- lifecycle --
 
     def setup(self, jaxpr, compiler_params) -> None:
-        from pallas_tpu._src.interpret.pallas_call import _kernel_uses
-
         names = compat.bound_axis_names()
         sizes = compat.axis_sizes()
         self.mesh_axes = tuple((n, int(sizes[n])) for n in names)
         self.num_devices = math.prod(s for _, s in self.mesh_axes)
-        if needs_multi_device(jaxpr):
+        if facts.needs_multi_device(jaxpr):
             self._check_one_process()
         dev = jnp.int32(0)
         for n, s in self.mesh_axes:
@@ -500,7 +470,7 @@ class MultiDeviceInterpreter(Interpreter):
         self.remote_dst_cells: set[int] = set()  # where remote DMAs traced so far go
         self.remote_sem_cells: set[int] = set()  # and the semaphores they signal there
         self.hidden["__tok"] = jnp.zeros((), jnp.int32)
-        if _kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}):
+        if facts.kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}):
             cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
             if getattr(cp, "collective_id", None) is None:
                 raise ValueError(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -15,6 +14,7 @@ from jax import lax
 from pallas import backend as plb
 from pallas_tpu._src import checks, compat
 from pallas_tpu._src.interpret import dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
+from pallas_tpu._src.interpret import facts
 from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.interpret.interpreter import (
     Interpreter,
@@ -121,27 +121,10 @@ def grid_points(gm, sems, params: InterpretParams) -> list[np.ndarray]:
     return [points[c * per_core : (c + 1) * per_core] for c in range(n) if c * per_core < len(points)]
 
 
-def _kernel_uses(jaxpr, prims) -> bool:
-    return any_eqn(jaxpr, lambda eqn: eqn.primitive in prims)
-
-
-def any_eqn(jaxpr, pred) -> bool:
-    """True if ``pred(eqn)`` holds for an equation of ``jaxpr`` or of a jaxpr inside it."""
-    stack = [jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr]
-    while stack:
-        j = stack.pop()
-        for eqn in j.eqns:
-            if pred(eqn):
-                return True
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                stack.append(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
-    return False
-
-
 def _hidden_initializers(jaxpr) -> dict[str, Any]:
     out = {}
     for prim, inits in interpret_rules.HIDDEN_STATE.items():
-        if _kernel_uses(jaxpr, {prim}):
+        if facts.kernel_uses(jaxpr, {prim}):
             out.update(inits)
     return out
 
@@ -191,7 +174,7 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
     lane_hidden = list(_hidden_initializers(jaxpr).items())  # per core, e.g. the PRNG state
     for name, init in lane_hidden:
         interp.hidden[name] = init()
-    interp.dma_shadows = params.dma_execution_mode == "on_wait" and _kernel_uses(
+    interp.dma_shadows = params.dma_execution_mode == "on_wait" and facts.kernel_uses(
         jaxpr, {tpu_prims.dma_start_p}
     )
     interp.setup(jaxpr, compiler_params)
@@ -382,7 +365,7 @@ def _core_groups(jaxpr, per_core) -> list[list[int]]:
     ``lax.cond``/loops is one step of its core; waiting there for a core that
     has not run yet is reported as a deadlock."""
     cores = list(range(len(per_core)))
-    signals_cores = any_eqn(
+    signals_cores = facts.any_eqn(
         jaxpr, lambda e: e.primitive is plb.semaphore_signal_p and e.params["has_core_index"]
     )
     if len(cores) > 1 and signals_cores and len({len(p) for p in per_core}) == 1:

@@ -14,6 +14,7 @@ recorded as a scalar when a compile starts and as a duration when it ends;
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -28,10 +29,13 @@ _installed = False
 _install_lock = threading.Lock()
 
 
-def _seconds() -> float:
-    from pallas_tpu._src.interpret.multi import progress_seconds
-
-    return progress_seconds()
+def progress_seconds() -> float:
+    """Seconds before a slow interpret-mode step says what it is doing on stderr
+    (``PALLAS_TPU_PROGRESS_S``, default 5)."""
+    try:
+        return float(os.environ.get("PALLAS_TPU_PROGRESS_S", "5"))
+    except ValueError:
+        return 5.0
 
 
 def _say(msg: str) -> None:
@@ -50,14 +54,14 @@ def _names(kernels: list[str]) -> str:
 
 
 class _Watch:
-    """Says ``what`` on stderr after ``_seconds()`` and then at doubling intervals,
+    """Says ``what`` on stderr after ``progress_seconds()`` and then at doubling intervals,
     until stopped; when it said anything, ``stop`` says how long it took."""
 
     def __init__(self, what: str, again: str):
         self.what, self.again, self.start, self.said = what, again, time.monotonic(), False
         self.lock = threading.Lock()
         self.timer = None
-        self._arm(_seconds())
+        self._arm(progress_seconds())
 
     def _arm(self, delay: float) -> None:
         if delay <= 0:

@@ -59,6 +59,7 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import primitives as tpu_prims
+from pallas_tpu._src.language import tpu_info
 
 VMEM, SMEM, HBM = tpu_core.VMEM, tpu_core.SMEM, tpu_core.HBM
 _WHERE = "pltpu.emit_pipeline"
@@ -296,7 +297,31 @@ def _call_index_map(spec, indices, origin: str):
             f"{_WHERE}: {origin}.index_map returns {len(out)} indices but block_shape "
             f"{tuple(spec.block_shape)} has {len(spec.block_shape)} dimensions",
         )
+    for d, (bd, b) in enumerate(zip(spec.block_shape, out)):
+        if isinstance(bd, pl.BoundedSlice):
+            _check_bounded_index(bd, b, d, origin)
     return out
+
+
+def _check_bounded_index(bd, b, d, origin):
+    """A ``pl.BoundedSlice(n)`` dimension's index is ``pl.ds(start, size)``, ``size <= n``
+    (a traced size is checked by interpret mode as the copy runs: its window has ``n``)."""
+    if not isinstance(b, pl.Slice):
+        raise _err(
+            ValueError,
+            f"{_WHERE}: {origin}.index_map returns {type(b).__name__} at position {d}, a "
+            f"{bd!r} dimension: it must return pl.ds(start, size) there (size <= {bd.block_size})",
+        )
+    if b.stride != 1:
+        raise _err(
+            ValueError, f"{_WHERE}: {origin}.index_map returns a strided pl.ds at position {d} ({bd!r})"
+        )
+    if isinstance(b.size, (int, np.integer)) and not 0 <= b.size <= bd.block_size:
+        raise _err(
+            ValueError,
+            f"{_WHERE}: {origin}.index_map returns pl.ds(..., {int(b.size)}) at position {d}, a {bd!r} "
+            f"dimension: the size must be at most {bd.block_size}",
+        )
 
 
 def _block_indexer(spec, block_indices, sizes=None):
@@ -312,15 +337,30 @@ def _block_indexer(spec, block_indices, sizes=None):
         if isinstance(bd, pl.Element):
             idx.append(pl.ds(b, n))
         elif isinstance(bd, pl.BoundedSlice):
-            raise _err(NotImplementedError, f"{_WHERE}: pl.BoundedSlice block dimensions are not supported")
+            idx.append(pl.ds(b.start, n))
         else:
             idx.append(pl.ds(b * size, n))
     return tuple(idx)
 
 
+def _as_index(b):
+    """A block index as an int or int32 scalar (a ``pl.ds``: its start and size)."""
+    if isinstance(b, pl.Slice):
+        return pl.ds(_as_index(b.start), _as_index(b.size))
+    return b if isinstance(b, int) else jnp.asarray(b, jnp.int32)
+
+
+def _index_leaves(xs):
+    """Block indices with each ``pl.ds`` as its start and size."""
+    out = []
+    for x in xs:
+        out += [x.start, x.size] if isinstance(x, pl.Slice) else [x]
+    return out
+
+
 def _differ(xs, ys):
     out = False
-    for x, y in zip(xs, ys):
+    for x, y in zip(_index_leaves(xs), _index_leaves(ys)):
         if x is y:
             continue
         ne = x != y
@@ -362,6 +402,8 @@ class _Operand:
     partial: dict[int, tuple[int, int, int]]
     # whether the operand is a whole Ref (not a view): its edge tiles end in tile padding
     whole_ref: bool = False
+    # pl.BoundedSlice dim -> the memory tiling its copies round up to (None: unknown)
+    bounded: dict[int, int | None] = dataclasses.field(default_factory=dict)
 
     @property
     def spec(self):
@@ -376,22 +418,53 @@ class _Operand:
                 sizes[d] = rounded if padded else last
         return sizes
 
+    def bounded_sizes(self, block_indices) -> dict[int, Any]:
+        """The copy sizes of the ``pl.BoundedSlice`` dims at these block indices, as JAX's
+        pipeline computes them: the slice's size clamped to the end of the array, rounded up
+        to the dim's memory tiling (a Mosaic copy slices tiled dims by whole tiles), and here
+        also cut at the end of the array (interpret mode has no tile padding; the Mosaic
+        lowering rounds it up again, ``_RoundUp``)."""
+        out = {}
+        for d, t in self.bounded.items():
+            start, size = block_indices[d].start, block_indices[d].size
+            if t is None:
+                out[d] = size
+                continue
+            left = self.shape[d] - start
+            out[d] = _minimum(_round_up(_minimum(size, left), t), left)
+        return out
+
     def per_block(self, block_indices, fn):
-        """Calls ``fn(hbm_view, window_indexer_tail, padded_shape)`` for this
+        """Calls ``fn(hbm_view, window_indexer_tail, padded)`` for this
         block's shape: under ``pl.when`` per variant when the last block may be
         cut. A cut block is copied as its exact view in interpret mode and as
-        whole memory tiles in Mosaic (``padded_shape``, the DMA's shape there, as
+        whole memory tiles in Mosaic (``padded``, the DMA's shape there, as
         JAX's pipeline copies it: Mosaic slices tiled dims by whole tiles); its
-        start is static (the last block's)."""
-        if not self.partial:
+        start is static (the last block's). ``pl.BoundedSlice`` dims are copied
+        at their traced sizes (``bounded_sizes``); where one rounds to tiles,
+        ``padded`` is a ``_RoundUp`` of the copy's sizes."""
+        bounded = self.bounded_sizes(block_indices) if self.bounded else {}
+        if not self.partial and not bounded:
             fn(self.ref.at[_block_indexer(self.spec, block_indices)], (), None)
             return
         conds = [block_indices[d] == nb - 1 for d, (nb, _, _) in self.partial.items()]
         for combo in itertools.product((False, True), repeat=len(self.partial)):
             sizes = self.sizes(combo)
+            for d, n in bounded.items():
+                sizes[d] = n
             tail = tuple(pl.ds(0, s) for s in sizes if s is not None)
             padded = None
-            if any(combo) and self.whole_ref:
+            if bounded and self.whole_ref:
+                # Round up the bounded dims and the cut ones (a cut block's size rounds up
+                # to its rounded size); a leading dim (tiling 1) needs nothing.
+                tiles = {d: t for d, t in self.bounded.items() if t is not None and t > 1}
+                tiles.update(
+                    (d, r) for (d, (_, _, r)), is_last in zip(self.partial.items(), combo) if is_last
+                )
+                if tiles:
+                    dims = [d for d, s in enumerate(sizes) if s is not None]
+                    padded = _RoundUp(tuple(tiles.get(d, 1) for d in dims))
+            elif any(combo) and self.whole_ref:
                 padded = tuple(s for s in self.sizes(combo, padded=True) if s is not None)
             indices = list(block_indices)
             pred = True
@@ -408,7 +481,9 @@ class _Operand:
 
     def _copy(self, src, dst, sem, padded, start, wait):
         copy = tpu_prims.make_async_copy(src, dst, sem)
-        if padded is not None and padded != copy.shape:
+        if isinstance(padded, _RoundUp):
+            copy.layout = dataclasses.replace(copy.layout, padded_tiling=padded.tiles)
+        elif padded is not None and padded != copy.shape:
             copy.layout = dataclasses.replace(copy.layout, padded_shape=padded)
         if start:
             copy.start()
@@ -428,6 +503,29 @@ class _Operand:
             self._copy(window, dst, self.bref.sem_sends.at[slot], padded, start, wait)
 
         self.per_block(block_indices, fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundUp:
+    """A copy whose sizes Mosaic rounds up to these multiples (one per dim of the block
+    that is not squeezed; 1: as is): a ``pl.BoundedSlice`` block's traced size copied as
+    whole memory tiles, into the edge tile's padding (the DMA's ``padded_tiling``)."""
+
+    tiles: tuple[int, ...]
+
+
+def _minimum(a, b):
+    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+        return min(int(a), int(b))
+    return jnp.minimum(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
+def _round_up(n, t: int):
+    if t == 1:
+        return n
+    if isinstance(n, (int, np.integer)):
+        return -(-int(n) // t) * t
+    return pl.multiple_of(lax.div(n + (t - 1), jnp.int32(t)) * t, t)
 
 
 def _ref_space_and_aval(ref, origin):
@@ -476,8 +574,6 @@ def _normalize_spec(spec, aval, origin):
     for bd in block_shape:
         if isinstance(bd, pl.Element) and tuple(bd.padding) != (0, 0):
             raise _err(NotImplementedError, f"{_WHERE}: {origin}: pl.Element with padding is not supported")
-        if isinstance(bd, pl.BoundedSlice):
-            raise _err(NotImplementedError, f"{_WHERE}: {origin}: pl.BoundedSlice is not supported")
         size = _dim_size(bd)
         if size is not None and size <= 0:
             raise _err(ValueError, f"{_WHERE}: {origin}: block sizes must be positive, got {block_shape}")
@@ -510,10 +606,27 @@ def _partial_dims(spec, aval, tiling, origin) -> dict[int, tuple[int, int, int]]
     return out
 
 
+def _bounded_dims(spec, aval, tiling, origin) -> dict[int, int | None]:
+    """The ``pl.BoundedSlice`` dims: dim -> the memory tiling their copies round up to
+    (None: unknown, copied at the slice's size). The bound must be whole tiles, as JAX's
+    pipeline requires."""
+    dims = [d for d, bd in enumerate(spec.block_shape) if isinstance(bd, pl.BoundedSlice)]
+    if not dims:
+        return {}
+    tiles = _tiling_of(aval, tiling)
+    for d in dims:
+        bd, t = spec.block_shape[d], tiles[d]
+        if t is not None and bd.block_size % t:
+            raise _err(
+                ValueError,
+                f"{_WHERE}: {origin}: {bd!r} at dimension {d} of the operand (shape {tuple(aval.shape)}): "
+                f"the bound must be a multiple of the memory tiling of that dimension ({t}), as on a TPU",
+            )
+    return {d: tiles[d] for d in dims}
+
+
 def _tiling_of(aval, tiling):
     try:
-        from pallas_tpu._src.language import tpu_info
-
         return tuple(tpu_info.infer_tiling(aval, tiling))
     except ImportError:
         return (1,) * (len(aval.shape) - 2) + (8, 128)[-min(2, len(aval.shape)) :]
@@ -606,8 +719,9 @@ def _plan(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations)
                 is_trivial_windowing=full,
             )
         partial = _partial_dims(spec, aval, tiling, origin) if bref.is_buffered else {}
+        bounded = _bounded_dims(spec, aval, tiling, origin) if bref.is_buffered else {}
         whole_ref = not isinstance(ref, compat.TransformedRef)
-        plan.append(_Operand(origin, bref, ref, tuple(aval.shape), partial, whole_ref))
+        plan.append(_Operand(origin, bref, ref, tuple(aval.shape), partial, whole_ref, bounded))
 
     n_in = len(in_leaves)
 
@@ -876,10 +990,7 @@ def _run_pipeline(
             if key not in self.blocks:
                 idx = self.indices(k)
                 with plb.kernel_context(plb.KernelContext(local_grid, idx, ctx_name)):
-                    self.blocks[key] = tuple(
-                        b if isinstance(b, int) else jnp.asarray(b, jnp.int32)
-                        for b in _call_index_map(op.spec, idx, op.origin)
-                    )
+                    self.blocks[key] = tuple(map(_as_index, _call_index_map(op.spec, idx, op.origin)))
             return self.blocks[key]
 
         def differ(self, op, k1, k2):

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import jax
 
+from pallas_tpu._src import pallas_call_registration as reg
+
 # A chip name -> the smallest topology libtpu knows for it (one host).
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 DUMP_FLAG = "--xla_mosaic_dump_to"
@@ -112,8 +114,6 @@ def _jit_for(fn, placed, chip: str):
 def compile_for(fn, args: Sequence, chip: str, kwargs=None):
     """``jax.jit(fn)`` lowered for ``chip`` and compiled by libtpu (XLA and
     Mosaic); raises ``MosaicCompileError`` where Mosaic refuses a kernel."""
-    from pallas_tpu._src import pallas_call_registration as reg
-
     placed = _placed(tuple(args), chip)
     kwargs = _placed(kwargs or {}, chip)
     with reg.collect_kernels() as kernels:
@@ -211,8 +211,6 @@ def compile_check(
 
 
 def _kernels_of(fn, args, kwargs, chip):
-    from pallas_tpu._src import pallas_call_registration as reg
-
     placed, kwargs = _placed(tuple(args), chip), _placed(kwargs, chip)
     with reg.collect_kernels() as kernels:
         _jit_for(lambda *a, **k: fn(*a, **k), (placed, kwargs), chip).lower(*placed, **kwargs)
@@ -288,8 +286,6 @@ def _in_child(fn, args, kwargs, chips) -> list[KernelCompile]:
     the function exported per chip (``jax.export``, for that chip's device kind),
     compiled by a child process started with the dump flag."""
     from jax import export
-
-    from pallas_tpu._src import pallas_call_registration as reg
 
     payload = []
     for chip in chips:

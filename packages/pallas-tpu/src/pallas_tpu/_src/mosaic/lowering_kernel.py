@@ -30,7 +30,7 @@ from jaxlib.mlir.dialects import func
 from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
-from pallas_tpu._src import compat
+from pallas_tpu._src.checks import single_buffered
 from pallas_tpu._src.mosaic import lowering_control as _control  # noqa: F401  (registers rules)
 from pallas_tpu._src.mosaic import lowering_math as _math  # noqa: F401
 from pallas_tpu._src.mosaic import lowering_memory as _memory  # noqa: F401
@@ -191,12 +191,3 @@ def _window(i: int, bm, gm, prefetch_types) -> ir.Attribute:
         lo, hi = [p[0] for p in pads], [p[1] for p in pads]
         params["window_kind"] = ir.Attribute.parse(f"#tpu.element_window<{lo},{hi}>")
     return ir.DictAttr.get(params)
-
-
-def single_buffered(bm) -> bool:
-    """A VMEM block that is the whole array at a constant index is copied in
-    once: Mosaic keeps one buffer of it (as JAX's lowering asks)."""
-    if str(bm.memory_space or "vmem") != "vmem" or tuple(bm.block_sizes) != tuple(bm.array_shape):
-        return False
-    outs = getattr(bm.index_map, "jaxpr", bm.index_map).outvars
-    return all(isinstance(v, compat.Literal) and v.val == 0 for v in outs)

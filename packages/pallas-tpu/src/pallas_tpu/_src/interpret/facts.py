@@ -1,0 +1,98 @@
+"""What a kernel jaxpr uses, asked before TPU interpret mode runs it: the
+primitives it binds (``kernel_uses``, ``any_eqn``), whether it needs other devices
+(``needs_multi_device``: remote DMAs and signals, barrier semaphores) and which of
+its inputs a DMA may write (``dma_destinations``). Walks of the jaxpr only: this
+module imports no interpreter, so every module of ``interpret/`` can ask."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas import backend as plb
+from pallas_tpu._src import compat
+from pallas_tpu._src.language import primitives as tpu_prims
+
+
+def kernel_uses(jaxpr, prims) -> bool:
+    """True if an equation of ``jaxpr`` (or of a jaxpr inside it) binds one of ``prims``."""
+    return any_eqn(jaxpr, lambda eqn: eqn.primitive in prims)
+
+
+def any_eqn(jaxpr, pred) -> bool:
+    """True if ``pred(eqn)`` holds for an equation of ``jaxpr`` or of a jaxpr inside it."""
+    stack = [jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr]
+    while stack:
+        j = stack.pop()
+        for eqn in j.eqns:
+            if pred(eqn):
+                return True
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                stack.append(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+    return False
+
+
+def needs_multi_device(jaxpr) -> bool:
+    return kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}) or _has_remote(jaxpr)
+
+
+def _is_remote(eqn) -> bool:
+    if eqn.primitive in (tpu_prims.dma_start_p, tpu_prims.dma_wait_p):
+        return eqn.params["layout"].device_id_tree is not None
+    if eqn.primitive is plb.semaphore_signal_p:
+        return eqn.params["device_id_tree"] is not None or eqn.params["has_core_index"]
+    return False
+
+
+def _has_remote(jaxpr) -> bool:
+    return any_eqn(jaxpr, _is_remote)
+
+
+def dma_destinations(jaxpr, memo: dict | None = None) -> frozenset[int]:
+    """Positions of ``jaxpr``'s inputs that a DMA may write: the destination Ref of
+    a ``dma_start``, or a Ref handed on to one through control flow, a call or a
+    ``pl.run_scoped`` body. Only such on-chip cells need the shadow and marks of
+    ``dma_execution_mode="on_wait"``: every cell more is carried through every
+    loop and branch of the interpreted kernel, and compiled. A sub-jaxpr of a kind
+    not known here that starts a DMA counts all its operands as destinations."""
+    memo = {} if memo is None else memo
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    if id(jaxpr) in memo:
+        return memo[id(jaxpr)][0]
+    dsts: set = set()
+
+    def inner(sub, outer_of):  # outer_of(i): the outer operand of the sub-jaxpr's input i, or None
+        for i in dma_destinations(sub, memo):
+            v = outer_of(i)
+            if v is not None:
+                dsts.add(v)
+
+    for eqn in jaxpr.eqns:
+        ins, prim = list(eqn.invars), eqn.primitive
+        at = lambda k, ins=ins: ins[k] if 0 <= k < len(ins) else None  # noqa: E731
+        if prim is tpu_prims.dma_start_p:
+            dsts.add(eqn.params["layout"].split(ins)["dst"][0])
+        elif prim is compat.cond_p:
+            for branch in eqn.params["branches"]:
+                inner(branch, lambda i, at=at: at(i + 1))
+        elif prim is compat.while_p:
+            nc = eqn.params["cond_nconsts"]  # the body's inputs: its consts, then the carry
+            inner(eqn.params["body_jaxpr"], lambda i, at=at, nc=nc: at(nc + i))
+        elif prim is plb.run_scoped_p:  # inputs past num_consts are the buffers it allocates
+            inner(eqn.params["jaxpr"], lambda i, at=at, n=eqn.params["num_consts"]: at(i) if i < n else None)
+        elif prim is compat.scan_p or prim in _CALLS:
+            for sub in _subjaxprs(eqn):
+                inner(sub, at)
+        else:
+            for sub in _subjaxprs(eqn):
+                if dma_destinations(sub, memo):
+                    dsts.update(ins)
+    out = frozenset(i for i, v in enumerate(jaxpr.invars) if v in dsts)
+    memo[id(jaxpr)] = (out, jaxpr)  # keeps the jaxpr alive, so its id stays its own
+    return out
+
+
+def _subjaxprs(eqn):
+    return list(jax.extend.core.jaxprs_in_params(eqn.params))
+
+
+_CALLS = frozenset(p for p, _ in compat.call_primitives())

@@ -44,6 +44,10 @@ class DmaOperands:
     # lowering widens the last window of src and dst to it, reading and writing the edge
     # tile's padding, as JAX's pipeline copies such blocks. Interpret mode copies the views.
     padded_shape: tuple[int, ...] | None = None
+    # The same for a copy of traced size (``emit_pipeline``'s ``pl.BoundedSlice`` blocks):
+    # per dim of the last window of src and dst that is not squeezed, the multiple Mosaic
+    # rounds its size up to (1: as is). Interpret mode copies the views.
+    padded_tiling: tuple[int, ...] | None = None
 
     def split(self, flat):
         """flat operands -> dict of (ref, leaves) pairs and device id leaves."""

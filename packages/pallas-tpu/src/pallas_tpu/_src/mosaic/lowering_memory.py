@@ -88,7 +88,7 @@ def window(indexer) -> Window:
     for idx in indexer.indices:
         if isinstance(idx, Slice):
             starts.append(idx.start)
-            sizes.append(int(idx.size))
+            sizes.append(idx.size if isinstance(idx.size, ir.Value) else int(idx.size))  # a value: traced
             squeezed.append(False)
             strides.append(int(idx.stride))
         else:
@@ -149,18 +149,24 @@ def apply_view(ref: ir.Value, v) -> ir.Value:
             "supported: a Mosaic memref view has no strides (tpu.memref_slice takes none); read or "
             "write the view (a strided load/store), or copy a contiguous window"
         )
-    out = tpu.memref_slice(like(v.sizes), ref, [as_i32(s) for s in v.starts], [])
+    # A traced size (a DMA of emit_pipeline's pl.BoundedSlice block) is a dynamic dim.
+    shape = [ir.ShapedType.get_dynamic_size() if isinstance(n, ir.Value) else n for n in v.sizes]
+    dynamic = [as_i32(n) for n in v.sizes if isinstance(n, ir.Value)]
+    out = tpu.memref_slice(like(shape), ref, [as_i32(s) for s in v.starts], dynamic)
     if any(v.squeezed):
-        out = tpu.memref_squeeze(like([s for s, q in zip(v.sizes, v.squeezed) if not q]), out)
+        out = tpu.memref_squeeze(like([n for n, q in zip(shape, v.squeezed) if not q]), out)
     return out
 
 
-def view(ref, leaves, tree, padded_shape=None) -> ir.Value:
+def view(ref, leaves, tree, padded_shape=None, padded_tiling=None) -> ir.Value:
     """The memref of ``ref`` after all its transforms; ``padded_shape``: the
-    last one, a window, widened to that shape (a DMA's ``padded_shape``)."""
+    last one, a window, widened to that shape (a DMA's ``padded_shape``);
+    ``padded_tiling``: its sizes rounded up to those multiples (``padded_tiling``)."""
     ref, views = _views(ref, tree, leaves)
     if padded_shape is not None:
         views[-1] = _widened(views[-1] if views else None, padded_shape)
+    if padded_tiling is not None:
+        views[-1] = _rounded_up(views[-1] if views else None, padded_tiling)
     for v in views:
         ref = apply_view(ref, v)
     return ref
@@ -179,12 +185,38 @@ def _widened(w, shape) -> Window:
     return dataclasses.replace(w, sizes=sizes)
 
 
+def _rounded_up(w, tiles) -> Window:
+    """Window ``w`` with the size of its ``i``-th kept dim rounded up to a multiple of
+    ``tiles[i]`` (a traced size: computed, and given to Mosaic as that multiple)."""
+    if not isinstance(w, Window) or w.gather or w.strided:
+        raise NotImplementedError("a DMA's padded_tiling needs its views to end in a contiguous window")
+    kept = [d for d, q in enumerate(w.squeezed) if not q]
+    if len(kept) != len(tiles):
+        raise NotImplementedError(f"a DMA's padded_tiling {list(tiles)} does not match its window {w.sizes}")
+    sizes = list(w.sizes)
+    for d, t in zip(kept, tiles):
+        n = sizes[d]
+        if t == 1:
+            continue
+        if isinstance(n, int):
+            sizes[d] = -(-n // t) * t
+        else:
+            up = arith.muli(arith.divsi(arith.addi(as_i32(n), as_i32(t - 1)), as_i32(t)), as_i32(t))
+            sizes[d] = tpu.assume_multiple(up, t)
+    return dataclasses.replace(w, sizes=sizes)
+
+
 def _access(ref, tree, leaves):
     """(memref, window) of a read or write: the transforms before the last
     indexing become views; that one is the accessed window. Where a view is
     strided, it and the windows after it compose into the accessed window
     (one strided load/store: Mosaic has no strided memref view)."""
     ref, views = _views(ref, tree, leaves)
+    if any(isinstance(n, ir.Value) for v in views if isinstance(v, Window) for n in v.sizes):
+        raise NotImplementedError(
+            "a read or write of a window of traced size (ref.at[pl.ds(start, n)] with n traced) is not "
+            "supported: Mosaic vectors have static shapes (DMAs take such windows)"
+        )
     first = len(views)
     while first and isinstance(views[first - 1], Window):
         first -= 1
@@ -853,7 +885,8 @@ def _dma_operands(ctx, args, layout):
     if layout.src_sem_tree is not None:
         trees["src_sem"] = layout.src_sem_tree
     padded = {"src": layout.padded_shape, "dst": layout.padded_shape}
-    views = {k: view(*parts[k], trees[k], padded.get(k)) for k in trees}
+    tiling = {"src": layout.padded_tiling, "dst": layout.padded_tiling}
+    views = {k: view(*parts[k], trees[k], padded.get(k), tiling.get(k)) for k in trees}
     device = logical_device_id(ctx, parts["device_id"], layout.device_id_tree, layout.device_id_type)
     return views, device
 

@@ -34,6 +34,15 @@ from pallas._src.errors import user_source as user_source
 from pallas._src.interpret import grid_point as grid_point
 from pallas._src.interpret import num_steps as num_steps
 from pallas._src.interpret import uninitialized_value as uninitialized_value
+from pallas._src.lowering_kit import SKIP as SKIP
+from pallas._src.lowering_kit import RuleTable as RuleTable
+from pallas._src.lowering_kit import trace_composite as trace_composite
+from pallas._src.lowering_kit import uninitialized_fill as uninitialized_fill
+from pallas._src.lowering_kit import walk_jaxpr as walk_jaxpr
+from pallas._src.math import digamma_f32 as digamma_f32
+from pallas._src.math import erf_inv_f32 as erf_inv_f32
+from pallas._src.math import in_float32 as in_float32
+from pallas._src.math import lgamma_f32 as lgamma_f32
 from pallas._src.primitives import KernelContext as KernelContext
 from pallas._src.primitives import debug_print_p as debug_print_p
 from pallas._src.primitives import grid_axis_index_p as grid_axis_index_p

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,23 +55,13 @@ class LoweringException(NotImplementedError):
 
 
 Rule = Callable[..., Any]
-lowering_rules: dict[Any, Rule] = {}
+lowering_rules = plb.RuleTable(BACKEND)
+register_lowering = lowering_rules.register
 # Primitives whose rules take PRNG key avals as they are (random_seed, ...).
 key_rules: set[Any] = set()
 # How a primitive's params change when its key operands are key data:
 # ``key_params[p](params, avals_in, avals_out) -> params`` (raises where it cannot).
 key_params: dict[Any, Callable[..., dict]] = {}
-
-
-def register_lowering(*prims) -> Callable[[Rule], Rule]:
-    """Decorator: ``rule`` lowers each of ``prims``."""
-
-    def decorator(rule: Rule) -> Rule:
-        for p in prims:
-            lowering_rules[p] = rule
-        return rule
-
-    return decorator
 
 
 # ---------------------------------------------------------------------------
@@ -315,16 +304,11 @@ def lower_jaxpr(
             f"{kernel.describe()}: the kernel closes over array constants, which Mosaic cannot take; "
             "pass them as inputs"
         )
-    env: dict[Any, Any] = {}
 
-    def read(v):
-        if isinstance(v, compat.Literal):
-            return constant(v.val, (), v.aval.dtype) if not np.shape(v.val) else _literal_array(v)
-        return env[v]
+    def literal(v):
+        return constant(v.val, (), v.aval.dtype) if not np.shape(v.val) else _literal_array(v)
 
-    for v, a in zip(jaxpr.invars, args, strict=True):
-        env[v] = a
-    for eqn in jaxpr.eqns:
+    def lower_eqn(eqn, read):
         rule = lowering_rules.get(eqn.primitive)
         if rule is None:
             raise LoweringException(
@@ -340,17 +324,15 @@ def lower_jaxpr(
         ctx = RuleContext(kernel, eqn, avals_in, avals_out)
         try:
             with compat.eqn_location(eqn) if own_locations else contextlib.nullcontext():
-                out = rule(ctx, *map(read, eqn.invars), **params)
+                return rule(ctx, *map(read, eqn.invars), **params)
         except LoweringException:
             raise
         except Exception as e:
             raise LoweringException(
                 f"{kernel.describe()}: lowering '{eqn.primitive.name}'{_where(eqn)} to Mosaic failed: {e}"
             ) from e
-        outs = out if eqn.primitive.multiple_results else [out]
-        for v, o in zip(eqn.outvars, outs, strict=True):
-            env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+
+    return plb.walk_jaxpr(jaxpr, args, literal=literal, lower_eqn=lower_eqn)
 
 
 def _key_data_params(kernel, eqn, avals_in, avals_out) -> dict:
@@ -379,11 +361,8 @@ def lower_fun(
 ):
     """Lowers a composite op through its ``jnp`` definition ``fn(*args, **params)``
     (traced on ``avals_in``, by default the equation's input avals) and the existing rules."""
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (avals_in or ctx.avals_in)]
-    closed = jax.make_jaxpr(functools.partial(fn, **params))(*avals)
-    if closed.consts:
-        raise NotImplementedError(f"the jnp definition of '{ctx.eqn.primitive.name}' closes over arrays")
-    outs = lower_jaxpr(ctx.kernel, closed.jaxpr, args, own_locations=False)
+    jaxpr = plb.trace_composite(fn, avals_in or ctx.avals_in, ctx.eqn.primitive.name, **params)
+    outs = lower_jaxpr(ctx.kernel, jaxpr, args, own_locations=False)
     return outs if multiple_results else outs[0]
 
 

@@ -37,6 +37,12 @@ tile's padding, as JAX's pipeline copies it: Mosaic slices tiled dimensions by
 whole tiles), from the last block's static start (the DMA's ``padded_shape``).
 A Ref view (``ref.at[...]``) has no padding of its own: its edge is copied
 exactly, which Mosaic takes only where the last block is whole tiles.
+
+A ``pl.BoundedSlice(n)`` dimension is a window of traced size: its index map
+returns ``pl.ds(start, size)``, ``size <= n``; the buffer has ``n`` along it and
+the copy takes ``size`` clamped to the end of the array, rounded up to the
+dimension's memory tiling as in JAX's pipeline (``_Operand.bounded_sizes``;
+tiling 1 on leading dims), with the same interpret/Mosaic split at the edge.
 """
 
 from __future__ import annotations

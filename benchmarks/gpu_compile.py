@@ -92,7 +92,7 @@ def _child(mode: str) -> None:
     )
     prep = "jax"
     if mode != "jax":
-        import jax_kernel_runtime._triton as jkr_triton
+        import jax_kernel_runtime.triton._prepare as jkr_triton
 
         bg = jkr_triton._background
         prep = "off" if bg is None else ("running" if bg.is_alive() else "done")

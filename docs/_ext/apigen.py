@@ -58,6 +58,10 @@ MODULES = [
         "The native runtime: XLA FFI launch of compiled kernel images, shared by the GPU packages.",
     ),
     (
+        "jax_kernel_runtime.triton",
+        "The Triton layer pallas-gpu and jax-triton share: compiling, caches, Triton's interpreter on host arrays.",
+    ),
+    (
         "pallas.backend",
         "What a backend package may use of pallas-core (for backend authors, not kernel writers).",
     ),

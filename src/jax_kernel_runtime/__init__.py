@@ -4,6 +4,10 @@ The public API is small and meant to be shared by every GPU kernel package
 (jax-triton today, pallas-gpu next): describe each compiled configuration with
 ``KernelConfig`` (``config_from_triton`` builds one from ``triton.compile``),
 describe the parameters with ``Buffer``/``Scalar``, and call ``kernel_call``.
+
+``jax_kernel_runtime.triton`` is the Triton layer the two GPU packages share
+(compiling, caches, Triton's interpreter). Three of its names are also here:
+``config_from_triton``, ``prepare_triton`` and ``memoize_triton_key``.
 """
 
 from jax_kernel_runtime._call import TARGET_NAME as TARGET_NAME
@@ -18,10 +22,25 @@ from jax_kernel_runtime._config import KernelConfig as KernelConfig
 from jax_kernel_runtime._config import Param as Param
 from jax_kernel_runtime._config import Scalar as Scalar
 from jax_kernel_runtime._config import normalize_grid as normalize_grid
-from jax_kernel_runtime._triton import config_from_triton as config_from_triton
-from jax_kernel_runtime._triton import memoize_triton_key as memoize_triton_key
-from jax_kernel_runtime._triton import prepare_triton as prepare_triton
 from jax_kernel_runtime._version import __version__ as __version__
+
+# Reached here without importing the Triton layer at ``import
+# jax_kernel_runtime``, which JAX does in every process at startup
+# (jax_plugin): most never compile a Triton kernel. The layer never imports
+# Triton itself until it is used.
+_TRITON_NAMES = ("config_from_triton", "memoize_triton_key", "prepare_triton")
+
+
+def __getattr__(name: str):
+    if name in _TRITON_NAMES:
+        from jax_kernel_runtime import triton
+
+        return getattr(triton, name)
+    raise AttributeError(f"module 'jax_kernel_runtime' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_TRITON_NAMES})
 
 
 def _register_on_import() -> None:

@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 from gpu_test_base import assert_close, has_gpu, random
 
-import jax_kernel_runtime as jkr
 import pallas as pl
 import pallas_gpu as plgpu
-from jax_kernel_runtime import _triton_cache
+from jax_kernel_runtime.triton import _cache
 from pallas_gpu._src import autotune
 
 
@@ -29,8 +28,8 @@ def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PALLAS_GPU_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PALLAS_GPU_DISABLE_CACHE", raising=False)
     autotune.winners().forget()
-    monkeypatch.setattr(_triton_cache, "_pending", {})
-    monkeypatch.setattr(_triton_cache, "_seen_records", 0)
+    monkeypatch.setattr(_cache, "_pending", {})
+    monkeypatch.setattr(_cache, "_seen_records", 0)
     yield tmp_path
     autotune.winners().forget()
 
@@ -355,7 +354,7 @@ def test_runtime_tuning_results_are_recorded(fresh_cache, monkeypatch):
     """The runtime's choice for a list of CompilerParams goes to disk; other
     packages' records are left alone."""
     records = [("jax_triton_key", 0, 1, [1.0, 0.5]), ("ours", 0, 2, [3.0, 2.0, 1.0])]
-    monkeypatch.setattr(jkr, "tune_records", lambda: list(records))
+    monkeypatch.setattr(_cache, "tune_records", lambda: list(records))
     autotune.expect_tuning("ours")
     assert autotune.lookup_winner("ours") == 2
     assert autotune.lookup_winner("jax_triton_key") is None

@@ -24,15 +24,15 @@ R = Runner()
 def reversed_programs(monkeypatch):
     """Triton's interpreter runs programs one at a time in launch order, which
     hides races between programs; run them last-first instead, as a GPU may."""
-    from jax_kernel_runtime import _triton_interpret as ti
+    from jax_kernel_runtime.triton import _interpret as ti
 
-    def run_grid(rewritten, grid, call_args, name, interp):
+    def run_grid(rewritten, grid, call_args, bounds, interp):
         interp.interpreter_builder.set_grid_dim(*grid)
         for x in reversed(range(grid[0])):
             for y in reversed(range(grid[1])):
                 for z in reversed(range(grid[2])):
                     interp.interpreter_builder.set_grid_idx(x, y, z)
-                    ti._bounds.program = (x, y, z)
+                    bounds.program = (x, y, z)
                     rewritten(**call_args)
 
     monkeypatch.setattr(ti, "_run_grid", run_grid)

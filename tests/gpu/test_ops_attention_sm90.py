@@ -15,7 +15,7 @@ import triton
 from gpu_test_base import fresh_key, has_gpu
 
 import pallas_gpu
-from jax_kernel_runtime import _triton_compile
+from jax_kernel_runtime.triton import SHARED_MEMORY_LIMITS
 from pallas_gpu.ops import _attention_sm90, _common, attention
 
 VALIDATED = _common.triton_release() in _common.GLUON_VALIDATED_TRITON
@@ -95,7 +95,7 @@ def test_compiles_within_the_h200s_limits(dtype, head_dim):
         cfg = _attention_sm90.kernel_config(dtype, 2, 256, 512, 2, head_dim, causal)
         assert cfg.function == "mha_forward_sm90"
         assert cfg.block_dims == (384, 1, 1)  # 2 math warpgroups + the producer warp's (padded) warpgroup
-        assert 0 < cfg.shared_memory_bytes <= _triton_compile.SHARED_MEMORY_LIMITS[90]
+        assert 0 < cfg.shared_memory_bytes <= SHARED_MEMORY_LIMITS[90]
         assert cfg.global_scratch_bytes > 0  # the TMA descriptors made on the device
         # The line table names the kernel's file relative to its sys.path entry: the image (and the
         # HLO holding it) does not depend on where pallas-gpu or Triton are installed.

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from gpu_test_base import fresh_key, has_gpu
 
-from jax_kernel_runtime import _triton_compile
+from jax_kernel_runtime.triton import SHARED_MEMORY_LIMITS
 from pallas_gpu.ops import _common, _matmul_sm90
 from pallas_gpu.ops import matmul as mm
 
@@ -52,7 +52,7 @@ def test_compiles_within_the_h200s_limits(config, shape):
     cfg = _matmul_sm90.kernel_config("bfloat16", m, n, k, config)
     assert cfg.function == f"matmul_{config.kind}"
     assert cfg.block_dims == (384, 1, 1)  # 2 math warpgroups + the producer warp's (padded) warpgroup
-    assert 0 < cfg.shared_memory_bytes <= _triton_compile.SHARED_MEMORY_LIMITS[90]
+    assert 0 < cfg.shared_memory_bytes <= SHARED_MEMORY_LIMITS[90]
     assert cfg.global_scratch_bytes > 0  # the TMA descriptors made on the device
 
 

@@ -10,8 +10,7 @@ import warnings
 
 import pytest
 
-import jax_kernel_runtime as jkr
-from jax_kernel_runtime import _triton_cache
+from jax_kernel_runtime.triton import _cache
 from jax_triton._src import autotune
 
 
@@ -20,8 +19,8 @@ def fresh(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_TRITON_AUTOTUNE_DIR", str(tmp_path / "jt"))
     monkeypatch.setenv("PALLAS_GPU_CACHE_DIR", str(tmp_path / "pg"))
     monkeypatch.delenv("PALLAS_GPU_DISABLE_CACHE", raising=False)
-    monkeypatch.setattr(_triton_cache, "_pending", {})
-    monkeypatch.setattr(_triton_cache, "_seen_records", 0)
+    monkeypatch.setattr(_cache, "_pending", {})
+    monkeypatch.setattr(_cache, "_seen_records", 0)
     autotune.WINNERS.forget()
     yield tmp_path
     autotune.WINNERS.forget()
@@ -67,7 +66,7 @@ def test_records_go_to_the_package_that_expects_them(fresh, monkeypatch):
     from pallas_gpu._src import autotune as pallas_autotune
 
     records = [("jt_key", 0, 1, [2.0, 1.0]), ("pg_key", 0, 0, [1.0, 3.0]), ("nobody", 0, 1, [])]
-    monkeypatch.setattr(jkr, "tune_records", lambda: list(records))
+    monkeypatch.setattr(_cache, "tune_records", lambda: list(records))
     pallas_autotune.winners().forget()
     autotune.expect_tuning("jt_key")
     pallas_autotune.expect_tuning("pg_key")

@@ -15,21 +15,21 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 import jax_triton as jt  # noqa: E402
-from jax_kernel_runtime import _triton_batched, _triton_interpret  # noqa: E402
+from jax_kernel_runtime.triton import _batched, _interpret  # noqa: E402
 
 
 @pytest.fixture
 def passes(monkeypatch):
     """The outcome (True: batched) of every pass the interpreter tried."""
     seen: list[bool] = []
-    original = _triton_batched.run_chunk
+    original = _batched.run_chunk
 
     def spy(rewritten, call_args, coords):
         out = original(rewritten, call_args, coords)
         seen.append(out[0])
         return out
 
-    monkeypatch.setattr(_triton_batched, "run_chunk", spy)
+    monkeypatch.setattr(_batched, "run_chunk", spy)
     return seen
 
 
@@ -167,7 +167,7 @@ def combine_kernel(
 
 
 def test_reductions_and_scans_by_user_combine_functions(passes, mode, monkeypatch):
-    """Combine functions of one ufunc (``_triton_combine``) reduce and scan
+    """Combine functions of one ufunc (``jax_kernel_runtime.triton._combine``) reduce and scan
     with NumPy, batched and one by one; NaN propagates through ``tl.maximum``
     with ``PropagateNan.ALL`` as in the interpreter's own call of it; int32
     products wrap; any other combine function keeps Triton's generic path."""
@@ -223,7 +223,7 @@ def test_reductions_and_scans_by_user_combine_functions(passes, mode, monkeypatc
 
 
 def test_combine_ufunc_recognizes_one_operation_only():
-    from jax_kernel_runtime._triton_combine import combine_ufunc
+    from jax_kernel_runtime.triton._combine import combine_ufunc
 
     assert combine_ufunc(_add) is np.add
     assert combine_ufunc(_nan_max) is np.maximum
@@ -423,10 +423,10 @@ def test_batch_size_setting():
 
     old = os.environ.pop("JAX_KERNEL_RUNTIME_INTERPRET_BATCH", None)
     try:
-        assert _triton_interpret.max_batch() == 4096
+        assert _interpret.max_batch() == 4096
         for value, want in (("1", 1), ("0", 1), ("64", 64), ("many", 4096)):
             os.environ["JAX_KERNEL_RUNTIME_INTERPRET_BATCH"] = value
-            assert _triton_interpret.max_batch() == want
+            assert _interpret.max_batch() == want
     finally:
         os.environ.pop("JAX_KERNEL_RUNTIME_INTERPRET_BATCH", None)
         if old is not None:

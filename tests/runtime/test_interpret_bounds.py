@@ -1,4 +1,4 @@
-"""The shared Triton interpreter (jax_kernel_runtime._triton_interpret) never
+"""The shared Triton interpreter (jax_kernel_runtime.triton.interpret) never
 reads or writes outside a kernel's argument buffers: a masked-in pointer
 outside all of them raises an error naming the kernel, the argument nearest
 the pointer and the offset. Triton's own interpreter dereferences raw
@@ -199,7 +199,7 @@ def test_short_interpreted_launch_is_quiet(tmp_path):
 def _bounds(*buffers):
     import numpy as np
 
-    from jax_kernel_runtime._triton_interpret import _Bounds
+    from jax_kernel_runtime.triton._state import Bounds as _Bounds
 
     return _Bounds("triton_call 'k'", [(n, s, b, np.dtype(np.float32)) for n, s, b in buffers]), np
 
@@ -221,7 +221,7 @@ def test_check_accepts_inside_and_masked_off_pointers():
     ],
 )
 def test_check_names_the_nearest_argument_and_the_offset(ptr, arg, where):
-    from jax_kernel_runtime._triton_interpret import OutOfBoundsError
+    from jax_kernel_runtime.triton._state import OutOfBoundsError
 
     b, np = _bounds(("x", 4096, 64), ("y", 8192, 16))
     with pytest.raises(OutOfBoundsError, match=f"from argument '{arg}'") as e:
@@ -233,7 +233,7 @@ def test_check_names_the_nearest_argument_and_the_offset(ptr, arg, where):
 
 
 def test_zero_size_buffer_and_no_buffers():
-    from jax_kernel_runtime._triton_interpret import OutOfBoundsError
+    from jax_kernel_runtime.triton._state import OutOfBoundsError
 
     b, np = _bounds(("empty", 4096, 0))
     with pytest.raises(

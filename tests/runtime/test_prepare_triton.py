@@ -71,7 +71,7 @@ def test_changed_triton_files_recompute_the_key(tmp_path):
     # mtime or inode): the stale memo must not be used.
     out = run(
         """
-        import jax_kernel_runtime._triton as t
+        import jax_kernel_runtime.triton._prepare as t
         real = t._fingerprint
         t._fingerprint = lambda *a: "stale-" + real(*a)  # never the real one (a hex digest)
         from triton.runtime import cache
@@ -112,7 +112,7 @@ def test_import_prepares_triton_in_the_background(tmp_path, package):
     out = run(
         f"""
         import sys, {package}
-        import jax_kernel_runtime._triton as t
+        import jax_kernel_runtime.triton._prepare as t
         assert t._background is not None
         t._background.join(60)
         print("triton.compiler.code_generator" in sys.modules, t._prepared)
@@ -127,7 +127,7 @@ def test_background_preparation_can_be_turned_off(tmp_path):
     out = run(
         """
         import sys, pallas_gpu
-        import jax_kernel_runtime._triton as t
+        import jax_kernel_runtime.triton._prepare as t
         print(t._background is None, "triton" in sys.modules)
         """,
         tmp_path,

@@ -107,14 +107,14 @@ def test_triton_call_hlo_does_not_depend_on_the_kernel_files_mtime(tmp_path):
 
 
 def test_stable_ptx_rewrites_only_file_directives_without_a_timestamp():
-    from jax_kernel_runtime._triton_compile import stable_ptx
+    from jax_kernel_runtime.triton._compile import stable_ptx
 
     ptx = '\t.file\t1 "k.py"\n\t.file\t2 "/a b/c.py", 5, 6\n\t.loc\t1 3 0\n'
     assert stable_ptx(ptx) == '\t.file\t1 "k.py", 1, 0\n\t.file\t2 "/a b/c.py", 5, 6\n\t.loc\t1 3 0\n'
 
 
 def test_stable_ptx_names_files_relative_to_their_sys_path_entry():
-    from jax_kernel_runtime._triton_compile import relative_source_path, stable_ptx
+    from jax_kernel_runtime.triton._compile import relative_source_path, stable_ptx
 
     roots = ["/opt/venv/lib/python3.12/site-packages", "/home/me/project/src", "/home/me"]
     assert relative_source_path(

@@ -1,4 +1,4 @@
-"""The shared Triton front-end check (``jax_kernel_runtime._triton_frontend``):
+"""The shared Triton front-end check (``jax_kernel_runtime.triton.check_frontend``):
 Triton's own diagnostic at trace time, no GPU needed; used by jax-triton's
 CPU path."""
 
@@ -9,7 +9,7 @@ import pytest
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from jax_kernel_runtime import _triton_frontend  # noqa: E402
+from jax_kernel_runtime.triton import _frontend  # noqa: E402
 
 
 @triton.jit
@@ -29,25 +29,25 @@ SIGNATURE = {"x_ptr": "*fp32", "o_ptr": "*fp32", "BLOCK": "constexpr"}
 
 def test_a_kernel_triton_accepts_passes_and_is_memoized(monkeypatch):
     key = ("good", 64)
-    _triton_frontend.check(good_kernel, SIGNATURE, {"BLOCK": 64}, {}, {"num_warps": 4}, key)
-    assert key in _triton_frontend._checked
+    _frontend.check_frontend(good_kernel, SIGNATURE, {"BLOCK": 64}, {}, {"num_warps": 4}, key)
+    assert key in _frontend._checked
     calls = []
-    monkeypatch.setattr(_triton_frontend, "_make_ir", lambda *a: calls.append(a))
-    _triton_frontend.check(good_kernel, SIGNATURE, {"BLOCK": 64}, {}, {"num_warps": 4}, key)
+    monkeypatch.setattr(_frontend, "_make_ir", lambda *a: calls.append(a))
+    _frontend.check_frontend(good_kernel, SIGNATURE, {"BLOCK": 64}, {}, {"num_warps": 4}, key)
     assert calls == []  # the same key is not checked twice
 
 
 def test_a_kernel_triton_rejects_raises_its_diagnostic():
-    with pytest.raises(_triton_frontend.TritonFrontendError) as info:
-        _triton_frontend.check(
+    with pytest.raises(_frontend.TritonFrontendError) as info:
+        _frontend.check_frontend(
             pointer_sum_kernel, SIGNATURE, {"BLOCK": 64}, {}, {"num_warps": 4}, ("bad", 64)
         )
     assert "tl.load(x_ptr + offs) + x_ptr" in str(info.value)  # Triton's source excerpt
-    assert ("bad", 64) not in _triton_frontend._checked  # a failure is checked again next time
+    assert ("bad", 64) not in _frontend._checked  # a failure is checked again next time
 
 
 def test_jax_triton_uses_the_shared_check():
     pytest.importorskip("jax_triton")
     from jax_triton._src import frontend
 
-    assert frontend.TritonFrontendError is _triton_frontend.TritonFrontendError
+    assert frontend.TritonFrontendError is _frontend.TritonFrontendError

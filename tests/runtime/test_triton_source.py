@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from jax_kernel_runtime import _triton_cache, _triton_compile  # noqa: E402
+from jax_kernel_runtime import triton as jkr_triton  # noqa: E402
 
 SOURCE = (
     "import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef k(x_ptr):\n    tl.store(x_ptr, 1.0)\n"
@@ -19,8 +19,8 @@ SOURCE = (
 
 
 def test_source_is_served_from_memory_with_a_fixed_name(tmp_path):
-    disk = _triton_cache.DiskCache("test", lambda: str(tmp_path))
-    module = _triton_compile.load_source("jkr_test_kernel", SOURCE, disk)
+    disk = jkr_triton.DiskCache("test", lambda: str(tmp_path))
+    module = jkr_triton.load_source("jkr_test_kernel", SOURCE, disk)
     filename = module.k.fn.__code__.co_filename
     assert filename.startswith("jkr_test_kernel_") and "/" not in filename
     (copy,) = (tmp_path / "src").iterdir()
@@ -30,7 +30,7 @@ def test_source_is_served_from_memory_with_a_fixed_name(tmp_path):
 
 
 def test_no_disk_writes_nothing(tmp_path):
-    disk = _triton_cache.DiskCache("test", lambda: str(tmp_path), enabled=lambda: False)
-    module = _triton_compile.load_source("jkr_test_nodisk", SOURCE.replace("1.0", "2.0"), disk)
+    disk = jkr_triton.DiskCache("test", lambda: str(tmp_path), enabled=lambda: False)
+    module = jkr_triton.load_source("jkr_test_nodisk", SOURCE.replace("1.0", "2.0"), disk)
     assert module.k.fn.__name__ == "k"
     assert not list(tmp_path.iterdir())

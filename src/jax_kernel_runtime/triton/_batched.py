@@ -21,7 +21,7 @@ order: control flow that differs between programs (``if pid == 0``, loop
 bounds, ``int(x)``), atomics, ``tl.device_print``, block pointers or tensor
 descriptors with program-dependent offsets, reductions and scans other than
 sum/min/max/argmin/argmax/cumsum/cumprod and those whose combine function is
-one NumPy ufunc (``_triton_combine``), any operation this module does not
+one NumPy ufunc (``_combine``), any operation this module does not
 know, an out-of-bounds access or a failed ``device_assert`` (the one-by-one
 run then raises the error naming the program), and memory that one program
 writes and another reads or writes in the same pass (on a GPU a race; in
@@ -38,7 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from jax_kernel_runtime import _triton_combine, _triton_interpret, _triton_patches
+from jax_kernel_runtime.triton import _combine, _state
+from jax_kernel_runtime.triton._conflicts import conflicts
+from jax_kernel_runtime.triton._state import interpreter
 
 _TAG = "_jkr_batched"
 
@@ -85,7 +87,7 @@ def _tag(out: Any, value: bool = True) -> Any:
 
 
 def _handle(data: np.ndarray, dtype, batched: bool):
-    return _tag(_triton_patches.interpreter().TensorHandle(data, dtype), batched)
+    return _tag(interpreter().TensorHandle(data, dtype), batched)
 
 
 def _lift(h) -> np.ndarray:
@@ -244,7 +246,7 @@ def _operands(ptrs, mask, extra):
     return batched, shape, p, m
 
 
-def _load(self, ptr, *policy, **policy_kw):  # *policy, **policy_kw: as in _triton_patches._masked_load
+def _load(self, ptr, *policy, **policy_kw):  # *policy, **policy_kw: as in _patches._masked_load
     if _active is None:
         return _BUILDER_ORIGINALS["create_load"](self, ptr, *policy, **policy_kw)
     return _masked_load(self, ptr, None, None, *policy, **policy_kw)
@@ -260,19 +262,19 @@ def _mask_handle(mask):
     """Block pointers pass their mask as a bare array (always the same for
     every program: their offsets are not program-dependent here)."""
     if isinstance(mask, np.ndarray):
-        return _triton_patches.interpreter().TensorHandle(mask, _tl().int1)
+        return interpreter().TensorHandle(mask, _tl().int1)
     return mask
 
 
-def _masked_load(self, ptrs, mask, other, *policy, **policy_kw):  # *policy: as in _triton_patches
+def _masked_load(self, ptrs, mask, other, *policy, **policy_kw):  # *policy: as in _patches
     mask = _mask_handle(mask)
     if _active is None:
         return _BUILDER_ORIGINALS["create_masked_load"](self, ptrs, mask, other, *policy, **policy_kw)
-    interp = _triton_patches.interpreter()
+    interp = interpreter()
     batched, shape, p, m = _operands(ptrs, mask, other)
     elem = ptrs.get_element_ty()
     elem_bytes = max(1, elem.primitive_bitwidth // 8)
-    _triton_interpret.check_access("load", p, m, elem_bytes)
+    _state.check_access("load", p, m, elem_bytes)
     _record(p, m, batched, elem_bytes, store=False)
     dtype = interp._get_np_dtype(elem)
     if other is None:
@@ -287,11 +289,11 @@ def _masked_store(self, ptrs, value, mask, *policy, **policy_kw):
     mask = _mask_handle(mask)
     if _active is None:
         return _BUILDER_ORIGINALS["create_masked_store"](self, ptrs, value, mask, *policy, **policy_kw)
-    interp = _triton_patches.interpreter()
+    interp = interpreter()
     batched, shape, p, m = _operands(ptrs, mask, value)
     elem = ptrs.get_element_ty()
     elem_bytes = max(1, elem.primitive_bitwidth // 8)
-    _triton_interpret.check_access("store", p, m, elem_bytes)
+    _state.check_access("store", p, m, elem_bytes)
     _record(p, m, batched, elem_bytes, store=True)
     v = _dense(np.broadcast_to(_lift(value) if batched else value.data, shape))
     old = interp._interpreter.load(p, m, np.zeros(shape, v.dtype), v.dtype)
@@ -380,7 +382,7 @@ def _transpose(self):
 def _to_tensor(data: np.ndarray, dtype):
     """A batched result of shape (P, *shape) as a tensor of ``shape``."""
     tl = _tl()
-    interp = _triton_patches.interpreter()
+    interp = interpreter()
     data = data.astype(interp._get_np_dtype(dtype))
     shape = data.shape[1:]
     if not shape:
@@ -396,9 +398,9 @@ def _axis(data: np.ndarray, axis):
 
 
 def _reduce(input, axis, combine_fn, keep_dims=False, **kwargs):
-    interp = _triton_patches.interpreter()
+    interp = interpreter()
     inputs = input if isinstance(input, tuple) else (input,)
-    ufunc = _triton_combine.ufunc_for(combine_fn, inputs)
+    ufunc = _combine.ufunc_for(combine_fn, inputs)
     if _active is None or not _batched([x.handle for x in inputs]):
         ops = interp.ReduceOps(axis, combine_fn, keep_dims)
         if ufunc is None:
@@ -446,9 +448,9 @@ def _reduce(input, axis, combine_fn, keep_dims=False, **kwargs):
 
 
 def _scan(input, axis, combine_fn, reverse=False, **kwargs):
-    interp = _triton_patches.interpreter()
+    interp = interpreter()
     inputs = input if isinstance(input, tuple) else (input,)
-    ufunc = _triton_combine.ufunc_for(combine_fn, inputs)
+    ufunc = _combine.ufunc_for(combine_fn, inputs)
     if _active is None or not _batched([x.handle for x in inputs]):
         ops = interp.ScanOps(axis, combine_fn, reverse)
         if ufunc is None:
@@ -494,11 +496,11 @@ _BUILDER_ORIGINALS: dict[str, Any] = {}
 
 
 def builder_patches(scope) -> None:
-    """Wraps every builder operation (as patched by ``_triton_patches``) so
+    """Wraps every builder operation (as patched by ``_patches``) so
     that it works on, or refuses, program-dependent values."""
     global _original_tensor_init
     tl = _tl()
-    builder = _triton_patches.interpreter().InterpreterBuilder
+    builder = interpreter().InterpreterBuilder
     shape_ops = {
         "create_splat": _splat, "create_unsplat": _unsplat, "create_broadcast": _broadcast,
         "create_reshape": _reshape, "create_expand_dims": _expand_dims, "create_trans": _trans,
@@ -541,87 +543,8 @@ def builder_patches(scope) -> None:
 # Running a pass
 
 
-def _units(p: _Pass) -> list[tuple[np.ndarray, np.ndarray | None, bool]]:
-    """The accesses as (units, program, is_store): a unit is the smallest
-    element size of the pass; a wider element covers several units."""
-    unit = min(e for _, _, e, _ in p.accesses)
-    out = []
-    for ptrs, program, elem_bytes, store in p.accesses:
-        first = ptrs // np.uint64(unit)
-        n = elem_bytes // unit
-        if n > 1:
-            first = (first[:, None] + np.arange(n, dtype=np.uint64)[None, :]).reshape(-1)
-            program = None if program is None else np.repeat(program, n)
-        out.append((first, program, store))
-    return out
-
-
-def _conflicts(p: _Pass) -> bool:
-    """Whether memory one program stored is accessed by another program of
-    the pass (or stored for all programs and read)."""
-    if not any(store for *_, store in p.accesses):
-        return False
-    if _apart(p):
-        return False
-    accesses = _units(p)
-    stored = np.sort(np.concatenate([w for w, _, s in accesses if s]))
-    words, programs = [], []
-    for w, prog, _ in accesses:
-        hit = _member(w, stored)
-        if hit.any():
-            words.append(w[hit])
-            programs.append(np.full(int(hit.sum()), -1, np.int32) if prog is None else prog[hit])
-    w = np.concatenate(words)
-    prog = np.concatenate(programs)
-    order = np.lexsort((prog, w))
-    w, prog = w[order], prog[order]
-    if ((w[1:] == w[:-1]) & (prog[1:] != prog[:-1])).any():
-        return True
-    # A unit stored by an operation every program runs (-1) and read: each
-    # program, in order, would have read the previous one's store.
-    stored_by_all = [w for w, prog, s in accesses if s and prog is None]
-    reads = [w for w, _, s in accesses if not s]
-    if stored_by_all and reads:
-        return bool(_member(np.concatenate(stored_by_all), np.sort(np.concatenate(reads))).any())
-    return False
-
-
-def _apart(p: _Pass) -> bool:
-    """A quick sufficient test: every program's accesses, one address range
-    per operation and program, overlap no range of another program (as in
-    elementwise kernels). Operations every program runs (unbatched) make it
-    answer False: ``_conflicts`` then compares addresses one by one."""
-    los, his, programs = [], [], []
-    for ptrs, program, elem_bytes, _ in p.accesses:
-        if program is None:
-            return False
-        # ``program`` is non-decreasing (the pointers are in program-major order).
-        starts = np.flatnonzero(np.concatenate([[True], program[1:] != program[:-1]]))
-        los.append(np.minimum.reduceat(ptrs, starts))
-        his.append(np.maximum.reduceat(ptrs, starts) + np.uint64(elem_bytes))
-        programs.append(program[starts])
-    lo, hi, prog = np.concatenate(los), np.concatenate(his), np.concatenate(programs)
-    order = np.argsort(lo, kind="stable")
-    lo, hi, prog = lo[order], hi[order], prog[order]
-    # Clusters of overlapping ranges: a range starting at or after the end of
-    # every earlier one starts a new cluster. Apart: one program per cluster.
-    reach = np.maximum.accumulate(hi)
-    new = np.concatenate([[True], lo[1:] >= reach[:-1]])
-    starts = np.flatnonzero(new)
-    return bool((np.minimum.reduceat(prog, starts) == np.maximum.reduceat(prog, starts)).all())
-
-
-def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """``np.isin(values, sorted_set)`` for a sorted ``sorted_set`` (a binary
-    search: much faster than NumPy's hash-based unique/isin on large arrays)."""
-    if sorted_set.size == 0:
-        return np.zeros(values.shape, bool)
-    at = np.searchsorted(sorted_set, values).clip(max=sorted_set.size - 1)
-    return sorted_set[at] == values
-
-
 def _undo(p: _Pass) -> None:
-    interp = _triton_patches.interpreter()
+    interp = interpreter()
     for ptrs, old in reversed(p.undo):
         interp._interpreter.store(ptrs, old, np.ones(ptrs.shape, bool))
 
@@ -640,7 +563,7 @@ def run_chunk(rewritten, call_args: dict, coords: np.ndarray) -> tuple[bool, boo
     reason = ""
     try:
         rewritten(**call_args)
-        ok, permanent = not _conflicts(p), False
+        ok, permanent = not conflicts(p.accesses), False
         if not ok:
             reason = "a program accesses memory another program of the pass stores"
     except Unbatchable as e:

@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jax_kernel_runtime._call import tune_records
 from jax_kernel_runtime._config import KernelConfig
 
 _warned: set[str] = set()
@@ -99,6 +100,7 @@ class DiskCache:
 
 
 def sha256(*parts: Any) -> str:
+    """The hex SHA-256 of ``parts`` (as ``str``), joined by NUL: a cache key."""
     return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()
 
 
@@ -241,9 +243,7 @@ def flush_records() -> None:
     with _records_lock:
         if not _pending:
             return
-    import jax_kernel_runtime as jkr
-
-    records = jkr.tune_records()
+    records = tune_records()
     with _records_lock:
         start = _seen_records if _seen_records <= len(records) else 0
         new, _seen_records = records[start:], len(records)

@@ -30,12 +30,13 @@ import types
 import warnings
 from typing import Any
 
-from jax_kernel_runtime import _triton_interpret, _triton_versions
-from jax_kernel_runtime._triton import prepare_triton
-from jax_kernel_runtime._triton_cache import DiskCache
+from jax_kernel_runtime.triton import _versions
+from jax_kernel_runtime.triton._cache import DiskCache
+from jax_kernel_runtime.triton._prepare import prepare_triton
+from jax_kernel_runtime.triton._state import lock as interpreter_lock
 
-# Largest dynamic shared memory per block (the opt-in limit), by compute
-# capability (CUDA programming guide), for pallas-gpu and jax-triton alike.
+#: Largest dynamic shared memory per block (the opt-in limit) in bytes, by
+#: compute capability (CUDA programming guide), for pallas-gpu and jax-triton alike.
 SHARED_MEMORY_LIMITS = {
     70: 98304, 72: 98304, 75: 65536,
     80: 166912, 86: 101376, 87: 166912, 89: 101376,
@@ -84,6 +85,7 @@ class _SourceLoader:
 
 
 def clear_modules() -> None:
+    """Forgets the modules ``load_source`` made (the copies on disk stay)."""
     with _modules_lock:
         _modules.clear()
 
@@ -146,7 +148,7 @@ def _install_stage_hook() -> None:
                 make_ptx = stages["ptx"]
                 stages["ptx"] = lambda src, metadata: stable_ptx(make_ptx(src, metadata))
 
-        hook = _triton_versions.stages_hook(previous, on_stages)
+        hook = _versions.stages_hook(previous, on_stages)
 
         knobs.runtime.add_stages_inspection_hook = hook
         _installed_hook = hook
@@ -167,7 +169,7 @@ def compile_triton(src: Any, cc: int, options: dict[str, Any]) -> Any:
         kwargs["_env_vars"] = {**get_cache_invalidating_env_vars(), _STABLE_ENV[0]: _STABLE_ENV[1]}
     # While a kernel is interpreted (in a host-callback thread) triton.language
     # is patched with the interpreter's functions: compile with the real one.
-    with _triton_interpret.lock, _usable_triton_cache_dir():
+    with interpreter_lock, _usable_triton_cache_dir():
         _hook_state.active = True
         try:
             return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(options), **kwargs)

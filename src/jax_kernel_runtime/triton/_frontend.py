@@ -3,7 +3,7 @@
 A kernel run by the interpreter executes its Python inside a host callback,
 so a kernel that does not compile (an undefined name, a type error, a bad
 ``tl.constexpr``) would otherwise fail only when the call runs, as an opaque
-``CpuCallback error``. ``check`` runs the front end the GPU compile starts
+``CpuCallback error``. ``check_frontend`` runs the front end the GPU compile starts
 with, at trace time, so those errors come with Triton's message and source
 line. Only the front end runs (no GPU, no ptxas; milliseconds), and GPU-only
 limits the interpreter does not have (the smallest ``tl.dot``) are relaxed
@@ -19,7 +19,7 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
-from jax_kernel_runtime import _triton_interpret
+from jax_kernel_runtime.triton._state import lock as interpreter_lock
 
 _checked: set = set()
 _lock = threading.Lock()
@@ -29,7 +29,7 @@ class TritonFrontendError(Exception):
     """Triton's front end rejected a kernel; the message is Triton's diagnostic."""
 
 
-def check(
+def check_frontend(
     fn: Any,
     signature: dict[str, str],
     constexprs: dict[str, Any],
@@ -46,7 +46,7 @@ def check(
             return
     # While a kernel is interpreted (in a callback thread) triton.language is
     # patched with the interpreter's functions: wait for the real language.
-    with _triton_interpret.lock:
+    with interpreter_lock:
         try:
             _make_ir(fn, signature, constexprs, attrs, options)
         except Exception as e:  # Triton raises CompilationError and plain errors

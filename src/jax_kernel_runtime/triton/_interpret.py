@@ -18,6 +18,11 @@ interpreter is patched:
 * nested ``@triton.jit`` calls run interpreted, and the patches are undone
   afterwards, so later GPU compiles see the real ``triton.language``.
 
+The patches live in ``_patches`` (bounds, bf16, hints) and ``_batched``
+(many programs per pass); this module applies them in order (``apply``) and
+runs the grid. The lock, the running kernel's buffers and the checks are
+``_state``'s, below all three.
+
 A launch that takes longer than ``JAX_KERNEL_RUNTIME_INTERPRET_PROGRESS_S``
 seconds (default 5) prints its progress to stderr (programs done / total).
 """
@@ -27,18 +32,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import threading
 import time
 from typing import Any, NamedTuple
 
 import numpy as np
 
-# THE interpreter lock of the process: held while a kernel is interpreted
-# (triton.language is patched meanwhile), and by whoever needs the real
-# language (compile_triton, jax-triton's front-end check).
-lock = threading.Lock()
-_lock = lock
-_bounds: _Bounds | None = None  # the running kernel's buffers (under _lock)
+from jax_kernel_runtime.triton import _batched, _patches, _state
+from jax_kernel_runtime.triton._state import lock
 
 
 class Pointer(NamedTuple):
@@ -46,77 +46,6 @@ class Pointer(NamedTuple):
 
     type: str
     array: np.ndarray
-
-
-class OutOfBoundsError(IndexError):
-    """An interpreted kernel accessed memory outside its argument buffers."""
-
-
-class HintError(ValueError):
-    """An interpreted kernel gave the compiler a hint that its values break
-    (``tl.multiple_of``, ``tl.max_contiguous``; ``pl.multiple_of``)."""
-
-
-class _Bounds:
-    def __init__(self, kernel: str, buffers: list[tuple[str, int, int, np.dtype]]):
-        self.kernel = kernel
-        self.buffers = buffers  # (argument name, start address, bytes, dtype)
-        spans = sorted((start, start + n) for _, start, n, _ in buffers if n > 0)
-        merged: list[list[int]] = []
-        for lo, hi in spans:
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self.starts = np.array([lo for lo, _ in merged], np.uint64)
-        self.lengths = np.array([hi - lo for lo, hi in merged], np.uint64)
-        self.program = (0, 0, 0)
-
-    def check(self, what: str, ptrs: np.ndarray, mask: np.ndarray | None, elem_bytes: int) -> None:
-        p = np.asarray(ptrs, np.uint64)
-        if mask is not None:
-            p = p[np.broadcast_to(np.asarray(mask, bool), p.shape)]
-        p = p.reshape(-1)
-        if p.size == 0:
-            return
-        if self.starts.size == 0:
-            ok = np.zeros(p.shape, bool)
-        else:
-            idx = np.searchsorted(self.starts, p, side="right").astype(np.int64) - 1
-            i = np.maximum(idx, 0)
-            off = p - self.starts[i]  # meaningful where idx >= 0 (p >= start)
-            room = np.where(off < self.lengths[i], self.lengths[i] - off, np.uint64(0))
-            ok = (idx >= 0) & (room >= np.uint64(elem_bytes))
-        if ok.all():
-            return
-        bad = p[~ok]
-        raise OutOfBoundsError(self._message(what, int(bad[0]), int(bad.size), int(p.size), elem_bytes))
-
-    def _message(self, what: str, ptr: int, n_bad: int, n: int, elem_bytes: int) -> str:
-        def distance(b):
-            _, start, nbytes, _ = b
-            return start - ptr if ptr < start else max(0, ptr + elem_bytes - (start + nbytes))
-
-        article = "an" if what[0] in "aeiou" else "a"
-        head = f"{self.kernel}, program {self.program}: {article} {what} "
-        if not self.buffers:
-            return head + f"accesses address {ptr:#x}, but the kernel has no pointer arguments"
-        name, start, nbytes, dtype = min(self.buffers, key=distance)
-        byte_off = ptr - start
-        elems = nbytes // dtype.itemsize if dtype.itemsize else 0
-        where = (
-            f"element offset {byte_off // elem_bytes}"
-            if byte_off % elem_bytes == 0
-            else f"byte offset {byte_off}"
-        )
-        valid = f"valid element offsets 0..{elems - 1}" if elems else "empty"
-        return (
-            head + f"is out of bounds: {n_bad} of its {n} masked-in pointers lie outside every argument "
-            f"buffer; the first is at {where} from argument {name!r} (the nearest buffer: "
-            f"{elems} x {dtype.name} = {nbytes} bytes, {valid}). On a "
-            "GPU this reads or corrupts unrelated memory. Mask the access (e.g. "
-            "mask=offsets < n) or fix the index computation."
-        )
 
 
 def _progress_seconds() -> float:
@@ -137,11 +66,8 @@ def interpret(fn: Any, grid: tuple[int, int, int], args: dict[str, Any], *, name
     in errors and progress lines. ``debug`` turns ``tl.device_assert`` on, as
     Triton's ``debug=True`` does on the GPU (its interpreter never sets it).
     """
-    global _bounds
-    from jax_kernel_runtime import _triton_patches as patches
-
     with lock:
-        interp = patches.interpreter()
+        interp = _state.interpreter()
         rewritten = interp.InterpretedFunction(fn).rewrite()
         call_args, buffers, keep = {}, [], []
         for arg_name, value in args.items():
@@ -154,18 +80,18 @@ def interpret(fn: Any, grid: tuple[int, int, int], args: dict[str, Any], *, name
                 keep.append(target)
                 addr = target.ctypes.data
                 buffers.append((arg_name, addr, arr.nbytes, arr.dtype))
-                call_args[arg_name] = patches.pointer_arg(value.type, addr)
+                call_args[arg_name] = _patches.pointer_arg(value.type, addr)
             else:
-                call_args[arg_name] = patches.scalar_arg(value)
-        _bounds = _Bounds(name, buffers)
-        scope = patches.apply(fn)
+                call_args[arg_name] = _patches.scalar_arg(value)
+        bounds = _state.begin(name, buffers)
+        scope = apply(fn)
         builder = interp.interpreter_builder
         scope[0].set_attr(builder, "options", dataclasses.replace(builder.options, debug=debug))
         try:
-            _run_grid(rewritten, grid, call_args, name, interp)
+            _run_grid(rewritten, grid, call_args, bounds, interp)
         finally:
-            patches.restore(scope)
-            _bounds = None
+            restore(scope)
+            _state.end()
 
 
 def max_batch() -> int:
@@ -181,9 +107,8 @@ _FIRST_PASS = 16  # programs in a launch's first pass, which measures the block 
 _ELEMENTS_PER_VALUE = 1 << 21  # a pass's largest value holds about this many elements
 
 
-def _run_grid(rewritten, grid, call_args, name: str, interp) -> None:
-    from jax_kernel_runtime import _triton_batched
-
+def _run_grid(rewritten, grid, call_args, bounds: _state.Bounds, interp) -> None:
+    name = bounds.kernel
     interp.interpreter_builder.set_grid_dim(*grid)
     total = grid[0] * grid[1] * grid[2]
     every = _progress_seconds()
@@ -199,7 +124,7 @@ def _run_grid(rewritten, grid, call_args, name: str, interp) -> None:
         if n >= 2:
             ids = np.arange(done, done + n)
             coords = np.stack([ids // (grid[1] * grid[2]), ids // grid[2] % grid[1], ids % grid[2]], 1)
-            batched, permanent, per_program = _triton_batched.run_chunk(rewritten, call_args, coords)
+            batched, permanent, per_program = _batched.run_chunk(rewritten, call_args, coords)
             if permanent:
                 limit = 1
             size = min(limit, max(2, _ELEMENTS_PER_VALUE // max(1, per_program)))
@@ -207,7 +132,7 @@ def _run_grid(rewritten, grid, call_args, name: str, interp) -> None:
             for linear in range(done, done + n):
                 x, y, z = linear // (grid[1] * grid[2]), linear // grid[2] % grid[1], linear % grid[2]
                 interp.interpreter_builder.set_grid_idx(x, y, z)
-                _bounds.program = (x, y, z)
+                bounds.program = (x, y, z)
                 rewritten(**call_args)
         done += n
         now = time.monotonic()
@@ -231,49 +156,47 @@ def _report(name: str, done: int, total: int, elapsed: float) -> None:
     )
 
 
-def check_access(what: str, ptrs: np.ndarray, mask: np.ndarray | None, elem_bytes: int) -> None:
-    """Called by the patched memory operations; raises ``OutOfBoundsError``."""
-    if _bounds is not None:
-        _bounds.check(what, ptrs, mask, elem_bytes)
+# ---------------------------------------------------------------------------
+# Applying the patches
 
 
-def check_hint(kind: str, values: np.ndarray, hint: list[int], shape: list[int]) -> None:
-    """Raises ``HintError`` when ``values`` (a tensor of ``shape``, maybe with
-    leading program axes) break the compiler hint ``kind`` (``tt.divisibility``,
-    ``tt.contiguity``): the GPU compiler trusts a hint (it vectorizes and aligns
-    accesses by it), so a false one gives wrong answers there and none here.
+def _call_jit_function_interpreted(self, *args, **kwargs):
+    """Stands in for ``JITFunction.__call__`` while a kernel is interpreted:
+    a nested ``@triton.jit`` call (``tl.max`` and other library helpers
+    too) runs interpreted, and its language patch is undone afterwards."""
+    interp = _state.interpreter()
+    scope = interp._patch_lang(self.fn)
+    _batched.lang_patches(scope)  # the language patch above replaced them
+    _patches.hint_patches(scope)
+    try:
+        return interp.InterpretedFunction(self.fn).rewrite()(*args, **kwargs)
+    finally:
+        scope.restore()
 
-    ``multiple_of`` is checked on scalars (the start of a ``pl.ds``), where it
-    means every value; on a tensor it speaks of the first element of each
-    contiguous run, which is left to ``max_contiguous``'s check.
-    """
-    data = np.asarray(values)
-    if not np.issubdtype(data.dtype, np.integer):
-        return
-    where = _bounds.kernel if _bounds is not None else "a Triton kernel"
-    if kind == "tt.divisibility":
-        n = int(hint[0]) if hint else 1
-        if shape or n <= 1:
-            return
-        bad = data[data % n != 0]
-        if bad.size:
-            raise HintError(
-                f"{where}: multiple_of(x, {n}) is false: x = {int(bad.reshape(-1)[0])}. The GPU "
-                "compiler trusts the hint (aligned, vectorized accesses), so the kernel would read or "
-                "write the wrong elements there; fix the hint (pl.multiple_of / tl.multiple_of) or drop it"
-            )
-    elif kind == "tt.contiguity":
-        for d, (size, c) in enumerate(zip(shape, hint)):
-            c = int(c)
-            if c <= 1 or size % c:
-                continue
-            axis = data.ndim - len(shape) + d
-            runs = np.moveaxis(data.astype(np.int64), axis, -1).reshape(*data.shape[:axis],
-                                                                        *data.shape[axis + 1 :], size // c, c)  # fmt: skip
-            if not (np.diff(runs, axis=-1) == 1).all():
-                raise HintError(
-                    f"{where}: max_contiguous(x, {list(hint)}) is false: along dim {d}, x does not "
-                    f"hold runs of {c} consecutive values. The GPU compiler trusts the hint (vectorized "
-                    "accesses), so the kernel would read or write the wrong elements there; fix the "
-                    "hint (plgpu.max_contiguous / tl.max_contiguous) or drop it"
-                )
+
+def apply(fn) -> Any:
+    """Patches the language for ``fn`` and the interpreter; returns what
+    ``restore`` undoes."""
+    from triton.runtime.jit import JITFunction
+
+    interp = _state.interpreter()
+    scope = interp._patch_lang(fn)
+    # Scalar conversions that work with NumPy >= 2.5 (which removed int() of
+    # arrays with ndim > 0, used on the interpreter's (1,)-shaped scalars) and
+    # with batched programs; reductions and scans that know the program axis.
+    _batched.lang_patches(scope)
+    _patches.hint_patches(scope)
+    _patches.builder_patches(scope)
+    _batched.builder_patches(scope)  # on top of the patches above
+    original_call = JITFunction.__call__
+    JITFunction.__call__ = _call_jit_function_interpreted
+    return scope, original_call
+
+
+def restore(state) -> None:
+    """Undoes ``apply``."""
+    from triton.runtime.jit import JITFunction
+
+    scope, original_call = state
+    JITFunction.__call__ = original_call
+    scope.restore()

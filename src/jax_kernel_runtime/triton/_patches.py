@@ -1,6 +1,8 @@
-"""The patches ``_triton_interpret`` applies to Triton's interpreter while a
-kernel runs (see that module), in one place: a Triton release that changes
-the interpreter breaks this file only."""
+"""The patches ``_interpret`` applies to Triton's interpreter while a kernel
+runs (see that module): bounds checks of every memory access, bf16 on values,
+compiler hints checked on values, and the arguments as the interpreter takes
+them, in one place: a Triton release that changes the interpreter breaks this
+file only. ``_batched`` wraps the builder operations patched here."""
 
 from __future__ import annotations
 
@@ -9,16 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from jax_kernel_runtime import _triton_interpret
+from jax_kernel_runtime.triton import _state
+from jax_kernel_runtime.triton._state import interpreter
 
 _COMPARISONS = (np.less, np.less_equal, np.greater, np.greater_equal, np.equal, np.not_equal)
-
-
-@functools.cache
-def interpreter():
-    from triton.runtime import interpreter
-
-    return interpreter
 
 
 def pointer_arg(signature_type: str, address: int):
@@ -61,22 +57,22 @@ def _originals() -> dict[str, Any]:
 # is_volatile) in 3.9 (loads), without is_volatile for stores: passed through as given,
 # positionally or by keyword (the interpreter's tensor-descriptor loads pass keywords).
 def _masked_load(self, ptrs, mask, other, *policy, **policy_kw):
-    _triton_interpret.check_access("load", ptrs.data, _mask_of(mask), _elem_bytes(ptrs))
+    _state.check_access("load", ptrs.data, _mask_of(mask), _elem_bytes(ptrs))
     return _originals()["create_masked_load"](self, ptrs, mask, other, *policy, **policy_kw)
 
 
 def _masked_store(self, ptrs, value, mask, *policy, **policy_kw):
-    _triton_interpret.check_access("store", ptrs.data, _mask_of(mask), _elem_bytes(ptrs))
+    _state.check_access("store", ptrs.data, _mask_of(mask), _elem_bytes(ptrs))
     return _originals()["create_masked_store"](self, ptrs, value, mask, *policy, **policy_kw)
 
 
 def _atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):
-    _triton_interpret.check_access("atomic", ptr.data, _mask_of(mask), _elem_bytes(ptr))
+    _state.check_access("atomic", ptr.data, _mask_of(mask), _elem_bytes(ptr))
     return _originals()["create_atomic_rmw"](self, rmw_op, ptr, val, mask, sem, scope)
 
 
 def _atomic_cas(self, ptr, cmp, val, sem, scope):
-    _triton_interpret.check_access("atomic_cas", ptr.data, None, _elem_bytes(ptr))
+    _state.check_access("atomic_cas", ptr.data, None, _elem_bytes(ptr))
     return _originals()["create_atomic_cas"](self, ptr, cmp, val, sem, scope)
 
 
@@ -158,12 +154,12 @@ _BUILDER_PATCHES = {
 
 
 # ---------------------------------------------------------------------------
-# Nested @jit calls and NumPy >= 2.5
+# Compiler hints
 
 
 def hint_patches(scope) -> None:
     """``tl.multiple_of`` and ``tl.max_contiguous`` check their hint on the
-    values (``_triton_interpret.check_hint``); Triton's interpreter ignores it."""
+    values (``_state.check_hint``); Triton's interpreter ignores it."""
     import triton.language as tl
 
     for name, kind in (("multiple_of", "tt.divisibility"), ("max_contiguous", "tt.contiguity")):
@@ -176,52 +172,13 @@ def _checked_hint(original, kind, input, values, *args, **kwargs):
     if isinstance(input, tl.tensor):
         hint = values if isinstance(values, (list, tuple)) else [values]
         hint = [v.value if isinstance(v, tl.constexpr) else v for v in hint]
-        _triton_interpret.check_hint(kind, input.handle.data, hint, [int(d) for d in input.shape])
+        _state.check_hint(kind, input.handle.data, hint, [int(d) for d in input.shape])
     return original(input, values, *args, **kwargs)
 
 
-def _call_jit_function_interpreted(self, *args, **kwargs):
-    """Stands in for ``JITFunction.__call__`` while a kernel is interpreted:
-    a nested ``@triton.jit`` call (``tl.max`` and other library helpers
-    too) runs interpreted, and its language patch is undone afterwards."""
-    from jax_kernel_runtime import _triton_batched
-
-    interp = interpreter()
-    scope = interp._patch_lang(self.fn)
-    _triton_batched.lang_patches(scope)  # the language patch above replaced them
-    hint_patches(scope)
-    try:
-        return interp.InterpretedFunction(self.fn).rewrite()(*args, **kwargs)
-    finally:
-        scope.restore()
-
-
-def apply(fn) -> Any:
-    """Patches the language for ``fn`` and the interpreter; returns what
-    ``restore`` undoes."""
-    from triton.runtime.jit import JITFunction
-
-    from jax_kernel_runtime import _triton_batched
-
-    interp = interpreter()
-    scope = interp._patch_lang(fn)
-    # Scalar conversions that work with NumPy >= 2.5 (which removed int() of
-    # arrays with ndim > 0, used on the interpreter's (1,)-shaped scalars) and
-    # with batched programs; reductions and scans that know the program axis.
-    _triton_batched.lang_patches(scope)
-    hint_patches(scope)
+def builder_patches(scope) -> None:
+    """Patches the interpreter's builder: bounds-checked memory operations and
+    bf16 on values."""
     _originals()
     for name, patched in _BUILDER_PATCHES.items():
-        scope.set_attr(interp.InterpreterBuilder, name, patched)
-    _triton_batched.builder_patches(scope)  # on top of the patches above
-    original_call = JITFunction.__call__
-    JITFunction.__call__ = _call_jit_function_interpreted
-    return scope, original_call
-
-
-def restore(state) -> None:
-    from triton.runtime.jit import JITFunction
-
-    scope, original_call = state
-    JITFunction.__call__ = original_call
-    scope.restore()
+        scope.set_attr(interpreter().InterpreterBuilder, name, patched)

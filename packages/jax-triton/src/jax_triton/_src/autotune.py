@@ -15,7 +15,7 @@ import hashlib
 import os
 from typing import Any
 
-from jax_kernel_runtime import _triton_cache
+from jax_kernel_runtime import triton as jkr_triton
 from jax_triton._src.compile import CompileOptions
 from jax_triton._src.triton_compat import Autotuner, Heuristics, JITFunction
 
@@ -102,8 +102,8 @@ def _cache_dir() -> str:
 
 
 # The shared winner cache of jax_kernel_runtime, in jax-triton's directory.
-WINNERS = _triton_cache.WinnerCache(
-    _triton_cache.DiskCache("jax_triton (JAX_TRITON_AUTOTUNE_DIR)", _cache_dir), subdir=""
+WINNERS = jkr_triton.WinnerCache(
+    jkr_triton.DiskCache("jax_triton (JAX_TRITON_AUTOTUNE_DIR)", _cache_dir), subdir=""
 )
 
 
@@ -120,4 +120,4 @@ def record_winner(key: str, chosen: int, times_ms=()) -> None:
     WINNERS.record(key, chosen, times_ms)
 
 
-flush_records = _triton_cache.flush_records
+flush_records = jkr_triton.flush_records

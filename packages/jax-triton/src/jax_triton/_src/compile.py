@@ -13,7 +13,7 @@ import dataclasses
 import threading
 
 import jax_kernel_runtime as jkr
-from jax_kernel_runtime import _triton_compile
+from jax_kernel_runtime import triton as jkr_triton
 from jax_triton._src.signature import BoundCall
 from jax_triton._src.triton_compat import ASTSource, JITFunction
 
@@ -62,7 +62,7 @@ def compile_kernel(
         return hit
     src = ASTSource(fn, bound.signature(), constexprs=bound.constexprs(), attrs=bound.attrs())
     try:
-        compiled = _triton_compile.compile_triton(src, compute_capability, options.as_dict())
+        compiled = jkr_triton.compile_triton(src, compute_capability, options.as_dict())
     except Exception as e:  # Triton raises CompilationError and plain errors
         raise TritonCompilationError(
             f"Triton failed to compile kernel {bound.kernel_name!r} for "

@@ -1,14 +1,15 @@
 """Trace-time checks of a ``triton_call`` on the CPU: Triton's front end runs
-in jax_kernel_runtime's shared Triton layer (``_triton_frontend``); this
-module binds it to a ``BoundCall`` and words the hints of jax-triton's errors.
+in jax_kernel_runtime's shared Triton layer
+(``jax_kernel_runtime.triton.check_frontend``); this module binds it to a
+``BoundCall`` and words the hints of jax-triton's errors.
 """
 
 from __future__ import annotations
 
 import os
 
-from jax_kernel_runtime import _triton_frontend
-from jax_kernel_runtime._triton_frontend import TritonFrontendError
+from jax_kernel_runtime import triton as jkr_triton
+from jax_kernel_runtime.triton import TritonFrontendError
 from jax_triton._src.signature import BoundCall
 
 __all__ = ["TritonFrontendError", "check", "kernel_source", "zero_d_hint"]
@@ -17,7 +18,7 @@ __all__ = ["TritonFrontendError", "check", "kernel_source", "zero_d_hint"]
 def check(fn, bound: BoundCall, options: dict) -> None:
     """Raises ``TritonFrontendError`` when Triton's front end rejects the kernel."""
     key = (fn.cache_key, bound.key(), tuple(sorted(options.items())))
-    _triton_frontend.check(fn, bound.signature(), bound.constexprs(), bound.attrs(), options, key)
+    jkr_triton.check_frontend(fn, bound.signature(), bound.constexprs(), bound.attrs(), options, key)
 
 
 def kernel_source(fn) -> str:

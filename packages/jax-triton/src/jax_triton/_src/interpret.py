@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_kernel_runtime import _triton_interpret
+from jax_kernel_runtime import triton as jkr_triton
 from jax_triton._src.signature import BoundCall
 
 
@@ -40,13 +40,13 @@ def run_on_host(
     kwargs, constexprs = {}, set()
     for p in bound.params:
         if p.kind == "buffer":
-            kwargs[p.name] = _triton_interpret.Pointer(p.type, operands[p.operand])
+            kwargs[p.name] = jkr_triton.Pointer(p.type, operands[p.operand])
         elif p.kind == "constexpr":
             kwargs[p.name] = p.value
             constexprs.add(p.name)
         else:
             kwargs[p.name] = p.value
-    _triton_interpret.interpret(
+    jkr_triton.interpret(
         fn.fn, grid, kwargs, name=f"triton_call {bound.kernel_name!r}", constexprs=constexprs, debug=debug
     )
     return tuple(outputs)

@@ -19,7 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 import jax_kernel_runtime as jkr
-from jax_kernel_runtime import _triton_compile
+from jax_kernel_runtime import triton as jkr_triton
 from jax_triton._src import arguments, autotune, frontend, operands
 from jax_triton._src.compile import CompileOptions, TritonCompilationError, compile_kernel
 from jax_triton._src.interpret import run_on_host
@@ -256,7 +256,7 @@ def _runtime_params(bound: BoundCall, operand_avals):
 
 def _cuda_lowering(ctx, *args, call: CallSpec):
     cc = _compute_capability(ctx, call)
-    limit = _triton_compile.SHARED_MEMORY_LIMITS.get(cc, 232448)  # the shared layer's table
+    limit = jkr_triton.SHARED_MEMORY_LIMITS.get(cc, 232448)  # the shared layer's table
     compiled = []
     for _i, v in enumerate(call.variants):
         try:

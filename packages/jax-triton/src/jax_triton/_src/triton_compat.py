@@ -4,7 +4,7 @@ Triton is pinned exactly, so a Triton release breaks this one file, not the
 package. Public Triton APIs are preferred. Triton's interpreter internals
 (running a kernel on host memory without torch) are wrapped once for
 jax-triton and pallas-gpu alike, in jax_kernel_runtime's shared Triton layer
-(``_triton_interpret``/``_triton_patches``).
+(``jax_kernel_runtime.triton.interpret``).
 """
 
 from __future__ import annotations

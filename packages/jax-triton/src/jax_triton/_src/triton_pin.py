@@ -61,7 +61,7 @@ def _libtriton_path() -> str | None:
 
 
 def _cache_dir() -> str:
-    from jax_kernel_runtime._triton import key_memo_dir
+    from jax_kernel_runtime.triton import key_memo_dir
 
     return key_memo_dir()
 

@@ -33,20 +33,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_kernel_runtime import _triton_cache
+from jax_kernel_runtime import triton as jkr_triton
 
 # The winner cache is the shared one of jax_kernel_runtime, in pallas-gpu's
 # cache directory (``compiler.DISK``, created on first use).
-_winner_cache: _triton_cache.WinnerCache | None = None
+_winner_cache: jkr_triton.WinnerCache | None = None
 
 
-def winners() -> _triton_cache.WinnerCache:
+def winners() -> jkr_triton.WinnerCache:
     global _winner_cache
     if _winner_cache is None:
         # Imported on use: ``import pallas_gpu`` stays free of Triton.
         from pallas_gpu._src import compiler
 
-        _winner_cache = _triton_cache.WinnerCache(compiler.DISK, "autotune")
+        _winner_cache = jkr_triton.WinnerCache(compiler.DISK, "autotune")
     return _winner_cache
 
 
@@ -66,8 +66,8 @@ def expect_tuning(key: str) -> None:
     winners().expect(key)
 
 
-flush_records = _triton_cache.flush_records
-sha256 = _triton_cache.sha256
+flush_records = jkr_triton.flush_records
+sha256 = jkr_triton.sha256
 
 
 # ---------------------------------------------------------------------------

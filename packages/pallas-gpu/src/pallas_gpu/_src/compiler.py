@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax_kernel_runtime as jkr
-from jax_kernel_runtime import _triton_cache, _triton_compile
+from jax_kernel_runtime import triton as jkr_triton
 from pallas_gpu._src.core import CompilerParams
 from pallas_gpu._src.lowering import LoweredKernel
 
@@ -32,7 +32,7 @@ _CACHE_FORMAT = 3  # 3: cubins name their source files relative to sys.path
 # Largest dynamic shared memory per block (the opt-in limit), by compute
 # capability: the shared Triton layer's table. Unknown capabilities are not
 # checked here; the runtime reports a failed launch instead.
-SHARED_MEMORY_LIMITS = _triton_compile.SHARED_MEMORY_LIMITS
+SHARED_MEMORY_LIMITS = jkr_triton.SHARED_MEMORY_LIMITS
 
 # fp8 types Triton needs sm_89+ for (cvt with .e4m3x2/.e5m2x2).
 _FP8_TYPES = ("fp8e4nv", "fp8e5", "float8e4nv", "float8e5")
@@ -48,14 +48,14 @@ def disk_cache_enabled() -> bool:
     return os.environ.get("PALLAS_GPU_DISABLE_CACHE", "").lower() in ("", "0", "false", "no")
 
 
-DISK = _triton_cache.DiskCache("pallas_gpu (PALLAS_GPU_CACHE_DIR)", cache_dir, disk_cache_enabled)
+DISK = jkr_triton.DiskCache("pallas_gpu (PALLAS_GPU_CACHE_DIR)", cache_dir, disk_cache_enabled)
 
 
 def load_kernel(lk: LoweredKernel, interpret: bool):
     """The ``@triton.jit`` function of ``lk`` (the interpreter's variant
     imports our numpy libdevice instead of Triton's)."""
     prefix = f"pallas_gpu_kernel_{lk.name}_{'interp' if interpret else 'gpu'}"
-    module = _triton_compile.load_source(prefix, lk.module_source(interpret), DISK)
+    module = jkr_triton.load_source(prefix, lk.module_source(interpret), DISK)
     return getattr(module, lk.name)
 
 
@@ -71,12 +71,12 @@ def compile_kernel(lk: LoweredKernel, cc: int, options: tuple[tuple[str, Any], .
     # Pointers from XLA are at least 16-byte aligned (the runtime checks it).
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}
     src = ASTSource(fn=fn, signature=signature, constexprs={}, attrs=attrs)
-    return _triton_compile.compile_triton(src, cc, dict(options))
+    return jkr_triton.compile_triton(src, cc, dict(options))
 
 
 @functools.cache
 def _versions() -> str:
-    return f"{_triton_compile.triton_versions('jax-pallas-gpu')}; format {_CACHE_FORMAT}"
+    return f"{jkr_triton.triton_versions('jax-pallas-gpu')}; format {_CACHE_FORMAT}"
 
 
 def cache_key(lk: LoweredKernel, cc: int, options: tuple[tuple[str, Any], ...]) -> str:
@@ -90,15 +90,15 @@ def compiled_config(lk: LoweredKernel, cc: int, cp: CompilerParams):
     ``cp``: from memory, else from the disk cache, else ``triton.compile``."""
     options = tuple(sorted(cp.compile_options().items()))
     key = cache_key(lk, cc, options)
-    return _triton_cache.cached_config(
+    return jkr_triton.cached_config(
         key, lambda: jkr.config_from_triton(compile_kernel(lk, cc, options)), DISK
     )
 
 
 def clear_memory_cache() -> None:
     """Forgets the compiled kernels held in memory (the disk cache stays)."""
-    _triton_cache.clear_configs()
-    _triton_compile.clear_modules()
+    jkr_triton.clear_configs()
+    jkr_triton.clear_modules()
     compile_kernel.cache_clear()
 
 

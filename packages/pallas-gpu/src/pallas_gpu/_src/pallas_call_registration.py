@@ -22,8 +22,8 @@ import numpy as np
 from jax.interpreters import mlir
 
 import jax_kernel_runtime as jkr
-from jax_kernel_runtime._triton_interpret import Pointer
-from jax_kernel_runtime._triton_interpret import interpret as interpret_kernel
+from jax_kernel_runtime.triton import Pointer
+from jax_kernel_runtime.triton import interpret as interpret_kernel
 from pallas_gpu._src import autotune, compiler
 from pallas_gpu._src.core import CompilerParams, InterpretParams
 from pallas_gpu._src.lowering import LoweredKernel

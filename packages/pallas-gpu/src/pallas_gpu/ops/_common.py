@@ -65,7 +65,7 @@ def pipeline_stages(bytes_per_stage: int, most: int, cc: int | None) -> int:
     capability ``cc`` (sm_90's when None: no GPU; the smallest known when the
     table lacks ``cc``) with 16 KiB to spare for the kernel's other buffers;
     at least 1."""
-    from jax_kernel_runtime._triton_compile import SHARED_MEMORY_LIMITS
+    from jax_kernel_runtime.triton import SHARED_MEMORY_LIMITS
 
     limit = (
         SHARED_MEMORY_LIMITS[90]
@@ -111,7 +111,7 @@ def gluon_kernel_config(module: str, kernel: str, signature: dict[str, str], con
     keyed by the module's source, the constexprs and the Triton and package
     versions), else compiled by the shared Triton layer."""
     import jax_kernel_runtime as jkr
-    from jax_kernel_runtime import _triton_cache, _triton_compile
+    from jax_kernel_runtime import triton as jkr_triton
     from pallas_gpu._src import compiler
 
     parts = [
@@ -124,7 +124,7 @@ def gluon_kernel_config(module: str, kernel: str, signature: dict[str, str], con
 
     def compile_config():
         fn = getattr(importlib.import_module(module), kernel)
-        compiled = _triton_compile.compile_gluon(fn, signature, constexprs, 90, {"num_warps": 4})
+        compiled = jkr_triton.compile_gluon(fn, signature, constexprs, 90, {"num_warps": 4})
         return jkr.config_from_triton(compiled)
 
-    return _triton_cache.cached_config(key, compile_config, compiler.DISK)
+    return jkr_triton.cached_config(key, compile_config, compiler.DISK)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_kernel_runtime as jkr
-from jax_kernel_runtime import _triton_compile
+from jax_kernel_runtime import triton as jkr_triton
 from pallas_gpu.ops._common import (
     GLUON_VALIDATED_TRITON,
     gluon_kernel_config,
@@ -116,7 +116,7 @@ def kernel_config(dtype: str, m: int, n: int, k: int, config: Sm90Config) -> jkr
     ptr = "*bf16" if dtype == "bfloat16" else "*fp16"
     signature = {"A": ptr, "B": ptr, "C": ptr}
     cfg = gluon_kernel_config("pallas_gpu.ops._matmul_sm90_kernel", f"matmul_{c.kind}", signature, constexprs)
-    limit = _triton_compile.SHARED_MEMORY_LIMITS[90]
+    limit = jkr_triton.SHARED_MEMORY_LIMITS[90]
     if cfg.shared_memory_bytes > limit:
         raise ValueError(
             f"pallas_gpu.ops.matmul: config={config} needs {cfg.shared_memory_bytes} bytes of shared "

@@ -11,9 +11,9 @@ interpreter is patched:
   the kernel, the program, the argument nearest the pointer and the offset
   (the interpreter itself dereferences raw addresses: a bad index would
   crash the process or silently read or corrupt host memory);
-* bf16: arithmetic, ``tl.dot`` and fp32 -> bf16 casts compute on values and
-  round to nearest even, as the GPU does (Triton 3.6 works on the raw
-  ``uint16`` storage and truncates);
+* bf16: arithmetic, ``tl.dot`` and every cast to or from bf16 compute on
+  values (through fp32) and round to nearest even, as the GPU does (Triton's
+  interpreter works on the raw ``uint16`` storage; 3.6 truncates);
 * NumPy >= 2.5: scalar tensors convert to Python ints through their element;
 * nested ``@triton.jit`` calls run interpreted, and the patches are undone
   afterwards, so later GPU compiles see the real ``triton.language``.

@@ -125,12 +125,24 @@ def _binary_op(self, lhs, rhs, op):
 
 
 def _cast(self, src, dst_type):
-    """fp32 -> bf16 rounds to nearest even (Triton 3.6 truncates)."""
+    """Casts to and from bf16 go through fp32, as on the GPU: bf16 -> fp32 is
+    exact and fp32 -> bf16 rounds to nearest even. Triton's interpreter casts
+    the raw ``uint16`` bits of a bf16 with NumPy (an int, bool or fp64 to bf16
+    came out as tiny subnormals), decodes bf16 subnormals wrongly, and 3.6
+    truncates fp32 -> bf16."""
     import triton.language as tl
 
-    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-        return interpreter().TensorHandle(_fp32_to_bf16(src.data), tl.bfloat16)
-    return _originals()["cast_impl"](self, src, dst_type)
+    original = _originals()["cast_impl"]
+    src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+    if (src_ty == tl.bfloat16) == (dst_ty == tl.bfloat16):  # neither, or bf16 -> bf16
+        return original(self, src, dst_type)
+    interp = interpreter()
+    if src_ty == tl.bfloat16:
+        wide = interp.TensorHandle(_bf16_to_fp32(src.data), tl.float32)
+        return wide if dst_ty == tl.float32 else original(self, wide, dst_type)
+    if src_ty != tl.float32:
+        src = original(self, src, tl.float32)
+    return interp.TensorHandle(_fp32_to_bf16(src.data), tl.bfloat16)
 
 
 def _get_bf16(self, value):

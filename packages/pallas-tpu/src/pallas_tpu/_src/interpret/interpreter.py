@@ -30,7 +30,7 @@ code and raised (as a Python exception) when the kernel finishes.
 
 Kernels that talk to other devices (remote DMAs, remote semaphore signals,
 barrier semaphores) and race detection need the multi-device interpreter
-(``interpret_multi``), which subclasses ``Interpreter`` and overrides its hooks.
+(``multi.py``), which subclasses ``Interpreter`` and overrides its hooks.
 """
 
 from __future__ import annotations
@@ -208,6 +208,26 @@ def _uninit(shape, dtype, mode: str):
 # ---------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(eq=False)
+class Hidden:
+    """The traced values besides the cells that the interpreter carries through
+    loops, conds and grid steps (a pytree: its leaves are part of every carry)."""
+
+    err: jax.Array | None = None  # the code of the first failed check, 0 while none failed (``check``)
+    errvals: jax.Array | None = None  # int32[8]: the values recorded with that check
+    tok: jax.Array | None = None  # orders host callbacks (``ordered_callback``)
+    # (operand, core slot) -> where that core's block of the operand started at the
+    # grid step before (the pipeline: fetch or write back when it moves).
+    block_starts: dict[tuple[int, int], jax.Array] = dataclasses.field(default_factory=dict)
+    # State of extension rules, by name (``rules.HIDDEN_STATE``): the PRNG state.
+    named: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+
+
+tree_util.register_dataclass(
+    Hidden, data_fields=["err", "errvals", "tok", "block_starts", "named"], meta_fields=[]
+)
+
+
 class Interpreter:
     """Evaluates kernel jaxprs against a state of cells (see the module docstring)."""
 
@@ -218,10 +238,10 @@ class Interpreter:
         self.state: dict[int, jax.Array] = {}
         self.cell_names: dict[int, str] = {}
         self.cell_spaces: dict[int, Any] = {}
-        self.hidden: dict[str, jax.Array] = {}
+        self.hidden = Hidden()
         self.checks: list[str] = []
         self.grid_env: dict[str, jax.Array] = {}  # named grid axis -> index
-        self.hidden_cells: dict[str, int] = {}  # cells the kernel reaches by name (barrier semaphore)
+        self.barrier_cell: int | None = None  # the barrier semaphore (multi.py allocates it)
         # dma_execution_mode="on_wait": cell -> (shadow cell, pending cell); see interpret_dma.
         self.dma_shadows = False
         self.shadows: dict[int, tuple[int, int]] = {}
@@ -243,13 +263,14 @@ class Interpreter:
         """Called once after the last grid step."""
 
     def snapshot(self):
-        """The state as lists (a loop carry); ``restore`` takes it back."""
-        self._keys, self._hkeys = sorted(self.state), sorted(self.hidden)
-        return [self.state[k] for k in self._keys], [self.hidden[k] for k in self._hkeys]
+        """The cells' values as a list and the hidden state (a loop carry);
+        ``restore`` takes it back."""
+        self._keys = sorted(self.state)
+        return [self.state[k] for k in self._keys], self.hidden
 
-    def restore(self, vals, hvals) -> None:
+    def restore(self, vals, hidden: Hidden) -> None:
         self.state = dict(zip(self._keys, vals))
-        self.hidden = dict(zip(self._hkeys, hvals))
+        self.hidden = hidden
 
     # -- cells ---------------------------------------------------------------
 
@@ -300,9 +321,9 @@ class Interpreter:
     # -- checks: errors found at run time -------------------------------------
 
     def init_checks(self) -> None:
-        self.hidden["__err"] = jnp.zeros((), jnp.int32)
-        self.hidden["__errvals"] = jnp.zeros((8,), jnp.int32)
-        self.hidden["__tok"] = jnp.zeros((), jnp.int32)
+        self.hidden.err = jnp.zeros((), jnp.int32)
+        self.hidden.errvals = jnp.zeros((8,), jnp.int32)
+        self.hidden.tok = jnp.zeros((), jnp.int32)
 
     def check(self, ok, message: str, values: Sequence[Any] = ()) -> None:
         """Records ``message`` (with up to 8 int values, shown where the message
@@ -311,16 +332,16 @@ class Interpreter:
             return
         self.checks.append(message)
         code = len(self.checks)
-        err = self.hidden["__err"]
+        err = self.hidden.err
         # lax, not jnp (no jitted helpers): a large kernel makes hundreds of checks, and
         # every op here is traced, lowered and compiled with it.
         first = lax.bitwise_and(lax.eq(err, np.int32(0)), lax.bitwise_not(jnp.asarray(ok, jnp.bool_)))
-        self.hidden["__err"] = lax.select(first, np.int32(code), err)
-        if values:  # no values: __errvals still holds zeros wherever this is the first error
+        self.hidden.err = lax.select(first, np.int32(code), err)
+        if values:  # no values: errvals still holds zeros wherever this is the first error
             vals = [jnp.asarray(v, jnp.int32).reshape(()) for v in values][:8]
             row = jnp.concatenate([jnp.stack(vals), np.zeros(8 - len(vals), np.int32)])
-            errvals = self.hidden["__errvals"]
-            self.hidden["__errvals"] = lax.select(lax.broadcast(first, errvals.shape), row, errvals)
+            errvals = self.hidden.errvals
+            self.hidden.errvals = lax.select(lax.broadcast(first, errvals.shape), row, errvals)
 
     def _bounds_checked(self, index, extent: int, size: int) -> bool:
         """True if ``[index, index + extent)`` was checked against ``size`` before, in
@@ -368,16 +389,14 @@ class Interpreter:
         and returns a token kept in ``self.hidden``, so XLA keeps the order."""
         from jax.experimental import io_callback
 
-        if "__tok" not in self.hidden:
+        if self.hidden.tok is None:
             raise RuntimeError("ordered_callback needs init_checks() first")
 
         def call(tok, *a):
             fn(*a)
             return tok
 
-        self.hidden["__tok"] = io_callback(
-            call, jax.ShapeDtypeStruct((), jnp.int32), self.hidden["__tok"], *args
-        )
+        self.hidden.tok = io_callback(call, jax.ShapeDtypeStruct((), jnp.int32), self.hidden.tok, *args)
 
     def raise_checks(self) -> None:
         """Emits the callback that raises the first recorded error, if any."""
@@ -392,7 +411,7 @@ class Interpreter:
                 vals = np.asarray(vals).reshape(-1, 8)[int(errs.argmax())]
                 raise KernelError(messages[err - 1].format(*[int(v) for v in vals]))
 
-        jax.debug.callback(report, self.hidden["__err"], self.hidden["__errvals"])
+        jax.debug.callback(report, self.hidden.err, self.hidden.errvals)
 
     # -- jaxpr evaluation ----------------------------------------------------
 
@@ -799,36 +818,37 @@ def _grid_axis_index(interp, eqn):
 
 
 def _state_items(interp):
+    """The cells' keys, their values and the hidden state: the carry of a loop
+    or cond that the kernel's Refs and hidden state go through."""
     keys = sorted(interp.state)
-    hkeys = sorted(interp.hidden)
-    return keys, hkeys, [interp.state[k] for k in keys], [interp.hidden[k] for k in hkeys]
+    return keys, [interp.state[k] for k in keys], interp.hidden
 
 
-def _set_state(interp, keys, hkeys, vals, hvals):
+def _set_state(interp, keys, vals, hidden: Hidden):
     interp.state = dict(zip(keys, vals))
-    interp.hidden = dict(zip(hkeys, hvals))
+    interp.hidden = hidden
 
 
 @rule(compat.cond_p)
 def _cond(interp, eqn, index, *ops):
     branches = eqn.params["branches"]
-    keys, hkeys, vals, hvals = _state_items(interp)
+    keys, vals, hidden = _state_items(interp)
     ref_pos = {i for i, x in enumerate(ops) if isinstance(x, RefView)}
     plain = [x for i, x in enumerate(ops) if i not in ref_pos]
 
     def make(branch):
-        def f(vals, hvals, plain):
-            _set_state(interp, keys, hkeys, vals, hvals)
+        def f(vals, hidden, plain):
+            _set_state(interp, keys, vals, hidden)
             it = iter(plain)
             args = [ops[i] if i in ref_pos else next(it) for i in range(len(ops))]
             outs = interp.eval_closed(branch, args)
-            _, _, nv, nh = _state_items(interp)
+            _, nv, nh = _state_items(interp)
             return nv, nh, outs
 
         return f
 
-    nv, nh, outs = lax.switch(index, [make(b) for b in branches], vals, hvals, plain)
-    _set_state(interp, keys, hkeys, nv, nh)
+    nv, nh, outs = lax.switch(index, [make(b) for b in branches], vals, hidden, plain)
+    _set_state(interp, keys, nv, nh)
     return outs
 
 
@@ -837,23 +857,23 @@ def _while(interp, eqn, *ops):
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, init = ops[:nc], ops[nc : nc + nb], ops[nc + nb :]
-    keys, hkeys, vals, hvals = _state_items(interp)
+    keys, vals, hidden = _state_items(interp)
 
     def cond_fun(carry):
-        vals, hvals, c = carry
-        _set_state(interp, keys, hkeys, vals, hvals)
+        vals, hidden, c = carry
+        _set_state(interp, keys, vals, hidden)
         (pred,) = interp.eval_closed(p["cond_jaxpr"], [*cconsts, *c])
         return pred
 
     def body_fun(carry):
-        vals, hvals, c = carry
-        _set_state(interp, keys, hkeys, vals, hvals)
+        vals, hidden, c = carry
+        _set_state(interp, keys, vals, hidden)
         out = interp.eval_closed(p["body_jaxpr"], [*bconsts, *c])
-        _, _, nv, nh = _state_items(interp)
+        _, nv, nh = _state_items(interp)
         return nv, nh, list(out)
 
-    nv, nh, out = lax.while_loop(cond_fun, body_fun, (vals, hvals, list(init)))
-    _set_state(interp, keys, hkeys, nv, nh)
+    nv, nh, out = lax.while_loop(cond_fun, body_fun, (vals, hidden, list(init)))
+    _set_state(interp, keys, nv, nh)
     return out
 
 
@@ -862,24 +882,24 @@ def _scan(interp, eqn, *ops):
     p = eqn.params
     consts, init, xs = compat.scan_split(p, ops)
     n_carry = len(init)
-    keys, hkeys, vals, hvals = _state_items(interp)
+    keys, vals, hidden = _state_items(interp)
 
     def body(carry, x):
-        vals, hvals, c = carry
-        _set_state(interp, keys, hkeys, vals, hvals)
+        vals, hidden, c = carry
+        _set_state(interp, keys, vals, hidden)
         out = interp.eval_closed(p["jaxpr"], [*consts, *c, *x])
-        _, _, nv, nh = _state_items(interp)
+        _, nv, nh = _state_items(interp)
         return (nv, nh, list(out[:n_carry])), list(out[n_carry:])
 
     (nv, nh, carry), ys = lax.scan(
         body,
-        (vals, hvals, list(init)),
+        (vals, hidden, list(init)),
         list(xs),
         length=p["length"],
         reverse=p["reverse"],
         unroll=p.get("unroll", 1),
     )
-    _set_state(interp, keys, hkeys, nv, nh)
+    _set_state(interp, keys, nv, nh)
     return [*carry, *ys]
 
 
@@ -1017,16 +1037,16 @@ def _sem_read(interp, eqn, *ops):
     return interp.read_view(_sem_view(ops, eqn.params["sem_tree"]), eqn)
 
 
-# -- DMAs: interpret_dma.py --
+# -- DMAs: dma.py --
 
 
 @rule(tpu_prims.get_barrier_semaphore_p)
 def _barrier(interp, eqn):
-    if "__barrier" not in interp.hidden_cells:
+    if interp.barrier_cell is None:
         raise NotImplementedError(
             f"{interp.where(eqn)}: barrier semaphores need the multi-device TPU interpreter"
         )
-    return RefView(interp.hidden_cells["__barrier"])
+    return RefView(interp.barrier_cell)
 
 
 # ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ of other processes never join a session: a kernel that needs other devices
 mesh spans processes is refused when it is traced (``_check_one_process``);
 kernels that need no other device run over such meshes as anywhere else.
 
-Callbacks of one device are chained by a token in ``Interpreter.hidden`` so
+Callbacks of one device are chained by a token in ``Interpreter.hidden.tok`` so
 XLA keeps them in program order.
 
 Race detection (``InterpretParams(detect_races=True)``) is a happens-before
@@ -469,7 +469,7 @@ class MultiDeviceInterpreter(Interpreter):
         self.races = self.params.detect_races
         self.remote_dst_cells: set[int] = set()  # where remote DMAs traced so far go
         self.remote_sem_cells: set[int] = set()  # and the semaphores they signal there
-        self.hidden["__tok"] = jnp.zeros((), jnp.int32)
+        self.hidden.tok = jnp.zeros((), jnp.int32)
         if facts.kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}):
             cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
             if getattr(cp, "collective_id", None) is None:
@@ -482,7 +482,7 @@ class MultiDeviceInterpreter(Interpreter):
                 "the barrier semaphore",
                 plb.SemaphoreSpace(plb.SemaphoreKind.BARRIER),
             )
-            self.hidden_cells["__barrier"] = cell
+            self.barrier_cell = cell
         key = (self.mesh_axes, self.gm.kernel_name)
         n, desc, races_on = self.num_devices, self.kernel_desc, self.races
         cores = self.params.num_cores_or_threads
@@ -567,8 +567,8 @@ class MultiDeviceInterpreter(Interpreter):
             out = () if out is None else (out if isinstance(out, tuple) else (out,))
             return (np.asarray(tok, np.int32), *out)
 
-        outs = compat.host_callback(host, (tok_shape, *result_shapes), self.hidden["__tok"], *args)
-        self.hidden["__tok"] = outs[0]
+        outs = compat.host_callback(host, (tok_shape, *result_shapes), self.hidden.tok, *args)
+        self.hidden.tok = outs[0]
         return list(outs[1:])
 
     def _site(self, eqn) -> str:
@@ -931,9 +931,9 @@ class MultiDeviceInterpreter(Interpreter):
         ]
 
         def take(tok, need):
-            self.hidden["__tok"] = tok
+            self.hidden.tok = tok
             outs = self._callback(pull, shapes, self.sid, self.my_dev, sem_idx, need)
-            return self.hidden["__tok"], *outs
+            return self.hidden.tok, *outs
 
         def nothing(tok, need):
             return (
@@ -943,8 +943,8 @@ class MultiDeviceInterpreter(Interpreter):
                 jnp.int32(0),
             )
 
-        tok, received, data, idx, staged = lax.cond(need > 0, take, nothing, self.hidden["__tok"], need)
-        self.hidden["__tok"] = tok
+        tok, received, data, idx, staged = lax.cond(need > 0, take, nothing, self.hidden.tok, need)
+        self.hidden.tok = tok
         self.state[cell] = x.reshape(-1).at[idx].set(data, mode="drop").reshape(x.shape)
         self._land_staged(eqn, staged, [cell, *sorted(self.remote_dst_cells - {cell})])
         Interpreter.sem_add(self, sem, received, eqn)
@@ -986,21 +986,21 @@ class MultiDeviceInterpreter(Interpreter):
         ]
 
         def go(tok, vals):
-            self.hidden["__tok"] = tok
+            self.hidden.tok = tok
             outs = self._callback(land, shapes, self.sid, self.my_dev)
             new = [
                 v.reshape(-1).at[i].set(d, mode="drop").reshape(v.shape)
                 for v, d, i in zip(vals, outs[0::2], outs[1::2])
             ]
-            return self.hidden["__tok"], new
+            return self.hidden.tok, new
 
         tok, vals = lax.cond(
             staged > 0,
             go,
             lambda tok, vals: (tok, list(vals)),
-            self.hidden["__tok"],
+            self.hidden.tok,
             [self.state[c] for c in cells],
         )
-        self.hidden["__tok"] = tok
+        self.hidden.tok = tok
         for c, v in zip(cells, vals):
             self.state[c] = v

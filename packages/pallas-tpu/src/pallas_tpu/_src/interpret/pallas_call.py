@@ -4,6 +4,7 @@ kernel runs (TPU block shapes, SMEM dtypes, VMEM budget)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -129,9 +130,38 @@ def _hidden_initializers(jaxpr) -> dict[str, Any]:
     return out
 
 
+@dataclasses.dataclass(eq=False)
 class _Operand:
-    def __init__(self, bm, hbm_cell, buf_cell):
-        self.bm, self.hbm, self.buf = bm, hbm_cell, buf_cell
+    """A ``pallas_call`` operand: its block mapping, its HBM cell and its
+    block buffer's cell (``None`` for a whole-array operand)."""
+
+    bm: Any
+    hbm: int
+    buf: int | None
+
+
+@dataclasses.dataclass(eq=False)
+class _Lane:
+    """One core of a group of cores that run their grid points in lockstep
+    (``slot``: its position in the group): its operands (its own block
+    buffers), the kernel's Ref arguments and its scratch cells."""
+
+    core_id: int
+    slot: int
+    ops: list[_Operand]
+    views: list[RefView]  # one per operand, then one per scratch cell
+    scratch: list[int]
+
+
+@dataclasses.dataclass(eq=False)
+class _Running:
+    """A lane within a grid step: the kernel's steps (a generator that stops at
+    each semaphore wait) and what the interpreter switches to when it resumes."""
+
+    core_id: int
+    steps: Any
+    grid_env: dict[str, Any] = dataclasses.field(default_factory=dict)
+    named: dict[str, Any] = dataclasses.field(default_factory=dict)  # the lane's ``Hidden.named``
 
 
 def _pad_to_blocks(x, bm, mode):
@@ -173,7 +203,7 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
     interp.init_checks()
     lane_hidden = list(_hidden_initializers(jaxpr).items())  # per core, e.g. the PRNG state
     for name, init in lane_hidden:
-        interp.hidden[name] = init()
+        interp.hidden.named[name] = init()
     interp.dma_shadows = params.dma_execution_mode == "on_wait" and facts.kernel_uses(
         jaxpr, {tpu_prims.dma_start_p}
     )
@@ -258,23 +288,23 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
                     )
                 interp.state[buf] = init
                 core_ops[i] = _Operand(op.bm, op.hbm, buf)
-                interp.hidden[f"__prev{i}.{slot}"] = jnp.zeros((len(op.bm.block_shape),), jnp.int32)
+                interp.hidden.block_starts[i, slot] = jnp.zeros((len(op.bm.block_shape),), jnp.int32)
             views = [RefView(op.buf if op.buf is not None else op.hbm) for op in core_ops]
-            lanes.append((core_id, slot, core_ops, views + [RefView(c) for c in scratch], scratch))
+            lanes.append(_Lane(core_id, slot, core_ops, views + [RefView(c) for c in scratch], scratch))
         for view, a in zip(prefetch, args[:nsp]):  # each core group has its own SMEM copy
             interp.state[view.cell] = jnp.asarray(a)
         table = None if D else jnp.asarray(np.stack([per_core[c] for c in group]), jnp.int32)
 
-        def lane_step(lane, s, pause, ctx):
-            core_id, slot, core_ops, views, _ = lane
-            pt = jnp.stack(plb.grid_point(s, sizes)) if D else table[slot, s]
+        def lane_step(lane: _Lane, s, pause, run: _Running):
+            core_ops, views = lane.ops, lane.views
+            pt = jnp.stack(plb.grid_point(s, sizes)) if D else table[lane.slot, s]
             gidx = [pt[g] for g in range(G)]
-            ctx["grid_env"] = {n: gidx[g] for g, n in enumerate(gm.grid_names) if n is not None}
-            interp.grid_env = ctx["grid_env"]
+            run.grid_env = {n: gidx[g] for g, n in enumerate(gm.grid_names) if n is not None}
+            interp.grid_env = run.grid_env
             if params.grid_point_recorder is not None:
-                interp.ordered_callback(params.grid_point_recorder, pt, jnp.int32(core_id))
+                interp.ordered_callback(params.grid_point_recorder, pt, jnp.int32(lane.core_id))
             for i in blocked:
-                _enter_block(interp, core_ops[i], f"__prev{i}.{slot}", i >= gm.num_inputs, gidx, prefetch, s)
+                _enter_block(interp, core_ops[i], (i, lane.slot), i >= gm.num_inputs, gidx, prefetch, s)
             views = [_batched_view(interp, op, v, gidx, prefetch) for op, v in zip(core_ops, views)] + list(
                 views[len(core_ops) :]
             )
@@ -287,19 +317,19 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
             pause = _is_sem_wait if len(lanes) > 1 else None
             running = []
             for lane in lanes:
-                own = {name: interp.hidden[name] for name, _ in lane_hidden}
-                ctx = {"core_id": lane[0], "grid_env": {}, "hidden": own}
-                running.append((ctx, lane_step(lane, s, pause, ctx)))
+                run = _Running(lane.core_id, None, named={n: interp.hidden.named[n] for n, _ in lane_hidden})
+                run.steps = lane_step(lane, s, pause, run)
+                running.append(run)
             while running:  # round robin: each core runs up to its next semaphore wait
-                for entry in list(running):
-                    interp.core_id = entry[0]["core_id"]
-                    interp.grid_env = entry[0]["grid_env"]
-                    interp.hidden.update(entry[0]["hidden"])
+                for run in list(running):
+                    interp.core_id = run.core_id
+                    interp.grid_env = run.grid_env
+                    interp.hidden.named.update(run.named)
                     try:
-                        next(entry[1])
+                        next(run.steps)
                     except StopIteration:
-                        running.remove(entry)
-                    entry[0]["hidden"] = {name: interp.hidden[name] for name, _ in lane_hidden}
+                        running.remove(run)
+                    run.named = {n: interp.hidden.named[n] for n, _ in lane_hidden}
             return interp.snapshot()
 
         carry = interp.snapshot()
@@ -308,14 +338,15 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
         interp.restore(*carry)
         interp.progress = None
         steps_before += 0 if D else n
-        for _, slot, core_ops, _, scratch in lanes:
+        for lane in lanes:
+            core_ops, scratch = lane.ops, lane.scratch
             for i, a in enumerate(gm.scratch_avals):
                 if plb.semaphore_kind(a) is not None:
                     _check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
             for i in blocked:
                 if i >= gm.num_inputs:  # the last output block goes back to HBM
                     op = core_ops[i]
-                    prev_arr = interp.hidden.pop(f"__prev{i}.{slot}")
+                    prev_arr = interp.hidden.block_starts.pop((i, lane.slot))
                     prev = [prev_arr[d] for d in range(len(op.bm.block_shape))]
                     blk = interp.state[op.buf].reshape(op.bm.block_sizes)
                     if D:  # a dynamic grid may run no step: then there is no last block
@@ -323,8 +354,8 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
                         blk = jnp.where(n > 0, blk, old)
                     interp.state[op.hbm] = lax.dynamic_update_slice(interp.state[op.hbm], blk, prev)
                 else:
-                    interp.hidden.pop(f"__prev{i}.{slot}")
-                if slot > 0:
+                    interp.hidden.block_starts.pop((i, lane.slot))
+                if lane.slot > 0:
                     interp.free_cell(core_ops[i].buf)
             for c in scratch:
                 interp.free_cell(c)
@@ -373,9 +404,11 @@ def _core_groups(jaxpr, per_core) -> list[list[int]]:
     return [[c] for c in cores]
 
 
-def _enter_block(interp, op, prev_key, is_out, gidx, prefetch, s):
+def _enter_block(interp, op, key: tuple[int, int], is_out, gidx, prefetch, s):
     """The pipeline before a grid step: fetch a changed input block; write back
-    an output block whose index changed (its new buffer starts uninitialized)."""
+    an output block whose index changed (its new buffer starts uninitialized).
+    ``key``: (operand, core slot), where the block started at the step before
+    in ``interp.hidden.block_starts``."""
     bm = op.bm
     idx = interp.eval_closed(bm.index_map, [*gidx, *prefetch])
     starts = _starts(bm, idx)
@@ -393,7 +426,7 @@ def _enter_block(interp, op, prev_key, is_out, gidx, prefetch, s):
         lax.clamp(np.int32(0), st, np.int32(max(n - size, 0)))
         for st, size, n in zip(starts, bm.block_sizes, hbm.shape)
     ]
-    prev_arr = interp.hidden[prev_key]
+    prev_arr = interp.hidden.block_starts[key]
     cur = jnp.stack(starts_c) if starts_c else jnp.zeros((0,), jnp.int32)
     changed = jnp.logical_or(s == 0, jnp.any(cur != prev_arr))
     kshape = bm.kernel_block_shape
@@ -410,4 +443,4 @@ def _enter_block(interp, op, prev_key, is_out, gidx, prefetch, s):
         )
         fresh = _uninit(kshape, bm.dtype, interp.params.uninitialized_memory)
         interp.state[op.buf] = jnp.where(changed, fresh, interp.state[op.buf])
-    interp.hidden[prev_key] = cur
+    interp.hidden.block_starts[key] = cur

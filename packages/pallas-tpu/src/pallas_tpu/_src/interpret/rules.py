@@ -2,10 +2,10 @@
 
 STATE_RULES: ``{primitive: rule}``; ``rule(ctx, eqn, *invals) -> list of outvals``.
   The interpreter calls the rule instead of binding the primitive. ``ctx`` is
-  the running ``Interpreter``; ``ctx.hidden`` is a dict of traced arrays that
-  the interpreter carries through loops and conds (read and assign entries).
+  the running ``Interpreter``; ``ctx.hidden.named`` is a dict of traced arrays
+  that the interpreter carries through loops and conds (read and assign entries).
 HIDDEN_STATE: ``{primitive: {name: initializer}}``: hidden state a primitive
-  needs; the interpreter creates ``ctx.hidden[name] = initializer()`` before
+  needs; the interpreter creates ``ctx.hidden.named[name] = initializer()`` before
   the grid starts if the kernel uses the primitive.
 """
 

@@ -9,7 +9,7 @@ values as ``jax.random`` does. ``to_pallas_key`` makes a key for kernels
 shape or iteration order.
 
 Interpret-mode model (``interpret=pltpu.InterpretParams()``): the hidden
-state, ``ctx.hidden["prng_key"]``, is a uint32[3] array ``[k0, k1, n]``: a
+state, ``ctx.hidden.named["prng_key"]``, is a uint32[3] array ``[k0, k1, n]``: a
 threefry key derived from the seeds (``fold_in`` of each seed into a fixed
 key) and a counter. ``prng_random_bits`` returns
 ``jax.random.bits(fold_in(key(k0, k1), n), shape)`` and increments ``n``.
@@ -47,7 +47,7 @@ from pallas_tpu._src.interpret import rules
 
 register_internal_dir(__file__)
 
-PRNG_STATE = "prng_key"  # the name of the hidden state in ctx.hidden
+PRNG_STATE = "prng_key"  # the name of the hidden state in ctx.hidden.named
 
 _BASE_KEY = np.array([0x0, 0x5EED], np.uint32)
 
@@ -147,7 +147,7 @@ def _prng_seed_batch(args, dims):
 
 def _prng_seed_rule(ctx, eqn, *seeds):
     del eqn
-    ctx.hidden[PRNG_STATE] = state_from_seeds(seeds)
+    ctx.hidden.named[PRNG_STATE] = state_from_seeds(seeds)
     return []
 
 
@@ -194,9 +194,9 @@ def _prng_random_bits_abstract_eval(*, shape):
 
 def _prng_random_bits_rule(ctx, eqn, *args):
     del args
-    state = ctx.hidden[PRNG_STATE]
+    state = ctx.hidden.named[PRNG_STATE]
     bits = bits_from_state(state, eqn.params["shape"])
-    ctx.hidden[PRNG_STATE] = state.at[2].add(np.uint32(1))
+    ctx.hidden.named[PRNG_STATE] = state.at[2].add(np.uint32(1))
     return [lax.bitcast_convert_type(bits, jnp.int32)]
 
 

@@ -14,52 +14,21 @@ import numpy as np
 import triton.language as tl
 from triton.runtime.interpreter import TensorHandle
 
+from pallas import backend as plb
+
 
 def _round_away(x):
     return np.sign(x) * np.floor(np.abs(x) + 0.5)
 
 
 def _erfinv(x):
-    # Newton iterations on erf from a good start (Giles' approximation).
-    w = -np.log((1.0 - x) * (1.0 + x))
-    p = np.where(w < 5.0, _giles_small(w - 2.5), _giles_big(np.sqrt(np.maximum(w, 5.0)) - 3.0))
-    y = p * x
+    # Newton iterations on erf from a good start (pallas-core's float32 erf_inv,
+    # Giles' approximation).
+    y = plb.erf_inv_f32(x, xp=np)
     erf = np.vectorize(math.erf)
     for _ in range(2):
         y = y - (erf(y) - x) / (2.0 / math.sqrt(math.pi) * np.exp(-y * y))
     return np.where(np.abs(x) == 1, np.sign(x) * np.inf, y)
-
-
-def _giles_small(w):
-    p = 2.81022636e-08
-    for c in (
-        3.43273939e-07,
-        -3.5233877e-06,
-        -4.39150654e-06,
-        0.00021858087,
-        -0.00125372503,
-        -0.00417768164,
-        0.246640727,
-        1.50140941,
-    ):
-        p = c + p * w
-    return p
-
-
-def _giles_big(w):
-    p = -0.000200214257
-    for c in (
-        0.000100950558,
-        0.00134934322,
-        -0.00367342844,
-        0.00573950773,
-        -0.0076224613,
-        0.00943887047,
-        1.00167406,
-        2.83297682,
-    ):
-        p = c + p * w
-    return p
 
 
 def _clz(x):

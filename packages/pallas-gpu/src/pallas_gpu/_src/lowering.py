@@ -37,6 +37,9 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 import numpy as np
 
+from pallas import backend as plb
+from pallas import next_power_of_2
+
 if TYPE_CHECKING:
     from pallas_gpu._src.lowering_kernel import KernelLowering
 
@@ -48,8 +51,8 @@ MAX_TENSOR_NUMEL = 2**20
 
 
 def next_pow2(n: int) -> int:
-    n = int(n)
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    """``pl.next_power_of_2`` of a dim (a Python or numpy int)."""
+    return next_power_of_2(int(n))
 
 
 def pad_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -265,16 +268,16 @@ class RuleContext:
 
 
 Rule = Callable[..., Any]
-lowering_rules: dict[Any, Rule] = {}
+lowering_rules = plb.RuleTable(BACKEND)
+register_lowering = lowering_rules.register
 
 
-def register_lowering(*prims):
-    def deco(fn: Rule) -> Rule:
-        for p in prims:
-            lowering_rules[p] = fn
-        return fn
-
-    return deco
+def lower_fun(fn: Callable[..., Any], rc: RuleContext, *args: Val, multiple_results: bool = False, **params):
+    """Lowers a composite op through its ``jnp`` definition ``fn(*args, **params)``
+    (traced on the equation's input avals) and the existing rules."""
+    jaxpr = plb.trace_composite(fn, rc.avals_in, rc.eqn.primitive.name, **params)
+    outs = rc.lowering.lower_jaxpr(jaxpr, args)
+    return outs if multiple_results else outs[0]
 
 
 # ---------------------------------------------------------------------------

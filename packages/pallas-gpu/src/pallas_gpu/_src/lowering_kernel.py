@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
+from pallas import backend as plb
 from pallas_gpu._src import compat, lowering_control, lowering_math, lowering_shapes  # noqa: F401 (rules)
 from pallas_gpu._src import primitives as gpu_primitives
 from pallas_gpu._src.lowering import (
@@ -134,27 +135,19 @@ class KernelLowering:
     # -- jaxprs --
     def lower_jaxpr(self, closed, args: Sequence[Any]) -> list[Any]:
         jaxpr, consts = compat.unwrap_jaxpr(closed)
-        env: dict[Any, Any] = {}
-        for var, c in zip(jaxpr.constvars, consts):
-            env[var] = self._const_val(c)
-        for var, a in zip(jaxpr.invars, args):
-            env[var] = a
-
-        def read(v):
-            if isinstance(v, compat.Literal):
-                return self._const_val(v.val, v.aval)
-            return env[v]
-
         fused = _dot_accumulations(jaxpr)
-        for eqn in jaxpr.eqns:
+
+        def literal(v):
+            return self._const_val(v.val, v.aval)
+
+        def lower_eqn(eqn, read):
             if id(eqn) in fused.deferred:
-                continue  # lowered by the add that takes its result (below)
-            binds = eqn.outvars  # the variables the results are bound to
+                return plb.SKIP  # lowered by the add that takes its result (below)
             rule = lowering_rules.get(eqn.primitive)
             if id(eqn) in fused.adds:  # acc + dot(a, b): lowered as tl.dot(a, b, acc)
                 dot, acc_index = fused.adds[id(eqn)]
                 rule = functools.partial(lowering_rules[lax.dot_general_p], acc=read(eqn.invars[acc_index]))
-                eqn = dot
+                eqn = dot  # its result is bound to the add's outputs
             invals = [read(v) for v in eqn.invars]
             rc = RuleContext(self.em, eqn, [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars], self)
             if rule is None:
@@ -165,7 +158,7 @@ class KernelLowering:
             self._check_result(rc)
             self._outer_eqns.append(eqn)
             try:
-                outs = rule(rc, *invals, **eqn.params)
+                return rule(rc, *invals, **eqn.params)
             except Exception as e:
                 located = _located(e, rc)
                 if located is e:
@@ -173,12 +166,9 @@ class KernelLowering:
                 raise located from e
             finally:
                 self._outer_eqns.pop()
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for v, o in zip(binds, outs):
-                if not isinstance(v, compat.DropVar):
-                    env[v] = o
-        return [read(v) for v in jaxpr.outvars]
+
+        consts = [self._const_val(c) for c in consts]
+        return plb.walk_jaxpr(jaxpr, [*consts, *args], literal=literal, lower_eqn=lower_eqn)
 
     def _check_result(self, rc: RuleContext) -> None:
         """Results Triton cannot hold: too many elements, or a dtype it lacks."""

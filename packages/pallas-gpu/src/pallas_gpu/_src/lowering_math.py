@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from pallas import backend as plb
 from pallas_gpu._src import compat
 from pallas_gpu._src import primitives as gpu_primitives
 from pallas_gpu._src.lowering import (
@@ -23,6 +24,7 @@ from pallas_gpu._src.lowering import (
     is_float,
     is_signed_int,
     is_unsigned_int,
+    lower_fun,
     next_pow2,
     register_lowering,
     tl_dtype,
@@ -225,6 +227,14 @@ def _float_fn(fn: str):
 
 for _p, _fn in _FLOAT_FNS.items():
     register_lowering(_p)(_float_fn(_fn))
+
+
+@register_lowering(lax.digamma_p)
+def _digamma_rule(rc: RuleContext, x, **_):
+    # libdevice has no digamma: pallas-core's jnp definition (XLA's approximation).
+    if not is_float(x.dtype) or x.dtype == np.float64:
+        raise rc.error(f"digamma takes float32, float16 or bfloat16 operands, got {x.dtype}")
+    return lower_fun(plb.in_float32(plb.digamma_f32), rc, x)
 
 
 @register_lowering(lax.logistic_p)

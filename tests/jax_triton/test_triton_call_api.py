@@ -313,3 +313,13 @@ def test_current_api_on_the_gpu():
     new_x, y = jax.jit(in_place)(x)
     np.testing.assert_allclose(new_x, x * 3, rtol=1e-6)
     np.testing.assert_allclose(y, x + 1, rtol=1e-6)
+
+
+def test_next_power_of_2():
+    """jt.next_power_of_2 (Triton's, with 1 for x <= 1) against a plain loop, on fresh random ints."""
+    xs = [-3, 0, 1, 2, 3, *map(int, np.random.default_rng().integers(4, 2**40, 200))]
+    for x in xs:
+        want = 1
+        while want < x:
+            want *= 2
+        assert jt.next_power_of_2(x) == want, x

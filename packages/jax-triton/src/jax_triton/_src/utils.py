@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+import triton
 
 import jax_kernel_runtime
 
@@ -17,8 +18,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(x: int) -> int:
-    """Smallest power of two >= x (Triton block sizes must be powers of 2)."""
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+    """Smallest power of two >= x (Triton block sizes must be powers of 2); 1 for x <= 1."""
+    return triton.next_power_of_2(max(int(x), 1))
 
 
 def strides_from_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -31,6 +32,11 @@ def strides_from_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(strides)
 
 
+# pallas-core has the same search (``pallas.backend.user_source``), but jax-triton
+# depends on jax and jax-kernel-runtime only, never on Pallas. JAX's own user-frame
+# filter (``jax.extend.source_info_util``) is no substitute: its exclusions are
+# process-wide (registering our folders would change the frames JAX names in every
+# user's locations) and it is public only as formatted text.
 # Frames inside these folders are ours, JAX's or the standard library's:
 # errors name the innermost frame outside them, the user's line.
 _INTERNAL_DIRS = tuple(

@@ -9,7 +9,7 @@
   a backend's ``lower_fun`` lowers with its own rules (``pallas._src.math``
   holds the definitions both backends use).
 * ``uninitialized_fill``: what every engine puts in memory that nothing has
-  written yet (the policy: pallas-core's README).
+  written yet (the policy: docs/differences.md, "Uninitialized memory").
 """
 
 from __future__ import annotations

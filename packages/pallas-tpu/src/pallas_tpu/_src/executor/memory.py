@@ -3,10 +3,9 @@ semaphores, and control flow (see ``run.py``)."""
 
 from __future__ import annotations
 
-import re
-
 import ml_dtypes
 import numpy as np
+from jaxlib.mlir import ir
 
 from pallas_tpu._src.executor.ops import (
     Buffer,
@@ -16,6 +15,7 @@ from pallas_tpu._src.executor.ops import (
     _operands,
     _out_dtype,
     allocate,
+    bool_attr,
     element_type,
     memory_space,
     np_dtype,
@@ -84,7 +84,7 @@ def _vector_store(ex, op, vals, env):
 @rule("tpu.vector_store")
 def _tpu_vector_store(ex, op, vals, env):
     strides = _array_attr(op, "strides") or None
-    add = "add" in op.attributes and str(op.attributes["add"]) == "true"
+    add = bool_attr(op, "add")
     buf, idx = _operand(op, env, "base"), _operands(op, env, "indices")
     _store(op, buf, idx, _operand(op, env, "valueToStore"), _operand(op, env, "mask"), strides, add)
 
@@ -100,7 +100,7 @@ def _sublane_store(ex, op, vals, env):
     val = np.asarray(_operand(op, env, "valueToStore"))
     mask = None
     if "sublane_mask" in op.attributes:
-        rows = np.array([s == "true" for s in re.findall(r"true|false", str(op.attributes["sublane_mask"]))])
+        rows = np.array(list(ir.DenseBoolArrayAttr(op.attributes["sublane_mask"])), bool)
         reps = val.shape[-2] // max(len(rows), 1)
         mask = np.broadcast_to(np.tile(rows, reps)[:, None], val.shape[-2:])
     _store(op, _operand(op, env, "base"), _operands(op, env, "indices"), val, mask)
@@ -142,8 +142,6 @@ def tiled_shape(t) -> tuple[int, ...]:
     dimensions, ``rows * 128`` elements for a 1-D memref); the padding holds
     whatever the memory held. Semaphores, SMEM, 0-d memrefs and elements
     narrower than 4 bits are not tiled here."""
-    from jaxlib.mlir import ir
-
     mt = ir.MemRefType(t)
     shape = tuple(mt.shape)
     if not shape or memory_space(mt) in ("smem", "semaphore_mem") or "semaphore" in element_type(t):
@@ -361,7 +359,7 @@ def _enqueue_dma(ex, op, vals, env):
 @rule("tpu.wait_dma2", "tpu.wait_dma")
 def _wait_dma(ex, op, vals, env):
     if "wait_target" in op.attributes:  # JAX 0.12's form: the enqueue's operands and which side to wait for
-        target = str(op.attributes["wait_target"]) == "true"
+        target = bool_attr(op, "wait_target")
         sem_name, ref_name = ("target_semaphore", "target") if target else ("source_semaphore", "source")
         sem = _sem(op, _operand(op, env, sem_name), f"the DMA's {sem_name.replace('_', ' ')}")
         ref = _operand(op, env, ref_name)
@@ -439,8 +437,6 @@ def _switch(ex, op, vals, env):
 @rule("tpu.iteration_bound")
 def _iteration_bound(ex, op, vals, env):
     """The grid's size along ``dim`` (a dynamic size: the operand given for it)."""
-    from jaxlib.mlir import ir
-
     dim = ir.IntegerAttr(op.attributes["dim"]).value
     bounds = ex.iteration_bounds
     if not 0 <= dim < len(bounds):
@@ -455,5 +451,5 @@ def _region(ex, op, vals, env):
 
 @rule("func.call")
 def _call(ex, op, vals, env):
-    name = str(op.attributes["callee"]).lstrip("@")
+    name = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
     return ex.call(ex.funcs[name], vals)

@@ -212,8 +212,7 @@ def memory_space(mt) -> str:
     ms = mt.memory_space
     if ms is None:
         return "any"
-    m = re.search(r"memory_space<(\w+)>", str(ms))
-    return m.group(1) if m else str(ms)
+    return enum_attr(ms)
 
 
 def uninitialized(shape, dtype) -> np.ndarray:
@@ -349,7 +348,7 @@ def _scalar(attr):
         return ir.BoolAttr(attr).value
     if isinstance(attr, ir.IntegerAttr):
         v = ir.IntegerAttr(attr).value
-        return bool(v) if str(attr.type) == "i1" else v
+        return bool(v) if isinstance(attr.type, ir.IntegerType) and attr.type.width == 1 else v
     if isinstance(attr, ir.FloatAttr):
         return ir.FloatAttr(attr).value
     if isinstance(attr, ir.BoolAttr):
@@ -612,20 +611,41 @@ def _identity(ex, op, vals, env):
 
 
 def _array_attr(op, name) -> list[int]:
-    """An integer array attribute (``array<i64: ...>`` or ``[1, 2] : ...``)."""
+    """An integer attribute as a list, read through the MLIR bindings: a dense
+    array (``array<i64: 1, 2>``, any width), an array of integers (``[1 : i32]``),
+    dense integer elements, or one integer (``1 : i32`` gives ``[1]``); ``[]``
+    when the op does not have it."""
+    from jaxlib.mlir import ir
+
     if name not in op.attributes:
         return []
-    s = str(op.attributes[name])
-    if s.startswith("array<"):
-        body = s[s.index("<") + 1 : -1]
-        return (
-            [int(x) for x in body.split(":", 1)[1].split(",")]
-            if ":" in body and body.split(":", 1)[1].strip()
-            else []
-        )
-    return [int(x.split(":")[0]) for x in re.findall(r"-?\d+\s*:\s*i\d+", s)] or [
-        int(x) for x in re.findall(r"-?\d+", s)
-    ]
+    a = op.attributes[name]  # the bindings give the attribute's own class
+    dense = (ir.DenseI64ArrayAttr, ir.DenseI32ArrayAttr, ir.DenseI16ArrayAttr, ir.DenseI8ArrayAttr)
+    if isinstance(a, (*dense, ir.DenseIntElementsAttr)):
+        return [int(x) for x in a]
+    if isinstance(a, ir.ArrayAttr):
+        return [int(ir.IntegerAttr(x).value) for x in a]
+    if isinstance(a, ir.IntegerAttr):
+        return [int(a.value)]
+    raise MosaicError(f"run_mosaic: {where(op)}: attribute {name} = {a} is not an integer or integer array")
+
+
+def bool_attr(op, name) -> bool:
+    """A bool attribute (``add = true``); ``False`` when the op does not have it."""
+    from jaxlib.mlir import ir
+
+    return name in op.attributes and ir.BoolAttr(op.attributes[name]).value
+
+
+def enum_attr(attr) -> str:
+    """The case of a dialect's enum attribute: ``#tpu.memory_space<vmem>`` gives
+    ``vmem``, ``#vector.kind<add>`` ``add``. jaxlib's bindings build these
+    attributes but have no reader for them, so this is the one place (with
+    ``tpu.matmul``'s dimension numbers) where run_mosaic reads an attribute's
+    text."""
+    s = str(attr)
+    m = re.search(r"<(\w+)>$", s)
+    return m.group(1) if m else s
 
 
 def _operand(op, env, name):

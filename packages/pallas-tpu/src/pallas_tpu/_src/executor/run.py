@@ -17,7 +17,7 @@ at a time in Mosaic's (lexicographic) order:
 * windows are NumPy views of the arrays, so a revisited output block keeps
   what earlier grid steps wrote to it (Mosaic keeps it in VMEM between
   revisits and writes it back when the block index changes);
-* ops are executed by the table in ``executor_ops`` on NumPy values: vectors
+* ops are executed by the table in ``ops.py`` on NumPy values: vectors
   are arrays, scalars 0-d arrays, memrefs ``Buffer``s (a NumPy view and its
   memory space). DMAs copy when started and count bytes on their semaphores;
   a wait takes its bytes back and fails if they are not there (a deadlock on
@@ -28,6 +28,7 @@ at a time in Mosaic's (lexicographic) order:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -101,7 +102,16 @@ def _ints(attr) -> list[int]:
     return list(ir.DenseI64ArrayAttr(attr)) if attr is not None else []
 
 
-def _window_params(kernel) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """One entry of the kernel's ``window_params``: the function giving the
+    block index at a grid point and the block shape; ``None`` for a whole array."""
+
+    transform: str | None = None
+    bounds: list[int] | None = None
+
+
+def _window_params(kernel) -> list[_Window]:
     from jaxlib.mlir import ir
 
     if "window_params" not in kernel.attributes:
@@ -110,14 +120,32 @@ def _window_params(kernel) -> list[dict]:
     for a in ir.ArrayAttr(kernel.attributes["window_params"]):
         d = ir.DictAttr(a)
         out.append(
-            {
-                "transform": ir.FlatSymbolRefAttr(d["transform_indices"]).value
+            _Window(
+                transform=ir.FlatSymbolRefAttr(d["transform_indices"]).value
                 if "transform_indices" in d
                 else None,
-                "bounds": _ints(d["window_bounds"]) if "window_bounds" in d else None,
-            }
+                bounds=_ints(d["window_bounds"]) if "window_bounds" in d else None,
+            )
         )
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+    """One device's run of the kernel, prepared once (``_prepare``) and shared by
+    its cores: the grid and the kernel's arguments, and its HBM (the operands and
+    outputs, padded to whole blocks)."""
+
+    bounds: list[int]  # the grid, dynamic sizes resolved
+    nsp: int  # scalar-prefetch arguments
+    windows: list[_Window]  # one per window argument (inputs, then outputs)
+    args: list[Any]  # the kernel's block arguments (grid indices, prefetch, windows, scratch)
+    nwin: int
+    n_in: int  # windows that are inputs
+    prefetch: list[np.ndarray]  # the scalar-prefetch operands (each core copies them into its SMEM)
+    win_args: list[Any]  # the window arguments of ``args``
+    padded: list[np.ndarray]  # each window's array in HBM
+    out_leaves: list[Any]  # out_shape's leaves
 
 
 def _int_attr(kernel, name, default=0) -> int:
@@ -197,8 +225,8 @@ def run_mosaic(
         mesh = ops.Mesh(num_devices, shape=mesh_shape, num_cores=num_cores)
         single = num_devices == 1 and mesh_shape is None
         if single and num_cores == 1:
-            state = _prepare(kernel, operands, out_leaves, aliases)
-            outs = _run_core(kernel, funcs, state, mesh, 0, _core_points(kernel, state, 1)[0])
+            dev = _prepare(kernel, operands, out_leaves, aliases)
+            outs = _run_core(kernel, funcs, dev, mesh, 0, _core_points(kernel, dev, 1)[0])
             return jax.tree.unflatten(out_tree, outs)
         lead = () if single else mesh.shape
         for i, x in enumerate(operands):
@@ -209,8 +237,8 @@ def run_mosaic(
                     f"{'axes' if len(lead) > 1 else 'axis'} must be {list(lead)}"
                 )
         flat = [np.asarray(x).reshape(num_devices, *np.shape(x)[len(lead) :]) for x in operands]
-        states = [_prepare(kernel, [x[d] for x in flat], out_leaves, aliases) for d in range(num_devices)]
-        points = _core_points(kernel, states[0], num_cores)
+        devs = [_prepare(kernel, [x[d] for x in flat], out_leaves, aliases) for d in range(num_devices)]
+        points = _core_points(kernel, devs[0], num_cores)
         results: list[Any] = [None] * mesh.num_units
         errors: list[BaseException] = []
 
@@ -218,7 +246,7 @@ def run_mosaic(
             try:
                 with ctx:
                     results[d] = _run_core(
-                        kernel, funcs, states[d // num_cores], mesh, d, points[d % num_cores]
+                        kernel, funcs, devs[d // num_cores], mesh, d, points[d % num_cores]
                     )
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 errors.append(e)
@@ -266,7 +294,7 @@ def _check_dtype(kernel_name: str, what: str, given: np.dtype, memref_type) -> N
     )
 
 
-def _prepare(kernel, operands, out_leaves, aliases) -> dict:
+def _prepare(kernel, operands, out_leaves, aliases) -> _Device:
     """One device's arrays (its HBM, shared by its cores) and grid."""
     bounds = _ints(kernel.attributes["iteration_bounds"]) if "iteration_bounds" in kernel.attributes else []
     ndyn = sum(b < 0 for b in bounds)  # dynamic grid sizes ('?'): the first operands, as the custom call's
@@ -276,7 +304,7 @@ def _prepare(kernel, operands, out_leaves, aliases) -> dict:
     windows = _window_params(kernel)
     args = list(kernel.regions[0].blocks[0].arguments)
     nwin = len(windows) if windows else len(args) - len(bounds) - nsp - nscratch
-    windows = windows or [{"transform": None, "bounds": None}] * nwin  # no grid, whole arrays
+    windows = windows or [_Window()] * nwin  # no grid, whole arrays
     n_in = nwin - len(out_leaves)
     if n_in != len(operands) - nsp or n_in < 0 or any(np.ndim(x) != 0 for x in sizes):
         raise ValueError(
@@ -305,8 +333,8 @@ def _prepare(kernel, operands, out_leaves, aliases) -> dict:
     padded = []
     for k, arr in enumerate(arrays):
         w = windows[k]
-        if w["transform"] is not None:
-            pads = [(0, -n % b) for n, b in zip(arr.shape, w["bounds"])]
+        if w.transform is not None:
+            pads = [(0, -n % b) for n, b in zip(arr.shape, w.bounds)]
             arr = np.pad(arr, pads) if any(p for _, p in pads) else np.ascontiguousarray(arr)
         else:  # a whole array: stored padded to its memory tiling, the padding poisoned
             tiled = memory.tiled_shape(win_args[k].type)
@@ -315,7 +343,7 @@ def _prepare(kernel, operands, out_leaves, aliases) -> dict:
                 store[tuple(slice(0, n) for n in arr.shape)] = arr
                 arr = store
         padded.append(arr)
-    return dict(
+    return _Device(
         bounds=bounds,
         nsp=nsp,
         windows=windows,
@@ -329,18 +357,18 @@ def _prepare(kernel, operands, out_leaves, aliases) -> dict:
     )
 
 
-def _core_points(kernel, state, num_cores) -> list[list[tuple[int, ...]]]:
+def _core_points(kernel, dev: _Device, num_cores) -> list[list[tuple[int, ...]]]:
     """Each core's grid points, in order (see ``run_mosaic``'s ``num_cores``)."""
     from jaxlib.mlir import ir
 
-    bounds = state["bounds"]
+    bounds = dev.bounds
     points = list(itertools.product(*(range(b) for b in bounds)))
     if num_cores == 1:
         return [points]
     sems = []
     if "dimension_semantics" in kernel.attributes:
         for a in ir.ArrayAttr(kernel.attributes["dimension_semantics"]):
-            sems.append(str(a).rsplit("<", 1)[-1].rstrip(">"))
+            sems.append(ops.enum_attr(a))
     core_axes = [a for a, m in enumerate(sems) if m in ("core_parallel", "subcore_parallel")]
     if core_axes:
         a = core_axes[0]
@@ -356,13 +384,13 @@ def _core_points(kernel, state, num_cores) -> list[list[tuple[int, ...]]]:
     return [points[c * per_core : (c + 1) * per_core] for c in range(num_cores)]
 
 
-def _run_core(kernel, funcs, state, mesh, device, points):
+def _run_core(kernel, funcs, dev: _Device, mesh, device, points):
     """One core's run of the kernel over its grid points (``device``: its unit
     of ``mesh``); the outputs (its device's, shared by its cores)."""
-    bounds, nsp, windows, args = state["bounds"], state["nsp"], state["windows"], state["args"]
-    nwin, n_in, win_args, padded = state["nwin"], state["n_in"], state["win_args"], state["padded"]
-    out_leaves = state["out_leaves"]
-    prefetch = [Buffer(np.array(x), "smem") for x in state["prefetch"]]  # each core's own SMEM
+    bounds, nsp, windows, args = dev.bounds, dev.nsp, dev.windows, dev.args
+    nwin, n_in, win_args, padded = dev.nwin, dev.n_in, dev.win_args, dev.padded
+    out_leaves = dev.out_leaves
+    prefetch = [Buffer(np.array(x), "smem") for x in dev.prefetch]  # each core's own SMEM
     for k, arr in enumerate(padded):
         mesh.register(device, ("window", k), arr)
     scratch = []
@@ -396,21 +424,21 @@ def _window(ex, arr, arg, w, idx, prefetch, k):
 
     mt = ir.MemRefType(arg.type)
     space = ops.memory_space(mt)
-    if w["transform"] is None:
+    if w.transform is None:
         shape = tuple(mt.shape)
         view = arr[tuple(slice(0, n) for n in shape)] if arr.shape != shape else arr
         return Buffer(view, space, key=("window", k), root=arr, padded=arr if view is not arr else None)
-    block = ex.call(ex.funcs[w["transform"]], [*idx, *prefetch])
+    block = ex.call(ex.funcs[w.transform], [*idx, *prefetch])
     starts = []
-    for d, (b, n) in enumerate(zip(block, w["bounds"])):
+    for d, (b, n) in enumerate(zip(block, w.bounds)):
         s = int(b) * n
         if not 0 <= s <= arr.shape[d] - n:
             raise MosaicError(
-                f"run_mosaic: @{w['transform']} gave block index {int(b)} for dimension {d} of window {k} at grid "
-                f"point {[int(i) for i in idx]}, outside the array of shape {list(arr.shape)} (window {w['bounds']})"
+                f"run_mosaic: @{w.transform} gave block index {int(b)} for dimension {d} of window {k} at grid "
+                f"point {[int(i) for i in idx]}, outside the array of shape {list(arr.shape)} (window {w.bounds})"
             )
         starts.append(s)
-    view = arr[tuple(slice(s, s + n) for s, n in zip(starts, w["bounds"]))]
+    view = arr[tuple(slice(s, s + n) for s, n in zip(starts, w.bounds))]
     return Buffer(view.reshape(tuple(mt.shape)), space, key=("window", k), root=arr)
 
 

@@ -14,6 +14,8 @@ from pallas_tpu._src.executor.ops import (
     _f32,
     _out_dtype,
     _unsigned,
+    bool_attr,
+    enum_attr,
     np_dtype,
     rule,
     shape_of,
@@ -68,7 +70,7 @@ def _reduce(x, dims, kind, op):
 
 
 def _kind(op) -> str:
-    return re.search(r"<(\w+)>", str(op.attributes["kind"])).group(1)
+    return enum_attr(op.attributes["kind"])
 
 
 @rule("vector.multi_reduction")
@@ -83,7 +85,7 @@ def _multi_reduction(ex, op, vals, env):
 
 @rule("tpu.reduce_index")
 def _reduce_index(ex, op, vals, env):
-    kind = re.search(r"<(\w+)>", str(op.attributes["kind"])).group(1)
+    kind = enum_attr(op.attributes["kind"])
     axis = _array_attr(op, "axis")[0]
     x = _f32(vals[0]) if np.asarray(vals[0]).dtype.kind in "fV" else np.asarray(vals[0])
     fn = {"arg_max": np.argmax, "arg_min": np.argmin}.get(kind)
@@ -135,12 +137,14 @@ def _iota(ex, op, vals, env):
 def _matmul(ex, op, vals, env):
     lhs, rhs, acc = vals
     if "dimension_numbers" in op.attributes:
+        # #tpu.dot_dimension_numbers<[1], [0], [0], [1], [0, 0, 1, 1], [], []>: the bindings
+        # have no reader for it (see ops.enum_attr), so its text is read.
         lc, rc, _, _, order, lb, rb = (
             [int(x) for x in g.split(",") if x.strip()]
             for g in re.findall(r"\[([^\]]*)\]", str(op.attributes["dimension_numbers"]))
         )
     else:
-        t = "transpose_rhs" in op.attributes and str(op.attributes["transpose_rhs"]) == "true"
+        t = bool_attr(op, "transpose_rhs")
         lc, rc, lb, rb = [1], [1 if t else 0], [], []
         order = [0, 0, 1, 0 if t else 1]
     letters = iter(string.ascii_letters)

@@ -242,7 +242,7 @@ class Interpreter:
         self.checks: list[str] = []
         self.grid_env: dict[str, jax.Array] = {}  # named grid axis -> index
         self.barrier_cell: int | None = None  # the barrier semaphore (multi.py allocates it)
-        # dma_execution_mode="on_wait": cell -> (shadow cell, pending cell); see interpret_dma.
+        # dma_execution_mode="on_wait": cell -> (shadow cell, pending cell); see dma.py.
         self.dma_shadows = False
         self.shadows: dict[int, tuple[int, int]] = {}
         self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
@@ -423,7 +423,7 @@ class Interpreter:
         which ``pause(eqn)`` holds, also inside ``pl.run_scoped`` and inlined
         calls (not inside control flow: that is traced as one ``lax`` op).
         Cores that signal each other run as such generators in turn (see
-        ``interpret_pallas_call.run``)."""
+        ``pallas_call.run``)."""
         env: dict[Any, Any] = {}
 
         def read(v):

@@ -33,8 +33,8 @@ kernels that need no other device run over such meshes as anywhere else.
 Callbacks of one device are chained by a token in ``Interpreter.hidden.tok`` so
 XLA keeps them in program order.
 
-Race detection (``InterpretParams(detect_races=True)``) is a happens-before
-detector with vector clocks: each (device, core) running the kernel and each
+Race detection (``InterpretParams(detect_races=True)``, ``races.py``) is a
+happens-before detector with vector clocks: each (device, core) running the kernel and each
 DMA is a thread; a semaphore signal releases the signaller's clock into the
 semaphore and a wait acquires it; a DMA starts with its issuer's clock and the
 thread that waits for it acquires the DMA's clock. Every kernel access of a
@@ -42,12 +42,12 @@ Ref and every DMA's source read and destination write is recorded (a callback
 per access) with the flat element indices it touches; two accesses of
 overlapping elements of one buffer, at least one a write, by threads with no
 happens-before between them are a race, reported with both accesses named.
-What can no longer race is forgotten as the kernel runs (``_Session.collect``),
+What can no longer race is forgotten as the kernel runs (``races.HappensBefore.collect``),
 so the cost per grid step stays flat on long grids; a long run prints its
 progress on stderr every few seconds (``PALLAS_TPU_PROGRESS_S``).
 Cores of a device share their device's program: they run one after the other,
 or, when they signal each other, take turns between semaphore waits
-(``interpret_pallas_call._core_groups``).
+(``pallas_call._core_groups``).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import dma as interpret_dma
 from pallas_tpu._src.interpret import facts, progress
+from pallas_tpu._src.interpret import races as races_mod
 from pallas_tpu._src.interpret.interpreter import Interpreter, KernelError, RefView
 from pallas_tpu._src.language import primitives as tpu_prims
 
@@ -129,50 +130,6 @@ def _session(sid) -> _Session:
 
 
 @dataclasses.dataclass
-class _Access:
-    thread: Any
-    epoch: int
-    write: bool
-    idx: np.ndarray  # sorted unique flat element indices
-    # "write of out_specs[0] (HBM)[0:8, 0:128] by the kernel at k.py:3 (device 1)", or a
-    # function giving it: most accesses never race, and naming a region costs more than checking it.
-    what: Any
-
-    @property
-    def lo(self) -> int:
-        return int(self.idx[0]) if self.idx.size else 0
-
-    @property
-    def dense(self) -> bool:
-        """Whether the indices are one contiguous range."""
-        return self.idx.size == 0 or int(self.idx[-1]) - int(self.idx[0]) + 1 == self.idx.size
-
-    def overlaps(self, other: _Access) -> bool:
-        a, b = self.idx, other.idx
-        if a.size == 0 or b.size == 0 or a[-1] < b[0] or b[-1] < a[0]:
-            return False
-        if self.dense and other.dense:
-            return True  # two ranges whose bounds interleave
-        return bool(np.isin(a, b, assume_unique=True).any())
-
-    def same_elements(self, other: _Access) -> bool:
-        if self.idx.size != other.idx.size:
-            return False
-        if self.idx.size == 0:
-            return True
-        if self.dense and other.dense:
-            return self.lo == other.lo
-        return bool(np.array_equal(self.idx, other.idx))
-
-
-def _sorted_unique(idx) -> np.ndarray:
-    idx = np.asarray(idx, np.int64).reshape(-1)
-    if idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1])):
-        idx = np.unique(idx)
-    return idx
-
-
-@dataclasses.dataclass
 class _Message:
     data: np.ndarray
     idx: np.ndarray
@@ -189,29 +146,6 @@ def _inside(idx, shape) -> np.ndarray:
     return idx[idx < math.prod(shape)]
 
 
-def _text(desc) -> str:
-    return desc() if callable(desc) else desc
-
-
-def _join(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        if out.get(k, 0) < v:
-            out[k] = v
-    return out
-
-
-def _region(idx: np.ndarray, shape) -> str:
-    if not shape:
-        return ""
-    if idx.size == 0:
-        return "[empty]"
-    coords = np.unravel_index(idx, shape)
-    parts = [f"{int(c.min())}:{int(c.max()) + 1}" for c in coords]
-    box = math.prod(int(c.max()) - int(c.min()) + 1 for c in coords)
-    return "[" + ", ".join(parts) + "]" + ("" if box == idx.size else f" ({idx.size} elements)")
-
-
 class _Session:
     """One kernel call shared by the devices of a mesh (see the module docstring)."""
 
@@ -225,16 +159,13 @@ class _Session:
         self.error: str | None = None
         self.sems: dict[Any, int] = collections.defaultdict(int)
         self.sem_names: dict[Any, str] = {}
-        self.sem_clocks: dict[Any, dict] = {}
         self.mail: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
-        self.clocks: dict[Any, dict] = {}
-        self.accesses: dict[Any, list[_Access]] = collections.defaultdict(list)
         self.inflight: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self.dma_sites: dict[Any, str] = {}
         self.staged: dict[Any, list[_Message]] = {}  # (device, core) -> remote DMAs a wait took, to land
         self.n_dma = 0
         self.num_cores = num_cores
-        self.n_records, self.collect_at = 0, 64
+        self.hb = races_mod.HappensBefore(num_devices, num_cores)
         self.num_steps, self.steps_done = 0, 0
         self.started = time.monotonic()
         self.next_report = self.started + progress.progress_seconds()
@@ -271,14 +202,14 @@ class _Session:
                 for d in range(self.num_devices)
             ):
                 states = [
-                    f"device {d} {_text(self.blocked[d][1])}"
+                    f"device {d} {races_mod.text(self.blocked[d][1])}"
                     if d in self.blocked
                     else f"device {d} finished the kernel"
                     for d in range(self.num_devices)
                     if d != dev
                 ]
                 raise self.fail(
-                    f"{self.kernel}: deadlock: device {dev} {_text(desc)}, and no device can signal it any more ("
+                    f"{self.kernel}: deadlock: device {dev} {races_mod.text(desc)}, and no device can signal it any more ("
                     + "; ".join(states)
                     + ")"
                 )
@@ -292,90 +223,35 @@ class _Session:
                         "interpret mode keeps what devices share in one Python process)"
                     )
                 raise self.fail(
-                    f"{self.kernel}: deadlock: device {dev} {_text(desc)} and waited {deadlock_timeout:g} s "
+                    f"{self.kernel}: deadlock: device {dev} {races_mod.text(desc)} and waited {deadlock_timeout:g} s "
                     f"(pallas_tpu interpret deadlock_timeout){extra}"
                 )
             self.cv.wait(min(left, 0.25))
         self.blocked.pop(dev, None)
 
-    # -- vector clocks --
-
-    def clock(self, thread) -> dict:
-        c = self.clocks.get(thread)
-        if c is None:
-            c = self.clocks[thread] = {thread: 1}
-        return c
-
-    def tick(self, thread) -> None:
-        c = self.clock(thread)
-        c[thread] += 1
+    # -- race detection --
 
     def record(self, buf, thread, write: bool, idx: np.ndarray, what) -> None:
         """Records an access and raises if it races with an earlier one
         (``what`` names it: a string, or a function giving one)."""
         if not self.detect_races:
             return
-        clock = self.clock(thread)
-        new = _Access(thread, clock[thread], write, _sorted_unique(idx), what)
-        accesses = self.accesses[buf]
-        replaces = None
-        for j, acc in enumerate(accesses):
-            if acc.thread == thread:
-                # A later access of the same elements by the same thread races with whatever
-                # the earlier one would: keep only the later one.
-                if replaces is None and acc.write == write and acc.same_elements(new):
-                    replaces = j
-                continue
-            if not (write or acc.write) or acc.epoch <= clock.get(acc.thread, 0):
-                continue
-            if new.overlaps(acc):
-                msg = (
-                    f"{self.kernel}: data race: {_text(what)} and {_text(acc.what)} touch the same memory "
-                    "with no synchronization between them (a semaphore signal and wait, a barrier, or "
-                    "waiting for the DMA)"
-                )
-                races.races_found = True
-                races.messages.append(msg)
-                raise self.fail(msg)
-        if replaces is None:
-            accesses.append(new)
-        else:
-            accesses[replaces] = new
-        self.n_records += 1
-        if self.n_records >= self.collect_at:
-            self.collect()
+        race = self.hb.record(buf, thread, write, idx, what, self._waiting_dmas)
+        if race is not None:
+            msg = (
+                f"{self.kernel}: data race: {race} touch the same memory with no synchronization "
+                "between them (a semaphore signal and wait, a barrier, or waiting for the DMA)"
+            )
+            races.races_found = True
+            races.messages.append(msg)
+            raise self.fail(msg)
 
-    def collect(self) -> None:
-        """Forgets what can no longer race. Only cores make new accesses (a DMA
-        makes its own when it starts, with its issuer's clock), so an access
-        that every core's clock has passed is ordered before every access to
-        come; and a DMA with no access left needs no entry in any clock.
-        Without this a long grid makes every access check against all earlier
-        ones and every clock grow by one entry per DMA (a 10^5-step grid with
-        a DMA a step ran 16 ms a step)."""
-        cores = [("core", d, c) for d in range(self.num_devices) for c in range(self.num_cores)]
-        clocks = [(t, self.clocks.get(t, {t: 1})) for t in cores]
-        live: set = set()
-        kept = 0
-        for accesses in self.accesses.values():
-            accesses[:] = [
-                a
-                for a in accesses
-                if not all(t == a.thread or c.get(a.thread, 0) >= a.epoch for t, c in clocks)
-            ]
-            live.update(a.thread for a in accesses)
-            kept += len(accesses)
-        dead = {t for t in self.clocks if t[0] == "dma" and t not in live}
-        if dead:
-            waiting = {d for q in self.inflight.values() for d in q}
-            waiting.update(m.dma for q in self.mail.values() for m in q)
-            waiting.update(m.dma for ms in self.staged.values() for m in ms)
-            for t in dead - waiting:
-                del self.clocks[t]
-            for c in [*self.clocks.values(), *self.sem_clocks.values()]:
-                for t in dead.intersection(c):
-                    del c[t]
-        self.collect_at = self.n_records + max(64, 2 * kept)
+    def _waiting_dmas(self) -> set:
+        """The DMAs not waited for yet: in flight, or in a mailbox or staged for a wait."""
+        waiting = {d for q in self.inflight.values() for d in q}
+        waiting.update(m.dma for q in self.mail.values() for m in q)
+        waiting.update(m.dma for ms in self.staged.values() for m in ms)
+        return waiting
 
     def progress(self, step: int, total: int) -> None:
         """A line on stderr every few seconds of a long race-detecting run."""
@@ -579,7 +455,7 @@ class MultiDeviceInterpreter(Interpreter):
         return f"device {dev}, core {core}" if self.num_devices > 1 else f"core {core}"
 
     def _buf_name(self, cell: int, dev: int, idx, shape) -> str:
-        name = self.cell_names.get(cell, f"ref#{cell}") + _region(np.unique(idx), shape)
+        name = self.cell_names.get(cell, f"ref#{cell}") + races_mod.region(np.unique(idx), shape)
         return f"{name} on device {dev}" if self.num_devices > 1 else name
 
     # -- views, indices, device ids --
@@ -663,8 +539,7 @@ class MultiDeviceInterpreter(Interpreter):
         thread = ("core", dev, core)
         s.n_dma += 1
         dma = ("dma", s.n_dma)
-        s.clocks[dma] = _join(s.clock(thread), {dma: 1})
-        s.tick(thread)
+        s.hb.start_dma(thread, dma)
         s.inflight[sem_key].append(dma)
         src_cell, dst_cell = v
         src_idx, dst_idx = _inside(src_idx, shapes[0]), _inside(dst_idx, shapes[1])
@@ -719,7 +594,7 @@ class MultiDeviceInterpreter(Interpreter):
                 if q:
                     dma = q.popleft()
                     thread = ("core", dev, core)
-                    s.clocks[thread] = _join(s.clock(thread), s.clocks[dma])
+                    s.hb.acquire(thread, dma)
 
         self._callback(done, [], self.sid, self.my_dev, sem_idx)
 
@@ -747,8 +622,7 @@ class MultiDeviceInterpreter(Interpreter):
                 s.sem_names[k] = f"semaphore {name}[{int(sem_idx)}] of device {target}, core {core}"
                 if s.detect_races:
                     thread = ("core", dev, my_core)
-                    s.sem_clocks[k] = _join(s.sem_clocks.get(k, {}), s.clock(thread))
-                    s.tick(thread)
+                    s.hb.release_sem(thread, k)
                 s.cv.notify_all()
 
         core = jnp.int32(self.core_id) if core is None else jnp.asarray(core, jnp.int32)
@@ -785,9 +659,8 @@ class MultiDeviceInterpreter(Interpreter):
                 )
                 if decrement:
                     s.sems[k] -= amount
-                if s.detect_races and k in s.sem_clocks:
-                    thread = ("core", dev, core)
-                    s.clocks[thread] = _join(s.clock(thread), s.sem_clocks[k])
+                if s.detect_races:
+                    s.hb.acquire_sem(("core", dev, core), k)
 
         self._callback(wait, [], self.sid, self.my_dev, sem_idx, jnp.asarray(amount, jnp.int32))
 
@@ -912,7 +785,7 @@ class MultiDeviceInterpreter(Interpreter):
                     received += m.nbytes
                     if s.detect_races and m.dma is not None:
                         thread = ("core", dev, core)
-                        s.clocks[thread] = _join(s.clock(thread), s.clocks[m.dma])
+                        s.hb.acquire(thread, m.dma)
                 data, idx = np.zeros(cap, dtype), np.full(cap, size, np.int32)
                 n = sum(m.data.size for m in got)
                 if all(m.dst_cell == cell for m in got) and n <= cap:  # all into the buffer the wait names

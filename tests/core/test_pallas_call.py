@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_test_base import ALL_DTYPES, PallasTest, assert_allclose, dtype_id
+from ways import every_way, skip_way, xfail_way
 
 import pallas as pl
 
@@ -17,6 +18,7 @@ def _sds(shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+@every_way()
 class TestOutShapeAndPytrees(PallasTest):
     def test_single_struct(self):
         x = self.rand((8, 16))
@@ -125,6 +127,11 @@ class TestOutShapeAndPytrees(PallasTest):
         )(x)
         assert_allclose(out, x * x)
 
+    @xfail_way(
+        "mosaic",
+        "our Mosaic lowering cannot store into a rank-0 VMEM output block ('Cannot cast type to VectorType "
+        "(from Type(f32))' lowering the store); TPU interpret mode runs the kernel",
+    )
     def test_scalar_output(self):
         x = self.rand((8, 8))
 
@@ -142,6 +149,7 @@ class TestOutShapeAndPytrees(PallasTest):
     [((16, 32), (8, 16)), ((13, 20), (8, 8)), ((7, 5), (4, 4)), ((64,), (16,))],
     ids=["divides", "edge", "small_edge", "1d"],
 )
+@every_way()
 class TestBlockedElementwise(PallasTest):
     def test_add_mul(self, dtype, shape, block):
         x, y = self.rand(shape, dtype), self.rand(shape, dtype)
@@ -170,6 +178,7 @@ class TestBlockedElementwise(PallasTest):
         assert_allclose(out, jnp.maximum(x, x * 2))
 
 
+@every_way()
 class TestBlockSpecs(PallasTest):
     def test_no_block_spec_whole_array(self):
         x, y = self.rand((8, 16)), self.rand((16,))
@@ -354,6 +363,7 @@ class TestBlockSpecs(PallasTest):
         assert_allclose(out, x + x)
 
 
+@every_way()
 class TestGridRanks(PallasTest):
     def test_grid_rank0(self):
         x = self.rand((4, 8))
@@ -415,6 +425,7 @@ class TestGridRanks(PallasTest):
         assert_allclose(out, jnp.einsum("bik,bkj->bij", a, b), scale=10)
 
 
+@every_way()
 class TestMemorySpacesAndScratch(PallasTest):
     def test_any_memory_space_input_is_whole_array(self):
         x = self.rand((8, 16))
@@ -461,6 +472,9 @@ class TestMemorySpacesAndScratch(PallasTest):
         out = self.pallas_call(kernel, _sds((8, 16)), scratch_shapes=[pl.ANY((8, 16), jnp.float32)])(x)
         assert_allclose(out, x * 2.0 + 1.0)
 
+    @skip_way(
+        "triton", "the scratch carries a value from grid step to grid step: GPU programs run concurrently"
+    )
     def test_scratch_persists_across_grid_steps(self):
         # Running prefix sum over row blocks, carried in a scratch buffer.
         x = self.rand((32, 8))
@@ -484,6 +498,7 @@ class TestMemorySpacesAndScratch(PallasTest):
         assert_allclose(out, expected, scale=10)
 
 
+@every_way()
 class TestInputOutputAliases(PallasTest):
     def test_alias_in_place_update(self):
         x, y = self.rand((16, 8)), self.rand((16, 8))
@@ -554,19 +569,15 @@ class TestInputOutputAliases(PallasTest):
         assert_allclose(b, y + 1.0)
 
 
+@every_way()
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_id)
-def test_dtype_round_trip_through_grid(dtype):
+def test_dtype_round_trip_through_grid(dtype, way):
     """A copy kernel preserves every dtype bit for bit, including edge blocks."""
     x = np.asarray(jax.random.randint(jax.random.key(7), (10, 7), -100, 100)).astype(dtype)
     spec = pl.BlockSpec((4, 4), lambda i, j: (i, j))
 
     @functools.partial(
-        pl.pallas_call,
-        out_shape=_sds((10, 7), dtype),
-        grid=(3, 2),
-        in_specs=[spec],
-        out_specs=spec,
-        interpret=PallasTest.INTERPRET,
+        way.pallas_call, out_shape=_sds((10, 7), dtype), grid=(3, 2), in_specs=[spec], out_specs=spec
     )
     def copy(x_ref, o_ref):
         o_ref[...] = x_ref[...]

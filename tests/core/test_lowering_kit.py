@@ -30,7 +30,8 @@ def _close(got, want, rtol, atol):
 def test_erf_inv_f32(xp):
     x = _RNG.uniform(-1, 1, (4, 1000)).astype(np.float32)
     x[0, :4] = [0.0, 0.999999, -0.999, 0.5]
-    got = plb.erf_inv_f32(jnp.asarray(x) if xp is jnp else x, xp=xp)
+    with np.errstate(invalid="ignore"):  # numpy computes both sides of the where (0 * inf)
+        got = plb.erf_inv_f32(jnp.asarray(x) if xp is jnp else x, xp=xp)
     assert np.asarray(got).dtype == np.float32
     want = sp.erfinv(x.astype(np.float64))
     _close(got, want, rtol=2e-5, atol=2e-6)

@@ -540,6 +540,29 @@ def test_scratch_and_run_scoped():
     assert_close(out, x * 6 * 2 + 1, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_])
+def test_scratch_starts_uninitialized(dtype):
+    """Scratch and run_scoped Refs read before any write hold pallas-core's
+    uninitialized value (NaN, the smallest int, False), as in every interpreter."""
+    x = random((8, 16), dtype)
+
+    def kernel(x_ref, o_ref, p_ref, acc_ref):
+        o_ref[...] = acc_ref[...]  # never written
+
+        def scoped(tmp_ref):
+            p_ref[...] = tmp_ref[...]
+            tmp_ref[...] = x_ref[...]  # written after the read
+            return 0
+
+        pl.run_scoped(scoped, jax.ShapeDtypeStruct((8, 16), dtype))
+
+    out = jax.ShapeDtypeStruct((8, 16), dtype)
+    o, p = R.call(kernel, (out, out), scratch_shapes=[pl.ANY((8, 16), dtype)])(x)
+    want = np.full((8, 16), pl.backend.uninitialized_fill(dtype))
+    np.testing.assert_array_equal(np.asarray(o), want)
+    np.testing.assert_array_equal(np.asarray(p), want)
+
+
 def test_nested_jit_and_custom_jvp():
     x = random((8, 16), jnp.float32)
 

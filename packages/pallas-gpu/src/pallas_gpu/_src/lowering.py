@@ -310,6 +310,13 @@ def const(em: Emitter, value: Any, dtype, shape=()) -> Val:
     return v
 
 
+def uninitialized(em: Emitter, shape, dtype) -> Val:
+    """A fresh scratch Ref's contents: what memory nothing has written holds on
+    every engine (``plb.uninitialized_fill``: NaN, the smallest int, False), so
+    that a read before the first write shows, on the GPU as under the interpreter."""
+    return const(em, plb.uninitialized_fill(dtype).item(), dtype, shape)
+
+
 def cast(em: Emitter, x: Val, dtype) -> Val:
     dtype = np.dtype(dtype)
     if x.dtype == dtype:

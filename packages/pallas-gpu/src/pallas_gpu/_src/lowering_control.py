@@ -32,6 +32,7 @@ from pallas_gpu._src.lowering import (
     next_pow2,
     register_lowering,
     tl_dtype,
+    uninitialized,
 )
 
 
@@ -224,7 +225,7 @@ def _run_scoped_rule(rc: RuleContext, *consts, jaxpr, num_consts):
     scratch = []
     for a in jaxpr.in_avals[num_consts:]:
         inner = a.inner_aval if hasattr(a, "inner_aval") else a
-        v = const(em, 0, inner.dtype, inner.shape)
+        v = uninitialized(em, inner.shape, inner.dtype)
         scratch.append(ScratchRef(v.expr, tuple(inner.shape), np.dtype(inner.dtype)))
     return rc.lowering.lower_jaxpr(jaxpr, [*consts, *scratch])
 

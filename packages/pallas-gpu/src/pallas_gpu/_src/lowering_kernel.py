@@ -59,6 +59,7 @@ from pallas_gpu._src.lowering import (
     lowering_rules,
     pad_shape,
     pointer_signature,
+    uninitialized,
 )
 from pallas_gpu._src.lowering_memory import block_ref, load_block, store_block
 
@@ -268,7 +269,7 @@ class KernelLowering:
         scratch = []
         for a in gm.scratch_avals:
             inner = a.inner_aval if hasattr(a, "inner_aval") else a
-            v = const(em, 0, inner.dtype, inner.shape)
+            v = uninitialized(em, inner.shape, inner.dtype)
             scratch.append(ScratchRef(v.expr, tuple(inner.shape), np.dtype(inner.dtype)))
         with contextlib.ExitStack() as loops:
             self._sequential_loops(loops, sequential, ids)

@@ -140,7 +140,7 @@ class TestBackendNames(PallasTest):
             pytest.skip(f"pallas-gpu does not import: {e}")
         calls = []
         gpu = backends.backends()["gpu"]
-        monkeypatch.setattr(gpu, "lower", lambda ctx, *a, **p: calls.append(p["backend"]) or [None])
+        monkeypatch.setattr(gpu, "lower", lambda ctx, call, *a: calls.append(call.backend) or [None])
         with pytest.raises(Exception):  # noqa: B017 (the fake lowering returns no value)
             lower_for("cuda", "triton")
         assert calls == ["gpu"]

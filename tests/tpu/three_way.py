@@ -289,12 +289,8 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies, num_cores=1):
         name = eqn.primitive.name
         if name in ("pallas_call", "mpmd_map"):  # mpmd_map: JAX's pl.kernel over a TensorCoreMesh
             out_shape = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+            # Both primitives count the scalar-prefetch operands, as run_mosaic does.
             aliases = dict(eqn.params.get("input_output_aliases", ()))
-            if eqn.primitive is pl.pallas_call_p:
-                # pallas-core's params count the inputs after the scalar-prefetch operands
-                # (JAX's count them, as run_mosaic's input_output_aliases and pallas_call's do).
-                nsp = eqn.params["grid_mapping"].num_scalar_prefetch
-                aliases = {i + nsp: o for i, o in aliases.items()}
             outs = pltpu.run_mosaic(
                 bodies.pop(0), *invals, out_shape=out_shape, input_output_aliases=aliases, num_cores=num_cores
             )

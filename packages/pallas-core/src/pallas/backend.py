@@ -6,10 +6,16 @@ dimension types of a ``GridMapping`` and the error helpers that name the
 user's kernel and source line, and ``register_backend`` to register
 themselves when imported (the ``pallas.backends`` entry point finds them when
 they are not). This module is that contract: backends import from here,
-never from ``pallas._src``.
+never from ``pallas._src``. A backend implements ``Backend`` and receives one
+``PallasCall`` record per call (the kernel, its grid mapping, every option
+and its ``KernelFacts``).
 """
 
+from pallas._src.backends import Backend as Backend
 from pallas._src.backends import register_backend as register_backend
+from pallas._src.call import KernelFacts as KernelFacts
+from pallas._src.call import PallasCall as PallasCall
+from pallas._src.call import kernel_facts as kernel_facts
 from pallas._src.compat import broadcast_to_p as broadcast_to_p
 from pallas._src.core import ANY as ANY
 from pallas._src.core import Blocked as Blocked

@@ -1,12 +1,10 @@
-"""The backend registry, filled from the ``pallas.backends`` entry points.
+"""The backend contract and registry, filled from the ``pallas.backends`` entry points.
 
-A backend is an object (usually a module) with:
-
-* ``PLATFORMS``: the JAX platforms it lowers for (``("cuda", "rocm")``);
-* ``lower(ctx, *args, jaxpr, grid_mapping, **params)``: an MLIR lowering rule
-  for ``pallas_call_p``;
-* optionally ``COMPILER_PARAMS``: its ``CompilerParams`` type, and
-  ``INTERPRET_PARAMS``: the type of its own interpret-mode options.
+A backend is an object (usually a module) implementing ``Backend``. It
+receives one ``PallasCall`` record (the kernel, its grid mapping, every option
+and the kernel's facts) and never re-derives what pallas-core already knows:
+``interpret`` is resolved once, by pallas-core's lowering rule, before a
+backend sees the call.
 
 pallas-core never imports a backend by name.
 """
@@ -14,8 +12,53 @@ pallas-core never imports a backend by name.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from importlib import metadata
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from pallas._src.call import PallasCall
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What pallas-core asks of a backend (pallas-gpu and pallas-tpu implement it).
+
+    Attributes:
+      PLATFORMS: the JAX platforms it lowers for (``("cuda",)``).
+      COMPILER_PARAMS: its ``CompilerParams`` type (selects it among the backends
+        of a platform).
+      INTERPRET_PARAMS: the type of its interpreter's options
+        (``interpret=plgpu.InterpretParams()``); default-constructed when pallas-core
+        hands it a kernel it claims (``claims_interpret``).
+      DYNAMIC_GRID: whether ``lower`` takes grids with traced sizes.
+    """
+
+    PLATFORMS: ClassVar[tuple[str, ...]]
+    COMPILER_PARAMS: ClassVar[type]
+    INTERPRET_PARAMS: ClassVar[type]
+    DYNAMIC_GRID: ClassVar[bool]
+
+    def describe(self) -> str:
+        """The backend's name in messages (its import name: ``pallas_gpu``)."""
+
+    def check_compiler_params(self, call: PallasCall) -> Any:
+        """The call's compiler params for this backend (defaults filled in), or
+        an error naming the kernel; run before ``lower``."""
+
+    def lower(self, ctx: Any, call: PallasCall, *args: Any) -> Sequence[Any]:
+        """The MLIR lowering of ``call`` for the hardware (``call.interpret`` is false)."""
+
+    def interpret(self, ctx: Any, call: PallasCall, params: Any, *args: Any) -> Sequence[Any]:
+        """The MLIR lowering of ``call`` run by the backend's interpreter with
+        ``params`` (an ``INTERPRET_PARAMS``): ``call.interpret`` itself when the
+        user chose this interpreter, else (``True``, ``pl.InterpretParams``, or
+        ``False`` on the CPU) the default ``INTERPRET_PARAMS()`` of a backend that
+        claimed the kernel."""
+
+    def claims_interpret(self, call: PallasCall) -> bool:
+        """Whether its interpreter runs a kernel that pallas-core's interpret
+        mode cannot (``call.needs_backend_interpreter``)."""
+
 
 # Which distribution provides each platform, for the "not installed" error.
 PACKAGE_FOR_PLATFORM = {"cuda": "jax-pallas-gpu", "rocm": "jax-pallas-gpu", "tpu": "jax-pallas-tpu"}
@@ -89,14 +132,14 @@ def for_interpret_params(params: Any) -> Any | None:
     return None
 
 
-def interpreter_for(jaxpr, grid_mapping) -> Any | None:
+def interpreter_for(call: PallasCall) -> Backend | None:
     """The backend whose interpreter runs a kernel pallas-core's interpret mode
     cannot (TPU memory spaces, DMAs, semaphores, scalar prefetch): the first
-    backend whose ``claims_interpret(jaxpr, grid_mapping)`` is true."""
+    backend whose ``claims_interpret(call)`` is true."""
     for found in (_registered, None):
         for b in (found if found is not None else backends()).values():
             claims = getattr(b, "claims_interpret", None)
-            if claims is not None and claims(jaxpr, grid_mapping):
+            if claims is not None and claims(call):
                 return b
     return None
 

@@ -322,9 +322,9 @@ def _reads_past(jaxpr, short: dict) -> bool:
     return False
 
 
-def interpret_pallas_call(*args, jaxpr, grid_mapping, input_output_aliases, interpret, **_):
-    gm: pallas_core.GridMapping = grid_mapping
-    params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
+def interpret_pallas_call(*args, call, params: InterpretParams):
+    """The call as plain JAX (``params``: ``call.interpret`` resolved by the lowering rule)."""
+    jaxpr, gm, input_output_aliases = call.jaxpr, call.grid_mapping, call.block_aliases
     dynamic_sizes, args = args[: gm.num_dynamic_grid_bounds], args[gm.num_dynamic_grid_bounds :]
     n_in, n_out, G = gm.num_inputs, gm.num_outputs, len(gm.grid)
     n_scratch = len(gm.scratch_avals)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from jax import tree_util
 
 from pallas._src import backends, compat, primitives, validate
 from pallas._src import core as pallas_core
+from pallas._src.call import PallasCall
 from pallas._src.core import GridMapping, GridSpec
 from pallas._src.errors import describe, function_source, kernel_scope, runtime_error_in, user_source
 from pallas._src.grid_mapping import (
@@ -225,181 +227,264 @@ def pallas_call(
     Returns:
       A function of the inputs returning arrays shaped like ``out_shape``.
     """
-    kernel_name = name or _function_name(kernel)
+    spec = _CallSpec(
+        kernel=kernel, out_shape=out_shape, kernel_name=name or _function_name(kernel),
+        grid_spec=grid_spec, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=scratch_shapes, input_output_aliases=input_output_aliases, debug=debug,
+        interpret=interpret, compiler_params=compiler_params, cost_estimate=cost_estimate,
+        backend=backend, metadata=metadata,
+    )  # fmt: skip
     if isinstance(in_specs, pallas_core.BlockSpec):  # refused here, as JAX's Pallas does
-        raise Err(kernel_name, user_source())(ValueError, "in_specs", IN_SPECS_NOT_A_SEQUENCE)
-    is_seq = isinstance(out_shape, (tuple, list))
-    outs_tuple = tuple(out_shape) if is_seq else (out_shape,)
-    cache: dict[Any, Any] = {}
-
-    def out_path(p) -> str:
-        # out_shape=(a, b) -> "[1]"; a dict -> "['y']"; a single struct -> "[0]".
-        if is_seq or not p[1:]:
-            return keystr(p)
-        return keystr(p[1:])
-
-    def prepare(source: str, args, in_tree, in_paths, in_avals):
-        """Validates everything and traces the kernel (once per input signature)."""
-        err = Err(kernel_name, source)
-        g, ins, outs, scratch_shapes_ = grid, in_specs, out_specs, scratch_shapes
-        if grid_spec is not None:
-            if (
-                grid is not None
-                or ins is not pallas_core.no_block_spec
-                or outs is not pallas_core.no_block_spec
-                or scratch_shapes_
-            ):
-                raise err(
-                    ValueError,
-                    "grid_spec",
-                    "pass either grid_spec or grid/in_specs/out_specs/scratch_shapes, not both",
-                )
-            if not isinstance(grid_spec, GridSpec):
-                raise err(TypeError, "grid_spec", f"expected a pl.GridSpec, got {grid_spec!r}")
-            g, ins, outs, scratch_shapes_ = (
-                grid_spec.grid,
-                grid_spec.in_specs,
-                grid_spec.out_specs,
-                grid_spec.scratch_shapes,
-            )
-        grid_t, grid_names, _ = normalize_grid(g, err)
-        nsp = getattr(grid_spec, "num_scalar_prefetch", 0) if grid_spec is not None else 0
-        if not isinstance(nsp, int) or not 0 <= nsp <= len(args):
-            raise err(
-                ValueError,
-                "grid_spec.num_scalar_prefetch",
-                f"expected an int in 0..{len(args)} (the number of arguments), got {nsp!r}",
-            )
-        # As JAX: the first nsp *arguments* (pytrees, None allowed) are prefetched;
-        # index maps and the kernel get them back with their structure.
-        prefetch_tree = tree_util.tree_structure(tuple(args[:nsp]))
-        nsp = prefetch_tree.num_leaves
-        prefetch_avals = tuple(
-            _prefetch_aval(grid_spec, a, f"args{keystr(p)} (scalar prefetch)", err)
-            for p, a in zip(in_paths[:nsp], in_avals[:nsp])
-        )
-        args, in_paths, in_avals = args[len(prefetch_tree.children()) :], in_paths[nsp:], in_avals[nsp:]
-        in_tree = tree_util.tree_structure(args)
-        compiler_params_ = _normalize_compiler_params(compiler_params, err)
-        if backend is not None and not isinstance(backend, str):
-            raise err(TypeError, "backend", f"expected a backend name (a str) or None, got {backend!r}")
-        try:
-            backend_ = backends.resolve_name(backend)
-        except ValueError as e:
-            raise err(ValueError, "backend", str(e)) from None
-        metadata_ = _normalize_metadata(metadata, err)
-        if cost_estimate is not None and not isinstance(cost_estimate, pallas_core.CostEstimate):
-            raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {cost_estimate!r}")
-        if not isinstance(scratch_shapes_, (tuple, list)):
-            raise err(TypeError, "scratch_shapes", f"expected a tuple, got {scratch_shapes_!r}")
-        scratch_leaves, scratch_tree = tree_util.tree_flatten_with_path(
-            tuple(scratch_shapes_), is_leaf=_is_scratch_leaf
-        )
-        scratch_avals = tuple(_scratch_aval(s, f"scratch_shapes{keystr(p)}", err) for p, s in scratch_leaves)
-        out_leaves = tree_util.tree_flatten_with_path(outs_tuple)[0]
-        out_names = [f"out_shape{out_path(p)}" for p, _ in out_leaves]
-        out_avals = [_out_aval(x, n, err) for (_, x), n in zip(out_leaves, out_names)]
-        in_names = [f"args{keystr(p)}" for p in in_paths]
-        flat_in_specs = flatten_specs(ins, args, "in_specs", err)
-        flat_out_specs = flatten_specs(outs, outs_tuple, "out_specs", err)
-        spec_names = [f"in_specs{keystr(p)}" for p in in_paths]
-        spec_names += [f"out_specs{out_path(p)}" for p, _ in out_leaves]
-        bms = [
-            block_mapping(s, a, n, grid_t, err, prefetch_avals, prefetch_tree)
-            for s, a, n in zip(flat_in_specs + flat_out_specs, in_avals + out_avals, spec_names)
-        ]
-        aliases = check_aliases(
-            input_output_aliases or {}, in_avals, out_avals, in_names, out_names, err, nsp
-        )
-        for i, o in aliases:
-            if any(
-                isinstance(d, pallas_core.Element) and d.padding != (0, 0)
-                for d in bms[i].block_shape + bms[len(in_avals) + o].block_shape
-            ):
-                raise err(
-                    NotImplementedError,
-                    "input_output_aliases",
-                    f"input {i + nsp} is aliased to output {o} but is blocked with a padded pl.Element; "
-                    "aliasing needs both sides unpadded",
-                )
-        gm = GridMapping(
-            grid_t,
-            tuple(bms),
-            len(in_avals),
-            len(out_avals),
-            scratch_avals,
-            kernel_name,
-            source,
-            grid_names=grid_names,
-            num_scalar_prefetch=nsp,
-            prefetch_avals=prefetch_avals,
-        )
-        # A backend's interpret params may set up what tracing reads (pallas-tpu:
-        # the TPU generation that emit_pipeline tiles for).
-        tracing = getattr(_effective_interpret(interpret), "tracing_context", None)
-        with tracing() if tracing is not None else contextlib.nullcontext():
-            jaxpr, consts = _trace_kernel(kernel, gm, in_tree, outs_tuple, err, scratch_tree, prefetch_tree)
-        if consts:
-            n_in = len(in_avals)
-            bms = (
-                *bms[:n_in],
-                *const_block_mappings(consts, grid_t, err, prefetch_avals, prefetch_tree),
-                *bms[n_in:],
-            )
-            gm = gm.replace(block_mappings=bms, num_inputs=n_in + len(consts))
-        if debug:
-            print(f"The kernel jaxpr for pallas_call '{kernel_name}' ({source}):")
-            print(jaxpr)
-            print(gm)
-        return jaxpr, gm, aliases, compiler_params_, consts, backend_, metadata_
+        raise Err(spec.kernel_name, user_source())(ValueError, "in_specs", IN_SPECS_NOT_A_SEQUENCE)
+    cache: dict[Any, _Prepared] = {}
 
     @functools.wraps(kernel)
     def wrapped(*args):
-        leaves = tree_util.tree_flatten_with_path(args)[0]
-        flat_args = [x for _, x in leaves]
-        in_tree = tree_util.tree_structure(args)
-        key = (in_tree, tuple((np.shape(x), _dtype_key(x)) for x in flat_args))
-        if key not in cache:
-            source = user_source()
-            err = Err(kernel_name, source)
-            in_avals = [_arg_aval(x, f"args{keystr(p)}", err) for p, x in leaves]
-            cache[key] = prepare(source, args, in_tree, [p for p, _ in leaves], in_avals)
-        jaxpr, gm, aliases, compiler_params_, consts, backend_, metadata_ = cache[key]
-        if any(isinstance(c, jax.core.Tracer) for c in consts):
-            del cache[key]  # constants of an enclosing trace: retrace the next time
-        consts = [jnp.asarray(c) for c in consts]
-        dynamic_sizes = []
-        if gm.num_dynamic_grid_bounds:  # the traced grid sizes go first
-            g = grid_spec.grid if grid_spec is not None else grid
-            dynamic_sizes = normalize_grid(g, Err(kernel_name, gm.source))[2]
-        try:
-            outs = pallas_call_p.bind(
-                *dynamic_sizes,
-                *flat_args,
-                *consts,
-                jaxpr=jaxpr,
-                grid_mapping=gm,
-                input_output_aliases=aliases,
-                interpret=_effective_interpret(interpret),
-                debug=debug,
-                compiler_params=compiler_params_,
-                cost_estimate=cost_estimate,
-                backend=backend_,
-                metadata=metadata_,
-            )
-        except Exception as e:
-            # An error the kernel raised as it ran (in a host callback) arrives wrapped by
-            # XLA, its message last: raise it as it was raised, message first.
-            inner = runtime_error_in(e)
-            if inner is None:
-                raise
-            raise inner from None
-        result = tree_util.tree_unflatten(tree_util.tree_structure(outs_tuple), outs)
-        if is_seq:
-            return tuple(result) if isinstance(out_shape, tuple) else list(result)
-        return result[0]
+        prepared, flat_args = _prepared(spec, cache, args)
+        return _bind(spec, prepared, flat_args)
 
     return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallSpec:
+    """The arguments of one ``pallas_call(...)``, as the user gave them."""
+
+    kernel: Callable[..., None]
+    out_shape: Any
+    kernel_name: str
+    grid_spec: GridSpec | None
+    grid: Any
+    in_specs: Any
+    out_specs: Any
+    scratch_shapes: Any
+    input_output_aliases: dict[int, int] | None
+    debug: bool
+    interpret: Any
+    compiler_params: Any
+    cost_estimate: Any
+    backend: Any
+    metadata: Any
+
+    @property
+    def outs_tuple(self) -> tuple:
+        return tuple(self.out_shape) if self._out_is_seq else (self.out_shape,)
+
+    @property
+    def _out_is_seq(self) -> bool:
+        return isinstance(self.out_shape, (tuple, list))
+
+    def out_path(self, p) -> str:
+        # out_shape=(a, b) -> "[1]"; a dict -> "['y']"; a single struct -> "[0]".
+        return keystr(p) if self._out_is_seq or not p[1:] else keystr(p[1:])
+
+    def unflatten_outs(self, outs):
+        result = tree_util.tree_unflatten(tree_util.tree_structure(self.outs_tuple), outs)
+        if self._out_is_seq:
+            return tuple(result) if isinstance(self.out_shape, tuple) else list(result)
+        return result[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """What one input signature traces to: the call record (its ``interpret``
+    is set per call) and the constants the kernel closes over."""
+
+    call: PallasCall
+    consts: tuple
+
+
+def _prepared(spec: _CallSpec, cache: dict, args) -> tuple[_Prepared, list]:
+    """The call prepared for ``args``' signature (validated and traced once per signature)."""
+    leaves = tree_util.tree_flatten_with_path(args)[0]
+    flat_args = [x for _, x in leaves]
+    key = (tree_util.tree_structure(args), tuple((np.shape(x), _dtype_key(x)) for x in flat_args))
+    if key not in cache:
+        source = user_source()
+        err = Err(spec.kernel_name, source)
+        in_avals = [_arg_aval(x, f"args{keystr(p)}", err) for p, x in leaves]
+        cache[key] = _prepare(spec, err, args, [p for p, _ in leaves], in_avals)
+    prepared = cache[key]
+    if any(isinstance(c, jax.core.Tracer) for c in prepared.consts):
+        del cache[key]  # constants of an enclosing trace: retrace the next time
+    return prepared, flat_args
+
+
+def _prepare(spec: _CallSpec, err: Err, args, in_paths, in_avals) -> _Prepared:
+    """Validates everything and traces the kernel: the call record."""
+    grid, in_specs, out_specs, scratch_shapes = _grid_spec_parts(spec, err)
+    grid_t, grid_names, _ = normalize_grid(grid, err)
+    prefetch, args, in_paths, in_avals = _split_prefetch(spec.grid_spec, args, in_paths, in_avals, err)
+    options = _check_options(spec, err)
+    scratch_avals, scratch_tree = _scratch_avals(scratch_shapes, err)
+    out_leaves = tree_util.tree_flatten_with_path(spec.outs_tuple)[0]
+    out_names = [f"out_shape{spec.out_path(p)}" for p, _ in out_leaves]
+    out_avals = [_out_aval(x, n, err) for (_, x), n in zip(out_leaves, out_names)]
+    spec_names = [f"in_specs{keystr(p)}" for p in in_paths] + [
+        f"out_specs{spec.out_path(p)}" for p, _ in out_leaves
+    ]
+    flat_specs = flatten_specs(in_specs, args, "in_specs", err) + flatten_specs(
+        out_specs, spec.outs_tuple, "out_specs", err
+    )
+    bms = [
+        block_mapping(s, a, n, grid_t, err, prefetch.avals, prefetch.tree)
+        for s, a, n in zip(flat_specs, in_avals + out_avals, spec_names)
+    ]
+    in_names = [f"args{keystr(p)}" for p in in_paths]
+    aliases = _aliases(spec, bms, in_avals, out_avals, in_names, out_names, prefetch.count, err)
+    gm = GridMapping(
+        grid_t,
+        tuple(bms),
+        len(in_avals),
+        len(out_avals),
+        scratch_avals,
+        spec.kernel_name,
+        err.source,
+        grid_names=grid_names,
+        num_scalar_prefetch=prefetch.count,
+        prefetch_avals=prefetch.avals,
+    )
+    in_tree = tree_util.tree_structure(args)
+    jaxpr, gm, consts = _trace(spec, gm, in_tree, err, scratch_tree, prefetch)
+    if spec.debug:
+        print(f"The kernel jaxpr for pallas_call '{spec.kernel_name}' ({err.source}):")
+        print(jaxpr)
+        print(gm)
+    call = PallasCall.of(jaxpr, gm, input_output_aliases=aliases, debug=spec.debug, **options)
+    return _Prepared(call, tuple(consts))
+
+
+def _bind(spec: _CallSpec, prepared: _Prepared, flat_args) -> Any:
+    """Binds ``pallas_call_p`` on the operands: dynamic grid sizes, the arguments, the hoisted constants."""
+    call = prepared.call.replace(interpret=_effective_interpret(spec.interpret))
+    gm = call.grid_mapping
+    dynamic_sizes = []
+    if gm.num_dynamic_grid_bounds:  # the traced grid sizes go first
+        grid = spec.grid_spec.grid if spec.grid_spec is not None else spec.grid
+        dynamic_sizes = normalize_grid(grid, Err(spec.kernel_name, gm.source))[2]
+    consts = [jnp.asarray(c) for c in prepared.consts]
+    try:
+        outs = pallas_call_p.bind(*dynamic_sizes, *flat_args, *consts, **call.params())
+    except Exception as e:
+        # An error the kernel raised as it ran (in a host callback) arrives wrapped by
+        # XLA, its message last: raise it as it was raised, message first.
+        inner = runtime_error_in(e)
+        if inner is None:
+            raise
+        raise inner from None
+    return spec.unflatten_outs(outs)
+
+
+def _grid_spec_parts(spec: _CallSpec, err: Err) -> tuple[Any, Any, Any, Any]:
+    """(grid, in_specs, out_specs, scratch_shapes), from ``grid_spec`` or the separate arguments."""
+    parts = (spec.grid, spec.in_specs, spec.out_specs, spec.scratch_shapes)
+    if spec.grid_spec is None:
+        return parts
+    if (
+        spec.grid is not None
+        or spec.in_specs is not pallas_core.no_block_spec
+        or spec.out_specs is not pallas_core.no_block_spec
+        or spec.scratch_shapes
+    ):
+        raise err(
+            ValueError,
+            "grid_spec",
+            "pass either grid_spec or grid/in_specs/out_specs/scratch_shapes, not both",
+        )
+    gs = spec.grid_spec
+    if not isinstance(gs, GridSpec):
+        raise err(TypeError, "grid_spec", f"expected a pl.GridSpec, got {gs!r}")
+    return gs.grid, gs.in_specs, gs.out_specs, gs.scratch_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefetch:
+    """The scalar-prefetch operands: the first ``num_scalar_prefetch`` arguments."""
+
+    count: int  # flat operands
+    tree: Any  # their pytree structure (index maps and the kernel get it back)
+    avals: tuple  # their Ref avals
+
+
+def _split_prefetch(grid_spec, args, in_paths, in_avals, err: Err):
+    """(the prefetch operands, then the other arguments, their paths and avals)."""
+    nsp = getattr(grid_spec, "num_scalar_prefetch", 0) if grid_spec is not None else 0
+    if not isinstance(nsp, int) or not 0 <= nsp <= len(args):
+        raise err(
+            ValueError,
+            "grid_spec.num_scalar_prefetch",
+            f"expected an int in 0..{len(args)} (the number of arguments), got {nsp!r}",
+        )
+    # As JAX: the first nsp *arguments* (pytrees, None allowed) are prefetched;
+    # index maps and the kernel get them back with their structure.
+    tree = tree_util.tree_structure(tuple(args[:nsp]))
+    n = tree.num_leaves
+    avals = tuple(
+        _prefetch_aval(grid_spec, a, f"args{keystr(p)} (scalar prefetch)", err)
+        for p, a in zip(in_paths[:n], in_avals[:n])
+    )
+    return _Prefetch(n, tree, avals), args[len(tree.children()) :], in_paths[n:], in_avals[n:]
+
+
+def _check_options(spec: _CallSpec, err: Err) -> dict[str, Any]:
+    """compiler_params, backend, metadata and cost_estimate, checked and normalized."""
+    compiler_params = _normalize_compiler_params(spec.compiler_params, err)
+    if spec.backend is not None and not isinstance(spec.backend, str):
+        raise err(TypeError, "backend", f"expected a backend name (a str) or None, got {spec.backend!r}")
+    try:
+        backend = backends.resolve_name(spec.backend)
+    except ValueError as e:
+        raise err(ValueError, "backend", str(e)) from None
+    metadata = _normalize_metadata(spec.metadata, err)
+    if spec.cost_estimate is not None and not isinstance(spec.cost_estimate, pallas_core.CostEstimate):
+        raise err(TypeError, "cost_estimate", f"expected a pl.CostEstimate, got {spec.cost_estimate!r}")
+    return dict(
+        compiler_params=compiler_params, backend=backend, metadata=metadata, cost_estimate=spec.cost_estimate
+    )
+
+
+def _scratch_avals(scratch_shapes, err: Err) -> tuple[tuple, Any]:
+    if not isinstance(scratch_shapes, (tuple, list)):
+        raise err(TypeError, "scratch_shapes", f"expected a tuple, got {scratch_shapes!r}")
+    leaves, tree = tree_util.tree_flatten_with_path(tuple(scratch_shapes), is_leaf=_is_scratch_leaf)
+    return tuple(_scratch_aval(s, f"scratch_shapes{keystr(p)}", err) for p, s in leaves), tree
+
+
+def _aliases(spec: _CallSpec, bms, in_avals, out_avals, in_names, out_names, nsp: int, err: Err):
+    """The checked ``input_output_aliases`` as sorted (input, output) pairs, inputs
+    counted as the user counts them (scalar-prefetch operands included)."""
+    aliases = check_aliases(
+        spec.input_output_aliases or {}, in_avals, out_avals, in_names, out_names, err, nsp
+    )
+    for i, o in aliases:
+        if any(
+            isinstance(d, pallas_core.Element) and d.padding != (0, 0)
+            for d in bms[i].block_shape + bms[len(in_avals) + o].block_shape
+        ):
+            raise err(
+                NotImplementedError,
+                "input_output_aliases",
+                f"input {i + nsp} is aliased to output {o} but is blocked with a padded pl.Element; "
+                "aliasing needs both sides unpadded",
+            )
+    return tuple((i + nsp, o) for i, o in aliases)
+
+
+def _trace(spec: _CallSpec, gm: GridMapping, in_tree, err: Err, scratch_tree, prefetch: _Prefetch):
+    """The kernel jaxpr, and the grid mapping with a whole-array block for each
+    constant the kernel closes over (hoisted into inputs)."""
+    # A backend's interpret params may set up what tracing reads (pallas-tpu:
+    # the TPU generation that emit_pipeline tiles for).
+    tracing = getattr(_effective_interpret(spec.interpret), "tracing_context", None)
+    with tracing() if tracing is not None else contextlib.nullcontext():
+        jaxpr, consts = _trace_kernel(
+            spec.kernel, gm, in_tree, spec.outs_tuple, err, scratch_tree, prefetch.tree
+        )
+    if consts:
+        bms, n_in = gm.block_mappings, gm.num_inputs
+        const_bms = const_block_mappings(consts, gm.grid, err, prefetch.avals, prefetch.tree)
+        gm = gm.replace(block_mappings=(*bms[:n_in], *const_bms, *bms[n_in:]), num_inputs=n_in + len(consts))
+    return jaxpr, gm, consts
 
 
 # What JAX's Pallas writes into the TPU custom call's kernel_metadata (json.dumps of the

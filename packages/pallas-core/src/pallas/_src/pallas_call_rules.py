@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from jax.interpreters import ad, batching, mlir
 
 from pallas._src import backends, compat
 from pallas._src import core as pallas_core
+from pallas._src.call import PallasCall
 from pallas._src.errors import describe
 
 #: The primitive ``pallas_call`` binds; backends register its MLIR lowering for their platform.
@@ -80,19 +82,18 @@ def _batch_with_loop(args, dims, axis_size, params):
     return outs, [0] * len(outs)
 
 
-def _batching_rule(args, dims, *, jaxpr, grid_mapping, input_output_aliases, **params):
-    gm = grid_mapping
+def _batching_rule(args, dims, **params):
+    call = PallasCall(**params)
+    jaxpr, gm = call.jaxpr, call.grid_mapping
     axis_size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     D = gm.num_dynamic_grid_bounds
     if any(d is not None for d in dims[:D]):  # each element has its own grid
-        params = dict(params, jaxpr=jaxpr, grid_mapping=gm, input_output_aliases=input_output_aliases)
         return _batch_with_loop(args, dims, axis_size, params)
     dynamic_sizes, args, dims = args[:D], list(args[D:]), list(dims[D:])
     G, nsp = len(gm.grid), gm.num_scalar_prefetch
     batched = [d is not None for d in dims]
     # An output aliased to an unbatched input gets a batched buffer.
-    for i, _ in input_output_aliases:
-        i += nsp  # alias indices count the inputs after the scalar-prefetch operands
+    for i, _ in call.input_output_aliases:  # JAX's convention: indices into args
         if not batched[i]:
             args[i] = jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
             batched[i] = True
@@ -108,24 +109,18 @@ def _batching_rule(args, dims, *, jaxpr, grid_mapping, input_output_aliases, **p
     bms += [_batch_block_mapping(bm, True, axis_size, G) for bm in gm.out_block_mappings]
     names = (None, *gm.grid_names) if gm.grid_names else ()
     new_gm = gm.replace(grid=(axis_size, *gm.grid), block_mappings=tuple(bms), grid_names=names)
-    cp = params.get("compiler_params")
+    cp = call.compiler_params
     if cp is not None:  # backends that keep per-axis settings add one for the batch axis
         batched_cp = lambda c: c.batched() if hasattr(c, "batched") else c  # noqa: E731
         cp = tuple(map(batched_cp, cp)) if isinstance(cp, tuple) else batched_cp(cp)
-        params = {**params, "compiler_params": cp}
-    outs = pallas_call_p.bind(
-        *dynamic_sizes,
-        *args,
-        jaxpr=_batch_kernel_jaxpr(jaxpr),
-        grid_mapping=new_gm,
-        input_output_aliases=input_output_aliases,
-        **params,
-    )
+    # The batched kernel only takes one more (unused) grid index: its facts are the same.
+    batched_call = call.replace(jaxpr=_batch_kernel_jaxpr(jaxpr), grid_mapping=new_gm, compiler_params=cp)
+    outs = pallas_call_p.bind(*dynamic_sizes, *args, **batched_call.params())
     # Outputs that no batched input reaches are the same for every batch element:
     # returned unbatched, as jax.jacfwd needs the primal outputs of a jvp.
     first = len(jaxpr.jaxpr.invars) - gm.num_inputs - gm.num_outputs - len(gm.scratch_avals)
     reached = _reached_refs(jaxpr.jaxpr, {first + i for i, b in enumerate(batched[nsp:]) if b})
-    aliased = {o for _, o in input_output_aliases}  # start as their (batched) inputs
+    aliased = {o for _, o in call.input_output_aliases}  # start as their (batched) inputs
     out_batched = [o in aliased or first + gm.num_inputs + o in reached for o in range(gm.num_outputs)]
     outs = [x if b else x[0] for x, b in zip(outs, out_batched)]
     return outs, [0 if b else None for b in out_batched]
@@ -159,9 +154,10 @@ def _has_tangent(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _jvp_rule(primals, tangents, *, jaxpr, grid_mapping, input_output_aliases, **params):
-    gm = grid_mapping
-    if input_output_aliases:
+def _jvp_rule(primals, tangents, **params):
+    call = PallasCall(**params)
+    jaxpr, gm = call.jaxpr, call.grid_mapping
+    if call.input_output_aliases:
         raise NotImplementedError(
             f"{describe(gm.kernel_name, gm.source)}: jax.jvp of a pallas_call with "
             "input_output_aliases is not supported"
@@ -227,7 +223,7 @@ def _jvp_rule(primals, tangents, *, jaxpr, grid_mapping, input_output_aliases, *
     args = list(prefetch_primals)
     for p, t, nz in zip(primals, tangents, nz_in):
         args += [p] + ([ad.instantiate_zeros(t)] if nz else [])
-    outs = pallas_call_p.bind(*args, jaxpr=new_jaxpr, grid_mapping=new_gm, input_output_aliases=(), **params)
+    outs = pallas_call_p.bind(*args, **call.with_kernel(new_jaxpr, new_gm).params())
     it = iter(outs)
     out_p, out_t = [], []
     for nz in nz_out:
@@ -263,79 +259,88 @@ compat.primitive_linearizations[pallas_call_p] = _linearize_rule
 
 
 # ---------------------------------------------------------------------------
-# Lowering
+# Lowering: interpret mode (pallas-core's, or a backend's interpreter) or a
+# backend's lowering for the hardware. ``interpret`` is resolved here, once.
 
 
-def _needs_backend_interpreter(jaxpr, gm) -> bool:
-    """Kernels that use backend memory spaces, semaphores or scalar prefetch
-    need a backend's interpreter (pallas-tpu's), not pallas-core's."""
-    from pallas._src import semaphores
+@dataclasses.dataclass(frozen=True)
+class _Interpreter:
+    """Who runs an interpreted call: pallas-core (``backend`` None) or a
+    backend's interpreter, with its params; ``claimed``: the backend took over a
+    kernel pallas-core's interpret mode cannot run."""
 
-    if gm.num_scalar_prefetch or gm.grid_names:
-        return True
-    avals = [bm.ref_aval() for bm in gm.block_mappings] + list(gm.scratch_avals)
-    if any(getattr(a, "memory_space", None) is not None for a in avals):
-        return True
-    own = {semaphores.semaphore_signal_p, semaphores.semaphore_wait_p, semaphores.semaphore_read_p}
-    stack = [jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr]
-    while stack:
-        j = stack.pop()
-        for eqn in j.eqns:
-            if eqn.primitive in own:
-                return True
-        stack += [s.jaxpr if hasattr(s, "jaxpr") else s for s in compat.subjaxprs(j)]
-    return False
+    backend: backends.Backend | None
+    params: Any
+    claimed: bool = False
 
 
-def _interpret_lowering(ctx, *args, **params):
-    from pallas._src.interpret import interpret_pallas_call
+def resolve_interpret(call: PallasCall) -> _Interpreter:
+    """The one place ``interpret`` is dispatched: ``True``, ``pl.InterpretParams``
+    (or ``False`` on the CPU) run in pallas-core's interpret mode unless the kernel
+    needs a backend's interpreter; a backend's interpret params select that backend."""
+    from pallas._src.interpret import InterpretParams
 
-    gm = params["grid_mapping"]
-    if _needs_backend_interpreter(params["jaxpr"], gm):
-        backend = backends.interpreter_for(params["jaxpr"], gm)
+    interpret = call.interpret
+    if interpret and interpret is not True and not isinstance(interpret, InterpretParams):
+        backend = backends.for_interpret_params(interpret)
+        if backend is None:
+            raise TypeError(
+                f"{call.where}: interpret={interpret!r} is not understood by pallas-core or any installed backend"
+            )
+        return _Interpreter(backend, interpret)
+    if call.needs_backend_interpreter:
+        backend = backends.interpreter_for(call)
         if backend is None:
             raise NotImplementedError(
-                f"{describe(gm.kernel_name, gm.source)}: this kernel uses backend memory spaces, "
+                f"{call.where}: this kernel uses backend memory spaces, "
                 "semaphores, a named grid or scalar prefetch, which pallas-core's interpret mode does "
                 "not model; install the TPU interpreter (pip install jax-pallas-tpu) and pass "
                 "interpret=pltpu.InterpretParams() or interpret=True"
             )
-        if not compat.lowering_for_export(ctx):
-            return backend.interpret_lower(ctx, *args, **params)
-        callbacks = compat.host_callback_count(ctx)
-        try:
-            outs = backend.interpret_lower(ctx, *args, **params)
-        except ValueError as e:
-            # On a machine whose default backend is not the CPU (a GPU machine), JAX
-            # refuses to lower the interpreter's host callbacks for the CPU at all.
-            if compat.host_callbacks_unavailable(ctx):
-                raise _export_error(gm, backend, params["interpret"]) from e
-            raise
-        if compat.host_callback_count(ctx) > callbacks:
-            raise _export_error(gm, backend, params["interpret"])
-        return outs
-
-    fun = functools.partial(interpret_pallas_call, **params)
-    return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+        return _Interpreter(backend, backend.INTERPRET_PARAMS(), claimed=True)
+    return _Interpreter(None, interpret if isinstance(interpret, InterpretParams) else InterpretParams())
 
 
-def _export_error(gm, backend, interpret) -> NotImplementedError:
-    pkg = getattr(backend, "__name__", type(backend).__name__).split(".")[0]
-    mode = "in interpret mode" if interpret else "on the CPU"
+def _interpret_lowering(ctx, call: PallasCall, *args):
+    from pallas._src.interpret import interpret_pallas_call
+
+    engine = resolve_interpret(call)
+    if engine.backend is None:
+        fun = functools.partial(interpret_pallas_call, call=call, params=engine.params)
+        return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+    if not engine.claimed:
+        return engine.backend.interpret(ctx, call, engine.params, *args)
+    if not compat.lowering_for_export(ctx):
+        return engine.backend.interpret(ctx, call, engine.params, *args)
+    callbacks = compat.host_callback_count(ctx)
+    try:
+        outs = engine.backend.interpret(ctx, call, engine.params, *args)
+    except ValueError as e:
+        # On a machine whose default backend is not the CPU (a GPU machine), JAX
+        # refuses to lower the interpreter's host callbacks for the CPU at all.
+        if compat.host_callbacks_unavailable(ctx):
+            raise _export_error(call, engine.backend) from e
+        raise
+    if compat.host_callback_count(ctx) > callbacks:
+        raise _export_error(call, engine.backend)
+    return outs
+
+
+def _export_error(call: PallasCall, backend) -> NotImplementedError:
+    mode = "in interpret mode" if call.interpret else "on the CPU"
     return NotImplementedError(
-        f"{describe(gm.kernel_name, gm.source)}: jax.export cannot serialize this kernel {mode}: "
+        f"{call.where}: jax.export cannot serialize this kernel {mode}: "
         "it uses backend memory spaces, semaphores, a named grid or scalar prefetch, so it runs in "
-        f"{pkg}'s interpreter, which calls back into Python (host callbacks). Export it without "
-        "interpret mode for its hardware platform only (e.g. platforms=['tpu']), or leave those "
+        f"{backend.describe()}'s interpreter, which calls back into Python (host callbacks). Export it "
+        "without interpret mode for its hardware platform only (e.g. platforms=['tpu']), or leave those "
         "features out of the kernel to export it for the CPU as well."
     )
 
 
-def _platform_rule(platform: str, params, platforms: tuple[str, ...] = ()):
-    """The lowering rule of one platform; ``platforms``: all those being lowered
-    for (several under ``jax.export(..., platforms=[...])``)."""
-    gm = params["grid_mapping"]
-    cp = params.get("compiler_params")
+def _platform_rule(platform: str, call: PallasCall, platforms: tuple[str, ...] = ()):
+    """The lowering rule ``(ctx, call, *args)`` of one platform; ``platforms``: all
+    those being lowered for (several under ``jax.export(..., platforms=[...])``)."""
+    cp = call.compiler_params
     if isinstance(cp, tuple):  # several configs to autotune over: all of one type
         cp = cp[0]
     if platform == "cpu":
@@ -344,38 +349,48 @@ def _platform_rule(platform: str, params, platforms: tuple[str, ...] = ()):
         # them, the CPU branch runs the kernel in interpret mode.
         if want and want != "cpu" and want not in platforms:
             raise ValueError(
-                f"{describe(gm.kernel_name, gm.source)}: compiler_params {type(cp).__name__} are for "
+                f"{call.where}: compiler_params {type(cp).__name__} are for "
                 f"'{want}', but the kernel is being lowered for the CPU (no {want} device). Pass "
                 "interpret=True to run it as plain JAX, or the backend's interpreter (e.g. "
                 "interpret=pallas_gpu.InterpretParams())."
             )
         return _interpret_lowering
-    name = params.get("backend")
+    backend = _hardware_backend(platform, call, cp)
+    if call.grid_mapping.num_dynamic_grid_bounds and not getattr(backend, "DYNAMIC_GRID", False):
+        raise NotImplementedError(
+            f"{call.where}: grid {call.grid_mapping.grid} has dynamic (traced) sizes, which "
+            f"the {platform} backend does not lower; use static grid sizes, or interpret=True"
+        )
+
+    def rule(ctx, call: PallasCall, *args):
+        call = call.replace(compiler_params=backend.check_compiler_params(call))
+        return backend.lower(ctx, call, *args)
+
+    return rule
+
+
+def _hardware_backend(platform: str, call: PallasCall, cp) -> backends.Backend:
+    name = call.backend
     backend = backends.for_platform(platform, cp, name)
     if backend is None and name is not None:
-        raise ValueError(f"{describe(gm.kernel_name, gm.source)}: {_named_backend_problem(name, platform)}")
+        raise ValueError(f"{call.where}: {_named_backend_problem(name, platform)}")
     if backend is None:
         pkg = backends.PACKAGE_FOR_PLATFORM.get(platform)
         hint = f"pip install {pkg}" if pkg else "no pallas backend exists for it"
         extra = backends.load_errors()
         broken = f" (installed backends that failed to load: {extra})" if extra else ""
         raise ValueError(
-            f"{describe(gm.kernel_name, gm.source)}: no Pallas backend is installed for "
+            f"{call.where}: no Pallas backend is installed for "
             f"platform '{platform}' ({hint}){broken}. Use interpret=True to run the kernel "
             "as plain JAX instead."
         )
     want = getattr(cp, "PLATFORM", "")
     if want and platform not in getattr(backend, "PLATFORMS", (want,)):
         raise ValueError(
-            f"{describe(gm.kernel_name, gm.source)}: compiler_params {type(cp).__name__} are for "
+            f"{call.where}: compiler_params {type(cp).__name__} are for "
             f"'{want}' but the kernel is being lowered for '{platform}'"
         )
-    if gm.num_dynamic_grid_bounds and not getattr(backend, "DYNAMIC_GRID", False):
-        raise NotImplementedError(
-            f"{describe(gm.kernel_name, gm.source)}: grid {gm.grid} has dynamic (traced) sizes, which "
-            f"the {platform} backend does not lower; use static grid sizes, or interpret=True"
-        )
-    return backend.lower
+    return backend
 
 
 def _named_backend_problem(name: str, platform: str) -> str:
@@ -388,42 +403,27 @@ def _named_backend_problem(name: str, platform: str) -> str:
 
 
 def _lowering(ctx, *args, **params):
-    interpret = params["interpret"]
-    if interpret is True or isinstance(interpret, _interpret_params_type()):
-        return _interpret_lowering(ctx, *args, **params)
-    if interpret:
-        backend = backends.for_interpret_params(interpret)
-        if backend is None:
-            gm = params["grid_mapping"]
-            raise TypeError(
-                f"{describe(gm.kernel_name, gm.source)}: interpret={interpret!r} is not "
-                "understood by pallas-core or any installed backend"
-            )
-        return backend.lower(ctx, *args, **params)
+    call = PallasCall(**params)
+    if call.interpret:
+        return _interpret_lowering(ctx, call, *args)
     platforms = compat.lowering_platforms(ctx)
     if len(platforms) == 1:
-        return _platform_rule(platforms[0], params)(ctx, *args, **params)
+        return _platform_rule(platforms[0], call)(ctx, call, *args)
     # Several platforms (jax.export(..., platforms=[...])): one branch per platform,
     # chosen by the platform the exported module runs on, as JAX's Pallas does.
     # Each branch's rule is looked up when that branch is lowered, so an error names
     # the platform whose backend is missing.
-    rules = {p: functools.partial(_lower_for_platform, p, platforms) for p in platforms}
-    return compat.lower_per_platform(ctx, "pallas_call", rules, *args, **params)
+    rules = {p: functools.partial(_lower_for_platform, p, platforms, call) for p in platforms}
+    return compat.lower_per_platform(ctx, "pallas_call", rules, *args)
 
 
-def _lower_for_platform(platform: str, platforms: tuple[str, ...], ctx, *args, **params):
+def _lower_for_platform(platform: str, platforms: tuple[str, ...], call: PallasCall, ctx, *args):
     try:
-        rule = _platform_rule(platform, params, platforms)
+        rule = _platform_rule(platform, call, platforms)
     except ValueError as e:
         e.add_note(f"(lowering for the platforms {', '.join(platforms)}: the '{platform}' branch failed)")
         raise
-    return rule(ctx, *args, **params)
-
-
-def _interpret_params_type():
-    from pallas._src.interpret import InterpretParams
-
-    return InterpretParams
+    return rule(ctx, call, *args)
 
 
 mlir.register_lowering(pallas_call_p, _lowering)

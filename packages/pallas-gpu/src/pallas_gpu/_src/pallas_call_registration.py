@@ -7,6 +7,9 @@ The kernel is lowered to Triton source once per (jaxpr, grid mapping); then
   FFI custom call on XLA's stream);
 * with ``interpret=plgpu.InterpretParams()``: run on the CPU by Triton's
   interpreter, inside a host callback, on any platform.
+
+These functions are pallas-gpu's side of pallas-core's ``Backend`` protocol
+(``backend.py`` is the object registered): each takes the call record.
 """
 
 from __future__ import annotations
@@ -77,8 +80,21 @@ def _compiler_params_list(cp: Any, gm) -> list[CompilerParams]:
     return cps
 
 
-def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debug, compiler_params, **_):
-    gm = grid_mapping
+def describe() -> str:
+    return "pallas_gpu"
+
+
+def claims_interpret(call) -> bool:
+    """Triton's interpreter runs only kernels that ask for it (``plgpu.InterpretParams``)."""
+    return False
+
+
+def check_compiler_params(call) -> tuple[CompilerParams, ...]:
+    """The call's configs (one, or several to autotune over), checked."""
+    return tuple(_compiler_params_list(call.compiler_params, call.grid_mapping))
+
+
+def _check_kernel(gm) -> None:
     if gm.num_scalar_prefetch:
         raise NotImplementedError(
             f"{where(gm)}: scalar prefetch (PrefetchScalarGridSpec) is a TPU feature the GPU backend "
@@ -91,24 +107,41 @@ def lower(ctx, *args, jaxpr, grid_mapping, input_output_aliases, interpret, debu
             "lower; use static grid sizes (e.g. the largest size, skipping the extra programs with "
             "pl.when), or run the kernel with interpret=True"
         )
-    try:
-        cps = _compiler_params_list(compiler_params, gm)
-    except TypeError:
-        if not isinstance(interpret, InterpretParams):
-            raise
-        cps = [CompilerParams()]  # params for another backend: the interpreter needs none
-    lk = lowered_kernel(jaxpr, gm, _source_options(cps, gm))
-    if debug:
+
+
+def _lowered(call, cps: list[CompilerParams]) -> LoweredKernel:
+    gm = call.grid_mapping
+    lk = lowered_kernel(call.jaxpr, gm, _source_options(cps, gm))
+    if call.debug:
         print(f"The Triton kernel for pallas_call '{gm.kernel_name}' ({gm.source}):")
         print(lk.module_source(interpret=False))
-    if isinstance(interpret, InterpretParams):
-        lk.module_source(interpret=True)  # uses the interpreter cannot run fail here, not in the callback
-        fun = functools.partial(_interpret_call, lk=lk, gm=gm, aliases=input_output_aliases, params=interpret)
-        return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+    return lk
+
+
+def lower(ctx, call, *args):
+    """The kernel compiled by Triton for the GPU, launched by an XLA FFI custom call."""
+    gm = call.grid_mapping
+    _check_kernel(gm)
+    cps = _compiler_params_list(call.compiler_params, gm)
+    lk = _lowered(call, cps)
     cc, device = _target(gm)
     fun = functools.partial(
-        _gpu_call, lk=lk, gm=gm, aliases=input_output_aliases, cps=tuple(cps), cc=cc, device=device
+        _gpu_call, lk=lk, gm=gm, aliases=call.input_output_aliases, cps=tuple(cps), cc=cc, device=device
     )
+    return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+
+
+def interpret(ctx, call, params: InterpretParams, *args):
+    """The generated kernel run by Triton's interpreter on the CPU, in a host callback."""
+    gm = call.grid_mapping
+    _check_kernel(gm)
+    try:
+        cps = _compiler_params_list(call.compiler_params, gm)
+    except TypeError:
+        cps = [CompilerParams()]  # params for another backend: the interpreter needs none
+    lk = _lowered(call, cps)
+    lk.module_source(interpret=True)  # uses the interpreter cannot run fail here, not in the callback
+    fun = functools.partial(_interpret_call, lk=lk, gm=gm, aliases=call.input_output_aliases, params=params)
     return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
 
 

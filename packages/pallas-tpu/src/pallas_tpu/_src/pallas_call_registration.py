@@ -6,6 +6,11 @@ module (``mosaic/lowering_kernel.py``) and serialized into XLA's ``tpu_custom_ca
 with the backend config Mosaic expects, through JAX's own helper (compat): so
 ``jax.export(f, platforms=["tpu"])`` works on a machine without a TPU.
 ``mosaic_modules(fn, *args)`` returns the modules ``fn`` lowers to.
+
+This module is pallas-tpu's ``Backend`` (pallas-core's protocol, registered
+through the ``pallas.backends`` entry point): ``lower``, ``interpret``,
+``claims_interpret``, ``check_compiler_params`` and ``describe`` each take the
+call record.
 """
 
 from __future__ import annotations
@@ -22,12 +27,12 @@ from jaxlib.mlir import ir, passmanager
 from jaxlib.mosaic.python import tpu
 
 from pallas_tpu._src import checks, compat
-from pallas_tpu._src.interpret import facts
 from pallas_tpu._src.interpret import multi as interpret_multi
 from pallas_tpu._src.interpret import pallas_call as interpret_pallas_call
 from pallas_tpu._src.interpret import progress as compile_progress
 from pallas_tpu._src.interpret.interpreter import Interpreter, InterpretParams
 from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.language import primitives as tpu_prims
 from pallas_tpu._src.language import tpu_info
 from pallas_tpu._src.mosaic.lowering import BOOL_MEMORY_DTYPE, LoweringException
 from pallas_tpu._src.mosaic.lowering_kernel import func_name, lower_kernel
@@ -41,40 +46,72 @@ COMPILER_PARAMS = tpu_core.CompilerParams
 INTERPRET_PARAMS = InterpretParams
 
 
-def _interpreter_class(jaxpr, params):
-    if params.detect_races or facts.needs_multi_device(jaxpr):
+def describe() -> str:
+    return "pallas_tpu"
+
+
+def _interpreter_class(call, params: InterpretParams):
+    """The multi-device interpreter for kernels that reach other devices or cores
+    (remote DMAs and signals, barrier semaphores) or check races."""
+    f = call.facts
+    if params.detect_races or f.remote or f.signals_cores or f.uses(tpu_prims.get_barrier_semaphore_p):
         return interpret_multi.MultiDeviceInterpreter
     return Interpreter
 
 
-def _interpret(*args, jaxpr, grid_mapping, input_output_aliases, interpret, compiler_params, **_):
-    params = interpret if isinstance(interpret, InterpretParams) else InterpretParams()
-    cls = _interpreter_class(jaxpr, params)
+def _interpret(*args, call, params: InterpretParams):
+    cls = _interpreter_class(call, params)
     with tpu_info.modeled_chip(params.chip_version):
         return interpret_pallas_call.run(
             cls,
             args,
-            jaxpr=jaxpr,
-            grid_mapping=grid_mapping,
-            input_output_aliases=input_output_aliases,
+            jaxpr=call.jaxpr,
+            grid_mapping=call.grid_mapping,
+            input_output_aliases=call.block_aliases,
             params=params,
-            compiler_params=compiler_params,
+            compiler_params=call.compiler_params,
         )
 
 
-def interpret_lower(ctx, *args, **params):
-    """MLIR lowering of pallas_call_p through the TPU interpreter."""
+def _interpret_lower(ctx, call, params: InterpretParams, *args):
     # The mesh's devices tell the multi-device interpreter whether they all live in this process.
     with (
-        compile_progress.interpreting(params["grid_mapping"].kernel_name),
+        compile_progress.interpreting(call.grid_mapping.kernel_name),
         interpret_multi.lowering_mesh(ctx.module_context.axis_context),
     ):
-        return mlir.lower_fun(functools.partial(_interpret, **params), multiple_results=True)(ctx, *args)
+        fun = functools.partial(_interpret, call=call, params=params)
+        return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
 
 
-def claims_interpret(jaxpr, grid_mapping) -> bool:
+def interpret(ctx, call, params: InterpretParams, *args):
+    """MLIR lowering of the call through the TPU interpreter, with ``params``
+    (pallas-core resolved them: ``call.interpret`` itself, or the defaults for a
+    kernel it handed over)."""
+    if call.interpret is not params:  # handed over (interpret=True): pallas-core guards export
+        return _interpret_lower(ctx, call, params, *args)
+    gm = call.grid_mapping
+    if getattr(_collecting, "sinks", ()):
+        raise _interpret_mode_error(gm, params, "pltpu.mosaic_modules")
+    try:
+        return _interpret_lower(ctx, call, params, *args)
+    except ValueError as e:
+        # JAX's host callbacks lower only for the platform of a backend it has.
+        if "different from the lowering platform" not in str(e):
+            raise
+        platforms = ", ".join(getattr(ctx.module_context, "platforms", ())) or "a TPU"
+        raise _interpret_mode_error(gm, params, f"lowering for {platforms}") from e
+
+
+def claims_interpret(call) -> bool:
     """pallas-core hands us every kernel its own interpreter cannot run."""
     return True
+
+
+def check_compiler_params(call) -> tpu_core.CompilerParams:
+    cp = call.compiler_params if call.compiler_params is not None else tpu_core.CompilerParams()
+    if not isinstance(cp, tpu_core.CompilerParams):
+        raise TypeError(f"{call.where}: compiler_params for a TPU must be pltpu.CompilerParams, got {cp!r}")
+    return cp
 
 
 # ---------------------------------------------------------------------------
@@ -141,47 +178,13 @@ def _custom_call_config(cp: tpu_core.CompilerParams, cost_estimate, aliases, met
     )
 
 
-def lower(
-    ctx,
-    *args,
-    jaxpr,
-    grid_mapping,
-    input_output_aliases=(),
-    interpret=False,
-    debug=False,
-    compiler_params=None,
-    cost_estimate=None,
-    **params,
-):
-    gm = grid_mapping
-    if isinstance(interpret, InterpretParams):
-        if getattr(_collecting, "sinks", ()):
-            raise _interpret_mode_error(gm, interpret, "pltpu.mosaic_modules")
-        try:
-            return interpret_lower(
-                ctx,
-                *args,
-                jaxpr=jaxpr,
-                grid_mapping=gm,
-                input_output_aliases=input_output_aliases,
-                interpret=interpret,
-                debug=debug,
-                compiler_params=compiler_params,
-                cost_estimate=cost_estimate,
-                **params,
-            )
-        except ValueError as e:
-            # JAX's host callbacks lower only for the platform of a backend it has.
-            if "different from the lowering platform" not in str(e):
-                raise
-            platforms = ", ".join(getattr(ctx.module_context, "platforms", ())) or "a TPU"
-            raise _interpret_mode_error(gm, interpret, f"lowering for {platforms}") from e
-    cp = compiler_params if compiler_params is not None else tpu_core.CompilerParams()
-    if not isinstance(cp, tpu_core.CompilerParams):
-        raise TypeError(f"{_where(gm)}: compiler_params for a TPU must be pltpu.CompilerParams, got {cp!r}")
-    module = mosaic_module(jaxpr, gm, cp, ctx.module_context.context, compat.mesh_axes(ctx))
+def lower(ctx, call, *args):
+    """MLIR lowering of the call for a TPU: a Mosaic module in a ``tpu_custom_call``."""
+    gm = call.grid_mapping
+    cp = check_compiler_params(call)
+    module = mosaic_module(call.jaxpr, gm, cp, ctx.module_context.context, compat.mesh_axes(ctx))
     text = module_text(module)
-    if debug:
+    if call.debug:
         print(f"\nThe Mosaic module for {_where(gm)}:")
         print(text)
     sinks = getattr(_collecting, "sinks", ())
@@ -189,12 +192,10 @@ def lower(
         with_locations = module.operation.get_asm(enable_debug_info=True, assume_verified=True)
         for sink in sinks:
             sink.append((_where(gm), text, with_locations))
-    # Aliases count the inputs after the scalar-prefetch operands (pallas-core's
-    # normalization); the custom call's operands are the dynamic grid sizes, the
-    # scalar-prefetch operands, then those inputs.
-    first = gm.num_dynamic_grid_bounds + gm.num_scalar_prefetch
-    aliases = tuple((i + first, o) for i, o in input_output_aliases)
-    config = _custom_call_config(cp, cost_estimate, aliases, params.get("metadata"))
+    # The custom call's operands are the dynamic grid sizes, then pallas_call's
+    # arguments, which the aliases count (scalar-prefetch operands included, as JAX).
+    aliases = tuple((i + gm.num_dynamic_grid_bounds, o) for i, o in call.input_output_aliases)
+    config = _custom_call_config(cp, call.cost_estimate, aliases, call.metadata)
     return _bool_as_int32(ctx, args, functools.partial(_custom_call, module=module, gm=gm, config=config))
 
 

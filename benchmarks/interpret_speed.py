@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import _examples
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,28 +51,9 @@ def build_add(pl, block=(16, 16)):
 
 
 def build_matmul(pl, bm=64, bn=64, bk=64):
-    def kernel(x_ref, y_ref, o_ref):
-        @pl.when(pl.program_id(2) == 0)
-        def _init():
-            o_ref[...] = jnp.zeros_like(o_ref)
-
-        o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
-
-    def matmul(x, y):
-        (m, k), (_, n) = x.shape, y.shape
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-            grid=(m // bm, n // bn, k // bk),
-            in_specs=[
-                pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
-            ],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-            interpret=True,
-        )(x, y)
-
-    return matmul
+    """examples/matmul.py's kernel (k accumulated in the output block), with this ``pl``."""
+    ex = _examples.load("matmul", _examples.which(pl))
+    return functools.partial(ex.matmul, bm=bm, bn=bn, bk=bk, backend=_examples.interpret_backend())
 
 
 def build_softmax(pl, block_rows=8):

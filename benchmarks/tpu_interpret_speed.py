@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import _examples
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,36 +37,11 @@ import numpy as np
 
 
 def build_matmul(pl, pltpu, *, bm, bn, bk, interpret=None):
-    """Blocked matmul: grid (m, n, k), f32 accumulator in VMEM scratch, k "arbitrary"."""
-
-    def kernel(x_ref, y_ref, o_ref, acc_ref):
-        @pl.when(pl.program_id(2) == 0)
-        def _init():
-            acc_ref[...] = jnp.zeros_like(acc_ref)
-
-        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
-
-        @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
-        def _writeback():
-            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
-
-    def matmul(x, y):
-        (m, k), (_, n) = x.shape, y.shape
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-            grid=(m // bm, n // bn, k // bk),
-            in_specs=[
-                pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
-            ],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
-            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-            interpret=pltpu.InterpretParams() if interpret is None else interpret,
-        )(x, y)
-
-    return matmul
+    """examples/tpu_matmul.py's kernel (grid (m, n, k), f32 accumulator in VMEM scratch, k
+    "arbitrary"), with this ``pl`` and ``pltpu``."""
+    ex = _examples.load("tpu_matmul", _examples.which(pl))
+    interpret = pltpu.InterpretParams() if interpret is None else interpret
+    return functools.partial(ex.matmul, bm=bm, bn=bn, bk=bk, call_kwargs={"interpret": interpret})
 
 
 def build_double_buffer(pl, pltpu, *, chunk, scale=2.0, interpret=None):

@@ -134,8 +134,8 @@ def test_walk_jaxpr_computes_what_jax_computes():
     x, y = (_RNG.standard_normal((3, 5)).astype(np.float32) for _ in range(2))
     closed = jax.make_jaxpr(f)(x, y)
     got = _numpy_backend()(closed, x, y)
-    for g, w in zip(got, f(x, y), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-6)
+    for g, w in zip(got, f(x, y), strict=True):  # numpy's and XLA's exp/sin differ in the last bits
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_walk_jaxpr_multiple_results_and_dropped_outputs():

@@ -10,11 +10,13 @@ the reverse of the migration the examples show. ``which(pl)`` says which Pallas 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 _TO_JAX = {
@@ -45,9 +47,21 @@ def load(name: str, pallas: str = "ours"):
     return mod
 
 
-def interpret_backend():
-    """The examples' ``Backend`` for interpret mode (``call_kwargs()`` gives ``interpret=True``)."""
-    load("add")  # puts examples/ on sys.path
-    import _common
+@dataclasses.dataclass(frozen=True)
+class Calls:
+    """What the examples' kernels take as ``backend`` (``call_kwargs(**gpu_params)``, as
+    examples/_common.py's ``Backend``), for either Pallas: ``interpret`` (any value
+    ``pallas_call`` takes, e.g. ``plgpu.InterpretParams()``) and the GPU backend's
+    ``CompilerParams`` class, built from the kernel's ``num_warps``/``num_stages``."""
 
-    return _common.Backend("cpu-interpret", interpret=True)
+    interpret: Any = False
+    compiler_params_cls: Any = None
+
+    def call_kwargs(self, **gpu_params) -> dict[str, Any]:
+        kw = {"interpret": self.interpret} if self.interpret is not False else {}
+        if gpu_params and self.compiler_params_cls is not None:
+            kw["compiler_params"] = self.compiler_params_cls(**gpu_params)
+        return kw
+
+
+INTERPRET = Calls(interpret=True)

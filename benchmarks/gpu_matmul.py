@@ -26,10 +26,10 @@ import functools
 import os
 import traceback
 
+import _examples
 import jax
 import jax.numpy as jnp
 from _timing import Panel, measure, write_results
-from jax import lax
 
 import pallas_gpu as plgpu
 from pallas_gpu.ops import matmul as mm
@@ -47,39 +47,14 @@ def has_gpu() -> bool:
 
 
 def jax_pallas_matmul(a, b, cfg, out_dtype, interpret=False):
-    """The same grouped k-loop kernel written with JAX's Pallas (the reference)."""
-    from jax.experimental import pallas as jpl
+    """examples/matmul.py's grouped k-loop kernel (``matmul_grouped``) with JAX's Pallas (the reference)."""
     from jax.experimental.pallas import triton as jplgpu
 
     bm, bn, bk, w, s = cfg
-    (m, k), n = a.shape, b.shape[1]
-    nm, nn, g = m // bm, n // bn, min(8, m // bm)
-
-    def ids(p):
-        r = lax.rem(p, g * nn)
-        return lax.div(p, g * nn) * g + lax.rem(r, g), lax.div(r, g)
-
-    def kernel(a_ref, b_ref, o_ref):
-        def body(i, acc):
-            k0 = jpl.multiple_of(i * bk, bk)
-            return acc + jnp.dot(
-                a_ref[:, jpl.ds(k0, bk)], b_ref[jpl.ds(k0, bk), :], preferred_element_type=F32
-            )
-
-        o_ref[...] = lax.fori_loop(0, k // bk, body, jnp.zeros((bm, bn), F32)).astype(o_ref.dtype)
-
-    return jpl.pallas_call(
-        kernel,
-        jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(nm * nn,),
-        in_specs=[
-            jpl.BlockSpec((bm, k), lambda p: (ids(p)[0], 0)),
-            jpl.BlockSpec((k, bn), lambda p: (0, ids(p)[1])),
-        ],
-        out_specs=jpl.BlockSpec((bm, bn), ids),
-        compiler_params=jplgpu.CompilerParams(num_warps=w, num_stages=s),
-        interpret=interpret,
-    )(a, b)
+    calls = _examples.Calls(interpret=interpret, compiler_params_cls=jplgpu.CompilerParams)
+    return _examples.load("matmul", "jax").matmul_grouped(
+        a, b, bm=bm, bn=bn, bk=bk, backend=calls, out_dtype=out_dtype, num_warps=w, num_stages=s
+    )
 
 
 def candidates(m, k, n, dtype, small, tuned=True):

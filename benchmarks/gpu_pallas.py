@@ -25,6 +25,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # leave room for torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import _examples
 import jax
 import jax.numpy as jnp
 import triton
@@ -83,28 +84,13 @@ def build_layer_norm(im, shape, w, eps=1e-5):
 
 
 def build_matmul(im, d, cfg, group=8):
-    """1-D grid with grouped ("swizzled") block order in the index maps, as the Triton kernel."""
+    """examples/matmul.py's ``matmul_grouped`` (the k loop in the kernel, a 1-D grid in grouped
+    tile order, as the Triton kernel), with ``im``'s Pallas."""
     bm, bn, bk, w, s = cfg
-    nm, nn, g = d // bm, d // bn, min(group, d // bm)
-    assert nm % g == 0
-
-    def ids(p):  # program -> (block row, block col); g block rows share each B column block
-        r = lax.rem(p, g * nn)
-        return lax.div(p, g * nn) * g + lax.rem(r, g), lax.div(r, g)
-
-    def kernel(a_ref, b_ref, o_ref):
-        def body(i, acc):
-            k0 = im.pl.multiple_of(i * bk, bk)
-            a, b = a_ref[:, im.pl.ds(k0, bk)], b_ref[im.pl.ds(k0, bk), :]
-            return acc + jnp.dot(a, b, preferred_element_type=F32)
-
-        acc = lax.fori_loop(0, d // bk, body, jnp.zeros((bm, bn), F32))
-        o_ref[...] = acc.astype(o_ref.dtype)
-
-    a_spec = im.pl.BlockSpec((bm, d), lambda p: (ids(p)[0], 0))
-    b_spec = im.pl.BlockSpec((d, bn), lambda p: (0, ids(p)[1]))
-    out = jax.ShapeDtypeStruct((d, d), jnp.bfloat16)
-    return im.call(kernel, out, (nm * nn,), [a_spec, b_spec], im.pl.BlockSpec((bm, bn), ids), w, s)
+    ex = _examples.load("matmul", _examples.which(im.pl))
+    calls = _examples.Calls(interpret=im.interpret, compiler_params_cls=im.cp)
+    return jax.jit(functools.partial(ex.matmul_grouped, bm=bm, bn=bn, bk=bk, backend=calls, group=group,
+                                     out_dtype=jnp.bfloat16, num_warps=w, num_stages=s))  # fmt: skip
 
 
 def build_attention(im, shape, cfg, causal):

@@ -53,7 +53,7 @@ def build_add(pl, block=(16, 16)):
 def build_matmul(pl, bm=64, bn=64, bk=64):
     """examples/matmul.py's kernel (k accumulated in the output block), with this ``pl``."""
     ex = _examples.load("matmul", _examples.which(pl))
-    return functools.partial(ex.matmul, bm=bm, bn=bn, bk=bk, backend=_examples.interpret_backend())
+    return functools.partial(ex.matmul, bm=bm, bn=bn, bk=bk, backend=_examples.INTERPRET)
 
 
 def build_softmax(pl, block_rows=8):

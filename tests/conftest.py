@@ -71,7 +71,8 @@ def pytest_collection_modifyitems(config, items):
             if mark.args[0] == way.name:
                 item.add_marker(pytest.mark.skip(reason=f"{way.name} way: {mark.kwargs['reason']}"))
         for mark in item.iter_markers("xfail_way") if way else ():
-            if mark.args[0] == way.name:
+            ids = mark.kwargs.get("ids") or ()
+            if mark.args[0] == way.name and (not ids or set(ids) & set(item.callspec.id.split("-"))):
                 reason, raises = f"{way.name} way: {mark.kwargs['reason']}", mark.kwargs.get("raises")
                 item.add_marker(pytest.mark.xfail(strict=True, reason=reason, raises=raises))
     if _has_gpu():

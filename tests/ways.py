@@ -181,7 +181,8 @@ def skip_way(name: str, reason: str):
     return pytest.mark.skip_way(name, reason=reason)
 
 
-def xfail_way(name: str, reason: str, raises=None):
-    """A mark: way ``name`` has a gap this test shows (a strict xfail, ``raises`` expected)."""
+def xfail_way(name: str, reason: str, raises=None, ids=()):
+    """A mark: way ``name`` has a gap this test shows (a strict xfail, ``raises`` expected);
+    ``ids``: only in the test's parametrizations with one of these ids (e.g. ``"bfloat16"``)."""
     assert name in WAYS, f"no such way: {name!r} (ways: {WAYS})"
-    return pytest.mark.xfail_way(name, reason=reason, raises=raises)
+    return pytest.mark.xfail_way(name, reason=reason, raises=raises, ids=tuple(ids))

@@ -14,6 +14,7 @@ from pallas_test_base import (
     assert_allclose,
     dtype_id,
 )
+from ways import every_way, xfail_way
 
 import pallas as pl
 
@@ -22,6 +23,7 @@ def _sds(shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+@every_way()
 class TestProgramIds(PallasTest):
     def test_program_id_and_num_programs(self):
         x = self.rand((3, 4, 8))
@@ -65,6 +67,7 @@ class TestProgramIds(PallasTest):
         assert_allclose(out, x.reshape(4, 4)[:, ::-1].reshape(16))
 
 
+@every_way()
 class TestRefIndexing(PallasTest):
     def _run(self, kernel, x, out_shape):
         return self.pallas_call(kernel, _sds(out_shape, x.dtype))(x)
@@ -253,6 +256,7 @@ class TestRefIndexing(PallasTest):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+@every_way()
 class TestFloatOps(PallasTest):
     def test_elementwise_unary(self, dtype):
         x = self.rand((8, 16), dtype)
@@ -268,6 +272,11 @@ class TestFloatOps(PallasTest):
         assert out.dtype == dtype
         assert_allclose(out, ref(x), scale=4)
 
+    @xfail_way(
+        "mosaic",
+        "our Mosaic lowering cannot store into a rank-0 VMEM output block ('Cannot cast type to VectorType "
+        "(from Type(f32))' lowering the store of jnp.min(v)); TPU interpret mode runs the kernel",
+    )
     def test_reductions(self, dtype):
         x = self.rand((8, 16), dtype)
 
@@ -308,6 +317,13 @@ class TestFloatOps(PallasTest):
         expected = jnp.dot(a, b, preferred_element_type=jnp.float32)
         assert_allclose(out, expected, jnp.float32, scale=100)
 
+    @xfail_way(
+        "mosaic",
+        "a 16-bit dot without preferred_element_type: our Mosaic lowering gives tpu.matmul a 16-bit "
+        "accumulator, which Mosaic's verifier refuses ('Expected matmul acc to be 32-bit'; JAX's lowering "
+        "accumulates in f32); TPU interpret mode runs the kernel",
+        ids=("bfloat16", "float16"),
+    )
     def test_dot_transposed_operand(self, dtype):
         a, b = self.rand((8, 16), dtype), self.rand((8, 16), dtype)
 
@@ -318,6 +334,7 @@ class TestFloatOps(PallasTest):
         assert_allclose(out, jnp.dot(a, b.T), scale=10)
 
 
+@every_way()
 class TestShapeOps(PallasTest):
     def test_broadcast_reshape_transpose(self):
         x, y = self.rand((4, 8)), self.rand((8,))
@@ -359,6 +376,7 @@ class TestShapeOps(PallasTest):
         assert_allclose(out, jnp.concatenate([x, x.T * 2.0], axis=1))
 
 
+@every_way()
 class TestIntOps(PallasTest):
     def test_integer_arithmetic(self):
         x = self.rand((8, 16), jnp.int32, low=-1000, high=1000)
@@ -384,6 +402,7 @@ class TestIntOps(PallasTest):
         np.testing.assert_array_equal(c, jnp.cumsum(x, axis=1))
 
 
+@every_way()
 class TestControlFlow(PallasTest):
     def test_fori_loop(self):
         x = self.rand((8, 8))

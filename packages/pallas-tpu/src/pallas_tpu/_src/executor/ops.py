@@ -32,7 +32,7 @@ class Buffer:
     ``[:n0, :n1, ...]`` is ``array``: a kernel argument (an HBM array or a
     whole-array VMEM window) is stored padded to its memory tiling, as
     Mosaic's ``infer-memref-layout`` lays it out, and ``tpu.memref_slice``
-    may cut into that padding (see ``executor_memory.tiled_shape``)."""
+    may cut into that padding (see ``memory.tiled_shape``)."""
 
     array: np.ndarray
     space: str

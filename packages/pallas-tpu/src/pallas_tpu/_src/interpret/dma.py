@@ -26,7 +26,7 @@ slot of the buffer, another buffer, a local descriptor for a remote copy).
 
 Remote DMAs (``device_id=``) go through the hooks ``remote_dma_start``,
 ``remote_dma_wait`` (the send side) and ``dma_receive``, which the
-multi-device interpreter (``interpret_multi``) implements.
+multi-device interpreter (``multi.py``) implements.
 """
 
 from __future__ import annotations

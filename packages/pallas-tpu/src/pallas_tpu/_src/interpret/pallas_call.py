@@ -14,14 +14,16 @@ from jax import lax
 
 from pallas import backend as plb
 from pallas_tpu._src import checks, compat
+from pallas_tpu._src.interpret import (
+    core_rules,  # also registers the rules of JAX's primitives
+    facts,
+)
 from pallas_tpu._src.interpret import dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
-from pallas_tpu._src.interpret import facts
 from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.interpret.interpreter import (
     Interpreter,
     InterpretParams,
     RefView,
-    _check_sem_zero,
     _uninit,
 )
 from pallas_tpu._src.language import core as tpu_core
@@ -342,7 +344,7 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
             core_ops, scratch = lane.ops, lane.scratch
             for i, a in enumerate(gm.scratch_avals):
                 if plb.semaphore_kind(a) is not None:
-                    _check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
+                    core_rules.check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
             for i in blocked:
                 if i >= gm.num_inputs:  # the last output block goes back to HBM
                     op = core_ops[i]

@@ -38,8 +38,6 @@ import pallas_tpu as pltpu
 interpret_only = pytest.mark.interpret_only
 HERE = os.path.basename(__file__)
 
-TRACED_SIZE_XFAIL = "our Mosaic lowering needs static DMA sizes (pl.ds with a traced size)"
-
 
 def rand(seed, shape, dtype=jnp.float32):
     return jax.random.normal(jax.random.key(seed), shape, dtype)
@@ -281,7 +279,7 @@ def traced_size_params(seed, rows_x, rows_y):
     return jnp.array([n, s, d], jnp.int32), (n, s, d)
 
 
-@pytest.mark.parametrize("way", ways(dma=True, ours_xfail=TRACED_SIZE_XFAIL))
+@pytest.mark.parametrize("way", ways(dma=True))
 @pytest.mark.parametrize("wait", ["same", "rebuilt"])
 @pytest.mark.parametrize("dst", ["vmem", "hbm"])
 def test_traced_size(way, dst, wait):

@@ -322,46 +322,61 @@ def _reads_past(jaxpr, short: dict) -> bool:
     return False
 
 
-def interpret_pallas_call(*args, call, params: InterpretParams):
-    """The call as plain JAX (``params``: ``call.interpret`` resolved by the lowering rule)."""
-    jaxpr, gm, input_output_aliases = call.jaxpr, call.grid_mapping, call.block_aliases
-    dynamic_sizes, args = args[: gm.num_dynamic_grid_bounds], args[gm.num_dynamic_grid_bounds :]
-    n_in, n_out, G = gm.num_inputs, gm.num_outputs, len(gm.grid)
-    n_scratch = len(gm.scratch_avals)
+def _writes_inputs(jaxpr, gm: pallas_core.GridMapping) -> bool:
+    G, n_in = len(gm.grid), gm.num_inputs
     effects = compat.jaxpr_effects_on_inputs(jaxpr)
-    writes_inputs = any(cls is not compat.ReadEffect and G <= i < G + n_in for cls, i in effects)
+    return any(cls is not compat.ReadEffect and G <= i < G + n_in for cls, i in effects)
+
+
+def _fully_sequential(jaxpr, gm: pallas_core.GridMapping, writes_inputs: bool) -> bool:
+    """Whether the grid steps must run one at a time (see the module's docstring)."""
     writes_any_space = any(
         bm.memory_space is pallas_core.ANY or any(isinstance(d, pallas_core.Element) for d in bm.block_shape)
         for bm in gm.out_block_mappings
     )
     # Side effects (debug_print) must happen once per step, in grid order.
     has_side_effects = any(not isinstance(e, compat.RefEffect) for e in jaxpr.effects)
-    fully_sequential = (
+    return (
         writes_inputs
         or writes_any_space
-        or n_scratch > 0
+        or len(gm.scratch_avals) > 0
         or has_side_effects
         or (compat.reads_past_the_block_reach_the_array() and _reads_past_blocks(jaxpr, gm))
     )
+
+
+def _plan(call, params: InterpretParams, dynamic_sizes, writes_inputs: bool):
+    """The order the grid steps run in, and which run together."""
+    gm = call.grid_mapping
+    if dynamic_sizes:
+        return _DynamicPlan(gm, dynamic_sizes)
+    fully_sequential = _fully_sequential(call.jaxpr, gm, writes_inputs)
+    plan = make_plan(gm, fully_sequential, params.vectorize)
     # An aliased input shares its buffer with the output: it reads what earlier steps wrote.
     # Steps stay independent only if the input reads exactly the block the output writes.
-    alias_of = {o: i for i, o in input_output_aliases}
-    in_alias = {i: o for i, o in input_output_aliases}
-    if dynamic_sizes:
-        plan = _DynamicPlan(gm, dynamic_sizes)
-    else:
-        plan = make_plan(gm, fully_sequential, params.vectorize)
+    n_in = gm.num_inputs
     if (
-        not dynamic_sizes
-        and not fully_sequential
+        not fully_sequential
         and params.vectorize
         and any(
             gm.block_mappings[i].block_sizes != gm.block_mappings[n_in + o].block_sizes
             or not np.array_equal(plan.starts[i], plan.starts[n_in + o])
-            for i, o in input_output_aliases
+            for i, o in call.block_aliases
         )
     ):
         plan = make_plan(gm, True, params.vectorize)
+    return plan
+
+
+def interpret_pallas_call(*args, call, params: InterpretParams):
+    """The call as plain JAX (``params``: ``call.interpret`` resolved by the lowering rule)."""
+    jaxpr, gm, input_output_aliases = call.jaxpr, call.grid_mapping, call.block_aliases
+    dynamic_sizes, args = args[: gm.num_dynamic_grid_bounds], args[gm.num_dynamic_grid_bounds :]
+    n_in, n_out, G = gm.num_inputs, gm.num_outputs, len(gm.grid)
+    writes_inputs = _writes_inputs(jaxpr, gm)
+    alias_of = {o: i for i, o in input_output_aliases}
+    in_alias = {i: o for i, o in input_output_aliases}
+    plan = _plan(call, params, dynamic_sizes, writes_inputs)
     ns, npar = (plan.steps, 1) if dynamic_sizes else plan.points.shape[:2]
     batched = npar > 1
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax import export
 from pallas_test_base import PallasTest, assert_allclose
+from ways import every_way
 
 import pallas as pl
 
@@ -18,6 +19,7 @@ def _sds(shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+@every_way()
 class TestJit(PallasTest):
     def test_jit_of_pallas_call(self):
         x = self.rand((16, 8))
@@ -81,6 +83,7 @@ class TestJit(PallasTest):
         assert len(traces) == 1
 
 
+@every_way()
 class TestVmap(PallasTest):
     def _add_kernel(self, grid=(2,)):
         spec = pl.BlockSpec((4, 8), lambda i: (i, 0))
@@ -238,6 +241,7 @@ class TestVmap(PallasTest):
         assert_allclose(jax.vmap(f)(x), x[:, ::-1, :])
 
 
+@every_way()
 class TestJvp(PallasTest):
     def test_jvp_elementwise(self):
         x, t = self.rand((8, 8)), self.rand((8, 8))

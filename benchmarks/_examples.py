@@ -52,14 +52,18 @@ class Calls:
     """What the examples' kernels take as ``backend`` (``call_kwargs(**gpu_params)``, as
     examples/_common.py's ``Backend``), for either Pallas: ``interpret`` (any value
     ``pallas_call`` takes, e.g. ``plgpu.InterpretParams()``) and the GPU backend's
-    ``CompilerParams`` class, built from the kernel's ``num_warps``/``num_stages``."""
+    ``CompilerParams`` class, built from the kernel's ``num_warps``/``num_stages`` (or
+    ``compiler_params`` given whole)."""
 
     interpret: Any = False
     compiler_params_cls: Any = None
+    compiler_params: Any = None  # given whole: the kernel's own num_warps/num_stages are not used
 
     def call_kwargs(self, **gpu_params) -> dict[str, Any]:
         kw = {"interpret": self.interpret} if self.interpret is not False else {}
-        if gpu_params and self.compiler_params_cls is not None:
+        if self.compiler_params is not None:
+            kw["compiler_params"] = self.compiler_params
+        elif gpu_params and self.compiler_params_cls is not None:
             kw["compiler_params"] = self.compiler_params_cls(**gpu_params)
         return kw
 

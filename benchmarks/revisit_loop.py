@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _examples  # noqa: E402
 from _timing import measure  # noqa: E402
 
 # (M, N, K, block_m, block_n, block_k): square, and a long k loop.
@@ -42,29 +43,10 @@ SHAPES = [
 
 
 def kloop_matmul(pl, compiler_params, x, y, bm, bn, bk, interpret=False):
-    """``x @ y`` with the output block revisited along grid axis 2."""
-    m, k = x.shape
-    n = y.shape[1]
-
-    def kernel(x_ref, y_ref, o_ref):
-        @pl.when(pl.program_id(2) == 0)
-        def _():
-            o_ref[...] = jnp.zeros_like(o_ref)
-
-        o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
-
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-        grid=(m // bm, n // bn, k // bk),
-        in_specs=[
-            pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-            pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
-        ],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-        compiler_params=compiler_params,
-        interpret=interpret,
-    )(x, y)
+    """``x @ y`` with the output block revisited along grid axis 2: examples/matmul.py's
+    ``matmul``, with this ``pl`` (ours or JAX's)."""
+    calls = _examples.Calls(interpret=interpret, compiler_params=compiler_params)
+    return _examples.load("matmul", _examples.which(pl)).matmul(x, y, bm=bm, bn=bn, bk=bk, backend=calls)
 
 
 def gpu_or_none():

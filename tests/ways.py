@@ -59,7 +59,7 @@ INTERPRET_WAYS = ("core", "core_steps", "triton", "tpu_interpret")
 # kernel a TPU cannot run as written: the way does not apply to it.
 _NOT_FOR_A_TPU = re.compile(
     r"a TPU needs the last two block dimensions|a rank-1 block must be the whole array"
-    r"|SMEM holds 32-bit scalars|a TPU reaches HBM by DMAs only"
+    r"|a TPU reaches HBM by DMAs only"
 )
 
 _TPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tpu")

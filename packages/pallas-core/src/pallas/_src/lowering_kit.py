@@ -54,8 +54,9 @@ class RuleTable(dict):
         return decorator
 
 
-# What ``walk_jaxpr``'s ``lower_eqn`` returns for an equation that another
-# equation's rule lowers (its results are never read on their own).
+#: What ``walk_jaxpr``'s ``lower_eqn`` returns for an equation that another
+#: equation's rule lowers (its results are never read on their own): the walk
+#: binds no results for it.
 SKIP = object()
 
 

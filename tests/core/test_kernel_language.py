@@ -317,13 +317,6 @@ class TestFloatOps(PallasTest):
         expected = jnp.dot(a, b, preferred_element_type=jnp.float32)
         assert_allclose(out, expected, jnp.float32, scale=100)
 
-    @xfail_way(
-        "mosaic",
-        "a 16-bit dot without preferred_element_type: our Mosaic lowering gives tpu.matmul a 16-bit "
-        "accumulator, which Mosaic's verifier refuses ('Expected matmul acc to be 32-bit'; JAX's lowering "
-        "accumulates in f32); TPU interpret mode runs the kernel",
-        ids=("bfloat16", "float16"),
-    )
     def test_dot_transposed_operand(self, dtype):
         a, b = self.rand((8, 16), dtype), self.rand((8, 16), dtype)
 

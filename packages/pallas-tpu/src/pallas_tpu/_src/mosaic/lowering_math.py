@@ -426,7 +426,9 @@ def _reduce_bool(ctx, x, axes, **_):
 
 @register_lowering(lax.dot_general_p)
 def _dot_general(ctx, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
-    """``tpu.matmul``; the result is ordered batch, lhs free, rhs free dims (as lax's)."""
+    """``tpu.matmul``; the result is ordered batch, lhs free, rhs free dims (as lax's).
+    Mosaic's matmul accumulates in 32 bits: a narrower result (a 16-bit dot without
+    ``preferred_element_type``) is accumulated in float32 (int32) and converted."""
     (lc, rc), (lb, rb) = dimension_numbers
     la, ra = ctx.avals_in
     out = ctx.avals_out[0]
@@ -444,8 +446,20 @@ def _dot_general(ctx, lhs, rhs, dimension_numbers, precision=None, preferred_ele
     prec_attr = (
         ir.Attribute.parse(f"#tpu.contract_precision<{_PRECISION[name]}>") if name in _PRECISION else None
     )
-    acc = constant(0, out.shape, out.dtype)
-    return tpu.matmul(aval_type(out), lhs, rhs, acc, False, dimension_numbers=dims, precision=prec_attr)
+    acc_dtype = out.dtype
+    if np.dtype(out.dtype).itemsize < 4:
+        acc_dtype = np.dtype(np.float32 if is_float(out.dtype) else np.int32)
+    acc = constant(0, out.shape, acc_dtype)
+    res = tpu.matmul(
+        aval_type(Aval(out.shape, acc_dtype)),
+        lhs,
+        rhs,
+        acc,
+        False,
+        dimension_numbers=dims,
+        precision=prec_attr,
+    )
+    return convert(res, acc_dtype, out.dtype, out.shape)
 
 
 # ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from pallas._src.core import Mesh as Mesh
 from pallas._src.core import SemaphoreKind as SemaphoreKind
 from pallas._src.core import SemaphoreSpace as SemaphoreSpace
 from pallas._src.core import Squeezed as Squeezed
+from pallas._src.core import constrain_memory_space as constrain_memory_space
 from pallas._src.core import dynamic_grid_dim as dynamic_grid_dim
 from pallas._src.core import register_memory_space_type as register_memory_space_type
 from pallas._src.core import semaphore_kind as semaphore_kind

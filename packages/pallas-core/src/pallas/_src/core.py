@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +59,34 @@ def is_memory_space(obj: Any) -> bool:
 
 for _ms in MemorySpace:
     compat.register_neutral_memory_space(_ms)
+
+# Memory spaces asked for by a backend's ``with_memory_space_constraint`` (JAX's
+# ``pltpu.with_memory_space_constraint``), keyed by the id of the traced value it
+# returned and kept while that tracer lives. ``pl.kernel`` places such an operand in
+# that space (as JAX's ``pl.kernel`` does from the operand's type). The value's type
+# is left alone, so the constraint never leaves the kernel call: jit outputs and
+# other ops see a plain array. A concrete (eager) value carries no constraint.
+_memory_space_constraints: dict[int, tuple[weakref.ref, Any]] = {}
+
+
+def constrain_memory_space(x: Any, memory_space: Any) -> Any:
+    """Records that traced value ``x`` should be placed in ``memory_space`` when
+    it is an operand of ``pl.kernel``; returns ``x``."""
+    if isinstance(x, jax.core.Tracer):
+        key = id(x)
+
+        def forget(ref, key=key):
+            if _memory_space_constraints.get(key, (None,))[0] is ref:
+                del _memory_space_constraints[key]
+
+        _memory_space_constraints[key] = (weakref.ref(x, forget), memory_space)
+    return x
+
+
+def constrained_memory_space(x: Any) -> Any:
+    """The memory space ``constrain_memory_space`` recorded for ``x``, else None."""
+    entry = _memory_space_constraints.get(id(x))
+    return entry[1] if entry is not None and entry[0]() is x else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,9 @@ def kernel(
     (pytree operands as pytrees of Refs), one per element of a sequence
     ``out_type`` (else the output pytree as one argument), the scratch Refs in
     ``scratch_types``' structure (``None`` entries as ``None``; a dict as keyword
-    arguments).
+    arguments). An operand passed through ``pltpu.with_memory_space_constraint``
+    inside the traced function comes as a Ref in that memory space (e.g. SMEM);
+    the others in the mesh's default space.
 
     Args:
       body: the kernel body; omit it to use ``pl.kernel(...)`` as a decorator.
@@ -67,7 +69,9 @@ def kernel(
     spec = pallas_core.BlockSpec(memory_space=ms)
 
     def run(*args):
-        in_leaves, in_tree = tree_util.tree_flatten(args)
+        in_paths, in_tree = tree_util.tree_flatten_with_path(args)
+        in_leaves = [leaf for _, leaf in in_paths]
+        in_specs = [_operand_spec(path, leaf, spec) for path, leaf in in_paths]
         n_in, n_out = len(in_leaves), len(out_leaves)
 
         def refs_as_jax_passes_them(*refs):
@@ -88,7 +92,7 @@ def kernel(
             refs_as_jax_passes_them,
             out_shape=tuple(out_leaves),
             grid=grid,
-            in_specs=[spec] * n_in,
+            in_specs=in_specs,
             out_specs=[spec] * n_out,
             scratch_shapes=flat_scratch,
             compiler_params=mesh.compiler_params(compiler_params),
@@ -103,3 +107,18 @@ def kernel(
 
     run.__name__ = getattr(body, "__name__", "kernel")
     return run
+
+
+def _operand_spec(path, leaf, default: pallas_core.BlockSpec) -> pallas_core.BlockSpec:
+    """The operand's BlockSpec: in the memory space ``with_memory_space_constraint``
+    asked for (as JAX's ``pl.kernel`` takes it from the operand's type), else the
+    mesh's default space."""
+    ms = pallas_core.constrained_memory_space(leaf)
+    if ms is None:
+        return default
+    if not pallas_core.is_memory_space(ms):
+        raise TypeError(
+            f"pl.kernel: operand args{tree_util.keystr(path)} is constrained to memory space {ms!r},"
+            " which is not a memory space (use e.g. pltpu.SMEM, pltpu.VMEM, pltpu.HBM or pl.ANY)"
+        )
+    return pallas_core.BlockSpec(memory_space=ms)

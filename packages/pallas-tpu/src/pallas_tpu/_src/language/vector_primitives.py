@@ -26,7 +26,7 @@ from jax import lax
 from jax.extend.core import Effect, Primitive
 from jax.interpreters import ad, batching, mlir
 
-from pallas.backend import kernel_error, register_internal_dir
+from pallas.backend import constrain_memory_space, kernel_error, register_internal_dir
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import rules as interpret_rules
 
@@ -739,8 +739,10 @@ with_memory_space_constraint_p = Primitive("with_memory_space_constraint")
 
 
 def with_memory_space_constraint(x: jax.Array, memory_space: Any) -> jax.Array:
-    """Asks that array ``x`` be placed in ``memory_space`` when passed to a
-    ``pallas_call`` (the value is unchanged; other ops ignore the request).
+    """Asks that array ``x`` be placed in ``memory_space`` when it is passed to
+    ``pl.kernel``, which gives the body a Ref in that space (e.g. SMEM for scalars
+    read with dynamic indices). The value is unchanged; other ops, ``pallas_call``
+    and jit outputs ignore the request.
 
     Args:
       x: an array.
@@ -756,10 +758,13 @@ def with_memory_space_constraint(x: jax.Array, memory_space: Any) -> jax.Array:
         raise _error(
             NotImplementedError,
             "with_memory_space_constraint",
-            f"only HBM, VMEM, SMEM and HOST are supported, got {memory_space}",
+            f"only HBM, VMEM, SMEM and HOST are supported, got memory_space={memory_space}",
         )
     x = jnp.asarray(x)
-    return with_memory_space_constraint_p.bind(x, memory_space=memory_space)
+    # The result's type stays a plain array; pl.kernel reads the request from this record.
+    return constrain_memory_space(
+        with_memory_space_constraint_p.bind(x, memory_space=memory_space), memory_space
+    )
 
 
 @with_memory_space_constraint_p.def_abstract_eval

@@ -41,15 +41,15 @@ from pallas_tpu._src.language.einshape import einshape as einshape
 from pallas_tpu._src.language.helpers import core_barrier as core_barrier
 from pallas_tpu._src.language.helpers import run_on_first_core as run_on_first_core
 from pallas_tpu._src.language.helpers import sync_copy as sync_copy
-from pallas_tpu._src.language.pipeline import BufferedRef as BufferedRef
-from pallas_tpu._src.language.pipeline import BufferedRefBase as BufferedRefBase
-from pallas_tpu._src.language.pipeline import BufferType as BufferType
 from pallas_tpu._src.language.pipeline import PipelineStep as PipelineStep
 from pallas_tpu._src.language.pipeline import emit_pipeline as emit_pipeline
 from pallas_tpu._src.language.pipeline import emit_pipeline_with_allocations as emit_pipeline_with_allocations
 from pallas_tpu._src.language.pipeline import (
     emit_pipeline_with_async_prefetch as emit_pipeline_with_async_prefetch,
 )
+from pallas_tpu._src.language.pipeline_buffers import BufferedRef as BufferedRef
+from pallas_tpu._src.language.pipeline_buffers import BufferedRefBase as BufferedRefBase
+from pallas_tpu._src.language.pipeline_buffers import BufferType as BufferType
 from pallas_tpu._src.language.primitives import AsyncCopyDescriptor as AsyncCopyDescriptor
 from pallas_tpu._src.language.primitives import async_copy as async_copy
 from pallas_tpu._src.language.primitives import async_remote_copy as async_remote_copy

@@ -14,7 +14,7 @@ from pallas_test_base import (
     assert_allclose,
     dtype_id,
 )
-from ways import every_way, xfail_way
+from ways import every_way
 
 import pallas as pl
 
@@ -272,11 +272,6 @@ class TestFloatOps(PallasTest):
         assert out.dtype == dtype
         assert_allclose(out, ref(x), scale=4)
 
-    @xfail_way(
-        "mosaic",
-        "our Mosaic lowering cannot store into a rank-0 VMEM output block ('Cannot cast type to VectorType "
-        "(from Type(f32))' lowering the store of jnp.min(v)); TPU interpret mode runs the kernel",
-    )
     def test_reductions(self, dtype):
         x = self.rand((8, 16), dtype)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_test_base import ALL_DTYPES, PallasTest, assert_allclose, dtype_id
-from ways import every_way, skip_way, xfail_way
+from ways import every_way, skip_way
 
 import pallas as pl
 
@@ -127,11 +127,6 @@ class TestOutShapeAndPytrees(PallasTest):
         )(x)
         assert_allclose(out, x * x)
 
-    @xfail_way(
-        "mosaic",
-        "our Mosaic lowering cannot store into a rank-0 VMEM output block ('Cannot cast type to VectorType "
-        "(from Type(f32))' lowering the store); TPU interpret mode runs the kernel",
-    )
     def test_scalar_output(self):
         x = self.rand((8, 8))
 

@@ -772,3 +772,67 @@ def test_scalar_prefetch_with_aliased_output(way, dynamic):
         rows = slice(8 * int(b), 8 * int(b) + 8)
         expect = expect.at[rows].set(x[rows] + y[rows] * scale[0].astype(jnp.float32))
     close(out, expect)
+
+
+# ---------------------------------------------------------------------------
+# A rank-0 output in VMEM (a memref<1xT>); a 16-bit dot accumulating in float32
+
+
+@pytest.mark.parametrize("way", ways(jax_skip="'Indexing into a ()-shaped Ref not yet supported on TPU'"))
+def test_rank0_vmem_input_and_output(way):
+    x, s = rand(fresh_seed(), (8, 128)), jnp.float32(np.random.default_rng().normal())
+
+    def build(pl, pltpu):
+        def total(s_ref, x_ref, o_ref, m_ref):
+            o_ref[...] = jnp.sum(x_ref[...]) * s_ref[...]
+            m_ref[...] = jnp.max(x_ref[...]).astype(jnp.int32)
+
+        shapes = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+        return lambda s, x: pl.pallas_call(total, out_shape=shapes)(s, x)
+
+    out, m = run(build, (s, x), way)
+    assert out.shape == m.shape == ()
+    close(out, jnp.sum(x) * s, tol=1e-4)
+    equal(m, jnp.max(x).astype(jnp.int32))
+
+
+def test_rank0_vmem_block_mosaic_refuses_is_a_lowering_error():
+    def under_grid(x):
+        def k(x_ref, o_ref):
+            o_ref[...] = jnp.sum(x_ref[...])
+
+        spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+        return pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct((), jnp.float32), grid=(2,), in_specs=[spec])(
+            x
+        )
+
+    def bf16(x):
+        def k(x_ref, o_ref):
+            o_ref[...] = jnp.sum(x_ref[...]).astype(jnp.bfloat16)
+
+        return pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct((), jnp.bfloat16))(x)
+
+    assert "rank-0 block in VMEM under a grid" in lowering_error(under_grid, rand(0, (16, 128)))
+    assert "rank-0 block in VMEM of bfloat16" in lowering_error(bf16, rand(0, (8, 128)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8], ids=["bfloat16", "int8"])
+@pytest.mark.parametrize(
+    "way", ways(jax_xfail="a 16-bit (8-bit) matmul accumulator: 'Expected matmul acc to be 32-bit'")
+)
+def test_narrow_dot_accumulates_in_32_bits(way, dtype):
+    a = (rand(fresh_seed(), (8, 256)) * 4).astype(dtype)
+    b = (rand(fresh_seed(), (128, 256)) * 4).astype(dtype)
+
+    def build(pl, pltpu):
+        def k(a_ref, b_ref, o_ref):
+            o_ref[...] = jnp.dot(a_ref[...], b_ref[...].T)
+
+        return lambda a, b: pl.pallas_call(k, out_shape=jax.ShapeDtypeStruct((8, 128), dtype))(a, b)
+
+    out = run(build, (a, b), way)
+    expect = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T)
+    if dtype == jnp.int8:
+        equal(out, expect.astype(jnp.int32).astype(jnp.int8))
+    else:
+        close(out.astype(jnp.float32), expect.astype(dtype).astype(jnp.float32), tol=2e-2)

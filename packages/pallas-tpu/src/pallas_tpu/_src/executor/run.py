@@ -426,6 +426,8 @@ def _window(ex, arr, arg, w, idx, prefetch, k):
     space = ops.memory_space(mt)
     if w.transform is None:
         shape = tuple(mt.shape)
+        if arr.ndim == 0 and shape == (1,):  # a rank-0 VMEM block: our lowering's memref<1xT>
+            return Buffer(arr.reshape(1), space, key=("window", k), root=arr)
         view = arr[tuple(slice(0, n) for n in shape)] if arr.shape != shape else arr
         return Buffer(view, space, key=("window", k), root=arr, padded=arr if view is not arr else None)
     block = ex.call(ex.funcs[w.transform], [*idx, *prefetch])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func
 from jaxlib.mosaic.python import tpu
@@ -42,6 +43,7 @@ from pallas_tpu._src.mosaic.lowering import (
     LoweringException,
     as_i32,
     lower_jaxpr,
+    memory_space_attr,
     memref_type,
     ref_type,
 )
@@ -59,7 +61,31 @@ def _operand_type(bm) -> ir.MemRefType:
     """A kernel operand's memref: its block (squeezed dims of size 1) in its
     memory space; a whole-array (HBM) operand's is the whole array."""
     shape = bm.array_shape if bm.is_whole_array else bm.block_sizes
+    if _scalar_in_vmem(bm):
+        shape = (1,)
     return memref_type(shape, bm.dtype, bm.memory_space)
+
+
+def _scalar_in_vmem(bm) -> bool:
+    """A rank-0 block in VMEM: Mosaic has no rank-0 vectors and no scalar loads and
+    stores of VMEM, so its operand is a ``memref<1xT>`` (the layout XLA gives a rank-0
+    32-bit array is Mosaic's of one element) and the kernel's Ref a ``BlockRef`` squeezing it."""
+    return not bm.block_sizes and str(memory_space_attr(bm.memory_space)) == "#tpu.memory_space<vmem>"
+
+
+def _check_scalar_block(gm, bm) -> None:
+    """Mosaic takes a rank-0 VMEM operand only of a 32-bit type, without a grid."""
+    if not _scalar_in_vmem(bm):
+        return
+    bits = 32 if np.dtype(bm.dtype) == np.bool_ else np.dtype(bm.dtype).itemsize * 8
+    why = "under a grid (Mosaic has no scalar windows)" if gm.grid else None
+    if bits != 32:
+        why = f"of {np.dtype(bm.dtype).name} (XLA lays out {bits}-bit scalars unlike Mosaic)"
+    if why:
+        raise LoweringException(
+            f"{plb.describe(gm.kernel_name, gm.source)}: {bm.origin} is a rank-0 block in VMEM {why}; "
+            "give the array shape (1,), or put the scalar in SMEM (memory_space=pltpu.SMEM)"
+        )
 
 
 def _batched_hbm_ref(kernel, bm, arg, index_args) -> BlockRef:
@@ -78,6 +104,8 @@ def _batched_hbm_ref(kernel, bm, arg, index_args) -> BlockRef:
 
 def _operand_ref(bm, arg):
     squeezed = tuple(isinstance(d, plb.Squeezed) for d in bm.block_shape)
+    if _scalar_in_vmem(bm):
+        squeezed = (True,)
     return BlockRef(arg, squeezed) if any(squeezed) else arg
 
 
@@ -108,6 +136,8 @@ def lower_kernel(jaxpr, gm, compiler_params=None, mesh_axes=()) -> ir.Module:
             f"{plb.describe(gm.kernel_name, gm.source)}: the grid {gm.grid} must be ints or traced int32 sizes"
         )
     prefetch_types = [ref_type(a) for a in gm.prefetch_avals]
+    for bm in gm.block_mappings:
+        _check_scalar_block(gm, bm)
     operand_types = [_operand_type(bm) for bm in gm.block_mappings]
     scratch_types = [ref_type(a) for a in gm.scratch_avals]
     module = ir.Module.create()

@@ -271,6 +271,7 @@ def load(ctx, ref, ref_aval, tree, leaves, out_aval) -> ir.Value:
                 f"reading a {list(out_aval.shape)} block from SMEM: SMEM holds scalars, read one element at a time"
             )
         return memref.load(ref, [index(s) for s in w.starts])
+    _check_not_rank0(ref)
     if w.strided:
         v = _strided_read(ref, w, out_aval.dtype)
     else:
@@ -346,11 +347,20 @@ def store(ctx, ref, ref_aval, tree, leaves, val, val_aval) -> None:
             )
         memref.store(val, ref, idx)
         return
+    _check_not_rank0(ref)
     val = shape_cast(val, w.sizes, val_aval.dtype)
     if w.strided:
         _strided_write(ref, w, val, val_aval.dtype)
     else:
         write_window(ref, w.starts, val, val_aval.dtype)
+
+
+def _check_not_rank0(ref) -> None:
+    if not ir.MemRefType(ref.type).shape:
+        raise NotImplementedError(
+            "reading or writing a rank-0 Ref in VMEM (a scratch of shape ()): Mosaic has no rank-0 "
+            "vectors nor scalar accesses of VMEM; give it shape (1,), or put it in SMEM (pltpu.SMEM(()))"
+        )
 
 
 # ---------------------------------------------------------------------------

@@ -4,7 +4,8 @@ The module holds, as JAX's Mosaic lowering makes it:
 
 * ``func.func @<kernel>(grid indices: i32..., scalar-prefetch memrefs (SMEM)...,
   operand windows (memrefs of the block shape; squeezed dims kept with size 1,
-  the kernel's Ref is a ``BlockRef`` without them)...,
+  the kernel's Ref is a ``BlockRef`` without them; a rank-0 32-bit block in
+  VMEM, without a grid, is a ``memref<1xT>`` the Ref squeezes)...,
   scratch memrefs...)`` with the attributes ``dimension_semantics``,
   ``iteration_bounds``, ``scalar_prefetch``, ``scratch_operands``,
   ``tpu.core_type`` and ``window_params``: one dict per operand,

@@ -15,7 +15,9 @@ from pallas_tpu._src.interpret.interpreter import InterpretParams as InterpretPa
 from pallas_tpu._src.interpret.interpreter import KernelError as KernelError
 from pallas_tpu._src.interpret.interpreter import force_tpu_interpret_mode as force_tpu_interpret_mode
 from pallas_tpu._src.interpret.interpreter import set_tpu_interpret_mode as set_tpu_interpret_mode
-from pallas_tpu._src.interpret.multi import reset_tpu_interpret_mode_state as reset_tpu_interpret_mode_state
+from pallas_tpu._src.interpret.sessions import (
+    reset_tpu_interpret_mode_state as reset_tpu_interpret_mode_state,
+)
 from pallas_tpu._src.language import core as core
 from pallas_tpu._src.language.core import ARBITRARY as ARBITRARY
 from pallas_tpu._src.language.core import CMEM as CMEM

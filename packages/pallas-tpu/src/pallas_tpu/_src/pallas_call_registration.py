@@ -30,6 +30,7 @@ from pallas_tpu._src import checks, compat
 from pallas_tpu._src.interpret import multi as interpret_multi
 from pallas_tpu._src.interpret import pallas_call as interpret_pallas_call
 from pallas_tpu._src.interpret import progress as compile_progress
+from pallas_tpu._src.interpret import sessions as interpret_sessions
 from pallas_tpu._src.interpret.interpreter import Interpreter, InterpretParams
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import primitives as tpu_prims
@@ -70,6 +71,7 @@ def _interpret(*args, call, params: InterpretParams):
             input_output_aliases=call.block_aliases,
             params=params,
             compiler_params=call.compiler_params,
+            kernel_facts=call.facts,
         )
 
 
@@ -77,7 +79,7 @@ def _interpret_lower(ctx, call, params: InterpretParams, *args):
     # The mesh's devices tell the multi-device interpreter whether they all live in this process.
     with (
         compile_progress.interpreting(call.grid_mapping.kernel_name),
-        interpret_multi.lowering_mesh(ctx.module_context.axis_context),
+        interpret_sessions.lowering_mesh(ctx.module_context.axis_context),
     ):
         fun = functools.partial(_interpret, call=call, params=params)
         return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)

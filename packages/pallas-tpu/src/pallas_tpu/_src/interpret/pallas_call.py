@@ -16,7 +16,6 @@ from pallas import backend as plb
 from pallas_tpu._src import checks, compat
 from pallas_tpu._src.interpret import (
     core_rules,  # also registers the rules of JAX's primitives
-    facts,
 )
 from pallas_tpu._src.interpret import dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
 from pallas_tpu._src.interpret import rules as interpret_rules
@@ -124,10 +123,10 @@ def grid_points(gm, sems, params: InterpretParams) -> list[np.ndarray]:
     return [points[c * per_core : (c + 1) * per_core] for c in range(n) if c * per_core < len(points)]
 
 
-def _hidden_initializers(jaxpr) -> dict[str, Any]:
+def _hidden_initializers(kernel_facts: plb.KernelFacts) -> dict[str, Any]:
     out = {}
     for prim, inits in interpret_rules.HIDDEN_STATE.items():
-        if facts.kernel_uses(jaxpr, {prim}):
+        if kernel_facts.uses(prim):
             out.update(inits)
     return out
 
@@ -195,20 +194,23 @@ def _starts(bm, idx):
     return out
 
 
-def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, compiler_params):
+def run(
+    interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, compiler_params, kernel_facts=None
+):
+    """Interprets one ``pallas_call`` (``kernel_facts``: the call record's facts about
+    ``jaxpr``, from one walk of it; computed here when not given)."""
     gm = grid_mapping
+    kernel_facts = plb.kernel_facts(jaxpr) if kernel_facts is None else kernel_facts
     desc = f"in TPU kernel '{gm.kernel_name}' ({gm.source})"
     interp: Interpreter = interp_cls(params, gm, desc)
     sems = semantics_of(gm, compiler_params)
     checks.check_kernel(gm, jaxpr, compiler_params)  # what the Mosaic lowering refuses too
     check_memory(gm, compiler_params)
     interp.init_checks()
-    lane_hidden = list(_hidden_initializers(jaxpr).items())  # per core, e.g. the PRNG state
+    lane_hidden = list(_hidden_initializers(kernel_facts).items())  # per core, e.g. the PRNG state
     for name, init in lane_hidden:
         interp.hidden.named[name] = init()
-    interp.dma_shadows = params.dma_execution_mode == "on_wait" and facts.kernel_uses(
-        jaxpr, {tpu_prims.dma_start_p}
-    )
+    interp.dma_shadows = params.dma_execution_mode == "on_wait" and kernel_facts.uses(tpu_prims.dma_start_p)
     interp.setup(jaxpr, compiler_params)
     mode = params.uninitialized_memory
     nsp, D = gm.num_scalar_prefetch, gm.num_dynamic_grid_bounds
@@ -269,7 +271,7 @@ def run(interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, 
     else:
         per_core = grid_points(gm, sems, params)
     blocked = [i for i, op in enumerate(ops) if op.buf is not None]
-    groups = _core_groups(jaxpr, per_core)
+    groups = _core_groups(kernel_facts, per_core)
     total_steps = n_steps if D else sum(len(per_core[g[0]]) for g in groups)
     steps_before = 0
     for group in groups:
@@ -388,7 +390,7 @@ def _is_sem_wait(eqn) -> bool:
     return eqn.primitive is plb.semaphore_wait_p
 
 
-def _core_groups(jaxpr, per_core) -> list[list[int]]:
+def _core_groups(kernel_facts: plb.KernelFacts, per_core) -> list[list[int]]:
     """The cores that run together. Cores run one after the other, except when
     the kernel signals another core's semaphore (``pl.semaphore_signal(...,
     core_index=...)``, ``pltpu.core_barrier``): then all cores run their grid
@@ -398,10 +400,7 @@ def _core_groups(jaxpr, per_core) -> list[list[int]]:
     ``lax.cond``/loops is one step of its core; waiting there for a core that
     has not run yet is reported as a deadlock."""
     cores = list(range(len(per_core)))
-    signals_cores = facts.any_eqn(
-        jaxpr, lambda e: e.primitive is plb.semaphore_signal_p and e.params["has_core_index"]
-    )
-    if len(cores) > 1 and signals_cores and len({len(p) for p in per_core}) == 1:
+    if len(cores) > 1 and kernel_facts.signals_cores and len({len(p) for p in per_core}) == 1:
         return [cores]
     return [[c] for c in cores]
 

@@ -1,5 +1,5 @@
 """Race detection in TPU interpret mode (``InterpretParams(detect_races=True)``):
-a happens-before detector with vector clocks, one per kernel call (``multi.py``
+a happens-before detector with vector clocks, one per kernel call (``sessions.py``
 keeps it in the call's session and calls it under the session's lock).
 
 Each (device, core) running the kernel and each DMA is a thread; a semaphore

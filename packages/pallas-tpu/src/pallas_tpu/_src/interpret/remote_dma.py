@@ -1,0 +1,221 @@
+"""Remote DMAs of the multi-device TPU interpreter (``multi.py``): a DMA's
+``start`` on the sender posts its data to the session's mailbox of the target
+device and receive semaphore; a wait on the target lands it (``dma_receive``),
+or stages what does not go to the buffer the wait names (``_land_staged``).
+``RemoteDMAs`` is a mixin of ``MultiDeviceInterpreter``: it uses that class's
+session callbacks, views and device ids."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax, tree_util
+
+from pallas_tpu._src.interpret import dma as interpret_dma
+from pallas_tpu._src.interpret.interpreter import Interpreter
+from pallas_tpu._src.interpret.sessions import _Message, _session
+
+
+class RemoteDMAs:
+    """The remote-DMA hooks of ``MultiDeviceInterpreter`` (see the module docstring)."""
+
+    def remote_dma_start(self, eqn, v, layout) -> None:
+        src, dst = interpret_dma.endpoints(self, eqn, v["src"], v["dst"])
+        nbytes = src.nbytes
+        data = interpret_dma.read(self, src, eqn, "DMA read").reshape(-1)
+        dst_idx = dst.idx if dst.idx is not None else self._flat_indices(dst.view, eqn, "remote DMA write")
+        dst_idx = dst_idx.reshape(-1)
+        src_idx = self._flat_indices(src.view, eqn, "read") if self.races else jnp.zeros((0,), jnp.int32)
+        device_id = tree_util.tree_unflatten(layout.device_id_tree, v["device_id"])
+        target = self._target(device_id, layout.device_id_type, eqn)
+        key, _, sem_idx = self._sem_key(v["dst_sem"], eqn)
+        skey, _, ssem_idx = self._sem_key(v["src_sem"], eqn)
+        core, site, what = self.core_id, self._site(eqn), f"{self.where(eqn)}: pltpu.make_async_remote_copy"
+        cells = (src.cell, dst.cell)
+        shapes = (self.state[src.cell].shape, self.state[dst.cell].shape)
+        self.remote_dst_cells.add(dst.cell)
+        self.remote_sem_cells.add(v["dst_sem"].cell)
+
+        def send(sid, dev, target, sem_idx, ssem_idx, nbytes, data, dst_idx, src_idx):
+            s, dev, target = _session(sid), int(dev), int(target)
+            with s.cv:
+                s.check_alive(dev)
+                if not 0 <= target < s.num_devices:
+                    raise s.fail(f"{what}: device_id {target} is outside the mesh of {s.num_devices} devices")
+                if target in s.left:
+                    raise s.fail(
+                        f"{what}: device {target} has already finished the kernel (it never waits for this DMA)"
+                    )
+                dma = None
+                if s.detect_races:
+                    sk = ("send", dev, core, skey, int(ssem_idx))
+                    dma = self._dma_start_race(
+                        s, dev, core, target, cells, src_idx, dst_idx, shapes, site, sk
+                    )
+                msg = _Message(
+                    np.asarray(data),
+                    np.asarray(dst_idx),
+                    cells[1],
+                    int(nbytes),
+                    dma,
+                    f"{site} (device {dev})",
+                )
+                s.mail[(target, core, key, int(sem_idx))].append(msg)
+                s.cv.notify_all()
+
+        self._callback(
+            send,
+            [],
+            self.sid,
+            self.my_dev,
+            target,
+            sem_idx,
+            ssem_idx,
+            jnp.asarray(nbytes, jnp.int32),
+            data,
+            dst_idx,
+            src_idx,
+        )
+        Interpreter.sem_add(self, v["src_sem"], nbytes, eqn)
+
+    def remote_dma_wait(self, eqn, v, layout, which) -> None:
+        nbytes = interpret_dma.dma_nbytes(self, v["src"], eqn)
+        Interpreter.sem_wait(self, v["src_sem"], nbytes, eqn, what="DMA send semaphore")
+        if self.races:
+            self._dma_done(eqn, v["src_sem"], "send")
+
+    def dma_receive(self, eqn, sem, dst, nbytes, remote) -> None:
+        """A DMA wait (``.wait_recv()``, or a local descriptor's ``.wait()`` on
+        a semaphore remote DMAs signal): when ``sem`` holds fewer than ``nbytes``,
+        remote DMAs sent to it land, in the order they were started, until it
+        holds enough (blocking for them; a deadlock when no device can send
+        more). They land where their ``start`` said, whatever this wait's
+        descriptor names; bytes beyond ``nbytes`` stay on the semaphore."""
+        if not (remote or sem.cell in self.remote_sem_cells):
+            return  # a local wait on a semaphore no remote DMA (so far in the code) signals
+        need = jnp.maximum(jnp.asarray(nbytes, jnp.int32) - Interpreter.read_view(self, sem, eqn), 0)
+        key, name, sem_idx = self._sem_key(sem, eqn)
+        with self.unchecked():  # the wait's descriptor names no memory on a TPU
+            wait = interpret_dma.dma_view(self, dst, eqn, "DMA wait")
+        cap = wait.idx.size if wait.idx is not None else math.prod(wait.shape)
+        cell, x = dst.cell, self.state[dst.cell]
+        size, dtype = x.size, np.dtype(x.dtype)
+        core, where = self.core_id, self._site(eqn)
+        label = f"{name}[{{}}] (core {core})"
+
+        def pull(sid, dev, sem_idx, need):
+            s, dev, need = _session(sid), int(dev), int(need)
+            k = (dev, core, key, int(sem_idx))
+            with s.cv:
+                s.check_alive(dev)
+                q = s.mail[k]
+                s.block(
+                    dev,
+                    lambda: sum(m.nbytes for m in q) >= need,
+                    lambda: (
+                        f"waits at {where} on {label.format(int(sem_idx))} for {need} bytes more than it holds, "
+                        f"and the remote DMAs sent to it carry {sum(m.nbytes for m in q)}"
+                    ),
+                )
+                got, received = [], 0
+                while received < need:
+                    m = q.popleft()
+                    got.append(m)
+                    received += m.nbytes
+                    if s.detect_races and m.dma is not None:
+                        thread = ("core", dev, core)
+                        s.hb.acquire(thread, m.dma)
+                data, idx = np.zeros(cap, dtype), np.full(cap, size, np.int32)
+                n = sum(m.data.size for m in got)
+                if all(m.dst_cell == cell for m in got) and n <= cap:  # all into the buffer the wait names
+                    if got:
+                        data[:n] = np.concatenate([m.data.reshape(-1) for m in got])
+                        idx[:n] = np.concatenate([m.idx.reshape(-1) for m in got])
+                    return np.int32(received), data, idx, np.int32(0)
+                s.staged[(dev, core)] = got
+                return np.int32(received), data, idx, np.int32(1)
+
+        shapes = [
+            jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((cap,), x.dtype),
+            jax.ShapeDtypeStruct((cap,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        ]
+
+        def take(tok, need):
+            self.hidden.tok = tok
+            outs = self._callback(pull, shapes, self.sid, self.my_dev, sem_idx, need)
+            return self.hidden.tok, *outs
+
+        def nothing(tok, need):
+            return (
+                tok,
+                *(jnp.zeros(a.shape, a.dtype) for a in shapes[:2]),
+                jnp.full((cap,), size, jnp.int32),
+                jnp.int32(0),
+            )
+
+        tok, received, data, idx, staged = lax.cond(need > 0, take, nothing, self.hidden.tok, need)
+        self.hidden.tok = tok
+        self.state[cell] = x.reshape(-1).at[idx].set(data, mode="drop").reshape(x.shape)
+        self._land_staged(eqn, staged, [cell, *sorted(self.remote_dst_cells - {cell})])
+        Interpreter.sem_add(self, sem, received, eqn)
+
+    def _land_staged(self, eqn, staged, cells) -> None:
+        """The remote DMAs a wait took that did not all go to the buffer its
+        descriptor names land in ``cells`` (the buffers remote DMAs started so
+        far went to), whole buffers at a time."""
+        cells = [c for c in cells if c in self.state]
+        metas = [(c, self.state[c].size, np.dtype(self.state[c].dtype)) for c in cells]
+        names = {c: self.cell_names.get(c, f"ref#{c}") for c in cells}
+        core, where = self.core_id, self._site(eqn)
+
+        def land(sid, dev):
+            s, dev = _session(sid), int(dev)
+            outs = [(np.zeros(n, dt), np.full(n, n, np.int32)) for _, n, dt in metas]
+            with s.cv:
+                for m in s.staged.pop((dev, core), []):
+                    j = next((j for j, (c, _, _) in enumerate(metas) if c == m.dst_cell), None)
+                    if j is None:
+                        raise s.fail(
+                            f"{s.kernel}: the remote DMA started at {m.site} goes to "
+                            f"{self.cell_names.get(m.dst_cell, '?')}, but the wait at {where} that takes its "
+                            f"bytes names {names[cells[0]]}, and the TPU interpreter lands a remote DMA only at "
+                            "a wait whose descriptor names its destination buffer, or the destination of a remote "
+                            "DMA that comes before the wait in the kernel's code: wait with a descriptor of the "
+                            "DMA's destination buffer"
+                        )
+                    data, idx = outs[j]
+                    inside = m.idx < metas[j][1]
+                    data[m.idx[inside]] = m.data.reshape(-1)[inside]
+                    idx[m.idx[inside]] = m.idx[inside]
+            return tuple(a for pair in outs for a in pair)
+
+        shapes = [
+            s
+            for _, n, dt in metas
+            for s in (jax.ShapeDtypeStruct((n,), dt), jax.ShapeDtypeStruct((n,), jnp.int32))
+        ]
+
+        def go(tok, vals):
+            self.hidden.tok = tok
+            outs = self._callback(land, shapes, self.sid, self.my_dev)
+            new = [
+                v.reshape(-1).at[i].set(d, mode="drop").reshape(v.shape)
+                for v, d, i in zip(vals, outs[0::2], outs[1::2])
+            ]
+            return self.hidden.tok, new
+
+        tok, vals = lax.cond(
+            staged > 0,
+            go,
+            lambda tok, vals: (tok, list(vals)),
+            self.hidden.tok,
+            [self.state[c] for c in cells],
+        )
+        self.hidden.tok = tok
+        for c, v in zip(cells, vals):
+            self.state[c] = v

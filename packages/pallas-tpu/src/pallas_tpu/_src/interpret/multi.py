@@ -34,8 +34,8 @@ from jax import lax, tree_util
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
-from pallas_tpu._src.interpret import facts, sessions
 from pallas_tpu._src.interpret import races as races_mod
+from pallas_tpu._src.interpret import sessions
 from pallas_tpu._src.interpret.interpreter import Interpreter, RefView
 from pallas_tpu._src.interpret.remote_dma import RemoteDMAs
 from pallas_tpu._src.interpret.sessions import (
@@ -77,7 +77,8 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         sizes = compat.axis_sizes()
         self.mesh_axes = tuple((n, int(sizes[n])) for n in names)
         self.num_devices = math.prod(s for _, s in self.mesh_axes)
-        if facts.needs_multi_device(jaxpr):
+        kf = self.kernel_facts  # the call record's facts (set by pallas_call.run)
+        if kf.remote or kf.signals_cores or kf.uses(tpu_prims.get_barrier_semaphore_p):  # needs other devices
             self._check_one_process()
         dev = jnp.int32(0)
         for n, s in self.mesh_axes:
@@ -88,7 +89,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         self.remote_dst_cells: set[int] = set()  # where remote DMAs traced so far go
         self.remote_sem_cells: set[int] = set()  # and the semaphores they signal there
         self.hidden.tok = jnp.zeros((), jnp.int32)
-        if facts.kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}):
+        if kf.uses(tpu_prims.get_barrier_semaphore_p):
             cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
             if getattr(cp, "collective_id", None) is None:
                 raise ValueError(

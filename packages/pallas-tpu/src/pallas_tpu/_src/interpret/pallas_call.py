@@ -211,6 +211,7 @@ def run(
     for name, init in lane_hidden:
         interp.hidden.named[name] = init()
     interp.dma_shadows = params.dma_execution_mode == "on_wait" and kernel_facts.uses(tpu_prims.dma_start_p)
+    interp.kernel_facts = kernel_facts  # read by MultiDeviceInterpreter.setup
     interp.setup(jaxpr, compiler_params)
     mode = params.uninitialized_memory
     nsp, D = gm.num_scalar_prefetch, gm.num_dynamic_grid_bounds

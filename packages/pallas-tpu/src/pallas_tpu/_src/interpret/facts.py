@@ -1,8 +1,8 @@
-"""What a kernel jaxpr uses, asked before TPU interpret mode runs it: the
-primitives it binds (``kernel_uses``, ``any_eqn``), whether it needs other devices
-(``needs_multi_device``: remote DMAs and signals, barrier semaphores) and which of
-its inputs a DMA may write (``dma_destinations``). Walks of the jaxpr only: this
-module imports no interpreter, so every module of ``interpret/`` can ask."""
+"""Which inputs of a kernel jaxpr a DMA may write (``dma_destinations``), asked
+before TPU interpret mode runs it. The other facts (primitives used, remote DMAs
+and signals, cores) come once from the call record (``pallas.backend``'s
+``KernelFacts``). A walk of the jaxpr only: this module imports no interpreter,
+so every module of ``interpret/`` can ask."""
 
 from __future__ import annotations
 
@@ -11,40 +11,6 @@ import jax
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.language import primitives as tpu_prims
-
-
-def kernel_uses(jaxpr, prims) -> bool:
-    """True if an equation of ``jaxpr`` (or of a jaxpr inside it) binds one of ``prims``."""
-    return any_eqn(jaxpr, lambda eqn: eqn.primitive in prims)
-
-
-def any_eqn(jaxpr, pred) -> bool:
-    """True if ``pred(eqn)`` holds for an equation of ``jaxpr`` or of a jaxpr inside it."""
-    stack = [jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr]
-    while stack:
-        j = stack.pop()
-        for eqn in j.eqns:
-            if pred(eqn):
-                return True
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                stack.append(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
-    return False
-
-
-def needs_multi_device(jaxpr) -> bool:
-    return kernel_uses(jaxpr, {tpu_prims.get_barrier_semaphore_p}) or _has_remote(jaxpr)
-
-
-def _is_remote(eqn) -> bool:
-    if eqn.primitive in (tpu_prims.dma_start_p, tpu_prims.dma_wait_p):
-        return eqn.params["layout"].device_id_tree is not None
-    if eqn.primitive is plb.semaphore_signal_p:
-        return eqn.params["device_id_tree"] is not None or eqn.params["has_core_index"]
-    return False
-
-
-def _has_remote(jaxpr) -> bool:
-    return any_eqn(jaxpr, _is_remote)
 
 
 def dma_destinations(jaxpr, memo: dict | None = None) -> frozenset[int]:

@@ -56,6 +56,7 @@ GENERATION_GAPS = {
         "Sublane gather not supported by this TPU generation",
         "Stochastic convert not supported on TPU generations < 5",
         "interleaved unpacking from bitwidth 'bf16'",
+        "Unsupported matmul RHS type on target: vector<128x128xi8>",  # v4's MXU takes no int8
     ),
 }
 MEGACORE_CHIPS = ("v5p",)  # libtpu's v4 topology has one TensorCore per device

@@ -365,6 +365,11 @@ def _bind(spec: _CallSpec, prepared: _Prepared, flat_args) -> Any:
     consts = [jnp.asarray(c) for c in prepared.consts]
     try:
         outs = pallas_call_p.bind(*dynamic_sizes, *flat_args, *consts, **call.params())
+        if call.interpret and not any(isinstance(o, jax.core.Tracer) for o in outs):
+            # Called outside jit in interpret mode: on an accelerator the kernel runs
+            # asynchronously and a callback's error would surface at some later
+            # block_until_ready, wrapped; wait here so that it arrives from this call.
+            jax.block_until_ready(outs)
     except Exception as e:
         # An error the kernel raised as it ran (in a host callback) arrives wrapped by
         # XLA, its message last: raise it as it was raised, message first.

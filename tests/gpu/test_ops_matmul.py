@@ -5,6 +5,9 @@ argument checks; ``gpu``-marked tests at the benchmark's sizes, autotuned."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,3 +165,120 @@ def test_autotuned_matmul_on_gpu(m, k, n, dtype):
     np.testing.assert_allclose(
         np.asarray(out), np.asarray(ref), rtol=2e-3, atol=2e-3 * float(jnp.max(jnp.abs(ref)))
     )
+
+
+# The H200 table (ops/_matmul_table.py): a first call takes its pick instead of tuning.
+_TABLE_DTYPES = {"16-bit": (jnp.bfloat16, jnp.bfloat16), "fp8": (jnp.float8_e4m3fn, F32)}
+
+
+@pytest.mark.parametrize("row", mm._matmul_table.ROWS, ids=lambda r: f"{r[0]}-{r[1]}x{r[2]}x{r[3]}")
+def test_each_table_row_names_a_candidate_and_is_picked_at_its_shape(row):
+    # a row whose config no candidate has any more (the candidates changed, the table did not)
+    # would silently fall through to another row: rerun benchmarks/matmul_table.py then
+    cls, m, n, k, label, _ = row
+    dtype, out = _TABLE_DTYPES[cls]
+    configs = mm.configs_for(m, n, k, dtype, out, 90)
+    assert label in [c.label() for c in configs]
+    assert mm.table_config(m, n, k, dtype, out, configs).label() == label
+
+
+@pytest.mark.parametrize("shape", [(6144, 6144, 6144), (3000, 5000, 2000), (100, 8192, 8192), (64, 64, 64)])
+@pytest.mark.parametrize("cls", ["16-bit", "fp8"])
+def test_a_shape_not_in_the_table_takes_a_fitted_pick_of_its_class(shape, cls):
+    dtype, out = _TABLE_DTYPES[cls]
+    for cc in (90, 80):  # on sm_80 the Gluon picks are no candidates: another row's pick or the first
+        configs = mm.configs_for(*shape, dtype, out, cc)
+        picked = mm.table_config(*shape, dtype, out, configs)
+        assert picked in configs
+        picks = {
+            c.label()
+            for _, tm, tn, tk, label, _ in mm._matmul_table.ROWS
+            for c in mm.configs_for(*shape, dtype, out, cc)
+            if c.label() == label or getattr(c, "block_m", 0) and c == picked
+        }
+        assert picked.label() in picks | {configs[0].label()}
+
+
+def test_the_nearest_row_wins():
+    # 7000^3 is nearer 8192^3 than 4096^3 in log2 distance, 5000^3 nearer 4096^3
+    configs = mm.configs_for(7000, 7000, 7000, jnp.bfloat16, jnp.bfloat16, 90)
+    rows = {(r[1], r[2], r[3]): r[4] for r in mm._matmul_table.ROWS if r[0] == "16-bit"}
+    assert (
+        mm.table_config(7000, 7000, 7000, jnp.bfloat16, jnp.bfloat16, configs).label()
+        == rows[8192, 8192, 8192]
+    )
+    configs = mm.configs_for(5000, 5000, 5000, jnp.bfloat16, jnp.bfloat16, 90)
+    assert (
+        mm.table_config(5000, 5000, 5000, jnp.bfloat16, jnp.bfloat16, configs).label()
+        == rows[4096, 4096, 4096]
+    )
+
+
+@pytest.mark.parametrize("dtype,out", [(F32, F32), (jnp.bfloat16, F32), (jnp.float16, F32)])
+def test_dtypes_the_table_does_not_cover_are_tuned(dtype, out):
+    configs = mm.configs_for(4096, 4096, 4096, dtype, out, 90)
+    assert mm.table_config(4096, 4096, 4096, dtype, out, configs) is None
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "Background"])
+def test_autotune_argument_error(value):
+    a = jnp.zeros((16, 16), jnp.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"pallas_gpu.ops.matmul: autotune must be False .* got " + repr(value)
+    ):
+        mm.matmul(a, a, autotune=value, interpret=True)
+
+
+@pytest.mark.parametrize("autotune", [False, True, "background"])
+def test_every_autotune_mode_computes_the_product(autotune):
+    a, b = operands(96, 64, 80, jnp.bfloat16)
+    check(mm.matmul(a, b, autotune=autotune, interpret=triton_mode()), a, b, 1e-2)
+
+
+def test_background_tuning_records_its_winner():
+    # plgpu.autotune's background mode, timed by a given timer (so on the CPU too): the
+    # caller returns at once; the winner is recorded when the thread ends
+    release = threading.Event()
+    seen = []
+
+    def timer(fn, args):
+        release.wait(60)
+        scale = round(float(fn(*args)) / float(jnp.sum(args[0])), 3)  # the data are random stand-ins
+        seen.append(scale)
+        return {2.0: 3e-3, 3.0: 1e-3, 5.0: 2e-3}[scale]
+
+    tuned = plgpu.autotune(
+        lambda x, *, scale: jnp.sum(x) * scale,
+        configs=[dict(scale=2.0), dict(scale=3.0), dict(scale=5.0)],
+        name=f"test_background_tuning_records_its_winner.{np.random.default_rng().integers(1 << 30)}",
+        timer=timer,
+    )
+    x = jnp.ones((1,), F32)
+    assert tuned.recorded_index(x) is None
+    tuned.tune_in_background(x)
+    tuned.tune_in_background(x)  # already running: no second tuning
+    assert tuned.recorded_index(x) is None  # the timer holds it
+    release.set()
+    deadline = time.monotonic() + 60
+    while tuned.recorded_index(x) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tuned.recorded_index(x) == 1
+    assert sorted(seen) == [2.0, 3.0, 5.0]  # each config timed once
+    assert float(tuned(x)) == 3.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(6144, 6144, 6144), (3000, 5000, 2000)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_table_pick_and_background_tuning_on_gpu(shape, dtype):
+    m, n, k = shape
+    a, b = operands(m, k, n, dtype)
+    out = jnp.bfloat16 if dtype == jnp.bfloat16 else F32
+    check(mm.matmul(a, b, preferred_element_type=out), a, b, 1e-2)  # the table's pick, no tuning
+    check(mm.matmul(a, b, preferred_element_type=out, autotune="background"), a, b, 1e-2)
+    tuned = mm._tuned(mm.configs_for(m, n, k, dtype, out, mm.compute_capability()))
+    kw = dict(out_dtype=jnp.dtype(out), interpret=False, debug=False)
+    for thread in list(tuned._background.values()):
+        thread.join()
+    assert tuned.recorded_index(a, b, **kw) is not None
+    check(mm.matmul(a, b, preferred_element_type=out), a, b, 1e-2)  # the winner now

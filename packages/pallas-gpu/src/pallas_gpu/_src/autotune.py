@@ -21,12 +21,14 @@ tuned function), the configs, how they are timed (``repeats``,
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import math
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -106,7 +108,7 @@ def _is_tracer(x) -> bool:
 def _timing_data(x, i: int):
     """A concrete stand-in for a traced argument: normal random floats;
     zeros for ints and bools (they are often indices: zero is always valid)."""
-    if not _is_tracer(x):
+    if not (_is_tracer(x) or isinstance(x, jax.ShapeDtypeStruct)):
         return x
     dtype = np.dtype(x.dtype)
     if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating):
@@ -195,6 +197,7 @@ class Autotuned:
         )  # fmt: skip
         self._jitted: dict[tuple[int, str], Callable] = {}
         self._lock = threading.Lock()
+        self._background: dict[str, threading.Thread] = {}  # tune key -> its running background tuning
         functools.update_wrapper(self, fn)
 
     def tune_key(self, *args, **kwargs) -> str:
@@ -219,6 +222,58 @@ class Autotuned:
             if winner is None:
                 winner = self._tune(key, args, kwargs)
         return winner
+
+    def recorded_index(self, *args, **kwargs) -> int | None:
+        """Index of the config a finished tuning picked for these arguments (in
+        this process, or kept on disk by an earlier one); None if none has run.
+        Never tunes (0 without a GPU, as ``best_index``)."""
+        if self.timer is None and not _on_gpu():
+            return 0
+        return lookup_winner(self.tune_key(*args, **kwargs), len(self.configs))
+
+    def tune_in_background(self, *args, **kwargs) -> None:
+        """Starts the tuning for these arguments' shapes on a thread of its own
+        and returns at once (nothing when a winner is known or that tuning is
+        running). The timing runs beside whatever the caller puts on the GPU, so
+        its ranking is noisier than ``best_index``'s; the winner is recorded as
+        any other (``recorded_index`` finds it once known). A process that exits
+        first waits for the tuning to end."""
+        key = self.tune_key(*args, **kwargs)
+        with self._lock:
+            if key in self._background or lookup_winner(key, len(self.configs)) is not None:
+                return
+            # stand-ins of the shapes: the thread keeps neither tracers nor the caller's arrays
+            leaves, tree = jax.tree.flatten(args)
+            shapes = jax.tree.unflatten(
+                tree, [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x for x in leaves]
+            )
+
+            def work():
+                try:
+                    best = self._time_configs(key, shapes, kwargs)
+                    print(
+                        f"plgpu.autotune({self.name}): background tuning for {self._shapes(shapes)} picked "
+                        f"config {best} {self.configs[best]}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                except Exception as e:  # noqa: BLE001 - the caller has moved on: say it, keep its config
+                    print(
+                        f"plgpu.autotune({self.name}): background tuning for {self._shapes(shapes)} failed "
+                        f"({type(e).__name__}: {e}); the configuration in use stays",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                finally:
+                    with self._lock:
+                        self._background.pop(key, None)
+
+            thread = threading.Thread(
+                target=work, name=f"plgpu.autotune({self.name}) background", daemon=True
+            )
+            self._background[key] = thread
+            _BACKGROUND.add(thread)
+            thread.start()
 
     def best_config(self, *args, **kwargs) -> dict:
         """The config used for these arguments (tunes if needed)."""
@@ -339,6 +394,17 @@ class Autotuned:
         if any(_is_tracer(x) for x in jax.tree.leaves(args)):
             return self.fn(*args, **kwargs, **self.configs[i])
         return self._jit(i, kwargs)(*args)
+
+
+# Background tunings still running when the interpreter exits are waited for: a thread
+# stopped in the middle of a GPU call at shutdown can take the process down with it.
+_BACKGROUND: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_background() -> None:
+    for thread in list(_BACKGROUND):
+        thread.join()
 
 
 def _fn_name(fn) -> str:

@@ -14,10 +14,14 @@ their tile loop and k loop one loop, so that Triton's software pipeline runs
 on across tiles (the next tile's first panels load while this one's result is
 stored), which counts most where k is short.
 
-``matmul(a, b)`` picks its configuration by timing the candidates of
-``configs_for`` on the first call with given shapes and dtypes on a GPU
-(``plgpu.autotune``: kept in memory and in pallas-gpu's disk cache); pass
-``config=MatmulConfig(...)`` to choose one. On Hopper (sm_90), 16-bit
+``matmul(a, b)`` takes its configuration from a table measured on the H200
+(``_matmul_table``: the autotuner's pick at common shapes; the nearest row
+for other shapes), so a first call costs compile time only; a pick that an
+earlier tuning recorded (memory or pallas-gpu's disk cache) takes precedence.
+``autotune=True`` times the candidates of ``configs_for`` at the first call
+with given shapes and dtypes (``plgpu.autotune``), ``autotune="background"``
+times them on a thread of their own and switches to the winner once known;
+``config=MatmulConfig(...)`` chooses one. On Hopper (sm_90), 16-bit
 products with a result of the same dtype also have the hand-scheduled Gluon
 kernels of ``_matmul_sm90`` among the candidates (``Sm90Config``:
 warp-specialized, a TMA producer warp, persistent; on the H200 one of them
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +47,7 @@ from jax import lax
 import pallas as pl
 from pallas_gpu._src.autotune import autotune
 from pallas_gpu._src.core import CompilerParams
-from pallas_gpu.ops import _matmul_sm90
+from pallas_gpu.ops import _matmul_sm90, _matmul_table
 from pallas_gpu.ops._common import compute_capability, interpreted, next_power_of_2
 from pallas_gpu.ops._matmul_sm90 import Sm90Config as Sm90Config
 
@@ -131,6 +136,46 @@ def configs_for(
     if _matmul_sm90.unsupported(m, n, k, dtype, out_dtype or dtype, cc) is None:
         return _matmul_sm90.CONFIGS + pallas
     return pallas
+
+
+def _table_class(dtype, out_dtype) -> str | None:
+    """The ``_matmul_table`` rows that hold for these dtypes: measured with bf16 inputs
+    and result ("16-bit", f16 too) and fp8 inputs with an f32 result ("fp8": a 16-bit
+    result takes less shared memory). None for f32 inputs or a wider result than 16-bit
+    inputs (their tiles take more shared memory: the table's picks may not fit)."""
+    dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
+    if _is_fp8(dtype):
+        return "fp8"
+    if dtype.itemsize == 2 and out_dtype.itemsize == 2:
+        return "16-bit"
+    return None
+
+
+def table_config(
+    m: int, n: int, k: int, dtype, out_dtype, configs: tuple[MatmulConfig | Sm90Config, ...]
+) -> MatmulConfig | Sm90Config | None:
+    """The configuration of ``_matmul_table`` for an ``(m, k) @ (k, n)`` product
+    with inputs of ``dtype`` and a result of ``out_dtype``, among ``configs``
+    (``configs_for``'s candidates): the pick of the nearest row of the same
+    class (``_table_class``; distance summed over log2 of m, n and k) whose pick
+    is a candidate here, fitted to this shape; the first candidate if none is;
+    None where the table does not hold (f32 inputs, a 32-bit result of 16-bit ones)."""
+    cls = _table_class(dtype, out_dtype)
+    if cls is None:
+        return None
+    bases = _matmul_sm90.CONFIGS + (FP8_CONFIGS if cls == "fp8" else CONFIGS)
+
+    def distance(row):
+        return sum(abs(math.log2(a / b)) for a, b in zip(row[1:4], (m, n, k)))
+
+    for _, tm, tn, tk, label, _ in sorted((r for r in _matmul_table.ROWS if r[0] == cls), key=distance):
+        for base in bases:
+            if isinstance(base, Sm90Config):
+                if base.label() == label and base in configs:
+                    return base
+            elif base.fitted(tm, tn, tk).label() == label and base.fitted(m, n, k) in configs:
+                return base.fitted(m, n, k)
+    return configs[0]
 
 
 def _tile(p, nm: int, nn: int, group_m: int):
@@ -363,6 +408,7 @@ def matmul(
     *,
     preferred_element_type=None,
     config: MatmulConfig | Sm90Config | None = None,
+    autotune: bool | str = False,
     interpret=False,
     debug=False,
 ):
@@ -373,9 +419,18 @@ def matmul(
       preferred_element_type: the result's dtype (default: the inputs'; fp8
         inputs need float32, bfloat16 or float16). Accumulation is f32.
       config: a ``MatmulConfig`` (or, on an sm_90 GPU, an ``Sm90Config``);
-        None tunes over ``configs_for(m, n, k, ...)`` on the first call with
-        these shapes on a GPU, leaving out a candidate whose output is not
-        close to an f32 XLA dot (the first candidate on a CPU).
+        None: on a GPU, the winner of an earlier tuning at these shapes if one
+        is recorded, else ``table_config`` (the H200 table's pick for the
+        nearest shape; f32 inputs and 16-bit inputs with an f32 result are
+        not in the table and are tuned as with ``autotune=True``); the first
+        candidate on a CPU.
+      autotune: with ``config=None`` on a GPU, ``False`` (the default): as
+        above, no timing; ``True``: time every candidate of ``configs_for(m,
+        n, k, ...)`` now, on the first call with these shapes (seconds),
+        leaving out one whose output is not close to an f32 XLA dot; the pick
+        is kept in memory and on disk; ``"background"``: the table's pick now,
+        while the same tuning runs on a thread of its own; calls (and traces)
+        after it ends use its winner.
       interpret: ``True`` (pallas-core's interpreter) or
         ``plgpu.InterpretParams()`` (the generated Triton code on the CPU).
     """
@@ -383,6 +438,23 @@ def matmul(
     if config is not None:
         return matmul_with_config(a, b, config, out_dtype=out_dtype, interpret=interpret, debug=debug)
     (m, k), n = a.shape, b.shape[1]
+    if not (
+        autotune is True or autotune is False or (isinstance(autotune, str) and autotune == "background")
+    ):
+        raise ValueError(
+            "pallas_gpu.ops.matmul: autotune must be False (the table's configuration, no timing), True "
+            f"(time the candidates now) or 'background'; got {autotune!r}"
+        )
     cc = None if interpreted(interpret) else compute_capability()
     configs = configs_for(m, n, k, a.dtype, out_dtype, cc)
-    return _tuned(configs)(a, b, out_dtype=out_dtype, interpret=interpret, debug=debug)
+    tuned = _tuned(configs)
+    kw = dict(out_dtype=out_dtype, interpret=interpret, debug=debug)
+    table = None if cc is None or autotune is True else table_config(m, n, k, a.dtype, out_dtype, configs)
+    if table is None:  # no GPU, asked to tune, or dtypes the table does not cover: tune now
+        return tuned(a, b, **kw)
+    known = tuned.recorded_index(a, b, **kw)
+    if known is not None:
+        return matmul_with_config(a, b, configs[known], **kw)
+    if autotune == "background":
+        tuned.tune_in_background(a, b, **kw)
+    return matmul_with_config(a, b, table, **kw)

@@ -179,6 +179,17 @@ class TestVmap(PallasTest):
         f = self.pallas_call(kernel, _sds((8,)), input_output_aliases={0: 0})
         assert_allclose(jax.vmap(f, in_axes=(0, None))(x, y), x * y[None])
 
+    def test_vmap_aliased_operand_is_an_unbatched_python_scalar(self):
+        # The aliased operand is a Python int (in_axes None): it arrives in the batching
+        # rule as a literal with no .shape and must be broadcast to the batch like an array.
+        def kernel(x_ref, s_ref, o_ref):
+            o_ref[...] = x_ref[...] * 3 + o_ref[...]
+
+        f = self.pallas_call(kernel, _sds((), jnp.int32), input_output_aliases={1: 0})
+        x = jnp.arange(6, dtype=jnp.int32)
+        out = jax.vmap(f, in_axes=(0, None))(x, 7)
+        np.testing.assert_array_equal(out, x * 3 + 7)
+
     def test_vmap_multiple_outputs(self):
         x = self.rand((3, 8))
 

@@ -95,7 +95,8 @@ def _batching_rule(args, dims, **params):
     # An output aliased to an unbatched input gets a batched buffer.
     for i, _ in call.input_output_aliases:  # JAX's convention: indices into args
         if not batched[i]:
-            args[i] = jnp.broadcast_to(args[i], (axis_size, *args[i].shape))
+            a = jnp.asarray(args[i])  # a Python scalar arrives as a literal with no .shape
+            args[i] = jnp.broadcast_to(a, (axis_size, *a.shape))
             batched[i] = True
             dims = list(dims)
             dims[i] = 0

@@ -18,10 +18,11 @@ Conventions of the generated code:
   reassigned variable.
 
 This file holds the value model, the emitter and the rule table; it imports
-no other lowering module. The rules live by theme and import only this file:
-``lowering_memory.py`` (Ref reads/writes, block addressing, ``plgpu.load/store``
-and atomics), ``lowering_control.py`` (loops, cond, inlined calls, scoped
-scratch), ``lowering_math.py`` (elementwise math and casts) and
+no other lowering module. The rules live by theme and import only this file
+(and the addressing helpers of ``lowering_address.py``, which hold no rules):
+``lowering_memory.py`` (Ref reads/writes, block loads and stores,
+``plgpu.load/store`` and atomics), ``lowering_control.py`` (loops, cond,
+inlined calls, scoped scratch), ``lowering_math.py`` (elementwise math and casts) and
 ``lowering_shapes.py`` (shapes, reductions, scans and dots). The kernel frame
 (grid, block Refs, the walk over the jaxpr) is ``lowering_kernel.py``, which
 imports all of them.

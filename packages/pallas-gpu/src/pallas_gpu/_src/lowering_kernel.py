@@ -61,7 +61,8 @@ from pallas_gpu._src.lowering import (
     pointer_signature,
     uninitialized,
 )
-from pallas_gpu._src.lowering_memory import block_ref, load_block, store_block
+from pallas_gpu._src.lowering_address import block_ref
+from pallas_gpu._src.lowering_memory import load_block, store_block
 
 # Primitives whose int4 results are exact without 4-bit arithmetic.
 INT4_PRIMITIVES = {

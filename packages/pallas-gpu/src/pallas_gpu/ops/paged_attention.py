@@ -168,7 +168,7 @@ def _check(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_
     static_argnames=["block_h", "pages_per_compute_block", "k_splits", "num_warps", "num_stages", "interpret",
                      "debug", "mask_value", "attn_logits_soft_cap"],
 )  # fmt: skip
-def paged_attention(
+def paged_attention(  # long for its signature and public docstring only: the body is ~35 lines
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -220,44 +220,12 @@ def paged_attention(
     _check(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_pages, block_h,
            pages_per_compute_block, k_splits)  # fmt: skip
     B, Hq, D = q.shape
-    Hkv, P, page_size, _ = k_pages.shape
-    pps = block_tables.shape[1]
+    Hkv, _, page_size, _ = k_pages.shape
     group = Hq // Hkv
-    kv_itemsize = k_pages.dtype.itemsize + v_pages.dtype.itemsize
-    # By default at most 64 KiB of K and V per step (128 tokens of bf16 at head dim 128).
-    block_tokens = min(_BLOCK_TOKENS, 1 << (max(1, _STEP_BYTES // (D * kv_itemsize)).bit_length() - 1))
-    block_pages = pages_per_compute_block or max(1, block_tokens // page_size)
-    block_pages = min(block_pages, max(pps, -(-16 // page_size)))
-    n_blocks = -(-pps // block_pages)
-    if k_splits is None:
-        k_splits = _dec.default_k_splits(B * Hkv, n_blocks)
-    per_split, ks = _dec.split_plan(n_blocks, k_splits)
-    rows = _dec.heads_per_program(block_h, group)
-    if num_stages is None:
-        stage_bytes = block_pages * page_size * D * kv_itemsize
-        num_stages = pipeline_stages(
-            stage_bytes, _MOST_STAGES, None if interpreted(interpret) else compute_capability()
-        )
-    if lengths is None:
-        lengths = jnp.full((B,), pps * page_size, jnp.int32)
-
-    pool = pl.BlockSpec((None, P * page_size, D), lambda b, h, s: (h, 0, 0))
-    scale_pool = pl.BlockSpec((None, P * page_size), lambda b, h, s: (h, 0))
-    in_specs = [pl.BlockSpec((None, group, D), lambda b, h, s: (b, h, 0)), pool]
-    args = [q, k_pages.reshape(Hkv, P * page_size, D)]
-    if k_scales_pages is not None:
-        in_specs.append(scale_pool)
-        args.append(k_scales_pages.reshape(Hkv, P * page_size))
-    in_specs.append(pool)
-    args.append(v_pages.reshape(Hkv, P * page_size, D))
-    if v_scales_pages is not None:
-        in_specs.append(scale_pool)
-        args.append(v_scales_pages.reshape(Hkv, P * page_size))
-    in_specs += [
-        pl.BlockSpec((None, pps), lambda b, h, s: (b, 0)),
-        pl.BlockSpec((None,), lambda b, h, s: (b,)),
-    ]
-    args += [block_tables.astype(jnp.int32), lengths]
+    block_pages, per_split, ks, rows, num_stages = _launch_plan(
+        q, k_pages, v_pages, block_tables, block_h, pages_per_compute_block, k_splits, num_stages, interpret
+    )
+    in_specs, args = _operands(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_pages)
     out_shape, out_specs = _dec.result_specs(B, Hq, group, D, ks, q.dtype, residuals=False)
     kernel = functools.partial(
         _kernel,
@@ -287,6 +255,59 @@ def paged_attention(
     o, m, l = outs
     return _dec.combine(o, m, l, q.dtype, normalize=True, residuals=False, base2=True, interpret=interpret,
                         debug=debug, name="paged_attention")  # fmt: skip
+
+
+def _launch_plan(q, k_pages, v_pages, block_tables, block_h, pages_per_compute_block, k_splits, num_stages,
+                 interpret):  # fmt: skip
+    """(pages per loop step, page blocks per split, splits, query rows per
+    program, pipeline stages) of ``paged_attention``, the Nones chosen."""
+    B, Hq, D = q.shape
+    Hkv, _, page_size, _ = k_pages.shape
+    pps = block_tables.shape[1]
+    kv_itemsize = k_pages.dtype.itemsize + v_pages.dtype.itemsize
+    # By default at most 64 KiB of K and V per step (128 tokens of bf16 at head dim 128).
+    block_tokens = min(_BLOCK_TOKENS, 1 << (max(1, _STEP_BYTES // (D * kv_itemsize)).bit_length() - 1))
+    block_pages = pages_per_compute_block or max(1, block_tokens // page_size)
+    block_pages = min(block_pages, max(pps, -(-16 // page_size)))
+    n_blocks = -(-pps // block_pages)
+    if k_splits is None:
+        k_splits = _dec.default_k_splits(B * Hkv, n_blocks)
+    per_split, ks = _dec.split_plan(n_blocks, k_splits)
+    rows = _dec.heads_per_program(block_h, Hq // Hkv)
+    if num_stages is None:
+        stage_bytes = block_pages * page_size * D * kv_itemsize
+        num_stages = pipeline_stages(
+            stage_bytes, _MOST_STAGES, None if interpreted(interpret) else compute_capability()
+        )
+    return block_pages, per_split, ks, rows, num_stages
+
+
+def _operands(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_pages):
+    """(in_specs, args) of the kernel: q, the K pool (and its scales), the V
+    pool (and its scales), the block table and the lengths; grid (b, h, s)."""
+    B, Hq, D = q.shape
+    Hkv, P, page_size, _ = k_pages.shape
+    pps = block_tables.shape[1]
+    if lengths is None:
+        lengths = jnp.full((B,), pps * page_size, jnp.int32)
+    pool = pl.BlockSpec((None, P * page_size, D), lambda b, h, s: (h, 0, 0))
+    scale_pool = pl.BlockSpec((None, P * page_size), lambda b, h, s: (h, 0))
+    in_specs = [pl.BlockSpec((None, Hq // Hkv, D), lambda b, h, s: (b, h, 0)), pool]
+    args = [q, k_pages.reshape(Hkv, P * page_size, D)]
+    if k_scales_pages is not None:
+        in_specs.append(scale_pool)
+        args.append(k_scales_pages.reshape(Hkv, P * page_size))
+    in_specs.append(pool)
+    args.append(v_pages.reshape(Hkv, P * page_size, D))
+    if v_scales_pages is not None:
+        in_specs.append(scale_pool)
+        args.append(v_scales_pages.reshape(Hkv, P * page_size))
+    in_specs += [
+        pl.BlockSpec((None, pps), lambda b, h, s: (b, 0)),
+        pl.BlockSpec((None,), lambda b, h, s: (b,)),
+    ]
+    args += [block_tables.astype(jnp.int32), lengths]
+    return in_specs, args
 
 
 @functools.partial(jax.jit, static_argnames=["mask_value", "attn_logits_soft_cap"])

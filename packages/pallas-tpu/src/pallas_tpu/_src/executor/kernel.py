@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from pallas import backend as plb
 from pallas_tpu._src.executor import memory
 from pallas_tpu._src.executor.attrs import enum_attr
 from pallas_tpu._src.executor.values import memory_space, np_dtype, uninitialized
@@ -190,11 +191,14 @@ def prepare_device(kernel, operands, out_leaves, aliases) -> Device:
         w = windows[k]
         if w.transform is not None:
             pads = [(0, -n % b) for n, b in zip(arr.shape, w.bounds)]
-            arr = np.pad(arr, pads) if any(p for _, p in pads) else np.ascontiguousarray(arr)
-        else:  # a whole array: stored padded to its memory tiling, the padding poisoned
+            if any(p for _, p in pads):  # an edge block reads past the array: uninitialized memory
+                arr = np.pad(arr, pads, constant_values=plb.uninitialized_fill(arr.dtype))
+            else:
+                arr = np.ascontiguousarray(arr)
+        else:  # a whole array: stored padded to its memory tiling, the padding uninitialized
             tiled = memory.tiled_shape(win_args[k].type)
             if tiled != arr.shape and len(tiled) == arr.ndim:
-                store = np.full(tiled, memory.padding_fill(arr.dtype), arr.dtype)
+                store = uninitialized(tiled, arr.dtype)
                 store[tuple(slice(0, n) for n in arr.shape)] = arr
                 arr = store
         padded.append(arr)

@@ -4,7 +4,6 @@ Mosaic stores a kernel argument (its padding, and what the padding holds)."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 from jaxlib.mlir import ir
 
@@ -82,19 +81,6 @@ def tiled_shape(t) -> tuple[int, ...]:
         return (up(shape[0], _tiling_factor(-(-shape[0] // 128), bits) * 128),)
     rows = _tiling_factor(shape[-2], bits)
     return (*shape[:-2], up(shape[-2], rows), up(shape[-1], 128))
-
-
-def padding_fill(dtype) -> np.ndarray:
-    """What tile padding holds before anything writes it: NaN for floats, the
-    most negative value for integers (not a plausible result, so a read of
-    padding that reaches a visible output shows)."""
-    dtype = np.dtype(dtype)
-    if dtype.kind in "fV" or dtype == np.dtype(ml_dtypes.bfloat16):
-        return np.array(np.nan, dtype)
-    if dtype.kind == "b":
-        return np.array(True)
-    info = ml_dtypes.iinfo(dtype) if dtype == np.dtype(ml_dtypes.int4) else np.iinfo(dtype)
-    return np.array(info.min, dtype)
 
 
 def reshaped(op, src: tuple[int, ...]) -> tuple[int, ...]:

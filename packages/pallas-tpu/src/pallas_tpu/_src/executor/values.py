@@ -10,6 +10,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from pallas import backend as plb
 from pallas_tpu._src.executor.attrs import enum_attr
 from pallas_tpu._src.executor.errors import MosaicError
 
@@ -101,10 +102,13 @@ def memory_space(mt) -> str:
 
 
 def uninitialized(shape, dtype) -> np.ndarray:
+    """Memory nothing has written yet, filled by pallas-core's policy
+    (``pallas.backend.uninitialized_fill``): NaN for floats, the smallest value
+    for integers (0 for unsigned ones), False for bools. A memref's dtype is
+    all run_mosaic sees: a Pallas bool scratch buffer is an i32 memref, and
+    starts as int32 does."""
     dtype = np.dtype(dtype)
-    if np.issubdtype(dtype, np.floating) or dtype in (np.dtype(ml_dtypes.bfloat16),):
-        return np.full(shape, np.nan, dtype)
-    return np.zeros(shape, dtype)
+    return np.full(shape, plb.uninitialized_fill(dtype), dtype)
 
 
 def allocate(t, key=None) -> Buffer:

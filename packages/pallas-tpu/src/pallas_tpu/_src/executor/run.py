@@ -243,15 +243,31 @@ def _window(ex: Executor, dev: Device, k: int, idx, prefetch) -> Buffer:
 
 def custom_call_bodies(hlo_text: str) -> list[bytes]:
     """The serialized Mosaic modules of the ``tpu_custom_call``s in a lowered
-    or exported program's text (StableHLO), in program order."""
+    or exported program's text (StableHLO), in program order: the program is
+    parsed and each call's ``backend_config`` read through the bindings."""
     import base64
     import json
-    import re
+
+    from jax.interpreters import mlir
+    from jaxlib.mlir import ir
+
+    def walk(op):  # the ops under ``op``, in program order
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    yield inner.operation
+                    yield from walk(inner.operation)
 
     out = []
-    for m in re.finditer(
-        r"stablehlo\.custom_call @tpu_custom_call\(.*?backend_config = \"((?:[^\"\\]|\\.)*)\"", hlo_text
-    ):
-        raw = re.sub(r"\\([0-9A-Fa-f]{2})", lambda e: chr(int(e.group(1), 16)), m.group(1))
-        out.append(base64.b64decode(json.loads(raw, strict=False)["custom_call_config"]["body"]))
+    ctx = mlir.make_ir_context()  # stablehlo and the dialects a lowered program uses
+    ctx.allow_unregistered_dialects = True
+    with ctx:
+        program = ir.Module.parse(hlo_text)
+        for op in walk(program.operation):
+            if op.name != "stablehlo.custom_call" or "backend_config" not in op.attributes:
+                continue
+            if ir.StringAttr(op.attributes["call_target_name"]).value != "tpu_custom_call":
+                continue
+            config = json.loads(ir.StringAttr(op.attributes["backend_config"]).value, strict=False)
+            out.append(base64.b64decode(config["custom_call_config"]["body"]))
     return out

@@ -74,6 +74,11 @@ UNSIGNED = {
 
 
 def element_type(t) -> str:
+    """The element type's name (``f32``, ``bf16``, ``i32``,
+    ``!tpu.dma_semaphore``): a type, printed, not an attribute parsed. The
+    builtin types have classes in jaxlib's bindings, but the ``tpu`` dialect's
+    semaphore types have none (only ``tpu.Float8EXMYType`` does), and a name
+    keys the dtype table."""
     from jaxlib.mlir import ir
 
     if isinstance(t, ir.ShapedType):

@@ -20,10 +20,16 @@ index-map functions). Conventions:
 * A rule is ``rule(ctx, *args, **params) -> value or list of values``; ``ctx``
   holds the equation, its avals and the kernel (``RuleContext``). Rules are
   registered with ``register_lowering(*prims)`` and live by theme:
-  ``lowering_math.py`` (elementwise, casts, shapes, reductions, dot),
-  ``lowering_memory.py`` (Ref reads/writes, scratch, DMAs, semaphores) and
-  ``lowering_control.py`` (cond, loops, inlined calls). Imports run one way:
-  those modules import this one, ``lowering_kernel.py`` imports them all.
+  ``lowering_math.py`` (elementwise, casts, bitcasts, special functions),
+  ``lowering_shapes.py`` (iota, broadcasts, reshapes, slices, pad, hints),
+  ``lowering_reductions.py`` (reductions, scans, top_k, dot),
+  ``lowering_memory.py`` (Ref reads/writes, gathers, dynamic slices, scratch;
+  on ``lowering_views.py``, Ref views, and ``lowering_windows.py``, the
+  forms of the accesses), ``lowering_dma.py`` (DMAs, semaphores, device ids,
+  delay, the core's PRNG, debug_print), ``lowering_control.py`` (cond, loops,
+  inlined calls), ``lowering_random.py`` and ``lowering_sort.py``. Imports
+  run one way: those modules import this one (and helpers of each other,
+  without a circle), ``lowering_kernel.py`` imports them all.
 * A primitive without a rule, and any error raised inside a rule, is a
   ``LoweringException`` naming the primitive, the kernel and the user's line.
 """

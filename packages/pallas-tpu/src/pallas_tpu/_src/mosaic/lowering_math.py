@@ -1,5 +1,9 @@
-"""Mosaic rules for values: elementwise math (from tables), comparisons,
-select, casts, iota and shapes, reductions and ``dot_general``."""
+"""Mosaic rules for elementwise math: the op tables (``BINARY``,
+``UNARY_FLOAT``, ``UNARY_INT``, ``COMPARE``) and the rules built on them,
+comparisons, select and clamp, casts (``convert``), bitcasts, packing and
+stochastic rounding, and the special functions (lgamma, digamma, erf_inv,
+nextafter, mulhi, reduce_precision, reciprocal). Shapes are
+``lowering_shapes.py``, reductions and ``dot_general`` ``lowering_reductions.py``."""
 
 from __future__ import annotations
 
@@ -8,12 +12,11 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, math, vector
+from jaxlib.mlir.dialects import arith, math
 from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
 from pallas_tpu._src.language import vector_primitives as vp
-from pallas_tpu._src.language.einshape import einshape_p
 from pallas_tpu._src.mosaic.lowering import (
     Aval,
     aval_type,
@@ -24,7 +27,6 @@ from pallas_tpu._src.mosaic.lowering import (
     is_unsigned,
     lower_fun,
     register_lowering,
-    shape_cast,
 )
 
 # primitive -> (float op, signed int op, unsigned int / bool op); None: not defined.
@@ -292,267 +294,6 @@ def _convert_element_type(ctx, x, new_dtype, **_):
 
 
 # ---------------------------------------------------------------------------
-# Shapes
-
-
-@register_lowering(lax.iota_p)
-def _iota(ctx, *dyn, dtype, shape, dimension, **_):
-    out = ctx.avals_out[0]
-    if len(shape) == 1:
-        # tpu.iota makes 2-D vectors: a (1, n) iota along its lanes, reshaped (as JAX's lowering does).
-        x = tpu.iota(aval_type(Aval((1, *shape), np.int32)), [1])
-        return convert(shape_cast(x, shape, np.int32), np.int32, out.dtype, shape)
-    x = tpu.iota(aval_type(Aval(shape, np.int32)), [dimension])
-    return convert(x, np.int32, out.dtype, shape)
-
-
-@register_lowering(lax.broadcast_in_dim_p)
-def _broadcast_in_dim(ctx, x, *dyn, shape, broadcast_dimensions, **_):
-    aval = ctx.avals_in[0]
-    if not aval.shape:
-        return broadcast_to(x, shape)
-    # Insert the new axes as size-1 dims, then broadcast.
-    keep = [1] * len(shape)
-    for src, dst in enumerate(broadcast_dimensions):
-        keep[dst] = aval.shape[src]
-    return broadcast_to(shape_cast(x, keep, aval.dtype), shape)
-
-
-@register_lowering(plb.broadcast_to_p)
-def _state_broadcast_to(ctx, x, *, shape):
-    # ``pl.broadcast_to`` (numpy broadcasting), through the broadcast_in_dim rule.
-    return lower_fun(lambda v: jnp.broadcast_to(v, shape), ctx, x)
-
-
-@register_lowering(lax.reshape_p, lax.squeeze_p)
-def _reshape(ctx, x, *dyn, **_):
-    out = ctx.avals_out[0]
-    return shape_cast(x, out.shape, out.dtype)
-
-
-@register_lowering(lax.transpose_p)
-def _transpose(ctx, x, permutation):
-    return tpu.transpose(aval_type(ctx.avals_out[0]), x, list(permutation))
-
-
-@register_lowering(lax.slice_p)
-def _slice(ctx, x, start_indices, limit_indices, strides):
-    strides = strides or (1,) * len(start_indices)
-    sizes = [(hi - lo + st - 1) // st for lo, hi, st in zip(start_indices, limit_indices, strides)]
-    return vector.extract_strided_slice(
-        aval_type(ctx.avals_out[0]), x, list(start_indices), sizes, list(strides)
-    )
-
-
-@register_lowering(lax.concatenate_p)
-def _concatenate(ctx, *xs, dimension):
-    return tpu.concatenate(list(xs), dimension)
-
-
-@register_lowering(lax.tile_p)
-def _tile(ctx, x, reps):
-    for axis, n in enumerate(reps):
-        if n > 1:
-            x = tpu.concatenate([x] * n, axis)
-    return x
-
-
-@register_lowering(vp.bitcast_p)
-def _tpu_bitcast(ctx, x, ty=None):
-    return tpu.bitcast(aval_type(ctx.avals_out[0]), x)
-
-
-# ---------------------------------------------------------------------------
-# Reductions and dot
-
-
-def _neutral(kind: str, dtype):
-    if kind == "add":
-        return 0
-    big = np.inf if is_float(dtype) else np.iinfo(dtype).max
-    small = -np.inf if is_float(dtype) else np.iinfo(dtype).min
-    return small if kind == "max" else big
-
-
-@register_lowering(lax.reduce_sum_p, lax.reduce_max_p, lax.reduce_min_p)
-def _reduce(ctx, x, axes, **_):
-    aval, out = ctx.avals_in[0], ctx.avals_out[0]
-    kind = {lax.reduce_sum_p: "add", lax.reduce_max_p: "max", lax.reduce_min_p: "min"}[ctx.eqn.primitive]
-    if is_bool(aval.dtype):
-        raise NotImplementedError("reductions of bool are not supported; cast to int32 first")
-    if kind == "add":
-        name = "add"
-    elif is_float(aval.dtype):
-        name = f"{kind}imumf"
-    else:
-        name = f"{kind}{'ui' if is_unsigned(aval.dtype) else 'si'}"
-    acc = constant(_neutral(kind, aval.dtype), out.shape, aval.dtype)
-    if not aval.shape:
-        return x
-    return vector.multi_reduction(getattr(vector.CombiningKind, name.upper()), x, acc, list(axes))
-
-
-_PRECISION = {"HIGH": "bf16x3", "HIGHEST": "fp32"}
-
-
-@register_lowering(lax.argmax_p, lax.argmin_p)
-def _arg_reduce(ctx, x, axes, index_dtype):
-    """``tpu.reduce_index`` along one axis (float32/bfloat16 values)."""
-    aval, out = ctx.avals_in[0], ctx.avals_out[0]
-    if np.dtype(aval.dtype).name not in ("float32", "bfloat16") or len(axes) != 1:
-        raise NotImplementedError(f"{ctx.eqn.primitive.name} of one axis of float32 or bfloat16 values only")
-    axis, shape, out_shape = axes[0], aval.shape, out.shape
-    if len(shape) == 1:  # Mosaic reduces 2-D and up
-        x, axis, shape, out_shape = shape_cast(x, (1, *shape), aval.dtype), 1, (1, *shape), (1, *out_shape)
-    kind = "arg_max" if ctx.eqn.primitive is lax.argmax_p else "arg_min"
-    kind_attr = ir.Attribute.parse(f"#tpu.reduction_kind<{kind}>")
-    r = tpu.reduce_index(aval_type(Aval(out_shape, index_dtype)), x, axis, kind_attr)
-    return shape_cast(r, out.shape, index_dtype)
-
-
-def _any(x, axes):
-    return jnp.max(jnp.where(x, 1.0, 0.0), axis=axes) > 0.0
-
-
-def _all(x, axes):
-    return jnp.min(jnp.where(x, 1.0, 0.0), axis=axes) > 0.0
-
-
-@register_lowering(lax.reduce_or_p, lax.reduce_and_p)
-def _reduce_bool(ctx, x, axes, **_):
-    # Mosaic reduces floats and ints, not i1: reduce 0/1 floats instead.
-    return lower_fun(_any if ctx.eqn.primitive is lax.reduce_or_p else _all, ctx, x, axes=tuple(axes))
-
-
-@register_lowering(lax.dot_general_p)
-def _dot_general(ctx, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
-    """``tpu.matmul``; the result is ordered batch, lhs free, rhs free dims (as lax's).
-    Mosaic's matmul accumulates in 32 bits: a narrower result (a 16-bit dot without
-    ``preferred_element_type``) is accumulated in float32 (int32) and converted."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    la, ra = ctx.avals_in
-    out = ctx.avals_out[0]
-    if any(is_unsigned(a.dtype) for a in (la, ra)):
-        raise NotImplementedError(
-            "dot_general of unsigned integers: Mosaic's matmul is signed; cast to int32"
-        )
-    lfree = [d for d in range(len(la.shape)) if d not in (*lc, *lb)]
-    rfree = [d for d in range(len(ra.shape)) if d not in (*rc, *rb)]
-    order = [x for d in (*lb, *lfree) for x in (0, d)] + [x for d in rfree for x in (1, d)]
-    parts = ", ".join(str(list(p)) for p in (lc, rc, lfree, rfree, order, lb, rb))
-    dims = ir.Attribute.parse(f"#tpu.dot_dimension_numbers<{parts}>")
-    prec = precision[0] if isinstance(precision, tuple) else precision
-    name = getattr(prec, "name", None)
-    prec_attr = (
-        ir.Attribute.parse(f"#tpu.contract_precision<{_PRECISION[name]}>") if name in _PRECISION else None
-    )
-    acc_dtype = out.dtype
-    if np.dtype(out.dtype).itemsize < 4:
-        acc_dtype = np.dtype(np.float32 if is_float(out.dtype) else np.int32)
-    acc = constant(0, out.shape, acc_dtype)
-    res = tpu.matmul(
-        aval_type(Aval(out.shape, acc_dtype)),
-        lhs,
-        rhs,
-        acc,
-        False,
-        dimension_numbers=dims,
-        precision=prec_attr,
-    )
-    return convert(res, acc_dtype, out.dtype, out.shape)
-
-
-# ---------------------------------------------------------------------------
-# Hints and TPU vector ops
-
-
-@register_lowering(plb.multiple_of_p)
-def _multiple_of(ctx, x, values):
-    vals = values if isinstance(values, (tuple, list)) else (values,)
-    if ctx.avals_in[0].shape or len(vals) != 1:
-        return x
-    return tpu.assume_multiple(x, int(vals[0]))
-
-
-@register_lowering(vp.reciprocal_p)
-def _reciprocal(ctx, x, *, approx, full_range):
-    if np.dtype(ctx.avals_in[0].dtype).name not in ("float32", "bfloat16"):
-        raise NotImplementedError("pltpu.reciprocal takes float32 or bfloat16")
-    return tpu.reciprocal(x, approx=approx, full_range=full_range)
-
-
-@register_lowering(einshape_p)
-def _einshape(ctx, x, **params):
-    # Its definition is a reshape, a transpose and a reshape: lowered through those rules.
-    return lower_fun(einshape_p.impl, ctx, x, **params)
-
-
-@register_lowering(vp.with_memory_space_constraint_p)
-def _memory_space_constraint(ctx, x, **_):
-    return x
-
-
-@register_lowering(vp.trace_value_p)
-def _trace_value(ctx, value, *, label):
-    tpu.trace_value(value, label)
-    return []
-
-
-@register_lowering(vp.touch_p)
-def _touch(ctx, *refs):
-    return []
-
-
-@register_lowering(vp.roll_p)
-def _roll(ctx, x, shift, *, axis, stride=None, stride_axis=None, **_):
-    shift = shift if isinstance(shift, ir.Value) else constant(shift, (), np.int32)
-    return tpu.dynamic_rotate(x, shift, axis, stride=stride, stride_dimension=stride_axis)
-
-
-# ---------------------------------------------------------------------------
-# Cumulative reductions. JAX's TensorCore lowering has no rule for them; ours
-# is a log-step (Hillis-Steele) scan written in jnp and lowered through the
-# slice, concatenate and elementwise rules: ceil(log2(n)) shifted combines.
-
-_CUMULATIVE = {
-    lax.cumsum_p: (jnp.add, lambda dt: 0),
-    lax.cumprod_p: (jnp.multiply, lambda dt: 1),
-    lax.cummax_p: (jnp.maximum, lambda dt: -np.inf if is_float(dt) else np.iinfo(dt).min),
-    lax.cummin_p: (jnp.minimum, lambda dt: np.inf if is_float(dt) else np.iinfo(dt).max),
-    lax.cumlogsumexp_p: (jnp.logaddexp, lambda dt: -np.inf),
-}
-
-
-def _scan(x, *, combine, identity, axis, reverse):
-    n = x.shape[axis]
-    k = 1
-    while k < n:
-        pad_shape = list(x.shape)
-        pad_shape[axis] = k
-        pad = lax.full(pad_shape, identity, x.dtype)
-        if reverse:  # element i combines element i + k
-            shifted = lax.concatenate([lax.slice_in_dim(x, k, n, axis=axis), pad], axis)
-        else:
-            shifted = lax.concatenate([pad, lax.slice_in_dim(x, 0, n - k, axis=axis)], axis)
-        x = combine(x, shifted)
-        k *= 2
-    return x
-
-
-@register_lowering(*_CUMULATIVE)
-def _cumulative(ctx, x, *, axis, reverse):
-    aval = ctx.avals_in[0]
-    if is_bool(aval.dtype):
-        raise NotImplementedError(f"{ctx.eqn.primitive.name} of bool; cast to int32 first")
-    if not aval.shape:
-        return x
-    combine, identity = _CUMULATIVE[ctx.eqn.primitive]
-    return lower_fun(
-        _scan, ctx, x, combine=combine, identity=identity(aval.dtype), axis=axis, reverse=reverse
-    )
-
-
-# ---------------------------------------------------------------------------
 # Bitcasts, packing and stochastic rounding (the Mosaic ops JAX emits).
 
 
@@ -634,110 +375,8 @@ def _stochastic_round(ctx, x, random_bits, *, target_dtype):
 
 
 # ---------------------------------------------------------------------------
-# Shapes: split, stack, unstack, pad
-
-
-@register_lowering(lax.split_p)
-def _split(ctx, x, *, sizes, axis):
-    aval = ctx.avals_in[0]
-    starts, outs = [0] * len(aval.shape), []
-    for size, out in zip(sizes, ctx.avals_out, strict=True):
-        shape = list(aval.shape)
-        shape[axis] = int(size)
-        outs.append(vector.extract_strided_slice(aval_type(out), x, list(starts), shape, [1] * len(shape)))
-        starts[axis] += int(size)
-    return outs
-
-
-@register_lowering(lax.stack_p)
-def _stack(ctx, *xs, axis):
-    aval = ctx.avals_in[0]
-    shape = list(aval.shape)
-    shape.insert(axis, 1)
-    parts = [shape_cast(x, shape, aval.dtype) for x in xs]
-    return parts[0] if len(parts) == 1 else tpu.concatenate(parts, axis)
-
-
-@register_lowering(lax.unstack_p)
-def _unstack(ctx, x, *, axis):
-    aval = ctx.avals_in[0]
-    size = list(aval.shape)
-    size[axis] = 1
-    out = ctx.avals_out[0]
-    outs = []
-    for i in range(aval.shape[axis]):
-        starts = [0] * len(size)
-        starts[axis] = i
-        part = vector.extract_strided_slice(
-            aval_type(Aval(size, aval.dtype)), x, starts, size, [1] * len(size)
-        )
-        outs.append(shape_cast(part, out.shape, out.dtype))
-    return outs
-
-
-@register_lowering(lax.pad_p)
-def _pad(ctx, x, padding_value, *, padding_config):
-    """Edge padding with a scalar: concatenated splats (as JAX; negative
-    padding slices, interior padding is not supported)."""
-    aval = ctx.avals_in[0]
-    if not aval.shape:
-        return x
-    shape = list(aval.shape)
-    for axis, (lo, hi, interior) in enumerate(padding_config):
-        if interior:
-            raise NotImplementedError("interior padding is not supported")
-        if lo < 0 or hi < 0:
-            start, stop = max(-lo, 0), shape[axis] - max(-hi, 0)
-            sizes = list(shape)
-            sizes[axis] = stop - start
-            offsets = [0] * len(shape)
-            offsets[axis] = start
-            x = vector.extract_strided_slice(
-                aval_type(Aval(sizes, aval.dtype)), x, offsets, sizes, [1] * len(shape)
-            )
-            shape = sizes
-        parts = []
-        for n in (max(lo, 0), None, max(hi, 0)):
-            if n is None:
-                parts.append(x)
-            elif n:
-                pad_shape = list(shape)
-                pad_shape[axis] = n
-                parts.append(broadcast_to(padding_value, pad_shape))
-        if len(parts) > 1:
-            x = tpu.concatenate(parts, axis)
-            shape[axis] += max(lo, 0) + max(hi, 0)
-    return x
-
-
-@register_lowering(lax.gather_p)
-def _gather(ctx, x, indices, *, dimension_numbers, slice_sizes, mode, **_):
-    """``jnp.take_along_axis`` along one of the two minor dimensions:
-    ``tpu.dynamic_gather`` (the only gather JAX's TPU lowering accepts)."""
-    aval, out = ctx.avals_in[0], ctx.avals_out[0]
-    dn = dimension_numbers
-    rank = len(out.shape)
-    if not (
-        len(aval.shape) == rank
-        and ctx.avals_in[1].shape == (*out.shape, 1)
-        and tuple(slice_sizes) == (1,) * rank
-        and not dn.offset_dims
-        and tuple(dn.collapsed_slice_dims) == tuple(dn.start_index_map)
-        and len(dn.collapsed_slice_dims) == 1
-        and tuple(dn.operand_batching_dims) == tuple(dn.start_indices_batching_dims)
-        and len(dn.operand_batching_dims) == rank - 1
-        and mode in (lax.GatherScatterMode.FILL_OR_DROP, lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-    ):
-        raise NotImplementedError("only take_along_axis-like gathers (jnp.take_along_axis) are supported")
-    (axis,) = dn.collapsed_slice_dims
-    if axis < rank - 2:
-        raise NotImplementedError("gathers along one of the two minor dimensions only")
-    idx = shape_cast(indices, out.shape, ctx.avals_in[1].dtype)
-    return tpu.dynamic_gather(x, idx, [axis])
-
-
-# ---------------------------------------------------------------------------
-# More math: log2, erf_inv, lgamma, digamma, nextafter, one_minus_square, mulhi, reduce_precision
+# More math: log2, erf_inv, lgamma, digamma, nextafter, one_minus_square, mulhi, reduce_precision,
+# reciprocal
 
 
 @register_lowering(lax.log2_p)
@@ -832,33 +471,11 @@ def _reduce_precision(ctx, x, *, exponent_bits, mantissa_bits):
     return tpu.reduce_precision(x, exponent_bits, mantissa_bits)
 
 
-def _top_k(x, *, k, axis):
-    # k rounds of: the max, the lowest index holding it among the untaken, taken.
-    # Only max/min reductions and selects (JAX's rule uses argmax, whose tie
-    # order is the hardware's); ours is stable by construction.
-    n = x.shape[axis]
-    low = -np.inf if is_float(x.dtype) else np.iinfo(x.dtype).min
-    iota = lax.broadcasted_iota(jnp.int32, x.shape, axis)
-    taken = jnp.zeros(x.shape, jnp.bool_)
-    vals, idxs = [], []
-    for _ in range(k):
-        curr = jnp.where(taken, jnp.array(low, x.dtype), x)
-        val = jnp.max(curr, axis=axis, keepdims=True)
-        idx = jnp.min(jnp.where((curr == val) & ~taken, iota, n), axis=axis, keepdims=True)
-        taken = taken | (iota == idx)
-        vals.append(val)
-        idxs.append(idx)
-    return lax.concatenate(vals, axis), lax.concatenate(idxs, axis)
-
-
-@register_lowering(lax.top_k_p)
-def _top_k_rule(ctx, x, *, k, axis=-1, **_):
-    """The ``k`` largest along ``axis`` and their indices (ties: lowest index
-    first, so ``is_stable`` either way), from ``k`` max/min reductions."""
-    aval = ctx.avals_in[0]
-    if np.dtype(aval.dtype).name not in ("float32", "bfloat16", "int32") or len(aval.shape) < 2:
-        raise NotImplementedError("top_k of float32, bfloat16 or int32 arrays of rank >= 2 only")
-    return lower_fun(_top_k, ctx, x, multiple_results=True, k=int(k), axis=axis % len(aval.shape))
+@register_lowering(vp.reciprocal_p)
+def _reciprocal(ctx, x, *, approx, full_range):
+    if np.dtype(ctx.avals_in[0].dtype).name not in ("float32", "bfloat16"):
+        raise NotImplementedError("pltpu.reciprocal takes float32 or bfloat16")
+    return tpu.reciprocal(x, approx=approx, full_range=full_range)
 
 
 @register_lowering(ad.add_jaxvals_p)

@@ -13,7 +13,8 @@ from jax import lax, tree_util
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import rules
-from pallas_tpu._src.interpret.interpreter import CALL_PARAMS, Hidden, RefView, _uninit, drain
+from pallas_tpu._src.interpret.interpreter import CALL_PARAMS, Hidden, _uninit, drain
+from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import primitives as tpu_prims
 

@@ -42,7 +42,7 @@ from jax import lax
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import rules as interpret_rules
-from pallas_tpu._src.interpret.interpreter import RefView, _traced_sizes
+from pallas_tpu._src.interpret.refs import RefView, _traced_sizes
 from pallas_tpu._src.language import primitives as tpu_prims
 
 

@@ -33,25 +33,29 @@ barrier semaphores) and race detection need the multi-device interpreter
 (``multi.py``), which subclasses ``Interpreter`` and overrides its hooks.
 The rules of the primitives are in ``core_rules.py`` (JAX's and pallas-core's),
 ``dma.py`` and the ``language`` modules, all registered in ``rules.py``'s tables.
+Refs as views of cells, and reads and writes through them, are in ``refs.py``;
+the run-time checks and ``KernelError`` in ``errors.py``. This module holds
+``InterpretParams``, the ``Interpreter`` (cells, jaxpr evaluation, the hooks
+``multi.py`` overrides, semaphores) and ``force_tpu_interpret_mode``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax, tree_util
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import facts
 from pallas_tpu._src.interpret import rules as interpret_rules
+from pallas_tpu._src.interpret.errors import KernelError as KernelError  # the public API imports it from here
+from pallas_tpu._src.interpret.errors import RuntimeChecks
+from pallas_tpu._src.interpret.refs import RefAccess, RefView
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import tpu_info
 
@@ -133,71 +137,13 @@ class InterpretParams:
 
 
 # ---------------------------------------------------------------------------
-# Refs as views of state cells.
-
-
-@dataclasses.dataclass(frozen=True)
-class RefView:
-    """A Ref seen by the kernel: a state cell and the transforms applied to it."""
-
-    cell: int
-    transforms: tuple[Any, ...] = ()
-
-    def with_transforms(self, more: Sequence[Any]) -> RefView:
-        return RefView(self.cell, self.transforms + tuple(more))
-
-
-class KernelError(Exception):
-    """Raised when an interpreted TPU kernel does something a TPU would not do
-    (out-of-bounds access, a wait that never completes, a race). Raised in a host
-    callback as the kernel runs: recorded, so that the pallas_call raises it as it
-    was, message first, rather than inside XLA's "CpuCallback error" wrapper."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        plb.record_runtime_error(self)
-
-
-def _is_slice(x) -> bool:
-    return hasattr(x, "start") and hasattr(x, "size") and hasattr(x, "stride")
-
-
-def _traced_sizes(transform) -> bool:
-    """True if ``transform`` is an indexer with a slice whose size is traced."""
-    return any(_is_slice(ix) and not _static_int(ix.size) for ix in getattr(transform, "indices", ()))
-
-
-def _static_int(x) -> bool:
-    return isinstance(x, (int, np.integer))
-
-
-def _index_value(x):
-    """An index as a Python int when it is known while tracing, else traced int32:
-    static indices need no bounds check and no dynamic slice in the program."""
-    if _static_int(x):
-        return int(x)
-    if isinstance(x, np.ndarray) and x.shape == () and np.issubdtype(x.dtype, np.integer):
-        return int(x)
-    return jnp.asarray(x, jnp.int32)
-
-
-def _clip(x, lo: int, hi: int):
-    if _static_int(x):
-        return min(max(int(x), lo), hi)
-    return lax.clamp(np.int32(lo), jnp.asarray(x, jnp.int32), np.int32(hi))
+# The interpreter's state and how it evaluates a jaxpr.
 
 
 def _on_chip(space) -> bool:
     """VMEM (the default of kernel scratch), SMEM: buffers small enough to
     shadow, where on_wait DMAs land at their wait (see dma.py)."""
     return space is None or space in (tpu_core.VMEM, tpu_core.SMEM, tpu_core.VMEM_SHARED)
-
-
-def _oob(what: str) -> str:
-    """JAX's interpreter's words first ("Out-of-bounds read"/"Out-of-bounds write"),
-    so code matching JAX's messages matches ours; then what the access was."""
-    kind = "write" if "write" in what else "read"
-    return f"Out-of-bounds {kind}" + (f" ({what})" if what != kind else "")
 
 
 def _uninit(shape, dtype, mode: str):
@@ -217,9 +163,6 @@ def drain(gen):
 
 # Call-like primitives and the parameter holding the jaxpr they call (inlined).
 CALL_PARAMS = dict(compat.call_primitives())
-
-
-# ---------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(eq=False)
@@ -242,8 +185,10 @@ tree_util.register_dataclass(
 )
 
 
-class Interpreter:
-    """Evaluates kernel jaxprs against a state of cells (see the module docstring)."""
+class Interpreter(RefAccess, RuntimeChecks):
+    """Evaluates kernel jaxprs against a state of cells (see the module docstring);
+    Ref reads and writes are ``RefAccess``'s (``refs.py``), run-time checks
+    ``RuntimeChecks``'s (``errors.py``)."""
 
     def __init__(self, params: InterpretParams, gm, kernel_desc: str):
         self.params = params
@@ -332,101 +277,6 @@ class Interpreter:
         for companion in self.shadows.pop(c, ()):
             del self.state[companion]
 
-    # -- checks: errors found at run time -------------------------------------
-
-    def init_checks(self) -> None:
-        self.hidden.err = jnp.zeros((), jnp.int32)
-        self.hidden.errvals = jnp.zeros((8,), jnp.int32)
-        self.hidden.tok = jnp.zeros((), jnp.int32)
-
-    def check(self, ok, message: str, values: Sequence[Any] = ()) -> None:
-        """Records ``message`` (with up to 8 int values, shown where the message
-        has ``{0}``...) as the kernel's error if ``ok`` is false."""
-        if self._unchecked or (isinstance(ok, (bool, np.bool_)) and ok):
-            return
-        self.checks.append(message)
-        code = len(self.checks)
-        err = self.hidden.err
-        # lax, not jnp (no jitted helpers): a large kernel makes hundreds of checks, and
-        # every op here is traced, lowered and compiled with it.
-        first = lax.bitwise_and(lax.eq(err, np.int32(0)), lax.bitwise_not(jnp.asarray(ok, jnp.bool_)))
-        self.hidden.err = lax.select(first, np.int32(code), err)
-        if values:  # no values: errvals still holds zeros wherever this is the first error
-            vals = [jnp.asarray(v, jnp.int32).reshape(()) for v in values][:8]
-            row = jnp.concatenate([jnp.stack(vals), np.zeros(8 - len(vals), np.int32)])
-            errvals = self.hidden.errvals
-            self.hidden.errvals = lax.select(lax.broadcast(first, errvals.shape), row, errvals)
-
-    def _bounds_checked(self, index, extent: int, size: int) -> bool:
-        """True if ``[index, index + extent)`` was checked against ``size`` before, in
-        the jaxpr being traced now: that check runs whenever this one would, and an
-        error it records comes first, so a second one adds only ops. (DMAs, semaphores
-        and their companion cells index the same Refs with the same traced index many
-        times; a check made in a ``lax.cond`` branch or loop body, another trace, does
-        not count outside it.) Records this one otherwise."""
-        if self._unchecked:
-            return False
-        trace = compat.current_trace()
-        key = (id(trace), id(index), extent, size)
-        if key in self._bounds_seen:
-            return True
-        self._bounds_seen[key] = (trace, index)  # keeps both alive, so their ids stay theirs
-        return False
-
-    @contextlib.contextmanager
-    def unchecked(self):
-        """Records no errors inside: for views a TPU never touches (the
-        descriptor of a DMA wait only gives a byte count)."""
-        self._unchecked += 1
-        try:
-            yield
-        finally:
-            self._unchecked -= 1
-
-    def check_dmas_landed(self, cell: int, when: str) -> None:
-        """on_wait DMAs: an error if data started into ``cell`` has not landed
-        though no semaphore is owed it any more (a wait consumed its bytes but
-        the interpreter could not tell where that DMA went)."""
-        if cell not in self.shadows or len(self.shadows[cell]) != 2:
-            return
-        pending = self.state[self.shadows[cell][1]]
-        self.check(
-            jnp.logical_not(jnp.any(pending != 0)),
-            f"{self.kernel_desc}: a DMA into {self.describe_ref(RefView(cell))} was waited for but never "
-            f"landed {when}: its wait named another buffer than the one the DMA went to, and the TPU "
-            "interpreter had not seen that buffer used by a DMA on the semaphore before the wait; "
-            "run with dma_execution_mode='eager', or wait with the descriptor the DMA was started with",
-        )
-
-    def ordered_callback(self, fn, *args) -> None:
-        """Calls ``fn(*args)`` on the host, in program order: each call takes
-        and returns a token kept in ``self.hidden``, so XLA keeps the order."""
-        from jax.experimental import io_callback
-
-        if self.hidden.tok is None:
-            raise RuntimeError("ordered_callback needs init_checks() first")
-
-        def call(tok, *a):
-            fn(*a)
-            return tok
-
-        self.hidden.tok = io_callback(call, jax.ShapeDtypeStruct((), jnp.int32), self.hidden.tok, *args)
-
-    def raise_checks(self) -> None:
-        """Emits the callback that raises the first recorded error, if any."""
-        if not self.checks:
-            return
-        messages = list(self.checks)
-
-        def report(err, vals):
-            errs = np.asarray(err).reshape(-1)
-            err = int(errs.max())
-            if err:  # under vmap: the values recorded with the reported error
-                vals = np.asarray(vals).reshape(-1, 8)[int(errs.argmax())]
-                raise KernelError(messages[err - 1].format(*[int(v) for v in vals]))
-
-        jax.debug.callback(report, self.hidden.err, self.hidden.errvals)
-
     # -- jaxpr evaluation ----------------------------------------------------
 
     def eval_jaxpr(self, jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
@@ -492,233 +342,6 @@ class Interpreter:
                 f"{self.where(eqn)}: the TPU interpreter has no rule for '{prim.name}' on Refs"
             )
         return prim.bind(*invals, **eqn.params)
-
-    # -- memory access -------------------------------------------------------
-
-    def describe_ref(self, view: RefView) -> str:
-        return self.cell_names.get(view.cell, f"ref#{view.cell}")
-
-    def _index_parts(self, shape, indexer, eqn, view, what):
-        """(starts, sizes, strides, squeezed dims, advanced index arrays) of one NDIndexer."""
-        starts, sizes, strides, squeeze, arrays = [], [], [], [], {}
-        raw = [ix.start if _is_slice(ix) else ix for ix in indexer.indices]
-        for d, (n, ix) in enumerate(zip(shape, indexer.indices)):
-            if _is_slice(ix):
-                starts.append(_index_value(ix.start))
-                sizes.append(int(ix.size))
-                strides.append(int(ix.stride))
-            else:
-                if _static_int(ix):
-                    starts.append(int(ix))
-                    sizes.append(1)
-                    strides.append(1)
-                    squeeze.append(d)
-                    continue
-                ix = jnp.asarray(ix)
-                if ix.shape == ():
-                    starts.append(ix.astype(jnp.int32))
-                    sizes.append(1)
-                    strides.append(1)
-                    squeeze.append(d)
-                else:
-                    arrays[d] = ix.astype(jnp.int32)
-                    starts.append(jnp.zeros((), jnp.int32))
-                    sizes.append(n)
-                    strides.append(1)
-        if self.params.out_of_bounds_reads == "raise" or what != "read":
-            for d, n in enumerate(shape):
-                if d in arrays:
-                    a = arrays[d]
-                    ok = jnp.logical_and(jnp.all(a >= 0), jnp.all(a < n))
-                    lo = jnp.min(a) if a.size else 0
-                    hi = jnp.max(a) if a.size else 0
-                    self.check(
-                        ok,
-                        f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)}: index array "
-                        f"with values in [{{0}}, {{1}}] along dimension {d} of size {n}",
-                        [lo, hi],
-                    )
-                    continue
-                extent = (sizes[d] - 1) * strides[d] + 1 if sizes[d] else 0
-                st = starts[d]
-                if _static_int(st):  # known while tracing: no check in the program
-                    if 0 <= st and st + extent <= n:
-                        continue
-                    ok = False
-                elif self._bounds_checked(raw[d], extent, n):
-                    continue
-                else:  # lax, not jnp's operators: each of those is a jitted call to trace
-                    ok = lax.bitwise_and(
-                        lax.ge(st, np.int32(0)), lax.le(lax.add(st, np.int32(extent)), np.int32(n))
-                    )
-                self.check(
-                    ok,
-                    f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)} "
-                    f"(shape {tuple(shape)}): dimension {d} reads [{{0}}, {{0}} + {extent}) "
-                    f"but its size is {n}",
-                    [starts[d]],
-                )
-        return starts, sizes, strides, squeeze, arrays
-
-    def _read1(self, x, indexer, eqn, view, what):
-        if not hasattr(indexer, "indices"):
-            return self._transform_other(x, indexer, eqn)
-        starts, sizes, strides, squeeze, arrays = self._index_parts(x.shape, indexer, eqn, view, what)
-        ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
-        starts_c = [_clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
-        if not x.ndim:
-            y = x
-        elif all(_static_int(s) for s in starts_c):
-            y = x if tuple(ext) == x.shape else lax.slice(x, starts_c, [s + e for s, e in zip(starts_c, ext)])
-        else:
-            y = lax.dynamic_slice(x, starts_c, ext, allow_negative_indices=False)  # clipped above
-        if any(k != 1 for k in strides):
-            y = lax.slice(y, [0] * y.ndim, y.shape, strides)
-        if arrays:
-            idx = tuple(arrays.get(d, slice(None)) if d not in squeeze else 0 for d in range(x.ndim))
-            return y[idx]
-        if squeeze:
-            y = lax.squeeze(y, squeeze)
-        return y
-
-    def _write1(self, x, indexer, val, eqn, view):
-        if isinstance(indexer, compat.ReshapeTransform):  # ``ref.reshape(...)``: row-major, as the array
-            return jnp.asarray(val, x.dtype).reshape(x.shape)
-        if not hasattr(indexer, "indices"):
-            raise NotImplementedError(
-                f"{self.where(eqn)}: writing through a {type(indexer).__name__} view is not supported "
-                "by the TPU interpreter yet"
-            )
-        starts, sizes, strides, squeeze, arrays = self._index_parts(x.shape, indexer, eqn, view, "write")
-        if arrays:
-            idx = []
-            for d in range(x.ndim):
-                if d in arrays:
-                    idx.append(arrays[d])
-                elif d in squeeze:
-                    idx.append(jnp.clip(starts[d], 0, x.shape[d] - 1))
-                else:
-                    idx.append(jnp.clip(starts[d], 0, x.shape[d] - 1) + strides[d] * jnp.arange(sizes[d]))
-            # Basic dims become broadcastable aranges, as numpy's mixed indexing.
-            return x.at[tuple(idx)].set(val.astype(x.dtype), mode="drop")
-        ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
-        starts_c = [_clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
-        blk_shape = [s for d, s in enumerate(sizes)]
-        val = jnp.asarray(val, x.dtype).reshape(blk_shape)
-        if tuple(ext) == x.shape and all(_static_int(s) and s == 0 for s in starts_c):
-            if all(k == 1 for k in strides):
-                return val  # the whole buffer
-        if any(k != 1 for k in strides):
-            old = lax.dynamic_slice(x, starts_c, ext, allow_negative_indices=False)
-            idx = tuple(slice(None, None, k) for k in strides)
-            val = old.at[idx].set(val)
-        if not x.ndim:
-            return val.reshape(())
-        return lax.dynamic_update_slice(x, val, starts_c, allow_negative_indices=False)
-
-    def _transform_other(self, x, t, eqn):
-        if isinstance(t, compat.ReshapeTransform):  # JAX's class has no transform_array
-            return x.reshape(t.shape)
-        try:
-            return t.transform_array(x)
-        except Exception as e:
-            raise NotImplementedError(
-                f"{self.where(eqn)}: the TPU interpreter cannot apply the Ref transform {t!r}: {e}"
-            ) from None
-
-    def read_view(self, view: RefView, eqn, what="read"):
-        x = self.state[view.cell]
-        self.on_access(view, eqn, write=False)
-        for t in view.transforms:
-            x = self._read1(x, t, eqn, view, what)
-        return x
-
-    def flat_index(self, view: RefView, eqn):
-        """The flat position of the one element a view selects (semaphores)."""
-        x = jnp.arange(math.prod(self.state[view.cell].shape), dtype=jnp.int32).reshape(
-            self.state[view.cell].shape
-        )
-        for t in view.transforms:
-            x = self._read1(x, t, eqn, view, "read")
-        return x.reshape(())
-
-    def view_indices(self, view: RefView, eqn, what: str):
-        """(flat element indices of the cell that ``view`` covers, the view's
-        shape). A slice whose size is traced (``pl.ds(i, n)``, in DMAs) takes
-        the dimension's whole length; its positions past ``n`` hold the cell's
-        size (out of range, so a scatter drops them), and its entry of the
-        shape is ``n`` (traced)."""
-        x = self.state[view.cell]
-        idx = jnp.arange(max(x.size, 1), dtype=jnp.int32)[: x.size].reshape(x.shape)
-        valid, shape = None, list(x.shape)
-        for t in view.transforms:
-            if valid is None and not _traced_sizes(t):
-                idx = (
-                    self._read1(idx, t, eqn, view, what)
-                    if hasattr(t, "indices")
-                    else self._transform_other(idx, t, eqn)
-                )
-                shape = list(idx.shape)
-            elif hasattr(t, "indices"):
-                idx, valid, shape = self._index_traced(idx, valid, shape, t, eqn, view, what)
-            else:
-                raise NotImplementedError(
-                    f"{self.where(eqn)}: the TPU interpreter cannot apply {type(t).__name__} after a slice "
-                    "whose size is traced (pl.ds(start, n) with n traced); apply it before that slice"
-                )
-        if valid is not None:
-            idx = jnp.where(valid, idx, x.size)
-        return idx, tuple(shape)
-
-    def _index_traced(self, idx, valid, shape, indexer, eqn, view, what):
-        """``view_indices`` of one NDIndexer when a size is traced."""
-        if valid is None:
-            valid = jnp.ones(idx.shape, jnp.bool_)
-        out_shape, squeeze = [], []
-        for d, ix in enumerate(indexer.indices):
-            n, bound = shape[d], idx.shape[d]
-            if not _is_slice(ix) and jnp.ndim(ix) > 0:
-                raise NotImplementedError(
-                    f"{self.where(eqn)}: a DMA view with a traced size cannot also be indexed with an "
-                    "array of indices"
-                )
-            if _is_slice(ix):
-                start, size, stride = jnp.asarray(ix.start, jnp.int32), ix.size, int(ix.stride)
-            else:
-                start, size, stride = jnp.asarray(ix, jnp.int32), 1, 1
-                squeeze.append(d)
-            static = _static_int(size)
-            count = int(size) if static else -(-bound // stride)
-            out_shape.append(count if static else jnp.asarray(size, jnp.int32))
-            size = jnp.asarray(size, jnp.int32)
-            ok = jnp.logical_and(size >= 0, start >= 0)
-            ok = jnp.logical_and(ok, jnp.logical_or(size == 0, start + (size - 1) * stride < n))
-            self.check(
-                ok,
-                f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)}: dimension {d} "
-                f"takes {{1}} elements from {{0}} (stride {stride}) but its size is {{2}}",
-                [start, size, n],
-            )
-            pos = jnp.clip(start + stride * jnp.arange(count, dtype=jnp.int32), 0, max(bound - 1, 0))
-            idx, valid = jnp.take(idx, pos, axis=d), jnp.take(valid, pos, axis=d)
-            if not static:
-                inside = (jnp.arange(count) < size).reshape([-1 if k == d else 1 for k in range(idx.ndim)])
-                valid = jnp.logical_and(valid, inside)
-        keep = [d for d in range(idx.ndim) if d not in squeeze]
-        idx, valid = jnp.squeeze(idx, squeeze), jnp.squeeze(valid, squeeze)
-        return idx, valid, [out_shape[d] for d in keep]
-
-    def write_view(self, view: RefView, val, eqn):
-        self.on_access(view, eqn, write=True)
-
-        def go(x, ts):
-            if not ts:
-                return jnp.asarray(val, x.dtype).reshape(x.shape)
-            inner = self._read1(x, ts[0], eqn, view, "write") if len(ts) > 1 else None
-            new_inner = go(inner, ts[1:]) if len(ts) > 1 else val
-            return self._write1(x, ts[0], new_inner, eqn, view)
-
-        self.state[view.cell] = go(self.state[view.cell], list(view.transforms))
 
     # -- hooks (the multi-device / race-detecting interpreter overrides them) --
 

@@ -36,7 +36,8 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import races as races_mod
 from pallas_tpu._src.interpret import sessions
-from pallas_tpu._src.interpret.interpreter import Interpreter, RefView
+from pallas_tpu._src.interpret.interpreter import Interpreter
+from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.interpret.remote_dma import RemoteDMAs
 from pallas_tpu._src.interpret.sessions import (
     _inside,

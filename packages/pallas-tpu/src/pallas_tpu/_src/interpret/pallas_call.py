@@ -1,6 +1,11 @@
 """The grid driver of TPU interpret mode: state cells for every operand, the
 TPU pipeline around each grid step, cores, and the checks made before the
-kernel runs (TPU block shapes, SMEM dtypes, VMEM budget)."""
+kernel runs (TPU block shapes, SMEM dtypes, VMEM budget).
+
+``run`` goes in named steps: ``_start`` (the checks, the interpreter),
+``_lay_out`` (operand cells, grid points, in a ``_Call`` record), then
+``_run_group`` for each group of cores that run in lockstep (``_new_lane``,
+``_run_lanes`` per grid step, ``_end_lane``)."""
 
 from __future__ import annotations
 
@@ -22,9 +27,9 @@ from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.interpret.interpreter import (
     Interpreter,
     InterpretParams,
-    RefView,
     _uninit,
 )
+from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import primitives as tpu_prims
 
@@ -194,6 +199,33 @@ def _starts(bm, idx):
     return out
 
 
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """What the steps of ``run`` share about one ``pallas_call``: the interpreter,
+    the kernel, the cells of its operands and the grid points each core runs."""
+
+    interp: Interpreter
+    jaxpr: Any
+    gm: Any
+    params: InterpretParams
+    lane_hidden: list[tuple[str, Any]]  # (name, initializer) of per-core hidden state, e.g. the PRNG state
+    dynamic_sizes: list[Any]  # the traced sizes of a dynamic grid
+    prefetch_args: list[Any]
+    prefetch: list[RefView] = dataclasses.field(default_factory=list)
+    ops: list[_Operand] = dataclasses.field(default_factory=list)
+    # Positions of the kernel's inputs a DMA may write; None: any cell may be a DMA's destination.
+    targets: frozenset[int] | None = None
+    first_ref: int = 0  # the kernel's first Ref input (after grid indices, dynamic sizes, prefetch)
+    sizes: list[Any] | None = None  # a dynamic grid: its sizes
+    n_steps: Any = None  # a dynamic grid: its number of steps
+    per_core: list[Any] = dataclasses.field(default_factory=list)  # grid points per core (see grid_points)
+    blocked: list[int] = dataclasses.field(default_factory=list)  # operands with a block buffer
+
+    @property
+    def dynamic(self) -> bool:
+        return bool(self.gm.num_dynamic_grid_bounds)
+
+
 def run(
     interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, compiler_params, kernel_facts=None
 ):
@@ -201,6 +233,24 @@ def run(
     ``jaxpr``, from one walk of it; computed here when not given)."""
     gm = grid_mapping
     kernel_facts = plb.kernel_facts(jaxpr) if kernel_facts is None else kernel_facts
+    interp, sems, lane_hidden = _start(interp_cls, jaxpr, gm, params, compiler_params, kernel_facts)
+    call = _lay_out(interp, args, jaxpr, gm, params, input_output_aliases, sems, lane_hidden)
+    groups = _core_groups(kernel_facts, call.per_core)
+    total_steps = call.n_steps if call.dynamic else sum(len(call.per_core[g[0]]) for g in groups)
+    steps_before = 0
+    for group in groups:
+        steps_before += _run_group(call, group, steps_before, total_steps)
+    for c in list(interp.shadows):
+        interp.check_dmas_landed(c, "when the kernel ends")
+    interp.finish()
+    outs = [_unpad(interp.state[op.hbm], op.bm) for op in call.ops[gm.num_inputs :]]
+    interp.raise_checks()
+    return outs
+
+
+def _start(interp_cls, jaxpr, gm, params, compiler_params, kernel_facts):
+    """The interpreter of a call, after the checks made before the kernel runs;
+    with the grid's dimension semantics and the per-core hidden state's initializers."""
     desc = f"in TPU kernel '{gm.kernel_name}' ({gm.source})"
     interp: Interpreter = interp_cls(params, gm, desc)
     sems = semantics_of(gm, compiler_params)
@@ -213,19 +263,37 @@ def run(
     interp.dma_shadows = params.dma_execution_mode == "on_wait" and kernel_facts.uses(tpu_prims.dma_start_p)
     interp.kernel_facts = kernel_facts  # read by MultiDeviceInterpreter.setup
     interp.setup(jaxpr, compiler_params)
-    mode = params.uninitialized_memory
+    return interp, sems, lane_hidden
+
+
+def _lay_out(interp, args, jaxpr, gm, params, input_output_aliases, sems, lane_hidden) -> _Call:
+    """Cells for the scalar prefetch operands and the operands; the grid points."""
     nsp, D = gm.num_scalar_prefetch, gm.num_dynamic_grid_bounds
     dynamic_sizes, args = list(args[:D]), args[D:]
-    prefetch = [
+    call = _Call(interp, jaxpr, gm, params, lane_hidden, dynamic_sizes, list(args[:nsp]))
+    call.prefetch = [
         RefView(interp.new_cell(jnp.asarray(a), f"scalar prefetch operand {i}", tpu_core.SMEM))
         for i, a in enumerate(args[:nsp])
     ]
-    operands = args[nsp:]
     # The kernel's inputs: grid indices, dynamic grid sizes, scalar prefetch, operands, scratch.
-    first_ref = len(gm.grid) + D + nsp
-    targets = interp.dma_targets(jaxpr)
-    if len(jaxpr.jaxpr.invars) != first_ref + len(gm.block_mappings) + len(gm.scratch_avals):
-        targets = None  # not the layout above: any cell may be a DMA's destination
+    call.first_ref = len(gm.grid) + D + nsp
+    call.targets = interp.dma_targets(jaxpr)
+    if len(jaxpr.jaxpr.invars) != call.first_ref + len(gm.block_mappings) + len(gm.scratch_avals):
+        call.targets = None  # not the layout above: any cell may be a DMA's destination
+    call.ops = _operand_cells(call, args[nsp:], input_output_aliases)
+    if D:  # one core; each step computes its grid point (see _grid_point)
+        call.sizes = dynamic_grid_sizes(gm, sems, params, dynamic_sizes)
+        call.n_steps = plb.num_steps(call.sizes)
+        call.per_core = [None]
+    else:
+        call.per_core = grid_points(gm, sems, params)
+    call.blocked = [i for i, op in enumerate(call.ops) if op.buf is not None]
+    return call
+
+
+def _operand_cells(call: _Call, operands, input_output_aliases) -> list[_Operand]:
+    """Each operand's HBM cell (an aliased output shares its input's) and block buffer."""
+    interp, gm, mode = call.interp, call.gm, call.params.uninitialized_memory
     alias_of = {o: i for i, o in input_output_aliases}
     ops: list[_Operand] = []
     for k, bm in enumerate(gm.block_mappings):
@@ -247,129 +315,142 @@ def run(
                 _uninit(bm.kernel_block_shape, bm.dtype, mode),
                 f"{bm.origin} block",
                 bm.memory_space or tpu_core.VMEM,
-                dma_target=targets is None or first_ref + k in targets,
+                dma_target=call.targets is None or call.first_ref + k in call.targets,
             )
         ops.append(_Operand(bm, hbm, buf))
+    return ops
 
-    def new_scratch():
-        cells = []
-        for i, a in enumerate(gm.scratch_avals):
-            init = (
-                jnp.zeros(a.shape, jnp.int32)
-                if plb.semaphore_kind(a) is not None
-                else _uninit(a.shape, a.dtype, mode)
-            )
-            space = getattr(a, "memory_space", None)
-            target = targets is None or first_ref + len(gm.block_mappings) + i in targets
-            cells.append(interp.new_cell(init, f"scratch_shapes[{i}]", space, dma_target=target))
-        return cells
 
-    G = len(gm.grid)
-    if D:  # one core; each step computes its grid point (see _grid_point)
-        sizes = dynamic_grid_sizes(gm, sems, params, dynamic_sizes)
-        n_steps = plb.num_steps(sizes)
-        per_core = [None]
-    else:
-        per_core = grid_points(gm, sems, params)
-    blocked = [i for i, op in enumerate(ops) if op.buf is not None]
-    groups = _core_groups(kernel_facts, per_core)
-    total_steps = n_steps if D else sum(len(per_core[g[0]]) for g in groups)
-    steps_before = 0
-    for group in groups:
-        # Each core of a group has its own scratch and block buffers; the cores
-        # of a group run their grid points in lockstep (see _core_groups).
-        lanes = []
-        for slot, core_id in enumerate(group):
-            scratch = new_scratch()
-            core_ops = list(ops)
-            for i in blocked:
-                op = ops[i]
-                init = _uninit(op.bm.kernel_block_shape, op.bm.dtype, mode)
-                buf = op.buf
-                if slot > 0:
-                    name = f"{op.bm.origin} block (core {core_id})"
-                    buf = interp.new_cell(
-                        init, name, interp.cell_spaces[op.buf], dma_target=op.buf in interp.shadows
-                    )
-                interp.state[buf] = init
-                core_ops[i] = _Operand(op.bm, op.hbm, buf)
-                interp.hidden.block_starts[i, slot] = jnp.zeros((len(op.bm.block_shape),), jnp.int32)
-            views = [RefView(op.buf if op.buf is not None else op.hbm) for op in core_ops]
-            lanes.append(_Lane(core_id, slot, core_ops, views + [RefView(c) for c in scratch], scratch))
-        for view, a in zip(prefetch, args[:nsp]):  # each core group has its own SMEM copy
-            interp.state[view.cell] = jnp.asarray(a)
-        table = None if D else jnp.asarray(np.stack([per_core[c] for c in group]), jnp.int32)
+def _new_scratch(call: _Call) -> list[int]:
+    cells = []
+    gm, targets, mode = call.gm, call.targets, call.params.uninitialized_memory
+    for i, a in enumerate(gm.scratch_avals):
+        init = (
+            jnp.zeros(a.shape, jnp.int32)
+            if plb.semaphore_kind(a) is not None
+            else _uninit(a.shape, a.dtype, mode)
+        )
+        space = getattr(a, "memory_space", None)
+        target = targets is None or call.first_ref + len(gm.block_mappings) + i in targets
+        cells.append(call.interp.new_cell(init, f"scratch_shapes[{i}]", space, dma_target=target))
+    return cells
 
-        def lane_step(lane: _Lane, s, pause, run: _Running):
-            core_ops, views = lane.ops, lane.views
-            pt = jnp.stack(plb.grid_point(s, sizes)) if D else table[lane.slot, s]
-            gidx = [pt[g] for g in range(G)]
-            run.grid_env = {n: gidx[g] for g, n in enumerate(gm.grid_names) if n is not None}
-            interp.grid_env = run.grid_env
-            if params.grid_point_recorder is not None:
-                interp.ordered_callback(params.grid_point_recorder, pt, jnp.int32(lane.core_id))
-            for i in blocked:
-                _enter_block(interp, core_ops[i], (i, lane.slot), i >= gm.num_inputs, gidx, prefetch, s)
-            views = [_batched_view(interp, op, v, gidx, prefetch) for op, v in zip(core_ops, views)] + list(
-                views[len(core_ops) :]
-            )
-            invals = [*gidx, *dynamic_sizes, *prefetch, *views]
-            yield from interp.iter_jaxpr(jaxpr.jaxpr, jaxpr.consts, invals, pause)
 
-        def step(s, carry):
-            interp.restore(*carry)
-            interp.progress = (jnp.asarray(steps_before + s, jnp.int32), jnp.asarray(total_steps, jnp.int32))
-            pause = _is_sem_wait if len(lanes) > 1 else None
-            running = []
-            for lane in lanes:
-                run = _Running(lane.core_id, None, named={n: interp.hidden.named[n] for n, _ in lane_hidden})
-                run.steps = lane_step(lane, s, pause, run)
-                running.append(run)
-            while running:  # round robin: each core runs up to its next semaphore wait
-                for run in list(running):
-                    interp.core_id = run.core_id
-                    interp.grid_env = run.grid_env
-                    interp.hidden.named.update(run.named)
-                    try:
-                        next(run.steps)
-                    except StopIteration:
-                        running.remove(run)
-                    run.named = {n: interp.hidden.named[n] for n, _ in lane_hidden}
-            return interp.snapshot()
+def _new_lane(call: _Call, slot: int, core_id: int) -> _Lane:
+    """A core of a group: its own scratch, and block buffers (the group's first
+    core uses the operands' own)."""
+    interp = call.interp
+    scratch = _new_scratch(call)
+    core_ops = list(call.ops)
+    for i in call.blocked:
+        op = call.ops[i]
+        init = _uninit(op.bm.kernel_block_shape, op.bm.dtype, call.params.uninitialized_memory)
+        buf = op.buf
+        if slot > 0:
+            name = f"{op.bm.origin} block (core {core_id})"
+            buf = interp.new_cell(init, name, interp.cell_spaces[op.buf], dma_target=op.buf in interp.shadows)
+        interp.state[buf] = init
+        core_ops[i] = _Operand(op.bm, op.hbm, buf)
+        interp.hidden.block_starts[i, slot] = jnp.zeros((len(op.bm.block_shape),), jnp.int32)
+    views = [RefView(op.buf if op.buf is not None else op.hbm) for op in core_ops]
+    return _Lane(core_id, slot, core_ops, views + [RefView(c) for c in scratch], scratch)
 
-        carry = interp.snapshot()
-        n = n_steps if D else len(per_core[group[0]])
-        carry = step(0, carry) if not D and n == 1 else lax.fori_loop(0, n, step, carry)
+
+def _run_group(call: _Call, group: list[int], steps_before: int, total_steps) -> int:
+    """Runs the grid points of a group of cores; returns how many steps that was
+    (0 for a dynamic grid, which runs once, as one group)."""
+    interp, D = call.interp, call.dynamic
+    # Each core of a group has its own scratch and block buffers; the cores
+    # of a group run their grid points in lockstep (see _core_groups).
+    lanes = [_new_lane(call, slot, core_id) for slot, core_id in enumerate(group)]
+    for view, a in zip(call.prefetch, call.prefetch_args):  # each core group has its own SMEM copy
+        interp.state[view.cell] = jnp.asarray(a)
+    table = None if D else jnp.asarray(np.stack([call.per_core[c] for c in group]), jnp.int32)
+
+    def step(s, carry):
         interp.restore(*carry)
-        interp.progress = None
-        steps_before += 0 if D else n
-        for lane in lanes:
-            core_ops, scratch = lane.ops, lane.scratch
-            for i, a in enumerate(gm.scratch_avals):
-                if plb.semaphore_kind(a) is not None:
-                    core_rules.check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
-            for i in blocked:
-                if i >= gm.num_inputs:  # the last output block goes back to HBM
-                    op = core_ops[i]
-                    prev_arr = interp.hidden.block_starts.pop((i, lane.slot))
-                    prev = [prev_arr[d] for d in range(len(op.bm.block_shape))]
-                    blk = interp.state[op.buf].reshape(op.bm.block_sizes)
-                    if D:  # a dynamic grid may run no step: then there is no last block
-                        old = lax.dynamic_slice(interp.state[op.hbm], prev, op.bm.block_sizes)
-                        blk = jnp.where(n > 0, blk, old)
-                    interp.state[op.hbm] = lax.dynamic_update_slice(interp.state[op.hbm], blk, prev)
-                else:
-                    interp.hidden.block_starts.pop((i, lane.slot))
-                if lane.slot > 0:
-                    interp.free_cell(core_ops[i].buf)
-            for c in scratch:
-                interp.free_cell(c)
-    for c in list(interp.shadows):
-        interp.check_dmas_landed(c, "when the kernel ends")
-    interp.finish()
-    outs = [_unpad(interp.state[op.hbm], op.bm) for op in ops[gm.num_inputs :]]
-    interp.raise_checks()
-    return outs
+        interp.progress = (jnp.asarray(steps_before + s, jnp.int32), jnp.asarray(total_steps, jnp.int32))
+        _run_lanes(call, lanes, table, s)
+        return interp.snapshot()
+
+    carry = interp.snapshot()
+    n = call.n_steps if D else len(call.per_core[group[0]])
+    carry = step(0, carry) if not D and n == 1 else lax.fori_loop(0, n, step, carry)
+    interp.restore(*carry)
+    interp.progress = None
+    for lane in lanes:
+        _end_lane(call, lane, n)
+    return 0 if D else n
+
+
+def _run_lanes(call: _Call, lanes: list[_Lane], table, s) -> None:
+    """Grid step ``s`` of every lane: round robin, each core runs up to its next
+    semaphore wait (a single core runs straight through)."""
+    interp = call.interp
+    pause = _is_sem_wait if len(lanes) > 1 else None
+    running = []
+    for lane in lanes:
+        lane_run = _Running(
+            lane.core_id, None, named={n: interp.hidden.named[n] for n, _ in call.lane_hidden}
+        )
+        lane_run.steps = _lane_steps(call, lane, table, s, pause, lane_run)
+        running.append(lane_run)
+    while running:  # round robin: each core runs up to its next semaphore wait
+        for lane_run in list(running):
+            interp.core_id = lane_run.core_id
+            interp.grid_env = lane_run.grid_env
+            interp.hidden.named.update(lane_run.named)
+            try:
+                next(lane_run.steps)
+            except StopIteration:
+                running.remove(lane_run)
+            lane_run.named = {n: interp.hidden.named[n] for n, _ in call.lane_hidden}
+
+
+def _lane_steps(call: _Call, lane: _Lane, table, s, pause, lane_run: _Running):
+    """One lane's grid step ``s`` as a generator (see ``Interpreter.iter_jaxpr``):
+    its blocks enter the pipeline, then the kernel runs."""
+    interp, gm, prefetch = call.interp, call.gm, call.prefetch
+    core_ops, views = lane.ops, lane.views
+    pt = jnp.stack(plb.grid_point(s, call.sizes)) if call.dynamic else table[lane.slot, s]
+    gidx = [pt[g] for g in range(len(gm.grid))]
+    lane_run.grid_env = {n: gidx[g] for g, n in enumerate(gm.grid_names) if n is not None}
+    interp.grid_env = lane_run.grid_env
+    if call.params.grid_point_recorder is not None:
+        interp.ordered_callback(call.params.grid_point_recorder, pt, jnp.int32(lane.core_id))
+    for i in call.blocked:
+        _enter_block(interp, core_ops[i], (i, lane.slot), i >= gm.num_inputs, gidx, prefetch, s)
+    views = [_batched_view(interp, op, v, gidx, prefetch) for op, v in zip(core_ops, views)] + list(
+        views[len(core_ops) :]
+    )
+    invals = [*gidx, *call.dynamic_sizes, *prefetch, *views]
+    yield from interp.iter_jaxpr(call.jaxpr.jaxpr, call.jaxpr.consts, invals, pause)
+
+
+def _end_lane(call: _Call, lane: _Lane, n) -> None:
+    """After a lane's last grid step (``n`` steps): its semaphores must be back at
+    zero, its last output blocks go back to HBM, its cells are freed."""
+    interp, gm = call.interp, call.gm
+    core_ops, scratch = lane.ops, lane.scratch
+    for i, a in enumerate(gm.scratch_avals):
+        if plb.semaphore_kind(a) is not None:
+            core_rules.check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
+    for i in call.blocked:
+        if i >= gm.num_inputs:  # the last output block goes back to HBM
+            op = core_ops[i]
+            prev_arr = interp.hidden.block_starts.pop((i, lane.slot))
+            prev = [prev_arr[d] for d in range(len(op.bm.block_shape))]
+            blk = interp.state[op.buf].reshape(op.bm.block_sizes)
+            if call.dynamic:  # a dynamic grid may run no step: then there is no last block
+                old = lax.dynamic_slice(interp.state[op.hbm], prev, op.bm.block_sizes)
+                blk = jnp.where(n > 0, blk, old)
+            interp.state[op.hbm] = lax.dynamic_update_slice(interp.state[op.hbm], blk, prev)
+        else:
+            interp.hidden.block_starts.pop((i, lane.slot))
+        if lane.slot > 0:
+            interp.free_cell(core_ops[i].buf)
+    for c in scratch:
+        interp.free_cell(c)
 
 
 def _batched_view(interp, op, view, gidx, prefetch):

@@ -56,7 +56,7 @@ import numpy as np
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import progress
 from pallas_tpu._src.interpret import races as races_mod
-from pallas_tpu._src.interpret.interpreter import KernelError
+from pallas_tpu._src.interpret.errors import KernelError
 
 # ---------------------------------------------------------------------------
 # Process-wide state.

@@ -1,0 +1,298 @@
+"""Refs as views of state cells in TPU interpret mode.
+
+A Ref the kernel holds is a ``RefView``: a cell of the interpreter's state and
+the transforms (indexers, reshapes, bitcasts...) applied to it. ``RefAccess``,
+a mixin of ``Interpreter`` (``interpreter.py``), reads and writes through those
+transforms: static indices become plain slices, traced ones dynamic slices,
+and every dynamic index is bounds-checked (``check``, in ``errors.py``), with
+JAX's words ("Out-of-bounds read") first in the message."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_tpu._src import compat
+
+
+@dataclasses.dataclass(frozen=True)
+class RefView:
+    """A Ref seen by the kernel: a state cell and the transforms applied to it."""
+
+    cell: int
+    transforms: tuple[Any, ...] = ()
+
+    def with_transforms(self, more: Sequence[Any]) -> RefView:
+        return RefView(self.cell, self.transforms + tuple(more))
+
+
+def _is_slice(x) -> bool:
+    return hasattr(x, "start") and hasattr(x, "size") and hasattr(x, "stride")
+
+
+def _traced_sizes(transform) -> bool:
+    """True if ``transform`` is an indexer with a slice whose size is traced."""
+    return any(_is_slice(ix) and not _static_int(ix.size) for ix in getattr(transform, "indices", ()))
+
+
+def _static_int(x) -> bool:
+    return isinstance(x, (int, np.integer))
+
+
+def _index_value(x):
+    """An index as a Python int when it is known while tracing, else traced int32:
+    static indices need no bounds check and no dynamic slice in the program."""
+    if _static_int(x):
+        return int(x)
+    if isinstance(x, np.ndarray) and x.shape == () and np.issubdtype(x.dtype, np.integer):
+        return int(x)
+    return jnp.asarray(x, jnp.int32)
+
+
+def _clip(x, lo: int, hi: int):
+    if _static_int(x):
+        return min(max(int(x), lo), hi)
+    return lax.clamp(np.int32(lo), jnp.asarray(x, jnp.int32), np.int32(hi))
+
+
+def _oob(what: str) -> str:
+    """JAX's interpreter's words first ("Out-of-bounds read"/"Out-of-bounds write"),
+    so code matching JAX's messages matches ours; then what the access was."""
+    kind = "write" if "write" in what else "read"
+    return f"Out-of-bounds {kind}" + (f" ({what})" if what != kind else "")
+
+
+class RefAccess:
+    """Reads and writes of ``RefView``s (see the module docstring); a mixin of
+    ``Interpreter``, whose state, checks and ``where`` it uses."""
+
+    def describe_ref(self, view: RefView) -> str:
+        return self.cell_names.get(view.cell, f"ref#{view.cell}")
+
+    def _index_parts(self, shape, indexer, eqn, view, what):
+        """(starts, sizes, strides, squeezed dims, advanced index arrays) of one NDIndexer."""
+        starts, sizes, strides, squeeze, arrays = [], [], [], [], {}
+        raw = [ix.start if _is_slice(ix) else ix for ix in indexer.indices]
+        for d, (n, ix) in enumerate(zip(shape, indexer.indices)):
+            if _is_slice(ix):
+                starts.append(_index_value(ix.start))
+                sizes.append(int(ix.size))
+                strides.append(int(ix.stride))
+            else:
+                if _static_int(ix):
+                    starts.append(int(ix))
+                    sizes.append(1)
+                    strides.append(1)
+                    squeeze.append(d)
+                    continue
+                ix = jnp.asarray(ix)
+                if ix.shape == ():
+                    starts.append(ix.astype(jnp.int32))
+                    sizes.append(1)
+                    strides.append(1)
+                    squeeze.append(d)
+                else:
+                    arrays[d] = ix.astype(jnp.int32)
+                    starts.append(jnp.zeros((), jnp.int32))
+                    sizes.append(n)
+                    strides.append(1)
+        if self.params.out_of_bounds_reads == "raise" or what != "read":
+            for d, n in enumerate(shape):
+                if d in arrays:
+                    a = arrays[d]
+                    ok = jnp.logical_and(jnp.all(a >= 0), jnp.all(a < n))
+                    lo = jnp.min(a) if a.size else 0
+                    hi = jnp.max(a) if a.size else 0
+                    self.check(
+                        ok,
+                        f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)}: index array "
+                        f"with values in [{{0}}, {{1}}] along dimension {d} of size {n}",
+                        [lo, hi],
+                    )
+                    continue
+                extent = (sizes[d] - 1) * strides[d] + 1 if sizes[d] else 0
+                st = starts[d]
+                if _static_int(st):  # known while tracing: no check in the program
+                    if 0 <= st and st + extent <= n:
+                        continue
+                    ok = False
+                elif self._bounds_checked(raw[d], extent, n):
+                    continue
+                else:  # lax, not jnp's operators: each of those is a jitted call to trace
+                    ok = lax.bitwise_and(
+                        lax.ge(st, np.int32(0)), lax.le(lax.add(st, np.int32(extent)), np.int32(n))
+                    )
+                self.check(
+                    ok,
+                    f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)} "
+                    f"(shape {tuple(shape)}): dimension {d} reads [{{0}}, {{0}} + {extent}) "
+                    f"but its size is {n}",
+                    [starts[d]],
+                )
+        return starts, sizes, strides, squeeze, arrays
+
+    def _read1(self, x, indexer, eqn, view, what):
+        if not hasattr(indexer, "indices"):
+            return self._transform_other(x, indexer, eqn)
+        starts, sizes, strides, squeeze, arrays = self._index_parts(x.shape, indexer, eqn, view, what)
+        ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
+        starts_c = [_clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
+        if not x.ndim:
+            y = x
+        elif all(_static_int(s) for s in starts_c):
+            y = x if tuple(ext) == x.shape else lax.slice(x, starts_c, [s + e for s, e in zip(starts_c, ext)])
+        else:
+            y = lax.dynamic_slice(x, starts_c, ext, allow_negative_indices=False)  # clipped above
+        if any(k != 1 for k in strides):
+            y = lax.slice(y, [0] * y.ndim, y.shape, strides)
+        if arrays:
+            idx = tuple(arrays.get(d, slice(None)) if d not in squeeze else 0 for d in range(x.ndim))
+            return y[idx]
+        if squeeze:
+            y = lax.squeeze(y, squeeze)
+        return y
+
+    def _write1(self, x, indexer, val, eqn, view):
+        if isinstance(indexer, compat.ReshapeTransform):  # ``ref.reshape(...)``: row-major, as the array
+            return jnp.asarray(val, x.dtype).reshape(x.shape)
+        if not hasattr(indexer, "indices"):
+            raise NotImplementedError(
+                f"{self.where(eqn)}: writing through a {type(indexer).__name__} view is not supported "
+                "by the TPU interpreter yet"
+            )
+        starts, sizes, strides, squeeze, arrays = self._index_parts(x.shape, indexer, eqn, view, "write")
+        if arrays:
+            idx = []
+            for d in range(x.ndim):
+                if d in arrays:
+                    idx.append(arrays[d])
+                elif d in squeeze:
+                    idx.append(jnp.clip(starts[d], 0, x.shape[d] - 1))
+                else:
+                    idx.append(jnp.clip(starts[d], 0, x.shape[d] - 1) + strides[d] * jnp.arange(sizes[d]))
+            # Basic dims become broadcastable aranges, as numpy's mixed indexing.
+            return x.at[tuple(idx)].set(val.astype(x.dtype), mode="drop")
+        ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
+        starts_c = [_clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
+        blk_shape = [s for d, s in enumerate(sizes)]
+        val = jnp.asarray(val, x.dtype).reshape(blk_shape)
+        if tuple(ext) == x.shape and all(_static_int(s) and s == 0 for s in starts_c):
+            if all(k == 1 for k in strides):
+                return val  # the whole buffer
+        if any(k != 1 for k in strides):
+            old = lax.dynamic_slice(x, starts_c, ext, allow_negative_indices=False)
+            idx = tuple(slice(None, None, k) for k in strides)
+            val = old.at[idx].set(val)
+        if not x.ndim:
+            return val.reshape(())
+        return lax.dynamic_update_slice(x, val, starts_c, allow_negative_indices=False)
+
+    def _transform_other(self, x, t, eqn):
+        if isinstance(t, compat.ReshapeTransform):  # JAX's class has no transform_array
+            return x.reshape(t.shape)
+        try:
+            return t.transform_array(x)
+        except Exception as e:
+            raise NotImplementedError(
+                f"{self.where(eqn)}: the TPU interpreter cannot apply the Ref transform {t!r}: {e}"
+            ) from None
+
+    def read_view(self, view: RefView, eqn, what="read"):
+        x = self.state[view.cell]
+        self.on_access(view, eqn, write=False)
+        for t in view.transforms:
+            x = self._read1(x, t, eqn, view, what)
+        return x
+
+    def flat_index(self, view: RefView, eqn):
+        """The flat position of the one element a view selects (semaphores)."""
+        x = jnp.arange(math.prod(self.state[view.cell].shape), dtype=jnp.int32).reshape(
+            self.state[view.cell].shape
+        )
+        for t in view.transforms:
+            x = self._read1(x, t, eqn, view, "read")
+        return x.reshape(())
+
+    def view_indices(self, view: RefView, eqn, what: str):
+        """(flat element indices of the cell that ``view`` covers, the view's
+        shape). A slice whose size is traced (``pl.ds(i, n)``, in DMAs) takes
+        the dimension's whole length; its positions past ``n`` hold the cell's
+        size (out of range, so a scatter drops them), and its entry of the
+        shape is ``n`` (traced)."""
+        x = self.state[view.cell]
+        idx = jnp.arange(max(x.size, 1), dtype=jnp.int32)[: x.size].reshape(x.shape)
+        valid, shape = None, list(x.shape)
+        for t in view.transforms:
+            if valid is None and not _traced_sizes(t):
+                idx = (
+                    self._read1(idx, t, eqn, view, what)
+                    if hasattr(t, "indices")
+                    else self._transform_other(idx, t, eqn)
+                )
+                shape = list(idx.shape)
+            elif hasattr(t, "indices"):
+                idx, valid, shape = self._index_traced(idx, valid, shape, t, eqn, view, what)
+            else:
+                raise NotImplementedError(
+                    f"{self.where(eqn)}: the TPU interpreter cannot apply {type(t).__name__} after a slice "
+                    "whose size is traced (pl.ds(start, n) with n traced); apply it before that slice"
+                )
+        if valid is not None:
+            idx = jnp.where(valid, idx, x.size)
+        return idx, tuple(shape)
+
+    def _index_traced(self, idx, valid, shape, indexer, eqn, view, what):
+        """``view_indices`` of one NDIndexer when a size is traced."""
+        if valid is None:
+            valid = jnp.ones(idx.shape, jnp.bool_)
+        out_shape, squeeze = [], []
+        for d, ix in enumerate(indexer.indices):
+            n, bound = shape[d], idx.shape[d]
+            if not _is_slice(ix) and jnp.ndim(ix) > 0:
+                raise NotImplementedError(
+                    f"{self.where(eqn)}: a DMA view with a traced size cannot also be indexed with an "
+                    "array of indices"
+                )
+            if _is_slice(ix):
+                start, size, stride = jnp.asarray(ix.start, jnp.int32), ix.size, int(ix.stride)
+            else:
+                start, size, stride = jnp.asarray(ix, jnp.int32), 1, 1
+                squeeze.append(d)
+            static = _static_int(size)
+            count = int(size) if static else -(-bound // stride)
+            out_shape.append(count if static else jnp.asarray(size, jnp.int32))
+            size = jnp.asarray(size, jnp.int32)
+            ok = jnp.logical_and(size >= 0, start >= 0)
+            ok = jnp.logical_and(ok, jnp.logical_or(size == 0, start + (size - 1) * stride < n))
+            self.check(
+                ok,
+                f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)}: dimension {d} "
+                f"takes {{1}} elements from {{0}} (stride {stride}) but its size is {{2}}",
+                [start, size, n],
+            )
+            pos = jnp.clip(start + stride * jnp.arange(count, dtype=jnp.int32), 0, max(bound - 1, 0))
+            idx, valid = jnp.take(idx, pos, axis=d), jnp.take(valid, pos, axis=d)
+            if not static:
+                inside = (jnp.arange(count) < size).reshape([-1 if k == d else 1 for k in range(idx.ndim)])
+                valid = jnp.logical_and(valid, inside)
+        keep = [d for d in range(idx.ndim) if d not in squeeze]
+        idx, valid = jnp.squeeze(idx, squeeze), jnp.squeeze(valid, squeeze)
+        return idx, valid, [out_shape[d] for d in keep]
+
+    def write_view(self, view: RefView, val, eqn):
+        self.on_access(view, eqn, write=True)
+
+        def go(x, ts):
+            if not ts:
+                return jnp.asarray(val, x.dtype).reshape(x.shape)
+            inner = self._read1(x, ts[0], eqn, view, "write") if len(ts) > 1 else None
+            new_inner = go(inner, ts[1:]) if len(ts) > 1 else val
+            return self._write1(x, ts[0], new_inner, eqn, view)
+
+        self.state[view.cell] = go(self.state[view.cell], list(view.transforms))

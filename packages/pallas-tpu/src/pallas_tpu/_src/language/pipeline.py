@@ -43,106 +43,32 @@ returns ``pl.ds(start, size)``, ``size <= n``; the buffer has ``n`` along it and
 the copy takes ``size`` clamped to the end of the array, rounded up to the
 dimension's memory tiling as in JAX's pipeline (``_Operand.bounded_sizes``;
 tiling 1 on leading dims), with the same interpret/Mosaic split at the edge.
+
+This module holds the API (``emit_pipeline`` and its two variants, which check
+their arguments and plan the operands: ``pipeline_plan.py``); the loop that
+runs the schedule is ``pipeline_schedule.py``'s, the operands' buffers and
+block indexing ``pipeline_buffers.py``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax, tree_util
 
 import pallas as pl
-from pallas import backend as plb
 from pallas_tpu._src.language import core as tpu_core
-from pallas_tpu._src.language.pipeline_buffers import (
-    _WHERE,
-    BufferType,
-    _as_index,
-    _block_indexer,
-    _call_index_map,
-    _differ,
-    _err,
-    _unravel,
-    _when,
+from pallas_tpu._src.language.pipeline_buffers import _WHERE, BufferType, _err
+from pallas_tpu._src.language.pipeline_plan import _make_pipeline_allocations, _plan
+from pallas_tpu._src.language.pipeline_schedule import (
+    PipelineStep as PipelineStep,  # the public API imports it from here
 )
-from pallas_tpu._src.language.pipeline_plan import _make_pipeline_allocations, _Operand, _plan
-
-# ---------------------------------------------------------------------------
-# Core partitioning (core_axis / core_axis_name).
-
-
-def _core_info(core_axis):
-    if core_axis is None:
-        return None, None
-    if isinstance(core_axis, int):
-        return pl.num_programs(core_axis), pl.program_id(core_axis)
-    return lax.axis_size(core_axis), lax.axis_index(core_axis)
-
-
-def _partition_grid(grid, semantics, num_cores, core_id):
-    """(this core's grid, offsets of its indices): split the first parallel
-    axis that the cores divide, else the largest parallel one unevenly."""
-    if num_cores is None or (isinstance(num_cores, int) and num_cores == 1):
-        return tuple(grid), (0,) * len(grid)
-    if not isinstance(num_cores, int):
-        raise _err(NotImplementedError, f"{_WHERE}: cannot split the grid over a dynamic number of cores")
-    parallel = [i for i, s in enumerate(semantics) if s is tpu_core.PARALLEL]
-    if not parallel:
-        raise _err(
-            NotImplementedError,
-            f"{_WHERE}: splitting the grid over {num_cores} cores needs a 'parallel' axis in "
-            f"dimension_semantics, got {tuple(s.value for s in semantics)}",
-        )
-    offsets = [0] * len(grid)
-    grid = list(grid)
-    for i in parallel:
-        if isinstance(grid[i], int) and grid[i] % num_cores == 0:
-            grid[i] //= num_cores
-            offsets[i] = core_id * grid[i]
-            return tuple(grid), tuple(offsets)
-    static = [i for i in parallel if isinstance(grid[i], int)]
-    if not static:
-        raise _err(NotImplementedError, f"{_WHERE}: cannot split dynamic grid axes over cores")
-    i = max(static, key=lambda j: grid[j])
-    base, rem = divmod(grid[i], num_cores)
-    grid[i] = jnp.where(core_id < rem, base + 1, base).astype(jnp.int32)
-    offsets[i] = jnp.where(core_id < rem, core_id * (base + 1), core_id * base + rem)
-    return tuple(grid), tuple(offsets)
-
-
-# ---------------------------------------------------------------------------
-
-
-@tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True, eq=False)
-class PipelineStep:
-    """Where a pipeline body runs (given to the body with ``_explicit_indices``).
-
-    Attributes:
-      index: the grid indices of this step (offset by this core's share).
-      local_index: the linear step counter of this core's loop.
-    """
-
-    index: tuple[Any, ...]
-    local_index: Any
-
-    def tree_flatten(self):
-        vals = (*self.index, self.local_index)
-        aux = tuple(v if isinstance(v, int) else None for v in vals)
-        return [v for v in vals if not isinstance(v, int)], aux
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        it = iter(children)
-        vals = [v if v is not None else next(it) for v in aux]
-        return cls(index=tuple(vals[:-1]), local_index=vals[-1])
+from pallas_tpu._src.language.pipeline_schedule import _run_pipeline
 
 
 def emit_pipeline(
@@ -185,44 +111,13 @@ def emit_pipeline(
       ``pipeline(*refs, scratches=None, allocations=None, body_prologue=None)``.
     """
     del trace_scopes
-    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
-    for g in grid:
-        if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer, jax.Array)):
-            raise _err(TypeError, f"{_WHERE}: grid entries must be ints or int32 scalars, got grid={grid!r}")
-        if isinstance(g, (int, np.integer)) and g <= 0:
-            raise _err(ValueError, f"{_WHERE}: grid entries must be strictly positive, got grid={grid!r}")
-    grid = tuple(int(g) if isinstance(g, (int, np.integer)) else g for g in grid)
-    if core_axis is not None and core_axis_name is not None:
-        raise _err(ValueError, f"{_WHERE}: give core_axis or core_axis_name, not both")
-    if dimension_semantics is None:
-        semantics = (tpu_core.ARBITRARY,) * len(grid)
-    else:
-        semantics = tuple(
-            tpu_core.normalize_semantics(s, f"{_WHERE} dimension_semantics[{i}]")
-            for i, s in enumerate(dimension_semantics)
-        )
-        if len(semantics) != len(grid):
-            raise _err(
-                ValueError,
-                f"{_WHERE}: dimension_semantics has {len(semantics)} entries but grid={grid} has {len(grid)} axes",
-            )
+    grid, semantics = _checked_grid(grid, core_axis, core_axis_name, dimension_semantics)
     name = getattr(body, "__name__", "body")
 
     def pipeline(*refs, scratches=None, allocations=None, body_prologue=None):
-        ispecs, ospecs = in_specs, out_specs
-        if isinstance(allocations, PrefetchedInputs):
-            allocations.check_for(refs[: len(jax.tree.leaves(ispecs))], ispecs)
-            allocations = None  # the first input blocks are fetched at the start: see PrefetchedInputs
-        if allocations is not None and not ispecs and not ospecs:
-            # The specs come with the allocations (JAX allows this too).
-            allocs = list(allocations)
-            ispecs = tuple(b.spec for b in allocs if b is not None and b.buffer_type is BufferType.INPUT)
-            ospecs = tuple(b.spec for b in allocs if b is not None and b.buffer_type is not BufferType.INPUT)
-        plan, rebuild = _plan(refs, ispecs, ospecs, tiling, should_accumulate_out, allocations)
-        if no_pipelining:
-            for op in plan:
-                if op is not None and op.bref.is_buffered:
-                    op.bref = dataclasses.replace(op.bref, _buffer_count=1)
+        plan, rebuild = _plan_call(
+            refs, in_specs, out_specs, tiling, should_accumulate_out, no_pipelining, allocations
+        )
         run = functools.partial(
             _run_pipeline,
             body,
@@ -253,184 +148,54 @@ def emit_pipeline(
     return pipeline
 
 
-class _Group:
-    """Buffered operands with the same index map, block shape, array shape,
-    buffer count and type: their copies share predicates, slots and
-    ``pl.when``s (fewer conditionals for the interpreter to compile)."""
-
-    def __init__(self, members):
-        self.members = members
-        lead = members[0]
-        self.bref, self.spec, self.origin = lead.bref, lead.spec, lead.origin
-
-    def copy_in(self, block_indices, slot, **kw):
-        for m in self.members:
-            m.copy_in(block_indices, slot, **kw)
-
-    def copy_out(self, block_indices, slot, **kw):
-        for m in self.members:
-            m.copy_out(block_indices, slot, **kw)
-
-
-def _group(ops) -> list[_Group]:
-    groups: dict[Any, list[_Operand]] = {}
-    for op in ops:
-        key = (
-            id(op.spec.index_map),
-            op.spec.block_shape,
-            op.shape,
-            op.bref.buffer_count,
-            op.bref.buffer_type,
+def _checked_grid(grid, core_axis, core_axis_name, dimension_semantics):
+    """``emit_pipeline``'s grid (a tuple of ints and traced scalars) and its
+    dimension semantics, checked."""
+    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+    for g in grid:
+        if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer, jax.Array)):
+            raise _err(TypeError, f"{_WHERE}: grid entries must be ints or int32 scalars, got grid={grid!r}")
+        if isinstance(g, (int, np.integer)) and g <= 0:
+            raise _err(ValueError, f"{_WHERE}: grid entries must be strictly positive, got grid={grid!r}")
+    grid = tuple(int(g) if isinstance(g, (int, np.integer)) else g for g in grid)
+    if core_axis is not None and core_axis_name is not None:
+        raise _err(ValueError, f"{_WHERE}: give core_axis or core_axis_name, not both")
+    if dimension_semantics is None:
+        semantics = (tpu_core.ARBITRARY,) * len(grid)
+    else:
+        semantics = tuple(
+            tpu_core.normalize_semantics(s, f"{_WHERE} dimension_semantics[{i}]")
+            for i, s in enumerate(dimension_semantics)
         )
-        groups.setdefault(key, []).append(op)
-    return [_Group(g) for g in groups.values()]
+        if len(semantics) != len(grid):
+            raise _err(
+                ValueError,
+                f"{_WHERE}: dimension_semantics has {len(semantics)} entries but grid={grid} has {len(grid)} axes",
+            )
+    return grid, semantics
+
+
+def _plan_call(refs, ispecs, ospecs, tiling, should_accumulate_out, no_pipelining, allocations):
+    """The plan of one call of a pipeline on ``refs`` (``_plan``), its specs taken
+    from ``allocations`` when the pipeline was made without them."""
+    if isinstance(allocations, PrefetchedInputs):
+        allocations.check_for(refs[: len(jax.tree.leaves(ispecs))], ispecs)
+        allocations = None  # the first input blocks are fetched at the start: see PrefetchedInputs
+    if allocations is not None and not ispecs and not ospecs:
+        # The specs come with the allocations (JAX allows this too).
+        allocs = list(allocations)
+        ispecs = tuple(b.spec for b in allocs if b is not None and b.buffer_type is BufferType.INPUT)
+        ospecs = tuple(b.spec for b in allocs if b is not None and b.buffer_type is not BufferType.INPUT)
+    plan, rebuild = _plan(refs, ispecs, ospecs, tiling, should_accumulate_out, allocations)
+    if no_pipelining:
+        for op in plan:
+            if op is not None and op.bref.is_buffered:
+                op.bref = dataclasses.replace(op.bref, _buffer_count=1)
+    return plan, rebuild
 
 
 def _is_type(x) -> bool:
     return isinstance(x, pl.MemoryRef)
-
-
-def _run_pipeline(
-    body, plan, rebuild, *, grid, semantics, core_axis, scratches, body_prologue, explicit_indices, name
-):
-    num_cores, core_id = _core_info(core_axis)
-    local_grid, offsets = _partition_grid(grid, semantics, num_cores, core_id)
-    static = all(isinstance(g, int) for g in local_grid)
-    num_steps = math.prod(local_grid) if static else functools.reduce(lambda a, b: a * b, local_grid)
-    ops = [op for op in plan if op is not None]
-    groups = _group([op for op in ops if op.bref.is_buffered])
-    ins = [g for g in groups if g.bref.is_input]
-    outs = [g for g in groups if g.bref.is_output]
-    ctx_name = f"emit_pipeline body {name!r}"
-
-    def indices_at(t):
-        # The steps around this one wrap around the grid, as in JAX's pipeline: an index map
-        # never sees grid indices outside the grid (step -1 of step 0, lookahead past the
-        # last step), where a lookup in a scalar-prefetch table would read out of bounds.
-        # Blocks at wrapped steps are only compared under predicates that are then false.
-        t = lax.rem(jnp.asarray(t, jnp.int32) + num_steps, jnp.maximum(jnp.asarray(num_steps, jnp.int32), 1))
-        return tuple(i + o for i, o in zip(_unravel(t, local_grid), offsets))
-
-    class Steps:
-        """Grid indices and block indices at the steps around one step,
-        computed once (named by their offset from the step)."""
-
-        def __init__(self, s):
-            self.s = s
-            self.idx: dict[int, tuple] = {}
-            self.blocks: dict[tuple[int, int], tuple] = {}
-
-        def indices(self, k):
-            if k not in self.idx:
-                self.idx[k] = indices_at(self.s + k)
-            return self.idx[k]
-
-        def block(self, op, k):
-            key = (id(op), k)
-            if key not in self.blocks:
-                idx = self.indices(k)
-                with plb.kernel_context(plb.KernelContext(local_grid, idx, ctx_name)):
-                    self.blocks[key] = tuple(map(_as_index, _call_index_map(op.spec, idx, op.origin)))
-            return self.blocks[key]
-
-        def differ(self, op, k1, k2):
-            return _differ(self.block(op, k1), self.block(op, k2))
-
-    # Prologue: the first n - 1 fetches of every input with n buffers.
-    prologue = Steps(jnp.int32(0))
-    fetched0 = []
-    for op in ins:
-        n = op.bref.buffer_count
-        count = jnp.int32(0)
-        for t in range(n - 1):
-            if static and t >= num_steps:
-                break
-            pred = True if t == 0 else prologue.differ(op, t, t - 1)
-            if not static:
-                pred = jnp.logical_and(t < num_steps, pred)
-            _when(pred, functools.partial(op.copy_in, prologue.block(op, t), lax.rem(count, n)))
-            count = count + jnp.asarray(pred, jnp.int32)
-        fetched0.append(count)
-
-    def step(s, carry):
-        fetched, used, written = (list(c) for c in carry)
-        at = Steps(s)
-        first = s == 0
-        not_first = jnp.logical_not(first)
-        last = s == num_steps - 1
-
-        def changed(op):  # the block differs from the previous step's
-            return jnp.logical_or(first, at.differ(op, 0, -1))
-
-        def will_change(op):  # the block differs from the next step's, or this is the last step
-            return jnp.logical_or(last, at.differ(op, 0, 1))
-
-        # In/out operands finish writing back their previous block before
-        # their slots are refilled.
-        for k, op in enumerate(outs):
-            if op.bref.is_input and op.bref.buffer_count == 2:
-                pred = jnp.logical_and(not_first, changed(op))
-                prev = functools.partial(op.copy_out, at.block(op, -1), lax.rem(written[k] + 1, 2))
-                _when(pred, functools.partial(prev, start=False, wait=True))
-        # Inputs: fetch n - 1 steps ahead, then wait for this step's block.
-        slots = {}
-        for k, op in enumerate(ins):
-            n = op.bref.buffer_count
-            ch = changed(op)
-            used[k] = used[k] + jnp.logical_and(ch, not_first).astype(jnp.int32)
-            slot = lax.rem(used[k], n)
-            if n == 1:
-                _when(ch, functools.partial(op.copy_in, at.block(op, 0), slot, wait=True))
-            else:
-                pred = jnp.logical_and(s + (n - 1) < num_steps, at.differ(op, n - 1, n - 2))
-                _when(pred, functools.partial(op.copy_in, at.block(op, n - 1), lax.rem(fetched[k], n)))
-                fetched[k] = fetched[k] + pred.astype(jnp.int32)
-                _when(ch, functools.partial(op.copy_in, at.block(op, 0), slot, start=False, wait=True))
-            slots.update((id(m), slot) for m in op.members)
-        for k, op in enumerate(outs):
-            if not op.bref.is_input:
-                slots.update((id(m), lax.rem(written[k], op.bref.buffer_count)) for m in op.members)
-
-        block_refs = []
-        for op in plan:
-            if op is None:
-                block_refs.append(None)
-            elif op.bref.is_buffered:
-                block_refs.append(op.bref.window_ref.at[slots[id(op)]])
-            else:
-                block_refs.append(op.ref.at[_block_indexer(op.spec, at.block(op, 0))])
-        idx = at.indices(0)
-        with plb.kernel_context(plb.KernelContext(local_grid, idx, ctx_name)):
-            if body_prologue is not None:
-                body_prologue()
-            args = rebuild(block_refs)
-            if explicit_indices:
-                body(PipelineStep(idx, s), *args, *scratches)
-            else:
-                body(*args, *scratches)
-
-        # Outputs: write back when the block is about to change.
-        for k, op in enumerate(outs):
-            slot = slots[id(op.members[0])]
-            wc = will_change(op)
-            if op.bref.buffer_count == 1:
-                _when(wc, functools.partial(op.copy_out, at.block(op, 0), slot, wait=True))
-            else:
-                _when(wc, functools.partial(op.copy_out, at.block(op, 0), slot))
-                if not op.bref.is_input:
-                    pred = jnp.logical_and(not_first, changed(op))
-                    prev = functools.partial(op.copy_out, at.block(op, -1), lax.rem(slot + 1, 2))
-                    _when(pred, functools.partial(prev, start=False, wait=True))
-            written[k] = written[k] + wc.astype(jnp.int32)
-        return tuple(fetched), tuple(used), tuple(written)
-
-    carry = (tuple(fetched0), tuple(jnp.int32(0) for _ in ins), tuple(jnp.int32(0) for _ in outs))
-    _, _, written = lax.fori_loop(0, num_steps, step, carry)
-    # Epilogue: wait for the last write-back of double-buffered outputs.
-    at = Steps(jnp.asarray(num_steps - 1, jnp.int32))
-    for k, op in enumerate(outs):
-        if op.bref.buffer_count == 2:
-            op.copy_out(at.block(op, 0), lax.rem(written[k] + 1, 2), start=False, wait=True)
 
 
 def emit_pipeline_with_allocations(body, *, grid, in_specs=(), out_specs=(), should_accumulate_out=False):

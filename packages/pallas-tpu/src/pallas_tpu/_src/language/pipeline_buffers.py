@@ -1,6 +1,7 @@
 """``emit_pipeline``'s operands: ``BufferType``, ``BufferedRef`` (a spec, its
 buffer and DMA semaphores) and block indexing (index maps, ``pl.BoundedSlice``
-windows, the ``.at[...]`` indexer of a block). The schedule is ``pipeline.py``'s."""
+windows, the ``.at[...]`` indexer of a block). The schedule is ``pipeline.py``'s (its loop
+``pipeline_schedule.py``'s)."""
 
 from __future__ import annotations
 

@@ -66,6 +66,26 @@ def resolve(fn, args, kwargs, out_avals, aliases, legacy: bool, where: str) -> O
     """
     names = list(fn.arg_names)
     constexpr = {n for n, p in zip(names, fn.params) if p.is_constexpr}
+    given, metaparams = _arguments(fn, names, constexpr, args, kwargs, where)
+    params, arrays, in_avals, refs, scalars = _inputs(given, names, where)
+    aliases = _aliases(aliases, params, names, constexpr, in_avals, out_avals, legacy, where)
+    if refs and aliases:
+        raise ValueError(
+            f"{where}: input_output_aliases cannot be combined with jax.new_ref Ref "
+            f"arguments: a Ref is already updated in place; pass the aliased inputs as Refs"
+        )
+    params = _bind_outputs(fn, params, names, constexpr, aliases, out_avals, legacy, where)
+    out_avals = tuple(out_avals)
+    for _, i in refs:
+        aliases[i] = len(out_avals)
+        out_avals += (in_avals[i],)
+    return Operands(params, metaparams, arrays, tuple(in_avals), out_avals, aliases, refs, tuple(scalars))
+
+
+def _arguments(fn, names, constexpr, args, kwargs, where) -> tuple[dict, dict]:
+    """({parameter name: (what, positional index or keyword, value)} of the
+    non-constexpr arguments, {name: value} of the metaparams): constexpr values
+    given positionally and the declared constexpr defaults are metaparams too."""
     if len(args) > len(names):
         raise TypeError(
             f"{where}: {_signature_text(fn)}, but triton_call got {len(args)} positional arguments"
@@ -88,6 +108,12 @@ def resolve(fn, args, kwargs, out_avals, aliases, legacy: bool, where: str) -> O
     for n in names:  # so are the declared constexpr defaults
         if n in constexpr and n not in given and n not in metaparams and has_default(fn, n):
             metaparams[n] = fn.signature.parameters[n].default
+    return given, metaparams
+
+
+def _inputs(given, names, where):
+    """(params, arrays, in_avals, refs, scalars) of the given arguments, in
+    parameter order: arrays and Refs (read) are inputs, scalars and None values."""
     params, arrays, in_avals, refs, scalars = {}, [], [], [], []
     for name in names:
         if name not in given:
@@ -110,13 +136,13 @@ def resolve(fn, args, kwargs, out_avals, aliases, legacy: bool, where: str) -> O
                 f"{where}: {what} is {type(value).__name__} ({value!r:.60}); triton_call takes "
                 f"arrays and Python/numpy scalars (and jax.new_ref Refs), not pytrees or other objects"
             )
+    return params, arrays, in_avals, refs, scalars
 
-    aliases = _aliases(aliases, params, names, constexpr, in_avals, out_avals, legacy, where)
-    if refs and aliases:
-        raise ValueError(
-            f"{where}: input_output_aliases cannot be combined with jax.new_ref Ref "
-            f"arguments: a Ref is already updated in place; pass the aliased inputs as Refs"
-        )
+
+def _bind_outputs(fn, params, names, constexpr, aliases, out_avals, legacy, where) -> dict[str, Operand]:
+    """``params`` with the outputs bound to the non-constexpr parameters left
+    without an argument, in parameter order (aliased ones not, but with
+    ``out_shape=``), reordered as the parameters."""
     aliased_outputs = set(aliases.values()) if not legacy else set()
     outputs = [o for o in range(len(out_avals)) if o not in aliased_outputs]
     missing = [n for n in names if n not in constexpr and n not in params]
@@ -139,13 +165,7 @@ def resolve(fn, args, kwargs, out_avals, aliases, legacy: bool, where: str) -> O
         )
     for name, o in zip(missing, outputs):
         params[name] = Operand(f"output {o} ({name!r})", "output", o)
-    params = {n: params[n] for n in names if n in params}
-
-    out_avals = tuple(out_avals)
-    for _, i in refs:
-        aliases[i] = len(out_avals)
-        out_avals += (in_avals[i],)
-    return Operands(params, metaparams, arrays, tuple(in_avals), out_avals, aliases, refs, tuple(scalars))
+    return {n: params[n] for n in names if n in params}
 
 
 def _aliases(aliases, params, names, constexpr, in_avals, out_avals, legacy, where) -> dict[int, int]:

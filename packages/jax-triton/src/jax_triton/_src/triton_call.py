@@ -63,7 +63,7 @@ def _abstract_eval(*avals, call: CallSpec):
     return [jax.core.ShapedArray(a.shape, a.dtype) for a in call.out_avals]
 
 
-def triton_call(
+def triton_call(  # long for its public docstring only: the body is ~45 lines
     *args,
     kernel,
     out_type=None,

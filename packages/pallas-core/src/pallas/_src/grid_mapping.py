@@ -135,6 +135,8 @@ def _index_map_arity_ok(fn: Callable, n: int) -> bool:
 def block_mapping(
     spec, aval, origin: str, grid, err: Err, prefetch_avals=(), prefetch_tree=None
 ) -> BlockMapping:
+    """The BlockMapping of the operand ``origin`` (of ``aval``): ``spec``'s
+    memory space, block shape and index map checked, the index map traced."""
     shape, dtype = tuple(aval.shape), aval.dtype
     if spec is None or spec is pallas_core.no_block_spec:
         spec = BlockSpec()
@@ -143,8 +145,33 @@ def block_mapping(
         raise err(
             TypeError, origin, f"unknown memory_space {ms!r}; expected None, pl.ANY or a backend memory space"
         )
-    block_shape = spec.block_shape
-    whole = pallas_core.is_whole_array_space(ms)
+    block_shape, dims = _block_dims(spec.block_shape, shape, dtype, origin, err)
+    index_map = _checked_index_map(
+        spec.index_map, len(shape), grid, prefetch_avals, prefetch_tree, origin, err
+    )
+    jaxpr, consts, n_out = _trace_index_map(index_map, grid, prefetch_avals, prefetch_tree)
+    # The wording after the culprit is JAX's ("Index map function f at x.py:3 for args[0] ...").
+    index_map_is = f"Index map function {function_source(index_map)} for {jax_origin(origin)}"
+    _check_index_map_outputs(jaxpr, n_out, block_shape, index_map_is, origin, err)
+    if pallas_core.is_whole_array_space(ms):
+        _check_whole_array_window(dims, jaxpr, shape, dtype, ms, origin, err)
+    if consts:
+        jaxpr = _close_over(jaxpr, consts, index_map)
+        if jaxpr is None:
+            raise err(
+                ValueError,
+                f"{origin}.index_map",
+                f"{index_map_is} must not capture constants: "
+                f"{', '.join(compat.get_aval(c).str_short() for c in consts)}. An index map computes block "
+                "indices from the grid indices (and scalar-prefetch operands: pass a table of indices "
+                "with pltpu.PrefetchScalarGridSpec)",
+            )
+    return BlockMapping(origin, dims, jaxpr, shape, dtype, ms)
+
+
+def _block_dims(block_shape, shape: tuple, dtype, origin: str, err: Err) -> tuple[tuple | list, tuple]:
+    """(the block shape, the array's when None; its dims normalized to
+    ``Blocked``/``Element``/``squeezed``), checked against the array."""
     if block_shape is None:
         block_shape = shape
     if not isinstance(block_shape, (tuple, list)):
@@ -161,9 +188,14 @@ def block_mapping(
         _normalize_block_dim(d, f"{origin}.block_shape[{i}]", err, n)
         for i, (d, n) in enumerate(zip(block_shape, shape))
     )
-    index_map = spec.index_map
+    return block_shape, dims
+
+
+def _checked_index_map(index_map, rank: int, grid, prefetch_avals, prefetch_tree, origin: str, err: Err):
+    """The index map (all zeros when None), checked to be a callable taking
+    one argument per grid axis and scalar-prefetch operand."""
     if index_map is None:
-        index_map = lambda *_: (0,) * len(shape)  # noqa: E731
+        index_map = lambda *_: (0,) * rank  # noqa: E731
     if not callable(index_map):
         raise err(TypeError, f"{origin}.index_map", f"expected a callable, got {index_map!r}")
     n_prefetch = len(prefetch_avals) if prefetch_tree is None else len(prefetch_tree.children())
@@ -178,6 +210,12 @@ def block_mapping(
             f"(one grid index each{extra}); {function_source(index_map)} does not"
             + (f": {python_says}" if python_says else ""),
         )
+    return index_map
+
+
+def _trace_index_map(index_map, grid, prefetch_avals, prefetch_tree):
+    """(closed jaxpr of the index map on int32 grid indices and the
+    scalar-prefetch operands, its constants, how many values it returned)."""
     n_out = []
 
     def flat_index_map(*idx):
@@ -192,14 +230,19 @@ def block_mapping(
     idx_avals = [compat.shaped_array((), jnp.int32)] * len(grid) + list(prefetch_avals)
     dbg = compat.make_debug_info("pallas_call index_map", index_map, list(range(len(idx_avals))))
     jaxpr, consts = compat.trace_to_closed_jaxpr(flat_index_map, idx_avals, dbg)
-    # The wording after the culprit is JAX's ("Index map function f at x.py:3 for args[0] ...").
-    index_map_is = f"Index map function {function_source(index_map)} for {jax_origin(origin)}"
-    if n_out[0] != len(shape):
+    return jaxpr, consts, n_out[0]
+
+
+def _check_index_map_outputs(
+    jaxpr, n_out: int, block_shape, index_map_is: str, origin: str, err: Err
+) -> None:
+    """One integer scalar per block dimension."""
+    if n_out != len(block_shape):
         raise err(
             ValueError,
             f"{origin}.index_map",
-            f"{index_map_is} must return {len(shape)} values to match block_shape {tuple(block_shape)} "
-            f"(one index per block dimension). Currently returning {n_out[0]} values.",
+            f"{index_map_is} must return {len(block_shape)} values to match block_shape {tuple(block_shape)} "
+            f"(one index per block dimension). Currently returning {n_out} values.",
         )
     for i, a in enumerate(jaxpr.out_avals):
         if a.shape != () or not jnp.issubdtype(a.dtype, jnp.integer):
@@ -209,20 +252,6 @@ def block_mapping(
                 f"{index_map_is} must return integer scalars. Output[{i}] has type {a.str_short()}: "
                 "return one integer scalar (a block index) per block dimension",
             )
-    if whole:
-        _check_whole_array_window(dims, jaxpr, shape, dtype, ms, origin, err)
-    if consts:
-        jaxpr = _close_over(jaxpr, consts, index_map)
-        if jaxpr is None:
-            raise err(
-                ValueError,
-                f"{origin}.index_map",
-                f"{index_map_is} must not capture constants: "
-                f"{', '.join(compat.get_aval(c).str_short() for c in consts)}. An index map computes block "
-                "indices from the grid indices (and scalar-prefetch operands: pass a table of indices "
-                "with pltpu.PrefetchScalarGridSpec)",
-            )
-    return BlockMapping(origin, dims, jaxpr, shape, dtype, ms)
 
 
 def _check_whole_array_window(dims, jaxpr, shape, dtype, ms, origin: str, err: Err) -> None:

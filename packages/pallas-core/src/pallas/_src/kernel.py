@@ -59,11 +59,8 @@ def kernel(
             name=name,
             metadata=metadata,
         )
-    if not isinstance(mesh, pallas_core.Mesh):
-        raise TypeError(f"pl.kernel: mesh must be a pl.Mesh (e.g. pltpu.TensorCoreMesh), got {mesh!r}")
-    grid = tuple((n, s) for n, s in mesh.shape.items())
-    is_scratch = lambda x: hasattr(x, "get_ref_aval")
-    flat_scratch, scratch_tree = tree_util.tree_flatten(scratch_types, is_leaf=is_scratch)
+    grid = _mesh_grid(mesh)
+    flat_scratch, scratch_tree = tree_util.tree_flatten(scratch_types, is_leaf=_is_scratch)
     ms = mesh.default_memory_space
     out_leaves, out_tree = tree_util.tree_flatten(out_type)
     spec = pallas_core.BlockSpec(memory_space=ms)
@@ -72,28 +69,12 @@ def kernel(
         in_paths, in_tree = tree_util.tree_flatten_with_path(args)
         in_leaves = [leaf for _, leaf in in_paths]
         in_specs = [_operand_spec(path, leaf, spec) for path, leaf in in_paths]
-        n_in, n_out = len(in_leaves), len(out_leaves)
-
-        def refs_as_jax_passes_them(*refs):
-            # JAX's pl.kernel: one argument per operand (a pytree of Refs like the
-            # operand), the outputs one per element of a sequence out_type (else one
-            # pytree), the scratch Refs in scratch_types' structure, a None entry
-            # passed as None (tokamax's gmm_v2 keeps unused slots so); a dict of
-            # scratch types is passed as keyword arguments.
-            ins = tree_util.tree_unflatten(in_tree, refs[:n_in])
-            outs = tree_util.tree_unflatten(out_tree, refs[n_in : n_in + n_out])
-            scratch = tree_util.tree_unflatten(scratch_tree, refs[n_in + n_out :])
-            positional = [*ins, *outs] if isinstance(out_type, Sequence) else [*ins, outs]
-            if isinstance(scratch, Mapping):
-                return body(*positional, **scratch)
-            return body(*positional, *scratch)
-
         call = pallas_call(
-            refs_as_jax_passes_them,
+            _body_on_flat_refs(body, out_type, in_tree, out_tree, scratch_tree),
             out_shape=tuple(out_leaves),
             grid=grid,
             in_specs=in_specs,
-            out_specs=[spec] * n_out,
+            out_specs=[spec] * len(out_leaves),
             scratch_shapes=flat_scratch,
             compiler_params=mesh.compiler_params(compiler_params),
             interpret=interpret,
@@ -107,6 +88,39 @@ def kernel(
 
     run.__name__ = getattr(body, "__name__", "kernel")
     return run
+
+
+def _mesh_grid(mesh) -> tuple[tuple[str, int], ...]:
+    """The named grid of ``mesh``: one ``(axis name, size)`` per mesh axis."""
+    if not isinstance(mesh, pallas_core.Mesh):
+        raise TypeError(f"pl.kernel: mesh must be a pl.Mesh (e.g. pltpu.TensorCoreMesh), got {mesh!r}")
+    return tuple((n, s) for n, s in mesh.shape.items())
+
+
+def _is_scratch(x) -> bool:
+    return hasattr(x, "get_ref_aval")
+
+
+def _body_on_flat_refs(body, out_type, in_tree, out_tree, scratch_tree) -> Callable[..., None]:
+    """A kernel of the flat Refs (inputs, outputs, scratch) that calls ``body``
+    with them as JAX's ``pl.kernel`` passes them."""
+    n_in, n_out = in_tree.num_leaves, out_tree.num_leaves
+
+    def refs_as_jax_passes_them(*refs):
+        # JAX's pl.kernel: one argument per operand (a pytree of Refs like the
+        # operand), the outputs one per element of a sequence out_type (else one
+        # pytree), the scratch Refs in scratch_types' structure, a None entry
+        # passed as None (tokamax's gmm_v2 keeps unused slots so); a dict of
+        # scratch types is passed as keyword arguments.
+        ins = tree_util.tree_unflatten(in_tree, refs[:n_in])
+        outs = tree_util.tree_unflatten(out_tree, refs[n_in : n_in + n_out])
+        scratch = tree_util.tree_unflatten(scratch_tree, refs[n_in + n_out :])
+        positional = [*ins, *outs] if isinstance(out_type, Sequence) else [*ins, outs]
+        if isinstance(scratch, Mapping):
+            return body(*positional, **scratch)
+        return body(*positional, *scratch)
+
+    return refs_as_jax_passes_them
 
 
 def _operand_spec(path, leaf, default: pallas_core.BlockSpec) -> pallas_core.BlockSpec:

@@ -168,7 +168,7 @@ def _check(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_
     static_argnames=["block_h", "pages_per_compute_block", "k_splits", "num_warps", "num_stages", "interpret",
                      "debug", "mask_value", "attn_logits_soft_cap"],
 )  # fmt: skip
-def paged_attention(  # long for its signature and public docstring only: the body is ~35 lines
+def paged_attention(  # long for its signature and public docstring only: the body is ~40 lines
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,

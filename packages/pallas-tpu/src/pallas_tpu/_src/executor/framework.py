@@ -13,8 +13,9 @@ prepared, and runs them with ``ex.run(region, args, env)``.
 A module is prepared once per ``run_mosaic`` call (``Program``), before any
 grid point runs: each region becomes a list of steps, each step an op with
 its rule looked up, its operands and results, and its own regions prepared.
-The walk then touches no MLIR binding but an op's attributes, which rules
-read where they need them."""
+The walk itself then touches no MLIR binding (but ``ir.Value`` keys of the
+environment); rules read an op's attributes, result types and named operands
+where they need them."""
 
 from __future__ import annotations
 

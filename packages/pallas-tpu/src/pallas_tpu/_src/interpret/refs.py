@@ -131,7 +131,8 @@ class RefAccess:
                 self.check(
                     ok,
                     f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)} "
-                    f"(shape {tuple(shape)}): dimension {d} reads [{{0}}, {{0}} + {extent}) "
+                    f"(shape {tuple(shape)}): dimension {d} {'writes' if 'write' in what else 'reads'} "
+                    f"[{{0}}, {{0}} + {extent}) "
                     f"but its size is {n}",
                     [starts[d]],
                 )

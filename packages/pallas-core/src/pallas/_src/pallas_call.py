@@ -200,7 +200,7 @@ def pallas_call(
     Args:
       kernel: ``kernel(*in_refs, *out_refs, *scratch_refs) -> None``.
       out_shape: a ``jax.ShapeDtypeStruct`` or a pytree (tuple, list, dict)
-        of them.
+        of them; the results come in its structure, a list as a tuple (as in JAX).
       grid_spec: a ``GridSpec``; exclusive with grid/in_specs/out_specs/
         scratch_shapes.
       grid: the number of programs along each axis (int or tuple of ints).
@@ -281,7 +281,7 @@ class _CallSpec:
     def unflatten_outs(self, outs):
         result = tree_util.tree_unflatten(tree_util.tree_structure(self.outs_tuple), outs)
         if self._out_is_seq:
-            return tuple(result) if isinstance(self.out_shape, tuple) else list(result)
+            return tuple(result)  # a list out_shape too, as JAX's pallas_call
         return result[0]
 
 

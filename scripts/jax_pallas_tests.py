@@ -53,8 +53,8 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   (012f9b26) 5 of 10; ops_test.py (0035ffc4) 1045 of 1063; in all 1200 of 1226 (97.9 %).
   tpu_pallas_test.py (0173b5ee) does not import on jax 0.11.2 (it needs
   ``jax._src.pallas.pallas_test_util``), so it counts nothing. Left, by cause: kernels capturing array constants are hoisted into inputs on
-  ours, refused by JAX (2); ``out_shape=[...]`` gives a list on ours, a tuple on JAX
-  (deliberate, tests/tpu/test_interpret.py); no ``pl.core_map``; TPU interpret mode's
+  ours, refused by JAX (2); ``out_shape=[...]`` gave a list on ours, a tuple on JAX
+  (since changed to a tuple, not rerun); no ``pl.core_map``; TPU interpret mode's
   ``skip_floating_point_ops`` ignored; uninitialized integers are ``iinfo.min`` on ours,
   ``iinfo.max`` in JAX's TPU interpret mode; a dynamic grid dimension marked "parallel" is
   accepted (JAX: ConcretizationTypeError); a test counting JAX's internal ``store`` callbacks;

@@ -909,3 +909,36 @@ def test_wait_with_another_descriptor_on_the_same_semaphore(way):
     x = rand(40, (8, 8, 128))
     pages = jnp.array([5, 2, 7, 0], jnp.int32)
     close(call(wait_with_another_descriptor, (pages, x), way), x[pages])
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_skip_floating_point_ops(skip):
+    # float-only operations are not run (their results are infinities, as in JAX's interpret
+    # mode): the dot leaves the program; integer work, loops and Ref traffic still run
+    x, y = rand(30, (8, 128)), rand(31, (128, 128))
+    ints = jax.random.randint(jax.random.key(32), (8, 128), -9, 9, jnp.int32)
+
+    def kernel(x_ref, y_ref, i_ref, z_ref, o_ref, c_ref):
+        z_ref[...] = x_ref[...] @ y_ref[...]
+        o_ref[...] = i_ref[...] * 2 + lax.fori_loop(0, 3, lambda k, c: c + k, jnp.zeros((8, 128), jnp.int32))
+        c_ref[...] = x_ref[...]  # a copy computes nothing: the data moves
+
+    def f(x, y, ints):
+        return pl.pallas_call(
+            kernel,
+            out_shape=(
+                jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                jax.ShapeDtypeStruct((8, 128), jnp.int32),
+                jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            ),
+            interpret=pltpu.InterpretParams(skip_floating_point_ops=skip),
+        )(x, y, ints)
+
+    z, o, c = jax.jit(f)(x, y, ints)
+    np.testing.assert_array_equal(o, ints * 2 + 3)
+    close(c, x)
+    if skip:
+        np.testing.assert_array_equal(z, np.full((8, 128), np.inf, np.float32))
+    else:
+        close(z, jnp.dot(x, y, precision="highest"), tol=1e-3)
+    assert ("dot_general" in jax.jit(f).lower(x, y, ints).as_text()) != skip

@@ -73,7 +73,10 @@ class InterpretParams:
         cores and devices touching the same memory unsynchronized); a race
         raises an error naming both accesses.
       out_of_bounds_reads: ``"raise"`` or ``"uninitialized"`` (read garbage-marker values).
-      skip_floating_point_ops: accepted for compatibility; ignored.
+      skip_floating_point_ops: operations that compute only floating-point
+        values (outside control flow) are not run; their results are
+        infinities, as in JAX's interpret mode (for testing a kernel's memory
+        traffic and synchronization quickly).
       uninitialized_memory: ``"nan"`` or ``"zero"``: the contents of outputs
         and scratch before the kernel writes them.
       num_cores_or_threads: TensorCores per device (``core_parallel`` axes
@@ -150,6 +153,23 @@ def _uninit(shape, dtype, mode: str):
     if mode == "zero":
         return jnp.zeros(shape, dtype)
     return plb.uninitialized_value(shape, dtype)
+
+
+def _float_only(eqn) -> bool:
+    """Whether ``eqn`` computes floating-point values only and holds no sub-jaxpr
+    (control flow, whose body may touch Refs, always runs): what
+    ``skip_floating_point_ops`` replaces with infinities, as JAX's interpret mode."""
+    return (
+        bool(eqn.outvars)
+        and all(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.outvars)
+        and not any(
+            _is_jaxpr(p) or (isinstance(p, tuple) and any(map(_is_jaxpr, p))) for p in eqn.params.values()
+        )
+    )
+
+
+def _is_jaxpr(p) -> bool:
+    return hasattr(p, "eqns") or (hasattr(p, "jaxpr") and hasattr(p, "consts"))
 
 
 def drain(gen):
@@ -341,6 +361,9 @@ class Interpreter(RefAccess, RuntimeChecks):
             raise NotImplementedError(
                 f"{self.where(eqn)}: the TPU interpreter has no rule for '{prim.name}' on Refs"
             )
+        if self.params.skip_floating_point_ops and _float_only(eqn):
+            outs = [jnp.full(v.aval.shape, jnp.inf, v.aval.dtype) for v in eqn.outvars]
+            return outs if prim.multiple_results else outs[0]
         return prim.bind(*invals, **eqn.params)
 
     # -- hooks (the multi-device / race-detecting interpreter overrides them) --

@@ -2,5 +2,5 @@
 among JAX's Pallas GPU ops (the ``ops/gpu`` modules of JAX's Pallas):
 ``attention`` (``mha``), ``decode_attention`` (``mqa``, ``gqa``),
 ``paged_attention``, ``layer_norm``, ``rms_norm`` and ``softmax``; and ``matmul``
-(autotuned, TMA; JAX's GPU ops have none).
+(a table of H200-measured configurations or the autotuner, TMA; JAX's GPU ops have none).
 """

@@ -1,4 +1,4 @@
-"""Matrix multiplication ``a @ b`` as a Pallas kernel, autotuned per shape.
+"""Matrix multiplication ``a @ b`` as a Pallas kernel, configured per shape.
 
 One program computes one ``(block_m, block_n)`` tile of the result: it walks
 ``k`` in steps of ``block_k`` (a ``fori_loop``, software-pipelined by Triton
@@ -449,12 +449,11 @@ def matmul(
     configs = configs_for(m, n, k, a.dtype, out_dtype, cc)
     tuned = _tuned(configs)
     kw = dict(out_dtype=out_dtype, interpret=interpret, debug=debug)
-    table = None if cc is None or autotune is True else table_config(m, n, k, a.dtype, out_dtype, configs)
-    if table is None:  # no GPU, asked to tune, or dtypes the table does not cover: tune now
-        return tuned(a, b, **kw)
+    if cc is None or autotune is True or _table_class(a.dtype, out_dtype) is None:
+        return tuned(a, b, **kw)  # no GPU, asked to tune, or dtypes the table does not cover: tune now
     known = tuned.recorded_index(a, b, **kw)
     if known is not None:
         return matmul_with_config(a, b, configs[known], **kw)
     if autotune == "background":
         tuned.tune_in_background(a, b, **kw)
-    return matmul_with_config(a, b, table, **kw)
+    return matmul_with_config(a, b, table_config(m, n, k, a.dtype, out_dtype, configs), **kw)

@@ -27,6 +27,7 @@ from pallas._src.core import RevisitMode as RevisitMode
 from pallas._src.core import Squeezed as Squeezed
 from pallas._src.core import no_block_spec as no_block_spec
 from pallas._src.core import squeezed as squeezed
+from pallas._src.core_map import core_map as core_map
 from pallas._src.cost_estimate import estimate_cost as estimate_cost
 from pallas._src.helpers import align_to as align_to
 from pallas._src.helpers import empty_ref_like as empty_ref_like

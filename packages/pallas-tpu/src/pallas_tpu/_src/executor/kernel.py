@@ -202,6 +202,7 @@ def prepare_device(kernel, operands, out_leaves, aliases) -> Device:
                 store[tuple(slice(0, n) for n in arr.shape)] = arr
                 arr = store
         padded.append(arr)
+    _share_aliased_hbm(padded, windows, win_args, aliases, nsp, n_in)
     return Device(
         name=name,
         bounds=bounds,
@@ -213,6 +214,21 @@ def prepare_device(kernel, operands, out_leaves, aliases) -> Device:
         padded=padded,
         out_leaves=out_leaves,
     )
+
+
+def _share_aliased_hbm(padded, windows, win_args, aliases, nsp, n_in) -> None:
+    """An output aliased to an input, both whole arrays in HBM (``pl.ANY``), is the
+    input's buffer, as on a TPU: a kernel may write it through either Ref (JAX's
+    ``core_map`` writes through the input's). VMEM windows stay two buffers, as the
+    pipeline's are."""
+    spaces = [_memref_facts(a.type)[1] for a in win_args]
+    for src, o in aliases.items():
+        k, out = src - nsp, n_in + o
+        if k < 0 or windows[k].transform is not None or windows[out].transform is not None:
+            continue
+        if spaces[k] in ("any", "hbm") and spaces[out] in ("any", "hbm"):
+            if padded[k].shape == padded[out].shape and padded[k].dtype == padded[out].dtype:
+                padded[out] = padded[k]
 
 
 def _memref_facts(t) -> tuple[tuple[int, ...], str]:

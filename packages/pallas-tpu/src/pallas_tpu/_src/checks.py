@@ -13,6 +13,9 @@ the error names the kernel, the operand or the user's line.
   plus VMEM scratch must fit ``vmem_limit_bytes`` (default: XLA's scoped
   VMEM limit), which must fit the chip's VMEM;
 * ``CompilerParams.allow_input_fusion``: one entry per input.
+
+TPU interpret mode alone (``check_interpreted_grid``), as JAX's: a grid axis marked
+"parallel" has a static size (JAX's Mosaic lowering takes a traced one).
 """
 
 from __future__ import annotations
@@ -175,6 +178,29 @@ def check_compiler_params(gm, compiler_params) -> None:
             + (f" ({gm.num_scalar_prefetch} scalar-prefetch)" if gm.num_scalar_prefetch else "")
             + "; give one True/False per input",
         )
+
+
+class DynamicParallelAxisError(jax.errors.ConcretizationTypeError):
+    """A traced grid size on a "parallel" axis in TPU interpret mode: a
+    ``jax.errors.ConcretizationTypeError``, as JAX's interpret mode raises, with
+    our message (kernel, axis, fix) first."""
+
+    def __init__(self, message: str):
+        TypeError.__init__(self, message)
+
+
+def check_interpreted_grid(gm, semantics) -> None:
+    """TPU interpret mode needs the size of a "parallel" axis when it traces the
+    call (it splits the axis over cores and may shuffle it), as JAX's does."""
+    for a, (size, sem) in enumerate(zip(gm.grid, semantics)):
+        if size is plb.dynamic_grid_dim and sem is tpu_core.PARALLEL:
+            raise DynamicParallelAxisError(
+                f"{plb.describe(gm.kernel_name, gm.source)}: grid[{a}]: Abstract tracer value encountered "
+                f"where concrete value is expected: the size of grid axis {a} is traced (a dynamic grid) and "
+                f"dimension_semantics[{a}] is 'parallel'; TPU interpret mode splits parallel axes over cores, "
+                "so their sizes must be known when the call is traced. Give that axis a static size, or mark "
+                "it 'arbitrary'"
+            )
 
 
 _ACCESS_WHAT = {"get": "reads", "swap": "writes", "addupdate": "adds to"}

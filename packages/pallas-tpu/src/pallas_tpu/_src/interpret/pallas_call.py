@@ -255,6 +255,7 @@ def _start(interp_cls, jaxpr, gm, params, compiler_params, kernel_facts):
     interp: Interpreter = interp_cls(params, gm, desc)
     sems = semantics_of(gm, compiler_params)
     checks.check_kernel(gm, jaxpr, compiler_params)  # what the Mosaic lowering refuses too
+    checks.check_interpreted_grid(gm, sems)  # what JAX's interpret mode refuses too
     check_memory(gm, compiler_params)
     interp.init_checks()
     lane_hidden = list(_hidden_initializers(kernel_facts).items())  # per core, e.g. the PRNG state

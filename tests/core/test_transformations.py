@@ -330,9 +330,12 @@ class TestGrad(PallasTest):
             o_ref[...] = x_ref[...] * x_ref[...]
 
         f = self.pallas_call(kernel, _sds((8,)))
-        with pytest.raises(Exception) as excinfo:
-            jax.grad(lambda v: jnp.sum(f(v)))(x)
-        assert "jax.custom_vjp" in str(excinfo.value)
+        # Our advice, and JAX's words ("Linearization failed", a ValueError) for code
+        # written against JAX's Pallas; catchable as TypeError as before.
+        for catch in (ValueError, TypeError):
+            with pytest.raises(catch, match="Linearization failed") as excinfo:
+                jax.grad(lambda v: jnp.sum(f(v)))(x)
+            assert "jax.custom_vjp" in str(excinfo.value)
 
     def test_custom_vjp_workaround(self):
         # The documented way to differentiate: wrap the pallas_call in a jax.custom_vjp.

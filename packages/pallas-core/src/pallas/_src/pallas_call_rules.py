@@ -15,7 +15,7 @@ from jax.interpreters import ad, batching, mlir
 from pallas._src import backends, compat
 from pallas._src import core as pallas_core
 from pallas._src.call import PallasCall
-from pallas._src.errors import describe
+from pallas._src.errors import ValueOrTypeError, describe
 
 #: The primitive ``pallas_call`` binds; backends register its MLIR lowering for their platform.
 pallas_call_p = Primitive("pallas_call")
@@ -237,11 +237,13 @@ ad.primitive_jvps[pallas_call_p] = _jvp_rule
 
 
 def _grad_error(gm) -> Exception:
-    return TypeError(
+    # JAX's Pallas fails here with "Linearization failed ..." (a ValueError): say that too.
+    return ValueOrTypeError(
         f"{describe(gm.kernel_name, gm.source)}: reverse-mode differentiation (jax.grad, "
         "jax.vjp) of a pallas_call is not supported. Define the backward pass yourself: wrap "
         "the call in a function decorated with jax.custom_vjp and write the backward kernel "
-        "(see https://docs.jax.dev/en/latest/notebooks/Custom_derivative_rules_for_Python_code.html)."
+        "(see https://docs.jax.dev/en/latest/notebooks/Custom_derivative_rules_for_Python_code.html). "
+        "(JAX's Pallas: Linearization failed to produce known values for all output primals.)"
     )
 
 

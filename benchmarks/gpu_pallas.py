@@ -83,12 +83,17 @@ def build_layer_norm(im, shape, w, eps=1e-5):
     return im.call(kernel, jax.ShapeDtypeStruct(shape, F32), (shape[0],), [row, vec, vec], row, w, 1)
 
 
-def build_matmul(im, d, cfg, group=8):
+def build_matmul(im, d, cfg, group=8, **switches):
     """examples/matmul.py's ``matmul_grouped`` (the k loop in the kernel, a 1-D grid in grouped
-    tile order, as the Triton kernel), with ``im``'s Pallas."""
+    tile order, as the Triton kernel), with ``im``'s Pallas. ``switches``: more
+    ``CompilerParams`` fields (ours: ``use_tma``, ``warp_specialize``), the kernel unchanged."""
     bm, bn, bk, w, s = cfg
     ex = _examples.load("matmul", _examples.which(im.pl))
     calls = _examples.Calls(interpret=im.interpret, compiler_params_cls=im.cp)
+    if switches:
+        calls = _examples.Calls(
+            interpret=im.interpret, compiler_params=im.cp(num_warps=w, num_stages=s, **switches)
+        )
     return jax.jit(functools.partial(ex.matmul_grouped, bm=bm, bn=bn, bk=bk, backend=calls, group=group,
                                      out_dtype=jnp.bfloat16, num_warps=w, num_stages=s))  # fmt: skip
 
@@ -247,6 +252,8 @@ def compare(ctx, title, groups, work, unit, copy=None, targets=()):
     ours, tg = fig.get("ours"), dict(targets)
     ratios = [(r, ours / fig[r], tg.get(r)) for r in REFS if ours and r in fig]
     print("  " + "  ".join(_fmt_ratio(*x) for x in ratios), flush=True)
+    for col in (c for c in fig if c.startswith("ours+")):  # our variants: against the same references
+        print("  " + "  ".join(f"{col}/{r} = {fig[col] / fig[r]:.3f}x" for r in REFS if r in fig), flush=True)
     ctx.summary.append({"title": title, **fig, "ratios": ratios})
 
 
@@ -341,6 +348,12 @@ def sec_matmul(ctx):
         label = f"{bm}x{bn}x{bk}/{w}w/{s}s"
         for im in ctx.impls:
             ctx.jax_cand(groups, im.name, label, lambda: build_matmul(im, d, cfg), (a, b), ref, tol)
+        # The same user kernel with a Hopper switch of plgpu.CompilerParams (issue 33 item 5).
+        # (warp_specialize=True is refused below sm_100 on Triton 3.6: it miscompiled on the H200.)
+        ours = ctx.impls[0]
+        ctx.jax_cand(
+            groups, "ours+tma", label, lambda: build_matmul(ours, d, cfg, use_tma=True), (a, b), ref, tol
+        )
         if ctx.torch:  # the autotuned kernel's own @triton.jit function, at this config
             kernel = ctx.ex["triton_matmul"].matmul_kernel.fn[(d // bm * (d // bn),)]
             launch = functools.partial(kernel, ta, tb, tc, d, d, d, d, 1, d, 1, d, 1, BLOCK_M=bm, BLOCK_N=bn,

@@ -47,7 +47,10 @@ tiling 1 on leading dims), with the same interpret/Mosaic split at the edge.
 This module holds the API (``emit_pipeline`` and its two variants, which check
 their arguments and plan the operands: ``pipeline_plan.py``); the loop that
 runs the schedule is ``pipeline_schedule.py``'s, the operands' buffers and
-block indexing ``pipeline_buffers.py``'s.
+block indexing ``pipeline_buffers.py``'s. ``BufferedRef`` subclasses given as
+``allocations`` (a flat sequence, or a pytree mirroring the Refs) are scheduled
+through their own methods, as JAX's pipeline schedules every operand:
+``pipeline_protocol.py``.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ import numpy as np
 import pallas as pl
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language.pipeline_buffers import _WHERE, BufferType, _err
-from pallas_tpu._src.language.pipeline_plan import _make_pipeline_allocations, _plan
+from pallas_tpu._src.language.pipeline_plan import _allocation_leaves, _make_pipeline_allocations, _plan
 from pallas_tpu._src.language.pipeline_schedule import (
     PipelineStep as PipelineStep,  # the public API imports it from here
 )
@@ -183,7 +186,7 @@ def _plan_call(refs, ispecs, ospecs, tiling, should_accumulate_out, no_pipelinin
         allocations = None  # the first input blocks are fetched at the start: see PrefetchedInputs
     if allocations is not None and not ispecs and not ospecs:
         # The specs come with the allocations (JAX allows this too).
-        allocs = list(allocations)
+        allocs = _allocation_leaves(allocations)
         ispecs = tuple(b.spec for b in allocs if b is not None and b.buffer_type is BufferType.INPUT)
         ospecs = tuple(b.spec for b in allocs if b is not None and b.buffer_type is not BufferType.INPUT)
     plan, rebuild = _plan(refs, ispecs, ospecs, tiling, should_accumulate_out, allocations)

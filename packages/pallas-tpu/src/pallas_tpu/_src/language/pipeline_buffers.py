@@ -82,7 +82,41 @@ class BufferedRefBase:
     def compute_index(self):
         return self.spec.index_map
 
+    @property
+    def is_trivial_windowing(self) -> bool:
+        return False
+
+    @property
+    def prefetched_count(self) -> int:
+        return 0
+
+    @property
+    def await_prefetch(self) -> bool:
+        return False
+
+    @property
+    def use_lookahead(self) -> bool:
+        return False
+
     def with_spec(self, spec: pl.BlockSpec) -> BufferedRefBase:
+        raise NotImplementedError
+
+    # The protocol JAX's pipeline scheduler speaks to an operand (see pipeline_protocol.py):
+    # a subclass passed in ``allocations`` gets these calls from ours too.
+
+    def initialize_slots(self) -> BufferedRefBase:
+        raise NotImplementedError
+
+    def advance_copy_in_slot(self, predicate=True) -> BufferedRefBase:
+        raise NotImplementedError
+
+    def advance_wait_in_slot(self, predicate=True) -> BufferedRefBase:
+        raise NotImplementedError
+
+    def advance_copy_out_slot(self, predicate=True) -> BufferedRefBase:
+        raise NotImplementedError
+
+    def advance_wait_out_slot(self, predicate=True) -> BufferedRefBase:
         raise NotImplementedError
 
 
@@ -124,6 +158,15 @@ class BufferedRef(BufferedRefBase):
     current_slot: Any = None
     tiling: Any = dataclasses.field(default=None, metadata=dict(static=True))
     is_trivial_windowing: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # JAX's slot registers (uint32 counts of the copies and waits issued), set when the
+    # pipeline schedules this operand through its methods (a subclass in ``allocations``:
+    # pipeline_protocol.py); None otherwise.
+    copy_in_slot: Any = None
+    wait_in_slot: Any = None
+    copy_out_slot: Any = None
+    wait_out_slot: Any = None
+    next_fetch: Any = None
+    _grid_rank: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self):
         if self.is_output and self._buffer_count > 2:
@@ -161,6 +204,8 @@ class BufferedRef(BufferedRefBase):
         dtype_or_type,
         buffer_type: BufferType,
         buffer_count: int = 2,
+        grid_rank: int | None = None,
+        use_lookahead: bool = False,
         *,
         source_memory_space=pl.ANY,
         tiling=None,
@@ -174,8 +219,14 @@ class BufferedRef(BufferedRefBase):
           dtype_or_type: the element dtype (or an aval: its dtype is used).
           buffer_type: ``BufferType.INPUT``, ``OUTPUT`` or ``INPUT_OUTPUT``.
           buffer_count: slots of the buffer (1: no overlap, 2: double buffering).
+          grid_rank, use_lookahead: the pipeline grid's rank, recorded when
+            ``use_lookahead`` (JAX's fetch-ahead schedule; ours fetches
+            ``buffer_count - 1`` steps ahead either way).
           source_memory_space: where the operand's Ref lives; a spec in the
             same space (or in ``pl.ANY``/HBM) gets no buffer.
+
+        The buffer is ``(buffer_count, *block)``; a 1-D block's is
+        ``(buffer_count * block,)``, its slots one after the other, as JAX's.
         """
         dtype = getattr(dtype_or_type, "dtype", dtype_or_type)
         space = VMEM if spec.memory_space is None else spec.memory_space
@@ -187,15 +238,17 @@ class BufferedRef(BufferedRefBase):
             raise _err(ValueError, f"{_WHERE}: buffer_count must be a positive int, got {buffer_count!r}")
         block = _buffer_block_shape(spec.block_shape)
         dma = tpu_core.SemaphoreType.DMA((buffer_count,))
+        shape = (buffer_count * block[0],) if len(block) == 1 else (buffer_count, *block)
         return cls(
             spec,
             buffer_type,
             buffer_count,
-            space((buffer_count, *block), dtype),
+            space(shape, dtype),
             dma if buffer_type.is_input else None,
             dma if buffer_type.is_output else None,
             tiling=tiling,
             is_trivial_windowing=is_trivial_windowing,
+            _grid_rank=grid_rank if use_lookahead else None,
         )
 
     @classmethod
@@ -216,19 +269,151 @@ class BufferedRef(BufferedRefBase):
     def with_window_ref(self, window_ref) -> BufferedRef:
         return dataclasses.replace(self, window_ref=window_ref)
 
-    def with_slot_index(self, slot) -> BufferedRef:
-        return dataclasses.replace(self, current_slot=slot)
+    def with_slot_index(
+        self, slot=None, *, copy_in_slot=None, copy_out_slot=None, wait_in_slot=None, wait_out_slot=None
+    ) -> BufferedRef:
+        """This operand with the slot the body sees (``slot``) or JAX's slot registers set
+        (those given)."""
+        regs = dict(
+            current_slot=slot,
+            copy_in_slot=copy_in_slot,
+            copy_out_slot=copy_out_slot,
+            wait_in_slot=wait_in_slot,
+            wait_out_slot=wait_out_slot,
+        )
+        return dataclasses.replace(self, **{k: v for k, v in regs.items() if v is not None})
 
     @property
     def current_ref(self):
-        """The block the body works on: the current slot of the buffer."""
+        """The block the body works on: the current slot of the buffer (with JAX's slot
+        registers set: the slot of the last wait_in for an input, of the next copy_out
+        for an output)."""
         if self.window_ref is None:
             raise ValueError("this BufferedRef has no buffer bound (window_ref is None)")
-        return self.window_ref.at[0 if self.current_slot is None else self.current_slot]
+        if self.current_slot is None and self.copy_out_slot is not None and self.is_output:
+            return self._window_ref_at(self.current_copy_out_slot)
+        if self.current_slot is None and self.wait_in_slot is not None:
+            return self._window_ref_at(self.current_wait_in_slot)
+        return self._window_ref_at(0 if self.current_slot is None else self.current_slot)
+
+    def _window_ref_at(self, slot, window_slice=None):
+        """The buffer's ``slot`` (``window_slice``: per-dim ``pl.ds`` within the block);
+        a 1-D buffer holds its slots one after the other."""
+        tail = tuple(window_slice or ())
+        if len(self.window_ref.shape) > 1:
+            return self.window_ref.at[(slot, *tail)]
+        n = self.window_ref.shape[0] // self._buffer_count
+        if not tail:
+            return self.window_ref.at[pl.ds(slot * n, n)]
+        (w,) = tail
+        return self.window_ref.at[pl.ds(slot * n + w.start, w.size)]
+
+    # JAX's slot registers (pipeline_protocol.py): uint32 counts of the copies and waits.
+
+    @property
+    def use_lookahead(self) -> bool:
+        return self._grid_rank is not None
+
+    @property
+    def cumulative_copy_in(self):
+        return self.copy_in_slot
+
+    @property
+    def cumulative_wait_in(self):
+        return self.wait_in_slot
+
+    @property
+    def cumulative_copy_out(self):
+        return self.copy_out_slot
+
+    @property
+    def cumulative_wait_out(self):
+        return self.wait_out_slot
+
+    def _slot_of(self, count):
+        return lax.rem(count, jnp.uint32(self.buffer_count))
+
+    @property
+    def current_copy_in_slot(self):
+        return self._slot_of(self.copy_in_slot)
+
+    @property
+    def current_wait_in_slot(self):
+        return self._slot_of(self.wait_in_slot)
+
+    @property
+    def current_copy_out_slot(self):
+        return self._slot_of(self.copy_out_slot)
+
+    @property
+    def current_wait_out_slot(self):
+        return self._slot_of(self.wait_out_slot)
+
+    def initialize_slots(self) -> BufferedRef:
+        zero_in = jnp.uint32(0) if self.is_input else None
+        zero_out = jnp.uint32(0) if self.is_output else None
+        return dataclasses.replace(
+            self, copy_in_slot=zero_in, wait_in_slot=zero_in, copy_out_slot=zero_out, wait_out_slot=zero_out
+        )
+
+    def _advanced(self, name, predicate, applies) -> BufferedRef:
+        if not (self.is_buffered and applies):
+            return self
+        count = getattr(self, name)
+        if isinstance(predicate, (bool, np.bool_)):
+            new = count + 1 if predicate else count
+        else:
+            new = lax.select(predicate, count + 1, count)
+        return dataclasses.replace(self, **{name: new})
+
+    def advance_copy_in_slot(self, predicate=True) -> BufferedRef:
+        return self._advanced("copy_in_slot", predicate, self.is_input)
+
+    def advance_wait_in_slot(self, predicate=True) -> BufferedRef:
+        return self._advanced("wait_in_slot", predicate, self.is_input)
+
+    def advance_copy_out_slot(self, predicate=True) -> BufferedRef:
+        return self._advanced("copy_out_slot", predicate, self.is_output)
+
+    def advance_wait_out_slot(self, predicate=True) -> BufferedRef:
+        return self._advanced("wait_out_slot", predicate, self.is_output)
+
+    def copy_in(self, src_ref, grid_indices):
+        """Starts the copy of the block at ``grid_indices`` of ``src_ref`` into the
+        copy-in slot."""
+        if self.is_buffered:
+            _protocol().copy_block(self, src_ref, grid_indices, self.current_copy_in_slot, True, False, True)
+
+    def wait_in(self, src_ref, grid_indices):
+        """Waits for the copy of the block at ``grid_indices`` into the wait-in slot."""
+        if self.is_buffered:
+            _protocol().copy_block(self, src_ref, grid_indices, self.current_wait_in_slot, False, True, True)
+
+    def copy_out(self, dst_ref, grid_indices):
+        """Starts the copy of the copy-out slot to the block at ``grid_indices`` of
+        ``dst_ref`` (one buffer: and waits for it)."""
+        if self.is_buffered:
+            sync = self._buffer_count == 1
+            _protocol().copy_block(self, dst_ref, grid_indices, self.current_copy_out_slot, True, sync, False)
+
+    def wait_out(self, dst_ref, grid_indices):
+        """Waits for the copy of the wait-out slot to the block at ``grid_indices``
+        (nothing with one buffer: its copy_out waited)."""
+        if self.is_buffered and self._buffer_count > 1:
+            _protocol().copy_block(
+                self, dst_ref, grid_indices, self.current_wait_out_slot, False, True, False
+            )
 
     def compute_slice(self, grid_indices):
         """The indexer of the block at ``grid_indices`` in the operand's Ref."""
         return _block_indexer(self.spec, _call_index_map(self.spec, grid_indices, "spec"))
+
+
+def _protocol():
+    # pipeline_protocol imports this module (the copies need pipeline_plan's _Operand).
+    from pallas_tpu._src.language import pipeline_protocol
+
+    return pipeline_protocol
 
 
 # ---------------------------------------------------------------------------

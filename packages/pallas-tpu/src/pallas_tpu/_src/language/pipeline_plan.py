@@ -24,6 +24,7 @@ from pallas_tpu._src.language.pipeline_buffers import (
     SMEM,
     VMEM,
     BufferedRef,
+    BufferedRefBase,
     BufferType,
     _block_indexer,
     _dim_size,
@@ -47,6 +48,9 @@ class _Operand:
     whole_ref: bool = False
     # pl.BoundedSlice dim -> the memory tiling its copies round up to (None: unknown)
     bounded: dict[int, int | None] = dataclasses.field(default_factory=dict)
+    # scheduled through its BufferedRef's methods, as JAX's scheduler does (a subclass
+    # given in ``allocations``: pipeline_protocol.py), not by our schedule
+    protocol: bool = False
 
     @property
     def spec(self):
@@ -91,7 +95,10 @@ class _Operand:
             fn(self.ref.at[_block_indexer(self.spec, block_indices)], (), None)
             return
         conds = [block_indices[d] == nb - 1 for d, (nb, _, _) in self.partial.items()]
-        for combo in itertools.product((False, True), repeat=len(self.partial)):
+        # A dim with one block (the block larger than the array) has only its last block:
+        # a whole-block copy there could not even be traced (tokamax's gmm_v2, tile_k > k).
+        choices = [(True,) if nb == 1 else (False, True) for nb, _, _ in self.partial.values()]
+        for combo in itertools.product(*choices):
             sizes = self.sizes(combo)
             for d, n in bounded.items():
                 sizes[d] = n
@@ -114,6 +121,8 @@ class _Operand:
             for (d, (nb, _, _)), c, is_last in zip(self.partial.items(), conds, combo):
                 if is_last:
                     indices[d] = nb - 1
+                if nb == 1:
+                    continue
                 c = c if is_last else jnp.logical_not(c)
                 pred = c if pred is True else jnp.logical_and(pred, c)
 
@@ -135,14 +144,14 @@ class _Operand:
 
     def copy_in(self, block_indices, slot, *, start=True, wait=False):
         def fn(src, tail, padded):
-            window = self.bref.window_ref.at[(slot, *tail)]
+            window = self.bref._window_ref_at(slot, tail)
             self._copy(src, window, self.bref.sem_recvs.at[slot], padded, start, wait)
 
         self.per_block(block_indices, fn)
 
     def copy_out(self, block_indices, slot, *, start=True, wait=False):
         def fn(dst, tail, padded):
-            window = self.bref.window_ref.at[(slot, *tail)]
+            window = self.bref._window_ref_at(slot, tail)
             self._copy(window, dst, self.bref.sem_sends.at[slot], padded, start, wait)
 
         self.per_block(block_indices, fn)
@@ -277,6 +286,29 @@ def _tiling_of(aval, tiling):
         return (None,) * len(aval.shape)
 
 
+def _is_allocation_leaf(x) -> bool:
+    return x is None or isinstance(x, BufferedRefBase)
+
+
+def _allocation_leaves(allocations) -> list:
+    """The BufferedRefs (and ``None`` entries) of ``allocations``, in the order of the
+    spec leaves: a flat sequence (``make_allocations``) or, as JAX's pipeline takes them,
+    a pytree mirroring the Refs (e.g. dataclasses of BufferedRefs)."""
+    return tree_util.tree_leaves(allocations, is_leaf=_is_allocation_leaf)
+
+
+def operand_of(bref, ref, origin: str = "allocations") -> _Operand:
+    """The ``_Operand`` of a BufferedRef on ``ref``, its spec checked (for the
+    BufferedRef's own copy methods, pipeline_protocol.py)."""
+    space, aval = _ref_space_and_aval(ref, origin)
+    del space
+    spec = _normalize_spec(bref.spec, aval, origin)
+    partial = _partial_dims(spec, aval, bref.tiling, origin)
+    bounded = _bounded_dims(spec, aval, bref.tiling, origin)
+    whole_ref = not isinstance(ref, compat.TransformedRef)
+    return _Operand(origin, bref.with_spec(spec), ref, tuple(aval.shape), partial, whole_ref, bounded)
+
+
 def _make_pipeline_allocations(
     *refs, in_specs=(), out_specs=(), tiling=None, grid=(), should_accumulate_out=False
 ):
@@ -322,11 +354,13 @@ def _plan(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations)
                 ValueError,
                 f"{_WHERE}: should_accumulate_out has {len(accumulate)} entries but out_specs has {len(out_leaves)}",
             )
-    allocs = None if allocations is None else list(allocations)
+    allocs = None if allocations is None else _allocation_leaves(allocations)
     if allocs is not None and len(allocs) != len(in_leaves) + len(out_leaves):
         raise _err(
             ValueError,
-            f"{_WHERE}: allocations has {len(allocs)} entries but there are {len(in_leaves) + len(out_leaves)} specs",
+            f"{_WHERE}: allocations has {len(allocs)} BufferedRefs (or None entries) but there are "
+            f"{len(in_leaves) + len(out_leaves)} specs (give one per spec: a flat sequence, or a pytree "
+            "mirroring the Refs)",
         )
     entries = [(f"in_specs[{i}]", s, r, BufferType.INPUT) for i, (s, r) in enumerate(zip(in_leaves, in_refs))]
     entries += [
@@ -361,10 +395,13 @@ def _plan(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations)
                 tiling=tiling,
                 is_trivial_windowing=full,
             )
-        partial = _partial_dims(spec, aval, tiling, origin) if bref.is_buffered else {}
-        bounded = _bounded_dims(spec, aval, tiling, origin) if bref.is_buffered else {}
+        # A BufferedRef subclass does its own copies (its methods work out the blocks' edges).
+        protocol = bref.is_buffered and type(bref) is not BufferedRef
+        checked = bref.is_buffered and not protocol
+        partial = _partial_dims(spec, aval, tiling, origin) if checked else {}
+        bounded = _bounded_dims(spec, aval, tiling, origin) if checked else {}
         whole_ref = not isinstance(ref, compat.TransformedRef)
-        plan.append(_Operand(origin, bref, ref, tuple(aval.shape), partial, whole_ref, bounded))
+        plan.append(_Operand(origin, bref, ref, tuple(aval.shape), partial, whole_ref, bounded, protocol))
 
     n_in = len(in_leaves)
 

@@ -20,6 +20,7 @@ from jax import lax, tree_util
 import pallas as pl
 from pallas import backend as plb
 from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.language import pipeline_protocol as protocol
 from pallas_tpu._src.language.pipeline_buffers import (
     _WHERE,
     _as_index,
@@ -144,7 +145,10 @@ def _run_pipeline(
     static = all(isinstance(g, int) for g in local_grid)
     num_steps = math.prod(local_grid) if static else functools.reduce(lambda a, b: a * b, local_grid)
     ops = [op for op in plan if op is not None]
-    groups = _group([op for op in ops if op.bref.is_buffered])
+    protos = [op for op in ops if op.protocol]
+    for op in protos:
+        protocol.check(op)
+    groups = _group([op for op in ops if op.bref.is_buffered and not op.protocol])
     ins = [g for g in groups if g.bref.is_input]
     outs = [g for g in groups if g.bref.is_output]
     run = _Run(
@@ -157,19 +161,28 @@ def _run_pipeline(
         num_steps=num_steps,
         ins=ins,
         outs=outs,
+        protos=protos,
         ctx_name=f"emit_pipeline body {name!r}",
         scratches=scratches,
         body_prologue=body_prologue,
         explicit_indices=explicit_indices,
     )
-    fetched0 = _prologue(run)
-    carry = (tuple(fetched0), tuple(jnp.int32(0) for _ in ins), tuple(jnp.int32(0) for _ in outs))
-    _, _, written = lax.fori_loop(0, num_steps, functools.partial(_step, run), carry)
+    fetched0, brefs0 = _prologue(run)
+    carry = (
+        tuple(fetched0),
+        tuple(jnp.int32(0) for _ in ins),
+        tuple(jnp.int32(0) for _ in outs),
+        tuple(protocol.registers(b) for b in brefs0),
+    )
+    _, _, written, regs = lax.fori_loop(0, num_steps, functools.partial(_step, run), carry)
     # Epilogue: wait for the last write-back of double-buffered outputs.
     at = _Steps(run, jnp.asarray(num_steps - 1, jnp.int32))
     for k, op in enumerate(outs):
         if op.bref.buffer_count == 2:
             op.copy_out(at.block(op, 0), lax.rem(written[k] + 1, 2), start=False, wait=True)
+    with run.context(at):
+        for op, r in zip(protos, regs):
+            protocol.epilogue(at, op, protocol.with_registers(op.bref, r))
 
 
 @dataclasses.dataclass(eq=False)
@@ -185,6 +198,7 @@ class _Run:
     num_steps: Any
     ins: list[_Group]
     outs: list[_Group]
+    protos: list[_Operand]  # scheduled through their BufferedRefs' methods (pipeline_protocol.py)
     ctx_name: str
     scratches: tuple[Any, ...]
     body_prologue: Callable[[], None] | None
@@ -198,6 +212,11 @@ class _Run:
         num_steps = self.num_steps
         t = lax.rem(jnp.asarray(t, jnp.int32) + num_steps, jnp.maximum(jnp.asarray(num_steps, jnp.int32), 1))
         return tuple(i + o for i, o in zip(_unravel(t, self.local_grid), self.offsets))
+
+    def context(self, at):
+        """The kernel context of the step ``at`` is around (``pl.program_id`` in the body,
+        index maps and BufferedRef methods)."""
+        return plb.kernel_context(plb.KernelContext(self.local_grid, at.indices(0), self.ctx_name))
 
 
 class _Steps:
@@ -243,9 +262,12 @@ class _LoopStep(_Steps):
         return jnp.logical_or(self.last, self.differ(op, 0, 1))
 
 
-def _prologue(run: _Run) -> list[Any]:
-    """The first n - 1 fetches of every input with n buffers; how many each made."""
+def _prologue(run: _Run) -> tuple[list[Any], list[Any]]:
+    """The first n - 1 fetches of every input with n buffers: how many each of ours
+    made, and the BufferedRefs of the operands scheduled through their methods."""
     prologue = _Steps(run, jnp.int32(0))
+    with run.context(prologue):
+        brefs = [protocol.prologue(run, prologue, op) for op in run.protos]
     fetched0 = []
     for op in run.ins:
         n = op.bref.buffer_count
@@ -259,13 +281,13 @@ def _prologue(run: _Run) -> list[Any]:
             _when(pred, functools.partial(op.copy_in, prologue.block(op, t), lax.rem(count, n)))
             count = count + jnp.asarray(pred, jnp.int32)
         fetched0.append(count)
-    return fetched0
+    return fetched0, brefs
 
 
 def _step(run: _Run, s, carry):
     """One step of the pipeline's loop (``carry``: per input, the blocks fetched
     and used so far; per output, the blocks written back)."""
-    fetched, used, written = (list(c) for c in carry)
+    fetched, used, written, regs = (list(c) for c in carry)
     at = _LoopStep(run, s)
     # In/out operands finish writing back their previous block before
     # their slots are refilled.
@@ -278,9 +300,14 @@ def _step(run: _Run, s, carry):
     for k, op in enumerate(run.outs):
         if not op.bref.is_input:
             slots.update((id(m), lax.rem(written[k], op.bref.buffer_count)) for m in op.members)
-    _call_body(run, at, slots)
+    brefs = [protocol.with_registers(op.bref, r) for op, r in zip(run.protos, regs)]
+    with run.context(at):
+        brefs = [protocol.before_body(run, at, op, b) for op, b in zip(run.protos, brefs)]
+    _call_body(run, at, slots, {id(op): b.current_ref for op, b in zip(run.protos, brefs)})
     _write_back(run, at, slots, written)
-    return tuple(fetched), tuple(used), tuple(written)
+    with run.context(at):
+        brefs = [protocol.after_body(run, at, op, b) for op, b in zip(run.protos, brefs)]
+    return tuple(fetched), tuple(used), tuple(written), tuple(protocol.registers(b) for b in brefs)
 
 
 def _fetch_inputs(run: _Run, at: _LoopStep, fetched: list, used: list) -> dict[int, Any]:
@@ -303,14 +330,17 @@ def _fetch_inputs(run: _Run, at: _LoopStep, fetched: list, used: list) -> dict[i
     return slots
 
 
-def _call_body(run: _Run, at: _LoopStep, slots: dict[int, Any]) -> None:
-    """The body on this step's blocks: buffer slots, or views of unbuffered Refs."""
+def _call_body(run: _Run, at: _LoopStep, slots: dict[int, Any], current: dict[int, Any]) -> None:
+    """The body on this step's blocks: buffer slots, views of unbuffered Refs, or the
+    ``current_ref`` of operands scheduled through their methods (``current``, by ``id``)."""
     block_refs = []
     for op in run.plan:
         if op is None:
             block_refs.append(None)
+        elif id(op) in current:
+            block_refs.append(current[id(op)])
         elif op.bref.is_buffered:
-            block_refs.append(op.bref.window_ref.at[slots[id(op)]])
+            block_refs.append(op.bref._window_ref_at(slots[id(op)]))
         else:
             block_refs.append(op.ref.at[_block_indexer(op.spec, at.block(op, 0))])
     idx = at.indices(0)

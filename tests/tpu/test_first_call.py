@@ -140,3 +140,68 @@ def test_progress_lines_while_tracing_and_compiling(monkeypatch, capfd):
     g = jax.jit(lambda x: f(x) + 1.0)
     np.testing.assert_allclose(g(x), jnp.tanh(x) * 2.0 + 1.0, rtol=1e-6)
     assert "pallas_tpu" not in capfd.readouterr().err
+
+
+def test_the_first_failed_check_is_reported_around_branches():
+    """Checks are gathered and folded into the error record where control flow
+    begins and ends: the one reported is still the first in program order, before,
+    inside and after a ``pl.when``."""
+    x = rand(5, (16, 128))
+
+    def kernel(s_ref, x_ref, o_ref):
+        a, b, c = s_ref[0], s_ref[1], s_ref[2]
+        o_ref[...] = x_ref[pl.ds(a, 8), :]
+
+        @pl.when(s_ref[3] == 1)
+        def _():
+            o_ref[...] += x_ref[pl.ds(b, 8), :]
+
+        o_ref[...] += x_ref[pl.ds(c, 8), :]
+
+    def call(a, b, c, taken=1):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+            out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+            interpret=pltpu.InterpretParams(),
+        )(jnp.array([a, b, c, taken], jnp.int32), x)
+
+    a, b, c = (int(v) for v in np.random.default_rng().integers(0, 9, 3))
+    np.testing.assert_allclose(call(a, b, c), x[a : a + 8] + x[b : b + 8] + x[c : c + 8], rtol=1e-6)
+    assert "[11, 11 + 8)" in _raises("Out-of-bounds read", lambda: call(11, 12, 13))
+    assert "[12, 12 + 8)" in _raises("Out-of-bounds read", lambda: call(a, 12, 13))
+    assert "[13, 13 + 8)" in _raises("Out-of-bounds read", lambda: call(a, 12, 13, taken=0))
+    assert "[13, 13 + 8)" in _raises("Out-of-bounds read", lambda: call(a, b, 13))
+
+
+@pytest.mark.parametrize("wait", ["own", "other_slot"])
+def test_on_wait_lands_the_waited_region_first(wait):
+    """Two DMAs on one semaphore into the two slots of a buffer: a wait for one
+    slot's bytes with that slot's descriptor lands that slot only (the other still
+    shows its old contents); with the other slot's descriptor (a region that holds
+    none of the semaphore's data) every DMA on the semaphore lands."""
+    x = rand(6, (2, 8, 128))
+
+    def kernel(x_hbm, o_ref, buf, sem):
+        buf[...] = jnp.zeros_like(buf)
+        pltpu.make_async_copy(x_hbm.at[0], buf.at[0], sem).start()
+        pltpu.make_async_copy(x_hbm.at[1], buf.at[1], sem).start()
+        if wait == "own":
+            pltpu.make_async_copy(x_hbm.at[0], buf.at[0], sem).wait()
+        else:
+            pltpu.make_async_copy(x_hbm.at[0], o_ref.at[0], sem).wait()  # names no buffer of the DMAs
+        o_ref[...] = buf[...]
+        pltpu.make_async_copy(x_hbm.at[1], buf.at[1], sem).wait()
+        o_ref[1] += buf[1]
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA],
+        interpret=pltpu.InterpretParams(dma_execution_mode="on_wait"),
+    )(x)
+    first = x[1] if wait == "other_slot" else jnp.zeros_like(x[1])
+    np.testing.assert_allclose(out, jnp.stack([x[0], first + x[1]]), rtol=1e-6)

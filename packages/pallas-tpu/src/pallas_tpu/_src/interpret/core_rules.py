@@ -79,6 +79,7 @@ def _grid_axis_index(interp, eqn):
 def _state_items(interp):
     """The cells' keys, their values and the hidden state: the carry of a loop
     or cond that the kernel's Refs and hidden state go through."""
+    interp.flush_checks()
     keys = sorted(interp.state)
     return keys, [interp.state[k] for k in keys], interp.hidden
 
@@ -234,14 +235,22 @@ def _run_state(interp, eqn, *args):
 
 def check_sem_zero(interp, view, eqn, when):
     """Records an error if the semaphore ``view`` is not zero ``when`` (a DMA or signal not waited for)."""
-    val = interp.state[view.cell]
-    bad = jnp.any(val != 0)
+    flat = interp.state[view.cell].reshape(-1)
+    if flat.size <= 16:  # scalar selects, which XLA fuses into the check's: no reductions to compile
+        elems = [lax.squeeze(lax.slice(flat, (i,), (i + 1,)), (0,)) for i in range(flat.size)]
+        ok, first = lax.full((), True), lax.full((), 0, flat.dtype)
+        for x in reversed(elems):
+            nonzero = lax.ne(x, lax.full((), 0, flat.dtype))
+            ok = lax.bitwise_and(ok, lax.bitwise_not(nonzero))
+            first = lax.select(nonzero, x, first)
+    else:
+        ok, first = jnp.logical_not(jnp.any(flat != 0)), flat[jnp.argmax(flat != 0)]
     interp.check(
-        jnp.logical_not(bad),
+        ok,
         f"{interp.where(eqn) if eqn is not None else interp.kernel_desc}: semaphore "
         f"{interp.describe_ref(view)} is not zero {when} (a DMA or signal was not waited for; "
         "first nonzero value {0})",
-        [val.reshape(-1)[jnp.argmax(val.reshape(-1) != 0)]],
+        [first],
     )
 
 

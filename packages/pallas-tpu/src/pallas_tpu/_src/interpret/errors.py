@@ -1,10 +1,18 @@
 """Errors found while an interpreted TPU kernel runs.
 
 Checks made while tracing (bounds, semaphore waits, DMAs landed) are recorded
-in a hidden error code carried through the program with the values they name;
-when the kernel finishes, a host callback raises the first one as a
-``KernelError``. ``RuntimeChecks`` is a mixin of ``Interpreter``
-(``interpreter.py``): it keeps its codes in the interpreter's ``hidden`` state."""
+in a hidden error record carried through the program: the code of the first
+failed check and the values it names; when the kernel finishes, a host callback
+raises that one as a ``KernelError``. ``RuntimeChecks`` is a mixin of
+``Interpreter`` (``interpreter.py``): it keeps the record in the interpreter's
+``hidden`` state.
+
+A large kernel makes hundreds of checks, and every op they add is traced, lowered
+and compiled (XLA's CPU compiler spends milliseconds on each fusion). So checks
+are gathered while a straight run of the kernel is traced and folded into the
+record in one go (``flush_checks``) where the record is needed: before control
+flow or a grid step carries the hidden state, and at the end. The fold is a chain
+of selects over the record's 9 words, which XLA fuses into one loop."""
 
 from __future__ import annotations
 
@@ -33,31 +41,51 @@ class KernelError(Exception):
         plb.record_runtime_error(self)
 
 
+_RECORD = 9  # the error record: the failed check's code (0: none failed), then 8 values
+
+
 class RuntimeChecks:
     """The run-time checks of ``Interpreter`` (see the module docstring)."""
 
     def init_checks(self) -> None:
-        self.hidden.err = jnp.zeros((), jnp.int32)
-        self.hidden.errvals = jnp.zeros((8,), jnp.int32)
+        self.hidden.err = jnp.zeros((_RECORD,), jnp.int32)
         self.hidden.tok = jnp.zeros((), jnp.int32)
+        self._pending_checks = []
 
     def check(self, ok, message: str, values: Sequence[Any] = ()) -> None:
         """Records ``message`` (with up to 8 int values, shown where the message
-        has ``{0}``...) as the kernel's error if ``ok`` is false."""
+        has ``{0}``...) as the kernel's error if ``ok`` is false and no check
+        before it failed. Gathered until ``flush_checks``."""
         if self._unchecked or (isinstance(ok, (bool, np.bool_)) and ok):
             return
         self.checks.append(message)
         code = len(self.checks)
-        err = self.hidden.err
-        # lax, not jnp (no jitted helpers): a large kernel makes hundreds of checks, and
-        # every op here is traced, lowered and compiled with it.
-        first = lax.bitwise_and(lax.eq(err, np.int32(0)), lax.bitwise_not(jnp.asarray(ok, jnp.bool_)))
-        self.hidden.err = lax.select(first, np.int32(code), err)
-        if values:  # no values: errvals still holds zeros wherever this is the first error
-            vals = [jnp.asarray(v, jnp.int32).reshape(()) for v in values][:8]
-            row = jnp.concatenate([jnp.stack(vals), np.zeros(8 - len(vals), np.int32)])
-            errvals = self.hidden.errvals
-            self.hidden.errvals = lax.select(lax.broadcast(first, errvals.shape), row, errvals)
+        bad = lax.bitwise_not(jnp.asarray(ok, jnp.bool_)) if not isinstance(ok, (bool, np.bool_)) else True
+        vals = [lax.reshape(jnp.asarray(v, jnp.int32), (1,)) for v in values][:8]
+        self._pending_checks.append((bad, code, vals))
+
+    def flush_checks(self) -> None:
+        """Folds the checks gathered since the last flush into ``hidden.err``:
+        the record becomes the first failed one's ``[code, values...]`` unless an
+        earlier check failed. Called wherever the hidden state is taken (a loop or
+        cond carry, a grid step, the end); the checks must be of the trace being
+        traced now."""
+        pending, self._pending_checks = self._pending_checks, []
+        if not pending:
+            return
+        rec = self.hidden.err
+        picked = rec
+        # Last to first: each select keeps the row of an earlier failing check over later ones.
+        for bad, code, vals in reversed(pending):
+            row = lax.concatenate(
+                [np.array([code], np.int32), *vals, np.zeros(_RECORD - 1 - len(vals), np.int32)], 0
+            )
+            if bad is True:
+                picked = row
+            else:
+                picked = lax.select(lax.broadcast(bad, (_RECORD,)), row, picked)
+        clean = lax.eq(lax.slice(rec, (0,), (1,)), np.zeros((1,), np.int32))
+        self.hidden.err = lax.select(lax.broadcast_in_dim(clean, (_RECORD,), (0,)), picked, rec)
 
     def _bounds_checked(self, index, extent: int, size: int) -> bool:
         """True if ``[index, index + extent)`` was checked against ``size`` before, in
@@ -92,8 +120,10 @@ class RuntimeChecks:
         if cell not in self.shadows or len(self.shadows[cell]) != 2:
             return
         pending = self.state[self.shadows[cell][1]]
+        # Marks are positive while pending (see dma.py): one max-reduction, no compare to fuse first.
+        most = lax.reduce(pending, np.int32(0), lax.max, tuple(range(pending.ndim)))
         self.check(
-            jnp.logical_not(jnp.any(pending != 0)),
+            lax.eq(most, np.int32(0)),
             f"{self.kernel_desc}: a DMA into {self.describe_ref(RefView(cell))} was waited for but never "
             f"landed {when}: its wait named another buffer than the one the DMA went to, and the TPU "
             "interpreter had not seen that buffer used by a DMA on the semaphore before the wait; "
@@ -116,15 +146,16 @@ class RuntimeChecks:
 
     def raise_checks(self) -> None:
         """Emits the callback that raises the first recorded error, if any."""
+        self.flush_checks()
         if not self.checks:
             return
         messages = list(self.checks)
 
-        def report(err, vals):
-            errs = np.asarray(err).reshape(-1)
-            err = int(errs.max())
-            if err:  # under vmap: the values recorded with the reported error
-                vals = np.asarray(vals).reshape(-1, 8)[int(errs.argmax())]
-                raise KernelError(messages[err - 1].format(*[int(v) for v in vals]))
+        def report(rec):
+            recs = np.asarray(rec).reshape(-1, _RECORD)
+            k = int(recs[:, 0].argmax())  # under vmap: the batch element with the highest code
+            err = int(recs[k, 0])
+            if err:
+                raise KernelError(messages[err - 1].format(*[int(v) for v in recs[k, 1:]]))
 
-        jax.debug.callback(report, self.hidden.err, self.hidden.errvals)
+        jax.debug.callback(report, self.hidden.err)

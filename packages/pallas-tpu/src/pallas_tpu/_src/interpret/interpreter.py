@@ -190,8 +190,9 @@ class Hidden:
     """The traced values besides the cells that the interpreter carries through
     loops, conds and grid steps (a pytree: its leaves are part of every carry)."""
 
-    err: jax.Array | None = None  # the code of the first failed check, 0 while none failed (``check``)
-    errvals: jax.Array | None = None  # int32[8]: the values recorded with that check
+    # int32[9]: the code of the first failed check (0 while none failed), then the
+    # values recorded with it (``check``, ``flush_checks``).
+    err: jax.Array | None = None
     tok: jax.Array | None = None  # orders host callbacks (``ordered_callback``)
     # (operand, core slot) -> where that core's block of the operand started at the
     # grid step before (the pipeline: fetch or write back when it moves).
@@ -200,9 +201,7 @@ class Hidden:
     named: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
 
 
-tree_util.register_dataclass(
-    Hidden, data_fields=["err", "errvals", "tok", "block_starts", "named"], meta_fields=[]
-)
+tree_util.register_dataclass(Hidden, data_fields=["err", "tok", "block_starts", "named"], meta_fields=[])
 
 
 class Interpreter(RefAccess, RuntimeChecks):
@@ -221,11 +220,13 @@ class Interpreter(RefAccess, RuntimeChecks):
         self.checks: list[str] = []
         self.grid_env: dict[str, jax.Array] = {}  # named grid axis -> index
         self.barrier_cell: int | None = None  # the barrier semaphore (multi.py allocates it)
-        # dma_execution_mode="on_wait": cell -> (shadow cell, pending cell); see dma.py.
+        # dma_execution_mode="on_wait": data cell -> (shadow cell, pending cell), and
+        # semaphore cell -> () for the semaphores whose waits land DMAs; see dma.py.
         self.dma_shadows = False
-        self.shadows: dict[int, tuple[int, int]] = {}
+        self.shadows: dict[int, tuple[int, ...]] = {}
         self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
         self._unchecked = 0
+        self._pending_checks: list = []  # checks not yet folded into hidden.err (errors.py)
         self._dma_memo: dict = {}  # facts.dma_destinations of the jaxprs seen
         self._where_memo: dict = {}  # id(eqn) -> (eqn, where(eqn))
         # (trace, index, extent, size) of the traced bounds checks made so far (see _bounds_checked).
@@ -244,6 +245,7 @@ class Interpreter(RefAccess, RuntimeChecks):
     def snapshot(self):
         """The cells' values as a list and the hidden state (a loop carry);
         ``restore`` takes it back."""
+        self.flush_checks()
         self._keys = sorted(self.state)
         return [self.state[k] for k in self._keys], self.hidden
 
@@ -269,11 +271,7 @@ class Interpreter(RefAccess, RuntimeChecks):
             )
             self.shadows[c] = (shadow, pending)
         elif self.dma_shadows and isinstance(space, plb.SemaphoreSpace):
-            # Per semaphore: elements of started DMAs its waits have not landed yet.
-            count = self.new_cell_plain(
-                jnp.zeros(jnp.shape(value), jnp.int32), f"{name} (pending elements)", space
-            )
-            self.shadows[c] = (count,)
+            self.shadows[c] = ()  # a semaphore whose waits land on_wait DMAs (no companion cells)
         return c
 
     def dma_targets(self, jaxpr) -> frozenset[int]:

@@ -213,6 +213,19 @@ class RefAccess:
 
     def flat_index(self, view: RefView, eqn):
         """The flat position of the one element a view selects (semaphores)."""
+        shape = self.state[view.cell].shape
+        if len(view.transforms) == 1 and hasattr(view.transforms[0], "indices"):
+            # One indexer: the position by arithmetic (no iota to slice), checked and
+            # clamped as a read of the element is.
+            starts, sizes, _, _, arrays = self._index_parts(shape, view.transforms[0], eqn, view, "read")
+            if not arrays and all(n == 1 for n in sizes):
+                flat, mult = np.int32(0), 1
+                for st, n in reversed(list(zip(starts, shape))):
+                    flat = lax.add(
+                        lax.mul(jnp.asarray(_clip(st, 0, max(n - 1, 0)), jnp.int32), np.int32(mult)), flat
+                    )
+                    mult *= n
+                return flat
         x = jnp.arange(math.prod(self.state[view.cell].shape), dtype=jnp.int32).reshape(
             self.state[view.cell].shape
         )

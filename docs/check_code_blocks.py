@@ -142,6 +142,9 @@ def main(argv: list[str]) -> int:
                     failed.append(f"{where}: the block failed")
                     block_failed = True
         if proc.returncode != 0 or block_failed:
+            # the doctest runner's report (what was expected, what came) is on stdout
+            report = [out for out in proc.stdout.splitlines() if not out.startswith("@@result ")]
+            print("\n".join(report)[-8000:], file=sys.stderr)
             print(proc.stderr[-8000:], file=sys.stderr)
         for rel, _ in todo_by_file:
             if rel not in reported:

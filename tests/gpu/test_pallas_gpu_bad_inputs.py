@@ -88,6 +88,18 @@ def test_fp8_on_sm80_through_lowering(monkeypatch):
         export_for_cuda(scale_call(jnp.float8_e4m3fn), x)
 
 
+def test_dot_of_a_matrix_and_a_vector_is_refused_in_jax_words():
+    # JAX's Triton backend: "must be 2D"; ours also names the kernel, the line and the fix.
+    def dot_kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], y_ref[...])
+
+    f = pl.pallas_call(dot_kernel, jax.ShapeDtypeStruct((32,), jnp.float32))
+    x = jax.random.normal(jax.random.key(4), (32, 64), jnp.float32)
+    y = jax.random.normal(jax.random.key(5), (64,), jnp.float32)
+    with pytest.raises(Exception, match=r"(?s)kernel 'dot_kernel' at .*must be 2D.*reshape vectors"):
+        export_for_cuda(f, x, y)
+
+
 def big_matmul(num_stages):
     """256x256 output blocks of bf16, k blocks of 128: 128 KiB of operands
     per pipelining stage."""

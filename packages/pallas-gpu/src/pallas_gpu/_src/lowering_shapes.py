@@ -516,8 +516,8 @@ def _dot_general_rule(
         raise rc.error("dot_general batch dimensions must be one leading dimension of both operands")
     if len(a.shape) != nb + 2 or len(b.shape) != nb + 2:
         raise rc.error(
-            f"dot_general needs 2-d operands (3-d with a batch dim), got {a.shape} and {b.shape}; "
-            "reshape vectors to matrices"
+            f"dot_general operands must be 2D (3-D with a batch dimension), got {a.shape} and "
+            f"{b.shape}; reshape vectors to matrices (e.g. y[:, None])"
         )
     # Bring a to (..., M, K) and b to (..., K, N).
     if lc[0] == nb:

@@ -185,7 +185,8 @@ def _dma_start(interp, eqn, *ops):
 
 def _sem_code(interp, view, eqn):
     """A number naming one semaphore (its cell and element), >= 1."""
-    return lax.add(interp.flat_index(view, eqn), np.int32(view.cell * 65536 + 1))
+    base = interp.sem_code_bases.get(view.cell, np.int32(view.cell * 65536 + 1))
+    return lax.add(interp.flat_index(view, eqn), base)
 
 
 def _start_pending(interp, eqn, src: DmaView, dst: DmaView, sem, add: bool) -> None:

@@ -76,9 +76,17 @@ class RuntimeChecks:
         rec = self.hidden.err
         picked = rec
         # Last to first: each select keeps the row of an earlier failing check over later ones.
+        # The code goes through an optimization barrier: XLA sees data, not a constant, so the
+        # folds of different checks compile to the same kernel, which XLA compiles once
+        # (distinct kernels, not ops, are most of its compile time).
         for bad, code, vals in reversed(pending):
             row = lax.concatenate(
-                [np.array([code], np.int32), *vals, np.zeros(_RECORD - 1 - len(vals), np.int32)], 0
+                [
+                    lax.optimization_barrier(np.array([code], np.int32)),
+                    *vals,
+                    np.zeros(_RECORD - 1 - len(vals), np.int32),
+                ],
+                0,
             )
             if bad is True:
                 picked = row

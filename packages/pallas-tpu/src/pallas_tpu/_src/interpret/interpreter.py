@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax, tree_util
 
 from pallas import backend as plb
@@ -224,6 +225,7 @@ class Interpreter(RefAccess, RuntimeChecks):
         # semaphore cell -> () for the semaphores whose waits land DMAs; see dma.py.
         self.dma_shadows = False
         self.shadows: dict[int, tuple[int, ...]] = {}
+        self.sem_code_bases: dict[int, Any] = {}  # semaphore cell -> its traced code base (dma.py)
         self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
         self._unchecked = 0
         self._pending_checks: list = []  # checks not yet folded into hidden.err (errors.py)
@@ -272,6 +274,9 @@ class Interpreter(RefAccess, RuntimeChecks):
             self.shadows[c] = (shadow, pending)
         elif self.dma_shadows and isinstance(space, plb.SemaphoreSpace):
             self.shadows[c] = ()  # a semaphore whose waits land on_wait DMAs (no companion cells)
+            # The number marks name it by (dma.py), opaque to XLA: the bookkeeping of DMAs on
+            # different semaphores then compiles to the same kernels, which XLA compiles once.
+            self.sem_code_bases[c] = lax.optimization_barrier(np.int32(c * 65536 + 1))
         return c
 
     def dma_targets(self, jaxpr) -> frozenset[int]:
@@ -292,6 +297,7 @@ class Interpreter(RefAccess, RuntimeChecks):
     def free_cell(self, c: int) -> None:
         self.check_dmas_landed(c, "when its scope ends")
         del self.state[c]
+        self.sem_code_bases.pop(c, None)
         for companion in self.shadows.pop(c, ()):
             del self.state[companion]
 

@@ -408,6 +408,21 @@ class TestControlFlow(PallasTest):
         out = self.pallas_call(kernel, _sds((8, 8)))(x)
         assert_allclose(out, x * 10.0 + 5.0, scale=10)
 
+    def test_refs_in_a_loop_carry(self):
+        # Refs carried through a fori_loop unchanged and read in its body, as JAX's Pallas
+        # allows (its kernels trace with JAX's mutable-array checks off; jax_enable_checks is on).
+        x, w = self.rand((8, 16)), self.rand((4, 16))
+
+        def kernel(x_ref, w_ref, o_ref):
+            def body(i, carry):
+                acc, xr, wr = carry
+                return acc + xr[...] * wr[i], xr, wr
+
+            o_ref[...] = lax.fori_loop(0, 4, body, (jnp.zeros((8, 16), jnp.float32), x_ref, w_ref))[0]
+
+        out = self.pallas_call(kernel, _sds((8, 16)))(x, w)
+        assert_allclose(out, x * jnp.sum(w, axis=0), scale=4)
+
     def test_fori_loop_dynamic_bounds(self):
         x = self.rand((4, 8))
         spec = pl.BlockSpec((1, 8), lambda i: (i, 0))

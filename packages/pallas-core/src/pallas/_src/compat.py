@@ -8,9 +8,11 @@ these breaks this file only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jax._src import config as _config
 from jax._src import core as jax_core
 from jax._src import linear_util as lu
 from jax._src import source_info_util, tree_util
@@ -150,6 +152,11 @@ def pytree_mismatch_message(what1: str, tree1, what2: str, tree2) -> str:
     return "\n".join(lines)
 
 
+def _no_mutable_array_checks():
+    checks = getattr(_config, "mutable_array_checks", None)
+    return checks(False) if checks is not None else contextlib.nullcontext()
+
+
 def trace_to_closed_jaxpr(fun: Callable, in_avals: Sequence[Any], debug_info) -> tuple[Any, list[Any]]:
     """Traces ``fun`` (flat args -> flat list of outputs) to a closed jaxpr.
 
@@ -157,7 +164,11 @@ def trace_to_closed_jaxpr(fun: Callable, in_avals: Sequence[Any], debug_info) ->
     captured, which become leading invars of the returned jaxpr.
     """
     wrapped = lu.wrap_init(fun, debug_info=debug_info)
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    # Kernels may carry Refs through loops and return them from cond branches, as under JAX's
+    # Pallas, which traces its kernels with JAX's mutable-array checks off (on under
+    # jax_enable_checks, they refuse a Ref in a fori_loop carry).
+    with _no_mutable_array_checks():
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
     if consts or jaxpr.constvars:
         jaxpr = pe.convert_constvars_jaxpr(jaxpr)
     return close_jaxpr(jaxpr), list(consts)

@@ -283,3 +283,54 @@ def test_static_index_under_a_condition_in_pallas_core_interpret_mode_as_jax(n):
     x = rand(9, (4,))
     count = jnp.array([n], jnp.int32)
     np.testing.assert_array_equal(np.asarray(build(pl)(count, x)), np.asarray(build(jpl)(count, x)))
+
+
+def build_reshaped_view_block_past_the_lanes(pl, pltpu):
+    # tokamax's gmm_v2 pipelines ``lhs.reshape(-1, 8, k)`` with ``tile_k`` 128 > ``k`` 64: the
+    # block's 128 lanes over a view of 64. A reshape keeping the minor dimension ends where
+    # the array's memory tiles end, so the copy rounds up into their padding as JAX's
+    # pipeline copies it (Mosaic refuses an exact 64-lane bf16 DMA: "The contiguous inner
+    # slice in the DMA transfer must be divisible by 512 bytes").
+    def kernel(x_hbm, o_hbm):
+        spec = pl.BlockSpec((None, 16, 128), lambda g: (g, 0, 0))
+
+        def body(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2
+
+        views = (x_hbm.reshape(8, 16, 64), o_hbm.reshape(8, 16, 64))
+        pltpu.emit_pipeline(body, grid=(8,), in_specs=[spec], out_specs=[spec])(*views)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((128, 64), jnp.bfloat16),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+    )
+
+
+_PADDING_OF_A_RESHAPE = (
+    "run_mosaic refuses a memref_slice into the tile padding of a reshaped memref, "
+    "which libtpu's Mosaic compiles (JAX's module too)"
+)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_PADDING_OF_A_RESHAPE))
+        if m != "interpret"
+        else m
+        for m in MODES
+    ],
+)
+def test_pipeline_block_past_the_lanes_of_a_reshaped_view(mode):
+    x = rand(10, (128, 64), jnp.bfloat16)
+    got = run(build_reshaped_view_block_past_the_lanes, (x,), mode)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x) * 2)
+
+
+def test_pipeline_block_past_the_lanes_of_a_reshaped_view_compiles():
+    from three_way import COMPILE_CHIPS, compile_both
+
+    x = rand(10, (128, 64), jnp.bfloat16)
+    compile_both(build_reshaped_view_block_past_the_lanes, (x,), COMPILE_CHIPS)  # raises if ours is refused

@@ -197,6 +197,30 @@ def _ref_space_and_aval(ref, origin):
     return (pl.ANY if space is None else space), aval
 
 
+def _has_tile_padding(ref, dims) -> bool:
+    """Whether the edges of ``ref`` along ``dims`` are the edges of its array's memory
+    tiles, so that a copy may round up into the tile padding there: a whole Ref, or a
+    reshape of one that keeps those of its two minor dimensions (tokamax's gmm_v2 pipelines
+    ``lhs.reshape(-1, 8, k)``, rounding its lanes); not an ``.at[...]`` view, whose edge
+    may be in the middle of the data."""
+    if not isinstance(ref, compat.TransformedRef):
+        return True
+    if not ref.transforms or not all(isinstance(t, compat.ReshapeTransform) for t in ref.transforms):
+        return False
+    base, view = tuple(compat.get_aval(ref.ref).shape), tuple(ref.shape)
+    for d in dims:
+        k = len(view) - d  # 1: the minor dimension, 2: the second-minor
+        if k > 2 or len(base) < k or view[-k:] != base[-k:]:
+            return False
+    return True
+
+
+def _rounded_dims(partial, bounded) -> list[int]:
+    """The dims whose copies round up to the memory tiling."""
+    cut = [d for d, (_, last, rounded) in partial.items() if rounded != last]
+    return [*cut, *(d for d, t in bounded.items() if t is not None and t > 1)]
+
+
 def _is_full_block(spec, shape) -> bool:
     bs = spec.block_shape
     if bs is None:
@@ -305,7 +329,7 @@ def operand_of(bref, ref, origin: str = "allocations") -> _Operand:
     spec = _normalize_spec(bref.spec, aval, origin)
     partial = _partial_dims(spec, aval, bref.tiling, origin)
     bounded = _bounded_dims(spec, aval, bref.tiling, origin)
-    whole_ref = not isinstance(ref, compat.TransformedRef)
+    whole_ref = _has_tile_padding(ref, _rounded_dims(partial, bounded))
     return _Operand(origin, bref.with_spec(spec), ref, tuple(aval.shape), partial, whole_ref, bounded)
 
 
@@ -400,7 +424,7 @@ def _plan(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations)
         checked = bref.is_buffered and not protocol
         partial = _partial_dims(spec, aval, tiling, origin) if checked else {}
         bounded = _bounded_dims(spec, aval, tiling, origin) if checked else {}
-        whole_ref = not isinstance(ref, compat.TransformedRef)
+        whole_ref = _has_tile_padding(ref, _rounded_dims(partial, bounded))
         plan.append(_Operand(origin, bref, ref, tuple(aval.shape), partial, whole_ref, bounded, protocol))
 
     n_in = len(in_leaves)

@@ -221,127 +221,44 @@ def _land(shadow_val, mark, cur, code, valid=None):
 def _commit_pending(interp, eqn, sem, dst_view: RefView, nbytes) -> None:
     """on_wait: a wait on a DMA semaphore lands the DMAs started on it.
 
-    The region the wait's descriptor names is landed (all a wait with the start's
-    own descriptor needs). When that region holds fewer bytes of the semaphore's
-    DMAs than the wait takes (the descriptor was rebuilt for another slot or
-    buffer), every element marked with the semaphore lands, in every buffer that
-    DMAs on it went to. (Marks are never more than the bytes started on the
-    semaphore and not landed, so landing all of them then is landing what is
-    pending.)"""
-    dst_shadowed = _shadowed(interp, dst_view.cell)
+    The region the wait's descriptor names is landed first (cheap, and all a
+    wait with the start's own descriptor needs). Only when that landed fewer
+    bytes than the wait takes (the descriptor was rebuilt for another slot or
+    buffer) are the buffers that DMAs on the semaphore went to landed whole, in a
+    ``lax.cond``: every element still marked with the semaphore. (Marks are never
+    more than the bytes started on the semaphore and not landed, so that is
+    landing what is pending; no byte counters are kept.)"""
     cells = sorted(
         {d for s, d in interp.dma_sites if s == sem.cell and _shadowed(interp, d)}
-        | ({dst_view.cell} if dst_shadowed else set())
+        | ({dst_view.cell} if _shadowed(interp, dst_view.cell) else set())
     )
     if not cells:  # no DMA on this semaphore went through a shadow: nothing to land
         return
-    region = _region_mask(interp, dst_view) if dst_shadowed else False
-    if region is None:
-        _commit_pending_by_region(interp, eqn, sem, dst_view, nbytes, cells)
-        return
     code = _sem_code(interp, sem, eqn)
-    nbytes = jnp.asarray(nbytes, jnp.int32)
-    # One pass over whole buffers, no branch (lax, not jnp: every wait traces this).
-    matches = {c: _marked(interp.state[interp.shadows[c][1]], code) for c in cells}
-    in_region = np.int32(0)
-    if dst_shadowed:
-        hit = lax.bitwise_and(matches[dst_view.cell], region)
-        in_region = lax.mul(_count(hit), np.int32(_itemsize(interp, dst_view.cell)))
-    short = lax.lt(in_region, nbytes)
-    for c in cells:
-        shadow, pending = interp.shadows[c]
-        mask = lax.bitwise_or(region, lax.broadcast(short, region.shape)) if c == dst_view.cell else short
-        mine = lax.bitwise_and(
-            matches[c], lax.broadcast(mask, matches[c].shape) if jnp.ndim(mask) == 0 else mask
-        )
-        interp.state[c], interp.state[pending] = _land_where(
-            interp.state[shadow], interp.state[pending], interp.state[c], mine
-        )
+    landed = np.int32(0)
+    if _shadowed(interp, dst_view.cell):
+        with interp.unchecked():  # on a TPU the wait's descriptor names no memory: nothing to bound-check
+            dv = dma_view(interp, dst_view, eqn, "DMA wait")
+            shadow, pending = interp.shadows[dv.cell]
+            new, mark, n = _land(
+                read(interp, dv, eqn, "read", cell=shadow),
+                read(interp, dv, eqn, "read", cell=pending),
+                read(interp, dv, eqn, "read"),
+                code,
+                _valid(interp, dv),
+            )
+            write(interp, dv, new, eqn)
+            write(interp, dv, mark, eqn, cell=pending)
+        landed = lax.mul(n, np.int32(np.dtype(interp.state[dv.cell].dtype).itemsize))
 
+    def land_all(vals, shadows):
+        return [_land(sh, mark, cur, code)[:2] for (cur, mark), sh in zip(vals, shadows)]
 
-def _itemsize(interp, cell: int) -> int:
-    return np.dtype(interp.state[cell].dtype).itemsize
-
-
-def _marked(mark, code):
-    """Where ``mark`` names the semaphore ``code`` (see ``_start_pending``)."""
-    return lax.eq(lax.shift_right_arithmetic(mark, np.int32(1)), lax.broadcast(code, mark.shape))
-
-
-def _count(mask):
-    return lax.reduce(lax.convert_element_type(mask, np.int32), np.int32(0), lax.add, tuple(range(mask.ndim)))
-
-
-def _land_where(shadow_val, mark, cur, mine):
-    """(new value, new marks) with the elements ``mine`` landed from the shadow."""
-    added = lax.bitwise_or(cur, shadow_val) if cur.dtype == np.bool_ else lax.add(cur, shadow_val)
-    landed = lax.select(lax.eq(lax.bitwise_and(mark, np.int32(1)), np.int32(1)), added, shadow_val)
-    return lax.select(mine, landed, cur), lax.select(mine, lax.full_like(mark, 0), mark)
-
-
-def _region_mask(interp, view: RefView):
-    """A boolean mask of the elements of ``view``'s cell that the view covers, as
-    the wait's descriptor names them (starts clamped into the buffer, as a read
-    clamps them); None for a view that is not one plain indexer of static size
-    (those land through ``_commit_pending_by_region``)."""
-    if len(view.transforms) != 1 or not hasattr(view.transforms[0], "indices"):
-        return None
-    (t,) = view.transforms
-    shape = interp.state[view.cell].shape
-    mask = None
-    for d, (n, ix) in enumerate(zip(shape, t.indices)):
-        if hasattr(ix, "start") and hasattr(ix, "size") and hasattr(ix, "stride"):
-            if not isinstance(ix.size, (int, np.integer)):
-                return None
-            start, size, stride = ix.start, int(ix.size), int(ix.stride)
-        elif jnp.ndim(ix) == 0:
-            start, size, stride = ix, 1, 1
-        else:
-            return None
-        ext = (size - 1) * stride + 1 if size else 0
-        if isinstance(start, (int, np.integer)) and size == n and stride == 1:
-            continue  # the whole dimension
-        lo = lax.clamp(np.int32(0), jnp.asarray(start, jnp.int32), np.int32(max(n - ext, 0)))
-        pos = lax.sub(lax.broadcasted_iota(np.int32, shape, d), lax.broadcast(lo, shape))
-        inside = lax.bitwise_and(lax.ge(pos, np.int32(0)), lax.lt(pos, np.int32(ext)))
-        if stride != 1:
-            inside = lax.bitwise_and(inside, lax.eq(lax.rem(pos, np.int32(stride)), np.int32(0)))
-        mask = inside if mask is None else lax.bitwise_and(mask, inside)
-    return mask if mask is not None else lax.full(shape, True)
-
-
-def _commit_pending_by_region(interp, eqn, sem, dst_view: RefView, nbytes, cells) -> None:
-    """``_commit_pending`` for a wait descriptor of another kind (several or
-    advanced indexers, a traced size): its region read and landed, then, when
-    short, the semaphore's buffers whole in a ``lax.cond``."""
-    code = _sem_code(interp, sem, eqn)
-    with interp.unchecked():  # on a TPU the wait's descriptor names no memory: nothing to bound-check
-        dv = dma_view(interp, dst_view, eqn, "DMA wait")
-        shadow, pending = interp.shadows[dv.cell]
-        new, mark, n = _land(
-            read(interp, dv, eqn, "read", cell=shadow),
-            read(interp, dv, eqn, "read", cell=pending),
-            read(interp, dv, eqn, "read"),
-            code,
-            _valid(interp, dv),
-        )
-        write(interp, dv, new, eqn)
-        write(interp, dv, mark, eqn, cell=pending)
-    landed = n * np.dtype(interp.state[dv.cell].dtype).itemsize
-
-    def land_all(vals):
-        out = []
-        for cur, sh, mark in vals:
-            new, mark, _ = _land(sh, mark, cur, code)
-            out.append((new, sh, mark))
-        return out
-
-    vals = [
-        (interp.state[c], interp.state[interp.shadows[c][0]], interp.state[interp.shadows[c][1]])
-        for c in cells
-    ]
-    vals = lax.cond(landed < nbytes, land_all, lambda vals: vals, vals)
-    for c, (new, _, mark) in zip(cells, vals):
+    vals = [(interp.state[c], interp.state[interp.shadows[c][1]]) for c in cells]
+    shadows = [interp.state[interp.shadows[c][0]] for c in cells]
+    short = lax.lt(landed, jnp.asarray(nbytes, jnp.int32))
+    vals = lax.cond(short, land_all, lambda vals, shadows: [tuple(v) for v in vals], vals, shadows)
+    for c, (new, mark) in zip(cells, vals):
         interp.state[c] = new
         interp.state[interp.shadows[c][1]] = mark
 

@@ -137,6 +137,8 @@ def _pytest(side: str, targets: list[str], args, out: Path, site: Path) -> dict:
         f"--rootdir={site}",
     ]
     cmd += ["--continue-on-collection-errors", "-o", "console_output_style=count"]
+    if args.tpu_kind:
+        cmd += [f"--tpu-kind={args.tpu_kind}"]
     if args.jobs > 1:
         cmd += ["-n", str(args.jobs)]
     if importlib.util.find_spec("pytest_timeout") is not None:
@@ -298,6 +300,12 @@ def main(argv=None) -> int:
         help="interpret (a CPU: every Pallas test file, kernels in interpret mode), gpu (the test files"
         " reaching a Pallas Triton kernel, compiled and run on the GPU) or compiled (the test files reaching"
         " a Pallas TPU kernel, in interpret mode, each TPU kernel traced also compiled by libtpu for v5e/v6e)",
+    )
+    p.add_argument(
+        "--tpu-kind",
+        choices=("v4", "v5e", "v5p", "v6e"),
+        help="show tokamax a TPU of this generation while kernels run in TPU interpret mode (both runs;"
+        " tokamax_plugin.py): its TPU-gated tests run on the CPU",
     )
     p.add_argument("files", nargs="*", help="test files or ids (default: every Pallas test file)")
     args = p.parse_args(argv)

@@ -13,6 +13,13 @@ Loaded by ``run_tokamax.py`` into a pytest run over tokamax's installed test fil
     as ``interpret``, and after each test every TPU ``pallas_call`` it traced is
     lowered by the side's Pallas and compiled by libtpu's Mosaic for v5e and v6e
     (``tpu_compiled.py``); the outcomes go to the report.
+``--tpu-kind=v5e`` (also ``v6e``, ``v5p``, ``v4``)
+    tokamax is shown a TPU of that generation while every kernel still runs in TPU
+    interpret mode on the CPU: ``jax.default_backend()`` says ``"tpu"`` and each test
+    runs under ``jax.sharding.use_abstract_mesh`` of an empty mesh whose abstract
+    device has that device kind (what JAX's and our ``get_tpu_info()`` read), so the
+    tests tokamax gates on a TPU backend or generation run. Anything that asks a
+    device itself (``jax.devices()[0].device_kind``) still sees the CPU.
 ``--downstream-report=PATH``
     writes ``{test id: [outcome, message, kernels, seconds, compiled]}`` as JSON at
     the end of the run: outcome ``passed``, ``failed``, ``skipped`` or ``error``;
@@ -51,6 +58,40 @@ def pytest_addoption(parser):
         help="interpret: Pallas Triton kernels in interpret mode (a CPU); gpu: compiled and run on the GPU;"
         " compiled: interpret, and each TPU kernel traced lowered and compiled by libtpu for v5e and v6e",
     )
+    group.addoption(
+        "--tpu-kind",
+        choices=tuple(_TPU_KINDS),
+        default=None,
+        help="show tokamax a TPU of this generation (default backend 'tpu', an abstract mesh of its device"
+        " kind); kernels still run in TPU interpret mode",
+    )
+
+
+# --tpu-kind: the device kind JAX names each generation by, and its TensorCores per device.
+_TPU_KINDS = {
+    "v4": ("TPU v4", 2),
+    "v5e": ("TPU v5 lite", 1),
+    "v5p": ("TPU v5p", 2),
+    "v6e": ("TPU v6 lite", 1),
+}
+
+
+def _show_tpu() -> None:
+    import jax
+
+    jax.default_backend = lambda: "tpu"  # tokamax's gate; JAX's internals use their own
+
+
+def _tpu_context(kind: str | None):
+    import contextlib
+
+    if kind is None:
+        return contextlib.nullcontext()
+    import jax
+
+    device_kind, cores = _TPU_KINDS[kind]
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=cores, platform="tpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
 def _is_triton(compiler_params, triton_params_type) -> bool:
@@ -133,7 +174,8 @@ def _interpret_ours(triton_interpreted: bool = True) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     _CALLS[0] = 0
-    yield
+    with _tpu_context(item.config.getoption("tpu_kind")):
+        yield
     item.user_properties.append(("pallas_calls", _CALLS[0]))
     if item.config.getoption("way") == "compiled":
         import tpu_compiled
@@ -147,6 +189,8 @@ def pytest_load_initial_conftests(early_config, parser, args):
     # Before tokamax's conftest.py, the first tokamax module pytest imports.
     ns = early_config.known_args_namespace
     interpreted = ns.way in ("interpret", "compiled")
+    if ns.tpu_kind is not None:
+        _show_tpu()
     if ns.way == "compiled":
         import tpu_compiled
 

@@ -15,17 +15,24 @@ generation; its side runs inside `jax.sharding.use_abstract_mesh` naming a TPU v
 
 Run: python benchmarks/tpu_first_call.py [--side ours|jax] [--profile]
 
-Measured on the 2-core development VM while other jobs loaded it (load average 17; wall times
-swing 2-3x between runs, CPU seconds less), jax 0.11.2, 2026-12-04:
+Measured on the 2-core development VM (shared: wall times swing between runs, CPU seconds
+less), jax 0.11.2, 2026-12-04, three runs of each side alternating, machine quiet (load 2):
 
-    before (a8b91e7): ours 9.2-32 s wall, 13.6 s CPU, 37291 lines of StableHLO
-    now:              ours 16.7 s wall, 6.4 s CPU (trace+lower 2.6 s), 9548 lines
-    JAX:                   6.3 s wall, 2.5 s CPU (trace+lower 2.8 s), 4527 lines   -> ours/JAX 2.6x
+    before (a8b91e7):        ours 9.2-32 s wall, 13.6 s CPU, 37291 lines of StableHLO (loaded)
+    before (fc1b79a^):       ours 4.7-5.5 s wall, 6.9-7.7 s CPU (XLA compile 3.8-4.2 s), 9548 lines;
+                             XLA's program: 655 fusions, 240 distinct kernels
+    now:                     ours 2.6-3.1 s wall, 3.6-4.3 s CPU (XLA compile 1.8-2.2 s), 8194 lines;
+                             464 fusions, 108 distinct kernels
+    JAX:                          1.9-2.5 s wall, 2.2-2.9 s CPU (XLA compile 0.7-0.9 s), 4527 lines;
+                             235 fusions, 50 distinct kernels
+    -> ours/JAX 1.3x wall, 1.6x CPU (was 2.6x)
 
-Tracing is now as fast as JAX's; XLA's compile of the interpreted kernels (LLVM code generation
-of about 600 fusions: bounds checks, DMA bookkeeping and the on_wait shadows of DMA
-destinations, inline in the program, where JAX's interpret mode makes host callbacks) is what is
-left. With dma_execution_mode="eager" ours is 5836 lines and about 6 s of CPU.
+Tracing and lowering take as long as JAX's (0.7-1.2 s). XLA's CPU compiler spends most of its time
+per distinct fusion kernel (an MLIR pipeline and an LLVM module each; identical fusions are
+compiled once), not per op: what is left are the interpreted kernels' DMA bookkeeping (on_wait
+shadows and marks of DMA destinations, per buffer shape) and checks, inline in the program, where
+JAX's interpret mode makes host callbacks. Count them with
+`XLA_FLAGS=--xla_dump_to=DIR` (the `obj-file` entries of the program are its distinct kernels).
 """
 
 from __future__ import annotations

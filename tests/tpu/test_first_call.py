@@ -8,6 +8,10 @@ trace or compile says so on stderr.
   inside a ``pl.when`` branch does not stand for one outside it.
 * ``PALLAS_TPU_PROGRESS_S``: progress lines while a kernel is traced and while XLA
   compiles the program that holds it.
+* Checks gathered along a straight run and folded into the error record where control
+  flow begins and ends still report the first failure in program order.
+* An on_wait DMA wait lands its own descriptor's region first, every DMA on its
+  semaphore only when that region held too few bytes (no byte counters kept).
 
 ``benchmarks/tpu_first_call.py`` times the first call against JAX's interpret mode.
 """

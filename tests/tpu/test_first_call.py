@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -209,3 +210,28 @@ def test_on_wait_lands_the_waited_region_first(wait):
     )(x)
     first = x[1] if wait == "other_slot" else jnp.zeros_like(x[1])
     np.testing.assert_allclose(out, jnp.stack([x[0], first + x[1]]), rtol=1e-6)
+
+
+def test_a_loop_condition_that_reads_a_ref():
+    """A ``while`` loop's condition reads an SMEM Ref at a traced index: the checks
+    gathered there end with the condition (it returns its predicate only)."""
+    x = rand(7, (8, 128))
+    k = int(np.random.default_rng().integers(1, 4))
+
+    def kernel(s_ref, x_ref, o_ref):
+        def body(c):
+            i, acc = c
+            return i + 1, acc + x_ref[...]
+
+        _, acc = lax.while_loop(lambda c: s_ref[c[0]] > 0, body, (s_ref[0], jnp.zeros_like(x_ref[...])))
+        o_ref[...] = acc
+
+    s = jnp.array([1] * (k + 1) + [0] * (4 - k), jnp.int32)  # from index 1, k positive entries
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        interpret=pltpu.InterpretParams(),
+    )(s, x)
+    np.testing.assert_allclose(out, k * x, rtol=1e-6)

@@ -123,6 +123,7 @@ def _while(interp, eqn, *ops):
         vals, hidden, c = carry
         _set_state(interp, keys, vals, hidden)
         (pred,) = interp.eval_closed(p["cond_jaxpr"], [*cconsts, *c])
+        interp.drop_checks()  # a loop condition returns its predicate only: its checks are not kept
         return pred
 
     def body_fun(carry):

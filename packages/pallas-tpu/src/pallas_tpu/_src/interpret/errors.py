@@ -95,6 +95,11 @@ class RuntimeChecks:
         clean = lax.eq(lax.slice(rec, (0,), (1,)), np.zeros((1,), np.int32))
         self.hidden.err = lax.select(lax.broadcast_in_dim(clean, (_RECORD,), (0,)), picked, rec)
 
+    def drop_checks(self) -> None:
+        """Forgets the checks gathered since the last flush: for a trace whose result
+        carries no hidden state (a ``while`` loop's condition)."""
+        self._pending_checks = []
+
     def _bounds_checked(self, index, extent: int, size: int) -> bool:
         """True if ``[index, index + extent)`` was checked against ``size`` before, in
         the jaxpr being traced now: that check runs whenever this one would, and an

@@ -382,38 +382,43 @@ class BufferedRef(BufferedRefBase):
         """Starts the copy of the block at ``grid_indices`` of ``src_ref`` into the
         copy-in slot."""
         if self.is_buffered:
-            _protocol().copy_block(self, src_ref, grid_indices, self.current_copy_in_slot, True, False, True)
+            _copy_block(self, src_ref, grid_indices, self.current_copy_in_slot, True, False, True)
 
     def wait_in(self, src_ref, grid_indices):
         """Waits for the copy of the block at ``grid_indices`` into the wait-in slot."""
         if self.is_buffered:
-            _protocol().copy_block(self, src_ref, grid_indices, self.current_wait_in_slot, False, True, True)
+            _copy_block(self, src_ref, grid_indices, self.current_wait_in_slot, False, True, True)
 
     def copy_out(self, dst_ref, grid_indices):
         """Starts the copy of the copy-out slot to the block at ``grid_indices`` of
         ``dst_ref`` (one buffer: and waits for it)."""
         if self.is_buffered:
             sync = self._buffer_count == 1
-            _protocol().copy_block(self, dst_ref, grid_indices, self.current_copy_out_slot, True, sync, False)
+            _copy_block(self, dst_ref, grid_indices, self.current_copy_out_slot, True, sync, False)
 
     def wait_out(self, dst_ref, grid_indices):
         """Waits for the copy of the wait-out slot to the block at ``grid_indices``
         (nothing with one buffer: its copy_out waited)."""
         if self.is_buffered and self._buffer_count > 1:
-            _protocol().copy_block(
-                self, dst_ref, grid_indices, self.current_wait_out_slot, False, True, False
-            )
+            _copy_block(self, dst_ref, grid_indices, self.current_wait_out_slot, False, True, False)
 
     def compute_slice(self, grid_indices):
         """The indexer of the block at ``grid_indices`` in the operand's Ref."""
         return _block_indexer(self.spec, _call_index_map(self.spec, grid_indices, "spec"))
 
 
-def _protocol():
-    # pipeline_protocol imports this module (the copies need pipeline_plan's _Operand).
-    from pallas_tpu._src.language import pipeline_protocol
+# The copy behind BufferedRef's copy methods: pipeline_protocol.copy_block, registered
+# when that module loads (it needs pipeline_plan's _Operand, and pipeline_plan imports
+# this module, so this module cannot import it).
+_COPY_BLOCK: list[Any] = []
 
-    return pipeline_protocol
+
+def register_copy_block(fn) -> None:
+    _COPY_BLOCK[:] = [fn]
+
+
+def _copy_block(*args) -> None:
+    _COPY_BLOCK[0](*args)
 
 
 # ---------------------------------------------------------------------------

@@ -38,7 +38,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from pallas_tpu._src.language.pipeline_buffers import _WHERE, _as_index, _call_index_map, _err, _when
+from pallas_tpu._src.language.pipeline_buffers import (
+    _WHERE,
+    _as_index,
+    _call_index_map,
+    _err,
+    _when,
+    register_copy_block,
+)
+from pallas_tpu._src.language.pipeline_plan import operand_of
 
 _REGISTERS = ("copy_in_slot", "wait_in_slot", "copy_out_slot", "wait_out_slot")
 
@@ -46,12 +54,13 @@ _REGISTERS = ("copy_in_slot", "wait_in_slot", "copy_out_slot", "wait_out_slot")
 def copy_block(bref, ref, grid_indices, slot, start: bool, wait: bool, into_window: bool) -> None:
     """Starts and/or waits for the copy between the block of ``ref`` at ``grid_indices``
     and ``slot`` of ``bref``'s buffer (``into_window``: from ``ref`` into the buffer)."""
-    from pallas_tpu._src.language.pipeline_plan import operand_of
-
     op = operand_of(bref, ref)
     block = tuple(map(_as_index, _call_index_map(op.spec, tuple(grid_indices), "spec")))
     copy = op.copy_in if into_window else op.copy_out
     copy(block, slot, start=start, wait=wait)
+
+
+register_copy_block(copy_block)
 
 
 def check(op) -> None:

@@ -70,6 +70,17 @@ def use_cpu_for_tpu_interpret() -> bool:
     return True
 
 
+def tpu_backend() -> tuple[Backend, dict[str, Any]]:
+    """How a TPU example calls `pallas_call`: compiled by Mosaic on a TPU (no keyword),
+    anywhere else in TPU interpret mode on the CPU (`interpret=pltpu.InterpretParams()`),
+    which simulates VMEM, DMAs and semaphores."""
+    if not use_cpu_for_tpu_interpret():
+        return Backend("tpu", interpret=False), {}
+    import pallas_tpu as pltpu
+
+    return Backend("tpu-interpret", interpret=True), {"interpret": pltpu.InterpretParams()}
+
+
 def setup(
     description: str, sizes: dict[str, dict[str, Any]], *, tpu: bool = False
 ) -> tuple[Backend, dict[str, Any]]:
@@ -84,8 +95,8 @@ def setup(
     Returns:
       The backend and the chosen size dict, with `runs` (timed repetitions) added.
     """
-    if tpu and use_cpu_for_tpu_interpret():
-        backend = Backend("tpu-interpret", interpret=True)
+    if tpu:
+        backend = tpu_backend()[0]
     else:
         backend = _pick_backend()
     parser = argparse.ArgumentParser(description=description)

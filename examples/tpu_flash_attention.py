@@ -32,7 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import Backend, check_and_report, setup, time_ms
+from _common import check_and_report, setup, time_ms, tpu_backend
 
 # Moving from JAX's Pallas changed only these two lines (they were
 # `from jax.experimental import pallas as pl` and `... import tpu as pltpu`).
@@ -42,11 +42,6 @@ import pallas_tpu as pltpu
 LANES = 128
 # Finite, so a fully masked row gives exp(MASK - m) = 0 instead of exp(-inf - -inf) = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-
-def tpu_backend() -> tuple[Backend, dict]:
-    """TPU interpret mode on any machine (pallas-tpu has no Mosaic lowering yet)."""
-    return Backend("tpu-interpret", interpret=True), {"interpret": pltpu.InterpretParams()}
 
 
 def flash_attention_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, causal):

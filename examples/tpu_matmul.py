@@ -22,17 +22,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from _common import Backend, check_and_report, setup, time_ms
+from _common import check_and_report, setup, time_ms, tpu_backend
 
 # Moving from JAX's Pallas changed only these two lines (they were
 # `from jax.experimental import pallas as pl` and `... import tpu as pltpu`).
 import pallas as pl
 import pallas_tpu as pltpu
-
-
-def tpu_backend() -> tuple[Backend, dict]:
-    """TPU interpret mode on any machine (pallas-tpu has no Mosaic lowering yet)."""
-    return Backend("tpu-interpret", interpret=True), {"interpret": pltpu.InterpretParams()}
 
 
 def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):

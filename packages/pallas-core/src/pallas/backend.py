@@ -68,6 +68,7 @@ from pallas._src.semaphores import transformed_aval as transformed_aval
 from pallas._src.semaphores import unflatten_transforms as unflatten_transforms
 from pallas._src.validate import check_bool_fields as check_bool_fields
 from pallas._src.validate import inner_invars as inner_invars
+from pallas._src.zero_stride import broadcast_zero_stride_reads as broadcast_zero_stride_reads
 
 
 def forced_interpret() -> list:

@@ -357,7 +357,8 @@ def ds(start: Any, size: Any | None = None, stride: int = 1) -> compat.Slice | s
       start: the first index (int or traced int); ``ds(n)`` means ``ds(0, n)``,
         and ``ds(None)`` the whole dimension (``slice(None)``), as in JAX.
       size: the number of elements (a static int).
-      stride: the step between elements (a static int).
+      stride: the step between elements (a static int >= 0; 0 reads the element at
+        ``start`` ``size`` times, a broadcast, as JAX's TPU lowering does).
     """
     if start is None and size is None:
         return slice(None)
@@ -365,8 +366,8 @@ def ds(start: Any, size: Any | None = None, stride: int = 1) -> compat.Slice | s
         start, size = 0, start
     if isinstance(size, int) and size < 0:
         raise kernel_error(ValueError, f"pl.ds: size must be non-negative, got {size}")
-    if not isinstance(stride, int) or stride < 1:
-        raise kernel_error(ValueError, f"pl.ds: stride must be a positive int, got {stride!r}")
+    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 0:
+        raise kernel_error(ValueError, f"pl.ds: stride must be an int >= 0, got {stride!r}")
     return compat.Slice(start, size, stride)
 
 

@@ -27,6 +27,7 @@ from jax.interpreters import mlir
 import jax_kernel_runtime as jkr
 from jax_kernel_runtime.triton import Pointer
 from jax_kernel_runtime.triton import interpret as interpret_kernel
+from pallas import backend as plb
 from pallas_gpu._src import autotune, compiler
 from pallas_gpu._src.core import CompilerParams, InterpretParams
 from pallas_gpu._src.lowering import LoweredKernel
@@ -41,7 +42,10 @@ def lowered_kernel(jaxpr, grid_mapping, options: tuple = ()) -> LoweredKernel:
     per_gm = _lowered_cache.setdefault(grid_mapping, {})
     key = (id(jaxpr), options)
     if key not in per_gm:
-        per_gm[key] = (jaxpr, lower_kernel(jaxpr, grid_mapping, dict(options)))
+        # pl.ds(i, n, 0) reads: one element, broadcast (Triton's pointer arithmetic would
+        # do, but the lowering's windows assume a stride of at least 1).
+        kernel = plb.broadcast_zero_stride_reads(jaxpr, where(grid_mapping))
+        per_gm[key] = (jaxpr, lower_kernel(kernel, grid_mapping, dict(options)))
     return per_gm[key][1]
 
 

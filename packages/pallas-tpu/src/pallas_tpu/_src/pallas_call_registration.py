@@ -26,6 +26,7 @@ from jax.interpreters import mlir
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mosaic.python import tpu
 
+from pallas import backend as plb
 from pallas_tpu._src import checks, compat
 from pallas_tpu._src.interpret import multi as interpret_multi
 from pallas_tpu._src.interpret import pallas_call as interpret_pallas_call
@@ -62,16 +63,19 @@ def _interpreter_class(call, params: InterpretParams):
 
 def _interpret(*args, call, params: InterpretParams):
     cls = _interpreter_class(call, params)
+    jaxpr = plb.broadcast_zero_stride_reads(
+        call.jaxpr, _where(call.grid_mapping)
+    )  # pl.ds(i, n, 0): read once, broadcast
     with tpu_info.modeled_chip(params.chip_version):
         return interpret_pallas_call.run(
             cls,
             args,
-            jaxpr=call.jaxpr,
+            jaxpr=jaxpr,
             grid_mapping=call.grid_mapping,
             input_output_aliases=call.block_aliases,
             params=params,
             compiler_params=call.compiler_params,
-            kernel_facts=call.facts,
+            kernel_facts=call.facts if jaxpr is call.jaxpr else None,
         )
 
 
@@ -150,8 +154,6 @@ def module_text(module: ir.Module) -> str:
 
 
 def _where(gm) -> str:
-    from pallas import backend as plb
-
     return plb.describe(gm.kernel_name, gm.source)
 
 

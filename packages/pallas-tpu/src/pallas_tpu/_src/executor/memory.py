@@ -30,17 +30,20 @@ def slices(buf: Buffer, idx, shape, op, strides=None):
                 f"run_mosaic: {where(op)}: access at {[int(j) for j in idx]} of shape {list(shape)} "
                 f"(strides {strides or 1}) is out of bounds of a {buf.space} memref of shape {list(arr.shape)}"
             )
-        out.append(i if d < lead else slice(i, i + (size - 1) * step + 1, step))
+        # Stride 0 (``pl.ds(i, n, 0)``): the element at ``i``, broadcast by ``load``.
+        out.append(i if d < lead else slice(i, i + (size - 1) * step + 1, step) if step else slice(i, i + 1))
     return tuple(out)
 
 
 def load(op, buf, idx, strides=None):
     shape = shape_of(op.operation.results[0].type)
-    return [buf.array[slices(buf, idx, shape, op, strides)].copy()]
+    return [np.broadcast_to(buf.array[slices(buf, idx, shape, op, strides)], shape).copy()]
 
 
 def store(op, buf, idx, val, mask=None, strides=None, add=False):
     val = np.asarray(val)
+    if strides and 0 in strides:
+        raise MosaicError(f"run_mosaic: {where(op)}: a strided store with stride 0 (strides {list(strides)})")
     sl = slices(buf, idx, val.shape, op, strides)
     val = val.astype(buf.array.dtype)
     if add:

@@ -13,6 +13,7 @@ WriteEffect = state_types.WriteEffect
 AbstractRef = state_types.AbstractRef
 TransformedRef = state_types.TransformedRef
 ReshapeTransform = state_types.ReshapeTransform  # ``ref.reshape(...)`` views
+BitcastTransform = state_types.BitcastTransform  # ``ref.bitcast(dtype)`` views
 ShapedArray = jax_core.ShapedArray
 Literal = jax_core.Literal
 

@@ -14,11 +14,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from pallas_tpu._src import compat
+from pallas_tpu._src.language.vector_primitives import _bitcast_impl as tpu_bitcast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,16 @@ def _clip(x, lo: int, hi: int):
     if _static_int(x):
         return min(max(int(x), lo), hi)
     return lax.clamp(np.int32(lo), jnp.asarray(x, jnp.int32), np.int32(hi))
+
+
+def _is_bitcast(t) -> bool:
+    return isinstance(t, compat.BitcastTransform)
+
+
+def _changes_width(t, dtype) -> bool:
+    """True if ``t``, a bitcast of an array of ``dtype``, changes the element width
+    (a TPU bitcast then packs or unpacks along the second-to-last dimension)."""
+    return jax.dtypes.itemsize_bits(np.dtype(t.dtype)) != jax.dtypes.itemsize_bits(np.dtype(dtype))
 
 
 def _oob(what: str) -> str:
@@ -162,6 +174,8 @@ class RefAccess:
     def _write1(self, x, indexer, val, eqn, view):
         if isinstance(indexer, compat.ReshapeTransform):  # ``ref.reshape(...)``: row-major, as the array
             return jnp.asarray(val, x.dtype).reshape(x.shape)
+        if _is_bitcast(indexer):  # ``ref.bitcast(dtype)``: the view's bits back in the cell's dtype
+            return tpu_bitcast(jnp.asarray(val, indexer.dtype), ty=x.dtype).reshape(x.shape)
         if not hasattr(indexer, "indices"):
             raise NotImplementedError(
                 f"{self.where(eqn)}: writing through a {type(indexer).__name__} view is not supported "
@@ -197,6 +211,8 @@ class RefAccess:
     def _transform_other(self, x, t, eqn):
         if isinstance(t, compat.ReshapeTransform):  # JAX's class has no transform_array
             return x.reshape(t.shape)
+        if _is_bitcast(t):  # JAX's class has no transform_array either; its shape rule is the TPU's
+            return tpu_bitcast(x, ty=t.dtype)
         try:
             return t.transform_array(x)
         except Exception as e:
@@ -241,8 +257,18 @@ class RefAccess:
         shape is ``n`` (traced)."""
         x = self.state[view.cell]
         idx = jnp.arange(max(x.size, 1), dtype=jnp.int32)[: x.size].reshape(x.shape)
-        valid, shape = None, list(x.shape)
+        valid, shape, dtype = None, list(x.shape), x.dtype
         for t in view.transforms:
+            if _is_bitcast(t) and not _changes_width(t, dtype):
+                dtype = t.dtype  # the same elements, read as another dtype: the same indices
+                continue
+            if _is_bitcast(t):
+                raise NotImplementedError(
+                    f"{self.where(eqn)}: the TPU interpreter cannot take the flat elements of a view "
+                    f"through a bitcast from {np.dtype(dtype).name} to {np.dtype(t.dtype).name} (a change "
+                    "of element width) here (a DMA with a traced size): bitcast to a type of the same "
+                    "width, or give the DMA static sizes"
+                )
             if valid is None and not _traced_sizes(t):
                 idx = (
                     self._read1(idx, t, eqn, view, what)

@@ -1,7 +1,7 @@
 """Ref views for Mosaic: a Ref's transforms (``ref.at[...]`` indexings, each a
 ``Window``; ``.reshape(...)``) and a ``BlockRef``'s squeezed dims, turned into
 the memref an op takes (``view``: ``tpu.memref_slice`` + ``tpu.memref_squeeze``,
-``tpu.memref_reshape``; a DMA's ``padded_shape`` and ``padded_tiling`` widen its
+``tpu.memref_reshape``, ``tpu.memref_bitcast`` for ``.bitcast(dtype)``; a DMA's ``padded_shape`` and ``padded_tiling`` widen its
 last window), or into the memref and the one window a read or write accesses
 (``access``: a strided view and the windows after it compose into one strided
 window). Array-indexed windows (gathers) and strided windows are refused as
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 from jax import tree_util
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
@@ -21,6 +22,7 @@ from pallas_tpu._src.mosaic.lowering import (
     BACKEND,
     BlockRef,
     as_i32,
+    element_type,
     index,
 )
 
@@ -42,6 +44,21 @@ class Window:
     @property
     def gather(self) -> bool:
         return any(is_vector(s) for s in self.starts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bitcast:
+    """``ref.bitcast(dtype)``: the same memory read as ``dtype``. A change of
+    element width changes the second-to-last dimension (``(16, 128)`` int32 is
+    ``(32, 128)`` bfloat16: Mosaic packs rows along the sublanes), JAX's rule."""
+
+    dtype: np.dtype
+
+
+def _bits(el: ir.Type) -> int:
+    if isinstance(el, ir.IntegerType):
+        return ir.IntegerType(el).width
+    return ir.FloatType(el).width
 
 
 def is_vector(v) -> bool:
@@ -82,6 +99,8 @@ def _transforms(tree, leaves) -> list:
             out.append(window(t))
         elif isinstance(t, compat.ReshapeTransform):
             out.append(tuple(t.shape))
+        elif isinstance(t, compat.BitcastTransform):
+            out.append(Bitcast(np.dtype(t.dtype)))
         else:
             raise NotImplementedError(f"Ref transform {type(t).__name__} is not supported ({BACKEND})")
     return out
@@ -103,8 +122,33 @@ def _views(ref, tree, leaves) -> tuple[ir.Value, list]:
         dims = iter(zip(first.starts, first.sizes, first.squeezed, first.strides or [1] * len(first.sizes)))
         full = [(0, 1, True, 1) if q else next(dims) for q in ref.squeezed]
         views = [Window(*map(list, zip(*full))), *rest]
+        _check_bitcasts(ref, rest)
         ref = ref.memref
     return ref, views
+
+
+def _check_bitcasts(ref: BlockRef, views) -> None:
+    """JAX's refusal: a bitcast that changes the element width packs along the
+    block's second-to-last dimension, which a block squeezing it (``None`` in
+    ``block_shape[-2]``) does not have (the kernel's Ref shows another dim there)."""
+    if len(ref.squeezed) < 2 or not ref.squeezed[-2]:
+        return
+    bits = _bits(ir.MemRefType(ref.memref.type).element_type)
+    for v in views:
+        if not isinstance(v, Bitcast):
+            if not isinstance(v, Window):  # a reshape: the kernel's own dims from here on
+                return
+            continue
+        new = _bits(element_type(v.dtype))
+        if new != bits:
+            raise NotImplementedError(
+                f"bitcasting a Ref from {bits}-bit to {new}-bit elements ({v.dtype.name}) when its "
+                "block squeezes the second-to-last dimension (None in block_shape[-2]) is not "
+                f"supported ({BACKEND}): a TPU bitcast that changes the element width packs along the "
+                "block's second-to-last dimension; keep that dimension in the block (size 1), or bitcast "
+                "to a type of the same width"
+            )
+        bits = new
 
 
 def apply_view(ref: ir.Value, v) -> ir.Value:
@@ -112,6 +156,8 @@ def apply_view(ref: ir.Value, v) -> ir.Value:
     (``tpu.memref_reshape``), as a memref."""
     t = ir.MemRefType(ref.type)
     like = lambda shape: ir.MemRefType.get(list(shape), t.element_type, memory_space=t.memory_space)  # noqa: E731
+    if isinstance(v, Bitcast):
+        return _bitcast(ref, v)
     if not isinstance(v, Window):
         return tpu.memref_reshape(like(v), ref)
     if v.gather:
@@ -129,6 +175,24 @@ def apply_view(ref: ir.Value, v) -> ir.Value:
     if any(v.squeezed):
         out = tpu.memref_squeeze(like([n for n, q in zip(shape, v.squeezed) if not q]), out)
     return out
+
+
+def _bitcast(ref: ir.Value, v: Bitcast) -> ir.Value:
+    """``tpu.memref_bitcast`` of ``ref`` to ``v.dtype``, the second-to-last
+    dimension scaled by the ratio of the widths (JAX's shape rule, which JAX
+    checked when the kernel was traced)."""
+    t = ir.MemRefType(ref.type)
+    el = element_type(v.dtype)
+    src, dst = _bits(t.element_type), _bits(el)
+    shape = list(t.shape)
+    if src != dst:
+        if len(shape) < 2 or shape[-2] * src % dst:
+            raise NotImplementedError(
+                f"bitcasting a memref of shape {shape} from {src}-bit to {dst}-bit elements is not "
+                f"supported ({BACKEND}): the second-to-last dimension times {src} must be a multiple of {dst}"
+            )
+        shape[-2] = shape[-2] * src // dst
+    return tpu.memref_bitcast(ir.MemRefType.get(shape, el, memory_space=t.memory_space), ref)
 
 
 def view(ref, leaves, tree, padded_shape=None, padded_tiling=None) -> ir.Value:
@@ -196,7 +260,7 @@ def access(ref, tree, leaves):
     windows = views[first:]
     if any(isinstance(v, Window) and v.strided for v in views[:first]):
         raise NotImplementedError(
-            "a reshape of a strided view (ref.at[pl.ds(..., stride=k)]) is not supported"
+            "a reshape or bitcast of a strided view (ref.at[pl.ds(..., stride=k)]) is not supported"
         )
     if not any(w.strided for w in windows[:-1]):
         first = len(views) - 1 if windows else len(views)

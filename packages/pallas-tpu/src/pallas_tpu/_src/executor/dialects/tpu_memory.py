@@ -104,11 +104,20 @@ def _memref_reshape(ex, op, vals, env):
 
 @rule("tpu.memref_bitcast")
 def _memref_bitcast(ex, op, vals, env):
+    """The same memory read as another element type of the same width. A
+    change of width (``(16, 128)`` i32 as ``(32, 128)`` bf16) packs pairs of
+    rows along the sublanes; a memref here is a NumPy view of its allocation,
+    and no NumPy view reads rows ``2r`` and ``2r + 1`` as one element, so that
+    is refused (TPU interpret mode runs it)."""
     buf = vals[0]
     dtype = np_dtype(op.operation.results[0].type)
     if dtype.itemsize != buf.array.dtype.itemsize:
         raise MosaicError(
-            f"run_mosaic: {where(op)}: bitcasts that change the element width are not supported"
+            f"run_mosaic: {where(op)}: bitcasts that change the element width are not supported "
+            f"({buf.array.dtype.name} {list(buf.array.shape)} as {dtype.name} "
+            f"{list(shape_of(op.operation.results[0].type))}: a memref here is a NumPy view of its "
+            "allocation, and no view packs two rows into one element); bitcast to a type of the same "
+            "width, or run the kernel in TPU interpret mode"
         )
     return [buf.view(buf.array.view(dtype))]
 

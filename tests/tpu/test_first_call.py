@@ -9,7 +9,8 @@ trace or compile says so on stderr.
 * ``PALLAS_TPU_PROGRESS_S``: progress lines while a kernel is traced and while XLA
   compiles the program that holds it.
 * Checks gathered along a straight run and folded into the error record where control
-  flow begins and ends still report the first failure in program order.
+  flow begins and ends still report the first failure in program order, also from a
+  run of more checks than one select chain folds.
 * An on_wait DMA wait lands its own descriptor's region first, every DMA on its
   semaphore only when that region held too few bytes (no byte counters kept).
 
@@ -178,6 +179,38 @@ def test_the_first_failed_check_is_reported_around_branches():
     assert "[12, 12 + 8)" in _raises("Out-of-bounds read", lambda: call(a, 12, 13))
     assert "[13, 13 + 8)" in _raises("Out-of-bounds read", lambda: call(a, 12, 13, taken=0))
     assert "[13, 13 + 8)" in _raises("Out-of-bounds read", lambda: call(a, b, 13))
+
+
+def test_the_first_failed_of_many_checks_is_reported():
+    """A straight run of more checks than the error record's select chain folds
+    (``errors._CHAIN_MAX``) picks the record's words by the number of the first failed
+    check: still the first failure in program order, with its values."""
+    n = 12
+    x = rand(6, (16, 128))
+
+    def kernel(s_ref, x_ref, o_ref):
+        acc = x_ref[pl.ds(s_ref[0], 8), :]
+        for i in range(1, n):
+            acc = acc + x_ref[pl.ds(s_ref[i], 8), :]
+        o_ref[...] = acc
+
+    def call(starts):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+            out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+            interpret=pltpu.InterpretParams(),
+        )(jnp.array(starts, jnp.int32), x)
+
+    rng = np.random.default_rng()
+    starts = [int(v) for v in rng.integers(0, 9, n)]
+    np.testing.assert_allclose(call(starts), sum(x[a : a + 8] for a in starts), rtol=1e-5)
+    for first in (0, int(rng.integers(1, n - 1)), n - 1):
+        bad = list(starts)
+        for i in range(first, n, 2):
+            bad[i] = 9 + i
+        assert f"[{9 + first}, {9 + first} + 8)" in _raises("Out-of-bounds read", lambda: call(bad))
 
 
 @pytest.mark.parametrize("wait", ["own", "other_slot"])

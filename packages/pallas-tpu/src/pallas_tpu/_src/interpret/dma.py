@@ -212,8 +212,10 @@ def _land(shadow_val, mark, cur, code, valid=None):
         mine = jnp.logical_and(mine, valid)
     added = lax.bitwise_or(cur, shadow_val) if cur.dtype == np.bool_ else lax.add(cur, shadow_val)
     landed = lax.select(lax.eq(lax.bitwise_and(mark, np.int32(1)), np.int32(1)), added, shadow_val)
+    # Counted flat: XLA's kernels for the sum then depend on the element count only, so
+    # regions of one size and different shapes share them.
     count = lax.reduce(
-        lax.convert_element_type(mine, np.int32), np.int32(0), lax.add, tuple(range(mine.ndim))
+        lax.convert_element_type(lax.reshape(mine, (mine.size,)), np.int32), np.int32(0), lax.add, (0,)
     )
     return lax.select(mine, landed, cur), lax.select(mine, lax.full_like(mark, 0), mark), count
 

@@ -12,7 +12,8 @@ and compiled (XLA's CPU compiler spends milliseconds on each fusion). So checks
 are gathered while a straight run of the kernel is traced and folded into the
 record in one go (``flush_checks``) where the record is needed: before control
 flow or a grid step carries the hidden state, and at the end. The fold is a chain
-of selects over the record's 9 words, which XLA fuses into one loop."""
+of selects over the record's 9 words, which XLA fuses into one loop; a fold of many
+checks picks the words by the number of the first failed check (``_fold_picked``)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,36 @@ class KernelError(Exception):
 
 _RECORD = 9  # the error record: the failed check's code (0: none failed), then 8 values
 
+# Folds of more checks than this pick the record's words by the number of the first failed
+# check (``_fold_picked``): a chain of selects over the 9-word rows, which XLA's CPU compiler
+# turns into a loop computing every condition and row in each word, takes it a time that grows
+# faster than the number of checks (a third of a second of LLVM for the 40 checks at the end of
+# a large kernel), where two kernels of a chain each are cheap. Smaller folds stay one kernel.
+_CHAIN_MAX = 8
+
+
+def _fold_picked(rec, pending):
+    """``flush_checks`` of many checks: the number of the first failed check (0: none,
+    or an earlier fold's check did), one chain of scalar selects, each condition computed
+    once, behind an optimization barrier so that XLA keeps it one scalar kernel; then each
+    word of the record picked by that number. While no check failed the record is all
+    zeros, so a word that no check here gives a value stays as it is."""
+    first = np.int32(0)
+    for i in range(len(pending), 0, -1):
+        bad = pending[i - 1][0]
+        first = np.int32(i) if bad is True else lax.select(bad, np.int32(i), first)
+    words = [lax.reshape(lax.slice(rec, (j,), (j + 1,)), ()) for j in range(_RECORD)]
+    first = lax.select(lax.eq(words[0], np.int32(0)), first, np.int32(0))
+    # The codes go through the barrier too: data to XLA, so folds of different checks share kernels.
+    first, codes = lax.optimization_barrier((first, np.array([code for _, code, _ in pending], np.int32)))
+    picks = [lax.eq(first, np.int32(i)) for i in range(1, len(pending) + 1)]
+    for i, pick in enumerate(picks):
+        words[0] = lax.select(pick, lax.reshape(lax.slice(codes, (i,), (i + 1,)), ()), words[0])
+    for pick, (_, _, vals) in zip(picks, pending):
+        for j, v in enumerate(vals, 1):
+            words[j] = lax.select(pick, v, words[j])
+    return lax.concatenate([lax.reshape(w, (1,)) for w in words], 0)
+
 
 class RuntimeChecks:
     """The run-time checks of ``Interpreter`` (see the module docstring)."""
@@ -61,7 +92,7 @@ class RuntimeChecks:
         self.checks.append(message)
         code = len(self.checks)
         bad = lax.bitwise_not(jnp.asarray(ok, jnp.bool_)) if not isinstance(ok, (bool, np.bool_)) else True
-        vals = [lax.reshape(jnp.asarray(v, jnp.int32), (1,)) for v in values][:8]
+        vals = [lax.reshape(jnp.asarray(v, jnp.int32), ()) for v in values][:8]
         self._pending_checks.append((bad, code, vals))
 
     def flush_checks(self) -> None:
@@ -73,6 +104,9 @@ class RuntimeChecks:
         pending, self._pending_checks = self._pending_checks, []
         if not pending:
             return
+        if len(pending) > _CHAIN_MAX:
+            self.hidden.err = _fold_picked(self.hidden.err, pending)
+            return
         rec = self.hidden.err
         picked = rec
         # Last to first: each select keeps the row of an earlier failing check over later ones.
@@ -83,7 +117,7 @@ class RuntimeChecks:
             row = lax.concatenate(
                 [
                     lax.optimization_barrier(np.array([code], np.int32)),
-                    *vals,
+                    *(lax.reshape(v, (1,)) for v in vals),
                     np.zeros(_RECORD - 1 - len(vals), np.int32),
                 ],
                 0,

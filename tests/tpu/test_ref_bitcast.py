@@ -5,9 +5,8 @@ the second-to-last dimension, as a TPU does: ``(16, 128)`` int32 is ``(32, 128)`
 row ``2r + k`` holding half ``k`` (least significant first) of row ``r``. Reads and writes
 through the view, the four ``three_way`` ways against plain jnp (``lax.bitcast_convert_type``
 and reshapes) on fresh random data, JAX's interpret mode as a second reference, and the
-error paths. ``run_mosaic`` keeps a memref as a NumPy view of its allocation and refuses a
-width-changing bitcast (no view packs two rows into one element): those Mosaic ways are
-strict xfails, and their compilation by libtpu is checked on its own."""
+error paths. ``run_mosaic`` runs a width-changing ``tpu.memref_bitcast`` through a table of
+each element's bytes in its allocation (no NumPy view packs two rows into one element)."""
 
 from __future__ import annotations
 
@@ -19,19 +18,12 @@ from jax import lax
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import COMPILE_CHIPS, compile_both, run, ways  # noqa: E402
+from three_way import run, ways  # noqa: E402
 
 import pallas as pl  # noqa: E402
 import pallas_tpu as pltpu  # noqa: E402
-from pallas_tpu._src.executor.errors import MosaicError  # noqa: E402
 
 jax.config.update("jax_enable_checks", True)
-
-RUN_MOSAIC_GAP = (
-    "run_mosaic keeps a memref as a NumPy view of its allocation; a width-changing "
-    "tpu.memref_bitcast packs two rows into one element, which no view expresses"
-)
-WIDTH_WAYS = ways(ours_xfail=RUN_MOSAIC_GAP, raises=MosaicError, jax_xfail=RUN_MOSAIC_GAP)
 
 
 def bits(seed, shape, dtype):
@@ -127,7 +119,7 @@ def test_same_width_read_and_write(case, mode):
     same_bits(back, want_back)
 
 
-@pytest.mark.parametrize("mode", WIDTH_WAYS)
+@pytest.mark.parametrize("mode", ways())
 @pytest.mark.parametrize("case", WIDTH_CHANGING, ids=_id)
 def test_width_changing_read_and_write(case, mode):
     shape, src, dst = case
@@ -136,16 +128,6 @@ def test_width_changing_read_and_write(case, mode):
     want_o, want_back = read_write_expected(x, z)
     same_bits(o, want_o)
     same_bits(back, want_back)
-
-
-@pytest.mark.parametrize("case", WIDTH_CHANGING, ids=_id)
-def test_width_changing_compiles_for_tpu(case):
-    # The compiled way stops in run_mosaic (above); libtpu's Mosaic takes our module.
-    shape, src, dst = case
-    args = read_write_args(0, shape, src, dst)
-    compile_both(
-        lambda pl, pltpu: build_read_write(pl, pltpu, shape=shape, src=src, dst=dst), args, COMPILE_CHIPS
-    )
 
 
 @pytest.mark.parametrize("case", SAME_WIDTH + WIDTH_CHANGING, ids=_id)
@@ -198,7 +180,7 @@ def with_indexers_expected(x):
     return jnp.stack([v[1], v[0], v[0].at[0:16].set(p)]), p
 
 
-@pytest.mark.parametrize("mode", WIDTH_WAYS)
+@pytest.mark.parametrize("mode", ways())
 def test_bitcast_with_indexers(mode):
     x = bits(11, (2, 16, 128), jnp.int32)
     o, p = run(build_with_indexers, (x,), mode)
@@ -233,8 +215,6 @@ def compact_words_expected(x):
 @pytest.mark.parametrize(
     "mode",
     ways(
-        ours_xfail=RUN_MOSAIC_GAP,
-        raises=MosaicError,
         jax_skip='a reshape view under an abstract mesh of a TPU: "Length of sharding.spec (4) must be '
         "equal to aval's ndim (2)\" (its ReshapeTransform keeps the Ref's sharding)",
     ),
@@ -275,9 +255,7 @@ def dma_expected(x, dst):
     return tpu_bitcast(v, x.dtype)
 
 
-@pytest.mark.parametrize(
-    "mode", ways(dma=True, ours_xfail=RUN_MOSAIC_GAP, raises=MosaicError, jax_xfail=RUN_MOSAIC_GAP)
-)
+@pytest.mark.parametrize("mode", ways(dma=True))
 @pytest.mark.parametrize("wide", [False, True], ids=["narrowing", "widening"])
 def test_dma_through_bitcast_views(wide, mode):
     x = bits(13 + wide, (32, 128) if wide else (16, 128), jnp.bfloat16 if wide else jnp.int32)
@@ -293,20 +271,13 @@ def test_dma_through_bitcast_views(wide, mode):
     ],
     ids=["indexers", "compact_words"],
 )
-def test_views_compile_for_tpu_and_match_jax(build, args, expected):
+def test_views_as_jax_interprets_them(build, args, expected):
     from jax.experimental import pallas as jpl
     from jax.experimental.pallas import tpu as jpltpu
 
     args = args()
-    compile_both(build, args, COMPILE_CHIPS)
     theirs = jax.jit(build(jpl, jpltpu, interpret=True))(*args)
     jax.tree.map(same_bits, theirs, expected(*args))
-
-
-@pytest.mark.parametrize("wide", [False, True], ids=["narrowing", "widening"])
-def test_dma_through_bitcast_views_compiles_for_tpu(wide):
-    x = bits(0, (32, 128) if wide else (16, 128), jnp.bfloat16 if wide else jnp.int32)
-    compile_both(lambda pl, pltpu: build_dma(pl, pltpu, wide=wide), (x,), COMPILE_CHIPS)
 
 
 # -- errors --------------------------------------------------------------------
@@ -362,16 +333,6 @@ def test_width_change_of_a_block_squeezing_its_second_minor_dim_is_refused_by_th
         got = jax.jit(f)(x)
     want = tpu_bitcast(x[:, 0], jnp.bfloat16).astype(jnp.float32).sum()
     np.testing.assert_allclose(np.asarray(got), np.full((8, 128), want), rtol=1e-2)
-
-
-def test_run_mosaic_says_why_it_refuses_a_width_change():
-    args = read_write_args(3, (16, 128), jnp.int32, jnp.bfloat16)
-    build = lambda pl, pltpu: build_read_write(pl, pltpu, shape=(16, 128), src=jnp.int32, dst=jnp.bfloat16)  # noqa: E731
-    with pytest.raises(
-        MosaicError,
-        match=r"bitcasts that change the element width are not supported \(int32 \[16, 128\] as bfloat16 \[32, 128\]",
-    ):
-        run(build, args, "ours")
 
 
 @pytest.mark.interpret_only(reason="the interpreter's flat indices of a DMA with a traced size")

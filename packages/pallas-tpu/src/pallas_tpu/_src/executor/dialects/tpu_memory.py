@@ -8,6 +8,7 @@ TPU)."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from jaxlib.mlir import ir
 
@@ -99,27 +100,127 @@ def _memref_slice(ex, op, vals, env):
 
 @rule("tpu.memref_squeeze", "tpu.memref_reshape")
 def _memref_reshape(ex, op, vals, env):
+    buf = vals[0]
+    if isinstance(buf.array, BitcastView):  # a table of byte offsets reshapes as any array
+        return [buf.view(buf.array.reshape(memory.reshaped(op, buf.array.shape)))]
     return memref.reshape(ex, op, vals, env)
 
 
 @rule("tpu.memref_bitcast")
 def _memref_bitcast(ex, op, vals, env):
-    """The same memory read as another element type of the same width. A
-    change of width (``(16, 128)`` i32 as ``(32, 128)`` bf16) packs pairs of
-    rows along the sublanes; a memref here is a NumPy view of its allocation,
-    and no NumPy view reads rows ``2r`` and ``2r + 1`` as one element, so that
-    is refused (TPU interpret mode runs it)."""
+    """The same memory read as another element type. Of the same width, a
+    NumPy view. A change of width packs along the second-to-last dimension
+    (``(16, 128)`` i32 is ``(32, 128)`` bf16, row ``2r + k`` holding half ``k``,
+    least significant first, of row ``r``: JAX's rule), which no NumPy view
+    expresses: a ``BitcastView``, whose elements are found through a table of
+    their bytes in the allocation."""
     buf = vals[0]
-    dtype = np_dtype(op.operation.results[0].type)
-    if dtype.itemsize != buf.array.dtype.itemsize:
+    out_type = op.operation.results[0].type
+    dtype = np_dtype(out_type)
+    arr = buf.array
+    if dtype.itemsize == arr.dtype.itemsize and not isinstance(arr, BitcastView):
+        return [buf.view(arr.view(dtype))]
+    data, offsets = _byte_table(op, buf, dtype)
+    src, dst = arr.dtype.itemsize, dtype.itemsize
+    if src != dst and (arr.ndim < 2 or (arr.shape[-2] * src) % dst):
         raise MosaicError(
-            f"run_mosaic: {where(op)}: bitcasts that change the element width are not supported "
-            f"({buf.array.dtype.name} {list(buf.array.shape)} as {dtype.name} "
-            f"{list(shape_of(op.operation.results[0].type))}: a memref here is a NumPy view of its "
-            "allocation, and no view packs two rows into one element); bitcast to a type of the same "
-            "width, or run the kernel in TPU interpret mode"
+            f"run_mosaic: {where(op)}: a bitcast of a memref of shape {list(arr.shape)} from {arr.dtype.name} "
+            f"to {dtype.name}: the second-to-last dimension times {src} bytes must be a multiple of {dst}"
         )
-    return [buf.view(buf.array.view(dtype))]
+    *lead, m, n = arr.shape if arr.ndim >= 2 else (None, None)
+    if src > dst:  # each element's bytes split in k parts, part j the rows' (k * r + j)
+        k = src // dst
+        offsets = np.moveaxis(offsets.reshape(*lead, m, n, k, dst), -2, -3).reshape(*lead, m * k, n, dst)
+    elif src < dst:  # rows k * r .. k * r + k - 1 the k parts of row r
+        k = dst // src
+        offsets = np.moveaxis(offsets.reshape(*lead, m // k, k, n, src), -3, -2).reshape(
+            *lead, m // k, n, dst
+        )
+    out = BitcastView(data, offsets, dtype)
+    if out.shape != tuple(shape_of(out_type)):
+        raise MosaicError(
+            f"run_mosaic: {where(op)}: a bitcast of a memref of shape {list(arr.shape)} from {arr.dtype.name} "
+            f"gives shape {list(out.shape)}, not the result type's {list(shape_of(out_type))}"
+        )
+    return [buf.view(out)]
+
+
+def _byte_table(op, buf: Buffer, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(the allocation's bytes, flat; per element of ``buf`` the offsets of its bytes there)."""
+    arr = buf.array
+    if isinstance(arr, BitcastView):
+        return arr.data, arr.offsets
+    root = buf.root
+    if root is None or not root.flags.c_contiguous:
+        raise MosaicError(f"run_mosaic: {where(op)}: a bitcast of a memref that is not part of an allocation")
+    for d in (arr.dtype, dtype):
+        if d == np.bool_ or d.itemsize * 8 != jax.dtypes.itemsize_bits(d):  # i1, and 4-bit types
+            raise MosaicError(f"run_mosaic: {where(op)}: a width-changing bitcast of {d.name} elements")
+    start = arr.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    offsets = np.full(arr.shape + (arr.dtype.itemsize,), start, np.int64)
+    for d, (size, stride) in enumerate(zip(arr.shape, arr.strides)):
+        offsets += (np.arange(size, dtype=np.int64) * stride).reshape(
+            [-1 if e == d else 1 for e in range(arr.ndim + 1)]
+        )
+    offsets += np.arange(arr.dtype.itemsize, dtype=np.int64)
+    return root.reshape(-1).view(np.uint8), offsets
+
+
+class BitcastView:
+    """A memref whose elements are not a NumPy view of their allocation (a
+    width-changing bitcast): ``data`` is the allocation's bytes and
+    ``offsets[..., b]`` the position there of byte ``b`` of each element. It
+    answers what the executor asks of a memref's array: ``shape``/``dtype``,
+    indexing (a view: the table indexed), assignment (written through),
+    ``reshape``, ``astype``/``copy``/``np.asarray`` (the values)."""
+
+    def __init__(self, data: np.ndarray, offsets: np.ndarray, dtype):
+        self.data, self.offsets, self.dtype = data, offsets, np.dtype(dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.offsets.shape[:-1]
+
+    @property
+    def ndim(self) -> int:
+        return self.offsets.ndim - 1
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def _key(self, key):
+        key = key if isinstance(key, tuple) else (key,)
+        return key if Ellipsis in key else key + (Ellipsis,)
+
+    def __getitem__(self, key) -> BitcastView:
+        return BitcastView(self.data, self.offsets[self._key(key)], self.dtype)
+
+    def __setitem__(self, key, value) -> None:
+        at = self.offsets[self._key(key)]
+        value = np.ascontiguousarray(np.broadcast_to(np.asarray(value).astype(self.dtype), at.shape[:-1]))
+        self.data[at] = value.reshape(-1).view(np.uint8).reshape(at.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.data[self.offsets].reshape(-1).view(self.dtype).reshape(self.shape)
+        return out if dtype is None else out.astype(dtype)
+
+    def reshape(self, *shape) -> BitcastView:
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        return BitcastView(self.data, self.offsets.reshape(*shape, self.dtype.itemsize), self.dtype)
+
+    def astype(self, dtype) -> np.ndarray:
+        return np.asarray(self).astype(dtype)
+
+    def copy(self) -> np.ndarray:
+        return np.asarray(self)
+
+    def __add__(self, other):
+        return np.asarray(self) + other
 
 
 # -- DMAs and semaphores -----------------------------------------------------

@@ -8,7 +8,12 @@ num_stages=1``). On the H200 its dK came out wrong (relative error 1.44) while
 the same generated source was right under Triton's interpreter.
 
 Checked against ``jax.vjp`` of a plain jnp f32 attention on fresh random data:
-under Triton's interpreter (any machine) and compiled on the GPU (``gpu``).
+under Triton's interpreter (any machine) and compiled on the GPU (``gpu``). The shape
+below (two batches, 128 keys) is right on the H200; with one batch and 256 keys
+(``ONE_BATCH``) it is wrong there by the error of a lost chained call (a strict xfail
+until found: ``scripts/dkdv_sweep.py``). The issue's own figure, dK wrong by 1.44 with
+dV right, is what dK and dV sharing one buffer gives (dK = dV = the sum of the chunks'
+dV contributions: 1.44 computed on the CPU at that shape).
 """
 
 from __future__ import annotations
@@ -149,3 +154,28 @@ def test_dkdv_on_the_gpu(precision, num_warps, num_stages, initial):
     # TF32 dots (the default precision) keep about 3 decimal digits.
     limit = 1e-5 if precision == lax.Precision.HIGHEST else 5e-3
     check(False, precision, limit, initial, num_warps=num_warps, num_stages=num_stages)
+
+
+ONE_BATCH = dict(B=1, SKV=256, HQ=2, GROUP=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 30 §4, reproduced on the H200 on 2026-12-04 (scripts/dkdv_sweep.py): with one batch "
+    "and 256 keys every configuration swept (D 64, block_q 16-64, group 1 and 4, 4w/1s and 8w/2s) came "
+    "out wrong by 0.68-0.76 in dK and dV, which is the error of losing one of the two chained calls' "
+    "contributions (computed on the CPU); right under Triton's interpreter. Cause not found yet",
+)
+def test_dkdv_on_the_gpu_one_batch(monkeypatch):
+    for name, value in ONE_BATCH.items():
+        monkeypatch.setitem(globals(), name, value)
+    check(False, lax.Precision.HIGHEST, 1e-4)
+
+
+def test_dkdv_in_the_interpreter_one_batch(monkeypatch):
+    """The shape the GPU gets wrong (above) is right under Triton's interpreter."""
+    for name, value in ONE_BATCH.items():
+        monkeypatch.setitem(globals(), name, value)
+    with jax.default_device(jax.devices("cpu")[0]):
+        check(plgpu.InterpretParams(), lax.Precision.HIGHEST, 1e-5)

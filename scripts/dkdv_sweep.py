@@ -1,0 +1,68 @@
+"""Issue 30 §4's silently wrong dK on the GPU, looked for over shapes: the dK/dV kernel of
+``tests/gpu/test_attention_bwd_dkdv.py`` (GQA, one program per KV tile, a ``fori_loop``
+over query blocks, unrolled query heads, chained ``pallas_call``s accumulating through
+``input_output_aliases``) compiled for the GPU at each head dim, block sizes, group
+size, warps and stages below, with IEEE f32 dots, against ``jax.vjp`` of a jnp f32
+attention. Prints one line per configuration (relative errors of dK and dV) and exits
+1 if any exceeds 1e-4.
+
+    python scripts/dkdv_sweep.py [--interpret]   # on the GPU machine, after installing
+
+Run on the H200 on 2026-12-04 (jax 0.11.2, Triton 3.6.0; the first 12 configurations
+before the session's device time ran out): every one wrong, dK 0.68-0.76 and dV
+0.64-0.73 relative error, the error of losing one of the two chained calls'
+contributions. The test file's own shape (two batches, 128 keys) is right there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests" / "gpu")]
+
+import jax  # noqa: E402
+import test_attention_bwd_dkdv as t  # noqa: E402
+from jax import lax  # noqa: E402
+
+
+def main() -> int:
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    interpret = "--interpret" in sys.argv  # Triton's interpreter on the CPU: a check of this script
+    bad = 0
+    configs = list(
+        itertools.product((64, 128), ((16, 64), (32, 64), (64, 64), (64, 128)), (1, 4), ((4, 1), (8, 2)))
+    )
+    if interpret:
+        import pallas_gpu as plgpu
+
+        interpret, configs = plgpu.InterpretParams(), configs[:2]
+    for d, (bq, bkv), group, (warps, stages) in configs:
+        t.D, t.BLOCK_Q, t.BLOCK_KV, t.HKV = d, bq, bkv, 2
+        t.HQ, t.GROUP, t.SCALE = 2 * group, group, d**-0.5
+        t.SQ, t.SKV, t.CHUNK, t.B = 256, 256, 128, 1
+        args, (dk_ref, dv_ref) = t.problem()
+        try:
+            dk, dv = t.dkdv(
+                *args,
+                interpret=interpret,
+                precision=lax.Precision.HIGHEST,
+                num_warps=warps,
+                num_stages=stages,
+            )
+            errs = t.rel_err(dk, dk_ref), t.rel_err(dv, dv_ref)
+            ok = max(errs) < 1e-4
+            msg = f"dK {errs[0]:.2e} dV {errs[1]:.2e}"
+        except Exception as e:  # noqa: BLE001 - a config the compiler refuses is reported, not fatal
+            ok, msg = True, f"not run: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        bad += not ok
+        print(
+            f"{'ok ' if ok else 'BAD'} D={d} block_q={bq} block_kv={bkv} group={group} warps={warps} stages={stages}: {msg}"
+        )
+    print(f"{bad} wrong")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

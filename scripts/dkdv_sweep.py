@@ -12,11 +12,17 @@ Run on the H200 on 2026-12-04 (jax 0.11.2, Triton 3.6.0; the first 12 configurat
 before the session's device time ran out): every one wrong, dK 0.68-0.76 and dV
 0.64-0.73 relative error, the error of losing one of the two chained calls'
 contributions. The test file's own shape (two batches, 128 keys) is right there.
+
+``--xla-variants`` runs the first configuration again in fresh processes under XLA
+flags that turn off what may sit between our FFI call and the GPU (command buffers,
+i.e. CUDA graphs, which our handler allows; slices fused into custom calls): the next
+thing to run on the GPU.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -26,14 +32,37 @@ import jax  # noqa: E402
 import test_attention_bwd_dkdv as t  # noqa: E402
 from jax import lax  # noqa: E402
 
+VARIANTS = {
+    "default": "",
+    "no command buffers": "--xla_gpu_enable_command_buffer=",
+    "no dynamic slice fusion": "--xla_gpu_enable_dynamic_slice_fusion=false",
+}
+
+
+def variants() -> int:
+    import subprocess
+
+    for label, flag in VARIANTS.items():
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), DKDV_FIRST="1")
+        out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+        lines = [
+            ln for ln in out.stdout.splitlines() if ln.startswith(("ok", "BAD"))
+        ] or out.stderr.splitlines()[-3:]
+        print(f"{label} ({flag or 'no flag'}): {' | '.join(lines)}", flush=True)
+    return 0
+
 
 def main() -> int:
+    if "--xla-variants" in sys.argv:
+        return variants()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     interpret = "--interpret" in sys.argv  # Triton's interpreter on the CPU: a check of this script
     bad = 0
     configs = list(
         itertools.product((64, 128), ((16, 64), (32, 64), (64, 64), (64, 128)), (1, 4), ((4, 1), (8, 2)))
     )
+    if os.environ.get("DKDV_FIRST"):
+        configs = configs[:1]
     if interpret:
         import pallas_gpu as plgpu
 

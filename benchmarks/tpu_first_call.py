@@ -13,7 +13,10 @@ lower, compile, run) and checked against plain `jnp`. Each side runs in a fresh 
 neither profits from the other's caches. JAX's `emit_pipeline` asks the device for its TPU
 generation; its side runs inside `jax.sharding.use_abstract_mesh` naming a TPU v5e.
 
-Run: python benchmarks/tpu_first_call.py [--side ours|jax] [--profile]
+`--kernel reads` times instead one kernel of 40 VMEM reads at indices computed from SMEM: one
+straight run of 40 bounds checks, whose conditions carry the index arithmetic.
+
+Run: python benchmarks/tpu_first_call.py [--side ours|jax] [--profile] [--kernel mlp|reads]
 
 Measured on the 2-core development VM (shared: wall times swing between runs, CPU seconds
 less), jax 0.11.2, 2026-12-04, three runs of each side alternating, machine quiet (load 2):
@@ -21,8 +24,10 @@ less), jax 0.11.2, 2026-12-04, three runs of each side alternating, machine quie
     before (a8b91e7):        ours 9.2-32 s wall, 13.6 s CPU, 37291 lines of StableHLO (loaded)
     before (fc1b79a^):       ours 4.7-5.5 s wall, 6.9-7.7 s CPU (XLA compile 3.8-4.2 s), 9548 lines;
                              XLA's program: 655 fusions, 240 distinct kernels
-    now:                     ours 2.6-3.1 s wall, 3.6-4.3 s CPU (XLA compile 1.8-2.2 s), 8194 lines;
+    afd1049:                 ours 2.6-3.1 s wall, 3.6-4.3 s CPU (XLA compile 1.8-2.2 s), 8194 lines;
                              464 fusions, 108 distinct kernels
+    now: the same within noise (loaded VM, load 5-6, alternating with afd1049's: 4.1-4.2 vs
+                             3.9-4.2 s CPU, JAX's 2.3-3.0); 8601 lines, 108 distinct kernels
     JAX:                          1.9-2.5 s wall, 2.2-2.9 s CPU (XLA compile 0.7-0.9 s), 4527 lines;
                              235 fusions, 50 distinct kernels
     -> ours/JAX 1.3x wall, 1.6x CPU (was 2.6x)
@@ -33,6 +38,27 @@ compiled once), not per op: what is left are the interpreted kernels' DMA bookke
 shadows and marks of DMA destinations, per buffer shape) and checks, inline in the program, where
 JAX's interpret mode makes host callbacks. Count them with
 `XLA_FLAGS=--xla_dump_to=DIR` (the `obj-file` entries of the program are its distinct kernels).
+
+Where XLA's compile goes (2026-12-04, perf and `TF_CPP_VMODULE=ir_compiler=1,cpu_compiler=1`):
+of ours, about 40% is LLVM's code generation and 25% XLA's MLIR pipeline of each distinct fusion
+kernel (25-35 ms a kernel, whatever its size, 108 kernels), 15-20% HLO passes (0.7-0.9 s; JAX's
+0.3 s: ops), the rest thunk emission. The one kernel that grew faster than its ops was the fold
+of many checks into the error record (a select chain over 9-word rows, every condition computed
+per word): the 40 checks at the end of the dW kernel were 340 ms of LLVM. A fold of more than 8
+checks now picks the record's words by the number of the first failed check (two small kernels).
+That leaves this MLP's compile as it was (8 alternating runs, compile only: 2.77 vs 2.82 s CPU,
+within noise; 8601 lines) but makes the reads kernel 2x cheaper (same VM, loaded, 3 runs a side,
+alternating):
+
+    reads, before (3ea3f89^): ours 1.8-2.3 s wall, 1.8-2.2 s CPU (XLA compile 1.6-2.1 s), 2655 lines
+    reads, now:               ours 0.9-1.0 s wall, 0.9-1.0 s CPU (XLA compile 0.7-0.9 s), 2775 lines
+    reads, JAX:                    1.1-1.5 s wall, 1.1-1.4 s CPU (XLA compile 0.7-1.0 s), 2091 lines
+
+What is left of the MLP's gap is kernel count: DMA data movement (a copy kernel per source and
+destination shape), the on_wait shadows and marks per buffer shape, scalar index arithmetic;
+constants baked into kernels (bounds, byte counts) split kernels that would otherwise be one, but
+making them data moved XLA's fusion decisions and left the count at 108 (tried: semaphore byte
+counts and bounds behind optimization barriers, flat landing counts, opaque shadow initial values).
 """
 
 from __future__ import annotations
@@ -186,6 +212,33 @@ def build(pl, pltpu, interpret):
     return mlp
 
 
+READS = 40  # the reads kernel: VMEM reads at computed, bounds-checked indices
+
+
+def build_reads(pl, pltpu, interpret):
+    """A kernel of READS reads of a VMEM Ref at indices computed from SMEM: one straight run of
+    READS bounds checks, each condition computed from the index arithmetic."""
+
+    def kernel(s_ref, x_ref, o_ref):
+        acc = jnp.zeros((8, 128), jnp.float32)
+        for i in range(READS):
+            acc = acc + x_ref[pl.ds((s_ref[i] * 3 + i) % 5 + s_ref[(i * 7) % READS] // 3, 8), :]
+        o_ref[...] = acc
+
+    return lambda s, x: pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        interpret=interpret,
+    )(s, x)
+
+
+def reads_reference(s, x):
+    s = np.asarray(s)
+    return sum(x[(s[i] * 3 + i) % 5 + s[(i * 7) % READS] // 3 :][:8] for i in range(READS))
+
+
 def reference(x, w, wd):
     g, u = x @ w["gate"], x @ w["up"]
     return (jax.nn.silu(g) * u) @ wd
@@ -210,7 +263,7 @@ def simulated_tpu():
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
-def run_side(side: str, profile: bool) -> dict:
+def run_side(side: str, profile: bool, kernel: str = "mlp") -> dict:
     if side == "ours":
         import pallas as pl
         import pallas_tpu as pltpu
@@ -221,8 +274,17 @@ def run_side(side: str, profile: bool) -> dict:
         from jax.experimental.pallas import tpu as pltpu
 
         ctx = simulated_tpu()
-    fn = jax.jit(jax.value_and_grad(loss_of(build(pl, pltpu, pltpu.InterpretParams())), argnums=(0, 1, 2)))
-    args = inputs()
+    if kernel == "reads":
+        fn = jax.jit(build_reads(pl, pltpu, pltpu.InterpretParams()))
+        args = (
+            jax.random.randint(jax.random.key(1), (READS,), 0, 9),
+            jax.random.normal(jax.random.key(2), (16, 128)),
+        )
+    else:
+        fn = jax.jit(
+            jax.value_and_grad(loss_of(build(pl, pltpu, pltpu.InterpretParams())), argnums=(0, 1, 2))
+        )
+        args = inputs()
     prof = None
     if profile:
         import cProfile
@@ -235,17 +297,19 @@ def run_side(side: str, profile: bool) -> dict:
         t_lower = time.perf_counter() - t
         compiled = lowered.compile()
         t_compile = time.perf_counter() - t - t_lower
-        value, grads = jax.block_until_ready(compiled(*args))
+        out = jax.block_until_ready(compiled(*args))
     first, cpu = time.perf_counter() - t, time.process_time() - c
     if prof is not None:
         import pstats
 
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
-    ref_value, ref_grads = jax.value_and_grad(loss_of(reference), argnums=(0, 1, 2))(*args)
-    np.testing.assert_allclose(value, ref_value, rtol=2e-3, atol=2e-3)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
+    if kernel == "reads":
+        np.testing.assert_allclose(out, reads_reference(*args), rtol=1e-5, atol=1e-5)
+    else:
+        ref = jax.value_and_grad(loss_of(reference), argnums=(0, 1, 2))(*args)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
     hlo_ops = lowered.as_text().count("\n")
     return {"first": first, "cpu": cpu, "lower": t_lower, "compile": t_compile, "hlo_lines": hlo_ops}
 
@@ -256,18 +320,27 @@ def main():
         "--side", choices=["ours", "jax"], help="run one side here (the default runs both, each fresh)"
     )
     ap.add_argument("--profile", action="store_true", help="cProfile of the first call, on stderr")
+    ap.add_argument(
+        "--kernel",
+        choices=["mlp", "reads"],
+        default="mlp",
+        help=f"mlp: the gated MLP (default); reads: one kernel of {READS} reads at computed indices",
+    )
     args = ap.parse_args()
     if args.side:
-        print(json.dumps(run_side(args.side, args.profile)))
+        print(json.dumps(run_side(args.side, args.profile, args.kernel)))
         return
     rows = {}
     for side in ("ours", "jax"):
-        cmd = [sys.executable, __file__, "--side", side]
+        cmd = [sys.executable, __file__, "--side", side, "--kernel", args.kernel]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if out.returncode:
             sys.exit(f"{side} failed:\n{out.stderr[-3000:]}")
         rows[side] = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"gated MLP, value_and_grad, first call (M={M}, D={D}, F={F}; blocks {BM}x{BF})")
+    if args.kernel == "reads":
+        print(f"{READS} VMEM reads at computed indices, first call")
+    else:
+        print(f"gated MLP, value_and_grad, first call (M={M}, D={D}, F={F}; blocks {BM}x{BF})")
     for side, r in rows.items():
         print(
             f"  {side:5s} {r['first']:7.2f} s, {r['cpu']:6.2f} s of CPU (trace+lower {r['lower']:6.2f} s, "

@@ -550,6 +550,7 @@ def test_remote_dma_outside_shard_map_is_an_error():
 
     msg = _lowering_error(ring, (8, 128), scratch_shapes=[pltpu.SemaphoreType.REGULAR])
     assert "not lowered inside jax.shard_map" in msg and "pallas_call 'ring'" in msg
+    assert "Cannot use communication in pallas_call without shard_map." in msg  # JAX's words
 
 
 # ---------------------------------------------------------------------------

@@ -174,7 +174,8 @@ def _dma_wait(ctx, *args, layout, which="dst", **_):
 def _mesh(ctx) -> tuple[tuple[str, int], ...]:
     if not ctx.kernel.mesh_axes:
         raise NotImplementedError(
-            "the kernel addresses devices of a mesh, but is not lowered inside jax.shard_map over one"
+            "the kernel addresses devices of a mesh, but is not lowered inside jax.shard_map over one "
+            "(JAX: 'Cannot use communication in pallas_call without shard_map.')"
         )
     return ctx.kernel.mesh_axes
 

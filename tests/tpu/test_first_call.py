@@ -44,6 +44,18 @@ def _raises(match, fn):
     return str(info.value)
 
 
+def _smem_vmem_call(kernel, scalars, x, out_shape=(8, 128)):
+    """``kernel(s_ref, x_ref, o_ref)`` in TPU interpret mode: int32 ``scalars`` in SMEM,
+    ``x`` and the f32 output of ``out_shape`` in VMEM."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(out_shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        interpret=pltpu.InterpretParams(),
+    )(jnp.array(scalars, jnp.int32), x)
+
+
 def test_static_and_repeated_dynamic_indices_match_jnp():
     x = rand(1, (4, 16, 128))
     seed = np.random.default_rng().integers(1 << 30)
@@ -108,13 +120,7 @@ def test_a_check_inside_a_branch_does_not_stand_for_one_after_it(taken):
         o_ref[...] = x_ref[pl.ds(i, 8), :] + 1.0
 
     def call(start):
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
-            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
-            out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-            interpret=pltpu.InterpretParams(),
-        )(jnp.array([start, int(taken)], jnp.int32), x)
+        return _smem_vmem_call(kernel, [start, int(taken)], x)
 
     start = int(np.random.default_rng().integers(0, 9))
     np.testing.assert_allclose(call(start), x[start : start + 8] + 1.0, rtol=1e-6)
@@ -165,13 +171,7 @@ def test_the_first_failed_check_is_reported_around_branches():
         o_ref[...] += x_ref[pl.ds(c, 8), :]
 
     def call(a, b, c, taken=1):
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
-            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
-            out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-            interpret=pltpu.InterpretParams(),
-        )(jnp.array([a, b, c, taken], jnp.int32), x)
+        return _smem_vmem_call(kernel, [a, b, c, taken], x)
 
     a, b, c = (int(v) for v in np.random.default_rng().integers(0, 9, 3))
     np.testing.assert_allclose(call(a, b, c), x[a : a + 8] + x[b : b + 8] + x[c : c + 8], rtol=1e-6)
@@ -195,13 +195,7 @@ def test_the_first_failed_of_many_checks_is_reported():
         o_ref[...] = acc
 
     def call(starts):
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((8, 128), x.dtype),
-            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
-            out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-            interpret=pltpu.InterpretParams(),
-        )(jnp.array(starts, jnp.int32), x)
+        return _smem_vmem_call(kernel, starts, x)
 
     rng = np.random.default_rng()
     starts = [int(v) for v in rng.integers(0, 9, n)]
@@ -260,11 +254,5 @@ def test_a_loop_condition_that_reads_a_ref():
         o_ref[...] = acc
 
     s = jnp.array([1] * (k + 1) + [0] * (4 - k), jnp.int32)  # from index 1, k positive entries
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)],
-        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-        interpret=pltpu.InterpretParams(),
-    )(s, x)
+    out = _smem_vmem_call(kernel, s, x, x.shape)
     np.testing.assert_allclose(out, k * x, rtol=1e-6)

@@ -52,20 +52,24 @@ def broadcast_zero_stride_reads(jaxpr, where: str = "pallas_call"):
 
 
 def _rewrite(jaxpr):
+    """``jaxpr`` with its zero-stride reads broadcast; the same object when it has none."""
     inner = getattr(jaxpr, "jaxpr", jaxpr)
     if inner is not jaxpr:  # a ClosedJaxpr wrapper (JAX < 0.11 layout)
-        return jaxpr.replace(jaxpr=_rewrite(inner))
+        new = _rewrite(inner)
+        return jaxpr if new is inner else jaxpr.replace(jaxpr=new)
     eqns = []
     for eqn in inner.eqns:
         params = {k: _rewrite_param(v) for k, v in eqn.params.items()}
         if any(params[k] is not eqn.params[k] for k in params):
             eqn = eqn.replace(params=params)
         eqns.extend(_rewrite_read(eqn) if eqn.primitive is compat.state_primitives.get_p else [eqn])
+    if len(eqns) == len(inner.eqns) and all(a is b for a, b in zip(eqns, inner.eqns)):
+        return inner
     return inner.replace(eqns=eqns)
 
 
 def _rewrite_param(v):
-    if isinstance(v, (compat.Jaxpr, compat.ClosedJaxpr)) and _has_zero_stride(v, ""):
+    if isinstance(v, (compat.Jaxpr, compat.ClosedJaxpr)):
         return _rewrite(v)
     if isinstance(v, tuple) and any(isinstance(x, (compat.Jaxpr, compat.ClosedJaxpr)) for x in v):
         new = tuple(_rewrite_param(x) for x in v)

@@ -63,9 +63,8 @@ def _interpreter_class(call, params: InterpretParams):
 
 def _interpret(*args, call, params: InterpretParams):
     cls = _interpreter_class(call, params)
-    jaxpr = plb.broadcast_zero_stride_reads(
-        call.jaxpr, _where(call.grid_mapping)
-    )  # pl.ds(i, n, 0): read once, broadcast
+    # Reads through pl.ds(i, n, 0): one element, broadcast (the interpreter's windows need strides >= 1).
+    jaxpr = plb.broadcast_zero_stride_reads(call.jaxpr, _where(call.grid_mapping))
     with tpu_info.modeled_chip(params.chip_version):
         return interpret_pallas_call.run(
             cls,

@@ -31,6 +31,7 @@ multi-device interpreter (``multi.py``) implements.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -42,7 +43,7 @@ from jax import lax
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import rules as interpret_rules
-from pallas_tpu._src.interpret.refs import RefView, _traced_sizes
+from pallas_tpu._src.interpret.refs import RefView, _clip, _is_slice, _static_int, _traced_sizes
 from pallas_tpu._src.language import primitives as tpu_prims
 
 
@@ -116,22 +117,117 @@ def endpoints(interp, eqn, src_view: RefView, dst_view: RefView) -> tuple[DmaVie
     return src, dst
 
 
-def read(interp, dv: DmaView, eqn, what: str, cell: int | None = None):
-    dv = dv if cell is None else dv.on(cell)
-    if dv.idx is None:
-        return interp.read_view(dv.view, eqn, what=what)
+def flat_region(interp, dv: DmaView, eqn, what: str):
+    """(flat offset, element count) of the elements of ``dv``'s cell that a static
+    view covers, when they are one contiguous run (row-major: a view such as
+    ``buf.at[slot]`` or ``x.at[pl.ds(i, 128)]``); None otherwise. The offset's
+    indices are bounds-checked and clamped as a read of the view is.
+
+    DMAs move such regions as 1-d runs of the flattened cells (a bitcast to XLA):
+    the kernels XLA compiles for them then depend on the run's length only, so
+    buffers of one size and different shapes share them (XLA's CPU compile time
+    goes mostly by distinct kernels)."""
+    if dv.idx is not None:
+        return None
     x = interp.state[dv.cell]
-    return x.reshape(-1)[jnp.clip(dv.idx, 0, max(x.size - 1, 0))]
+    ts = dv.view.transforms
+    if not ts:
+        return (0, x.size) if x.size else None
+    if len(ts) != 1 or not hasattr(ts[0], "indices") or len(ts[0].indices) != x.ndim:
+        return None
+    sizes = []
+    for ix in ts[0].indices:
+        if _is_slice(ix):
+            if not (_static_int(ix.size) and _static_int(ix.stride) and int(ix.stride) == 1):
+                return None
+            sizes.append(int(ix.size))
+        elif jnp.ndim(ix) == 0:
+            sizes.append(1)
+        else:
+            return None
+    if not all(sizes):
+        return None
+    partial = [d for d, (k, n) in enumerate(zip(sizes, x.shape)) if k < n]
+    if partial and any(k > 1 for k in sizes[: partial[-1]]):
+        return None  # rows of a block narrower than the buffer: not one run
+    starts = interp._index_parts(x.shape, ts[0], eqn, dv.view, what)[0]
+    fixed, terms, step = 0, [], 1
+    for d in reversed(range(x.ndim)):
+        if sizes[d] < x.shape[d]:
+            st = _clip(starts[d], 0, x.shape[d] - sizes[d])
+            if _static_int(st):
+                fixed += int(st) * step
+            else:
+                terms.append(lax.mul(st, np.int32(step)) if step != 1 else st)
+        step *= x.shape[d]
+    if not terms:
+        return fixed, math.prod(sizes)
+    offset = terms[0]
+    for t in terms[1:]:
+        offset = lax.add(offset, t)
+    return (lax.add(offset, np.int32(fixed)) if fixed else offset), math.prod(sizes)
 
 
-def write(interp, dv: DmaView, val, eqn, cell: int | None = None) -> None:
-    dv = dv if cell is None else dv.on(cell)
-    if dv.idx is None:
-        interp.write_view(dv.view, val, eqn)
+def _run(flat, region):
+    offset, n = region
+    if _static_int(offset):
+        return flat if (offset, n) == (0, flat.size) else lax.slice(flat, (offset,), (offset + n,))
+    return lax.dynamic_slice(flat, (offset,), (n,))
+
+
+def _put_run(flat, region, val):
+    offset, n = region
+    val = lax.reshape(jnp.asarray(val, flat.dtype), (n,))
+    if _static_int(offset) and (offset, n) == (0, flat.size):
+        return val
+    return lax.dynamic_update_slice(flat, val, (jnp.asarray(offset, jnp.int32),))
+
+
+def read(interp, dv: DmaView, eqn, what: str, cell: int | None = None, region=None):
+    """The view's elements in ``cell``: by default its own data cell, else a flat
+    companion of it (``interp.shadows``). With ``region`` (``flat_region``'s
+    answer), as a 1-d run."""
+    x = interp.state[dv.cell if cell is None else cell]
+    if region is not None:
+        return _run(lax.reshape(x, (x.size,)), region)
+    with _shaped(interp, dv, cell):
+        dv = dv if cell is None else dv.on(cell)
+        if dv.idx is None:
+            return interp.read_view(dv.view, eqn, what=what)
+        x = interp.state[dv.cell]
+        return x.reshape(-1)[jnp.clip(dv.idx, 0, max(x.size - 1, 0))]
+
+
+def write(interp, dv: DmaView, val, eqn, cell: int | None = None, region=None) -> None:
+    """Writes ``val`` (the view's shape, or a 1-d run with ``region``) as ``read`` reads."""
+    if region is not None:
+        c = dv.cell if cell is None else cell
+        x = interp.state[c]
+        interp.state[c] = lax.reshape(_put_run(lax.reshape(x, (x.size,)), region, val), x.shape)
         return
-    x = interp.state[dv.cell]
-    val = jnp.asarray(val, x.dtype).reshape(-1)
-    interp.state[dv.cell] = x.reshape(-1).at[dv.idx.reshape(-1)].set(val, mode="drop").reshape(x.shape)
+    with _shaped(interp, dv, cell):
+        dv = dv if cell is None else dv.on(cell)
+        if dv.idx is None:
+            interp.write_view(dv.view, val, eqn)
+            return
+        x = interp.state[dv.cell]
+        val = jnp.asarray(val, x.dtype).reshape(-1)
+        interp.state[dv.cell] = x.reshape(-1).at[dv.idx.reshape(-1)].set(val, mode="drop").reshape(x.shape)
+
+
+@contextlib.contextmanager
+def _shaped(interp, dv: DmaView, cell: int | None):
+    """A flat companion cell of ``dv``'s data cell seen in the data cell's shape
+    meanwhile, for views that are not one run (strided, bitcast, traced sizes)."""
+    if cell is None or cell == dv.cell:
+        yield
+        return
+    flat = interp.state[cell].shape
+    interp.state[cell] = lax.reshape(interp.state[cell], interp.state[dv.cell].shape)
+    try:
+        yield
+    finally:
+        interp.state[cell] = lax.reshape(interp.state[cell], flat)
 
 
 def _valid(interp, dv: DmaView):
@@ -160,11 +256,22 @@ def _shadowed(interp, cell: int) -> bool:
     return len(interp.shadows.get(cell, ())) == 2
 
 
+def _read_src(interp, eqn, src: DmaView):
+    """A DMA's source data, and whether it is a flat run (``flat_region``)."""
+    region = flat_region(interp, src, eqn, "DMA read")
+    if region is None:
+        return read(interp, src, eqn, "DMA read"), False
+    return read(interp, src, eqn, "DMA read", region=region), True
+
+
 def _copy(interp, eqn, src: DmaView, dst: DmaView, add: bool) -> None:
-    val = read(interp, src, eqn, "DMA read")
+    val, flat = _read_src(interp, eqn, src)
+    region = flat_region(interp, dst, eqn, "DMA write") if flat else None
+    if region is None and flat:
+        val = lax.reshape(val, src.shape)
     if add:
-        val = read(interp, dst, eqn, "write") + val
-    write(interp, dst, val, eqn)
+        val = read(interp, dst, eqn, "write", region=region) + val
+    write(interp, dst, val, eqn, region=region)
 
 
 def _dma_start(interp, eqn, *ops):
@@ -193,12 +300,16 @@ def _start_pending(interp, eqn, src: DmaView, dst: DmaView, sem, add: bool) -> N
     """on_wait: the data goes to the destination's shadow, marked with the
     semaphore whose wait lands it (whatever descriptor that wait is given)."""
     shadow, pending = interp.shadows[dst.cell]
-    val = read(interp, src, eqn, "DMA read")
-    if dst.idx is None:
-        interp.read_view(dst.view, eqn, what="DMA write")  # bounds of the destination
-    write(interp, dst, val, eqn, cell=shadow)
+    val, flat = _read_src(interp, eqn, src)
+    region = flat_region(interp, dst, eqn, "DMA write") if flat else None
+    if region is None:
+        if flat:
+            val = lax.reshape(val, src.shape)
+        if dst.idx is None:
+            interp.read_view(dst.view, eqn, what="DMA write")  # bounds of the destination
+    write(interp, dst, val, eqn, cell=shadow, region=region)
     mark = _sem_code(interp, sem, eqn) * 2 + int(add)
-    write(interp, dst, jnp.full(jnp.shape(val), mark, jnp.int32), eqn, cell=pending)
+    write(interp, dst, jnp.full(jnp.shape(val), mark, jnp.int32), eqn, cell=pending, region=region)
     site = (sem.cell, dst.cell)
     if site not in interp.dma_sites:
         interp.dma_sites.append(site)
@@ -242,19 +353,23 @@ def _commit_pending(interp, eqn, sem, dst_view: RefView, nbytes) -> None:
         with interp.unchecked():  # on a TPU the wait's descriptor names no memory: nothing to bound-check
             dv = dma_view(interp, dst_view, eqn, "DMA wait")
             shadow, pending = interp.shadows[dv.cell]
+            region = flat_region(interp, dv, eqn, "read")
             new, mark, n = _land(
-                read(interp, dv, eqn, "read", cell=shadow),
-                read(interp, dv, eqn, "read", cell=pending),
-                read(interp, dv, eqn, "read"),
+                read(interp, dv, eqn, "read", cell=shadow, region=region),
+                read(interp, dv, eqn, "read", cell=pending, region=region),
+                read(interp, dv, eqn, "read", region=region),
                 code,
                 _valid(interp, dv),
             )
-            write(interp, dv, new, eqn)
-            write(interp, dv, mark, eqn, cell=pending)
+            write(interp, dv, new, eqn, region=region)
+            write(interp, dv, mark, eqn, cell=pending, region=region)
         landed = lax.mul(n, np.int32(np.dtype(interp.state[dv.cell].dtype).itemsize))
 
-    def land_all(vals, shadows):
-        return [_land(sh, mark, cur, code)[:2] for (cur, mark), sh in zip(vals, shadows)]
+    def land_all(vals, shadows):  # the companions are flat (see new_cell), the data cells not
+        landed = [
+            _land(sh, mark, lax.reshape(cur, sh.shape), code)[:2] for (cur, mark), sh in zip(vals, shadows)
+        ]
+        return [(lax.reshape(new, cur.shape), mark) for (new, mark), (cur, _) in zip(landed, vals)]
 
     vals = [(interp.state[c], interp.state[interp.shadows[c][1]]) for c in cells]
     shadows = [interp.state[interp.shadows[c][0]] for c in cells]

@@ -42,6 +42,7 @@ the run-time checks and ``KernelError`` in ``errors.py``. This module holds
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -267,10 +268,11 @@ class Interpreter(RefAccess, RuntimeChecks):
         self.cell_spaces[c] = space
         if self.dma_shadows and dma_target and _on_chip(space):
             # on_wait DMAs land here first (what landed, and which semaphore's wait commits it).
-            shadow = self.new_cell_plain(jnp.zeros_like(value), f"{name} (DMA in flight)", space)
-            pending = self.new_cell_plain(
-                jnp.zeros(jnp.shape(value), jnp.int32), f"{name} (DMA pending)", space
-            )
+            # Flat, so that the bookkeeping of buffers of one size compiles to the same kernels
+            # whatever their shapes (dma.py moves runs of them).
+            size = math.prod(jnp.shape(value))
+            shadow = self.new_cell_plain(jnp.zeros((size,), value.dtype), f"{name} (DMA in flight)", space)
+            pending = self.new_cell_plain(jnp.zeros((size,), jnp.int32), f"{name} (DMA pending)", space)
             self.shadows[c] = (shadow, pending)
         elif self.dma_shadows and isinstance(space, plb.SemaphoreSpace):
             self.shadows[c] = ()  # a semaphore whose waits land on_wait DMAs (no companion cells)

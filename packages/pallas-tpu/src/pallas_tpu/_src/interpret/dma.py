@@ -43,6 +43,7 @@ from jax import lax
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import rules as interpret_rules
+from pallas_tpu._src.interpret.errors import count_true
 from pallas_tpu._src.interpret.refs import RefView, _clip, _is_slice, _static_int, _traced_sizes
 from pallas_tpu._src.language import primitives as tpu_prims
 
@@ -166,6 +167,10 @@ def flat_region(interp, dv: DmaView, eqn, what: str):
     for t in terms[1:]:
         offset = lax.add(offset, t)
     return (lax.add(offset, np.int32(fixed)) if fixed else offset), math.prod(sizes)
+
+
+def _flat(x):
+    return lax.reshape(x, (x.size,))
 
 
 def _run(flat, region):
@@ -323,11 +328,7 @@ def _land(shadow_val, mark, cur, code, valid=None):
         mine = jnp.logical_and(mine, valid)
     added = lax.bitwise_or(cur, shadow_val) if cur.dtype == np.bool_ else lax.add(cur, shadow_val)
     landed = lax.select(lax.eq(lax.bitwise_and(mark, np.int32(1)), np.int32(1)), added, shadow_val)
-    # Counted flat: XLA's kernels for the sum then depend on the element count only, so
-    # regions of one size and different shapes share them.
-    count = lax.reduce(
-        lax.convert_element_type(lax.reshape(mine, (mine.size,)), np.int32), np.int32(0), lax.add, (0,)
-    )
+    count = count_true(mine)
     return lax.select(mine, landed, cur), lax.select(mine, lax.full_like(mark, 0), mark), count
 
 
@@ -365,18 +366,17 @@ def _commit_pending(interp, eqn, sem, dst_view: RefView, nbytes) -> None:
             write(interp, dv, mark, eqn, cell=pending, region=region)
         landed = lax.mul(n, np.int32(np.dtype(interp.state[dv.cell].dtype).itemsize))
 
-    def land_all(vals, shadows):  # the companions are flat (see new_cell), the data cells not
-        landed = [
-            _land(sh, mark, lax.reshape(cur, sh.shape), code)[:2] for (cur, mark), sh in zip(vals, shadows)
-        ]
-        return [(lax.reshape(new, cur.shape), mark) for (new, mark), (cur, _) in zip(landed, vals)]
+    def land_all(vals, shadows):
+        return [_land(sh, mark, cur, code)[:2] for (cur, mark), sh in zip(vals, shadows)]
 
-    vals = [(interp.state[c], interp.state[interp.shadows[c][1]]) for c in cells]
+    # Flat, as the companions are (see Interpreter.new_cell): buffers of one size then share
+    # the kernels of the landing.
+    vals = [(_flat(interp.state[c]), interp.state[interp.shadows[c][1]]) for c in cells]
     shadows = [interp.state[interp.shadows[c][0]] for c in cells]
     short = lax.lt(landed, jnp.asarray(nbytes, jnp.int32))
     vals = lax.cond(short, land_all, lambda vals, shadows: [tuple(v) for v in vals], vals, shadows)
     for c, (new, mark) in zip(cells, vals):
-        interp.state[c] = new
+        interp.state[c] = lax.reshape(new, interp.state[c].shape)
         interp.state[interp.shadows[c][1]] = mark
 
 

@@ -75,6 +75,22 @@ def _fold_picked(rec, pending):
     return lax.concatenate([lax.reshape(w, (1,)) for w in words], 0)
 
 
+# Counts up to this are exact in float32 (``count_true``).
+_F32_EXACT = 1 << 24
+
+
+def count_true(mask):
+    """The number of true elements of ``mask`` (int32). As a dot with ones where float32
+    counts it exactly: XLA's CPU backend calls a library for a dot, where it rewrites a
+    large reduction into a tree of reduce-window kernels (four kernels to compile, per
+    size, for every DMA wait's count of landed elements)."""
+    flat = lax.reshape(mask, (mask.size,))
+    if mask.size > _F32_EXACT:
+        return lax.reduce(lax.convert_element_type(flat, np.int32), np.int32(0), lax.add, (0,))
+    ones = lax.full((mask.size,), 1.0, np.float32)
+    return lax.convert_element_type(lax.dot(lax.convert_element_type(flat, np.float32), ones), np.int32)
+
+
 class RuntimeChecks:
     """The run-time checks of ``Interpreter`` (see the module docstring)."""
 
@@ -167,10 +183,8 @@ class RuntimeChecks:
         if cell not in self.shadows or len(self.shadows[cell]) != 2:
             return
         pending = self.state[self.shadows[cell][1]]
-        # Marks are positive while pending (see dma.py): one max-reduction, no compare to fuse first.
-        most = lax.reduce(pending, np.int32(0), lax.max, tuple(range(pending.ndim)))
         self.check(
-            lax.eq(most, np.int32(0)),
+            lax.eq(count_true(lax.ne(pending, np.int32(0))), np.int32(0)),
             f"{self.kernel_desc}: a DMA into {self.describe_ref(RefView(cell))} was waited for but never "
             f"landed {when}: its wait named another buffer than the one the DMA went to, and the TPU "
             "interpreter had not seen that buffer used by a DMA on the semaphore before the wait; "

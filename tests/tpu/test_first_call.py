@@ -256,3 +256,60 @@ def test_a_loop_condition_that_reads_a_ref():
     s = jnp.array([1] * (k + 1) + [0] * (4 - k), jnp.int32)  # from index 1, k positive entries
     out = _smem_vmem_call(kernel, s, x, x.shape)
     np.testing.assert_allclose(out, k * x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["on_wait", "eager"])
+def test_dmas_as_flat_runs_land_where_started(mode):
+    """DMAs move one contiguous run of a cell as a flat run (slots of buffers of one size
+    and different shapes share XLA kernels): runs between a column block of HBM and a
+    slot, and a column block of VMEM (not one run), land where started; before its
+    wait a destination keeps its old contents (on_wait)."""
+    x, w = rand(8, (16, 128)), rand(9, (128, 16))
+
+    def kernel(x_hbm, w_hbm, oa_ref, ob_ref, oc_ref, a, b, c, sems):
+        i = pl.program_id(0)
+        slot = i % 2
+        c[...] = jnp.zeros_like(c)
+        copies = [
+            pltpu.make_async_copy(x_hbm.at[pl.ds(8 * i, 8)], a.at[slot], sems.at[0]),
+            pltpu.make_async_copy(w_hbm.at[:, pl.ds(8 * i, 8)], b.at[slot], sems.at[1]),
+            pltpu.make_async_copy(
+                x_hbm.at[pl.ds(8 * i, 8), pl.ds(0, 64)], c.at[:, pl.ds(64, 64)], sems.at[2]
+            ),
+        ]
+        for copy in copies:
+            copy.start()
+        oc_ref[0] = c[...]  # before the waits
+        for copy in copies:
+            copy.wait()
+        oa_ref[0] = a[slot]
+        ob_ref[0] = b[slot]
+        oc_ref[1] = c[...]
+
+    oa, ob, oc = pl.pallas_call(
+        kernel,
+        grid=(2,),
+        out_shape=[
+            jax.ShapeDtypeStruct((2, 8, 128), jnp.float32),
+            jax.ShapeDtypeStruct((2, 128, 8), jnp.float32),
+            jax.ShapeDtypeStruct((2, 2, 8, 128), jnp.float32),
+        ],
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
+        out_specs=[
+            pl.BlockSpec((1, 8, 128), lambda i: (i, 0, 0)),
+            pl.BlockSpec((1, 128, 8), lambda i: (i, 0, 0)),
+            pl.BlockSpec((None, 2, 8, 128), lambda i: (i, 0, 0, 0)),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((2, 8, 128), jnp.float32),
+            pltpu.VMEM((2, 128, 8), jnp.float32),
+            pltpu.VMEM((8, 128), jnp.float32),
+            pltpu.SemaphoreType.DMA((3,)),
+        ],
+        interpret=pltpu.InterpretParams(dma_execution_mode=mode),
+    )(x, w)
+    np.testing.assert_array_equal(oa, x.reshape(2, 8, 128))
+    np.testing.assert_array_equal(ob, jnp.stack([w[:, :8], w[:, 8:]]))
+    after = jnp.zeros((2, 8, 128)).at[:, :, 64:].set(x.reshape(2, 8, 128)[:, :, :64])
+    before = jnp.zeros((2, 8, 128)) if mode == "on_wait" else after
+    np.testing.assert_array_equal(oc, jnp.stack([before, after], axis=1))

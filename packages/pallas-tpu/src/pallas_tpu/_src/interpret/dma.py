@@ -177,7 +177,7 @@ def _run(flat, region):
     offset, n = region
     if _static_int(offset):
         return flat if (offset, n) == (0, flat.size) else lax.slice(flat, (offset,), (offset + n,))
-    return lax.dynamic_slice(flat, (offset,), (n,))
+    return lax.dynamic_slice(flat, (offset,), (n,), allow_negative_indices=False)  # clamped
 
 
 def _put_run(flat, region, val):
@@ -185,7 +185,9 @@ def _put_run(flat, region, val):
     val = lax.reshape(jnp.asarray(val, flat.dtype), (n,))
     if _static_int(offset) and (offset, n) == (0, flat.size):
         return val
-    return lax.dynamic_update_slice(flat, val, (jnp.asarray(offset, jnp.int32),))
+    return lax.dynamic_update_slice(
+        flat, val, (jnp.asarray(offset, jnp.int32),), allow_negative_indices=False
+    )
 
 
 def read(interp, dv: DmaView, eqn, what: str, cell: int | None = None, region=None):
@@ -269,11 +271,18 @@ def _read_src(interp, eqn, src: DmaView):
     return read(interp, src, eqn, "DMA read", region=region), True
 
 
-def _copy(interp, eqn, src: DmaView, dst: DmaView, add: bool) -> None:
+def _dst_run(interp, eqn, src: DmaView, dst: DmaView):
+    """A DMA's source data and its destination's ``flat_region``: the data a 1-d run
+    when the destination is one, else in the source view's shape."""
     val, flat = _read_src(interp, eqn, src)
-    region = flat_region(interp, dst, eqn, "DMA write") if flat else None
-    if region is None and flat:
-        val = lax.reshape(val, src.shape)
+    region = flat_region(interp, dst, eqn, "DMA write")
+    if region is not None:
+        return _flat(val), region
+    return (lax.reshape(val, src.shape) if flat else val), None
+
+
+def _copy(interp, eqn, src: DmaView, dst: DmaView, add: bool) -> None:
+    val, region = _dst_run(interp, eqn, src, dst)
     if add:
         val = read(interp, dst, eqn, "write", region=region) + val
     write(interp, dst, val, eqn, region=region)
@@ -305,13 +314,9 @@ def _start_pending(interp, eqn, src: DmaView, dst: DmaView, sem, add: bool) -> N
     """on_wait: the data goes to the destination's shadow, marked with the
     semaphore whose wait lands it (whatever descriptor that wait is given)."""
     shadow, pending = interp.shadows[dst.cell]
-    val, flat = _read_src(interp, eqn, src)
-    region = flat_region(interp, dst, eqn, "DMA write") if flat else None
-    if region is None:
-        if flat:
-            val = lax.reshape(val, src.shape)
-        if dst.idx is None:
-            interp.read_view(dst.view, eqn, what="DMA write")  # bounds of the destination
+    val, region = _dst_run(interp, eqn, src, dst)
+    if region is None and dst.idx is None:
+        interp.read_view(dst.view, eqn, what="DMA write")  # bounds of the destination
     write(interp, dst, val, eqn, cell=shadow, region=region)
     mark = _sem_code(interp, sem, eqn) * 2 + int(add)
     write(interp, dst, jnp.full(jnp.shape(val), mark, jnp.int32), eqn, cell=pending, region=region)

@@ -32,6 +32,29 @@ less), jax 0.11.2, 2026-12-04, three runs of each side alternating, machine quie
                              235 fusions, 50 distinct kernels
     -> ours/JAX 1.3x wall, 1.6x CPU (was 2.6x)
 
+On 2026-12-04/05 (same VM, load about 2, five runs of each side alternating; "compile CPU" is the
+process's CPU time in XLA's compile): on_wait DMA shadows and marks are flat cells and a DMA between
+two contiguous runs (a slot `buf.at[slot]`, rows `x.at[pl.ds(i, n)]`) copies, shadows and lands a
+1-d run, so buffers of one size and different shapes share kernels (1fbb128, c98f827); a wait's
+count of landed elements is a float32 dot with ones, not a reduction XLA splits into a tree of
+reduce-window kernels per size (cbb2851):
+
+    before (ea680f5):        ours 2.1-3.1 s wall, 2.8-3.6 s CPU (compile CPU 2.2-2.8 s), 8601 lines, 108 kernels
+    after (b4779fa):         ours 1.9-2.9 s wall, 2.5-2.9 s CPU (compile CPU 1.8-2.2 s), 7908 lines, 96 kernels
+    JAX:                          1.5-2.0 s wall, 1.8-2.0 s CPU (compile CPU 0.8-0.9 s), 4527 lines, 50 kernels
+    -> ours/JAX 1.2-1.5x wall, 1.3-1.5x CPU; reads kernel unchanged (2775 lines, ours 0.8-1.0 s CPU,
+       JAX 1.1-1.2 s); tpu_interpret_speed steady state: emit_pipeline_add 8.4-9.0 -> 7.2-7.5 ms,
+       double_buffer_dma 0.8-1.1 -> 0.9-1.1 ms, matmul unchanged (no DMAs)
+
+Tried and left out: flattening a DMA whose source is a block narrower than its array (not one
+run; c98f827, undone in b4779fa): 2 kernels fewer, but XLA then computes each element's row and
+column by a division in the copy loop (emit_pipeline_add 7.3 -> 13.0 ms steady state). Folding the
+checks with their bounds, byte counts and values as data (one optimization barrier per fold,
+padded to a power of two of checks): XLA forwards the constants through the barrier and merges
+equal ones, so the folds still differ (15 -> 12 fold kernels, 94 -> 93 in all, more lines). An
+optimization barrier on every traced Ref index (so that the index arithmetic is one kernel, not
+repeated in each consumer): 96 -> 99 kernels.
+
 Tracing and lowering take as long as JAX's (0.7-1.2 s). XLA's CPU compiler spends most of its time
 per distinct fusion kernel (an MLIR pipeline and an LLVM module each; identical fusions are
 compiled once), not per op: what is left are the interpreted kernels' DMA bookkeeping (on_wait
@@ -54,11 +77,15 @@ alternating):
     reads, now:               ours 0.9-1.0 s wall, 0.9-1.0 s CPU (XLA compile 0.7-0.9 s), 2775 lines
     reads, JAX:                    1.1-1.5 s wall, 1.1-1.4 s CPU (XLA compile 0.7-1.0 s), 2091 lines
 
-What is left of the MLP's gap is kernel count: DMA data movement (a copy kernel per source and
-destination shape), the on_wait shadows and marks per buffer shape, scalar index arithmetic;
-constants baked into kernels (bounds, byte counts) split kernels that would otherwise be one, but
-making them data moved XLA's fusion decisions and left the count at 108 (tried: semaphore byte
-counts and bounds behind optimization barriers, flat landing counts, opaque shadow initial values).
+What is left of the MLP's gap is kernel count (96 against 50; XLA spends about 15 ms of CPU on
+each distinct kernel): the check folds (12-15 kernels, one per distinct run of checks: their
+bounds and the index arithmetic feeding them are fused in), scalar index arithmetic repeated in
+each consumer (about 36 scalar kernels against JAX's 25), DMA data movement from blocks that are
+not one run (a copy kernel per source shape) and writebacks into HBM arrays of each shape, kernel
+reads and writes of a slot (per buffer shape; refs.py does not use flat runs); constants baked
+into kernels (bounds, byte counts) split kernels that would otherwise be one, but making them data
+moved XLA's fusion decisions (tried: semaphore byte counts and bounds behind optimization
+barriers, flat landing counts, opaque shadow initial values, check operands as data).
 """
 
 from __future__ import annotations

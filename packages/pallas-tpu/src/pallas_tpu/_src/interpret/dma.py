@@ -20,6 +20,10 @@ slot of the buffer, another buffer, a local descriptor for a remote copy).
 * Semaphores count bytes, as on a TPU: a wait for more than its semaphore can
   ever hold is reported as a deadlock (a TPU hangs), and bytes left on a
   semaphore when the kernel ends as a DMA that was not waited for.
+* Shadows and marks are flat cells, and a DMA between two contiguous runs of
+  its cells (``buf.at[slot]``, ``x.at[pl.ds(i, n)]``; ``flat_region``) copies,
+  shadows and lands a 1-d run: XLA compiles one kernel for buffers of one size
+  whatever their shapes (its CPU compile time goes mostly by distinct kernels).
 * A DMA whose size is traced (``src.at[pl.ds(i, n)]`` with ``n`` read from
   SMEM) moves the flat elements of its views (``Interpreter.view_indices``):
   static upper-bound shapes, the elements past ``n`` masked out.

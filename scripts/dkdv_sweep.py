@@ -29,21 +29,30 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests" / "gpu")]
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import test_attention_bwd_dkdv as t  # noqa: E402
 from jax import lax  # noqa: E402
 
-VARIANTS = {
-    "default": "",
-    "no command buffers": "--xla_gpu_enable_command_buffer=",
-    "no dynamic slice fusion": "--xla_gpu_enable_dynamic_slice_fusion=false",
+VARIANTS = {  # label: (XLA flag, DKDV_MODE for the child)
+    "default": ("", ""),
+    "no command buffers": ("--xla_gpu_enable_command_buffer=", ""),
+    "no dynamic slice fusion": ("--xla_gpu_enable_dynamic_slice_fusion=false", ""),
+    "dK0/dV0 two distinct zero arrays": ("", "given"),
+    "every call dispatched alone (disable_jit)": ("", "eager"),
+    "two batches, 256 keys": ("", "b2"),
+    "one batch, 128 keys": ("", "skv128"),
 }
 
 
 def variants() -> int:
     import subprocess
 
-    for label, flag in VARIANTS.items():
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip(), DKDV_FIRST="1")
+    dump = os.environ.get("OUT")
+    for label, (flag, mode) in VARIANTS.items():
+        flags = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+        if dump and label == "default":  # the optimized HLO of the wrong case comes back
+            flags += f" --xla_dump_to={dump}/hlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
+        env = dict(os.environ, XLA_FLAGS=flags, DKDV_FIRST="1", DKDV_MODE=mode)
         out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
         lines = [
             ln for ln in out.stdout.splitlines() if ln.startswith(("ok", "BAD"))
@@ -71,15 +80,23 @@ def main() -> int:
         t.D, t.BLOCK_Q, t.BLOCK_KV, t.HKV = d, bq, bkv, 2
         t.HQ, t.GROUP, t.SCALE = 2 * group, group, d**-0.5
         t.SQ, t.SKV, t.CHUNK, t.B = 256, 256, 128, 1
+        mode = os.environ.get("DKDV_MODE", "")
+        if mode == "b2":
+            t.B = 2
+        elif mode == "skv128":
+            t.SKV = 128
         args, (dk_ref, dv_ref) = t.problem()
+        if mode == "given":
+            args = (*args, jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
         try:
-            dk, dv = t.dkdv(
-                *args,
-                interpret=interpret,
-                precision=lax.Precision.HIGHEST,
-                num_warps=warps,
-                num_stages=stages,
-            )
+            with jax.disable_jit(mode == "eager"):
+                dk, dv = t.dkdv(
+                    *args,
+                    interpret=interpret,
+                    precision=lax.Precision.HIGHEST,
+                    num_warps=warps,
+                    num_stages=stages,
+                )
             errs = t.rel_err(dk, dk_ref), t.rel_err(dv, dv_ref)
             ok = max(errs) < 1e-4
             msg = f"dK {errs[0]:.2e} dV {errs[1]:.2e}"

@@ -289,6 +289,98 @@ def test_traced_size(way, dst, wait):
         check(traced_size, (params, x, y), way, y.at[d : d + n].set(x[s : s + n]), dst=dst, wait=wait)
 
 
+def row_gather(pl, pltpu, params, x, y, *, interpret):
+    """params = [n, idx...]: y with rows r < n replaced by x[idx[r]], one DMA per row
+    whose size is traced, ``jnp.where(r < n, 1, 0)`` (tokamax's routing gmm moves
+    rows so, a Python loop over the rows of a tile): the interpreter moves each in a
+    window of the size's static bound (1), not of the whole buffer."""
+    rows = y.shape[0]
+
+    def kernel(p_ref, x_hbm, y_hbm, o_hbm, buf, sem):
+        n = p_ref[0]
+        pltpu.sync_copy(y_hbm, buf)
+        copies = []
+        for r in range(rows):
+            size = jnp.where(r < n, 1, 0)
+            copies.append(
+                pltpu.make_async_copy(x_hbm.at[pl.ds(p_ref[1 + r], size)], buf.at[pl.ds(r, size)], sem)
+            )
+            copies[-1].start()
+        for c in copies:
+            c.wait()
+        pltpu.sync_copy(buf, o_hbm)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), hbm(pl), hbm(pl)],
+        out_specs=hbm(pl),
+        scratch_shapes=[pltpu.VMEM(y.shape, y.dtype), pltpu.SemaphoreType.DMA],
+        interpret=interpret,
+    )(params, x, y)
+
+
+def row_gather_params(seed, rows_x, rows_y):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, rows_y))
+    idx = rng.integers(0, rows_x, rows_y)
+    return jnp.array([n, *idx], jnp.int32), n, idx
+
+
+@pytest.mark.parametrize("way", ways(dma=True))
+def test_rows_moved_by_dmas_of_bounded_traced_size(way):
+    x, y = rand(5, (24, 128)), rand(6, (8, 128))
+    for seed in range(2):
+        params, n, idx = row_gather_params(seed, 24, 8)
+        expected = y.at[:n].set(x[idx[:n]])
+        check(row_gather, (params, x, y), way, expected)
+
+
+def test_intervals_of_traced_sizes():
+    """The static intervals the interpreter reads off a kernel's jaxpr (facts.py)."""
+    from pallas_tpu._src.interpret import facts
+
+    def f(i, n, k):
+        return (
+            jnp.where(i < n, 1, 0),  # select_n of literals, through jnp.where's call
+            jnp.minimum(k, 7),
+            lax.rem(k, 4),
+            jnp.clip(k, 0, 5) + jnp.where(i < n, 2, 1),
+            k & 15,
+            k,  # unknown
+            i * 2,  # unknown: products are not followed
+            jnp.where(i < n, 2**31 - 1, 0) + 1,  # would wrap: unknown
+        )
+
+    jaxpr = jax.make_jaxpr(f)(1, 2, 3).jaxpr
+    got = facts.intervals(jaxpr, [(None, None)] * 3, {})
+    assert got == [(0, 1), (None, 7), (-3, 3), (1, 7), (0, 15), (None, None), (None, None), (None, None)]
+
+
+@interpret_only
+def test_traced_size_past_its_bound_is_reported(monkeypatch):
+    """The bound read off the jaxpr is checked as the kernel runs: a wrong one is an
+    error, never a silently short copy (here the bounds are made wrong on purpose)."""
+    from pallas_tpu._src.interpret import facts
+
+    real = facts.dma_size_bounds
+
+    def too_small(jaxpr):
+        return {
+            k: (e, {end: [(lo, None if hi is None else hi - 1) for lo, hi in bs] for end, bs in ends.items()})
+            for k, (e, ends) in real(jaxpr).items()
+        }
+
+    monkeypatch.setattr(facts, "dma_size_bounds", too_small)
+    params, _, _ = row_gather_params(0, 24, 8)
+    with pytest.raises(Exception, match="exceeds 0, the bound"):
+        jax.block_until_ready(
+            row_gather(
+                pl, pltpu, params, rand(5, (24, 128)), rand(6, (8, 128)), interpret=pltpu.InterpretParams()
+            )
+        )
+
+
 # ---------------------------------------------------------------------------
 # Two devices: remote copies waited for on rebuilt and dummy descriptors.
 

@@ -23,6 +23,7 @@ from pallas_tpu._src.interpret import (
     core_rules,  # also registers the rules of JAX's primitives
 )
 from pallas_tpu._src.interpret import dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
+from pallas_tpu._src.interpret import facts as interpret_facts
 from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.interpret.interpreter import (
     Interpreter,
@@ -263,6 +264,8 @@ def _start(interp_cls, jaxpr, gm, params, compiler_params, kernel_facts):
         interp.hidden.named[name] = init()
     interp.dma_shadows = params.dma_execution_mode == "on_wait" and kernel_facts.uses(tpu_prims.dma_start_p)
     interp.kernel_facts = kernel_facts  # read by MultiDeviceInterpreter.setup
+    if kernel_facts.uses(tpu_prims.dma_start_p):  # static bounds of traced DMA sizes (RefAccess.view_indices)
+        interp.size_bounds = interpret_facts.dma_size_bounds(jaxpr)
     interp.setup(jaxpr, compiler_params)
     return interp, sems, lane_hidden
 

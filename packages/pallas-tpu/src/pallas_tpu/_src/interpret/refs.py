@@ -43,6 +43,71 @@ def _traced_sizes(transform) -> bool:
     return any(_is_slice(ix) and not _static_int(ix.size) for ix in getattr(transform, "indices", ()))
 
 
+def _cell_indices(x):
+    """The flat element indices of an array, in its shape."""
+    return jnp.arange(max(x.size, 1), dtype=jnp.int32)[: x.size].reshape(x.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """A strided window of a cell's flat elements: element ``(i_0, i_1, ...)`` of the
+    window is ``base + sum(i_k * strides[k])``, ``i_k < counts[k]``; ``shape`` the
+    view's shape (a traced size where one is traced), ``masks`` for those dimensions
+    whose positions past the traced size are not part of the view."""
+
+    base: Any
+    strides: list
+    counts: list
+    shape: list
+    masks: dict
+
+    @classmethod
+    def of(cls, shape) -> _Window:
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        return cls(0, strides, list(shape), list(shape), {})
+
+    def indices(self):
+        """(flat indices in the window's shape, validity or None)."""
+        const = np.zeros(self.counts, np.int32)
+        for d, (stride, count) in enumerate(zip(self.strides, self.counts)):
+            at = [-1 if k == d else 1 for k in range(len(self.counts))]
+            const = const + (np.arange(count, dtype=np.int32) * np.int32(stride)).reshape(at)
+        if _static_int(self.base):
+            idx = jnp.asarray(const + np.int32(self.base))
+        else:
+            idx = lax.add(lax.broadcast(self.base, tuple(self.counts)), const)
+        valid = None
+        for d, m in self.masks.items():
+            m = lax.broadcast_in_dim(m, tuple(self.counts), (d,))
+            valid = m if valid is None else lax.bitwise_and(valid, m)
+        return idx, valid
+
+
+def _add_scaled(base, x, k: int):
+    """``base + x * k``: a Python int while both are known, else traced int32."""
+    if _static_int(x):
+        if int(x) == 0 or k == 0:
+            return base
+        if _static_int(base):
+            return int(base) + int(x) * k
+        return lax.add(base, np.int32(int(x) * k))
+    term = _i32(x) if k == 1 else lax.mul(_i32(x), np.int32(k))
+    if _static_int(base):
+        return term if int(base) == 0 else lax.add(term, np.int32(base))
+    return lax.add(base, term)
+
+
+def _i32(x):
+    if getattr(x, "dtype", None) == np.int32 and not getattr(x, "weak_type", False):
+        return x
+    return lax.convert_element_type(x, np.int32)
+
+
+def _plain_indexer(t) -> bool:
+    """An NDIndexer of slices and scalar indices (no index arrays)."""
+    return hasattr(t, "indices") and all(_is_slice(ix) or jnp.ndim(ix) == 0 for ix in t.indices)
+
+
 def _static_int(x) -> bool:
     return isinstance(x, (int, np.integer))
 
@@ -252,12 +317,17 @@ class RefAccess:
     def view_indices(self, view: RefView, eqn, what: str):
         """(flat element indices of the cell that ``view`` covers, the view's
         shape). A slice whose size is traced (``pl.ds(i, n)``, in DMAs) takes
-        the dimension's whole length; its positions past ``n`` hold the cell's
-        size (out of range, so a scatter drops them), and its entry of the
-        shape is ``n`` (traced)."""
+        the dimension's whole length, or the size's static upper bound when the
+        kernel's jaxpr gives one (``facts.dma_size_bounds``); its positions past
+        ``n`` hold the cell's size (out of range, so a scatter drops them), and
+        its entry of the shape is ``n`` (traced). Indexers without index arrays
+        compose as a ``_Window`` (an offset and strides: scalar arithmetic);
+        other transforms gather from the window's indices."""
         x = self.state[view.cell]
-        idx = jnp.arange(max(x.size, 1), dtype=jnp.int32)[: x.size].reshape(x.shape)
-        valid, shape, dtype = None, list(x.shape), x.dtype
+        bounds = self._size_bounds(view, eqn, what)
+        win = _Window.of(x.shape)
+        idx = valid = None
+        shape, dtype = list(x.shape), x.dtype
         for t in view.transforms:
             if _is_bitcast(t) and not _changes_width(t, dtype):
                 dtype = t.dtype  # the same elements, read as another dtype: the same indices
@@ -269,6 +339,11 @@ class RefAccess:
                     "of element width) here (a DMA with a traced size): bitcast to a type of the same "
                     "width, or give the DMA static sizes"
                 )
+            if win is not None and not win.masks and _plain_indexer(t):
+                win = self._window_index(win, t, eqn, view, what, bounds)
+                continue
+            if win is not None:
+                (idx, valid), shape, win = win.indices(), list(win.shape), None
             if valid is None and not _traced_sizes(t):
                 idx = (
                     self._read1(idx, t, eqn, view, what)
@@ -277,53 +352,156 @@ class RefAccess:
                 )
                 shape = list(idx.shape)
             elif hasattr(t, "indices"):
-                idx, valid, shape = self._index_traced(idx, valid, shape, t, eqn, view, what)
+                idx, valid, shape = self._index_traced(idx, valid, shape, t, eqn, view, what, bounds)
             else:
                 raise NotImplementedError(
                     f"{self.where(eqn)}: the TPU interpreter cannot apply {type(t).__name__} after a slice "
                     "whose size is traced (pl.ds(start, n) with n traced); apply it before that slice"
                 )
+        if win is not None:
+            (idx, valid), shape = win.indices(), list(win.shape)
         if valid is not None:
             idx = jnp.where(valid, idx, x.size)
         return idx, tuple(shape)
 
-    def _index_traced(self, idx, valid, shape, indexer, eqn, view, what):
-        """``view_indices`` of one NDIndexer when a size is traced."""
+    def _size_bounds(self, view: RefView, eqn, what: str) -> dict[int, tuple]:
+        """``id(leaf) -> (low, high)`` for the traced leaves of ``view``'s
+        transforms that the kernel's jaxpr bounds (``facts.dma_size_bounds``,
+        noted by ``pallas_call`` as ``size_bounds``): the DMA's own transforms are
+        the last of the view's."""
+        rec = getattr(self, "size_bounds", {}).get(id(eqn))
+        if rec is None or rec[0] is not eqn:
+            return {}
+        layout = eqn.params["layout"]
+        end = "dst" if "write" in what else "src"
+        tree, per_leaf = getattr(layout, f"{end}_tree"), rec[1].get(end)
+        n = len(tree.children())
+        if not per_leaf or len(view.transforms) < n:
+            return {}
+        mine = tuple(view.transforms[len(view.transforms) - n :])
+        if jax.tree_util.tree_structure(mine) != tree:
+            return {}
+        leaves = jax.tree_util.tree_leaves(mine)
+        return {id(leaf): b for leaf, b in zip(leaves, per_leaf) if not _static_int(leaf)}
+
+    def _window_index(self, win: _Window, indexer, eqn, view, what, bounds) -> _Window:
+        """``win`` indexed by an NDIndexer of slices and scalar indices, checked as
+        a read or write through it is (``_index_parts``, or ``_traced_dim`` for a
+        size that is traced)."""
+        base, strides, counts, shape, masks = win.base, [], [], [], {}
+        if not _traced_sizes(indexer):
+            starts, sizes, steps, squeeze, _ = self._index_parts(tuple(win.shape), indexer, eqn, view, what)
+            for d, (st, size, step, n) in enumerate(zip(starts, sizes, steps, win.shape)):
+                ext = (size - 1) * step + 1 if size else 0
+                base = _add_scaled(base, _clip(st, 0, max(n - ext, 0)), win.strides[d])
+                if d not in squeeze:
+                    strides.append(win.strides[d] * step)
+                    counts.append(size)
+                    shape.append(size)
+            return _Window(base, strides, counts, shape, masks)
+        for d, ix in enumerate(indexer.indices):
+            start, size, step, count, entry, scalar = self._traced_dim(
+                ix, d, win.shape[d], eqn, view, what, bounds
+            )
+            base = _add_scaled(base, _clip(start, 0, max(win.shape[d] - 1, 0)), win.strides[d])
+            if scalar:
+                continue
+            if not _static_int(size):
+                masks[len(counts)] = lax.lt(np.arange(count, dtype=np.int32), lax.broadcast(size, (count,)))
+            strides.append(win.strides[d] * step)
+            counts.append(count)
+            shape.append(entry)
+        return _Window(base, strides, counts, shape, masks)
+
+    def _traced_dim(self, ix, d, n, eqn, view, what, bounds):
+        """One dimension of an NDIndexer with a traced size: (start, size as int32
+        or int, stride, the window's static count, the view's shape entry, whether
+        the dimension is indexed away). The count is the dimension's length, or the
+        size's static bound (checked as the kernel runs); the window is
+        bounds-checked unless the static intervals show it in range."""
+        if _is_slice(ix):
+            start, size, stride = _index_value(ix.start), ix.size, int(ix.stride)
+            s_lo, s_hi = bounds.get(id(ix.start), (None, None))
+        else:
+            start, size, stride = _index_value(ix), 1, 1
+            s_lo, s_hi = bounds.get(id(ix), (None, None))
+        if _static_int(start):
+            s_lo = s_hi = start
+        static = _static_int(size)
+        count = int(size) if static else -(-n // stride)
+        n_lo, n_hi = (int(size), int(size)) if static else bounds.get(id(size), (None, None))
+        if not static:
+            size = lax.convert_element_type(size, np.int32)
+            if n_hi is not None and n_hi < count:
+                count = max(n_hi, 0)
+                self.check(
+                    lax.le(size, np.int32(count)),
+                    f"{self.where(eqn)}: internal error of the TPU interpreter: the traced size {{0}} of "
+                    f"dimension {d} of a DMA view of {self.describe_ref(view)} exceeds {count}, the bound "
+                    "the kernel's jaxpr gave it",
+                    [size],
+                )
+        self._check_window(eqn, view, what, d, start, size, stride, n, (s_lo, s_hi, n_lo, n_hi))
+        entry = count if static else size
+        return start, size, stride, count, entry, not _is_slice(ix)
+
+    def _index_traced(self, idx, valid, shape, indexer, eqn, view, what, bounds):
+        """``view_indices`` of one NDIndexer when a size is traced, on gathered
+        indices ``idx`` (and their validity)."""
         if valid is None:
             valid = jnp.ones(idx.shape, jnp.bool_)
         out_shape, squeeze = [], []
         for d, ix in enumerate(indexer.indices):
-            n, bound = shape[d], idx.shape[d]
             if not _is_slice(ix) and jnp.ndim(ix) > 0:
                 raise NotImplementedError(
                     f"{self.where(eqn)}: a DMA view with a traced size cannot also be indexed with an "
                     "array of indices"
                 )
-            if _is_slice(ix):
-                start, size, stride = jnp.asarray(ix.start, jnp.int32), ix.size, int(ix.stride)
-            else:
-                start, size, stride = jnp.asarray(ix, jnp.int32), 1, 1
-                squeeze.append(d)
-            static = _static_int(size)
-            count = int(size) if static else -(-bound // stride)
-            out_shape.append(count if static else jnp.asarray(size, jnp.int32))
-            size = jnp.asarray(size, jnp.int32)
-            ok = jnp.logical_and(size >= 0, start >= 0)
-            ok = jnp.logical_and(ok, jnp.logical_or(size == 0, start + (size - 1) * stride < n))
-            self.check(
-                ok,
-                f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)}: dimension {d} "
-                f"takes {{1}} elements from {{0}} (stride {stride}) but its size is {{2}}",
-                [start, size, n],
+            extent = idx.shape[d]
+            start, size, stride, count, entry, scalar = self._traced_dim(
+                ix, d, shape[d], eqn, view, what, bounds
             )
-            pos = jnp.clip(start + stride * jnp.arange(count, dtype=jnp.int32), 0, max(bound - 1, 0))
+            if scalar:
+                squeeze.append(d)
+            out_shape.append(entry)
+            offs = np.arange(count, dtype=np.int32) * np.int32(stride)
+            top = np.int32(max(extent - 1, 0))
+            if _static_int(start):
+                pos = np.clip(start + offs, 0, top).astype(np.int32)
+            else:
+                pos = lax.clamp(np.int32(0), lax.add(lax.broadcast(start, (count,)), offs), top)
             idx, valid = jnp.take(idx, pos, axis=d), jnp.take(valid, pos, axis=d)
-            if not static:
-                inside = (jnp.arange(count) < size).reshape([-1 if k == d else 1 for k in range(idx.ndim)])
-                valid = jnp.logical_and(valid, inside)
+            if not _static_int(size):
+                inside = lax.lt(np.arange(count, dtype=np.int32), lax.broadcast(size, (count,)))
+                valid = lax.bitwise_and(valid, lax.broadcast_in_dim(inside, valid.shape, (d,)))
         keep = [d for d in range(idx.ndim) if d not in squeeze]
-        idx, valid = jnp.squeeze(idx, squeeze), jnp.squeeze(valid, squeeze)
+        if squeeze:
+            idx, valid = lax.squeeze(idx, squeeze), lax.squeeze(valid, squeeze)
         return idx, valid, [out_shape[d] for d in keep]
+
+    def _check_window(self, eqn, view, what, d, start, size, stride, n, intervals):
+        """The bounds check of one dimension of a DMA view with a traced size:
+        ``size`` elements from ``start`` by ``stride`` within ``n``. None where the
+        static intervals (start low/high, size low/high) show it holds."""
+        s_lo, s_hi, n_lo, n_hi = intervals
+        if _static_int(n) and None not in intervals:
+            if s_lo >= 0 and n_lo >= 0 and (n_hi == 0 or s_hi + (n_hi - 1) * stride < n):
+                return
+        size = jnp.asarray(size, jnp.int32)
+        st = jnp.asarray(start, jnp.int32)
+        zero = np.int32(0)
+        last = lax.lt(
+            lax.add(st, lax.mul(lax.sub(size, np.int32(1)), np.int32(stride))), jnp.asarray(n, jnp.int32)
+        )
+        ok = lax.bitwise_and(
+            lax.bitwise_and(lax.ge(size, zero), lax.ge(st, zero)), lax.bitwise_or(lax.eq(size, zero), last)
+        )
+        self.check(
+            ok,
+            f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)}: dimension {d} "
+            f"takes {{1}} elements from {{0}} (stride {stride}) but its size is {{2}}",
+            [start, size, n],
+        )
 
     def write_view(self, view: RefView, val, eqn):
         self.on_access(view, eqn, write=True)

@@ -75,6 +75,49 @@ def _fold_picked(rec, pending):
     return lax.concatenate([lax.reshape(w, (1,)) for w in words], 0)
 
 
+# Folds of more checks than this look the first failed check up in a table (``_fold_table``):
+# ``_fold_picked``'s chains of selects, one link per check, are fused by XLA's CPU compiler
+# into one kernel per chain at a cost that grows with the square of their length (the 645
+# checks of a straight run of per-row DMAs, tokamax's routing gmm: seconds, and gigabytes).
+_PICK_MAX = 64
+
+
+def _fold_table(rec, pending):
+    """``flush_checks`` of very many checks: the failed flags as one vector, the first
+    failed one found by ``argmax``, its code and values read from a table by that
+    position. No op chain grows with the number of checks."""
+    flags = lax.concatenate(
+        [
+            np.ones((1,), np.int32)
+            if bad is True
+            else lax.reshape(lax.convert_element_type(bad, np.int32), (1,))
+            for bad, _, _ in pending
+        ],
+        0,
+    )
+    zero = np.zeros((1,), np.int32)
+    table = lax.concatenate(
+        [
+            lax.concatenate([*(lax.reshape(v, (1,)) for v in vals), *[zero] * (_RECORD - 1 - len(vals))], 0)
+            for _, _, vals in pending
+        ],
+        0,
+    )
+    # Behind a barrier, so that XLA does not fuse the concatenations into their readers (a
+    # select over every check per element read), and the codes are data to XLA, as in
+    # ``_fold_picked``: folds of different checks share kernels.
+    flags, table, codes = lax.optimization_barrier(
+        (flags, table, np.array([code for _, code, _ in pending], np.int32))
+    )
+    first = lax.argmax(flags, 0, np.int32)
+    failed = lax.gt(lax.reduce_max(flags, (0,)), np.int32(0))
+    values = lax.dynamic_slice(table, (lax.mul(first, np.int32(_RECORD - 1)),), (_RECORD - 1,))
+    row = lax.concatenate([lax.dynamic_slice(codes, (first,), (1,)), values], 0)
+    clean = lax.eq(lax.reshape(lax.slice(rec, (0,), (1,)), ()), np.int32(0))
+    take = lax.bitwise_and(clean, failed)
+    return lax.select(lax.broadcast(take, (_RECORD,)), row, rec)
+
+
 # Counts up to this are exact in float32 (``count_true``).
 _F32_EXACT = 1 << 24
 
@@ -119,6 +162,9 @@ class RuntimeChecks:
         traced now."""
         pending, self._pending_checks = self._pending_checks, []
         if not pending:
+            return
+        if len(pending) > _PICK_MAX:
+            self.hidden.err = _fold_table(self.hidden.err, pending)
             return
         if len(pending) > _CHAIN_MAX:
             self.hidden.err = _fold_picked(self.hidden.err, pending)

@@ -145,6 +145,9 @@ class InterpretParams:
 # The interpreter's state and how it evaluates a jaxpr.
 
 
+_SEM_BARRIER_EVERY = 16
+
+
 def _on_chip(space) -> bool:
     """VMEM (the default of kernel scratch), SMEM: buffers small enough to
     shadow, where on_wait DMAs land at their wait (see dma.py)."""
@@ -235,6 +238,7 @@ class Interpreter(RefAccess, RuntimeChecks):
         # (trace, index, extent, size) of the traced bounds checks made so far (see _bounds_checked).
         self._bounds_seen: dict[tuple[int, int, int, int], tuple[Any, Any]] = {}
         self._next_cell = 0
+        self._sem_updates = 0  # semaphore updates traced (_sem_store)
         self.progress = None  # (grid step, number of steps), traced, while a grid step runs
 
     # -- lifecycle (the multi-device interpreter extends these) ----------------
@@ -405,7 +409,17 @@ class Interpreter(RefAccess, RuntimeChecks):
 
     def sem_add(self, view: RefView, amount, eqn) -> None:
         cur = self.read_view(view, eqn)
-        self.write_view(view, lax.add(cur, jnp.asarray(amount, cur.dtype)), eqn)
+        self._sem_store(view, lax.add(cur, jnp.asarray(amount, cur.dtype)), eqn)
+
+    def _sem_store(self, view: RefView, new, eqn) -> None:
+        self._sem_updates += 1
+        if self._sem_updates % _SEM_BARRIER_EVERY == 0:
+            # A long straight run of DMA starts and waits makes a semaphore's value a chain of
+            # adds and subtractions, which XLA's CPU fusion copies into every check that reads
+            # it: a cost quadratic in the run's length (tokamax's routing gmm: hundreds of
+            # per-row DMAs). A barrier now and then keeps the copies short.
+            new = lax.optimization_barrier(new)
+        self.write_view(view, new, eqn)
 
     def sem_wait(self, view: RefView, amount, eqn, decrement=True, what="semaphore") -> None:
         cur = self.read_view(view, eqn)
@@ -417,7 +431,7 @@ class Interpreter(RefAccess, RuntimeChecks):
             [cur, amount],
         )
         if decrement:
-            self.write_view(view, lax.sub(cur, amount), eqn)
+            self._sem_store(view, lax.sub(cur, amount), eqn)
 
 
 # ---------------------------------------------------------------------------

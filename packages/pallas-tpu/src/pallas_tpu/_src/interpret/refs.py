@@ -481,9 +481,13 @@ class RefAccess:
 
     def _check_window(self, eqn, view, what, d, start, size, stride, n, intervals):
         """The bounds check of one dimension of a DMA view with a traced size:
-        ``size`` elements from ``start`` by ``stride`` within ``n``. None where the
-        static intervals (start low/high, size low/high) show it holds."""
+        ``size`` elements from ``start`` by ``stride`` within ``n``; an empty view
+        touches nothing, wherever it starts (tokamax's routing gmm moves a dead row
+        with a DMA of size 0 from a sentinel index). None where the static intervals
+        (start low/high, size low/high) show it holds."""
         s_lo, s_hi, n_lo, n_hi = intervals
+        if n_lo is not None and n_lo == n_hi == 0:
+            return
         if _static_int(n) and None not in intervals:
             if s_lo >= 0 and n_lo >= 0 and (n_hi == 0 or s_hi + (n_hi - 1) * stride < n):
                 return
@@ -493,8 +497,8 @@ class RefAccess:
         last = lax.lt(
             lax.add(st, lax.mul(lax.sub(size, np.int32(1)), np.int32(stride))), jnp.asarray(n, jnp.int32)
         )
-        ok = lax.bitwise_and(
-            lax.bitwise_and(lax.ge(size, zero), lax.ge(st, zero)), lax.bitwise_or(lax.eq(size, zero), last)
+        ok = lax.bitwise_or(
+            lax.eq(size, zero), lax.bitwise_and(lax.bitwise_and(lax.gt(size, zero), lax.ge(st, zero)), last)
         )
         self.check(
             ok,

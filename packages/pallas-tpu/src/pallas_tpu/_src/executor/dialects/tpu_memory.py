@@ -77,6 +77,8 @@ def _memref_slice(ex, op, vals, env):
             f"run_mosaic: {where(op)}: {len(base)} indices and a slice of rank {len(shape)} for a memref of "
             f"shape {list(buf.array.shape)}"
         )
+    if 0 in shape:  # an empty slice touches nothing, wherever it starts (a DMA of 0 rows)
+        return [buf.view(full[tuple(slice(0, min(n, m)) for n, m in zip(shape, full.shape))])]
     sl, keep = [], []
     for d, (b, n) in enumerate(zip(base, shape)):
         if b < 0 or n < 0 or b + n > full.shape[d]:

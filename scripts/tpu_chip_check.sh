@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # scripts/tpu_chip_check.py on the lent TPU machine (device kind tpu-v5e: Python 3.11, JAX 0.10.2
-# preinstalled, no network, a package index on its disk at /opt/pypi/simple). Installs JAX 0.11.2
+# preinstalled, no network, a package index on its disk at /opt/pypi/simple; seen 2026-12-04: that index
+# and /opt/wheels hold JAX 0.10.2 and libtpu 0.0.42.1 only, so the install below finds nothing). Installs JAX 0.11.2
 # (our oldest) with libtpu from that index into /tmp/site, puts it and our pure-Python packages
 # (pallas-core, pallas-tpu: nothing to build) first on PYTHONPATH, prints the TPU examples'
 # result lines and runs the check; results go to $OUT (or build/tpu_chip_check).

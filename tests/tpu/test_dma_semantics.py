@@ -241,6 +241,20 @@ def test_adding_copies_add_as_started(way, dst):
 # DMAs whose size is traced: pl.ds(start, n) with n read from SMEM.
 
 
+def params_x_y_call(pl, pltpu, kernel, params, x, y, interpret, **kw):
+    """``kernel(params in SMEM, x and y in HBM, the output in HBM, a VMEM buffer of y's
+    shape, a DMA semaphore)`` as a pallas_call returning an array like ``y``."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), hbm(pl), hbm(pl)],
+        out_specs=hbm(pl),
+        scratch_shapes=[pltpu.VMEM(y.shape, y.dtype), pltpu.SemaphoreType.DMA],
+        interpret=interpret,
+        **kw,
+    )(params, x, y)
+
+
 def traced_size(pl, pltpu, params, x, y, *, dst, wait, interpret):
     """params = [n, s, d]: the result is y with rows d:d+n replaced by x[s:s+n],
     through a VMEM buffer or straight into the HBM output (aliased to y)."""
@@ -261,15 +275,7 @@ def traced_size(pl, pltpu, params, x, y, *, dst, wait, interpret):
         if dst == "vmem":
             pltpu.sync_copy(buf, o_hbm)
 
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), hbm(pl), hbm(pl)],
-        out_specs=hbm(pl),
-        scratch_shapes=[pltpu.VMEM(y.shape, y.dtype), pltpu.SemaphoreType.DMA],
-        input_output_aliases={2: 0},
-        interpret=interpret,
-    )(params, x, y)
+    return params_x_y_call(pl, pltpu, kernel, params, x, y, interpret, input_output_aliases={2: 0})
 
 
 def traced_size_params(seed, rows_x, rows_y):
@@ -310,14 +316,7 @@ def row_gather(pl, pltpu, params, x, y, *, interpret):
             c.wait()
         pltpu.sync_copy(buf, o_hbm)
 
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), hbm(pl), hbm(pl)],
-        out_specs=hbm(pl),
-        scratch_shapes=[pltpu.VMEM(y.shape, y.dtype), pltpu.SemaphoreType.DMA],
-        interpret=interpret,
-    )(params, x, y)
+    return params_x_y_call(pl, pltpu, kernel, params, x, y, interpret)
 
 
 def row_gather_params(seed, rows_x, rows_y, dead=None):

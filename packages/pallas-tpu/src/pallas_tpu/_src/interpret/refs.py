@@ -43,11 +43,6 @@ def _traced_sizes(transform) -> bool:
     return any(_is_slice(ix) and not _static_int(ix.size) for ix in getattr(transform, "indices", ()))
 
 
-def _cell_indices(x):
-    """The flat element indices of an array, in its shape."""
-    return jnp.arange(max(x.size, 1), dtype=jnp.int32)[: x.size].reshape(x.shape)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Window:
     """A strided window of a cell's flat elements: element ``(i_0, i_1, ...)`` of the

@@ -343,6 +343,65 @@ def test_rows_moved_by_dmas_of_bounded_traced_size(way, dead):
             check(row_gather, (params, x, y), way, expected)
 
 
+def overlapping_windows(pl, pltpu, p, x, *, space, interpret):
+    """Two DMAs in flight at once into overlapping regions of one buffer, on two
+    semaphores: x[a:a+2k] into win[0:2k] and x[a+k:a+3k] into win[k:3k] (the same
+    data where they overlap), the first waited for and win[0:2k] read before the
+    second is waited for (k = 4 SMEM words, 8 VMEM rows). tokamax's routing gmm
+    prefetches its row indices so, into an SMEM ring window whose consecutive
+    aligned ranges share a block."""
+    k = 4 if space == "smem" else 8
+
+    def kernel(p_ref, x_hbm, o_ref, win, sems):
+        a = p_ref[0]
+        first = pltpu.make_async_copy(x_hbm.at[pl.ds(a, 2 * k)], win.at[pl.ds(0, 2 * k)], sems.at[0])
+        second = pltpu.make_async_copy(x_hbm.at[pl.ds(a + k, 2 * k)], win.at[pl.ds(k, 2 * k)], sems.at[1])
+        first.start()
+        second.start()
+        first.wait()
+        if space == "smem":
+            for i in range(2 * k):
+                o_ref[i] = win[i]
+        else:
+            o_ref[pl.ds(0, 2 * k)] = win[pl.ds(0, 2 * k)]
+        second.wait()
+        if space == "smem":
+            for i in range(2 * k, 3 * k):
+                o_ref[i] = win[i]
+        else:
+            o_ref[pl.ds(2 * k, k)] = win[pl.ds(2 * k, k)]
+
+    mem = pltpu.SMEM if space == "smem" else pltpu.VMEM
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((3 * k, *x.shape[1:]), x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), hbm(pl)],
+        out_specs=pl.BlockSpec(memory_space=mem),
+        scratch_shapes=[mem((3 * k, *x.shape[1:]), x.dtype), pltpu.SemaphoreType.DMA((2,))],
+        interpret=interpret,
+    )(p, x)
+
+
+@pytest.mark.parametrize(
+    "way, space",
+    [pytest.param(*w.values, "vmem", marks=w.marks, id=f"{w.id}-vmem") for w in ways(dma=True)]
+    + [
+        pytest.param(*w.values, "smem", marks=w.marks, id=f"{w.id}-smem")
+        for w in ways(
+            dma=True,
+            compiled_xfail="a DMA out of a 1-d HBM int32 array at an offset not a multiple of its "
+            "128-element tiling ('Could not determine that the dynamic offset ... is a multiple "
+            "of the word size')",
+        )
+    ],
+)
+def test_overlapping_dmas_in_flight_land_both(way, space):
+    shape, dtype, n = ((40,), jnp.int32, 12) if space == "smem" else ((40, 128), jnp.float32, 24)
+    x = jax.random.randint(jax.random.key(7), shape, -1000, 1000).astype(dtype)
+    for a in (3, 16):
+        check(overlapping_windows, (jnp.array([a], jnp.int32), x), way, x[a : a + n], space=space)
+
+
 def test_intervals_of_traced_sizes():
     """The static intervals the interpreter reads off a kernel's jaxpr (facts.py)."""
     from pallas_tpu._src.interpret import facts
@@ -462,10 +521,10 @@ def jax_sharded(build, x, mode, n=2):
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)
 
 
-def sharded(build, x, way, n=2):
+def sharded(build, x, way, n=2, **kw):
     mode, _, dma = way.partition(":")
     params = {"dma_execution_mode": dma} if dma else {}
-    return run_sharded(lambda pl, pltpu: build(pl, pltpu), x, mode, n, **params)
+    return run_sharded(lambda pl, pltpu: build(pl, pltpu), x, mode, n, **kw, **params)
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 CPU devices (tests/conftest.py sets 4)")
@@ -480,6 +539,61 @@ def test_remote_copies_land_where_started(way, form, fresh_sessions):
     close(out, expected, 0)
     if way.startswith("interpret"):
         close(out, jax_sharded(build, x, dma_mode(way)), 0)
+
+
+def ragged_send(pl, pltpu, *, interpret=False):
+    """On each of two devices x holds 8 rows of data over 8 rows of zeros, and the
+    output is x (aliased). Each device sends its first k data rows (k = 3 on device
+    0, 5 on device 1) into the other's zero rows, one DMA per row of size
+    ``where(r < k, 1, 0)``; a dead row's empty DMA is aimed at device 0, row 0
+    (tokamax's routing gmm sends its dead rows so). The receiver waits for the
+    live rows' bytes only: an empty DMA adds nothing to wait for."""
+
+    def kernel(x_hbm, o_hbm, send_sem, recv_sem):
+        me = lax.axis_index("x")
+        other = 1 - me
+        k = 3 + 2 * me
+        half = x_hbm.shape[0] // 2
+        for r in range(half):
+            live = r < k
+            size = jnp.where(live, 1, 0)
+            pltpu.make_async_remote_copy(
+                x_hbm.at[pl.ds(r, size)],
+                o_hbm.at[pl.ds(jnp.where(live, half + r, 0), size)],
+                send_sem,
+                recv_sem,
+                device_id=(jnp.where(live, other, 0),),
+                device_id_type=pl.DeviceIdType.MESH,
+            ).start()
+        mine = x_hbm.at[pl.ds(0, k)]
+        pltpu.make_async_copy(mine, mine, send_sem).wait()
+        theirs = o_hbm.at[pl.ds(half, 3 + 2 * other)]
+        pltpu.make_async_copy(theirs, theirs, recv_sem).wait()
+
+    def f(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            in_specs=[hbm(pl)],
+            out_specs=hbm(pl),
+            scratch_shapes=[pltpu.SemaphoreType.DMA] * 2,
+            input_output_aliases={0: 0},
+            interpret=interpret,
+        )(x)
+
+    return f
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 CPU devices (tests/conftest.py sets 4)")
+@pytest.mark.parametrize("way", ways(dma=True))
+def test_empty_remote_dmas_need_no_wait(way, fresh_sessions):
+    data = rand(8, (2, 8, 128))
+    x = jnp.concatenate([data, jnp.zeros_like(data)], axis=1).reshape(32, 128)
+    out = sharded(ragged_send, x, way, input_output_aliases={0: 0})
+    got = jnp.zeros_like(data).at[0, :5].set(data[1, :5]).at[1, :3].set(data[0, :3])
+    close(out, jnp.concatenate([data, got], axis=1).reshape(x.shape), 0)
+    if way.startswith("interpret"):
+        close(out, jax_sharded(ragged_send, x, dma_mode(way)), 0)
 
 
 # ---------------------------------------------------------------------------

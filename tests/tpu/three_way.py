@@ -317,14 +317,14 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies, num_cores=1):
     return [read(v) for v in jaxpr.outvars]
 
 
-def run_sharded(build, x, mode, num_devices, **interpret_params):
+def run_sharded(build, x, mode, num_devices, input_output_aliases=(), **interpret_params):
     """``build(pl, pltpu) -> f``, ``f`` one ``pallas_call`` per device, run over
     a mesh of devices on the leading axis of ``x`` (``shard_map``); the outputs
     concatenated along it. ``num_devices``: ``n`` for a 1-D mesh with axis
     ``"x"`` (``in_specs=P("x")``), or a mesh shape such as ``(2, 2)`` with axes
     ``("x", "y", ...)`` that shards the leading axis over all of them, row-major
     (``in_specs=P(("x", "y"))``), as ``run_mosaic(mesh_shape=...)`` numbers
-    the devices."""
+    the devices. ``input_output_aliases``: the kernel's, for ``run_mosaic``."""
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
@@ -355,7 +355,9 @@ def run_sharded(build, x, mode, num_devices, **interpret_params):
     out_shape = jax.ShapeDtypeStruct((whole.shape[0] // n, *whole.shape[1:]), whole.dtype)
     shards = x.reshape(*shape, x.shape[0] // n, *x.shape[1:])
     kw = dict(num_devices=n) if len(shape) == 1 else dict(mesh_shape=shape)
-    per_device = pltpu.run_mosaic(body, shards, out_shape=out_shape, **kw)
+    per_device = pltpu.run_mosaic(
+        body, shards, out_shape=out_shape, input_output_aliases=input_output_aliases, **kw
+    )
     return per_device.reshape(n * out_shape.shape[0], *out_shape.shape[1:])
 
 

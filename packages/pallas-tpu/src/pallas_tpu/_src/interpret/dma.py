@@ -323,6 +323,20 @@ def _start_pending(interp, eqn, src: DmaView, dst: DmaView, sem, add: bool) -> N
     val, region = _dst_run(interp, eqn, src, dst)
     if region is None and dst.idx is None:
         interp.read_view(dst.view, eqn, what="DMA write")  # bounds of the destination
+    with interp.unchecked():  # checked above
+        # An element still pending from an earlier DMA lands now: a TPU lands a DMA's
+        # data at any time before its wait, and this DMA's shadow would otherwise
+        # replace it (two in-flight DMAs into overlapping regions of a ring buffer, as
+        # tokamax's routing gmm fetches its indices: the earlier wait landed nothing
+        # there and the kernel read the old contents).
+        new, _, _ = _land(
+            read(interp, dst, eqn, "read", cell=shadow, region=region),
+            read(interp, dst, eqn, "read", cell=pending, region=region),
+            read(interp, dst, eqn, "read", region=region),
+            None,
+            _valid(interp, dst),
+        )
+        write(interp, dst, new, eqn, region=region)
     write(interp, dst, val, eqn, cell=shadow, region=region)
     mark = _sem_code(interp, sem, eqn) * 2 + int(add)
     write(interp, dst, jnp.full(jnp.shape(val), mark, jnp.int32), eqn, cell=pending, region=region)
@@ -332,9 +346,13 @@ def _start_pending(interp, eqn, src: DmaView, dst: DmaView, sem, add: bool) -> N
 
 
 def _land(shadow_val, mark, cur, code, valid=None):
-    """(new value, new marks, elements landed) of the DMAs marked ``code``."""
+    """(new value, new marks, elements landed) of the DMAs marked ``code`` (of every
+    pending DMA with ``code=None``)."""
     # lax, not jnp: every wait traces this, and each jnp call is a jitted function to trace.
-    mine = lax.eq(lax.shift_right_arithmetic(mark, np.int32(1)), jnp.asarray(code, mark.dtype))
+    if code is None:
+        mine = lax.ne(mark, np.int32(0))
+    else:
+        mine = lax.eq(lax.shift_right_arithmetic(mark, np.int32(1)), jnp.asarray(code, mark.dtype))
     if valid is not None:
         mine = jnp.logical_and(mine, valid)
     added = lax.bitwise_or(cur, shadow_val) if cur.dtype == np.bool_ else lax.add(cur, shadow_val)

@@ -237,6 +237,35 @@ def test_adding_copies_add_as_started(way, dst):
     close(call(accumulate, (x, y), way, dst=dst), y + x[0] + x[1], 1e-6)
 
 
+def accumulate_in_flight(pl, pltpu, x, y, *, interpret):
+    """y + x[0] + x[1] by two adding DMAs into one VMEM buffer, both in flight
+    (two semaphores) before either is waited for."""
+
+    def kernel(x_hbm, y_hbm, o_hbm, buf, sems):
+        pltpu.sync_copy(y_hbm, buf)
+        for r in range(2):
+            pltpu.async_copy(x_hbm.at[r], buf, sems.at[r], add=True)
+        for r in range(2):
+            pltpu.make_async_copy(x_hbm.at[r], buf, sems.at[r]).wait()
+        pltpu.sync_copy(buf, o_hbm)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        in_specs=[hbm(pl), hbm(pl)],
+        out_specs=hbm(pl),
+        scratch_shapes=[pltpu.VMEM(y.shape, y.dtype), pltpu.SemaphoreType.DMA((2,))],
+        interpret=interpret,
+    )(x, y)
+
+
+@interpret_only(reason="DMAs that add (see test_adding_copies_add_as_started)")
+@pytest.mark.parametrize("way", ["interpret:on_wait", "interpret:eager"])
+def test_adding_copies_in_flight_together_both_add(way):
+    x, y = rand(16, (2, 8, 128)), rand(17, (8, 128))
+    close(call(accumulate_in_flight, (x, y), way), y + x[0] + x[1], 1e-6)
+
+
 # ---------------------------------------------------------------------------
 # DMAs whose size is traced: pl.ds(start, n) with n read from SMEM.
 

@@ -323,12 +323,48 @@ def _start_pending(interp, eqn, src: DmaView, dst: DmaView, sem, add: bool) -> N
     val, region = _dst_run(interp, eqn, src, dst)
     if region is None and dst.idx is None:
         interp.read_view(dst.view, eqn, what="DMA write")  # bounds of the destination
-    with interp.unchecked():  # checked above
-        # An element still pending from an earlier DMA lands now: a TPU lands a DMA's
-        # data at any time before its wait, and this DMA's shadow would otherwise
-        # replace it (two in-flight DMAs into overlapping regions of a ring buffer, as
-        # tokamax's routing gmm fetches its indices: the earlier wait landed nothing
-        # there and the kernel read the old contents).
+    if add or not _whole_slot(interp, dst):
+        _land_earlier(interp, eqn, dst, shadow, pending, region)
+    write(interp, dst, val, eqn, cell=shadow, region=region)
+    mark = _sem_code(interp, sem, eqn) * 2 + int(add)
+    write(interp, dst, jnp.full(jnp.shape(val), mark, jnp.int32), eqn, cell=pending, region=region)
+    site = (sem.cell, dst.cell)
+    if site not in interp.dma_sites:
+        interp.dma_sites.append(site)
+
+
+def _whole_slot(interp, dv: DmaView) -> bool:
+    """``dv`` is the whole buffer or a whole slot of it (integer indices on leading
+    axes, the rest whole: ``buf.at[slot]``): two such views of a buffer are the same
+    elements or none of the same."""
+    if dv.idx is not None:
+        return False
+    ts = dv.view.transforms
+    if not ts:
+        return True
+    x = interp.state[dv.cell]
+    if len(ts) != 1 or not hasattr(ts[0], "indices") or len(ts[0].indices) != x.ndim:
+        return False
+    whole = False
+    for ix, n in zip(ts[0].indices, x.shape):
+        if _is_slice(ix):
+            if not (_static_int(ix.size) and int(ix.size) == n):
+                return False
+            whole = True
+        elif jnp.ndim(ix) != 0 or whole:
+            return False
+    return True
+
+
+def _land_earlier(interp, eqn, dst: DmaView, shadow: int, pending: int, region) -> None:
+    """What earlier DMAs left pending in ``dst`` lands before a DMA start replaces its
+    shadow: a TPU lands a DMA's data at any time before its wait. Two DMAs in flight
+    into overlapping regions of a ring buffer (tokamax's routing gmm fetches its row
+    indices so) otherwise lost the earlier one's data where they overlap (its wait
+    landed nothing there and the kernel read the old contents), and of two adding
+    DMAs one addition. (A DMA into a whole slot that another DMA still fills is a
+    race on a TPU unless it adds: ``_whole_slot`` starts skip this.)"""
+    with interp.unchecked():  # the destination was checked by the caller
         new, _, _ = _land(
             read(interp, dst, eqn, "read", cell=shadow, region=region),
             read(interp, dst, eqn, "read", cell=pending, region=region),
@@ -337,12 +373,6 @@ def _start_pending(interp, eqn, src: DmaView, dst: DmaView, sem, add: bool) -> N
             _valid(interp, dst),
         )
         write(interp, dst, new, eqn, region=region)
-    write(interp, dst, val, eqn, cell=shadow, region=region)
-    mark = _sem_code(interp, sem, eqn) * 2 + int(add)
-    write(interp, dst, jnp.full(jnp.shape(val), mark, jnp.int32), eqn, cell=pending, region=region)
-    site = (sem.cell, dst.cell)
-    if site not in interp.dma_sites:
-        interp.dma_sites.append(site)
 
 
 def _land(shadow_val, mark, cur, code, valid=None):

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+from jax import lax
 from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.ffi import ffi_call, register_ffi_target, register_ffi_type
@@ -200,7 +201,19 @@ def _cuda_lowering(ctx, *args, launch: _Launch):
         input_output_aliases=dict(launch.aliases),
         has_side_effect=False,
     )
-    return mlir.lower_fun(lambda *a: call(*a, **launch.attrs), multiple_results=True)(ctx, *args)
+
+    def body(*a):
+        if launch.aliases:
+            # XLA's dynamic-slice fusion wraps a custom call whose operands are contiguous,
+            # aligned slices (x[:, rows] of a batch of one) into a fusion that passes the
+            # slices as addresses; with outputs aliased to inputs it then lost the copy that
+            # one value passed as two aliased operands needs (chained pallas_calls whose first
+            # call gets one zeros array as dK and dV: both outputs in one buffer, issue 30 §4,
+            # found on the H200). The barrier keeps aliased calls out of that fusion.
+            a = lax.optimization_barrier(a)
+        return call(*a, **launch.attrs)
+
+    return mlir.lower_fun(body, multiple_results=True)(ctx, *args)
 
 
 def _unsupported_lowering(ctx, *args, launch: _Launch):

@@ -160,13 +160,6 @@ ONE_BATCH = dict(B=1, SKV=256, HQ=2, GROUP=1)
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 30 §4, reproduced on the H200 on 2026-12-04 (scripts/dkdv_sweep.py): with one batch "
-    "and 256 keys every configuration swept (D 64, block_q 16-64, group 1 and 4, 4w/1s and 8w/2s) came "
-    "out wrong by 0.68-0.76 in dK and dV, which is the error of losing one of the two chained calls' "
-    "contributions (computed on the CPU); right under Triton's interpreter. Cause not found yet",
-)
 def test_dkdv_on_the_gpu_one_batch(monkeypatch):
     for name, value in ONE_BATCH.items():
         monkeypatch.setitem(globals(), name, value)

@@ -14,9 +14,14 @@ before the session's device time ran out): every one wrong, dK 0.68-0.76 and dV
 contributions. The test file's own shape (two batches, 128 keys) is right there.
 
 ``--xla-variants`` runs the first configuration again in fresh processes under XLA
-flags that turn off what may sit between our FFI call and the GPU (command buffers,
-i.e. CUDA graphs, which our handler allows; slices fused into custom calls): the next
-thing to run on the GPU.
+flags that turn off what may sit between our FFI call and the GPU. Run on the H200 on
+2026-12-05 (before the fix): wrong by default (dK 0.71, dV 0.69) and without command
+buffers; right (3.3e-7) without dynamic-slice fusion, with two distinct zero arrays as
+dK0/dV0, dispatched call by call, and with two batches; wrong with one batch and 128
+keys. The cause: XLA's dynamic-slice fusion of the contiguous slices of a batch of one
+into the custom call, with one value passed as two aliased operands (see
+``tests/gpu/test_aliased_operands.py``); jax-kernel-runtime now keeps aliased launches
+out of it.
 """
 
 from __future__ import annotations

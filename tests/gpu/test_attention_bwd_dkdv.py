@@ -8,12 +8,15 @@ num_stages=1``). On the H200 its dK came out wrong (relative error 1.44) while
 the same generated source was right under Triton's interpreter.
 
 Checked against ``jax.vjp`` of a plain jnp f32 attention on fresh random data:
-under Triton's interpreter (any machine) and compiled on the GPU (``gpu``). The shape
-below (two batches, 128 keys) is right on the H200; with one batch and 256 keys
-(``ONE_BATCH``) it is wrong there by the error of a lost chained call (a strict xfail
-until found: ``scripts/dkdv_sweep.py``). The issue's own figure, dK wrong by 1.44 with
-dV right, is what dK and dV sharing one buffer gives (dK = dV = the sum of the chunks'
-dV contributions: 1.44 computed on the CPU at that shape).
+under Triton's interpreter (any machine) and compiled on the GPU (``gpu``). With one
+batch and 256 keys (``ONE_BATCH``) dK and dV came out wrong on the H200 by the error of
+a lost chained call (0.71): the slices ``q[:, rows]`` of a batch of one are contiguous,
+XLA's dynamic-slice fusion passed them into the kernel's custom call as addresses and
+lost the copy that the first call's one zeros array, passed as both dK0 and dV0 (both
+aliased), needs (``scripts/dkdv_sweep.py --xla-variants``). jax-kernel-runtime keeps
+aliased launches out of that fusion; ``test_aliased_operands.py`` tests the pattern
+alone. The issue's own figure, dK wrong by 1.44 with dV right, is what dK and dV
+sharing one buffer gives (computed on the CPU at that shape).
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ def test_dkdv_on_the_gpu_one_batch(monkeypatch):
 
 
 def test_dkdv_in_the_interpreter_one_batch(monkeypatch):
-    """The shape the GPU gets wrong (above) is right under Triton's interpreter."""
+    """The shape the GPU got wrong (above) under Triton's interpreter."""
     for name, value in ONE_BATCH.items():
         monkeypatch.setitem(globals(), name, value)
     with jax.default_device(jax.devices("cpu")[0]):

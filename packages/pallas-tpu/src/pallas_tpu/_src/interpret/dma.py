@@ -365,14 +365,19 @@ def _land_earlier(interp, eqn, dst: DmaView, shadow: int, pending: int, region) 
     DMAs one addition. (A DMA into a whole slot that another DMA still fills is a
     race on a TPU unless it adds: ``_whole_slot`` starts skip this.)"""
     with interp.unchecked():  # the destination was checked by the caller
-        new, _, _ = _land(
-            read(interp, dst, eqn, "read", cell=shadow, region=region),
-            read(interp, dst, eqn, "read", cell=pending, region=region),
-            read(interp, dst, eqn, "read", region=region),
-            None,
-            _valid(interp, dst),
-        )
+        new, _, _ = _land_view(interp, eqn, dst, shadow, pending, region, None)
         write(interp, dst, new, eqn, region=region)
+
+
+def _land_view(interp, eqn, dv: DmaView, shadow: int, pending: int, region, code):
+    """``_land`` over the elements of ``dv`` (its shadow, marks and data)."""
+    return _land(
+        read(interp, dv, eqn, "read", cell=shadow, region=region),
+        read(interp, dv, eqn, "read", cell=pending, region=region),
+        read(interp, dv, eqn, "read", region=region),
+        code,
+        _valid(interp, dv),
+    )
 
 
 def _land(shadow_val, mark, cur, code, valid=None):
@@ -414,13 +419,7 @@ def _commit_pending(interp, eqn, sem, dst_view: RefView, nbytes) -> None:
             dv = dma_view(interp, dst_view, eqn, "DMA wait")
             shadow, pending = interp.shadows[dv.cell]
             region = flat_region(interp, dv, eqn, "read")
-            new, mark, n = _land(
-                read(interp, dv, eqn, "read", cell=shadow, region=region),
-                read(interp, dv, eqn, "read", cell=pending, region=region),
-                read(interp, dv, eqn, "read", region=region),
-                code,
-                _valid(interp, dv),
-            )
+            new, mark, n = _land_view(interp, eqn, dv, shadow, pending, region, code)
             write(interp, dv, new, eqn, region=region)
             write(interp, dv, mark, eqn, cell=pending, region=region)
         landed = lax.mul(n, np.int32(np.dtype(interp.state[dv.cell].dtype).itemsize))

@@ -108,3 +108,76 @@ def test_cast_through_bf16_matches_jnp(src, dst):
     out = cast(via_bf16_kernel, x, dst)
     want = x.astype(jnp.bfloat16).astype(dst)
     np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(want, np.float64), err_msg=f"{x=}")
+
+
+# ---------------------------------------------------------------------------
+# fp8: Triton's NVIDIA types (float8_e4m3fn, float8_e5m2). On the GPU Triton converts
+# to them with cvt.rn.satfinite (round to nearest even, saturate to the largest finite
+# value, NaN stays NaN) and from them exactly. Triton 3.6's interpreter rounded without
+# carrying into the exponent (0.49 -> 0.25 in e4m3), and saturated nothing; the shared layer's patches convert through ml_dtypes instead.
+
+FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+def to_fp8_reference(x, dst):
+    """The GPU's conversion, written with NumPy: saturate, then round to nearest even."""
+    big = float(jnp.finfo(dst).max)
+    wide = np.asarray(x, np.float64)
+    with np.errstate(invalid="ignore"):
+        wide = np.where(np.isnan(wide), wide, np.clip(wide, -big, big))
+    return np.asarray(jnp.asarray(wide.astype(np.float32)).astype(dst), np.float64)
+
+
+def fp8_data(rng, src, dst) -> jax.Array:
+    """Values around every fp8 binade (both ends of the range, subnormals, above the
+    largest finite value, exact ties) and the special values."""
+    big = float(jnp.finfo(dst).max)
+    x = rng.uniform(-1, 1, N) * np.exp2(rng.integers(-20, 18, N).astype(np.float64))
+    grid = np.asarray(jnp.arange(256, dtype=jnp.uint8).view(dst), np.float64)  # every fp8 value
+    grid = grid[np.isfinite(grid)]
+    ties = np.sort(np.concatenate([grid, -grid]))
+    ties = ((ties[1:] + ties[:-1]) / 2)[: N // 4]
+    x[: len(ties)] = ties
+    x[N // 2 : N // 2 + 8] = [0.0, -0.0, np.inf, -np.inf, np.nan, big, big * 1.01, -big * 2]
+    if src == jnp.float16:
+        x = np.clip(x, -6e4, 6e4)
+    with np.errstate(over="ignore"):
+        return jnp.asarray(x.astype(src))
+
+
+@pytest.mark.parametrize("src", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dst", FP8, ids=lambda d: jnp.dtype(d).name)
+def test_cast_to_fp8_rounds_to_nearest_even_and_saturates(src, dst):
+    x = fp8_data(np.random.default_rng(), src, dst)
+    out = cast(cast_kernel, x, dst)
+    assert out.dtype == dst
+    np.testing.assert_array_equal(np.asarray(out, np.float64), to_fp8_reference(x, dst), err_msg=f"{x=}")
+
+
+@pytest.mark.parametrize("dst", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("src", FP8, ids=lambda d: jnp.dtype(d).name)
+def test_cast_from_fp8_is_exact(src, dst):
+    x = jnp.tile(jnp.arange(256, dtype=jnp.uint8).view(src), N // 256)  # every fp8 bit pattern
+    out = cast(cast_kernel, x, dst)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(x.astype(dst), np.float64))
+
+
+@triton.jit
+def fp8_dot_kernel(a_ptr, b_ptr, o_ptr, M: tl.constexpr):
+    r = tl.arange(0, M)
+    a = tl.load(a_ptr + r[:, None] * M + r[None, :])
+    b = tl.load(b_ptr + r[:, None] * M + r[None, :])
+    tl.store(o_ptr + r[:, None] * M + r[None, :], tl.dot(a, tl.trans(b)))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: jnp.dtype(d).name)
+def test_fp8_dot_matches_jnp(dtype):
+    """fp8 operands of tl.dot are their values (the interpreter decoded NaN patterns
+    by hand): a @ b.T of every fp8 magnitude pattern up to 8, accumulated in f32."""
+    rng = np.random.default_rng()
+    M = 32
+    a, b = (jnp.asarray(rng.uniform(-8, 8, (M, M))).astype(dtype) for _ in range(2))
+    out = jt.triton_call(a, b, kernel=fp8_dot_kernel, out_shape=jax.ShapeDtypeStruct((M, M), jnp.float32),
+                         grid=1, M=M)  # fmt: skip
+    want = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-5)

@@ -1,6 +1,6 @@
 """The patches ``_interpret`` applies to Triton's interpreter while a kernel
-runs (see that module): bounds checks of every memory access, bf16 on values,
-compiler hints checked on values, and the arguments as the interpreter takes
+runs (see that module): bounds checks of every memory access, bf16 and fp8 on
+values, compiler hints checked on values, and the arguments as the interpreter takes
 them, in one place: a Triton release that changes the interpreter breaks this
 file only. ``_batched`` wraps the builder operations patched here."""
 
@@ -49,7 +49,7 @@ def _mask_of(mask) -> np.ndarray | None:
 def _originals() -> dict[str, Any]:
     b = interpreter().InterpreterBuilder
     names = ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas",
-             "create_dot", "binary_op", "cast_impl")  # fmt: skip
+             "create_dot", "binary_op", "cast_impl", "create_fp_to_fp")  # fmt: skip
     return {n: getattr(b, n) for n in names}
 
 
@@ -91,15 +91,18 @@ def _fp32_to_bf16(data: np.ndarray) -> np.ndarray:
 
 
 def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    """``create_dot`` that widens bf16 operands to fp32 (exact) first: Triton
-    3.6 multiplies the raw ``uint16`` bits as integers."""
+    """``create_dot`` that widens bf16 and fp8 operands to fp32 (exact) first:
+    Triton 3.6 multiplies the raw ``uint16`` bits of a bf16 as integers."""
     import triton.language as tl
 
     interp = interpreter()
+    fp8 = _fp8_types()
     ops = []
     for t in (a, b):
         if t.dtype.scalar == tl.bfloat16:
             t = interp.TensorHandle(_bf16_to_fp32(t.data), tl.float32)
+        elif t.dtype.scalar in fp8:  # exact; Triton 3.6 decodes fp8 by hand (wrong NaNs)
+            t = interp.TensorHandle(t.data.view(fp8[t.dtype.scalar]).astype(np.float32), tl.float32)
         ops.append(t)
     return _originals()["create_dot"](self, ops[0], ops[1], d, input_precision, max_num_imprecise_acc)
 
@@ -153,7 +156,63 @@ def _get_bf16(self, value):
     return interpreter().TensorHandle(_fp32_to_bf16(np.array([value], np.float32)), tl.bfloat16)
 
 
+# ---------------------------------------------------------------------------
+# fp8 on values, converted as on the GPU
+
+
+@functools.cache
+def _fp8_types() -> dict[Any, Any]:
+    """Triton's NVIDIA fp8 types and their NumPy types (``ml_dtypes``, which
+    JAX depends on). Triton's interpreter stores fp8 as ``uint8`` bits."""
+    import ml_dtypes
+    import triton.language as tl
+
+    return {tl.float8e4nv: ml_dtypes.float8_e4m3fn, tl.float8e5: ml_dtypes.float8_e5m2}
+
+
+def _values(data: np.ndarray, ty) -> np.ndarray:
+    """The values of an interpreter tensor's float data, as float32 (float64
+    as itself)."""
+    import triton.language as tl
+
+    if ty == tl.bfloat16:
+        return _bf16_to_fp32(data)
+    if ty in _fp8_types():
+        return data.view(_fp8_types()[ty]).astype(np.float32)
+    return data if data.dtype.itemsize == 8 else data.astype(np.float32)
+
+
+def _fp_to_fp(self, src, dst_type, rounding_mode):
+    """Conversions to and from the NVIDIA fp8 types as the GPU does them
+    (``cvt.rn.satfinite``): to fp8 rounded to nearest even, and saturated to
+    the largest finite value (infinities too; NaN stays NaN); from fp8 exact.
+    Triton 3.6's interpreter rounds by hand without carrying into the exponent
+    (0.49 -> 0.25 in e4m3) and saturates nothing. (Triton refuses casts
+    between ints and fp8.)"""
+    import triton.language as tl
+
+    interp = interpreter()
+    fp8 = _fp8_types()
+    src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+    if src_ty not in fp8 and dst_ty not in fp8:
+        return _originals()["create_fp_to_fp"](self, src, dst_type, rounding_mode)
+    x = _values(src.data, src_ty)
+    if dst_ty in fp8:
+        big = float(np.finfo(fp8[dst_ty]).max)
+        with np.errstate(invalid="ignore"):
+            x = np.where(np.isnan(x), x, np.clip(x, -big, big))
+        return interp.TensorHandle(x.astype(fp8[dst_ty]).view(np.uint8), dst_ty)
+    if dst_ty == tl.bfloat16:
+        return interp.TensorHandle(_fp32_to_bf16(x), tl.bfloat16)
+    return interp.TensorHandle(x.astype(_np_dtype(dst_ty)), dst_ty)
+
+
+def _np_dtype(ty) -> np.dtype:
+    return np.dtype(f"float{ty.primitive_bitwidth}")  # fp8 converts to floats only
+
+
 _BUILDER_PATCHES = {
+    "create_fp_to_fp": _fp_to_fp,
     "get_bf16": _get_bf16,
     "create_masked_load": _masked_load,
     "create_masked_store": _masked_store,

@@ -190,15 +190,15 @@ def ops_outside_kernels(f, *args) -> set[str]:
     return {eqn.primitive.name for eqn in eqns_outside_kernels(f, *args)}
 
 
-def check_all_compile(f, args, compiler_params) -> int:
-    """Compiles every pallas_call kernel in ``f`` for each of ``COMPILE_TARGETS``;
-    returns how many kernels there were."""
+def check_all_compile(f, args, compiler_params, targets=COMPILE_TARGETS) -> int:
+    """Compiles every pallas_call kernel in ``f`` for each of ``targets``
+    (compute capabilities); returns how many kernels there were."""
     from pallas_gpu._src import compiler
 
     kernels = all_lowered(f, *[jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args])
     options = tuple(sorted(compiler_params.compile_options().items()))
     for lk in kernels:
-        for cc in COMPILE_TARGETS:
+        for cc in targets:
             assert compiler.compile_kernel(lk, cc, options).asm.get("cubin"), (
                 f"no cubin for {lk.name} sm_{cc}"
             )

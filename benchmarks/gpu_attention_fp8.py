@@ -1,0 +1,99 @@
+"""fp8 attention forward (issue 33 item 3): ``pallas_gpu.ops.attention_fp8.mha_fp8``
+(e4m3 q, k, v with per-tensor scales, bf16 output) beside our bf16 ``mha`` forward
+(default arguments) and cuDNN's bf16 forward (``jax.nn.dot_product_attention``), in
+one process, B4 H32 S4096 D128, causal and not. Target: fp8 >= 1.5x our bf16.
+
+Each fp8 launch of ``LAUNCHES`` is timed (``_timing.measure``: interleaved rounds,
+medians); the default launch's row and the best one are printed, with the fp8
+output's relative error against f32 attention of the dequantized inputs and
+against the unquantized f32 inputs (on one batch row and two heads). The
+transpose of v (XLA, before the kernel) is timed as part of ``mha_fp8``; the
+``vT`` rows pass v already transposed.
+
+    python benchmarks/gpu_attention_fp8.py          # on the GPU
+    python benchmarks/gpu_attention_fp8.py --small  # tiny shapes on the CPU (no timing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import measure
+
+from pallas_gpu.ops import attention
+from pallas_gpu.ops import attention_fp8 as af
+
+# (block_q, block_k, num_warps, num_stages)
+LAUNCHES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (64, 128, 4, 3),
+            (128, 256, 8, 2), (256, 128, 8, 2)]  # fmt: skip
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small", action="store_true")
+    args = ap.parse_args()
+    B, S, H, D = (1, 256, 2, 64) if args.small else (4, 4096, 32, 128)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (B, S, H, D), jnp.float32) for kk in keys)
+    (q8, qs), (k8, ks), (v8, vs) = af.quantize(q), af.quantize(k), af.quantize(v)
+    vt8 = jnp.transpose(v8, (0, 2, 3, 1))
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    scale = D**-0.5
+    interp = {"interpret": True} if args.small else {}
+    sl = lambda t: t[-1:, :, :: H - 1]  # noqa: E731
+    print(f"fp8 attention forward, B{B} H{H} S{S} D{D}; TFLOP/s (4·B·H·S²·D, half when causal)")
+    for causal in (False, True):
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        fp8 = {}
+        for bq, bk, w, st in LAUNCHES[: 1 if args.small else None]:
+            kw = dict(block_q=min(bq, S), block_k=min(bk, S), num_warps=w, num_stages=st)
+            fp8[f"fp8 {bq}x{bk}/{w}w/{st}s"] = jax.jit(functools.partial(
+                af.mha_fp8, sm_scale=scale, causal=causal, **(interp or kw)))  # fmt: skip
+        fp8["fp8 default"] = jax.jit(functools.partial(af.mha_fp8, sm_scale=scale, causal=causal, **interp))
+        fp8_vt = jax.jit(
+            functools.partial(af.mha_fp8, sm_scale=scale, causal=causal, v_transposed=True, **interp)
+        )
+        bf16 = jax.jit(functools.partial(attention.mha, segment_ids=None, sm_scale=scale, causal=causal,
+                                         **interp))  # fmt: skip
+        cands = {name: (functools.partial(f, q8, k8, v8, qs, ks, vs), jax.block_until_ready)
+                 for name, f in fp8.items()}  # fmt: skip
+        cands["fp8 default, vT"] = (functools.partial(fp8_vt, q8, k8, vt8, qs, ks, vs), jax.block_until_ready)
+        cands["ours bf16 mha"] = (functools.partial(bf16, qb, kb, vb), jax.block_until_ready)
+        if not args.small:
+            cudnn = jax.jit(functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=causal,
+                                              implementation="cudnn"))  # fmt: skip
+            cands["cuDNN bf16"] = (functools.partial(cudnn, qb, kb, vb), jax.block_until_ready)
+        # Correctness first, on the default launch and the best fp8 launch later.
+        out = cands["fp8 default"][0]()
+        ref_deq = af.mha_fp8_reference(sl(q8), sl(k8), sl(v8), qs, ks, vs, sm_scale=scale, causal=causal,
+                                       out_dtype=jnp.float32)  # fmt: skip
+        ref_f32 = attention.mha_reference(sl(q), sl(k), sl(v), None, sm_scale=scale, causal=causal)
+        ref_bf16 = cands["ours bf16 mha"][0]()
+        print(f"causal={causal}: fp8 error vs f32 of the dequantized inputs {rel_err(sl(out), ref_deq):.4f}, "
+              f"vs the unquantized f32 inputs {rel_err(sl(out), ref_f32):.4f} "
+              f"(our bf16 mha vs f32: {rel_err(sl(ref_bf16), ref_f32):.4f})")  # fmt: skip
+        if args.small:
+            continue
+        times = measure(cands, rounds=5)
+        tf = {name: flops / t / 1e12 for name, t in times.items()}
+        base = tf["ours bf16 mha"]
+        best = max((n for n in tf if n.startswith("fp8 ") and "vT" not in n), key=tf.get)
+        for name in sorted(tf, key=tf.get, reverse=True):
+            mark = " <- best fp8 launch" if name == best else ""
+            print(f"  {name:24s} {tf[name]:7.1f} TFLOP/s  {tf[name] / base:5.2f}x our bf16{mark}")
+        print(f"  => fp8 default / our bf16 = {tf['fp8 default'] / base:.3f}; best fp8 / our bf16 = "
+              f"{tf[best] / base:.3f}; our bf16 / cuDNN bf16 = {base / tf['cuDNN bf16']:.3f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

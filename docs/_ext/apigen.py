@@ -44,6 +44,10 @@ MODULES = [
         "Decode attention (``mqa``, ``gqa``), the API of JAX's ``ops.gpu.decode_attention``.",
     ),
     ("pallas_gpu.ops.paged_attention", "Paged attention, the API of JAX's ``ops.gpu.paged_attention``."),
+    (
+        "pallas_gpu.ops.attention_fp8",
+        "Flash attention forward on fp8 e4m3 inputs with per-tensor scales (``mha_fp8``; JAX's GPU ops have none).",
+    ),
     ("pallas_gpu.ops.layer_norm", "Layer norm, the API of JAX's ``ops.gpu.layer_norm``."),
     ("pallas_gpu.ops.rms_norm", "RMS norm, the API of JAX's ``ops.gpu.rms_norm``."),
     ("pallas_gpu.ops.softmax", "Softmax, the API of JAX's ``ops.gpu.softmax``."),

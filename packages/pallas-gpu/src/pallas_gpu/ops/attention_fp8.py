@@ -36,6 +36,7 @@ from pallas_gpu.ops._attention_kernels import _F32, LOG2E, _kv_loop, _mask
 from pallas_gpu.ops._common import call_params, compute_capability, interpreted
 from pallas_gpu.ops.attention import _fit, _program_ids
 
+#: The input type ``mha_fp8`` takes (e4m3: 4 exponent bits, 3 mantissa bits, largest value 448).
 FP8 = jnp.float8_e4m3fn
 
 # (block_q, block_k, num_warps, num_stages) per compute capability; others take

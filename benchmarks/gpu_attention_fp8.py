@@ -59,6 +59,11 @@ def main() -> int:
             fp8[f"fp8 {bq}x{bk}/{w}w/{st}s"] = jax.jit(functools.partial(
                 af.mha_fp8, sm_scale=scale, causal=causal, **(interp or kw)))  # fmt: skip
         fp8["fp8 default"] = jax.jit(functools.partial(af.mha_fp8, sm_scale=scale, causal=causal, **interp))
+        if not args.small:  # the fp8 form of mha's Hopper Gluon kernel, and the Pallas forward at its default
+            for impl in ("gluon", "pallas"):
+                fp8[f"fp8 {impl}"] = jax.jit(
+                    functools.partial(af.mha_fp8, sm_scale=scale, causal=causal, implementation=impl)
+                )
         fp8_vt = jax.jit(
             functools.partial(af.mha_fp8, sm_scale=scale, causal=causal, v_transposed=True, **interp)
         )
@@ -72,7 +77,7 @@ def main() -> int:
             cudnn = jax.jit(functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=causal,
                                               implementation="cudnn"))  # fmt: skip
             cands["cuDNN bf16"] = (functools.partial(cudnn, qb, kb, vb), jax.block_until_ready)
-        # Correctness first, on the default launch and the best fp8 launch later.
+        # Correctness of every fp8 candidate first.
         out = cands["fp8 default"][0]()
         ref_deq = af.mha_fp8_reference(sl(q8), sl(k8), sl(v8), qs, ks, vs, sm_scale=scale, causal=causal,
                                        out_dtype=jnp.float32)  # fmt: skip
@@ -81,6 +86,13 @@ def main() -> int:
         print(f"causal={causal}: fp8 error vs f32 of the dequantized inputs {rel_err(sl(out), ref_deq):.4f}, "
               f"vs the unquantized f32 inputs {rel_err(sl(out), ref_f32):.4f} "
               f"(our bf16 mha vs f32: {rel_err(sl(ref_bf16), ref_f32):.4f})")  # fmt: skip
+        for name, (run, _) in cands.items():
+            if name.startswith("fp8 ") and "vT" not in name:
+                err = rel_err(sl(run()), ref_deq)
+                print(
+                    f"  {name}: error vs f32 of the dequantized inputs {err:.4f}"
+                    + ("  WRONG" if err > 0.05 else "")
+                )
         if args.small:
             continue
         times = measure(cands, rounds=5)

@@ -13,6 +13,8 @@ import pytest
 from gpu_test_base import ON_DEVICE, check_all_compile, fresh_key, has_gpu, triton_mode
 
 import pallas_gpu as plgpu
+from jax_kernel_runtime.triton import SHARED_MEMORY_LIMITS
+from pallas_gpu.ops import _attention_sm90
 from pallas_gpu.ops import attention_fp8 as af
 
 
@@ -117,14 +119,51 @@ def test_grad_says_forward_only():
         jax.grad(f)(qs)
 
 
+def test_gluon_form_compiles_for_sm90_on_any_machine():
+    # The fp8 form of mha's Hopper Gluon kernel (FP8=True): e4m3 wgmmas, V read k-major.
+    for causal in (False, True):
+        cfg = _attention_sm90.fp8_kernel_config("bfloat16", 2, 256, 512, 2, 128, causal)
+        assert cfg.function == "mha_forward_sm90" and cfg.block_dims == (384, 1, 1)
+        assert 0 < cfg.shared_memory_bytes <= SHARED_MEMORY_LIMITS[90]
+
+
+def test_implementation_choice(monkeypatch):
+    x = jnp.zeros((1, 128, 1, 128), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="implementation must be None, 'pallas' or 'gluon'"):
+        af.mha_fp8(x, x, x, 1.0, 1.0, 1.0, implementation="cudnn", interpret=True)
+    with pytest.raises(ValueError, match="implementation='gluon' does not apply here: interpret mode"):
+        af.mha_fp8(x, x, x, 1.0, 1.0, 1.0, implementation="gluon", interpret=True)
+    monkeypatch.setattr(af, "compute_capability", lambda: 80)
+    with pytest.raises(ValueError, match="does not apply here: compute capability 80"):
+        af.mha_fp8(x, x, x, 1.0, 1.0, 1.0, implementation="gluon")
+    monkeypatch.setattr(af, "compute_capability", lambda: 90)
+    assert af._implementation("gluon", x, x, 0.1, None, None, None, None, False) == "gluon"
+    assert af._implementation(None, x, x, 0.1, 64, None, None, None, False) == "pallas"  # a launch given
+    y = jnp.zeros((1, 128, 1, 64), jnp.float8_e4m3fn)
+    assert af._implementation(None, y, y, 0.1, None, None, None, None, False) == "pallas"  # head_dim 64
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("implementation", ["pallas", "gluon"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mha_fp8_default_launch_on_gpu(causal):
+def test_mha_fp8_default_launch_on_gpu(causal, implementation):
     shape = (2, 1024, 4, 128)
     xs, ((q8, qs), (k8, ks), (v8, vs)) = quantized(shape)
-    out = af.mha_fp8(q8, k8, v8, qs, ks, vs, sm_scale=128**-0.5, causal=causal)
+    out = af.mha_fp8(q8, k8, v8, qs, ks, vs, sm_scale=128**-0.5, causal=causal, implementation=implementation)
     ref = af.mha_fp8_reference(
         q8, k8, v8, qs, ks, vs, sm_scale=128**-0.5, causal=causal, out_dtype=jnp.float32
     )
     assert rel_err(out, ref) < BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+def test_gluon_form_under_vmap_on_gpu():
+    shape = (2, 1, 256, 2, 128)
+    _, ((q8, qs), (k8, ks), (v8, vs)) = quantized(shape)
+    f = lambda q, k, v: af.mha_fp8(q, k, v, qs, ks, vs, sm_scale=0.1, causal=True, implementation="gluon")  # noqa: E731
+    out = jax.vmap(f)(q8, k8, v8)
+    for i in range(2):
+        ref = af.mha_fp8_reference(q8[i], k8[i], v8[i], qs, ks, vs, sm_scale=0.1, causal=True)
+        assert rel_err(out[i], ref) < BOUND

@@ -78,6 +78,100 @@ def kernel_config(dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bo
     return gluon_kernel_config("pallas_gpu.ops._attention_sm90_kernel", NAME, signature, constexprs)
 
 
+# The fp8 form of the kernel (``FP8=True``: e4m3 Q, K and V transposed, a 16-bit O), taken by
+# ``attention_fp8.mha_fp8`` at its default launch: False until it has run on the H200 (mha_fp8
+# then runs the Pallas forward unless asked for this one with ``implementation="gluon"``).
+FP8_VALIDATED = False
+FP8_NAME = "mha_fp8_forward_sm90"
+
+
+def fp8_unsupported(q, k, cc: int | None) -> str | None:
+    """Why the fp8 form of the sm_90 kernel does not run this ``mha_fp8``
+    forward (None: it does)."""
+    T, D, S = q.shape[1], q.shape[-1], k.shape[1]
+    if cc != 90:
+        return f"compute capability {cc}, not 90"
+    if D != 128:
+        return f"head_dim {D} (the fp8 form takes 128)"
+    if T % BLOCK_Q or S % BLOCK_K:
+        return f"sequence lengths {T}, {S} (needs multiples of {BLOCK_Q})"
+    if triton_release() not in GLUON_VALIDATED_TRITON:
+        return f"Triton {triton_release()} (validated: {', '.join(GLUON_VALIDATED_TRITON)})"
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def fp8_kernel_config(
+    out_dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bool
+) -> jkr.KernelConfig:
+    """``kernel_config`` of the fp8 form (``FP8=True``)."""
+    constexprs = {
+        "B": B,
+        "T": T,
+        "S": S,
+        "H": H,
+        "D": D,
+        "BN": BLOCK_K,
+        "NBUF": NUM_BUFFERS,
+        "CAUSAL": causal,
+        "GH": head_group(B * H, T // BLOCK_Q, multiprocessor_count()) if causal else 0,
+        "FP8": True,
+    }
+    fp8, out = "*fp8e4nv", {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[out_dtype]
+    signature = {"Q": fp8, "K": fp8, "V": fp8, "O": out, "LSE": "*fp32", "sm_scale": "*fp32"}
+    return gluon_kernel_config("pallas_gpu.ops._attention_sm90_kernel", NAME, signature, constexprs)
+
+
+def forward_fp8(q8, k8, vt8, scales, causal: bool, out_dtype):
+    """(out, log-sum-exp) of e4m3 ``q8``, ``k8`` ``[B, T|S, H, D]`` and ``vt8``
+    ``[B, H, D, S]``; ``scales`` f32 (logits' scale, output's scale).
+    Batched (``vmap``) calls with unbatched scales fold the batch axes into B."""
+    return _batched_fp8(bool(causal), jnp.dtype(out_dtype))(q8, k8, vt8, scales)
+
+
+@functools.cache
+def _batched_fp8(causal: bool, out_dtype):
+    @jax.custom_batching.custom_vmap
+    def call(q8, k8, vt8, scales):
+        return _launch_fp8(q8, k8, vt8, scales, causal, out_dtype)
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, q8, k8, vt8, scales):
+        if in_batched[3]:
+            raise NotImplementedError(
+                "mha_fp8 (the sm_90 Gluon kernel) under jax.vmap with scales that differ per batch "
+                "element: use implementation='pallas', or one scale per tensor"
+            )
+        xs = [
+            x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip((q8, k8, vt8), in_batched)
+        ]
+        out, lse = call(*[x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in xs], scales)
+        return (out.reshape(axis_size, -1, *out.shape[1:]), lse.reshape(axis_size, -1, *lse.shape[1:])), (
+            True,
+            True,
+        )
+
+    return call
+
+
+def _launch_fp8(q8, k8, vt8, scales, causal: bool, out_dtype):
+    B, T, H, D = q8.shape
+    S = k8.shape[1]
+    cfg = fp8_kernel_config(jnp.dtype(out_dtype).name, B, T, S, H, D, bool(causal))
+    out, lse = jkr.kernel_call(
+        q8,
+        k8,
+        vt8,
+        scales,
+        configs=[cfg],
+        grid=(grid_size(B * H * (T // BLOCK_Q), causal),),
+        out_shapes=[jax.ShapeDtypeStruct(q8.shape, out_dtype), jax.ShapeDtypeStruct((B, H, T), np.float32)],
+        params=[jkr.Buffer(0), jkr.Buffer(1), jkr.Buffer(2), jkr.Buffer(4), jkr.Buffer(5), jkr.Buffer(3)],
+        name=FP8_NAME,
+    )
+    return out, lse
+
+
 def forward(q, k, v, sm_scale: float, causal: bool, debug: bool = False):
     """(out, log-sum-exp): ``[B, T, H, D]`` like q and ``[B, H, T]`` f32.
     Batched (``vmap``) calls fold the batch axes into B."""

@@ -124,22 +124,27 @@ def _tile(t, TILES: gl.constexpr, H: gl.constexpr, NQ: gl.constexpr, BM: gl.cons
 def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, turn, sm_scale,
                     WG: gl.constexpr, T: gl.constexpr, S: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
                     BN: gl.constexpr, NBUF: gl.constexpr, CAUSAL: gl.constexpr, TILES: gl.constexpr,
-                    GH: gl.constexpr):  # fmt: skip
+                    GH: gl.constexpr, FP8: gl.constexpr, KI: gl.constexpr, KW: gl.constexpr):  # fmt: skip
     """Rows ``q0 + 64 WG`` to ``+ 64`` of each of this program's tiles: every
     block's two wgmmas, issued in this warpgroup's turn, and its softmax; then
     O and the LSE, stored from registers (the Q slot is released for the next
-    tile's Q as soon as the tile's last ``Q @ K^T`` is done)."""
+    tile's Q as soon as the tile's last ``Q @ K^T`` is done). ``FP8``:
+    ``sm_scale`` points at (the logits' scale, the output's scale) and the V
+    slots hold V transposed (k-major, as fp8 wgmma reads its B)."""
     HM: gl.constexpr = 64
     BM: gl.constexpr = 128
     warps: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                       instr_shape=[16, BN, 16])  # fmt: skip
+                                                       instr_shape=[16, BN, KI])  # fmt: skip
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                       instr_shape=[16, D, 16])  # fmt: skip
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, D, KI])  # fmt: skip
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
-    qk_scale = sm_scale * _LOG2E
+    if FP8:
+        qk_scale = gl.load(sm_scale) * _LOG2E
+    else:
+        qk_scale = sm_scale * _LOG2E
     zero_s = gl.zeros([HM, BN], gl.float32, s_layout)
     q_half = q_smem.index(WG)
     c = 0  # K/V blocks consumed so far: ring slot c % NBUF, phase (c // NBUF) & 1
@@ -170,7 +175,7 @@ def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar
             mbarrier.wait(turn.index(WG), it & 1)
             s_tok = hopper.warpgroup_mma(q_half, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False,
                                          is_async=True)  # fmt: skip
-            o_tok = hopper.warpgroup_mma(p_op, v_smem.index(slot), o, is_async=True)
+            o_tok = hopper.warpgroup_mma(p_op, _v_operand(v_smem, slot, FP8), o, is_async=True)
             mbarrier.arrive(turn.index(1 - WG))
             it += 1
             s = hopper.warpgroup_mma_wait(1, deps=[s_tok])  # S of block j+1 done; O += P V of block j runs on
@@ -184,7 +189,7 @@ def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar
         mbarrier.wait(v_bar.index(slot), (c // NBUF) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(turn.index(WG), it & 1)
-        o_tok = hopper.warpgroup_mma(p_op, v_smem.index(slot), o, is_async=True)
+        o_tok = hopper.warpgroup_mma(p_op, _v_operand(v_smem, slot, FP8), o, is_async=True)
         mbarrier.arrive(turn.index(1 - WG))
         it += 1
         o = hopper.warpgroup_mma_wait(0, deps=[o_tok])
@@ -194,16 +199,29 @@ def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar
 
         rows = gl.arange(0, HM, layout=gl.SliceLayout(1, s_layout))
         gl.store(LSE + (b * H + h).to(gl.int64) * T + row0 + rows, (m + gl.log2(l)) * _LN2)
-        o = o / gl.convert_layout(l, o_rows)[:, None]
+        if FP8:
+            o = o * (gl.load(sm_scale + 1) / gl.convert_layout(l, o_rows))[:, None]
+        else:
+            o = o / gl.convert_layout(l, o_rows)[:, None]
         o_r = (b * T + row0 + gl.arange(0, HM, layout=o_rows)).to(gl.int64)
         o_c = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        gl.store(O + (o_r[:, None] * H + h) * D + o_c[None, :], o.to(dtype))
+        gl.store(O + (o_r[:, None] * H + h) * D + o_c[None, :], o.to(O.dtype.element_ty))
+
+
+@gluon.jit
+def _v_operand(v_smem, slot, FP8: gl.constexpr):
+    """The B operand of ``P @ V`` in ring slot ``slot``: fp8 slots hold V
+    transposed ([D, BN]), read k-major through a permuted view."""
+    if FP8:
+        return v_smem.index(slot).permute((1, 0))
+    else:
+        return v_smem.index(slot)
 
 
 @gluon.jit
 def _producer(qd, kd, vd, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, T: gl.constexpr,
               S: gl.constexpr, H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-              CAUSAL: gl.constexpr, TILES: gl.constexpr, GH: gl.constexpr):  # fmt: skip
+              CAUSAL: gl.constexpr, TILES: gl.constexpr, GH: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
     """For each tile: Q's two halves once their slots are free, then every
     K/V block into its ring slot once both warpgroups have released the
     slot's previous block (the ring runs on across tiles)."""
@@ -225,7 +243,10 @@ def _producer(qd, kd, vd, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, 
             mbarrier.expect(k_bar.index(slot), kd.block_type.nbytes)
             _tma_load(kd, [b * S + blk * BN, h * D], k_bar.index(slot), k_smem.index(slot))
             mbarrier.expect(v_bar.index(slot), vd.block_type.nbytes)
-            _tma_load(vd, [b * S + blk * BN, h * D], v_bar.index(slot), v_smem.index(slot))
+            if FP8:  # V transposed: [B * H * D, S]
+                _tma_load(vd, [(b * H + h) * D, blk * BN], v_bar.index(slot), v_smem.index(slot))
+            else:
+                _tma_load(vd, [b * S + blk * BN, h * D], v_bar.index(slot), v_smem.index(slot))
             c += 1
         i += 1
 
@@ -233,16 +254,28 @@ def _producer(qd, kd, vd, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, 
 @gluon.jit
 def mha_forward_sm90(Q, K, V, O, LSE, sm_scale, B: gl.constexpr, T: gl.constexpr, S: gl.constexpr,
                      H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-                     CAUSAL: gl.constexpr, GH: gl.constexpr):  # fmt: skip
+                     CAUSAL: gl.constexpr, GH: gl.constexpr, FP8: gl.constexpr = False):  # fmt: skip
     """Q, O: [B, T, H, D]; K, V: [B, S, H, D] (bf16 or f16); LSE: [B, H, T]
     f32. Tiles of 128 query rows, B * H * T // 128 of them; any grid: each
     program takes tiles pid, pid + grid, ... (one each when the grid is the
     tile count, persistent when smaller). Launched with 4 warps (the first
     math warpgroup; the other partitions add 5, padded to 12). T % 128 == 0
-    and S % BN == 0."""
+    and S % BN == 0.
+
+    ``FP8``: Q, K and V are e4m3 with V transposed to [B, H, D, S] (D 128),
+    ``sm_scale`` points at two f32 (the logits' scale ``sm_scale * q_scale *
+    k_scale``, the output's ``v_scale``) and O is 16-bit."""
     BM: gl.constexpr = 128
     TILES: gl.constexpr = B * H * (T // BM)
-    tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    if FP8:
+        EB: gl.constexpr = 8
+        KI: gl.constexpr = 32
+        KW: gl.constexpr = 4
+    else:
+        EB: gl.constexpr = 16
+        KI: gl.constexpr = 16
+        KW: gl.constexpr = 2
+    tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=EB, rank=2)
     dtype: gl.constexpr = Q.dtype.element_ty
     # [B * T, H * D] and [B * S, H * D] views: one descriptor each for every tile.
     qd = tma.make_tensor_descriptor(
@@ -251,12 +284,18 @@ def mha_forward_sm90(Q, K, V, O, LSE, sm_scale, B: gl.constexpr, T: gl.constexpr
     kd = tma.make_tensor_descriptor(
         K, shape=[B * S, H * D], strides=[H * D, 1], block_shape=[BN, D], layout=tile
     )
-    vd = tma.make_tensor_descriptor(
-        V, shape=[B * S, H * D], strides=[H * D, 1], block_shape=[BN, D], layout=tile
-    )
+    if FP8:
+        vd = tma.make_tensor_descriptor(
+            V, shape=[B * H * D, S], strides=[S, 1], block_shape=[D, BN], layout=tile
+        )
+        v_smem = gl.allocate_shared_memory(dtype, [NBUF, D, BN], tile)
+    else:
+        vd = tma.make_tensor_descriptor(
+            V, shape=[B * S, H * D], strides=[H * D, 1], block_shape=[BN, D], layout=tile
+        )
+        v_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, D], tile)
     q_smem = gl.allocate_shared_memory(dtype, [2, 64, D], tile)
     k_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, D], tile)
-    v_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, D], tile)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -278,11 +317,11 @@ def mha_forward_sm90(Q, K, V, O, LSE, sm_scale, B: gl.constexpr, T: gl.constexpr
     gl.warp_specialize(
         [
             (_math_warpgroup, (O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, turn, sm_scale,
-                               0, T, S, H, D, BN, NBUF, CAUSAL, TILES, GH)),
+                               0, T, S, H, D, BN, NBUF, CAUSAL, TILES, GH, FP8, KI, KW)),
             (_math_warpgroup, (O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, turn, sm_scale,
-                               1, T, S, H, D, BN, NBUF, CAUSAL, TILES, GH)),
+                               1, T, S, H, D, BN, NBUF, CAUSAL, TILES, GH, FP8, KI, KW)),
             (_producer, (qd, kd, vd, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, T, S, H, D, BN,
-                         NBUF, CAUSAL, TILES, GH)),
+                         NBUF, CAUSAL, TILES, GH, FP8)),
         ],
         worker_num_warps=[4, 1],
         worker_num_regs=[240, 24],

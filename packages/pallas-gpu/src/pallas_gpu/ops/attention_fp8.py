@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallas as pl
+from pallas_gpu.ops import _attention_sm90
 from pallas_gpu.ops._attention_kernels import _F32, LOG2E, _kv_loop, _mask
 from pallas_gpu.ops._common import call_params, compute_capability, interpreted
 from pallas_gpu.ops.attention import _fit, _program_ids
@@ -127,12 +128,18 @@ def _check(q, k, v, v_transposed, scales, out_dtype) -> None:
         raise TypeError(f"mha_fp8: out_dtype must be bfloat16, float16 or float32; got {out_dtype}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17))
 def _mha_fp8(q, k, v, q_scale, k_scale, v_scale, sm_scale, causal, out_dtype, v_transposed, block_q, block_k,
-             num_warps, num_stages, interpret, debug, return_residuals):  # fmt: skip
+             num_warps, num_stages, interpret, debug, return_residuals, implementation):  # fmt: skip
     B, T, H, D = q.shape
     S = k.shape[1]
     vt = v if v_transposed else jnp.transpose(v, (0, 2, 3, 1))  # [B, H, D, S]
+    if implementation == "gluon":
+        if debug:
+            print(f"mha_fp8: the sm_90 Gluon kernel {_attention_sm90.FP8_NAME} (FP8=True), causal={causal}")
+        scales = jnp.stack([jnp.asarray(sm_scale, _F32) * q_scale * k_scale, jnp.asarray(v_scale, _F32)])
+        out, lse = _attention_sm90.forward_fp8(q, k, vt, scales, causal, out_dtype)
+        return (out, lse) if return_residuals else out
     bq, bk, warps, stages = _MEASURED.get(compute_capability(), _FALLBACK)
     bq = _fit(bq, T) if block_q is None else block_q  # a block asked for is taken as it is
     bk = _fit(bk, S) if block_k is None else block_k
@@ -199,6 +206,7 @@ def mha_fp8(
     interpret: Any = False,
     debug: bool = False,
     return_residuals: bool = False,
+    implementation: str | None = None,
 ):
     """Attention ``softmax(q k^T * sm_scale) v`` of fp8 e4m3 ``q``, ``k``, ``v``
     (``[batch, seq_len, num_heads, head_dim]``; v ``[batch, num_heads,
@@ -207,12 +215,43 @@ def mha_fp8(
     ``return_residuals`` it also returns the natural log-sum-exp of each row,
     ``[batch, num_heads, seq_len]`` f32. ``block_q``, ``block_k``,
     ``num_warps`` and ``num_stages`` left at None take the launch measured on
-    this GPU. ``interpret``: as ``mha``'s."""
+    this GPU. ``interpret``: as ``mha``'s.
+
+    ``implementation``: ``"pallas"`` (the Pallas forward), ``"gluon"`` (the
+    Hopper Gluon kernel of ``mha``'s forward in its fp8 form: sm_90, head_dim
+    128, sequence lengths multiples of 128, ``sm_scale > 0``, the default
+    launch), or None: the Gluon kernel where it applies and has been validated
+    on the H200 (``_attention_sm90.FP8_VALIDATED``), else the Pallas one."""
     scales = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
     _check(q, k, v, v_transposed, scales, out_dtype)
+    implementation = _implementation(implementation, q, k, sm_scale, block_q, block_k, num_warps, num_stages,
+                                     interpret)  # fmt: skip
     if interpreted(interpret) and num_stages is None:
         num_stages = 1
     q_scale, k_scale, v_scale = (jnp.asarray(s, _F32) for s in scales.values())
     return _mha_fp8(q, k, v, q_scale, k_scale, v_scale, float(sm_scale), bool(causal), jnp.dtype(out_dtype),
                     bool(v_transposed), block_q, block_k, num_warps, num_stages, interpret, debug,
-                    bool(return_residuals))  # fmt: skip
+                    bool(return_residuals), implementation)  # fmt: skip
+
+
+def _implementation(asked, q, k, sm_scale, block_q, block_k, num_warps, num_stages, interpret) -> str:
+    """ "gluon" or "pallas" for ``mha_fp8``'s ``implementation`` argument."""
+    if asked not in (None, "pallas", "gluon"):
+        raise ValueError(f"mha_fp8: implementation must be None, 'pallas' or 'gluon'; got {asked!r}")
+    if asked == "pallas":
+        return "pallas"
+    default = block_q is None and block_k is None and num_warps is None and num_stages is None
+    why = None
+    if interpreted(interpret):
+        why = "interpret mode (Triton's interpreter does not run Gluon)"
+    elif not default:
+        why = "a launch was given (block_q, block_k, num_warps or num_stages)"
+    elif not sm_scale > 0:
+        why = f"sm_scale {sm_scale}"
+    else:
+        why = _attention_sm90.fp8_unsupported(q, k, compute_capability())
+    if asked == "gluon":
+        if why is not None:
+            raise ValueError(f"mha_fp8: implementation='gluon' does not apply here: {why}")
+        return "gluon"
+    return "gluon" if why is None and _attention_sm90.FP8_VALIDATED else "pallas"

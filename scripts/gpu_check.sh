@@ -71,7 +71,8 @@ wants() { [[ "$ONLY" == *" $1 "* ]] || { [ "$ONLY" = "  " ] && [ "$1" != lowerin
 if wants suite; then
 step "the whole test suite, every package (gpu-marked tests on the GPU, the rest as on a CPU machine)"
 # Full log to $OUT; the summary (failures, slowest tests, counts) here.
-python3 -m pytest -q -rfE --durations=15 -n "$WORKERS" -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
+# PYTEST_PATHS (default: tests) splits the suite over two device calls when one call's 10 minutes are short.
+python3 -m pytest -q -rfE --durations=15 -n "$WORKERS" -p no:cacheprovider ${PYTEST_PATHS:-tests} > "$OUT/tests.log" 2>&1
 echo "pytest exit status $?"
 grep -E "^(FAILED|ERROR) |passed|failed|slowest|^[0-9.]+s (call|setup)" "$OUT/tests.log" | tail -80
 fi

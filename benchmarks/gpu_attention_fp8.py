@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from _timing import measure
 
-from pallas_gpu.ops import attention
+from pallas_gpu.ops import _attention_sm90, attention
 from pallas_gpu.ops import attention_fp8 as af
 
 # (block_q, block_k, num_warps, num_stages)
@@ -35,6 +35,12 @@ LAUNCHES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def gluon(nbuf, scale, causal, *args):
+    """``mha_fp8`` through the Gluon kernel with ``nbuf`` K/V slots (read when traced)."""
+    _attention_sm90.FP8_NUM_BUFFERS = nbuf
+    return af.mha_fp8(*args, sm_scale=scale, causal=causal, implementation="gluon")
 
 
 def main() -> int:
@@ -60,10 +66,11 @@ def main() -> int:
                 af.mha_fp8, sm_scale=scale, causal=causal, **(interp or kw)))  # fmt: skip
         fp8["fp8 default"] = jax.jit(functools.partial(af.mha_fp8, sm_scale=scale, causal=causal, **interp))
         if not args.small:  # the fp8 form of mha's Hopper Gluon kernel, and the Pallas forward at its default
-            for impl in ("gluon", "pallas"):
-                fp8[f"fp8 {impl}"] = jax.jit(
-                    functools.partial(af.mha_fp8, sm_scale=scale, causal=causal, implementation=impl)
-                )
+            fp8["fp8 pallas"] = jax.jit(
+                functools.partial(af.mha_fp8, sm_scale=scale, causal=causal, implementation="pallas")
+            )
+            for nbuf in (3, 4, 5):
+                fp8[f"fp8 gluon {nbuf} bufs"] = jax.jit(functools.partial(gluon, nbuf, scale, causal))
         fp8_vt = jax.jit(
             functools.partial(af.mha_fp8, sm_scale=scale, causal=causal, v_transposed=True, **interp)
         )

@@ -83,6 +83,9 @@ def kernel_config(dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bo
 # then runs the Pallas forward unless asked for this one with ``implementation="gluon"``).
 FP8_VALIDATED = False
 FP8_NAME = "mha_fp8_forward_sm90"
+# K/V ring slots of the fp8 form: its slots are half the bytes of the 16-bit ones (32 KiB of K and
+# V at head_dim 128), so more fit (5 take 176 KiB with Q); read when a call is traced.
+FP8_NUM_BUFFERS = 4
 
 
 def fp8_unsupported(q, k, cc: int | None) -> str | None:
@@ -102,9 +105,9 @@ def fp8_unsupported(q, k, cc: int | None) -> str | None:
 
 @functools.lru_cache(maxsize=64)
 def fp8_kernel_config(
-    out_dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bool
+    out_dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bool, nbuf: int = 4
 ) -> jkr.KernelConfig:
-    """``kernel_config`` of the fp8 form (``FP8=True``)."""
+    """``kernel_config`` of the fp8 form (``FP8=True``) with ``nbuf`` K/V slots."""
     constexprs = {
         "B": B,
         "T": T,
@@ -112,7 +115,7 @@ def fp8_kernel_config(
         "H": H,
         "D": D,
         "BN": BLOCK_K,
-        "NBUF": NUM_BUFFERS,
+        "NBUF": nbuf,
         "CAUSAL": causal,
         "GH": head_group(B * H, T // BLOCK_Q, multiprocessor_count()) if causal else 0,
         "FP8": True,
@@ -157,7 +160,7 @@ def _batched_fp8(causal: bool, out_dtype):
 def _launch_fp8(q8, k8, vt8, scales, causal: bool, out_dtype):
     B, T, H, D = q8.shape
     S = k8.shape[1]
-    cfg = fp8_kernel_config(jnp.dtype(out_dtype).name, B, T, S, H, D, bool(causal))
+    cfg = fp8_kernel_config(jnp.dtype(out_dtype).name, B, T, S, H, D, bool(causal), FP8_NUM_BUFFERS)
     out, lse = jkr.kernel_call(
         q8,
         k8,

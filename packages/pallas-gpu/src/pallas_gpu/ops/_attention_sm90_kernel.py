@@ -175,7 +175,11 @@ def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar
             mbarrier.wait(turn.index(WG), it & 1)
             s_tok = hopper.warpgroup_mma(q_half, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False,
                                          is_async=True)  # fmt: skip
-            o_tok = hopper.warpgroup_mma(p_op, _v_operand(v_smem, slot, FP8), o, is_async=True)
+            if FP8:  # V^T in the slot: its permuted view is k-major
+                v_op = v_smem.index(slot).permute((1, 0))
+            else:
+                v_op = v_smem.index(slot)
+            o_tok = hopper.warpgroup_mma(p_op, v_op, o, is_async=True)
             mbarrier.arrive(turn.index(1 - WG))
             it += 1
             s = hopper.warpgroup_mma_wait(1, deps=[s_tok])  # S of block j+1 done; O += P V of block j runs on
@@ -189,7 +193,11 @@ def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar
         mbarrier.wait(v_bar.index(slot), (c // NBUF) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(turn.index(WG), it & 1)
-        o_tok = hopper.warpgroup_mma(p_op, _v_operand(v_smem, slot, FP8), o, is_async=True)
+        if FP8:
+            v_op = v_smem.index(slot).permute((1, 0))
+        else:
+            v_op = v_smem.index(slot)
+        o_tok = hopper.warpgroup_mma(p_op, v_op, o, is_async=True)
         mbarrier.arrive(turn.index(1 - WG))
         it += 1
         o = hopper.warpgroup_mma_wait(0, deps=[o_tok])
@@ -206,16 +214,6 @@ def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar
         o_r = (b * T + row0 + gl.arange(0, HM, layout=o_rows)).to(gl.int64)
         o_c = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         gl.store(O + (o_r[:, None] * H + h) * D + o_c[None, :], o.to(O.dtype.element_ty))
-
-
-@gluon.jit
-def _v_operand(v_smem, slot, FP8: gl.constexpr):
-    """The B operand of ``P @ V`` in ring slot ``slot``: fp8 slots hold V
-    transposed ([D, BN]), read k-major through a permuted view."""
-    if FP8:
-        return v_smem.index(slot).permute((1, 0))
-    else:
-        return v_smem.index(slot)
 
 
 @gluon.jit
@@ -284,18 +282,20 @@ def mha_forward_sm90(Q, K, V, O, LSE, sm_scale, B: gl.constexpr, T: gl.constexpr
     kd = tma.make_tensor_descriptor(
         K, shape=[B * S, H * D], strides=[H * D, 1], block_shape=[BN, D], layout=tile
     )
-    if FP8:
+    if FP8:  # V transposed: [B * H * D, S]
         vd = tma.make_tensor_descriptor(
             V, shape=[B * H * D, S], strides=[S, 1], block_shape=[D, BN], layout=tile
         )
-        v_smem = gl.allocate_shared_memory(dtype, [NBUF, D, BN], tile)
     else:
         vd = tma.make_tensor_descriptor(
             V, shape=[B * S, H * D], strides=[H * D, 1], block_shape=[BN, D], layout=tile
         )
-        v_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, D], tile)
     q_smem = gl.allocate_shared_memory(dtype, [2, 64, D], tile)
     k_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, D], tile)
+    if FP8:
+        v_smem = gl.allocate_shared_memory(dtype, [NBUF, D, BN], tile)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [NBUF, BN, D], tile)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())

@@ -6,6 +6,7 @@ on any machine; install ``pallas-gpu`` (Triton) or ``pallas-tpu`` (Mosaic) to
 compile them for accelerators.
 """
 
+from pallas._src import removed as _removed  # noqa: E402
 from pallas._src.compat import Slice as Slice
 from pallas._src.compat import broadcast_to as broadcast_to
 from pallas._src.compat import run_state as run_state
@@ -58,3 +59,6 @@ from pallas._src.semaphores import semaphore_read as semaphore_read
 from pallas._src.semaphores import semaphore_signal as semaphore_signal
 from pallas._src.semaphores import semaphore_wait as semaphore_wait
 from pallas._version import __version__ as __version__
+
+# Names JAX's Pallas removed or moved (pl.dot, ...): JAX's words and where they went.
+__getattr__ = _removed.module_getattr(__name__, _removed.PALLAS)

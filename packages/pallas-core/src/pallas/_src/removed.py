@@ -1,0 +1,74 @@
+"""Names JAX's Pallas removed or moved, for a module ``__getattr__``: code
+written for an older JAX gets JAX's words and where the name went (an
+``AttributeError``, as JAX 0.11 raises), not a bare "has no attribute"."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+# name -> (message, where it moved: "module:attr", or None when it is gone)
+Table = dict[str, tuple[str, str | None]]
+
+#: ``pallas`` (JAX's ``jax.experimental.pallas``, 0.11).
+PALLAS: Table = {
+    "dot": (
+        "pl.dot was deprecated in JAX v0.11.0, and removed in JAX v0.12.0. Use jax.numpy.dot, "
+        "jax.numpy.einsum or the @ operator instead in TPU or MGPU kernels. In Triton kernels: pallas_gpu.dot.",
+        None,
+    ),
+    "debug_checks_enabled": (
+        "pl.debug_checks_enabled was deprecated in JAX v0.11.0, and removed in JAX v0.12.0. "
+        "Use pl.enable_debug_checks instead.",
+        None,
+    ),
+    "reciprocal": (
+        "jax.experimental.pallas.reciprocal was moved to jax.experimental.pallas.tpu. Accessing it via "
+        "jax.experimental.pallas is deprecated (here: pallas_tpu.reciprocal).",
+        "pallas_tpu:reciprocal",
+    ),
+}
+
+#: ``pallas_tpu`` (JAX's ``jax.experimental.pallas.tpu``, 0.11), and ``repeat``, removed before 0.11.
+PALLAS_TPU: Table = {
+    "HOST": (
+        "pltpu.HOST was deprecated in JAX v0.10.0, and removed in JAX v0.12.0. Use pl.HOST instead.",
+        None,
+    ),
+    **{
+        name: (
+            f"pltpu.{name} was deprecated in JAX v0.10.0, and removed in JAX v0.11.0. Use pl.{name} instead.",
+            None,
+        )
+        for name in ("semaphore", "DeviceIdType", "semaphore_read", "semaphore_signal", "semaphore_wait")
+    },
+    "repeat": (
+        "pltpu.repeat was removed from JAX's Pallas TPU API before JAX v0.11.0: use jnp.tile (or "
+        "jnp.concatenate of copies) on the loaded value instead.",
+        None,
+    ),
+}
+
+
+def module_getattr(module: str, table: Table) -> Callable[[str], Any]:
+    """A module ``__getattr__`` answering ``table``'s names: the moved ones
+    with a ``DeprecationWarning`` (as JAX), the removed ones with an
+    ``AttributeError`` in JAX's words."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in table:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        message, moved = table[name]
+        if moved is not None:
+            where, attr = moved.split(":")
+            try:
+                target = getattr(importlib.import_module(where), attr)
+            except ImportError:
+                raise AttributeError(f"{message} ({where} is not installed)") from None
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            return target
+        raise AttributeError(message)
+
+    return __getattr__

@@ -1,0 +1,56 @@
+"""Names JAX's Pallas removed or moved (``pl.dot``, ``pltpu.semaphore_signal``,
+...): code written for an older JAX gets an ``AttributeError`` in JAX's words
+and the replacement, as JAX 0.11 gives it (ejkernel's Triton kernel calls
+``pl.dot``: JAX said what to use instead, ours said only "no attribute"). The
+reference is JAX's own table (``_deprecations`` of its modules)."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+
+import pallas as pl
+
+TPU = pytest.importorskip("pallas_tpu")
+
+
+def jax_table(module: str) -> dict:
+    return importlib.import_module(module)._deprecations
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [("pallas", "jax.experimental.pallas"), ("pallas_tpu", "jax.experimental.pallas.tpu")],
+)
+def test_removed_names_say_what_jax_says(ours, theirs):
+    removed = {name: msg for name, (msg, obj) in jax_table(theirs).items() if obj is None}
+    assert removed  # JAX 0.11 and 0.12 list some
+    for name, message in removed.items():
+        with pytest.raises(AttributeError) as err:
+            getattr(importlib.import_module(ours), name)
+        assert str(err.value).startswith(message), name
+
+
+def test_moved_names_warn_and_work():
+    from pallas._src.removed import PALLAS
+
+    moved = [n for n, (_, target) in PALLAS.items() if target is not None]
+    assert moved == ["reciprocal"]
+    with pytest.warns(DeprecationWarning, match="moved to jax.experimental.pallas.tpu"):
+        f = pl.reciprocal
+    assert f is TPU.reciprocal
+
+
+def test_repeat_says_what_to_use():
+    with pytest.raises(AttributeError, match="pltpu.repeat was removed .* use jnp.tile"):
+        TPU.repeat  # noqa: B018
+
+
+def test_other_names_are_plain_attribute_errors():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match="module 'pallas' has no attribute 'no_such_name'"):
+            pl.no_such_name  # noqa: B018
+        assert not hasattr(TPU, "no_such_name")

@@ -14,7 +14,7 @@ from gpu_test_base import ON_DEVICE, check_all_compile, fresh_key, has_gpu, trit
 
 import pallas_gpu as plgpu
 from jax_kernel_runtime.triton import SHARED_MEMORY_LIMITS
-from pallas_gpu.ops import _attention_sm90
+from pallas_gpu.ops import _attention_sm90, _common
 from pallas_gpu.ops import attention_fp8 as af
 
 
@@ -137,7 +137,11 @@ def test_implementation_choice(monkeypatch):
     with pytest.raises(ValueError, match="does not apply here: compute capability 80"):
         af.mha_fp8(x, x, x, 1.0, 1.0, 1.0, implementation="gluon")
     monkeypatch.setattr(af, "compute_capability", lambda: 90)
-    assert af._implementation("gluon", x, x, 0.1, None, None, None, None, False) == "gluon"
+    if _common.triton_release() in _common.GLUON_VALIDATED_TRITON:
+        assert af._implementation("gluon", x, x, 0.1, None, None, None, None, False) == "gluon"
+    else:  # a Triton release the Gluon kernels were not run on: refused with the reason
+        with pytest.raises(ValueError, match="does not apply here: Triton"):
+            af._implementation("gluon", x, x, 0.1, None, None, None, None, False)
     assert af._implementation(None, x, x, 0.1, 64, None, None, None, False) == "pallas"  # a launch given
     y = jnp.zeros((1, 128, 1, 64), jnp.float8_e4m3fn)
     assert af._implementation(None, y, y, 0.1, None, None, None, None, False) == "pallas"  # head_dim 64

@@ -72,6 +72,7 @@ def kernel_config(dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bo
         "NBUF": NUM_BUFFERS,
         "CAUSAL": causal,
         "GH": head_group(B * H, T // BLOCK_Q, multiprocessor_count()) if causal else 0,
+        "FP8": False,
     }
     ptr = "*bf16" if dtype == "bfloat16" else "*fp16"
     signature = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "LSE": "*fp32", "sm_scale": "fp32"}

@@ -252,7 +252,7 @@ def _producer(qd, kd, vd, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, 
 @gluon.jit
 def mha_forward_sm90(Q, K, V, O, LSE, sm_scale, B: gl.constexpr, T: gl.constexpr, S: gl.constexpr,
                      H: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-                     CAUSAL: gl.constexpr, GH: gl.constexpr, FP8: gl.constexpr = False):  # fmt: skip
+                     CAUSAL: gl.constexpr, GH: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
     """Q, O: [B, T, H, D]; K, V: [B, S, H, D] (bf16 or f16); LSE: [B, H, T]
     f32. Tiles of 128 query rows, B * H * T // 128 of them; any grid: each
     program takes tiles pid, pid + grid, ... (one each when the grid is the

@@ -38,7 +38,7 @@ def test_moved_names_warn_and_work():
 
     moved = [n for n, (_, target) in PALLAS.items() if target is not None]
     assert moved == ["reciprocal"]
-    with pytest.warns(DeprecationWarning, match="moved to jax.experimental.pallas.tpu"):
+    with pytest.warns(DeprecationWarning, match="moved to pltpu"):
         f = pl.reciprocal
     assert f is TPU.reciprocal
 

@@ -12,7 +12,7 @@ from typing import Any
 # name -> (message, where it moved: "module:attr", or None when it is gone)
 Table = dict[str, tuple[str, str | None]]
 
-#: ``pallas`` (JAX's ``jax.experimental.pallas``, 0.11).
+#: ``pallas`` (JAX's ``pl`` module, 0.11).
 PALLAS: Table = {
     "dot": (
         "pl.dot was deprecated in JAX v0.11.0, and removed in JAX v0.12.0. Use jax.numpy.dot, "
@@ -25,13 +25,13 @@ PALLAS: Table = {
         None,
     ),
     "reciprocal": (
-        "jax.experimental.pallas.reciprocal was moved to jax.experimental.pallas.tpu. Accessing it via "
-        "jax.experimental.pallas is deprecated (here: pallas_tpu.reciprocal).",
+        "pl.reciprocal was moved to pltpu (pallas_tpu.reciprocal). Accessing it via pl is deprecated, "
+        "as in JAX 0.11.",
         "pallas_tpu:reciprocal",
     ),
 }
 
-#: ``pallas_tpu`` (JAX's ``jax.experimental.pallas.tpu``, 0.11), and ``repeat``, removed before 0.11.
+#: ``pallas_tpu`` (JAX's ``pltpu`` module, 0.11), and ``repeat``, removed before 0.11.
 PALLAS_TPU: Table = {
     "HOST": (
         "pltpu.HOST was deprecated in JAX v0.10.0, and removed in JAX v0.12.0. Use pl.HOST instead.",

@@ -58,22 +58,18 @@ def unsupported(q, k, v, segment_ids, sm_scale: float, cc: int | None) -> str | 
     return None
 
 
+def _constexprs(B: int, T: int, S: int, H: int, D: int, causal: bool, nbuf: int, fp8: bool) -> dict:
+    """The kernel's constexprs for these sizes (``GH``: ``head_group``'s causal order)."""
+    gh = head_group(B * H, T // BLOCK_Q, multiprocessor_count()) if causal else 0
+    return {"B": B, "T": T, "S": S, "H": H, "D": D, "BN": BLOCK_K, "NBUF": nbuf, "CAUSAL": causal, "GH": gh,
+            "FP8": fp8}  # fmt: skip
+
+
 @functools.lru_cache(maxsize=64)
 def kernel_config(dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bool) -> jkr.KernelConfig:
     """The compiled kernel for these static sizes: from memory, the disk cache
     (pallas-gpu's, ``PALLAS_GPU_CACHE_DIR``), else ``triton.compile``."""
-    constexprs = {
-        "B": B,
-        "T": T,
-        "S": S,
-        "H": H,
-        "D": D,
-        "BN": BLOCK_K,
-        "NBUF": NUM_BUFFERS,
-        "CAUSAL": causal,
-        "GH": head_group(B * H, T // BLOCK_Q, multiprocessor_count()) if causal else 0,
-        "FP8": False,
-    }
+    constexprs = _constexprs(B, T, S, H, D, causal, NUM_BUFFERS, fp8=False)
     ptr = "*bf16" if dtype == "bfloat16" else "*fp16"
     signature = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "LSE": "*fp32", "sm_scale": "fp32"}
     return gluon_kernel_config("pallas_gpu.ops._attention_sm90_kernel", NAME, signature, constexprs)
@@ -109,18 +105,7 @@ def fp8_kernel_config(
     out_dtype: str, B: int, T: int, S: int, H: int, D: int, causal: bool, nbuf: int = 4
 ) -> jkr.KernelConfig:
     """``kernel_config`` of the fp8 form (``FP8=True``) with ``nbuf`` K/V slots."""
-    constexprs = {
-        "B": B,
-        "T": T,
-        "S": S,
-        "H": H,
-        "D": D,
-        "BN": BLOCK_K,
-        "NBUF": nbuf,
-        "CAUSAL": causal,
-        "GH": head_group(B * H, T // BLOCK_Q, multiprocessor_count()) if causal else 0,
-        "FP8": True,
-    }
+    constexprs = _constexprs(B, T, S, H, D, causal, nbuf, fp8=True)
     fp8, out = "*fp8e4nv", {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[out_dtype]
     signature = {"Q": fp8, "K": fp8, "V": fp8, "O": out, "LSE": "*fp32", "sm_scale": "*fp32"}
     return gluon_kernel_config("pallas_gpu.ops._attention_sm90_kernel", NAME, signature, constexprs)

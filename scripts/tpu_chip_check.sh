@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# scripts/tpu_chip_check.py on the lent TPU machine (device kind tpu-v5e: Python 3.11, JAX 0.10.2
-# preinstalled, no network, a package index on its disk at /opt/pypi/simple; seen 2026-12-04: that index
-# and /opt/wheels hold JAX 0.10.2 and libtpu 0.0.42.1 only, so the install below finds nothing). Installs JAX 0.11.2
-# (our oldest) with libtpu from that index into /tmp/site, puts it and our pure-Python packages
-# (pallas-core, pallas-tpu: nothing to build) first on PYTHONPATH, prints the TPU examples'
-# result lines and runs the check; results go to $OUT (or build/tpu_chip_check).
-#   run(kind="tpu-v5e", command="bash scripts/tpu_chip_check.sh")
+# Our Mosaic lowering's kernels run on the lent TPU v5e (device kind tpu-v5e). That machine has
+# Python 3.11 with JAX 0.10.2 and libtpu 0.0.42.1 only and no network (seen 2026-12-04 and
+# 2026-12-06); our packages need JAX 0.11.2 (Python 3.12), whose wheels with libtpu are larger than a
+# device call may carry. So the kernels travel lowered: on this machine,
+#   python scripts/tpu_chip_export.py --out build/tpu_chip_bundle
+#   PALLAS_TPU_CHIPS=v5e PALLAS_TPU_CHIP_BUNDLE=$PWD/build/tpu_chip_bundle pytest -n 2 -k compiled tests/tpu
+#   python -m pip download --no-deps --only-binary=:all: -d build/tpu_chip_bundle flatbuffers
+#   tar cJf build/tpu_chip_bundle.tar.xz -C build tpu_chip_bundle
+# exports JAX's TPU ops ported to ours (scripts/tpu_chip_check.py's cases) through our lowering and
+# through JAX's, with their jnp references, then every three-way test kernel of the compiled way
+# (ours and JAX's lowering, run_mosaic's outputs as the reference), and the wheel jax.export's
+# deserializer needs, which that machine lacks; there, JAX alone runs them (scripts/tpu_chip_run.py,
+# which serializes each Mosaic module again with that JAX's serializer) and compares.
+#   run(kind="tpu-v5e", carry=["build/tpu_chip_bundle.tar.xz"], command="bash scripts/tpu_chip_check.sh")
+# On a TPU machine with JAX >= 0.11.2 and our packages installed, run scripts/tpu_chip_check.py
+# instead: it also compares with JAX's own compiled kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/tpu_chip_check}
+BUNDLE=${BUNDLE:-build/tpu_chip_bundle}
 mkdir -p "$OUT"
-SITE=/tmp/site
 python3 --version
-echo "index: $(ls /opt/pypi/simple/jax/ 2>/dev/null | grep -o 'jax-0\.1[0-9.]*-py3' | sort -uV | tr '\n' ' ')"
-echo "index: $(ls /opt/pypi/simple/libtpu/ 2>/dev/null | grep -o 'libtpu-[0-9.]*-' | sort -uV | tail -4 | tr '\n' ' ')"
-PIP_CONFIG_FILE=/dev/null timeout 120 python3 -m pip install -q --isolated --only-binary=:all: \
-  --index-url file:///opt/pypi/simple --target "$SITE" "jax[tpu]==0.11.2" 2>&1 | tail -3
-export PYTHONPATH="$SITE:$PWD/packages/pallas-core/src:$PWD/packages/pallas-tpu/src${PYTHONPATH:+:$PYTHONPATH}"
-python3 scripts/tpu_chip_check.py --out "$OUT" 2>&1 | tee "$OUT/log.txt" | grep -v "^WARNING\|^I0000\|^E0000"
-rc=${PIPESTATUS[0]}
-for ex in tpu_matmul tpu_flash_attention; do
-  timeout 120 python3 "examples/$ex.py" --runs 5 2>&1 | grep -E "PASS|FAIL|backend|Error" | tail -4
-done
-exit "$rc"
+# A bundle travels as $BUNDLE.tar.xz (the three-way kernels' inputs and outputs compress 3:1).
+[ -d "$BUNDLE" ] || [ ! -f "$BUNDLE.tar.xz" ] || python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$BUNDLE.tar.xz" "$(dirname "$BUNDLE")"
+ls "$BUNDLE"/*.json >/dev/null 2>&1 || { echo "no bundle at $BUNDLE: see the top of this script"; exit 1; }
+python3 scripts/tpu_chip_run.py "$BUNDLE" --out "$OUT" 2>&1 | tee "$OUT/log.txt" | grep -v "^WARNING\|^I0000\|^E0000"
+exit "${PIPESTATUS[0]}"

@@ -151,7 +151,8 @@ def run(build, args, mode, num_cores=1, **interpret_params):
     if mode == "interpret":
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
             return jax.jit(f)(*args)
-    if mode == "compiled":
+    compiled = mode == "compiled"
+    if compiled:
         compile_both(
             build, args, tuple(dict.fromkeys(COMPILE_CHIPS + (MEGACORE_CHIPS if num_cores == 2 else ())))
         )
@@ -160,7 +161,28 @@ def run(build, args, mode, num_cores=1, **interpret_params):
     with jax.sharding.use_abstract_mesh(_abstract_mesh(num_cores)):
         shapes = jax.eval_shape(f, *args)
     outs = run_with_mosaic(f, *args, num_cores=num_cores)
+    if compiled and num_cores == 1 and os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
+        _add_to_chip_bundle(build, args, outs)
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+
+def _add_to_chip_bundle(build, args, outs):
+    """With ``PALLAS_TPU_CHIP_BUNDLE=DIR``, the compiled way also adds its kernel (ours and
+    JAX's lowering, the inputs as constants) to the bundle in DIR, with ``run_mosaic``'s
+    outputs of our module (which the test compares with jnp) as the reference: how the
+    three-way kernels reach the lent TPU (``scripts/tpu_chip_run.py``)."""
+    import chip_bundle
+
+    ours, theirs = build(pl, pltpu), build(*jax_namespaces())
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    chip_bundle.add(
+        os.environ["PALLAS_TPU_CHIP_BUNDLE"],
+        test,
+        lambda: ours(*args),
+        outs,
+        theirs=lambda: theirs(*args),
+        context=lambda: jax.sharding.use_abstract_mesh(TPU_V5E),
+    )
 
 
 def compile_both(build, args, chips, mesh=None, spec=None):

@@ -127,6 +127,20 @@ def test_gluon_form_compiles_for_sm90_on_any_machine():
         assert 0 < cfg.shared_memory_bytes <= SHARED_MEMORY_LIMITS[90]
 
 
+def test_fp8_slots_are_read_at_every_call(monkeypatch):
+    # FP8_NUM_BUFFERS was read inside a custom_vmap whose trace JAX caches: every slot count after
+    # the first lowered the first one's kernel (benchmarks/gpu_attention_fp8.py timed one kernel thrice).
+    f8 = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.float8_e4m3fn)
+    vt = jax.ShapeDtypeStruct((1, 2, 128, 256), jnp.float8_e4m3fn)
+    sc = jax.ShapeDtypeStruct((2,), jnp.float32)
+    texts = []
+    for nbuf in (3, 5, 3):
+        monkeypatch.setattr(_attention_sm90, "FP8_NUM_BUFFERS", nbuf)
+        f = lambda q, k, v, s: _attention_sm90.forward_fp8(q, k, v, s, False, jnp.bfloat16)  # noqa: E731
+        texts.append(jax.jit(f).trace(f8, f8, vt, sc).lower(lowering_platforms=("cuda",)).as_text())
+    assert texts[0] != texts[1] and texts[0] == texts[2]
+
+
 def test_implementation_choice(monkeypatch):
     x = jnp.zeros((1, 128, 1, 128), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="implementation must be None, 'pallas' or 'gluon'"):

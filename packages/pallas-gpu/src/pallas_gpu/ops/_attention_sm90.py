@@ -115,14 +115,16 @@ def forward_fp8(q8, k8, vt8, scales, causal: bool, out_dtype):
     """(out, log-sum-exp) of e4m3 ``q8``, ``k8`` ``[B, T|S, H, D]`` and ``vt8``
     ``[B, H, D, S]``; ``scales`` f32 (logits' scale, output's scale).
     Batched (``vmap``) calls with unbatched scales fold the batch axes into B."""
-    return _batched_fp8(bool(causal), jnp.dtype(out_dtype))(q8, k8, vt8, scales)
+    # FP8_NUM_BUFFERS is read here, at every call: the custom_vmap below caches its trace per
+    # function object and shapes, so a value read inside it would stay the first one seen.
+    return _batched_fp8(bool(causal), jnp.dtype(out_dtype), FP8_NUM_BUFFERS)(q8, k8, vt8, scales)
 
 
 @functools.cache
-def _batched_fp8(causal: bool, out_dtype):
+def _batched_fp8(causal: bool, out_dtype, nbuf: int):
     @jax.custom_batching.custom_vmap
     def call(q8, k8, vt8, scales):
-        return _launch_fp8(q8, k8, vt8, scales, causal, out_dtype)
+        return _launch_fp8(q8, k8, vt8, scales, causal, out_dtype, nbuf)
 
     @call.def_vmap
     def _rule(axis_size, in_batched, q8, k8, vt8, scales):
@@ -143,10 +145,10 @@ def _batched_fp8(causal: bool, out_dtype):
     return call
 
 
-def _launch_fp8(q8, k8, vt8, scales, causal: bool, out_dtype):
+def _launch_fp8(q8, k8, vt8, scales, causal: bool, out_dtype, nbuf: int):
     B, T, H, D = q8.shape
     S = k8.shape[1]
-    cfg = fp8_kernel_config(jnp.dtype(out_dtype).name, B, T, S, H, D, bool(causal), FP8_NUM_BUFFERS)
+    cfg = fp8_kernel_config(jnp.dtype(out_dtype).name, B, T, S, H, D, bool(causal), nbuf)
     out, lse = jkr.kernel_call(
         q8,
         k8,

@@ -333,6 +333,18 @@ def _bitcast_convert_type(ctx, x, new_dtype):
         raise NotImplementedError("bitcasts of bool are not supported")
     if src > dst:
         return lower_fun(_bitcast_narrow, ctx, x, new_dtype=np.dtype(new_dtype))
+    if src < dst and src == 8:
+        # Lowered as below, int8 -> int32 compiled (libtpu 0.0.42.1 and 0.0.48.1 emit the same
+        # LLO) but lost byte 2 wherever it was below 0x80 on a TPU v5e (2026-12-06), where
+        # run_mosaic and jnp agree on the right value: refused until a form is found that a chip
+        # runs right. 16 -> 32 bits ran right there.
+        raise NotImplementedError(
+            f"bitcast_convert_type from {np.dtype(aval.dtype).name} to {np.dtype(new_dtype).name}: widening "
+            "8-bit parts gave wrong values on a TPU v5e, so the Mosaic lowering refuses it (JAX's refuses "
+            "every change of width); pass the bytes packed in int32 words (bitcast outside the kernel) "
+            "and take them apart with shifts and masks or pltpu.unpack_elementwise, which ran right there, "
+            "or use pltpu.bitcast (Mosaic's packing along sublanes)"
+        )
     if src < dst:
         return lower_fun(_bitcast_widen, ctx, x, new_dtype=np.dtype(new_dtype))
     if out.shape:

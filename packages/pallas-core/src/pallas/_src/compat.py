@@ -64,6 +64,16 @@ eval_jaxpr = jax_core.eval_jaxpr
 jaxpr_as_fun = jax_core.jaxpr_as_fun
 
 
+def is_symbolic_dim(d) -> bool:
+    """Whether ``d`` is a symbolic dimension (``jax.export`` shape polymorphism)."""
+    return jax_core.is_symbolic_dim(d)
+
+
+def dimension_as_value(d):
+    """The traced int value of a symbolic dimension (an int stays an int)."""
+    return jax_core.dimension_as_value(d)
+
+
 def eval_context():
     """Evaluates eagerly even inside a trace (for static index-map tables)."""
     return jax_core.eval_context()

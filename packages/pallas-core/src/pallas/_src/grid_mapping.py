@@ -53,6 +53,8 @@ def _grid_entries(grid) -> list:
 
 def _grid_size(g, what: str, err: Err):
     """A static int, or the int32 scalar of a dynamic (traced) size."""
+    if compat.is_symbolic_dim(g):  # jax.export with symbolic shapes: a size known when the call runs
+        g = compat.dimension_as_value(g)
     if isinstance(g, (jax.Array, np.ndarray, jax.core.Tracer)) and not isinstance(g, np.generic):
         if g.size != 1 or not jnp.issubdtype(g.dtype, jnp.integer):
             raise err(

@@ -165,7 +165,11 @@ def make_plan(gm: pallas_core.GridMapping, fully_sequential: bool, vectorize: bo
 
 def _high_pad(size: int, block: int) -> int:
     """Padding to whole blocks; an empty dimension gets one block of padding
-    (its blocks read the uninitialized value, like the edge of any array)."""
+    (its blocks read the uninitialized value, like the edge of any array). A
+    symbolic size (``jax.export`` shape polymorphism) gets one block more, so that
+    the padded array provably holds a block whatever the size turns out to be."""
+    if compat.is_symbolic_dim(size):
+        return -size % max(block, 1) + block
     return block if size == 0 else -size % max(block, 1)
 
 

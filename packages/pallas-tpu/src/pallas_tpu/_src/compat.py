@@ -24,6 +24,11 @@ def current_trace():
     return jax_core.trace_ctx.trace
 
 
+def has_symbolic_shape(x) -> bool:
+    """Whether ``x``'s shape has a symbolic dimension (``jax.export`` shape polymorphism)."""
+    return any(jax_core.is_symbolic_dim(d) for d in getattr(x, "shape", ()))
+
+
 def get_aval(x):
     return jax_core.typeof(x)
 

@@ -233,6 +233,14 @@ def run(
     """Interprets one ``pallas_call`` (``kernel_facts``: the call record's facts about
     ``jaxpr``, from one walk of it; computed here when not given)."""
     gm = grid_mapping
+    if any(map(compat.has_symbolic_shape, args)):
+        raise _err(
+            gm,
+            NotImplementedError,
+            "operands",
+            "TPU interpret mode takes static shapes; these have symbolic dimensions (jax.export shape "
+            "polymorphism): export for platforms=['tpu'] lowers such a call, interpret=True runs it",
+        )
     kernel_facts = plb.kernel_facts(jaxpr) if kernel_facts is None else kernel_facts
     interp, sems, lane_hidden = _start(interp_cls, jaxpr, gm, params, compiler_params, kernel_facts)
     call = _lay_out(interp, args, jaxpr, gm, params, input_output_aliases, sems, lane_hidden)

@@ -39,7 +39,6 @@ MISSING_PL = {
     "get_global": "global (cross-call) semaphores: not implemented yet",
     "lower_as_mlir": "JAX-internal debugging helper",
     "pallas_export_experimental": "JAX-internal export helper",
-    "select_ref": "Ref selection transform: not implemented yet",
     "semaphore": "semaphore dtype: our semaphores are int32 Refs in a semaphore memory space",
 }
 

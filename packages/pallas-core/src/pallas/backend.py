@@ -38,6 +38,7 @@ from pallas._src.errors import kernel_error as kernel_error
 from pallas._src.errors import record_runtime_error as record_runtime_error
 from pallas._src.errors import register_internal_dir as register_internal_dir
 from pallas._src.errors import user_source as user_source
+from pallas._src.helpers import SelectedRef as SelectedRef
 from pallas._src.interpret import grid_point as grid_point
 from pallas._src.interpret import num_steps as num_steps
 from pallas._src.interpret import uninitialized_value as uninitialized_value

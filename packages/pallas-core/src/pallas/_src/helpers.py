@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from pallas._src import primitives
+from pallas._src import errors, primitives
 
 
 def align_to(x: int, alignment: int) -> int:
@@ -34,3 +36,38 @@ def with_scoped(*types: Any, **kw_types: Any) -> Callable[[Callable[..., Any]], 
         return primitives.run_scoped(f, *types, **kw_types)
 
     return decorator
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectedRef:
+    """One of ``refs``, chosen by the traced scalar ``idx`` when the kernel runs
+    (``pl.select_ref``). DMAs take it as a source or destination."""
+
+    idx: Any
+    refs: tuple[Any, ...]
+
+
+def select_ref(idx: Any, *refs: Any) -> SelectedRef:
+    """Selects a Ref from ``refs`` by the runtime value of the scalar ``idx``
+    (0 the first), as JAX's ``pl.select_ref``: for DMA sources and
+    destinations (``pltpu.async_copy``, ``make_async_copy``, ``sync_copy``,
+    remote copies). The Refs, or ``.at[...]`` views of them, must have the same
+    shape, dtype and memory space. An ``idx`` out of range selects the last.
+
+    Args:
+      idx: an integer scalar (traced or not).
+      *refs: two or more Refs or views.
+
+    Returns:
+      A selected Ref, for the DMA helpers of a backend.
+    """
+    if len(refs) <= 1:
+        raise errors.kernel_error(ValueError, "At least two refs are required for pl.select_ref.")
+    idx = jnp.asarray(idx)
+    if idx.shape != () or not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise errors.kernel_error(
+            TypeError, f"pl.select_ref: idx must be an integer scalar, got {idx.dtype}{list(idx.shape)}"
+        )
+    if any(isinstance(r, SelectedRef) for r in refs):
+        raise errors.kernel_error(TypeError, "pl.select_ref: the Refs to select from cannot be selected Refs")
+    return SelectedRef(idx.astype(jnp.int32), tuple(refs))

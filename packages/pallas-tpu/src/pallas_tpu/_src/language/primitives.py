@@ -16,6 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import Primitive
 
 from pallas import backend as plb
@@ -147,6 +148,10 @@ class AsyncCopyDescriptor:
         self, src, dst, dst_sem, src_sem=None, device_id=None, device_id_type=DeviceIdType.MESH, *, what
     ):
         self.what = what
+        self._choices = None
+        if isinstance(src, plb.SelectedRef) or isinstance(dst, plb.SelectedRef):
+            self._select(src, dst, dst_sem, src_sem, device_id, device_id_type)
+            return
         s_ref, s_leaves, s_tree = plb.flatten_ref(src, f"{what} src_ref")
         d_ref, d_leaves, d_tree = plb.flatten_ref(dst, f"{what} dst_ref")
         s_aval = _view_aval(s_ref, s_leaves, s_tree)
@@ -183,6 +188,55 @@ class AsyncCopyDescriptor:
         self.shape, self.dtype = tuple(s_aval.shape), s_aval.dtype
         self.is_remote = device_id is not None
 
+    def _select(self, src, dst, dst_sem, src_sem, device_id, device_id_type):
+        """A DMA whose src or dst is a ``pl.select_ref``: one descriptor per choice,
+        the one the index names started (a ``lax.switch``, as JAX's lowering branches);
+        the wait, which only counts bytes, is the first choice's (all are alike)."""
+        srcs = src.refs if isinstance(src, plb.SelectedRef) else (src,)
+        dsts = dst.refs if isinstance(dst, plb.SelectedRef) else (dst,)
+        for name, refs in (("src_ref", srcs), ("dst_ref", dsts)):
+            kinds = []
+            for r in refs:
+                base, leaves, tree = plb.flatten_ref(r, f"{self.what} {name}")
+                aval = _view_aval(base, leaves, tree)
+                kinds.append(
+                    (tuple(aval.shape), np.dtype(aval.dtype).name, str(compat.get_aval(base).memory_space))
+                )
+            if len(set(kinds)) > 1:
+                shown = ", ".join(f"{d}{list(s)} in {m}" for s, d, m in dict.fromkeys(kinds))
+                raise _err(
+                    TypeError,
+                    f"{self.what}: Cannot select from Refs of different types: the {name} choices of "
+                    f"pl.select_ref must have one shape, dtype and memory space, got {shown}",
+                )
+        options = [
+            [
+                AsyncCopyDescriptor(s, d, dst_sem, src_sem, device_id, device_id_type, what=self.what)
+                for d in dsts
+            ]
+            for s in srcs
+        ]
+        first = options[0][0]
+        self.__dict__.update({k: v for k, v in first.__dict__.items() if k != "what"})
+        src_idx = src.idx if isinstance(src, plb.SelectedRef) else None
+        dst_idx = dst.idx if isinstance(dst, plb.SelectedRef) else None
+        self._choices = (src_idx, dst_idx, options)
+
+    def _start_selected(self, priority: int, add: bool) -> None:
+        src_idx, dst_idx, options = self._choices
+
+        def branch(idx, fns):
+            if idx is None:
+                return fns[0]()
+            # JAX's lowering tests idx == 0, == 1, ... in turn: any other value takes the last.
+            idx = jnp.where((idx < 0) | (idx >= len(fns)), len(fns) - 1, idx)
+            lax.switch(idx, fns)
+
+        def start_row(row):
+            branch(dst_idx, [lambda o=o: o.start(priority=priority, add=add) for o in row])
+
+        branch(src_idx, [lambda row=row: start_row(row) for row in options])
+
     @property
     def nbytes(self):
         """The bytes the DMA moves: an int, or a traced int32 when a size is traced."""
@@ -194,6 +248,9 @@ class AsyncCopyDescriptor:
         if add and self.is_remote:
             raise _err(NotImplementedError, f"{self.what}: remote DMAs that add (add=True) are not supported")
         self._add = bool(add)
+        if self._choices is not None:
+            self._start_selected(int(priority), bool(add))
+            return
         dma_start_p.bind(*self.flat, layout=self.layout, priority=int(priority), add=bool(add))
 
     def _wait(self, which: str) -> None:

@@ -315,6 +315,15 @@ def _bitcast_narrow(x, *, new_dtype):
 def _bitcast_widen(x, *, new_dtype):
     # (..., D // S) of S bits -> (...) of D bits.
     src, dst = _bits(x.dtype), _bits(new_dtype)
+    if src == 8:
+        # Each byte widened, masked, shifted into place by a vector of shifts and the parts summed
+        # (they are disjoint). The same bytes taken one by one, `(b & 0xff) << 16` and or-ed, came
+        # out 0 on a TPU v5e wherever the byte was 0x01-0x7f, from JAX's lowering too (Mosaic,
+        # 2026-12-06); this form ran right there.
+        n = dst // 8
+        u = lax.bitcast_convert_type(x, np.dtype("int8")).astype(np.int32) & np.int32(0xFF)
+        word = (u << jnp.arange(0, 8 * n, 8, dtype=np.int32)).sum(axis=-1)
+        return lax.bitcast_convert_type(word.astype(f"int{dst}"), new_dtype)
     u = lax.bitcast_convert_type(x, np.dtype(f"uint{src}")).astype(f"uint{dst}")
     word = u[..., 0]
     for j in range(1, dst // src):
@@ -333,18 +342,6 @@ def _bitcast_convert_type(ctx, x, new_dtype):
         raise NotImplementedError("bitcasts of bool are not supported")
     if src > dst:
         return lower_fun(_bitcast_narrow, ctx, x, new_dtype=np.dtype(new_dtype))
-    if src < dst and src == 8:
-        # Lowered as below, int8 -> int32 compiled (libtpu 0.0.42.1 and 0.0.48.1 emit the same
-        # LLO) but lost byte 2 wherever it was below 0x80 on a TPU v5e (2026-12-06), where
-        # run_mosaic and jnp agree on the right value: refused until a form is found that a chip
-        # runs right. 16 -> 32 bits ran right there.
-        raise NotImplementedError(
-            f"bitcast_convert_type from {np.dtype(aval.dtype).name} to {np.dtype(new_dtype).name}: widening "
-            "8-bit parts gave wrong values on a TPU v5e, so the Mosaic lowering refuses it (JAX's refuses "
-            "every change of width); pass the bytes packed in int32 words (bitcast outside the kernel) "
-            "and take them apart with shifts and masks or pltpu.unpack_elementwise, which ran right there, "
-            "or use pltpu.bitcast (Mosaic's packing along sublanes)"
-        )
     if src < dst:
         return lower_fun(_bitcast_widen, ctx, x, new_dtype=np.dtype(new_dtype))
     if out.shape:

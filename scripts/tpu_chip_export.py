@@ -2,7 +2,7 @@
 by our Mosaic lowering and by JAX's, for a TPU machine whose JAX is older than the oldest we
 support.
 
-    python scripts/tpu_chip_export.py --out build/tpu_chip_bundle
+    python scripts/tpu_chip_export.py --out build/tpu_chip_bundle [--probes]
 
 The lent TPU v5e has Python 3.11 with JAX 0.10.2 and libtpu 0.0.42.1 only, and no network;
 our packages need JAX 0.11.2 (Python 3.12), whose wheels are larger than a device call may
@@ -20,6 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "tpu")]
 
@@ -29,14 +31,64 @@ import tpu_chip_check as check  # noqa: E402
 t = check.t
 
 
+def _probes():
+    """(name, body, input, out_shape): the 8-bit widening probes of 2026-12-06. On the v5e,
+    ``(b & 0xff) << 16`` of byte 2 of an int8 [8, 128, 4] block came out 0 wherever the byte
+    was 0x01-0x7f, from JAX's lowering as from ours; the other forms came out right."""
+    jnp, np_ = chip_bundle.jax.numpy, np
+    rng = np_.random.default_rng(0)
+    x3 = jnp.asarray(rng.integers(-128, 128, (8, 128, 4)), jnp.int8)
+    x2 = jnp.asarray(rng.integers(-128, 128, (32, 128)), jnp.int8)
+    i32 = chip_bundle.jax.ShapeDtypeStruct((8, 128), jnp.int32)
+    u = lambda v: v.astype(jnp.int32) & 0xFF  # noqa: E731
+    yield (
+        "astype int32 of int8[32,128]",
+        lambda v: v.astype(jnp.int32),
+        x2,
+        chip_bundle.jax.ShapeDtypeStruct((32, 128), jnp.int32),
+    )
+    yield "byte 2 of int8[8,128,4] widened", lambda v: v[..., 2].astype(jnp.int32), x3, i32
+    yield "(byte 2 & 0xff) << 16 (wrong on the v5e)", lambda v: u(v[..., 2]) << 16, x3, i32
+    yield (
+        "bytes or-ed, each (b & 0xff) << 8j (wrong on the v5e)",
+        lambda v: u(v[..., 0]) | (u(v[..., 1]) << 8) | (u(v[..., 2]) << 16) | (u(v[..., 3]) << 24),
+        x3,
+        i32,
+    )
+
+
+def _add_probes(out, v5e) -> int:
+    from jax.experimental import pallas as jpl
+
+    import pallas as pl
+
+    n = 0
+    for name, body, x, out_shape in _probes():
+
+        def kernel(x_ref, o_ref, body=body):
+            o_ref[...] = body(x_ref[...])
+
+        chip_bundle.add(
+            out,
+            f"8-bit probe: {name}",
+            lambda kernel=kernel, x=x, s=out_shape: pl.pallas_call(kernel, out_shape=s)(x),
+            [chip_bundle.jax.jit(body)(x)],
+            theirs=lambda kernel=kernel, x=x, s=out_shape: jpl.pallas_call(kernel, out_shape=s)(x),
+            context=v5e,
+        )
+        n += 1
+    return n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="build/tpu_chip_bundle")
+    ap.add_argument("--probes", action="store_true", help="also the 8-bit widening probes (see _probes)")
     args = ap.parse_args()
     sys.meta_path.insert(0, t._PortedOpsFinder())
     # JAX's lowering asks the device for its TPU generation: a v5e is named.
     v5e = lambda: chip_bundle.jax.sharding.use_abstract_mesh(t.three_way.TPU_V5E)  # noqa: E731
-    n = 0
+    n = _add_probes(args.out, v5e) if args.probes else 0
     for name, run, refs in check._cases():
         stem = chip_bundle.add(
             args.out,

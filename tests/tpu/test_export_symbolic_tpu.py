@@ -75,3 +75,17 @@ def test_tpu_interpret_mode_says_it_needs_static_shapes():
         NotImplementedError, match=r"pallas_call 'kernel' at .*TPU interpret mode takes static shapes"
     ):
         jax.export.export(f, platforms=["cpu"])(jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def test_lower_as_mlir_gives_the_export_for_tpu():
+    shape = jax.export.symbolic_shape("8*n, 128")
+    arg = jax.ShapeDtypeStruct(shape, jnp.float32)
+    text = pl.lower_as_mlir(call, arg)
+    assert "jax.uses_shape_polymorphism = true" in text  # the export's module, for TPU
+    [module] = executor.custom_call_bodies(text)
+    x = jax.random.normal(jax.random.key(3), (24, 128))
+    # Only the row count is symbolic: one dynamic grid size (128 // 128 columns is static).
+    [out] = pltpu.run_mosaic(module, jnp.int32(3), x, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+    np.testing.assert_allclose(out, reference(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="blocks of symbolic shape are not supported"):
+        pl.lower_as_mlir(call, arg, dynamic_shapes=True)

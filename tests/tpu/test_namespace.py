@@ -37,7 +37,6 @@ MISSING_PL = {
     "Indirect": "indirect (gathered) block dims: not implemented yet",
     "enable_poison_buffers": "JAX-internal debugging switch",
     "get_global": "global (cross-call) semaphores: not implemented yet",
-    "lower_as_mlir": "JAX-internal debugging helper",
     "pallas_export_experimental": "JAX-internal export helper",
     "semaphore": "semaphore dtype: our semaphores are int32 Refs in a semaphore memory space",
 }

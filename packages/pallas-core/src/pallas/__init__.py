@@ -32,6 +32,7 @@ from pallas._src.core_map import core_map as core_map
 from pallas._src.cost_estimate import estimate_cost as estimate_cost
 from pallas._src.helpers import align_to as align_to
 from pallas._src.helpers import empty_ref_like as empty_ref_like
+from pallas._src.helpers import lower_as_mlir as lower_as_mlir
 from pallas._src.helpers import select_ref as select_ref
 from pallas._src.helpers import strides_from_shape as strides_from_shape
 from pallas._src.helpers import with_scoped as with_scoped

@@ -71,3 +71,31 @@ def select_ref(idx: Any, *refs: Any) -> SelectedRef:
     if any(isinstance(r, SelectedRef) for r in refs):
         raise errors.kernel_error(TypeError, "pl.select_ref: the Refs to select from cannot be selected Refs")
     return SelectedRef(idx.astype(jnp.int32), tuple(refs))
+
+
+def lower_as_mlir(
+    f: Callable[..., Any],
+    *args: Any,
+    dynamic_shapes: bool = False,
+    device: Any = None,
+    static_argnames: Sequence[str] = (),
+    platforms: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> str:
+    """The StableHLO text of ``f(*args, **kwargs)`` exported with ``jax.export`` for
+    ``platforms`` (default ``["tpu"]``), as JAX's ``pl.lower_as_mlir``: a debugging aid
+    (the kernels appear as their backend's custom calls), with no stability promise.
+    ``args`` may be arrays or ``jax.ShapeDtypeStruct``s, with symbolic dimensions
+    (``jax.export.symbolic_shape``) where the grid follows them.
+
+    ``dynamic_shapes=True`` (JAX: blocks whose shapes are symbolic) is not supported:
+    block shapes must be static here.
+    """
+    if dynamic_shapes:
+        raise NotImplementedError(
+            "pl.lower_as_mlir(dynamic_shapes=True): blocks of symbolic shape are not supported; "
+            "symbolic array shapes with static block shapes export without it"
+        )
+    jitted = jax.jit(f, device=device, static_argnames=tuple(static_argnames))
+    exported = jax.export.export(jitted, platforms=list(platforms or ["tpu"]))(*args, **kwargs)
+    return exported.mlir_module()

@@ -20,6 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -35,17 +37,16 @@ def _probes():
     """(name, body, input, out_shape): the 8-bit widening probes of 2026-12-06. On the v5e,
     ``(b & 0xff) << 16`` of byte 2 of an int8 [8, 128, 4] block came out 0 wherever the byte
     was 0x01-0x7f, from JAX's lowering as from ours; the other forms came out right."""
-    jnp, np_ = chip_bundle.jax.numpy, np
-    rng = np_.random.default_rng(0)
+    rng = np.random.default_rng(0)
     x3 = jnp.asarray(rng.integers(-128, 128, (8, 128, 4)), jnp.int8)
     x2 = jnp.asarray(rng.integers(-128, 128, (32, 128)), jnp.int8)
-    i32 = chip_bundle.jax.ShapeDtypeStruct((8, 128), jnp.int32)
+    i32 = jax.ShapeDtypeStruct((8, 128), jnp.int32)
     u = lambda v: v.astype(jnp.int32) & 0xFF  # noqa: E731
     yield (
         "astype int32 of int8[32,128]",
         lambda v: v.astype(jnp.int32),
         x2,
-        chip_bundle.jax.ShapeDtypeStruct((32, 128), jnp.int32),
+        jax.ShapeDtypeStruct((32, 128), jnp.int32),
     )
     yield "byte 2 of int8[8,128,4] widened", lambda v: v[..., 2].astype(jnp.int32), x3, i32
     yield "(byte 2 & 0xff) << 16 (wrong on the v5e)", lambda v: u(v[..., 2]) << 16, x3, i32
@@ -72,7 +73,7 @@ def _add_probes(out, v5e) -> int:
             out,
             f"8-bit probe: {name}",
             lambda kernel=kernel, x=x, s=out_shape: pl.pallas_call(kernel, out_shape=s)(x),
-            [chip_bundle.jax.jit(body)(x)],
+            [jax.jit(body)(x)],
             theirs=lambda kernel=kernel, x=x, s=out_shape: jpl.pallas_call(kernel, out_shape=s)(x),
             context=v5e,
         )
@@ -87,7 +88,7 @@ def main() -> int:
     args = ap.parse_args()
     sys.meta_path.insert(0, t._PortedOpsFinder())
     # JAX's lowering asks the device for its TPU generation: a v5e is named.
-    v5e = lambda: chip_bundle.jax.sharding.use_abstract_mesh(t.three_way.TPU_V5E)  # noqa: E731
+    v5e = lambda: jax.sharding.use_abstract_mesh(t.three_way.TPU_V5E)  # noqa: E731
     n = _add_probes(args.out, v5e) if args.probes else 0
     for name, run, refs in check._cases():
         stem = chip_bundle.add(

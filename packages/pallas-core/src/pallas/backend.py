@@ -17,6 +17,8 @@ from pallas._src.call import KernelFacts as KernelFacts
 from pallas._src.call import PallasCall as PallasCall
 from pallas._src.call import kernel_facts as kernel_facts
 from pallas._src.compat import broadcast_to_p as broadcast_to_p
+from pallas._src.compat import lax_primitive as lax_primitive
+from pallas._src.compat import register_discharge_rule as register_discharge_rule
 from pallas._src.core import ANY as ANY
 from pallas._src.core import Blocked as Blocked
 from pallas._src.core import BlockMapping as BlockMapping

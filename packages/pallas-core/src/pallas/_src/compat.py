@@ -9,6 +9,7 @@ these breaks this file only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,8 @@ Jaxpr = jax_core.Jaxpr
 # JAX 0.11 folded ClosedJaxpr into Jaxpr (keeping an alias); 0.12 dropped the alias.
 ClosedJaxpr = getattr(jax_core, "ClosedJaxpr", jax_core.Jaxpr)
 _HAS_CLOSED_JAXPR = hasattr(jax_core, "ClosedJaxpr")
+# JAX < 0.11: a ClosedJaxpr wraps a Jaxpr and its consts (0.11's alias is Jaxpr itself).
+CLOSED_JAXPR_WRAPS = ClosedJaxpr is not jax_core.Jaxpr
 
 
 def close_jaxpr(jaxpr):
@@ -53,15 +56,145 @@ def close_jaxpr(jaxpr):
 
 Literal = jax_core.Literal
 Var = jax_core.Var
-register_discharge_rule = state_discharge.register_discharge_rule
+_HAS_DISCHARGE_CONTEXT = hasattr(state_discharge, "DischargeContext")
+
+
+@dataclasses.dataclass(frozen=True)
+class _DischargeContext:
+    """JAX 0.11's ``DischargeContext``, built for the rules on older JAX."""
+
+    in_avals: Sequence[Any]
+    out_avals: Sequence[Any]
+    should_discharge: Sequence[bool]
+    strip_memory_space: bool = False
+
+
+def register_discharge_rule(prim):
+    """Decorator: ``rule(ctx, *args, **params)`` is the state discharge rule of
+    ``prim`` on every supported JAX. ``ctx`` has ``in_avals``, ``out_avals`` and
+    ``should_discharge`` (JAX 0.11's ``DischargeContext``); JAX 0.10 calls a
+    partial discharge rule as ``rule(should_discharge, in_avals, out_avals, ...)``."""
+
+    def deco(rule):
+        if _HAS_DISCHARGE_CONTEXT:
+            state_discharge.register_discharge_rule(prim)(rule)
+        else:
+
+            def partial_rule(should_discharge, in_avals, out_avals, *args, **params):
+                ctx = _DischargeContext(tuple(in_avals), tuple(out_avals), tuple(should_discharge))
+                return rule(ctx, *args, **params)
+
+            state_discharge.register_partial_discharge_rule(prim)(partial_rule)
+        return rule
+
+    return deco
+
+
 # ``run_state(f)(init)``: runs ``f`` over Refs holding ``init`` and returns their final
 # values. JAX's state primitive (not part of its Pallas); every JAX rule for it
 # (discharge, AD, vmap, lowering) comes with it, so it works inside kernels too.
 run_state = state_discharge.run_state
-register_neutral_memory_space = state_discharge.register_neutral_memory_space
+
+
+def lax_primitive(name: str):
+    """``jax.lax``'s primitive ``name``, or None where the installed JAX lacks it
+    (JAX 0.10 has no ``log2_p`` or ``one_minus_square_p``: log2 and the tanh
+    derivative trace to other primitives there). Rule tables skip None."""
+    import jax
+
+    return getattr(jax.lax, name, None)
+
+
+def register_neutral_memory_space(memory_space) -> None:
+    """Tells state discharge that values in ``memory_space`` need no memory-space
+    constraint. JAX < 0.11's discharge ignores memory spaces: nothing to register."""
+    register = getattr(state_discharge, "register_neutral_memory_space", None)
+    if register is not None:
+        register(memory_space)
+
+
 no_effects = jax_core.no_effects
-eval_jaxpr = jax_core.eval_jaxpr
-jaxpr_as_fun = jax_core.jaxpr_as_fun
+
+
+def eval_jaxpr(jaxpr, consts, *args):
+    """``jax.core.eval_jaxpr``; on JAX < 0.11 with every ``closed_call`` inlined
+    (``_inline_calls``)."""
+    if CLOSED_JAXPR_WRAPS and _has_closed_call(jaxpr):
+        return _eval_inlining(jaxpr, consts, args)
+    return jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def jaxpr_as_fun(closed):
+    """``jax.core.jaxpr_as_fun``; on JAX < 0.11 with every ``closed_call`` inlined."""
+    if CLOSED_JAXPR_WRAPS and _has_closed_call(closed):
+        return lambda *args: _eval_inlining(closed.jaxpr, closed.consts, args)
+    return jax_core.jaxpr_as_fun(closed)
+
+
+# JAX 0.10's vmap of a ``closed_call`` (which its scan partial eval emits for a
+# fori_loop's loop-invariant part) adds a ``name`` parameter that its own jaxpr
+# checker then refuses (``_check_closed_call() got an unexpected keyword argument
+# 'name'`` under jax_enable_checks). Interpret mode vmaps kernel bodies, so on
+# that JAX the bodies it evaluates have their closed_calls inlined, at every depth.
+
+
+def _has_closed_call(jaxpr) -> bool:
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in inner.eqns:
+        if eqn.primitive is jax_core.closed_call_p:
+            return True
+        for v in eqn.params.values():
+            subs = v if isinstance(v, (tuple, list)) else (v,)
+            if any(_is_jaxpr(x) and _has_closed_call(x) for x in subs):
+                return True
+    return False
+
+
+def _inline_calls(closed):
+    """A closed jaxpr computing what ``closed`` does, with no ``closed_call``."""
+    if not _has_closed_call(closed):
+        return closed
+    fun = lu.wrap_init(
+        lambda *args: _eval_inlining(closed.jaxpr, closed.consts, args), debug_info=closed.jaxpr.debug_info
+    )
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(fun, closed.in_avals)
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def _inline_param(v):
+    if isinstance(v, ClosedJaxpr):
+        return _inline_calls(v)
+    if isinstance(v, tuple) and any(isinstance(x, ClosedJaxpr) for x in v):
+        return tuple(_inline_param(x) for x in v)
+    return v
+
+
+def _eval_inlining(jaxpr, consts, args):
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if eqn.primitive is jax_core.closed_call_p:
+            call = eqn.params["call_jaxpr"]
+            outs = _eval_inlining(call.jaxpr, call.consts, ins)
+        else:
+            params = {k: _inline_param(v) for k, v in eqn.params.items()}
+            bind_params = eqn.primitive.get_bind_params(params)  # JAX 0.10: the params, subfuns inside
+            with source_info_util.user_context(
+                eqn.source_info.traceback, name_stack=eqn.source_info.name_stack
+            ):
+                outs = eqn.primitive.bind(*ins, **bind_params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, x in zip(eqn.outvars, outs):
+            if not isinstance(v, jax_core.DropVar):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
 
 
 def is_symbolic_dim(d) -> bool:
@@ -246,7 +379,7 @@ def map_eqns(jaxpr, fn, drop_effects=frozenset()):
     """A copy of ``jaxpr`` (and of every jaxpr in its equations' params) with
     each equation replaced by ``fn(eqn)`` and ``drop_effects`` removed."""
     inner = getattr(jaxpr, "jaxpr", jaxpr)
-    if inner is not jaxpr and not hasattr(jaxpr, "eqns"):  # a ClosedJaxpr wrapper (older JAX)
+    if CLOSED_JAXPR_WRAPS and isinstance(jaxpr, ClosedJaxpr):  # a ClosedJaxpr wrapper (JAX < 0.11)
         return jaxpr.replace(jaxpr=map_eqns(inner, fn, drop_effects))
 
     def param(v):

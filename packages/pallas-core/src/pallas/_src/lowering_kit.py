@@ -44,11 +44,13 @@ class RuleTable(dict):
         self.backend = backend
 
     def register(self, *prims) -> Callable[[Rule], Rule]:
-        """Decorator: the rule lowers each of ``prims``."""
+        """Decorator: the rule lowers each of ``prims`` (a None, a primitive the
+        installed JAX lacks: ``pallas.backend.lax_primitive``, is skipped)."""
 
         def decorator(rule: Rule) -> Rule:
             for p in prims:
-                self[p] = rule
+                if p is not None:
+                    self[p] = rule
             return rule
 
         return decorator

@@ -23,6 +23,8 @@ from jax._src.state import indexing as state_indexing
 from jax._src.state import primitives as state_primitives
 from jax._src.state import types as state_types
 
+from pallas import backend as plb
+
 Literal = jax_core.Literal
 Var = jax_core.Var
 DropVar = jax_core.DropVar
@@ -94,16 +96,13 @@ def scan_counts(params: dict) -> tuple[int, int]:
 
 def register_discharge_rule(prim: Any):
     """Registers ``rule(in_avals, out_avals, *args, **params)`` as the state
-    discharge rule of ``prim``. JAX 0.11 calls rules as ``rule(ctx, *args)``
-    with a ``DischargeContext``; older JAX as ``rule(in_avals, out_avals, *args)``."""
+    discharge rule of ``prim`` (pallas-core adapts it to the installed JAX)."""
 
     def deco(rule):
-        def adapted(first, *args, **params):
-            if hasattr(first, "in_avals"):
-                return rule(first.in_avals, first.out_avals, *args, **params)
-            return rule(first, *args, **params)
+        def adapted(ctx, *args, **params):
+            return rule(ctx.in_avals, ctx.out_avals, *args, **params)
 
-        state_discharge.register_discharge_rule(prim)(adapted)
+        plb.register_discharge_rule(prim)(adapted)
         return rule
 
     return deco

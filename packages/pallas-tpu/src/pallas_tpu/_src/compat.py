@@ -54,10 +54,9 @@ def axis_sizes() -> dict:
 
 
 def register_discharge_rule(prim):
-    """Decorator: the state-discharge rule of a primitive with Ref effects."""
-    from jax._src.state import discharge as state_discharge
-
-    return state_discharge.register_discharge_rule(prim)
+    """Decorator: the state-discharge rule ``rule(ctx, *args, **params)`` of a
+    primitive with Ref effects (pallas-core adapts it to the installed JAX)."""
+    return plb.register_discharge_rule(prim)
 
 
 def typeof(x):
@@ -278,6 +277,7 @@ def lower_mosaic_to_custom_call(ctx, *in_nodes, module, out_avals, kernel_name, 
     side = config.pop("has_side_effects", False)
     if not isinstance(side, bool):
         side = tpu_custom_call.TpuSideEffectType[side.name]
+    config = _supported_custom_call_config(tpu_custom_call.lower_module_to_custom_call, kernel_name, config)
     return tpu_custom_call.lower_module_to_custom_call(
         ctx,
         *in_nodes,
@@ -287,6 +287,27 @@ def lower_mosaic_to_custom_call(ctx, *in_nodes, module, out_avals, kernel_name, 
         has_side_effects=side,
         **config,
     )
+
+
+def _supported_custom_call_config(fn, kernel_name, config: dict) -> dict:
+    """``config`` without the keywords the installed JAX's ``lower_module_to_custom_call``
+    lacks (JAX 0.10 has no ``opt_level`` or ``collective_id_tag``) when they hold their
+    defaults; a set one is refused, naming the kernel and the JAX that has it."""
+    import inspect
+
+    import jax
+
+    accepted = inspect.signature(fn).parameters
+    out = {}
+    for key, value in config.items():
+        if key in accepted:
+            out[key] = value
+        elif value not in (None, False, 0, (), {}):
+            raise NotImplementedError(
+                f"pallas_tpu: kernel {kernel_name!r} sets {key}={value!r}, which the installed "
+                f"JAX {jax.__version__} cannot pass to the TPU custom call: it needs JAX >= 0.11.2"
+            )
+    return out
 
 
 def mesh_axes(ctx) -> tuple[tuple[str, int], ...]:

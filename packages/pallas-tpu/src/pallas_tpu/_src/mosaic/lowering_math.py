@@ -388,7 +388,7 @@ def _stochastic_round(ctx, x, random_bits, *, target_dtype):
 # reciprocal
 
 
-@register_lowering(lax.log2_p)
+@register_lowering(plb.lax_primitive("log2_p"))
 def _log2(ctx, x, **_):
     return math.log2(x)
 
@@ -398,7 +398,7 @@ def _stop_gradient(ctx, x):
     return x
 
 
-@register_lowering(lax.one_minus_square_p)
+@register_lowering(plb.lax_primitive("one_minus_square_p"))
 def _one_minus_square(ctx, x, **_):
     return lower_fun(lambda v: (1 + v) * (1 - v), ctx, x)
 
@@ -473,11 +473,45 @@ def _mulhi(ctx, x, y):
     return lower_fun(_mulhi_32, ctx, x, y, avals_in=[out, out])
 
 
+def _reduce_precision_f32(x, *, exponent_bits, mantissa_bits):
+    """XLA's ``reduce_precision`` of float32 ``x`` in int32 bit operations: the mantissa
+    rounded to nearest, ties to even; beyond the new exponent range, +-inf; at or
+    below its smallest exponent (its subnormals), +-0; NaNs kept as they are."""
+    xi = lax.bitcast_convert_type(x, jnp.int32)
+    is_nan = (xi & np.int32(0x7FFFFFFF)) > np.int32(0x7F800000)
+    if mantissa_bits < 23:
+        drop = 23 - mantissa_bits
+        last_kept = lax.shift_right_logical(xi & np.int32(1 << drop), np.int32(drop))
+        xi = (xi + last_kept + np.int32((1 << (drop - 1)) - 1)) & np.int32(-(1 << drop))
+    if exponent_bits < 8:
+        bias = (1 << (exponent_bits - 1)) - 1
+        exponent = xi & np.int32(0x7F800000)
+        signed_zero = xi & np.int32(-(2**31))
+        xi = jnp.where(exponent > np.int32((127 + bias) << 23), signed_zero | np.int32(0x7F800000), xi)
+        xi = jnp.where(exponent <= np.int32((127 - bias) << 23), signed_zero, xi)
+    return jnp.where(is_nan, x, lax.bitcast_convert_type(xi, jnp.float32))
+
+
+# jaxlib < 0.11.2's Mosaic bindings have no tpu.reduce_precision.
+_TPU_REDUCE_PRECISION = getattr(tpu, "reduce_precision", None)
+
+
 @register_lowering(lax.reduce_precision_p)
 def _reduce_precision(ctx, x, *, exponent_bits, mantissa_bits):
     if not ctx.avals_in[0].shape:
         raise NotImplementedError("reduce_precision of a scalar; Mosaic's op takes vectors")
-    return tpu.reduce_precision(x, exponent_bits, mantissa_bits)
+    if _TPU_REDUCE_PRECISION is not None:
+        return _TPU_REDUCE_PRECISION(x, exponent_bits, mantissa_bits)
+    dtype = np.dtype(ctx.avals_in[0].dtype)
+    if dtype != np.float32:
+        import jaxlib
+
+        raise NotImplementedError(
+            f"reduce_precision of {dtype.name} needs Mosaic's tpu.reduce_precision, which jaxlib "
+            f"{jaxlib.__version__} lacks: it needs JAX/jaxlib >= 0.11.2 (float32 is lowered with "
+            "integer operations)"
+        )
+    return lower_fun(_reduce_precision_f32, ctx, x, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits)
 
 
 @register_lowering(vp.reciprocal_p)

@@ -27,6 +27,12 @@ def pytest_configure(config):
     # pytest-xdist starts its workers, which inherit it.
     if not os.environ.get("PALLAS_TPU_COMPILE_REPORT"):
         os.environ["PALLAS_TPU_COMPILE_REPORT"] = tempfile.mkdtemp(prefix="pallas-tpu-compiles-")
+    import jax
+
+    if jax.default_backend() == "tpu":
+        # On a chip (scripts/tpu_check.sh) the tests' jnp references run there too: f32
+        # dots at full precision, as on a CPU (a TPU's default takes bf16 passes).
+        jax.config.update("jax_default_matmul_precision", "highest")
     config.addinivalue_line(
         "markers",
         "interpret_only(reason): checks TPU-interpret-mode-only behaviour, so it does not run three ways",
@@ -43,10 +49,21 @@ def pytest_terminal_summary(terminalreporter):
             rows += [json.loads(line) for line in fh if line.strip()]
     if not rows:
         return
+    tr = terminalreporter
+    on_chip = [r for r in rows if r["chip"] == "chip"]
+    rows = [r for r in rows if r["chip"] != "chip"]
+    if on_chip:
+        tr.section("TPU kernels run on this chip (the compiled way): ours against JAX's lowering")
+        agreement = collections.Counter(r["agreement"].split(" (")[0] for r in on_chip)
+        tr.write_line(f"{len(on_chip)} kernels: " + ", ".join(f"{k} {v}" for k, v in agreement.most_common()))
+        for r in on_chip:
+            if not r["agreement"].startswith(("equal", "close")):
+                tr.write_line(f"  {r['test']}: {r['agreement']}")
     by = collections.defaultdict(dict)  # (chip, test) -> lowering -> outcome
     for r in rows:
         by[r["chip"], r["test"]][r["lowering"]] = r["outcome"]
-    tr = terminalreporter
+    if not by:
+        return
     tr.section("TPU kernels compiled by libtpu (the compiled way)")
     for chip in sorted({c for c, _ in by}):
         tests = [v for (c, _), v in by.items() if c == chip]

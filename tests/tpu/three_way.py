@@ -102,13 +102,32 @@ def jax_namespaces():
     return jpl, jtpu
 
 
-def ways(*, dma=False, ours_xfail=None, jax_skip=None, jax_xfail=None, raises=None, compiled_xfail=None):
+# JAX 0.10.2, the oldest supported (Python 3.11's, the lent v5e's), comes with libtpu 0.0.42.1,
+# whose Mosaic compiler refuses some forms that of JAX 0.11.2 (libtpu 0.0.48.1) takes, and its
+# Pallas lacks some of the features ours has.
+OLD_JAX = jax.__version_info__ < (0, 11)
+
+
+def ways(
+    *,
+    dma=False,
+    ours_xfail=None,
+    jax_skip=None,
+    jax_xfail=None,
+    raises=None,
+    compiled_xfail=None,
+    old_mosaic=None,
+    old_jax_skip=None,
+):
     """``WAYS`` (``DMA_WAYS`` when ``dma``) for ``parametrize("way", ...)``:
     ``ours_xfail`` names a gap of our lowering or executor (a strict xfail,
     ``raises`` the exception expected; the compiled way too), ``jax_xfail`` a gap of ``run_mosaic``
     on JAX's module (a strict xfail), ``jax_skip`` why JAX's lowering does not
     support the kernel on TPU (that way skipped), ``compiled_xfail`` why Mosaic
-    (libtpu) refuses our module (a strict xfail of the compiled way)."""
+    (libtpu) refuses our module (a strict xfail of the compiled way). On JAX 0.10
+    (``OLD_JAX``): ``old_mosaic`` why its libtpu's Mosaic refuses our module (a strict
+    xfail of the compiled way, on the CPU and on the chip), ``old_jax_skip`` why its
+    Pallas cannot run the kernel (JAX's way skipped)."""
     import pytest
 
     marks = {}
@@ -117,11 +136,32 @@ def ways(*, dma=False, ours_xfail=None, jax_skip=None, jax_xfail=None, raises=No
         marks["compiled"] = marks["ours"]
     if compiled_xfail:
         marks["compiled"] = pytest.mark.xfail(strict=True, raises=MosaicCompileError, reason=compiled_xfail)
+    if OLD_JAX and old_mosaic:
+        marks["compiled"] = pytest.mark.xfail(
+            strict=True,
+            raises=MosaicCompileError,
+            reason=f"libtpu 0.0.42.1 (JAX 0.10.2's) refuses it: {old_mosaic}",
+        )
     if jax_skip:
         marks["jax"] = pytest.mark.skip(reason=f"JAX's Mosaic lowering: {jax_skip}")
+    if OLD_JAX and old_jax_skip:
+        marks["jax"] = pytest.mark.skip(reason=f"JAX 0.10's Pallas: {old_jax_skip}")
     if jax_xfail:
         marks["jax"] = pytest.mark.xfail(strict=True, reason=jax_xfail)
     return [pytest.param(w, marks=marks.get(w, ()), id=w) for w in (DMA_WAYS if dma else WAYS)]
+
+
+def expect_old_mosaic_refusal(mode, call, match=None) -> bool:
+    """On JAX 0.10 (``OLD_JAX``) in the compiled way: asserts that ``call()`` raises
+    ``MosaicCompileError`` (libtpu 0.0.42.1's Mosaic refuses a form that 0.0.48.1's
+    takes; on the chip too) and returns True; elsewhere returns False without calling."""
+    import pytest
+
+    if not (OLD_JAX and mode == "compiled"):
+        return False
+    with pytest.raises(MosaicCompileError, match=match):
+        call()
+    return True
 
 
 def namespaces(mode):
@@ -152,6 +192,8 @@ def run(build, args, mode, num_cores=1, **interpret_params):
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
             return jax.jit(f)(*args)
     compiled = mode == "compiled"
+    if compiled and ON_CHIP:
+        return run_on_chip(build, args, num_cores)
     if compiled:
         compile_both(
             build, args, tuple(dict.fromkeys(COMPILE_CHIPS + (MEGACORE_CHIPS if num_cores == 2 else ())))
@@ -164,6 +206,83 @@ def run(build, args, mode, num_cores=1, **interpret_params):
     if compiled and num_cores == 1 and os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
         _add_to_chip_bundle(build, args, outs)
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+
+# On a TPU (the lent v5e: scripts/tpu_check.sh) the compiled way compiles with the chip's own
+# libtpu and runs there: our lowering's outputs go to the test's jnp comparison, and JAX's
+# lowering of the same kernel, compiled and run beside it, is compared with ours in the report.
+ON_CHIP = jax.default_backend() == "tpu"
+
+
+def run_on_chip(build, args, num_cores=1):
+    """The compiled way on a TPU: ``build``'s kernel lowered by us, compiled and run on
+    the chip; JAX's lowering of it run beside ours, the difference recorded (never
+    asserted: the test compares ours with jnp)."""
+    import pytest
+
+    chip_cores = getattr(jax.devices()[0], "num_cores", 1) or 1
+    if num_cores > chip_cores:
+        pytest.skip(
+            f"needs a TPU with {num_cores} TensorCores; {jax.devices()[0].device_kind} has {chip_cores}"
+        )
+    try:
+        ours = jax.block_until_ready(jax.jit(build(pl, pltpu))(*args))
+    except Exception as e:
+        # Which lowering the chip's Mosaic refuses: ours only, or JAX's too (the chip's
+        # libtpu lacks the feature)? Recorded, then ours' error fails the test.
+        _record(
+            "chip",
+            "ours",
+            "failed",
+            None,
+            agreement=f"ours failed ({_first_line(e)}); JAX's: {_jax_on_chip(build, args)}",
+        )
+        if "Mosaic failed to compile" in str(e):
+            raise MosaicCompileError.from_libtpu(e, jax.devices()[0].device_kind, []) from e
+        raise
+    try:
+        theirs = jax.block_until_ready(jax.jit(build(*jax_namespaces()))(*args))
+        outcome = _chip_agreement(ours, theirs)
+    except Exception as e:  # JAX's lowering refuses the kernel, or Mosaic refuses JAX's module
+        outcome = f"JAX's failed: {_first_line(e)}"
+    _record("chip", "ours", "ran", None, agreement=outcome)
+    return ours
+
+
+def _first_line(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("---")]
+    text = next((ln for ln in lines if "Mosaic failed" in ln or "Error" in ln), lines[0] if lines else "")
+    return f"{type(e).__name__}: {text[:160]}"
+
+
+def _jax_on_chip(build, args) -> str:
+    try:
+        jax.block_until_ready(jax.jit(build(*jax_namespaces()))(*args))
+        return "ran"
+    except Exception as e:
+        return f"failed ({_first_line(e)})"
+
+
+def _chip_agreement(ours, theirs) -> str:
+    """'equal' (bit for bit), 'close (max rel R)' or 'differ (max rel R)': ours against
+    JAX's lowering on the chip, over every output."""
+    worst, equal = 0.0, True
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind in "iub" or a.size == 0:
+            equal &= bool(np.array_equal(a, b))
+            worst = max(worst, 0.0 if np.array_equal(a, b) else 1.0)
+            continue
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        same = np.array_equal(a64, b64, equal_nan=True)
+        equal &= bool(same)
+        if not same:
+            scale = max(float(np.nanmax(np.abs(b64))) if np.isfinite(b64).any() else 1.0, 1e-30)
+            diff = np.abs(a64 - b64)
+            worst = max(worst, float(np.nanmax(np.where(np.isnan(a64) & np.isnan(b64), 0, diff))) / scale)
+    if equal:
+        return "equal"
+    return f"{'close' if worst <= 1e-2 else 'differ'} (max rel {worst:.2g})"
 
 
 def _add_to_chip_bundle(build, args, outs):
@@ -197,6 +316,7 @@ def compile_both(build, args, chips, mesh=None, spec=None):
     if not compile_check.libtpu_available():
         pytest.skip('the compiled way needs libtpu: pip install "jax[tpu]"')
     for chip in chips:
+        refused = None  # ours' MosaicCompileError, raised once JAX's outcome is recorded too
         for mode in ("ours", "jax"):
             f = build(*namespaces(mode))
             if mesh is not None:
@@ -213,13 +333,14 @@ def compile_both(build, args, chips, mesh=None, spec=None):
                 if any(gap in str(e) for gap in GENERATION_GAPS.get(chip, ())):
                     outcome = "lacks the feature"
                 elif mode == "ours":
-                    _record(chip, mode, outcome, None)
-                    raise
+                    refused = e
             except Exception:  # JAX's lowering refuses the kernel
                 if mode == "ours":
                     raise
                 outcome = "refused by its lowering"
             _record(chip, mode, outcome, llo)
+        if refused is not None:
+            raise refused
 
 
 def _chip_context(chip, single_device):
@@ -248,7 +369,7 @@ def _sharded_for_chip(f, args, chip, mesh_shape, spec):
     return (lambda *a: g(*a)), placed
 
 
-def _record(chip, mode, outcome, llo):
+def _record(chip, mode, outcome, llo, **extra):
     """One line per compile in $PALLAS_TPU_COMPILE_REPORT/<worker>.jsonl (conftest sums
     them; benchmarks/tpu_llo.py reads the LLO counts, per kernel in program order)."""
     folder = os.environ.get("PALLAS_TPU_COMPILE_REPORT")
@@ -257,7 +378,7 @@ def _record(chip, mode, outcome, llo):
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(os.path.join(folder, f"{worker}.jsonl"), "a") as fh:
-        row = dict(test=test, chip=chip, lowering=mode, outcome=outcome, llo=llo)
+        row = dict(test=test, chip=chip, lowering=mode, outcome=outcome, llo=llo, **extra)
         fh.write(json.dumps(row) + "\n")
 
 
@@ -354,6 +475,10 @@ def run_sharded(build, x, mode, num_devices, input_output_aliases=(), **interpre
     n = int(np.prod(shape))
     names = ("x", "y", "z", "w")[: len(shape)]
     spec = P(names[0]) if len(shape) == 1 else P(names)
+    if mode == "compiled" and ON_CHIP and len(jax.devices()) < n:
+        import pytest
+
+        pytest.skip(f"needs {n} TPU devices; this machine has {len(jax.devices())}")
     if mode == "compiled":
         compile_both(build, [x], COMPILE_CHIPS, mesh=shape, spec=spec)
         mode = "ours"

@@ -27,12 +27,6 @@ def pytest_configure(config):
     # pytest-xdist starts its workers, which inherit it.
     if not os.environ.get("PALLAS_TPU_COMPILE_REPORT"):
         os.environ["PALLAS_TPU_COMPILE_REPORT"] = tempfile.mkdtemp(prefix="pallas-tpu-compiles-")
-    import jax
-
-    if jax.default_backend() == "tpu":
-        # On a chip (scripts/tpu_check.sh) the tests' jnp references run there too: f32
-        # dots at full precision, as on a CPU (a TPU's default takes bf16 passes).
-        jax.config.update("jax_default_matmul_precision", "highest")
     config.addinivalue_line(
         "markers",
         "interpret_only(reason): checks TPU-interpret-mode-only behaviour, so it does not run three ways",

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental.pallas import tpu as jpltpu
-from three_way import WAYS, run, ways
+from three_way import ON_CHIP, WAYS, run, ways
 
 import pallas as pl
 import pallas_tpu
@@ -162,7 +162,12 @@ def test_prng_without_seed_and_with_python_seeds(way):
         return pl.pallas_call(kernel, out_shape=_sds((2, 8, 128)))
 
     out, out2 = run(build, (), way), run(build, (), way)
-    np.testing.assert_array_equal(out, out2)
+    # Unseeded, the interpreters (ours and JAX's) and run_mosaic start from a fixed state; a
+    # chip's generator holds whatever the last kernel left there (the TPU v5e, 2026-12-06: the
+    # unseeded half differed between two calls), so there only the seeded bits repeat.
+    np.testing.assert_array_equal(
+        out[1:] if way == "compiled" and ON_CHIP else out, out2[1:] if way == "compiled" and ON_CHIP else out2
+    )
     assert np.mean(out[0] == out[1]) < 0.01
 
 
@@ -225,7 +230,8 @@ def test_stateful_samplers_distributions(sampler, way, rng):
     assert out.dtype == dtype and check(out), (sampler, way)
     # The Mosaic ways execute the hardware PRNG as the interpreter models it: the same
     # bits, so the same samples (to a few ulps: erf_inv is a polynomial in each lowering).
-    if way != "interpret":
+    # A chip's generator is its own (the compiled way there compares ours with JAX's lowering).
+    if way != "interpret" and not (way == "compiled" and ON_CHIP):
         expect = np.asarray(run(build, (seed,), "interpret"))
         np.testing.assert_allclose(out.astype(np.float64), expect.astype(np.float64), rtol=0, atol=1e-6)
 

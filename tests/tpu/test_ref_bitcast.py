@@ -18,7 +18,7 @@ from jax import lax
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import run, ways  # noqa: E402
+from three_way import OLD_JAX, run, ways  # noqa: E402
 
 import pallas as pl  # noqa: E402
 import pallas_tpu as pltpu  # noqa: E402
@@ -130,6 +130,12 @@ def test_width_changing_read_and_write(case, mode):
     same_bits(back, want_back)
 
 
+# JAX 0.10.2's discharge interpreter (interpret=True) has no rule for a bitcast view.
+_OLD_JAX_INTERPRET = (
+    'JAX 0.10\'s interpret=True refuses a Ref bitcast ("Unsupported transform: BitcastTransform")'
+)
+
+
 @pytest.mark.parametrize("case", SAME_WIDTH + WIDTH_CHANGING, ids=_id)
 def test_as_jax_interprets_it(case):
     # JAX's reference is its discharge interpreter (interpret=True): JAX's TPU interpret
@@ -140,15 +146,23 @@ def test_as_jax_interprets_it(case):
 
     shape, src, dst = case
     args = read_write_args(sum(shape) + 2, shape, src, dst)
-    theirs = jax.jit(build_read_write(jpl, jpltpu, shape=shape, src=src, dst=dst, interpret=True))(*args)
+    want = read_write_expected(*args)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         ours = jax.jit(build_read_write(pl, pltpu, shape=shape, src=src, dst=dst))(*args)
-    core = jax.jit(build_read_write(pl, pltpu, shape=shape, src=src, dst=dst, interpret=True))(*args)
-    same_bits(theirs[0], read_write_expected(*args)[0])
-    same_bits(theirs[1], read_write_expected(*args)[1])
-    for a, b, c in zip(ours, theirs, core):
+    for a, w in zip(ours, want, strict=True):
+        same_bits(a, w)
+    core = jax.jit(build_read_write(pl, pltpu, shape=shape, src=src, dst=dst, interpret=True))
+    if OLD_JAX:
+        # pallas-core's interpret=True discharges the kernel's state with JAX's rules, which
+        # in JAX 0.10 have none for a bitcast view: refused, as JAX's own interpret=True.
+        with pytest.raises(NotImplementedError, match="Unsupported transform: BitcastTransform"):
+            core(*args)
+        pytest.skip(f"the comparison with JAX: {_OLD_JAX_INTERPRET} (ours: TPU interpret mode matched jnp)")
+    for c, w in zip(core(*args), want, strict=True):
+        same_bits(c, w)
+    theirs = jax.jit(build_read_write(jpl, jpltpu, shape=shape, src=src, dst=dst, interpret=True))(*args)
+    for a, b in zip(theirs, want, strict=True):
         same_bits(a, b)
-        same_bits(c, b)
 
 
 # -- bitcasts with other views -------------------------------------------------
@@ -175,9 +189,19 @@ def build_with_indexers(pl, pltpu, interpret=None):
 
 
 def with_indexers_expected(x):
-    v = tpu_bitcast(x, jnp.bfloat16)  # (2, 32, 128)
+    # In uint16, the bits of the bfloat16 view: JAX 0.10's CPU concatenate of bfloat16
+    # quiets NaN payloads (0xffc0 for 0xffaf), where a kernel's copies keep them.
+    v = tpu_bitcast(x, jnp.uint16)  # (2, 32, 128)
     p = v[1, 16:32]
-    return jnp.stack([v[1], v[0], v[0].at[0:16].set(p)]), p
+    o = jnp.stack([v[1], v[0], v[0].at[0:16].set(p)])
+    return lax.bitcast_convert_type(o, jnp.bfloat16), lax.bitcast_convert_type(p, jnp.bfloat16)
+
+
+def quiet_nans(x):
+    """bfloat16 ``x`` with each NaN the quiet one of its sign (0x7fc0, 0xffc0)."""
+    u = np.asarray(x).view(np.uint16)
+    nan = (u & 0x7FFF) > 0x7F80
+    return np.where(nan, (u & 0x8000) | 0x7FC0, u).astype(np.uint16).view(np.asarray(x).dtype)
 
 
 @pytest.mark.parametrize("mode", ways())
@@ -185,6 +209,11 @@ def test_bitcast_with_indexers(mode):
     x = bits(11, (2, 16, 128), jnp.int32)
     o, p = run(build_with_indexers, (x,), mode)
     want_o, want_p = with_indexers_expected(x)
+    if OLD_JAX and mode == "interpret":
+        # jaxlib 0.10's CPU concatenate and dynamic_update_slice of bfloat16 quiet NaN
+        # payloads (0.11's keep them): the TPU interpreter's writes of o's rows are those
+        # (p is written whole).
+        want_o = quiet_nans(want_o)
     same_bits(o, want_o)
     same_bits(p, want_p)
 
@@ -270,6 +299,9 @@ def test_dma_through_bitcast_views(wide, mode):
         (build_compact_words, lambda: (bits(12, (2, 8, 2, 128), jnp.bfloat16),), compact_words_expected),
     ],
     ids=["indexers", "compact_words"],
+)
+@pytest.mark.skipif(
+    OLD_JAX, reason=f"{_OLD_JAX_INTERPRET}; ours: test_bitcast_with_indexers, test_tokamax_compact_words"
 )
 def test_views_as_jax_interprets_them(build, args, expected):
     from jax.experimental import pallas as jpl

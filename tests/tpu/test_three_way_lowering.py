@@ -17,7 +17,7 @@ from jaxlib.mosaic.python import tpu as tpu_dialect
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import WAYS, close, equal, run, ways  # noqa: E402
+from three_way import OLD_JAX, WAYS, close, equal, run, ways  # noqa: E402
 
 import pallas as pl  # noqa: E402
 import pallas_tpu as pltpu  # noqa: E402
@@ -722,8 +722,13 @@ def test_lgamma_digamma(way):
         shapes = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in jax.eval_shape(_gammas, x)]
         return lambda x: pl.pallas_call(gammas, out_shape=shapes)(x)
 
-    for k, (got, expect) in enumerate(zip(run(build, (x,), way), _gammas(x), strict=True)):
-        got, expect = np.asarray(got), np.asarray(expect)
+    expected = [np.asarray(v) for v in _gammas(x)]
+    if OLD_JAX and way != "interpret":
+        # JAX 0.10's XLA has digamma(0) = NaN; 0.11's is -inf (scipy's too), which our lowering
+        # computes on every JAX. Interpret mode runs the installed XLA's digamma.
+        expected[1] = np.where(np.asarray(x) == 0, -np.inf, expected[1])
+    for k, (got, expect) in enumerate(zip(run(build, (x,), way), expected, strict=True)):
+        got = np.asarray(got)
         tol = 1e-2 if k == 2 else 2e-5  # k == 2: bfloat16 results (one ulp apart, near lgamma's zeros)
         np.testing.assert_array_equal(np.isnan(got), np.isnan(expect))
         np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expect))

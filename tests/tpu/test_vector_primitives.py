@@ -74,11 +74,12 @@ def _kernel_of(fn, n_in):
     return kernel
 
 
-def modes(*, ours_xfail=None, jax_skip=None, jax_xfail=None):
+def modes(*, ours_xfail=None, jax_skip=None, jax_xfail=None, old_jax_skip=None):
     """``MODES`` for ``parametrize("mode", ...)``, marked as ``three_way.ways``."""
-    marked = {
-        w.id: w.marks for w in three_way.ways(ours_xfail=ours_xfail, jax_skip=jax_skip, jax_xfail=jax_xfail)
-    }
+    ways = three_way.ways(
+        ours_xfail=ours_xfail, jax_skip=jax_skip, jax_xfail=jax_xfail, old_jax_skip=old_jax_skip
+    )
+    marked = {w.id: w.marks for w in ways}
     return [pytest.param(m, marks=marked.get(m, ()), id=m) for m in MODES]
 
 
@@ -447,19 +448,31 @@ def test_stochastic_round_errors(x, bits, target, match):
 # ------------------------------------------------------------------ reciprocal
 
 
+def _reciprocal(t):
+    """``t.reciprocal``: JAX 0.10 has it as ``pl.reciprocal`` (moved to pltpu in 0.11)."""
+    return getattr(t, "reciprocal", None) or jpl.reciprocal
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
 @pytest.mark.parametrize("approx", [False, True])
 def test_reciprocal(mode, dtype, approx, rng):
+    if mode == "jax" and dtype == jnp.bfloat16 and three_way.OLD_JAX:
+        pytest.skip("JAX 0.10's Pallas: its lowering of reciprocal takes float32 only")
     x = _rand(rng, (8, 128), dtype) + jnp.asarray(3.0, dtype)
-    out = run(mode, lambda t, x: t.reciprocal(x, approx=approx), x)
+    out = run(mode, lambda t, x: _reciprocal(t)(x, approx=approx), x)
     assert out.dtype == jnp.dtype(dtype)
     tol = 1e-2 if approx or dtype == jnp.bfloat16 else 1e-6
     np.testing.assert_allclose(np.asarray(out, np.float32), 1 / np.asarray(x, np.float32), rtol=tol)
     if dtype == jnp.float32 and not (
         approx and mode in ("ours", "jax")
     ):  # run_mosaic models the approximation
-        ref = run_jax(lambda t, x: t.reciprocal(x, approx=approx), x)
+        if approx and three_way.OLD_JAX:
+            pytest.skip(
+                "the comparison with JAX's: JAX 0.10's interpret mode computes approx=True exactly; "
+                "0.11's, as ours, in bfloat16 (ours matched 1 / x to 1e-2)"
+            )
+        ref = run_jax(lambda t, x: _reciprocal(t)(x, approx=approx), x)
         np.testing.assert_array_equal(out, ref)
 
 
@@ -510,6 +523,13 @@ def test_einshape_vmap_and_grad(equation, shape, sizes, rng):
     np.testing.assert_array_equal(out, jnp.stack([f(x[i]) for i in range(3)]))
     w = _rand(rng, out.shape[1:], jnp.float32)
     g = jax.grad(lambda a: (f(a) * w).sum())(x[0])
+    # einshape moves elements: its transpose puts w's elements back where they came from.
+    came_from = jpltpu.einshape(equation, jnp.arange(x[0].size).reshape(shape), **sizes)
+    np.testing.assert_array_equal(g, jnp.zeros(x[0].size).at[came_from.ravel()].set(w.ravel()).reshape(shape))
+    if three_way.OLD_JAX:
+        pytest.skip(
+            "the comparison with JAX's grad: JAX 0.10's einshape has no VJP (ours matched the transpose)"
+        )
     g_ref = jax.grad(lambda a: (jpltpu.einshape(equation, a, **sizes) * w).sum())(x[0])
     np.testing.assert_array_equal(g, g_ref)
 
@@ -536,7 +556,7 @@ def test_einshape_errors(equation, sizes, match):
 
 @pytest.mark.parametrize(
     "mode",
-    [m for m in modes() if m.values[0] != "direct"],
+    [m for m in modes(old_jax_skip="no pltpu.annotate") if m.values[0] != "direct"],
 )
 def test_trace_touch_annotate_are_value_identities(mode, rng):
     x = _rand(rng, (8, 128), jnp.float32)
@@ -650,10 +670,19 @@ def test_tpu_info_matches_jax(chip):
         jnp.float8_e4m3fn,
         jnp.float8_e4m3b11fnuz,
     ]
+    # JAX 0.10's TPU 8 is older than 0.11's (ours): its sublane tiling raises "TPU generation
+    # is not supported" (0.11 tiles as TPU7x: large second-minor tiles for every width), and
+    # its matmuls take no int4/uint4 right-hand side after float32, bfloat16 or float8.
+    old_tpu8 = three_way.OLD_JAX and theirs.generation > 7
+    int4_lhs = {np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float8_e5m2, jnp.float8_e4m3fn)}
     for a in dts:
-        assert ours.get_sublane_tiling(a) == theirs.get_sublane_tiling(a)
+        if old_tpu8:
+            assert ours.get_sublane_tiling(a) == ours.num_sublanes * 32 // jax.dtypes.itemsize_bits(a)
+        else:
+            assert ours.get_sublane_tiling(a) == theirs.get_sublane_tiling(a)
         for b in dts:
-            assert ours.is_matmul_supported(a, b) == theirs.is_matmul_supported(a, b), (a, b)
+            newer = old_tpu8 and np.dtype(a) in int4_lhs and b in (jnp.int4, jnp.uint4)
+            assert ours.is_matmul_supported(a, b) == (theirs.is_matmul_supported(a, b) or newer), (a, b)
 
 
 def test_tpu_info_modeled_chip_without_a_tpu():

@@ -225,6 +225,7 @@ def run_on_chip(build, args, num_cores=1):
         pytest.skip(
             f"needs a TPU with {num_cores} TensorCores; {jax.devices()[0].device_kind} has {chip_cores}"
         )
+    args = jax.device_put(args, jax.devices("tpu")[0])
     try:
         ours = jax.block_until_ready(jax.jit(build(pl, pltpu))(*args))
     except Exception as e:
@@ -246,7 +247,18 @@ def run_on_chip(build, args, num_cores=1):
     except Exception as e:  # JAX's lowering refuses the kernel, or Mosaic refuses JAX's module
         outcome = f"JAX's failed: {_first_line(e)}"
     _record("chip", "ours", "ran", None, agreement=outcome)
-    return ours
+    return jax.device_get(ours)
+
+
+def hardware_random_reference(build, args, mode, model):
+    """What a kernel on the TPU's hardware random bits must give: ``model()`` (the
+    generator as the interpreters and run_mosaic model it), except in the compiled way on
+    a chip, whose generator is its own: there JAX's lowering of the same kernel, run on
+    the chip (ours must equal it bit for bit)."""
+    if not (mode == "compiled" and ON_CHIP):
+        return model()
+    args = jax.device_put(args, jax.devices("tpu")[0])
+    return jax.device_get(jax.jit(build(*jax_namespaces()))(*args))
 
 
 def _first_line(e: Exception) -> str:
@@ -315,6 +327,8 @@ def compile_both(build, args, chips, mesh=None, spec=None):
 
     if not compile_check.libtpu_available():
         pytest.skip('the compiled way needs libtpu: pip install "jax[tpu]"')
+    if ON_CHIP:  # its libtpu is set up for the chip (one active core): CI compiles for the others
+        pytest.skip("compiles for compile-only TPUs of other generations: done on the CPU, not on a chip")
     for chip in chips:
         refused = None  # ours' MosaicCompileError, raised once JAX's outcome is recorded too
         for mode in ("ours", "jax"):

@@ -154,6 +154,16 @@ def unsigned(x):
     return x.view(UNSIGNED[x.dtype]) if x.dtype in UNSIGNED else x
 
 
+_SIGNED = {np.dtype(u): s for s, u in UNSIGNED.items()}
+
+
+def signed(x):
+    """``x``'s bit patterns read as signed (MLIR integers are signless: a value loaded
+    from a uint16 buffer is an i16 that ``shrsi``, ``extsi`` and ``cmpi slt`` read as signed)."""
+    x = np.asarray(x)
+    return x.view(_SIGNED[x.dtype]) if x.dtype in _SIGNED else x
+
+
 # -- bit patterns --------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.interpreters import ad
+from jaxlib import version as jaxlib_version
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, math
 from jaxlib.mosaic.python import tpu
@@ -116,9 +117,26 @@ def _binary_op(prim, ctx, x, y):
     return op(*_operands(ctx, x, y))
 
 
+# How a shift of 8- or 16-bit vectors extends its operand to 32 bits where jaxlib < 0.11's Mosaic
+# (libtpu 0.0.42.1, JAX 0.10.2's) legalizes none ("failed to legalize operation 'arith.shrui'",
+# JAX's own lowering too); the shift amount zero-extends (XLA reads it as unsigned).
+_WIDENED_SHIFTS = {
+    lax.shift_left_p: arith.extui,
+    lax.shift_right_logical_p: arith.extui,
+    lax.shift_right_arithmetic_p: arith.extsi,
+}
+_NARROW_VECTOR_SHIFTS = jaxlib_version.__version_info__ >= (0, 11)
+
+
 @register_lowering(*BINARY)
 def _binary(ctx, x, y, **_):
-    return _binary_op(ctx.eqn.primitive, ctx, x, y)
+    prim, out = ctx.eqn.primitive, ctx.avals_out[0]
+    if prim in _WIDENED_SHIFTS and not _NARROW_VECTOR_SHIFTS and out.shape and _bits(out.dtype) < 32:
+        x, y = _operands(ctx, x, y)
+        wide = aval_type(Aval(out.shape, np.int32))
+        shifted = _pick(BINARY[prim], np.int32)(_WIDENED_SHIFTS[prim](wide, x), arith.extui(wide, y))
+        return arith.trunci(aval_type(out), shifted)
+    return _binary_op(prim, ctx, x, y)
 
 
 @register_lowering(*(set(UNARY_FLOAT) | set(UNARY_INT)))
@@ -308,8 +326,8 @@ def _bitcast_narrow(x, *, new_dtype):
     src, dst = _bits(x.dtype), _bits(new_dtype)
     u = lax.bitcast_convert_type(x, np.dtype(f"uint{src}"))
     mask = np.array((1 << dst) - 1, u.dtype)
-    parts = [((u >> np.array(j * dst, u.dtype)) & mask).astype(f"uint{dst}") for j in range(src // dst)]
-    return lax.bitcast_convert_type(jnp.stack(parts, axis=-1), new_dtype)
+    parts = [(u >> np.array(j * dst, u.dtype)) & mask for j in range(src // dst)]
+    return lax.bitcast_convert_type(jnp.stack(parts, axis=-1).astype(f"uint{dst}"), new_dtype)
 
 
 def _bitcast_widen(x, *, new_dtype):
@@ -504,21 +522,28 @@ def _reduce_precision(ctx, x, *, exponent_bits, mantissa_bits):
         return _TPU_REDUCE_PRECISION(x, exponent_bits, mantissa_bits)
     dtype = np.dtype(ctx.avals_in[0].dtype)
     if dtype != np.float32:
-        import jaxlib
-
         raise NotImplementedError(
             f"reduce_precision of {dtype.name} needs Mosaic's tpu.reduce_precision, which jaxlib "
-            f"{jaxlib.__version__} lacks: it needs JAX/jaxlib >= 0.11.2 (float32 is lowered with "
+            f"{jaxlib_version.__version__} lacks: it needs JAX/jaxlib >= 0.11.2 (float32 is lowered with "
             "integer operations)"
         )
     return lower_fun(_reduce_precision_f32, ctx, x, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits)
 
 
+# jaxlib < 0.11's tpu.reciprocal verifies float32 only ("Reciprocal op for non-f32 dtypes").
+_RECIPROCAL_OF_BF16 = jaxlib_version.__version_info__ >= (0, 11)
+
+
 @register_lowering(vp.reciprocal_p)
 def _reciprocal(ctx, x, *, approx, full_range):
-    if np.dtype(ctx.avals_in[0].dtype).name not in ("float32", "bfloat16"):
+    aval = ctx.avals_in[0]
+    dtype = np.dtype(aval.dtype)
+    if dtype.name not in ("float32", "bfloat16"):
         raise NotImplementedError("pltpu.reciprocal takes float32 or bfloat16")
-    return tpu.reciprocal(x, approx=approx, full_range=full_range)
+    if dtype == np.float32 or _RECIPROCAL_OF_BF16:
+        return tpu.reciprocal(x, approx=approx, full_range=full_range)
+    wide = tpu.reciprocal(convert(x, dtype, np.float32, aval.shape), approx=approx, full_range=full_range)
+    return convert(wide, np.float32, dtype, aval.shape)
 
 
 @register_lowering(ad.add_jaxvals_p)

@@ -48,10 +48,18 @@ def _reduce(ctx, x, axes, **_):
         name = f"{kind}imumf"
     else:
         name = f"{kind}{'ui' if is_unsigned(aval.dtype) else 'si'}"
-    acc = constant(_neutral(kind, aval.dtype), out.shape, aval.dtype)
+    combining = getattr(vector.CombiningKind, name.upper())
     if not aval.shape:
         return x
-    return vector.multi_reduction(getattr(vector.CombiningKind, name.upper()), x, acc, list(axes))
+    if not out.shape:
+        # To a scalar through a 1-element vector, as JAX's lowering: a leading unit dim kept
+        # (libtpu 0.0.42.1's Mosaic reduces only to vectors), its element extracted.
+        x = shape_cast(x, (1, *aval.shape), aval.dtype)
+        acc = constant(_neutral(kind, aval.dtype), (1,), aval.dtype)
+        r = vector.multi_reduction(combining, x, acc, [a + 1 for a in axes])
+        return shape_cast(r, (), aval.dtype)
+    acc = constant(_neutral(kind, aval.dtype), out.shape, aval.dtype)
+    return vector.multi_reduction(combining, x, acc, list(axes))
 
 
 _PRECISION = {"HIGH": "bf16x3", "HIGHEST": "fp32"}

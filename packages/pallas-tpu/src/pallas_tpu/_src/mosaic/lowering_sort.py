@@ -30,7 +30,7 @@ _SIGNED = {2: jnp.int16, 4: jnp.int32}
 
 
 def sort_key(x):
-    """``x`` as a key whose order is ``lax.sort``'s (floats: a signed integer)."""
+    """``x`` as a key whose order is ``lax.sort``'s (floats: a signed integer; int32 at least)."""
     if jnp.issubdtype(x.dtype, jnp.floating):
         signed = _SIGNED.get(jnp.dtype(x.dtype).itemsize)
         if signed is None:
@@ -38,8 +38,10 @@ def sort_key(x):
         x = jnp.where(x == 0, jnp.zeros_like(x), x)
         x = jnp.where(jnp.isnan(x), jnp.full_like(x, np.nan), x)
         s = lax.bitcast_convert_type(x, signed)
-        return jnp.where(s < 0, jnp.array(jnp.iinfo(signed).max, signed) - s, s)
-    if x.dtype == jnp.bool_:
+        x = jnp.where(s < 0, jnp.array(jnp.iinfo(signed).max, signed) - s, s)
+    # Narrow keys compare as int32 (the same order): the masks of 16-bit compares, and'ed with
+    # the index's 32-bit ones, are a relayout libtpu 0.0.42.1's Mosaic refuses (JAX 0.10.2's).
+    if x.dtype == jnp.bool_ or jnp.dtype(x.dtype).itemsize < 4:
         return x.astype(jnp.int32)
     return x
 

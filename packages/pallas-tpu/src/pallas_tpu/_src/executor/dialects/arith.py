@@ -21,6 +21,7 @@ from pallas_tpu._src.executor.values import (
     np_dtype,
     out_dtype,
     shape_of,
+    signed,
     to_bits,
     unsigned,
     width,
@@ -77,7 +78,7 @@ def _binary(fn, prep=lambda x: x):
 
 
 _ELEMENTWISE = {
-    "int": _binary,
+    "int": lambda fn: _binary(fn, signed),
     "float": lambda fn: _binary(fn, f32),
     "unsigned": lambda fn: lambda ex, op, vals, env: [fn(*(unsigned(v) for v in vals)).view(out_dtype(op))],
     "unary_float": lambda fn: lambda ex, op, vals, env: [cast(fn(f32(vals[0])), op)],
@@ -179,7 +180,7 @@ def _cmpi(ex, op, vals, env):
     if pred[0] == "u":
         a, b, pred = unsigned(a), unsigned(b), pred[1:]
     elif pred[0] == "s":
-        pred = pred[1:]
+        a, b, pred = signed(a), signed(b), pred[1:]
     return [_CMP[pred](a, b)]
 
 
@@ -232,9 +233,14 @@ def _float_to_int(x, dtype):
     return y.astype(dtype)
 
 
-@rule("arith.extf", "arith.truncf", "arith.sitofp", "arith.extsi", "arith.trunci", "arith.index_cast")
+@rule("arith.extf", "arith.truncf", "arith.trunci", "arith.index_cast")
 def convert(ex, op, vals, env):
     return [cast(vals[0], op)]
+
+
+@rule("arith.extsi", "arith.sitofp")
+def convert_signed(ex, op, vals, env):
+    return [cast(signed(vals[0]), op)]
 
 
 @rule("arith.extui", "arith.uitofp", "arith.index_castui")

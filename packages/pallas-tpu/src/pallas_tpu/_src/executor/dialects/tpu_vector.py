@@ -37,7 +37,8 @@ from pallas_tpu._src.language import vector_primitives as vp
 elementwise(
     {"tpu.reciprocal": lambda x: 1 / x, "tpu.logistic": lambda x: 1 / (1 + np.exp(-x))}, "unary_float"
 )
-rule("tpu.extf", "tpu.sitofp", "tpu.truncf")(arith.convert)
+rule("tpu.extf", "tpu.truncf")(arith.convert)
+rule("tpu.sitofp")(arith.convert_signed)
 rule("tpu.fptosi")(arith.fptosi)
 rule("tpu.reshape")(vector.reshape)
 rule("tpu.transpose")(vector.transpose)

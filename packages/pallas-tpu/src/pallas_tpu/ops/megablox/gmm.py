@@ -1,0 +1,593 @@
+"""Grouped matrix multiplication kernels for the TensorCore: ``gmm`` and
+``tgmm``, with the call signatures of JAX's ``megablox.gmm`` module.
+
+``gmm``: ``out[rows of g] = lhs[rows of g] @ rhs[g]`` for the groups of
+``group_sizes`` (rows sorted by group). Grid ``(n tiles, visits, k steps)``:
+each visit (``schedule.gmm_schedule``) is a ``(row tile, group)`` pair; a
+tile shared by several groups is visited once per group in a row, so its
+output block stays in VMEM between the visits. A tile wholly inside one
+group (the usual case) is one product stored as it is; a shared tile's visit
+computes only the 128-row chunks its group has rows in and merges those rows,
+so a group boundary costs one chunk twice, not a whole tile.
+
+``tgmm``: ``out[g] = lhs[:, rows of g] @ rhs[rows of g]``, the weight gradient.
+Grid ``(k tiles, n tiles, visits)``, visits in group order; the group's
+``(tk, tn)`` result accumulates in an f32 VMEM scratch over its tiles (a
+shared tile: over the chunks with the group's rows, masked) and is written
+when the group's last visit ends.
+
+Operands go to the MXU in their own dtype (bf16 straight in) with f32
+accumulation; a ``k`` or ``n`` that the tile does not divide is handled in
+the kernel (the k overhang zeroed on the last step), as is an ``m`` that
+``tm`` does not divide when the tiling is chosen here. ``tiling=None``
+chooses tiles (``choose_tiling``): rows per tile near the mean group size,
+k and n as whole as the VMEM budget allows, so that a group's rhs panel is
+loaded once per group and ``lhs`` once per n tile.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import pallas as pl
+import pallas_tpu as pltpu
+from pallas_tpu.ops import matmul as _matmul
+from pallas_tpu.ops.megablox import schedule as sched
+
+LutFn = Callable[[int, int, int], "tuple[int, int, int] | None"]
+
+_MAX_TM = 512
+_LANE = 128
+# A visit of a tile that other groups share computes only the chunks of rows (of this many)
+# its group has rows in: a group boundary costs at most one chunk twice, not a whole tile.
+_CHUNK = 128
+
+
+# ----------------------------------------------------------------- validation
+
+
+def _fail(op: str, message: str):
+    raise ValueError(f"{op}: {message}")
+
+
+def _check_operand(op: str, name: str, x, ndim: int, layout: str):
+    if not hasattr(x, "ndim") or x.ndim != ndim:
+        _fail(op, f"'{name}' must be a {ndim}-d array {layout}, got shape {getattr(x, 'shape', x)}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        _fail(op, f"'{name}' must be bfloat16 or float32, got {x.dtype}")
+
+
+def _check_group_sizes(op: str, group_sizes, num_local: int):
+    if not hasattr(group_sizes, "ndim") or group_sizes.ndim != 1:
+        _fail(
+            op,
+            f"'group_sizes' must be a 1-d int32 array, got shape {getattr(group_sizes, 'shape', group_sizes)}",
+        )
+    if group_sizes.dtype != jnp.int32:
+        _fail(op, f"'group_sizes' must be int32, got {group_sizes.dtype}")
+    if group_sizes.shape[0] < max(num_local, 1):
+        _fail(
+            op, f"'group_sizes' has {group_sizes.shape[0]} groups, fewer than the {num_local} computed here"
+        )
+
+
+def _group_offset(op: str, group_offset):
+    if group_offset is None:
+        return jnp.zeros((), jnp.int32)
+    group_offset = jnp.asarray(group_offset)
+    if group_offset.shape:
+        _fail(op, f"'group_offset' must be a ()-shaped int32 array, got shape {group_offset.shape}")
+    if not jnp.issubdtype(group_offset.dtype, jnp.integer):
+        _fail(op, f"'group_offset' must be an integer, got {group_offset.dtype}")
+    return group_offset.astype(jnp.int32)
+
+
+def _check_existing(op: str, existing_out, shape, dtype):
+    if existing_out is None:
+        return
+    if tuple(existing_out.shape) != tuple(shape):
+        _fail(
+            op, f"'existing_out' must have the output's shape {tuple(shape)}, got {tuple(existing_out.shape)}"
+        )
+    if existing_out.dtype != np.dtype(dtype):
+        _fail(
+            op,
+            f"'existing_out' dtype {existing_out.dtype} must match preferred_element_type {np.dtype(dtype)}",
+        )
+
+
+def _check_tiling(op: str, tiling, m: int, k: int, n: int):
+    if len(tiling) != 3 or not all(isinstance(t, (int, np.integer)) and t > 0 for t in tiling):
+        _fail(op, f"'tiling' must be three positive ints (tm, tk, tn), got {tiling!r}")
+    tm, tk, tn = (int(t) for t in tiling)
+    if m % tm:
+        _fail(op, f"'tiling' tm={tm} does not divide the {m} rows of m")
+    if tm % 8 and tm != m:
+        _fail(op, f"'tiling' tm={tm} must be a multiple of 8 (or all {m} rows)")
+    for name, t, dim in (("tk", tk, k), ("tn", tn, n)):
+        if t % _LANE and t != dim:
+            _fail(op, f"'tiling' {name}={t} must be a multiple of {_LANE} (or all {dim} of its dimension)")
+    return tm, tk, tn
+
+
+# --------------------------------------------------------------- tile choice
+
+
+def _mxu_dtype(lhs, rhs, info):
+    if lhs.dtype == rhs.dtype == jnp.bfloat16 and info.is_matmul_supported(jnp.bfloat16, jnp.bfloat16):
+        return np.dtype(jnp.bfloat16)
+    return np.dtype(np.float32)
+
+
+def _row_tile(m: int, num_groups: int) -> int:
+    """Rows per tile: the largest power of two up to the mean group size, 128 to 512 rows;
+    a tile much taller than a group computes mostly rows it throws away."""
+    mean = max(m // max(num_groups, 1), 1)
+    tm = _LANE
+    while tm * 2 <= min(mean, _MAX_TM):
+        tm *= 2
+    return m if m <= tm else tm
+
+
+def _shrink(dim: int, t: int) -> int:
+    half = max(_LANE, (t // 2) // _LANE * _LANE)
+    return _matmul.fit_block(dim, half) or half
+
+
+def choose_tiling(m, k, n, num_groups, in_dtype, out_dtype, *, transposed=False, existing=False, info=None):
+    """``(tm, tk, tn)`` for ``gmm`` (``transposed=True``: for ``tgmm``) on the chip ``info``
+    (default ``pltpu.get_tpu_info()``). ``gmm``: the whole of k and n while the
+    double-buffered blocks fit the VMEM budget (n shrunk first, then k), at least one
+    n tile per TensorCore. ``tgmm``: output tiles of up to 1024 x 1024, so that each
+    step's loads feed the MXU for longer than they take."""
+    info = info or pltpu.get_tpu_info()
+    isz, osz = np.dtype(in_dtype).itemsize, np.dtype(out_dtype).itemsize
+    budget = _matmul.VMEM_BUDGET_FRACTION * info.vmem_capacity_bytes
+    tm = _row_tile(m, num_groups)
+    if transposed:
+        tk, tn = _matmul.fit_block(k, 1024) or 1024, _matmul.fit_block(n, 1024) or 1024
+    else:
+        tk, tn = k, n
+    if info.num_cores > 1 and n >= 2 * _LANE:
+        tn = min(tn, _shrink(n, n))
+    while True:
+        need = _vmem_bytes(
+            tm, tk, tn, isz, osz, tiles_k=-(-k // tk), transposed=transposed, existing=existing
+        )
+        if need <= budget or (tn <= _LANE and tk <= _LANE):
+            return tm, tk, tn
+        if tn >= tk and tn > _LANE:
+            tn = _shrink(n, tn)
+        else:
+            tk = _shrink(k, tk)
+
+
+def _vmem_bytes(tm, tk, tn, isz, osz, *, tiles_k, transposed, existing):
+    """What the blocks of one step hold in VMEM (inputs and output double-buffered)."""
+    if transposed:  # lhs (tk, tm), rhs (tm, tn), out (tk, tn), f32 accumulator
+        return 2 * (tk * tm + tm * tn) * isz + 2 * tk * tn * osz * (1 + existing) + 2 * tk * tn * 4
+    acc = tm * tn * 4 if tiles_k > 1 else 0
+    return 2 * (tm * tk + tk * tn) * isz + 2 * tm * tn * osz * (1 + existing) + acc + tm * tn * 4
+
+
+def _resolve_tiling(op, tiling, m, k, n, num_groups, in_dtype, out_dtype, *, transposed, existing, info):
+    if callable(tiling):
+        tiling = tiling(m, k, n)
+    if tiling is None:
+        return choose_tiling(
+            m, k, n, num_groups, in_dtype, out_dtype, transposed=transposed, existing=existing, info=info
+        )
+    return _check_tiling(op, tiling, m, k, n)
+
+
+def _compiler_params(semantics, need, info):
+    return pltpu.CompilerParams(
+        dimension_semantics=semantics, vmem_limit_bytes=_matmul.vmem_limit(need, info)
+    )
+
+
+def _flag(value, bit):
+    return (value & bit) != 0
+
+
+# ------------------------------------------------------------------- gmm
+
+
+def _chunk_rows(tm: int) -> int:
+    """Rows per chunk of a tile that a partial visit computes chunk by chunk."""
+    return _CHUNK if tm % _CHUNK == 0 else tm
+
+
+def _for_each_chunk(lo, hi, size, body):
+    """``body(rows)`` for each chunk of ``size`` rows (``rows``: a ``pl.ds``) that has rows
+    in ``[lo, hi)``: one loop, so the kernel holds one copy of the chunk's code."""
+
+    def step(c, carry):
+        body(pl.ds(pl.multiple_of(c * size, size), size))
+        return carry
+
+    lax.fori_loop(lo // size, (hi + size - 1) // size, step, 0)
+
+
+def _in_rows(shape, axis, rows, lo, hi):
+    """Which elements of a chunk (``rows`` along ``axis``) lie in rows ``[lo, hi)`` of the tile."""
+    row = lax.broadcasted_iota(jnp.int32, shape, axis) + rows.start
+    return jnp.logical_and(row >= lo, row < hi)
+
+
+def _gmm_kernel(table, lhs_ref, rhs_ref, *refs, tm, tiles_k, k_tail, contract, widen, existing):
+    existing_ref = refs[0] if existing else None
+    out_ref = refs[1] if existing else refs[0]
+    acc_ref = refs[-1] if tiles_k > 1 else None
+    step, kk = pl.program_id(1), pl.program_id(2)
+    flags, lo, hi = table[sched.FLAGS, step], table[sched.LO, step], table[sched.HI, step]
+    computes, first, real = _flag(flags, sched.COMPUTE), _flag(flags, sched.FIRST), _flag(flags, sched.REAL)
+    whole = jnp.logical_and(lo == 0, hi == tm)
+    partial = jnp.logical_and(computes, jnp.logical_not(whole))
+    last_k = kk == tiles_k - 1
+    chunk = _chunk_rows(tm)
+
+    if k_tail is not None:
+        # The last k block runs past k: zero the overhang of both blocks, in place (the
+        # same zeros for every visit that finds the block still in VMEM).
+        @pl.when(jnp.logical_and(computes, last_k))
+        def _zero_overhang():
+            a, b = lhs_ref[...], rhs_ref[...]
+            lhs_ref[...] = jnp.where(
+                lax.broadcasted_iota(jnp.int32, a.shape, 1) < k_tail, a, jnp.zeros_like(a)
+            )
+            b_k = lax.broadcasted_iota(jnp.int32, b.shape, contract)
+            rhs_ref[...] = jnp.where(b_k < k_tail, b, jnp.zeros_like(b))
+
+    def product(rows=slice(None)):
+        a, b = lhs_ref[rows, :], rhs_ref[...]
+        if widen is not None:
+            a, b = a.astype(widen), b.astype(widen)
+        return lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def base():
+        if existing_ref is not None:
+            return existing_ref[...]
+        return jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    def store_partial(chunk_value):
+        """A tile shared with other groups: its first visit fills it from ``base()``, then
+        each visit writes its group's rows, computing only the chunks it has rows in (a
+        group boundary costs one chunk twice, not a whole tile)."""
+
+        @pl.when(first)
+        def _fresh():
+            out_ref[...] = base()
+
+        def merge(rows):
+            value = chunk_value(rows).astype(out_ref.dtype)
+            mine = _in_rows(value.shape, 0, rows, lo, hi)
+            out_ref[rows, :] = jnp.where(mine, value, out_ref[rows, :])
+
+        _for_each_chunk(lo, hi, chunk, merge)
+
+    @pl.when(jnp.logical_and(jnp.logical_and(real, jnp.logical_not(computes)), last_k))
+    def _untouched():  # no local group has rows here
+        out_ref[...] = base()
+
+    if tiles_k == 1:
+
+        @pl.when(jnp.logical_and(computes, whole))
+        def _whole():
+            out_ref[...] = product().astype(out_ref.dtype)
+
+        pl.when(partial)(lambda: store_partial(product))
+        return
+
+    @pl.when(jnp.logical_and(computes, kk == 0))
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+
+    @pl.when(jnp.logical_and(computes, whole))
+    def _add_whole():
+        acc_ref[...] += product()
+
+    def add_rows(rows):
+        acc_ref[rows, :] += product(rows)
+
+    pl.when(partial)(lambda: _for_each_chunk(lo, hi, chunk, add_rows))
+
+    @pl.when(jnp.logical_and(last_k, jnp.logical_and(computes, whole)))
+    def _store_whole():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+    pl.when(jnp.logical_and(last_k, partial))(lambda: store_partial(lambda rows: acc_ref[rows, :]))
+
+
+@functools.partial(
+    jax.jit, static_argnames=["preferred_element_type", "tiling", "transpose_rhs", "interpret"]
+)
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    preferred_element_type: jax.typing.DTypeLike = jnp.float32,
+    tiling: tuple[int, int, int] | LutFn | None = None,
+    group_offset: jax.Array | None = None,
+    existing_out: jax.Array | None = None,
+    transpose_rhs: bool = False,
+    interpret=False,
+) -> jax.Array:
+    """``lhs[rows of g] @ rhs[g]`` for each group ``g`` of ``group_sizes``.
+
+    Args:
+      lhs: ``[m, k]``, bfloat16 or float32, rows sorted by group.
+      rhs: ``[num_local_groups, k, n]`` (``[num_local_groups, n, k]`` with
+        ``transpose_rhs``): the weights of groups ``group_offset ..
+        group_offset + num_local_groups - 1``.
+      group_sizes: ``[num_groups]`` int32, rows per group (all groups, local or not).
+      preferred_element_type: the output dtype.
+      tiling: ``(tm, tk, tn)``, a function ``(m, k, n) -> (tm, tk, tn) | None``,
+        or None (chosen here, as is a function's None). ``tm`` must divide m.
+      group_offset: ``()`` int32, the first group ``rhs`` holds (rhs sharded over groups).
+      existing_out: ``[m, n]`` of ``preferred_element_type``: rows outside the local
+        groups are taken from it (and its buffer is reused) instead of zeros.
+      transpose_rhs: ``rhs`` is ``[groups, n, k]``.
+      interpret: run in interpret mode (``True``, or ``pltpu.InterpretParams()``).
+
+    Returns:
+      ``[m, n]`` of ``preferred_element_type``; rows of no local group are zeros
+      (or ``existing_out``'s).
+    """
+    op = "gmm"
+    _check_operand(op, "lhs", lhs, 2, "[m, k]")
+    _check_operand(op, "rhs", rhs, 3, "[groups, n, k]" if transpose_rhs else "[groups, k, n]")
+    num_local = rhs.shape[0]
+    _check_group_sizes(op, group_sizes, num_local)
+    offset = _group_offset(op, group_offset)
+    m, k = lhs.shape
+    n, rhs_k = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
+    if rhs_k != k:
+        _fail(
+            op, f"'lhs' [m, k]={list(lhs.shape)} and 'rhs' {list(rhs.shape)} disagree on k ({k} != {rhs_k})"
+        )
+    out_dtype = np.dtype(preferred_element_type)
+    _check_existing(op, existing_out, (m, n), out_dtype)
+    info = pltpu.get_tpu_info()
+    mxu = _mxu_dtype(lhs, rhs, info)
+    tm, tk, tn = _resolve_tiling(
+        op, tiling, m, k, n, group_sizes.shape[0], mxu, out_dtype,
+        transposed=False, existing=existing_out is not None, info=info,
+    )  # fmt: skip
+    # A chosen tm may leave a partial last tile: its rows past m belong to no group.
+    tiles_m, tiles_k, tiles_n = -(-m // tm), -(-k // tk), -(-n // tn)
+    k_tail = k - (tiles_k - 1) * tk if k % tk else None
+    table = sched.gmm_schedule(group_sizes, offset, m=m, tm=tm, num_local=num_local)
+    steps = table.shape[1]
+
+    def fetch_k(step, kk, t):
+        # Steps that compute nothing keep the blocks of the last step that did.
+        computes = (t[sched.FLAGS, step] & sched.COMPUTE) != 0
+        return jnp.where(computes, kk, tiles_k - 1)
+
+    def lhs_index(j, step, kk, t):
+        return t[sched.FETCH_TILE, step], fetch_k(step, kk, t)
+
+    def rhs_index(j, step, kk, t):
+        kb = fetch_k(step, kk, t)
+        return (t[sched.FETCH_GROUP, step], j, kb) if transpose_rhs else (t[sched.FETCH_GROUP, step], kb, j)
+
+    def out_index(j, step, kk, t):
+        return t[sched.TILE, step], j
+
+    rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    in_specs = [pl.BlockSpec((tm, tk), lhs_index), pl.BlockSpec(rhs_block, rhs_index)]
+    operands = [table, lhs, rhs]
+    aliases = {}
+    if existing_out is not None:
+        in_specs.append(pl.BlockSpec((tm, tn), out_index))
+        operands.append(existing_out)
+        aliases = {3: 0}
+    widen = None if lhs.dtype == rhs.dtype == mxu else mxu
+    kernel = functools.partial(
+        _gmm_kernel, tm=tm, tiles_k=tiles_k, k_tail=k_tail, contract=1 if transpose_rhs else 0,
+        widen=widen, existing=existing_out is not None,
+    )  # fmt: skip
+    need = _vmem_bytes(
+        tm, tk, tn, mxu.itemsize, out_dtype.itemsize, tiles_k=tiles_k, transposed=False,
+        existing=existing_out is not None,
+    )  # fmt: skip
+    visits = min(steps, tiles_m + num_local)
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+        + (k * n * rhs.dtype.itemsize) * (num_local if tiles_k == 1 else visits)
+        + m * n * out_dtype.itemsize,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(tiles_n, steps, tiles_k),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, tn), out_index),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] if tiles_k > 1 else [],
+        ),
+        input_output_aliases=aliases,
+        compiler_params=_compiler_params(("parallel", "arbitrary", "arbitrary"), need, info),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="gmm",
+    )(*operands)
+
+
+# ------------------------------------------------------------------ tgmm
+
+
+def _tgmm_kernel(table, lhs_ref, rhs_ref, *refs, lhs_rows_first, widen, existing):
+    existing_ref = refs[0] if existing else None
+    out_ref, acc_ref = refs[-2], refs[-1]
+    step = pl.program_id(2)
+    flags, lo, hi = table[sched.FLAGS, step], table[sched.LO, step], table[sched.HI, step]
+    computes, first, last = _flag(flags, sched.COMPUTE), _flag(flags, sched.FIRST), _flag(flags, sched.LAST)
+    tm = rhs_ref.shape[0]
+    whole = jnp.logical_and(lo == 0, hi == tm)
+    partial = jnp.logical_and(computes, jnp.logical_not(whole))
+    row_axis = 0 if lhs_rows_first else 1  # where lhs's m axis is in its block
+
+    def product(rows=slice(None), masked=False):
+        """The tile's (or a chunk's) contribution: lhs and rhs contracted over their rows."""
+        a = lhs_ref[rows, :] if lhs_rows_first else lhs_ref[:, rows]
+        b = rhs_ref[rows, :]
+        if masked:  # only the group's rows (the others belong to other groups)
+            a = jnp.where(_in_rows(a.shape, row_axis, rows, lo, hi), a, jnp.zeros_like(a))
+            b = jnp.where(_in_rows(b.shape, 0, rows, lo, hi), b, jnp.zeros_like(b))
+        if widen is not None:
+            a, b = a.astype(widen), b.astype(widen)
+        return lax.dot_general(a, b, (((row_axis,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    @pl.when(first)
+    def _zero():  # (one product in the kernel's code, not one to set and one to add)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+
+    @pl.when(jnp.logical_and(computes, whole))
+    def _add_whole():
+        acc_ref[...] += product()
+
+    def add_rows(rows):
+        acc_ref[...] += product(rows, masked=True)
+
+    pl.when(partial)(lambda: _for_each_chunk(lo, hi, _chunk_rows(tm), add_rows))
+
+    @pl.when(last)
+    def _store():
+        total = acc_ref[...]
+        if existing_ref is not None:
+            total = total + existing_ref[...].astype(jnp.float32)
+        out_ref[...] = total.astype(out_ref.dtype)
+
+
+def transposed_gmm(
+    lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, num_actual_groups, existing_out,
+    interpret, *, lhs_rows_first: bool,
+):  # fmt: skip
+    """``tgmm`` with ``lhs`` either ``[k, m]`` (``tgmm``'s layout) or ``[m, k]``
+    (``lhs_rows_first``: the forward's lhs as it is, contracted over its rows in VMEM,
+    which spares the backward pass a transpose of it in HBM)."""
+    op = "tgmm"
+    _check_operand(op, "lhs", lhs, 2, "[m, k]" if lhs_rows_first else "[k, m]")
+    _check_operand(op, "rhs", rhs, 2, "[m, n]")
+    num_groups = group_sizes.shape[0] if hasattr(group_sizes, "shape") and group_sizes.ndim == 1 else 0
+    num_local = num_groups if num_actual_groups is None else int(num_actual_groups)
+    _check_group_sizes(op, group_sizes, num_local)
+    if num_local < 1:
+        _fail(op, f"'num_actual_groups' must be at least 1, got {num_actual_groups}")
+    offset = _group_offset(op, group_offset)
+    m, k = lhs.shape if lhs_rows_first else lhs.shape[::-1]
+    if rhs.shape[0] != m:
+        _fail(
+            op,
+            f"'lhs' {list(lhs.shape)} and 'rhs' [m, n]={list(rhs.shape)} disagree on m ({m} != {rhs.shape[0]})",
+        )
+    n = rhs.shape[1]
+    out_dtype = np.dtype(preferred_element_type)
+    _check_existing(op, existing_out, (num_local, k, n), out_dtype)
+    info = pltpu.get_tpu_info()
+    mxu = _mxu_dtype(lhs, rhs, info)
+    tm, tk, tn = _resolve_tiling(
+        op, tiling, m, k, n, num_groups, mxu, out_dtype,
+        transposed=True, existing=existing_out is not None, info=info,
+    )  # fmt: skip
+    tiles_k, tiles_n = -(-k // tk), -(-n // tn)
+    table = sched.tgmm_schedule(group_sizes, offset, m=m, tm=tm, num_local=num_local)
+    steps = table.shape[1]
+
+    def lhs_index(i, j, step, t):
+        return (t[sched.FETCH_TILE, step], i) if lhs_rows_first else (i, t[sched.FETCH_TILE, step])
+
+    def rhs_index(i, j, step, t):
+        return t[sched.FETCH_TILE, step], j
+
+    def out_index(i, j, step, t):
+        return t[sched.GROUP, step], i, j
+
+    lhs_block = (tm, tk) if lhs_rows_first else (tk, tm)
+    in_specs = [pl.BlockSpec(lhs_block, lhs_index), pl.BlockSpec((tm, tn), rhs_index)]
+    operands = [table, lhs, rhs]
+    aliases = {}
+    if existing_out is not None:
+        in_specs.append(pl.BlockSpec((None, tk, tn), out_index))
+        operands.append(existing_out)
+        aliases = {3: 0}
+    widen = None if lhs.dtype == rhs.dtype == mxu else mxu
+    kernel = functools.partial(
+        _tgmm_kernel, lhs_rows_first=lhs_rows_first, widen=widen, existing=existing_out is not None
+    )
+    need = _vmem_bytes(
+        tm, tk, tn, mxu.itemsize, out_dtype.itemsize, tiles_k=tiles_k, transposed=True,
+        existing=existing_out is not None,
+    )  # fmt: skip
+    cost = pl.CostEstimate(
+        flops=2 * m * k * n,
+        transcendentals=0,
+        bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+        + rhs.size * rhs.dtype.itemsize * tiles_k
+        + num_local * k * n * out_dtype.itemsize,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_local, k, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(tiles_k, tiles_n, steps),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, tk, tn), out_index),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+        ),
+        input_output_aliases=aliases,
+        compiler_params=_compiler_params(("parallel", "parallel", "arbitrary"), need, info),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="tgmm",
+    )(*operands)
+
+
+@functools.partial(
+    jax.jit, static_argnames=["preferred_element_type", "tiling", "num_actual_groups", "interpret"]
+)
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    preferred_element_type: jax.typing.DTypeLike = jnp.float32,
+    tiling: tuple[int, int, int] | LutFn | None = None,
+    group_offset: jax.Array | None = None,
+    num_actual_groups: int | None = None,
+    existing_out: jax.Array | None = None,
+    interpret=False,
+) -> jax.Array:
+    """``lhs[:, rows of g] @ rhs[rows of g]`` for each local group ``g``.
+
+    Args:
+      lhs: ``[k, m]``, bfloat16 or float32.
+      rhs: ``[m, n]``, rows sorted by group.
+      group_sizes: ``[num_groups]`` int32, rows per group.
+      preferred_element_type: the output dtype.
+      tiling: ``(tm, tk, tn)``, a function ``(m, k, n) -> (tm, tk, tn) | None``,
+        or None (chosen here). ``tm`` must divide m.
+      group_offset: ``()`` int32, the first group computed.
+      num_actual_groups: how many groups from ``group_offset`` (default all).
+      existing_out: ``[num_actual_groups, k, n]``, added to the result (its buffer reused).
+      interpret: run in interpret mode (``True``, or ``pltpu.InterpretParams()``).
+
+    Returns:
+      ``[num_actual_groups, k, n]`` of ``preferred_element_type``; an empty group's
+      slice is zeros (plus ``existing_out``).
+    """
+    return transposed_gmm(
+        lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, num_actual_groups,
+        existing_out, interpret, lhs_rows_first=False,
+    )  # fmt: skip

@@ -4,6 +4,8 @@
 # the GPU), the examples (on the GPU) and the GPU benchmarks. Logs go to $OUT so they
 # come back even when a step fails.
 #   usage (device tool):  bash scripts/gpu_check.sh [all|tests|bench|profile|downstream] [NAME...]
+#     (carry build/ffi-include, made here by `bash scripts/gpu_check.sh headers`: the runtime is
+#     built there against the oldest supported jaxlib's FFI headers, as its wheel is)
 #     tests: install, the whole test suite (-n $(nproc), PYTEST_WORKERS to change) and the
 #       examples; `tests lowering`: the tests/gpu suite compiled and run on the GPU
 #       (PALLAS_GPU_TESTS=gpu), in a call of its own; bench: install, benchmarks;
@@ -24,13 +26,33 @@ OUT="${OUT:-$PWD/gpu-logs}"; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 step() { echo; echo "=== $* ($(date +%T))"; }
 
+if [ "${1:-}" = headers ]; then  # on a CPU machine with a network: jaxlib 0.10.2's headers to carry
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_27_x86_64 jaxlib==0.10.2 -d "$tmp" || exit 1
+  python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [z.extract(n, sys.argv[2]) for n in z.namelist() if n.startswith('jaxlib/include/')]" "$tmp"/jaxlib-*.whl "$tmp"
+  rm -rf build/ffi-include && mkdir -p build && mv "$tmp/jaxlib/include" build/ffi-include && rm -rf "$tmp"
+  grep -E "define XLA_FFI_API_(MAJOR|MINOR)" build/ffi-include/xla/ffi/api/c_api.h
+  exit 0
+fi
+
 step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"
 
 step "install"
+# The runtime builds against the oldest supported jaxlib's FFI headers (0.10.2, API 0.3), which
+# that machine lacks: carry them (`bash scripts/gpu_check.sh headers` here copies them into
+# build/ffi-include; device tool: carry build/ffi-include). Without them the runtime is built for
+# the machine's own jaxlib only (its FFI API), which tests the same C++ against newer headers.
+FFI_DEFINE=(-C "cmake.define.XLA_FFI_INCLUDE_DIR=$PWD/build/ffi-include")
+if [ ! -f build/ffi-include/xla/ffi/api/c_api.h ]; then
+  api=$(python3 -c "import re, os, jaxlib; h=open(os.path.join(os.path.dirname(jaxlib.__file__), 'include/xla/ffi/api/c_api.h')).read(); print(re.search(r'XLA_FFI_API_MAJOR (\d+)', h)[1] + '.' + re.search(r'XLA_FFI_API_MINOR (\d+)', h)[1])")
+  echo "no build/ffi-include: building the runtime for this jaxlib's FFI API $api only"
+  FFI_DEFINE=(-C "cmake.define.JAX_KERNEL_RUNTIME_FFI_API=$api")
+fi
 [ -n "${PALLAS_SKIP_INSTALL:-}" ] && echo "skipped (PALLAS_SKIP_INSTALL: installed by an earlier step)" || \
-python3 -m pip install -q --no-deps --no-build-isolation ./ ./packages/pallas-core ./packages/jax-triton \
+python3 -m pip install -q --no-deps --no-build-isolation "${FFI_DEFINE[@]}" ./ ./packages/pallas-core ./packages/jax-triton \
   ./packages/pallas-gpu ./packages/pallas-tpu 2>&1 | grep -v "^WARNING" | tail -5 | tee "$OUT/install.log"
 python3 -c "import pallas, pallas_gpu, jax_triton, jax_kernel_runtime as r; print('runtime driver error:', repr(r.driver_error()))" || exit 1
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from three_way import call, close, jax_namespaces, run_sharded, ways
+from three_way import call, close, jax_namespaces, needs_devices, run_sharded, ways
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -556,7 +556,7 @@ def sharded(build, x, way, n=2, **kw):
     return run_sharded(lambda pl, pltpu: build(pl, pltpu), x, mode, n, **kw, **params)
 
 
-@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 CPU devices (tests/conftest.py sets 4)")
+@needs_devices(2)
 @pytest.mark.parametrize("way", ways(dma=True))
 @pytest.mark.parametrize("form", ["same", "rebuilt", "local", "halves"])
 def test_remote_copies_land_where_started(way, form, fresh_sessions):
@@ -613,7 +613,7 @@ def ragged_send(pl, pltpu, *, interpret=False):
     return f
 
 
-@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 CPU devices (tests/conftest.py sets 4)")
+@needs_devices(2)
 @pytest.mark.parametrize("way", ways(dma=True))
 def test_empty_remote_dmas_need_no_wait(way, fresh_sessions):
     data = rand(8, (2, 8, 128))
@@ -673,7 +673,7 @@ def test_bytes_never_waited_for_are_reported(mode):
 
 
 @interpret_only(reason="the interpreter's deadlock report across devices")
-@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 CPU devices (tests/conftest.py sets 4)")
+@needs_devices(2)
 def test_remote_wait_for_more_bytes_than_sent_is_a_deadlock(fresh_sessions):
     def greedy(x_hbm, o_hbm, send_sem, recv_sem):
         other = 1 - lax.axis_index("x")
@@ -820,7 +820,7 @@ def test_wait_before_its_start_naming_another_buffer_is_reported():
 
 
 @interpret_only(reason="the interpreter's error for a remote copy it cannot tie to its wait")
-@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 CPU devices (tests/conftest.py sets 4)")
+@needs_devices(2)
 def test_remote_copy_waited_before_its_start_on_another_buffer_is_reported(fresh_sessions):
     def hidden(x_hbm, o_hbm, dummy, send_sem, recv_sem):
         other = 1 - lax.axis_index("x")

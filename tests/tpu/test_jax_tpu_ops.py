@@ -577,10 +577,7 @@ def test_philox_random_bits():
 # all_gather.py: remote DMAs and a barrier semaphore over four devices.
 
 
-@pytest.mark.skipif(
-    jax.device_count() < 4,
-    reason="needs 4 CPU devices (tests/tpu/conftest.py sets XLA_FLAGS unless JAX started earlier)",
-)
+@three_way.needs_devices(4)
 @pytest.mark.parametrize("memory_space", ["VMEM", "ANY"])
 def test_all_gather(memory_space):
     ag, jag = load("all_gather"), load_jax("all_gather")

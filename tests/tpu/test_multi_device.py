@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import three_way
 from jax import lax
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
@@ -32,11 +33,7 @@ import pallas as pl
 import pallas_tpu as pltpu
 from pallas_tpu._src.interpret import multi as interpret_multi
 
-pytestmark = pytest.mark.skipif(
-    jax.device_count() < 4,
-    reason="needs 4 CPU devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=4 "
-    "(tests/conftest.py sets it unless JAX started earlier)",
-)
+pytestmark = three_way.needs_devices(4)
 
 N = 4
 IMPLS = {

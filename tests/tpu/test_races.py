@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import three_way
 from jax import lax
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
@@ -240,9 +241,7 @@ def neighbour_copy(pl, pltpu, x, synchronized):
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)
 
 
-needs_devices = pytest.mark.skipif(
-    jax.device_count() < N, reason="needs 4 CPU devices (tests/tpu/conftest.py)"
-)
+needs_devices = three_way.needs_devices(N)
 
 
 @needs_devices

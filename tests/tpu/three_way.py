@@ -214,6 +214,24 @@ def run(build, args, mode, num_cores=1, **interpret_params):
 ON_CHIP = jax.default_backend() == "tpu"
 
 
+def needs_devices(n: int):
+    """A skip mark for a test of ``n`` devices (remote DMAs, barriers between devices): on a
+    CPU machine they are ``n`` CPU devices (tests/conftest.py makes 4); on a TPU machine
+    (``ON_CHIP``) ``n`` chips, which the one-chip v5e does not have."""
+    import pytest
+
+    if ON_CHIP:
+        have = len(jax.devices())
+        return pytest.mark.skipif(
+            have < n, reason=f"needs {n} TPU chips (DMAs between devices); this machine has {have}"
+        )
+    return pytest.mark.skipif(
+        jax.device_count() < n,
+        reason=f"needs {n} CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count={n} "
+        "(tests/conftest.py sets 4 unless JAX started earlier)",
+    )
+
+
 def run_on_chip(build, args, num_cores=1):
     """The compiled way on a TPU: ``build``'s kernel lowered by us, compiled and run on
     the chip; JAX's lowering of it run beside ours, the difference recorded (never

@@ -237,6 +237,32 @@ def _one_block(kernel, out_shapes):
     return build
 
 
+@pytest.mark.parametrize("length,unroll", [(4, 2), (5, 2), (7, 3), (2, 4)])
+@pytest.mark.parametrize("way", ways())
+def test_partially_unrolled_fori_loop(way, length, unroll):
+    """A ``fori_loop`` partly unrolled, its counter indexing Refs. libtpu 0.0.42.1 (JAX 0.10's,
+    the v5e's) aborted the process on Mosaic's ``tpu.late_unroll`` ("Failed to translate
+    operation arith.constant"): on jaxlib < 0.11 the lowering unrolls by hand, the remainder
+    steps one by one; the compiled way compiles it with that libtpu in ``tests_oldest``."""
+    x = rand(4, (8 * length, 128))
+
+    def build(pl, pltpu):
+        def kernel(x_ref, o_ref):
+            def body(i, acc):
+                rows = pl.ds(pl.multiple_of(i * 8, 8), 8)
+                o_ref[rows, :] = x_ref[rows, :] * 2.0 + acc
+                return acc + x_ref[rows, :]
+
+            lax.fori_loop(0, length, body, jnp.zeros((8, 128), jnp.float32), unroll=unroll)
+
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+    got = run(build, (x,), way)
+    blocks = np.asarray(x).reshape(length, 8, 128)
+    before = np.cumsum(blocks, axis=0) - blocks
+    close(got, (blocks * 2.0 + before).reshape(x.shape), tol=1e-5)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("unroll", [1, 2, True])
 @pytest.mark.parametrize("way", ways(jax_skip="scan over arrays (xs, ys) is not supported"))

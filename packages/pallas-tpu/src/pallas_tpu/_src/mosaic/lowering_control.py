@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from jax import lax
+from jaxlib import version as jaxlib_version
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, scf, vector
 from jaxlib.mosaic.python import tpu
@@ -124,10 +125,20 @@ def _with_shape(v, shape) -> ir.Value:
     return vector.shape_cast(ir.VectorType.get(shape, ir.VectorType(v.type).element_type), v)
 
 
+# libtpu 0.0.42.1 (jaxlib 0.10's, the TPU v5e's) aborts the whole process on a loop marked
+# ``tpu.late_unroll`` (a failed check in its LLO emitter: "Failed to translate operation
+# arith.constant"), where 0.0.48.1 (jaxlib 0.11's) unrolls it: on older jaxlibs the lowering
+# unrolls by hand, as JAX 0.10's own lowering does.
+_LATE_UNROLL = jaxlib_version.__version_info__ >= (0, 11)
+
+
 def _for(lo, hi, carry, body, unroll, *, start=None, end=None, counter=False):
     """``scf.for`` from ``start`` (or ``lo``) to ``end`` (or ``hi``) of ``body(i, carry)``."""
     start = constant(lo, (), "int32") if start is None else start
     end = constant(hi, (), "int32") if end is None else end
+    if unroll > 1 and not _LATE_UNROLL:
+        results = _for_unrolled_by_hand(hi - lo, carry, body, unroll, start)
+        return [end, *results] if counter else results
     op = scf.ForOp(start, end, constant(1, (), "int32"), _carried(carry))
     if unroll > 1:
         op.attributes["tpu.late_unroll"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), unroll)
@@ -135,6 +146,32 @@ def _for(lo, hi, carry, body, unroll, *, start=None, end=None, counter=False):
         scf.YieldOp(_carried(body(op.induction_variable, _uncarried(op.inner_iter_args, carry))))
     results = _uncarried(op.results, carry)
     return [end, *results] if counter else results
+
+
+def _for_unrolled_by_hand(n, carry, body, unroll, start):
+    """``n`` steps of ``body(i, carry)`` from ``i = start``: an ``scf.for`` whose step runs
+    ``unroll`` bodies, then the ``n % unroll`` left over one by one."""
+    full, rest = divmod(n, unroll)
+    results = carry
+    if full:
+
+        def steps(j, values):
+            base = arith.addi(start, arith.muli(j, constant(unroll, (), "int32")))
+            for k in range(unroll):
+                values = body(arith.addi(base, constant(k, (), "int32")), values)
+            return values
+
+        op = scf.ForOp(
+            constant(0, (), "int32"), constant(full, (), "int32"), constant(1, (), "int32"), _carried(results)
+        )
+        with ir.InsertionPoint(op.body):
+            scf.YieldOp(_carried(steps(op.induction_variable, _uncarried(op.inner_iter_args, results))))
+        results = _uncarried(op.results, results)
+    if rest:
+        rest_start = arith.addi(start, constant(full * unroll, (), "int32"))
+        rest_end = arith.addi(rest_start, constant(rest, (), "int32"))
+        results = _for(0, rest, results, body, 1, start=rest_start, end=rest_end)
+    return results
 
 
 def _scan_arrays(ctx, consts, carry, xs, jaxpr, length, reverse, unroll):

@@ -57,6 +57,8 @@ GENERATION_GAPS = {
         "Stochastic convert not supported on TPU generations < 5",
         "interleaved unpacking from bitwidth 'bf16'",
         "Unsupported matmul RHS type on target: vector<128x128xi8>",  # v4's MXU takes no int8
+        # v4 has no 8-bit vector ALU: Mosaic emulates 8-bit ops, not yet unsigned unpacking
+        "unsigned integer unpacking emulation from bitwidth 'i8'",
     ),
 }
 MEGACORE_CHIPS = ("v5p",)  # libtpu's v4 topology has one TensorCore per device

@@ -1,6 +1,6 @@
 """Flash attention for TPUs, forward and backward (FlashAttention-2), written with pallas-tpu.
 
-The names and call signatures are those of ``jax.experimental.pallas.ops.tpu.flash_attention``:
+The names and call signatures are those of JAX's ``ops.tpu.flash_attention``:
 ``flash_attention(q, k, v, ab=None, segment_ids=None, *, causal, sm_scale, block_sizes, debug)``
 on ``[batch, heads, seq, head_dim]`` arrays, ``BlockSizes``, ``SegmentIds``, the constants and
 the ``mha_reference`` family. The logits are ``(q @ k.T + ab) * sm_scale``, masked where the

@@ -1,5 +1,5 @@
 """Blocked matrix multiplication ``x @ y`` on the TensorCore, with the call
-signature of JAX's ``jax.experimental.pallas.ops.tpu.matmul``.
+signature of JAX's ``ops.tpu.matmul``.
 
 The grid is (row blocks, column blocks, k steps): one program owns a
 ``(bm, bn)`` tile of the result and walks ``k`` in steps of ``bk``, feeding the

@@ -1,5 +1,5 @@
 """Grouped matmuls for mixture-of-experts layers, with the module names of JAX's
-``jax.experimental.pallas.ops.tpu.megablox``: ``megablox.gmm`` is the
+``ops.tpu.megablox``: ``megablox.gmm`` is the
 differentiable grouped matmul (``ops.gmm``); the kernels ``gmm`` and ``tgmm``
 are in ``megablox.gmm``, their visit schedule in ``megablox.schedule``."""
 

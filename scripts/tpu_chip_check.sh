@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Our Mosaic lowering's kernels run on the lent TPU v5e (device kind tpu-v5e). That machine has
-# Python 3.11 with JAX 0.10.2 and libtpu 0.0.42.1 only and no network (seen 2026-12-04 and
-# 2026-12-06); our packages need JAX 0.11.2 (Python 3.12), whose wheels with libtpu are larger than a
-# device call may carry. So the kernels travel lowered: on this machine,
+# Kernels lowered here by a newer JAX, run on the lent TPU v5e (device kind tpu-v5e), whose
+# Python 3.11 has JAX 0.10.2 and libtpu 0.0.42.1 and no network. Our packages install and run there
+# themselves (scripts/tpu_check.sh); this path is for what needs JAX >= 0.11 (its Pallas features,
+# the lowering of a newer JAX), whose wheels with libtpu are larger than a device call may carry.
+# The kernels travel lowered: on this machine,
 #   python scripts/tpu_chip_export.py --out build/tpu_chip_bundle
 #   PALLAS_TPU_CHIPS=v5e PALLAS_TPU_CHIP_BUNDLE=$PWD/build/tpu_chip_bundle pytest -n 2 -k compiled tests/tpu
 #   python -m pip download --no-deps --only-binary=:all: -d build/tpu_chip_bundle flatbuffers
@@ -13,8 +14,8 @@
 # deserializer needs, which that machine lacks; there, JAX alone runs them (scripts/tpu_chip_run.py,
 # which serializes each Mosaic module again with that JAX's serializer) and compares.
 #   run(kind="tpu-v5e", carry=["build/tpu_chip_bundle.tar.xz"], command="bash scripts/tpu_chip_check.sh")
-# On a TPU machine with JAX >= 0.11.2 and our packages installed, run scripts/tpu_chip_check.py
-# instead: it also compares with JAX's own compiled kernels.
+# On a TPU machine with our packages installed (any supported JAX), scripts/tpu_chip_check.py runs
+# the ops directly and also compares with JAX's own compiled kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/tpu_chip_check}

@@ -1,12 +1,12 @@
 """Exports the kernels of ``scripts/tpu_chip_check.py`` (JAX's TPU ops ported to ours), lowered
-by our Mosaic lowering and by JAX's, for a TPU machine whose JAX is older than the oldest we
-support.
+by our Mosaic lowering and by JAX's, for a TPU machine whose JAX is older than the one lowering
+them here (features of JAX >= 0.11, or a newer JAX's lowering).
 
     python scripts/tpu_chip_export.py --out build/tpu_chip_bundle [--probes]
 
-The lent TPU v5e has Python 3.11 with JAX 0.10.2 and libtpu 0.0.42.1 only, and no network;
-our packages need JAX 0.11.2 (Python 3.12), whose wheels are larger than a device call may
-carry. What a TPU runs of a Pallas kernel is the Mosaic module inside XLA's
+The lent TPU v5e has Python 3.11 with JAX 0.10.2 and libtpu 0.0.42.1 only, and no network. Our
+packages run there themselves (``scripts/tpu_check.sh``); a newer JAX, whose wheels are larger
+than a device call may carry, does not. What a TPU runs of a Pallas kernel is the Mosaic module inside XLA's
 ``tpu_custom_call``, so this script (on any machine with our packages and libtpu) exports each
 kernel for platform ``tpu`` into a bundle (``tests/tpu/chip_bundle.py`` says what it holds)
 that ``scripts/tpu_chip_run.py`` runs there with JAX alone. The references are plain ``jnp``

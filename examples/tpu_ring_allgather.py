@@ -8,7 +8,7 @@ neighbour that has not started), step `i` of `N - 1` sends the slot received las
 `pltpu.make_async_remote_copy`, writing the same slot there; `wait_send` / `wait_recv` wait
 for our outgoing and the incoming copy. The destination index is the sender's, as on a TPU.
 
-Off a TPU the 4 devices are CPU devices (`--xla_force_host_platform_device_count=4`, set below
+Off a TPU, or on a TPU machine of fewer than 4 chips, the 4 devices are CPU devices (`--xla_force_host_platform_device_count=4`, set below
 before JAX starts) and the kernel runs with `interpret=pltpu.InterpretParams()`, whose
 multi-device mode carries DMAs and semaphore signals between the devices' programs.
 `--detect-races` turns on its race detector.
@@ -79,7 +79,14 @@ def main():
     parser.add_argument("--detect-races", action="store_true")
     args = parser.parse_args()
     cfg = sizes[args.size]
-    on_tpu = not use_cpu_for_tpu_interpret()
+    if jax.default_backend() == "tpu" and jax.device_count() < N:
+        # A TPU machine of fewer chips (the lent v5e has one): the ring runs in TPU
+        # interpret mode on its CPU's devices instead.
+        print(f"{jax.device_count()} TPU chip(s), the ring needs {N}: TPU interpret mode on {N} CPU devices")
+        jax.config.update("jax_default_device", jax.devices("cpu")[0])
+        on_tpu = False
+    else:
+        on_tpu = not use_cpu_for_tpu_interpret()
     backend = Backend("tpu" if on_tpu else "tpu-interpret", interpret=not on_tpu)
     print(
         f"backend: {backend.name}  (jax {jax.__version__}, {jax.device_count()} devices: {jax.devices()[0]}...)"

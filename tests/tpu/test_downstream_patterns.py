@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import MODES, run  # noqa: E402
+from three_way import MODES, ON_CHIP, run  # noqa: E402
 
 import pallas as pl  # noqa: E402
 import pallas_tpu as pltpu  # noqa: E402
@@ -318,7 +318,7 @@ _PADDING_OF_A_RESHAPE = (
     "mode",
     [
         pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_PADDING_OF_A_RESHAPE))
-        if m != "interpret"
+        if m != "interpret" and not (m == "compiled" and ON_CHIP)  # the chip runs libtpu's module
         else m
         for m in MODES
     ],

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import DMA_WAYS, WAYS, call, run, tensorcore_mesh, ways
+from three_way import DMA_WAYS, WAYS, call, mxu_operand, run, tensorcore_mesh, ways
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -193,7 +193,9 @@ def smem_scalars(pl, pltpu, s, x, *, interpret):
 def test_matmul_vmem_accumulator(dtype, way):
     x, y = rand(0, (256, 384), dtype), rand(1, (384, 256), dtype)
     out = call(matmul, (x, y), way)
-    ref = jnp.dot(x.astype(jnp.float32), y.astype(jnp.float32))
+    ref = jnp.dot(
+        mxu_operand(x, way).astype(jnp.float32), mxu_operand(y, way).astype(jnp.float32), precision="highest"
+    )
     close(out, ref, 1e-4 if dtype == jnp.float32 else 5e-2 * float(jnp.abs(ref).max()))
     if way == "interpret":
         theirs = matmul(*JAXS, x, y, interpret=jpltpu.InterpretParams())

@@ -23,7 +23,7 @@ from pallas_tpu.ops import flash_attention as fa
 
 jfa = pytest.importorskip("jax.experimental.pallas.ops.tpu.flash_attention")
 from jax.experimental.pallas import tpu as jax_pltpu  # noqa: E402
-from three_way import MODES, run  # noqa: E402
+from three_way import MODES, dot_tol, run  # noqa: E402
 
 jax.config.update("jax_enable_checks", True)
 
@@ -183,7 +183,9 @@ def test_ways(case, mode):
     if mode == "jax" and (c.dtype == BF16 or c.sizes is None):
         pytest.skip("JAX's op through run_mosaic: the f32 cases with explicit blocks cover it (CI time)")
     outs = run(build_for(c.causal, c.sm_scale, c.sizes, c.grads, seg, c.bias), args, mode)
-    check_all(outs, reference(args, c.causal, c.sm_scale, c.grads, seg, c.bias), c.tol)
+    check_all(
+        outs, reference(args, c.causal, c.sm_scale, c.grads, seg, c.bias), dot_tol(c.tol, mode, c.dtype)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,8 +45,8 @@ def chip_mesh(chip: str):
 def compile_for_chips(f, args, chips=None):
     """libtpu's Mosaic compiles ``f(*args)``'s kernels for each chip (a refusal fails the
     test); on a TPU, for the chip that is there."""
-    if getattr(three_way, "ON_CHIP", False):
-        jax.jit(f).lower(*args).compile()
+    if three_way.ON_CHIP:
+        jax.jit(f).lower(*three_way.to_chip(args)).compile()
         return
     if not compile_check.libtpu_available():
         pytest.skip('the compiled way needs libtpu: pip install "jax[tpu]"')
@@ -60,9 +60,9 @@ def run_op(op, args, way, **kw):
     if way == "interpret":
         return op(*args, interpret=pltpu.InterpretParams(), **kw)
     f = functools.partial(op, **kw)
-    if way == "compiled" and getattr(three_way, "ON_CHIP", False):
+    if way == "compiled" and three_way.ON_CHIP:
         # On a TPU (scripts/tpu_check.sh): compiled by the chip's libtpu and run there.
-        return jax.block_until_ready(jax.jit(f)(*args))
+        return jax.device_get(jax.jit(f)(*three_way.to_chip(args)))
     if way == "compiled":
         compile_for_chips(f, args)
     with jax.sharding.use_abstract_mesh(three_way.TPU_V5E):
@@ -118,7 +118,8 @@ def test_matmul_blocks_given(way, case):
     dtype, out_dtype, tol = CASES[case]
     x, y = rand(0, (256, 384), dtype), rand(1, (384, 256), dtype)
     out = run_op(mm.matmul, (x, y), way, block_shape=(128, 128), block_k=128, out_dtype=out_dtype)
-    close(out, reference(x, y, out_dtype), tol * np.sqrt(384))
+    mxu = functools.partial(three_way.mxu_operand, way=way)
+    close(out, reference(mxu(x), mxu(y), out_dtype), tol * np.sqrt(384))
 
 
 @pytest.mark.parametrize("way", OP_WAYS)

@@ -9,12 +9,14 @@ three to a tile), rows after the last group, k and n that the tiles do not divid
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import three_way
 from test_ops_matmul import OP_WAYS, rand, run_op
 
 import pallas_tpu as pltpu
@@ -84,7 +86,7 @@ GMM_CASES = {
 }
 
 
-def gmm_case(name):
+def gmm_case(name, way="interpret"):
     sizes, local, kw, n, dtype, tol = GMM_CASES[name]
     offset, count = local or (0, len(sizes))
     kw = dict(kw)
@@ -98,14 +100,15 @@ def gmm_case(name):
     existing = rand(2, (M, n)) if name == "existing_out" else None
     if existing is not None:
         kw["existing_out"] = existing
-    ref = gmm_reference(lhs, rhs, sizes, offset, kw.get("transpose_rhs", False), existing)
+    mxu = functools.partial(three_way.mxu_operand, way=way)
+    ref = gmm_reference(mxu(lhs), mxu(rhs), sizes, offset, kw.get("transpose_rhs", False), existing)
     return args, kw, ref, tol
 
 
 @pytest.mark.parametrize("case", GMM_CASES)
 @pytest.mark.parametrize("way", OP_WAYS)
 def test_gmm(way, case):
-    args, kw, ref, tol = gmm_case(case)
+    args, kw, ref, tol = gmm_case(case, way)
     # Traced arrays (group_offset, existing_out) go in as arguments, the rest as keywords.
     arrays = {k: kw.pop(k) for k in ("group_offset", "existing_out") if k in kw}
     names = list(arrays)
@@ -137,7 +140,8 @@ def test_tgmm(way, case):
     m = sum(sizes) if case == "m_tail" else M
     lhs_km, rhs = rand(3, (K, m)), rand(4, (m, N))
     existing = rand(5, (count, K, N)) if with_existing else None
-    ref = tgmm_reference(lhs_km, rhs, sizes, offset, count, existing)
+    mxu = functools.partial(three_way.mxu_operand, way=way)
+    ref = tgmm_reference(mxu(lhs_km), mxu(rhs), sizes, offset, count, existing)
     extra = [jnp.array(offset, jnp.int32)] + ([existing] if with_existing else [])
 
     def op(lhs, rhs, sizes, group_offset, *existing_out, interpret=False):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import DMA_WAYS, OLD_JAX, WAYS, builder, run, tensorcore_mesh, ways
+from three_way import DMA_WAYS, OLD_JAX, WAYS, builder, mxu_operand, run, tensorcore_mesh, ways
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -188,7 +188,7 @@ def test_add_blocks_not_dividing(way, shape, dtype):
 def test_matmul_vmem_accumulator(way):
     x, y = rand(4, (256, 384)), rand(5, (384, 256))
     out = run(builder(build_matmul_scratch, bm=128, bn=128, bk=128), (x, y), way)
-    close(out, jnp.dot(x, y, precision="highest"), 1e-4)
+    close(out, jnp.dot(mxu_operand(x, way), mxu_operand(y, way), precision="highest"), 1e-4)
 
 
 def build_accumulate_out(pl, pltpu, *, k_outer, interpret):
@@ -228,7 +228,7 @@ def test_matmul_should_accumulate_out(way, k_outer):
     and the body adds into it, over a k axis inner or outer to the output's."""
     x, y, c = rand(6, (128, 256)), rand(7, (256, 256)), rand(8, (128, 256))
     out = run(builder(build_accumulate_out, k_outer=k_outer), (x, y, c), way)
-    close(out, c + jnp.dot(x, y, precision="highest"), 1e-4)
+    close(out, c + jnp.dot(mxu_operand(x, way), mxu_operand(y, way), precision="highest"), 1e-4)
 
 
 @pytest.mark.parametrize("way", DMA_WAYS)

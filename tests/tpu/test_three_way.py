@@ -14,7 +14,7 @@ from jax import lax
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import MODES, load_example, run, run_sharded  # noqa: E402
+from three_way import MODES, dot_tol, load_example, mxu_operand, run, run_sharded  # noqa: E402
 
 jax.config.update("jax_enable_checks", True)
 
@@ -156,7 +156,8 @@ def test_example_tpu_matmul(mode):
     def build(pl, pltpu):
         return functools.partial(ex.matmul, bm=128, bn=128, bk=128, call_kwargs={})
 
-    close(three_way(build, (x, y), mode), jnp.dot(x, y, precision="highest"), 1e-3)
+    mx, my = mxu_operand(x, mode), mxu_operand(y, mode)
+    close(three_way(build, (x, y), mode), jnp.dot(mx, my, precision="highest"), 1e-3)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -169,7 +170,7 @@ def test_example_tpu_flash_attention(mode, causal):
         return functools.partial(ex.flash_attention, block_q=128, block_k=128, causal=causal, call_kwargs={})
 
     out = three_way(build, (q, k, v), mode)
-    close(out, ex.attention_reference(q, k, v, causal=causal), 2e-4)
+    close(out, ex.attention_reference(q, k, v, causal=causal), dot_tol(2e-4, mode))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -242,7 +243,8 @@ def test_matmul_with_vmem_accumulator_and_revisits(mode):
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         )
 
-    close(three_way(build, (x, y), mode), jnp.dot(x, y, precision="highest"), 1e-3)
+    mx, my = mxu_operand(x, mode), mxu_operand(y, mode)
+    close(three_way(build, (x, y), mode), jnp.dot(mx, my, precision="highest"), 1e-3)
 
 
 def _elementwise(a, b, dtype):

@@ -14,7 +14,18 @@ from jax import lax
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import MODES, OLD_JAX, close, equal, hardware_random_reference, run, ways  # noqa: E402
+from three_way import (  # noqa: E402
+    MODES,
+    OLD_JAX,
+    ON_CHIP,
+    chip_flushed,
+    chip_tol,
+    close,
+    equal,
+    hardware_random_reference,
+    run,
+    ways,
+)
 
 jax.config.update("jax_enable_checks", True)
 
@@ -95,7 +106,7 @@ def test_cumulative(mode, op, dtype, axis, reverse, tol):
     got = run(elementwise(fn), (x,), mode)
     want = op(x, axis=axis, reverse=reverse)
     if tol:
-        close(got, want, tol)
+        close(got, want, chip_tol(tol, mode, 1e-4))
     else:
         equal(got, want)
 
@@ -163,7 +174,12 @@ BITCAST_CONVERT = [
     BITCAST_CONVERT,
     ids=[f"{np.dtype(a).name}-{np.dtype(b).name}" for a, b, _ in BITCAST_CONVERT],
 )
-def test_bitcast_convert_type(mode, src, dst, shape):
+def test_bitcast_convert_type(mode, src, dst, shape, request):
+    if mode == "compiled" and ON_CHIP and (src, dst) == (jnp.float32, jnp.bfloat16):
+        # Found on the v5e (JAX 0.10.2's libtpu), not seen by run_mosaic: a NaN half comes out
+        # as the canonical NaN and a subnormal half as 0, as if the (..., 2) bfloat16 result
+        # went through float32. JAX's lowering refuses width changes: nothing to compare.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the v5e canonicalizes bf16 halves"))
     if mode == "jax" and np.dtype(src).itemsize != np.dtype(dst).itemsize:
         pytest.skip("JAX's TPU lowering of bitcast_convert_type does not change the element width")
     x = _random_of(src, shape, 21)
@@ -223,7 +239,7 @@ def test_unpack_elementwise(mode, packed, unpacked, index):
         # JAX's lowering passes the signless i8 to Mosaic, which sign-extends;
         # ours masks the field (zero extension, as interpret mode).
         want = lax.bitcast_convert_type(field.astype(jnp.uint8), jnp.int8).astype(jnp.int32).astype(unpacked)
-    equal(got, want)
+    equal(got, chip_flushed(want, mode))
 
 
 def _stochastic_bf16_reference(x, bits):
@@ -374,7 +390,7 @@ def test_math_primitives(mode, name, fn, tol):
     got = run(elementwise(lambda v, pltpu: fn(v)), (x,), mode)
     want = fn(x)
     if tol:
-        close(got, want, tol)
+        close(got, want, chip_tol(tol, mode, 1e-4))
     else:
         equal(got, want)
 

@@ -214,6 +214,58 @@ def run(build, args, mode, num_cores=1, **interpret_params):
 # libtpu and runs there: our lowering's outputs go to the test's jnp comparison, and JAX's
 # lowering of the same kernel, compiled and run beside it, is compared with ours in the report.
 ON_CHIP = jax.default_backend() == "tpu"
+if ON_CHIP:
+    # Test data and jnp references are made on the host's CPU, as in CI: XLA on the TPU
+    # flushes subnormals and canonicalizes NaN payloads (a bit-exact reference made there
+    # is not the one the test means), and its default matmul precision is bf16. Kernels go
+    # to the chip explicitly (``to_chip``).
+    jax.config.update("jax_default_device", jax.devices("cpu")[0])
+
+
+def to_chip(args):
+    """``args`` on the TPU (``ON_CHIP``), where the kernel under test runs."""
+    return jax.device_put(args, jax.devices("tpu")[0])
+
+
+# At the default precision the MXU multiplies float32 operands rounded to bfloat16 (to
+# nearest even) and accumulates in float32, as XLA's jnp.dot does on a TPU (the v5e gave
+# such a product of 256x384 by 384x256 to 1e-6); the interpreters and run_mosaic multiply
+# in float32.
+def mxu_operand(x, way: str):
+    """``x`` as a matmul kernel run the ``way`` way multiplies it: on the chip, float32
+    rounded to bfloat16; anywhere else ``x`` itself. For the test's reference."""
+    if ON_CHIP and way == "compiled" and x.dtype == np.float32:
+        return x.astype(jax.numpy.bfloat16).astype(np.float32)
+    return x
+
+
+def chip_flushed(x, way: str):
+    """``x`` with float32 subnormals flushed to signed zero where the kernel ran on the
+    chip (``ON_CHIP``), whose vector unit flushes them when it widens bfloat16 to float32
+    (seen on ``unpack_elementwise`` on the v5e); anywhere else ``x`` itself."""
+    x = np.asarray(x)
+    if not (ON_CHIP and way == "compiled" and x.dtype == np.float32):
+        return x
+    return np.where(np.abs(x) < np.finfo(np.float32).tiny, np.copysign(np.float32(0), x), x)
+
+
+# A kernel of several float32 matmuls in a row (attention: the probabilities are rounded
+# too) is held to the tolerance of a bf16 one on the chip.
+F32_DOT_ON_CHIP_TOL = 3e-2
+
+
+def dot_tol(tol: float, way: str, dtype=np.float32) -> float:
+    """``tol`` for a kernel of chained matmuls of ``dtype`` operands, or the bf16
+    tolerance where it runs on the chip (``F32_DOT_ON_CHIP_TOL``)."""
+    if ON_CHIP and way == "compiled" and np.dtype(dtype) == np.float32:
+        return max(tol, F32_DOT_ON_CHIP_TOL)
+    return tol
+
+
+def chip_tol(tol: float, way: str, floor: float) -> float:
+    """``tol``, or ``floor`` where the kernel runs on the chip: its transcendental units
+    (exp, log) are a few hundred ulp from the host's libm."""
+    return max(tol, floor) if ON_CHIP and way == "compiled" else tol
 
 
 def needs_devices(n: int):
@@ -245,7 +297,7 @@ def run_on_chip(build, args, num_cores=1):
         pytest.skip(
             f"needs a TPU with {num_cores} TensorCores; {jax.devices()[0].device_kind} has {chip_cores}"
         )
-    args = jax.device_put(args, jax.devices("tpu")[0])
+    args = to_chip(args)
     try:
         ours = jax.block_until_ready(jax.jit(build(pl, pltpu))(*args))
     except Exception as e:
@@ -277,7 +329,7 @@ def hardware_random_reference(build, args, mode, model):
     the chip (ours must equal it bit for bit)."""
     if not (mode == "compiled" and ON_CHIP):
         return model()
-    args = jax.device_put(args, jax.devices("tpu")[0])
+    args = to_chip(args)
     return jax.device_get(jax.jit(build(*jax_namespaces()))(*args))
 
 

@@ -224,7 +224,7 @@ def test_matches_jax_op(causal):
 
 def test_separate_dq_kernel(monkeypatch):
     """Where a head's dq does not fit VMEM, dq is its own kernel (here forced, at unequal blocks)."""
-    monkeypatch.setattr(fa, "_fused_backward_fits", lambda q: False)
+    monkeypatch.setattr(fa._api, "_fused_backward_fits", lambda q: False)
     args = inputs(F32, bias=True, grads=True)
     seg = (segments(3, 1, 256),) * 2
     sizes = dict(block_q_dq=256, block_k_major_dq=128, block_k_dq=128)

@@ -1,0 +1,207 @@
+"""Block sizes, segment ids and the constants of ``flash_attention``: the blocks picked from the shapes and the chip."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_tpu as pltpu
+
+DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+NUM_LANES = 128
+NUM_SUBLANES = 8
+MIN_BLOCK_SIZE = 128
+TRANS_B_DIM_NUMBERS = (((1,), (1,)), ((), ()))  # a @ b.T
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+F32 = jnp.float32
+# The tile edge of the causal diagonal square: smaller tiles skip more of the masked half,
+# larger ones feed the MXU longer runs.
+DIAGONAL_TILE = 256
+
+
+_BACKWARD_BLOCKS = (
+    "block_q_dq",
+    "block_k_dq",
+    "block_k_major_dq",
+    "block_q_dkv",
+    "block_k_dkv",
+    "block_q_major_dkv",
+    "block_k_major_dkv",
+)
+
+
+class SegmentIds(NamedTuple):
+    """Segment ids of the query and key sequences: a query attends to the keys of its own segment.
+
+    Attributes:
+      q: ``[batch, q_seq_len]`` integer ids of the queries.
+      kv: ``[batch, kv_seq_len]`` integer ids of the keys and values.
+    """
+
+    q: jax.Array
+    kv: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Block sizes of the flash attention kernels (speed only; the results do not depend on them).
+
+    Forward: ``block_q`` query rows and ``block_k_major`` key rows per grid step, the keys
+    taken ``block_k`` at a time inside it. ``block_b`` is accepted for JAX's signature; the
+    kernels take one batch row per grid step whatever it says. Backward: ``block_k_major_dkv``
+    key rows and ``block_q_major_dkv`` query rows per grid step, in tiles of ``block_k_dkv``
+    keys by ``block_q_dkv`` queries; the ``_dq`` blocks (``block_q_dq`` query rows and
+    ``block_k_major_dq`` key rows per step, keys ``block_k_dq`` at a time) serve the separate
+    ``dq`` kernel, used only where a head's ``dq`` does not fit VMEM beside the fused backward
+    kernel. Backward blocks left as None are chosen by ``get_default``'s rule (JAX raises instead).
+    """
+
+    block_q: int
+    block_k_major: int
+    block_k: int
+    block_b: int
+
+    block_q_major_dkv: int | None = None
+    block_k_major_dkv: int | None = None
+    block_k_dkv: int | None = None
+    block_q_dkv: int | None = None
+
+    block_k_major_dq: int | None = None
+    block_k_dq: int | None = None
+    block_q_dq: int | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            size = getattr(self, f.name)
+            if size is not None and (not isinstance(size, (int, np.integer)) or size < 1):
+                raise ValueError(f"BlockSizes.{f.name} must be a positive int, got {size!r}")
+        pairs = (
+            ("block_k", "block_k_major"),
+            ("block_k_dkv", "block_k_major_dkv"),
+            ("block_q_dkv", "block_q_major_dkv"),
+            ("block_k_dq", "block_k_major_dq"),
+        )
+        for minor, major in pairs:
+            lo, hi = getattr(self, minor), getattr(self, major)
+            if lo is not None and hi is not None and hi % lo:
+                raise ValueError(
+                    f"BlockSizes.{minor}={lo} must divide BlockSizes.{major}={hi} "
+                    f"(the {minor} tiles are taken from inside one {major} block)"
+                )
+
+    @property
+    def has_backward_blocks(self) -> bool:
+        """Whether every backward block is given."""
+        return all(getattr(self, name) is not None for name in _BACKWARD_BLOCKS)
+
+    @classmethod
+    def get_default(cls, batch_size, num_heads, q_seq_len, kv_len, d_model, *, causal=False) -> BlockSizes:
+        """The blocks ``flash_attention`` uses when none are given, from the shapes and the chip.
+
+        Tiles of 1024 x 1024 scores (512 x 512 on chips with less than 64 MiB of VMEM). Without
+        ``causal`` a grid step sweeps up to four tiles' worth of keys (``dk``/``dv``: queries),
+        so at L <= 4096 a head's keys are copied to VMEM once and its tiles run as straight-line
+        code; with ``causal`` a step takes two tiles' worth, so the steps that cross the diagonal
+        stay few and small. A step's unrolled tiles spill their scores to VMEM, so its size is
+        bounded by the VMEM too. (``causal`` is this module's addition to JAX's signature; JAX's
+        defaults are blocks of 128 whatever the shapes.)
+        """
+        del batch_size, num_heads, d_model
+        budget = vmem_budget()
+        tile = 1024 if budget >= 48 * 2**20 else 512
+        widest = max(tile, min(4 * tile, max_unrolled_scores() // tile))
+        block_q = _fit(q_seq_len, tile)
+        block_kv = _fit(kv_len, tile)
+        sweep_kv = _fit(kv_len, 2 * block_q if causal else widest)
+        sweep_q = _fit(q_seq_len, 2 * block_kv if causal else widest)
+        return cls(
+            block_q=block_q,
+            block_k_major=sweep_kv,
+            block_k=_fit(sweep_kv, tile),
+            block_b=1,
+            block_q_major_dkv=sweep_q,
+            block_k_major_dkv=block_kv,
+            block_k_dkv=block_kv,
+            block_q_dkv=_fit(sweep_q, tile),
+            block_k_major_dq=sweep_kv,
+            block_k_dq=_fit(sweep_kv, tile),
+            block_q_dq=block_q,
+        )
+
+
+def _fit(n: int, target: int) -> int:
+    """The largest multiple of 128 at most ``target`` that divides ``n``; ``n`` itself when
+    ``n <= target`` or none does (a block as long as its axis is always a legal TPU block)."""
+    if n <= target:
+        return n
+    for size in range(target - target % 128, 127, -128):
+        if n % size == 0:
+            return size
+    return n
+
+
+def vmem_budget() -> int:
+    """The VMEM the kernels may ask for: three quarters of the chip's (16 MiB when unknown)."""
+    try:
+        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
+    except Exception:  # no TPU facts for this device: the smallest scoped default
+        capacity = 16 * 2**20 * 4 // 3
+    return int(min(capacity * 3 // 4, 100 * 2**20))
+
+
+def max_unrolled_scores() -> int:
+    """The most scores a grid step may hold as straight-line tiles: their float32 spills take
+    up to 4 bytes each, kept to a quarter of the VMEM budget."""
+    return vmem_budget() // 16
+
+
+def below_or_on_diag(r, r_blk_size, c, c_blk_size):
+    """Whether block ``(r, c)`` of a causal mask (row blocks of ``r_blk_size``, column blocks of
+    ``c_blk_size``) holds any visible entry: its last row is at or past its first column."""
+    last_row = r * r_blk_size + (r_blk_size - 1)
+    return last_row >= c * c_blk_size
+
+
+def resolve_blocks(block_sizes, batch, heads, q_len, kv_len, head_dim, causal) -> BlockSizes:
+    """The user's blocks with the missing backward ones defaulted, checked against the shapes."""
+    default = BlockSizes.get_default(batch, heads, q_len, kv_len, head_dim, causal=causal)
+    if block_sizes is None:
+        blocks = default
+    else:
+        missing = {
+            f.name: getattr(default, f.name)
+            for f in dataclasses.fields(BlockSizes)
+            if getattr(block_sizes, f.name) is None
+        }
+        blocks = dataclasses.replace(block_sizes, **missing)
+    checks = (
+        ("block_q", "q_seq_len", q_len),
+        ("block_k_major", "kv_seq_len", kv_len),
+        ("block_k", "block_k_major", blocks.block_k_major),
+        ("block_q_major_dkv", "q_seq_len", q_len),
+        ("block_k_major_dkv", "kv_seq_len", kv_len),
+        ("block_k_dkv", "block_k_major_dkv", blocks.block_k_major_dkv),
+        ("block_q_dkv", "block_q_major_dkv", blocks.block_q_major_dkv),
+        ("block_q_dq", "q_seq_len", q_len),
+        ("block_k_major_dq", "kv_seq_len", kv_len),
+        ("block_k_dq", "block_k_major_dq", blocks.block_k_major_dq),
+    )
+    for name, of, n in checks:
+        size = getattr(blocks, name)
+        if size > n or n % size:
+            raise ValueError(f"flash_attention: block_sizes.{name}={size} must divide {of}={n}")
+        if size != n and size % NUM_LANES:
+            raise ValueError(
+                f"flash_attention: block_sizes.{name}={size} must be a multiple of {NUM_LANES} "
+                f"(a TPU tile of lanes) or all of {of}={n}"
+            )
+    if blocks.block_b > batch:
+        raise ValueError(f"flash_attention: block_sizes.block_b={blocks.block_b} exceeds batch={batch}")
+    return blocks

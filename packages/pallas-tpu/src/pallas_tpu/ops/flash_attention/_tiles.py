@@ -1,0 +1,194 @@
+"""Pieces the forward and backward kernels share: lane layouts, masks, and the sweep of a grid step's tiles (``Sweep``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+import pallas as pl
+import pallas_tpu as pltpu
+
+from ._blocks import DIAGONAL_TILE, F32, LOG2E, NUM_LANES, NUM_SUBLANES, max_unrolled_scores, vmem_budget
+
+
+def lane_replicated(x, n: int):
+    """A lane-replicated ``(rows, 128)`` value widened (or cut) to ``(rows, n)``."""
+    if n == NUM_LANES:
+        return x
+    whole, part = divmod(n, NUM_LANES)
+    pieces = [x] * whole + ([x[:, :part]] if part else [])
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+
+
+def as_column(row, width=NUM_LANES):
+    """A ``(1, n)`` row as an ``(n, width)`` column block: row ``i`` holds ``row[0, i]`` in every lane."""
+    return jnp.transpose(jnp.broadcast_to(row, (width, row.shape[1])))
+
+
+def as_row(column):
+    """Lane 0 of an ``(n, 128)`` lane-replicated block as a lane-dense ``(1, n)`` row."""
+    return jnp.transpose(column)[:1, :]
+
+
+def diagonal_keep(shape, rows_are_queries: bool):
+    """The visible half of a square tile centred on the causal diagonal: key <= query."""
+    offset = lax.broadcasted_iota(jnp.int32, shape, 1) - lax.broadcasted_iota(jnp.int32, shape, 0)
+    return offset <= 0 if rows_are_queries else offset >= 0
+
+
+def segment_id_operands(segment_ids, kv_major: bool):
+    """The segment ids as the kernels read them: the tile rows' ids lane-replicated
+    ``[batch, rows, 128]``, the tile columns' ids as a lane-dense ``[batch, 1, cols]`` row."""
+    if segment_ids is None:
+        return None, None
+    rows, cols = (segment_ids.kv, segment_ids.q) if kv_major else (segment_ids.q, segment_ids.kv)
+    batch, n = rows.shape
+    row_ids = lax.broadcast_in_dim(rows.astype(jnp.int32), (batch, n, NUM_LANES), (0, 1))
+    col_ids = cols.astype(jnp.int32)[:, None, :]
+    return row_ids, col_ids
+
+
+def _loop(lo, hi, body):
+    """``body(i)`` for ``lo <= i < hi``; traced bounds make an ``scf.for``. (Not unrolled: on jax
+    0.10.2's libtpu, Mosaic aborts the process on an unrolled ``fori_loop`` here.)"""
+    if isinstance(lo, int) and isinstance(hi, int) and hi - lo <= 1:
+        if hi - lo == 1:
+            body(lo)
+        return
+
+    def step(i, carry):
+        body(i)
+        return carry
+
+    lax.fori_loop(lo, hi, step, 0)
+
+
+def grid_params(semantics):
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_budget())
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """How a grid step's ``rows x cols`` block of scores is cut into tiles.
+
+    Rows are the axis the kernel owns (queries for the forward pass and ``dq``, keys for
+    ``dk``/``dv``), columns the axis it sweeps. ``run`` calls ``tile(r, nr, c, nc, diagonal)``
+    for each tile: local offsets ``r``, ``c`` (ints or traced), static sizes, and whether the tile
+    sits centred on the causal diagonal (and needs its triangle masked).
+    """
+
+    rows: int
+    cols: int
+    tile_rows: int
+    tile_cols: int
+    causal: bool
+    rows_are_queries: bool
+    square: int  # edge of the tiles along the causal diagonal
+    # A step of at most this many scores is unrolled into straight-line tiles (the scheduler then
+    # overlaps one tile's matmuls with the next one's softmax); a larger one loops. None:
+    # ``max_unrolled_scores()``.
+    max_unrolled: int | None = None
+
+    def run(self, tile, row0, col0):
+        """The tiles of the step whose block starts at global row ``row0`` and column ``col0``."""
+        if not self.causal:
+            self._all(tile)
+            return
+        if self.rows_are_queries:  # visible: key (column) <= query (row)
+            all_visible = col0 + self.cols - 1 <= row0
+            any_visible = col0 <= row0 + self.rows - 1
+        else:
+            all_visible = row0 + self.rows - 1 <= col0
+            any_visible = row0 <= col0 + self.cols - 1
+        pl.when(all_visible)(lambda: self._all(tile))
+        if self.cols % self.rows == 0 and self.cols // self.rows <= 4:
+            # The diagonal square starts at one of cols // rows places in a step that holds it:
+            # a straight-line body for each.
+            for at in range(self.cols // self.rows):
+                pl.when(col0 + at * self.rows == row0)(
+                    functools.partial(self._diagonal, tile, at * self.rows)
+                )
+        else:
+            partial = jnp.logical_and(any_visible, jnp.logical_not(all_visible))
+            pl.when(partial)(lambda: self._straddling(tile, row0, col0))
+
+    def _all(self, tile):
+        """Every tile, none masked."""
+        n_cols = self.cols // self.tile_cols
+        for a in range(self.rows // self.tile_rows):
+            r = a * self.tile_rows
+            if self.rows * self.cols <= (self.max_unrolled or max_unrolled_scores()):
+                for b in range(n_cols):
+                    tile(r, self.tile_rows, b * self.tile_cols, self.tile_cols, False)
+            else:
+                col = functools.partial(self._col, self.tile_cols)
+                _loop(0, n_cols, lambda t, r=r: tile(r, self.tile_rows, col(t), self.tile_cols, False))
+
+    def _diagonal(self, tile, at):
+        """A step holding the diagonal square at local column ``at``: the columns wholly visible
+        beside it in ordinary tiles; the square in bands of ``square`` rows, each band's tile on
+        the diagonal masked and the visible columns beside it in one unmasked tile."""
+        sq, n = self.square, self.rows // self.square
+        if self.rows_are_queries:
+            self._tiles(tile, 0, at)  # keys before the square
+        for a in range(n):
+            r = a * sq
+            if self.rows_are_queries:
+                if a:
+                    tile(r, sq, at, r, False)  # keys before the band's first query
+                tile(r, sq, at + r, sq, True)
+            else:
+                tile(r, sq, at + r, sq, True)
+                if a < n - 1:
+                    tile(r, sq, at + r + sq, self.rows - r - sq, False)  # queries after the band's last key
+        if not self.rows_are_queries:
+            self._tiles(tile, at + self.rows, self.cols)  # queries after the square
+
+    def _tiles(self, tile, lo, hi):
+        """Unmasked tiles over local columns ``[lo, hi)`` (static), all rows."""
+        for a in range(self.rows // self.tile_rows):
+            for c in range(lo, hi, self.tile_cols):
+                tile(a * self.tile_rows, self.tile_rows, c, min(self.tile_cols, hi - c), False)
+
+    def _straddling(self, tile, row0, col0):
+        """A step crossing the diagonal with unequal blocks: the columns wholly visible in a loop,
+        then the ``rows x rows`` square on the diagonal in static tiles, each only where it falls
+        in this step (its column range is known once ``row0`` and ``col0`` are)."""
+        width = math.gcd(self.tile_cols, self.rows)
+        n = self.cols // width
+        if self.rows_are_queries:  # keys before the first query
+            lo, hi = 0, jnp.clip((row0 - col0) // width, 0, n)
+        else:  # queries after the last key
+            lo, hi = jnp.clip((row0 + self.rows - col0) // width, 0, n), n
+        for a in range(self.rows // self.tile_rows):
+            r = a * self.tile_rows
+            _loop(lo, hi, lambda t, r=r: tile(r, self.tile_rows, self._col(width, t), width, False))
+        sq, n_sq = self.square, self.rows // self.square
+        for a in range(n_sq):
+            for b in range(a + 1) if self.rows_are_queries else range(a, n_sq):
+                c = row0 + b * sq - col0
+
+                @pl.when((c >= 0) & (c < self.cols))
+                def _(a=a, b=b, c=c):
+                    tile(a * sq, sq, pl.multiple_of(c, sq), sq, a == b)
+
+    @staticmethod
+    def _col(width, t):
+        return pl.multiple_of(t * width, width)
+
+
+def square_tile(*sizes: int) -> int:
+    """The edge of the tiles along the causal diagonal: at most ``DIAGONAL_TILE``, dividing every size."""
+    tile = functools.reduce(math.gcd, sizes)
+    while tile > DIAGONAL_TILE and tile % 2 == 0 and (tile // 2) % NUM_SUBLANES == 0:
+        tile //= 2
+    return tile
+
+
+def scaled_query(q, sm_scale):
+    """``q * sm_scale * log2(e)`` in ``q``'s dtype: logits in base 2 straight off the MXU."""
+    return (q.astype(F32) * (sm_scale * LOG2E)).astype(q.dtype)

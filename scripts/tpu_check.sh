@@ -12,7 +12,8 @@
 #   bash scripts/tpu_check.sh prepare
 # then (device tool):
 #   run(kind="tpu-v5e", carry=["build/tpu-wheels"], command="bash scripts/tpu_check.sh [all|tests|examples|bench] [ARGS]")
-# ARGS go to pytest for `tests` (e.g. -k flash) and to the benchmarks for `bench` (--only NAME).
+# ARGS go to pytest for `tests` (e.g. -k flash) and to the benchmarks for `bench` (--only NAME);
+# BENCHES="benchmarks/a.py benchmarks/b.py" runs only those benchmarks.
 # One device call may run 10 minutes: `all` runs tests, examples and bench in that order and
 # each step's log goes to $OUT, so what finished comes back when the call is cut.
 # Kernels that need JAX >= 0.11 features travel lowered instead: scripts/tpu_chip_check.sh.
@@ -60,7 +61,7 @@ if [ "$MODE" = all ] || [ "$MODE" = examples ]; then
 fi
 
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
-  for b in benchmarks/tpu_ops.py benchmarks/tpu_ops_*.py; do
+  for b in ${BENCHES:-benchmarks/tpu_ops.py benchmarks/tpu_ops_*.py}; do
     [ -f "$b" ] || continue
     step "benchmark $b"
     ARGS=("$@"); [ "$MODE" = all ] && ARGS=()

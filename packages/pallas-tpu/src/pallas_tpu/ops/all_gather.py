@@ -1,0 +1,256 @@
+"""All-gather over a ring of TPU devices, with the names and call signature of
+JAX's ``ops.tpu.all_gather``: ``all_gather(x, *, mesh, axis_name, memory_space)``.
+
+``x`` is sharded over ``axis_name`` of ``mesh`` (its leading dimension split in
+``n`` shards); every device ends with all of it. The devices along the axis form
+a ring and the gather is two streams of remote DMAs going round it in opposite
+directions, each carrying whole shards: a device first sends its own shard to
+both neighbours, then, for ``n // 2`` steps to the right and ``(n - 1) // 2``
+to the left, forwards the shard that has just landed from the other side.
+Every link then carries ``n // 2`` shards, half of what one direction would,
+and each slot of the output is written once, by one DMA, so no step needs more
+than the data it forwards to have landed (no flow control, no buffer reuse).
+
+The kernel starts once its two neighbours have entered it (the barrier
+semaphore: their output buffers exist and their semaphores are ready); its own
+shard is copied into its slot meanwhile. With ``memory_space=pltpu.VMEM`` (the
+default, as JAX's) the shard and the gathered output live in VMEM and must fit
+there; ``pl.ANY`` keeps them in HBM (the DMAs go HBM to HBM) for any size.
+
+Beside JAX's op: shards of any leading size (JAX's halves each shard: of an odd
+one, the last row never leaves its device), ``axis_name`` may name several mesh axes (the ring runs over their
+row-major product, as ``P(axis_name)`` numbers the shards), and the own shard is
+sent straight from the input instead of after a blocking local copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import pallas as pl
+import pallas_tpu as pltpu
+
+P = jax.sharding.PartitionSpec
+
+_MEMORY_SPACES = {"vmem": pltpu.VMEM, "any": pl.ANY, "hbm": pltpu.HBM}
+# Of the chip's VMEM, what the input shard and the gathered output may take.
+VMEM_FRACTION = 0.75
+
+
+def _axes(axis_name) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _ring_position(axes: Sequence[str], mesh) -> jax.Array:
+    """This device's position on the ring: its row-major index over ``axes``."""
+    position = jnp.int32(0)
+    for a in axes:
+        position = position * mesh.shape[a] + lax.axis_index(a)
+    return position
+
+
+def get_neighbor(
+    idx: jax.Array, mesh, axis_name: str | Sequence[str], *, direction: str
+) -> tuple[jax.Array, ...]:
+    """The mesh coordinates (one per axis of ``mesh``, for
+    ``DeviceIdType.MESH``) of the device next to ring position ``idx`` on the
+    ring over ``axis_name`` (``"right"``: position ``idx + 1``, ``"left"``:
+    ``idx - 1``, wrapping); on the other axes, this device's own coordinates."""
+    if direction not in ("left", "right"):
+        raise ValueError(f"get_neighbor: direction must be 'left' or 'right', got {direction!r}")
+    axes = _axes(axis_name)
+    size = math.prod(mesh.shape[a] for a in axes)
+    step = 1 if direction == "right" else size - 1
+    position = lax.rem(jnp.asarray(idx, jnp.int32) + step, size)
+    coords = {}
+    for i, a in enumerate(reversed(axes)):
+        coords[a] = lax.rem(position, mesh.shape[a]) if i < len(axes) - 1 else position
+        position = lax.div(position, mesh.shape[a])
+    return tuple(coords[a] if a in coords else lax.axis_index(a) for a in mesh.axis_names)
+
+
+def ag_kernel(x_ref, o_ref, send_sem, recv_sem, *, axis_name: str | Sequence[str], mesh):
+    """The all-gather kernel: ``x_ref`` this device's shard, ``o_ref`` the
+    ``(n, *shard)`` output, ``send_sem`` and ``recv_sem`` two DMA semaphores each
+    (the left-going stream's, then the right-going one's). Needs
+    ``pltpu.CompilerParams(collective_id=...)`` (it uses the barrier semaphore)."""
+    axes = _axes(axis_name)
+    n = math.prod(mesh.shape[a] for a in axes)
+    me = _ring_position(axes, mesh)
+    left = get_neighbor(me, mesh, axes, direction="left")
+    right = get_neighbor(me, mesh, axes, direction="right")
+    right_hops, left_hops = n // 2, (n - 1) // 2
+
+    # The own shard into its slot, while the neighbours are awaited. The left
+    # stream's send semaphore carries it: no send of ours has started yet.
+    own = pltpu.make_async_copy(x_ref, o_ref.at[me], send_sem[0])
+    own.start()
+    barrier = pltpu.get_barrier_semaphore()
+    for neighbour in (left, right):
+        pl.semaphore_signal(barrier, 1, device_id=neighbour, device_id_type=pl.DeviceIdType.MESH)
+    pl.semaphore_wait(barrier, 2)
+    own.wait()
+
+    def hop(src_ref, slot, stream: int, neighbour):
+        return pltpu.make_async_remote_copy(
+            src_ref,
+            o_ref.at[slot],
+            send_sem[stream],
+            recv_sem[stream],
+            device_id=neighbour,
+            device_id_type=pl.DeviceIdType.MESH,
+        )
+
+    def finish(copies):
+        for copy in copies:
+            copy.wait_send()
+        for copy in copies:
+            copy.wait_recv()
+
+    # Step 0: the own shard, straight from the input, to both neighbours.
+    first = [hop(x_ref, me, 1, right)] + ([hop(x_ref, me, 0, left)] if left_hops else [])
+    for copy in first:
+        copy.start()
+    finish(first)
+
+    # Step t: forward what landed at step t - 1 (from the left: slot me - t;
+    # from the right: slot me + t).
+    def step(t, carry):
+        going_right = hop(o_ref.at[lax.rem(me - t + n, n)], lax.rem(me - t + n, n), 1, right)
+        going_right.start()
+        if left_hops < right_hops:
+
+            @pl.when(t < left_hops)
+            def _():
+                going_left = hop(o_ref.at[lax.rem(me + t, n)], lax.rem(me + t, n), 0, left)
+                going_left.start()
+                finish([going_left])
+
+        else:
+            going_left = hop(o_ref.at[lax.rem(me + t, n)], lax.rem(me + t, n), 0, left)
+            going_left.start()
+            finish([going_left])
+        finish([going_right])
+        return carry
+
+    if right_hops > 1:
+        lax.fori_loop(1, right_hops, step, 0)
+
+
+def _vmem_bytes(shape, dtype, n: int) -> int:
+    """VMEM of the shard and the ``(n, *shard)`` output, their last two
+    dimensions padded to the chip's (8, 128) tiles of 32-bit words."""
+    *lead, rows, lanes = shape
+    per_word = max(1, 4 // np.dtype(dtype).itemsize)
+    tile = -(-rows // (8 * per_word)) * 8 * per_word * -(-lanes // 128) * 128
+    return (n + 1) * math.prod(lead) * tile * np.dtype(dtype).itemsize
+
+
+def _check(x, mesh, axes, memory_space) -> int:
+    if not hasattr(mesh, "shape") or not hasattr(mesh, "axis_names"):
+        raise TypeError(f"all_gather: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise ValueError(
+            f"all_gather: axis_name must be a mesh axis name or a sequence of them, got {axes!r}"
+        )
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise ValueError(
+                f"all_gather: axis_name {a!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)})"
+            )
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"all_gather: axis_name names an axis twice: {axes!r}")
+    if not any(memory_space is m for m in _MEMORY_SPACES.values()):
+        raise ValueError(
+            f"all_gather: memory_space must be pltpu.VMEM (the default), pl.ANY or pltpu.HBM, got {memory_space!r}"
+        )
+    n = math.prod(mesh.shape[a] for a in axes)
+    if jnp.ndim(x) == 0:
+        raise ValueError("all_gather: x must have a leading dimension to gather along, got a scalar")
+    if x.shape[0] % n:
+        raise ValueError(
+            f"all_gather: x.shape[0]={x.shape[0]} must be divisible by the {n} devices along {axes!r}"
+        )
+    return n
+
+
+def all_gather(x, *, mesh, axis_name: str | Sequence[str], memory_space=pltpu.VMEM):
+    """``x``, sharded along its leading dimension over ``axis_name`` of
+    ``mesh``, gathered whole on every device.
+
+    Args:
+      x: the array (at least 1-d); ``x.shape[0]`` divisible by the number of
+        devices along ``axis_name``.
+      mesh: the ``jax.sharding.Mesh``.
+      axis_name: a mesh axis, or several (the ring runs over their row-major
+        product, as ``P(axis_name)`` shards).
+      memory_space: where the kernel holds the shard and the output:
+        ``pltpu.VMEM`` (the default; they must fit), ``pl.ANY`` or
+        ``pltpu.HBM`` (any size).
+
+    Returns:
+      ``x``'s values, replicated on every device of the mesh.
+
+    Raises:
+      ValueError: an axis not of the mesh, a leading dimension the devices do
+        not divide, an unknown memory space, or a gather too large for VMEM.
+      TypeError: ``mesh`` is not a mesh.
+    """
+    axes = _axes(axis_name)
+    n = _check(x, mesh, axes, memory_space)
+    if n == 1:
+        return x
+    return _all_gather(x, mesh=mesh, axes=axes, memory_space=memory_space)
+
+
+def _compiler_params(kernel_shard, shard, dtype, n, memory_space):
+    params = dict(collective_id=0)
+    if memory_space is pltpu.VMEM:
+        info = pltpu.get_tpu_info()
+        needed = _vmem_bytes(kernel_shard, dtype, n)
+        if needed > VMEM_FRACTION * info.vmem_capacity_bytes:
+            raise ValueError(
+                f"all_gather: {n} shards of {shard} {dtype} need {needed} bytes of VMEM, more than "
+                f"{VMEM_FRACTION:.0%} of the {info.chip_version} chip's {info.vmem_capacity_bytes}: pass "
+                "memory_space=pl.ANY (the gather then runs HBM to HBM)"
+            )
+        params["vmem_limit_bytes"] = int(
+            min(0.9 * info.vmem_capacity_bytes, max(16 << 20, needed + (8 << 20)))
+        )
+    return pltpu.CompilerParams(**params)
+
+
+@functools.partial(jax.jit, static_argnames=["mesh", "axes", "memory_space"])
+def _all_gather(x, *, mesh, axes: tuple[str, ...], memory_space):
+    n = math.prod(mesh.shape[a] for a in axes)
+    shard = (x.shape[0] // n, *x.shape[1:])
+    # A 1-d shard is one row of a 2-d one: a slot of the output is then a
+    # whole leading index, as for any other rank.
+    kernel_shard = shard if len(shard) >= 2 else (1, *shard)
+
+    def gather_shard(x_shard):
+        # Traced inside the shard_map: the chip is the mesh's.
+        params = _compiler_params(kernel_shard, shard, x.dtype, n, memory_space)
+        out = pl.pallas_call(
+            functools.partial(ag_kernel, axis_name=axes, mesh=mesh),
+            out_shape=jax.ShapeDtypeStruct((n, *kernel_shard), x_shard.dtype),
+            in_specs=[pl.BlockSpec(memory_space=memory_space)],
+            out_specs=pl.BlockSpec(memory_space=memory_space),
+            scratch_shapes=[
+                (pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA),
+                (pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA),
+            ],
+            compiler_params=params,
+            name="all_gather",
+        )(x_shard.reshape(kernel_shard))
+        return out.reshape(n * shard[0], *shard[1:])
+
+    spec = P(axes if len(axes) > 1 else axes[0])
+    return jax.shard_map(gather_shard, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False)(x)

@@ -1,0 +1,234 @@
+"""Paged attention for decoding on TPUs, written with pallas-tpu, with the name and call
+signature of JAX's ``ops.tpu.paged_attention.paged_attention``.
+
+One query token per sequence attends to that sequence's keys and values, kept in pages of a
+shared cache (``k_pages``/``v_pages``: ``[num_kv_heads, total_num_pages, page_size, head_dim]``)
+that ``page_indices`` names per sequence. Grouped-query attention: the ``num_q_heads //
+num_kv_heads`` query heads of a KV head are the rows of one score tile. The op is bound by the
+cache's reads, so the kernel is a DMA schedule with arithmetic beside it:
+
+* The page table and lengths are scalar-prefetched (SMEM). The pages stay in HBM
+  (``memory_space=ANY``); a grid step, one (sequence, KV head), walks the sequence in compute
+  blocks of ``pages_per_compute_block`` pages, each page one DMA into a VMEM double buffer.
+  While a block is computed the next one is in flight, and the last block of a step starts the
+  first block of the next step (the same core's next (sequence, head) with keys), so the DMA
+  queue never drains between steps. A full block is waited for with one descriptor of the
+  whole buffer (a DMA semaphore counts bytes); only a sequence's last block copies fewer pages
+  (a scalar loop) and waits page by page.
+* The online softmax (running max ``m``, sum ``l`` and unnormalized output) lives in registers
+  across a step's blocks; only the last block is masked, by a select against the length (so a
+  stale buffer never reaches the sum: the buffers are zeroed once, and a masked probability is
+  exactly 0).
+* Quantized pages (``QuantizedTensor``: int8 codes, one scale per key or per element) are
+  copied as they are (a quarter of bf16's bytes per element beside the scales) and widened in
+  VMEM: ``code * scale / 127.5``.
+
+``megacore_mode`` splits the batch or the KV heads over a leading ``"parallel"`` grid axis (two
+TensorCores of a megacore chip); each core's steps chain their own prefetches, so the kernel is
+correct on one core too. ``inline_seq_dim`` is accepted for JAX's signature: the blocks of a
+sequence are always walked inside its grid step. ``pages_per_compute_block`` may be left out:
+``choose_pages_per_compute_block`` picks it (no measured table yet: a rule from the bytes a block
+must keep in flight to cover HBM latency on the chip).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_tpu as pltpu
+from pallas_tpu.ops.paged_attention import quantization_utils
+from pallas_tpu.ops.paged_attention._decode import Plan as _Plan
+from pallas_tpu.ops.paged_attention._decode import call as _call
+
+DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MEGACORE_MODES = ("kv_head", "batch", None)
+# Bytes of K and V one compute block copies: what the DMA queue holds while the block before is
+# computed. A v5e's HBM moves ~0.82 MB/us, so 1 MiB covers a few microseconds of latency and
+# per-block work; more only grows VMEM and the last block's waste.
+BLOCK_BYTES = 1 << 20
+# Pages one block copies at most: a full block's copies are unrolled straight-line code.
+MAX_PAGES_PER_BLOCK = 128
+_TRANS_B = (((1,), (1,)), ((), ()))
+
+
+def choose_pages_per_compute_block(page_size, head_dim, pages_per_sequence, kv_itemsize, info=None):
+    """The pages of one compute block when the caller gives none: ``BLOCK_BYTES`` of K and V,
+    at most ``MAX_PAGES_PER_BLOCK`` and ``pages_per_sequence``, and a double buffer within a
+    quarter of the chip's VMEM (``pltpu.get_tpu_info()``)."""
+    info = info or pltpu.get_tpu_info()
+    page_bytes = 2 * page_size * head_dim * kv_itemsize  # a K page and a V page
+    pages = max(1, BLOCK_BYTES // page_bytes)
+    pages = min(pages, max(1, info.vmem_capacity_bytes // 4 // (2 * page_bytes)))
+    return int(min(pages, MAX_PAGES_PER_BLOCK, pages_per_sequence))
+
+
+def _split(value, op, name):
+    """``(pages, scales)`` of a KV argument: an array, or a ``QuantizedTensor``."""
+    if isinstance(value, quantization_utils.QuantizedTensor):
+        pages, scales = jnp.asarray(value.weight), jnp.asarray(value.scales)
+        if pages.dtype != jnp.int8:
+            raise TypeError(f"{op}: {name}.weight must be int8 codes, got {pages.dtype}")
+        if (
+            scales.ndim != 4
+            or scales.shape[:3] != pages.shape[:3]
+            or scales.shape[3] not in (1, pages.shape[3])
+        ):
+            raise ValueError(
+                f"{op}: {name}.scales must have shape {pages.shape[:3] + (1,)} (one scale per key) "
+                f"or {pages.shape} (one per element), got {scales.shape}"
+            )
+        return pages, scales
+    return jnp.asarray(value), None
+
+
+def _check(q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, ppcb, megacore_mode, cap):
+    op = "paged_attention"
+    if q.ndim != 3:
+        raise ValueError(f"{op}: q must be [batch_size, num_q_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"{op}: k_pages must be [num_kv_heads, total_num_pages, page_size, head_dim], got shape {k_pages.shape}"
+        )
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(
+            f"{op}: k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}"
+        )
+    if (k_scales is None) != (v_scales is None):
+        raise TypeError(f"{op}: k_pages and v_pages must both be QuantizedTensor or both arrays")
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, head_dim_k = k_pages.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"{op}: the number of q heads ({num_q_heads}) must be a multiple of the KV heads ({num_kv_heads})"
+        )
+    if head_dim_k != head_dim:
+        raise ValueError(f"{op}: q's head_dim {head_dim} differs from k_pages' {head_dim_k}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"{op}: q must be a float array, got {q.dtype}")
+    if k_scales is None and (
+        k_pages.dtype != v_pages.dtype or not jnp.issubdtype(k_pages.dtype, jnp.floating)
+    ):
+        raise TypeError(
+            f"{op}: k_pages and v_pages must be float arrays of one dtype, got {k_pages.dtype}, {v_pages.dtype}"
+        )
+    if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
+        raise ValueError(
+            f"{op}: lengths must be int32[{batch}] (one per sequence of q), got {lengths.dtype}{list(lengths.shape)}"
+        )
+    if page_indices.ndim != 2 or page_indices.shape[0] != batch or page_indices.dtype != jnp.int32:
+        raise ValueError(
+            f"{op}: page_indices must be int32[{batch}, pages_per_sequence], got {page_indices.dtype}{list(page_indices.shape)}"
+        )
+    pages_per_sequence = page_indices.shape[1]
+    if ppcb is not None and (not isinstance(ppcb, (int, np.integer)) or not 0 < ppcb <= pages_per_sequence):
+        raise ValueError(
+            f"{op}: pages_per_compute_block must be an int in [1, {pages_per_sequence}] (pages per sequence), got {ppcb!r}"
+        )
+    if megacore_mode not in MEGACORE_MODES:
+        raise ValueError(f"{op}: megacore_mode must be one of {list(MEGACORE_MODES)}, got {megacore_mode!r}")
+    if megacore_mode == "kv_head" and num_kv_heads % 2:
+        raise ValueError(
+            f"{op}: megacore_mode='kv_head' needs an even number of KV heads, got {num_kv_heads}"
+        )
+    if megacore_mode == "batch" and batch % 2:
+        raise ValueError(f"{op}: megacore_mode='batch' needs an even batch size, got {batch}")
+    if cap is not None and cap == 0:
+        raise ValueError(f"{op}: attn_logits_soft_cap must not be 0 (None turns the cap off)")
+    return page_size, pages_per_sequence
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=[
+        "pages_per_compute_block",
+        "attn_logits_soft_cap",
+        "mask_value",
+        "megacore_mode",
+        "inline_seq_dim",
+        "interpret",
+    ],
+)
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array | quantization_utils.QuantizedTensor,
+    v_pages: jax.Array | quantization_utils.QuantizedTensor,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    mask_value: float = DEFAULT_MASK_VALUE,
+    attn_logits_soft_cap: float | None = None,
+    pages_per_compute_block: int | None = None,
+    megacore_mode: str | None = None,
+    inline_seq_dim: bool = True,
+    interpret=False,
+) -> jax.Array:
+    """Paged grouped-query attention of one query token per sequence.
+
+    Args:
+      q: ``[batch_size, num_q_heads, head_dim]`` (already scaled: no softmax scale is applied).
+      k_pages: ``[num_kv_heads, total_num_pages, page_size, head_dim]``, or a
+        ``quantization_utils.QuantizedTensor`` of int8 codes and their scales.
+      v_pages: as ``k_pages``.
+      lengths: ``int32[batch_size]``: how many keys each sequence has (0: its output is 0).
+      page_indices: ``int32[batch_size, pages_per_sequence]``: the pages of each sequence, in
+        ``[0, total_num_pages)``; entries past a sequence's length are not read.
+      mask_value: the logit given to keys past a sequence's length.
+      attn_logits_soft_cap: when set, logits become ``tanh(logits / cap) * cap``.
+      pages_per_compute_block: pages per compute block (None: chosen by
+        ``choose_pages_per_compute_block``); need not divide ``pages_per_sequence``.
+      megacore_mode: ``"kv_head"``, ``"batch"`` (split over two TensorCores) or None.
+      inline_seq_dim: accepted for JAX's signature (the kernel always walks a sequence inside
+        one grid step).
+      interpret: run in TPU interpret mode (``True`` or ``pltpu.InterpretParams``).
+
+    Returns:
+      ``[batch_size, num_q_heads, head_dim]`` in ``q``'s dtype.
+    """
+    if not isinstance(inline_seq_dim, bool):
+        raise TypeError(f"paged_attention: inline_seq_dim must be a bool, got {inline_seq_dim!r}")
+    k_pages, k_scales = _split(k_pages, "paged_attention", "k_pages")
+    v_pages, v_scales = _split(v_pages, "paged_attention", "v_pages")
+    q, lengths, page_indices = jnp.asarray(q), jnp.asarray(lengths), jnp.asarray(page_indices)
+    cap = attn_logits_soft_cap
+    page_size, pages_per_sequence = _check(
+        q,
+        k_pages,
+        v_pages,
+        k_scales,
+        v_scales,
+        lengths,
+        page_indices,
+        pages_per_compute_block,
+        megacore_mode,
+        cap,
+    )
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    groups = num_q_heads // num_kv_heads
+    info = pltpu.get_tpu_info()
+    pages_per_block = pages_per_compute_block or choose_pages_per_compute_block(
+        page_size, head_dim, pages_per_sequence, k_pages.dtype.itemsize, info
+    )
+    cores = 1 if megacore_mode is None else 2
+    plan = _Plan(
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        groups=groups,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_sequence=pages_per_sequence,
+        pages_per_block=int(pages_per_block),
+        cores=cores,
+        split=megacore_mode,
+        quantized=k_scales is not None,
+        mask_value=float(mask_value),
+        soft_cap=None if cap is None else float(cap),
+        compute_dtype=jnp.dtype(q.dtype)
+        if k_scales is not None
+        else jnp.promote_types(q.dtype, k_pages.dtype),
+    )
+    return _call(plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, interpret)

@@ -1,0 +1,249 @@
+"""The kernel behind ``ragged_paged_attention`` (``kernel``'s docstring says how it works): the
+vector side, a work item's KV blocks through the online softmax, and the ``pallas_call``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import pallas as pl
+import pallas_tpu as pltpu
+from pallas_tpu.ops.ragged_paged_attention._schedule import Copies, Item, Plan, Tables, kv_block_range
+
+_F32 = jnp.float32
+_TRANS_B = (((1,), (1,)), ((), ()))
+
+
+def _word_rows(plan: Plan, buf, slot, first_row, step):
+    """Rows ``first_row + step * t`` (t over the block's tokens) of a slot read as 32-bit words."""
+    view = buf.at[slot]
+    if plan.kv_dtype.itemsize < 4:
+        view = view.bitcast(jnp.uint32)
+    return view[pl.ds(first_row, plan.block_tokens, stride=step), :]
+
+
+def _from_byte(bits, dtype):
+    """The float32 values of 8-bit codes held in the low byte of uint32 ``bits``."""
+    if dtype == np.dtype(jnp.int8):
+        return ((bits ^ 0x80).astype(jnp.int32) - 0x80).astype(_F32)
+    if dtype == np.dtype(jnp.float8_e5m2):  # the top byte of a float16
+        half = bits.astype(jnp.uint32) << 8
+        sign, mag = (half >> 15) << 31, half & 0x7FFF
+        exp, man = mag >> 10, mag & 0x3FF
+        normal = lax.bitcast_convert_type(((exp + 112) << 23) | (man << 13), _F32)
+        special = lax.bitcast_convert_type(jnp.uint32(0x7F800000) | (man << 13), _F32)  # inf, NaN
+        sub = man.astype(_F32) * np.float32(2.0**-24)
+        val = jnp.where(exp == 0, sub, jnp.where(exp == 31, special, normal))
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(val, jnp.uint32) | sign, _F32)
+    if dtype == np.dtype(jnp.float8_e4m3fn):
+        sign = (bits >> 7) << 31
+        exp, man = (bits >> 3) & 0xF, bits & 0x7
+        normal = lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), _F32)
+        sub = man.astype(_F32) * np.float32(2.0**-9)
+        val = jnp.where(exp == 0, sub, normal)
+        val = jnp.where((exp == 15) & (man == 7), np.float32(np.nan), val)
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(val, jnp.uint32) | sign, _F32)
+    raise NotImplementedError(f"ragged_paged_attention: KV pages of {dtype}")
+
+
+def _head_kv(plan: Plan, buf, slot, h):
+    """The keys and values of KV head ``h`` in a slot, ``[block_tokens, head_dim]`` each, as
+    float32 (exact) or the compute dtype. A token's combined heads alternate K and V, so the K
+    and V of one head share a 32-bit word for 16-bit caches (low half K) and for 8-bit ones
+    (bytes 2(h%2) and 2(h%2)+1 of word h//2): one strided load gives both."""
+    size = plan.kv_dtype.itemsize
+    heads = plan.kv_heads_combined
+    if size == 4:
+        k = _word_rows(plan, buf, slot, 2 * h, heads)
+        v = _word_rows(plan, buf, slot, 2 * h + 1, heads)
+    elif size == 2:
+        w = _word_rows(plan, buf, slot, h, heads // 2)
+        k = lax.bitcast_convert_type(w << 16, _F32)
+        v = lax.bitcast_convert_type(w & np.uint32(0xFFFF0000), _F32)
+    else:
+        w = _word_rows(plan, buf, slot, h // 2, heads // 4)
+        shift = 16 * (h % 2)
+        w = w >> (shift if isinstance(shift, int) else shift.astype(jnp.uint32))
+        k = _from_byte(w & 0xFF, plan.kv_dtype)
+        v = _from_byte((w >> 8) & 0xFF, plan.kv_dtype)
+    if plan.k_scale is not None:
+        k = k.astype(_F32) * plan.k_scale
+    if plan.v_scale is not None:
+        v = v.astype(_F32) * plan.v_scale
+    return k.astype(plan.compute_dtype), v.astype(plan.compute_dtype)
+
+
+def _row_tokens(plan: Plan, shape):
+    """The block-relative token of each score row (rows are (token, group) pairs)."""
+    r = lax.broadcasted_iota(jnp.int32, shape, 0)
+    g = plan.groups
+    if g & (g - 1) == 0:
+        return r >> (g.bit_length() - 1)
+    return ((r.astype(_F32) + 0.5) * (1.0 / g)).astype(jnp.int32)
+
+
+def _attend_block(plan: Plan, refs, item: Item, j, slot, t0, tokens):
+    """One KV block against the rows of query tokens ``[t0, t0 + tokens)`` of the step, every
+    KV head; rows outside the item's are fully masked (their state is wiped by their own item:
+    a masked row's weights meet ``exp(mask_value - m) == 0`` once it sees a real key)."""
+    q_ref, buf, m_ref, l_ref, acc_ref = refs
+    rows = tokens * plan.groups
+    r0 = t0 * plan.groups if isinstance(t0, int) else pl.multiple_of(t0 * plan.groups, rows)
+    shape = (rows, plan.block_tokens)
+    tok = t0 + _row_tokens(plan, shape)
+    rel = j * plan.block_tokens + lax.broadcasted_iota(jnp.int32, shape, 1) - tok  # key pos - token
+    valid = (rel <= item.pos_base) & (tok >= item.row_lo) & (tok < item.row_hi)
+    if plan.sliding_window is not None:
+        valid &= rel > item.pos_base - plan.sliding_window
+
+    def head(h):
+        q = q_ref[h, pl.ds(r0, rows), :].astype(plan.compute_dtype)
+        k, v = _head_kv(plan, buf, slot, h)
+        s = lax.dot_general(q, k, _TRANS_B, preferred_element_type=_F32)
+        if plan.soft_cap is not None:
+            s = jnp.tanh(s * (1.0 / plan.soft_cap)) * plan.soft_cap
+        s = jnp.where(valid, s, plan.mask_value)
+        m_prev, l_prev = m_ref[h, pl.ds(r0, rows), :], l_ref[h, pl.ds(r0, rows), :]
+        m = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m)
+        p = jnp.exp(s - m)
+        m_ref[h, pl.ds(r0, rows), :] = m
+        l_ref[h, pl.ds(r0, rows), :] = alpha * l_prev + p.sum(axis=1, keepdims=True)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+        acc_ref[h, pl.ds(r0, rows), :] = alpha * acc_ref[h, pl.ds(r0, rows), :] + pv
+
+    if plan.num_kv_heads <= 8:
+        for h in range(plan.num_kv_heads):
+            head(h)
+    else:
+        lax.fori_loop(0, plan.num_kv_heads, lambda h, c: (head(h), c)[1], 0)
+
+
+def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, kv_hbm, o_ref, *scratch):
+    buf, sems, m_ref, l_ref, acc_ref, state = scratch
+    i, blocks = pl.program_id(0), pl.num_programs(0)
+    tables = Tables(plan, kv_lens, page_indices, cu_q_lens, num_seqs)
+    copies = Copies(plan, tables, kv_hbm, buf, sems)
+    refs = (q_ref, buf, m_ref, l_ref, acc_ref)
+
+    @pl.when(i == 0)
+    def _first_step():
+        # Skipped pages leave slots stale: zeros (then real pages) keep NaN out of p @ v.
+        buf[...] = jnp.zeros(buf.shape, buf.dtype)
+        state[0] = 0  # the slot the next item's first KV block is in
+        state[1] = 0  # whether the previous step started this step's first item
+        state[2] = 0  # the first sequence that may have rows in this step
+
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
+    l_ref[...] = jnp.zeros(l_ref.shape, _F32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+    s0, found = tables.first_item(state[2], i)
+
+    @pl.when(found & (state[1] == 0))
+    def _():
+        item = tables.item(s0, i)
+        copies.start(item, kv_block_range(plan, item)[0], state[0])
+
+    state[1] = 0
+
+    def one_sequence(carry):
+        s, _, slot = carry
+        item = tables.item(s, i)
+        # The item after this one: the next sequence in this block, else the first of the next.
+        ns, here = tables.first_item(s + 1, i)
+        ns2, there = tables.first_item(s, i + 1)
+        there &= (i + 1 < blocks) & jnp.logical_not(here)
+        nxt_i = jnp.where(here, i, i + 1)
+        nxt = tables.item(jnp.where(here, ns, ns2), nxt_i)
+        lo, hi = kv_block_range(plan, item)
+
+        def run(t0, tokens):
+            def kv_block(j, slot):
+                @pl.when(j + 1 < hi)
+                def _():
+                    copies.start(item, j + 1, 1 - slot)
+
+                @pl.when((j + 1 == hi) & (here | there))
+                def _():
+                    copies.start(nxt, kv_block_range(plan, nxt)[0], 1 - slot)
+                    state[1] = there.astype(jnp.int32)
+
+                copies.wait(item, j, slot)
+                _attend_block(plan, refs, item, j, slot, t0, tokens)
+                return 1 - slot
+
+            return lax.fori_loop(lo, hi, kv_block, slot)
+
+        w = plan.window
+        t0 = (item.row_lo // w) * w
+        if plan.q_block > w:
+            narrow = item.row_hi <= t0 + w
+            slot = lax.cond(narrow, lambda: run(pl.multiple_of(t0, w), w), lambda: run(0, plan.q_block))
+        else:
+            slot = run(0, plan.q_block)
+        return jnp.where(here, ns, s), here, slot
+
+    last, _, slot = lax.while_loop(lambda c: c[1], one_sequence, (s0, found, state[0]))
+    state[0] = slot
+    state[2] = jnp.where(found, last, state[2])
+
+    def finish(h, carry):
+        l = l_ref[h]
+        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+        o_ref[h] = (acc_ref[h] * inv).astype(o_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, plan.num_kv_heads, finish, 0)
+
+
+def call(
+    plan: Plan, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, vmem_limit_bytes, interpret
+):
+    """The ``pallas_call`` of ``plan``; ``q``'s shape and dtype back."""
+    tokens, num_q_heads, head_dim = q.shape
+    hkv, g, bq = plan.num_kv_heads, plan.groups, plan.q_block
+    padded = pl.cdiv(tokens, bq) * bq
+    # Rows of a KV head's score tile are (token, group) pairs: [kv heads, tokens * groups, head_dim].
+    qs = q.astype(_F32) * sm_scale if sm_scale != 1.0 else q
+    qs = jnp.pad(qs.astype(q.dtype), ((0, padded - tokens), (0, 0), (0, 0)))
+    qh = qs.reshape(padded, hkv, g, head_dim).transpose(1, 0, 2, 3).reshape(hkv, padded * g, head_dim)
+    pages, page_size, combined, _ = kv_pages.shape
+    kv = kv_pages.reshape(pages, page_size * combined, head_dim)
+    rows = bq * g
+    spec = pl.BlockSpec((hkv, rows, head_dim), lambda i, *_: (0, i, 0))
+    slot_rows = plan.pages_per_block * plan.page_rows
+    scratch = [
+        pltpu.VMEM((2, slot_rows, head_dim), kv_pages.dtype),
+        pltpu.SemaphoreType.DMA((2,)),
+        pltpu.VMEM((hkv, rows, 1), _F32),
+        pltpu.VMEM((hkv, rows, 1), _F32),
+        pltpu.VMEM((hkv, rows, head_dim), _F32),
+        pltpu.SMEM((3,), jnp.int32),
+    ]
+    if vmem_limit_bytes is None:
+        lanes = -(-head_dim // 128) * 128
+        need = 2 * slot_rows * lanes * kv_pages.dtype.itemsize
+        need += hkv * rows * (4 * lanes * q.dtype.itemsize + 4 * lanes + 2 * 128 * 4)
+        need += 8 * rows * plan.block_tokens * 4  # scores, probabilities, masks of one head
+        cap = pltpu.get_tpu_info().vmem_capacity_bytes
+        vmem_limit_bytes = int(min(cap * 0.9, max(32 << 20, need * 3 // 2 + (8 << 20))))
+    out = pl.pallas_call(
+        lambda *refs: _kernel(plan, *refs),
+        out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(padded // bq,),
+            in_specs=[spec, pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=spec,
+            scratch_shapes=scratch,
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes
+        ),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, qh, kv)
+    out = out.reshape(hkv, padded, g, head_dim).transpose(1, 0, 2, 3).reshape(padded, num_q_heads, head_dim)
+    return out[:tokens]

@@ -1,0 +1,333 @@
+"""Ragged paged attention for TPUs (mixed prefill and decode), written with pallas-tpu, with the
+names and call signatures of JAX's ``ops.tpu.ragged_paged_attention.kernel``.
+
+The queries of all sequences are concatenated (``q``: ``[max_num_batched_tokens, num_q_heads,
+head_dim]``, sequence ``s`` owning rows ``cu_q_lens[s]:cu_q_lens[s+1]``); each attends causally
+to its sequence's ``kv_lens[s]`` keys, its last query token sitting at the last key. Keys and
+values share one paged cache, ``kv_pages``: ``[total_num_pages, page_size, 2 * num_kv_heads,
+head_dim]``, a token's combined heads alternating K and V (head ``2h`` is K of KV head ``h``,
+``2h + 1`` its V). As in JAX 0.11.2's op (and 0.10.2's, the same), the cache is read only: new
+keys are written into it by the caller.
+
+How the kernel works:
+
+* The grid walks query blocks of ``num_queries_per_block`` tokens; a block's rows are laid out
+  per KV head as (token, q head of the group) pairs, ``[num_kv_heads, tokens * groups,
+  head_dim]`` (an XLA transpose in and out), so one matmul serves a KV head's whole group.
+* Inside a step, the sequences with rows in the block are work items, each walking the KV
+  blocks (``num_kv_pages_per_block`` pages) its rows' causal and sliding-window span covers:
+  blocks wholly before the window or after the last row's key are never copied. The lengths,
+  offsets and page table are scalar-prefetched (SMEM); the pages stay in HBM (``ANY``) and are
+  copied, one DMA per page of all heads, into a VMEM double buffer. The next KV block (of this
+  item, the next sequence, or the next grid step's first item) is always in flight while one
+  is computed.
+* A sequence with few rows in the block (a decode) runs a narrow path over an aligned window
+  of 8 (or 16) tokens rather than the whole block, so a block of decodes costs each one a few
+  score rows, not the block's.
+* K and V of one head share 32-bit words (16-bit caches: low half K; 8-bit: two bytes), so a
+  head's keys and values come from one sublane-strided load and are split with shifts.
+* The online softmax keeps ``m``, ``l`` and the unnormalized output in VMEM per row; masks are
+  selects (``mask_value``), so stale VMEM never reaches a sum.
+
+Rows of ``q`` past ``cu_q_lens[num_seqs]`` get unspecified values (JAX's op leaves them too).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_tpu.ops.ragged_paged_attention import tuned_block_sizes
+from pallas_tpu.ops.ragged_paged_attention._ragged import call as _call
+from pallas_tpu.ops.ragged_paged_attention._schedule import Plan as _Plan
+from pallas_tpu.ops.ragged_paged_attention.tuned_block_sizes import get_tuned_block_sizes
+
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.dtype("float32")).max)
+_OP = "ragged_paged_attention"
+_KV_DTYPES = tuple(
+    np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+)
+
+
+def get_dtype_packing(dtype) -> int:
+    """Elements of ``dtype`` in one 32-bit word."""
+    return 32 // (np.dtype(dtype).itemsize * 8)
+
+
+def static_validate_inputs(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+):
+    """Checks the shapes, dtypes and static options (trace time); raises ValueError or
+    TypeError naming the argument and what was expected."""
+    del sm_scale, mask_value  # any value
+    if q.ndim != 3:
+        raise ValueError(
+            f"{_OP}: q must be [max_num_batched_tokens, num_q_heads, head_dim], got shape {q.shape}"
+        )
+    if kv_pages.ndim != 4:
+        raise ValueError(
+            f"{_OP}: kv_pages must be [total_num_pages, page_size, num_combined_kv_heads, head_dim], "
+            f"got shape {kv_pages.shape}"
+        )
+    _, num_q_heads, head_dim = q.shape
+    _, _, combined, head_dim_k = kv_pages.shape
+    if combined % 2:
+        raise ValueError(f"{_OP}: kv_pages' combined heads ({combined}) must be even: K and V alternate")
+    if head_dim_k != head_dim:
+        raise ValueError(f"{_OP}: q's head_dim {head_dim} differs from kv_pages' {head_dim_k}")
+    if num_q_heads % (combined // 2):
+        raise ValueError(
+            f"{_OP}: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={combined // 2}"
+        )
+    if page_indices.ndim != 2:
+        raise ValueError(
+            f"{_OP}: page_indices must be [max_num_seqs, pages_per_seq], got shape {page_indices.shape}"
+        )
+    max_num_seqs, pages_per_seq = page_indices.shape
+    if num_seqs.shape != (1,):
+        raise ValueError(f"{_OP}: num_seqs must have shape (1,), got {num_seqs.shape}")
+    if kv_lens.shape != (max_num_seqs,):
+        raise ValueError(
+            f"{_OP}: kv_lens must have shape ({max_num_seqs},) (page_indices' rows), got {kv_lens.shape}"
+        )
+    if cu_q_lens.shape != (max_num_seqs + 1,):
+        raise ValueError(f"{_OP}: cu_q_lens must have shape ({max_num_seqs + 1},), got {cu_q_lens.shape}")
+    for name, x in (
+        ("kv_lens", kv_lens),
+        ("page_indices", page_indices),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ):
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{_OP}: {name} must be int32, got {x.dtype}")
+    if q.dtype not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+        raise TypeError(f"{_OP}: q must be float32 or bfloat16, got {q.dtype}")
+    if kv_pages.dtype not in _KV_DTYPES:
+        raise TypeError(
+            f"{_OP}: kv_pages must be one of {[d.name for d in _KV_DTYPES]}, got {kv_pages.dtype}"
+        )
+    if combined % get_dtype_packing(kv_pages.dtype):
+        raise ValueError(
+            f"{_OP}: {kv_pages.dtype} kv_pages need combined heads in multiples of "
+            f"{get_dtype_packing(kv_pages.dtype)} (one 32-bit word), got {combined}"
+        )
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is not None and not isinstance(x, float):
+            raise TypeError(f"{_OP}: {name} must be a float or None, got {x!r}")
+    if sliding_window is not None and (
+        not isinstance(sliding_window, (int, np.integer)) or sliding_window <= 0
+    ):
+        raise ValueError(f"{_OP}: sliding_window={sliding_window!r} must be a positive int or None")
+    if soft_cap is not None and soft_cap == 0.0:
+        raise ValueError(f"{_OP}: soft_cap={soft_cap!r} must not be 0.0 (None turns the cap off)")
+    if num_kv_pages_per_block is not None and not 0 < num_kv_pages_per_block <= pages_per_seq:
+        raise ValueError(
+            f"{_OP}: num_kv_pages_per_block={num_kv_pages_per_block} must be in (0, {pages_per_seq}]"
+        )
+    if num_queries_per_block is not None and num_queries_per_block <= 0:
+        raise ValueError(f"{_OP}: num_queries_per_block={num_queries_per_block} must be positive")
+    if vmem_limit_bytes is not None and vmem_limit_bytes <= 0:
+        raise ValueError(f"{_OP}: vmem_limit_bytes={vmem_limit_bytes} must be positive")
+
+
+def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
+    """``static_validate_inputs``, then the checks of the values (concrete arrays, not under
+    ``jit``): ``num_seqs`` within the tables, every page list long enough, the query tokens
+    within ``q``, and no sequence with more queries than keys."""
+    static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs)
+    page_size = kv_pages.shape[1]
+    max_num_seqs, pages_per_seq = page_indices.shape
+    n = int(num_seqs[0])
+    if not 0 <= n <= max_num_seqs:
+        raise ValueError(f"{_OP}: num_seqs[0]={n} must be in [0, {max_num_seqs}] (page_indices' rows)")
+    kv, cu = np.asarray(kv_lens), np.asarray(cu_q_lens)
+    longest = int(kv[:n].max(initial=0))
+    if pages_per_seq * page_size < longest:
+        raise ValueError(
+            f"{_OP}: pages_per_seq={pages_per_seq} pages of {page_size} hold fewer than the longest kv_lens {longest}"
+        )
+    if cu[n] > q.shape[0]:
+        raise ValueError(f"{_OP}: cu_q_lens[num_seqs]={cu[n]} query tokens exceed q's {q.shape[0]} rows")
+    for s in range(n):
+        q_len = cu[s + 1] - cu[s]
+        if q_len < 0 or q_len > kv[s]:
+            raise ValueError(
+                f"{_OP}: sequence {s} has {q_len} query tokens and kv_lens {kv[s]}: need 0 <= q_len <= kv_len"
+            )
+
+
+def ref_ragged_paged_attention(
+    queries: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = DEFAULT_MASK_VALUE,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+):
+    """Plain JAX, one sequence at a time (concrete ``num_seqs`` and ``cu_q_lens``): the
+    outputs of the ``cu_q_lens[num_seqs]`` query tokens."""
+    static_validate_inputs(
+        queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
+    _, page_size, combined, head_dim = kv_pages.shape
+    kv_heads = combined // 2
+    groups = queries.shape[1] // kv_heads
+    outs = []
+    for s in range(int(num_seqs[0])):
+        lo, hi, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
+        cache = kv_pages[page_indices[s]].reshape(-1, combined, head_dim)[:kv_len]
+        k, v = cache[:, 0::2], cache[:, 1::2]
+        if k_scale is not None:
+            k = (k.astype(jnp.float32) * k_scale).astype(queries.dtype)
+        if v_scale is not None:
+            v = (v.astype(jnp.float32) * v_scale).astype(queries.dtype)
+        qs = queries[lo:hi].reshape(hi - lo, kv_heads, groups, head_dim)
+        logits = jnp.einsum("tngd,snd->ngts", qs, k, preferred_element_type=jnp.float32) * sm_scale
+        q_pos = kv_len - (hi - lo) + jnp.arange(hi - lo)[:, None]
+        k_pos = jnp.arange(kv_len)[None, :]
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = logits + jnp.where(hidden, mask_value, 0.0)
+        weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        out = jnp.einsum("ngts,snd->tngd", weights, v).reshape(hi - lo, kv_heads * groups, head_dim)
+        outs.append(out.astype(queries.dtype))
+    return jnp.concatenate(outs, axis=0)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=[
+        "sm_scale", "mask_value", "num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes",
+        "sliding_window", "soft_cap", "k_scale", "v_scale", "interpret",
+    ],
+)  # fmt: skip
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = DEFAULT_MASK_VALUE,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+    interpret=False,
+):
+    """Ragged paged attention over a batch that mixes prefills and decodes.
+
+    Args:
+      q: ``[max_num_batched_tokens, num_q_heads, head_dim]``: all sequences' queries, concatenated.
+      kv_pages: ``[total_num_pages, page_size, 2 * num_kv_heads, head_dim]``: the paged cache, K
+        and V of each KV head interleaved (float32, bfloat16, int8 or float8).
+      kv_lens: ``int32[max_num_seqs]``: keys per sequence (the first ``num_seqs`` are used).
+      page_indices: ``int32[max_num_seqs, pages_per_seq]``: each sequence's pages in ``kv_pages``.
+      cu_q_lens: ``int32[max_num_seqs + 1]``: cumulative query lengths (the first ``num_seqs + 1``
+        are used).
+      num_seqs: ``int32[1]``: how many sequences there are.
+      sm_scale: multiplies ``q @ k.T``.
+      sliding_window: when set, a query sees only its last ``sliding_window`` keys.
+      soft_cap: when set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      mask_value: the logit of masked keys (None: ``DEFAULT_MASK_VALUE``).
+      k_scale, v_scale: when set, keys (values) are multiplied by them in float32, then cast
+        to ``q``'s dtype (a scaled, e.g. float8, cache).
+      num_kv_pages_per_block: pages per KV compute block; num_queries_per_block: query tokens
+        per grid step (rounded up to a multiple of 8, or 16 for an odd group); None: chosen by
+        ``get_tuned_block_sizes``.
+      vmem_limit_bytes: the kernel's VMEM limit (None: from what the blocks need).
+      interpret: run in TPU interpret mode (``True`` or ``pltpu.InterpretParams``).
+
+    Returns:
+      ``[max_num_batched_tokens, num_q_heads, head_dim]`` in ``q``'s dtype.
+    """
+    static_validate_inputs(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale,
+        v_scale=v_scale, num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block, vmem_limit_bytes=vmem_limit_bytes,
+    )  # fmt: skip
+    tokens, num_q_heads, head_dim = q.shape
+    _, page_size, combined, _ = kv_pages.shape
+    num_kv_heads = combined // 2
+    groups = num_q_heads // num_kv_heads
+    pages_per_seq = page_indices.shape[1]
+    pages, queries = num_kv_pages_per_block, num_queries_per_block
+    if pages is None or queries is None:
+        tuned = get_tuned_block_sizes(
+            q.dtype, kv_pages.dtype, num_q_heads, num_kv_heads, head_dim, page_size, tokens, pages_per_seq
+        )
+        pages, queries = pages or tuned[0], queries or tuned[1]
+    window = tuned_block_sizes.query_window(groups)
+    queries = -(-int(queries) // window) * window
+    kv_dtype = np.dtype(kv_pages.dtype)
+    compute = (
+        np.dtype(q.dtype)
+        if kv_dtype.itemsize == 1 or k_scale is not None
+        else np.dtype(jnp.promote_types(q.dtype, kv_dtype))
+    )
+    plan = _Plan(
+        num_kv_heads=num_kv_heads,
+        groups=groups,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        pages_per_block=int(pages),
+        q_block=queries,
+        window=window,
+        max_num_seqs=page_indices.shape[0],
+        kv_dtype=kv_dtype,
+        compute_dtype=compute,
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        mask_value=float(DEFAULT_MASK_VALUE if mask_value is None else mask_value),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    return _call(
+        plan,
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        float(sm_scale),
+        vmem_limit_bytes,
+        interpret,
+    )

@@ -1,0 +1,369 @@
+"""The splash attention backward kernels, visiting only the mask's non-empty blocks.
+
+* ``dq``: query-major, the forward's walk (its own block sizes): per step the scores of the
+  q block against the step's kv block are recomputed, ``p = exp(s - lse)``,
+  ``ds = p * (dO v^T - di)``, ``dq += ds k``; ``lse`` and ``di = rowsum(dO * O)`` come as
+  lane-dense rows and are turned into lane-replicated columns once per q block.
+* ``dk``/``dv``: key-major (the transposed schedule): the owned kv block's ``dk``, ``dv``
+  accumulate in VMEM over the q blocks that see it, the scores taken transposed
+  (``k q^T``: keys on rows), so that ``lse`` and ``di`` broadcast as rows and the products
+  ``p^T dO`` and ``ds^T q`` are plain matmuls. With grouped or shared kv heads, or several q
+  shards in one call, each q head (and shard) writes its own float32 ``dk``/``dv``, summed after.
+
+The gradient of a sink is ``-sum_rows exp(sink - lse) * di``, computed with ``jnp``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallas as pl
+import pallas_tpu as pltpu
+from pallas_tpu.ops.splash_attention import _common as cm
+from pallas_tpu.ops.splash_attention._forward import _name
+
+F32 = cm.F32
+
+
+def backward(
+    dq_info, dkv_info, q, k, v, segment_ids, sinks, out, lse, d_out, *, cfg, dq_blocks, dkv_blocks, patterns
+):
+    """``(dq, dk, dv, dsinks)``; ``patterns``: those of the ``dq`` and the ``dk``/``dv`` schedules."""
+    heads, q_len, _ = q.shape
+    di = jnp.sum(out.astype(F32) * d_out.astype(F32), axis=-1)  # [heads, q_len]
+    lse_rows, di_rows = lse.reshape(heads, 1, q_len), di.reshape(heads, 1, q_len)
+    dq_patterns, dkv_patterns = patterns
+    dq = _dq(
+        dq_info,
+        q,
+        k,
+        v,
+        segment_ids,
+        lse_rows,
+        di_rows,
+        d_out,
+        cfg=cfg,
+        blocks=dq_blocks,
+        patterns=dq_patterns,
+    )
+    dk, dv = _dkv(
+        dkv_info,
+        q,
+        k,
+        v,
+        segment_ids,
+        lse_rows,
+        di_rows,
+        d_out,
+        cfg=cfg,
+        blocks=dkv_blocks,
+        patterns=dkv_patterns,
+    )
+    dsinks = None
+    if sinks is not None:
+        weight = jnp.exp(sinks.astype(F32)[:, None] - lse)
+        dsinks = (-jnp.sum(weight * di, axis=-1)).astype(sinks.dtype)
+    return dq, dk, dv, dsinks
+
+
+def _softcap_grad(ds, t):
+    """``ds`` through ``cap * tanh(s / cap)``: times ``1 - tanh^2``."""
+    return ds * (1.0 - t * t)
+
+
+def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config, blocks, patterns):
+    block_q, block_kv = blocks
+    heads, q_len, head_dim = q.shape
+    sched = cm.Schedule.of(info, heads, "splash attention dq")
+    nq_shard = q_len // (sched.q_shards * block_q)
+    kv_heads = 1 if cfg.is_mqa else k.shape[0]
+    group = heads // kv_heads
+    materialized = info.partial_mask_ids is not None
+    seg_rows, seg_cols = cm.segment_arrays(segment_ids, rows_are_queries=True)
+    has_seg = segment_ids is not None
+    prefetch = [cm.flat(info.steps), cm.flat(info.q_block_base)]
+    if materialized:
+        prefetch.append(cm.flat(info.partial_mask_ids))
+
+    def word(h, s, t, steps_ref):
+        return sched.word(steps_ref, h, s, t)
+
+    def q_map(h, s, t, steps_ref, *_):
+        return (h, s * nq_shard + word(h, s, t, steps_ref)["q_block"], 0)
+
+    def row_map(h, s, t, steps_ref, *_):
+        return (h, 0, s * nq_shard + word(h, s, t, steps_ref)["q_block"])
+
+    def kv_map(h, s, t, steps_ref, *_):
+        kv = word(h, s, t, steps_ref)["kv_block"]
+        return (kv, 0) if cfg.is_mqa else (h // group, kv, 0)
+
+    kv_shape = (block_kv, head_dim) if cfg.is_mqa else (None, block_kv, head_dim)
+    q_spec = pl.BlockSpec((None, block_q, head_dim), q_map)
+    row_spec = pl.BlockSpec((None, 1, block_q), row_map)
+    in_specs = [
+        q_spec,
+        pl.BlockSpec(kv_shape, kv_map),
+        pl.BlockSpec(kv_shape, kv_map),
+        q_spec,
+        row_spec,
+        row_spec,
+    ]
+    args = [q, k, v, d_out, lse_rows, di_rows]
+    if materialized:
+
+        def mask_map(h, s, t, steps_ref, base_ref, ids_ref):
+            return (ids_ref[sched.index(h, s, t)], 0, 0)
+
+        in_specs.append(pl.BlockSpec((None, block_q, block_kv), mask_map))
+        args.append(info.partial_mask_blocks)
+    if has_seg:
+
+        def seg_q_map(h, s, t, steps_ref, *_):
+            return (s * nq_shard + word(h, s, t, steps_ref)["q_block"], 0)
+
+        def seg_kv_map(h, s, t, steps_ref, *_):
+            return (0, word(h, s, t, steps_ref)["kv_block"])
+
+        in_specs += [
+            pl.BlockSpec((block_q, cm.NUM_LANES), seg_q_map),
+            pl.BlockSpec((1, block_kv), seg_kv_map),
+        ]
+        args += [seg_rows, seg_cols]
+
+    def kernel(*refs):
+        refs = list(refs)
+        steps_ref, base_ref = refs.pop(0), refs.pop(0)
+        if materialized:
+            refs.pop(0)
+        q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+        del refs[:6]
+        mask_ref = refs.pop(0) if materialized else None
+        seg_q_ref, seg_kv_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+        dq_ref, acc_ref, lse_col, di_col = refs
+        h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        w = word(h, s, t, steps_ref)
+
+        @pl.when(w["first"])
+        def _init():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
+            lse_col[...] = cm.column(lse_ref[...])
+            di_col[...] = cm.column(di_ref[...])
+
+        def body(r0, rows, c0, partial):
+            del r0, rows, c0  # one cell: the whole block
+            s_ = lax.dot_general(q_ref[...], k_ref[...], cm.NT_DIMS, preferred_element_type=F32)
+            t_ = None
+            if cfg.attn_logits_soft_cap is not None:
+                s_, t_ = cm.cap_logits(s_, cfg.attn_logits_soft_cap)
+            keep = cm.keep_mask(
+                s_.shape,
+                partial=partial,
+                mask_function=cfg.mask_function,
+                q_start=(base_ref[s] + w["q_block"]) * block_q,
+                kv_start=w["kv_block"] * block_kv,
+                mask_tile=mask_ref[...] if mask_ref is not None else None,
+                seg_rows=seg_q_ref[...] if has_seg else None,
+                seg_cols=seg_kv_ref[...] if has_seg else None,
+                rows_are_queries=True,
+            )
+            if keep is not None:
+                s_ = jnp.where(keep, s_, cfg.mask_value)
+            p = jnp.exp(s_ - cm.lanes(lse_col[...], block_kv))
+            dp = lax.dot_general(do_ref[...], v_ref[...], cm.NT_DIMS, preferred_element_type=F32)
+            ds = p * (dp - cm.lanes(di_col[...], block_kv))
+            if t_ is not None:
+                ds = _softcap_grad(ds, t_)
+            acc_ref[...] += lax.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=F32)
+
+        cm.run_patterns(w["pattern"], patterns, body, block_q, block_kv)
+
+        @pl.when(w["last"])
+        def _finish():
+            dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
+
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    scratch = [
+        pltpu.VMEM((block_q, head_dim), F32),
+        pltpu.VMEM((block_q, cm.NUM_LANES), F32),
+        pltpu.VMEM((block_q, cm.NUM_LANES), F32),
+    ]
+    steps_total = heads * sched.q_shards * sched.num_steps
+    (dq,) = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=sched.grid,
+            in_specs=in_specs,
+            out_specs=[q_spec],
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=cm.compiler_params(),
+        cost_estimate=cm.cost(6 * head_dim, steps_total * block_q * block_kv, args, out_shape),
+        interpret=cfg.interpret,
+        name=_name("dq", cfg, has_seg, False),
+    )(*prefetch, *args)
+    return dq
+
+
+def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config, blocks, patterns):
+    block_q, block_kv, block_kv_compute = blocks
+    heads, q_len, head_dim = q.shape
+    kv_len = k.shape[-2]
+    sched = cm.Schedule.of(info, heads, "splash attention dkv")
+    nq_shard = q_len // (sched.q_shards * block_q)
+    kv_heads = 1 if cfg.is_mqa else k.shape[0]
+    group = heads // kv_heads
+    # Each q head (and q shard of this call) writes its own dk, dv when they must be summed.
+    summed = group > 1 or sched.q_shards > 1
+    materialized = info.partial_mask_ids is not None
+    seg_rows, seg_cols = cm.segment_arrays(segment_ids, rows_are_queries=False)
+    has_seg = segment_ids is not None
+    prefetch = [cm.flat(info.steps), cm.flat(info.q_block_base)]
+    if materialized:
+        prefetch.append(cm.flat(info.partial_mask_ids))
+
+    def word(h, s, t, steps_ref):
+        return sched.word(steps_ref, h, s, t)
+
+    def q_map(h, s, t, steps_ref, *_):
+        return (h, s * nq_shard + word(h, s, t, steps_ref)["q_block"], 0)
+
+    def row_map(h, s, t, steps_ref, *_):
+        return (h, 0, s * nq_shard + word(h, s, t, steps_ref)["q_block"])
+
+    def kv_map(h, s, t, steps_ref, *_):
+        kv = word(h, s, t, steps_ref)["kv_block"]
+        return (kv, 0) if cfg.is_mqa else (h // group, kv, 0)
+
+    def dkv_map(h, s, t, steps_ref, *_):
+        kv = word(h, s, t, steps_ref)["kv_block"]
+        return (s, h, kv, 0) if summed else (h, kv, 0)
+
+    kv_shape = (block_kv, head_dim) if cfg.is_mqa else (None, block_kv, head_dim)
+    q_spec = pl.BlockSpec((None, block_q, head_dim), q_map)
+    row_spec = pl.BlockSpec((None, 1, block_q), row_map)
+    in_specs = [
+        q_spec,
+        pl.BlockSpec(kv_shape, kv_map),
+        pl.BlockSpec(kv_shape, kv_map),
+        q_spec,
+        row_spec,
+        row_spec,
+    ]
+    args = [q, k, v, d_out, lse_rows, di_rows]
+    if materialized:
+
+        def mask_map(h, s, t, steps_ref, base_ref, ids_ref):
+            return (ids_ref[sched.index(h, s, t)], 0, 0)
+
+        in_specs.append(pl.BlockSpec((None, block_kv, block_q), mask_map))
+        args.append(info.partial_mask_blocks)
+    if has_seg:
+
+        def seg_kv_map(h, s, t, steps_ref, *_):
+            return (word(h, s, t, steps_ref)["kv_block"], 0)
+
+        def seg_q_map(h, s, t, steps_ref, *_):
+            return (0, s * nq_shard + word(h, s, t, steps_ref)["q_block"])
+
+        in_specs += [
+            pl.BlockSpec((block_kv, cm.NUM_LANES), seg_kv_map),
+            pl.BlockSpec((1, block_q), seg_q_map),
+        ]
+        args += [seg_rows, seg_cols]
+
+    def kernel(*refs):
+        refs = list(refs)
+        steps_ref, base_ref = refs.pop(0), refs.pop(0)
+        if materialized:
+            refs.pop(0)
+        q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+        del refs[:6]
+        mask_ref = refs.pop(0) if materialized else None
+        seg_kv_ref, seg_q_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+        dk_ref, dv_ref, dk_acc, dv_acc = refs
+        h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        w = word(h, s, t, steps_ref)
+
+        @pl.when(w["first"])
+        def _init():
+            dk_acc[...] = jnp.zeros(dk_acc.shape, F32)
+            dv_acc[...] = jnp.zeros(dv_acc.shape, F32)
+
+        def chunk(q0, q_rows, r0, partial):
+            del q0, q_rows  # the cells span the whole q block; they chunk the keys
+            rows = block_kv_compute
+            r = pl.ds(r0, rows)
+            q_tile, do_tile = q_ref[...], do_ref[...]
+            s_ = lax.dot_general(
+                k_ref[r, :], q_tile, cm.NT_DIMS, preferred_element_type=F32
+            )  # keys x queries
+            t_ = None
+            if cfg.attn_logits_soft_cap is not None:
+                s_, t_ = cm.cap_logits(s_, cfg.attn_logits_soft_cap)
+            keep = cm.keep_mask(
+                s_.shape,
+                partial=partial,
+                mask_function=cfg.mask_function,
+                q_start=(base_ref[s] + w["q_block"]) * block_q,
+                kv_start=w["kv_block"] * block_kv + r0,
+                mask_tile=mask_ref[r, :] if mask_ref is not None else None,
+                seg_rows=seg_kv_ref[r, :] if has_seg else None,
+                seg_cols=seg_q_ref[...] if has_seg else None,
+                rows_are_queries=False,
+            )
+            if keep is not None:
+                s_ = jnp.where(keep, s_, cfg.mask_value)
+            p = jnp.exp(s_ - lse_ref[...])
+            dv_acc[r, :] += lax.dot(p.astype(do_tile.dtype), do_tile, preferred_element_type=F32)
+            dp = lax.dot_general(v_ref[r, :], do_tile, cm.NT_DIMS, preferred_element_type=F32)
+            ds = p * (dp - di_ref[...])
+            if t_ is not None:
+                ds = _softcap_grad(ds, t_)
+            dk_acc[r, :] += lax.dot(ds.astype(q_tile.dtype), q_tile, preferred_element_type=F32)
+
+        cm.run_patterns(w["pattern"], patterns, chunk, block_q, block_kv_compute)
+
+        @pl.when(w["last"])
+        def _finish():
+            dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+            dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+    if summed:
+        shape, dtypes = (sched.q_shards, heads, kv_len, head_dim), (F32, F32)
+        out_block = (None, None, block_kv, head_dim)
+    else:
+        shape, dtypes = (heads, kv_len, head_dim), (k.dtype, v.dtype)
+        out_block = (None, block_kv, head_dim)
+    out_shape = [jax.ShapeDtypeStruct(shape, dt) for dt in dtypes]
+    out_spec = pl.BlockSpec(out_block, dkv_map)
+    scratch = [pltpu.VMEM((block_kv, head_dim), F32), pltpu.VMEM((block_kv, head_dim), F32)]
+    steps_total = heads * sched.q_shards * sched.num_steps
+    dk, dv = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=sched.grid,
+            in_specs=in_specs,
+            out_specs=[out_spec, out_spec],
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=cm.compiler_params(),
+        cost_estimate=cm.cost(8 * head_dim, steps_total * block_q * block_kv, args, out_shape),
+        interpret=cfg.interpret,
+        name=_name("dkv", cfg, has_seg, False),
+    )(*prefetch, *args)
+    if summed:
+        dk, dv = dk.sum(axis=0), dv.sum(axis=0)  # over the q shards of this call
+        if cfg.is_mqa:
+            dk, dv = dk.sum(axis=0), dv.sum(axis=0)
+        else:
+            dk = dk.reshape(kv_heads, group, kv_len, head_dim).sum(axis=1)
+            dv = dv.reshape(kv_heads, group, kv_len, head_dim).sum(axis=1)
+        dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+    return dk, dv

@@ -1,0 +1,200 @@
+"""Pieces the splash attention kernels share: the static configuration, the schedule's index
+arithmetic, the masks of a tile, lane-replicated vectors, and the kernels' VMEM limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import pallas as pl
+import pallas_tpu as pltpu
+from pallas_tpu.ops.splash_attention import splash_attention_mask as mask_lib
+from pallas_tpu.ops.splash_attention import splash_attention_mask_info as info_lib
+
+NUM_LANES = 128
+F32 = jnp.float32
+NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
+TN_DIMS = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What a kernel call needs to know besides its arrays (static under ``jit``)."""
+
+    is_mqa: bool
+    mask_value: float
+    attn_logits_soft_cap: float | None
+    mask_function: Callable[..., Any] | None
+    interpret: Any = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How a kernel reads its ``MaskInfo`` (flattened to 1-d SMEM arrays): the grid, and per
+    grid point the packed step and the head's row of the schedule."""
+
+    heads: int
+    mask_heads: int
+    q_shards: int
+    num_steps: int
+
+    @classmethod
+    def of(cls, info: info_lib.MaskInfo, heads: int, op: str) -> Schedule:
+        mask_heads, q_shards, num_steps = info.steps.shape
+        if heads % mask_heads:
+            raise ValueError(
+                f"{op}: the kernel's mask has {mask_heads} head rows, which do not divide the "
+                f"{heads} heads of q (make the kernel for this many heads)"
+            )
+        return cls(heads, mask_heads, q_shards, num_steps)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.heads, self.q_shards, self.num_steps)
+
+    def index(self, h, s, t):
+        row = h // (self.heads // self.mask_heads) if self.mask_heads > 1 else 0
+        return (row * self.q_shards + s) * self.num_steps + t
+
+    def word(self, steps_ref, h, s, t):
+        return info_lib.unpack(steps_ref[self.index(h, s, t)])
+
+
+def flat(x):
+    return None if x is None else jnp.asarray(x).reshape(-1)
+
+
+def lanes(x, n: int):
+    """A lane-replicated ``(rows, 128)`` value widened (or cut) to ``(rows, n)``."""
+    if n == NUM_LANES:
+        return x
+    whole, part = divmod(n, NUM_LANES)
+    pieces = [x] * whole + ([x[:, :part]] if part else [])
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+
+
+def column(row):
+    """A lane-dense ``(1, n)`` row as an ``(n, 128)`` block, row ``i`` holding ``row[0, i]``."""
+    return jnp.transpose(jnp.broadcast_to(row, (NUM_LANES, row.shape[1])))
+
+
+def row_of(col):
+    """Lane 0 of an ``(n, 128)`` lane-replicated block as a lane-dense ``(1, n)`` row."""
+    return jnp.transpose(col)[:1, :]
+
+
+def cap_logits(s, cap):
+    """``cap * tanh(s / cap)`` (Gemma's soft cap), and the tanh for the backward pass."""
+    t = jnp.tanh(s * (1.0 / cap))
+    return t * cap, t
+
+
+def keep_mask(
+    shape,
+    *,
+    partial,
+    mask_function,
+    q_start,
+    kv_start,
+    mask_tile,
+    seg_rows,
+    seg_cols,
+    rows_are_queries: bool,
+):
+    """The visible entries of a tile of scores (None: all), ``shape`` = (rows, cols).
+
+    ``partial`` (a static bool): the mask applies (from ``mask_function`` on the tile's global
+    positions, or the loaded ``mask_tile``). ``seg_rows`` (lane-replicated ``(rows, 128)``) and
+    ``seg_cols`` (``(1, cols)``) are the segment ids of the tile's rows and columns, or None.
+    """
+    keep = None
+    if partial:
+        if mask_function is not None:
+            r = lax.broadcasted_iota(jnp.int32, shape, 0)
+            c = lax.broadcasted_iota(jnp.int32, shape, 1)
+            if rows_are_queries:
+                keep = mask_function(r + q_start, c + kv_start)
+            else:
+                keep = mask_function(c + q_start, r + kv_start)
+        else:
+            keep = mask_tile.astype(jnp.int32) != 0
+    if seg_rows is not None:
+        same = lanes(seg_rows, shape[1]) == seg_cols
+        keep = same if keep is None else keep & same
+    return keep
+
+
+def run_patterns(code, patterns, tile, band: int, chunk: int, unroll: int = 8):
+    """For the step's pattern ``code`` (0: nothing), ``tile(q0, rows, kv0, partial)`` over the
+    pattern's cells of ``band`` queries by ``chunk`` keys (offsets within the block): EMPTY
+    cells skipped, FULL ones with ``partial=False``, the cells of a chunk with one kind in
+    consecutive bands as one tile. One straight-line body per pattern (the scheduler overlaps
+    one tile's matmuls with the next one's softmax); a pattern of more than ``unroll`` chunks
+    all of one kind loops over them."""
+    for number, pattern in enumerate(patterns, start=1):
+        pl.when(code == number)(functools.partial(_run_pattern, pattern, tile, band, chunk, unroll))
+
+
+def _run_pattern(pattern, tile, band, chunk, unroll):
+    kinds = {k for b in pattern for k in b}
+    n_chunks = len(pattern[0])
+    if len(kinds) == 1 and n_chunks > unroll:
+        (kind,) = kinds
+        if kind != mask_lib.EMPTY:
+
+            def step(c, carry):
+                tile(0, band * len(pattern), pl.multiple_of(c * chunk, chunk), kind == mask_lib.PARTIAL)
+                return carry
+
+            lax.fori_loop(0, n_chunks, step, 0)
+        return
+    for c in range(n_chunks):
+        at = 0
+        for kind, run in itertools.groupby(b[c] for b in pattern):
+            n = len(list(run))
+            if kind != mask_lib.EMPTY:
+                tile(at * band, n * band, c * chunk, kind == mask_lib.PARTIAL)
+            at += n
+
+
+def vmem_budget() -> int:
+    """The VMEM a kernel may ask for: three quarters of the chip's (16 MiB when unknown)."""
+    try:
+        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
+    except Exception:  # no TPU facts for this device: the smallest scoped default
+        capacity = 16 * 2**20 * 4 // 3
+    return int(min(capacity * 3 // 4, 100 * 2**20))
+
+
+def compiler_params():
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_budget()
+    )
+
+
+def segment_arrays(segment_ids, *, rows_are_queries: bool):
+    """The segment ids as the kernels read them: the rows' ids lane-replicated ``[n, 128]``,
+    the columns' ids a lane-dense ``[1, n]`` row."""
+    if segment_ids is None:
+        return None, None
+    rows, cols = (segment_ids.q, segment_ids.kv) if rows_are_queries else (segment_ids.kv, segment_ids.q)
+    row_ids = lax.broadcast_in_dim(rows.astype(jnp.int32), (rows.shape[0], NUM_LANES), (0,))
+    return row_ids, cols.astype(jnp.int32)[None, :]
+
+
+def cost(flops_per_pair: int, pairs: int, args, outs) -> pl.CostEstimate:
+    def nbytes(x):
+        return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+    return pl.CostEstimate(
+        flops=flops_per_pair * pairs,
+        transcendentals=pairs,
+        bytes_accessed=sum(nbytes(x) for x in args if x is not None) + sum(nbytes(x) for x in outs),
+    )

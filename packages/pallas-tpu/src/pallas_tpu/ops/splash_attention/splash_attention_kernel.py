@@ -1,0 +1,570 @@
+"""Splash (sparse flash) attention: ``make_splash_mha`` / ``make_splash_mqa`` build a kernel
+object for a static mask, called as ``kernel(q, k, v, segment_ids=None, sinks=None)`` on one
+sequence (``q [heads, q_len, head_dim]``; ``vmap`` it over a batch), with the names and call
+signatures of JAX's ``ops.tpu`` splash attention.
+
+The mask is turned into schedules of its non-empty blocks when the kernel is made
+(``splash_attention_mask_info``); the forward kernel (``_forward``) and the backward kernels
+(``_backward``: ``dq`` query-major, ``dk``/``dv`` key-major) visit only those blocks. The
+kernel object is a pytree whose leaves are the schedules, so it passes through ``jit`` and,
+with ``manual_sharding_spec``, through ``shard_map`` over heads and query shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_tpu as pltpu
+from pallas_tpu.ops.splash_attention import _backward, _common, _forward
+from pallas_tpu.ops.splash_attention import splash_attention_mask as mask_lib
+from pallas_tpu.ops.splash_attention import splash_attention_mask_info as mask_info_lib
+from pallas_tpu.ops.splash_attention._reference import (
+    attention_reference as attention_reference,
+)
+from pallas_tpu.ops.splash_attention._reference import (
+    make_attention_reference as make_attention_reference,
+)
+
+DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.dtype("float32")).max)
+NUM_LANES = 128
+NUM_SUBLANES = 8
+NN_DIM_NUMBERS = (((1,), (0,)), ((), ()))  # a @ b
+NT_DIM_NUMBERS = (((1,), (1,)), ((), ()))  # a @ b.T
+_OP = "splash attention"
+
+make_masked_mha_reference = functools.partial(make_attention_reference, is_mqa=False)
+make_masked_mqa_reference = functools.partial(make_attention_reference, is_mqa=True)
+
+
+class SegmentIds(NamedTuple):
+    """Segment ids of the query and key sequences: a query attends only to keys of its own
+    segment (and-ed with the mask). A query row that nothing is left visible to has no softmax
+    (its output is zeros where the mask hides its whole block, else undefined).
+
+    Attributes:
+      q: ``[q_seq_len]`` integer segment ids of the queries.
+      kv: ``[kv_seq_len]`` integer segment ids of the keys and values.
+    """
+
+    q: jax.Array
+    kv: jax.Array
+
+
+class QKVLayout(enum.IntEnum):
+    """The physical layout JAX's kernels may keep q, k or v in. Accepted here for the
+    signature; these kernels always read ``[..., seq_len, head_dim]``."""
+
+    HEAD_DIM_MINOR = enum.auto()  # [..., seq_len, head_dim]
+    SEQ_MINOR = enum.auto()  # [..., head_dim, seq_len]
+
+
+def from_head_minor(vals: tuple[Any, ...], layout: QKVLayout):
+    """``vals`` (a shape ending in ``(seq_len, head_dim)``) in ``layout``."""
+    if layout == QKVLayout.HEAD_DIM_MINOR:
+        return vals
+    return (*vals[:-2], vals[-1], vals[-2])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockSizes:
+    """Block sizes of the splash attention kernels (speed only; results do not depend on them).
+
+    Forward: ``block_q`` query rows by ``block_kv`` keys per grid step (the mask is skipped in
+    blocks of this size), swept in chunks of ``block_kv_compute`` keys. ``dk``/``dv``:
+    ``block_q_dkv`` by ``block_kv_dkv`` per step, the keys in chunks of ``block_kv_dkv_compute``.
+    ``dq``: ``block_q_dq`` by ``block_kv_dq``. Backward blocks left as None are taken from the
+    forward ones (JAX then has no backward pass). ``use_fused_bwd_kernel`` and the layouts are
+    accepted for JAX's signature: the backward pass here is always the ``dq`` and ``dk``/``dv``
+    kernels, and q, k, v are read head-dim minor.
+    """
+
+    block_q: int
+    block_kv: int
+    block_kv_compute: int | None = None
+
+    block_q_dkv: int | None = None
+    block_kv_dkv: int | None = None
+    block_kv_dkv_compute: int | None = None
+
+    block_q_dq: int | None = None
+    block_kv_dq: int | None = None
+
+    use_fused_bwd_kernel: bool = False
+
+    q_layout: QKVLayout = QKVLayout.HEAD_DIM_MINOR
+    k_layout: QKVLayout = QKVLayout.HEAD_DIM_MINOR
+    v_layout: QKVLayout = QKVLayout.HEAD_DIM_MINOR
+
+    def __post_init__(self):
+        if self.block_kv_compute is None:
+            object.__setattr__(self, "block_kv_compute", self.block_kv)
+        if self.block_kv_dkv_compute is None:
+            object.__setattr__(self, "block_kv_dkv_compute", self.block_kv_dkv)
+        for name in _BLOCK_FIELDS:
+            size = getattr(self, name)
+            if size is not None and (not isinstance(size, (int, np.integer)) or size < 1):
+                raise ValueError(f"BlockSizes.{name} must be a positive int, got {size!r}")
+        for minor, major in (("block_kv_compute", "block_kv"), ("block_kv_dkv_compute", "block_kv_dkv")):
+            lo, hi = getattr(self, minor), getattr(self, major)
+            if lo is not None and hi is not None and hi % lo:
+                raise ValueError(f"BlockSizes.{minor}={lo} must divide BlockSizes.{major}={hi}")
+        if self.use_fused_bwd_kernel and (self.block_q_dq is not None or self.block_kv_dq is not None):
+            raise ValueError("BlockSizes: block sizes for the dq kernel are not needed with a fused kernel")
+
+    @property
+    def has_backward_blocks(self) -> bool:
+        """Whether every backward block is given."""
+        needed = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
+        if not self.use_fused_bwd_kernel:
+            needed += ("block_q_dq", "block_kv_dq")
+        return all(getattr(self, n) is not None for n in needed)
+
+    @classmethod
+    def get_default(
+        cls, q_seq_len: int | None = None, kv_seq_len: int | None = None, *, has_partial: bool = True
+    ) -> BlockSizes:
+        """The blocks the kernels use when none are given, from the chip's VMEM and, when given,
+        the lengths (each block the largest multiple of 128 up to its size that divides its
+        length). JAX's defaults are blocks of 128 whatever the chip.
+
+        The rule (v5e-class chips, 64 MiB of VMEM or more; the static bundle counts of libtpu's
+        scheduler for the v5e, ``benchmarks/tpu_ops_splash.py --sweep`` times them on a chip):
+        query blocks of 1024 rows against kv blocks of up to 4096 keys, so that a step is up
+        to eight straight-line tiles whose matmuls and softmaxes overlap (a step of one tile
+        reaches two thirds of the MXU's rate, of four or more over nine tenths); tiles of 1024
+        keys where the mask has no partial blocks (``has_partial=False``), else of 512 keys in
+        cells of 512 queries (a causal diagonal then wastes a quarter of its block, not half).
+        Chips with less VMEM: 512-row blocks against 2048 keys, tiles of 512. The backward
+        kernels take 1024 (512) square blocks, the ``dk``/``dv`` keys in tiles of 512.
+        """
+        large = _common.vmem_budget() >= 48 * 2**20
+        bq, bkv = (1024, 4096) if large else (512, 2048)
+        bc = 1024 if large and not has_partial else 512
+        bwd = 1024 if large else 512
+        bq_fit, bkv_fit = _fit(q_seq_len, bq), _fit(kv_seq_len, bkv)
+        bwd_q, bwd_kv = _fit(q_seq_len, bwd), _fit(kv_seq_len, bwd)
+        return cls(
+            block_q=bq_fit,
+            block_kv=bkv_fit,
+            block_kv_compute=_fit(bkv_fit, bc),
+            block_q_dkv=bwd_q,
+            block_kv_dkv=bwd_kv,
+            block_kv_dkv_compute=_fit(bwd_kv, 512),
+            block_q_dq=bwd_q,
+            block_kv_dq=bwd_kv,
+        )
+
+
+_BLOCK_FIELDS = (
+    "block_q",
+    "block_kv",
+    "block_kv_compute",
+    "block_q_dkv",
+    "block_kv_dkv",
+    "block_kv_dkv_compute",
+    "block_q_dq",
+    "block_kv_dq",
+)
+
+
+def _fit(n: int | None, target: int) -> int:
+    """The largest multiple of 128 at most ``target`` dividing ``n``; ``n`` if shorter or none does."""
+    if n is None:
+        return target
+    if n <= target:
+        return n
+    for size in range(target - target % 128, 127, -128):
+        if n % size == 0:
+            return size
+    return n
+
+
+def _complete(blocks: BlockSizes) -> BlockSizes:
+    """Missing backward blocks taken from the forward ones."""
+    fill = {}
+    for name, like in (
+        ("block_q_dkv", "block_q"),
+        ("block_kv_dkv", "block_kv"),
+        ("block_q_dq", "block_q"),
+        ("block_kv_dq", "block_kv"),
+    ):
+        if getattr(blocks, name) is None:
+            fill[name] = getattr(blocks, like)
+    if blocks.block_kv_dkv is None:
+        fill["block_kv_dkv_compute"] = fill.get("block_kv_dkv", blocks.block_kv_dkv)
+    if not fill:
+        return blocks
+    return dataclasses.replace(blocks, **fill, use_fused_bwd_kernel=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel object.
+
+
+@jax.tree_util.register_pytree_node_class
+class SplashAttentionKernel:
+    """A splash attention kernel for one mask: ``kernel(q, k, v, segment_ids=None, sinks=None)``.
+
+    ``q``: ``[heads, q_seq_len, head_dim]``; ``k``, ``v``: ``[kv_heads, kv_seq_len, head_dim]``
+    (``kv_heads`` dividing ``heads``: grouped queries) or, made by ``make_splash_mqa``,
+    ``[kv_seq_len, head_dim]``; ``sinks``: optional ``[heads]`` logits of an attention sink.
+    Returns the attention ``[heads, q_seq_len, head_dim]`` in ``q``'s dtype (and, made with
+    ``save_residuals``, also ``(logsumexp [heads, q_seq_len],)``). Differentiable in ``q``,
+    ``k``, ``v`` and ``sinks``.
+    """
+
+    def __init__(self, fwd_mask_info, dq_mask_info, dkv_mask_info, **kwargs):
+        self.kwargs = kwargs
+        self.fwd_mask_info = fwd_mask_info
+        self.dq_mask_info = dq_mask_info
+        self.dkv_mask_info = dkv_mask_info
+
+    def __call__(self, *args, **kwargs):
+        return _splash_attention(
+            self.fwd_mask_info, self.dq_mask_info, self.dkv_mask_info, *args, **kwargs, **self.kwargs
+        )
+
+    def manual_sharding_spec(self, sharding: jax.sharding.NamedSharding):
+        """The ``shard_map`` partition spec of this kernel for q sharded as ``sharding`` (its
+        spec names the head axis and the q sequence axis): the schedules split by head shard
+        and q shard, the partial mask blocks replicated."""
+        spec = sharding.spec
+        if len(spec) != 2:
+            raise ValueError(
+                f"{_OP}: manual_sharding_spec takes a sharding of (heads, q_seq_len), got spec {spec}"
+            )
+        steps_shape = self.fwd_mask_info.steps.shape
+        try:
+            sharding.shard_shape(steps_shape[:2])
+        except ValueError as exc:
+            raise ValueError(
+                f"{_OP}: the sharding {spec} does not divide the kernel's schedule of "
+                f"{steps_shape[0]} head rows and {steps_shape[1]} q shards evenly: make the kernel with "
+                f"head_shards and q_seq_shards equal to the mesh's"
+            ) from exc
+        p = jax.sharding.PartitionSpec
+        shard = p(spec[0], spec[1])
+
+        def specs(info):
+            if info is None:
+                return None
+            return mask_info_lib.MaskInfo(
+                steps=shard,
+                partial_mask_ids=None if info.partial_mask_ids is None else shard,
+                partial_mask_blocks=None if info.partial_mask_blocks is None else p(),
+                q_block_base=p(spec[1]),
+            )
+
+        return SplashAttentionKernel(
+            specs(self.fwd_mask_info), specs(self.dq_mask_info), specs(self.dkv_mask_info), **self.kwargs
+        )
+
+    def tree_flatten(self):
+        return (self.fwd_mask_info, self.dq_mask_info, self.dkv_mask_info), self.kwargs
+
+    @classmethod
+    def tree_unflatten(cls, kwargs, values):
+        infos = [None if v is None else mask_info_lib.MaskInfo(*v) for v in values]
+        return cls(*infos, **kwargs)
+
+
+def _make_splash_attention(
+    mask,
+    *,
+    block_sizes: BlockSizes | None = None,
+    is_mqa: bool,
+    save_residuals: bool = False,
+    mask_value: float = DEFAULT_MASK_VALUE,
+    attn_logits_soft_cap: float | None = None,
+    downcast_smem_data: bool = True,
+    head_shards: int,
+    q_seq_shards: int,
+    residual_checkpoint_name: str | None = None,
+    interpret: bool = False,
+):
+    if isinstance(mask, jax.Array):
+        raise NotImplementedError(
+            f"{_OP}: a mask given as a jax.Array (JAX's dynamic masks) is not supported; pass a NumPy "
+            f"array or a MultiHeadMask"
+        )
+    if not isinstance(mask, (np.ndarray, mask_lib.MultiHeadMask)):
+        raise TypeError(
+            f"{_OP}: mask must be a MultiHeadMask or a boolean NumPy array [heads, q_seq_len, "
+            f"kv_seq_len], got {type(mask).__name__}"
+        )
+    if len(mask.shape) != 3:
+        raise ValueError(
+            f"{_OP}: the mask must be 3-d [heads, q_seq_len, kv_seq_len], got shape {mask.shape}"
+        )
+    if isinstance(mask, np.ndarray) and mask.dtype != np.bool_:
+        raise ValueError(f"{_OP}: a NumPy mask must be boolean, got {mask.dtype}")
+    if attn_logits_soft_cap is not None and not attn_logits_soft_cap > 0:
+        raise ValueError(f"{_OP}: attn_logits_soft_cap must be positive, got {attn_logits_soft_cap}")
+    _, q_len, kv_len = mask.shape
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default(
+            q_len // max(q_seq_shards, 1), kv_len, has_partial=_has_partial(mask, q_len, kv_len)
+        )
+    elif not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"{_OP}: block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+    block_sizes = _complete(block_sizes)
+    _check_blocks(block_sizes, q_len // max(q_seq_shards, 1), kv_len)
+
+    def process(fn, bq, bkv, chunk, **kw):
+        info, function, patterns = fn(
+            mask,
+            (bq, bkv),
+            downcast_smem_data=downcast_smem_data,
+            head_shards=head_shards,
+            q_seq_shards=q_seq_shards,
+            block_kv_compute=chunk,
+            **kw,
+        )
+        return jax.tree.map(jnp.asarray, info), function, patterns
+
+    b = block_sizes
+    fwd_info, mask_function, fwd_patterns = process(
+        mask_info_lib.process_mask,
+        b.block_q,
+        b.block_kv,
+        b.block_kv_compute,
+        q_band=_forward.band_of(b.block_q, b.block_kv_compute),
+    )
+    dq_info, _, dq_patterns = process(mask_info_lib.process_mask, b.block_q_dq, b.block_kv_dq, None)
+    dkv_info, _, dkv_patterns = process(
+        mask_info_lib.process_mask_dkv, b.block_q_dkv, b.block_kv_dkv, b.block_kv_dkv_compute
+    )
+    return SplashAttentionKernel(
+        fwd_info,
+        dq_info,
+        dkv_info,
+        block_sizes=block_sizes,
+        is_mqa=is_mqa,
+        save_residuals=save_residuals,
+        mask_value=mask_value,
+        attn_logits_soft_cap=attn_logits_soft_cap,
+        residual_checkpoint_name=residual_checkpoint_name,
+        mask_function=mask_function,
+        interpret=interpret,
+        mask_shape=(q_len, kv_len),
+        q_seq_shards=q_seq_shards,
+        patterns=(fwd_patterns, dq_patterns, dkv_patterns),
+    )
+
+
+def _has_partial(mask, q_len: int, kv_len: int) -> bool:
+    """Whether the mask has partial blocks at the default forward blocks' granularity."""
+    bq, bkv = _fit(q_len, 1024), _fit(kv_len, 1024)
+    if q_len % bq or kv_len % bkv:
+        return True
+    heads = mask.masks if isinstance(mask, mask_lib.MultiHeadMask) else [mask_lib.NumpyMask(m) for m in mask]
+    distinct = {id(m): m for m in heads}.values()
+    return any((m.block_kinds(bq, bkv) == mask_lib.PARTIAL).any() for m in distinct)
+
+
+def _check_blocks(b: BlockSizes, q_len: int, kv_len: int) -> None:
+    for name, of, n in (
+        ("block_q", "q_seq_len", q_len),
+        ("block_kv", "kv_seq_len", kv_len),
+        ("block_kv_compute", "block_kv", b.block_kv),
+        ("block_q_dkv", "q_seq_len", q_len),
+        ("block_kv_dkv", "kv_seq_len", kv_len),
+        ("block_kv_dkv_compute", "block_kv_dkv", b.block_kv_dkv),
+        ("block_q_dq", "q_seq_len", q_len),
+        ("block_kv_dq", "kv_seq_len", kv_len),
+    ):
+        size = getattr(b, name)
+        if size > n or n % size:
+            raise ValueError(f"{_OP}: block_sizes.{name}={size} must divide {of}={n} (per q shard)")
+        if size != n and size % NUM_LANES:
+            raise ValueError(
+                f"{_OP}: block_sizes.{name}={size} must be a multiple of {NUM_LANES} (a TPU tile of "
+                f"lanes) or all of {of}={n}"
+            )
+
+
+make_splash_mha = functools.partial(_make_splash_attention, is_mqa=False)
+make_splash_mqa = functools.partial(_make_splash_attention, is_mqa=True)
+make_splash_mha_single_device = functools.partial(make_splash_mha, head_shards=1, q_seq_shards=1)
+make_splash_mqa_single_device = functools.partial(make_splash_mqa, head_shards=1, q_seq_shards=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The call and its VJP.
+
+
+def _check_call(q, k, v, segment_ids, sinks, is_mqa: bool, info) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"{_OP}: q must be [heads, q_seq_len, head_dim], got shape {q.shape}")
+    want = 2 if is_mqa else 3
+    layout = "[kv_seq_len, head_dim] (an MQA kernel)" if is_mqa else "[kv_heads, kv_seq_len, head_dim]"
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != want:
+            raise ValueError(f"{_OP}: {name} must be {layout}, got shape {x.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"{_OP}: k and v must have one shape, got {k.shape} and {v.shape}")
+    heads, q_len, head_dim = q.shape
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"{_OP}: head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ")
+    if not is_mqa and heads % k.shape[0]:
+        raise ValueError(f"{_OP}: the kv heads ({k.shape[0]}) must divide the q heads ({heads})")
+    if segment_ids is not None:
+        if not isinstance(segment_ids, SegmentIds):
+            raise TypeError(f"{_OP}: segment_ids must be a SegmentIds, got {type(segment_ids).__name__}")
+        if segment_ids.q.shape != (q_len,) or segment_ids.kv.shape != (k.shape[-2],):
+            raise ValueError(
+                f"{_OP}: segment_ids must be q [{q_len}] and kv [{k.shape[-2]}], got "
+                f"{segment_ids.q.shape} and {segment_ids.kv.shape}"
+            )
+    if sinks is not None and sinks.shape != (heads,):
+        raise ValueError(f"{_OP}: sinks must be [heads] = [{heads}], got shape {sinks.shape}")
+    mask_heads, q_shards, _ = info.steps.shape
+    if heads % mask_heads:
+        raise ValueError(
+            f"{_OP}: q has {heads} heads; the kernel's mask was made for a multiple of {mask_heads}"
+        )
+    del q_shards
+
+
+def _splash_attention(
+    fwd_mask_info,
+    dq_mask_info,
+    dkv_mask_info,
+    q,
+    k,
+    v,
+    segment_ids: SegmentIds | None = None,
+    sinks=None,
+    *,
+    is_mqa: bool,
+    block_sizes: BlockSizes,
+    save_residuals: bool,
+    mask_value: float,
+    attn_logits_soft_cap: float | None,
+    residual_checkpoint_name: str | None,
+    mask_function: Callable | None,
+    interpret: Any,
+    mask_shape: tuple[int, int],
+    q_seq_shards: int,
+    patterns: tuple,
+):
+    _check_call(q, k, v, segment_ids, sinks, is_mqa, fwd_mask_info)
+    # Inside shard_map a call sees its shards' part of q (and of the schedule).
+    local_shards = fwd_mask_info.steps.shape[1]
+    want_q = mask_shape[0] // q_seq_shards * local_shards
+    if (q.shape[1], k.shape[-2]) != (want_q, mask_shape[1]):
+        raise ValueError(
+            f"{_OP}: q [{q.shape[1]}] and k [{k.shape[-2]}] do not fit the kernel's mask of shape "
+            f"{mask_shape} ({local_shards} of its {q_seq_shards} q shards here: q_seq_len {want_q}): call "
+            f"it with the sequence lengths it was made for"
+        )
+    if interpret is True:
+        interpret = pltpu.InterpretParams()
+    cfg = _common.Config(
+        is_mqa=is_mqa,
+        mask_value=float(mask_value),
+        attn_logits_soft_cap=None if attn_logits_soft_cap is None else float(attn_logits_soft_cap),
+        mask_function=mask_function,
+        interpret=interpret,
+    )
+    b = block_sizes
+    fwd_blocks = (b.block_q, b.block_kv, b.block_kv_compute)
+    if save_residuals:
+        return _with_residuals(fwd_mask_info, q, k, v, segment_ids, sinks, cfg, fwd_blocks, patterns[0])
+    static = _Static(cfg, b, residual_checkpoint_name, patterns)
+    return _attend(static, fwd_mask_info, dq_mask_info, dkv_mask_info, q, k, v, segment_ids, sinks)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    cfg: _common.Config
+    blocks: BlockSizes
+    checkpoint_name: str | None
+    patterns: tuple  # of the forward, dq and dk/dv schedules
+
+
+def _with_residuals(info, q, k, v, segment_ids, sinks, cfg, blocks, patterns):
+    @jax.custom_vjp
+    def run(q, k, v, sinks):
+        out, lse = _forward.forward(
+            info, q, k, v, segment_ids, sinks, cfg=cfg, blocks=blocks, patterns=patterns, keep_lse=True
+        )
+        return out, (lse,)
+
+    def fwd(q, k, v, sinks):
+        raise NotImplementedError(f"{_OP}: a kernel made with save_residuals=True is not differentiable")
+
+    run.defvjp(fwd, lambda res, g: None)
+    return run(q, k, v, sinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(static, fwd_info, dq_info, dkv_info, q, k, v, segment_ids, sinks):
+    blocks = (static.blocks.block_q, static.blocks.block_kv, static.blocks.block_kv_compute)
+    out, _ = _forward.forward(
+        fwd_info,
+        q,
+        k,
+        v,
+        segment_ids,
+        sinks,
+        cfg=static.cfg,
+        blocks=blocks,
+        patterns=static.patterns[0],
+        keep_lse=False,
+    )
+    return out
+
+
+def _attend_fwd(static, fwd_info, dq_info, dkv_info, q, k, v, segment_ids, sinks):
+    blocks = (static.blocks.block_q, static.blocks.block_kv, static.blocks.block_kv_compute)
+    out, lse = _forward.forward(
+        fwd_info,
+        q,
+        k,
+        v,
+        segment_ids,
+        sinks,
+        cfg=static.cfg,
+        blocks=blocks,
+        patterns=static.patterns[0],
+        keep_lse=True,
+    )
+    if static.checkpoint_name is not None:
+        from jax.ad_checkpoint import checkpoint_name
+
+        out, lse = checkpoint_name(out, static.checkpoint_name), checkpoint_name(lse, static.checkpoint_name)
+    return out, (dq_info, dkv_info, q, k, v, segment_ids, sinks, out, lse)
+
+
+def _attend_bwd(static, residuals, d_out):
+    dq_info, dkv_info, q, k, v, segment_ids, sinks, out, lse = residuals
+    b = static.blocks
+    dq, dk, dv, dsinks = _backward.backward(
+        dq_info,
+        dkv_info,
+        q,
+        k,
+        v,
+        segment_ids,
+        sinks,
+        out,
+        lse,
+        d_out,
+        cfg=static.cfg,
+        dq_blocks=(b.block_q_dq, b.block_kv_dq),
+        dkv_blocks=(b.block_q_dkv, b.block_kv_dkv, b.block_kv_dkv_compute),
+        patterns=static.patterns[1:],
+    )
+    return None, None, None, dq, dk, dv, None, dsinks
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

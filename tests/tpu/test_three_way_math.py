@@ -243,8 +243,9 @@ def test_unpack_elementwise(mode, packed, unpacked, index):
 
 
 def _stochastic_bf16_reference(x, bits):
-    # Add 16 random bits below bfloat16's mantissa, then truncate.
-    word = lax.bitcast_convert_type(x, jnp.uint32) + (bits >> 16)
+    # Up when the top 16 random bits are below the 16 bits cut off (the TPU v5e's rule).
+    up = (bits >> 16) < (lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFFFF))
+    word = lax.bitcast_convert_type(x, jnp.uint32) + jnp.where(up, np.uint32(0x10000), np.uint32(0))
     return lax.bitcast_convert_type(word & np.uint32(0xFFFF0000), jnp.float32).astype(jnp.bfloat16)
 
 

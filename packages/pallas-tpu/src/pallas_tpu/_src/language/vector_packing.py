@@ -213,8 +213,8 @@ def stochastic_round(x, random_bits, *, target_dtype) -> jax.Array:
 
     Interpret-mode semantics: with ``u = random_bits / 2**32``, ``x`` rounds
     away from zero when ``u < (|x| - |lo|) / (|hi| - |lo|)``; for bfloat16
-    this is the usual "add 16 random bits below the kept mantissa, then
-    truncate" rule. Values beyond the target's largest finite value saturate
+    that is: up when the top 16 random bits are below the 16 bits of ``x``
+    cut off (as the TPU v5e rounds). Values beyond the target's largest finite value saturate
     to it (bfloat16 rounds to inf as IEEE rounding would); NaN and inf are
     kept. Integer targets (int4) round ``floor(x)`` or ``floor(x) + 1`` and
     saturate to [-8, 7]. The TPU's own rounding of ties between draws may
@@ -262,7 +262,10 @@ def _stochastic_round_abstract_eval(x, random_bits, *, target_dtype):
 
 def _stochastic_round_impl(x, random_bits, *, target_dtype):
     if target_dtype == jnp.bfloat16:
-        word = lax.bitcast_convert_type(x, jnp.uint32) + (random_bits >> 16)
+        # Up when the draw's top 16 bits are below the 16 bits cut off, as the TPU v5e does
+        # (2026-12-06, pltpu.stochastic_round on the chip): adding their complement carries
+        # into the kept mantissa exactly then.
+        word = lax.bitcast_convert_type(x, jnp.uint32) + (~random_bits >> 16)
         rounded = lax.bitcast_convert_type(word & np.uint32(0xFFFF0000), jnp.float32).astype(jnp.bfloat16)
         return jnp.where(jnp.isfinite(x), rounded, x.astype(jnp.bfloat16))
     # A uniform draw in [0, 1), exact in float32.

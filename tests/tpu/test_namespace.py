@@ -15,17 +15,15 @@ jpl = pytest.importorskip("jax.experimental.pallas")
 jpltpu = pytest.importorskip("jax.experimental.pallas.tpu")
 
 # Names of jax.experimental.pallas.tpu we do not offer, and why.
-MISSING_TPU = {
-    "ACC": "MXU accumulator memory (TPU v7 matmul FIFOs): no model of the MXU yet",
-    "matmul_acc_lhs": "MXU FIFO op (TPU v7): no model of the MXU yet",
-    "matmul_lhs_fifo": "MXU FIFO op (TPU v7): no model of the MXU yet",
-    "matmul_pop": "MXU FIFO op (TPU v7): no model of the MXU yet",
-    "matmul_pop_fifo": "MXU FIFO op (TPU v7): no model of the MXU yet",
-    "matmul_push_rhs": "MXU FIFO op (TPU v7): no model of the MXU yet",
-    "conv": "TPU convolution primitive: not implemented yet",
-}
+MISSING_TPU: dict[str, str] = {}
 # Names newer JAX releases added to jax.experimental.pallas.tpu (our target is 0.11.2's API).
 NEWER_TPU = {
+    "ACC": "JAX 0.12",
+    "matmul_acc_lhs": "JAX 0.12",
+    "matmul_lhs_fifo": "JAX 0.12",
+    "matmul_pop": "JAX 0.12",
+    "matmul_pop_fifo": "JAX 0.12",
+    "matmul_push_rhs": "JAX 0.12",
     "has_memory_space": "JAX 0.12",
     "join_bits": "JAX 0.12",
     "split_bits": "JAX 0.12",
@@ -34,11 +32,7 @@ NEWER_TPU = {
 }
 # Names of jax.experimental.pallas we do not offer, and why.
 MISSING_PL = {
-    "Indirect": "indirect (gathered) block dims: not implemented yet",
-    "enable_poison_buffers": "JAX-internal debugging switch",
-    "get_global": "global (cross-call) semaphores: not implemented yet",
     "pallas_export_experimental": "JAX-internal export helper",
-    "semaphore": "semaphore dtype: our semaphores are int32 Refs in a semaphore memory space",
 }
 
 

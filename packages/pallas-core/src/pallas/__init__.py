@@ -2,7 +2,8 @@
 
 ``import pallas as pl`` gives the same API as
 ``from jax.experimental import pallas as pl``. Kernels run in interpret mode
-on any machine; install ``pallas-gpu`` (Triton) or ``pallas-tpu`` (Mosaic) to
+on any machine; install ``jax-pallas-gpu`` (``import pallas_gpu``: Triton, for
+NVIDIA GPUs) or ``jax-pallas-tpu`` (``import pallas_tpu``: Mosaic, for TPUs) to
 compile them for accelerators.
 """
 
@@ -21,15 +22,18 @@ from pallas._src.core import CompilerParams as CompilerParams
 from pallas._src.core import CostEstimate as CostEstimate
 from pallas._src.core import Element as Element
 from pallas._src.core import GridSpec as GridSpec
+from pallas._src.core import Indirect as Indirect
 from pallas._src.core import MemoryRef as MemoryRef
 from pallas._src.core import MemorySpace as MemorySpace
 from pallas._src.core import Mesh as Mesh
 from pallas._src.core import RevisitMode as RevisitMode
 from pallas._src.core import Squeezed as Squeezed
 from pallas._src.core import no_block_spec as no_block_spec
+from pallas._src.core import semaphore as semaphore
 from pallas._src.core import squeezed as squeezed
 from pallas._src.core_map import core_map as core_map
 from pallas._src.cost_estimate import estimate_cost as estimate_cost
+from pallas._src.global_refs import get_global as get_global
 from pallas._src.helpers import align_to as align_to
 from pallas._src.helpers import empty_ref_like as empty_ref_like
 from pallas._src.helpers import lower_as_mlir as lower_as_mlir
@@ -40,6 +44,7 @@ from pallas._src.interpret import InterpretParams as InterpretParams
 from pallas._src.kernel import kernel as kernel
 from pallas._src.pallas_call import pallas_call as pallas_call
 from pallas._src.pallas_call_rules import pallas_call_p as pallas_call_p
+from pallas._src.poison import enable_poison_buffers as enable_poison_buffers
 from pallas._src.primitives import cdiv as cdiv
 from pallas._src.primitives import debug_print as debug_print
 from pallas._src.primitives import ds as ds

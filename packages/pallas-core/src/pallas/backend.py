@@ -53,12 +53,15 @@ from pallas._src.math import digamma_f32 as digamma_f32
 from pallas._src.math import erf_inv_f32 as erf_inv_f32
 from pallas._src.math import in_float32 as in_float32
 from pallas._src.math import lgamma_f32 as lgamma_f32
+from pallas._src.poison import poison_buffers_enabled as poison_buffers_enabled
+from pallas._src.poison import poison_value as poison_value
 from pallas._src.primitives import KernelContext as KernelContext
 from pallas._src.primitives import debug_print_p as debug_print_p
 from pallas._src.primitives import grid_axis_index_p as grid_axis_index_p
 from pallas._src.primitives import kernel_context as kernel_context
 from pallas._src.primitives import multiple_of_p as multiple_of_p
 from pallas._src.primitives import run_scoped_p as run_scoped_p
+from pallas._src.primitives import symbolic_shape_message as symbolic_shape_message
 from pallas._src.semaphores import DeviceIdType as DeviceIdType
 from pallas._src.semaphores import debug_check_p as debug_check_p
 from pallas._src.semaphores import delay_p as delay_p
@@ -72,6 +75,7 @@ from pallas._src.semaphores import unflatten_transforms as unflatten_transforms
 from pallas._src.validate import check_bool_fields as check_bool_fields
 from pallas._src.validate import inner_invars as inner_invars
 from pallas._src.zero_stride import broadcast_zero_stride_reads as broadcast_zero_stride_reads
+from pallas._src.zero_stride import check_zero_stride_writes as check_zero_stride_writes
 
 
 def forced_interpret() -> list:

@@ -12,6 +12,12 @@ from pallas_gpu._src.autotune import Autotuned as Autotuned
 from pallas_gpu._src.autotune import autotune as autotune
 from pallas_gpu._src.core import CompilerParams as CompilerParams
 from pallas_gpu._src.core import InterpretParams as InterpretParams
+from pallas_gpu._src.gpu_info import CUSTOM_CALL_TARGET_NAME as CUSTOM_CALL_TARGET_NAME
+from pallas_gpu._src.gpu_info import GpuInfo as GpuInfo
+from pallas_gpu._src.gpu_info import GpuVersion as GpuVersion
+from pallas_gpu._src.gpu_info import get_gpu_info as get_gpu_info
+from pallas_gpu._src.gpu_info import get_gpu_info_from_version as get_gpu_info_from_version
+from pallas_gpu._src.gpu_info import is_gpu_device as is_gpu_device
 from pallas_gpu._src.primitives import approx_tanh as approx_tanh
 from pallas_gpu._src.primitives import atomic_add as atomic_add
 from pallas_gpu._src.primitives import atomic_and as atomic_and

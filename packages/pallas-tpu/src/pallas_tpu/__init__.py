@@ -20,6 +20,11 @@ from pallas_tpu._src.interpret.sessions import (
     reset_tpu_interpret_mode_state as reset_tpu_interpret_mode_state,
 )
 from pallas_tpu._src.language import core as core
+from pallas_tpu._src.language.bits import join_bits as join_bits
+from pallas_tpu._src.language.bits import pack_fp6 as pack_fp6
+from pallas_tpu._src.language.bits import split_bits as split_bits
+from pallas_tpu._src.language.bits import unpack_fp6 as unpack_fp6
+from pallas_tpu._src.language.conv import conv as conv
 from pallas_tpu._src.language.core import ARBITRARY as ARBITRARY
 from pallas_tpu._src.language.core import CMEM as CMEM
 from pallas_tpu._src.language.core import CORE_PARALLEL as CORE_PARALLEL
@@ -44,6 +49,13 @@ from pallas_tpu._src.language.einshape import einshape as einshape
 from pallas_tpu._src.language.helpers import core_barrier as core_barrier
 from pallas_tpu._src.language.helpers import run_on_first_core as run_on_first_core
 from pallas_tpu._src.language.helpers import sync_copy as sync_copy
+from pallas_tpu._src.language.memory_query import has_memory_space as has_memory_space
+from pallas_tpu._src.language.mxu import ACC as ACC
+from pallas_tpu._src.language.mxu import matmul_acc_lhs as matmul_acc_lhs
+from pallas_tpu._src.language.mxu import matmul_lhs_fifo as matmul_lhs_fifo
+from pallas_tpu._src.language.mxu import matmul_pop as matmul_pop
+from pallas_tpu._src.language.mxu import matmul_pop_fifo as matmul_pop_fifo
+from pallas_tpu._src.language.mxu import matmul_push_rhs as matmul_push_rhs
 from pallas_tpu._src.language.pipeline import PipelineStep as PipelineStep
 from pallas_tpu._src.language.pipeline import emit_pipeline as emit_pipeline
 from pallas_tpu._src.language.pipeline import emit_pipeline_with_allocations as emit_pipeline_with_allocations

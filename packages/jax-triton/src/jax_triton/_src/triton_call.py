@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -152,6 +153,14 @@ def triton_call(  # long for its public docstring only: the body is ~45 lines
             f"{where}: triton_call needs out_type=, the outputs' shapes and dtypes "
             f"(a pytree of jax.ShapeDtypeStruct; out_shape= as in jax-triton 0.4 also works)"
         )
+    for option, value, none_ok in (
+        ("debug", debug, False),
+        ("enable_fp_fusion", enable_fp_fusion, True),
+        ("has_side_effect", has_side_effect, False),
+    ):
+        if not (isinstance(value, (bool, np.bool_)) or (none_ok and value is None)):  # "False" is truthy
+            expected = "True, False or None" if none_ok else "True or False"
+            raise TypeError(f"{where}: {option} must be {expected}, got {value!r} ({type(value).__name__})")
     if has_side_effect:
         raise NotImplementedError(
             f"{where}: has_side_effect=True is not supported: a triton_call whose outputs "

@@ -205,6 +205,29 @@ class BoundedSlice:
         return f"BoundedSlice({self.block_size})"
 
 
+@dataclasses.dataclass(frozen=True)
+class Indirect:
+    """A block dimension indexed by an array of indices (JAX 0.12): a gather
+    for inputs and a scatter for outputs, of ``block_size`` rows.
+
+    JAX reads it in ``emit_pipeline`` of SparseCore kernels, whose indirect
+    DMAs do the gather; ours lowers no SparseCore kernel, so ``pallas_call``
+    and ``pltpu.emit_pipeline`` refuse a block shape that holds one."""
+
+    block_size: int
+
+    def __repr__(self):
+        return f"Indirect({self.block_size})"
+
+
+class semaphore:  # noqa: N801  (JAX's name for the regular semaphore dtype)
+    """The element type of regular semaphores (``pltpu.SemaphoreType.REGULAR``).
+
+    A name for code written against JAX's API; never instantiated. Our
+    semaphore Refs hold int32 counters in a ``SemaphoreSpace`` memory space:
+    ask ``semaphore_kind(ref_aval)`` what a Ref is."""
+
+
 class SemaphoreKind(enum.Enum):
     """The kinds of semaphore a kernel can allocate (``pltpu.SemaphoreType``)."""
 

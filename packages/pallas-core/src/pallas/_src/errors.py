@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import threading
@@ -165,3 +166,21 @@ def runtime_error_in(wrapper: BaseException) -> BaseException | None:
             if str(_runtime_errors[i]) and str(_runtime_errors[i]) in text:
                 return _runtime_errors.pop(i)
     return None
+
+
+class _RecordedErrorFilter(logging.Filter):
+    """Drops JAX's "jax.debug.callback failed" log record (a traceback on stderr) of an
+    error a kernel's host callback raised and recorded: the error itself reaches the
+    caller (message first, see ``runtime_error_in``), so a caller that catches it sees
+    nothing on stderr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        with _runtime_lock:
+            return not any(e is exc for e in _runtime_errors)
+
+
+for _logger in ("jax._src.debugging", "jax._src.callback"):
+    logging.getLogger(_logger).addFilter(_RecordedErrorFilter())

@@ -174,7 +174,8 @@ def block_mapping(
 def _block_dims(block_shape, shape: tuple, dtype, origin: str, err: Err) -> tuple[tuple | list, tuple]:
     """(the block shape, the array's when None; its dims normalized to
     ``Blocked``/``Element``/``squeezed``), checked against the array."""
-    if block_shape is None:
+    whole = block_shape is None
+    if whole:
         block_shape = shape
     if not isinstance(block_shape, (tuple, list)):
         raise err(TypeError, origin, f"block_shape must be a tuple, got {block_shape!r}")
@@ -186,11 +187,43 @@ def _block_dims(block_shape, shape: tuple, dtype, origin: str, err: Err) -> tupl
             f"dimensions as the array shape {shape}: block_shape has {len(block_shape)} dims but the "
             f"array {dtype}{list(shape)} has {len(shape)}",
         )
+    for i, d in enumerate(block_shape):
+        if compat.is_symbolic_dim(d):
+            raise _symbolic_block(origin, i, d, shape, dtype, whole, err)
     dims = tuple(
         _normalize_block_dim(d, f"{origin}.block_shape[{i}]", err, n)
         for i, (d, n) in enumerate(zip(block_shape, shape))
     )
     return block_shape, dims
+
+
+def _symbolic_block(origin: str, i: int, d, shape, dtype, whole: bool, err: Err) -> Exception:
+    """A block with a symbolic dimension (``jax.export`` shape polymorphism): blocks
+    have static shapes here (JAX's ``pl.lower_as_mlir(dynamic_shapes=True)`` is not supported)."""
+    array = f"{dtype}[{', '.join(str(n) for n in shape)}]"
+    fix = (
+        "give it a pl.BlockSpec with a static block_shape and a grid that follows the array, "
+        f"e.g. grid=(pl.cdiv(x.shape[{i}], 8),) with block size 8 along dimension {i}"
+    )
+    if origin.startswith("constant"):
+        msg = (
+            f"the kernel closes over an array {array} whose dimension {i} is the symbolic dimension {d} "
+            "(jax.export); a captured array becomes a whole-array block, which needs a static shape: "
+            f"pass the array to pallas_call as an input instead and {fix}"
+        )
+    elif whole:
+        msg = (
+            f"no block_shape was given, so the block is the whole array {array}, whose dimension {i} is "
+            f"the symbolic dimension {d} (jax.export); blocks need static shapes: {fix}"
+        )
+    else:
+        return err(
+            ValueError,
+            f"{origin}.block_shape[{i}]",
+            f"the symbolic dimension {d} (jax.export); block sizes must be static ints (blocks of "
+            f"symbolic shape, JAX's dynamic_shapes export, are not supported): {fix}",
+        )
+    return err(ValueError, origin, msg)
 
 
 def _checked_index_map(index_map, rank: int, grid, prefetch_avals, prefetch_tree, origin: str, err: Err):

@@ -96,6 +96,28 @@ def lower_as_mlir(
             "pl.lower_as_mlir(dynamic_shapes=True): blocks of symbolic shape are not supported; "
             "symbolic array shapes with static block shapes export without it"
         )
+    platforms = _platform_list(platforms, f)
     jitted = jax.jit(f, device=device, static_argnames=tuple(static_argnames))
-    exported = jax.export.export(jitted, platforms=list(platforms or ["tpu"]))(*args, **kwargs)
+    exported = jax.export.export(jitted, platforms=platforms)(*args, **kwargs)
     return exported.mlir_module()
+
+
+def _platform_list(platforms: Any, f: Callable[..., Any]) -> list[str]:
+    """``lower_as_mlir``'s ``platforms``, checked: None means ``["tpu"]``; a str would be
+    read letter by letter and an empty list would mean the default backend."""
+    name = getattr(f, "__name__", None) or type(f).__name__
+    where = f"pl.lower_as_mlir of '{name}' at {errors.user_source()}: platforms"
+    if platforms is None:
+        return ["tpu"]
+    if isinstance(platforms, str):
+        raise TypeError(
+            f"{where}: expected a list of platform names, got the str {platforms!r}: "
+            f"write platforms=[{platforms!r}]"
+        )
+    platforms = list(platforms)
+    if not platforms:
+        raise ValueError(f"{where}: expected at least one platform name (e.g. ['tpu']), got an empty list")
+    bad = [p for p in platforms if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"{where}: expected platform names (str, e.g. 'tpu'), got {bad[0]!r}")
+    return platforms

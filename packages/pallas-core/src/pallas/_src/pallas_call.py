@@ -42,6 +42,16 @@ def _arg_aval(x, name: str, err: Err):
 
 def _out_aval(x, name: str, err: Err):
     if hasattr(x, "shape") and hasattr(x, "dtype"):
+        traced = [(i, d) for i, d in enumerate(x.shape) if isinstance(d, jax.core.Tracer)]
+        if traced:
+            i, d = traced[0]
+            raise err(
+                TypeError,
+                name,
+                f"dimension {i} of its shape is a traced value ({d.aval.str_short()}), where an int or a "
+                "symbolic dimension (jax.export) is expected: shapes are static. A size computed from a "
+                "symbolic dimension with //, * or pl.cdiv stays one; jnp and lax functions make traced values",
+            )
         try:
             return jax.core.ShapedArray(tuple(x.shape), np.dtype(x.dtype))
         except TypeError:
@@ -101,6 +111,7 @@ def _trace_kernel(
         jaxpr = _hoist_consts(jaxpr, consts, gm)
     jaxpr = validate.normalize_negative_indices(jaxpr)
     validate.check_static_indices(jaxpr, describe(gm.kernel_name, gm.source))
+    validate.check_semaphores_not_data(getattr(jaxpr, "jaxpr", jaxpr), describe(gm.kernel_name, gm.source))
     return jaxpr, consts
 
 
@@ -204,8 +215,17 @@ def pallas_call(
       grid_spec: a ``GridSpec``; exclusive with grid/in_specs/out_specs/
         scratch_shapes.
       grid: the number of programs along each axis (int or tuple of ints).
-      in_specs, out_specs: pytree prefixes of ``BlockSpec`` objects for the inputs
-        and outputs (default: the whole array).
+      in_specs: the inputs' blocks: ``BlockSpec`` objects in a pytree prefix of
+        the positional arguments (a list or tuple, one per input; a single spec
+        is refused, as in JAX). Each spec's index map takes the program's grid
+        indices and returns the block of that input the program reads
+        (default: the whole array).
+      out_specs: the outputs' blocks: ``BlockSpec`` objects in a pytree prefix
+        of ``out_shape`` (a single spec applies to every output). Each spec's
+        index map returns the block of that output the program writes; on
+        backends that run the grid in order (TPU, interpret mode) an output
+        block whose index stays the same on consecutive steps stays in memory,
+        so a kernel can accumulate into it (default: the whole array).
       scratch_shapes: scratch buffers passed after the output Refs.
       input_output_aliases: ``{input index: output index}`` over the
         flattened inputs and outputs.
@@ -236,6 +256,10 @@ def pallas_call(
     )  # fmt: skip
     if isinstance(in_specs, pallas_core.BlockSpec):  # refused here, as JAX's Pallas does
         raise Err(spec.kernel_name, user_source())(ValueError, "in_specs", IN_SPECS_NOT_A_SEQUENCE)
+    if not isinstance(debug, (bool, np.bool_)):  # debug="False" is truthy
+        raise Err(spec.kernel_name, user_source())(
+            TypeError, "debug", f"expected True or False, got {debug!r} ({type(debug).__name__})"
+        )
     cache: dict[Any, _Prepared] = {}
 
     @functools.wraps(kernel)
@@ -551,8 +575,8 @@ def _dtype_key(x):
 def _scratch_aval(s, what: str, err: Err):
     try:
         return primitives._scratch_aval(s, what)
-    except TypeError as e:
-        raise err(TypeError, what, str(e).split(f"{what}: ", 1)[-1]) from None
+    except (TypeError, ValueError) as e:
+        raise err(type(e), what, str(e).split(f"{what}: ", 1)[-1]) from None
 
 
 __all__ = ["pallas_call", "InterpretParams"]

@@ -312,6 +312,16 @@ def _interpret_lowering(ctx, call: PallasCall, *args):
         fun = functools.partial(interpret_pallas_call, call=call, params=engine.params)
         return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
     if not engine.claimed:
+        platforms = compat.lowering_platforms(ctx)
+        if len(platforms) > 1:  # jax.export for several platforms: host callbacks do not serialize
+            raise NotImplementedError(
+                f"{call.where}: jax.export for the platforms {', '.join(platforms)} cannot serialize this "
+                f"kernel: interpret={type(call.interpret).__name__}(...) runs it in "
+                f"{engine.backend.describe()}'s interpreter, which calls back into Python (host callbacks). "
+                "Export it without interpret= for its hardware platform, or with interpret=True "
+                "(pallas-core's interpret mode, plain JAX) for the CPU too, where the kernel uses no "
+                "backend features."
+            )
         return engine.backend.interpret(ctx, call, engine.params, *args)
     if not compat.lowering_for_export(ctx):
         return engine.backend.interpret(ctx, call, engine.params, *args)
@@ -351,11 +361,17 @@ def _platform_rule(platform: str, call: PallasCall, platforms: tuple[str, ...] =
         # Exported for ("cpu", "tpu") with TPU compiler_params: the TPU branch uses
         # them, the CPU branch runs the kernel in interpret mode.
         if want and want != "cpu" and want not in platforms:
+            owner = backends.for_platform(want, cp)
+            interpreter = (
+                f"{owner.describe()}.InterpretParams()"
+                if owner is not None and getattr(owner, "INTERPRET_PARAMS", None) is not None
+                else "the backend's InterpretParams()"
+            )
             raise ValueError(
                 f"{call.where}: compiler_params {type(cp).__name__} are for "
                 f"'{want}', but the kernel is being lowered for the CPU (no {want} device). Pass "
-                "interpret=True to run it as plain JAX, or the backend's interpreter (e.g. "
-                "interpret=pallas_gpu.InterpretParams())."
+                f"interpret=True to run it as plain JAX, or interpret={interpreter} for "
+                "the backend's interpreter."
             )
         return _interpret_lowering
     backend = _hardware_backend(platform, call, cp)
@@ -379,6 +395,14 @@ def _hardware_backend(platform: str, call: PallasCall, cp) -> backends.Backend:
         raise ValueError(f"{call.where}: {_named_backend_problem(name, platform)}")
     if backend is None:
         pkg = backends.PACKAGE_FOR_PLATFORM.get(platform)
+        installed = [n for n, b in backends.backends().items() if backends.PACKAGE_FOR_BACKEND.get(n) == pkg]
+        if pkg and installed:  # e.g. rocm: jax-pallas-gpu is there, but lowers for cuda only
+            serves = ", ".join(getattr(backends.backends()[installed[0]], "PLATFORMS", ())) or "no platform"
+            raise ValueError(
+                f"{call.where}: {pkg} is installed, but its backend '{installed[0]}' lowers for {serves}, "
+                f"not for platform '{platform}', which no installed Pallas backend lowers for. Use "
+                "interpret=True to run the kernel as plain JAX instead."
+            )
         hint = f"pip install {pkg}" if pkg else "no pallas backend exists for it"
         extra = backends.load_errors()
         broken = f" (installed backends that failed to load: {extra})" if extra else ""

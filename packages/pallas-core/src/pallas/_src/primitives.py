@@ -13,7 +13,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from pallas._src import compat
+from pallas._src import compat, poison
 from pallas._src import core as pallas_core
 from pallas._src.errors import kernel_error
 
@@ -222,7 +222,25 @@ run_scoped_p = Primitive("run_scoped")
 run_scoped_p.multiple_results = True
 
 
+def symbolic_shape_message(shape, what: str) -> str | None:
+    """Why a buffer of ``shape`` cannot be allocated when a dimension is symbolic
+    (``jax.export`` shape polymorphism), or None."""
+    for i, d in enumerate(tuple(shape)):
+        if compat.is_symbolic_dim(d):
+            return (
+                f"{what} of shape ({', '.join(str(n) for n in shape)}): dimension {i} is the symbolic "
+                f"dimension {d} (jax.export); a kernel's buffers have static shapes: size it by the "
+                "block (a static int), not by the array"
+            )
+    return None
+
+
 def _scratch_aval(t: Any, where: str):
+    symbolic = symbolic_shape_message(getattr(t, "shape", ()), "a scratch buffer")
+    if symbolic is not None:
+        if where.startswith("scratch_shapes"):
+            raise ValueError(f"{where}: {symbolic}")
+        raise kernel_error(ValueError, f"{where}: {symbolic}")
     if isinstance(t, pallas_core.MemoryRef):
         return t.get_ref_aval()
     if hasattr(t, "get_ref_aval"):
@@ -291,13 +309,20 @@ def uninitialized_value(shape, dtype) -> jax.Array:
     return jnp.zeros(shape, dtype)
 
 
+def _scoped_fill(shape, dtype) -> jax.Array:
+    """A fresh ``pl.run_scoped`` buffer: poison under ``pl.enable_poison_buffers``."""
+    if poison.poison_buffers_enabled():
+        return jnp.full(shape, poison.poison_value(dtype), dtype)
+    return uninitialized_value(shape, dtype)
+
+
 @compat.register_discharge_rule(run_scoped_p)
 def _run_scoped_discharge(ctx, *args, jaxpr, num_consts):
     scratch_avals = jaxpr.in_avals[num_consts:]
     should = [bool(d) and compat.is_ref_aval(a) for d, a in zip(ctx.should_discharge, jaxpr.in_avals)]
     should += [True] * len(scratch_avals)
     pure = compat.discharge(jaxpr, should_discharge=should)
-    scratch = [uninitialized_value(a.shape, a.dtype) for a in scratch_avals]
+    scratch = [_scoped_fill(a.shape, a.dtype) for a in scratch_avals]
     results = compat.eval_jaxpr(pure.jaxpr, pure.consts, *args, *scratch)
     n_out = len(jaxpr.out_avals)
     outs, ref_finals = results[:n_out], iter(results[n_out:])
@@ -375,9 +400,12 @@ dslice = ds
 
 
 def cdiv(a: Any, b: Any) -> Any:
-    """Ceiling division; a Python int for int operands."""
+    """Ceiling division; a Python int for int operands, a symbolic dimension for
+    symbolic ones (``jax.export`` shapes: usable in ``out_shape`` and grids, as JAX's)."""
     if isinstance(a, int) and isinstance(b, int):
         return -(-a // b)
+    if all(isinstance(x, int) or compat.is_symbolic_dim(x) for x in (a, b)):
+        return (a + b - 1) // b
     return lax.div(a + b - 1, b)
 
 

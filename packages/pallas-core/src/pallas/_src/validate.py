@@ -63,6 +63,32 @@ def check_static_indices(jaxpr, describe_kernel: str) -> None:
             check_static_indices(getattr(sub, "jaxpr", sub), describe_kernel)
 
 
+_READS = {"get": "reads", "swap": "writes", "addupdate": "adds to"}
+
+
+def check_semaphores_not_data(jaxpr, describe_kernel: str) -> None:
+    """A semaphore Ref is not data: ``sem[0]`` would read a count the hardware keeps
+    elsewhere (JAX refuses it: "dtype=dma_sem is not a valid dtype")."""
+    from pallas._src.core import semaphore_kind
+
+    for eqn in jaxpr.eqns:
+        what = _READS.get(eqn.primitive.name)
+        if what is not None:
+            aval = getattr(eqn.invars[0], "aval", None)
+            kind = semaphore_kind(aval)
+            if kind is not None:
+                where = compat.eqn_user_source(eqn)
+                at = f" at {where}" if where else ""
+                raise TypeError(
+                    f"{describe_kernel}: in the kernel{at}: {what} the {kind.name} semaphore Ref "
+                    f"{kind.name.lower()}_sem{list(aval.shape)} as data; a semaphore's count is read with "
+                    "pl.semaphore_read(sem.at[i]) and changed with pl.semaphore_signal / pl.semaphore_wait "
+                    "(a DMA semaphore: through its copy's .wait())"
+                )
+        for sub in jaxprs_in_params(eqn.params):
+            check_semaphores_not_data(getattr(sub, "jaxpr", sub), describe_kernel)
+
+
 def check_bool_fields(owner: str, obj, names) -> None:
     """Options documented as bool must be bools: ``detect_races="no"`` is
     truthy and would silently switch the option on."""

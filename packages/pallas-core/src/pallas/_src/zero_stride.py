@@ -36,12 +36,18 @@ def _has_zero_stride(jaxpr, where: str) -> bool:
             if _zero_stride(eqn):
                 line = compat.eqn_user_source(eqn) or "<unknown>"
                 raise NotImplementedError(
-                    f"{where} at {line}: a write through pl.ds(start, size, stride=0) names one element "
+                    f"{where}: in the kernel at {line}: a write through pl.ds(start, size, stride=0) names one element "
                     "size times; write it once (pl.ds(start, 1)) or index with a stride >= 1 "
                     "(zero strides are for reads: a broadcast)"
                 )
         found = any([_has_zero_stride(s, where) for s in jax_core.jaxprs_in_params(eqn.params)]) or found
     return found
+
+
+def check_zero_stride_writes(jaxpr, where: str = "pallas_call") -> None:
+    """Raises ``NotImplementedError`` naming ``where`` and the line for a write through a
+    zero-stride slice (for lowerings that read zero strides natively)."""
+    _has_zero_stride(jaxpr, where)
 
 
 def broadcast_zero_stride_reads(jaxpr, where: str = "pallas_call"):

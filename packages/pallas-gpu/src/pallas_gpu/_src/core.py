@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pallas as pl
+from pallas import backend as plb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +70,12 @@ class CompilerParams(pl.CompilerParams):
             raise ValueError(f"{where}: num_stages must be a positive int, got {self.num_stages!r}")
         if not isinstance(self.num_ctas, int) or self.num_ctas < 1:
             raise ValueError(f"{where}: num_ctas must be a positive int, got {self.num_ctas!r}")
-        for name in ("use_tma", "warp_specialize"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{where}: {name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("enable_fp_fusion", "debug", "use_tma", "warp_specialize"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # enable_fp_fusion="False" is truthy
+                raise plb.ValueOrTypeError(
+                    f"{where}: {name} must be True or False, got {value!r} ({type(value).__name__})"
+                )
 
     def source_options(self) -> tuple[tuple[str, bool], ...]:
         """The fields that change the generated kernel (not only its compilation)."""

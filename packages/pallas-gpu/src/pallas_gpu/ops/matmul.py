@@ -54,6 +54,10 @@ from pallas_gpu.ops._matmul_sm90 import Sm90Config as Sm90Config
 _FLOAT_INPUTS = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
     """One launch configuration of ``matmul``."""
@@ -67,6 +71,21 @@ class MatmulConfig:
     use_tma: bool = True
     persistent: bool = False  # one program per SM, each walking its share of the tiles
     flatten: bool = False  # persistent programs: one loop over (tile, k step) pairs
+
+    def __post_init__(self):
+        where = "pallas_gpu.ops.MatmulConfig"
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1 or v & (v - 1):
+                raise ValueError(f"{where}: {name} must be a positive power of two, got {v!r}")
+        for name in ("group_m", "num_stages"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{where}: {name} must be a positive int, got {v!r}")
+        for name in ("use_tma", "persistent", "flatten"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise TypeError(f"{where}: {name} must be True or False, got {v!r} ({type(v).__name__})")
 
     def label(self) -> str:
         kind = ("flat-persistent" if self.flatten else "persistent") if self.persistent else "grid"
@@ -402,6 +421,25 @@ def _tuned(configs: tuple[MatmulConfig | Sm90Config, ...]):
     )
 
 
+def _check_config(config, autotune) -> None:
+    """``matmul``'s ``config=``: one configuration, which leaves nothing to tune."""
+    if isinstance(config, dict):
+        raise TypeError(
+            f"pallas_gpu.ops.matmul: config must be a MatmulConfig (or an Sm90Config), got a dict {config!r:.80}: "
+            "write config=MatmulConfig(**{...})"
+        )
+    if not isinstance(config, (MatmulConfig, Sm90Config)):
+        raise TypeError(
+            "pallas_gpu.ops.matmul: config must be a MatmulConfig (or an Sm90Config) or None, got "
+            f"{type(config).__name__} {config!r:.80}"
+        )
+    if autotune is not False:
+        raise ValueError(
+            f"pallas_gpu.ops.matmul: config={config.label()} chooses one configuration, so there is "
+            f"nothing to tune; autotune={autotune!r} needs config=None"
+        )
+
+
 def matmul(
     a,
     b,
@@ -435,9 +473,6 @@ def matmul(
         ``plgpu.InterpretParams()`` (the generated Triton code on the CPU).
     """
     out_dtype = _check(a, b, preferred_element_type)
-    if config is not None:
-        return matmul_with_config(a, b, config, out_dtype=out_dtype, interpret=interpret, debug=debug)
-    (m, k), n = a.shape, b.shape[1]
     if not (
         autotune is True or autotune is False or (isinstance(autotune, str) and autotune == "background")
     ):
@@ -445,6 +480,10 @@ def matmul(
             "pallas_gpu.ops.matmul: autotune must be False (the table's configuration, no timing), True "
             f"(time the candidates now) or 'background'; got {autotune!r}"
         )
+    if config is not None:
+        _check_config(config, autotune)
+        return matmul_with_config(a, b, config, out_dtype=out_dtype, interpret=interpret, debug=debug)
+    (m, k), n = a.shape, b.shape[1]
     cc = None if interpreted(interpret) else compute_capability()
     configs = configs_for(m, n, k, a.dtype, out_dtype, cc)
     tuned = _tuned(configs)

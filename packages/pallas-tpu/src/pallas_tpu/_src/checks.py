@@ -10,8 +10,10 @@ the error names the kernel, the operand or the user's line.
   only, SMEM holds scalars, ``pltpu.SEMAPHORE`` holds semaphores (that HBM
   operands take whole arrays is checked by pallas-core's ``pallas_call``);
 * VMEM: blocks (two buffers each: the pipeline prefetches the next block)
-  plus VMEM scratch must fit ``vmem_limit_bytes`` (default: XLA's scoped
-  VMEM limit), which must fit the chip's VMEM;
+  plus VMEM scratch and ``pl.run_scoped`` buffers must fit the chip's VMEM and
+  ``vmem_limit_bytes`` (default: XLA's scoped VMEM limit), as libtpu's compiler
+  requires (a limit above the chip's VMEM is accepted, as libtpu accepts it);
+  SMEM buffers must fit the chip's SMEM;
 * ``CompilerParams.allow_input_fusion``: one entry per input.
 
 TPU interpret mode alone (``check_interpreted_grid``), as JAX's: a grid axis marked
@@ -117,51 +119,89 @@ def single_buffered(bm) -> bool:
     return all(isinstance(v, compat.Literal) and v.val == 0 for v in outs)
 
 
-def check_vmem(gm, compiler_params) -> None:
+def _in_space(aval, spaces) -> bool:
+    return getattr(aval, "memory_space", None) in spaces and plb.semaphore_kind(aval) is None
+
+
+def scoped_bytes(jaxpr, spaces) -> int:
+    """The most bytes of ``pl.run_scoped`` buffers in ``spaces`` live at once in ``jaxpr``
+    (nested scopes add up; scopes one after the other, or in different branches, do not)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    peak = 0
+    for eqn in jaxpr.eqns:
+        inner = max(
+            (scoped_bytes(s, spaces) for s in jax.extend.core.jaxprs_in_params(eqn.params)), default=0
+        )
+        own = 0
+        if eqn.primitive is plb.run_scoped_p:
+            body = eqn.params["jaxpr"]
+            avals = [v.aval for v in getattr(body, "jaxpr", body).invars[eqn.params["num_consts"] :]]
+            own = sum(_vmem_bytes(a.shape, a.dtype) for a in avals if _in_space(a, spaces))
+        peak = max(peak, own + inner)
+    return peak
+
+
+def check_vmem(gm, compiler_params, jaxpr=None) -> None:
     """The VMEM a kernel needs, as Mosaic allocates it (VMEM blocks twice: the
     pipeline fetches the next block while the kernel works on this one; a
-    whole array at a constant block index once; VMEM scratch once), against
-    ``vmem_limit_bytes`` (default: XLA's scoped VMEM limit of the modelled
-    chip) and the chip's VMEM."""
+    whole array at a constant block index once; VMEM scratch once; ``pl.run_scoped``
+    buffers as they nest), refused where libtpu's compiler refuses it: more than the
+    chip's VMEM, or more than ``vmem_limit_bytes`` (default: XLA's scoped VMEM limit
+    of the chip) where that is less. A ``vmem_limit_bytes`` above the chip's VMEM is
+    accepted, as libtpu accepts it (it compiles within the chip's VMEM). Likewise SMEM
+    scratch, ``run_scoped`` buffers and blocks against the chip's SMEM. Sizes are
+    unpadded (a lower bound of Mosaic's tiled sizes): what is refused here, libtpu
+    refuses too."""
     cp = _cp(compiler_params)
     info = tpu_info.get_tpu_info()
     chip = f"TPU {info.chip_version.value}"
     capacity = info.vmem_capacity_bytes
     limit = getattr(cp, "vmem_limit_bytes", None)
-    if limit is not None and limit > capacity:
-        raise _err(
-            gm,
-            ValueError,
-            "compiler_params.vmem_limit_bytes",
-            f"{limit} bytes ({_mib(limit)}) is more than the VMEM of a {chip} ({capacity} bytes, {_mib(capacity)})",
-        )
+    vmem = (None, tpu_core.VMEM)
     blocks = sum(
         (1 if single_buffered(bm) else 2) * _vmem_bytes(bm.block_sizes, bm.dtype)
         for bm in gm.block_mappings
-        if not bm.is_whole_array and bm.memory_space in (None, tpu_core.VMEM)
+        if not bm.is_whole_array and bm.memory_space in vmem
     )
-    scratch = sum(
-        _vmem_bytes(a.shape, a.dtype)
-        for a in gm.scratch_avals
-        if getattr(a, "memory_space", None) in (None, tpu_core.VMEM) and plb.semaphore_kind(a) is None
+    scratch = sum(_vmem_bytes(a.shape, a.dtype) for a in gm.scratch_avals if _in_space(a, vmem))
+    scoped = scoped_bytes(jaxpr, vmem) if jaxpr is not None else 0
+    need = blocks + scratch + scoped
+    parts = (
+        f"the kernel needs {need} bytes ({_mib(need)}) of VMEM: {blocks} for its blocks (two buffers each, one "
+        f"for a whole array at a constant index), {scratch} for VMEM scratch and {scoped} for pl.run_scoped "
+        "buffers (those live at once)"
     )
-    if limit is not None:
-        bound, which = limit, f"compiler_params.vmem_limit_bytes ({limit} bytes, {_mib(limit)})"
-    else:
+    fix = "Use smaller blocks, or keep large operands in HBM (memory_space=pl.ANY) and copy parts with DMAs"
+    if need > capacity:
+        raise _err(gm, ValueError, "VMEM", f"{parts}, more than a {chip} has ({_mib(capacity)}). {fix}")
+    if limit is None:
         bound = default_scoped_vmem_bytes(info)
         which = (
             f"the default scoped VMEM limit of a {chip} ({_mib(bound)}; raise it with "
             f"pltpu.CompilerParams(vmem_limit_bytes=...), up to the chip's {_mib(capacity)})"
         )
-    if blocks + scratch > bound:
+    else:
+        bound, which = limit, f"compiler_params.vmem_limit_bytes ({limit} bytes, {_mib(limit)})"
+    if need > bound:
+        raise _err(gm, ValueError, "VMEM", f"{parts}, more than {which}. {fix}")
+    smem_space = (tpu_core.SMEM,)
+    smem = (
+        sum(_vmem_bytes(a.shape, a.dtype) for a in gm.scratch_avals if _in_space(a, smem_space))
+        + sum(_vmem_bytes(a.shape, a.dtype) for a in gm.prefetch_avals)
+        + sum(
+            _vmem_bytes(bm.block_sizes, bm.dtype) for bm in gm.block_mappings if bm.memory_space in smem_space
+        )
+        + (scoped_bytes(jaxpr, smem_space) if jaxpr is not None else 0)
+    )
+    if smem > info.smem_capacity_bytes:
         raise _err(
             gm,
             ValueError,
-            "VMEM",
-            f"the kernel needs {blocks + scratch} bytes ({_mib(blocks + scratch)}) of VMEM: {blocks} for its "
-            f"blocks (two buffers each, one for a whole array at a constant index) and {scratch} for VMEM "
-            f"scratch, more than {which}. Use smaller blocks, or keep large operands in HBM "
-            "(memory_space=pl.ANY) and copy parts with DMAs",
+            "SMEM",
+            f"the kernel needs {smem} bytes ({_mib(smem)}) of SMEM (scalar-prefetch operands, SMEM blocks, "
+            f"scratch and pl.run_scoped buffers), more than a {chip} has ({info.smem_capacity_bytes} bytes, "
+            f"{_mib(info.smem_capacity_bytes)}). SMEM holds scalars: keep large tables in HBM (pl.ANY) and "
+            "copy the part you need into SMEM with a DMA",
         )
 
 
@@ -283,6 +323,7 @@ def _check_accesses(gm, jaxpr, any_vars) -> None:
 def check_kernel(gm, jaxpr, compiler_params) -> None:
     """Every check above; called with ``tpu_info`` describing the target chip."""
     check_compiler_params(gm, compiler_params)
+    plb.check_zero_stride_writes(jaxpr, plb.describe(gm.kernel_name, gm.source))
     check_block_shapes(gm)
     check_memory_spaces(gm, jaxpr)
-    check_vmem(gm, compiler_params)
+    check_vmem(gm, compiler_params, jaxpr)

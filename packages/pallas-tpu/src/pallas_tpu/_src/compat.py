@@ -310,6 +310,27 @@ def _supported_custom_call_config(fn, kernel_name, config: dict) -> dict:
     return out
 
 
+def lowering_tpu_device(ctx):
+    """The first TPU device a lowering compiles for (jit's device assignment, the mesh
+    of a ``jax.shard_map``, or a device of the TPU client it compiles with: a compile-only
+    topology's), or None (an export without a TPU client, or a CPU)."""
+    import numpy as np
+
+    ac = ctx.module_context.axis_context
+    devices = getattr(ac, "device_assignment", None)
+    if devices is None:
+        try:
+            devices = list(np.ravel(ac.mesh.devices))
+        except (AttributeError, TypeError, ValueError):
+            devices = ()
+    found = next((d for d in devices if getattr(d, "platform", None) == "tpu"), None)
+    if found is None:  # jit lowers without a device assignment: the client it compiles with
+        backend = getattr(ctx.module_context, "backend", None)
+        if getattr(backend, "platform", None) == "tpu":
+            found = next(iter(backend.devices()), None)
+    return found
+
+
 def mesh_axes(ctx) -> tuple[tuple[str, int], ...]:
     """((name, size), ...) of the device mesh a lowering runs in (inside
     ``jax.shard_map``), or () outside one."""

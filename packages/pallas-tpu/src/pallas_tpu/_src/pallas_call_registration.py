@@ -185,7 +185,15 @@ def lower(ctx, call, *args):
     """MLIR lowering of the call for a TPU: a Mosaic module in a ``tpu_custom_call``."""
     gm = call.grid_mapping
     cp = check_compiler_params(call)
-    module = mosaic_module(call.jaxpr, gm, cp, ctx.module_context.context, compat.mesh_axes(ctx))
+    # Every per-generation decision (VMEM, tiling) follows the TPU this lowering compiles for.
+    device = compat.lowering_tpu_device(ctx)
+    target = (
+        tpu_info.target_device(device.device_kind, getattr(device, "num_cores", 1) or 1)
+        if device is not None
+        else contextlib.nullcontext()
+    )
+    with target:
+        module = mosaic_module(call.jaxpr, gm, cp, ctx.module_context.context, compat.mesh_axes(ctx))
     text = module_text(module)
     if call.debug:
         print(f"\nThe Mosaic module for {_where(gm)}:")
@@ -207,7 +215,8 @@ def _interpret_mode_error(gm, interpret, what: str) -> ValueError:
         f"{_where(gm)}: {what}: the kernel asks for TPU interpret mode (interpret={interpret!r}), which runs "
         "it in Python on the CPU through host callbacks, so there is no Mosaic module to make and nothing "
         "a TPU can run. Drop interpret= (or pass interpret=False) to lower the kernel for a TPU; keep it to "
-        "run the kernel on the CPU (jax.jit, or jax.export(..., platforms=['cpu']))."
+        "run the kernel on the CPU under jax.jit (jax.export cannot serialize the interpreter's host "
+        "callbacks; interpret=True exports for the CPU where the kernel uses no TPU features)."
     )
 
 

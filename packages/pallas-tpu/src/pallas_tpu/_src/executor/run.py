@@ -44,6 +44,7 @@ from pallas_tpu._src.executor.dialects import (  # noqa: F401  (importing them r
     memref,
     scf,
     tpu_memory,
+    tpu_mxu,
     tpu_vector,
     vector,
 )

@@ -64,12 +64,15 @@ _DTYPES = {
     "f8E4M3FN": ml_dtypes.float8_e4m3fn,
     "f8E5M2": ml_dtypes.float8_e5m2,
     "i4": ml_dtypes.int4,
+    "i2": ml_dtypes.int2,
 }
 UNSIGNED = {
     np.dtype(np.int8): np.uint8,
     np.dtype(np.int16): np.uint16,
     np.dtype(np.int32): np.uint32,
     np.dtype(np.int64): np.uint64,
+    np.dtype(ml_dtypes.int4): ml_dtypes.uint4,
+    np.dtype(ml_dtypes.int2): ml_dtypes.uint2,
 }
 
 

@@ -12,10 +12,12 @@ from jax import lax, tree_util
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
-from pallas_tpu._src.interpret import rules
-from pallas_tpu._src.interpret.interpreter import CALL_PARAMS, Hidden, _uninit, drain
+from pallas_tpu._src.interpret import mxu as interpret_mxu
+from pallas_tpu._src.interpret import rules, shared_scopes
+from pallas_tpu._src.interpret.interpreter import CALL_PARAMS, Hidden, _uninit, drain, is_static_scalar
 from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.language import mxu as tpu_mxu
 from pallas_tpu._src.language import primitives as tpu_prims
 
 
@@ -35,11 +37,13 @@ def _ref_and_transforms(interp, ref, leaves, tree):
 
 @rule(compat.get_p)
 def _get(interp, eqn, ref, *leaves):
+    interpret_mxu.refuse_direct_access(interp, ref, eqn)
     return interp.read_view(_ref_and_transforms(interp, ref, leaves, eqn.params["tree"]), eqn)
 
 
 @rule(compat.swap_p)
 def _swap(interp, eqn, ref, val, *leaves):
+    interpret_mxu.refuse_direct_access(interp, ref, eqn)
     view = _ref_and_transforms(interp, ref, leaves, eqn.params["tree"])
     old = interp.read_view(view, eqn, what="write")
     interp.write_view(view, val, eqn)
@@ -89,9 +93,29 @@ def _set_state(interp, keys, vals, hidden: Hidden):
     interp.hidden = hidden
 
 
+def _static_branch(eqn, index):
+    """The branch a cond takes when its index is known while tracing (else None)."""
+    if not is_static_scalar(index):
+        return None
+    branches = eqn.params["branches"]
+    return branches[min(max(int(index), 0), len(branches) - 1)]  # clamped, as lax.switch
+
+
+def _iter_cond(interp, eqn, invals, pause):
+    """A cond of cores in lockstep: a static index runs its branch in line, where a core
+    may pause at a semaphore wait (``pl.when(lax.axis_index("x") == 1)``)."""
+    branch = _static_branch(eqn, invals[0])
+    if branch is None:
+        return _cond(interp, eqn, *invals)
+    return (yield from interp.iter_jaxpr(branch.jaxpr, branch.consts, invals[1:], pause))
+
+
 @rule(compat.cond_p)
 def _cond(interp, eqn, index, *ops):
     branches = eqn.params["branches"]
+    static = _static_branch(eqn, index)
+    if static is not None:
+        return interp.eval_closed(static, list(ops))
     keys, vals, hidden = _state_items(interp)
     ref_pos = {i for i, x in enumerate(ops) if isinstance(x, RefView)}
     plain = [x for i, x in enumerate(ops) if i not in ref_pos]
@@ -187,27 +211,51 @@ def _iter_run_scoped(interp, eqn, consts, pause):
     jaxpr = eqn.params["jaxpr"]
     n = eqn.params["num_consts"]
     targets = interp.dma_targets(jaxpr)
-    cells = []
+    scopes = interp.scopes
+    # Cores in lockstep (shared_scopes.py): the k-th scope of each core is one scope; its
+    # HBM buffers are shared (outside traced control flow: ``pause`` is given there).
+    ordinal = scopes.enter(interp.core_id) if scopes.lanes > 1 else None
+    cells, shared = [], []
     for i, aval in enumerate(jaxpr.in_avals[n:]):
         space = getattr(aval, "memory_space", None)
         if space is tpu_core.HBM and not interp.params.allow_hbm_allocation_in_run_scoped:
             raise ValueError(
-                f"{interp.where(eqn)}: pl.run_scoped allocates HBM, which a TPU kernel cannot; pass "
+                f"{interp.where(eqn)}: pl.run_scoped allocates HBM, which a TPU kernel cannot "
+                "(JAX: Cannot allocate HBM in `run_scoped`.); pass "
                 "allow_hbm_allocation_in_run_scoped=True to InterpretParams to allow it in interpret mode"
             )
         if plb.semaphore_kind(aval) is not None:
             init = jnp.zeros(aval.shape, jnp.int32)
+        elif tpu_mxu.is_acc(aval):  # an MXU's accumulators: empty when a scope takes them
+            init = jnp.zeros(aval.shape, aval.dtype)
+        elif plb.poison_buffers_enabled():  # pl.enable_poison_buffers
+            init = jnp.full(aval.shape, plb.poison_value(aval.dtype), aval.dtype)
         else:
             init = _uninit(aval.shape, aval.dtype, interp.params.uninitialized_memory)
         name = f"pl.run_scoped buffer {i} ({aval.dtype}{list(aval.shape)})"
-        cells.append(interp.new_cell(init, name, space, dma_target=n + i in targets))
+
+        def make(init=init, name=name, space=space, i=i):
+            return interp.new_cell(init, name, space, dma_target=n + i in targets)
+
+        if ordinal is not None and pause is not None and shared_scopes.is_shared_space(space):
+            cells.append(scopes.shared_cell((ordinal, i), interp.core_id, make))
+            shared.append((ordinal, i))
+        else:
+            cells.append(make())
+            shared.append(None)
+        if ordinal is not None:
+            scopes.labels[cells[-1]] = (ordinal, i)
     views = [RefView(c) for c in cells]
     outs = yield from interp.iter_jaxpr(jaxpr.jaxpr, jaxpr.consts, [*consts, *views], pause)
     for aval, v in zip(jaxpr.in_avals[n:], views):
         if plb.semaphore_kind(aval) is not None:
             check_sem_zero(interp, v, eqn, "at the end of pl.run_scoped")
-    for c in cells:  # after the semaphore checks: a DMA never waited for is reported as that
-        interp.free_cell(c)
+        elif tpu_mxu.is_acc(aval):
+            interpret_mxu.check_acc_empty(interp, v, eqn)
+    # After the semaphore checks: a DMA never waited for is reported as that.
+    for c, key in zip(cells, shared):
+        if key is None or scopes.leave(key):
+            interp.free_cell(c)
     return outs
 
 
@@ -307,3 +355,4 @@ def _barrier(interp, eqn):
 
 
 rules.ITER_RULES[plb.run_scoped_p] = _iter_run_scoped
+rules.ITER_RULES[compat.cond_p] = _iter_cond

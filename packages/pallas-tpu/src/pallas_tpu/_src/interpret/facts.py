@@ -212,3 +212,18 @@ def _note_dma(eqn, ins, out) -> None:
             prev = old[1].get(name, [_NONE] * len(bounds))
             ends[name] = [_union([a, b]) for a, b in zip(bounds, prev)]
     out[id(eqn)] = (eqn, ends)
+
+
+def scoped_in_spaces(jaxpr, spaces) -> bool:
+    """Whether a ``pl.run_scoped`` of the kernel (in any sub-jaxpr) allocates a buffer
+    in one of ``spaces`` (e.g. HBM, which the cores of a device share)."""
+    stack = [getattr(jaxpr, "jaxpr", jaxpr)]
+    while stack:
+        for eqn in stack.pop().eqns:
+            if eqn.primitive is plb.run_scoped_p:
+                body = eqn.params["jaxpr"]
+                for aval in body.in_avals[eqn.params["num_consts"] :]:
+                    if any(getattr(aval, "memory_space", None) is s for s in spaces):
+                        return True
+            stack += [getattr(s, "jaxpr", s) for s in _subjaxprs(eqn)]
+    return False

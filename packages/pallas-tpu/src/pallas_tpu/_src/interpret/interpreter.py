@@ -58,6 +58,7 @@ from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.interpret.errors import KernelError as KernelError  # the public API imports it from here
 from pallas_tpu._src.interpret.errors import RuntimeChecks
 from pallas_tpu._src.interpret.refs import RefAccess, RefView
+from pallas_tpu._src.interpret.shared_scopes import SharedScopes
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import tpu_info
 
@@ -177,6 +178,15 @@ def _is_jaxpr(p) -> bool:
     return hasattr(p, "eqns") or (hasattr(p, "jaxpr") and hasattr(p, "consts"))
 
 
+def is_static_scalar(x) -> bool:
+    """A scalar known while tracing (a Python or NumPy number, a concrete 0-d array)."""
+    if isinstance(x, (bool, int, float, np.generic)):
+        return True
+    if isinstance(x, np.ndarray):
+        return x.ndim == 0
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.ndim == 0
+
+
 def drain(gen):
     """Runs a generator that yields nothing to its end; returns its value."""
     try:
@@ -240,6 +250,13 @@ class Interpreter(RefAccess, RuntimeChecks):
         self._next_cell = 0
         self._sem_updates = 0  # semaphore updates traced (_sem_store)
         self.progress = None  # (grid step, number of steps), traced, while a grid step runs
+        self.core_id = 0  # the core whose kernel is being traced (pallas_call._run_lanes)
+        self.scopes = SharedScopes()  # run_scoped buffers the cores of a device share
+        # Cores in lockstep with static grid points: scalar operations on values known
+        # while tracing (the core's grid indices) are computed then, so that a cond on
+        # the core index (``pl.when(lax.axis_index("x") == 0)``) runs one branch, in
+        # which a core may wait for another (see ``fold``).
+        self.fold_static = False
 
     # -- lifecycle (the multi-device interpreter extends these) ----------------
 
@@ -374,6 +391,12 @@ class Interpreter(RefAccess, RuntimeChecks):
         if self.params.skip_floating_point_ops and _float_only(eqn):
             outs = [jnp.full(v.aval.shape, jnp.inf, v.aval.dtype) for v in eqn.outvars]
             return outs if prim.multiple_results else outs[0]
+        if self.fold_static and not eqn.effects and invals and all(map(is_static_scalar, invals)):
+            with jax.ensure_compile_time_eval():
+                outs = prim.bind(*invals, **eqn.params)
+            if prim.multiple_results:
+                return [np.asarray(o) for o in outs]
+            return np.asarray(outs)
         return prim.bind(*invals, **eqn.params)
 
     # -- hooks (the multi-device / race-detecting interpreter overrides them) --

@@ -214,11 +214,13 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
 
     def _sem_key(self, view: RefView, eqn):
         name = self.cell_names.get(view.cell, f"ref#{view.cell}")
-        key = (
-            name
-            if name.startswith("scratch_shapes[") or name == "the barrier semaphore"
-            else (name, view.cell)
-        )
+        label = self.scopes.labels.get(view.cell)  # a run_scoped semaphore of cores in lockstep
+        if name.startswith("scratch_shapes[") or name == "the barrier semaphore":
+            key = name
+        elif label is not None:  # each core's copy: the same name on every core (shared_scopes.py)
+            key = (name, "scope", label)
+        else:
+            key = (name, view.cell)
         return key, name, self._flat_indices(view, eqn, "read").reshape(())
 
     def _is_shared_sem(self, cell: int) -> bool:

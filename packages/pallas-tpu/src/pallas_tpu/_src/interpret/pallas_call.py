@@ -21,9 +21,11 @@ from pallas import backend as plb
 from pallas_tpu._src import checks, compat
 from pallas_tpu._src.interpret import (
     core_rules,  # also registers the rules of JAX's primitives
+    shared_scopes,
 )
 from pallas_tpu._src.interpret import dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
 from pallas_tpu._src.interpret import facts as interpret_facts
+from pallas_tpu._src.interpret import mxu as interpret_mxu
 from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.interpret.interpreter import (
     Interpreter,
@@ -242,9 +244,11 @@ def run(
             "polymorphism): export for platforms=['tpu'] lowers such a call, interpret=True runs it",
         )
     kernel_facts = plb.kernel_facts(jaxpr) if kernel_facts is None else kernel_facts
+    params = mesh_params(params, compiler_params)
     interp, sems, lane_hidden = _start(interp_cls, jaxpr, gm, params, compiler_params, kernel_facts)
     call = _lay_out(interp, args, jaxpr, gm, params, input_output_aliases, sems, lane_hidden)
-    groups = _core_groups(kernel_facts, call.per_core)
+    shares = interpret_facts.scoped_in_spaces(jaxpr, shared_scopes.SHARED_SPACES)
+    groups = _core_groups(kernel_facts, call.per_core, shares)
     total_steps = call.n_steps if call.dynamic else sum(len(call.per_core[g[0]]) for g in groups)
     steps_before = 0
     for group in groups:
@@ -255,6 +259,16 @@ def run(
     outs = [_unpad(interp.state[op.hbm], op.bm) for op in call.ops[gm.num_inputs :]]
     interp.raise_checks()
     return outs
+
+
+def mesh_params(params: InterpretParams, compiler_params) -> InterpretParams:
+    """A body over a ``pltpu.TensorCoreMesh`` (``pl.kernel``, ``pl.core_map``) runs on
+    the mesh's cores, one mesh point each in order, as in JAX's TPU interpret mode
+    (whatever ``num_cores_or_threads`` and ``random_seed`` say)."""
+    cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
+    if not isinstance(cp, tpu_core.MeshCompilerParams):
+        return params
+    return dataclasses.replace(params, num_cores_or_threads=cp.mesh_num_cores, random_seed=None)
 
 
 def _start(interp_cls, jaxpr, gm, params, compiler_params, kernel_facts):
@@ -337,6 +351,14 @@ def _new_scratch(call: _Call) -> list[int]:
     cells = []
     gm, targets, mode = call.gm, call.targets, call.params.uninitialized_memory
     for i, a in enumerate(gm.scratch_avals):
+        if isinstance(getattr(a, "memory_space", None), interpret_mxu.tpu_mxu.AccMemorySpace):
+            raise _err(
+                gm,
+                ValueError,
+                f"scratch_shapes[{i}]",
+                "an MXU accumulator (pltpu.ACC) is allocated with pl.run_scoped inside the kernel, "
+                "not as scratch (as in JAX)",
+            )
         init = (
             jnp.zeros(a.shape, jnp.int32)
             if plb.semaphore_kind(a) is not None
@@ -397,9 +419,13 @@ def _run_group(call: _Call, group: list[int], steps_before: int, total_steps) ->
 
 def _run_lanes(call: _Call, lanes: list[_Lane], table, s) -> None:
     """Grid step ``s`` of every lane: round robin, each core runs up to its next
-    semaphore wait (a single core runs straight through)."""
+    semaphore wait (a single core runs straight through). The run_scoped buffers
+    the lanes share live within the step (``shared_scopes.py``)."""
     interp = call.interp
     pause = _is_sem_wait if len(lanes) > 1 else None
+    interp.scopes.begin_step(len(lanes))
+    # One step per core (pl.core_map): the grid points are known while tracing.
+    interp.fold_static = len(lanes) > 1 and isinstance(s, int) and not call.dynamic
     running = []
     for lane in lanes:
         lane_run = _Running(
@@ -417,6 +443,9 @@ def _run_lanes(call: _Call, lanes: list[_Lane], table, s) -> None:
             except StopIteration:
                 running.remove(lane_run)
             lane_run.named = {n: interp.hidden.named[n] for n, _ in call.lane_hidden}
+    interp.fold_static = False
+    for cell in interp.scopes.end_step():  # a shared buffer some core never entered
+        interp.free_cell(cell)
 
 
 def _lane_steps(call: _Call, lane: _Lane, table, s, pause, lane_run: _Running):
@@ -424,7 +453,12 @@ def _lane_steps(call: _Call, lane: _Lane, table, s, pause, lane_run: _Running):
     its blocks enter the pipeline, then the kernel runs."""
     interp, gm, prefetch = call.interp, call.gm, call.prefetch
     core_ops, views = lane.ops, lane.views
-    pt = jnp.stack(plb.grid_point(s, call.sizes)) if call.dynamic else table[lane.slot, s]
+    if call.dynamic:
+        pt = jnp.stack(plb.grid_point(s, call.sizes))
+    elif interp.fold_static:
+        pt = np.asarray(call.per_core[lane.core_id][s], np.int32)
+    else:
+        pt = table[lane.slot, s]
     gidx = [pt[g] for g in range(len(gm.grid))]
     lane_run.grid_env = {n: gidx[g] for g, n in enumerate(gm.grid_names) if n is not None}
     interp.grid_env = lane_run.grid_env
@@ -447,6 +481,7 @@ def _end_lane(call: _Call, lane: _Lane, n) -> None:
     for i, a in enumerate(gm.scratch_avals):
         if plb.semaphore_kind(a) is not None:
             core_rules.check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
+    interpret_mxu.check_registers_empty(interp)
     for i in call.blocked:
         if i >= gm.num_inputs:  # the last output block goes back to HBM
             op = core_ops[i]
@@ -484,17 +519,21 @@ def _is_sem_wait(eqn) -> bool:
     return eqn.primitive is plb.semaphore_wait_p
 
 
-def _core_groups(kernel_facts: plb.KernelFacts, per_core) -> list[list[int]]:
+def _core_groups(kernel_facts: plb.KernelFacts, per_core, shares_scoped: bool = False) -> list[list[int]]:
     """The cores that run together. Cores run one after the other, except when
     the kernel signals another core's semaphore (``pl.semaphore_signal(...,
-    core_index=...)``, ``pltpu.core_barrier``): then all cores run their grid
-    points in lockstep, and within a grid step they take turns, each running
-    up to its next ``pl.semaphore_wait`` outside control flow, so a core can
-    wait for a signal another core sends before its own wait. A wait inside
-    ``lax.cond``/loops is one step of its core; waiting there for a core that
-    has not run yet is reported as a deadlock."""
+    core_index=...)``, ``pltpu.core_barrier``) or allocates a buffer the cores
+    share (``pl.run_scoped(pltpu.HBM(...))``, ``shares_scoped``): then all cores
+    run their grid points in lockstep, and within a grid step they take turns,
+    each running up to its next ``pl.semaphore_wait`` outside control flow, so a
+    core can wait for a signal another core sends before its own wait. A wait
+    inside a loop, or a ``lax.cond`` whose predicate is not known while tracing,
+    is one step of its core; waiting there for a core that has not run yet is
+    reported as a deadlock. With one grid point per core (``pl.core_map``), a
+    cond on the core index (``pl.when(lax.axis_index(...) == 0)``) is known."""
     cores = list(range(len(per_core)))
-    if len(cores) > 1 and kernel_facts.signals_cores and len({len(p) for p in per_core}) == 1:
+    together = kernel_facts.signals_cores or shares_scoped
+    if len(cores) > 1 and together and len({len(p) for p in per_core}) == 1:
         return [cores]
     return [[c] for c in cores]
 

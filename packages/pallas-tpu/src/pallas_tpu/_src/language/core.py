@@ -89,7 +89,8 @@ class CompilerParams(pl.CompilerParams):
       dimension_semantics: one per grid axis: ``"parallel"``, ``"arbitrary"``,
         ``"core_parallel"``, ``"subcore_parallel"`` (or the enum members).
       allow_input_fusion: one bool per input: may XLA fuse its producer in.
-      vmem_limit_bytes: the VMEM the kernel may use (checked against scratch).
+      vmem_limit_bytes: the VMEM the kernel may use (a kernel needing more is
+        refused; a limit above the chip's VMEM is accepted, as libtpu accepts it).
       collective_id: which barrier semaphore ``get_barrier_semaphore`` uses.
       has_side_effects: keep the call even if its outputs are unused.
       flags, internal_scratch_in_bytes, serialization_format, ...: passed to
@@ -142,7 +143,23 @@ class CompilerParams(pl.CompilerParams):
                 normalize_semantics(s, f"pltpu.CompilerParams dimension_semantics[{i}]")
                 for i, s in enumerate(dimension_semantics)
             )
-        if vmem_limit_bytes is not None and (not isinstance(vmem_limit_bytes, int) or vmem_limit_bytes <= 0):
+        if not isinstance(has_side_effects, (bool, np.bool_, SideEffectType)):
+            raise TypeError(
+                "pltpu.CompilerParams: has_side_effects must be True, False or a pltpu.SideEffectType, got "
+                f"{has_side_effects!r} ({type(has_side_effects).__name__})"
+            )
+        if isinstance(has_side_effects, np.bool_):
+            has_side_effects = bool(has_side_effects)
+        if use_tc_tiling_on_sc is not None and not isinstance(use_tc_tiling_on_sc, (bool, np.bool_)):
+            raise TypeError(
+                "pltpu.CompilerParams: use_tc_tiling_on_sc must be True, False or None, got "
+                f"{use_tc_tiling_on_sc!r} ({type(use_tc_tiling_on_sc).__name__})"
+            )
+        if vmem_limit_bytes is not None and (
+            not isinstance(vmem_limit_bytes, int)
+            or isinstance(vmem_limit_bytes, bool)
+            or vmem_limit_bytes <= 0
+        ):
             raise ValueError(
                 f"pltpu.CompilerParams: vmem_limit_bytes must be a positive int, got {vmem_limit_bytes!r}"
             )
@@ -224,6 +241,9 @@ class MemorySpace(enum.Enum):
             raise TypeError(
                 "pltpu.SEMAPHORE((...)) is not a scratch shape; use pltpu.SemaphoreType.REGULAR((...))"
             )
+        symbolic = plb.symbolic_shape_message(shape, f"pltpu.{self.name}(...)")
+        if symbolic is not None:
+            raise ValueError(f"at {plb.user_source()}: {symbolic}")
         return pl.MemoryRef(tuple(int(d) for d in shape), np.dtype(dtype), self)
 
     def like(self, x: Any) -> pl.MemoryRef:
@@ -340,7 +360,34 @@ class TensorCoreMesh(pl.Mesh):
         # "parallel", as JAX's lowering marks a TensorCoreMesh's axis: a chip with two
         # TensorCores (v4, v5p) splits it over them, a one-core chip (v5e, v6e) runs both
         # steps in turn. Mosaic refuses "core_parallel" with more steps than the chip's cores.
-        return given.replace(dimension_semantics=(PARALLEL,))
+        # The mesh's cores travel with the params: TPU interpret mode runs one core per
+        # mesh point, as JAX's does (its pallas_call carries the mesh itself).
+        return MeshCompilerParams.of(given.replace(dimension_semantics=(PARALLEL,)), self.num_cores)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class MeshCompilerParams(CompilerParams):
+    """The ``CompilerParams`` of a body over a ``TensorCoreMesh`` (``pl.kernel``,
+    ``pl.core_map``): the user's, plus the mesh's number of cores, which TPU
+    interpret mode runs (``num_cores_or_threads``); the lowering reads the user's fields."""
+
+    mesh_num_cores: int = 1
+
+    @classmethod
+    def of(cls, params: CompilerParams, mesh_num_cores: int) -> MeshCompilerParams:
+        out = cls.__new__(cls)
+        for f in dataclasses.fields(CompilerParams):
+            object.__setattr__(out, f.name, getattr(params, f.name))
+        object.__setattr__(out, "mesh_num_cores", int(mesh_num_cores))
+        return out
+
+    def replace(self, **changes) -> MeshCompilerParams:
+        cores = changes.pop("mesh_num_cores", self.mesh_num_cores)
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(CompilerParams)}
+        if kw["flags"] is not None:
+            kw["flags"] = dict(kw["flags"])
+        kw.update(changes)
+        return MeshCompilerParams.of(CompilerParams(**kw), cores)
 
 
 def create_tensorcore_mesh(axis_name: str, num_cores: int | None = None) -> TensorCoreMesh:

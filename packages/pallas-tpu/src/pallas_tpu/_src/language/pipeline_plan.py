@@ -310,15 +310,31 @@ def _tiling_of(aval, tiling):
         return (None,) * len(aval.shape)
 
 
+def _is_jax_buffered_ref(x) -> bool:
+    """An instance of JAX's own ``BufferedRef`` (``jax._src.pallas.mosaic.pipeline``), or a
+    subclass of it: a pytree of JAX's pipeline, which ours cannot schedule."""
+    return any(c.__name__ == "BufferedRef" and c.__module__.startswith("jax.") for c in type(x).__mro__)
+
+
 def _is_allocation_leaf(x) -> bool:
-    return x is None or isinstance(x, BufferedRefBase)
+    return x is None or isinstance(x, BufferedRefBase) or _is_jax_buffered_ref(x)
 
 
 def _allocation_leaves(allocations) -> list:
     """The BufferedRefs (and ``None`` entries) of ``allocations``, in the order of the
     spec leaves: a flat sequence (``make_allocations``) or, as JAX's pipeline takes them,
     a pytree mirroring the Refs (e.g. dataclasses of BufferedRefs)."""
-    return tree_util.tree_leaves(allocations, is_leaf=_is_allocation_leaf)
+    leaves = tree_util.tree_leaves(allocations, is_leaf=_is_allocation_leaf)
+    for i, x in enumerate(leaves):
+        if _is_jax_buffered_ref(x):
+            raise _err(
+                TypeError,
+                f"{_WHERE}: allocations[{i}] is a {type(x).__name__}, a subclass of JAX's own BufferedRef "
+                f"({type(x).__module__}, from jax._src.pallas.mosaic.pipeline): our pipeline schedules "
+                "pltpu.BufferedRef and its subclasses (pallas_tpu's). Derive the class from pltpu.BufferedRef "
+                "(the same fields and methods: copy_in, wait_in, copy_out, wait_out, the slot registers)",
+            )
+    return leaves
 
 
 def operand_of(bref, ref, origin: str = "allocations") -> _Operand:

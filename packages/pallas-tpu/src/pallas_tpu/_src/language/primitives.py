@@ -124,6 +124,16 @@ def _check_sem(sem, what: str):
     return base, leaves, tree
 
 
+def _zero_stride_dim(transforms) -> int | None:
+    """The dimension a ``pl.ds(start, size, 0)`` of a Ref view's indexers slices, if any."""
+    for t in transforms:
+        for d, idx in enumerate(getattr(t, "indices", ())):
+            stride = getattr(idx, "stride", None)
+            if isinstance(stride, (int, np.integer)) and stride == 0 and hasattr(idx, "start"):
+                return d
+    return None
+
+
 def _same_shape(a, b) -> bool:
     """Equal shapes; a traced size (``pl.ds(i, n)``) matches any size of the
     other view (TPU interpret mode checks the values when the DMA runs)."""
@@ -159,6 +169,15 @@ class AsyncCopyDescriptor:
         for name, r in (("src_ref", s_ref), ("dst_ref", d_ref)):
             if plb.semaphore_kind(compat.get_aval(r)) is not None:
                 raise _err(TypeError, f"{what}: {name} is a semaphore; DMAs copy data Refs")
+        for name, leaves, tree in (("src_ref", s_leaves, s_tree), ("dst_ref", d_leaves, d_tree)):
+            dim = _zero_stride_dim(plb.unflatten_transforms(tree, leaves))
+            if dim is not None:
+                raise _err(
+                    ValueError,
+                    f"{what}: {name} is a view through pl.ds(start, size, stride=0) (dimension {dim}), one "
+                    "element named size times; a DMA copies distinct elements: copy the element once "
+                    "(pl.ds(start, 1)) and broadcast it after the copy (a zero-stride read of the VMEM buffer)",
+                )
         if not _same_shape(s_aval.shape, d_aval.shape) or s_aval.dtype != d_aval.dtype:
             raise _err(
                 ValueError,

@@ -464,15 +464,37 @@ def get_modeled_chip() -> tuple[ChipVersion, int]:
 registry: dict[str, Callable[[], TpuInfo]] = {}
 
 
+# The TPU a lowering compiles for (``target_device``): ahead of every other answer.
+_target: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "pallas_tpu_target_device", default=None
+)
+
+
+@contextlib.contextmanager
+def target_device(device_kind: str, num_cores: int = 1) -> Iterator[None]:
+    """Within the block, ``get_tpu_info()`` describes the device of ``device_kind``
+    (with ``num_cores`` TensorCores): the lowering sets it to the TPU it compiles for
+    (a compile-only v6e's facts, not those of the chip attached or modeled)."""
+    token = _target.set((device_kind, num_cores))
+    try:
+        yield
+    finally:
+        _target.reset(token)
+
+
 def get_device_kind() -> str:
-    """The ``device_kind`` of the abstract device (``use_abstract_mesh``) or
-    of the default device."""
+    """The ``device_kind`` of the device a lowering targets (``target_device``), the
+    abstract device (``use_abstract_mesh``) or the default device."""
+    if (target := _target.get()) is not None:
+        return target[0]
     if (dev := compat.abstract_device()) is not None:
         return dev.device_kind
     return compat.default_device().device_kind
 
 
 def get_num_device_cores() -> int:
+    if (target := _target.get()) is not None:
+        return target[1]
     if (dev := compat.abstract_device()) is not None:
         return dev.num_cores
     return getattr(compat.default_device(), "num_cores", 1)

@@ -14,6 +14,7 @@ It does not run the kernel and says nothing of speed beyond instruction counts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -31,7 +32,8 @@ import jax
 from pallas_tpu._src import pallas_call_registration as reg
 
 # A chip name -> the smallest topology libtpu knows for it (one host).
-TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+# "7x": TPU7x, compile-only in libtpu 0.0.42.1 and 0.0.48.1 (its MXU ops: tests/tpu/test_mxu_fifo.py).
+TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "7x": "tpu7x:2x2x1"}
 DUMP_FLAG = "--xla_mosaic_dump_to"
 
 
@@ -111,12 +113,32 @@ def _jit_for(fn, placed, chip: str):
     return jax.jit(fn, out_shardings=jax.sharding.SingleDeviceSharding(tpu_devices(chip)[0]))
 
 
+def _traced_for(chip: str, placed):
+    """Traced as for ``chip``: ``pltpu.get_tpu_info()`` (an op's block sizes, emit_pipeline's
+    tiling) describes it while ``fn`` is traced, as under an abstract mesh of its device (part
+    of JAX's trace cache key, so an inner ``jax.jit`` traces again for another chip); left as
+    it is inside one that already names a TPU, and for arguments sharded over a mesh of
+    TPU devices (a ``shard_map``: the lowering reads the chip off its devices)."""
+    from pallas_tpu._src.language import tpu_info
+
+    current = tpu_info.compat.abstract_device()
+    if current is not None and tpu_info.chip_version_from_device_kind(current.device_kind) is not None:
+        return contextlib.nullcontext()
+    if any(len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in jax.tree.leaves(placed)):
+        return contextlib.nullcontext()
+    dev = tpu_devices(chip)[0]
+    kind = jax.sharding.AbstractDevice(
+        device_kind=dev.device_kind, num_cores=getattr(dev, "num_cores", 1) or 1, platform="tpu"
+    )
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=kind))
+
+
 def compile_for(fn, args: Sequence, chip: str, kwargs=None):
     """``jax.jit(fn)`` lowered for ``chip`` and compiled by libtpu (XLA and
     Mosaic); raises ``MosaicCompileError`` where Mosaic refuses a kernel."""
     placed = _placed(tuple(args), chip)
     kwargs = _placed(kwargs or {}, chip)
-    with reg.collect_kernels() as kernels:
+    with reg.collect_kernels() as kernels, _traced_for(chip, (placed, kwargs)):
         # A fresh wrapper: jit caches lowerings, and a cached one would not collect the kernels.
         lowered = _jit_for(lambda *a, **k: fn(*a, **k), (placed, kwargs), chip).lower(*placed, **kwargs)
     try:
@@ -212,7 +234,7 @@ def compile_check(
 
 def _kernels_of(fn, args, kwargs, chip):
     placed, kwargs = _placed(tuple(args), chip), _placed(kwargs, chip)
-    with reg.collect_kernels() as kernels:
+    with reg.collect_kernels() as kernels, _traced_for(chip, (placed, kwargs)):
         _jit_for(lambda *a, **k: fn(*a, **k), (placed, kwargs), chip).lower(*placed, **kwargs)
     return kernels
 

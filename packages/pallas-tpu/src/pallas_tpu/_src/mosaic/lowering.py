@@ -101,8 +101,8 @@ def element_type(dtype) -> ir.Type:
     dtype = np.dtype(dtype)
     if is_bool(dtype):
         return ir.IntegerType.get_signless(1)
-    if jnp.issubdtype(dtype, jnp.integer):
-        return ir.IntegerType.get_signless(dtype.itemsize * 8)
+    if jnp.issubdtype(dtype, jnp.integer):  # int4 is i4, int2 is i2 (as JAX lowers them)
+        return ir.IntegerType.get_signless(jax.dtypes.itemsize_bits(dtype))
     if dtype.name in _FLOAT_TYPES:
         return _FLOAT_TYPES[dtype.name]()
     raise NotImplementedError(f"{BACKEND}: dtype {dtype.name} has no Mosaic type")
@@ -273,6 +273,8 @@ class KernelContext:
     grid_indices: list[ir.Value]
     # ((name, size), ...) of the device mesh the kernel runs in (jax.shard_map).
     mesh_axes: tuple[tuple[str, int], ...] = ()
+    # MXU -> its first accumulator entry not held by an open pl.run_scoped (lowering_mxu.py).
+    acc_offsets: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         return plb.describe(self.kernel_name, self.source)

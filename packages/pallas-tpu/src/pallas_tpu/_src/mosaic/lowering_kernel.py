@@ -35,8 +35,10 @@ from pallas import backend as plb
 from pallas_tpu._src.checks import single_buffered
 from pallas_tpu._src.mosaic import lowering_control as _control  # noqa: F401  (registers rules)
 from pallas_tpu._src.mosaic import lowering_dma as _dma  # noqa: F401
+from pallas_tpu._src.mosaic import lowering_jax012 as _jax012  # noqa: F401
 from pallas_tpu._src.mosaic import lowering_math as _math  # noqa: F401
 from pallas_tpu._src.mosaic import lowering_memory as _memory  # noqa: F401
+from pallas_tpu._src.mosaic import lowering_mxu as _mxu  # noqa: F401
 from pallas_tpu._src.mosaic import lowering_random as _random  # noqa: F401
 from pallas_tpu._src.mosaic import lowering_reductions as _reductions  # noqa: F401
 from pallas_tpu._src.mosaic import lowering_shapes as _shapes  # noqa: F401

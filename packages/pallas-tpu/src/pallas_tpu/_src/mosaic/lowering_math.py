@@ -298,9 +298,9 @@ def convert(x, src, dst, shape):
         return (arith.fptoui if is_unsigned(dst) else arith.fptosi)(out_t, x)
     if is_float(dst):
         return (arith.uitofp if is_unsigned(src) else arith.sitofp)(out_t, x)
-    if src.itemsize == dst.itemsize and not is_bool(src):
+    if _bits(src) == _bits(dst) and not is_bool(src):
         return x  # signedness lives in the avals
-    if is_bool(src) or src.itemsize < dst.itemsize:
+    if is_bool(src) or _bits(src) < _bits(dst):  # in bits: int4 and int2 are narrower than int8
         return (arith.extui if is_unsigned(src) else arith.extsi)(out_t, x)
     return arith.trunci(out_t, x)
 

@@ -27,6 +27,8 @@ from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
+from pallas_tpu._src.language import mxu as tpu_mxu
+from pallas_tpu._src.mosaic import lowering_mxu
 from pallas_tpu._src.mosaic.lowering import (
     BOOL_MEMORY_DTYPE,
     Aval,
@@ -44,6 +46,7 @@ from pallas_tpu._src.mosaic.lowering import (
     shape_cast,
     value_type,
 )
+from pallas_tpu._src.mosaic.lowering_jax012 import store_poison
 from pallas_tpu._src.mosaic.lowering_math import BINARY
 from pallas_tpu._src.mosaic.lowering_views import Window, access, is_vector
 from pallas_tpu._src.mosaic.lowering_windows import (
@@ -284,7 +287,16 @@ def _run_scoped(ctx, *consts, jaxpr, num_consts, **_):
     scratch = inner.invars[num_consts:]
     region = tpu.RegionOp([aval_type(a) for a in ctx.avals_out])
     with ir.InsertionPoint(region.body):
-        refs = [alloc(v.aval) for v in scratch]
+        # An ACC Ref (pltpu.ACC) is entries of an MXU's accumulators, no memref.
+        refs = [
+            lowering_mxu.alloc_accumulator(ctx.kernel, v.aval) if tpu_mxu.is_acc(v.aval) else alloc(v.aval)
+            for v in scratch
+        ]
+        if plb.poison_buffers_enabled():  # pl.enable_poison_buffers, as JAX 0.12 lowers it
+            for v, r in zip(scratch, refs):
+                if not isinstance(v.aval.memory_space, plb.SemaphoreSpace) and not tpu_mxu.is_acc(v.aval):
+                    store_poison(r, v.aval)
         outs = lower_jaxpr(ctx.kernel, jaxpr, [*consts, *refs])
+        lowering_mxu.free_accumulators(ctx.kernel, refs)
         tpu.yield_(outs)
     return list(region.results)

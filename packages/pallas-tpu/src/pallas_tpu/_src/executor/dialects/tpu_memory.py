@@ -35,6 +35,7 @@ def _strided_load(ex, op, vals, env):
 @rule("tpu.vector_store")
 def _tpu_vector_store(ex, op, vals, env):
     strides = array_attr(op, "strides") or None
+    _no_zero_stride(op, strides)
     add = bool_attr(op, "add")
     buf, idx = operand(op, env, "base"), operands(op, env, "indices")
     memory.store(op, buf, idx, operand(op, env, "valueToStore"), operand(op, env, "mask"), strides, add)
@@ -43,7 +44,16 @@ def _tpu_vector_store(ex, op, vals, env):
 @rule("tpu.strided_store")
 def _strided_store(ex, op, vals, env):
     buf, idx = operand(op, env, "base"), operands(op, env, "indices")
-    memory.store(op, buf, idx, operand(op, env, "valueToStore"), strides=array_attr(op, "strides"))
+    strides = array_attr(op, "strides")
+    _no_zero_stride(op, strides)
+    memory.store(op, buf, idx, operand(op, env, "valueToStore"), strides=strides)
+
+
+def _no_zero_stride(op, strides) -> None:
+    if strides and 0 in list(strides):  # one element written several times: undefined
+        raise MosaicError(
+            f"{where(op)}: a store with a zero stride (strides {list(strides)}) writes one element several times"
+        )
 
 
 @rule("tpu.store")

@@ -1,0 +1,74 @@
+"""Rules for the names JAX 0.12 added to Pallas: ``pltpu.has_memory_space``,
+the poison that
+``pl.enable_poison_buffers`` stores into ``pl.run_scoped`` buffers, and
+(``lowering_mxu.py``) ``pltpu.conv`` and the MXU ops.
+
+Each emits the Mosaic op JAX 0.12's lowering emits. An op that jaxlib's Mosaic
+dialect lacks on an older JAX is refused with ``needs_jax``'s message, which
+names the JAX release that has it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jaxlib import version as jaxlib_version
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import memref, scf, vector
+from jaxlib.mosaic.python import tpu
+
+from pallas import backend as plb
+from pallas_tpu._src.language import memory_query
+from pallas_tpu._src.mosaic.lowering import (
+    constant,
+    index,
+    is_bool,
+    memory_space_attr,
+    register_lowering,
+)
+
+
+def needs_jax(what: str, version: str) -> NotImplementedError:
+    """The error for a Mosaic op that this jaxlib's dialect does not have."""
+    return NotImplementedError(
+        f"{what} needs Mosaic's support from JAX/jaxlib >= {version}; this is jaxlib "
+        f"{jaxlib_version.__version__}: upgrade JAX, or run the kernel with "
+        "interpret=pltpu.InterpretParams()"
+    )
+
+
+@register_lowering(memory_query.has_memory_space_p)
+def _has_memory_space(ctx, ref, *, memory_space):
+    if not hasattr(tpu, "memref_memory_space_is"):
+        raise needs_jax("pltpu.has_memory_space (tpu.memref_memory_space_is)", "0.12")
+    return tpu.memref_memory_space_is(ref, memory_space_attr(memory_space))
+
+
+def store_poison(ref: ir.Value, aval) -> None:
+    """Fills a fresh scratch buffer with ``pl.enable_poison_buffers``' poison:
+    one vector store in VMEM (as JAX), element by element in SMEM (scalars only)."""
+    space = str(ir.MemRefType(ref.type).memory_space)
+    if "hbm" in space or "any" in space:  # JAX poisons on-chip scratch only
+        return
+    shape = tuple(aval.shape)
+    value = np.int32(1) if is_bool(aval.dtype) else plb.poison_value(aval.dtype)  # bool Refs hold i32 0/1
+    dtype, value = value.dtype, value.item()
+    if "smem" not in space:
+        vector.store(constant(value, shape, dtype), ref, [index(0) for _ in shape])
+        return
+    scalar = constant(value, (), dtype)
+    if not shape:
+        memref.store(scalar, ref, [])
+        return
+    _store_everywhere(scalar, ref, shape, [])
+
+
+def _store_everywhere(scalar, ref, shape, at) -> None:
+    """``ref[i, j, ...] = scalar`` for every index, in nested ``scf.for`` loops."""
+    loop = scf.ForOp(index(0), index(shape[len(at)]), index(1))
+    with ir.InsertionPoint(loop.body):
+        i = loop.induction_variable
+        if len(at) + 1 == len(shape):
+            memref.store(scalar, ref, [*at, i])
+        else:
+            _store_everywhere(scalar, ref, shape, [*at, i])
+        scf.yield_([])

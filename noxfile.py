@@ -5,7 +5,7 @@ Run through ./dev (it bootstraps nox in a Python 3.12 venv): ``./dev tests``.
 The JAX x Triton matrix has three points, one session each: ``tests_oldest`` runs
 the suites whose behaviour depends on the JAX version (core, tpu, runtime,
 jax_triton, packaging) on the oldest JAX (0.10.2, Python 3.11: the JAX everyone on
-Python 3.11 is held at, the lent TPU v5e's); ``tests`` the whole suite on the
+Python 3.11 is held at, as on Python 3.11 TPU VM images); ``tests`` the whole suite on the
 reference JAX (0.11.2, the GPU machine's) with the pinned Triton (3.6.0);
 ``tests_newest`` on the newest JAX with the newest Triton release in pallas-gpu's
 tested range (jax-triton-bridge's exact pin is overridden there: its import warns,
@@ -27,6 +27,33 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
+
+# Google's PCI device ids of TPU chips (JAX's jax._src.hardware_utils lists the same).
+_TPU_PCI_IDS = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076", "0x007c", "0x0083"}
+
+
+def _quiet_libtpu_without_a_tpu() -> None:
+    """On a machine with no TPU attached, tells libtpu (installed for the compile-only TPU
+    devices of the tests and docs) that it is one host alone: without these, libtpu asks the
+    absent cloud metadata for the worker hostnames and host bounds when JAX starts, and prints
+    an ``E0000 ... unexpected worker hostname`` block. Compile-only topologies are unaffected;
+    on a TPU machine (``/dev/accel*``, or a TPU on the PCI bus as JAX checks) nothing is set.
+    tests/conftest.py does the same for pytest run by hand."""
+    if glob.glob("/dev/accel*"):
+        return
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f, open(os.path.join(os.path.dirname(vendor), "device")) as g:
+                if f.read().strip() == "0x1ae0" and g.read().strip() in _TPU_PCI_IDS:
+                    return
+        except OSError:
+            continue
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+
+
+# Every session's commands inherit this environment.
+_quiet_libtpu_without_a_tpu()
 
 PYTHON = os.environ.get("PALLAS_PYTHON") or "3.12"
 # The interpreter the install checks make their fresh venvs with.

@@ -59,6 +59,8 @@ html_theme_options = {
     # build wrote its pages in 96 s instead of 247 s (2 cores, execution off).
     "collapse_navbar": True,
 }
-html_static_path = []
+html_static_path = ["_static"]
+# Search summaries from each page's article text, not the theme's header buttons (the file says why).
+html_js_files = ["search_summary.js"]
 templates_path = ["_templates"]
 suppress_warnings = ["mystnb.unknown_mime_type"]

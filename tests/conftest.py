@@ -2,6 +2,7 @@
 and tests without it run on JAX's CPU device on a machine with a GPU too."""
 
 import functools
+import glob
 import os
 import re
 import sys
@@ -21,6 +22,31 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     ).strip()
 
+
+# Google's PCI device ids of TPU chips (JAX's jax._src.hardware_utils lists the same).
+_TPU_PCI_IDS = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076", "0x007c", "0x0083"}
+
+
+def _quiet_libtpu_without_a_tpu() -> None:
+    """With no TPU attached (no ``/dev/accel*``, no TPU on the PCI bus: JAX's test), libtpu asks
+    the absent cloud metadata for the worker hostnames and host bounds when JAX starts and
+    prints an ``E0000 ... unexpected worker hostname`` block: tell it it is one host alone.
+    The compile-only TPU devices of the compiled way are unaffected; on a TPU nothing is set.
+    Read when libtpu starts, so set before anything imports jax (noxfile.py does the same)."""
+    if glob.glob("/dev/accel*"):
+        return
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f, open(os.path.join(os.path.dirname(vendor), "device")) as g:
+                if f.read().strip() == "0x1ae0" and g.read().strip() in _TPU_PCI_IDS:
+                    return
+        except OSError:
+            continue
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+
+
+_quiet_libtpu_without_a_tpu()
 
 # libtpu (the TPU suites' compiled way) takes a lock file per machine: let each
 # pytest worker load it. Read when libtpu starts, so set before anything imports jax.

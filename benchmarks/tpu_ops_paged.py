@@ -16,6 +16,10 @@ the cache by a random permutation):
   tokens in a 2048-token batch), 32/8 heads, D128, pages of 16 and 64: ours with its own
   blocks; JAX's op at its defaults and with (pages, queries) blocks of 512 keys x 32 queries and
   a 64 MiB VMEM limit. No XLA row: a dense gather of every token's context does not fit.
+* v3 (``ragged_paged_attention.v3``, vLLM's call), the same mix with the decodes first
+  (``distribution``), the new tokens' K/V written into the (donated) cache by the kernel: ours
+  against the plain-JAX reference under ``jit`` (a scatter, then a loop over the sequences with
+  the tables as constants). JAX has no op of this signature; "vs JAX best" is empty.
 
 Each time is the median of ``--rounds`` rounds (``_timing.measure``) after a warm-up call. The
 figure is GB/s of the KV cache read once (each sequence's keys and values, its length's worth;
@@ -51,6 +55,7 @@ import pallas_tpu as pltpu  # noqa: E402
 from pallas_tpu.ops import ragged_paged_attention as ours_ragged  # noqa: E402
 from pallas_tpu.ops.paged_attention import paged_attention as ours_paged  # noqa: E402
 from pallas_tpu.ops.paged_attention import quantization_utils as ours_qu  # noqa: E402
+from pallas_tpu.ops.ragged_paged_attention import v3 as ours_v3  # noqa: E402
 
 HBM_V5E = 819e9
 
@@ -182,12 +187,60 @@ def ragged_workload(smoke, page_size):
     return args, {name: valid_rows(name, f) for name, f in cands.items()}, kv_bytes
 
 
+def v3_workload(smoke, page_size):
+    """vLLM's v3 call on the ragged row's mix (decodes first, ``distribution``): the new
+    tokens' K/V written into the cache, then attention. Each candidate keeps the cache it got
+    back and passes it (donated) to its next call, as vLLM does."""
+    (q, _, kv_lens, pages, cu, num_seqs), _, kv_bytes = ragged_workload(smoke, page_size)
+    q_lens = np.diff(np.asarray(cu))
+    order = np.argsort(q_lens > 1, kind="stable")  # decodes first
+    lens, pages = np.asarray(kv_lens)[order], np.asarray(pages)[order]
+    cu = np.concatenate([[0], np.cumsum(q_lens[order])]).astype(np.int32)
+    decodes, seqs = int((q_lens == 1).sum()), int(num_seqs[0])
+    tokens, q_heads, d = q.shape
+    kv_heads = q_heads // (4 if not smoke else 2)
+    total = int(pages.max()) + 1
+    cache = _rand(12, ours_v3.get_kv_cache_shape(total, page_size, kv_heads, d, jnp.bfloat16))
+    k, v = _rand(13, (tokens, kv_heads, d)), _rand(14, (tokens, kv_heads, d))
+    tables = (
+        lens.astype(np.int32),
+        pages.reshape(-1).astype(np.int32),
+        cu,
+        np.array([decodes, decodes, seqs], np.int32),
+    )
+    kw = dict(sm_scale=d**-0.5)
+    n = int(cu[-1])
+    ours_kw = dict(interpret=pltpu.InterpretParams()) if smoke else {}
+
+    def kept(step):
+        state = [jnp.array(cache, copy=True)]
+        jitted = jax.jit(step, donate_argnums=(3,))
+
+        def run(q, k, v):
+            out, state[0] = jitted(q, k, v, state[0], *map(jnp.asarray, tables))
+            return out
+
+        return run
+
+    def ours(q, k, v, c, *t):
+        out, c = ours_v3.ragged_paged_attention(q, k, v, c, *t, **kw, **ours_kw)
+        return out[:n], c
+
+    def xla(q, k, v, c, *_):  # the plain-JAX reference, the tables closed over (concrete)
+        return ours_v3.ref_ragged_paged_attention(q, k, v, c, *tables, **kw)
+
+    cands = {"XLA reference": kept(xla), "ours": kept(ours)}
+    # The cache written: the tokens' K/V moved once more than the ragged row reads.
+    return (q, k, v), cands, kv_bytes + n * 2 * kv_heads * d * 2
+
+
 def workloads(smoke):
     sizes = (16, 64) if smoke else (16, 32, 64, 128)
     rows = {f"decode B32 32k ps{ps}": functools.partial(decode_workload, smoke, ps) for ps in sizes}
     rows["decode B32 32k ps64 int8"] = functools.partial(decode_workload, smoke, 64, True)
     for ps in (16, 64):
         rows[f"ragged vLLM mix ps{ps}"] = functools.partial(ragged_workload, smoke, ps)
+        rows[f"v3 vLLM mix + cache update ps{ps}"] = functools.partial(v3_workload, smoke, ps)
     return rows
 
 

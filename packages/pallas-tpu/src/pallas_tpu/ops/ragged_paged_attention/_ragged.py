@@ -11,14 +11,21 @@ from jax import lax
 import pallas as pl
 import pallas_tpu as pltpu
 from pallas_tpu.ops.ragged_paged_attention._schedule import Copies, Item, Plan, Tables, kv_block_range
+from pallas_tpu.ops.ragged_paged_attention._update import write_new_kv
 
 _F32 = jnp.float32
 _TRANS_B = (((1,), (1,)), ((), ()))
 
 
+def _slot_rows(plan: Plan, buf, slot):
+    """A slot as ``[tokens * combined heads, head_dim]`` rows (the buffer keeps the cache's
+    trailing dims, whose tiles hold whole tokens)."""
+    return buf.at[slot].reshape(plan.block_tokens * plan.kv_heads_combined, plan.head_dim)
+
+
 def _word_rows(plan: Plan, buf, slot, first_row, step):
     """Rows ``first_row + step * t`` (t over the block's tokens) of a slot read as 32-bit words."""
-    view = buf.at[slot]
+    view = _slot_rows(plan, buf, slot)
     if plan.kv_dtype.itemsize < 4:
         view = view.bitcast(jnp.uint32)
     return view[pl.ds(first_row, plan.block_tokens, stride=step), :]
@@ -121,8 +128,20 @@ def _attend_block(plan: Plan, refs, item: Item, j, slot, t0, tokens):
         lax.fori_loop(0, plan.num_kv_heads, lambda h, c: (head(h), c)[1], 0)
 
 
-def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, kv_hbm, o_ref, *scratch):
-    buf, sems, m_ref, l_ref, acc_ref, state = scratch
+def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, *refs):
+    # Operands: q, then the cache (read only), or the new K/V and the cache (written, then read
+    # through its aliased output); the sink tile; the output (and the updated cache); scratch.
+    refs = list(refs)
+    if plan.update_cache:
+        new_ref, _ = refs.pop(0), refs.pop(0)
+    else:
+        kv_hbm = refs.pop(0)
+    sink_ref = refs.pop(0) if plan.attention_sink else None
+    o_ref = refs.pop(0)
+    if plan.update_cache:
+        kv_hbm = refs.pop(0)
+    scratch = refs
+    buf, sems, m_ref, l_ref, acc_ref, state = scratch[:6]
     i, blocks = pl.program_id(0), pl.num_programs(0)
     tables = Tables(plan, kv_lens, page_indices, cu_q_lens, num_seqs)
     copies = Copies(plan, tables, kv_hbm, buf, sems)
@@ -130,14 +149,22 @@ def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, kv_hb
 
     @pl.when(i == 0)
     def _first_step():
+        if plan.update_cache:  # every new token is in its page before any page is read
+            write_new_kv(plan, tables, new_ref, kv_hbm, scratch[6].at[0])
         # Skipped pages leave slots stale: zeros (then real pages) keep NaN out of p @ v.
-        buf[...] = jnp.zeros(buf.shape, buf.dtype)
+        for slot in range(2):
+            rows = _slot_rows(plan, buf, slot)
+            rows[...] = jnp.zeros(rows.shape, rows.dtype)
         state[0] = 0  # the slot the next item's first KV block is in
         state[1] = 0  # whether the previous step started this step's first item
         state[2] = 0  # the first sequence that may have rows in this step
 
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
-    l_ref[...] = jnp.zeros(l_ref.shape, _F32)
+    if plan.attention_sink:  # the sink: a key of logit sink[h] and value 0 in every softmax
+        m_ref[...] = sink_ref[...]
+        l_ref[...] = jnp.ones(l_ref.shape, _F32)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
+        l_ref[...] = jnp.zeros(l_ref.shape, _F32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
     s0, found = tables.first_item(state[2], i)
 
@@ -199,9 +226,13 @@ def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, kv_hb
 
 
 def call(
-    plan: Plan, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, vmem_limit_bytes, interpret
-):
-    """The ``pallas_call`` of ``plan``; ``q``'s shape and dtype back."""
+    plan: Plan, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, vmem_limit_bytes, interpret,
+    *, new_kv=None, sink=None, out_dtype=None,
+):  # fmt: skip
+    """The ``pallas_call`` of ``plan``: the output (``q``'s shape, ``out_dtype`` or ``q``'s
+    dtype). With ``plan.update_cache``, ``new_kv`` (``[tokens, ...]``: ``kv_pages``' trailing dims, of
+    the cache's dtype) is written into ``kv_pages`` (aliased), and ``(output, updated cache)``
+    come back; ``sink``: float32 ``[num_q_heads]`` with ``plan.attention_sink``."""
     tokens, num_q_heads, head_dim = q.shape
     hkv, g, bq = plan.num_kv_heads, plan.groups, plan.q_block
     padded = pl.cdiv(tokens, bq) * bq
@@ -209,41 +240,64 @@ def call(
     qs = q.astype(_F32) * sm_scale if sm_scale != 1.0 else q
     qs = jnp.pad(qs.astype(q.dtype), ((0, padded - tokens), (0, 0), (0, 0)))
     qh = qs.reshape(padded, hkv, g, head_dim).transpose(1, 0, 2, 3).reshape(hkv, padded * g, head_dim)
-    pages, page_size, combined, _ = kv_pages.shape
-    kv = kv_pages.reshape(pages, page_size * combined, head_dim)
+    # The cache stays in its own shape ([pages, page_size, ...tail]): no relayout around the call.
+    tail = kv_pages.shape[2:]
     rows = bq * g
     spec = pl.BlockSpec((hkv, rows, head_dim), lambda i, *_: (0, i, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     slot_rows = plan.pages_per_block * plan.page_rows
     scratch = [
-        pltpu.VMEM((2, slot_rows, head_dim), kv_pages.dtype),
+        pltpu.VMEM((2, plan.block_tokens, *tail), kv_pages.dtype),
         pltpu.SemaphoreType.DMA((2,)),
         pltpu.VMEM((hkv, rows, 1), _F32),
         pltpu.VMEM((hkv, rows, 1), _F32),
         pltpu.VMEM((hkv, rows, head_dim), _F32),
         pltpu.SMEM((3,), jnp.int32),
     ]
+    out_dtype = np.dtype(out_dtype or q.dtype)
+    operands, in_specs = [qh], [spec]
+    out_shape, out_specs = [jax.ShapeDtypeStruct(qh.shape, out_dtype)], [spec]
+    aliases = {}
+    if plan.update_cache:
+        operands += [new_kv.reshape(tokens, *tail), kv_pages]
+        in_specs += [hbm, hbm]
+        out_shape.append(jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype))
+        out_specs.append(hbm)
+        aliases = {4 + 2: 1}  # JAX's convention: operands counted with the scalar tables
+        scratch.append(pltpu.SemaphoreType.DMA((1,)))
+    else:
+        operands.append(kv_pages)
+        in_specs.append(hbm)
+    if plan.attention_sink:
+        tile = jnp.broadcast_to(sink.astype(_F32).reshape(hkv, 1, g), (hkv, bq, g)).reshape(hkv, rows, 1)
+        operands.append(tile)
+        in_specs.append(pl.BlockSpec((hkv, rows, 1), lambda i, *_: (0, 0, 0)))
     if vmem_limit_bytes is None:
         lanes = -(-head_dim // 128) * 128
         need = 2 * slot_rows * lanes * kv_pages.dtype.itemsize
-        need += hkv * rows * (4 * lanes * q.dtype.itemsize + 4 * lanes + 2 * 128 * 4)
+        need += hkv * rows * (4 * lanes * q.dtype.itemsize + 4 * lanes + 4 * 128 * 4)
         need += 8 * rows * plan.block_tokens * 4  # scores, probabilities, masks of one head
         cap = pltpu.get_tpu_info().vmem_capacity_bytes
         vmem_limit_bytes = int(min(cap * 0.9, max(32 << 20, need * 3 // 2 + (8 << 20))))
-    out = pl.pallas_call(
+    outs = pl.pallas_call(
         lambda *refs: _kernel(plan, *refs),
-        out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(padded // bq,),
-            in_specs=[spec, pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=spec,
+            in_specs=in_specs,
+            out_specs=out_specs,
             scratch_shapes=scratch,
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit_bytes
         ),
+        input_output_aliases=aliases,
         interpret=interpret,
-        name="ragged_paged_attention",
-    )(kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, qh, kv)
-    out = out.reshape(hkv, padded, g, head_dim).transpose(1, 0, 2, 3).reshape(padded, num_q_heads, head_dim)
-    return out[:tokens]
+        name="ragged_paged_attention_v3" if plan.update_cache else "ragged_paged_attention",
+    )(kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, *operands)
+    out = outs[0].reshape(hkv, padded, g, head_dim).transpose(1, 0, 2, 3)
+    out = out.reshape(padded, num_q_heads, head_dim)[:tokens]
+    if plan.update_cache:
+        return out, outs[1]
+    return out

@@ -40,6 +40,12 @@ class Plan:
     mask_value: float
     k_scale: float | None
     v_scale: float | None
+    # v3 (``v3.ragged_paged_attention``): the new tokens' K/V are written into the cache by the
+    # kernel first; the count of sequences is entry ``num_seqs_slot`` of the 4th scalar table
+    # (``num_seqs``: 0, ``distribution``: 2); a per-q-head sink logit joins each softmax.
+    update_cache: bool = False
+    num_seqs_slot: int = 0
+    attention_sink: bool = False
 
     @property
     def kv_heads_combined(self) -> int:
@@ -73,7 +79,7 @@ class Tables:
     def __init__(self, plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs):
         self.plan = plan
         self.kv_lens, self.page_indices, self.cu_q_lens = kv_lens, page_indices, cu_q_lens
-        self.num_seqs = jnp.minimum(num_seqs[0], plan.max_num_seqs)
+        self.num_seqs = jnp.minimum(num_seqs[plan.num_seqs_slot], plan.max_num_seqs)
 
     def q_start(self, s):
         return self.cu_q_lens[jnp.minimum(s, self.plan.max_num_seqs)]
@@ -107,6 +113,11 @@ class Tables:
         s = lax.while_loop(more, lambda s: s + 1, s)
         return s, (s < self.num_seqs) & (self.q_start(s) < end)
 
+    def kv_len(self, s):
+        """Keys of sequence ``s`` (clamped to its page list)."""
+        sc = jnp.minimum(s, self.plan.max_num_seqs - 1)
+        return jnp.minimum(self.kv_lens[sc], self.plan.pages_per_seq * self.plan.page_size)
+
     def page(self, s, g):
         return self.page_indices[jnp.minimum(s, self.plan.max_num_seqs - 1) * self.plan.pages_per_seq + g]
 
@@ -129,14 +140,16 @@ def page_range(plan: Plan, item: Item, j):
 class Copies:
     """The DMAs of KV blocks into the two slots of the VMEM buffer (one semaphore per slot). A
     page lands at its place in the block, so a block's tokens are in order whatever pages it
-    skips."""
+    skips. The cache in HBM and the buffer share their trailing dims (``[combined heads,
+    head_dim]``, or v3's ``[combined // packing, packing, head_dim]``): pages are sliced along
+    the token dim only, never inside a tile."""
 
     def __init__(self, plan: Plan, tables: Tables, kv_hbm, buf, sems):
         self.plan, self.tables, self.kv_hbm, self.buf, self.sems = plan, tables, kv_hbm, buf, sems
 
     def _dst(self, slot, i):
-        rows = self.plan.page_rows
-        return self.buf.at[slot, pl.ds(pl.multiple_of(i * rows, rows), rows)]
+        ps = self.plan.page_size
+        return self.buf.at[slot, pl.ds(pl.multiple_of(i * ps, ps), ps)]
 
     def start(self, item: Item, j, slot):
         lo, hi = page_range(self.plan, item, j)

@@ -10,6 +10,8 @@ describe the parameters with ``Buffer``/``Scalar``, and call ``kernel_call``.
 ``config_from_triton``, ``prepare_triton`` and ``memoize_triton_key``.
 """
 
+from typing import Any
+
 from jax_kernel_runtime._call import TARGET_NAME as TARGET_NAME
 from jax_kernel_runtime._call import driver_error as driver_error
 from jax_kernel_runtime._call import export_disabled_checks as export_disabled_checks
@@ -31,7 +33,7 @@ from jax_kernel_runtime._version import __version__ as __version__
 _TRITON_NAMES = ("config_from_triton", "memoize_triton_key", "prepare_triton")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _TRITON_NAMES:
         from jax_kernel_runtime import triton
 

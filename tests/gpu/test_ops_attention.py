@@ -131,7 +131,7 @@ def test_default_launches_come_from_the_table_or_the_fallback():
         launches = attention.default_launches(d, None)  # no GPU: sized to head_dim
         assert all(bq >= 16 and bk >= 16 and w in (4, 8) for bq, bk, w, _ in launches.values())
     assert attention.default_launches(64, 80) == attention.default_launches(64, None)
-    assert [attention._fit(128, s) for s in (4096, 96, 192, 64, 48)] == [128, 96, 64, 64, 48]
+    assert [attention.fit_block(128, s) for s in (4096, 96, 192, 64, 48)] == [128, 96, 64, 64, 48]
 
 
 def test_dkv_pipelines_only_at_the_launches_measured_exact(monkeypatch):

@@ -441,7 +441,7 @@ def test_wait_while_the_others_finished_is_a_deadlock():
 def test_deadlock_timeout_when_a_device_never_starts():
     # Not every device of the mesh joined, so only the timeout can end the wait.
     interpret_multi.set_deadlock_timeout(0.3)
-    s = interpret_multi._join_session(("unit test",), 2, 0, "in TPU kernel 'k'", False)
+    s = interpret_multi.join_session(("unit test",), 2, 0, "in TPU kernel 'k'", False)
     with s.cv, pytest.raises(pltpu.KernelError, match=r"waited 0.3 s .*devices \[1\] never started"):
         s.block(0, lambda: False, "waits on a semaphore")
 

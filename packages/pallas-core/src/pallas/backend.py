@@ -11,6 +11,8 @@ never from ``pallas._src``. A backend implements ``Backend`` and receives one
 and its ``KernelFacts``).
 """
 
+from typing import Any
+
 from pallas._src.backends import Backend as Backend
 from pallas._src.backends import register_backend as register_backend
 from pallas._src.call import KernelFacts as KernelFacts
@@ -19,6 +21,7 @@ from pallas._src.call import kernel_facts as kernel_facts
 from pallas._src.compat import broadcast_to_p as broadcast_to_p
 from pallas._src.compat import lax_primitive as lax_primitive
 from pallas._src.compat import register_discharge_rule as register_discharge_rule
+from pallas._src.compat import register_neutral_memory_space as register_neutral_memory_space
 from pallas._src.core import ANY as ANY
 from pallas._src.core import Blocked as Blocked
 from pallas._src.core import BlockMapping as BlockMapping
@@ -62,6 +65,8 @@ from pallas._src.primitives import kernel_context as kernel_context
 from pallas._src.primitives import multiple_of_p as multiple_of_p
 from pallas._src.primitives import run_scoped_p as run_scoped_p
 from pallas._src.primitives import symbolic_shape_message as symbolic_shape_message
+from pallas._src.removed import RemovedNames as RemovedNames
+from pallas._src.removed import module_getattr as module_getattr
 from pallas._src.semaphores import DeviceIdType as DeviceIdType
 from pallas._src.semaphores import debug_check_p as debug_check_p
 from pallas._src.semaphores import delay_p as delay_p
@@ -78,8 +83,8 @@ from pallas._src.zero_stride import broadcast_zero_stride_reads as broadcast_zer
 from pallas._src.zero_stride import check_zero_stride_writes as check_zero_stride_writes
 
 
-def forced_interpret() -> list:
+def forced_interpret() -> list[Any]:
     """The stack of process-wide ``interpret`` defaults (push/pop to force one)."""
     from pallas._src import pallas_call
 
-    return pallas_call._forced_interpret
+    return pallas_call.forced_interpret_stack

@@ -8,7 +8,6 @@ a TPU's memories, DMAs, semaphores, cores and devices.
 """
 
 from pallas import backend as _plb
-from pallas._src import removed as _removed
 from pallas_tpu._src import pallas_call_registration as _registration
 from pallas_tpu._src.executor.run import MosaicError as MosaicError
 from pallas_tpu._src.executor.run import run_mosaic as run_mosaic
@@ -105,10 +104,11 @@ from pallas_tpu._src.mosaic.compile_check import MosaicCompileError as MosaicCom
 from pallas_tpu._src.mosaic.compile_check import compile_check as compile_check
 from pallas_tpu._src.pallas_call_registration import LoweringException as LoweringException
 from pallas_tpu._src.pallas_call_registration import mosaic_modules as mosaic_modules
+from pallas_tpu._src.removed import PALLAS_TPU as _REMOVED
 from pallas_tpu._version import __version__ as __version__
 
 _plb.register_internal_dir(__file__)
 _plb.register_backend("tpu", _registration)
 
 # Names JAX's Pallas TPU API removed (pltpu.semaphore_signal, pltpu.repeat, ...): JAX's words and where they went.
-__getattr__ = _removed.module_getattr(__name__, _removed.PALLAS_TPU)
+__getattr__ = _plb.module_getattr(__name__, _REMOVED)

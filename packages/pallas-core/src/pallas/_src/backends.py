@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from importlib import metadata
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pallas._src.call import PallasCall
 
@@ -33,10 +33,15 @@ class Backend(Protocol):
       DYNAMIC_GRID: whether ``lower`` takes grids with traced sizes.
     """
 
-    PLATFORMS: ClassVar[tuple[str, ...]]
-    COMPILER_PARAMS: ClassVar[type]
-    INTERPRET_PARAMS: ClassVar[type]
-    DYNAMIC_GRID: ClassVar[bool]
+    # Read-only members: a backend module's constants satisfy them (their types narrower).
+    @property
+    def PLATFORMS(self) -> tuple[str, ...]: ...
+    @property
+    def COMPILER_PARAMS(self) -> type: ...
+    @property
+    def INTERPRET_PARAMS(self) -> type: ...
+    @property
+    def DYNAMIC_GRID(self) -> bool: ...
 
     def describe(self) -> str:
         """The backend's name in messages (its import name: ``pallas_gpu``)."""
@@ -74,18 +79,18 @@ UNAVAILABLE_BACKENDS = {
 
 # Re-entrant: loading an entry point imports a backend, which calls register_backend.
 _lock = threading.RLock()
-_backends: dict[str, Any] | None = None
+_backends: dict[str, Backend] | None = None
 _load_errors: dict[str, str] = {}
 # Backends that registered themselves when imported: found without scanning
 # the installed distributions' entry points (a scan costs tens of ms).
-_registered: dict[str, Any] = {}
+_registered: dict[str, Backend] = {}
 
 
-def _load() -> dict[str, Any]:
+def _load() -> dict[str, Backend]:
     global _backends
     with _lock:
         if _backends is None:
-            found: dict[str, Any] = {}
+            found: dict[str, Backend] = {}
             for ep in metadata.entry_points(group="pallas.backends"):
                 try:
                     found[ep.name] = ep.load()
@@ -95,39 +100,38 @@ def _load() -> dict[str, Any]:
         return _backends
 
 
-def register_backend(name: str, backend: Any) -> None:
+def register_backend(name: str, backend: Backend) -> None:
     """Registers a backend directly, e.g. from the backend package's
     ``__init__``. Entry points still find backends that were not imported."""
     with _lock:
         _registered[name] = backend
 
 
-def backends() -> dict[str, Any]:
+def backends() -> dict[str, Backend]:
     return {**_load(), **_registered}
 
 
-def _platform_candidates(found: dict[str, Any], platform: str, compiler_params: Any, name: str | None):
-    candidates = [
-        b for n, b in found.items() if platform in getattr(b, "PLATFORMS", ()) and (name is None or n == name)
-    ]
+def _platform_candidates(
+    found: dict[str, Backend], platform: str, compiler_params: Any, name: str | None
+) -> list[Backend]:
+    candidates = [b for n, b in found.items() if platform in b.PLATFORMS and (name is None or n == name)]
     if compiler_params is not None:
-        typed = [b for b in candidates if isinstance(compiler_params, getattr(b, "COMPILER_PARAMS", ()))]
+        typed = [b for b in candidates if isinstance(compiler_params, b.COMPILER_PARAMS)]
         candidates = typed or ([] if found is _registered else candidates)
     return candidates
 
 
-def for_platform(platform: str, compiler_params: Any = None, name: str | None = None) -> Any | None:
+def for_platform(platform: str, compiler_params: Any = None, name: str | None = None) -> Backend | None:
     candidates = _platform_candidates(_registered, platform, compiler_params, name)
     if not candidates:
         candidates = _platform_candidates(backends(), platform, compiler_params, name)
     return candidates[0] if candidates else None
 
 
-def for_interpret_params(params: Any) -> Any | None:
+def for_interpret_params(params: Any) -> Backend | None:
     for found in (_registered, None):
         for b in (found if found is not None else backends()).values():
-            t = getattr(b, "INTERPRET_PARAMS", None)
-            if t is not None and isinstance(params, t):
+            if isinstance(params, b.INTERPRET_PARAMS):
                 return b
     return None
 
@@ -138,8 +142,7 @@ def interpreter_for(call: PallasCall) -> Backend | None:
     backend whose ``claims_interpret(call)`` is true."""
     for found in (_registered, None):
         for b in (found if found is not None else backends()).values():
-            claims = getattr(b, "claims_interpret", None)
-            if claims is not None and claims(call):
+            if b.claims_interpret(call):
                 return b
     return None
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jax.extend.core import jaxprs_in_params
+from jax.extend.core import Primitive, jaxprs_in_params
 
 from pallas._src import core as pallas_core
 from pallas._src.errors import describe
@@ -34,7 +34,7 @@ class KernelFacts:
       signals_cores: a semaphore signal addresses another core (``core_index``).
     """
 
-    primitives: frozenset = frozenset()
+    primitives: frozenset[Primitive] = frozenset()
     remote: bool = False
     signals_cores: bool = False
 
@@ -42,14 +42,14 @@ class KernelFacts:
         names = ", ".join(sorted(p.name for p in self.primitives))
         return f"KernelFacts(primitives=[{names}], remote={self.remote}, signals_cores={self.signals_cores})"
 
-    def uses(self, *prims) -> bool:
+    def uses(self, *prims: Primitive) -> bool:
         """Whether the kernel uses any of ``prims``."""
         return any(p in self.primitives for p in prims)
 
 
-def kernel_facts(jaxpr) -> KernelFacts:
+def kernel_facts(jaxpr: Any) -> KernelFacts:
     """The facts of a (closed) kernel jaxpr: one walk over its equations."""
-    prims: set = set()
+    prims: set[Primitive] = set()
     remote = signals_cores = False
     stack = [getattr(jaxpr, "jaxpr", jaxpr)]
     while stack:
@@ -103,7 +103,7 @@ class PallasCall:
     facts: KernelFacts = KernelFacts()
 
     @classmethod
-    def of(cls, jaxpr, grid_mapping, **options) -> PallasCall:
+    def of(cls, jaxpr: Any, grid_mapping: pallas_core.GridMapping, **options: Any) -> PallasCall:
         """A record for a new kernel: its facts found by one walk."""
         return cls(jaxpr, grid_mapping, facts=kernel_facts(jaxpr), **options)
 
@@ -111,10 +111,10 @@ class PallasCall:
         """The fields as ``pallas_call_p``'s parameters (``PallasCall(**params)`` inverts it)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    def replace(self, **changes) -> PallasCall:
+    def replace(self, **changes: Any) -> PallasCall:
         return dataclasses.replace(self, **changes)
 
-    def with_kernel(self, jaxpr, grid_mapping, **changes) -> PallasCall:
+    def with_kernel(self, jaxpr: Any, grid_mapping: pallas_core.GridMapping, **changes: Any) -> PallasCall:
         """The record of a transformed kernel (vmap, jvp): its facts found again."""
         return self.replace(jaxpr=jaxpr, grid_mapping=grid_mapping, facts=kernel_facts(jaxpr), **changes)
 

@@ -338,18 +338,18 @@ class BlockMapping:
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
-        return tuple(_block_size(d) for d in self.block_shape)
+        return tuple(block_dim_size(d) for d in self.block_shape)
 
     @property
     def kernel_block_shape(self) -> tuple[int, ...]:
         """The shape of the Ref the kernel sees (squeezed dims removed)."""
-        return tuple(_block_size(d) for d in self.block_shape if not isinstance(d, Squeezed))
+        return tuple(block_dim_size(d) for d in self.block_shape if not isinstance(d, Squeezed))
 
     @property
     def is_whole_array(self) -> bool:
         return is_whole_array_space(self.memory_space)
 
-    def ref_aval(self):
+    def ref_aval(self) -> Any:
         return compat.ref_aval(self.kernel_block_shape, self.dtype, _aval_memory_space(self.memory_space))
 
     def __str__(self):
@@ -367,7 +367,7 @@ def _aval_memory_space(ms):
     return None if isinstance(ms, MemorySpace) else ms
 
 
-def _block_size(d: BlockDim) -> int:
+def block_dim_size(d: BlockDim) -> int:
     return 1 if isinstance(d, Squeezed) else d.block_size
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+import types
 
 import jax
 
@@ -20,7 +21,7 @@ def register_internal_dir(path: str) -> None:
     _SKIP_DIRS.append(os.path.dirname(os.path.abspath(path)))
 
 
-def _is_internal(filename: str) -> bool:
+def is_internal(filename: str) -> bool:
     filename = os.path.abspath(filename)
     return any(filename.startswith(d + os.sep) for d in _SKIP_DIRS) or (
         "contextlib" in filename or filename.startswith("<")
@@ -29,9 +30,9 @@ def _is_internal(filename: str) -> bool:
 
 def user_source() -> str:
     """'file.py:LINE' of the innermost frame outside pallas/JAX/stdlib."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
-        if not _is_internal(frame.f_code.co_filename):
+        if not is_internal(frame.f_code.co_filename):
             return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
@@ -79,7 +80,7 @@ def kernel_error(cls: type[Exception], msg: str) -> Exception:
 def is_internal_file(filename: str) -> bool:
     """True for files of JAX, pallas, registered backends and the stdlib: frames
     that error messages skip when naming the user's line."""
-    return _is_internal(filename)
+    return is_internal(filename)
 
 
 class ValueOrTypeError(ValueError, TypeError):

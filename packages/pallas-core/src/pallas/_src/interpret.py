@@ -84,7 +84,7 @@ def _element_starts(bm: pallas_core.BlockMapping, idx: np.ndarray) -> np.ndarray
     out of range: a negative offset counts once from the end of the array, then
     the offset is clamped so that the block lies inside the array."""
     scale = np.array(
-        [1 if isinstance(d, pallas_core.Element) else pallas_core._block_size(d) for d in bm.block_shape],
+        [1 if isinstance(d, pallas_core.Element) else pallas_core.block_dim_size(d) for d in bm.block_shape],
         np.int64,
     )
     size = np.array(_padded_shape(bm), np.int64)
@@ -99,7 +99,7 @@ def _padded_shape(bm: pallas_core.BlockMapping) -> tuple[int, ...]:
         if isinstance(d, pallas_core.Element):
             out.append(size + sum(d.padding))
         else:
-            out.append(size + _high_pad(size, pallas_core._block_size(d)))
+            out.append(size + _high_pad(size, pallas_core.block_dim_size(d)))
     return tuple(out)
 
 
@@ -179,7 +179,7 @@ def _pad(x, bm: pallas_core.BlockMapping):
         if isinstance(d, pallas_core.Element):
             pads.append((*d.padding, 0))
         else:
-            pads.append((0, _high_pad(size, pallas_core._block_size(d)), 0))
+            pads.append((0, _high_pad(size, pallas_core.block_dim_size(d)), 0))
     if all(p[:2] == (0, 0) for p in pads):
         return x
     return lax.pad(x, uninitialized_value((), x.dtype), pads)
@@ -264,7 +264,7 @@ class _DynamicPlan:
         for bm in self.bms:
             idx = compat.jaxpr_as_fun(bm.index_map)(*pts)
             scale = [
-                1 if isinstance(d, pallas_core.Element) else pallas_core._block_size(d)
+                1 if isinstance(d, pallas_core.Element) else pallas_core.block_dim_size(d)
                 for d in bm.block_shape
             ]
             row = [jnp.asarray(i, jnp.int32) * k for i, k in zip(idx, scale)]
@@ -288,7 +288,7 @@ def _reads_past_blocks(jaxpr, gm: pallas_core.GridMapping) -> bool:
     short = {}  # block Ref -> for each kernel dim, whether the block is smaller than the array
     for k, bm in enumerate(gm.block_mappings):
         dims = [
-            pallas_core._block_size(d) < n
+            pallas_core.block_dim_size(d) < n
             for d, n in zip(bm.block_shape, _padded_shape(bm))
             if not isinstance(d, pallas_core.Squeezed)
         ]

@@ -147,12 +147,12 @@ def _add_context(e: BaseException, prefix: str) -> None:
 
 
 def _kernel_line(e: BaseException) -> str:
-    from pallas._src.errors import _is_internal
+    from pallas._src.errors import is_internal
 
     tb, line = e.__traceback__, None
     while tb is not None:
         fn = tb.tb_frame.f_code.co_filename
-        if not _is_internal(fn):
+        if not is_internal(fn):
             import os
 
             line = f"{os.path.basename(fn)}:{tb.tb_lineno}"
@@ -446,7 +446,7 @@ def _split_prefetch(grid_spec, args, in_paths, in_avals, err: Err):
         )
     # As JAX: the first nsp *arguments* (pytrees, None allowed) are prefetched;
     # index maps and the kernel get them back with their structure.
-    tree = tree_util.tree_structure(tuple(args[:nsp]))
+    tree: Any = tree_util.tree_structure(tuple(args[:nsp]))
     n = tree.num_leaves
     avals = tuple(
         _prefetch_aval(grid_spec, a, f"args{keystr(p)} (scalar prefetch)", err)
@@ -549,7 +549,7 @@ def _prefetch_aval(grid_spec, aval, what: str, err: Err):
 
 
 # A process-wide default for ``interpret`` (``pltpu.force_tpu_interpret_mode``).
-_forced_interpret: list[Any] = []
+forced_interpret_stack: list[Any] = []
 
 
 def _function_name(fn) -> str:
@@ -560,8 +560,8 @@ def _function_name(fn) -> str:
 
 
 def _effective_interpret(interpret):
-    if not interpret and _forced_interpret:
-        return _forced_interpret[-1]
+    if not interpret and forced_interpret_stack:
+        return forced_interpret_stack[-1]
     return True if interpret is True else (interpret or False)
 
 
@@ -574,7 +574,7 @@ def _dtype_key(x):
 
 def _scratch_aval(s, what: str, err: Err):
     try:
-        return primitives._scratch_aval(s, what)
+        return primitives.scratch_aval(s, what)
     except (TypeError, ValueError) as e:
         raise err(type(e), what, str(e).split(f"{what}: ", 1)[-1]) from None
 

@@ -364,7 +364,7 @@ def _platform_rule(platform: str, call: PallasCall, platforms: tuple[str, ...] =
             owner = backends.for_platform(want, cp)
             interpreter = (
                 f"{owner.describe()}.InterpretParams()"
-                if owner is not None and getattr(owner, "INTERPRET_PARAMS", None) is not None
+                if owner is not None and owner.INTERPRET_PARAMS is not None
                 else "the backend's InterpretParams()"
             )
             raise ValueError(
@@ -375,7 +375,7 @@ def _platform_rule(platform: str, call: PallasCall, platforms: tuple[str, ...] =
             )
         return _interpret_lowering
     backend = _hardware_backend(platform, call, cp)
-    if call.grid_mapping.num_dynamic_grid_bounds and not getattr(backend, "DYNAMIC_GRID", False):
+    if call.grid_mapping.num_dynamic_grid_bounds and not backend.DYNAMIC_GRID:
         raise NotImplementedError(
             f"{call.where}: grid {call.grid_mapping.grid} has dynamic (traced) sizes, which "
             f"the {platform} backend does not lower; use static grid sizes, or interpret=True"
@@ -397,7 +397,7 @@ def _hardware_backend(platform: str, call: PallasCall, cp) -> backends.Backend:
         pkg = backends.PACKAGE_FOR_PLATFORM.get(platform)
         installed = [n for n, b in backends.backends().items() if backends.PACKAGE_FOR_BACKEND.get(n) == pkg]
         if pkg and installed:  # e.g. rocm: jax-pallas-gpu is there, but lowers for cuda only
-            serves = ", ".join(getattr(backends.backends()[installed[0]], "PLATFORMS", ())) or "no platform"
+            serves = ", ".join(backends.backends()[installed[0]].PLATFORMS) or "no platform"
             raise ValueError(
                 f"{call.where}: {pkg} is installed, but its backend '{installed[0]}' lowers for {serves}, "
                 f"not for platform '{platform}', which no installed Pallas backend lowers for. Use "
@@ -412,7 +412,7 @@ def _hardware_backend(platform: str, call: PallasCall, cp) -> backends.Backend:
             "as plain JAX instead."
         )
     want = getattr(cp, "PLATFORM", "")
-    if want and platform not in getattr(backend, "PLATFORMS", (want,)):
+    if want and platform not in backend.PLATFORMS:
         raise ValueError(
             f"{call.where}: compiler_params {type(cp).__name__} are for "
             f"'{want}' but the kernel is being lowered for '{platform}'"
@@ -425,7 +425,7 @@ def _named_backend_problem(name: str, platform: str) -> str:
     pkg = backends.PACKAGE_FOR_BACKEND.get(name, name)
     if found is None:
         return f"backend={name!r} selects {pkg}, which is not installed (pip install {pkg})"
-    serves = ", ".join(getattr(found, "PLATFORMS", ())) or "no platform"
+    serves = ", ".join(found.PLATFORMS) or "no platform"
     return f"backend={name!r} ({pkg}) lowers for {serves}, not for platform '{platform}'"
 
 

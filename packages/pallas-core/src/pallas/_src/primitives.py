@@ -235,7 +235,7 @@ def symbolic_shape_message(shape, what: str) -> str | None:
     return None
 
 
-def _scratch_aval(t: Any, where: str):
+def scratch_aval(t: Any, where: str):
     symbolic = symbolic_shape_message(getattr(t, "shape", ()), "a scratch buffer")
     if symbolic is not None:
         if where.startswith("scratch_shapes"):
@@ -266,7 +266,7 @@ def run_scoped(f: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
       What ``f`` returns (arrays, not Refs).
     """
     flat_types, types_tree = jax.tree.flatten((types, kw_types))
-    ref_avals = [_scratch_aval(t, "pl.run_scoped") for t in flat_types]
+    ref_avals = [scratch_aval(t, "pl.run_scoped") for t in flat_types]
     out_tree_box = []
 
     def flat_body(*refs):

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 # name -> (message, where it moved: "module:attr", or None when it is gone)
-Table = dict[str, tuple[str, str | None]]
+RemovedNames = dict[str, tuple[str, str | None]]
 
 #: ``pallas`` (JAX's ``pl`` module, 0.11).
-PALLAS: Table = {
+PALLAS: RemovedNames = {
     "dot": (
         "pl.dot was deprecated in JAX v0.11.0, and removed in JAX v0.12.0. Use jax.numpy.dot, "
         "jax.numpy.einsum or the @ operator instead in TPU or MGPU kernels. In Triton kernels: pallas_gpu.dot.",
@@ -31,28 +31,8 @@ PALLAS: Table = {
     ),
 }
 
-#: ``pallas_tpu`` (JAX's ``pltpu`` module, 0.11), and ``repeat``, removed before 0.11.
-PALLAS_TPU: Table = {
-    "HOST": (
-        "pltpu.HOST was deprecated in JAX v0.10.0, and removed in JAX v0.12.0. Use pl.HOST instead.",
-        None,
-    ),
-    **{
-        name: (
-            f"pltpu.{name} was deprecated in JAX v0.10.0, and removed in JAX v0.11.0. Use pl.{name} instead.",
-            None,
-        )
-        for name in ("semaphore", "DeviceIdType", "semaphore_read", "semaphore_signal", "semaphore_wait")
-    },
-    "repeat": (
-        "pltpu.repeat was removed from JAX's Pallas TPU API before JAX v0.11.0: use jnp.tile (or "
-        "jnp.concatenate of copies) on the loaded value instead.",
-        None,
-    ),
-}
 
-
-def module_getattr(module: str, table: Table) -> Callable[[str], Any]:
+def module_getattr(module: str, table: RemovedNames) -> Callable[[str], Any]:
     """A module ``__getattr__`` answering ``table``'s names: the moved ones
     with a ``DeprecationWarning`` (as JAX), the removed ones with an
     ``AttributeError`` in JAX's words."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from jax.extend.core import jaxprs_in_params
 
@@ -74,7 +76,7 @@ def check_semaphores_not_data(jaxpr, describe_kernel: str) -> None:
     for eqn in jaxpr.eqns:
         what = _READS.get(eqn.primitive.name)
         if what is not None:
-            aval = getattr(eqn.invars[0], "aval", None)
+            aval: Any = getattr(eqn.invars[0], "aval", None)
             kind = semaphore_kind(aval)
             if kind is not None:
                 where = compat.eqn_user_source(eqn)

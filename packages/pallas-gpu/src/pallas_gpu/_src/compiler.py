@@ -75,13 +75,19 @@ def compile_kernel(lk: LoweredKernel, cc: int, options: tuple[tuple[str, Any], .
 
 
 @functools.cache
-def _versions() -> str:
+def toolchain_versions() -> str:
     return f"{jkr_triton.triton_versions('jax-pallas-gpu')}; format {_CACHE_FORMAT}"
 
 
 def cache_key(lk: LoweredKernel, cc: int, options: tuple[tuple[str, Any], ...]) -> str:
     """sha256 of everything the compiled image depends on."""
-    parts = [lk.module_source(interpret=False), repr(lk.signature), f"sm_{cc}", repr(options), _versions()]
+    parts = [
+        lk.module_source(interpret=False),
+        repr(lk.signature),
+        f"sm_{cc}",
+        repr(options),
+        toolchain_versions(),
+    ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 

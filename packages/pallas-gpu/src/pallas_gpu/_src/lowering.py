@@ -61,7 +61,7 @@ def pad_shape(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 # numpy dtype -> (triton.language name, signature name of a pointer to it).
-_DTYPES = {
+DTYPES = {
     "float16": ("tl.float16", "fp16"),
     "bfloat16": ("tl.bfloat16", "bf16"),
     "float32": ("tl.float32", "fp32"),
@@ -95,13 +95,13 @@ def int_range(dtype) -> tuple[int, int]:
 
 def tl_dtype(dtype: Any) -> str:
     name = np.dtype(dtype).name
-    if name not in _DTYPES:
+    if name not in DTYPES:
         raise NotImplementedError(f"{BACKEND}: dtype {name} is not supported by Triton")
-    return _DTYPES[name][0]
+    return DTYPES[name][0]
 
 
 def pointer_signature(dtype: Any) -> str:
-    return "*" + _DTYPES[np.dtype(dtype).name][1]
+    return "*" + DTYPES[np.dtype(dtype).name][1]
 
 
 def is_float(dtype) -> bool:

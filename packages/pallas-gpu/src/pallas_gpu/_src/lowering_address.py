@@ -113,7 +113,7 @@ def _place(expr: str, first: int, k: int, rank: int) -> str:
 # Index arithmetic on expressions (ints fold at trace time)
 
 
-def _add(a, b):
+def add_exprs(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return a + b
     if a == 0:
@@ -169,7 +169,7 @@ def block_ref(kl: KernelLowering, i: int, bm, ids: list[Val]) -> BlockRef:
             lo, hi = dim.padding
             size = dim.block_size
             start = (
-                _add(_clamp(em, ix, max(n + lo + hi - size, 0)), -lo)
+                add_exprs(_clamp(em, ix, max(n + lo + hi - size, 0)), -lo)
                 if lo
                 else _clamp(em, ix, max(n + hi - size, 0))
             )
@@ -202,7 +202,7 @@ def block_ref(kl: KernelLowering, i: int, bm, ids: list[Val]) -> BlockRef:
     )
 
 
-def _apply_indexers(
+def apply_indexers(
     ref, transforms, rule_ctx: RuleContext, clamp: bool = True, read: bool = False
 ) -> list[DimView]:
     """The view of ``ref`` after ``transforms``. With ``clamp``, dynamic
@@ -293,7 +293,7 @@ def _index_dim(
             return DimView(start, size, stride, v.inside, v.size, v.start, v.stride)
         start = _clamp(rc.em, _wrap(rc.em, start, v.size), max(v.size - span, 0))
         inside = v.inside and span <= v.size
-    new_start = _add(v.start, _mul(start, v.stride))
+    new_start = add_exprs(v.start, _mul(start, v.stride))
     return DimView(new_start, size, v.stride * stride if size is not None else 1, inside)
 
 
@@ -337,8 +337,10 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
         # Inside the block: the block's own bounds decide whether to mask.
         safe, nonneg = ref.in_bounds[d] and v.inside, ref.nonnegative[d] and v.inside
         if v.group is not None:
-            lin = _add(_add(base, v.parent_start), _mul(_clipped_elements(em, v, ""), v.parent_stride))
-            off = _named(em, "offs", _place(f"({lin})", axes[k], len(v.group.shape), rank))
+            lin = add_exprs(
+                add_exprs(base, v.parent_start), _mul(_clipped_elements(em, v, ""), v.parent_stride)
+            )
+            off = named(em, "offs", _place(f"({lin})", axes[k], len(v.group.shape), rank))
             if not safe:
                 masks.append(f"({off} < {n})")
                 if not nonneg:
@@ -347,22 +349,24 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
             continue
         if v.past_block:
             # Below the block (after one wrap) it is clamped to the block's start, as in JAX.
-            off = _named(em, "i", f"tl.minimum({base} + tl.maximum({v.start}, 0), {n - 1})")
+            off = named(em, "i", f"tl.minimum({base} + tl.maximum({v.start}, 0), {n - 1})")
         elif v.size is None:
-            off = _add(base, v.start)
+            off = add_exprs(base, v.start)
             if not safe:
-                off = _named(em, "i", off)
+                off = named(em, "i", off)
                 masks.append(f"({off} < {n})")
                 if not nonneg:
                     masks.append(f"({off} >= 0)")
         else:
             p = next_pow2(v.size)
             ar = f"tl.arange(0, {p})"
-            lin = _add(_add(base, v.start), _mul(ar, v.stride) if v.stride != 1 else ar)
+            lin = add_exprs(add_exprs(base, v.start), _mul(ar, v.stride) if v.stride != 1 else ar)
             if v.clip is not None or v.elements is not None:
-                lin = _add(_add(base, v.parent_start), _mul(_clipped_elements(em, v, ar), v.parent_stride))
+                lin = add_exprs(
+                    add_exprs(base, v.parent_start), _mul(_clipped_elements(em, v, ar), v.parent_stride)
+                )
             axis = axes[k]
-            off = _named(em, "offs", expand_to_axis(str(lin), axis, rank))
+            off = named(em, "offs", expand_to_axis(str(lin), axis, rank))
             if p != v.size:
                 masks.append(f"({expand_to_axis(ar, axis, rank)} < {v.size})")
             if not safe:
@@ -378,7 +382,7 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
     return ptr, (" & ".join(masks) if masks else None), out_shape
 
 
-def _named(em: Emitter, hint: str, expr) -> str:
+def named(em: Emitter, hint: str, expr) -> str:
     name = em.fresh(hint)
     em.emit(f"{name} = {expr}")
     return name
@@ -387,9 +391,7 @@ def _named(em: Emitter, hint: str, expr) -> str:
 def _clipped_elements(em: Emitter, v: DimView, ar: str) -> str:
     """Per-element indices of a gather or a strided dynamic slice, each
     wrapped and clamped into [0, v.clip) as interpret mode does."""
-    e = v.elements if v.elements is not None else _named(em, "el", f"{v.start} + {ar} * {v.stride}")
+    e = v.elements if v.elements is not None else named(em, "el", f"{v.start} + {ar} * {v.stride}")
     if v.clip is None:
         return e
-    return _named(
-        em, "el", f"tl.minimum(tl.maximum(tl.where({e} < 0, {e} + {v.clip}, {e}), 0), {v.clip - 1})"
-    )
+    return named(em, "el", f"tl.minimum(tl.maximum(tl.where({e} < 0, {e} + {v.clip}, {e}), 0), {v.clip - 1})")

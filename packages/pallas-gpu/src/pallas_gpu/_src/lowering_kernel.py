@@ -40,8 +40,8 @@ from pallas import backend as plb
 from pallas_gpu._src import compat, lowering_control, lowering_math, lowering_shapes  # noqa: F401 (rules)
 from pallas_gpu._src import primitives as gpu_primitives
 from pallas_gpu._src.lowering import (
-    _DTYPES,
     BACKEND,
+    DTYPES,
     INT4,
     MAX_GRID_X,
     MAX_TENSOR_NUMEL,
@@ -176,7 +176,7 @@ class KernelLowering:
         """Results Triton cannot hold: too many elements, or a dtype it lacks."""
         for a in rc.avals_out:
             dtype = getattr(a, "dtype", None)
-            if dtype is not None and not compat.is_ref_aval(a) and np.dtype(dtype).name not in _DTYPES:
+            if dtype is not None and not compat.is_ref_aval(a) and np.dtype(dtype).name not in DTYPES:
                 raise rc.error(f"dtype {np.dtype(dtype).name} is not supported by Triton")
             if dtype is not None and np.dtype(dtype).name in INT4 and rc.eqn.primitive not in INT4_PRIMITIVES:
                 raise rc.error(

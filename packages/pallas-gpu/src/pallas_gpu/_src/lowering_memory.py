@@ -19,7 +19,7 @@ from jax import tree_util
 from pallas_gpu._src import compat
 from pallas_gpu._src import primitives as gpu_primitives
 from pallas_gpu._src.lowering import (
-    _DTYPES,
+    DTYPES,
     INT4,
     BlockRef,
     Emitter,
@@ -34,10 +34,10 @@ from pallas_gpu._src.lowering import (
 )
 from pallas_gpu._src.lowering_address import (
     DimView,
-    _add,
-    _apply_indexers,
-    _named,
+    add_exprs,
+    apply_indexers,
     block_address,
+    named,
     view_axes,
 )
 
@@ -75,7 +75,7 @@ def tma_tile(ref: BlockRef, view: list[DimView]) -> tuple[list[int], list] | Non
         if size & (size - 1) or size > TMA_MAX_BOX:
             return None
         box.append(size)
-        offsets.append(_add(ref.starts[d], v.start))
+        offsets.append(add_exprs(ref.starts[d], v.start))
     if box[-1] * itemsize < TMA_MIN_INNER_BYTES:
         return None
     return box, offsets
@@ -102,7 +102,7 @@ def _tma_store(kl, ref: BlockRef, view: list[DimView], val: Val) -> bool:
     desc = kl.tma_descriptor(ref.ptr, ref.array_shape, box)
     x = val.expr
     if val.dtype != ref.dtype:
-        x = f"{x}.to({_DTYPES[ref.dtype.name][0]})"
+        x = f"{x}.to({DTYPES[ref.dtype.name][0]})"
     if list(val.shape) != box:
         x = f"tl.reshape({x}, {box})"
     kl.em.emit(f"{desc}.store([{', '.join(str(o) for o in offsets)}], {x})")
@@ -144,14 +144,14 @@ def _load_int4(
     sign-extended into the int8 (uint8) that holds a 4-bit value. ``user_mask``
     and ``other`` as ``plgpu.load``'s (masked elements read ``other``)."""
     offset, mask, shape = block_address(em, dataclasses.replace(ref, ptr="0"), view)
-    o = _named(em, "o", offset)
+    o = named(em, "o", offset)
     mask = _and_masks(mask, user_mask)
     load = (
         f"tl.load({ref.ptr} + {o} // 2, mask={mask}, other=0{kw})"
         if mask
         else f"tl.load({ref.ptr} + {o} // 2{kw})"
     )
-    nibble = _named(em, "nib", f"({load}.to(tl.int32) >> (({o} % 2) * 4)) & 15")
+    nibble = named(em, "nib", f"({load}.to(tl.int32) >> (({o} % 2) * 4)) & 15")
     if ref.dtype.name == "int4":
         val = f"(({nibble} << 28) >> 28).to(tl.int8)"
     else:
@@ -241,13 +241,13 @@ def _get_rule(rc: RuleContext, ref, *idx, tree):
     # XLA < 0.12 fuses the read with the block's slice; inside a loop or cond it clamps
     # (and so does every read with JAX 0.12+).
     top_level = rc.em.depth == 1 and compat.reads_past_the_block_reach_the_array()
-    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc, read=top_level)
+    view = apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc, read=top_level)
     return _load_ref(rc, ref, view, rc.avals_out[0].dtype)
 
 
 @register_lowering(compat.swap_p)
 def _swap_rule(rc: RuleContext, ref, val, *idx, tree):
-    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
+    view = apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
     old = None
     if rc.lowering.is_used(rc.eqn.outvars[0]):
         old = _load_ref(rc, ref, view, rc.avals_out[0].dtype)
@@ -257,7 +257,7 @@ def _swap_rule(rc: RuleContext, ref, val, *idx, tree):
 
 @register_lowering(compat.addupdate_p)
 def _addupdate_rule(rc: RuleContext, ref, val, *idx, tree):
-    view = _apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
+    view = apply_indexers(ref, _unflatten_transforms(rc, idx, tree), rc)
     old = _load_ref(rc, ref, view, val.dtype)
     new = rc.em.assign(f"{old.expr} + {val.expr}", val.shape, val.dtype)
     _store_ref(rc, ref, view, new)
@@ -277,7 +277,7 @@ def _gpu_access(rc: RuleContext, ref, tree, args, what: str):
     if what != "load":  # loads of packed 4-bit arrays: _load_int4
         _no_int4(rc, ref, f"plgpu.{what} on")
     n = tree.num_leaves
-    view = _apply_indexers(ref, _unflatten_transforms(rc, args[:n], tree), rc, clamp=False)
+    view = apply_indexers(ref, _unflatten_transforms(rc, args[:n], tree), rc, clamp=False)
     if ref.dtype.name in INT4:
         return view, None, None, list(args[n:])
     ptr, mask, shape = block_address(rc.em, ref, view)

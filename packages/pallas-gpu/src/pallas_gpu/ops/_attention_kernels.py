@@ -15,11 +15,11 @@ import pallas as pl
 
 #: log2(e): the kernels compute ``exp`` as ``exp2`` of logits scaled by it.
 LOG2E = math.log2(math.e)
-_F32 = jnp.float32
+F32 = jnp.float32
 _MASKED = -1e30  # finite: a fully masked block must not turn into NaN through inf - inf
 
 
-def _mask(x, qi0, kj0, q_seg, kv_seg, causal: bool):
+def mask_scores(x, qi0, kj0, q_seg, kv_seg, causal: bool):
     """Masks the (block_q, block_k) logits ``x`` whose top-left element is
     (query ``qi0``, key ``kj0``)."""
     keep = None
@@ -33,7 +33,7 @@ def _mask(x, qi0, kj0, q_seg, kv_seg, causal: bool):
     return x if keep is None else jnp.where(keep, x, _MASKED)
 
 
-def _kv_loop(body, carry, n_blocks: int, diag_lo, diag_n: int, causal: bool, masked_everywhere: bool):
+def kv_loop(body, carry, n_blocks: int, diag_lo, diag_n: int, causal: bool, masked_everywhere: bool):
     """Runs ``body(j, carry, masked)`` over key (or query) blocks: for causal
     attention, blocks before ``diag_lo`` unmasked, then ``diag_n`` masked
     ones; otherwise all blocks, masked only if ``masked_everywhere``."""
@@ -47,7 +47,7 @@ def _kv_loop(body, carry, n_blocks: int, diag_lo, diag_n: int, causal: bool, mas
 # Forward
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, scale, causal, block_k, nq):
+def fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, scale, causal, block_k, nq):
     block_q = q_ref.shape[0]
     qi = nq - 1 - lax.rem(pl.program_id(0), nq)  # heaviest causal blocks first
     q = q_ref[...]
@@ -57,12 +57,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, sca
         m, l, acc = carry
         k0 = pl.multiple_of(j * block_k, block_k)
         k, v = k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         if masked or scale <= 0:
             x = s * scale
             if masked:
                 kv_seg = None if kvseg_ref is None else kvseg_ref[pl.ds(k0, block_k)]
-                x = _mask(x, qi * block_q, k0, q_seg, kv_seg, causal)
+                x = mask_scores(x, qi * block_q, k0, q_seg, kv_seg, causal)
             m_new = jnp.maximum(m, jnp.max(x, axis=1))
             p = jnp.exp2(x - m_new[:, None])
         else:
@@ -72,13 +72,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, sca
             m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale)
             p = jnp.exp2(s * scale - m_new[:, None])
         alpha = jnp.exp2(m - m_new)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=_F32)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-    carry = (jnp.full((block_q,), -jnp.inf, _F32), jnp.zeros((block_q,), _F32), jnp.zeros(q_ref.shape, _F32))
+    carry = (jnp.full((block_q,), -jnp.inf, F32), jnp.zeros((block_q,), F32), jnp.zeros(q_ref.shape, F32))
     n_k = k_ref.shape[0] // block_k
     lo = (qi * block_q) // block_k
-    m, l, acc = _kv_loop(body, carry, n_k, lo, pl.cdiv(block_q, block_k), causal, qseg_ref is not None)
+    m, l, acc = kv_loop(body, carry, n_k, lo, pl.cdiv(block_q, block_k), causal, qseg_ref is not None)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = (m + jnp.log2(l)) / LOG2E  # natural log, as JAX's mha returns
 
@@ -87,7 +87,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, sca
 # Backward
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, *,
+def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, *,
                 scale, sm_scale, causal, block_q, nk):  # fmt: skip
     block_k = k_ref.shape[0]
     kj = lax.rem(pl.program_id(0), nk)
@@ -99,20 +99,20 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg
         q0 = pl.multiple_of(i * block_q, block_q)
         q, do = q_ref[pl.ds(q0, block_q), :], do_ref[pl.ds(q0, block_q), :]
         lse, delta = lse_ref[pl.ds(q0, block_q)], delta_ref[pl.ds(q0, block_q)]
-        x = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32) * scale
+        x = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale
         if masked:
             q_seg = None if qseg_ref is None else qseg_ref[pl.ds(q0, block_q)]
-            x = _mask(x, q0, kj * block_k, q_seg, kv_seg, causal)
+            x = mask_scores(x, q0, kj * block_k, q_seg, kv_seg, causal)
         p = jnp.exp2(x - lse[:, None])  # (block_q, block_k)
         dv = dv + lax.dot_general(
-            p.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=_F32
+            p.astype(do.dtype), do, (((0,), (0,)), ((), ())), preferred_element_type=F32
         )
-        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         ds = (p * (dp - delta[:, None])).astype(q.dtype)
-        dk = dk + lax.dot_general(ds, q, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+        dk = dk + lax.dot_general(ds, q, (((0,), (0,)), ((), ())), preferred_element_type=F32)
         return dk, dv
 
-    zeros = jnp.zeros(k_ref.shape, _F32)
+    zeros = jnp.zeros(k_ref.shape, F32)
     n_q = q_ref.shape[0] // block_q
     if causal:
         # Query blocks that reach this key block: the diagonal ones masked, the rest unmasked.
@@ -128,7 +128,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, *,
+def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, *,
                scale, sm_scale, causal, block_k, nq):  # fmt: skip
     block_q = q_ref.shape[0]
     qi = nq - 1 - lax.rem(pl.program_id(0), nq)
@@ -139,17 +139,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_
     def body(j, dq, masked):
         k0 = pl.multiple_of(j * block_k, block_k)
         k, v = k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :]
-        x = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32) * scale
+        x = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale
         if masked:
             kv_seg = None if kvseg_ref is None else kvseg_ref[pl.ds(k0, block_k)]
-            x = _mask(x, qi * block_q, k0, q_seg, kv_seg, causal)
+            x = mask_scores(x, qi * block_q, k0, q_seg, kv_seg, causal)
         p = jnp.exp2(x - lse[:, None])
-        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         ds = (p * (dp - delta[:, None])).astype(k.dtype)
-        return dq + jnp.dot(ds, k, preferred_element_type=_F32)
+        return dq + jnp.dot(ds, k, preferred_element_type=F32)
 
     n_k = k_ref.shape[0] // block_k
     lo = (qi * block_q) // block_k
-    dq = _kv_loop(body, jnp.zeros(q_ref.shape, _F32), n_k, lo, pl.cdiv(block_q, block_k), causal,
+    dq = kv_loop(body, jnp.zeros(q_ref.shape, F32), n_k, lo, pl.cdiv(block_q, block_k), causal,
                   qseg_ref is not None)  # fmt: skip
     dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)

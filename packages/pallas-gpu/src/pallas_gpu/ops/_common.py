@@ -120,7 +120,7 @@ def gluon_kernel_config(module: str, kernel: str, signature: dict[str, str], con
         repr(sorted(constexprs.items())),
         _module_digest(module),
     ]
-    key = hashlib.sha256("\0".join([*parts, compiler._versions()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*parts, compiler.toolchain_versions()]).encode()).hexdigest()
 
     def compile_config():
         fn = getattr(importlib.import_module(module), kernel)

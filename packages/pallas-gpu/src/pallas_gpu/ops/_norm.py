@@ -57,7 +57,7 @@ def forward_evict(itemsize: int) -> str | None:
     return "evict_first" if itemsize < 4 else None
 
 
-def _check(name: str, x, weight, bias) -> None:
+def check_inputs(name: str, x, weight, bias) -> None:
     n = x.shape[-1] if x.ndim else 0
     if x.ndim < 1:
         raise ValueError(f"{name}: x must have a feature axis (the last one); got shape {x.shape}")
@@ -174,7 +174,7 @@ def make(name: str, center: bool, doc: str):
     backward_pass_impl, interpret)`` with its custom VJP."""
 
     def impl(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret):
-        _check(name, x, weight, bias)
+        check_inputs(name, x, weight, bias)
         if backward_pass_impl not in ("triton", "xla"):
             raise ValueError(
                 f"{name}: backward_pass_impl must be 'triton' or 'xla', got {backward_pass_impl!r}"

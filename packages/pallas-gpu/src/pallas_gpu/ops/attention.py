@@ -46,7 +46,7 @@ from jax import lax
 
 import pallas as pl
 from pallas_gpu.ops import _attention_sm90
-from pallas_gpu.ops._attention_kernels import _F32, _dkv_kernel, _dq_kernel, _fwd_kernel
+from pallas_gpu.ops._attention_kernels import F32, dkv_kernel, dq_kernel, fwd_kernel
 from pallas_gpu.ops._attention_kernels import LOG2E as LOG2E
 from pallas_gpu.ops._common import call_params, interpreted
 from pallas_gpu.ops._common import compute_capability as compute_capability
@@ -88,7 +88,7 @@ def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Arr
 @functools.partial(jax.jit, static_argnames=["sm_scale", "causal"])
 def mha_reference(q, k, v, segment_ids, sm_scale=1.0, causal: bool = False):
     """Plain-JAX attention with the same arguments and layout as ``mha``."""
-    logits = jnp.einsum("bqhc,bkhc->bhqk", q, k, preferred_element_type=_F32)
+    logits = jnp.einsum("bqhc,bkhc->bhqk", q, k, preferred_element_type=F32)
     mask = None
     if segment_ids is not None:
         mask = jnp.broadcast_to(segment_mask(segment_ids, segment_ids)[:, None], logits.shape)
@@ -98,7 +98,7 @@ def mha_reference(q, k, v, segment_ids, sm_scale=1.0, causal: bool = False):
     if mask is not None:
         logits = jnp.where(mask, logits, -jnp.inf)
     weights = jax.nn.softmax(logits * sm_scale)
-    return jnp.einsum("bhqk,bkhc->bqhc", weights, v, preferred_element_type=_F32).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhc->bqhc", weights, v, preferred_element_type=F32).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def default_launches(head_dim: int, cc: int | None) -> dict[str, tuple[int, int,
     return dict(_FALLBACK[min(d for d in _FALLBACK if d >= head_dim)])
 
 
-def _fit(block: int, seq: int) -> int:
+def fit_block(block: int, seq: int) -> int:
     """``block`` capped at ``seq`` and halved (down to 16) until it divides ``seq``."""
     block = min(block, seq)
     while block > 16 and seq % block:
@@ -198,7 +198,7 @@ def _fit(block: int, seq: int) -> int:
 # Forward
 
 
-def _program_ids(n_blocks: int, heads: int, reverse: bool):
+def program_ids(n_blocks: int, heads: int, reverse: bool):
     """Maps the 1-D program id to (batch, head, block): the blocks of one head
     are adjacent (its K/V stay in L2); ``reverse`` runs the last block first
     (the heaviest one of causal attention)."""
@@ -229,7 +229,7 @@ def _forward(
     B, T, H, D = q.shape
     S = k.shape[1]
     nq = T // block_q
-    b_of, h_of, qi_of = _program_ids(nq, H, reverse=True)
+    b_of, h_of, qi_of = program_ids(nq, H, reverse=True)
     q_spec, kv_spec = _specs_2d(b_of, h_of, qi_of, block_q, S, D)
     in_specs, args = [q_spec, kv_spec, kv_spec], [q, k, v]
     if segment_ids is not None:
@@ -240,7 +240,7 @@ def _forward(
         args += [segment_ids, segment_ids]
     lse_spec = pl.BlockSpec((None, None, block_q), lambda p: (b_of(p), h_of(p), qi_of(p)))
     kernel = functools.partial(
-        _fwd_kernel if segment_ids is not None else _no_segments(_fwd_kernel, 3),
+        fwd_kernel if segment_ids is not None else _no_segments(fwd_kernel, 3),
         scale=sm_scale * LOG2E,
         causal=causal,
         block_k=block_k,
@@ -248,7 +248,7 @@ def _forward(
     )
     out, lse = pl.pallas_call(
         kernel,
-        out_shape=[q, jax.ShapeDtypeStruct((B, H, T), _F32)],
+        out_shape=[q, jax.ShapeDtypeStruct((B, H, T), F32)],
         grid=(B * H * nq,),
         in_specs=in_specs,
         out_specs=[q_spec, lse_spec],
@@ -282,7 +282,7 @@ def _backward_dkv(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block
     S = k.shape[1]
     seg = segment_ids is not None
     nk = S // block_k
-    b_of, h_of, kj_of = _program_ids(nk, H, reverse=False)
+    b_of, h_of, kj_of = program_ids(nk, H, reverse=False)
     kv_rows, _ = _specs_2d(b_of, h_of, kj_of, block_k, S, D)
     _, q_full = _specs_2d(b_of, h_of, kj_of, block_k, T, D)
     full_vec = pl.BlockSpec((None, None, T), lambda p: (b_of(p), h_of(p), 0))
@@ -294,7 +294,7 @@ def _backward_dkv(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block
             pl.BlockSpec((None, block_k), lambda p: (b_of(p), kj_of(p))),
         ]
         args += [segment_ids, segment_ids]
-    kernel = functools.partial(_dkv_kernel if seg else _no_segments(_dkv_kernel, 6), scale=sm_scale * LOG2E,
+    kernel = functools.partial(dkv_kernel if seg else _no_segments(dkv_kernel, 6), scale=sm_scale * LOG2E,
                                sm_scale=sm_scale, causal=causal, block_q=block_q, nk=nk)  # fmt: skip
     return pl.pallas_call(
         kernel,
@@ -316,7 +316,7 @@ def _backward_dq(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block_
     S = k.shape[1]
     seg = segment_ids is not None
     nq = T // block_q
-    b_of, h_of, qi_of = _program_ids(nq, H, reverse=True)
+    b_of, h_of, qi_of = program_ids(nq, H, reverse=True)
     q_rows, kv_full = _specs_2d(b_of, h_of, qi_of, block_q, S, D)
     row_vec = pl.BlockSpec((None, None, block_q), lambda p: (b_of(p), h_of(p), qi_of(p)))
     in_specs = [q_rows, kv_full, kv_full, q_rows, row_vec, row_vec]
@@ -327,7 +327,7 @@ def _backward_dq(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block_
             pl.BlockSpec((None, S), lambda p: (b_of(p), 0)),
         ]
         args += [segment_ids, segment_ids]
-    kernel = functools.partial(_dq_kernel if seg else _no_segments(_dq_kernel, 6), scale=sm_scale * LOG2E,
+    kernel = functools.partial(dq_kernel if seg else _no_segments(dq_kernel, 6), scale=sm_scale * LOG2E,
                                sm_scale=sm_scale, causal=causal, block_k=block_k, nq=nq)  # fmt: skip
     return pl.pallas_call(
         kernel,
@@ -342,7 +342,7 @@ def _backward_dq(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block_
 
 
 def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, launches, interpret, debug):
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(_F32), do.astype(_F32))
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), do.astype(F32))
     lse2 = lse * LOG2E
     bq, bk, warps, stages = launches["dkv"]
     dk, dv = _backward_dkv(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, bq, bk, warps, stages,
@@ -403,7 +403,12 @@ def _launches(q, k, block_sizes, num_warps, num_stages, interpret, causal, segme
     if block_sizes is None:
         table = default_launches(D, None if interpreted(interpret) else compute_capability())
         launches = {
-            kern: (_fit(bq, T), _fit(bk, S), num_warps or w, st if num_stages is None else num_stages)
+            kern: (
+                fit_block(bq, T),
+                fit_block(bk, S),
+                num_warps or w,
+                st if num_stages is None else num_stages,
+            )
             for kern, (bq, bk, w, st) in table.items()
         }
     else:

@@ -33,9 +33,9 @@ from jax import lax
 
 import pallas as pl
 from pallas_gpu.ops import _attention_sm90
-from pallas_gpu.ops._attention_kernels import _F32, LOG2E, _kv_loop, _mask
+from pallas_gpu.ops._attention_kernels import F32, LOG2E, kv_loop, mask_scores
 from pallas_gpu.ops._common import call_params, compute_capability, interpreted
-from pallas_gpu.ops.attention import _fit, _program_ids
+from pallas_gpu.ops.attention import fit_block, program_ids
 
 #: The input type ``mha_fp8`` takes (e4m3: 4 exponent bits, 3 mantissa bits, largest value 448).
 FP8 = jnp.float8_e4m3fn
@@ -50,9 +50,9 @@ def quantize(x: jax.Array, dtype=FP8) -> tuple[jax.Array, jax.Array]:
     """``(x8, scale)`` with ``x ~= x8.astype(f32) * scale``: per-tensor scaling
     of ``x`` so that its largest magnitude is ``dtype``'s largest finite value
     (``scale`` is a float32 scalar; 1 for an all-zero ``x``)."""
-    amax = jnp.max(jnp.abs(x.astype(_F32)))
-    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0).astype(_F32)
-    return (x.astype(_F32) / scale).astype(dtype), scale
+    amax = jnp.max(jnp.abs(x.astype(F32)))
+    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0).astype(F32)
+    return (x.astype(F32) / scale).astype(dtype), scale
 
 
 @functools.partial(jax.jit, static_argnames=["sm_scale", "causal", "out_dtype"])
@@ -60,7 +60,7 @@ def mha_fp8_reference(q, k, v, q_scale, k_scale, v_scale, sm_scale: float = 1.0,
                       out_dtype=jnp.bfloat16):  # fmt: skip
     """Plain-JAX attention of the dequantized q, k and v in float32, with
     ``mha_fp8``'s arguments (v in ``[batch, seq_len, num_heads, head_dim]``)."""
-    qf, kf, vf = (x.astype(_F32) * s for x, s in ((q, q_scale), (k, k_scale), (v, v_scale)))
+    qf, kf, vf = (x.astype(F32) * s for x, s in ((q, q_scale), (k, k_scale), (v, v_scale)))
     logits = jnp.einsum("bqhc,bkhc->bhqk", qf, kf, precision=lax.Precision.HIGHEST) * sm_scale
     if causal:
         logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
@@ -78,22 +78,22 @@ def _fwd_fp8_kernel(scales_ref, q_ref, k_ref, vt_ref, o_ref, lse_ref, *, causal,
         m, l, acc = carry
         k0 = pl.multiple_of(j * block_k, block_k)
         k, vt = k_ref[pl.ds(k0, block_k), :], vt_ref[:, pl.ds(k0, block_k)]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         if masked:
-            x = _mask(s * scale, qi * block_q, k0, None, None, causal)
+            x = mask_scores(s * scale, qi * block_q, k0, None, None, causal)
             m_new = jnp.maximum(m, jnp.max(x, axis=1))
             p = jnp.exp2(x - m_new[:, None])
         else:
             m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale)
             p = jnp.exp2(s * scale - m_new[:, None])
         alpha = jnp.exp2(m - m_new)
-        pv = lax.dot_general(p.astype(vt.dtype), vt, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        pv = lax.dot_general(p.astype(vt.dtype), vt, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
-    carry = (jnp.full((block_q,), -jnp.inf, _F32), jnp.zeros((block_q,), _F32), jnp.zeros(q_ref.shape, _F32))
+    carry = (jnp.full((block_q,), -jnp.inf, F32), jnp.zeros((block_q,), F32), jnp.zeros(q_ref.shape, F32))
     n_k = k_ref.shape[0] // block_k
     lo = (qi * block_q) // block_k
-    m, l, acc = _kv_loop(body, carry, n_k, lo, pl.cdiv(block_q, block_k), causal, False)
+    m, l, acc = kv_loop(body, carry, n_k, lo, pl.cdiv(block_q, block_k), causal, False)
     o_ref[...] = (acc * (scales_ref[1] / l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = (m + jnp.log2(l)) / LOG2E
 
@@ -124,7 +124,7 @@ def _check(q, k, v, v_transposed, scales, out_dtype) -> None:
             raise ValueError(
                 f"mha_fp8: {name} must be a scalar (a per-tensor scale); got shape {jnp.shape(s)}"
             )
-    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(_F32)):
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(F32)):
         raise TypeError(f"mha_fp8: out_dtype must be bfloat16, float16 or float32; got {out_dtype}")
 
 
@@ -137,24 +137,24 @@ def _mha_fp8(q, k, v, q_scale, k_scale, v_scale, sm_scale, causal, out_dtype, v_
     if implementation == "gluon":
         if debug:
             print(f"mha_fp8: the sm_90 Gluon kernel {_attention_sm90.FP8_NAME} (FP8=True), causal={causal}")
-        scales = jnp.stack([jnp.asarray(sm_scale, _F32) * q_scale * k_scale, jnp.asarray(v_scale, _F32)])
+        scales = jnp.stack([jnp.asarray(sm_scale, F32) * q_scale * k_scale, jnp.asarray(v_scale, F32)])
         out, lse = _attention_sm90.forward_fp8(q, k, vt, scales, causal, out_dtype)
         return (out, lse) if return_residuals else out
     bq, bk, warps, stages = _MEASURED.get(compute_capability(), _FALLBACK)
-    bq = _fit(bq, T) if block_q is None else block_q  # a block asked for is taken as it is
-    bk = _fit(bk, S) if block_k is None else block_k
+    bq = fit_block(bq, T) if block_q is None else block_q  # a block asked for is taken as it is
+    bk = fit_block(bk, S) if block_k is None else block_k
     for name, (blk, seq) in {"block_q": (bq, T), "block_k": (bk, S)}.items():
         if seq % blk or blk < 16:
             raise ValueError(f"mha_fp8: {name}={blk} must divide seq_len {seq} and be at least 16")
     if causal and T != S:
         raise ValueError(f"mha_fp8: causal=True needs q and k of the same seq_len; got {T} and {S}")
     nq = T // bq
-    b_of, h_of, qi_of = _program_ids(nq, H, reverse=True)
-    scales = jnp.stack([jnp.asarray(sm_scale * LOG2E, _F32) * q_scale * k_scale, jnp.asarray(v_scale, _F32)])
+    b_of, h_of, qi_of = program_ids(nq, H, reverse=True)
+    scales = jnp.stack([jnp.asarray(sm_scale * LOG2E, F32) * q_scale * k_scale, jnp.asarray(v_scale, F32)])
     kernel = functools.partial(_fwd_fp8_kernel, causal=causal, block_k=bk, nq=nq)
     out, lse = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct((B, H, T), _F32)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct((B, H, T), F32)],
         grid=(B * H * nq,),
         in_specs=[
             pl.BlockSpec((2,), lambda p: (0,)),
@@ -228,7 +228,7 @@ def mha_fp8(
                                      interpret)  # fmt: skip
     if interpreted(interpret) and num_stages is None:
         num_stages = 1
-    q_scale, k_scale, v_scale = (jnp.asarray(s, _F32) for s in scales.values())
+    q_scale, k_scale, v_scale = (jnp.asarray(s, F32) for s in scales.values())
     return _mha_fp8(q, k, v, q_scale, k_scale, v_scale, float(sm_scale), bool(causal), jnp.dtype(out_dtype),
                     bool(v_transposed), block_q, block_k, num_warps, num_stages, interpret, debug,
                     bool(return_residuals), implementation)  # fmt: skip

@@ -56,7 +56,7 @@ def forward(x, weight, bias, *, eps=1e-5, block_rows=None, num_warps=None, evict
     ``block_rows`` and ``num_warps`` default to ``forward_launch``'s choice;
     ``evict`` is the cache hint of the loads and stores of ``x`` and ``y``
     (``"evict_first"``, ``"evict_last"`` or None)."""
-    _norm._check("rms_norm", x, weight, bias)
+    _norm.check_inputs("rms_norm", x, weight, bias)
     if evict not in (None, "evict_first", "evict_last"):
         raise ValueError(
             f"rms_norm forward: evict must be 'evict_first', 'evict_last' or None; got {evict!r}"

@@ -42,7 +42,21 @@ from pallas_tpu._src.mosaic.lowering_kernel import func_name, lower_kernel
 PLATFORMS = ("tpu",)
 # Grids with traced sizes lower: the sizes are the custom call's first operands.
 DYNAMIC_GRID = True
-__all__ = ["LoweringException", "lower", "mosaic_modules"]
+# The Backend protocol's members (pallas.backend.Backend: this module is the backend), and the
+# names pallas_tpu exports from here.
+__all__ = [
+    "COMPILER_PARAMS",
+    "DYNAMIC_GRID",
+    "INTERPRET_PARAMS",
+    "PLATFORMS",
+    "LoweringException",
+    "check_compiler_params",
+    "claims_interpret",
+    "describe",
+    "interpret",
+    "lower",
+    "mosaic_modules",
+]
 
 COMPILER_PARAMS = tpu_core.CompilerParams
 INTERPRET_PARAMS = InterpretParams

@@ -48,7 +48,7 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.interpret.errors import count_true
-from pallas_tpu._src.interpret.refs import RefView, _clip, _is_slice, _static_int, _traced_sizes
+from pallas_tpu._src.interpret.refs import RefView, clip_index, has_traced_sizes, is_slice, is_static_int
 from pallas_tpu._src.language import primitives as tpu_prims
 
 
@@ -83,7 +83,7 @@ def _as_count(n):
 
 def dma_view(interp, view: RefView, eqn, what: str) -> DmaView:
     x = interp.state[view.cell]
-    if not any(_traced_sizes(t) for t in view.transforms):
+    if not any(has_traced_sizes(t) for t in view.transforms):
         aval = plb.transformed_aval(compat.shaped_array(x.shape, x.dtype), view.transforms)
         return DmaView(view, aval.dtype, tuple(aval.shape))
     idx, shape = interp.view_indices(view, eqn, what)
@@ -142,8 +142,8 @@ def flat_region(interp, dv: DmaView, eqn, what: str):
         return None
     sizes = []
     for ix in ts[0].indices:
-        if _is_slice(ix):
-            if not (_static_int(ix.size) and _static_int(ix.stride) and int(ix.stride) == 1):
+        if is_slice(ix):
+            if not (is_static_int(ix.size) and is_static_int(ix.stride) and int(ix.stride) == 1):
                 return None
             sizes.append(int(ix.size))
         elif jnp.ndim(ix) == 0:
@@ -159,8 +159,8 @@ def flat_region(interp, dv: DmaView, eqn, what: str):
     fixed, terms, step = 0, [], 1
     for d in reversed(range(x.ndim)):
         if sizes[d] < x.shape[d]:
-            st = _clip(starts[d], 0, x.shape[d] - sizes[d])
-            if _static_int(st):
+            st = clip_index(starts[d], 0, x.shape[d] - sizes[d])
+            if is_static_int(st):
                 fixed += int(st) * step
             else:
                 terms.append(lax.mul(st, np.int32(step)) if step != 1 else st)
@@ -179,7 +179,7 @@ def _flat(x):
 
 def _run(flat, region):
     offset, n = region
-    if _static_int(offset):
+    if is_static_int(offset):
         return flat if (offset, n) == (0, flat.size) else lax.slice(flat, (offset,), (offset + n,))
     return lax.dynamic_slice(flat, (offset,), (n,), allow_negative_indices=False)  # clamped
 
@@ -187,7 +187,7 @@ def _run(flat, region):
 def _put_run(flat, region, val):
     offset, n = region
     val = lax.reshape(jnp.asarray(val, flat.dtype), (n,))
-    if _static_int(offset) and (offset, n) == (0, flat.size):
+    if is_static_int(offset) and (offset, n) == (0, flat.size):
         return val
     return lax.dynamic_update_slice(
         flat, val, (jnp.asarray(offset, jnp.int32),), allow_negative_indices=False
@@ -347,8 +347,8 @@ def _whole_slot(interp, dv: DmaView) -> bool:
         return False
     whole = False
     for ix, n in zip(ts[0].indices, x.shape):
-        if _is_slice(ix):
-            if not (_static_int(ix.size) and int(ix.size) == n):
+        if is_slice(ix):
+            if not (is_static_int(ix.size) and int(ix.size) == n):
                 return False
             whole = True
         elif jnp.ndim(ix) != 0 or whole:

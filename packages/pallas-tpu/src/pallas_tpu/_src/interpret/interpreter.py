@@ -126,7 +126,7 @@ class InterpretParams:
             self,
             ("detect_races", "skip_floating_point_ops", "allow_hbm_allocation_in_run_scoped"),
         )
-        tpu_info._as_chip(self.chip_version)  # an unknown generation fails here, naming the known ones
+        tpu_info.as_chip(self.chip_version)  # an unknown generation fails here, naming the known ones
         if not isinstance(self.num_cores_or_threads, int) or self.num_cores_or_threads < 1:
             raise ValueError(
                 f"InterpretParams: num_cores_or_threads must be a positive int, got {self.num_cores_or_threads!r}"
@@ -155,7 +155,7 @@ def _on_chip(space) -> bool:
     return space is None or space in (tpu_core.VMEM, tpu_core.SMEM, tpu_core.VMEM_SHARED)
 
 
-def _uninit(shape, dtype, mode: str):
+def uninit_fill(shape, dtype, mode: str):
     if mode == "zero":
         return jnp.zeros(shape, dtype)
     return plb.uninitialized_value(shape, dtype)

@@ -40,18 +40,18 @@ from pallas_tpu._src.interpret.interpreter import Interpreter
 from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.interpret.remote_dma import RemoteDMAs
 from pallas_tpu._src.interpret.sessions import (
-    _inside,
-    _join_session,
-    _lock,
-    _session,
-    _sessions,
+    get_session,
+    index_inside,
+    join_session,
+    live_sessions,
     lowering_mesh_devices,
+    sessions_lock,
 )
 from pallas_tpu._src.language import primitives as tpu_prims
 
 
 def __getattr__(name: str):
-    """Names that moved to ``sessions.py`` (``races``, ``_join_session``,
+    """Names that moved to ``sessions.py`` (``races``, ``join_session``,
     ``reset_tpu_interpret_mode_state``, ``lowering_mesh``, ...), read there: this module
     stands for JAX's ``interpret_pallas_call`` (``scripts/jax_pallas_tests.py``), and
     ``races`` is rebound on reset."""
@@ -108,7 +108,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         cores = self.params.num_cores_or_threads
 
         def join(dev):
-            return np.int32(_join_session(key, n, int(dev), desc, races_on, cores).sid)
+            return np.int32(join_session(key, n, int(dev), desc, races_on, cores).sid)
 
         (self.sid,) = self._callback(join, [jax.ShapeDtypeStruct((), jnp.int32)], self.my_dev)
 
@@ -143,7 +143,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
 
     def finish(self) -> None:
         def leave(sid, dev):
-            s = _session(sid)
+            s = get_session(sid)
             dev = int(dev)
             with s.cv:
                 s.check_alive(dev)
@@ -151,8 +151,8 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
                 s.cv.notify_all()
                 if len(s.left) < s.num_devices:
                     return ()
-                with _lock:
-                    _sessions.pop(s.sid, None)
+                with sessions_lock:
+                    live_sessions.pop(s.sid, None)
                 for key, v in s.sems.items():
                     if v:
                         raise s.fail(
@@ -182,7 +182,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         def host(tok, *a):
             if progress is not None:
                 *a, step, total = a
-                _session(a[0]).progress(int(step), int(total))
+                get_session(a[0]).progress(int(step), int(total))
             out = fn(*a)
             out = () if out is None else (out if isinstance(out, tuple) else (out,))
             return (np.asarray(tok, np.int32), *out)
@@ -266,7 +266,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         site, buf_name, who = self._site(eqn), self._buf_name, self._who
 
         def access(sid, dev, idx):
-            s, dev = _session(sid), int(dev)
+            s, dev = get_session(sid), int(dev)
             with s.cv:
                 s.check_alive(dev)
 
@@ -288,7 +288,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         s.hb.start_dma(thread, dma)
         s.inflight[sem_key].append(dma)
         src_cell, dst_cell = v
-        src_idx, dst_idx = _inside(src_idx, shapes[0]), _inside(dst_idx, shapes[1])
+        src_idx, dst_idx = index_inside(src_idx, shapes[0]), index_inside(dst_idx, shapes[1])
         remote = "remote " if dst_dev is not None else ""
         by = f"the {remote}DMA started at {site} ({self._who(dev, core)})"
         s.record(
@@ -320,7 +320,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         shapes = (self.state[src.cell].shape, self.state[dst.cell].shape)
 
         def start(sid, dev, sem_idx, src_idx, dst_idx):
-            s, dev = _session(sid), int(dev)
+            s, dev = get_session(sid), int(dev)
             with s.cv:
                 s.check_alive(dev)
                 sk = ("dst", dev, core, key, int(sem_idx))
@@ -333,7 +333,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         core = self.core_id
 
         def done(sid, dev, sem_idx):
-            s, dev = _session(sid), int(dev)
+            s, dev = get_session(sid), int(dev)
             with s.cv:
                 s.check_alive(dev)
                 q = s.inflight.get((which, dev, core, key, int(sem_idx)))
@@ -356,7 +356,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         n_cores = self.params.num_cores_or_threads
 
         def signal(sid, dev, target, core, sem_idx, inc):
-            s, dev, target, core = _session(sid), int(dev), int(target), int(core)
+            s, dev, target, core = get_session(sid), int(dev), int(target), int(core)
             with s.cv:
                 s.check_alive(dev)
                 if not 0 <= target < s.num_devices:
@@ -392,7 +392,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         core, where = self.core_id, self._site(eqn)
 
         def wait(sid, dev, sem_idx, amount):
-            s, dev, amount = _session(sid), int(dev), int(amount)
+            s, dev, amount = get_session(sid), int(dev), int(amount)
             k = (dev, core, key, int(sem_idx))
             with s.cv:
                 s.check_alive(dev)
@@ -416,7 +416,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
             core = self.core_id
 
             def read(sid, dev, sem_idx):
-                s = _session(sid)
+                s = get_session(sid)
                 with s.cv:
                     return np.int32(s.sems[(int(dev), core, key, int(sem_idx))])
 

@@ -30,7 +30,7 @@ from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.interpret.interpreter import (
     Interpreter,
     InterpretParams,
-    _uninit,
+    uninit_fill,
 )
 from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.language import core as tpu_core
@@ -334,11 +334,11 @@ def _operand_cells(call: _Call, operands, input_output_aliases) -> list[_Operand
             interp.cell_names[hbm] += f" = {bm.origin}"
         else:
             padded = _pad_to_blocks(jnp.zeros(bm.array_shape, bm.dtype), bm, mode).shape
-            hbm = interp.new_cell(_uninit(padded, bm.dtype, mode), f"{bm.origin} (HBM)", tpu_core.HBM)
+            hbm = interp.new_cell(uninit_fill(padded, bm.dtype, mode), f"{bm.origin} (HBM)", tpu_core.HBM)
         buf = None
         if not bm.is_whole_array:
             buf = interp.new_cell(
-                _uninit(bm.kernel_block_shape, bm.dtype, mode),
+                uninit_fill(bm.kernel_block_shape, bm.dtype, mode),
                 f"{bm.origin} block",
                 bm.memory_space or tpu_core.VMEM,
                 dma_target=call.targets is None or call.first_ref + k in call.targets,
@@ -362,7 +362,7 @@ def _new_scratch(call: _Call) -> list[int]:
         init = (
             jnp.zeros(a.shape, jnp.int32)
             if plb.semaphore_kind(a) is not None
-            else _uninit(a.shape, a.dtype, mode)
+            else uninit_fill(a.shape, a.dtype, mode)
         )
         space = getattr(a, "memory_space", None)
         target = targets is None or call.first_ref + len(gm.block_mappings) + i in targets
@@ -378,7 +378,7 @@ def _new_lane(call: _Call, slot: int, core_id: int) -> _Lane:
     core_ops = list(call.ops)
     for i in call.blocked:
         op = call.ops[i]
-        init = _uninit(op.bm.kernel_block_shape, op.bm.dtype, call.params.uninitialized_memory)
+        init = uninit_fill(op.bm.kernel_block_shape, op.bm.dtype, call.params.uninitialized_memory)
         buf = op.buf
         if slot > 0:
             name = f"{op.bm.origin} block (core {core_id})"
@@ -575,6 +575,6 @@ def _enter_block(interp, op, key: tuple[int, int], is_out, gidx, prefetch, s):
         interp.state[op.hbm] = lax.dynamic_update_slice(
             hbm, jnp.where(write_back, blk, old_hbm), prev, allow_negative_indices=False
         )
-        fresh = _uninit(kshape, bm.dtype, interp.params.uninitialized_memory)
+        fresh = uninit_fill(kshape, bm.dtype, interp.params.uninitialized_memory)
         interp.state[op.buf] = jnp.where(changed, fresh, interp.state[op.buf])
     interp.hidden.block_starts[key] = cur

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from pallas_tpu._src import compat
-from pallas_tpu._src.language.vector_primitives import _bitcast_impl as tpu_bitcast
+from pallas_tpu._src.language.vector_primitives import bitcast_impl as tpu_bitcast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,13 +34,13 @@ class RefView:
         return RefView(self.cell, self.transforms + tuple(more))
 
 
-def _is_slice(x) -> bool:
+def is_slice(x) -> bool:
     return hasattr(x, "start") and hasattr(x, "size") and hasattr(x, "stride")
 
 
-def _traced_sizes(transform) -> bool:
+def has_traced_sizes(transform) -> bool:
     """True if ``transform`` is an indexer with a slice whose size is traced."""
-    return any(_is_slice(ix) and not _static_int(ix.size) for ix in getattr(transform, "indices", ()))
+    return any(is_slice(ix) and not is_static_int(ix.size) for ix in getattr(transform, "indices", ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class _Window:
         for d, (stride, count) in enumerate(zip(self.strides, self.counts)):
             at = [-1 if k == d else 1 for k in range(len(self.counts))]
             const = const + (np.arange(count, dtype=np.int32) * np.int32(stride)).reshape(at)
-        if _static_int(self.base):
+        if is_static_int(self.base):
             idx = jnp.asarray(const + np.int32(self.base))
         else:
             idx = lax.add(lax.broadcast(self.base, tuple(self.counts)), const)
@@ -80,14 +80,14 @@ class _Window:
 
 def _add_scaled(base, x, k: int):
     """``base + x * k``: a Python int while both are known, else traced int32."""
-    if _static_int(x):
+    if is_static_int(x):
         if int(x) == 0 or k == 0:
             return base
-        if _static_int(base):
+        if is_static_int(base):
             return int(base) + int(x) * k
         return lax.add(base, np.int32(int(x) * k))
     term = _i32(x) if k == 1 else lax.mul(_i32(x), np.int32(k))
-    if _static_int(base):
+    if is_static_int(base):
         return term if int(base) == 0 else lax.add(term, np.int32(base))
     return lax.add(base, term)
 
@@ -100,25 +100,25 @@ def _i32(x):
 
 def _plain_indexer(t) -> bool:
     """An NDIndexer of slices and scalar indices (no index arrays)."""
-    return hasattr(t, "indices") and all(_is_slice(ix) or jnp.ndim(ix) == 0 for ix in t.indices)
+    return hasattr(t, "indices") and all(is_slice(ix) or jnp.ndim(ix) == 0 for ix in t.indices)
 
 
-def _static_int(x) -> bool:
+def is_static_int(x) -> bool:
     return isinstance(x, (int, np.integer))
 
 
 def _index_value(x):
     """An index as a Python int when it is known while tracing, else traced int32:
     static indices need no bounds check and no dynamic slice in the program."""
-    if _static_int(x):
+    if is_static_int(x):
         return int(x)
     if isinstance(x, np.ndarray) and x.shape == () and np.issubdtype(x.dtype, np.integer):
         return int(x)
     return jnp.asarray(x, jnp.int32)
 
 
-def _clip(x, lo: int, hi: int):
-    if _static_int(x):
+def clip_index(x, lo: int, hi: int):
+    if is_static_int(x):
         return min(max(int(x), lo), hi)
     return lax.clamp(np.int32(lo), jnp.asarray(x, jnp.int32), np.int32(hi))
 
@@ -150,14 +150,14 @@ class RefAccess:
     def _index_parts(self, shape, indexer, eqn, view, what):
         """(starts, sizes, strides, squeezed dims, advanced index arrays) of one NDIndexer."""
         starts, sizes, strides, squeeze, arrays = [], [], [], [], {}
-        raw = [ix.start if _is_slice(ix) else ix for ix in indexer.indices]
+        raw = [ix.start if is_slice(ix) else ix for ix in indexer.indices]
         for d, (n, ix) in enumerate(zip(shape, indexer.indices)):
-            if _is_slice(ix):
+            if is_slice(ix):
                 starts.append(_index_value(ix.start))
                 sizes.append(int(ix.size))
                 strides.append(int(ix.stride))
             else:
-                if _static_int(ix):
+                if is_static_int(ix):
                     starts.append(int(ix))
                     sizes.append(1)
                     strides.append(1)
@@ -190,7 +190,7 @@ class RefAccess:
                     continue
                 extent = (sizes[d] - 1) * strides[d] + 1 if sizes[d] else 0
                 st = starts[d]
-                if _static_int(st):  # known while tracing: no check in the program
+                if is_static_int(st):  # known while tracing: no check in the program
                     if 0 <= st and st + extent <= n:
                         continue
                     ok = False
@@ -215,10 +215,10 @@ class RefAccess:
             return self._transform_other(x, indexer, eqn)
         starts, sizes, strides, squeeze, arrays = self._index_parts(x.shape, indexer, eqn, view, what)
         ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
-        starts_c = [_clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
+        starts_c = [clip_index(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
         if not x.ndim:
             y = x
-        elif all(_static_int(s) for s in starts_c):
+        elif all(is_static_int(s) for s in starts_c):
             y = x if tuple(ext) == x.shape else lax.slice(x, starts_c, [s + e for s, e in zip(starts_c, ext)])
         else:
             y = lax.dynamic_slice(x, starts_c, ext, allow_negative_indices=False)  # clipped above
@@ -254,10 +254,10 @@ class RefAccess:
             # Basic dims become broadcastable aranges, as numpy's mixed indexing.
             return x.at[tuple(idx)].set(val.astype(x.dtype), mode="drop")
         ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
-        starts_c = [_clip(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
+        starts_c = [clip_index(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
         blk_shape = [s for d, s in enumerate(sizes)]
         val = jnp.asarray(val, x.dtype).reshape(blk_shape)
-        if tuple(ext) == x.shape and all(_static_int(s) and s == 0 for s in starts_c):
+        if tuple(ext) == x.shape and all(is_static_int(s) and s == 0 for s in starts_c):
             if all(k == 1 for k in strides):
                 return val  # the whole buffer
         if any(k != 1 for k in strides):
@@ -298,7 +298,8 @@ class RefAccess:
                 flat, mult = np.int32(0), 1
                 for st, n in reversed(list(zip(starts, shape))):
                     flat = lax.add(
-                        lax.mul(jnp.asarray(_clip(st, 0, max(n - 1, 0)), jnp.int32), np.int32(mult)), flat
+                        lax.mul(jnp.asarray(clip_index(st, 0, max(n - 1, 0)), jnp.int32), np.int32(mult)),
+                        flat,
                     )
                     mult *= n
                 return flat
@@ -339,7 +340,7 @@ class RefAccess:
                 continue
             if win is not None:
                 (idx, valid), shape, win = win.indices(), list(win.shape), None
-            if valid is None and not _traced_sizes(t):
+            if valid is None and not has_traced_sizes(t):
                 idx = (
                     self._read1(idx, t, eqn, view, what)
                     if hasattr(t, "indices")
@@ -377,18 +378,18 @@ class RefAccess:
         if jax.tree_util.tree_structure(mine) != tree:
             return {}
         leaves = jax.tree_util.tree_leaves(mine)
-        return {id(leaf): b for leaf, b in zip(leaves, per_leaf) if not _static_int(leaf)}
+        return {id(leaf): b for leaf, b in zip(leaves, per_leaf) if not is_static_int(leaf)}
 
     def _window_index(self, win: _Window, indexer, eqn, view, what, bounds) -> _Window:
         """``win`` indexed by an NDIndexer of slices and scalar indices, checked as
         a read or write through it is (``_index_parts``, or ``_traced_dim`` for a
         size that is traced)."""
         base, strides, counts, shape, masks = win.base, [], [], [], {}
-        if not _traced_sizes(indexer):
+        if not has_traced_sizes(indexer):
             starts, sizes, steps, squeeze, _ = self._index_parts(tuple(win.shape), indexer, eqn, view, what)
             for d, (st, size, step, n) in enumerate(zip(starts, sizes, steps, win.shape)):
                 ext = (size - 1) * step + 1 if size else 0
-                base = _add_scaled(base, _clip(st, 0, max(n - ext, 0)), win.strides[d])
+                base = _add_scaled(base, clip_index(st, 0, max(n - ext, 0)), win.strides[d])
                 if d not in squeeze:
                     strides.append(win.strides[d] * step)
                     counts.append(size)
@@ -398,10 +399,10 @@ class RefAccess:
             start, size, step, count, entry, scalar = self._traced_dim(
                 ix, d, win.shape[d], eqn, view, what, bounds
             )
-            base = _add_scaled(base, _clip(start, 0, max(win.shape[d] - 1, 0)), win.strides[d])
+            base = _add_scaled(base, clip_index(start, 0, max(win.shape[d] - 1, 0)), win.strides[d])
             if scalar:
                 continue
-            if not _static_int(size):
+            if not is_static_int(size):
                 masks[len(counts)] = lax.lt(np.arange(count, dtype=np.int32), lax.broadcast(size, (count,)))
             strides.append(win.strides[d] * step)
             counts.append(count)
@@ -414,15 +415,15 @@ class RefAccess:
         the dimension is indexed away). The count is the dimension's length, or the
         size's static bound (checked as the kernel runs); the window is
         bounds-checked unless the static intervals show it in range."""
-        if _is_slice(ix):
+        if is_slice(ix):
             start, size, stride = _index_value(ix.start), ix.size, int(ix.stride)
             s_lo, s_hi = bounds.get(id(ix.start), (None, None))
         else:
             start, size, stride = _index_value(ix), 1, 1
             s_lo, s_hi = bounds.get(id(ix), (None, None))
-        if _static_int(start):
+        if is_static_int(start):
             s_lo = s_hi = start
-        static = _static_int(size)
+        static = is_static_int(size)
         count = int(size) if static else -(-n // stride)
         n_lo, n_hi = (int(size), int(size)) if static else bounds.get(id(size), (None, None))
         if not static:
@@ -438,7 +439,7 @@ class RefAccess:
                 )
         self._check_window(eqn, view, what, d, start, size, stride, n, (s_lo, s_hi, n_lo, n_hi))
         entry = count if static else size
-        return start, size, stride, count, entry, not _is_slice(ix)
+        return start, size, stride, count, entry, not is_slice(ix)
 
     def _index_traced(self, idx, valid, shape, indexer, eqn, view, what, bounds):
         """``view_indices`` of one NDIndexer when a size is traced, on gathered
@@ -447,7 +448,7 @@ class RefAccess:
             valid = jnp.ones(idx.shape, jnp.bool_)
         out_shape, squeeze = [], []
         for d, ix in enumerate(indexer.indices):
-            if not _is_slice(ix) and jnp.ndim(ix) > 0:
+            if not is_slice(ix) and jnp.ndim(ix) > 0:
                 raise NotImplementedError(
                     f"{self.where(eqn)}: a DMA view with a traced size cannot also be indexed with an "
                     "array of indices"
@@ -461,12 +462,12 @@ class RefAccess:
             out_shape.append(entry)
             offs = np.arange(count, dtype=np.int32) * np.int32(stride)
             top = np.int32(max(extent - 1, 0))
-            if _static_int(start):
+            if is_static_int(start):
                 pos = np.clip(start + offs, 0, top).astype(np.int32)
             else:
                 pos = lax.clamp(np.int32(0), lax.add(lax.broadcast(start, (count,)), offs), top)
             idx, valid = jnp.take(idx, pos, axis=d), jnp.take(valid, pos, axis=d)
-            if not _static_int(size):
+            if not is_static_int(size):
                 inside = lax.lt(np.arange(count, dtype=np.int32), lax.broadcast(size, (count,)))
                 valid = lax.bitwise_and(valid, lax.broadcast_in_dim(inside, valid.shape, (d,)))
         keep = [d for d in range(idx.ndim) if d not in squeeze]
@@ -483,7 +484,7 @@ class RefAccess:
         s_lo, s_hi, n_lo, n_hi = intervals
         if n_lo is not None and n_lo == n_hi == 0:
             return
-        if _static_int(n) and None not in intervals:
+        if is_static_int(n) and None not in intervals:
             if s_lo >= 0 and n_lo >= 0 and (n_hi == 0 or s_hi + (n_hi - 1) * stride < n):
                 return
         size = jnp.asarray(size, jnp.int32)

@@ -16,7 +16,7 @@ from jax import lax, tree_util
 
 from pallas_tpu._src.interpret import dma as interpret_dma
 from pallas_tpu._src.interpret.interpreter import Interpreter
-from pallas_tpu._src.interpret.sessions import _Message, _session
+from pallas_tpu._src.interpret.sessions import Message, get_session
 
 
 class RemoteDMAs:
@@ -40,7 +40,7 @@ class RemoteDMAs:
         self.remote_sem_cells.add(v["dst_sem"].cell)
 
         def send(sid, dev, target, sem_idx, ssem_idx, nbytes, data, dst_idx, src_idx):
-            s, dev, target = _session(sid), int(dev), int(target)
+            s, dev, target = get_session(sid), int(dev), int(target)
             with s.cv:
                 s.check_alive(dev)
                 if not 0 <= target < s.num_devices:
@@ -59,7 +59,7 @@ class RemoteDMAs:
                     dma = self._dma_start_race(
                         s, dev, core, target, cells, src_idx, dst_idx, shapes, site, sk
                     )
-                msg = _Message(
+                msg = Message(
                     np.asarray(data),
                     np.asarray(dst_idx),
                     cells[1],
@@ -111,7 +111,7 @@ class RemoteDMAs:
         label = f"{name}[{{}}] (core {core})"
 
         def pull(sid, dev, sem_idx, need):
-            s, dev, need = _session(sid), int(dev), int(need)
+            s, dev, need = get_session(sid), int(dev), int(need)
             k = (dev, core, key, int(sem_idx))
             with s.cv:
                 s.check_alive(dev)
@@ -178,7 +178,7 @@ class RemoteDMAs:
         core, where = self.core_id, self._site(eqn)
 
         def land(sid, dev):
-            s, dev = _session(sid), int(dev)
+            s, dev = get_session(sid), int(dev)
             outs = [(np.zeros(n, dt), np.full(n, n, np.int32)) for _, n, dt in metas]
             with s.cv:
                 for m in s.staged.pop((dev, core), []):

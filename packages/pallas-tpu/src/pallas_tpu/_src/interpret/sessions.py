@@ -82,8 +82,8 @@ class RaceDetectionState:
 
 races = RaceDetectionState()
 
-_lock = threading.Lock()
-_sessions: dict[int, _Session] = {}
+sessions_lock = threading.Lock()
+live_sessions: dict[int, _Session] = {}
 _open: dict[Any, list[_Session]] = collections.defaultdict(list)
 _next_sid = 0
 
@@ -95,25 +95,25 @@ def reset_tpu_interpret_mode_state() -> None:
     again at the next ``jax.effects_barrier()``."""
     global races
     compat.forget_failed_effects()
-    with _lock:
-        for s in _sessions.values():
+    with sessions_lock:
+        for s in live_sessions.values():
             with s.cv:
                 s.error = s.error or "the TPU interpret mode state was reset"
                 s.cv.notify_all()
-        _sessions.clear()
+        live_sessions.clear()
         _open.clear()
     races = RaceDetectionState()
 
 
-def _session(sid) -> _Session:
-    s = _sessions.get(int(sid))
+def get_session(sid) -> _Session:
+    s = live_sessions.get(int(sid))
     if s is None:
         raise KernelError("TPU interpret mode: this kernel's session was reset while it ran")
     return s
 
 
 @dataclasses.dataclass
-class _Message:
+class Message:
     data: np.ndarray
     idx: np.ndarray
     dst_cell: int
@@ -122,7 +122,7 @@ class _Message:
     site: str
 
 
-def _inside(idx, shape) -> np.ndarray:
+def index_inside(idx, shape) -> np.ndarray:
     """The flat indices of ``idx`` inside a cell of ``shape`` (positions past
     a traced DMA size hold the cell's size)."""
     idx = np.asarray(idx).reshape(-1)
@@ -145,7 +145,7 @@ class _Session:
         self.mail: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self.inflight: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self.dma_sites: dict[Any, str] = {}
-        self.staged: dict[Any, list[_Message]] = {}  # (device, core) -> remote DMAs a wait took, to land
+        self.staged: dict[Any, list[Message]] = {}  # (device, core) -> remote DMAs a wait took, to land
         self.n_dma = 0
         self.num_cores = num_cores
         self.hb = races_mod.HappensBefore(num_devices, num_cores)
@@ -157,7 +157,7 @@ class _Session:
 
     def fail(self, msg: str) -> KernelError:
         """Aborts the session on every device; returns the error to raise here."""
-        with _lock:
+        with sessions_lock:
             if self.error is None:
                 self.error = msg
             if self in _open.get(self.key, []):
@@ -280,18 +280,18 @@ def lowering_mesh(axis_context):
         _lowering_mesh.devices = old
 
 
-def _join_session(
+def join_session(
     key, num_devices: int, dev: int, kernel: str, detect_races: bool, num_cores: int = 1
 ) -> _Session:
     global _next_sid
-    with _lock:
+    with sessions_lock:
         for s in _open[key]:
             if dev not in s.joined:
                 break
         else:
             s = _Session(_next_sid, key, num_devices, kernel, detect_races, num_cores)
             _next_sid += 1
-            _sessions[s.sid] = s
+            live_sessions[s.sid] = s
             _open[key].append(s)
         s.joined.add(dev)
         if len(s.joined) == num_devices:

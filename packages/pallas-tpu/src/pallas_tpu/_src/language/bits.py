@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_tpu._src.language.vector_common import _bits, _error
+from pallas_tpu._src.language.vector_common import bit_width, op_error
 
 _FIELD_TYPES = {2: jnp.int2, 4: jnp.int4}
 
@@ -31,7 +31,7 @@ def _as_array(x, op: str, arg: str) -> jax.Array:
     try:
         return jnp.asarray(x)
     except TypeError as e:
-        raise _error(TypeError, op, f"{arg} must be an array, got {type(x).__name__}") from e
+        raise op_error(TypeError, op, f"{arg} must be an array, got {type(x).__name__}") from e
 
 
 def split_bits(x: jax.Array, bitwidths: Sequence[int]) -> tuple[jax.Array, ...]:
@@ -48,19 +48,21 @@ def split_bits(x: jax.Array, bitwidths: Sequence[int]) -> tuple[jax.Array, ...]:
     """
     op = "split_bits"
     x = _as_array(x, op, "x")
-    if not jnp.issubdtype(x.dtype, jnp.integer) or _bits(x.dtype) != 8:
-        raise _error(ValueError, op, f"x must be an 8-bit integer array (int8 or uint8), got {x.dtype}")
+    if not jnp.issubdtype(x.dtype, jnp.integer) or bit_width(x.dtype) != 8:
+        raise op_error(ValueError, op, f"x must be an 8-bit integer array (int8 or uint8), got {x.dtype}")
     try:
         widths = tuple(bitwidths)
     except TypeError:
-        raise _error(
+        raise op_error(
             TypeError, op, f"bitwidths must be a tuple of ints (2 or 4), got {bitwidths!r}"
         ) from None
     for w in widths:
         if isinstance(w, bool) or w not in _FIELD_TYPES:
-            raise _error(ValueError, op, f"bitwidths may hold only 2 and 4, got {w!r} in {widths}")
+            raise op_error(ValueError, op, f"bitwidths may hold only 2 and 4, got {w!r} in {widths}")
     if sum(widths) > 8:
-        raise _error(ValueError, op, f"bitwidths {widths} add up to {sum(widths)} bits, more than a byte's 8")
+        raise op_error(
+            ValueError, op, f"bitwidths {widths} add up to {sum(widths)} bits, more than a byte's 8"
+        )
     word = x.astype(jnp.uint8).astype(jnp.int32)  # the byte's bits, zero-extended
     fields, offset = [], 0
     for w in widths:
@@ -72,9 +74,9 @@ def split_bits(x: jax.Array, bitwidths: Sequence[int]) -> tuple[jax.Array, ...]:
 
 def _field(x, width: int, op: str, arg: str) -> jax.Array:
     x = _as_array(x, op, arg)
-    if not jnp.issubdtype(x.dtype, jnp.integer) or _bits(x.dtype) != width:
+    if not jnp.issubdtype(x.dtype, jnp.integer) or bit_width(x.dtype) != width:
         names = {2: "int2 or uint2", 4: "int4 or uint4"}[width]
-        raise _error(ValueError, op, f"{arg} must be a {width}-bit integer array ({names}), got {x.dtype}")
+        raise op_error(ValueError, op, f"{arg} must be a {width}-bit integer array ({names}), got {x.dtype}")
     return x.astype(jnp.int32) & ((1 << width) - 1)  # the field's bits, zero-extended
 
 
@@ -93,7 +95,7 @@ def join_bits(*, two_bits: jax.Array | None = None, four_bits: jax.Array | None 
     """
     op = "join_bits"
     if two_bits is None and four_bits is None:
-        raise _error(ValueError, op, "give two_bits, four_bits or both; got neither")
+        raise op_error(ValueError, op, "give two_bits, four_bits or both; got neither")
     low = None if four_bits is None else _field(four_bits, 4, op, "four_bits")
     high = None if two_bits is None else _field(two_bits, 2, op, "two_bits")
     if low is None:
@@ -102,7 +104,7 @@ def join_bits(*, two_bits: jax.Array | None = None, four_bits: jax.Array | None 
         word = low
     else:
         if low.shape != high.shape:
-            raise _error(
+            raise op_error(
                 ValueError,
                 op,
                 f"two_bits and four_bits must have one shape, got {tuple(high.shape)} and {tuple(low.shape)}",

@@ -21,7 +21,7 @@ from jax import lax
 from jax.extend.core import Primitive
 
 from pallas_tpu._src import compat
-from pallas_tpu._src.language.vector_common import _error, _register_interpret
+from pallas_tpu._src.language.vector_common import op_error, register_interpret
 
 conv_p = Primitive("conv")
 _OP = "conv"
@@ -33,9 +33,9 @@ def _ints(value, n: int, arg: str, default: int) -> tuple[int, ...]:
     try:
         out = tuple(int(v) for v in value)
     except (TypeError, ValueError):
-        raise _error(TypeError, _OP, f"{arg} must be a sequence of {n} ints, got {value!r}") from None
+        raise op_error(TypeError, _OP, f"{arg} must be a sequence of {n} ints, got {value!r}") from None
     if len(out) != n or any(v < 1 for v in out):
-        raise _error(
+        raise op_error(
             ValueError, _OP, f"{arg} must hold {n} positive ints (one per spatial dim), got {value!r}"
         )
     return out
@@ -80,13 +80,13 @@ def conv(
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     if lhs.ndim != rhs.ndim or lhs.ndim < 3:
-        raise _error(
+        raise op_error(
             ValueError, _OP, f"lhs and rhs must have one rank of at least 3, got {lhs.shape} and {rhs.shape}"
         )
     try:
         dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
     except (TypeError, ValueError) as e:
-        raise _error(
+        raise op_error(
             ValueError,
             _OP,
             f"dimension_numbers {dimension_numbers!r} do not fit lhs {lhs.shape} and rhs {rhs.shape}: {e}",
@@ -97,7 +97,7 @@ def conv(
     rhs_dil = _ints(rhs_dilation, n, "rhs_dilation", 1)
     if isinstance(padding, str):
         if padding.upper() not in ("SAME", "VALID", "SAME_LOWER"):
-            raise _error(
+            raise op_error(
                 ValueError, _OP, f"padding must be 'SAME', 'VALID' or (low, high) pairs, got {padding!r}"
             )
         window = [(rhs.shape[d] - 1) * r + 1 for d, r in zip(dn.rhs_spec[2:], rhs_dil)]
@@ -108,14 +108,14 @@ def conv(
         try:
             pads = tuple((int(lo), int(hi)) for lo, hi in padding)
         except (TypeError, ValueError):
-            raise _error(
+            raise op_error(
                 TypeError, _OP, f"padding must be a string or (low, high) pairs, got {padding!r}"
             ) from None
         if len(pads) != n:
-            raise _error(ValueError, _OP, f"padding must hold {n} (low, high) pairs, got {padding!r}")
+            raise op_error(ValueError, _OP, f"padding must hold {n} (low, high) pairs, got {padding!r}")
     reversal = (False,) * n if window_reversal is None else tuple(bool(r) for r in window_reversal)
     if len(reversal) != n:
-        raise _error(ValueError, _OP, f"window_reversal must hold {n} bools, got {window_reversal!r}")
+        raise op_error(ValueError, _OP, f"window_reversal must hold {n} bools, got {window_reversal!r}")
     args = (lhs, rhs) if acc is None else (lhs, rhs, jnp.asarray(acc))
     params = dict(
         dimension_numbers=dn,
@@ -148,7 +148,7 @@ def _abstract_eval(lhs, rhs, *acc, **params):
     if not acc:
         return compat.shaped_array(out.shape, out.dtype)
     if tuple(acc[0].shape) != tuple(out.shape):
-        raise _error(
+        raise op_error(
             ValueError,
             _OP,
             f"acc has shape {tuple(acc[0].shape)} but the convolution gives {tuple(out.shape)}",
@@ -162,4 +162,4 @@ def _conv_impl(lhs, rhs, *acc, **params):
 
 
 conv_p.def_abstract_eval(_abstract_eval)
-_register_interpret(conv_p, _conv_impl)
+register_interpret(conv_p, _conv_impl)

@@ -28,7 +28,7 @@ import pallas as pl
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.language import core as tpu_core
-from pallas_tpu._src.language.vector_common import _error
+from pallas_tpu._src.language.vector_common import op_error
 
 has_memory_space_p = Primitive("has_memory_space")
 
@@ -60,20 +60,20 @@ def has_memory_space(ref: Any, memory_space: Any) -> jax.Array:
     base = ref.ref if isinstance(ref, compat.TransformedRef) else ref
     aval = compat.typeof(base)
     if not isinstance(aval, compat.AbstractRef):
-        raise _error(TypeError, op, f"ref must be a Ref in pl.ANY memory space, got {type(ref).__name__}")
+        raise op_error(TypeError, op, f"ref must be a Ref in pl.ANY memory space, got {type(ref).__name__}")
     # A pl.ANY operand's Ref carries no memory space in our avals (pallas-core keeps its own spaces
     # out of them), as a default-space block's does not: only a concrete space is known wrong here.
     if aval.memory_space not in (None, pl.ANY):
-        raise _error(ValueError, op, f"ref must have pl.ANY memory space, but got {aval.memory_space}")
+        raise op_error(ValueError, op, f"ref must have pl.ANY memory space, but got {aval.memory_space}")
     if memory_space is pl.ANY:
-        raise _error(
+        raise op_error(
             ValueError,
             op,
             "has_memory_space(..., pl.ANY) is not supported: give a concrete memory space "
             "(pltpu.HBM, pltpu.VMEM, pltpu.SMEM...)",
         )
     if memory_space not in _SPACES:
-        raise _error(
+        raise op_error(
             TypeError,
             op,
             f"memory_space must be a pltpu memory space (pltpu.HBM, pltpu.VMEM...), got {memory_space!r}",

@@ -41,7 +41,7 @@ import pallas as pl
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.language import tpu_info
-from pallas_tpu._src.language.vector_common import _error
+from pallas_tpu._src.language.vector_common import op_error
 
 
 class MXUEffect(Effect):
@@ -82,9 +82,7 @@ class AccMemorySpace:
 
 
 def compat_register(space) -> None:
-    from pallas._src import compat as core_compat
-
-    core_compat.register_neutral_memory_space(space)
+    plb.register_neutral_memory_space(space)
 
 
 plb.register_memory_space_type(AccMemorySpace)
@@ -156,7 +154,7 @@ def _check_chip_dtype(op: str, name: str, dtype) -> None:
     info = tpu_info.get_tpu_info()
     allowed = _RHS_TYPES.get(str(info.chip_version))
     if allowed is not None and np.dtype(dtype).name not in allowed:
-        raise _error(
+        raise op_error(
             TypeError,
             op,
             f"the MXUs of TPU {info.chip_version} take {', '.join(allowed)} operands, got {name} of "
@@ -167,7 +165,7 @@ def _check_chip_dtype(op: str, name: str, dtype) -> None:
 def _has_fifo(op: str) -> None:
     info = tpu_info.get_tpu_info()
     if info.num_accumulators:
-        raise _error(
+        raise op_error(
             ValueError,
             op,
             f"TPU {info.chip_version}'s MXUs have accumulators, not a result FIFO: use "
@@ -180,10 +178,10 @@ def _has_fifo(op: str) -> None:
 
 def _mxu_index(op: str, mxu_index) -> int:
     if not isinstance(mxu_index, (int, np.integer)) or isinstance(mxu_index, bool):
-        raise _error(TypeError, op, f"mxu_index must be a static int, got {mxu_index!r}")
+        raise op_error(TypeError, op, f"mxu_index must be a static int, got {mxu_index!r}")
     info = tpu_info.get_tpu_info()
     if not 0 <= mxu_index < info.num_mxus:
-        raise _error(
+        raise op_error(
             ValueError,
             op,
             f"mxu_index must be in [0, {info.num_mxus}) on TPU {info.chip_version}, got {mxu_index}",
@@ -196,9 +194,9 @@ def _register(op: str, name: str, value, optional: bool) -> int | None:
         return None
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         want = "an int or None" if optional else "an int"
-        raise _error(TypeError, op, f"{name} must be {want}, got {value!r}")
+        raise op_error(TypeError, op, f"{name} must be {want}, got {value!r}")
     if value < 0:
-        raise _error(ValueError, op, f"{name} must be >= 0, got {value}")
+        raise op_error(ValueError, op, f"{name} must be >= 0, got {value}")
     return int(value)
 
 
@@ -209,11 +207,11 @@ def is_sub_byte(dtype) -> bool:
 def _check_operand_dtype(op: str, name: str, dtype) -> None:
     dtype = np.dtype(dtype)
     if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
-        raise _error(TypeError, op, f"{name} must be a float or integer array, got {dtype}")
+        raise op_error(TypeError, op, f"{name} must be a float or integer array, got {dtype}")
     if jax.dtypes.itemsize_bits(dtype) > 32:
-        raise _error(TypeError, op, f"{name} must be of at most 32 bits, got {dtype}")
+        raise op_error(TypeError, op, f"{name} must be of at most 32 bits, got {dtype}")
     if jnp.issubdtype(dtype, jnp.integer) and jax.dtypes.itemsize_bits(dtype) > 8:
-        raise _error(TypeError, op, f"integer operands of the MXU are int8 or int4, got {name} of {dtype}")
+        raise op_error(TypeError, op, f"integer operands of the MXU are int8 or int4, got {name} of {dtype}")
 
 
 def _check_lhs(op: str, lhs) -> None:
@@ -222,7 +220,7 @@ def _check_lhs(op: str, lhs) -> None:
     _check_chip_dtype(op, "lhs", lhs.dtype)
     k = info.mxu_column_size * (2 if is_sub_byte(lhs.dtype) else 1)
     if lhs.ndim != 2 or lhs.shape[1] != k:
-        raise _error(
+        raise op_error(
             ValueError,
             op,
             f"lhs must be M x {k} (the MXU's width {info.mxu_column_size} on TPU {info.chip_version}"
@@ -230,7 +228,7 @@ def _check_lhs(op: str, lhs) -> None:
         )
     rows = info.num_sublanes * max(1, 32 // jax.dtypes.itemsize_bits(lhs.dtype))  # as Mosaic asks
     if lhs.shape[0] <= 0 or lhs.shape[0] % rows:
-        raise _error(
+        raise op_error(
             ValueError,
             op,
             f"lhs rows M must be a positive multiple of {rows} (sublanes x packing of {lhs.dtype}), "
@@ -264,10 +262,10 @@ def matmul_push_rhs(
     reg = _register(op, "staging_register", staging_register, optional=False)
     mxu = _mxu_index(op, mxu_index)
     if not isinstance(transpose, (bool, np.bool_)):
-        raise _error(TypeError, op, f"transpose must be True or False, got {transpose!r}")
+        raise op_error(TypeError, op, f"transpose must be True or False, got {transpose!r}")
     info = tpu_info.get_tpu_info()
     if reg >= num_staging_registers(info):
-        raise _error(
+        raise op_error(
             ValueError,
             op,
             f"staging_register must be in [0, {num_staging_registers(info)}) on TPU {info.chip_version}, got {reg}",
@@ -278,7 +276,7 @@ def matmul_push_rhs(
     k = info.mxu_column_size
     allowed = [(k, k), (k, 2 * k) if transpose else (2 * k, k)]
     if tuple(rhs.shape) not in allowed:
-        raise _error(
+        raise op_error(
             ValueError,
             op,
             f"rhs must be {k} x {k} (the MXU's width), or {allowed[1][0]} x {allowed[1][1]} for a sub-byte "
@@ -307,14 +305,14 @@ def _acc_ref(op: str, acc):
     aval = compat.typeof(ref) if hasattr(ref, "shape") else None
     if aval is None or not isinstance(aval, compat.AbstractRef) or not is_acc(aval):
         what = f"a Ref in {getattr(aval, 'memory_space', None)}" if aval is not None else repr(acc)
-        raise _error(
+        raise op_error(
             TypeError,
             op,
             "acc must be a Ref in an MXU's accumulator memory (from pl.run_scoped(pltpu.ACC(mxu_id)"
             f"((M, K), jnp.float32))), got {what}",
         )
     if viewed:
-        raise _error(
+        raise op_error(
             NotImplementedError, op, "acc must be a whole accumulator Ref (no .at[...] view), as in JAX"
         )
     return ref
@@ -331,21 +329,23 @@ def matmul_acc_lhs(acc: Any, lhs: jax.Array, load_staged_rhs: int | None = None)
     """
     op = "matmul_acc_lhs"
     if isinstance(load_staged_rhs, bool):
-        raise _error(TypeError, op, "load_staged_rhs must be an integer or None (True would name register 1)")
+        raise op_error(
+            TypeError, op, "load_staged_rhs must be an integer or None (True would name register 1)"
+        )
     reg = _register(op, "load_staged_rhs", load_staged_rhs, optional=True)
     ref = _acc_ref(op, acc)
     lhs = jnp.asarray(lhs)
     _check_lhs(op, lhs)
     aval = compat.typeof(ref)
     if len(aval.shape) != 2 or aval.shape[0] != lhs.shape[0]:
-        raise _error(
+        raise op_error(
             ValueError,
             op,
             f"acc must be M x K with the lhs's M rows: acc {list(aval.shape)}, lhs {list(lhs.shape)}",
         )
     want = np.int32 if jnp.issubdtype(lhs.dtype, jnp.integer) else np.float32
     if np.dtype(aval.dtype) != np.dtype(want):
-        raise _error(
+        raise op_error(
             TypeError, op, f"a {lhs.dtype} lhs accumulates in {np.dtype(want)}, but acc holds {aval.dtype}"
         )
     matmul_acc_lhs_p.bind(ref, lhs, load_staged_rhs=reg)
@@ -391,7 +391,9 @@ def matmul_lhs_fifo(lhs: jax.Array, mxu_index: int, *, load_staged_rhs: int | No
     """
     op = "matmul_lhs_fifo"
     if isinstance(load_staged_rhs, bool):
-        raise _error(TypeError, op, "load_staged_rhs must be an integer or None (True would name register 1)")
+        raise op_error(
+            TypeError, op, "load_staged_rhs must be an integer or None (True would name register 1)"
+        )
     reg = _register(op, "load_staged_rhs", load_staged_rhs, optional=True)
     mxu = _mxu_index(op, mxu_index)
     _has_fifo(op)
@@ -421,14 +423,14 @@ def matmul_pop_fifo(shape: tuple[int, int], dtype: Any, mxu_index: int) -> jax.A
     _has_fifo(op)
     dtype = np.dtype(dtype)
     if dtype not in (np.dtype(np.float32), np.dtype(np.int32)):
-        raise _error(ValueError, op, f"the result FIFO holds float32 or int32 results, got {dtype}")
+        raise op_error(ValueError, op, f"the result FIFO holds float32 or int32 results, got {dtype}")
     try:
         shape = tuple(int(d) for d in shape)
     except TypeError:
-        raise _error(TypeError, op, f"shape must be a tuple of two ints, got {shape!r}") from None
+        raise op_error(TypeError, op, f"shape must be a tuple of two ints, got {shape!r}") from None
     info = tpu_info.get_tpu_info()
     if len(shape) != 2 or shape[1] != info.mxu_column_size or shape[0] <= 0 or shape[0] % info.num_sublanes:
-        raise _error(
+        raise op_error(
             ValueError,
             op,
             f"shape must be (M, {info.mxu_column_size}) with M a positive multiple of {info.num_sublanes}, "

@@ -66,12 +66,12 @@ import numpy as np
 
 import pallas as pl
 from pallas_tpu._src.language import core as tpu_core
-from pallas_tpu._src.language.pipeline_buffers import _WHERE, BufferType, _err
-from pallas_tpu._src.language.pipeline_plan import _allocation_leaves, _make_pipeline_allocations, _plan
+from pallas_tpu._src.language.pipeline_buffers import WHERE, BufferType, pipeline_error
+from pallas_tpu._src.language.pipeline_plan import allocation_leaves, pipeline_allocations, plan_pipeline
 from pallas_tpu._src.language.pipeline_schedule import (
     PipelineStep as PipelineStep,  # the public API imports it from here
 )
-from pallas_tpu._src.language.pipeline_schedule import _run_pipeline
+from pallas_tpu._src.language.pipeline_schedule import run_pipeline
 
 
 def emit_pipeline(
@@ -122,7 +122,7 @@ def emit_pipeline(
             refs, in_specs, out_specs, tiling, should_accumulate_out, no_pipelining, allocations
         )
         run = functools.partial(
-            _run_pipeline,
+            run_pipeline,
             body,
             plan,
             rebuild,
@@ -157,39 +157,43 @@ def _checked_grid(grid, core_axis, core_axis_name, dimension_semantics):
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
     for g in grid:
         if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer, jax.Array)):
-            raise _err(TypeError, f"{_WHERE}: grid entries must be ints or int32 scalars, got grid={grid!r}")
+            raise pipeline_error(
+                TypeError, f"{WHERE}: grid entries must be ints or int32 scalars, got grid={grid!r}"
+            )
         if isinstance(g, (int, np.integer)) and g <= 0:
-            raise _err(ValueError, f"{_WHERE}: grid entries must be strictly positive, got grid={grid!r}")
+            raise pipeline_error(
+                ValueError, f"{WHERE}: grid entries must be strictly positive, got grid={grid!r}"
+            )
     grid = tuple(int(g) if isinstance(g, (int, np.integer)) else g for g in grid)
     if core_axis is not None and core_axis_name is not None:
-        raise _err(ValueError, f"{_WHERE}: give core_axis or core_axis_name, not both")
+        raise pipeline_error(ValueError, f"{WHERE}: give core_axis or core_axis_name, not both")
     if dimension_semantics is None:
         semantics = (tpu_core.ARBITRARY,) * len(grid)
     else:
         semantics = tuple(
-            tpu_core.normalize_semantics(s, f"{_WHERE} dimension_semantics[{i}]")
+            tpu_core.normalize_semantics(s, f"{WHERE} dimension_semantics[{i}]")
             for i, s in enumerate(dimension_semantics)
         )
         if len(semantics) != len(grid):
-            raise _err(
+            raise pipeline_error(
                 ValueError,
-                f"{_WHERE}: dimension_semantics has {len(semantics)} entries but grid={grid} has {len(grid)} axes",
+                f"{WHERE}: dimension_semantics has {len(semantics)} entries but grid={grid} has {len(grid)} axes",
             )
     return grid, semantics
 
 
 def _plan_call(refs, ispecs, ospecs, tiling, should_accumulate_out, no_pipelining, allocations):
-    """The plan of one call of a pipeline on ``refs`` (``_plan``), its specs taken
+    """The plan of one call of a pipeline on ``refs`` (``plan_pipeline``), its specs taken
     from ``allocations`` when the pipeline was made without them."""
     if isinstance(allocations, PrefetchedInputs):
         allocations.check_for(refs[: len(jax.tree.leaves(ispecs))], ispecs)
         allocations = None  # the first input blocks are fetched at the start: see PrefetchedInputs
     if allocations is not None and not ispecs and not ospecs:
         # The specs come with the allocations (JAX allows this too).
-        allocs = _allocation_leaves(allocations)
+        allocs = allocation_leaves(allocations)
         ispecs = tuple(b.spec for b in allocs if b is not None and b.buffer_type is BufferType.INPUT)
         ospecs = tuple(b.spec for b in allocs if b is not None and b.buffer_type is not BufferType.INPUT)
-    plan, rebuild = _plan(refs, ispecs, ospecs, tiling, should_accumulate_out, allocations)
+    plan, rebuild = plan_pipeline(refs, ispecs, ospecs, tiling, should_accumulate_out, allocations)
     if no_pipelining:
         for op in plan:
             if op is not None and op.bref.is_buffered:
@@ -207,7 +211,7 @@ def emit_pipeline_with_allocations(body, *, grid, in_specs=(), out_specs=(), sho
     ``pl.run_scoped``, and pass to several ``pipeline(..., allocations=...)``
     calls."""
     make_allocations = functools.partial(
-        _make_pipeline_allocations,
+        pipeline_allocations,
         in_specs=in_specs,
         out_specs=out_specs,
         grid=grid,
@@ -262,7 +266,7 @@ def emit_pipeline_with_async_prefetch(
             jax.tree.structure(x) != jax.tree.structure(sp, is_leaf=lambda v: v is None)
             for x, sp in zip(inputs, specs)
         ):
-            raise _err(
+            raise pipeline_error(
                 ValueError,
                 f"pltpu.emit_pipeline_with_async_prefetch: async_prefetch takes one input per in_spec "
                 f"({len(specs)}), with the in_specs' structure; got {len(inputs)} inputs",
@@ -293,9 +297,9 @@ class PrefetchedInputs:
     def check_for(self, refs, ispecs) -> None:
         got = tuple(_shape_dtype(r) for r in jax.tree.leaves(refs))
         if got != self.inputs:
-            raise _err(
+            raise pipeline_error(
                 ValueError,
-                f"{_WHERE}: allocations from async_prefetch were made for inputs {self._show(self.inputs)} "
+                f"{WHERE}: allocations from async_prefetch were made for inputs {self._show(self.inputs)} "
                 f"but the pipeline runs on {self._show(got)}",
             )
 

@@ -18,10 +18,10 @@ from pallas import backend as plb
 from pallas_tpu._src.language import core as tpu_core
 
 VMEM, SMEM, HBM = tpu_core.VMEM, tpu_core.SMEM, tpu_core.HBM
-_WHERE = "pltpu.emit_pipeline"
+WHERE = "pltpu.emit_pipeline"
 
 
-def _err(cls, msg):
+def pipeline_error(cls, msg):
     return plb.kernel_error(cls, msg)
 
 
@@ -120,7 +120,7 @@ class BufferedRefBase:
         raise NotImplementedError
 
 
-def _dim_size(bd) -> int | None:
+def dim_size(bd) -> int | None:
     """The buffer extent of one block dimension (None: squeezed)."""
     if bd is None or isinstance(bd, pl.Squeezed):
         return None
@@ -128,11 +128,11 @@ def _dim_size(bd) -> int | None:
         return bd
     if isinstance(bd, (pl.Blocked, pl.Element, pl.BoundedSlice)):
         return bd.block_size
-    raise _err(ValueError, f"{_WHERE}: unsupported block dimension {bd!r}")
+    raise pipeline_error(ValueError, f"{WHERE}: unsupported block dimension {bd!r}")
 
 
 def _buffer_block_shape(block_shape) -> tuple[int, ...]:
-    return tuple(s for s in map(_dim_size, block_shape) if s is not None)
+    return tuple(s for s in map(dim_size, block_shape) if s is not None)
 
 
 @tree_util.register_dataclass
@@ -170,9 +170,9 @@ class BufferedRef(BufferedRefBase):
 
     def __post_init__(self):
         if self.is_output and self._buffer_count > 2:
-            raise _err(
+            raise pipeline_error(
                 NotImplementedError,
-                f"{_WHERE}: outputs take at most 2 buffers (pl.Buffered(1) or (2)), got {self._buffer_count}",
+                f"{WHERE}: outputs take at most 2 buffers (pl.Buffered(1) or (2)), got {self._buffer_count}",
             )
 
     @property
@@ -233,9 +233,11 @@ class BufferedRef(BufferedRefBase):
         if space is pl.ANY or space is HBM or space is source_memory_space:
             return cls(spec, buffer_type, 0, None, None, None, tiling=tiling)
         if space not in (VMEM, SMEM):
-            raise _err(ValueError, f"{_WHERE}: blocks can be buffered in VMEM or SMEM, not {space}")
+            raise pipeline_error(ValueError, f"{WHERE}: blocks can be buffered in VMEM or SMEM, not {space}")
         if not isinstance(buffer_count, int) or buffer_count < 1:
-            raise _err(ValueError, f"{_WHERE}: buffer_count must be a positive int, got {buffer_count!r}")
+            raise pipeline_error(
+                ValueError, f"{WHERE}: buffer_count must be a positive int, got {buffer_count!r}"
+            )
         block = _buffer_block_shape(spec.block_shape)
         dma = tpu_core.SemaphoreType.DMA((buffer_count,))
         shape = (buffer_count * block[0],) if len(block) == 1 else (buffer_count, *block)
@@ -404,7 +406,7 @@ class BufferedRef(BufferedRefBase):
 
     def compute_slice(self, grid_indices):
         """The indexer of the block at ``grid_indices`` in the operand's Ref."""
-        return _block_indexer(self.spec, _call_index_map(self.spec, grid_indices, "spec"))
+        return block_indexer(self.spec, call_index_map(self.spec, grid_indices, "spec"))
 
 
 # The copy behind BufferedRef's copy methods: pipeline_protocol.copy_block, registered
@@ -425,22 +427,22 @@ def _copy_block(*args) -> None:
 # Block indexing.
 
 
-def _call_index_map(spec, indices, origin: str):
+def call_index_map(spec, indices, origin: str):
     index_map = spec.index_map
     if index_map is None:
         return (0,) * len(spec.block_shape)
     try:
         out = index_map(*indices)
     except TypeError as e:
-        raise _err(
+        raise pipeline_error(
             TypeError,
-            f"{_WHERE}: {origin}.index_map failed on the {len(indices)} grid indices of the pipeline: {e}",
+            f"{WHERE}: {origin}.index_map failed on the {len(indices)} grid indices of the pipeline: {e}",
         ) from None
     out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     if len(out) != len(spec.block_shape):
-        raise _err(
+        raise pipeline_error(
             ValueError,
-            f"{_WHERE}: {origin}.index_map returns {len(out)} indices but block_shape "
+            f"{WHERE}: {origin}.index_map returns {len(out)} indices but block_shape "
             f"{tuple(spec.block_shape)} has {len(spec.block_shape)} dimensions",
         )
     for d, (bd, b) in enumerate(zip(spec.block_shape, out)):
@@ -453,29 +455,29 @@ def _check_bounded_index(bd, b, d, origin):
     """A ``pl.BoundedSlice(n)`` dimension's index is ``pl.ds(start, size)``, ``size <= n``
     (a traced size is checked by interpret mode as the copy runs: its window has ``n``)."""
     if not isinstance(b, pl.Slice):
-        raise _err(
+        raise pipeline_error(
             ValueError,
-            f"{_WHERE}: {origin}.index_map returns {type(b).__name__} at position {d}, a "
+            f"{WHERE}: {origin}.index_map returns {type(b).__name__} at position {d}, a "
             f"{bd!r} dimension: it must return pl.ds(start, size) there (size <= {bd.block_size})",
         )
     if b.stride != 1:
-        raise _err(
-            ValueError, f"{_WHERE}: {origin}.index_map returns a strided pl.ds at position {d} ({bd!r})"
+        raise pipeline_error(
+            ValueError, f"{WHERE}: {origin}.index_map returns a strided pl.ds at position {d} ({bd!r})"
         )
     if isinstance(b.size, (int, np.integer)) and not 0 <= b.size <= bd.block_size:
-        raise _err(
+        raise pipeline_error(
             ValueError,
-            f"{_WHERE}: {origin}.index_map returns pl.ds(..., {int(b.size)}) at position {d}, a {bd!r} "
+            f"{WHERE}: {origin}.index_map returns pl.ds(..., {int(b.size)}) at position {d}, a {bd!r} "
             f"dimension: the size must be at most {bd.block_size}",
         )
 
 
-def _block_indexer(spec, block_indices, sizes=None):
+def block_indexer(spec, block_indices, sizes=None):
     """The ``.at[...]`` indexer of a block (``sizes``: per-dim sizes, to cut
     the last block of a dimension that the block does not divide)."""
     idx = []
     for d, (bd, b) in enumerate(zip(spec.block_shape, block_indices)):
-        size = _dim_size(bd)
+        size = dim_size(bd)
         if size is None:
             idx.append(b)
             continue
@@ -489,10 +491,10 @@ def _block_indexer(spec, block_indices, sizes=None):
     return tuple(idx)
 
 
-def _as_index(b):
+def as_index(b):
     """A block index as an int or int32 scalar (a ``pl.ds``: its start and size)."""
     if isinstance(b, pl.Slice):
-        return pl.ds(_as_index(b.start), _as_index(b.size))
+        return pl.ds(as_index(b.start), as_index(b.size))
     return b if isinstance(b, int) else jnp.asarray(b, jnp.int32)
 
 
@@ -504,7 +506,7 @@ def _index_leaves(xs):
     return out
 
 
-def _differ(xs, ys):
+def any_differ(xs, ys):
     out = False
     for x, y in zip(_index_leaves(xs), _index_leaves(ys)):
         if x is y:
@@ -514,7 +516,7 @@ def _differ(xs, ys):
     return out
 
 
-def _when(pred, f):
+def run_when(pred, f):
     if isinstance(pred, (bool, np.bool_)):
         if pred:
             f()
@@ -522,7 +524,7 @@ def _when(pred, f):
     lax.cond(pred, f, lambda: None)
 
 
-def _unravel(t, grid):
+def unravel(t, grid):
     """Grid indices of linear step ``t`` (lexicographic order)."""
     out = []
     for g in reversed(grid):

@@ -1,4 +1,4 @@
-"""``emit_pipeline``'s plan: one ``_Operand`` per pipelined Ref, its spec checked
+"""``emit_pipeline``'s plan: one ``Operand`` per pipelined Ref, its spec checked
 and normalized at trace time (blocks that do not divide the array, ``pl.BoundedSlice``
 dims and their memory tiling), and its copies in and out. See ``pipeline.py``'s
 docstring for the schedule and the edge rules."""
@@ -19,25 +19,25 @@ from pallas_tpu._src import compat
 from pallas_tpu._src.language import primitives as tpu_prims
 from pallas_tpu._src.language import tpu_info
 from pallas_tpu._src.language.pipeline_buffers import (
-    _WHERE,
     HBM,
     SMEM,
     VMEM,
+    WHERE,
     BufferedRef,
     BufferedRefBase,
     BufferType,
-    _block_indexer,
-    _dim_size,
-    _err,
-    _when,
+    block_indexer,
+    dim_size,
+    pipeline_error,
+    run_when,
 )
 
 # ---------------------------------------------------------------------------
-# The plan: one _Operand per pipelined Ref, checked at trace time.
+# The plan: one Operand per pipelined Ref, checked at trace time.
 
 
 @dataclasses.dataclass
-class _Operand:
+class Operand:
     origin: str  # "in_specs[0]", for messages
     bref: BufferedRef
     ref: Any  # the Ref (or view) the blocks come from / go to
@@ -59,7 +59,7 @@ class _Operand:
     def sizes(self, combo, padded=False):
         """Per-dim DMA sizes for one choice of (full, last) per partial dim
         (``padded``: the last block's sizes rounded up to whole memory tiles)."""
-        sizes = [_dim_size(bd) for bd in self.spec.block_shape]
+        sizes = [dim_size(bd) for bd in self.spec.block_shape]
         for (d, (_, last, rounded)), is_last in zip(self.partial.items(), combo):
             if is_last:
                 sizes[d] = rounded if padded else last
@@ -92,7 +92,7 @@ class _Operand:
         ``padded`` is a ``_RoundUp`` of the copy's sizes."""
         bounded = self.bounded_sizes(block_indices) if self.bounded else {}
         if not self.partial and not bounded:
-            fn(self.ref.at[_block_indexer(self.spec, block_indices)], (), None)
+            fn(self.ref.at[block_indexer(self.spec, block_indices)], (), None)
             return
         conds = [block_indices[d] == nb - 1 for d, (nb, _, _) in self.partial.items()]
         # A dim with one block (the block larger than the array) has only its last block:
@@ -127,9 +127,9 @@ class _Operand:
                 pred = c if pred is True else jnp.logical_and(pred, c)
 
             def go(sizes=sizes, tail=tail, padded=padded, indices=tuple(indices)):
-                fn(self.ref.at[_block_indexer(self.spec, indices, sizes)], tail, padded)
+                fn(self.ref.at[block_indexer(self.spec, indices, sizes)], tail, padded)
 
-            _when(pred, go)
+            run_when(pred, go)
 
     def _copy(self, src, dst, sem, padded, start, wait):
         copy = tpu_prims.make_async_copy(src, dst, sem)
@@ -182,16 +182,18 @@ def _round_up(n, t: int):
 
 def _ref_space_and_aval(ref, origin):
     try:
-        base, leaves, tree = plb.flatten_ref(ref, f"{_WHERE}: {origin}")
+        base, leaves, tree = plb.flatten_ref(ref, f"{WHERE}: {origin}")
     except TypeError:
-        raise _err(
+        raise pipeline_error(
             TypeError,
-            f"{_WHERE}: the operand of {origin} must be a Ref (e.g. a kernel argument in pl.ANY or "
+            f"{WHERE}: the operand of {origin} must be a Ref (e.g. a kernel argument in pl.ANY or "
             f"pltpu.HBM), got {type(ref).__name__}",
         ) from None
     base_aval = compat.get_aval(base)
     if plb.semaphore_kind(base_aval) is not None:
-        raise _err(TypeError, f"{_WHERE}: the operand of {origin} is a semaphore; pipelines move data Refs")
+        raise pipeline_error(
+            TypeError, f"{WHERE}: the operand of {origin} is a semaphore; pipelines move data Refs"
+        )
     aval = plb.transformed_aval(base_aval, plb.unflatten_transforms(tree, leaves))
     space = getattr(base_aval, "memory_space", None)
     return (pl.ANY if space is None else space), aval
@@ -237,22 +239,28 @@ def _is_full_block(spec, shape) -> bool:
 
 def _normalize_spec(spec, aval, origin):
     if not isinstance(spec, pl.BlockSpec):
-        raise _err(TypeError, f"{_WHERE}: {origin} must be a pl.BlockSpec, got {type(spec).__name__}")
+        raise pipeline_error(
+            TypeError, f"{WHERE}: {origin} must be a pl.BlockSpec, got {type(spec).__name__}"
+        )
     if spec.block_shape is None:
         spec = dataclasses.replace(spec, block_shape=tuple(aval.shape))
     block_shape = tuple(spec.block_shape)
     if len(block_shape) != len(aval.shape):
-        raise _err(
+        raise pipeline_error(
             ValueError,
-            f"{_WHERE}: {origin}: block_shape {block_shape} has {len(block_shape)} dimensions but the "
+            f"{WHERE}: {origin}: block_shape {block_shape} has {len(block_shape)} dimensions but the "
             f"operand has shape {tuple(aval.shape)}",
         )
     for bd in block_shape:
         if isinstance(bd, pl.Element) and tuple(bd.padding) != (0, 0):
-            raise _err(NotImplementedError, f"{_WHERE}: {origin}: pl.Element with padding is not supported")
-        size = _dim_size(bd)
+            raise pipeline_error(
+                NotImplementedError, f"{WHERE}: {origin}: pl.Element with padding is not supported"
+            )
+        size = dim_size(bd)
         if size is not None and size <= 0:
-            raise _err(ValueError, f"{_WHERE}: {origin}: block sizes must be positive, got {block_shape}")
+            raise pipeline_error(
+                ValueError, f"{WHERE}: {origin}: block sizes must be positive, got {block_shape}"
+            )
     return dataclasses.replace(spec, block_shape=block_shape)
 
 
@@ -264,16 +272,16 @@ def _partial_dims(spec, aval, tiling, origin) -> dict[int, tuple[int, int, int]]
     for d, (bd, n) in enumerate(zip(spec.block_shape, aval.shape)):
         if not isinstance(bd, (int, pl.Blocked)):
             continue
-        b = _dim_size(bd)
+        b = dim_size(bd)
         if n % b == 0:
             continue
         if tiles is None:
             tiles = _tiling_of(aval, tiling)
         t = tiles[d]
         if t is None or b % t:
-            raise _err(
+            raise pipeline_error(
                 ValueError,
-                f"{_WHERE}: {origin}: block size {b} does not divide dimension {d} of the operand "
+                f"{WHERE}: {origin}: block size {b} does not divide dimension {d} of the operand "
                 f"(shape {tuple(aval.shape)}); that needs a block size that is a multiple of the "
                 f"memory tiling of that dimension ({t}), as on a TPU",
             )
@@ -293,9 +301,9 @@ def _bounded_dims(spec, aval, tiling, origin) -> dict[int, int | None]:
     for d in dims:
         bd, t = spec.block_shape[d], tiles[d]
         if t is not None and bd.block_size % t:
-            raise _err(
+            raise pipeline_error(
                 ValueError,
-                f"{_WHERE}: {origin}: {bd!r} at dimension {d} of the operand (shape {tuple(aval.shape)}): "
+                f"{WHERE}: {origin}: {bd!r} at dimension {d} of the operand (shape {tuple(aval.shape)}): "
                 f"the bound must be a multiple of the memory tiling of that dimension ({t}), as on a TPU",
             )
     return {d: tiles[d] for d in dims}
@@ -320,16 +328,16 @@ def _is_allocation_leaf(x) -> bool:
     return x is None or isinstance(x, BufferedRefBase) or _is_jax_buffered_ref(x)
 
 
-def _allocation_leaves(allocations) -> list:
+def allocation_leaves(allocations) -> list:
     """The BufferedRefs (and ``None`` entries) of ``allocations``, in the order of the
     spec leaves: a flat sequence (``make_allocations``) or, as JAX's pipeline takes them,
     a pytree mirroring the Refs (e.g. dataclasses of BufferedRefs)."""
     leaves = tree_util.tree_leaves(allocations, is_leaf=_is_allocation_leaf)
     for i, x in enumerate(leaves):
         if _is_jax_buffered_ref(x):
-            raise _err(
+            raise pipeline_error(
                 TypeError,
-                f"{_WHERE}: allocations[{i}] is a {type(x).__name__}, a subclass of JAX's own BufferedRef "
+                f"{WHERE}: allocations[{i}] is a {type(x).__name__}, a subclass of JAX's own BufferedRef "
                 f"({type(x).__module__}, from jax._src.pallas.mosaic.pipeline): our pipeline schedules "
                 "pltpu.BufferedRef and its subclasses (pallas_tpu's). Derive the class from pltpu.BufferedRef "
                 "(the same fields and methods: copy_in, wait_in, copy_out, wait_out, the slot registers)",
@@ -337,8 +345,8 @@ def _allocation_leaves(allocations) -> list:
     return leaves
 
 
-def operand_of(bref, ref, origin: str = "allocations") -> _Operand:
-    """The ``_Operand`` of a BufferedRef on ``ref``, its spec checked (for the
+def operand_of(bref, ref, origin: str = "allocations") -> Operand:
+    """The ``Operand`` of a BufferedRef on ``ref``, its spec checked (for the
     BufferedRef's own copy methods, pipeline_protocol.py)."""
     space, aval = _ref_space_and_aval(ref, origin)
     del space
@@ -346,16 +354,14 @@ def operand_of(bref, ref, origin: str = "allocations") -> _Operand:
     partial = _partial_dims(spec, aval, bref.tiling, origin)
     bounded = _bounded_dims(spec, aval, bref.tiling, origin)
     whole_ref = _has_tile_padding(ref, _rounded_dims(partial, bounded))
-    return _Operand(origin, bref.with_spec(spec), ref, tuple(aval.shape), partial, whole_ref, bounded)
+    return Operand(origin, bref.with_spec(spec), ref, tuple(aval.shape), partial, whole_ref, bounded)
 
 
-def _make_pipeline_allocations(
-    *refs, in_specs=(), out_specs=(), tiling=None, grid=(), should_accumulate_out=False
-):
+def pipeline_allocations(*refs, in_specs=(), out_specs=(), tiling=None, grid=(), should_accumulate_out=False):
     """One BufferedRef (buffer and semaphores as types) per pipelined Ref,
     None for ``pl.no_block_spec`` operands, in the order of ``refs``."""
     del grid
-    plan, _ = _plan(refs, in_specs, out_specs, tiling, should_accumulate_out, None)
+    plan, _ = plan_pipeline(refs, in_specs, out_specs, tiling, should_accumulate_out, None)
     return tuple(op.bref if op is not None else None for op in plan)
 
 
@@ -367,14 +373,14 @@ def _is_spec_leaf(s) -> bool:
     return s is None or s is pl.no_block_spec or isinstance(s, pl.BlockSpec)
 
 
-def _plan(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations):
-    """(one _Operand or None per spec leaf, a function from the flat block
+def plan_pipeline(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations):
+    """(one Operand or None per spec leaf, a function from the flat block
     Refs to the body's arguments)."""
     in_top, out_top = _top(in_specs), _top(out_specs)
     if len(refs) != len(in_top) + len(out_top):
-        raise _err(
+        raise pipeline_error(
             TypeError,
-            f"{_WHERE}: the pipeline got {len(refs)} Refs but in_specs has {len(in_top)} and out_specs has "
+            f"{WHERE}: the pipeline got {len(refs)} Refs but in_specs has {len(in_top)} and out_specs has "
             f"{len(out_top)} entries (one Ref per spec: inputs first, then outputs)",
         )
     in_leaves, in_tree = tree_util.tree_flatten(in_top, is_leaf=_is_spec_leaf)
@@ -383,22 +389,24 @@ def _plan(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations)
         in_refs = in_tree.flatten_up_to(tuple(refs[: len(in_top)]))
         out_refs = out_tree.flatten_up_to(tuple(refs[len(in_top) :]))
     except ValueError as e:
-        raise _err(ValueError, f"{_WHERE}: the Refs do not have the structure of the specs: {e}") from None
+        raise pipeline_error(
+            ValueError, f"{WHERE}: the Refs do not have the structure of the specs: {e}"
+        ) from None
     accumulate = should_accumulate_out
     if isinstance(accumulate, (bool, np.bool_)):
         accumulate = [bool(accumulate)] * len(out_leaves)
     else:
         accumulate = tree_util.tree_leaves(accumulate)
         if len(accumulate) != len(out_leaves):
-            raise _err(
+            raise pipeline_error(
                 ValueError,
-                f"{_WHERE}: should_accumulate_out has {len(accumulate)} entries but out_specs has {len(out_leaves)}",
+                f"{WHERE}: should_accumulate_out has {len(accumulate)} entries but out_specs has {len(out_leaves)}",
             )
-    allocs = None if allocations is None else _allocation_leaves(allocations)
+    allocs = None if allocations is None else allocation_leaves(allocations)
     if allocs is not None and len(allocs) != len(in_leaves) + len(out_leaves):
-        raise _err(
+        raise pipeline_error(
             ValueError,
-            f"{_WHERE}: allocations has {len(allocs)} BufferedRefs (or None entries) but there are "
+            f"{WHERE}: allocations has {len(allocs)} BufferedRefs (or None entries) but there are "
             f"{len(in_leaves) + len(out_leaves)} specs (give one per spec: a flat sequence, or a pytree "
             "mirroring the Refs)",
         )
@@ -414,9 +422,9 @@ def _plan(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations)
             continue
         space, aval = _ref_space_and_aval(ref, origin)
         if space not in (pl.ANY, HBM, VMEM, SMEM):
-            raise _err(
+            raise pipeline_error(
                 ValueError,
-                f"{_WHERE}: the operand of {origin} is in {space}; pipelines copy blocks of Refs in "
+                f"{WHERE}: the operand of {origin} is in {space}; pipelines copy blocks of Refs in "
                 "pl.ANY or pltpu.HBM (a Ref already in VMEM or SMEM is seen by the body as a view)",
             )
         spec = _normalize_spec(spec, aval, origin)
@@ -441,7 +449,7 @@ def _plan(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations)
         partial = _partial_dims(spec, aval, tiling, origin) if checked else {}
         bounded = _bounded_dims(spec, aval, tiling, origin) if checked else {}
         whole_ref = _has_tile_padding(ref, _rounded_dims(partial, bounded))
-        plan.append(_Operand(origin, bref, ref, tuple(aval.shape), partial, whole_ref, bounded, protocol))
+        plan.append(Operand(origin, bref, ref, tuple(aval.shape), partial, whole_ref, bounded, protocol))
 
     n_in = len(in_leaves)
 

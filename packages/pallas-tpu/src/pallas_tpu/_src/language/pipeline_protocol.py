@@ -39,12 +39,12 @@ from typing import Any
 import jax.numpy as jnp
 
 from pallas_tpu._src.language.pipeline_buffers import (
-    _WHERE,
-    _as_index,
-    _call_index_map,
-    _err,
-    _when,
+    WHERE,
+    as_index,
+    call_index_map,
+    pipeline_error,
     register_copy_block,
+    run_when,
 )
 from pallas_tpu._src.language.pipeline_plan import operand_of
 
@@ -55,7 +55,7 @@ def copy_block(bref, ref, grid_indices, slot, start: bool, wait: bool, into_wind
     """Starts and/or waits for the copy between the block of ``ref`` at ``grid_indices``
     and ``slot`` of ``bref``'s buffer (``into_window``: from ``ref`` into the buffer)."""
     op = operand_of(bref, ref)
-    block = tuple(map(_as_index, _call_index_map(op.spec, tuple(grid_indices), "spec")))
+    block = tuple(map(as_index, call_index_map(op.spec, tuple(grid_indices), "spec")))
     copy = op.copy_in if into_window else op.copy_out
     copy(block, slot, start=start, wait=wait)
 
@@ -65,9 +65,9 @@ register_copy_block(copy_block)
 
 def check(op) -> None:
     if op.bref.use_lookahead:
-        raise _err(
+        raise pipeline_error(
             NotImplementedError,
-            f"{_WHERE}: {op.origin}: a {type(op.bref).__name__} (a BufferedRef subclass given in "
+            f"{WHERE}: {op.origin}: a {type(op.bref).__name__} (a BufferedRef subclass given in "
             "allocations) with use_lookahead: JAX's lookahead schedule is not followed for those",
         )
 
@@ -93,7 +93,7 @@ def prologue(run, at, op):
         pred = True if t == 0 else at.differ(op, t, t - 1)
         if not run.static:
             pred = jnp.logical_and(t < run.num_steps, pred)
-        _when(pred, lambda b=bref, t=t: b.copy_in(op.ref, at.indices(t)))
+        run_when(pred, lambda b=bref, t=t: b.copy_in(op.ref, at.indices(t)))
         bref = bref.advance_copy_in_slot(pred)
     return bref
 
@@ -110,9 +110,9 @@ def before_body(run, at, op, bref):
         in_grid = at.s < run.num_steps - (n - 1)
         pred = jnp.logical_and(at.differ(op, n - 2, n - 1), in_grid)
         idx = at.indices(n - 1)
-    _when(pred, lambda b=bref: b.copy_in(op.ref, idx))
+    run_when(pred, lambda b=bref: b.copy_in(op.ref, idx))
     bref = bref.advance_copy_in_slot(pred)
-    _when(at.changed(op), lambda b=bref: b.wait_in(op.ref, at.indices(0)))
+    run_when(at.changed(op), lambda b=bref: b.wait_in(op.ref, at.indices(0)))
     return bref
 
 
@@ -122,10 +122,10 @@ def after_body(run, at, op, bref):
     del run
     if bref.is_output:
         pred = at.will_change(op)
-        _when(pred, lambda b=bref: b.copy_out(op.ref, at.indices(0)))
+        run_when(pred, lambda b=bref: b.copy_out(op.ref, at.indices(0)))
         bref = bref.advance_copy_out_slot(pred)
         pred = jnp.logical_and(at.not_first, at.differ(op, 0, -1))
-        _when(pred, lambda b=bref: b.wait_out(op.ref, at.indices(-1)))
+        run_when(pred, lambda b=bref: b.wait_out(op.ref, at.indices(-1)))
         bref = bref.advance_wait_out_slot(pred)
     if bref.is_input:
         bref = bref.advance_wait_in_slot(at.will_change(op))

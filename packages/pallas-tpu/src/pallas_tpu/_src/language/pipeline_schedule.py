@@ -1,5 +1,5 @@
 """The loop ``emit_pipeline`` (``pipeline.py``) traces into the kernel: the
-schedule its module docstring describes. ``_run_pipeline`` splits the grid over
+schedule its module docstring describes. ``run_pipeline`` splits the grid over
 cores (``core_axis``), fetches the first blocks of every input (``_prologue``),
 then runs a ``fori_loop`` whose ``_step`` fetches inputs ahead
 (``_fetch_inputs``), calls the body on this step's blocks (``_call_body``) and
@@ -22,16 +22,16 @@ from pallas import backend as plb
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import pipeline_protocol as protocol
 from pallas_tpu._src.language.pipeline_buffers import (
-    _WHERE,
-    _as_index,
-    _block_indexer,
-    _call_index_map,
-    _differ,
-    _err,
-    _unravel,
-    _when,
+    WHERE,
+    any_differ,
+    as_index,
+    block_indexer,
+    call_index_map,
+    pipeline_error,
+    run_when,
+    unravel,
 )
-from pallas_tpu._src.language.pipeline_plan import _Operand
+from pallas_tpu._src.language.pipeline_plan import Operand
 
 # ---------------------------------------------------------------------------
 # Core partitioning (core_axis / core_axis_name).
@@ -51,12 +51,14 @@ def _partition_grid(grid, semantics, num_cores, core_id):
     if num_cores is None or (isinstance(num_cores, int) and num_cores == 1):
         return tuple(grid), (0,) * len(grid)
     if not isinstance(num_cores, int):
-        raise _err(NotImplementedError, f"{_WHERE}: cannot split the grid over a dynamic number of cores")
+        raise pipeline_error(
+            NotImplementedError, f"{WHERE}: cannot split the grid over a dynamic number of cores"
+        )
     parallel = [i for i, s in enumerate(semantics) if s is tpu_core.PARALLEL]
     if not parallel:
-        raise _err(
+        raise pipeline_error(
             NotImplementedError,
-            f"{_WHERE}: splitting the grid over {num_cores} cores needs a 'parallel' axis in "
+            f"{WHERE}: splitting the grid over {num_cores} cores needs a 'parallel' axis in "
             f"dimension_semantics, got {tuple(s.value for s in semantics)}",
         )
     offsets = [0] * len(grid)
@@ -68,7 +70,7 @@ def _partition_grid(grid, semantics, num_cores, core_id):
             return tuple(grid), tuple(offsets)
     static = [i for i in parallel if isinstance(grid[i], int)]
     if not static:
-        raise _err(NotImplementedError, f"{_WHERE}: cannot split dynamic grid axes over cores")
+        raise pipeline_error(NotImplementedError, f"{WHERE}: cannot split dynamic grid axes over cores")
     i = max(static, key=lambda j: grid[j])
     base, rem = divmod(grid[i], num_cores)
     grid[i] = jnp.where(core_id < rem, base + 1, base).astype(jnp.int32)
@@ -124,7 +126,7 @@ class _Group:
 
 
 def _group(ops) -> list[_Group]:
-    groups: dict[Any, list[_Operand]] = {}
+    groups: dict[Any, list[Operand]] = {}
     for op in ops:
         key = (
             id(op.spec.index_map),
@@ -137,7 +139,7 @@ def _group(ops) -> list[_Group]:
     return [_Group(g) for g in groups.values()]
 
 
-def _run_pipeline(
+def run_pipeline(
     body, plan, rebuild, *, grid, semantics, core_axis, scratches, body_prologue, explicit_indices, name
 ):
     num_cores, core_id = _core_info(core_axis)
@@ -187,10 +189,10 @@ def _run_pipeline(
 
 @dataclasses.dataclass(eq=False)
 class _Run:
-    """One run of a pipeline on this core: what the steps of ``_run_pipeline`` share."""
+    """One run of a pipeline on this core: what the steps of ``run_pipeline`` share."""
 
     body: Callable[..., None]
-    plan: list[_Operand | None]
+    plan: list[Operand | None]
     rebuild: Callable[[list[Any]], Any]
     local_grid: tuple[Any, ...]  # this core's share of the grid
     offsets: tuple[Any, ...]  # of this core's grid indices
@@ -198,7 +200,7 @@ class _Run:
     num_steps: Any
     ins: list[_Group]
     outs: list[_Group]
-    protos: list[_Operand]  # scheduled through their BufferedRefs' methods (pipeline_protocol.py)
+    protos: list[Operand]  # scheduled through their BufferedRefs' methods (pipeline_protocol.py)
     ctx_name: str
     scratches: tuple[Any, ...]
     body_prologue: Callable[[], None] | None
@@ -211,7 +213,7 @@ class _Run:
         # Blocks at wrapped steps are only compared under predicates that are then false.
         num_steps = self.num_steps
         t = lax.rem(jnp.asarray(t, jnp.int32) + num_steps, jnp.maximum(jnp.asarray(num_steps, jnp.int32), 1))
-        return tuple(i + o for i, o in zip(_unravel(t, self.local_grid), self.offsets))
+        return tuple(i + o for i, o in zip(unravel(t, self.local_grid), self.offsets))
 
     def context(self, at):
         """The kernel context of the step ``at`` is around (``pl.program_id`` in the body,
@@ -239,11 +241,11 @@ class _Steps:
         if key not in self.blocks:
             idx = self.indices(k)
             with plb.kernel_context(plb.KernelContext(self.run.local_grid, idx, self.run.ctx_name)):
-                self.blocks[key] = tuple(map(_as_index, _call_index_map(op.spec, idx, op.origin)))
+                self.blocks[key] = tuple(map(as_index, call_index_map(op.spec, idx, op.origin)))
         return self.blocks[key]
 
     def differ(self, op, k1, k2):
-        return _differ(self.block(op, k1), self.block(op, k2))
+        return any_differ(self.block(op, k1), self.block(op, k2))
 
 
 class _LoopStep(_Steps):
@@ -278,7 +280,7 @@ def _prologue(run: _Run) -> tuple[list[Any], list[Any]]:
             pred = True if t == 0 else prologue.differ(op, t, t - 1)
             if not run.static:
                 pred = jnp.logical_and(t < run.num_steps, pred)
-            _when(pred, functools.partial(op.copy_in, prologue.block(op, t), lax.rem(count, n)))
+            run_when(pred, functools.partial(op.copy_in, prologue.block(op, t), lax.rem(count, n)))
             count = count + jnp.asarray(pred, jnp.int32)
         fetched0.append(count)
     return fetched0, brefs
@@ -295,7 +297,7 @@ def _step(run: _Run, s, carry):
         if op.bref.is_input and op.bref.buffer_count == 2:
             pred = jnp.logical_and(at.not_first, at.changed(op))
             prev = functools.partial(op.copy_out, at.block(op, -1), lax.rem(written[k] + 1, 2))
-            _when(pred, functools.partial(prev, start=False, wait=True))
+            run_when(pred, functools.partial(prev, start=False, wait=True))
     slots = _fetch_inputs(run, at, fetched, used)
     for k, op in enumerate(run.outs):
         if not op.bref.is_input:
@@ -320,12 +322,12 @@ def _fetch_inputs(run: _Run, at: _LoopStep, fetched: list, used: list) -> dict[i
         used[k] = used[k] + jnp.logical_and(ch, at.not_first).astype(jnp.int32)
         slot = lax.rem(used[k], n)
         if n == 1:
-            _when(ch, functools.partial(op.copy_in, at.block(op, 0), slot, wait=True))
+            run_when(ch, functools.partial(op.copy_in, at.block(op, 0), slot, wait=True))
         else:
             pred = jnp.logical_and(s + (n - 1) < run.num_steps, at.differ(op, n - 1, n - 2))
-            _when(pred, functools.partial(op.copy_in, at.block(op, n - 1), lax.rem(fetched[k], n)))
+            run_when(pred, functools.partial(op.copy_in, at.block(op, n - 1), lax.rem(fetched[k], n)))
             fetched[k] = fetched[k] + pred.astype(jnp.int32)
-            _when(ch, functools.partial(op.copy_in, at.block(op, 0), slot, start=False, wait=True))
+            run_when(ch, functools.partial(op.copy_in, at.block(op, 0), slot, start=False, wait=True))
         slots.update((id(m), slot) for m in op.members)
     return slots
 
@@ -342,7 +344,7 @@ def _call_body(run: _Run, at: _LoopStep, slots: dict[int, Any], current: dict[in
         elif op.bref.is_buffered:
             block_refs.append(op.bref._window_ref_at(slots[id(op)]))
         else:
-            block_refs.append(op.ref.at[_block_indexer(op.spec, at.block(op, 0))])
+            block_refs.append(op.ref.at[block_indexer(op.spec, at.block(op, 0))])
     idx = at.indices(0)
     with plb.kernel_context(plb.KernelContext(run.local_grid, idx, run.ctx_name)):
         if run.body_prologue is not None:
@@ -360,11 +362,11 @@ def _write_back(run: _Run, at: _LoopStep, slots: dict[int, Any], written: list) 
         slot = slots[id(op.members[0])]
         wc = at.will_change(op)
         if op.bref.buffer_count == 1:
-            _when(wc, functools.partial(op.copy_out, at.block(op, 0), slot, wait=True))
+            run_when(wc, functools.partial(op.copy_out, at.block(op, 0), slot, wait=True))
         else:
-            _when(wc, functools.partial(op.copy_out, at.block(op, 0), slot))
+            run_when(wc, functools.partial(op.copy_out, at.block(op, 0), slot))
             if not op.bref.is_input:
                 pred = jnp.logical_and(at.not_first, at.changed(op))
                 prev = functools.partial(op.copy_out, at.block(op, -1), lax.rem(slot + 1, 2))
-                _when(pred, functools.partial(prev, start=False, wait=True))
+                run_when(pred, functools.partial(prev, start=False, wait=True))
         written[k] = written[k] + wc.astype(jnp.int32)

@@ -372,7 +372,7 @@ def _tpu_info(chip_version: ChipVersion, num_cores: int) -> TpuInfo:
     )
 
 
-def _as_chip(chip_version) -> ChipVersion:
+def as_chip(chip_version) -> ChipVersion:
     if isinstance(chip_version, ChipVersion):
         return chip_version
     try:
@@ -393,7 +393,7 @@ def get_tpu_info_for_chip(chip_version: ChipVersion, num_tensor_cores_per_logica
     Returns:
       A ``TpuInfo`` (per-TensorCore figures).
     """
-    chip = _as_chip(chip_version)
+    chip = as_chip(chip_version)
     if num_tensor_cores_per_logical_device != 1 and not chip.supports_megacore:
         raise ValueError(
             f"TPU {chip} has no megacore mode: num_tensor_cores_per_logical_device must be 1, "
@@ -426,7 +426,7 @@ def set_modeled_chip(chip_version: ChipVersion | str | None, num_cores: int | No
     if chip_version is None:
         _process_modeled = None
         return
-    chip = _as_chip(chip_version)
+    chip = as_chip(chip_version)
     cores = _default_cores(chip) if num_cores is None else num_cores
     get_tpu_info_for_chip(chip, cores)  # validate
     _process_modeled = (chip, cores)
@@ -440,7 +440,7 @@ def modeled_chip(chip_version: ChipVersion | str, num_cores: int | None = None) 
     Yields:
       The modeled chip's ``TpuInfo``.
     """
-    chip = _as_chip(chip_version)
+    chip = as_chip(chip_version)
     cores = _default_cores(chip) if num_cores is None else num_cores
     info = get_tpu_info_for_chip(chip, cores)
     token = _modeled.set((chip, cores))
@@ -520,7 +520,7 @@ def get_tpu_info(chip_version: ChipVersion | str | None = None) -> TpuInfo:
       A ``TpuInfo`` (per-TensorCore figures).
     """
     if chip_version is not None:
-        chip = _as_chip(chip_version)
+        chip = as_chip(chip_version)
         return get_tpu_info_for_chip(chip, _default_cores(chip))
     kind = get_device_kind()
     chip = chip_version_from_device_kind(kind)

@@ -16,7 +16,7 @@ from jax.interpreters import ad, batching
 from pallas.backend import constrain_memory_space
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import rules as interpret_rules
-from pallas_tpu._src.language.vector_common import _error, _register_interpret
+from pallas_tpu._src.language.vector_common import op_error, register_interpret
 
 # -------------------------------------------------------------------- trace_value
 
@@ -45,11 +45,11 @@ def trace_value(label: str, value: jax.Array) -> None:
     """
     value = jnp.asarray(value)
     if not isinstance(label, str):
-        raise _error(TypeError, "trace_value", f"label must be a str, got {type(label).__name__}")
+        raise op_error(TypeError, "trace_value", f"label must be a str, got {type(label).__name__}")
     if value.shape != ():
-        raise _error(ValueError, "trace_value", f"value must be a scalar, got shape {value.shape}")
+        raise op_error(ValueError, "trace_value", f"value must be a scalar, got shape {value.shape}")
     if value.dtype not in (jnp.int32, jnp.float32):
-        raise _error(TypeError, "trace_value", f"value must be int32 or float32, got {value.dtype}")
+        raise op_error(TypeError, "trace_value", f"value must be int32 or float32, got {value.dtype}")
     trace_value_p.bind(value, label=label)
 
 
@@ -68,7 +68,7 @@ def _trace_value_batch(args, dims, *, label):
 
 
 batching.primitive_batchers[trace_value_p] = _trace_value_batch
-_register_interpret(trace_value_p, lambda value, *, label: [], multiple_results=True)
+register_interpret(trace_value_p, lambda value, *, label: [], multiple_results=True)
 
 
 # -------------------------------------------------------------------------- touch
@@ -88,7 +88,7 @@ def touch(ref) -> None:
         if isinstance(leaf, compat.TransformedRef):
             leaf = leaf.ref
         if not isinstance(compat.typeof(leaf), compat.AbstractRef):
-            raise _error(TypeError, "touch", f"expects Refs, got {compat.typeof(leaf)}")
+            raise op_error(TypeError, "touch", f"expects Refs, got {compat.typeof(leaf)}")
         touch_p.bind(leaf)
 
 
@@ -113,7 +113,7 @@ def _touch_discharge(*args, **params):
 batching.primitive_batchers[touch_p] = _touch_batch
 interpret_rules.STATE_RULES[touch_p] = lambda ctx, eqn, ref: []  # orders nothing in an interpreter
 compat.register_discharge_rule(touch_p)(_touch_discharge)
-_register_interpret(touch_p, lambda ref: [], multiple_results=True)
+register_interpret(touch_p, lambda ref: [], multiple_results=True)
 
 
 # ----------------------------------------------------------------------- annotate
@@ -156,9 +156,9 @@ def annotate(
     base = ref.ref if isinstance(ref, compat.TransformedRef) else ref
     aval = compat.typeof(base)
     if not isinstance(aval, compat.AbstractRef):
-        raise _error(TypeError, "annotate", f"ref must be a Ref, got {aval}")
+        raise op_error(TypeError, "annotate", f"ref must be a Ref, got {aval}")
     if sum((no_store, no_hazard, no_hazard_no_deps)) > 1:
-        raise _error(
+        raise op_error(
             ValueError,
             "annotate",
             "no_store, no_hazard and no_hazard_no_deps exclude each other "
@@ -166,7 +166,7 @@ def annotate(
         )
     space = _memory_space_name(getattr(aval, "memory_space", None))
     if (no_hazard or no_hazard_no_deps) and space not in (None, "vmem"):
-        raise _error(
+        raise op_error(
             ValueError,
             "annotate",
             f"no_hazard and no_hazard_no_deps are only valid for VMEM Refs, this Ref is in {space}",
@@ -198,7 +198,7 @@ def with_memory_space_constraint(x: jax.Array, memory_space: Any) -> jax.Array:
     if name == "any":
         return x
     if name not in _CONSTRAINABLE_SPACES:
-        raise _error(
+        raise op_error(
             NotImplementedError,
             "with_memory_space_constraint",
             f"only HBM, VMEM, SMEM and HOST are supported, got memory_space={memory_space}",
@@ -220,4 +220,4 @@ batching.defvectorized(with_memory_space_constraint_p)
 ad.deflinear2(
     with_memory_space_constraint_p, lambda ct, x, **p: [with_memory_space_constraint_p.bind(ct, **p)]
 )
-_register_interpret(with_memory_space_constraint_p, lambda x, *, memory_space: x)
+register_interpret(with_memory_space_constraint_p, lambda x, *, memory_space: x)

@@ -13,15 +13,21 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from pallas_tpu._src import compat
-from pallas_tpu._src.language.vector_common import _bits, _error, _move_to_front, _register_interpret, _uint
+from pallas_tpu._src.language.vector_common import (
+    bit_width,
+    move_to_front,
+    op_error,
+    register_interpret,
+    uint_dtype,
+)
 
 # ---------------------------------------------------------- pack / unpack elementwise
 
 
 def _packing_factor(op: str, unpacked_dtype, packed_dtype) -> int:
-    u, p = _bits(unpacked_dtype), _bits(packed_dtype)
+    u, p = bit_width(unpacked_dtype), bit_width(packed_dtype)
     if u % p:
-        raise _error(
+        raise op_error(
             ValueError, op, f"{unpacked_dtype} ({u} bits) is not a whole number of {packed_dtype} ({p} bits)"
         )
     return u // p
@@ -58,11 +64,11 @@ def pack_elementwise(xs, *, packed_dtype) -> jax.Array:
     xs = [jnp.asarray(x) for x in xs]
     packed_dtype = jnp.dtype(packed_dtype)
     if not xs:
-        raise _error(ValueError, "pack_elementwise", "needs at least one source")
+        raise op_error(ValueError, "pack_elementwise", "needs at least one source")
     first = xs[0]
     for i, x in enumerate(xs):
         if x.shape != first.shape or x.dtype != first.dtype:
-            raise _error(
+            raise op_error(
                 ValueError,
                 "pack_elementwise",
                 f"all sources must have one shape and dtype: xs[0] is {first.dtype}{list(first.shape)}, "
@@ -71,14 +77,14 @@ def pack_elementwise(xs, *, packed_dtype) -> jax.Array:
     ok_float = first.dtype == jnp.float32 and packed_dtype == jnp.bfloat16
     ok_int = _is_int(first.dtype) and _is_int(packed_dtype)
     if not (ok_float or ok_int):
-        raise _error(
+        raise op_error(
             TypeError,
             "pack_elementwise",
             f"only float32 -> bfloat16 and integer -> integer are supported, got {first.dtype} -> {packed_dtype}",
         )
     factor = _packing_factor("pack_elementwise", first.dtype, packed_dtype)
     if len(xs) != factor:
-        raise _error(
+        raise op_error(
             ValueError,
             "pack_elementwise",
             f"{first.dtype} holds {factor} {packed_dtype} values, but {len(xs)} sources were given",
@@ -88,18 +94,18 @@ def pack_elementwise(xs, *, packed_dtype) -> jax.Array:
 
 @pack_elementwise_p.def_abstract_eval
 def _pack_abstract_eval(*xs, packed_dtype):
-    return compat.ShapedArray(xs[0].shape, _uint(_bits(xs[0].dtype)))
+    return compat.ShapedArray(xs[0].shape, uint_dtype(bit_width(xs[0].dtype)))
 
 
 def _pack_impl(*xs, packed_dtype):
-    width = _bits(xs[0].dtype)
-    p = _bits(packed_dtype)
-    out_t = _uint(width)
+    width = bit_width(xs[0].dtype)
+    p = bit_width(packed_dtype)
+    out_t = uint_dtype(width)
     mask = np.array((1 << p) - 1, out_t)
     out = jnp.zeros(xs[0].shape, out_t)
     for i, x in enumerate(xs):
         if _is_float(x.dtype):
-            field = lax.bitcast_convert_type(x.astype(packed_dtype), _uint(p)).astype(out_t)
+            field = lax.bitcast_convert_type(x.astype(packed_dtype), uint_dtype(p)).astype(out_t)
         else:
             field = lax.bitcast_convert_type(x, out_t) & mask
         out = out | (field << np.array(i * p, out_t))
@@ -109,14 +115,14 @@ def _pack_impl(*xs, packed_dtype):
 def _pack_batch(args, dims, *, packed_dtype):
     size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
     xs = [
-        jnp.broadcast_to(x, (size, *x.shape)) if d is None else _move_to_front(x, d)
+        jnp.broadcast_to(x, (size, *x.shape)) if d is None else move_to_front(x, d)
         for x, d in zip(args, dims, strict=True)
     ]
     return pack_elementwise_p.bind(*xs, packed_dtype=packed_dtype), 0
 
 
 batching.primitive_batchers[pack_elementwise_p] = _pack_batch
-_register_interpret(pack_elementwise_p, _pack_impl)
+register_interpret(pack_elementwise_p, _pack_impl)
 
 
 unpack_elementwise_p = Primitive("unpack_elementwise")
@@ -141,8 +147,8 @@ def unpack_elementwise(x, *, index, packed_dtype, unpacked_dtype) -> jax.Array:
     """
     x = jnp.asarray(x)
     packed_dtype, unpacked_dtype = jnp.dtype(packed_dtype), jnp.dtype(unpacked_dtype)
-    if _bits(x.dtype) != _bits(unpacked_dtype):
-        raise _error(
+    if bit_width(x.dtype) != bit_width(unpacked_dtype):
+        raise op_error(
             TypeError,
             "unpack_elementwise",
             f"x ({x.dtype}) must have the bit width of unpacked_dtype ({unpacked_dtype})",
@@ -151,14 +157,14 @@ def unpack_elementwise(x, *, index, packed_dtype, unpacked_dtype) -> jax.Array:
         (_is_float(packed_dtype) and _is_float(unpacked_dtype))
         or (_is_int(packed_dtype) and _is_int(unpacked_dtype))
     ):
-        raise _error(
+        raise op_error(
             TypeError,
             "unpack_elementwise",
             f"packed and unpacked dtypes must both be floats or both integers, got {packed_dtype} and {unpacked_dtype}",
         )
     factor = _packing_factor("unpack_elementwise", unpacked_dtype, packed_dtype)
     if not isinstance(index, (int, np.integer)) or not 0 <= index < factor:
-        raise _error(
+        raise op_error(
             ValueError,
             "unpack_elementwise",
             f"index {index} is out of range [0, {factor}) for {packed_dtype}",
@@ -175,15 +181,15 @@ def _unpack_abstract_eval(x, *, index, packed_dtype, unpacked_dtype):
 
 
 def _unpack_impl(x, *, index, packed_dtype, unpacked_dtype):
-    width, p = _bits(x.dtype), _bits(packed_dtype)
-    word = lax.bitcast_convert_type(x, _uint(width))
+    width, p = bit_width(x.dtype), bit_width(packed_dtype)
+    word = lax.bitcast_convert_type(x, uint_dtype(width))
     field = (word >> np.array(index * p, word.dtype)) & np.array((1 << p) - 1, word.dtype)
-    value = lax.bitcast_convert_type(field.astype(_uint(p)), packed_dtype)
+    value = lax.bitcast_convert_type(field.astype(uint_dtype(p)), packed_dtype)
     return value.astype(unpacked_dtype)
 
 
 batching.defvectorized(unpack_elementwise_p)
-_register_interpret(unpack_elementwise_p, _unpack_impl)
+register_interpret(unpack_elementwise_p, _unpack_impl)
 
 
 # --------------------------------------------------------------- stochastic_round
@@ -232,21 +238,21 @@ def stochastic_round(x, random_bits, *, target_dtype) -> jax.Array:
     x, random_bits = jnp.asarray(x), jnp.asarray(random_bits)
     target_dtype = jnp.dtype(target_dtype)
     if x.dtype != jnp.float32:
-        raise _error(TypeError, "stochastic_round", f"x must be float32, got {x.dtype}")
+        raise op_error(TypeError, "stochastic_round", f"x must be float32, got {x.dtype}")
     if random_bits.dtype != jnp.uint32:
-        raise _error(
+        raise op_error(
             TypeError,
             "stochastic_round",
             f"random_bits must be uint32, got {random_bits.dtype} (bitcast prng_random_bits' int32 first)",
         )
     if random_bits.shape != x.shape:
-        raise _error(
+        raise op_error(
             ValueError,
             "stochastic_round",
             f"random_bits has shape {random_bits.shape} but x has shape {x.shape}",
         )
     if target_dtype not in _STOCHASTIC_TARGETS:
-        raise _error(
+        raise op_error(
             TypeError,
             "stochastic_round",
             f"unsupported target_dtype {target_dtype}; supported: {', '.join(map(str, _STOCHASTIC_TARGETS))}",
@@ -260,7 +266,7 @@ def _stochastic_round_abstract_eval(x, random_bits, *, target_dtype):
     return compat.ShapedArray(x.shape, target_dtype)
 
 
-def _stochastic_round_impl(x, random_bits, *, target_dtype):
+def stochastic_round_impl(x, random_bits, *, target_dtype):
     if target_dtype == jnp.bfloat16:
         # Up when the draw's top 16 bits are below the 16 bits cut off, as the TPU v5e does
         # (2026-12-06, pltpu.stochastic_round on the chip): adding their complement carries
@@ -280,7 +286,7 @@ def _stochastic_round_impl(x, random_bits, *, target_dtype):
     # lo = |x| rounded toward zero, hi = the next target value away from zero:
     # target magnitudes are ordered like their bit patterns (sign bit clear).
     nearest = mag.astype(target_dtype)
-    nbits = _uint(_bits(target_dtype))
+    nbits = uint_dtype(bit_width(target_dtype))
     nearest_bits = lax.bitcast_convert_type(nearest, nbits)
     went_up = nearest.astype(jnp.float32) > mag
     lo_bits = jnp.where(went_up, nearest_bits - np.array(1, nbits), nearest_bits)
@@ -297,11 +303,11 @@ def _stochastic_round_impl(x, random_bits, *, target_dtype):
 def _stochastic_round_batch(args, dims, *, target_dtype):
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
     x, bits = (
-        jnp.broadcast_to(a, (size, *a.shape)) if d is None else _move_to_front(a, d)
+        jnp.broadcast_to(a, (size, *a.shape)) if d is None else move_to_front(a, d)
         for a, d in zip(args, dims, strict=True)
     )
     return stochastic_round_p.bind(x, bits, target_dtype=target_dtype), 0
 
 
 batching.primitive_batchers[stochastic_round_p] = _stochastic_round_batch
-_register_interpret(stochastic_round_p, _stochastic_round_impl)
+register_interpret(stochastic_round_p, stochastic_round_impl)

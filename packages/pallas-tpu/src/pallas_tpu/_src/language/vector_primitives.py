@@ -33,11 +33,11 @@ from pallas_tpu._src.language.vector_annotations import (
 from pallas_tpu._src.language.vector_annotations import (
     with_memory_space_constraint_p as with_memory_space_constraint_p,
 )
-from pallas_tpu._src.language.vector_common import _bits, _error, _move_to_front, _register_interpret
-from pallas_tpu._src.language.vector_packing import _stochastic_round_impl as _stochastic_round_impl
+from pallas_tpu._src.language.vector_common import bit_width, move_to_front, op_error, register_interpret
 from pallas_tpu._src.language.vector_packing import pack_elementwise as pack_elementwise
 from pallas_tpu._src.language.vector_packing import pack_elementwise_p as pack_elementwise_p
 from pallas_tpu._src.language.vector_packing import stochastic_round as stochastic_round
+from pallas_tpu._src.language.vector_packing import stochastic_round_impl as stochastic_round_impl
 from pallas_tpu._src.language.vector_packing import stochastic_round_p as stochastic_round_p
 from pallas_tpu._src.language.vector_packing import unpack_elementwise as unpack_elementwise
 from pallas_tpu._src.language.vector_packing import unpack_elementwise_p as unpack_elementwise_p
@@ -76,24 +76,24 @@ def roll(
     x = jnp.asarray(x)
     if isinstance(shift, (int, np.integer)):
         if shift < 0:
-            raise _error(ValueError, "roll", f"shift must be non-negative, got {shift}")
+            raise op_error(ValueError, "roll", f"shift must be non-negative, got {shift}")
     shift = jnp.asarray(shift)
     if shift.shape != () or not jnp.issubdtype(shift.dtype, jnp.integer):
-        raise _error(
+        raise op_error(
             TypeError, "roll", f"shift must be an integer scalar, got {shift.dtype}{list(shift.shape)}"
         )
     shift = shift.astype(jnp.int32)
     if not isinstance(axis, (int, np.integer)) or not 0 <= axis < x.ndim:
-        raise _error(ValueError, "roll", f"axis {axis} is out of range for an array of rank {x.ndim}")
+        raise op_error(ValueError, "roll", f"axis {axis} is out of range for an array of rank {x.ndim}")
     if (stride is None) != (stride_axis is None):
-        raise _error(ValueError, "roll", "give both stride and stride_axis, or neither")
+        raise op_error(ValueError, "roll", "give both stride and stride_axis, or neither")
     if stride is not None:
         if stride < 0:
-            raise _error(ValueError, "roll", f"stride must be non-negative, got {stride}")
+            raise op_error(ValueError, "roll", f"stride must be non-negative, got {stride}")
         if not 0 <= stride_axis < x.ndim:
-            raise _error(ValueError, "roll", f"stride_axis {stride_axis} is out of range for rank {x.ndim}")
+            raise op_error(ValueError, "roll", f"stride_axis {stride_axis} is out of range for rank {x.ndim}")
         if stride_axis == axis:
-            raise _error(ValueError, "roll", f"axis and stride_axis must differ, both are {axis}")
+            raise op_error(ValueError, "roll", f"axis and stride_axis must differ, both are {axis}")
         stride, stride_axis = int(stride), int(stride_axis)
     return roll_p.bind(x, shift, axis=int(axis), stride=stride, stride_axis=stride_axis)
 
@@ -123,7 +123,7 @@ def _roll_impl(x, shift, *, axis, stride, stride_axis):
 def _roll_batch(args, dims, *, axis, stride, stride_axis):
     (x, shift), (xd, sd) = args, dims
     if sd is None:
-        x = _move_to_front(x, xd)
+        x = move_to_front(x, xd)
         sa = None if stride_axis is None else stride_axis + 1
         return roll_p.bind(x, shift, axis=axis + 1, stride=stride, stride_axis=sa), 0
     # A shift per batch element is not one TPU rotate: fall back to the semantics.
@@ -151,7 +151,7 @@ ad.primitive_jvps[roll_p] = lambda primals, tangents, **p: (
     if type(tangents[0]) is ad.Zero
     else roll_p.bind(ad.instantiate_zeros(tangents[0]), primals[1], **p),
 )
-_register_interpret(roll_p, _roll_impl)
+register_interpret(roll_p, _roll_impl)
 
 
 # ------------------------------------------------------------------------ bitcast
@@ -179,13 +179,13 @@ def bitcast(x: jax.Array, ty: Any) -> jax.Array:
     x = jnp.asarray(x)
     ty = jnp.dtype(ty)
     if x.ndim < 2:
-        raise _error(ValueError, "bitcast", f"needs an array of rank >= 2, got shape {x.shape}")
+        raise op_error(ValueError, "bitcast", f"needs an array of rank >= 2, got shape {x.shape}")
     for d in (x.dtype, ty):
         if d == jnp.bool_ or d.kind == "c":
-            raise _error(TypeError, "bitcast", f"{d} cannot be bitcast on a TPU")
-    src, dst = _bits(x.dtype), _bits(ty)
+            raise op_error(TypeError, "bitcast", f"{d} cannot be bitcast on a TPU")
+    src, dst = bit_width(x.dtype), bit_width(ty)
     if (x.shape[-2] * src) % dst:
-        raise _error(
+        raise op_error(
             ValueError,
             "bitcast",
             f"the second-to-last dimension ({x.shape[-2]}) of {x.dtype} cannot be packed into "
@@ -196,12 +196,12 @@ def bitcast(x: jax.Array, ty: Any) -> jax.Array:
 
 @bitcast_p.def_abstract_eval
 def _bitcast_abstract_eval(x, *, ty):
-    shape = (*x.shape[:-2], x.shape[-2] * _bits(x.dtype) // _bits(ty), x.shape[-1])
+    shape = (*x.shape[:-2], x.shape[-2] * bit_width(x.dtype) // bit_width(ty), x.shape[-1])
     return compat.ShapedArray(shape, ty)
 
 
-def _bitcast_impl(x, *, ty):
-    src, dst = _bits(x.dtype), _bits(ty)
+def bitcast_impl(x, *, ty):
+    src, dst = bit_width(x.dtype), bit_width(ty)
     *lead, m, n = x.shape
     if src < dst:  # rows (k*i .. k*i+k-1) become the k parts of row i, lowest first
         k = dst // src
@@ -215,11 +215,11 @@ def _bitcast_impl(x, *, ty):
 
 def _bitcast_batch(args, dims, *, ty):
     # The batch dimension must not be one of the last two, which bitcast reshapes.
-    return bitcast_p.bind(_move_to_front(args[0], dims[0]), ty=ty), 0
+    return bitcast_p.bind(move_to_front(args[0], dims[0]), ty=ty), 0
 
 
 batching.primitive_batchers[bitcast_p] = _bitcast_batch
-_register_interpret(bitcast_p, _bitcast_impl)
+register_interpret(bitcast_p, bitcast_impl)
 
 # --------------------------------------------------------------------- reciprocal
 
@@ -242,7 +242,7 @@ def reciprocal(x, *, approx: bool = False, full_range: bool = True) -> jax.Array
     """
     x = jnp.asarray(x)
     if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise _error(TypeError, "reciprocal", f"x must be float32 or bfloat16, got {x.dtype}")
+        raise op_error(TypeError, "reciprocal", f"x must be float32 or bfloat16, got {x.dtype}")
     return reciprocal_p.bind(x, approx=bool(approx), full_range=bool(full_range))
 
 
@@ -269,4 +269,4 @@ def _reciprocal_jvp(primals, tangents, *, approx, full_range):
 
 batching.defvectorized(reciprocal_p)
 ad.primitive_jvps[reciprocal_p] = _reciprocal_jvp
-_register_interpret(reciprocal_p, _reciprocal_impl)
+register_interpret(reciprocal_p, _reciprocal_impl)

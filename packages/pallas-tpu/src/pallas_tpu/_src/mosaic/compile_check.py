@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import jax
 
 from pallas_tpu._src import pallas_call_registration as reg
+from pallas_tpu._src.language import tpu_info
 
 # A chip name -> the smallest topology libtpu knows for it (one host).
 # "7x": TPU7x, compile-only in libtpu 0.0.42.1 and 0.0.48.1 (its MXU ops: tests/tpu/test_mxu_fifo.py).
@@ -119,8 +120,6 @@ def _traced_for(chip: str, placed):
     of JAX's trace cache key, so an inner ``jax.jit`` traces again for another chip); left as
     it is inside one that already names a TPU, and for arguments sharded over a mesh of
     TPU devices (a ``shard_map``: the lowering reads the chip off its devices)."""
-    from pallas_tpu._src.language import tpu_info
-
     current = tpu_info.compat.abstract_device()
     if current is not None and tpu_info.chip_version_from_device_kind(current.device_kind) is not None:
         return contextlib.nullcontext()

@@ -22,7 +22,7 @@ from jax import lax
 import pallas as pl
 import pallas_tpu as pltpu
 from pallas_tpu.ops.splash_attention import _common as cm
-from pallas_tpu.ops.splash_attention._forward import _name
+from pallas_tpu.ops.splash_attention._forward import kernel_name
 
 F32 = cm.F32
 
@@ -204,7 +204,7 @@ def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config,
         compiler_params=cm.compiler_params(),
         cost_estimate=cm.cost(6 * head_dim, steps_total * block_q * block_kv, args, out_shape),
         interpret=cfg.interpret,
-        name=_name("dq", cfg, has_seg, False),
+        name=kernel_name("dq", cfg, has_seg, False),
     )(*prefetch, *args)
     return dq
 
@@ -356,7 +356,7 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
         compiler_params=cm.compiler_params(),
         cost_estimate=cm.cost(8 * head_dim, steps_total * block_q * block_kv, args, out_shape),
         interpret=cfg.interpret,
-        name=_name("dkv", cfg, has_seg, False),
+        name=kernel_name("dkv", cfg, has_seg, False),
     )(*prefetch, *args)
     if summed:
         dk, dv = dk.sum(axis=0), dv.sum(axis=0)  # over the q shards of this call

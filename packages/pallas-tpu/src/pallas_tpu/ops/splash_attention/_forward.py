@@ -198,7 +198,7 @@ def forward(
         compiler_params=cm.compiler_params(),
         cost_estimate=cm.cost(4 * head_dim, steps_total * block_q * block_kv, args, out_shape),
         interpret=cfg.interpret,
-        name=_name("fwd", cfg, has_seg, keep_lse),
+        name=kernel_name("fwd", cfg, has_seg, keep_lse),
     )(*prefetch, *args)
     del kv_len
     lse = outs[1].reshape(heads, q_len) if keep_lse else None
@@ -215,6 +215,6 @@ def band_of(block_q: int, block_kv_compute: int) -> int:
     return max(min(band, block_q), 1)
 
 
-def _name(phase: str, cfg: cm.Config, segmented: bool, residuals: bool) -> str:
+def kernel_name(phase: str, cfg: cm.Config, segmented: bool, residuals: bool) -> str:
     kind = "mqa" if cfg.is_mqa else "mha"
     return f"splash_{kind}_{phase}{'_segmented' if segmented else ''}{'_residuals' if residuals else '_no_residuals'}"

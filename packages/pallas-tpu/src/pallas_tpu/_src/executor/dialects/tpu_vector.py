@@ -205,7 +205,7 @@ def _stochastic_convert(ex, op, vals, env):
 
     x, bits = np.asarray(vals[0]), np.asarray(vals[1])  # float32 (the verifier checks)
     target = out_dtype(op)
-    r = vp._stochastic_round_impl(jnp.asarray(x), jnp.asarray(bits.view(np.uint32)), target_dtype=target)
+    r = vp.stochastic_round_impl(jnp.asarray(x), jnp.asarray(bits.view(np.uint32)), target_dtype=target)
     return [np.asarray(r).astype(target)]
 
 

@@ -1,0 +1,26 @@
+"""Names JAX's Pallas TPU API removed or moved, for ``pallas_tpu``'s module
+``__getattr__`` (``pallas.backend.module_getattr``): JAX's words and where the name went."""
+
+from __future__ import annotations
+
+from pallas.backend import RemovedNames
+
+#: ``pallas_tpu`` (JAX's ``pltpu`` module, 0.11), and ``repeat``, removed before 0.11.
+PALLAS_TPU: RemovedNames = {
+    "HOST": (
+        "pltpu.HOST was deprecated in JAX v0.10.0, and removed in JAX v0.12.0. Use pl.HOST instead.",
+        None,
+    ),
+    **{
+        name: (
+            f"pltpu.{name} was deprecated in JAX v0.10.0, and removed in JAX v0.11.0. Use pl.{name} instead.",
+            None,
+        )
+        for name in ("semaphore", "DeviceIdType", "semaphore_read", "semaphore_signal", "semaphore_wait")
+    },
+    "repeat": (
+        "pltpu.repeat was removed from JAX's Pallas TPU API before JAX v0.11.0: use jnp.tile (or "
+        "jnp.concatenate of copies) on the loaded value instead.",
+        None,
+    ),
+}

@@ -243,22 +243,24 @@ def test_unpack_elementwise(mode, packed, unpacked, index):
 
 
 def _stochastic_bf16_reference(x, bits):
-    # Up when the top 16 random bits are below the 16 bits cut off (the TPU v5e's rule).
-    up = (bits >> 16) < (lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFFFF))
+    # Up when the low 23 random bits are below the 16 bits cut off, as a 23-bit fraction
+    # (the TPU v5e's rule).
+    cut = (lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFFFF)) << np.uint32(7)
+    up = (bits & np.uint32(0x7FFFFF)) < cut
     word = lax.bitcast_convert_type(x, jnp.uint32) + jnp.where(up, np.uint32(0x10000), np.uint32(0))
     return lax.bitcast_convert_type(word & np.uint32(0xFFFF0000), jnp.float32).astype(jnp.bfloat16)
 
 
 def _stochastic_grid_reference(x, bits, dtype):
     # The two neighbours of |x| in ``dtype`` by enumerating all its values; up
-    # with probability (|x| - lo) / (hi - lo), compared with bits / 2**32.
+    # with probability (|x| - lo) / (hi - lo), compared with the low 23 bits / 2**23.
     values = np.unique(np.abs(np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)))
     values = values[np.isfinite(values)]
     mag = np.minimum(np.abs(np.asarray(x)), values[-1])
     i = np.clip(np.searchsorted(values, mag, side="right") - 1, 0, len(values) - 2)
     lo, hi = values[i], values[i + 1]
     exact = mag == lo
-    u = (np.asarray(bits) >> 8).astype(np.float32) * np.float32(2.0**-24)
+    u = (np.asarray(bits) & np.uint32(0x7FFFFF)).astype(np.float32) * np.float32(2.0**-23)
     up = (u < (mag - lo) / (hi - lo)) & ~exact
     out = np.where(up, hi, lo) * np.sign(np.asarray(x))
     return out.astype(dtype)

@@ -381,8 +381,9 @@ def test_stochastic_round_bf16_matches_bit_trick(mode, rng):
     x = _rand(rng, (8, 128), jnp.float32) * 100
     bits = jnp.asarray(rng.integers(0, 2**32, size=(8, 128), dtype=np.uint64).astype(np.uint32))
     out = run(mode, lambda t, x, b: t.stochastic_round(x, b, target_dtype=jnp.bfloat16), x, bits)
-    # Up when the top 16 random bits are below the 16 bits cut off (the TPU v5e's rule).
-    up = (np.asarray(bits) >> 16) < (as_bits(x) & 0xFFFF)
+    # Up when the low 23 random bits are below the 16 bits cut off, as a 23-bit fraction
+    # (the TPU v5e's rule).
+    up = (np.asarray(bits) & 0x7FFFFF) < ((as_bits(x) & 0xFFFF).astype(np.uint32) << 7)
     word = (as_bits(x).astype(np.uint64) + np.where(up, 0x10000, 0).astype(np.uint64)) & np.uint64(0xFFFF0000)
     ref = (word.astype(np.uint32) >> 16).astype(np.uint16)
     np.testing.assert_array_equal(as_bits(out), ref)

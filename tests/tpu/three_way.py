@@ -250,8 +250,9 @@ def chip_flushed(x, way: str):
 
 
 # A kernel of several float32 matmuls in a row (attention: the probabilities are rounded
-# too) is held to the tolerance of a bf16 one on the chip.
-F32_DOT_ON_CHIP_TOL = 3e-2
+# too) is held to the tolerance of a bf16 one on the chip (the ops tests' bf16 attention
+# cases with gradients allow 4e-2).
+F32_DOT_ON_CHIP_TOL = 4e-2
 
 
 def dot_tol(tol: float, way: str, dtype=np.float32) -> float:

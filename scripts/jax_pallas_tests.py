@@ -95,6 +95,20 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   pallas_vmap_test after those fixes: 128 of 138 and 12 of 13, so **775 of 804 (96.4 %)**. The
   first run's interpret
   classes (``JAX_PLATFORMS`` unset, on the machine's CPU): 1196 of 1216 (98.4 %).
+* 2026-12-06 (issue 49 §2): at jax-v0.11.0's six files, 1592 of 1637 (97.3 %) when the issue was
+  filed (main at db6cd82); not re-run after the fixes below. The code index hands out one stored
+  version of each file at a time and the files reach this machine only by being re-typed from the
+  look-up tool's answers (about 440,000 characters for the six), so this session fetched the newest
+  stored ``tpu_pallas_interpret_test.py`` (jax 910e39bd, written for JAX 0.12) only: 9 of the 11
+  tests passing on JAX 0.11.2 pass on ours, before and after the fixes (6 of its 17 fail on JAX 0.11.2
+  itself: ``InterpretParams(num_cores_per_device=...)`` and ``pltpu.MemorySpace.ANY`` are JAX 0.12's,
+  so its two-core race tests count on neither side). Left there: the count of JAX's internal
+  ``store`` callbacks, and uninitialized int16 scratch (``iinfo.min`` on ours, ``iinfo.max`` on JAX).
+  Fixed, each with a test in tests/tpu/test_jax_conformance.py: two cores along a "parallel" axis
+  writing only their own blocks and scratch were reported as a race (the newest file's
+  ``test_two_cores_along_parallel_dimension_no_race``, run by hand with JAX 0.11's parameter name:
+  race-free on both now; the race of two cores writing one output block is still found, on both);
+  ``jax.vmap`` over a scalar-prefetch operand (was NotImplementedError).
 """
 
 from __future__ import annotations

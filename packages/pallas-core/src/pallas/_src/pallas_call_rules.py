@@ -89,6 +89,9 @@ def _batching_rule(args, dims, **params):
     D = gm.num_dynamic_grid_bounds
     if any(d is not None for d in dims[:D]):  # each element has its own grid
         return _batch_with_loop(args, dims, axis_size, params)
+    if any(d is not None for d in dims[D : D + gm.num_scalar_prefetch]):
+        # each element has its own scalar-prefetch values (its own block indices)
+        return _batch_with_loop(args, dims, axis_size, params)
     dynamic_sizes, args, dims = args[:D], list(args[D:]), list(dims[D:])
     G, nsp = len(gm.grid), gm.num_scalar_prefetch
     batched = [d is not None for d in dims]
@@ -101,11 +104,6 @@ def _batching_rule(args, dims, **params):
             dims = list(dims)
             dims[i] = 0
     args = [jnp.moveaxis(a, d, 0) if b else a for a, d, b in zip(args, dims, batched)]
-    if any(batched[:nsp]):
-        raise NotImplementedError(
-            f"{describe(gm.kernel_name, gm.source)}: jax.vmap over a scalar-prefetch operand is not "
-            "supported; vmap over the other operands, or loop over the prefetch values"
-        )
     bms = [_batch_block_mapping(bm, b, axis_size, G) for bm, b in zip(gm.in_block_mappings, batched[nsp:])]
     bms += [_batch_block_mapping(bm, True, axis_size, G) for bm in gm.out_block_mappings]
     names = (None, *gm.grid_names) if gm.grid_names else ()

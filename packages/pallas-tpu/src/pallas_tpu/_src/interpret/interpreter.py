@@ -407,6 +407,9 @@ class Interpreter(RefAccess, RuntimeChecks):
     def on_dma_start(self, eqn, views) -> None:
         pass
 
+    def on_block_write(self, hbm_cell: int, starts, sizes, origin: str, when=True) -> None:
+        """The pipeline writes an output block back to HBM (``when``: traced bool)."""
+
     def on_dma_wait(self, eqn, views) -> None:
         pass
 

@@ -47,6 +47,7 @@ from pallas_tpu._src.interpret.sessions import (
     lowering_mesh_devices,
     sessions_lock,
 )
+from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import primitives as tpu_prims
 
 
@@ -276,9 +277,43 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
                         f"by the kernel at {site} ({who(dev, core)})"
                     )
 
-                s.record((dev, cell), ("core", dev, core), write, idx, what)
+                s.record(self._race_buf(dev, cell, core), ("core", dev, core), write, idx, what)
 
         self._callback(access, [], self.sid, self.my_dev, idx)
+
+    def _race_buf(self, dev: int, cell: int, core: int):
+        """The memory a cell is, for race detection: a core's own VMEM and SMEM
+        (its block buffers and scratch) per core, as on the chip, so that cores
+        run one after the other in the same cells do not race there; HBM, ANY and
+        VMEM_SHARED once per device. (A remote DMA lands on its issuer's core.)"""
+        sp = self.cell_spaces.get(cell)
+        return (dev, cell, core) if sp is None or sp in (tpu_core.VMEM, tpu_core.SMEM) else (dev, cell)
+
+    def on_block_write(self, hbm_cell: int, starts, sizes, origin: str, when=True) -> None:
+        """The pipeline's write-back of an output block (a DMA on the chip) is the
+        core's write of that part of HBM: two cores writing one block race (as JAX's
+        TPU interpret mode says), however the cores take turns here."""
+        if not self.races:
+            return
+        shape = self.state[hbm_cell].shape
+        axes = [jnp.arange(n, dtype=jnp.int32) + jnp.asarray(st, jnp.int32) for st, n in zip(starts, sizes)]
+        idx = jnp.ravel_multi_index(jnp.meshgrid(*axes, indexing="ij"), shape, mode="clip").reshape(-1)
+        core, buf_name, who = self.core_id, self._buf_name, self._who
+
+        def access(sid, dev, idx, when):
+            if not bool(when):
+                return
+            s, dev = get_session(sid), int(dev)
+            with s.cv:
+                s.check_alive(dev)
+
+                def what():
+                    where = buf_name(hbm_cell, dev, idx, shape)
+                    return f"write of {where} by the pipeline's write-back of {origin} ({who(dev, core)})"
+
+                s.record(self._race_buf(dev, hbm_cell, core), ("core", dev, core), True, idx, what)
+
+        self._callback(access, [], self.sid, self.my_dev, idx, jnp.asarray(when))
 
     def _dma_start_race(self, s, dev, core, dst_dev, v, src_idx, dst_idx, shapes, site, sem_key):
         """Host side: a new DMA thread with the issuer's clock; records its accesses."""
@@ -292,7 +327,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         remote = "remote " if dst_dev is not None else ""
         by = f"the {remote}DMA started at {site} ({self._who(dev, core)})"
         s.record(
-            (dev, src_cell),
+            self._race_buf(dev, src_cell, core),
             dma,
             False,
             src_idx,
@@ -300,7 +335,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         )
         tgt = dev if dst_dev is None else dst_dev
         s.record(
-            (tgt, dst_cell),
+            self._race_buf(tgt, dst_cell, core),
             dma,
             True,
             dst_idx,

@@ -478,6 +478,7 @@ def _end_lane(call: _Call, lane: _Lane, n) -> None:
     zero, its last output blocks go back to HBM, its cells are freed."""
     interp, gm = call.interp, call.gm
     core_ops, scratch = lane.ops, lane.scratch
+    interp.core_id = lane.core_id
     for i, a in enumerate(gm.scratch_avals):
         if plb.semaphore_kind(a) is not None:
             core_rules.check_sem_zero(interp, RefView(scratch[i]), None, "when the kernel ends")
@@ -491,6 +492,9 @@ def _end_lane(call: _Call, lane: _Lane, n) -> None:
             if call.dynamic:  # a dynamic grid may run no step: then there is no last block
                 old = lax.dynamic_slice(interp.state[op.hbm], prev, op.bm.block_sizes)
                 blk = jnp.where(n > 0, blk, old)
+            interp.on_block_write(
+                op.hbm, prev, op.bm.block_sizes, op.bm.origin, n > 0 if call.dynamic else True
+            )
             interp.state[op.hbm] = lax.dynamic_update_slice(interp.state[op.hbm], blk, prev)
         else:
             interp.hidden.block_starts.pop((i, lane.slot))
@@ -572,6 +576,7 @@ def _enter_block(interp, op, key: tuple[int, int], is_out, gidx, prefetch, s):
         old_hbm = lax.dynamic_slice(hbm, prev, bm.block_sizes, allow_negative_indices=False)
         blk = interp.state[op.buf].reshape(bm.block_sizes)
         write_back = jnp.logical_and(changed, s > 0)
+        interp.on_block_write(op.hbm, prev, bm.block_sizes, bm.origin, write_back)
         interp.state[op.hbm] = lax.dynamic_update_slice(
             hbm, jnp.where(write_back, blk, old_hbm), prev, allow_negative_indices=False
         )

@@ -270,9 +270,13 @@ def test_scoped_hbm_buffer_race(slow, dma):
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as jax_interp
 
     _jax_reset()
-    _, o = jax.jit(build_racy_hbm(jpl, jpltpu, slow, _jax_interpret_params(**kw)))(x, w)
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(w * w))
-    assert jax_interp.races.races_found
+    try:
+        _, o = jax.jit(build_racy_hbm(jpl, jpltpu, slow, _jax_interpret_params(**kw)))(x, w)
+    except Exception as e:  # JAX 0.12's interpret mode raises where 0.10 and 0.11 set a flag
+        assert "RACE DETECTED" in str(e), e
+    else:
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(w * w))
+        assert jax_interp.races.races_found
     _jax_reset()
 
 

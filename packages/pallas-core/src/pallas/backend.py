@@ -65,7 +65,6 @@ from pallas._src.primitives import kernel_context as kernel_context
 from pallas._src.primitives import multiple_of_p as multiple_of_p
 from pallas._src.primitives import run_scoped_p as run_scoped_p
 from pallas._src.primitives import symbolic_shape_message as symbolic_shape_message
-from pallas._src.removed import RemovedNames as RemovedNames
 from pallas._src.removed import module_getattr as module_getattr
 from pallas._src.semaphores import DeviceIdType as DeviceIdType
 from pallas._src.semaphores import debug_check_p as debug_check_p

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-from pallas.backend import RemovedNames
-
 #: ``pallas_tpu`` (JAX's ``pltpu`` module, 0.11), and ``repeat``, removed before 0.11.
-PALLAS_TPU: RemovedNames = {
+PALLAS_TPU: dict[str, tuple[str, str | None]] = {
     "HOST": (
         "pltpu.HOST was deprecated in JAX v0.10.0, and removed in JAX v0.12.0. Use pl.HOST instead.",
         None,

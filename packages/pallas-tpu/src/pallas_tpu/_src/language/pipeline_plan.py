@@ -319,7 +319,7 @@ def _tiling_of(aval, tiling):
 
 
 def _is_jax_buffered_ref(x) -> bool:
-    """An instance of JAX's own ``BufferedRef`` (``jax._src.pallas.mosaic.pipeline``), or a
+    """An instance of JAX's own ``BufferedRef`` (JAX's private Mosaic pipeline module), or a
     subclass of it: a pytree of JAX's pipeline, which ours cannot schedule."""
     return any(c.__name__ == "BufferedRef" and c.__module__.startswith("jax.") for c in type(x).__mro__)
 
@@ -338,7 +338,7 @@ def allocation_leaves(allocations) -> list:
             raise pipeline_error(
                 TypeError,
                 f"{WHERE}: allocations[{i}] is a {type(x).__name__}, a subclass of JAX's own BufferedRef "
-                f"({type(x).__module__}, from jax._src.pallas.mosaic.pipeline): our pipeline schedules "
+                f"({type(x).__module__}, from JAX's Mosaic pipeline): our pipeline schedules "
                 "pltpu.BufferedRef and its subclasses (pallas_tpu's). Derive the class from pltpu.BufferedRef "
                 "(the same fields and methods: copy_in, wait_in, copy_out, wait_out, the slot registers)",
             )

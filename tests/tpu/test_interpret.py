@@ -261,7 +261,8 @@ def test_interpret_true_runs_tpu_kernels():
 def test_vmap_and_jit_of_a_tpu_kernel(way):
     x, y = rand(10, (3, 128, 256)), rand(11, (3, 256, 128))
     build = lambda pl, pltpu: jax.vmap(lambda a, b: matmul(pl, pltpu, a, b, interpret=False))  # noqa: E731
-    close(run(build, (x, y), way), jnp.einsum("bij,bjk->bik", x, y), 1e-4)
+    want = jnp.einsum("bij,bjk->bik", mxu_operand(x, way), mxu_operand(y, way))
+    close(run(build, (x, y), way), want, 1e-4)
 
 
 @interpret_only(reason="DMA execution order: uninitialized data before the wait")

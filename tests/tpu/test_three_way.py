@@ -14,7 +14,7 @@ from jax import lax
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import MODES, dot_tol, load_example, mxu_operand, run, run_sharded  # noqa: E402
+from three_way import MODES, chip_tol, dot_tol, load_example, mxu_operand, run, run_sharded  # noqa: E402
 
 jax.config.update("jax_enable_checks", True)
 
@@ -275,7 +275,8 @@ def test_elementwise_compare_select_cast(mode, dtype):
 
     got, conv = three_way(build, (x, y), mode)
     assert np.asarray(got).dtype == jnp.dtype(dtype)
-    close(got, _elementwise(x, y, dtype), 2e-2 if dtype == jnp.bfloat16 else 1e-5)
+    # exp and tanh on the chip: a few hundred ulp from the host's (chip_tol)
+    close(got, _elementwise(x, y, dtype), 2e-2 if dtype == jnp.bfloat16 else chip_tol(1e-5, mode, 1e-4))
     close(conv, (x.astype(jnp.float32) * 2.5).astype(jnp.int32), 0)
 
 

@@ -17,7 +17,7 @@ from jaxlib.mosaic.python import tpu as tpu_dialect
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import OLD_JAX, ON_CHIP, WAYS, close, equal, run, ways  # noqa: E402
+from three_way import OLD_JAX, ON_CHIP, WAYS, chip_tol, close, equal, run, ways  # noqa: E402
 
 import pallas as pl  # noqa: E402
 import pallas_tpu as pltpu  # noqa: E402
@@ -298,9 +298,19 @@ def test_scan_over_rows_with_stacked_ys(way, reverse, unroll):
     ec, (es, ep) = lax.scan(
         step, jnp.zeros((8, 128), jnp.float32), (x, jnp.broadcast_to(w, x.shape)), reverse=reverse
     )
-    close(c, ec)
-    close(s, es, tol=1e-4)
-    equal(p, ep.astype(jnp.int32))
+    # tanh on the chip is a few hundred ulp from the host's, and the error runs through
+    # the six steps (chip_tol); there the signs are compared where |c| is above it
+    tol = chip_tol(1e-5, way, 2e-4)
+    close(c, ec, tol)
+    close(s, es, tol=chip_tol(1e-4, way, 1e-3))
+    _, cs = lax.scan(
+        lambda c, xw: (step(c, xw)[0],) * 2,
+        jnp.zeros((8, 128), jnp.float32),
+        (x, jnp.broadcast_to(w, x.shape)),
+        reverse=reverse,
+    )
+    clear = np.abs(np.asarray(cs)) > tol
+    equal(np.asarray(p)[clear], np.asarray(ep.astype(jnp.int32))[clear])
 
 
 @pytest.mark.parametrize("way", ways(jax_skip="scan over arrays (xs, ys) is not supported"))
@@ -763,7 +773,9 @@ def test_lgamma_digamma(way):
         expected[1] = np.where(np.asarray(x) == 0, -np.inf, expected[1])
     for k, (got, expect) in enumerate(zip(run(build, (x,), way), expected, strict=True)):
         got = np.asarray(got)
-        tol = 1e-2 if k == 2 else 2e-5  # k == 2: bfloat16 results (one ulp apart, near lgamma's zeros)
+        # k == 2: bfloat16 results (one ulp apart, near lgamma's zeros); the chip's log and
+        # exp put lgamma/digamma up to 1e-3 from the host's near their zeros (chip_tol)
+        tol = 1e-2 if k == 2 else chip_tol(2e-5, way, 2e-3)
         np.testing.assert_array_equal(np.isnan(got), np.isnan(expect))
         np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expect))
         np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expect))

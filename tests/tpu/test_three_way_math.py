@@ -393,7 +393,9 @@ def test_math_primitives(mode, name, fn, tol):
     got = run(elementwise(lambda v, pltpu: fn(v)), (x,), mode)
     want = fn(x)
     if tol:
-        close(got, want, chip_tol(tol, mode, 1e-4))
+        # the chip's transcendental units: a few hundred ulp from the host's libm; erf_inv
+        # near its poles (|x| to 0.99) up to 5e-4 apart at values near 1.7
+        close(got, want, chip_tol(tol, mode, 1e-3 if name == "erf_inv" else 1e-4))
     else:
         equal(got, want)
 

@@ -263,6 +263,18 @@ def dot_tol(tol: float, way: str, dtype=np.float32) -> float:
     return tol
 
 
+def reference_device(way: str):
+    """Where a reference of chained float32 matmuls is computed: on the chip where the
+    kernel ran there (XLA's default precision there rounds each matmul's operands to
+    bfloat16, as the kernel's MXU does, so both round the same inputs the same way);
+    anywhere else the default device. A context manager."""
+    import contextlib
+
+    if ON_CHIP and way == "compiled":
+        return jax.default_device(jax.devices("tpu")[0])
+    return contextlib.nullcontext()
+
+
 def chip_tol(tol: float, way: str, floor: float) -> float:
     """``tol``, or ``floor`` where the kernel runs on the chip: its transcendental units
     (exp, log) are a few hundred ulp from the host's libm."""
@@ -299,6 +311,11 @@ def run_on_chip(build, args, num_cores=1):
             f"needs a TPU with {num_cores} TensorCores; {jax.devices()[0].device_kind} has {chip_cores}"
         )
     args = to_chip(args)
+    with jax.default_device(jax.devices("tpu")[0]):  # a kernel of no arguments too
+        return _run_on_chip(build, args)
+
+
+def _run_on_chip(build, args):
     try:
         ours = jax.block_until_ready(jax.jit(build(pl, pltpu))(*args))
     except Exception as e:

@@ -28,13 +28,11 @@ from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
 from pallas_tpu._src import checks, compat
-from pallas_tpu._src.interpret import multi as interpret_multi
 from pallas_tpu._src.interpret import pallas_call as interpret_pallas_call
 from pallas_tpu._src.interpret import progress as compile_progress
 from pallas_tpu._src.interpret import sessions as interpret_sessions
-from pallas_tpu._src.interpret.interpreter import Interpreter, InterpretParams
+from pallas_tpu._src.interpret.interpreter import InterpretParams
 from pallas_tpu._src.language import core as tpu_core
-from pallas_tpu._src.language import primitives as tpu_prims
 from pallas_tpu._src.language import tpu_info
 from pallas_tpu._src.mosaic.lowering import BOOL_MEMORY_DTYPE, LoweringException
 from pallas_tpu._src.mosaic.lowering_kernel import func_name, lower_kernel
@@ -66,22 +64,11 @@ def describe() -> str:
     return "pallas_tpu"
 
 
-def _interpreter_class(call, params: InterpretParams):
-    """The multi-device interpreter for kernels that reach other devices or cores
-    (remote DMAs and signals, barrier semaphores) or check races."""
-    f = call.facts
-    if params.detect_races or f.remote or f.signals_cores or f.uses(tpu_prims.get_barrier_semaphore_p):
-        return interpret_multi.MultiDeviceInterpreter
-    return Interpreter
-
-
 def _interpret(*args, call, params: InterpretParams):
-    cls = _interpreter_class(call, params)
     # Reads through pl.ds(i, n, 0): one element, broadcast (the interpreter's windows need strides >= 1).
     jaxpr = plb.broadcast_zero_stride_reads(call.jaxpr, _where(call.grid_mapping))
     with tpu_info.modeled_chip(params.chip_version):
         return interpret_pallas_call.run(
-            cls,
             args,
             jaxpr=jaxpr,
             grid_mapping=call.grid_mapping,

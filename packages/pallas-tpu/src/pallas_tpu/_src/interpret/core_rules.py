@@ -14,7 +14,7 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import mxu as interpret_mxu
 from pallas_tpu._src.interpret import rules, shared_scopes
-from pallas_tpu._src.interpret.interpreter import CALL_PARAMS, Hidden, drain, is_static_scalar, uninit_fill
+from pallas_tpu._src.interpret.interpreter import CALL_PARAMS, Hidden, drain, is_static_scalar
 from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import mxu as tpu_mxu
@@ -231,7 +231,7 @@ def _iter_run_scoped(interp, eqn, consts, pause):
         elif plb.poison_buffers_enabled():  # pl.enable_poison_buffers
             init = jnp.full(aval.shape, plb.poison_value(aval.dtype), aval.dtype)
         else:
-            init = uninit_fill(aval.shape, aval.dtype, interp.params.uninitialized_memory)
+            init = interp.memory.fresh(aval.shape, aval.dtype)
         name = f"pl.run_scoped buffer {i} ({aval.dtype}{list(aval.shape)})"
 
         def make(init=init, name=name, space=space, i=i):
@@ -272,7 +272,7 @@ def _run_state(interp, eqn, *args):
             continue
         inner = aval.inner_aval
         if val is None:
-            val = uninit_fill(inner.shape, inner.dtype, interp.params.uninitialized_memory)
+            val = interp.memory.fresh(inner.shape, inner.dtype)
         cells.append(interp.new_cell(jnp.asarray(val, inner.dtype), f"pl.run_state buffer {i}"))
         views.append(RefView(cells[-1]))
     interp.eval_jaxpr(p["jaxpr"], (), views)

@@ -155,7 +155,7 @@ def flat_region(interp, dv: DmaView, eqn, what: str):
     partial = [d for d, (k, n) in enumerate(zip(sizes, x.shape)) if k < n]
     if partial and any(k > 1 for k in sizes[: partial[-1]]):
         return None  # rows of a block narrower than the buffer: not one run
-    starts = interp._index_parts(x.shape, ts[0], eqn, dv.view, what)[0]
+    starts = interp.refs.index_parts(x.shape, ts[0], eqn, dv.view, what)[0]
     fixed, terms, step = 0, [], 1
     for d in reversed(range(x.ndim)):
         if sizes[d] < x.shape[d]:

@@ -3,14 +3,14 @@
 Checks made while tracing (bounds, semaphore waits, DMAs landed) are recorded
 in a hidden error record carried through the program: the code of the first
 failed check and the values it names; when the kernel finishes, a host callback
-raises that one as a ``KernelError``. ``RuntimeChecks`` is a mixin of
-``Interpreter`` (``interpreter.py``): it keeps the record in the interpreter's
-``hidden`` state.
+raises that one as a ``KernelError``. ``Checks`` is a part of the
+``Interpreter`` (``interpreter.py``), which keeps the record in its ``hidden``
+state and hands it to ``Checks.fold`` and ``Checks.report``.
 
 A large kernel makes hundreds of checks, and every op they add is traced, lowered
 and compiled (XLA's CPU compiler spends milliseconds on each fusion). So checks
 are gathered while a straight run of the kernel is traced and folded into the
-record in one go (``flush_checks``) where the record is needed: before control
+record in one go (``Checks.fold``) where the record is needed: before control
 flow or a grid step carries the hidden state, and at the end. The fold is a chain
 of selects over the record's 9 words, which XLA fuses into one loop; a fold of many
 checks picks the words by the number of the first failed check (``_fold_picked``)."""
@@ -28,7 +28,6 @@ from jax import lax
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
-from pallas_tpu._src.interpret.refs import RefView
 
 
 class KernelError(Exception):
@@ -134,42 +133,49 @@ def count_true(mask):
     return lax.convert_element_type(lax.dot(lax.convert_element_type(flat, np.float32), ones), np.int32)
 
 
-class RuntimeChecks:
-    """The run-time checks of ``Interpreter`` (see the module docstring)."""
+class Checks:
+    """The run-time checks of a kernel: the messages of the checks made so far, those
+    gathered since the last fold, and what ``unchecked`` and ``bounds_checked`` keep.
+    The error record itself is the caller's (the interpreter's hidden state): ``fold``
+    takes it and returns it updated, ``report`` raises from it."""
 
-    def init_checks(self) -> None:
-        self.hidden.err = jnp.zeros((_RECORD,), jnp.int32)
-        self.hidden.tok = jnp.zeros((), jnp.int32)
-        self._pending_checks = []
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.pending: list = []  # checks not yet folded into the record
+        self.depth_unchecked = 0
+        # (trace, index, extent, size) of the traced bounds checks made so far (see bounds_checked).
+        self.bounds_seen: dict[tuple[int, int, int, int], tuple[Any, Any]] = {}
+
+    @staticmethod
+    def new_record():
+        """A record with no error: int32[9], the code of the first failed check (0 while
+        none failed), then the values recorded with it."""
+        return jnp.zeros((_RECORD,), jnp.int32)
 
     def check(self, ok, message: str, values: Sequence[Any] = ()) -> None:
         """Records ``message`` (with up to 8 int values, shown where the message
         has ``{0}``...) as the kernel's error if ``ok`` is false and no check
-        before it failed. Gathered until ``flush_checks``."""
-        if self._unchecked or (isinstance(ok, (bool, np.bool_)) and ok):
+        before it failed. Gathered until ``fold``."""
+        if self.depth_unchecked or (isinstance(ok, (bool, np.bool_)) and ok):
             return
-        self.checks.append(message)
-        code = len(self.checks)
+        self.messages.append(message)
+        code = len(self.messages)
         bad = lax.bitwise_not(jnp.asarray(ok, jnp.bool_)) if not isinstance(ok, (bool, np.bool_)) else True
         vals = [lax.reshape(jnp.asarray(v, jnp.int32), ()) for v in values][:8]
-        self._pending_checks.append((bad, code, vals))
+        self.pending.append((bad, code, vals))
 
-    def flush_checks(self) -> None:
-        """Folds the checks gathered since the last flush into ``hidden.err``:
-        the record becomes the first failed one's ``[code, values...]`` unless an
-        earlier check failed. Called wherever the hidden state is taken (a loop or
-        cond carry, a grid step, the end); the checks must be of the trace being
-        traced now."""
-        pending, self._pending_checks = self._pending_checks, []
+    def fold(self, rec):
+        """``rec`` with the checks gathered since the last fold folded in: the record
+        becomes the first failed one's ``[code, values...]`` unless an earlier check
+        failed. Called wherever the hidden state is taken (a loop or cond carry, a
+        grid step, the end); the checks must be of the trace being traced now."""
+        pending, self.pending = self.pending, []
         if not pending:
-            return
+            return rec
         if len(pending) > _PICK_MAX:
-            self.hidden.err = _fold_table(self.hidden.err, pending)
-            return
+            return _fold_table(rec, pending)
         if len(pending) > _CHAIN_MAX:
-            self.hidden.err = _fold_picked(self.hidden.err, pending)
-            return
-        rec = self.hidden.err
+            return _fold_picked(rec, pending)
         picked = rec
         # Last to first: each select keeps the row of an earlier failing check over later ones.
         # The code goes through an optimization barrier: XLA sees data, not a constant, so the
@@ -189,74 +195,45 @@ class RuntimeChecks:
             else:
                 picked = lax.select(lax.broadcast(bad, (_RECORD,)), row, picked)
         clean = lax.eq(lax.slice(rec, (0,), (1,)), np.zeros((1,), np.int32))
-        self.hidden.err = lax.select(lax.broadcast_in_dim(clean, (_RECORD,), (0,)), picked, rec)
+        return lax.select(lax.broadcast_in_dim(clean, (_RECORD,), (0,)), picked, rec)
 
-    def drop_checks(self) -> None:
-        """Forgets the checks gathered since the last flush: for a trace whose result
+    def drop(self) -> None:
+        """Forgets the checks gathered since the last fold: for a trace whose result
         carries no hidden state (a ``while`` loop's condition)."""
-        self._pending_checks = []
+        self.pending = []
 
-    def _bounds_checked(self, index, extent: int, size: int) -> bool:
+    def bounds_checked(self, index, extent: int, size: int) -> bool:
         """True if ``[index, index + extent)`` was checked against ``size`` before, in
         the jaxpr being traced now: that check runs whenever this one would, and an
         error it records comes first, so a second one adds only ops. (DMAs, semaphores
         and their companion cells index the same Refs with the same traced index many
         times; a check made in a ``lax.cond`` branch or loop body, another trace, does
         not count outside it.) Records this one otherwise."""
-        if self._unchecked:
+        if self.depth_unchecked:
             return False
         trace = compat.current_trace()
         key = (id(trace), id(index), extent, size)
-        if key in self._bounds_seen:
+        if key in self.bounds_seen:
             return True
-        self._bounds_seen[key] = (trace, index)  # keeps both alive, so their ids stay theirs
+        self.bounds_seen[key] = (trace, index)  # keeps both alive, so their ids stay theirs
         return False
 
     @contextlib.contextmanager
     def unchecked(self):
         """Records no errors inside: for views a TPU never touches (the
         descriptor of a DMA wait only gives a byte count)."""
-        self._unchecked += 1
+        self.depth_unchecked += 1
         try:
             yield
         finally:
-            self._unchecked -= 1
+            self.depth_unchecked -= 1
 
-    def check_dmas_landed(self, cell: int, when: str) -> None:
-        """on_wait DMAs: an error if data started into ``cell`` has not landed
-        though no semaphore is owed it any more (a wait consumed its bytes but
-        the interpreter could not tell where that DMA went)."""
-        if cell not in self.shadows or len(self.shadows[cell]) != 2:
+    def report(self, rec) -> None:
+        """Emits the callback that raises the error ``rec`` records, if any
+        (after ``fold``)."""
+        if not self.messages:
             return
-        pending = self.state[self.shadows[cell][1]]
-        self.check(
-            lax.eq(count_true(lax.ne(pending, np.int32(0))), np.int32(0)),
-            f"{self.kernel_desc}: a DMA into {self.describe_ref(RefView(cell))} was waited for but never "
-            f"landed {when}: its wait named another buffer than the one the DMA went to, and the TPU "
-            "interpreter had not seen that buffer used by a DMA on the semaphore before the wait; "
-            "run with dma_execution_mode='eager', or wait with the descriptor the DMA was started with",
-        )
-
-    def ordered_callback(self, fn, *args) -> None:
-        """Calls ``fn(*args)`` on the host, in program order: each call takes
-        and returns a token kept in ``self.hidden``, so XLA keeps the order."""
-        from jax.experimental import io_callback
-
-        if self.hidden.tok is None:
-            raise RuntimeError("ordered_callback needs init_checks() first")
-
-        def call(tok, *a):
-            fn(*a)
-            return tok
-
-        self.hidden.tok = io_callback(call, jax.ShapeDtypeStruct((), jnp.int32), self.hidden.tok, *args)
-
-    def raise_checks(self) -> None:
-        """Emits the callback that raises the first recorded error, if any."""
-        self.flush_checks()
-        if not self.checks:
-            return
-        messages = list(self.checks)
+        messages = list(self.messages)
 
         def report(rec):
             recs = np.asarray(rec).reshape(-1, _RECORD)
@@ -265,4 +242,4 @@ class RuntimeChecks:
             if err:
                 raise KernelError(messages[err - 1].format(*[int(v) for v in recs[k, 1:]]))
 
-        jax.debug.callback(report, self.hidden.err)
+        jax.debug.callback(report, rec)

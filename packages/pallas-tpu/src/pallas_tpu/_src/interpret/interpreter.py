@@ -28,21 +28,22 @@ memory access), yet it models what matters on a TPU:
 Errors found while the jitted program runs are recorded in a hidden error
 code and raised (as a Python exception) when the kernel finishes.
 
-Kernels that talk to other devices (remote DMAs, remote semaphore signals,
-barrier semaphores) and race detection need the multi-device interpreter
-(``multi.py``), which subclasses ``Interpreter`` and overrides its hooks.
-The rules of the primitives are in ``core_rules.py`` (JAX's and pallas-core's),
-``dma.py`` and the ``language`` modules, all registered in ``rules.py``'s tables.
-Refs as views of cells, and reads and writes through them, are in ``refs.py``;
-the run-time checks and ``KernelError`` in ``errors.py``. This module holds
-``InterpretParams``, the ``Interpreter`` (cells, jaxpr evaluation, the hooks
-``multi.py`` overrides, semaphores) and ``force_tpu_interpret_mode``.
+The ``Interpreter`` is built from parts, each owning its state: the memory
+(``memory.py``: cells, on_wait companions, the uninitialized policy), the
+run-time checks and ``KernelError`` (``errors.py``), Refs as views of cells and
+reads and writes through them (``refs.py``), and a transport (``transport.py``
+for one device; ``multi.py`` for kernels that talk to other devices or cores,
+through remote DMAs, remote semaphore signals, barrier semaphores, or that
+check races). The rules of the primitives are in ``core_rules.py`` (JAX's and
+pallas-core's), ``dma.py`` (the DMA engine) and the ``language`` modules, all
+registered in ``rules.py``'s tables. This module holds ``InterpretParams``, the
+``Interpreter`` (its parts, jaxpr evaluation, semaphores) and
+``force_tpu_interpret_mode``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -55,11 +56,14 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import facts
 from pallas_tpu._src.interpret import rules as interpret_rules
+from pallas_tpu._src.interpret.errors import Checks, count_true
 from pallas_tpu._src.interpret.errors import KernelError as KernelError  # the public API imports it from here
-from pallas_tpu._src.interpret.errors import RuntimeChecks
+from pallas_tpu._src.interpret.memory import Memory
+from pallas_tpu._src.interpret.memory import uninit_fill as uninit_fill  # the rules' name for it
 from pallas_tpu._src.interpret.refs import RefAccess, RefView
 from pallas_tpu._src.interpret.shared_scopes import SharedScopes
-from pallas_tpu._src.language import core as tpu_core
+from pallas_tpu._src.interpret.transport import LocalTransport
+from pallas_tpu._src.language import primitives as tpu_prims
 from pallas_tpu._src.language import tpu_info
 
 
@@ -149,18 +153,6 @@ class InterpretParams:
 _SEM_BARRIER_EVERY = 16
 
 
-def _on_chip(space) -> bool:
-    """VMEM (the default of kernel scratch), SMEM: buffers small enough to
-    shadow, where on_wait DMAs land at their wait (see dma.py)."""
-    return space is None or space in (tpu_core.VMEM, tpu_core.SMEM, tpu_core.VMEM_SHARED)
-
-
-def uninit_fill(shape, dtype, mode: str):
-    if mode == "zero":
-        return jnp.zeros(shape, dtype)
-    return plb.uninitialized_value(shape, dtype)
-
-
 def _float_only(eqn) -> bool:
     """Whether ``eqn`` computes floating-point values only and holds no sub-jaxpr
     (control flow, whose body may touch Refs, always runs): what
@@ -219,35 +211,51 @@ class Hidden:
 tree_util.register_dataclass(Hidden, data_fields=["err", "tok", "block_starts", "named"], meta_fields=[])
 
 
-class Interpreter(RefAccess, RuntimeChecks):
-    """Evaluates kernel jaxprs against a state of cells (see the module docstring);
-    Ref reads and writes are ``RefAccess``'s (``refs.py``), run-time checks
-    ``RuntimeChecks``'s (``errors.py``)."""
+class Interpreter:
+    """Evaluates kernel jaxprs against a state of cells (see the module docstring).
+    Built from the call record (``pallas_call.run``: its params, grid mapping,
+    ``kernel_facts``, jaxpr and compiler params), it holds its parts:
 
-    def __init__(self, params: InterpretParams, gm, kernel_desc: str):
+    * ``memory`` (``memory.Memory``): the cells, their names and spaces, the on_wait
+      DMAs' companion cells, the uninitialized-memory policy;
+    * ``checks`` (``errors.Checks``): the run-time checks (bounds, deadlocks, DMAs);
+      their record is ``hidden.err``;
+    * ``refs`` (``refs.RefAccess``): reads and writes through Ref views;
+    * ``transport`` (``transport.LocalTransport`` or ``multi.DeviceTransport``):
+      what reaches other devices and cores (remote DMAs, shared semaphores, the
+      session the mesh's devices share, race detection).
+
+    The DMA engine's rules (``dma.py``) run on these through the interpreter."""
+
+    def __init__(
+        self,
+        params: InterpretParams,
+        gm,
+        kernel_desc: str,
+        *,
+        kernel_facts: plb.KernelFacts,
+        jaxpr=None,
+        compiler_params=None,
+        transport: Callable[[Interpreter], Any] | None = None,
+    ):
         self.params = params
         self.gm = gm
         self.kernel_desc = kernel_desc
-        self.state: dict[int, jax.Array] = {}
-        self.cell_names: dict[int, str] = {}
-        self.cell_spaces: dict[int, Any] = {}
+        self.kernel_facts = kernel_facts
+        self.compiler_params = compiler_params
+        uses_dmas = kernel_facts.uses(tpu_prims.dma_start_p)
+        self.memory = Memory(
+            dma_shadows=params.dma_execution_mode == "on_wait" and uses_dmas,
+            uninitialized=params.uninitialized_memory,
+        )
+        self.checks = Checks()
+        # Static bounds of traced DMA sizes (RefAccess.view_indices).
+        size_bounds = facts.dma_size_bounds(jaxpr) if uses_dmas and jaxpr is not None else {}
+        self.refs = RefAccess(self.memory, self.checks, params, self.where, self.on_access, size_bounds)
         self.hidden = Hidden()
-        self.checks: list[str] = []
         self.grid_env: dict[str, jax.Array] = {}  # named grid axis -> index
-        self.barrier_cell: int | None = None  # the barrier semaphore (multi.py allocates it)
-        # dma_execution_mode="on_wait": data cell -> (shadow cell, pending cell), and
-        # semaphore cell -> () for the semaphores whose waits land DMAs; see dma.py.
-        self.dma_shadows = False
-        self.shadows: dict[int, tuple[int, ...]] = {}
-        self.sem_code_bases: dict[int, Any] = {}  # semaphore cell -> its traced code base (dma.py)
         self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
-        self._unchecked = 0
-        self._pending_checks: list = []  # checks not yet folded into hidden.err (errors.py)
-        self._dma_memo: dict = {}  # facts.dma_destinations of the jaxprs seen
         self._where_memo: dict = {}  # id(eqn) -> (eqn, where(eqn))
-        # (trace, index, extent, size) of the traced bounds checks made so far (see _bounds_checked).
-        self._bounds_seen: dict[tuple[int, int, int, int], tuple[Any, Any]] = {}
-        self._next_cell = 0
         self._sem_updates = 0  # semaphore updates traced (_sem_store)
         self.progress = None  # (grid step, number of steps), traced, while a grid step runs
         self.core_id = 0  # the core whose kernel is being traced (pallas_call._run_lanes)
@@ -257,72 +265,149 @@ class Interpreter(RefAccess, RuntimeChecks):
         # the core index (``pl.when(lax.axis_index("x") == 0)``) runs one branch, in
         # which a core may wait for another (see ``fold``).
         self.fold_static = False
+        self.transport = (transport or (lambda interp: LocalTransport(interp.where)))(self)
 
-    # -- lifecycle (the multi-device interpreter extends these) ----------------
+    # -- the parts' state, as the rules read it --------------------------------
 
-    def setup(self, jaxpr, compiler_params) -> None:
-        """Called once before the grid starts."""
+    @property
+    def state(self) -> dict[int, jax.Array]:
+        return self.memory.state
+
+    @state.setter
+    def state(self, value: dict[int, jax.Array]) -> None:
+        self.memory.state = value
+
+    @property
+    def cell_names(self) -> dict[int, str]:
+        return self.memory.cell_names
+
+    @property
+    def cell_spaces(self) -> dict[int, Any]:
+        return self.memory.cell_spaces
+
+    @property
+    def shadows(self) -> dict[int, tuple[int, ...]]:
+        return self.memory.shadows
+
+    @property
+    def sem_code_bases(self) -> dict[int, Any]:
+        return self.memory.sem_code_bases
+
+    @property
+    def dma_shadows(self) -> bool:
+        return self.memory.dma_shadows
+
+    @property
+    def barrier_cell(self) -> int | None:
+        """The barrier semaphore's cell (the multi-device transport allocates it)."""
+        return self.transport.barrier_cell
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Called once before the grid starts (after ``init_checks``)."""
+        self.transport.start()
 
     def finish(self) -> None:
         """Called once after the last grid step."""
+        self.transport.finish()
 
     def snapshot(self):
         """The cells' values as a list and the hidden state (a loop carry);
         ``restore`` takes it back."""
         self.flush_checks()
-        self._keys = sorted(self.state)
-        return [self.state[k] for k in self._keys], self.hidden
+        return self.memory.snapshot(), self.hidden
 
     def restore(self, vals, hidden: Hidden) -> None:
-        self.state = dict(zip(self._keys, vals))
+        self.memory.restore(vals)
         self.hidden = hidden
 
     # -- cells ---------------------------------------------------------------
 
     def new_cell(self, value, name: str, space=None, dma_target: bool = True) -> int:
-        """A new cell holding ``value``. ``dma_target=False``: no DMA writes it
-        (``facts.dma_destinations``), so it needs no on_wait shadow."""
-        c = self._next_cell
-        self._next_cell += 1
-        self.state[c] = value
-        self.cell_names[c] = name
-        self.cell_spaces[c] = space
-        if self.dma_shadows and dma_target and _on_chip(space):
-            # on_wait DMAs land here first (what landed, and which semaphore's wait commits it).
-            # Flat, so that the bookkeeping of buffers of one size compiles to the same kernels
-            # whatever their shapes (dma.py moves runs of them).
-            size = math.prod(jnp.shape(value))
-            shadow = self.new_cell_plain(jnp.zeros((size,), value.dtype), f"{name} (DMA in flight)", space)
-            pending = self.new_cell_plain(jnp.zeros((size,), jnp.int32), f"{name} (DMA pending)", space)
-            self.shadows[c] = (shadow, pending)
-        elif self.dma_shadows and isinstance(space, plb.SemaphoreSpace):
-            self.shadows[c] = ()  # a semaphore whose waits land on_wait DMAs (no companion cells)
-            # The number marks name it by (dma.py), opaque to XLA: the bookkeeping of DMAs on
-            # different semaphores then compiles to the same kernels, which XLA compiles once.
-            self.sem_code_bases[c] = lax.optimization_barrier(np.int32(c * 65536 + 1))
-        return c
-
-    def dma_targets(self, jaxpr) -> frozenset[int]:
-        """Positions of ``jaxpr``'s inputs that a DMA may write (all of them when
-        on_wait shadows are off: then it does not matter)."""
-        if not self.dma_shadows:
-            return frozenset(range(len(getattr(jaxpr, "jaxpr", jaxpr).invars)))
-        return facts.dma_destinations(jaxpr, self._dma_memo)
+        return self.memory.new_cell(value, name, space, dma_target)
 
     def new_cell_plain(self, value, name: str, space=None) -> int:
-        c = self._next_cell
-        self._next_cell += 1
-        self.state[c] = value
-        self.cell_names[c] = name
-        self.cell_spaces[c] = space
-        return c
+        return self.memory.new_cell_plain(value, name, space)
+
+    def dma_targets(self, jaxpr) -> frozenset[int]:
+        return self.memory.dma_targets(jaxpr)
 
     def free_cell(self, c: int) -> None:
         self.check_dmas_landed(c, "when its scope ends")
-        del self.state[c]
-        self.sem_code_bases.pop(c, None)
-        for companion in self.shadows.pop(c, ()):
-            del self.state[companion]
+        self.memory.free_cell(c)
+
+    # -- Ref reads and writes (refs.RefAccess) ---------------------------------
+
+    def describe_ref(self, view: RefView) -> str:
+        return self.refs.describe_ref(view)
+
+    def read_view(self, view: RefView, eqn, what="read"):
+        if eqn is not None and eqn.primitive is plb.semaphore_read_p and self.transport.shares(view.cell):
+            return self.transport.sem_read(view, eqn)
+        return self.refs.read_view(view, eqn, what)
+
+    def write_view(self, view: RefView, val, eqn) -> None:
+        self.refs.write_view(view, val, eqn)
+
+    def flat_index(self, view: RefView, eqn):
+        return self.refs.flat_index(view, eqn)
+
+    def view_indices(self, view: RefView, eqn, what: str):
+        return self.refs.view_indices(view, eqn, what)
+
+    # -- run-time checks (errors.Checks; the record is hidden.err) --------------
+
+    def init_checks(self) -> None:
+        self.hidden.err = Checks.new_record()
+        self.hidden.tok = jnp.zeros((), jnp.int32)
+        self.checks.drop()
+
+    def check(self, ok, message: str, values: Sequence[Any] = ()) -> None:
+        self.checks.check(ok, message, values)
+
+    def flush_checks(self) -> None:
+        self.hidden.err = self.checks.fold(self.hidden.err)
+
+    def drop_checks(self) -> None:
+        self.checks.drop()
+
+    def unchecked(self):
+        return self.checks.unchecked()
+
+    def raise_checks(self) -> None:
+        """Emits the callback that raises the first recorded error, if any."""
+        self.flush_checks()
+        self.checks.report(self.hidden.err)
+
+    def check_dmas_landed(self, cell: int, when: str) -> None:
+        """on_wait DMAs: an error if data started into ``cell`` has not landed
+        though no semaphore is owed it any more (a wait consumed its bytes but
+        the interpreter could not tell where that DMA went)."""
+        if cell not in self.memory.shadows or len(self.memory.shadows[cell]) != 2:
+            return
+        pending = self.memory.state[self.memory.shadows[cell][1]]
+        self.check(
+            lax.eq(count_true(lax.ne(pending, np.int32(0))), np.int32(0)),
+            f"{self.kernel_desc}: a DMA into {self.describe_ref(RefView(cell))} was waited for but never "
+            f"landed {when}: its wait named another buffer than the one the DMA went to, and the TPU "
+            "interpreter had not seen that buffer used by a DMA on the semaphore before the wait; "
+            "run with dma_execution_mode='eager', or wait with the descriptor the DMA was started with",
+        )
+
+    def ordered_callback(self, fn, *args) -> None:
+        """Calls ``fn(*args)`` on the host, in program order: each call takes
+        and returns a token kept in ``self.hidden``, so XLA keeps the order."""
+        from jax.experimental import io_callback
+
+        if self.hidden.tok is None:
+            raise RuntimeError("ordered_callback needs init_checks() first")
+
+        def call(tok, *a):
+            fn(*a)
+            return tok
+
+        self.hidden.tok = io_callback(call, jax.ShapeDtypeStruct((), jnp.int32), self.hidden.tok, *args)
 
     # -- jaxpr evaluation ----------------------------------------------------
 
@@ -399,42 +484,53 @@ class Interpreter(RefAccess, RuntimeChecks):
             return np.asarray(outs)
         return prim.bind(*invals, **eqn.params)
 
-    # -- hooks (the multi-device / race-detecting interpreter overrides them) --
+    # -- hooks (the transport's) ----------------------------------------------
 
     def on_access(self, view: RefView, eqn, write: bool) -> None:
-        pass
+        self.transport.on_access(view, eqn, write)
 
     def on_dma_start(self, eqn, views) -> None:
-        pass
+        self.transport.on_dma_start(eqn, views)
 
     def on_block_write(self, hbm_cell: int, starts, sizes, origin: str, when=True) -> None:
         """The pipeline writes an output block back to HBM (``when``: traced bool)."""
+        self.transport.on_block_write(hbm_cell, starts, sizes, origin, when)
 
     def on_dma_wait(self, eqn, views) -> None:
-        pass
+        self.transport.on_dma_wait(eqn, views)
 
     def remote_dma_start(self, eqn, parts, layout) -> None:
-        raise NotImplementedError(f"{self.where(eqn)}: remote DMAs need the multi-device TPU interpreter")
+        self.transport.remote_dma_start(eqn, parts, layout)
 
     def remote_dma_wait(self, eqn, parts, layout, which) -> None:
         """``.wait_send()`` of a remote DMA."""
-        raise NotImplementedError(f"{self.where(eqn)}: remote DMAs need the multi-device TPU interpreter")
+        self.transport.remote_dma_wait(eqn, parts, layout, which)
 
     def dma_receive(self, eqn, sem: RefView, dst: RefView, nbytes, remote: bool) -> None:
         """Before a DMA wait on ``sem`` takes ``nbytes``: remote DMAs sent to
-        this device land and add their bytes to ``sem`` (multi-device interpreter)."""
-        if remote:
-            raise NotImplementedError(f"{self.where(eqn)}: remote DMAs need the multi-device TPU interpreter")
+        this device land and add their bytes to ``sem`` (multi-device transport)."""
+        self.transport.dma_receive(eqn, sem, dst, nbytes, remote)
 
     def remote_signal(self, eqn, view, inc, device_id, core_index) -> None:
-        raise NotImplementedError(
-            f"{self.where(eqn)}: remote semaphore signals need the multi-device interpreter"
-        )
+        self.transport.remote_signal(eqn, view, inc, device_id, core_index)
 
     # -- semaphores ----------------------------------------------------------
 
     def sem_add(self, view: RefView, amount, eqn) -> None:
-        cur = self.read_view(view, eqn)
+        if self.transport.shares(view.cell):
+            self.transport.sem_add(view, amount, eqn)
+        else:
+            self.local_sem_add(view, amount, eqn)
+
+    def sem_wait(self, view: RefView, amount, eqn, decrement=True, what="semaphore") -> None:
+        if self.transport.shares(view.cell):
+            self.transport.sem_wait(view, amount, eqn, decrement=decrement, what=what)
+        else:
+            self.local_sem_wait(view, amount, eqn, decrement=decrement, what=what)
+
+    def local_sem_add(self, view: RefView, amount, eqn) -> None:
+        """Adds to a semaphore of this core's memory."""
+        cur = self.refs.read_view(view, eqn)
         self._sem_store(view, lax.add(cur, jnp.asarray(amount, cur.dtype)), eqn)
 
     def _sem_store(self, view: RefView, new, eqn) -> None:
@@ -445,10 +541,11 @@ class Interpreter(RefAccess, RuntimeChecks):
             # it: a cost quadratic in the run's length (tokamax's routing gmm: hundreds of
             # per-row DMAs). A barrier now and then keeps the copies short.
             new = lax.optimization_barrier(new)
-        self.write_view(view, new, eqn)
+        self.refs.write_view(view, new, eqn)
 
-    def sem_wait(self, view: RefView, amount, eqn, decrement=True, what="semaphore") -> None:
-        cur = self.read_view(view, eqn)
+    def local_sem_wait(self, view: RefView, amount, eqn, decrement=True, what="semaphore") -> None:
+        """Waits on a semaphore of this core's memory: a deadlock error if it holds too little."""
+        cur = self.refs.read_view(view, eqn)
         amount = jnp.asarray(amount, cur.dtype)
         self.check(
             lax.ge(cur, amount),

@@ -9,7 +9,9 @@ callbacks (``compat.host_callback``: an unordered ``io_callback`` without its
 copies into ``jax.Array``s) into one Python ``_Session`` per kernel call,
 shared by the devices of the mesh (``sessions.py``: semaphores that other devices signal, the mailboxes of remote
 DMAs, pairing the devices of a call, deadlock errors, race records).
-``remote_dma.py`` holds the remote DMAs (a mixin of ``MultiDeviceInterpreter``).
+``DeviceTransport`` is the ``Interpreter``'s transport for such kernels (the
+interface is ``transport.LocalTransport``'s); ``remote_dma.py`` holds its remote
+DMAs.
 
 Callbacks of one device are chained by a token in ``Interpreter.hidden.tok`` so
 XLA keeps them in program order.
@@ -36,7 +38,6 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import races as races_mod
 from pallas_tpu._src.interpret import sessions
-from pallas_tpu._src.interpret.interpreter import Interpreter
 from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.interpret.remote_dma import RemoteDMAs
 from pallas_tpu._src.interpret.sessions import (
@@ -69,49 +70,58 @@ _SHARED_KINDS = (plb.SemaphoreKind.REGULAR, plb.SemaphoreKind.BARRIER)
 _DMA_PRIMS = (tpu_prims.dma_start_p, tpu_prims.dma_wait_p)
 
 
-class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
-    """``Interpreter`` with devices: see the module docstring."""
+class DeviceTransport:
+    """The transport of a kernel that talks to other devices or cores, or checks
+    races (see the module docstring): a part of ``interp`` (the ``Interpreter``,
+    whose memory, views, hidden token and where-the-kernel-is it reads), holding the
+    device's place in the mesh and its session; remote DMAs are its ``remote``
+    (``remote_dma.RemoteDMAs``)."""
+
+    def __init__(self, interp):
+        self.interp = interp
+        self.races = interp.params.detect_races
+        self.mesh_axes: tuple[tuple[str, int], ...] = ()
+        self.num_devices = 1
+        self.my_dev = None  # this device's logical id (traced), from start()
+        self.sid = None  # the session's id (traced), from start()
+        self.barrier_cell: int | None = None  # the barrier semaphore, when the kernel uses it
+        self.remote = RemoteDMAs(interp, self)
 
     # -- lifecycle --
 
-    def setup(self, jaxpr, compiler_params) -> None:
+    def start(self) -> None:
         names = compat.bound_axis_names()
         sizes = compat.axis_sizes()
         self.mesh_axes = tuple((n, int(sizes[n])) for n in names)
         self.num_devices = math.prod(s for _, s in self.mesh_axes)
-        kf = self.kernel_facts  # the call record's facts (set by pallas_call.run)
+        kf = self.interp.kernel_facts  # the call record's facts
         if kf.remote or kf.signals_cores or kf.uses(tpu_prims.get_barrier_semaphore_p):  # needs other devices
             self._check_one_process()
         dev = jnp.int32(0)
         for n, s in self.mesh_axes:
             dev = dev * s + lax.axis_index(n).astype(jnp.int32)
         self.my_dev = dev
-        self.core_id = 0
-        self.races = self.params.detect_races
-        self.remote_dst_cells: set[int] = set()  # where remote DMAs traced so far go
-        self.remote_sem_cells: set[int] = set()  # and the semaphores they signal there
-        self.hidden.tok = jnp.zeros((), jnp.int32)
         if kf.uses(tpu_prims.get_barrier_semaphore_p):
-            cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
+            cp = self.interp.compiler_params
+            cp = cp[0] if isinstance(cp, tuple) else cp
             if getattr(cp, "collective_id", None) is None:
                 raise ValueError(
-                    f"{self.kernel_desc}: pltpu.get_barrier_semaphore() needs a collective id: pass "
+                    f"{self.interp.kernel_desc}: pltpu.get_barrier_semaphore() needs a collective id: pass "
                     "compiler_params=pltpu.CompilerParams(collective_id=0)"
                 )
-            cell = self.new_cell(
+            self.barrier_cell = self.interp.new_cell(
                 jnp.zeros((), jnp.int32),
                 "the barrier semaphore",
                 plb.SemaphoreSpace(plb.SemaphoreKind.BARRIER),
             )
-            self.barrier_cell = cell
-        key = (self.mesh_axes, self.gm.kernel_name)
-        n, desc, races_on = self.num_devices, self.kernel_desc, self.races
-        cores = self.params.num_cores_or_threads
+        key = (self.mesh_axes, self.interp.gm.kernel_name)
+        n, desc, races_on = self.num_devices, self.interp.kernel_desc, self.races
+        cores = self.interp.params.num_cores_or_threads
 
         def join(dev):
             return np.int32(join_session(key, n, int(dev), desc, races_on, cores).sid)
 
-        (self.sid,) = self._callback(join, [jax.ShapeDtypeStruct((), jnp.int32)], self.my_dev)
+        (self.sid,) = self.callback(join, [jax.ShapeDtypeStruct((), jnp.int32)], self.my_dev)
 
     def _check_one_process(self) -> None:
         """Devices of a mesh meet in this process's ``_Session`` (semaphores, DMAs in
@@ -133,7 +143,7 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
             return
         axes = ", ".join(f"{n}={s}" for n, s in self.mesh_axes) or "none"
         raise NotImplementedError(
-            f"{self.kernel_desc}: TPU interpret mode cannot simulate remote DMAs, remote semaphore signals "
+            f"{self.interp.kernel_desc}: TPU interpret mode cannot simulate remote DMAs, remote semaphore signals "
             f"or barrier semaphores between processes: it keeps what devices share (semaphores, DMAs in "
             f"flight) in one Python process, and the mesh of this shard_map (axes {axes}) {span} of a "
             f"jax.distributed job of {jax.process_count()} processes. Run this kernel under shard_map over a mesh "
@@ -168,15 +178,15 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
                         )
             return ()
 
-        self._callback(leave, [], self.sid, self.my_dev)
+        self.callback(leave, [], self.sid, self.my_dev)
 
     # -- callbacks --
 
-    def _callback(self, fn, result_shapes, *args):
+    def callback(self, fn, result_shapes, *args):
         """``fn(*args)`` on the host, after this device's earlier callbacks."""
         tok_shape = jax.ShapeDtypeStruct((), jnp.int32)
 
-        progress = self.progress if self.races and args and args[0] is getattr(self, "sid", None) else None
+        progress = self.interp.progress if self.races and args and args[0] is self.sid else None
         if progress is not None:  # a long race-detecting run says how far it got (see _Session.progress)
             args = (*args, *progress)
 
@@ -188,47 +198,49 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
             out = () if out is None else (out if isinstance(out, tuple) else (out,))
             return (np.asarray(tok, np.int32), *out)
 
-        outs = compat.host_callback(host, (tok_shape, *result_shapes), self.hidden.tok, *args)
-        self.hidden.tok = outs[0]
+        outs = compat.host_callback(host, (tok_shape, *result_shapes), self.interp.hidden.tok, *args)
+        self.interp.hidden.tok = outs[0]
         return list(outs[1:])
 
-    def _site(self, eqn) -> str:
+    def site(self, eqn) -> str:
         src = compat.eqn_user_source(eqn)
-        return src or self.gm.kernel_name
+        return src or self.interp.gm.kernel_name
 
     def _who(self, dev: int, core: int) -> str:
         return f"device {dev}, core {core}" if self.num_devices > 1 else f"core {core}"
 
     def _buf_name(self, cell: int, dev: int, idx, shape) -> str:
-        name = self.cell_names.get(cell, f"ref#{cell}") + races_mod.region(np.unique(idx), shape)
+        name = self.interp.memory.cell_names.get(cell, f"ref#{cell}") + races_mod.region(
+            np.unique(idx), shape
+        )
         return f"{name} on device {dev}" if self.num_devices > 1 else name
 
     # -- views, indices, device ids --
 
-    def _flat_indices(self, view: RefView, eqn, what: str):
+    def flat_indices(self, view: RefView, eqn, what: str):
         """The flat element indices of the cell that ``view`` covers (traced;
         past a traced size, the cell's size: see ``Interpreter.view_indices``)."""
         try:
-            return self.view_indices(view, eqn, what)[0]
+            return self.interp.view_indices(view, eqn, what)[0]
         except NotImplementedError:
-            return jnp.arange(self.state[view.cell].size, dtype=jnp.int32)
+            return jnp.arange(self.interp.memory.state[view.cell].size, dtype=jnp.int32)
 
-    def _sem_key(self, view: RefView, eqn):
-        name = self.cell_names.get(view.cell, f"ref#{view.cell}")
-        label = self.scopes.labels.get(view.cell)  # a run_scoped semaphore of cores in lockstep
+    def sem_key(self, view: RefView, eqn):
+        name = self.interp.memory.cell_names.get(view.cell, f"ref#{view.cell}")
+        label = self.interp.scopes.labels.get(view.cell)  # a run_scoped semaphore of cores in lockstep
         if name.startswith("scratch_shapes[") or name == "the barrier semaphore":
             key = name
         elif label is not None:  # each core's copy: the same name on every core (shared_scopes.py)
             key = (name, "scope", label)
         else:
             key = (name, view.cell)
-        return key, name, self._flat_indices(view, eqn, "read").reshape(())
+        return key, name, self.flat_indices(view, eqn, "read").reshape(())
 
-    def _is_shared_sem(self, cell: int) -> bool:
-        sp = self.cell_spaces.get(cell)
+    def shares(self, cell: int) -> bool:
+        sp = self.interp.memory.cell_spaces.get(cell)
         return isinstance(sp, plb.SemaphoreSpace) and sp.kind in _SHARED_KINDS
 
-    def _target(self, device_id, device_id_type, eqn):
+    def device_target(self, device_id, device_id_type, eqn):
         """The logical id (traced int32) of ``device_id``."""
         if device_id_type is plb.DeviceIdType.LOGICAL:
             (leaf,) = tree_util.tree_leaves(device_id)
@@ -238,14 +250,14 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
             unknown = [k for k in device_id if k not in names]
             if unknown:
                 raise ValueError(
-                    f"{self.where(eqn)}: device_id names axes {unknown} that the mesh {names} lacks"
+                    f"{self.interp.where(eqn)}: device_id names axes {unknown} that the mesh {names} lacks"
                 )
             coords = [device_id[n] if n in device_id else lax.axis_index(n) for n in names]
         else:
             coords = list(device_id) if isinstance(device_id, (tuple, list)) else [device_id]
             if len(coords) != len(names):
                 raise ValueError(
-                    f"{self.where(eqn)}: a MESH device_id has one coordinate per mesh axis {names}, got "
+                    f"{self.interp.where(eqn)}: a MESH device_id has one coordinate per mesh axis {names}, got "
                     f"{len(coords)} ({device_id!r})"
                 )
         out = jnp.int32(0)
@@ -260,11 +272,11 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
             return
         if eqn.primitive is compat.swap_p and not write:
             return  # a store: its read of the old value is not a memory read
-        if isinstance(self.cell_spaces.get(view.cell), plb.SemaphoreSpace):
+        if isinstance(self.interp.memory.cell_spaces.get(view.cell), plb.SemaphoreSpace):
             return
-        idx = self._flat_indices(view, eqn, "write" if write else "read")
-        cell, core, shape = view.cell, self.core_id, self.state[view.cell].shape
-        site, buf_name, who = self._site(eqn), self._buf_name, self._who
+        idx = self.flat_indices(view, eqn, "write" if write else "read")
+        cell, core, shape = view.cell, self.interp.core_id, self.interp.memory.state[view.cell].shape
+        site, buf_name, who = self.site(eqn), self._buf_name, self._who
 
         def access(sid, dev, idx):
             s, dev = get_session(sid), int(dev)
@@ -279,14 +291,14 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
 
                 s.record(self._race_buf(dev, cell, core), ("core", dev, core), write, idx, what)
 
-        self._callback(access, [], self.sid, self.my_dev, idx)
+        self.callback(access, [], self.sid, self.my_dev, idx)
 
     def _race_buf(self, dev: int, cell: int, core: int):
         """The memory a cell is, for race detection: a core's own VMEM and SMEM
         (its block buffers and scratch) per core, as on the chip, so that cores
         run one after the other in the same cells do not race there; HBM, ANY and
         VMEM_SHARED once per device. (A remote DMA lands on its issuer's core.)"""
-        sp = self.cell_spaces.get(cell)
+        sp = self.interp.memory.cell_spaces.get(cell)
         return (dev, cell, core) if sp is None or sp in (tpu_core.VMEM, tpu_core.SMEM) else (dev, cell)
 
     def on_block_write(self, hbm_cell: int, starts, sizes, origin: str, when=True) -> None:
@@ -295,10 +307,10 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         TPU interpret mode says), however the cores take turns here."""
         if not self.races:
             return
-        shape = self.state[hbm_cell].shape
+        shape = self.interp.memory.state[hbm_cell].shape
         axes = [jnp.arange(n, dtype=jnp.int32) + jnp.asarray(st, jnp.int32) for st, n in zip(starts, sizes)]
         idx = jnp.ravel_multi_index(jnp.meshgrid(*axes, indexing="ij"), shape, mode="clip").reshape(-1)
-        core, buf_name, who = self.core_id, self._buf_name, self._who
+        core, buf_name, who = self.interp.core_id, self._buf_name, self._who
 
         def access(sid, dev, idx, when):
             if not bool(when):
@@ -313,9 +325,9 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
 
                 s.record(self._race_buf(dev, hbm_cell, core), ("core", dev, core), True, idx, what)
 
-        self._callback(access, [], self.sid, self.my_dev, idx, jnp.asarray(when))
+        self.callback(access, [], self.sid, self.my_dev, idx, jnp.asarray(when))
 
-    def _dma_start_race(self, s, dev, core, dst_dev, v, src_idx, dst_idx, shapes, site, sem_key):
+    def dma_start_race(self, s, dev, core, dst_dev, v, src_idx, dst_idx, shapes, site, sem_key):
         """Host side: a new DMA thread with the issuer's clock; records its accesses."""
         thread = ("core", dev, core)
         s.n_dma += 1
@@ -347,25 +359,25 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
         if not self.races:
             return
         src, dst = views["src"], views["dst"]
-        src_idx = self._flat_indices(src, eqn, "read")
-        dst_idx = self._flat_indices(dst, eqn, "write")
-        key, _, sem_idx = self._sem_key(views["dst_sem"], eqn)
-        core, site = self.core_id, self._site(eqn)
+        src_idx = self.flat_indices(src, eqn, "read")
+        dst_idx = self.flat_indices(dst, eqn, "write")
+        key, _, sem_idx = self.sem_key(views["dst_sem"], eqn)
+        core, site = self.interp.core_id, self.site(eqn)
         cells = (src.cell, dst.cell)
-        shapes = (self.state[src.cell].shape, self.state[dst.cell].shape)
+        shapes = (self.interp.memory.state[src.cell].shape, self.interp.memory.state[dst.cell].shape)
 
         def start(sid, dev, sem_idx, src_idx, dst_idx):
             s, dev = get_session(sid), int(dev)
             with s.cv:
                 s.check_alive(dev)
                 sk = ("dst", dev, core, key, int(sem_idx))
-                self._dma_start_race(s, dev, core, None, cells, src_idx, dst_idx, shapes, site, sk)
+                self.dma_start_race(s, dev, core, None, cells, src_idx, dst_idx, shapes, site, sk)
 
-        self._callback(start, [], self.sid, self.my_dev, sem_idx, src_idx, dst_idx)
+        self.callback(start, [], self.sid, self.my_dev, sem_idx, src_idx, dst_idx)
 
-    def _dma_done(self, eqn, sem_view, which: str) -> None:
-        key, _, sem_idx = self._sem_key(sem_view, eqn)
-        core = self.core_id
+    def dma_done(self, eqn, sem_view, which: str) -> None:
+        key, _, sem_idx = self.sem_key(sem_view, eqn)
+        core = self.interp.core_id
 
         def done(sid, dev, sem_idx):
             s, dev = get_session(sid), int(dev)
@@ -377,18 +389,18 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
                     thread = ("core", dev, core)
                     s.hb.acquire(thread, dma)
 
-        self._callback(done, [], self.sid, self.my_dev, sem_idx)
+        self.callback(done, [], self.sid, self.my_dev, sem_idx)
 
     def on_dma_wait(self, eqn, views) -> None:
         if self.races:
-            self._dma_done(eqn, views["dst_sem"], "dst")
+            self.dma_done(eqn, views["dst_sem"], "dst")
 
     # -- semaphores --
 
     def _signal(self, eqn, view, inc, target, core):
-        key, name, sem_idx = self._sem_key(view, eqn)
-        my_core, what = self.core_id, f"{self.where(eqn)}: pl.semaphore_signal"
-        n_cores = self.params.num_cores_or_threads
+        key, name, sem_idx = self.sem_key(view, eqn)
+        my_core, what = self.interp.core_id, f"{self.interp.where(eqn)}: pl.semaphore_signal"
+        n_cores = self.interp.params.num_cores_or_threads
 
         def signal(sid, dev, target, core, sem_idx, inc):
             s, dev, target, core = get_session(sid), int(dev), int(target), int(core)
@@ -406,25 +418,23 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
                     s.hb.release_sem(thread, k)
                 s.cv.notify_all()
 
-        core = jnp.int32(self.core_id) if core is None else jnp.asarray(core, jnp.int32)
-        self._callback(signal, [], self.sid, self.my_dev, target, core, sem_idx, jnp.asarray(inc, jnp.int32))
+        core = jnp.int32(self.interp.core_id) if core is None else jnp.asarray(core, jnp.int32)
+        self.callback(signal, [], self.sid, self.my_dev, target, core, sem_idx, jnp.asarray(inc, jnp.int32))
 
     def sem_add(self, view, amount, eqn) -> None:
-        if not self._is_shared_sem(view.cell):
-            return super().sem_add(view, amount, eqn)
         self._signal(eqn, view, amount, self.my_dev, None)
 
     def remote_signal(self, eqn, view, inc, device_id, core_index) -> None:
         target = (
-            self.my_dev if device_id is None else self._target(device_id, eqn.params["device_id_type"], eqn)
+            self.my_dev
+            if device_id is None
+            else self.device_target(device_id, eqn.params["device_id_type"], eqn)
         )
         self._signal(eqn, view, inc, target, core_index)
 
     def sem_wait(self, view, amount, eqn, decrement=True, what="semaphore") -> None:
-        if not self._is_shared_sem(view.cell):
-            return super().sem_wait(view, amount, eqn, decrement=decrement, what=what)
-        key, name, sem_idx = self._sem_key(view, eqn)
-        core, where = self.core_id, self._site(eqn)
+        key, name, sem_idx = self.sem_key(view, eqn)
+        core, where = self.interp.core_id, self.site(eqn)
 
         def wait(sid, dev, sem_idx, amount):
             s, dev, amount = get_session(sid), int(dev), int(amount)
@@ -443,18 +453,28 @@ class MultiDeviceInterpreter(RemoteDMAs, Interpreter):
                 if s.detect_races:
                     s.hb.acquire_sem(("core", dev, core), k)
 
-        self._callback(wait, [], self.sid, self.my_dev, sem_idx, jnp.asarray(amount, jnp.int32))
+        self.callback(wait, [], self.sid, self.my_dev, sem_idx, jnp.asarray(amount, jnp.int32))
 
-    def read_view(self, view, eqn, what="read"):
-        if eqn is not None and eqn.primitive is plb.semaphore_read_p and self._is_shared_sem(view.cell):
-            key, _, sem_idx = self._sem_key(view, eqn)
-            core = self.core_id
+    def sem_read(self, view, eqn):
+        """``pl.semaphore_read`` of a semaphore the session keeps (``shares``)."""
+        key, _, sem_idx = self.sem_key(view, eqn)
+        core = self.interp.core_id
 
-            def read(sid, dev, sem_idx):
-                s = get_session(sid)
-                with s.cv:
-                    return np.int32(s.sems[(int(dev), core, key, int(sem_idx))])
+        def read(sid, dev, sem_idx):
+            s = get_session(sid)
+            with s.cv:
+                return np.int32(s.sems[(int(dev), core, key, int(sem_idx))])
 
-            (v,) = self._callback(read, [jax.ShapeDtypeStruct((), jnp.int32)], self.sid, self.my_dev, sem_idx)
-            return v
-        return super().read_view(view, eqn, what)
+        (v,) = self.callback(read, [jax.ShapeDtypeStruct((), jnp.int32)], self.sid, self.my_dev, sem_idx)
+        return v
+
+    # -- remote DMAs (remote_dma.RemoteDMAs) --
+
+    def remote_dma_start(self, eqn, parts, layout) -> None:
+        self.remote.start(eqn, parts, layout)
+
+    def remote_dma_wait(self, eqn, parts, layout, which) -> None:
+        self.remote.wait_send(eqn, parts, layout, which)
+
+    def dma_receive(self, eqn, sem, dst, nbytes, remote) -> None:
+        self.remote.receive(eqn, sem, dst, nbytes, remote)

@@ -25,13 +25,10 @@ from pallas_tpu._src.interpret import (
 )
 from pallas_tpu._src.interpret import dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
 from pallas_tpu._src.interpret import facts as interpret_facts
+from pallas_tpu._src.interpret import multi as interpret_multi
 from pallas_tpu._src.interpret import mxu as interpret_mxu
 from pallas_tpu._src.interpret import rules as interpret_rules
-from pallas_tpu._src.interpret.interpreter import (
-    Interpreter,
-    InterpretParams,
-    uninit_fill,
-)
+from pallas_tpu._src.interpret.interpreter import Interpreter, InterpretParams
 from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import primitives as tpu_prims
@@ -229,9 +226,7 @@ class _Call:
         return bool(self.gm.num_dynamic_grid_bounds)
 
 
-def run(
-    interp_cls, args, *, jaxpr, grid_mapping, input_output_aliases, params, compiler_params, kernel_facts=None
-):
+def run(args, *, jaxpr, grid_mapping, input_output_aliases, params, compiler_params, kernel_facts=None):
     """Interprets one ``pallas_call`` (``kernel_facts``: the call record's facts about
     ``jaxpr``, from one walk of it; computed here when not given)."""
     gm = grid_mapping
@@ -245,7 +240,7 @@ def run(
         )
     kernel_facts = plb.kernel_facts(jaxpr) if kernel_facts is None else kernel_facts
     params = mesh_params(params, compiler_params)
-    interp, sems, lane_hidden = _start(interp_cls, jaxpr, gm, params, compiler_params, kernel_facts)
+    interp, sems, lane_hidden = _start(jaxpr, gm, params, compiler_params, kernel_facts)
     call = _lay_out(interp, args, jaxpr, gm, params, input_output_aliases, sems, lane_hidden)
     shares = interpret_facts.scoped_in_spaces(jaxpr, shared_scopes.SHARED_SPACES)
     groups = _core_groups(kernel_facts, call.per_core, shares)
@@ -271,11 +266,28 @@ def mesh_params(params: InterpretParams, compiler_params) -> InterpretParams:
     return dataclasses.replace(params, num_cores_or_threads=cp.mesh_num_cores, random_seed=None)
 
 
-def _start(interp_cls, jaxpr, gm, params, compiler_params, kernel_facts):
+def needs_devices(params: InterpretParams, kernel_facts: plb.KernelFacts) -> bool:
+    """Whether a kernel needs the multi-device transport: it reaches other devices or
+    cores (remote DMAs and signals, barrier semaphores) or checks races."""
+    f = kernel_facts
+    return bool(
+        params.detect_races or f.remote or f.signals_cores or f.uses(tpu_prims.get_barrier_semaphore_p)
+    )
+
+
+def _start(jaxpr, gm, params, compiler_params, kernel_facts):
     """The interpreter of a call, after the checks made before the kernel runs;
     with the grid's dimension semantics and the per-core hidden state's initializers."""
     desc = f"in TPU kernel '{gm.kernel_name}' ({gm.source})"
-    interp: Interpreter = interp_cls(params, gm, desc)
+    interp = Interpreter(
+        params,
+        gm,
+        desc,
+        kernel_facts=kernel_facts,
+        jaxpr=jaxpr,
+        compiler_params=compiler_params,
+        transport=interpret_multi.DeviceTransport if needs_devices(params, kernel_facts) else None,
+    )
     sems = semantics_of(gm, compiler_params)
     checks.check_kernel(gm, jaxpr, compiler_params)  # what the Mosaic lowering refuses too
     checks.check_interpreted_grid(gm, sems)  # what JAX's interpret mode refuses too
@@ -284,11 +296,7 @@ def _start(interp_cls, jaxpr, gm, params, compiler_params, kernel_facts):
     lane_hidden = list(_hidden_initializers(kernel_facts).items())  # per core, e.g. the PRNG state
     for name, init in lane_hidden:
         interp.hidden.named[name] = init()
-    interp.dma_shadows = params.dma_execution_mode == "on_wait" and kernel_facts.uses(tpu_prims.dma_start_p)
-    interp.kernel_facts = kernel_facts  # read by MultiDeviceInterpreter.setup
-    if kernel_facts.uses(tpu_prims.dma_start_p):  # static bounds of traced DMA sizes (RefAccess.view_indices)
-        interp.size_bounds = interpret_facts.dma_size_bounds(jaxpr)
-    interp.setup(jaxpr, compiler_params)
+    interp.setup()
     return interp, sems, lane_hidden
 
 
@@ -334,11 +342,11 @@ def _operand_cells(call: _Call, operands, input_output_aliases) -> list[_Operand
             interp.cell_names[hbm] += f" = {bm.origin}"
         else:
             padded = _pad_to_blocks(jnp.zeros(bm.array_shape, bm.dtype), bm, mode).shape
-            hbm = interp.new_cell(uninit_fill(padded, bm.dtype, mode), f"{bm.origin} (HBM)", tpu_core.HBM)
+            hbm = interp.new_cell(interp.memory.fresh(padded, bm.dtype), f"{bm.origin} (HBM)", tpu_core.HBM)
         buf = None
         if not bm.is_whole_array:
             buf = interp.new_cell(
-                uninit_fill(bm.kernel_block_shape, bm.dtype, mode),
+                interp.memory.fresh(bm.kernel_block_shape, bm.dtype),
                 f"{bm.origin} block",
                 bm.memory_space or tpu_core.VMEM,
                 dma_target=call.targets is None or call.first_ref + k in call.targets,
@@ -349,7 +357,7 @@ def _operand_cells(call: _Call, operands, input_output_aliases) -> list[_Operand
 
 def _new_scratch(call: _Call) -> list[int]:
     cells = []
-    gm, targets, mode = call.gm, call.targets, call.params.uninitialized_memory
+    gm, targets = call.gm, call.targets
     for i, a in enumerate(gm.scratch_avals):
         if isinstance(getattr(a, "memory_space", None), interpret_mxu.tpu_mxu.AccMemorySpace):
             raise _err(
@@ -362,7 +370,7 @@ def _new_scratch(call: _Call) -> list[int]:
         init = (
             jnp.zeros(a.shape, jnp.int32)
             if plb.semaphore_kind(a) is not None
-            else uninit_fill(a.shape, a.dtype, mode)
+            else call.interp.memory.fresh(a.shape, a.dtype)
         )
         space = getattr(a, "memory_space", None)
         target = targets is None or call.first_ref + len(gm.block_mappings) + i in targets
@@ -378,7 +386,7 @@ def _new_lane(call: _Call, slot: int, core_id: int) -> _Lane:
     core_ops = list(call.ops)
     for i in call.blocked:
         op = call.ops[i]
-        init = uninit_fill(op.bm.kernel_block_shape, op.bm.dtype, call.params.uninitialized_memory)
+        init = call.interp.memory.fresh(op.bm.kernel_block_shape, op.bm.dtype)
         buf = op.buf
         if slot > 0:
             name = f"{op.bm.origin} block (core {core_id})"
@@ -580,6 +588,6 @@ def _enter_block(interp, op, key: tuple[int, int], is_out, gidx, prefetch, s):
         interp.state[op.hbm] = lax.dynamic_update_slice(
             hbm, jnp.where(write_back, blk, old_hbm), prev, allow_negative_indices=False
         )
-        fresh = uninit_fill(kshape, bm.dtype, interp.params.uninitialized_memory)
+        fresh = interp.memory.fresh(kshape, bm.dtype)
         interp.state[op.buf] = jnp.where(changed, fresh, interp.state[op.buf])
     interp.hidden.block_starts[key] = cur

@@ -2,16 +2,16 @@
 
 A Ref the kernel holds is a ``RefView``: a cell of the interpreter's state and
 the transforms (indexers, reshapes, bitcasts...) applied to it. ``RefAccess``,
-a mixin of ``Interpreter`` (``interpreter.py``), reads and writes through those
+a part of the ``Interpreter`` (``interpreter.py``), reads and writes through those
 transforms: static indices become plain slices, traced ones dynamic slices,
-and every dynamic index is bounds-checked (``check``, in ``errors.py``), with
+and every dynamic index is bounds-checked (``Checks.check``, in ``errors.py``), with
 JAX's words ("Out-of-bounds read") first in the message."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -20,6 +20,8 @@ import numpy as np
 from jax import lax
 
 from pallas_tpu._src import compat
+from pallas_tpu._src.interpret.errors import Checks
+from pallas_tpu._src.interpret.memory import Memory
 from pallas_tpu._src.language.vector_primitives import bitcast_impl as tpu_bitcast
 
 
@@ -141,13 +143,33 @@ def _oob(what: str) -> str:
 
 
 class RefAccess:
-    """Reads and writes of ``RefView``s (see the module docstring); a mixin of
-    ``Interpreter``, whose state, checks and ``where`` it uses."""
+    """Reads and writes of ``RefView``s (see the module docstring): a part of the
+    ``Interpreter``, over its ``memory`` (``memory.Memory``), recording bounds
+    errors in its ``checks`` (``errors.Checks``). ``where(eqn)`` names an equation
+    in messages; ``on_access(view, eqn, write)`` sees every access (race
+    detection); ``size_bounds``: the static bounds of traced DMA sizes
+    (``facts.dma_size_bounds``)."""
+
+    def __init__(
+        self,
+        memory: Memory,
+        checks: Checks,
+        params: Any,
+        where: Callable[[Any], str],
+        on_access: Callable[[RefView, Any, bool], None],
+        size_bounds: dict | None = None,
+    ):
+        self.memory = memory
+        self.checks = checks
+        self.params = params
+        self.where = where
+        self.on_access = on_access
+        self.size_bounds = size_bounds or {}
 
     def describe_ref(self, view: RefView) -> str:
-        return self.cell_names.get(view.cell, f"ref#{view.cell}")
+        return self.memory.describe(view.cell)
 
-    def _index_parts(self, shape, indexer, eqn, view, what):
+    def index_parts(self, shape, indexer, eqn, view, what):
         """(starts, sizes, strides, squeezed dims, advanced index arrays) of one NDIndexer."""
         starts, sizes, strides, squeeze, arrays = [], [], [], [], {}
         raw = [ix.start if is_slice(ix) else ix for ix in indexer.indices]
@@ -181,7 +203,7 @@ class RefAccess:
                     ok = jnp.logical_and(jnp.all(a >= 0), jnp.all(a < n))
                     lo = jnp.min(a) if a.size else 0
                     hi = jnp.max(a) if a.size else 0
-                    self.check(
+                    self.checks.check(
                         ok,
                         f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)}: index array "
                         f"with values in [{{0}}, {{1}}] along dimension {d} of size {n}",
@@ -194,13 +216,13 @@ class RefAccess:
                     if 0 <= st and st + extent <= n:
                         continue
                     ok = False
-                elif self._bounds_checked(raw[d], extent, n):
+                elif self.checks.bounds_checked(raw[d], extent, n):
                     continue
                 else:  # lax, not jnp's operators: each of those is a jitted call to trace
                     ok = lax.bitwise_and(
                         lax.ge(st, np.int32(0)), lax.le(lax.add(st, np.int32(extent)), np.int32(n))
                     )
-                self.check(
+                self.checks.check(
                     ok,
                     f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)} "
                     f"(shape {tuple(shape)}): dimension {d} {'writes' if 'write' in what else 'reads'} "
@@ -213,7 +235,7 @@ class RefAccess:
     def _read1(self, x, indexer, eqn, view, what):
         if not hasattr(indexer, "indices"):
             return self._transform_other(x, indexer, eqn)
-        starts, sizes, strides, squeeze, arrays = self._index_parts(x.shape, indexer, eqn, view, what)
+        starts, sizes, strides, squeeze, arrays = self.index_parts(x.shape, indexer, eqn, view, what)
         ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
         starts_c = [clip_index(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
         if not x.ndim:
@@ -241,7 +263,7 @@ class RefAccess:
                 f"{self.where(eqn)}: writing through a {type(indexer).__name__} view is not supported "
                 "by the TPU interpreter yet"
             )
-        starts, sizes, strides, squeeze, arrays = self._index_parts(x.shape, indexer, eqn, view, "write")
+        starts, sizes, strides, squeeze, arrays = self.index_parts(x.shape, indexer, eqn, view, "write")
         if arrays:
             idx = []
             for d in range(x.ndim):
@@ -281,7 +303,7 @@ class RefAccess:
             ) from None
 
     def read_view(self, view: RefView, eqn, what="read"):
-        x = self.state[view.cell]
+        x = self.memory.state[view.cell]
         self.on_access(view, eqn, write=False)
         for t in view.transforms:
             x = self._read1(x, t, eqn, view, what)
@@ -289,11 +311,11 @@ class RefAccess:
 
     def flat_index(self, view: RefView, eqn):
         """The flat position of the one element a view selects (semaphores)."""
-        shape = self.state[view.cell].shape
+        shape = self.memory.state[view.cell].shape
         if len(view.transforms) == 1 and hasattr(view.transforms[0], "indices"):
             # One indexer: the position by arithmetic (no iota to slice), checked and
             # clamped as a read of the element is.
-            starts, sizes, _, _, arrays = self._index_parts(shape, view.transforms[0], eqn, view, "read")
+            starts, sizes, _, _, arrays = self.index_parts(shape, view.transforms[0], eqn, view, "read")
             if not arrays and all(n == 1 for n in sizes):
                 flat, mult = np.int32(0), 1
                 for st, n in reversed(list(zip(starts, shape))):
@@ -303,8 +325,8 @@ class RefAccess:
                     )
                     mult *= n
                 return flat
-        x = jnp.arange(math.prod(self.state[view.cell].shape), dtype=jnp.int32).reshape(
-            self.state[view.cell].shape
+        x = jnp.arange(math.prod(self.memory.state[view.cell].shape), dtype=jnp.int32).reshape(
+            self.memory.state[view.cell].shape
         )
         for t in view.transforms:
             x = self._read1(x, t, eqn, view, "read")
@@ -319,7 +341,7 @@ class RefAccess:
         its entry of the shape is ``n`` (traced). Indexers without index arrays
         compose as a ``_Window`` (an offset and strides: scalar arithmetic);
         other transforms gather from the window's indices."""
-        x = self.state[view.cell]
+        x = self.memory.state[view.cell]
         bounds = self._size_bounds(view, eqn, what)
         win = _Window.of(x.shape)
         idx = valid = None
@@ -365,7 +387,7 @@ class RefAccess:
         transforms that the kernel's jaxpr bounds (``facts.dma_size_bounds``,
         noted by ``pallas_call`` as ``size_bounds``): the DMA's own transforms are
         the last of the view's."""
-        rec = getattr(self, "size_bounds", {}).get(id(eqn))
+        rec = self.size_bounds.get(id(eqn))
         if rec is None or rec[0] is not eqn:
             return {}
         layout = eqn.params["layout"]
@@ -382,11 +404,11 @@ class RefAccess:
 
     def _window_index(self, win: _Window, indexer, eqn, view, what, bounds) -> _Window:
         """``win`` indexed by an NDIndexer of slices and scalar indices, checked as
-        a read or write through it is (``_index_parts``, or ``_traced_dim`` for a
+        a read or write through it is (``index_parts``, or ``_traced_dim`` for a
         size that is traced)."""
         base, strides, counts, shape, masks = win.base, [], [], [], {}
         if not has_traced_sizes(indexer):
-            starts, sizes, steps, squeeze, _ = self._index_parts(tuple(win.shape), indexer, eqn, view, what)
+            starts, sizes, steps, squeeze, _ = self.index_parts(tuple(win.shape), indexer, eqn, view, what)
             for d, (st, size, step, n) in enumerate(zip(starts, sizes, steps, win.shape)):
                 ext = (size - 1) * step + 1 if size else 0
                 base = _add_scaled(base, clip_index(st, 0, max(n - ext, 0)), win.strides[d])
@@ -430,7 +452,7 @@ class RefAccess:
             size = lax.convert_element_type(size, np.int32)
             if n_hi is not None and n_hi < count:
                 count = max(n_hi, 0)
-                self.check(
+                self.checks.check(
                     lax.le(size, np.int32(count)),
                     f"{self.where(eqn)}: internal error of the TPU interpreter: the traced size {{0}} of "
                     f"dimension {d} of a DMA view of {self.describe_ref(view)} exceeds {count}, the bound "
@@ -496,7 +518,7 @@ class RefAccess:
         ok = lax.bitwise_or(
             lax.eq(size, zero), lax.bitwise_and(lax.bitwise_and(lax.gt(size, zero), lax.ge(st, zero)), last)
         )
-        self.check(
+        self.checks.check(
             ok,
             f"{self.where(eqn)}: {_oob(what)} of {self.describe_ref(view)}: dimension {d} "
             f"takes {{1}} elements from {{0}} (stride {stride}) but its size is {{2}}",
@@ -513,4 +535,4 @@ class RefAccess:
             new_inner = go(inner, ts[1:]) if len(ts) > 1 else val
             return self._write1(x, ts[0], new_inner, eqn, view)
 
-        self.state[view.cell] = go(self.state[view.cell], list(view.transforms))
+        self.memory.state[view.cell] = go(self.memory.state[view.cell], list(view.transforms))

@@ -2,8 +2,8 @@
 ``start`` on the sender posts its data to the session's mailbox of the target
 device and receive semaphore; a wait on the target lands it (``dma_receive``),
 or stages what does not go to the buffer the wait names (``_land_staged``).
-``RemoteDMAs`` is a mixin of ``MultiDeviceInterpreter``: it uses that class's
-session callbacks, views and device ids."""
+``RemoteDMAs`` is a part of ``multi.DeviceTransport``: it reaches the session
+through the transport's callbacks, and the kernel's memory through the interpreter."""
 
 from __future__ import annotations
 
@@ -15,29 +15,44 @@ import numpy as np
 from jax import lax, tree_util
 
 from pallas_tpu._src.interpret import dma as interpret_dma
-from pallas_tpu._src.interpret.interpreter import Interpreter
 from pallas_tpu._src.interpret.sessions import Message, get_session
 
 
 class RemoteDMAs:
-    """The remote-DMA hooks of ``MultiDeviceInterpreter`` (see the module docstring)."""
+    """The remote DMAs of a ``DeviceTransport`` (``link``: its session callbacks,
+    semaphore keys, device ids and race records) over ``interp``'s memory (see the
+    module docstring). Keeps where the remote DMAs traced so far go."""
 
-    def remote_dma_start(self, eqn, v, layout) -> None:
-        src, dst = interpret_dma.endpoints(self, eqn, v["src"], v["dst"])
+    def __init__(self, interp, link):
+        self.interp = interp
+        self.link = link
+        self.dst_cells: set[int] = set()  # where remote DMAs traced so far go
+        self.sem_cells: set[int] = set()  # and the semaphores they signal there
+
+    def start(self, eqn, v, layout) -> None:
+        src, dst = interpret_dma.endpoints(self.interp, eqn, v["src"], v["dst"])
         nbytes = src.nbytes
-        data = interpret_dma.read(self, src, eqn, "DMA read").reshape(-1)
-        dst_idx = dst.idx if dst.idx is not None else self._flat_indices(dst.view, eqn, "remote DMA write")
+        data = interpret_dma.read(self.interp, src, eqn, "DMA read").reshape(-1)
+        dst_idx = (
+            dst.idx if dst.idx is not None else self.link.flat_indices(dst.view, eqn, "remote DMA write")
+        )
         dst_idx = dst_idx.reshape(-1)
-        src_idx = self._flat_indices(src.view, eqn, "read") if self.races else jnp.zeros((0,), jnp.int32)
+        src_idx = (
+            self.link.flat_indices(src.view, eqn, "read") if self.link.races else jnp.zeros((0,), jnp.int32)
+        )
         device_id = tree_util.tree_unflatten(layout.device_id_tree, v["device_id"])
-        target = self._target(device_id, layout.device_id_type, eqn)
-        key, _, sem_idx = self._sem_key(v["dst_sem"], eqn)
-        skey, _, ssem_idx = self._sem_key(v["src_sem"], eqn)
-        core, site, what = self.core_id, self._site(eqn), f"{self.where(eqn)}: pltpu.make_async_remote_copy"
+        target = self.link.device_target(device_id, layout.device_id_type, eqn)
+        key, _, sem_idx = self.link.sem_key(v["dst_sem"], eqn)
+        skey, _, ssem_idx = self.link.sem_key(v["src_sem"], eqn)
+        core, site, what = (
+            self.interp.core_id,
+            self.link.site(eqn),
+            f"{self.interp.where(eqn)}: pltpu.make_async_remote_copy",
+        )
         cells = (src.cell, dst.cell)
-        shapes = (self.state[src.cell].shape, self.state[dst.cell].shape)
-        self.remote_dst_cells.add(dst.cell)
-        self.remote_sem_cells.add(v["dst_sem"].cell)
+        shapes = (self.interp.memory.state[src.cell].shape, self.interp.memory.state[dst.cell].shape)
+        self.dst_cells.add(dst.cell)
+        self.sem_cells.add(v["dst_sem"].cell)
 
         def send(sid, dev, target, sem_idx, ssem_idx, nbytes, data, dst_idx, src_idx):
             s, dev, target = get_session(sid), int(dev), int(target)
@@ -56,7 +71,7 @@ class RemoteDMAs:
                 dma = None
                 if s.detect_races:
                     sk = ("send", dev, core, skey, int(ssem_idx))
-                    dma = self._dma_start_race(
+                    dma = self.link.dma_start_race(
                         s, dev, core, target, cells, src_idx, dst_idx, shapes, site, sk
                     )
                 msg = Message(
@@ -70,11 +85,11 @@ class RemoteDMAs:
                 s.mail[(target, core, key, int(sem_idx))].append(msg)
                 s.cv.notify_all()
 
-        self._callback(
+        self.link.callback(
             send,
             [],
-            self.sid,
-            self.my_dev,
+            self.link.sid,
+            self.link.my_dev,
             target,
             sem_idx,
             ssem_idx,
@@ -83,31 +98,31 @@ class RemoteDMAs:
             dst_idx,
             src_idx,
         )
-        Interpreter.sem_add(self, v["src_sem"], nbytes, eqn)
+        self.interp.local_sem_add(v["src_sem"], nbytes, eqn)
 
-    def remote_dma_wait(self, eqn, v, layout, which) -> None:
-        nbytes = interpret_dma.dma_nbytes(self, v["src"], eqn)
-        Interpreter.sem_wait(self, v["src_sem"], nbytes, eqn, what="DMA send semaphore")
-        if self.races:
-            self._dma_done(eqn, v["src_sem"], "send")
+    def wait_send(self, eqn, v, layout, which) -> None:
+        nbytes = interpret_dma.dma_nbytes(self.interp, v["src"], eqn)
+        self.interp.local_sem_wait(v["src_sem"], nbytes, eqn, what="DMA send semaphore")
+        if self.link.races:
+            self.link.dma_done(eqn, v["src_sem"], "send")
 
-    def dma_receive(self, eqn, sem, dst, nbytes, remote) -> None:
+    def receive(self, eqn, sem, dst, nbytes, remote) -> None:
         """A DMA wait (``.wait_recv()``, or a local descriptor's ``.wait()`` on
         a semaphore remote DMAs signal): when ``sem`` holds fewer than ``nbytes``,
         remote DMAs sent to it land, in the order they were started, until it
         holds enough (blocking for them; a deadlock when no device can send
         more). They land where their ``start`` said, whatever this wait's
         descriptor names; bytes beyond ``nbytes`` stay on the semaphore."""
-        if not (remote or sem.cell in self.remote_sem_cells):
+        if not (remote or sem.cell in self.sem_cells):
             return  # a local wait on a semaphore no remote DMA (so far in the code) signals
-        need = jnp.maximum(jnp.asarray(nbytes, jnp.int32) - Interpreter.read_view(self, sem, eqn), 0)
-        key, name, sem_idx = self._sem_key(sem, eqn)
-        with self.unchecked():  # the wait's descriptor names no memory on a TPU
-            wait = interpret_dma.dma_view(self, dst, eqn, "DMA wait")
+        need = jnp.maximum(jnp.asarray(nbytes, jnp.int32) - self.interp.refs.read_view(sem, eqn), 0)
+        key, name, sem_idx = self.link.sem_key(sem, eqn)
+        with self.interp.unchecked():  # the wait's descriptor names no memory on a TPU
+            wait = interpret_dma.dma_view(self.interp, dst, eqn, "DMA wait")
         cap = wait.idx.size if wait.idx is not None else math.prod(wait.shape)
-        cell, x = dst.cell, self.state[dst.cell]
+        cell, x = dst.cell, self.interp.memory.state[dst.cell]
         size, dtype = x.size, np.dtype(x.dtype)
-        core, where = self.core_id, self._site(eqn)
+        core, where = self.interp.core_id, self.link.site(eqn)
         label = f"{name}[{{}}] (core {core})"
 
         def pull(sid, dev, sem_idx, need):
@@ -150,9 +165,9 @@ class RemoteDMAs:
         ]
 
         def take(tok, need):
-            self.hidden.tok = tok
-            outs = self._callback(pull, shapes, self.sid, self.my_dev, sem_idx, need)
-            return self.hidden.tok, *outs
+            self.interp.hidden.tok = tok
+            outs = self.link.callback(pull, shapes, self.link.sid, self.link.my_dev, sem_idx, need)
+            return self.interp.hidden.tok, *outs
 
         def nothing(tok, need):
             return (
@@ -162,20 +177,22 @@ class RemoteDMAs:
                 jnp.int32(0),
             )
 
-        tok, received, data, idx, staged = lax.cond(need > 0, take, nothing, self.hidden.tok, need)
-        self.hidden.tok = tok
-        self.state[cell] = x.reshape(-1).at[idx].set(data, mode="drop").reshape(x.shape)
-        self._land_staged(eqn, staged, [cell, *sorted(self.remote_dst_cells - {cell})])
-        Interpreter.sem_add(self, sem, received, eqn)
+        tok, received, data, idx, staged = lax.cond(need > 0, take, nothing, self.interp.hidden.tok, need)
+        self.interp.hidden.tok = tok
+        self.interp.memory.state[cell] = x.reshape(-1).at[idx].set(data, mode="drop").reshape(x.shape)
+        self._land_staged(eqn, staged, [cell, *sorted(self.dst_cells - {cell})])
+        self.interp.local_sem_add(sem, received, eqn)
 
     def _land_staged(self, eqn, staged, cells) -> None:
         """The remote DMAs a wait took that did not all go to the buffer its
         descriptor names land in ``cells`` (the buffers remote DMAs started so
         far went to), whole buffers at a time."""
-        cells = [c for c in cells if c in self.state]
-        metas = [(c, self.state[c].size, np.dtype(self.state[c].dtype)) for c in cells]
-        names = {c: self.cell_names.get(c, f"ref#{c}") for c in cells}
-        core, where = self.core_id, self._site(eqn)
+        cells = [c for c in cells if c in self.interp.memory.state]
+        metas = [
+            (c, self.interp.memory.state[c].size, np.dtype(self.interp.memory.state[c].dtype)) for c in cells
+        ]
+        names = {c: self.interp.memory.cell_names.get(c, f"ref#{c}") for c in cells}
+        core, where = self.interp.core_id, self.link.site(eqn)
 
         def land(sid, dev):
             s, dev = get_session(sid), int(dev)
@@ -186,7 +203,7 @@ class RemoteDMAs:
                     if j is None:
                         raise s.fail(
                             f"{s.kernel}: the remote DMA started at {m.site} goes to "
-                            f"{self.cell_names.get(m.dst_cell, '?')}, but the wait at {where} that takes its "
+                            f"{self.interp.memory.cell_names.get(m.dst_cell, '?')}, but the wait at {where} that takes its "
                             f"bytes names {names[cells[0]]}, and the TPU interpreter lands a remote DMA only at "
                             "a wait whose descriptor names its destination buffer, or the destination of a remote "
                             "DMA that comes before the wait in the kernel's code: wait with a descriptor of the "
@@ -205,21 +222,21 @@ class RemoteDMAs:
         ]
 
         def go(tok, vals):
-            self.hidden.tok = tok
-            outs = self._callback(land, shapes, self.sid, self.my_dev)
+            self.interp.hidden.tok = tok
+            outs = self.link.callback(land, shapes, self.link.sid, self.link.my_dev)
             new = [
                 v.reshape(-1).at[i].set(d, mode="drop").reshape(v.shape)
                 for v, d, i in zip(vals, outs[0::2], outs[1::2])
             ]
-            return self.hidden.tok, new
+            return self.interp.hidden.tok, new
 
         tok, vals = lax.cond(
             staged > 0,
             go,
             lambda tok, vals: (tok, list(vals)),
-            self.hidden.tok,
-            [self.state[c] for c in cells],
+            self.interp.hidden.tok,
+            [self.interp.memory.state[c] for c in cells],
         )
-        self.hidden.tok = tok
+        self.interp.hidden.tok = tok
         for c, v in zip(cells, vals):
-            self.state[c] = v
+            self.interp.memory.state[c] = v

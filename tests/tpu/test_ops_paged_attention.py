@@ -72,6 +72,12 @@ CASES = {
     ),
     # Blocks chosen by the op; 4 q heads per KV head (a group of 4 rows, 8 pages of 16 bf16 keys).
     "bf16_default_blocks": (jnp.bfloat16, False, 8, 2, 16, 8, [128, 33, 100, 7], dict(), 3e-2),
+    # Blocks of 2 pages: sequences of 6 full blocks (the steady loop: copies issued two blocks
+    # ahead), 5 full and a short one, none (an empty step between two others: the stream skips
+    # it), and a full and a short one (the tail starts the next step's blocks).
+    "bf16_stream_across_steps": (
+        jnp.bfloat16, False, 4, 2, 16, 12, [192, 170, 0, 40], dict(pages_per_compute_block=2), 3e-2,
+    ),
     # int8 pages and one scale per key, the batch split over two cores, 8 q heads per KV head.
     "int8_batch_split": (
         jnp.bfloat16, True, 8, 1, 32, 4, [128, 1, 45, 96],
@@ -146,7 +152,8 @@ def test_choose_pages_per_compute_block(chip):
     for page_size, itemsize in ((16, 2), (128, 2), (32, 1), (16, 4)):
         n = paged_attention_kernel.choose_pages_per_compute_block(page_size, 128, 2048, itemsize, info)
         assert 1 <= n <= paged_attention_kernel.MAX_PAGES_PER_BLOCK
-        assert 2 * 2 * n * page_size * 128 * itemsize <= info.vmem_capacity_bytes // 4
+        slots = paged_attention_kernel.SLOTS
+        assert slots * 2 * n * page_size * 128 * itemsize <= info.vmem_capacity_bytes // 4
     # 1 MiB of K and V a block: 2048 bf16 keys of 128 (32 pages of 64).
     assert (
         paged_attention_kernel.choose_pages_per_compute_block(64, 128, 2048, 2, pltpu.get_tpu_info("v5e"))

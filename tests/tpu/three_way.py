@@ -231,6 +231,38 @@ def to_chip(args):
 # nearest even) and accumulates in float32, as XLA's jnp.dot does on a TPU (the v5e gave
 # such a product of 256x384 by 384x256 to 1e-6); the interpreters and run_mosaic multiply
 # in float32.
+def mxu_einsum(way: str):
+    """``jnp.einsum`` as a chain of matmul kernels run the ``way`` way computes it, for
+    the test's reference: on the chip, each einsum's operands (and, under autodiff, each
+    backward einsum's) rounded to bfloat16 with a float32 product, as the v5e's MXU
+    multiplies float32 at default precision; anywhere else ``einsum`` at the highest
+    precision."""
+    import jax.numpy as jnp
+
+    if not (ON_CHIP and way == "compiled"):
+        return lambda spec, a, b: jnp.einsum(spec, a, b, precision="highest")
+
+    def rounded(x):
+        return x.astype(jnp.bfloat16).astype(np.float32)
+
+    def einsum(spec, a, b):
+        @jax.custom_vjp
+        def mm(a, b):
+            return jnp.einsum(spec, rounded(a), rounded(b), precision="highest")
+
+        def fwd(a, b):
+            return mm(a, b), (a, b)
+
+        def bwd(res, g):
+            _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b, precision="highest"), *map(rounded, res))
+            return vjp(rounded(g))
+
+        mm.defvjp(fwd, bwd)
+        return mm(a, b)
+
+    return einsum
+
+
 def mxu_operand(x, way: str):
     """``x`` as a matmul kernel run the ``way`` way multiplies it: on the chip, float32
     rounded to bfloat16; anywhere else ``x`` itself. For the test's reference."""
@@ -261,18 +293,6 @@ def dot_tol(tol: float, way: str, dtype=np.float32) -> float:
     if ON_CHIP and way == "compiled" and np.dtype(dtype) == np.float32:
         return max(tol, F32_DOT_ON_CHIP_TOL)
     return tol
-
-
-def reference_device(way: str):
-    """Where a reference of chained float32 matmuls is computed: on the chip where the
-    kernel ran there (XLA's default precision there rounds each matmul's operands to
-    bfloat16, as the kernel's MXU does, so both round the same inputs the same way);
-    anywhere else the default device. A context manager."""
-    import contextlib
-
-    if ON_CHIP and way == "compiled":
-        return jax.default_device(jax.devices("tpu")[0])
-    return contextlib.nullcontext()
 
 
 def chip_tol(tol: float, way: str, floor: float) -> float:
@@ -348,7 +368,8 @@ def hardware_random_reference(build, args, mode, model):
     if not (mode == "compiled" and ON_CHIP):
         return model()
     args = to_chip(args)
-    return jax.device_get(jax.jit(build(*jax_namespaces()))(*args))
+    with jax.default_device(jax.devices("tpu")[0]):  # a kernel of no arguments too
+        return jax.device_get(jax.jit(build(*jax_namespaces()))(*args))
 
 
 def _first_line(e: Exception) -> str:

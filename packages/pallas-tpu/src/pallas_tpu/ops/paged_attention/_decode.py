@@ -16,6 +16,18 @@ import pallas_tpu as pltpu
 _F32 = jnp.float32
 _TRANS_B = (((1,), (1,)), ((), ()))
 _INV_MAX_INT8 = 1.0 / 127.5
+# The blocks a core walks form one stream across its grid steps; block p of it goes to slot
+# p % SLOTS. A block is computed while the next AHEAD are in flight (the last of them being
+# issued beside the computation). Slots are split over two VMEM allocations ("halves", slot
+# p in half (p // 2) % 2, row p % 2 of it): block p and block p + AHEAD are always in different
+# halves, so the scheduler can tell the copies being issued from the loads being computed and
+# interleaves them (one allocation with a dynamic slot index serializes them).
+SLOTS = 4
+AHEAD = 2
+
+
+def _half(p):
+    return (p // 2) % 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,82 +76,94 @@ class Plan:
 
 
 class _Copies:
-    """The DMAs of a (sequence, KV head)'s pages into one slot of the double buffers: every array
-    (K, V, and their scales when quantized) moves the same pages, each on its own semaphore."""
+    """The DMAs of a (sequence, KV head)'s pages into the block buffers: every array (K, V, and
+    their scales when quantized) moves the same pages, each slot on its own semaphore. Slot
+    ``p`` (a stream position, taken mod ``SLOTS``) is row ``p % 2`` of half ``_half(p)``. The page
+    table was clamped into the cache by the caller, so every copy is in bounds."""
 
-    def __init__(self, plan: Plan, pages_ref, hbm, bufs, sems):
-        self.plan, self.pages_ref, self.hbm, self.bufs, self.sems = plan, pages_ref, hbm, bufs, sems
+    def __init__(self, plan: Plan, pages_ref, hbm, halves, sems):
+        self.plan, self.pages_ref, self.hbm, self.halves, self.sems = plan, pages_ref, hbm, halves, sems
 
-    def _page(self, h, page, slot, i):
-        for a, (src, buf) in enumerate(zip(self.hbm, self.bufs)):
-            pltpu.make_async_copy(src.at[h, page], buf.at[slot, i], self.sems.at[a, slot]).start()
+    def _page(self, h, page, half, p, i):
+        for a, (src, buf) in enumerate(zip(self.hbm, self.halves[half])):
+            pltpu.make_async_copy(src.at[h, page], buf.at[p % 2, i], self.sems.at[a, p % SLOTS]).start()
 
-    def start(self, b, h, j, slot, length):
-        """Starts block ``j`` of sequence ``b``: unrolled when it is full, a loop when it is the
-        short last one."""
-        n = self.plan.pages_per_block
-        count = self.plan.block_pages(j, length)
-        base = b * self.plan.pages_per_sequence + j * n
+    def _base(self, b, j):
+        return b * self.plan.pages_per_sequence + j * self.plan.pages_per_block
 
-        @pl.when(count == n)
-        def _full():
-            for i in range(n):
-                self._page(h, self.pages_ref[base + i], slot, i)
+    def start_full(self, b, h, j, half, p):
+        """Starts full block ``j`` of sequence ``b`` into slot ``p`` (of the static ``half``):
+        straight-line code, one page after another."""
+        base = self._base(b, j)
+        for i in range(self.plan.pages_per_block):
+            self._page(h, self.pages_ref[base + i], half, p, i)
 
-        @pl.when(count < n)
-        def _short():
-            def one(i, carry):
-                self._page(h, self.pages_ref[base + i], slot, i)
+    def start_pages(self, b, h, j, p, count, half=None):
+        """Starts the first ``count`` pages of block ``j`` of sequence ``b`` into slot ``p`` with
+        a loop (a short block, or a rare one), in ``half`` or, when None, the slot's half."""
+        base = self._base(b, j)
+        for x in range(2) if half is None else (half,):
+
+            def one(i, carry, x=x):
+                self._page(h, self.pages_ref[base + i], x, p, i)
                 return carry
 
-            lax.fori_loop(0, count, one, 0)
+            @pl.when((_half(p) == x) if half is None else True)
+            def _():
+                lax.fori_loop(0, count, one, 0)
 
-    def wait(self, slot, count):
-        """Waits for a block of ``count`` pages in ``slot``: a full block with one descriptor of
-        the whole slot (the semaphore counts bytes), a short one page by page."""
+    def wait(self, half, p, count):
+        """Waits for a block of ``count`` pages in slot ``p`` (of the static ``half``): a full one
+        with one descriptor of the whole slot per array (a DMA semaphore counts bytes: the
+        block's pages signalled it), a short one page by page."""
+
+        def one(i, carry, whole=False):
+            for a, buf in enumerate(self.halves[half]):
+                dst = buf.at[p % 2] if whole else buf.at[p % 2, 0]
+                pltpu.make_async_copy(dst, dst, self.sems.at[a, p % SLOTS]).wait()
+            return carry
+
+        if count is None:  # known to be full
+            one(0, 0, whole=True)
+            return
 
         @pl.when(count == self.plan.pages_per_block)
         def _full():
-            for a, buf in enumerate(self.bufs):
-                pltpu.make_async_copy(buf.at[slot], buf.at[slot], self.sems.at[a, slot]).wait()
+            one(0, 0, whole=True)
 
         @pl.when(count < self.plan.pages_per_block)
         def _short():
-            def one(i, carry):
-                for a, buf in enumerate(self.bufs):
-                    pltpu.make_async_copy(buf.at[slot, 0], buf.at[slot, 0], self.sems.at[a, slot]).wait()
-                return carry
-
             lax.fori_loop(0, count, one, 0)
 
 
-def _load(plan: Plan, buf, scale_buf, slot):
+def _load(plan: Plan, buf, scale_buf, row):
     """A block of keys or values as ``[block_tokens, head_dim]`` in the compute dtype."""
-    x = buf[slot]
+    x = buf[row]
     if scale_buf is not None:
-        x = x.astype(_F32) * (scale_buf[slot].astype(_F32) * _INV_MAX_INT8)
+        x = x.astype(_F32) * (scale_buf[row].astype(_F32) * _INV_MAX_INT8)
     elif plan.page_size % (8 * 4 // x.dtype.itemsize):  # pages off the dtype's sublane tile
         x = x.astype(_F32)
     return x.reshape(plan.block_tokens, plan.head_dim).astype(plan.compute_dtype)
 
 
-def _attend(plan: Plan, q, bufs, slot, j, length, carry, masked):
-    """One block of the online softmax: ``carry`` is ``(m, l, acc)`` of the ``groups`` rows."""
+def _attend(plan: Plan, q, bufs, row, j, length, carry, masked):
+    """One block (``row`` of the half ``bufs``) of the online softmax: ``carry`` is
+    ``(m, l, acc)`` of the ``groups`` rows."""
     m_prev, l_prev, acc = carry
     ks = bufs[2] if plan.quantized else None
     vs = bufs[3] if plan.quantized else None
-    k = _load(plan, bufs[0], ks, slot)
+    k = _load(plan, bufs[0], ks, row)
     s = lax.dot_general(q, k, _TRANS_B, preferred_element_type=_F32)
     if plan.soft_cap is not None:
         s = jnp.tanh(s * (1.0 / plan.soft_cap)) * plan.soft_cap
-    if masked:  # the last block: keys at or past the length (and stale slots) are masked
+    if masked:  # keys at or past the length (and stale slots of a short block) are masked
         pos = j * plan.block_tokens + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where(pos < length, s, plan.mask_value)
     m = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m)
     p = jnp.exp(s - m)
     l = alpha * l_prev + p.sum(axis=1, keepdims=True)
-    v = _load(plan, bufs[1], vs, slot)
+    v = _load(plan, bufs[1], vs, row)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
     return m, l, alpha * acc + pv
 
@@ -147,67 +171,103 @@ def _attend(plan: Plan, q, bufs, slot, j, length, carry, masked):
 def _kernel(plan: Plan, lengths_ref, pages_ref, q_ref, *refs):
     arrays = 4 if plan.quantized else 2
     hbm, o_ref = refs[:arrays], refs[arrays]
-    bufs, (sems, state) = refs[arrays + 1 : 2 * arrays + 1], refs[2 * arrays + 1 :]
+    halves = (refs[arrays + 1 : 2 * arrays + 1], refs[2 * arrays + 1 : 3 * arrays + 1])
+    sems, state = refs[3 * arrays + 1 :]
     c, bi, hi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = plan.seq_head(c, bi, hi)
-    copies = _Copies(plan, pages_ref, hbm, bufs, sems)
+    copies = _Copies(plan, pages_ref, hbm, halves, sems)
     most = plan.pages_per_sequence * plan.page_size
+    bt = plan.block_tokens
 
     @pl.when((bi == 0) & (hi == 0))
     def _first_step_of_core():
-        # A short block leaves slots stale; zeros (then real pages) keep NaN out of p @ v.
-        for buf in bufs:
-            buf[...] = jnp.zeros(buf.shape, buf.dtype)
-        state[0] = 0  # the slot the step's first block goes to
-        state[1] = 0  # whether the previous step started it
+        # A short block leaves rows of a slot stale. Their scores are masked (a select), but
+        # p @ v needs finite values: zeros (then real pages) in the value buffers.
+        for half in halves:
+            for buf in half[1::2]:  # values (and their scales)
+                buf[...] = jnp.zeros(buf.shape, buf.dtype)
+        state[0] = 0  # the stream position (mod SLOTS) of the step's first block
+        state[1] = 0  # how many of the step's blocks the steps before started
 
-    length = jnp.minimum(lengths_ref[b], most)
-    # The next step on this core, whose first block the last block of this one starts.
+    length = jnp.clip(lengths_ref[b], 0, most)
+    blocks = pl.cdiv(length, bt)
+    # The next step on this core: the stream runs on into its first blocks.
     last_h = hi == plan.steps_h - 1
     next_bi = jnp.where(last_h, bi + 1, bi)
     nb, nh = plan.seq_head(c, jnp.minimum(next_bi, plan.steps_b - 1), jnp.where(last_h, 0, hi + 1))
-    next_length = jnp.where(next_bi < plan.steps_b, jnp.minimum(lengths_ref[nb], most), 0)
+    next_length = jnp.where(next_bi < plan.steps_b, jnp.clip(lengths_ref[nb], 0, most), 0)
+    next_blocks = pl.cdiv(next_length, bt)
+    pos0 = state[0]
 
-    @pl.when(length <= 0)
-    def _empty():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    def target(j):
+        """Block ``j`` blocks after this step's first in the stream: ``(sequence, head, block,
+        pages)``, one of this sequence's or of the next step's (0 pages past those)."""
+        here = j < blocks
+        tj, tlen = jnp.where(here, j, j - blocks), jnp.where(here, length, next_length)
+        count = jnp.maximum(plan.block_pages(tj, tlen), 0)
+        return jnp.where(here, b, nb), jnp.where(here, h, nh), tj, count
 
-    @pl.when(length > 0)
-    def _attention():
-        slot0 = state[0]
+    # What the step before did not start (it starts AHEAD blocks at most): only after an empty
+    # step and on a core's first step, so a plain loop.
+    def prologue(j, carry):
+        copies.start_pages(*target(j)[:3], (pos0 + j) % SLOTS, target(j)[3])
+        return carry
 
-        @pl.when(state[1] == 0)
-        def _():
-            copies.start(b, h, 0, slot0, length)
+    lax.fori_loop(state[1], AHEAD, prologue, 0)
 
-        state[1] = 0
-        blocks = pl.cdiv(length, plan.block_tokens)
-        q = q_ref[...].astype(plan.compute_dtype)
+    q = q_ref[...].astype(plan.compute_dtype)
+    rows = (plan.groups, 1)
+    init = (
+        jnp.full(rows, -jnp.inf, _F32),
+        jnp.zeros(rows, _F32),
+        jnp.zeros((plan.groups, plan.head_dim), _F32),
+    )
 
-        def full_block(j, st):
-            slot, carry = st[0], st[1:]
-            copies.start(b, h, j + 1, 1 - slot, length)
-            copies.wait(slot, plan.pages_per_block)
-            return (1 - slot, *_attend(plan, q, bufs, slot, j, length, carry, masked=False))
+    def steady(j, carry):
+        # Blocks j .. j + AHEAD are full blocks of this sequence: no branch between the copies
+        # of block j + AHEAD (the other half) and block j's arithmetic, which interleave.
+        p = (pos0 + j) % SLOTS
 
-        rows = (plan.groups, 1)
-        init = (
-            jnp.full(rows, -jnp.inf, _F32),
-            jnp.zeros(rows, _F32),
-            jnp.zeros((plan.groups, plan.head_dim), _F32),
-        )
-        slot, *carry = lax.fori_loop(0, blocks - 1, full_block, (slot0, *init))
-        last = blocks - 1
+        def on(half):
+            def body(carry):
+                copies.wait(half, p, None)
+                copies.start_full(b, h, j + AHEAD, 1 - half, p + AHEAD)
+                return _attend(plan, q, halves[half], p % 2, j, length, carry, masked=False)
 
-        @pl.when(next_length > 0)
-        def _prefetch_next_step():
-            copies.start(nb, nh, 0, 1 - slot, next_length)
-            state[1] = 1
+            return body
 
-        copies.wait(slot, plan.block_pages(last, length))
-        _, l, acc = _attend(plan, q, bufs, slot, last, length, carry, masked=True)
-        state[0] = 1 - slot
-        o_ref[...] = (acc / l).astype(o_ref.dtype)
+        return lax.cond(_half(p) == 0, on(0), on(1), carry)
+
+    def tail(j, carry):
+        # The last blocks: a short one, or ones whose block AHEAD is in the next step (or none).
+        p = (pos0 + j) % SLOTS
+
+        def on(half):
+            def body(carry):
+                copies.wait(half, p, plan.block_pages(j, length))
+                tb, th, tj, count = target(j + AHEAD)
+
+                def full(carry):  # as in the steady loop: copies beside the arithmetic
+                    copies.start_full(tb, th, tj, 1 - half, p + AHEAD)
+                    return _attend(plan, q, halves[half], p % 2, j, length, carry, masked=True)
+
+                def partial(carry):
+                    copies.start_pages(tb, th, tj, p + AHEAD, count, 1 - half)
+                    return _attend(plan, q, halves[half], p % 2, j, length, carry, masked=True)
+
+                return lax.cond(count == plan.pages_per_block, full, partial, carry)
+
+            return body
+
+        return lax.cond(_half(p) == 0, on(0), on(1), carry)
+
+    n_steady = jnp.maximum(length // bt - AHEAD, 0)
+    carry = lax.fori_loop(0, n_steady, steady, init)
+    _, l, acc = lax.fori_loop(n_steady, blocks, tail, carry)
+    state[0] = (pos0 + blocks) % SLOTS
+    state[1] = jnp.minimum(next_blocks, AHEAD)
+    # An empty sequence (l == 0, acc == 0) gives zeros.
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
 def call(plan: Plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, interpret):
@@ -222,9 +282,9 @@ def call(plan: Plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indi
     spec = pl.BlockSpec((None, None, plan.groups, head_dim), rows)
     arrays = [k_pages, v_pages] + ([k_scales, v_scales] if plan.quantized else [])
     n = plan.pages_per_block
-    scratch = [pltpu.VMEM((2, n, plan.page_size, a.shape[-1]), a.dtype) for a in arrays]
-    scratch += [pltpu.SemaphoreType.DMA((len(arrays), 2)), pltpu.SMEM((2,), jnp.int32)]
-    buffers = sum(2 * n * _padded(plan.page_size, a.shape[-1], a.dtype) for a in arrays)
+    scratch = [pltpu.VMEM((SLOTS // 2, n, plan.page_size, a.shape[-1]), a.dtype) for a in arrays] * 2
+    scratch += [pltpu.SemaphoreType.DMA((len(arrays), SLOTS)), pltpu.SMEM((2,), jnp.int32)]
+    buffers = sum(SLOTS * n * _padded(plan.page_size, a.shape[-1], a.dtype) for a in arrays)
     info = pltpu.get_tpu_info()
     need = buffers + 4 * _padded(plan.groups, head_dim, q.dtype) + 6 * plan.groups * plan.block_tokens * 4
     keys = batch * plan.num_kv_heads * plan.pages_per_sequence * plan.page_size
@@ -234,6 +294,10 @@ def call(plan: Plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indi
         bytes_accessed=sum(keys * a.shape[-1] * a.dtype.itemsize for a in arrays)
         + 2 * q.size * q.dtype.itemsize,
     )
+    # Every page index is clamped into the cache here (one small fusion), so no copy can leave
+    # it, and Mosaic's run-time bounds checks (about 7 scalar bundles on each copy's source and
+    # destination) are left out: with pages of 16 keys they cost more than the copies' bytes.
+    pages = jnp.clip(page_indices.reshape(-1), 0, k_pages.shape[1] - 1)
     out = pl.pallas_call(
         lambda *refs: _kernel(plan, *refs),
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
@@ -247,11 +311,12 @@ def call(plan: Plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indi
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=int(min(info.vmem_capacity_bytes * 0.9, max(32 << 20, 2 * need + (8 << 20)))),
+            disable_bounds_checks=True,
         ),
         cost_estimate=cost,
         interpret=interpret,
         name="paged_attention",
-    )(lengths, page_indices.reshape(-1), q4, *arrays)
+    )(lengths, pages, q4, *arrays)
     return out.reshape(batch, num_q_heads, head_dim)
 
 

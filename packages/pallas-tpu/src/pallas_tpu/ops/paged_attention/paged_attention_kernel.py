@@ -9,16 +9,35 @@ cache's reads, so the kernel is a DMA schedule with arithmetic beside it:
 
 * The page table and lengths are scalar-prefetched (SMEM). The pages stay in HBM
   (``memory_space=ANY``); a grid step, one (sequence, KV head), walks the sequence in compute
-  blocks of ``pages_per_compute_block`` pages, each page one DMA into a VMEM double buffer.
-  While a block is computed the next one is in flight, and the last block of a step starts the
-  first block of the next step (the same core's next (sequence, head) with keys), so the DMA
-  queue never drains between steps. A full block is waited for with one descriptor of the
-  whole buffer (a DMA semaphore counts bytes); only a sequence's last block copies fewer pages
-  (a scalar loop) and waits page by page.
+  blocks of ``pages_per_compute_block`` pages, each page one DMA per array into a VMEM slot.
+  The blocks a core walks form one stream across its grid steps, kept ``AHEAD = 2`` blocks
+  ahead in four slots: while block ``j`` is computed, block ``j + 1`` is in flight and block
+  ``j + 2``'s copies are issued; the last blocks of a step start the first blocks of the next
+  step (the same core's next (sequence, head) with keys), so the DMA queue never drains between
+  steps. A full block is waited for with one descriptor of the whole slot (a DMA semaphore
+  counts bytes); only a sequence's last, short block copies fewer pages (a loop) and waits page
+  by page.
+* The cost at small pages is the copies' issue, not their bytes: each page is a K and a V copy,
+  and each copy costs scalar work (the page index load, address arithmetic). Measured on
+  libtpu's v5e schedule (``--xla_jf_dump_to``, B32, 32/8 heads, D128, bf16, 2048 keys a block),
+  a block of 128 pages of 16 keys first took ~4,300 bundles: ~15 a copy, half of them Mosaic's
+  run-time bounds checks on the copy's source and destination, and the copies issued apart from
+  the arithmetic. Hence: the page table is clamped into the cache (``jnp.clip`` before the
+  call), so no copy can leave the arrays, and the bounds checks are off
+  (``disable_bounds_checks``); the slots are split over two VMEM allocations so that block
+  ``j + 2``'s copies and block ``j``'s loads are provably apart, and the scheduler interleaves
+  the copies with the block's matmuls and softmax (in one allocation with a dynamic slot it
+  serializes them). A block of 128 pages of 16 now takes ~1,190 bundles (~4.6 a copy: the 2
+  scalar slots' address arithmetic), 32 pages of 64 ~530, against the ~1,300 ns that 1 MiB
+  takes at the v5e's HBM bandwidth.
 * The online softmax (running max ``m``, sum ``l`` and unnormalized output) lives in registers
-  across a step's blocks; only the last block is masked, by a select against the length (so a
-  stale buffer never reaches the sum: the buffers are zeroed once, and a masked probability is
-  exactly 0).
+  across a step's blocks; only the last ``AHEAD`` blocks of a sequence (the "tail", where the
+  block ``AHEAD`` on is short or in the next step) are masked, by a select against the length
+  (so a stale row never reaches the sum: the value buffers are zeroed once, and a masked
+  probability is exactly 0).
+* A page index outside ``[0, total_num_pages)`` reads the nearest page of the cache (clamped)
+  where JAX's op stops at a failed bounds check on a TPU; entries past a sequence's length are
+  never read.
 * Quantized pages (``QuantizedTensor``: int8 codes, one scale per key or per element) are
   copied as they are (a quarter of bf16's bytes per element beside the scales) and widened in
   VMEM: ``code * scale / 127.5``.
@@ -41,28 +60,32 @@ import numpy as np
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops.paged_attention import quantization_utils
+from pallas_tpu.ops.paged_attention._decode import SLOTS
 from pallas_tpu.ops.paged_attention._decode import Plan as _Plan
 from pallas_tpu.ops.paged_attention._decode import call as _call
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MEGACORE_MODES = ("kv_head", "batch", None)
 # Bytes of K and V one compute block copies: what the DMA queue holds while the block before is
-# computed. A v5e's HBM moves ~0.82 MB/us, so 1 MiB covers a few microseconds of latency and
-# per-block work; more only grows VMEM and the last block's waste.
+# computed. A v5e's HBM moves ~0.82 MB/us, so 1 MiB (2048 bf16 keys of 128) covers a few
+# microseconds of latency and the block's fixed work (waits, the softmax's row statistics, the
+# loop); more only grows VMEM and the last block's waste. The per-copy issue cost is the same at
+# any block size, so small pages get more pages a block, not fewer bytes.
 BLOCK_BYTES = 1 << 20
-# Pages one block copies at most: a full block's copies are unrolled straight-line code.
+# Pages one block copies at most: a full block's copies are unrolled straight-line code (four
+# copies of it in the kernel), 128 keeps it at ~1,200 bundles.
 MAX_PAGES_PER_BLOCK = 128
 _TRANS_B = (((1,), (1,)), ((), ()))
 
 
 def choose_pages_per_compute_block(page_size, head_dim, pages_per_sequence, kv_itemsize, info=None):
     """The pages of one compute block when the caller gives none: ``BLOCK_BYTES`` of K and V,
-    at most ``MAX_PAGES_PER_BLOCK`` and ``pages_per_sequence``, and a double buffer within a
-    quarter of the chip's VMEM (``pltpu.get_tpu_info()``)."""
+    at most ``MAX_PAGES_PER_BLOCK`` and ``pages_per_sequence``, and the ``SLOTS`` block buffers
+    within a quarter of the chip's VMEM (``pltpu.get_tpu_info()``)."""
     info = info or pltpu.get_tpu_info()
     page_bytes = 2 * page_size * head_dim * kv_itemsize  # a K page and a V page
     pages = max(1, BLOCK_BYTES // page_bytes)
-    pages = min(pages, max(1, info.vmem_capacity_bytes // 4 // (2 * page_bytes)))
+    pages = min(pages, max(1, info.vmem_capacity_bytes // 4 // (SLOTS * page_bytes)))
     return int(min(pages, MAX_PAGES_PER_BLOCK, pages_per_sequence))
 
 

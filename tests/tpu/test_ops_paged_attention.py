@@ -149,16 +149,18 @@ def test_reference_helpers_match_jax():
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "v4", "v5p"])
 def test_choose_pages_per_compute_block(chip):
     info = pltpu.get_tpu_info(chip)
+    slots = paged_attention_kernel.SLOTS
     for page_size, itemsize in ((16, 2), (128, 2), (32, 1), (16, 4)):
         n = paged_attention_kernel.choose_pages_per_compute_block(page_size, 128, 2048, itemsize, info)
         assert 1 <= n <= paged_attention_kernel.MAX_PAGES_PER_BLOCK
-        slots = paged_attention_kernel.SLOTS
         assert slots * 2 * n * page_size * 128 * itemsize <= info.vmem_capacity_bytes // 4
-    # 1 MiB of K and V a block: 2048 bf16 keys of 128 (32 pages of 64).
-    assert (
-        paged_attention_kernel.choose_pages_per_compute_block(64, 128, 2048, 2, pltpu.get_tpu_info("v5e"))
-        == 32
-    )
+    # int8 pages with a float32 scale a key: the scales take 128 lanes of VMEM each.
+    n = paged_attention_kernel.choose_pages_per_compute_block(64, 128, 2048, 1, info, scales_dim=1)
+    assert slots * 2 * n * 64 * (128 + 128 * 4) <= info.vmem_capacity_bytes // 4
+    # 1 MiB of K and V a block: 2048 bf16 keys of 128 (32 pages of 64; 128 pages of 16).
+    v5e = pltpu.get_tpu_info("v5e")
+    assert paged_attention_kernel.choose_pages_per_compute_block(64, 128, 2048, 2, v5e) == 32
+    assert paged_attention_kernel.choose_pages_per_compute_block(16, 128, 2048, 2, v5e) == 128
     assert paged_attention_kernel.choose_pages_per_compute_block(64, 128, 5, 2, info) == 5
 
 
@@ -198,3 +200,17 @@ def test_paged_attention_bad_arguments(case):
     call, error, message = BAD_CALLS[case]
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("way", OP_WAYS)
+def test_page_index_outside_the_cache_gives_nan(way):
+    """A page index out of the cache among a sequence's pages in use: that sequence's output is
+    NaN (never attention over another page); entries past a sequence's length may hold anything."""
+    q, k, v, lengths, pages = inputs(40, batch=3, q_heads=4, kv_heads=2, page_size=16, pages_per_seq=4,
+                                     dtype=jnp.float32, lengths=[40, 20, 64])  # fmt: skip
+    total = k.shape[1]
+    pages = pages.at[0, 1].set(total).at[1, 3].set(-7).at[2, 2].set(-1)  # seq 1: past its length
+    out = np.asarray(run_op(paged_attention, (q, k, v, lengths, pages), way, pages_per_compute_block=2))
+    assert np.isnan(out[0]).all() and np.isnan(out[2]).all()
+    fine = jnp.clip(pages, 0, total - 1)  # sequence 1 reads none of the changed entries
+    close(out[1], reference(q, k, v, lengths, fine)[1], three_way.dot_tol(2e-5, way))

@@ -210,7 +210,8 @@ def _kernel(plan: Plan, lengths_ref, pages_ref, q_ref, *refs):
     # What the step before did not start (it starts AHEAD blocks at most): only after an empty
     # step and on a core's first step, so a plain loop.
     def prologue(j, carry):
-        copies.start_pages(*target(j)[:3], (pos0 + j) % SLOTS, target(j)[3])
+        tb, th, tj, count = target(j)
+        copies.start_pages(tb, th, tj, (pos0 + j) % SLOTS, count)
         return carry
 
     lax.fori_loop(state[1], AHEAD, prologue, 0)
@@ -284,9 +285,11 @@ def call(plan: Plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indi
     n = plan.pages_per_block
     scratch = [pltpu.VMEM((SLOTS // 2, n, plan.page_size, a.shape[-1]), a.dtype) for a in arrays] * 2
     scratch += [pltpu.SemaphoreType.DMA((len(arrays), SLOTS)), pltpu.SMEM((2,), jnp.int32)]
-    buffers = sum(SLOTS * n * _padded(plan.page_size, a.shape[-1], a.dtype) for a in arrays)
+    buffers = sum(SLOTS * n * padded_bytes(plan.page_size, a.shape[-1], a.dtype) for a in arrays)
     info = pltpu.get_tpu_info()
-    need = buffers + 4 * _padded(plan.groups, head_dim, q.dtype) + 6 * plan.groups * plan.block_tokens * 4
+    need = (
+        buffers + 4 * padded_bytes(plan.groups, head_dim, q.dtype) + 6 * plan.groups * plan.block_tokens * 4
+    )
     keys = batch * plan.num_kv_heads * plan.pages_per_sequence * plan.page_size
     cost = pl.CostEstimate(
         flops=4 * keys * plan.groups * head_dim,
@@ -317,10 +320,17 @@ def call(plan: Plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indi
         interpret=interpret,
         name="paged_attention",
     )(lengths, pages, q4, *arrays)
-    return out.reshape(batch, num_q_heads, head_dim)
+    out = out.reshape(batch, num_q_heads, head_dim)
+    # A page index outside the cache among a sequence's pages in use is the caller's error:
+    # the clamp keeps the copies inside the cache, and that sequence's output is NaN, not
+    # attention over another page (one small fusion over the page table).
+    used = jnp.arange(page_indices.shape[1])[None, :] * plan.page_size < lengths[:, None]
+    outside = (page_indices < 0) | (page_indices >= k_pages.shape[1])
+    bad = jnp.any(used & outside, axis=1)
+    return jnp.where(bad[:, None, None], jnp.asarray(jnp.nan, out.dtype), out)
 
 
-def _padded(rows, cols, dtype) -> int:
+def padded_bytes(rows, cols, dtype) -> int:
     """Bytes of a ``[rows, cols]`` VMEM tile row-block, padded to (sublane tile, 128 lanes)."""
     itemsize = np.dtype(dtype).itemsize
     sub = 8 * 4 // itemsize

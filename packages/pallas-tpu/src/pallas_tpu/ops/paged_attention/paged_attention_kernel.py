@@ -35,9 +35,10 @@ cache's reads, so the kernel is a DMA schedule with arithmetic beside it:
   block ``AHEAD`` on is short or in the next step) are masked, by a select against the length
   (so a stale row never reaches the sum: the value buffers are zeroed once, and a masked
   probability is exactly 0).
-* A page index outside ``[0, total_num_pages)`` reads the nearest page of the cache (clamped)
-  where JAX's op stops at a failed bounds check on a TPU; entries past a sequence's length are
-  never read.
+* A page index outside ``[0, total_num_pages)`` among a sequence's pages in use makes that
+  sequence's output NaN (JAX's op stops at a failed bounds check on a TPU); the copies read a
+  clamped table, so none leaves the cache. Entries past a sequence's length are never read
+  and may hold anything.
 * Quantized pages (``QuantizedTensor``: int8 codes, one scale per key or per element) are
   copied as they are (a quarter of bf16's bytes per element beside the scales) and widened in
   VMEM: ``code * scale / 127.5``.
@@ -60,7 +61,7 @@ import numpy as np
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops.paged_attention import quantization_utils
-from pallas_tpu.ops.paged_attention._decode import SLOTS
+from pallas_tpu.ops.paged_attention._decode import SLOTS, padded_bytes
 from pallas_tpu.ops.paged_attention._decode import Plan as _Plan
 from pallas_tpu.ops.paged_attention._decode import call as _call
 
@@ -78,14 +79,20 @@ MAX_PAGES_PER_BLOCK = 128
 _TRANS_B = (((1,), (1,)), ((), ()))
 
 
-def choose_pages_per_compute_block(page_size, head_dim, pages_per_sequence, kv_itemsize, info=None):
+def choose_pages_per_compute_block(
+    page_size, head_dim, pages_per_sequence, kv_itemsize, info=None, scales_dim=None
+):
     """The pages of one compute block when the caller gives none: ``BLOCK_BYTES`` of K and V,
     at most ``MAX_PAGES_PER_BLOCK`` and ``pages_per_sequence``, and the ``SLOTS`` block buffers
-    within a quarter of the chip's VMEM (``pltpu.get_tpu_info()``)."""
+    within a quarter of the chip's VMEM (``pltpu.get_tpu_info()``), the scales of quantized
+    pages (``scales_dim``: 1 or ``head_dim`` float32 per key) counted as VMEM lays them out."""
     info = info or pltpu.get_tpu_info()
     page_bytes = 2 * page_size * head_dim * kv_itemsize  # a K page and a V page
+    vmem_bytes = 2 * padded_bytes(page_size, head_dim, np.dtype(f"i{kv_itemsize}"))
+    if scales_dim:
+        vmem_bytes += 2 * padded_bytes(page_size, scales_dim, np.float32)
     pages = max(1, BLOCK_BYTES // page_bytes)
-    pages = min(pages, max(1, info.vmem_capacity_bytes // 4 // (SLOTS * page_bytes)))
+    pages = min(pages, max(1, info.vmem_capacity_bytes // 4 // (SLOTS * vmem_bytes)))
     return int(min(pages, MAX_PAGES_PER_BLOCK, pages_per_sequence))
 
 
@@ -234,7 +241,12 @@ def paged_attention(
     groups = num_q_heads // num_kv_heads
     info = pltpu.get_tpu_info()
     pages_per_block = pages_per_compute_block or choose_pages_per_compute_block(
-        page_size, head_dim, pages_per_sequence, k_pages.dtype.itemsize, info
+        page_size,
+        head_dim,
+        pages_per_sequence,
+        k_pages.dtype.itemsize,
+        info,
+        scales_dim=None if k_scales is None else k_scales.shape[-1],
     )
     cores = 1 if megacore_mode is None else 2
     plan = _Plan(

@@ -1,6 +1,6 @@
 """``pallas_tpu.ops.splash_attention`` against JAX's splash attention and XLA, on a TPU.
 
-    python benchmarks/tpu_ops_splash.py [--only NAME ...] [--sweep | --sweep-only] [--rounds N] [--smoke]
+    python benchmarks/tpu_ops_splash.py [--only NAME ...] [--quick] [--sweep | --sweep-only] [--rounds N] [--smoke]
 
 Rows (bf16, arguments made on the chip with ``jax.random``, the batch through ``jax.vmap`` of
 the kernel as JAX's op is used):
@@ -12,8 +12,11 @@ the kernel as JAX's op is used):
   the queries at the end (``CausalMask(offset=)``).
 
 Candidates: ours with its own blocks; JAX's ``make_splash_mha``/``make_splash_mqa`` at its
-default blocks (128) and at tuned ones (the best of 512 and 1024 square blocks, which fit its
-default scoped VMEM); XLA's ``jax.nn.dot_product_attention`` with the dense mask. Each time is
+default blocks (128; only up to 4096 queries and keys: beyond, a call takes 10-50 ms) and at
+tuned ones (the best of 512 and 1024 square blocks, which fit its default scoped VMEM); XLA's
+``jax.nn.dot_product_attention`` with the dense mask. ``--quick`` times ours and JAX's at 1024
+only (and 512 for the window and D256 rows, where 512 can win) and checks ours against JAX's
+(no XLA), so that each row takes well under 200 s on a v5e. Each time is
 the median of rounds of back-to-back calls (``_timing.measure``); TFLOP/s count the visible
 (query, key) pairs only (4 * pairs * head_dim forward, 14 * pairs * head_dim forward+backward);
 peak is the v5e's 197 bf16 TFLOP/s; ratios are ours over JAX's best and over XLA. Each output is
@@ -73,9 +76,10 @@ def _jax_splash():
 class Workload:
     """One row: ``mask(module)`` builds the mask with a module's classes (ours or JAX's)."""
 
-    def __init__(self, name, batch, heads, kv_heads, q_len, kv_len, head_dim, mask, grad=False):
+    def __init__(self, name, batch, heads, kv_heads, q_len, kv_len, head_dim, mask, grad=False, small=False):
         self.name, self.batch, self.heads, self.kv_heads = name, batch, heads, kv_heads
         self.q_len, self.kv_len, self.head_dim, self.mask, self.grad = q_len, kv_len, head_dim, mask, grad
+        self.small = small  # JAX's 512 blocks may beat its 1024 ones (kept by --quick)
 
     def args(self):
         b, h, kvh, lq, lk, d = self.batch, self.heads, self.kv_heads, self.q_len, self.kv_len, self.head_dim
@@ -140,6 +144,8 @@ def workloads(smoke):
                 "GQA B1 H4/2 L256 D128 local 64", 1, 4, 2, 256, 256, 128, lambda m: m.LocalMask(s, (64, 0), 0)
             ),
             Workload("MHA B1 H2 L256 D128 causal fwd+bwd", 1, 2, 2, 256, 256, 128, causal(s), grad=True),
+            Workload("MHA B1 H2 L256 D256 causal", 1, 2, 2, 256, 256, 256, causal(s), small=True),
+            Workload("MQA B1 H2 prefill 128 x 512 causal", 1, 2, 0, 128, 512, 128, causal((128, 512), 384)),
         ]
     s4, s8 = (4096, 4096), (8192, 8192)
     return [
@@ -147,23 +153,32 @@ def workloads(smoke):
         Workload("MHA B2 H16 L4096 D128 causal", 2, 16, 16, 4096, 4096, 128, causal(s4)),
         Workload("MHA B2 H16 L4096 D128 causal fwd+bwd", 2, 16, 16, 4096, 4096, 128, causal(s4), grad=True),
         Workload("GQA B1 H32/8 L8192 D128 causal", 1, 32, 8, 8192, 8192, 128, causal(s8)),
-        Workload("GQA B1 H32/8 L8192 D128 window 1024", 1, 32, 8, 8192, 8192, 128, lambda m: m.LocalMask(s8, (1024, 0), 0)),
-        Workload("MHA B1 H8 L8192 D256 causal", 1, 8, 8, 8192, 8192, 256, causal(s8)),
+        Workload("GQA B1 H32/8 L8192 D128 window 1024", 1, 32, 8, 8192, 8192, 128, lambda m: m.LocalMask(s8, (1024, 0), 0), small=True),
+        Workload("MHA B1 H8 L8192 D256 causal", 1, 8, 8, 8192, 8192, 256, causal(s8), small=True),
         Workload(
             "MQA B1 H32 prefill 512 x 32768 causal", 1, 32, 0, 512, 32768, 128, causal((512, 32768), 32768 - 512)
         ),
     ]  # fmt: skip
 
 
-def candidates(w, smoke):
+def jax_sizes(w, smoke, quick):
+    """JAX's square blocks to time for ``w``: 128 (its default) up to 4096 queries and keys,
+    512 and 1024; ``quick``: 1024, and 512 where it may win; ``smoke``: 128 only."""
+    if smoke:
+        return [128]
+    if quick:
+        return [512, 1024] if w.small else [1024]
+    return ([128] if max(w.q_len, w.kv_len) <= 4096 else []) + [512, 1024]
+
+
+def candidates(w, smoke, quick=False):
     interp = pltpu.InterpretParams() if smoke else None
     cands = {"ours": w.wrap(w.kernel(ours, interpret=interp))}
     jsa = _jax_splash()
     if jsa is not None:
         jinterp = True if smoke else None
-        for label, size in (("JAX default 128", 128), ("JAX 512", 512), ("JAX 1024", 1024)):
-            if smoke and size > 128:
-                continue
+        for size in jax_sizes(w, smoke, quick):
+            label = "JAX default 128" if size == 128 else f"JAX {size}"
             bq, bkv = min(size, w.q_len), min(size, w.kv_len)
             blocks = jsa.BlockSizes(
                 block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
@@ -173,7 +188,8 @@ def candidates(w, smoke):
                 cands[label] = w.wrap(w.kernel(jsa, blocks, interpret=jinterp))
             except Exception as e:  # blocks JAX's op refuses for this shape
                 print(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-    cands["XLA"] = w.xla()
+    if not quick or smoke:
+        cands["XLA"] = w.xla()
     return cands
 
 
@@ -202,7 +218,11 @@ def time_all(cands, args, rounds, smoke):
 def report(w, cands, rounds, smoke, rows):
     args = w.args()
     times, failed = time_all(cands, args, rounds, smoke)
-    ref = cands["XLA"](*args) if "XLA" in times else None
+    # the reference of the error column: XLA's, else (--quick) JAX's largest blocks
+    ref_name = (
+        "XLA" if "XLA" in times else next((n for n in reversed(list(times)) if n.startswith("JAX")), None)
+    )
+    ref = cands[ref_name](*args) if ref_name is not None else None
     best_jax = min((t for n, t in times.items() if n.startswith("JAX")), default=None)
     flops = w.flops()
     for impl in cands:
@@ -212,7 +232,7 @@ def report(w, cands, rounds, smoke, rows):
             continue
         t = times[impl]
         tflops = flops / t / 1e12
-        err = _err(cands[impl](*args), ref) if ref is not None and impl != "XLA" else 0.0
+        err = _err(cands[impl](*args), ref) if ref is not None and impl != ref_name else 0.0
         row = dict(
             workload=w.name, impl=impl, ms=round(t * 1e3, 4), tflops=round(tflops, 2),
             peak=round(tflops / PEAK_V5E, 3), vs_jax_best=round(best_jax / t, 3) if best_jax else "",
@@ -255,10 +275,17 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in TPU interpret mode (no TPU needed)")
     ap.add_argument("--sweep", action="store_true", help="also time ours over block sizes")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep")
-    ap.add_argument("--only", nargs="*", default=[], help="substrings of the workloads' names")
+    ap.add_argument(
+        "--only", nargs="*", default=[], help="substrings of the workloads' names (e.g. D256 MQA)"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="ours and JAX's 1024 blocks (and 512 where it may win) only"
+    )
     ap.add_argument("--rounds", type=int, default=10)
     a = ap.parse_args(argv)
     ws = [w for w in workloads(a.smoke) if not a.only or any(s in w.name for s in a.only)]
+    if not ws:
+        sys.exit(f"no workload's name contains any of {a.only}: {[w.name for w in workloads(a.smoke)]}")
     print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}")
     rows = []
     if not a.sweep_only:
@@ -266,7 +293,7 @@ def main(argv=None):
             "| workload | impl | ms | TFLOP/s | peak | ours/JAX best | /XLA | err |\n|---|---|---|---|---|---|---|---|"
         )
         for w in ws:
-            report(w, candidates(w, a.smoke), a.rounds, a.smoke, rows)
+            report(w, candidates(w, a.smoke, a.quick), a.rounds, a.smoke, rows)
     if a.sweep or a.sweep_only:
         sweep(ws, max(3, a.rounds // 2), a.smoke, rows)
     out = ROOT / "benchmarks" / "results" / "tpu_ops_splash.csv"

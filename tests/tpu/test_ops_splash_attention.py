@@ -20,6 +20,7 @@ from test_ops_matmul import OP_WAYS, run_op
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops import splash_attention as sa
+from pallas_tpu.ops.splash_attention import _blocks as sb
 from pallas_tpu.ops.splash_attention import splash_attention_kernel as sk
 
 jax.config.update("jax_enable_checks", True)
@@ -136,6 +137,12 @@ CASES = {
     "random_per_head_mqa": Case("random", heads=2, kv_heads=0),
     "chunked_soft_cap_sinks": Case("chunked", soft_cap=4.0, sinks=True, tol=4e-3),
     "combined_bf16": Case("causal_or_local", dtype=BF16, head_dim=64, tol=4e-2),
+    # the backward kernels in cells of half their 512 blocks (the diagonal's empty cell skipped)
+    "causal_backward_cells": Case(q_len=512, kv_len=512, blocks=(512, 512, 256, 512, 512, 256, 512, 512)),
+    # a kernel made without blocks, called with head_dim 256: its blocks chosen for that width
+    "wide_heads_chosen_blocks": Case(
+        "causal_offset", heads=1, q_len=256, kv_len=4096, head_dim=256, blocks=None
+    ),
 }
 
 
@@ -283,6 +290,39 @@ def test_default_blocks_fit_each_chip(chip):
     ), b
     assert (small.block_q, small.block_kv) == (384, 640), small
     assert sa.BlockSizes.get_default().block_q % 128 == 0  # JAX's no-argument call
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v4"])
+def test_default_blocks_follow_head_dim_and_dtype(chip):
+    """Wider heads: proportionally fewer keys per forward block (the work and the straight-line
+    code of a step as at head_dim 128), down to 512; narrower ones: as 128; VMEM bounds them."""
+    from test_ops_matmul import chip_mesh
+
+    with chip_mesh(chip):
+        narrow = sa.BlockSizes.get_default(8192, 8192)
+        by_dim = {d: sa.BlockSizes.get_default(8192, 8192, head_dim=d) for d in (64, 128, 256, 512)}
+        f32 = sa.BlockSizes.get_default(8192, 8192, head_dim=256, dtype=F32)
+        huge = sa.BlockSizes.get_default(8192, 8192, head_dim=2048, dtype=F32)
+        budget = sb._common.vmem_budget()
+    assert by_dim[64] == by_dim[128] == narrow
+    assert by_dim[256].block_kv == narrow.block_kv // 2 and by_dim[256].block_q == narrow.block_q
+    assert by_dim[512].block_kv == max(512, narrow.block_kv // 4)
+    assert f32 == by_dim[256]  # VMEM holds the 4-byte blocks as well
+    assert sb._forward_vmem(huge.block_q, huge.block_kv, 2048, 4) <= budget, huge
+    assert huge.block_kv <= 512, huge
+
+
+def test_kernel_made_without_blocks_takes_its_calls_head_dim():
+    mask = make_mask("causal_offset", 1, 256, 4096)
+    kernel = sa.make_splash_mha_single_device(mask, interpret=True)
+    narrow, wide = jnp.zeros((1, 256, 128)), jnp.zeros((1, 256, 256))
+    assert kernel._for(narrow) is kernel
+    chosen = kernel._for(wide)
+    want = sa.BlockSizes.get_default(256, 4096, head_dim=256)
+    assert chosen.kwargs["block_sizes"] == want and want != kernel.kwargs["block_sizes"]
+    assert kernel._for(wide) is chosen  # made once
+    given = sa.make_splash_mha_single_device(mask, block_sizes=sa.BlockSizes(128, 512), interpret=True)
+    assert given._for(wide) is given  # blocks given: kept
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,10 @@
   ``p^T dO`` and ``ds^T q`` are plain matmuls. With grouped or shared kv heads, or several q
   shards in one call, each q head (and shard) writes its own float32 ``dk``/``dv``, summed after.
 
+Both sweep a step in cells (``cell_of``: 512 x 512 in the default 1024 blocks) run as
+straight-line tiles by ``run_patterns``, as the forward does: a causal diagonal block skips
+its empty cell, and its full cell takes no mask arithmetic.
+
 The gradient of a sink is ``-sum_rows exp(sink - lse) * di``, computed with ``jnp``.
 """
 
@@ -68,6 +72,16 @@ def backward(
     return dq, dk, dv, dsinks
 
 
+def cell_of(block: int) -> int:
+    """The side of the backward kernels' cells along a block of ``block`` queries (or, for
+    ``dq``, keys): half the block from 512 up (cells of 512 in the default 1024 blocks), else
+    the block. A causal diagonal block then skips its empty quarter instead of computing all
+    of it: at L=4096 and 1024 blocks a causal backward pass computes 10 blocks of pairs for
+    8 blocks' worth, in 512 x 512 cells 9 (libtpu's v5e bundles: the full cells run at the
+    MXU's rate either way)."""
+    return block // 2 if block >= 512 and block % 256 == 0 else block
+
+
 def _softcap_grad(ds, t):
     """``ds`` through ``cap * tanh(s / cap)``: times ``1 - tanh^2``."""
     return ds * (1.0 - t * t)
@@ -75,6 +89,7 @@ def _softcap_grad(ds, t):
 
 def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config, blocks, patterns):
     block_q, block_kv = blocks
+    band, chunk = cell_of(block_q), cell_of(block_kv)
     heads, q_len, head_dim = q.shape
     sched = cm.Schedule.of(info, heads, "splash attention dq")
     nq_shard = q_len // (sched.q_shards * block_q)
@@ -153,8 +168,10 @@ def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config,
             di_col[...] = cm.column(di_ref[...])
 
         def body(r0, rows, c0, partial):
-            del r0, rows, c0  # one cell: the whole block
-            s_ = lax.dot_general(q_ref[...], k_ref[...], cm.NT_DIMS, preferred_element_type=F32)
+            """Queries ``[r0, r0 + rows)`` of the block against its keys ``[c0, c0 + chunk)``."""
+            r, c = pl.ds(r0, rows), pl.ds(c0, chunk)
+            k_tile = k_ref[c, :]
+            s_ = lax.dot_general(q_ref[r, :], k_tile, cm.NT_DIMS, preferred_element_type=F32)
             t_ = None
             if cfg.attn_logits_soft_cap is not None:
                 s_, t_ = cm.cap_logits(s_, cfg.attn_logits_soft_cap)
@@ -162,23 +179,23 @@ def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config,
                 s_.shape,
                 partial=partial,
                 mask_function=cfg.mask_function,
-                q_start=(base_ref[s] + w["q_block"]) * block_q,
-                kv_start=w["kv_block"] * block_kv,
-                mask_tile=mask_ref[...] if mask_ref is not None else None,
-                seg_rows=seg_q_ref[...] if has_seg else None,
-                seg_cols=seg_kv_ref[...] if has_seg else None,
+                q_start=(base_ref[s] + w["q_block"]) * block_q + r0,
+                kv_start=w["kv_block"] * block_kv + c0,
+                mask_tile=mask_ref[r, c] if mask_ref is not None else None,
+                seg_rows=seg_q_ref[r, :] if has_seg else None,
+                seg_cols=seg_kv_ref[:, c] if has_seg else None,
                 rows_are_queries=True,
             )
             if keep is not None:
                 s_ = jnp.where(keep, s_, cfg.mask_value)
-            p = jnp.exp(s_ - cm.lanes(lse_col[...], block_kv))
-            dp = lax.dot_general(do_ref[...], v_ref[...], cm.NT_DIMS, preferred_element_type=F32)
-            ds = p * (dp - cm.lanes(di_col[...], block_kv))
+            p = jnp.exp(s_ - cm.lanes(lse_col[r, :], chunk))
+            dp = lax.dot_general(do_ref[r, :], v_ref[c, :], cm.NT_DIMS, preferred_element_type=F32)
+            ds = p * (dp - cm.lanes(di_col[r, :], chunk))
             if t_ is not None:
                 ds = _softcap_grad(ds, t_)
-            acc_ref[...] += lax.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=F32)
+            acc_ref[r, :] += lax.dot(ds.astype(k_tile.dtype), k_tile, preferred_element_type=F32)
 
-        cm.run_patterns(w["pattern"], patterns, body, block_q, block_kv)
+        cm.run_patterns(w["pattern"], patterns, body, band, chunk)
 
         @pl.when(w["last"])
         def _finish():
@@ -211,6 +228,7 @@ def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config,
 
 def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config, blocks, patterns):
     block_q, block_kv, block_kv_compute = blocks
+    band = cell_of(block_q)
     heads, q_len, head_dim = q.shape
     kv_len = k.shape[-2]
     sched = cm.Schedule.of(info, heads, "splash attention dkv")
@@ -295,10 +313,11 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
             dv_acc[...] = jnp.zeros(dv_acc.shape, F32)
 
         def chunk(q0, q_rows, r0, partial):
-            del q0, q_rows  # the cells span the whole q block; they chunk the keys
+            """Keys ``[r0, r0 + block_kv_compute)`` of the block against its queries
+            ``[q0, q0 + q_rows)``."""
             rows = block_kv_compute
-            r = pl.ds(r0, rows)
-            q_tile, do_tile = q_ref[...], do_ref[...]
+            r, qs = pl.ds(r0, rows), pl.ds(q0, q_rows)
+            q_tile, do_tile = q_ref[qs, :], do_ref[qs, :]
             s_ = lax.dot_general(
                 k_ref[r, :], q_tile, cm.NT_DIMS, preferred_element_type=F32
             )  # keys x queries
@@ -309,24 +328,24 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
                 s_.shape,
                 partial=partial,
                 mask_function=cfg.mask_function,
-                q_start=(base_ref[s] + w["q_block"]) * block_q,
+                q_start=(base_ref[s] + w["q_block"]) * block_q + q0,
                 kv_start=w["kv_block"] * block_kv + r0,
-                mask_tile=mask_ref[r, :] if mask_ref is not None else None,
+                mask_tile=mask_ref[r, qs] if mask_ref is not None else None,
                 seg_rows=seg_kv_ref[r, :] if has_seg else None,
-                seg_cols=seg_q_ref[...] if has_seg else None,
+                seg_cols=seg_q_ref[:, qs] if has_seg else None,
                 rows_are_queries=False,
             )
             if keep is not None:
                 s_ = jnp.where(keep, s_, cfg.mask_value)
-            p = jnp.exp(s_ - lse_ref[...])
+            p = jnp.exp(s_ - lse_ref[:, qs])
             dv_acc[r, :] += lax.dot(p.astype(do_tile.dtype), do_tile, preferred_element_type=F32)
             dp = lax.dot_general(v_ref[r, :], do_tile, cm.NT_DIMS, preferred_element_type=F32)
-            ds = p * (dp - di_ref[...])
+            ds = p * (dp - di_ref[:, qs])
             if t_ is not None:
                 ds = _softcap_grad(ds, t_)
             dk_acc[r, :] += lax.dot(ds.astype(q_tile.dtype), q_tile, preferred_element_type=F32)
 
-        cm.run_patterns(w["pattern"], patterns, chunk, block_q, block_kv_compute)
+        cm.run_patterns(w["pattern"], patterns, chunk, band, block_kv_compute)
 
         @pl.when(w["last"])
         def _finish():

@@ -13,7 +13,6 @@ with ``manual_sharding_spec``, through ``shard_map`` over heads and query shards
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -26,6 +25,10 @@ import pallas_tpu as pltpu
 from pallas_tpu.ops.splash_attention import _backward, _common, _forward
 from pallas_tpu.ops.splash_attention import splash_attention_mask as mask_lib
 from pallas_tpu.ops.splash_attention import splash_attention_mask_info as mask_info_lib
+from pallas_tpu.ops.splash_attention._blocks import BlockSizes as BlockSizes
+from pallas_tpu.ops.splash_attention._blocks import QKVLayout as QKVLayout
+from pallas_tpu.ops.splash_attention._blocks import _check_blocks, _complete, _default_blocks, _fit, _itemsize
+from pallas_tpu.ops.splash_attention._blocks import from_head_minor as from_head_minor
 from pallas_tpu.ops.splash_attention._reference import (
     attention_reference as attention_reference,
 )
@@ -58,153 +61,6 @@ class SegmentIds(NamedTuple):
     kv: jax.Array
 
 
-class QKVLayout(enum.IntEnum):
-    """The physical layout JAX's kernels may keep q, k or v in. Accepted here for the
-    signature; these kernels always read ``[..., seq_len, head_dim]``."""
-
-    HEAD_DIM_MINOR = enum.auto()  # [..., seq_len, head_dim]
-    SEQ_MINOR = enum.auto()  # [..., head_dim, seq_len]
-
-
-def from_head_minor(vals: tuple[Any, ...], layout: QKVLayout):
-    """``vals`` (a shape ending in ``(seq_len, head_dim)``) in ``layout``."""
-    if layout == QKVLayout.HEAD_DIM_MINOR:
-        return vals
-    return (*vals[:-2], vals[-1], vals[-2])
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BlockSizes:
-    """Block sizes of the splash attention kernels (speed only; results do not depend on them).
-
-    Forward: ``block_q`` query rows by ``block_kv`` keys per grid step (the mask is skipped in
-    blocks of this size), swept in chunks of ``block_kv_compute`` keys. ``dk``/``dv``:
-    ``block_q_dkv`` by ``block_kv_dkv`` per step, the keys in chunks of ``block_kv_dkv_compute``.
-    ``dq``: ``block_q_dq`` by ``block_kv_dq``. Backward blocks left as None are taken from the
-    forward ones (JAX then has no backward pass). ``use_fused_bwd_kernel`` and the layouts are
-    accepted for JAX's signature: the backward pass here is always the ``dq`` and ``dk``/``dv``
-    kernels, and q, k, v are read head-dim minor.
-    """
-
-    block_q: int
-    block_kv: int
-    block_kv_compute: int | None = None
-
-    block_q_dkv: int | None = None
-    block_kv_dkv: int | None = None
-    block_kv_dkv_compute: int | None = None
-
-    block_q_dq: int | None = None
-    block_kv_dq: int | None = None
-
-    use_fused_bwd_kernel: bool = False
-
-    q_layout: QKVLayout = QKVLayout.HEAD_DIM_MINOR
-    k_layout: QKVLayout = QKVLayout.HEAD_DIM_MINOR
-    v_layout: QKVLayout = QKVLayout.HEAD_DIM_MINOR
-
-    def __post_init__(self):
-        if self.block_kv_compute is None:
-            object.__setattr__(self, "block_kv_compute", self.block_kv)
-        if self.block_kv_dkv_compute is None:
-            object.__setattr__(self, "block_kv_dkv_compute", self.block_kv_dkv)
-        for name in _BLOCK_FIELDS:
-            size = getattr(self, name)
-            if size is not None and (not isinstance(size, (int, np.integer)) or size < 1):
-                raise ValueError(f"BlockSizes.{name} must be a positive int, got {size!r}")
-        for minor, major in (("block_kv_compute", "block_kv"), ("block_kv_dkv_compute", "block_kv_dkv")):
-            lo, hi = getattr(self, minor), getattr(self, major)
-            if lo is not None and hi is not None and hi % lo:
-                raise ValueError(f"BlockSizes.{minor}={lo} must divide BlockSizes.{major}={hi}")
-        if self.use_fused_bwd_kernel and (self.block_q_dq is not None or self.block_kv_dq is not None):
-            raise ValueError("BlockSizes: block sizes for the dq kernel are not needed with a fused kernel")
-
-    @property
-    def has_backward_blocks(self) -> bool:
-        """Whether every backward block is given."""
-        needed = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
-        if not self.use_fused_bwd_kernel:
-            needed += ("block_q_dq", "block_kv_dq")
-        return all(getattr(self, n) is not None for n in needed)
-
-    @classmethod
-    def get_default(
-        cls, q_seq_len: int | None = None, kv_seq_len: int | None = None, *, has_partial: bool = True
-    ) -> BlockSizes:
-        """The blocks the kernels use when none are given, from the chip's VMEM and, when given,
-        the lengths (each block the largest multiple of 128 up to its size that divides its
-        length). JAX's defaults are blocks of 128 whatever the chip.
-
-        The rule (v5e-class chips, 64 MiB of VMEM or more; the static bundle counts of libtpu's
-        scheduler for the v5e, ``benchmarks/tpu_ops_splash.py --sweep`` times them on a chip):
-        query blocks of 1024 rows against kv blocks of up to 4096 keys, so that a step is up
-        to eight straight-line tiles whose matmuls and softmaxes overlap (a step of one tile
-        reaches two thirds of the MXU's rate, of four or more over nine tenths); tiles of 1024
-        keys where the mask has no partial blocks (``has_partial=False``), else of 512 keys in
-        cells of 512 queries (a causal diagonal then wastes a quarter of its block, not half).
-        Chips with less VMEM: 512-row blocks against 2048 keys, tiles of 512. The backward
-        kernels take 1024 (512) square blocks, the ``dk``/``dv`` keys in tiles of 512.
-        """
-        large = _common.vmem_budget() >= 48 * 2**20
-        bq, bkv = (1024, 4096) if large else (512, 2048)
-        bc = 1024 if large and not has_partial else 512
-        bwd = 1024 if large else 512
-        bq_fit, bkv_fit = _fit(q_seq_len, bq), _fit(kv_seq_len, bkv)
-        bwd_q, bwd_kv = _fit(q_seq_len, bwd), _fit(kv_seq_len, bwd)
-        return cls(
-            block_q=bq_fit,
-            block_kv=bkv_fit,
-            block_kv_compute=_fit(bkv_fit, bc),
-            block_q_dkv=bwd_q,
-            block_kv_dkv=bwd_kv,
-            block_kv_dkv_compute=_fit(bwd_kv, 512),
-            block_q_dq=bwd_q,
-            block_kv_dq=bwd_kv,
-        )
-
-
-_BLOCK_FIELDS = (
-    "block_q",
-    "block_kv",
-    "block_kv_compute",
-    "block_q_dkv",
-    "block_kv_dkv",
-    "block_kv_dkv_compute",
-    "block_q_dq",
-    "block_kv_dq",
-)
-
-
-def _fit(n: int | None, target: int) -> int:
-    """The largest multiple of 128 at most ``target`` dividing ``n``; ``n`` if shorter or none does."""
-    if n is None:
-        return target
-    if n <= target:
-        return n
-    for size in range(target - target % 128, 127, -128):
-        if n % size == 0:
-            return size
-    return n
-
-
-def _complete(blocks: BlockSizes) -> BlockSizes:
-    """Missing backward blocks taken from the forward ones."""
-    fill = {}
-    for name, like in (
-        ("block_q_dkv", "block_q"),
-        ("block_kv_dkv", "block_kv"),
-        ("block_q_dq", "block_q"),
-        ("block_kv_dq", "block_kv"),
-    ):
-        if getattr(blocks, name) is None:
-            fill[name] = getattr(blocks, like)
-    if blocks.block_kv_dkv is None:
-        fill["block_kv_dkv_compute"] = fill.get("block_kv_dkv", blocks.block_kv_dkv)
-    if not fill:
-        return blocks
-    return dataclasses.replace(blocks, **fill, use_fused_bwd_kernel=False)
-
-
 # ---------------------------------------------------------------------------------------------
 # The kernel object.
 
@@ -228,9 +84,22 @@ class SplashAttentionKernel:
         self.dkv_mask_info = dkv_mask_info
 
     def __call__(self, *args, **kwargs):
+        q = args[0] if args else kwargs.get("q")
+        kernel = self._for(q)
+        params = {n: v for n, v in kernel.kwargs.items() if n != "rechoose"}
         return _splash_attention(
-            self.fwd_mask_info, self.dq_mask_info, self.dkv_mask_info, *args, **kwargs, **self.kwargs
+            kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info, *args, **kwargs, **params
         )
+
+    def _for(self, q) -> SplashAttentionKernel:
+        """This kernel, or, made without blocks and called with a head dimension or dtype that
+        its rule gives other blocks for, the same kernel made with those (once per choice)."""
+        rechoose = self.kwargs.get("rechoose")
+        if rechoose is None or getattr(q, "ndim", 0) != 3:
+            return self
+        if getattr(self.fwd_mask_info.steps, "shape", None) != rechoose.steps_shape:
+            return self  # a shard of the schedule (inside shard_map): kept
+        return rechoose.kernel(self, q.shape[-1], q.dtype)
 
     def manual_sharding_spec(self, sharding: jax.sharding.NamedSharding):
         """The ``shard_map`` partition spec of this kernel for q sharded as ``sharding`` (its
@@ -309,10 +178,29 @@ def _make_splash_attention(
     if attn_logits_soft_cap is not None and not attn_logits_soft_cap > 0:
         raise ValueError(f"{_OP}: attn_logits_soft_cap must be positive, got {attn_logits_soft_cap}")
     _, q_len, kv_len = mask.shape
+    rechoose = None
     if block_sizes is None:
-        block_sizes = BlockSizes.get_default(
-            q_len // max(q_seq_shards, 1), kv_len, has_partial=_has_partial(mask, q_len, kv_len)
-        )
+        has_partial = _has_partial(mask, q_len, kv_len)
+        block_sizes = BlockSizes.get_default(q_len // max(q_seq_shards, 1), kv_len, has_partial=has_partial)
+        if head_shards == 1 and q_seq_shards == 1:  # a sharded kernel's schedule is split: kept
+            remake = functools.partial(
+                _make_splash_attention,
+                mask,
+                is_mqa=is_mqa,
+                save_residuals=save_residuals,
+                mask_value=mask_value,
+                attn_logits_soft_cap=attn_logits_soft_cap,
+                downcast_smem_data=downcast_smem_data,
+                head_shards=head_shards,
+                q_seq_shards=q_seq_shards,
+                residual_checkpoint_name=residual_checkpoint_name,
+                interpret=interpret,
+            )
+            budget = _common.vmem_budget()
+            rechoose = _Rechoose(
+                functools.partial(_default_blocks, BlockSizes, q_len, kv_len, has_partial, budget=budget),
+                remake,
+            )
     elif not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"{_OP}: block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
     block_sizes = _complete(block_sizes)
@@ -338,11 +226,21 @@ def _make_splash_attention(
         b.block_kv_compute,
         q_band=_forward.band_of(b.block_q, b.block_kv_compute),
     )
-    dq_info, _, dq_patterns = process(mask_info_lib.process_mask, b.block_q_dq, b.block_kv_dq, None)
-    dkv_info, _, dkv_patterns = process(
-        mask_info_lib.process_mask_dkv, b.block_q_dkv, b.block_kv_dkv, b.block_kv_dkv_compute
+    dq_info, _, dq_patterns = process(
+        mask_info_lib.process_mask,
+        b.block_q_dq,
+        b.block_kv_dq,
+        _backward.cell_of(b.block_kv_dq),
+        q_band=_backward.cell_of(b.block_q_dq),
     )
-    return SplashAttentionKernel(
+    dkv_info, _, dkv_patterns = process(
+        mask_info_lib.process_mask_dkv,
+        b.block_q_dkv,
+        b.block_kv_dkv,
+        b.block_kv_dkv_compute,
+        q_band=_backward.cell_of(b.block_q_dkv),
+    )
+    kernel = SplashAttentionKernel(
         fwd_info,
         dq_info,
         dkv_info,
@@ -357,7 +255,32 @@ def _make_splash_attention(
         mask_shape=(q_len, kv_len),
         q_seq_shards=q_seq_shards,
         patterns=(fwd_patterns, dq_patterns, dkv_patterns),
+        rechoose=rechoose,
     )
+    if rechoose is not None:
+        rechoose.steps_shape = tuple(fwd_info.steps.shape)
+    return kernel
+
+
+class _Rechoose:
+    """How a kernel made without blocks remakes itself for a call whose head dimension or
+    dtype the default rule gives other blocks for (the mask's schedules depend on the
+    blocks, and make_splash_mha does not see q). Compares by identity (it rides in the
+    kernel's static pytree data)."""
+
+    def __init__(self, blocks_for: Callable[..., BlockSizes], remake: Callable[..., Any]):
+        self._blocks_for, self._remake, self._made = blocks_for, remake, {}
+        self.steps_shape: tuple | None = None  # of the schedule made with the first blocks
+
+    def kernel(self, kernel: SplashAttentionKernel, head_dim: int, dtype) -> SplashAttentionKernel:
+        blocks = self._blocks_for(head_dim=int(head_dim), itemsize=_itemsize(dtype))
+        if blocks == kernel.kwargs["block_sizes"]:
+            return kernel
+        if blocks not in self._made:
+            made = self._remake(block_sizes=blocks)
+            made.kwargs["rechoose"] = None
+            self._made[blocks] = made
+        return self._made[blocks]
 
 
 def _has_partial(mask, q_len: int, kv_len: int) -> bool:
@@ -368,27 +291,6 @@ def _has_partial(mask, q_len: int, kv_len: int) -> bool:
     heads = mask.masks if isinstance(mask, mask_lib.MultiHeadMask) else [mask_lib.NumpyMask(m) for m in mask]
     distinct = {id(m): m for m in heads}.values()
     return any((m.block_kinds(bq, bkv) == mask_lib.PARTIAL).any() for m in distinct)
-
-
-def _check_blocks(b: BlockSizes, q_len: int, kv_len: int) -> None:
-    for name, of, n in (
-        ("block_q", "q_seq_len", q_len),
-        ("block_kv", "kv_seq_len", kv_len),
-        ("block_kv_compute", "block_kv", b.block_kv),
-        ("block_q_dkv", "q_seq_len", q_len),
-        ("block_kv_dkv", "kv_seq_len", kv_len),
-        ("block_kv_dkv_compute", "block_kv_dkv", b.block_kv_dkv),
-        ("block_q_dq", "q_seq_len", q_len),
-        ("block_kv_dq", "kv_seq_len", kv_len),
-    ):
-        size = getattr(b, name)
-        if size > n or n % size:
-            raise ValueError(f"{_OP}: block_sizes.{name}={size} must divide {of}={n} (per q shard)")
-        if size != n and size % NUM_LANES:
-            raise ValueError(
-                f"{_OP}: block_sizes.{name}={size} must be a multiple of {NUM_LANES} (a TPU tile of "
-                f"lanes) or all of {of}={n}"
-            )
 
 
 make_splash_mha = functools.partial(_make_splash_attention, is_mqa=False)

@@ -303,10 +303,11 @@ def process_mask_dkv(
     q_seq_shards: int = 1,
     shrink_grid: bool = True,
     block_kv_compute: int | None = None,
+    q_band: int | None = None,
 ):
     """The kv-major schedule (``dk``/``dv`` kernel) of ``mask`` in ``(block_q, block_kv)``
-    blocks, the keys computed in chunks of ``block_kv_compute``; partial blocks are stored
-    transposed ``(block_kv, block_q)``. ``shrink_grid`` is accepted for JAX's signature (the
-    schedule never holds empty blocks)."""
+    blocks, computed in cells of ``q_band`` queries (default: the block) by ``block_kv_compute``
+    keys; partial blocks are stored transposed ``(block_kv, block_q)``. ``shrink_grid`` is
+    accepted for JAX's signature (the schedule never holds empty blocks)."""
     del downcast_smem_data, shrink_grid
-    return _process(mask, block_shape, block_kv_compute, None, head_shards, q_seq_shards, kv_major=True)
+    return _process(mask, block_shape, block_kv_compute, q_band, head_shards, q_seq_shards, kv_major=True)

@@ -1,0 +1,235 @@
+"""The block sizes of the splash attention kernels: ``BlockSizes`` (JAX's fields), the
+default rule (``BlockSizes.get_default``) and the checks of given blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import numpy as np
+
+from pallas_tpu.ops.splash_attention import _common
+
+NUM_LANES = 128
+_OP = "splash attention"
+
+
+class QKVLayout(enum.IntEnum):
+    """The physical layout JAX's kernels may keep q, k or v in. Accepted here for the
+    signature; these kernels always read ``[..., seq_len, head_dim]``."""
+
+    HEAD_DIM_MINOR = enum.auto()  # [..., seq_len, head_dim]
+    SEQ_MINOR = enum.auto()  # [..., head_dim, seq_len]
+
+
+def from_head_minor(vals: tuple[Any, ...], layout: QKVLayout):
+    """``vals`` (a shape ending in ``(seq_len, head_dim)``) in ``layout``."""
+    if layout == QKVLayout.HEAD_DIM_MINOR:
+        return vals
+    return (*vals[:-2], vals[-1], vals[-2])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockSizes:
+    """Block sizes of the splash attention kernels (speed only; results do not depend on them).
+
+    Forward: ``block_q`` query rows by ``block_kv`` keys per grid step (the mask is skipped in
+    blocks of this size), swept in chunks of ``block_kv_compute`` keys. ``dk``/``dv``:
+    ``block_q_dkv`` by ``block_kv_dkv`` per step, the keys in chunks of ``block_kv_dkv_compute``.
+    ``dq``: ``block_q_dq`` by ``block_kv_dq``. Backward blocks left as None are taken from the
+    forward ones (JAX then has no backward pass). ``use_fused_bwd_kernel`` and the layouts are
+    accepted for JAX's signature: the backward pass here is always the ``dq`` and ``dk``/``dv``
+    kernels, and q, k, v are read head-dim minor.
+    """
+
+    block_q: int
+    block_kv: int
+    block_kv_compute: int | None = None
+
+    block_q_dkv: int | None = None
+    block_kv_dkv: int | None = None
+    block_kv_dkv_compute: int | None = None
+
+    block_q_dq: int | None = None
+    block_kv_dq: int | None = None
+
+    use_fused_bwd_kernel: bool = False
+
+    q_layout: QKVLayout = QKVLayout.HEAD_DIM_MINOR
+    k_layout: QKVLayout = QKVLayout.HEAD_DIM_MINOR
+    v_layout: QKVLayout = QKVLayout.HEAD_DIM_MINOR
+
+    def __post_init__(self):
+        if self.block_kv_compute is None:
+            object.__setattr__(self, "block_kv_compute", self.block_kv)
+        if self.block_kv_dkv_compute is None:
+            object.__setattr__(self, "block_kv_dkv_compute", self.block_kv_dkv)
+        for name in _BLOCK_FIELDS:
+            size = getattr(self, name)
+            if size is not None and (not isinstance(size, (int, np.integer)) or size < 1):
+                raise ValueError(f"BlockSizes.{name} must be a positive int, got {size!r}")
+        for minor, major in (("block_kv_compute", "block_kv"), ("block_kv_dkv_compute", "block_kv_dkv")):
+            lo, hi = getattr(self, minor), getattr(self, major)
+            if lo is not None and hi is not None and hi % lo:
+                raise ValueError(f"BlockSizes.{minor}={lo} must divide BlockSizes.{major}={hi}")
+        if self.use_fused_bwd_kernel and (self.block_q_dq is not None or self.block_kv_dq is not None):
+            raise ValueError("BlockSizes: block sizes for the dq kernel are not needed with a fused kernel")
+
+    @property
+    def has_backward_blocks(self) -> bool:
+        """Whether every backward block is given."""
+        needed = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
+        if not self.use_fused_bwd_kernel:
+            needed += ("block_q_dq", "block_kv_dq")
+        return all(getattr(self, n) is not None for n in needed)
+
+    @classmethod
+    def get_default(
+        cls,
+        q_seq_len: int | None = None,
+        kv_seq_len: int | None = None,
+        *,
+        has_partial: bool = True,
+        head_dim: int | None = None,
+        dtype: Any = None,
+    ) -> BlockSizes:
+        """The blocks the kernels use when none are given, from the chip's VMEM, the head
+        dimension and dtype (a kernel made without blocks takes them from its call's q) and,
+        when given, the lengths (each block the largest multiple of 128 up to its size that
+        divides its length). JAX's defaults are blocks of 128 whatever the chip.
+
+        The rule (v5e-class chips, 64 MiB of VMEM or more; the static bundle counts of libtpu's
+        scheduler for the v5e, ``benchmarks/tpu_ops_splash.py --sweep`` times them on a chip):
+        query blocks of 1024 rows against kv blocks of up to 4096 keys at a head dimension of
+        128 or less, so that a step is up to eight straight-line tiles whose matmuls and
+        softmaxes overlap (a step of one tile reaches two thirds of the MXU's rate, of four or
+        more over nine tenths); tiles of 1024 keys where the mask has no partial blocks
+        (``has_partial=False``), else of 512 keys in cells of 512 queries (a causal diagonal
+        then wastes a quarter of its block, not half). Wider heads (each further 128 of
+        head_dim one more MXU pass) get proportionally fewer keys per block, down to 512: a
+        step's straight-line code grows with its work, and the kernel's code must fit the
+        core's instruction memory (a kernel of 40.8k bundles fits on the v5e; float32 operands
+        at head_dim 128 add no code, so the dtype counts only for VMEM). At head_dim 256 and 4096
+        keys a causal mask's forward kernel is ~102k bundles, which libtpu splits into
+        overlays fetched from HBM on every grid step (4x slower than JAX's plain 1024 blocks);
+        at 2048 keys it is ~36k bundles and runs at the MXU's rate. Chips with less VMEM:
+        512-row blocks against 2048 keys (scaled alike), tiles of 512. Blocks whose buffers
+        would not fit the VMEM budget (very wide heads, 4-byte dtypes) shrink, keys first.
+        The backward kernels take 1024 (512) square blocks whatever the head dimension (at
+        head_dim 256 the ``dk``/``dv`` kernel is ~30k bundles, ``dq`` ~23k: they fit), computed
+        in cells of half a block (``_backward.cell_of``), the ``dk``/``dv`` keys in tiles of 512.
+        """
+        return _default_blocks(
+            cls,
+            q_seq_len,
+            kv_seq_len,
+            has_partial,
+            head_dim or NUM_LANES,
+            _itemsize(dtype),
+            _common.vmem_budget(),
+        )
+
+
+def _itemsize(dtype: Any) -> int:
+    return 2 if dtype is None else np.dtype(dtype).itemsize
+
+
+def _default_blocks(
+    cls, q_len, kv_len, has_partial: bool, head_dim: int, itemsize: int, budget: int
+) -> BlockSizes:
+    large = budget >= 48 * 2**20
+    bq, bkv = (1024, 4096) if large else (512, 2048)
+    bwd = 1024 if large else 512
+    passes = -(-max(int(head_dim), 1) // NUM_LANES)  # the MXU's passes over the head dimension
+    # the work (and so the straight-line code) of a step, as at head_dim 128: fewer keys
+    bkv = max(512, bkv // passes // 512 * 512)
+    while _forward_vmem(bq, bkv, head_dim, itemsize) > budget and max(bq, bkv) > 128:
+        if bkv > 512 or bq == 128:  # fewer keys first, down to 512; then fewer queries
+            bkv //= 2
+        else:
+            bq //= 2
+    bc = min(1024 if large and not has_partial else 512, bkv)
+    bq_fit, bkv_fit = _fit(q_len, bq), _fit(kv_len, bkv)
+    bwd_q, bwd_kv = _fit(q_len, bwd), _fit(kv_len, bwd)
+    return cls(
+        block_q=bq_fit,
+        block_kv=bkv_fit,
+        block_kv_compute=_fit(bkv_fit, bc),
+        block_q_dkv=bwd_q,
+        block_kv_dkv=bwd_kv,
+        block_kv_dkv_compute=_fit(bwd_kv, 512),
+        block_q_dq=bwd_q,
+        block_kv_dq=bwd_kv,
+    )
+
+
+def _forward_vmem(bq: int, bkv: int, head_dim: int, itemsize: int) -> int:
+    """The forward kernel's VMEM: q, k, v and out blocks double-buffered, the scaled query
+    block, the float32 accumulator and row statistics, and two float32 score cells (512 x 512 at most)."""
+    blocks = 2 * (2 * bq + 2 * bkv) * head_dim * itemsize
+    cells = 2 * min(bq, 512) * min(bkv, 512) * 4
+    return blocks + bq * head_dim * (itemsize + 4) + 2 * bq * NUM_LANES * 4 + cells
+
+
+_BLOCK_FIELDS = (
+    "block_q",
+    "block_kv",
+    "block_kv_compute",
+    "block_q_dkv",
+    "block_kv_dkv",
+    "block_kv_dkv_compute",
+    "block_q_dq",
+    "block_kv_dq",
+)
+
+
+def _fit(n: int | None, target: int) -> int:
+    """The largest multiple of 128 at most ``target`` dividing ``n``; ``n`` if shorter or none does."""
+    if n is None:
+        return target
+    if n <= target:
+        return n
+    for size in range(target - target % 128, 127, -128):
+        if n % size == 0:
+            return size
+    return n
+
+
+def _complete(blocks: BlockSizes) -> BlockSizes:
+    """Missing backward blocks taken from the forward ones."""
+    fill = {}
+    for name, like in (
+        ("block_q_dkv", "block_q"),
+        ("block_kv_dkv", "block_kv"),
+        ("block_q_dq", "block_q"),
+        ("block_kv_dq", "block_kv"),
+    ):
+        if getattr(blocks, name) is None:
+            fill[name] = getattr(blocks, like)
+    if blocks.block_kv_dkv is None:
+        fill["block_kv_dkv_compute"] = fill.get("block_kv_dkv", blocks.block_kv_dkv)
+    if not fill:
+        return blocks
+    return dataclasses.replace(blocks, **fill, use_fused_bwd_kernel=False)
+
+
+def _check_blocks(b: BlockSizes, q_len: int, kv_len: int) -> None:
+    for name, of, n in (
+        ("block_q", "q_seq_len", q_len),
+        ("block_kv", "kv_seq_len", kv_len),
+        ("block_kv_compute", "block_kv", b.block_kv),
+        ("block_q_dkv", "q_seq_len", q_len),
+        ("block_kv_dkv", "kv_seq_len", kv_len),
+        ("block_kv_dkv_compute", "block_kv_dkv", b.block_kv_dkv),
+        ("block_q_dq", "q_seq_len", q_len),
+        ("block_kv_dq", "kv_seq_len", kv_len),
+    ):
+        size = getattr(b, name)
+        if size > n or n % size:
+            raise ValueError(f"{_OP}: block_sizes.{name}={size} must divide {of}={n} (per q shard)")
+        if size != n and size % NUM_LANES:
+            raise ValueError(
+                f"{_OP}: block_sizes.{name}={size} must be a multiple of {NUM_LANES} (a TPU tile of "
+                f"lanes) or all of {of}={n}"
+            )

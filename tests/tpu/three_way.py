@@ -231,38 +231,6 @@ def to_chip(args):
 # nearest even) and accumulates in float32, as XLA's jnp.dot does on a TPU (the v5e gave
 # such a product of 256x384 by 384x256 to 1e-6); the interpreters and run_mosaic multiply
 # in float32.
-def mxu_einsum(way: str):
-    """``jnp.einsum`` as a chain of matmul kernels run the ``way`` way computes it, for
-    the test's reference: on the chip, each einsum's operands (and, under autodiff, each
-    backward einsum's) rounded to bfloat16 with a float32 product, as the v5e's MXU
-    multiplies float32 at default precision; anywhere else ``einsum`` at the highest
-    precision."""
-    import jax.numpy as jnp
-
-    if not (ON_CHIP and way == "compiled"):
-        return lambda spec, a, b: jnp.einsum(spec, a, b, precision="highest")
-
-    def rounded(x):
-        return x.astype(jnp.bfloat16).astype(np.float32)
-
-    def einsum(spec, a, b):
-        @jax.custom_vjp
-        def mm(a, b):
-            return jnp.einsum(spec, rounded(a), rounded(b), precision="highest")
-
-        def fwd(a, b):
-            return mm(a, b), (a, b)
-
-        def bwd(res, g):
-            _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b, precision="highest"), *map(rounded, res))
-            return vjp(rounded(g))
-
-        mm.defvjp(fwd, bwd)
-        return mm(a, b)
-
-    return einsum
-
-
 def mxu_operand(x, way: str):
     """``x`` as a matmul kernel run the ``way`` way multiplies it: on the chip, float32
     rounded to bfloat16; anywhere else ``x`` itself. For the test's reference."""
@@ -285,13 +253,21 @@ def chip_flushed(x, way: str):
 # too) is held to the tolerance of a bf16 one on the chip (the ops tests' bf16 attention
 # cases with gradients allow 4e-2).
 F32_DOT_ON_CHIP_TOL = 4e-2
+# Attention gradients of float32 inputs on the chip: dS = P * (dP - rowsum(O * dO)) subtracts
+# two O(|dO| |V| sqrt(D)) terms, each from bf16-rounded MXU operands, so the absolute error of
+# dq/dk/dv is of that rounding times the logits' scale whatever the gradient's size. Seen on
+# the v5e (splash attention, unit-normal q/k/v, D128): 0.048-0.058 of max(1, |want|),
+# identical over two runs; a reference of bf16-rounded matmul operands is no closer (its
+# O and dP round elsewhere than the kernel's).
+F32_DOT_GRAD_ON_CHIP_TOL = 8e-2
 
 
-def dot_tol(tol: float, way: str, dtype=np.float32) -> float:
+def dot_tol(tol: float, way: str, dtype=np.float32, grads: bool = False) -> float:
     """``tol`` for a kernel of chained matmuls of ``dtype`` operands, or the bf16
-    tolerance where it runs on the chip (``F32_DOT_ON_CHIP_TOL``)."""
+    tolerance where it runs on the chip (``F32_DOT_ON_CHIP_TOL``; with ``grads``, of an
+    attention backward, ``F32_DOT_GRAD_ON_CHIP_TOL``)."""
     if ON_CHIP and way == "compiled" and np.dtype(dtype) == np.float32:
-        return max(tol, F32_DOT_ON_CHIP_TOL)
+        return max(tol, F32_DOT_GRAD_ON_CHIP_TOL if grads else F32_DOT_ON_CHIP_TOL)
     return tol
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from _timing import measure
 
-from pallas_gpu._src.autotune import interleaved_times
+from pallas_gpu._src.compile.autotune import interleaved_times
 from pallas_gpu.ops import matmul as mm
 from pallas_gpu.ops._common import compute_capability
 

@@ -193,7 +193,7 @@ def ops_outside_kernels(f, *args) -> set[str]:
 def check_all_compile(f, args, compiler_params, targets=COMPILE_TARGETS) -> int:
     """Compiles every pallas_call kernel in ``f`` for each of ``targets``
     (compute capabilities); returns how many kernels there were."""
-    from pallas_gpu._src import compiler
+    from pallas_gpu._src.compile import compiler
 
     kernels = all_lowered(f, *[jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args])
     options = tuple(sorted(compiler_params.compile_options().items()))

@@ -20,7 +20,7 @@ from gpu_test_base import assert_close, has_gpu, random
 import pallas as pl
 import pallas_gpu as plgpu
 from jax_kernel_runtime.triton import _cache
-from pallas_gpu._src import autotune
+from pallas_gpu._src.compile import autotune
 
 
 @pytest.fixture(autouse=True)

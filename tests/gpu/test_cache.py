@@ -16,7 +16,7 @@ import pytest
 
 import pallas as pl
 import pallas_gpu as plgpu
-from pallas_gpu._src import compiler
+from pallas_gpu._src.compile import compiler
 from pallas_gpu._src.pallas_call_registration import lowered_kernel
 
 # Builds one kernel and compiles it for sm_90 through the GPU path's entry
@@ -26,7 +26,7 @@ _SCRIPT = textwrap.dedent(
     import hashlib, sys
     import jax, jax.numpy as jnp
     import pallas as pl, pallas_gpu as plgpu
-    from pallas_gpu._src import compiler
+    from pallas_gpu._src.compile import compiler
     from pallas_gpu._src.pallas_call_registration import lowered_kernel
 
     if sys.argv[1] == "forbid":
@@ -217,7 +217,7 @@ _UNWRITABLE_SCRIPT = textwrap.dedent(
     warnings.simplefilter("always")
     import jax, jax.numpy as jnp, numpy as np
     import pallas as pl, pallas_gpu as plgpu
-    from pallas_gpu._src import compiler
+    from pallas_gpu._src.compile import compiler
     from pallas_gpu._src.pallas_call_registration import lowered_kernel
 
     def call(scale, interpret):

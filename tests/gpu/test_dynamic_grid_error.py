@@ -33,7 +33,7 @@ def test_dynamic_grid_is_a_clear_error():
     with pytest.raises(
         NotImplementedError,
         match=r"pallas_call 'copy_kernel' at test_dynamic_grid_error.py:\d+: grid \(dynamic,\) has dynamic "
-        r"\(traced\) sizes, which the GPU backend does not lower",
+        r"\(traced\) sizes, which pallas_gpu's interpreter does not run",
     ):
         f(x, jnp.int32(3))
 

@@ -16,7 +16,7 @@ from jax.extend.core import Primitive
 
 import pallas as pl
 import pallas_gpu as plgpu
-from pallas_gpu._src import lowering
+from pallas_gpu._src.lowering import lowering
 
 R = Runner()
 
@@ -114,29 +114,41 @@ def test_rule_exception_of_unusual_type_gets_a_note():
 
 
 # ---------------------------------------------------------------------------
-# Imports run one way: lowering.py <- rule modules <- lowering_kernel.py
+# Imports run one way: lowering.py <- rule modules <- kernel.py; the rules see the
+# kernel frame through the KernelFrame protocol, never through kernel.py
 
 
 SRC = pathlib.Path(lowering.__file__).parent
+WING = "pallas_gpu._src.lowering"
 
 
-def _runtime_imports(path: pathlib.Path) -> set[str]:
-    """Modules of pallas_gpu._src imported outside ``if TYPE_CHECKING:``."""
+def _imports(path: pathlib.Path) -> set[str]:
+    """Modules of the lowering wing imported anywhere in ``path`` (TYPE_CHECKING too)."""
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {m.rsplit(".", 1)[-1] for m in found if m.startswith("pallas_gpu._src")}
+    return {m[len(WING) + 1 :].split(".")[0] for m in found if m.startswith(WING + ".")}
 
 
 def test_lowering_imports_run_one_way():
-    rules = ["lowering_memory", "lowering_address", "lowering_control", "lowering_math", "lowering_shapes"]
-    assert not _runtime_imports(SRC / "lowering.py") & {*rules, "lowering_kernel"}
+    rules = ["memory", "address", "control", "math", "shapes"]
+    assert _imports(SRC / "lowering.py") <= {"lowering"}
     for r in rules:
-        assert "lowering_kernel" not in _runtime_imports(SRC / f"{r}.py"), r
-    assert set(rules) - {"lowering_memory", "lowering_address"} <= _runtime_imports(
-        SRC / "lowering_kernel.py"
-    )
+        assert "kernel" not in _imports(SRC / f"{r}.py"), r
+    assert set(rules) <= _imports(SRC / "kernel.py")
+
+
+def test_kernel_lowering_is_a_kernel_frame():
+    """What the rules read of the frame (``lowering.KernelFrame``), ``KernelLowering`` has."""
+    from pallas_gpu._src.lowering.kernel import KernelLowering
+
+    frame = KernelLowering(None, type("GM", (), {"kernel_name": "k"})(), "k")
+    members = [n for n in lowering.KernelFrame.__annotations__] + [
+        n for n, v in vars(lowering.KernelFrame).items() if callable(v) and not n.startswith("_")
+    ]
+    assert {"em", "lower_jaxpr", "tma_descriptor"} <= set(members)
+    assert all(hasattr(frame, n) for n in members), [n for n in members if not hasattr(frame, n)]
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ from jax import lax
 
 import pallas as pl
 import pallas_gpu as plgpu
-from pallas_gpu._src import compiler
+from pallas_gpu._src.compile import compiler
 
 # The generated kernel under Triton's interpreter (compiled on the GPU with
 # PALLAS_GPU_TESTS=gpu), and pallas-core's

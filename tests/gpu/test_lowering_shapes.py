@@ -13,7 +13,7 @@ from jax import lax
 
 import pallas as pl
 import pallas_gpu as plgpu
-from pallas_gpu._src import compiler
+from pallas_gpu._src.compile import compiler
 from pallas_gpu._src.pallas_call_registration import lowered_kernel
 
 R = Runner()

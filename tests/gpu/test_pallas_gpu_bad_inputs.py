@@ -16,7 +16,7 @@ from jax import lax
 import jax_kernel_runtime as jkr
 import pallas as pl
 import pallas_gpu as plgpu
-from pallas_gpu._src import compiler
+from pallas_gpu._src.compile import compiler
 from pallas_gpu._src.pallas_call_registration import lowered_kernel, where
 
 cpu_only = pytest.mark.skipif(has_gpu(), reason="checks what happens on a machine without a GPU")

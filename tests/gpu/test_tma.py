@@ -17,7 +17,7 @@ from jax import lax
 
 import pallas as pl
 import pallas_gpu as plgpu
-from pallas_gpu._src import compiler
+from pallas_gpu._src.compile import compiler
 
 F32 = jnp.float32
 

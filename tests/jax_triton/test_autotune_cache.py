@@ -63,7 +63,7 @@ def test_unwritable_dir_warns_once_and_keeps_winners_in_memory(fresh, monkeypatc
 
 
 def test_records_go_to_the_package_that_expects_them(fresh, monkeypatch):
-    from pallas_gpu._src import autotune as pallas_autotune
+    from pallas_gpu._src.compile import autotune as pallas_autotune
 
     records = [("jt_key", 0, 1, [2.0, 1.0]), ("pg_key", 0, 0, [1.0, 3.0]), ("nobody", 0, 1, [])]
     monkeypatch.setattr(_cache, "tune_records", lambda: list(records))

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     import triton, triton.language as tl
     import jax_triton as jt
     import pallas as pl, pallas_gpu as plgpu
-    from pallas_gpu._src import compiler
+    from pallas_gpu._src.compile import compiler
     from pallas_gpu._src.pallas_call_registration import lowered_kernel
 
     @triton.jit

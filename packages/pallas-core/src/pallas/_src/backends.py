@@ -30,7 +30,8 @@ class Backend(Protocol):
       INTERPRET_PARAMS: the type of its interpreter's options
         (``interpret=plgpu.InterpretParams()``); default-constructed when pallas-core
         hands it a kernel it claims (``claims_interpret``).
-      DYNAMIC_GRID: whether ``lower`` takes grids with traced sizes.
+      DYNAMIC_GRID: whether ``lower`` and ``interpret`` take grids with traced sizes
+        (pallas-core refuses them for a backend that does not, before it sees the call).
     """
 
     # Read-only members: a backend module's constants satisfy them (their types narrower).

@@ -124,6 +124,18 @@ class PallasCall:
         return describe(self.grid_mapping.kernel_name, self.grid_mapping.source)
 
     @property
+    def all_compiler_params(self) -> tuple[Any, ...]:
+        """Every config of the call: none, the one, or the several to autotune over."""
+        cp = self.compiler_params
+        return () if cp is None else cp if isinstance(cp, tuple) else (cp,)
+
+    @property
+    def first_compiler_params(self) -> Any:
+        """The one config, or the first of several (they are of one backend's type):
+        what selects the backend and what the configs share; None when none was given."""
+        return next(iter(self.all_compiler_params), None)
+
+    @property
     def block_aliases(self) -> tuple[tuple[int, int], ...]:
         """``(input block mapping, output)`` pairs: inputs counted after the
         scalar-prefetch operands, as ``grid_mapping.block_mappings`` are."""

@@ -309,6 +309,7 @@ def _interpret_lowering(ctx, call: PallasCall, *args):
     if engine.backend is None:
         fun = functools.partial(interpret_pallas_call, call=call, params=engine.params)
         return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+    _check_dynamic_grid(call, engine.backend, f"{engine.backend.describe()}'s interpreter does not run")
     if not engine.claimed:
         platforms = compat.lowering_platforms(ctx)
         if len(platforms) > 1:  # jax.export for several platforms: host callbacks do not serialize
@@ -351,9 +352,7 @@ def _export_error(call: PallasCall, backend) -> NotImplementedError:
 def _platform_rule(platform: str, call: PallasCall, platforms: tuple[str, ...] = ()):
     """The lowering rule ``(ctx, call, *args)`` of one platform; ``platforms``: all
     those being lowered for (several under ``jax.export(..., platforms=[...])``)."""
-    cp = call.compiler_params
-    if isinstance(cp, tuple):  # several configs to autotune over: all of one type
-        cp = cp[0]
+    cp = call.first_compiler_params  # several configs to autotune over are all of one type
     if platform == "cpu":
         want = getattr(cp, "PLATFORM", "")
         # Exported for ("cpu", "tpu") with TPU compiler_params: the TPU branch uses
@@ -373,17 +372,23 @@ def _platform_rule(platform: str, call: PallasCall, platforms: tuple[str, ...] =
             )
         return _interpret_lowering
     backend = _hardware_backend(platform, call, cp)
-    if call.grid_mapping.num_dynamic_grid_bounds and not backend.DYNAMIC_GRID:
-        raise NotImplementedError(
-            f"{call.where}: grid {call.grid_mapping.grid} has dynamic (traced) sizes, which "
-            f"the {platform} backend does not lower; use static grid sizes, or interpret=True"
-        )
+    _check_dynamic_grid(call, backend, f"the {platform} backend does not lower")
 
     def rule(ctx, call: PallasCall, *args):
         call = call.replace(compiler_params=backend.check_compiler_params(call))
         return backend.lower(ctx, call, *args)
 
     return rule
+
+
+def _check_dynamic_grid(call: PallasCall, backend: backends.Backend, what: str) -> None:
+    """The one check of a grid with traced sizes against the backend that takes the call."""
+    if call.grid_mapping.num_dynamic_grid_bounds and not backend.DYNAMIC_GRID:
+        raise NotImplementedError(
+            f"{call.where}: grid {call.grid_mapping.grid} has dynamic (traced) sizes, which {what}; use "
+            "static grid sizes (e.g. the largest size, skipping the extra programs with pl.when), or "
+            "interpret=True"
+        )
 
 
 def _hardware_backend(platform: str, call: PallasCall, cp) -> backends.Backend:

@@ -8,8 +8,10 @@ The kernel is lowered to Triton source once per (jaxpr, grid mapping); then
 * with ``interpret=plgpu.InterpretParams()``: run on the CPU by Triton's
   interpreter, inside a host callback, on any platform.
 
-These functions are pallas-gpu's side of pallas-core's ``Backend`` protocol
-(``backend.py`` is the object registered): each takes the call record.
+This module is pallas-gpu's ``Backend`` (pallas-core's protocol, registered
+through the ``pallas.backends`` entry point): ``lower``, ``interpret``,
+``claims_interpret``, ``check_compiler_params`` and ``describe`` each take the
+call record.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import functools
 import math
 import os
 import weakref
-from typing import Any
 
 import jax
 import numpy as np
@@ -28,10 +29,16 @@ import jax_kernel_runtime as jkr
 from jax_kernel_runtime.triton import Pointer
 from jax_kernel_runtime.triton import interpret as interpret_kernel
 from pallas import backend as plb
-from pallas_gpu._src import autotune, compiler
-from pallas_gpu._src.core import CompilerParams, InterpretParams
-from pallas_gpu._src.lowering import LoweredKernel
-from pallas_gpu._src.lowering_kernel import lower_kernel
+from pallas_gpu._src.compile import autotune, compiler
+from pallas_gpu._src.language.core import CompilerParams, InterpretParams
+from pallas_gpu._src.lowering.kernel import lower_kernel  # with the rule modules, which fill the table
+from pallas_gpu._src.lowering.lowering import LoweredKernel
+
+PLATFORMS = ("cuda",)
+COMPILER_PARAMS = CompilerParams
+INTERPRET_PARAMS = InterpretParams
+# The launch grid and the generated kernel need static sizes.
+DYNAMIC_GRID = False
 
 _lowered_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -70,17 +77,15 @@ def where(gm) -> str:
     return f"pallas_call '{gm.kernel_name}'{at}"
 
 
-def _compiler_params_list(cp: Any, gm) -> list[CompilerParams]:
-    if cp is None:
-        return [CompilerParams()]
-    cps = list(cp) if isinstance(cp, (list, tuple)) else [cp]
-    if not cps or not all(isinstance(c, CompilerParams) for c in cps):
+def _compiler_params_list(call) -> list[CompilerParams]:
+    cps = list(call.all_compiler_params) or [CompilerParams()]
+    if not all(isinstance(c, CompilerParams) for c in cps):
         raise TypeError(
-            f"{where(gm)}: compiler_params for the Triton backend must "
-            f"be a plgpu.CompilerParams or a list of them (autotuning), got {cp!r}"
+            f"{where(call.grid_mapping)}: compiler_params for the Triton backend must "
+            f"be a plgpu.CompilerParams or a list of them (autotuning), got {call.compiler_params!r}"
         )
     for i, c in enumerate(cps):
-        c.validate(f"{where(gm)}: compiler_params" + (f"[{i}]" if len(cps) > 1 else ""))
+        c.validate(f"{where(call.grid_mapping)}: compiler_params" + (f"[{i}]" if len(cps) > 1 else ""))
     return cps
 
 
@@ -95,7 +100,7 @@ def claims_interpret(call) -> bool:
 
 def check_compiler_params(call) -> tuple[CompilerParams, ...]:
     """The call's configs (one, or several to autotune over), checked."""
-    return tuple(_compiler_params_list(call.compiler_params, call.grid_mapping))
+    return tuple(_compiler_params_list(call))
 
 
 def _check_kernel(gm) -> None:
@@ -104,12 +109,6 @@ def _check_kernel(gm) -> None:
             f"{where(gm)}: scalar prefetch (PrefetchScalarGridSpec) is a TPU feature the GPU backend "
             "does not lower; run the kernel with interpret=pltpu.InterpretParams() (pallas-tpu) or use "
             "a plain grid"
-        )
-    if gm.num_dynamic_grid_bounds:  # the launch grid and the generated kernel need static sizes
-        raise NotImplementedError(
-            f"{where(gm)}: grid {gm.grid} has dynamic (traced) sizes, which the GPU backend does not "
-            "lower; use static grid sizes (e.g. the largest size, skipping the extra programs with "
-            "pl.when), or run the kernel with interpret=True"
         )
 
 
@@ -126,7 +125,7 @@ def lower(ctx, call, *args):
     """The kernel compiled by Triton for the GPU, launched by an XLA FFI custom call."""
     gm = call.grid_mapping
     _check_kernel(gm)
-    cps = _compiler_params_list(call.compiler_params, gm)
+    cps = list(call.all_compiler_params)  # checked by check_compiler_params, which pallas-core ran
     lk = _lowered(call, cps)
     cc, device = _target(gm)
     fun = functools.partial(
@@ -140,7 +139,7 @@ def interpret(ctx, call, params: InterpretParams, *args):
     gm = call.grid_mapping
     _check_kernel(gm)
     try:
-        cps = _compiler_params_list(call.compiler_params, gm)
+        cps = _compiler_params_list(call)
     except TypeError:
         cps = [CompilerParams()]  # params for another backend: the interpreter needs none
     lk = _lowered(call, cps)

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from pallas import next_power_of_2 as next_power_of_2  # re-exported for the ops
-from pallas_gpu._src.core import CompilerParams
+from pallas_gpu._src.language.core import CompilerParams
 
 # Triton releases (major.minor) the Gluon kernels (``_attention_sm90_kernel``,
 # ``_matmul_sm90_kernel``) were run and checked on, on the H200: Gluon's API
@@ -112,7 +112,7 @@ def gluon_kernel_config(module: str, kernel: str, signature: dict[str, str], con
     versions), else compiled by the shared Triton layer."""
     import jax_kernel_runtime as jkr
     from jax_kernel_runtime import triton as jkr_triton
-    from pallas_gpu._src import compiler
+    from pallas_gpu._src.compile import compiler
 
     parts = [
         kernel,

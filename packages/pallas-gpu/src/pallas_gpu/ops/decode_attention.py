@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallas as pl
-from pallas_gpu._src.primitives import load as _gpu_load
+from pallas_gpu._src.language.primitives import load as _gpu_load
 from pallas_gpu.ops._common import call_params, next_power_of_2
 
 #: log2(e): the kernels compute ``exp`` as ``exp2`` of logits scaled by it.

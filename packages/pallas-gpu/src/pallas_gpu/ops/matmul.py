@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallas as pl
-from pallas_gpu._src.autotune import autotune
-from pallas_gpu._src.core import CompilerParams
+from pallas_gpu._src.compile.autotune import autotune
+from pallas_gpu._src.language.core import CompilerParams
 from pallas_gpu.ops import _matmul_sm90, _matmul_table
 from pallas_gpu.ops._common import compute_capability, interpreted, next_power_of_2
 from pallas_gpu.ops._matmul_sm90 import Sm90Config as Sm90Config

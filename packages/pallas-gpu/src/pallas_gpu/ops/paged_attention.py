@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 import pallas as pl
-from pallas_gpu._src.primitives import load as _gpu_load
+from pallas_gpu._src.language.primitives import load as _gpu_load
 from pallas_gpu.ops import decode_attention as _dec
 from pallas_gpu.ops._common import (
     call_params,

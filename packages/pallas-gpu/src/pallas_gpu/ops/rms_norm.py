@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallas as pl
-from pallas_gpu._src.primitives import load as _gpu_load
-from pallas_gpu._src.primitives import store as _gpu_store
+from pallas_gpu._src.language.primitives import load as _gpu_load
+from pallas_gpu._src.language.primitives import store as _gpu_store
 from pallas_gpu.ops import _norm
 from pallas_gpu.ops._common import call_params, next_power_of_2
 

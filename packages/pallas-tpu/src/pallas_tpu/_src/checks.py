@@ -37,10 +37,6 @@ def _err(gm, cls, what, msg):
     return cls(f"{plb.describe(gm.kernel_name, gm.source)}: {what}: {msg}")
 
 
-def _cp(compiler_params):
-    return compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
-
-
 def _trivial_window(bm) -> bool:
     """The block is the whole array at block index 0 (as JAX's lowering
     decides it: a squeezed dim has size 1)."""
@@ -141,7 +137,7 @@ def scoped_bytes(jaxpr, spaces) -> int:
     return peak
 
 
-def check_vmem(gm, compiler_params, jaxpr=None) -> None:
+def check_vmem(gm, cp, jaxpr=None) -> None:
     """The VMEM a kernel needs, as Mosaic allocates it (VMEM blocks twice: the
     pipeline fetches the next block while the kernel works on this one; a
     whole array at a constant block index once; VMEM scratch once; ``pl.run_scoped``
@@ -152,7 +148,6 @@ def check_vmem(gm, compiler_params, jaxpr=None) -> None:
     scratch, ``run_scoped`` buffers and blocks against the chip's SMEM. Sizes are
     unpadded (a lower bound of Mosaic's tiled sizes): what is refused here, libtpu
     refuses too."""
-    cp = _cp(compiler_params)
     info = tpu_info.get_tpu_info()
     chip = f"TPU {info.chip_version.value}"
     capacity = info.vmem_capacity_bytes
@@ -205,8 +200,7 @@ def check_vmem(gm, compiler_params, jaxpr=None) -> None:
         )
 
 
-def check_compiler_params(gm, compiler_params) -> None:
-    cp = _cp(compiler_params)
+def check_compiler_params(gm, cp) -> None:
     fusion = getattr(cp, "allow_input_fusion", None)
     n = gm.num_scalar_prefetch + gm.num_inputs
     if fusion is not None and len(fusion) != n:

@@ -2,8 +2,8 @@
 
 With ``interpret=pltpu.InterpretParams()`` the kernel runs in the TPU
 interpreter (plain JAX, any platform). Otherwise it is lowered to a Mosaic
-module (``mosaic/lowering_kernel.py``) and serialized into XLA's ``tpu_custom_call``
-with the backend config Mosaic expects, through JAX's own helper (compat): so
+module (``mosaic/lowering_kernel.py``, verified in ``mosaic/modules.py``) and
+serialized into XLA's ``tpu_custom_call`` with the backend config Mosaic expects, through JAX's own helper (compat): so
 ``jax.export(f, platforms=["tpu"])`` works on a machine without a TPU.
 ``mosaic_modules(fn, *args)`` returns the modules ``fn`` lowers to.
 
@@ -18,24 +18,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 
 import jax
 import numpy as np
 from jax.interpreters import mlir
-from jaxlib.mlir import ir, passmanager
-from jaxlib.mosaic.python import tpu
+from jaxlib.mlir import ir
 
 from pallas import backend as plb
-from pallas_tpu._src import checks, compat
+from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import pallas_call as interpret_pallas_call
 from pallas_tpu._src.interpret import progress as compile_progress
 from pallas_tpu._src.interpret import sessions as interpret_sessions
 from pallas_tpu._src.interpret.interpreter import InterpretParams
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import tpu_info
+from pallas_tpu._src.mosaic import modules
 from pallas_tpu._src.mosaic.lowering import BOOL_MEMORY_DTYPE, LoweringException
-from pallas_tpu._src.mosaic.lowering_kernel import func_name, lower_kernel
+from pallas_tpu._src.mosaic.lowering_kernel import func_name
 
 PLATFORMS = ("tpu",)
 # Grids with traced sizes lower: the sizes are the custom call's first operands.
@@ -74,7 +73,7 @@ def _interpret(*args, call, params: InterpretParams):
             grid_mapping=call.grid_mapping,
             input_output_aliases=call.block_aliases,
             params=params,
-            compiler_params=call.compiler_params,
+            compiler_params=call.first_compiler_params,
             kernel_facts=call.facts if jaxpr is call.jaxpr else None,
         )
 
@@ -96,7 +95,7 @@ def interpret(ctx, call, params: InterpretParams, *args):
     if call.interpret is not params:  # handed over (interpret=True): pallas-core guards export
         return _interpret_lower(ctx, call, params, *args)
     gm = call.grid_mapping
-    if getattr(_collecting, "sinks", ()):
+    if modules.collecting():
         raise _interpret_mode_error(gm, params, "pltpu.mosaic_modules")
     try:
         return _interpret_lower(ctx, call, params, *args)
@@ -122,35 +121,6 @@ def check_compiler_params(call) -> tpu_core.CompilerParams:
 
 # ---------------------------------------------------------------------------
 # Mosaic
-
-_collecting = threading.local()
-
-
-def mosaic_module(
-    jaxpr, grid_mapping, compiler_params=None, context: ir.Context | None = None, mesh_axes=()
-) -> ir.Module:
-    """The verified Mosaic module of a kernel, built in ``context`` (a new
-    one with the tpu dialect when None); ``mesh_axes`` as ``lower_kernel``'s."""
-    checks.check_kernel(grid_mapping, jaxpr, compiler_params)  # what TPU interpret mode refuses too
-    if context is None:
-        context = mlir.make_ir_context()
-    tpu.register_dialect(context)
-    with context, ir.Location.unknown(context):
-        module = lower_kernel(jaxpr, grid_mapping, compiler_params, mesh_axes)
-        # Named after the kernel: libtpu's errors say "MLIR module name `<kernel>`".
-        module.operation.attributes["sym_name"] = ir.StringAttr.get(func_name(grid_mapping.kernel_name))
-        if not module.operation.verify():  # verify() raises with the diagnostics on failure
-            raise LoweringException(f"{_where(grid_mapping)}: the Mosaic module does not verify")
-    return module
-
-
-def module_text(module: ir.Module) -> str:
-    """The module as text, canonicalized (constants hoisted, dead loads and
-    empty branches dropped) as JAX prints it for ``debug=True``."""
-    with module.context:
-        clone = module.operation.clone(ip=False)  # not into the caller's insertion point
-        passmanager.PassManager.parse("builtin.module(canonicalize)").run(clone)
-        return clone.get_asm(assume_verified=True)
 
 
 def _where(gm) -> str:
@@ -194,16 +164,12 @@ def lower(ctx, call, *args):
         else contextlib.nullcontext()
     )
     with target:
-        module = mosaic_module(call.jaxpr, gm, cp, ctx.module_context.context, compat.mesh_axes(ctx))
-    text = module_text(module)
+        module = modules.mosaic_module(call.jaxpr, gm, cp, ctx.module_context.context, compat.mesh_axes(ctx))
+    text = modules.module_text(module)
     if call.debug:
         print(f"\nThe Mosaic module for {_where(gm)}:")
         print(text)
-    sinks = getattr(_collecting, "sinks", ())
-    if sinks:  # with locations: compile_check finds a Mosaic error's kernel by its line
-        with_locations = module.operation.get_asm(enable_debug_info=True, assume_verified=True)
-        for sink in sinks:
-            sink.append((_where(gm), text, with_locations))
+    modules.record(_where(gm), module, text)
     # The custom call's operands are the dynamic grid sizes, then pallas_call's
     # arguments, which the aliases count (scalar-prefetch operands included, as JAX).
     aliases = tuple((i + gm.num_dynamic_grid_bounds, o) for i, o in call.input_output_aliases)
@@ -260,20 +226,6 @@ def _bool_as_int32(ctx, args, call):
     return cast_out(ctx.replace(avals_in=from_mem), *outs)
 
 
-@contextlib.contextmanager
-def collect_kernels():
-    """Collects ``(kernel, module text, module text with locations)`` of every
-    kernel lowered to Mosaic in this thread inside the ``with`` (``kernel``
-    names it and its line)."""
-    sinks = _collecting.__dict__.setdefault("sinks", [])
-    sink: list[tuple[str, str, str]] = []
-    sinks.append(sink)
-    try:
-        yield sink
-    finally:
-        sinks.remove(sink)
-
-
 def mosaic_modules(fn, *args, **kwargs) -> list[str]:
     """The Mosaic module text of every ``pallas_call`` that ``fn(*args)``
     lowers for a TPU, in program order (no TPU needed).
@@ -291,6 +243,6 @@ def mosaic_modules(fn, *args, **kwargs) -> list[str]:
     def wrapper(*a, **k):
         return fn(*a, **k)
 
-    with collect_kernels() as sink:
+    with modules.collect_kernels() as sink:
         jax.export.export(jax.jit(wrapper), platforms=["tpu"])(*args, **kwargs)
     return [text for _, text, _ in sink]

@@ -103,7 +103,6 @@ class DeviceTransport:
         self.my_dev = dev
         if kf.uses(tpu_prims.get_barrier_semaphore_p):
             cp = self.interp.compiler_params
-            cp = cp[0] if isinstance(cp, tuple) else cp
             if getattr(cp, "collective_id", None) is None:
                 raise ValueError(
                     f"{self.interp.kernel_desc}: pltpu.get_barrier_semaphore() needs a collective id: pass "

@@ -25,6 +25,7 @@ from pallas_tpu._src.interpret import (
 )
 from pallas_tpu._src.interpret import dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
 from pallas_tpu._src.interpret import facts as interpret_facts
+from pallas_tpu._src.interpret import language_rules as _language_rules  # noqa: F401  (and the language's)
 from pallas_tpu._src.interpret import multi as interpret_multi
 from pallas_tpu._src.interpret import mxu as interpret_mxu
 from pallas_tpu._src.interpret import rules as interpret_rules
@@ -38,8 +39,7 @@ def _err(gm, cls, what, msg):
     return cls(f"{plb.describe(gm.kernel_name, gm.source)}: {what}: {msg}")
 
 
-def semantics_of(gm, compiler_params) -> tuple[tpu_core.GridDimensionSemantics, ...]:
-    cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
+def semantics_of(gm, cp) -> tuple[tpu_core.GridDimensionSemantics, ...]:
     G = len(gm.grid)
     sems = getattr(cp, "dimension_semantics", None)
     if sems is None:
@@ -256,11 +256,10 @@ def run(args, *, jaxpr, grid_mapping, input_output_aliases, params, compiler_par
     return outs
 
 
-def mesh_params(params: InterpretParams, compiler_params) -> InterpretParams:
+def mesh_params(params: InterpretParams, cp) -> InterpretParams:
     """A body over a ``pltpu.TensorCoreMesh`` (``pl.kernel``, ``pl.core_map``) runs on
     the mesh's cores, one mesh point each in order, as in JAX's TPU interpret mode
     (whatever ``num_cores_or_threads`` and ``random_seed`` say)."""
-    cp = compiler_params[0] if isinstance(compiler_params, tuple) else compiler_params
     if not isinstance(cp, tpu_core.MeshCompilerParams):
         return params
     return dataclasses.replace(params, num_cores_or_threads=cp.mesh_num_cores, random_seed=None)

@@ -26,7 +26,6 @@ from jax.extend.core import Primitive
 
 import pallas as pl
 from pallas_tpu._src import compat
-from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language.vector_common import op_error
 
@@ -90,15 +89,6 @@ def _abstract_eval(ref_aval, *, memory_space):
 def placed_in(memory_space) -> bool:
     """pallas-core's interpret mode's answer: its ``pl.ANY`` operands live in HBM."""
     return memory_space is tpu_core.HBM
-
-
-def _interpret(interp, eqn, ref):
-    # The cell the Ref views: a pl.ANY operand's is its HBM cell, a block's its VMEM buffer.
-    placed = interp.cell_spaces[ref.cell] or tpu_core.VMEM
-    return jnp.bool_(placed is eqn.params["memory_space"])
-
-
-interpret_rules.STATE_RULES[has_memory_space_p] = _interpret
 
 
 def _discharge(ctx, ref, *, memory_space):

@@ -8,8 +8,9 @@ values as ``jax.random`` does. ``to_pallas_key`` makes a key for kernels
 ``sample_block`` draws, block by block, the same array whatever the block
 shape or iteration order.
 
-Interpret-mode model (``interpret=pltpu.InterpretParams()``): the hidden
-state, ``ctx.hidden.named["prng_key"]``, is a uint32[3] array ``[k0, k1, n]``: a
+Interpret-mode model (``interpret=pltpu.InterpretParams()``, its rules in
+``interpret/language_rules.py``): the hidden state, the interpreter's
+``hidden.named["prng_key"]``, is a uint32[3] array ``[k0, k1, n]``: a
 threefry key derived from the seeds (``fold_in`` of each seed into a fixed
 key) and a counter. ``prng_random_bits`` returns
 ``jax.random.bits(fold_in(key(k0, k1), n), shape)`` and increments ``n``.
@@ -43,11 +44,8 @@ from jax.interpreters import batching, mlir
 
 from pallas.backend import kernel_error, register_internal_dir
 from pallas_tpu._src import compat
-from pallas_tpu._src.interpret import rules
 
 register_internal_dir(__file__)
-
-PRNG_STATE = "prng_key"  # the name of the hidden state in ctx.hidden.named
 
 _BASE_KEY = np.array([0x0, 0x5EED], np.uint32)
 
@@ -145,12 +143,6 @@ def _prng_seed_batch(args, dims):
     )
 
 
-def _prng_seed_rule(ctx, eqn, *seeds):
-    del eqn
-    ctx.hidden.named[PRNG_STATE] = state_from_seeds(seeds)
-    return []
-
-
 batching.primitive_batchers[prng_seed_p] = _prng_seed_batch
 mlir.register_lowering(prng_seed_p, _needs_engine("prng_seed"))
 
@@ -192,21 +184,7 @@ def _prng_random_bits_abstract_eval(*, shape):
     return [compat.ShapedArray(shape, jnp.int32)], {prng_effect}
 
 
-def _prng_random_bits_rule(ctx, eqn, *args):
-    del args
-    state = ctx.hidden.named[PRNG_STATE]
-    bits = bits_from_state(state, eqn.params["shape"])
-    ctx.hidden.named[PRNG_STATE] = state.at[2].add(np.uint32(1))
-    return [lax.bitcast_convert_type(bits, jnp.int32)]
-
-
 mlir.register_lowering(prng_random_bits_p, _needs_engine("prng_random_bits"))
-
-_initial_state = functools.partial(state_from_seeds, ())
-rules.STATE_RULES[prng_seed_p] = _prng_seed_rule
-rules.STATE_RULES[prng_random_bits_p] = _prng_random_bits_rule
-rules.HIDDEN_STATE[prng_seed_p] = {PRNG_STATE: _initial_state}
-rules.HIDDEN_STATE[prng_random_bits_p] = {PRNG_STATE: _initial_state}
 
 
 # -------------------------------------------------------------- stateful samplers

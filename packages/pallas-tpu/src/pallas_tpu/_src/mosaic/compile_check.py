@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 import jax
 
-from pallas_tpu._src import pallas_call_registration as reg
 from pallas_tpu._src.language import tpu_info
+from pallas_tpu._src.mosaic import modules
 
 # A chip name -> the smallest topology libtpu knows for it (one host).
 # "7x": TPU7x, compile-only in libtpu 0.0.42.1 and 0.0.48.1 (its MXU ops: tests/tpu/test_mxu_fifo.py).
@@ -137,7 +137,7 @@ def compile_for(fn, args: Sequence, chip: str, kwargs=None):
     Mosaic); raises ``MosaicCompileError`` where Mosaic refuses a kernel."""
     placed = _placed(tuple(args), chip)
     kwargs = _placed(kwargs or {}, chip)
-    with reg.collect_kernels() as kernels, _traced_for(chip, (placed, kwargs)):
+    with modules.collect_kernels() as kernels, _traced_for(chip, (placed, kwargs)):
         # A fresh wrapper: jit caches lowerings, and a cached one would not collect the kernels.
         lowered = _jit_for(lambda *a, **k: fn(*a, **k), (placed, kwargs), chip).lower(*placed, **kwargs)
     try:
@@ -233,7 +233,7 @@ def compile_check(
 
 def _kernels_of(fn, args, kwargs, chip):
     placed, kwargs = _placed(tuple(args), chip), _placed(kwargs, chip)
-    with reg.collect_kernels() as kernels, _traced_for(chip, (placed, kwargs)):
+    with modules.collect_kernels() as kernels, _traced_for(chip, (placed, kwargs)):
         _jit_for(lambda *a, **k: fn(*a, **k), (placed, kwargs), chip).lower(*placed, **kwargs)
     return kernels
 
@@ -311,7 +311,7 @@ def _in_child(fn, args, kwargs, chips) -> list[KernelCompile]:
     payload = []
     for chip in chips:
         placed = _placed(tuple(args), chip)
-        with reg.collect_kernels() as kernels:
+        with modules.collect_kernels() as kernels:
             exp = export.export(jax.jit(lambda *a, **k: fn(*a, **k)), platforms=["tpu"])(
                 *placed, **_placed(kwargs, chip)
             )

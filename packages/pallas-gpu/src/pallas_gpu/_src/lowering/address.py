@@ -1,4 +1,4 @@
-"""Block addressing for the memory rules (``lowering_memory.py``): the views
+"""Block addressing for the memory rules (``memory.py``): the views
 ``ref.at[...]`` and indexing make of a block or scratch Ref, a block Ref's
 element starts (``block_ref``), and the pointer and mask of an access
 (``block_address``). It registers no rules.
@@ -25,24 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pallas import backend as pallas_backend
 from pallas_gpu._src import compat
-from pallas_gpu._src.lowering import (
+from pallas_gpu._src.lowering.lowering import (
     BlockRef,
     Emitter,
+    KernelFrame,
     RuleContext,
     Val,
     arg_name,
     expand_to_axis,
     next_pow2,
 )
-
-if TYPE_CHECKING:
-    from pallas_gpu._src.lowering_kernel import KernelLowering
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +147,7 @@ def _clamp(em: Emitter, ix, hi: int):
     return name
 
 
-def block_ref(kl: KernelLowering, i: int, bm, ids: list[Val]) -> BlockRef:
+def block_ref(kl: KernelFrame, i: int, bm, ids: list[Val]) -> BlockRef:
     """The BlockRef of block mapping ``i``: its element starts from the index
     map, as in interpret mode (``dynamic_slice`` on the array padded to whole
     blocks): a negative block index counts once from the last block, then it

@@ -17,8 +17,8 @@ from jax import lax
 
 from pallas import backend as pallas_backend
 from pallas_gpu._src import compat
-from pallas_gpu._src import primitives as gpu_primitives
-from pallas_gpu._src.lowering import (
+from pallas_gpu._src.language import primitives as gpu_primitives
+from pallas_gpu._src.lowering.lowering import (
     BlockRef,
     Emitter,
     RuleContext,

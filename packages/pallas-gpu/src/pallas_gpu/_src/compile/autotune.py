@@ -46,7 +46,7 @@ def winners() -> jkr_triton.WinnerCache:
     global _winner_cache
     if _winner_cache is None:
         # Imported on use: ``import pallas_gpu`` stays free of Triton.
-        from pallas_gpu._src import compiler
+        from pallas_gpu._src.compile import compiler
 
         _winner_cache = jkr_triton.WinnerCache(compiler.DISK, "autotune")
     return _winner_cache

@@ -30,16 +30,22 @@ import functools
 import hashlib
 import keyword
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from jax import lax
 
 from pallas import backend as plb
-from pallas_gpu._src import compat, lowering_control, lowering_math, lowering_shapes  # noqa: F401 (rules)
-from pallas_gpu._src import primitives as gpu_primitives
-from pallas_gpu._src.lowering import (
+from pallas_gpu._src import compat
+from pallas_gpu._src.language import primitives as gpu_primitives
+
+# The rule modules: importing them fills the table.
+from pallas_gpu._src.lowering import control as control_rules  # noqa: F401
+from pallas_gpu._src.lowering import math as math_rules  # noqa: F401
+from pallas_gpu._src.lowering import shapes as shape_rules  # noqa: F401
+from pallas_gpu._src.lowering.address import block_ref
+from pallas_gpu._src.lowering.lowering import (
     BACKEND,
     DTYPES,
     INT4,
@@ -61,8 +67,7 @@ from pallas_gpu._src.lowering import (
     pointer_signature,
     uninitialized,
 )
-from pallas_gpu._src.lowering_address import block_ref
-from pallas_gpu._src.lowering_memory import load_block, store_block
+from pallas_gpu._src.lowering.memory import load_block, store_block
 
 # Primitives whose int4 results are exact without 4-bit arithmetic.
 INT4_PRIMITIVES = {
@@ -142,7 +147,7 @@ class KernelLowering:
         def literal(v):
             return self._const_val(v.val, v.aval)
 
-        def lower_eqn(eqn, read):
+        def lower_eqn(eqn: Any, read: Callable[[Any], Any]) -> Any:
             if id(eqn) in fused.deferred:
                 return plb.SKIP  # lowered by the add that takes its result (below)
             rule = lowering_rules.get(eqn.primitive)
@@ -169,8 +174,8 @@ class KernelLowering:
             finally:
                 self._outer_eqns.pop()
 
-        consts = [self._const_val(c) for c in consts]
-        return plb.walk_jaxpr(jaxpr, [*consts, *args], literal=literal, lower_eqn=lower_eqn)
+        const_vals = [self._const_val(c) for c in consts]
+        return plb.walk_jaxpr(jaxpr, [*const_vals, *args], literal=literal, lower_eqn=lower_eqn)
 
     def _check_result(self, rc: RuleContext) -> None:
         """Results Triton cannot hold: too many elements, or a dtype it lacks."""
@@ -282,6 +287,7 @@ class KernelLowering:
             if sequential and len(resident) < gm.num_outputs:
                 em.emit("tl.debug_barrier()  # the next step reads what this one stored")
         for r in resident.values():
+            assert r.block is not None  # a resident output is stored back to its block
             store_block(em, r.block, Val(r.var, r.shape, r.dtype), self)
         args = [arg_name(bm, i) for i, bm in enumerate(gm.block_mappings)]
         sig = [pointer_signature(bm.dtype) for bm in gm.block_mappings]
@@ -481,7 +487,7 @@ def _located(e: Exception, rc: RuleContext) -> Exception:
     if new is None or type(new) is not type(e):
         e.add_note(msg)
         new = e
-    new._pallas_gpu_located = True
+    setattr(new, "_pallas_gpu_located", True)  # noqa: B010 (an Exception has no such field to type)
     return new
 
 

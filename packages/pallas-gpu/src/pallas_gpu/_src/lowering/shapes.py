@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from pallas_gpu._src import compat
-from pallas_gpu._src.lowering import (
+from pallas_gpu._src.lowering.lowering import (
     RuleContext,
     Val,
     cast,
@@ -28,7 +28,7 @@ from pallas_gpu._src.lowering import (
     register_lowering,
     tl_dtype,
 )
-from pallas_gpu._src.lowering_math import BF16, upcast
+from pallas_gpu._src.lowering.math import BF16, upcast
 
 # ---------------------------------------------------------------------------
 # Shapes

@@ -3,7 +3,7 @@ on block and scratch Refs, whole-block loads and stores, TMA tiles, and the
 GPU-only ``plgpu.load``, ``plgpu.store`` and atomics.
 
 Where an access points, and how out-of-range indices are clamped or masked,
-is ``lowering_address.py``'s part (see its docstring): this module turns a
+is ``address.py``'s part (see its docstring): this module turns a
 view into loads and stores.
 """
 
@@ -11,18 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 from jax import tree_util
 
 from pallas_gpu._src import compat
-from pallas_gpu._src import primitives as gpu_primitives
-from pallas_gpu._src.lowering import (
+from pallas_gpu._src.language import primitives as gpu_primitives
+from pallas_gpu._src.lowering.address import (
+    DimView,
+    add_exprs,
+    apply_indexers,
+    block_address,
+    named,
+    view_axes,
+)
+from pallas_gpu._src.lowering.lowering import (
     DTYPES,
     INT4,
     BlockRef,
     Emitter,
+    KernelFrame,
     NotResident,
     ResidentRef,
     RuleContext,
@@ -32,18 +40,6 @@ from pallas_gpu._src.lowering import (
     is_float,
     register_lowering,
 )
-from pallas_gpu._src.lowering_address import (
-    DimView,
-    add_exprs,
-    apply_indexers,
-    block_address,
-    named,
-    view_axes,
-)
-
-if TYPE_CHECKING:
-    from pallas_gpu._src.lowering_kernel import KernelLowering
-
 
 # ---------------------------------------------------------------------------
 # TMA (CompilerParams(use_tma=True)): dense tiles through tensor descriptors
@@ -205,7 +201,7 @@ def _check_whole(rc: RuleContext, ref: ScratchRef, view: list[DimView]) -> None:
         )
 
 
-def load_block(em: Emitter, ref: BlockRef, kl: KernelLowering | None = None) -> Val:
+def load_block(em: Emitter, ref: BlockRef, kl: KernelFrame | None = None) -> Val:
     """The whole block of ``ref`` (masked at the array's edges; a TMA tile
     where ``kl`` asks for TMA and the block allows it)."""
     whole = [DimView(0, n) for n in ref.block_shape]
@@ -223,7 +219,7 @@ def _zero(dtype) -> str:
     return "0.0" if np.dtype(dtype).itemsize == 1 and is_float(dtype) else "0"
 
 
-def store_block(em: Emitter, ref: BlockRef, val: Val, kl: KernelLowering | None = None) -> None:
+def store_block(em: Emitter, ref: BlockRef, val: Val, kl: KernelFrame | None = None) -> None:
     if _tma_store(kl, ref, [DimView(0, n) for n in ref.block_shape], val):
         return
     ptr, mask, _ = block_address(em, ref, [DimView(0, n) for n in ref.block_shape])

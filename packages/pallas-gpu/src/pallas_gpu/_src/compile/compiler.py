@@ -22,8 +22,8 @@ from typing import Any
 
 import jax_kernel_runtime as jkr
 from jax_kernel_runtime import triton as jkr_triton
-from pallas_gpu._src.core import CompilerParams
-from pallas_gpu._src.lowering import LoweredKernel
+from pallas_gpu._src.language.core import CompilerParams
+from pallas_gpu._src.lowering.lowering import LoweredKernel
 
 # Bump when the meaning of a cached entry changes (compile flags we pass,
 # the file layout), so stale entries are never read.

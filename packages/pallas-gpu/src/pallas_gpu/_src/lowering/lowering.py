@@ -17,15 +17,16 @@ Conventions of the generated code:
 * Scratch Refs (``scratch_shapes``, ``pl.run_scoped``) live in registers as a
   reassigned variable.
 
-This file holds the value model, the emitter and the rule table; it imports
-no other lowering module. The rules live by theme and import only this file
-(and the addressing helpers of ``lowering_address.py``, which hold no rules):
-``lowering_memory.py`` (Ref reads/writes, block loads and stores,
-``plgpu.load/store`` and atomics), ``lowering_control.py`` (loops, cond,
-inlined calls, scoped scratch), ``lowering_math.py`` (elementwise math and casts) and
-``lowering_shapes.py`` (shapes, reductions, scans and dots). The kernel frame
-(grid, block Refs, the walk over the jaxpr) is ``lowering_kernel.py``, which
-imports all of them.
+This file holds the value model, the emitter, the rule table and the
+``KernelFrame`` protocol (what a rule sees of the kernel being lowered); it
+imports no other lowering module. The rules live by theme and import only this
+file (and the addressing helpers of ``address.py``, which hold no rules):
+``memory.py`` (Ref reads/writes, block loads and stores, ``plgpu.load/store``
+and atomics), ``control.py`` (loops, cond, inlined calls, scoped scratch),
+``math.py`` (elementwise math and casts) and ``shapes.py`` (shapes, reductions,
+scans and dots). The kernel frame (grid, block Refs, the walk over the jaxpr)
+is ``kernel.py``'s ``KernelLowering``, which imports all of them and implements
+``KernelFrame``: the rule modules depend on the protocol, never on the frame.
 """
 
 from __future__ import annotations
@@ -33,16 +34,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax.numpy as jnp
 import numpy as np
 
 from pallas import backend as plb
 from pallas import next_power_of_2
-
-if TYPE_CHECKING:
-    from pallas_gpu._src.lowering_kernel import KernelLowering
 
 BACKEND = "pallas_gpu (Triton)"
 # Triton's launch-grid limits per axis.
@@ -174,7 +172,7 @@ class ScratchRef:
 @dataclasses.dataclass
 class ResidentRef(ScratchRef):
     """An output block kept in registers across the steps of sequential grid
-    axes (see ``lowering_kernel.py``): read and written whole like a scratch
+    axes (see ``kernel.py``): read and written whole like a scratch
     Ref; ``block`` is where it is loaded from and stored back to."""
 
     index: int = -1
@@ -248,13 +246,43 @@ class Emitter:
 # Rules
 
 
+class KernelFrame(Protocol):
+    """What a rule sees of the kernel being lowered (``RuleContext.lowering``):
+    ``kernel.py``'s ``KernelLowering`` implements it."""
+
+    em: Emitter  # the kernel body's emitter
+    gm: Any  # the grid mapping
+    name: str  # the user's name of the kernel, for messages
+    use_tma: bool  # block Ref accesses through TMA tensor descriptors (CompilerParams)
+    warp_specialize: bool  # warp-specialized outermost loops (CompilerParams)
+    loop_depth: int  # fori loops being lowered around the current equation
+    grid_ids: list[Val]  # the grid index of each axis (lax.axis_index of a named grid)
+    gpu_only: list[str]  # uses that Triton's interpreter cannot run (inline PTX), with their lines
+
+    def source_line(self, eqn: Any) -> str:
+        """The user's line of ``eqn`` (or of the nearest enclosing equation)."""
+        ...
+
+    def lower_jaxpr(self, closed: Any, args: Sequence[Any]) -> list[Any]:
+        """Lowers a (closed) jaxpr on ``args`` in place; its results."""
+        ...
+
+    def is_used(self, v: Any) -> bool:
+        """Whether the jaxpr variable ``v`` is read anywhere in the kernel."""
+        ...
+
+    def tma_descriptor(self, ptr: str, array_shape: Any, block_shape: Any) -> str:
+        """The variable of a TMA tensor descriptor for ``ptr`` (made once, at the top)."""
+        ...
+
+
 @dataclasses.dataclass
 class RuleContext:
     em: Emitter
     eqn: Any
     avals_in: Sequence[Any]
     avals_out: Sequence[Any]
-    lowering: KernelLowering
+    lowering: KernelFrame
 
     def out(self, expr: str, i: int = 0, hint: str = "v") -> Val:
         """Assigns ``expr`` to a fresh variable shaped like output ``i``."""
@@ -292,11 +320,11 @@ def const(em: Emitter, value: Any, dtype, shape=()) -> Val:
     if is_bool(dtype):
         lit = "1" if bool(value) else "0"
     elif is_float(dtype):
-        v = float(value)
+        f = float(value)
         lit = (
             "float('nan')"
-            if math.isnan(v)
-            else ("float('inf')" if v == math.inf else ("float('-inf')" if v == -math.inf else repr(v)))
+            if math.isnan(f)
+            else ("float('inf')" if f == math.inf else ("float('-inf')" if f == -math.inf else repr(f)))
         )
     else:
         lit = str(int(value))
@@ -407,7 +435,7 @@ def _loop_bound(x):
 """
 # Triton's interpreter holds bf16 as raw uint16 and multiplies those bits in
 # tl.dot; products of bf16 values are exact in f32, so widen them there.
-PREAMBLE_INTERPRET = """from pallas_gpu._src.interpret_libdevice import libdevice
+PREAMBLE_INTERPRET = """from pallas_gpu._src.interpret.libdevice import libdevice
 
 
 @triton.jit

@@ -79,7 +79,7 @@ class BlockSizes:
     @property
     def has_backward_blocks(self) -> bool:
         """Whether every backward block is given."""
-        needed = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
+        needed: tuple[str, ...] = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
         if not self.use_fused_bwd_kernel:
             needed += ("block_q_dq", "block_kv_dq")
         return all(getattr(self, n) is not None for n in needed)

@@ -150,7 +150,46 @@ for _name in ("skip_if_mosaic_gpu_exceeds_shared_memory", "skip_if_triton_exceed
     setattr(jtu, _name, lambda **_: (lambda f: f))
 if not hasattr(jtu, "hypothesis_is_thread_safe"):
   jtu.hypothesis_is_thread_safe = lambda: False"""
+# JAX 0.12's test files take their base classes from ``jax._src.pallas.pallas_test_util``, which
+# jax 0.11 lacks; the same two classes, inline (the Mosaic GPU checks left out: CPU runs only).
+_PALLAS_TEST_UTIL = """\
+def _pallas_test_util_compat():  # compat (scripts/jax_pallas_tests.py)
+  import sys as _sys
+  import types as _types
+
+  @jtu.with_config(jax_traceback_filtering="off")
+  class PallasTest(jtu.JaxTestCase):
+    INTERPRET = False
+
+    def setUp(self):
+      if not jtu.test_device_matches(["cpu"]) and self.INTERPRET:
+        self.skipTest("Only run interpret tests on CPU.")
+      if not self.INTERPRET:
+        if jtu.test_device_matches(["cpu"]):
+          self.skipTest("On CPU the test works only in interpret mode")
+        if _sys.platform == "win32":
+          self.skipTest("Only works on non-Windows platforms")
+      super().setUp()
+
+    def pallas_call(self, *args, **kwargs):
+      return pl.pallas_call(*args, **kwargs, interpret=self.INTERPRET)
+
+  class PallasTPUTest(PallasTest):
+    def setUp(self):
+      if not jtu.test_device_matches(["tpu"]) and not self.INTERPRET:
+        self.skipTest("Test requires TPUs")
+      super().setUp()
+
+  return _types.SimpleNamespace(PallasTest=PallasTest, PallasTPUTest=PallasTPUTest)
+\\1 = _pallas_test_util_compat()"""
+# ``jtu.if_cloud_tpu_at_least(y, m, d)`` (libtpu build-date gates in older test files), gone from
+# jax 0.11's test_util; off a Cloud TPU it was always True.
+_CLOUD_TPU_AT_LEAST = """\\1
+if "jtu" in globals() and not hasattr(jtu, "if_cloud_tpu_at_least"):  # compat (scripts/jax_pallas_tests.py)
+  jtu.if_cloud_tpu_at_least = lambda *_: True"""
 COMPAT = (
+    (r"^from jax\._src\.pallas import pallas_test_util as (\w+)$", _PALLAS_TEST_UTIL),
+    (r"^(jax\.config\.parse_flags_with_absl\(\))$", _CLOUD_TPU_AT_LEAST),
     (r"^from jax\._src\.pallas\.pallas_call import _trace_kernel_to_jaxpr$", _TRACE_STUB),
     (r"^from jax\._src\.lax\.control_flow\.for_loop import for_loop\n", _FOR_LOOP),
     (r"^jtu\.setup_hypothesis\(max_examples=(\d+)\)$", _HYPOTHESIS),
@@ -183,6 +222,18 @@ INTERNAL_OURS = (
     # pallas_call_p (pallas_test's jaxpr search); the masked load/store of ops_test.
     (r"^from jax\._src\.pallas import pallas_call$", "import pallas as pallas_call"),
     (r"^from jax\._src\.pallas import primitives as (\w+)$", r"import pallas_gpu as \1"),
+    # tpu_pallas_test's MosaicError (our run_mosaic's error of that name), and its one-kernel
+    # module for the MLIR-location test (JAX's, whose ``pl`` is JAX's: the same kernel on ours).
+    (r"^from jax\._src\.pallas\.mosaic import error_handling$", "import pallas_tpu as error_handling"),
+    (
+        r"^from jax\.experimental\.pallas\.ops\.tpu import example_kernel$",
+        "import types as _types  # compat (scripts/jax_pallas_tests.py): JAX's example_kernel\n"
+        "def _double_kernel(x_ref, y_ref):\n"
+        "  y_ref[:] = x_ref[:] * 2\n"
+        "example_kernel = _types.SimpleNamespace(\n"
+        "    double_kernel=_double_kernel,\n"
+        "    double=lambda x: pl.pallas_call(_double_kernel, out_shape=x)(x))",
+    ),
 )
 
 

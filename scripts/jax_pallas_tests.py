@@ -151,24 +151,18 @@ for _name in ("skip_if_mosaic_gpu_exceeds_shared_memory", "skip_if_triton_exceed
 if not hasattr(jtu, "hypothesis_is_thread_safe"):
   jtu.hypothesis_is_thread_safe = lambda: False"""
 # JAX 0.12's test files take their base classes from ``jax._src.pallas.pallas_test_util``, which
-# jax 0.11 lacks; the same two classes, inline (the Mosaic GPU checks left out: CPU runs only).
+# jax 0.11 lacks: two classes of the same contract (``INTERPRET``, ``self.pallas_call``), inline.
 _PALLAS_TEST_UTIL = """\
 def _pallas_test_util_compat():  # compat (scripts/jax_pallas_tests.py)
-  import sys as _sys
   import types as _types
 
-  @jtu.with_config(jax_traceback_filtering="off")
   class PallasTest(jtu.JaxTestCase):
     INTERPRET = False
 
     def setUp(self):
-      if not jtu.test_device_matches(["cpu"]) and self.INTERPRET:
-        self.skipTest("Only run interpret tests on CPU.")
-      if not self.INTERPRET:
-        if jtu.test_device_matches(["cpu"]):
-          self.skipTest("On CPU the test works only in interpret mode")
-        if _sys.platform == "win32":
-          self.skipTest("Only works on non-Windows platforms")
+      # interpret-mode cases on the CPU only, compiled ones on an accelerator only
+      if self.INTERPRET != jtu.test_device_matches(["cpu"]):
+        self.skipTest("interpret mode on the CPU, compiled kernels on an accelerator")
       super().setUp()
 
     def pallas_call(self, *args, **kwargs):
@@ -176,8 +170,8 @@ def _pallas_test_util_compat():  # compat (scripts/jax_pallas_tests.py)
 
   class PallasTPUTest(PallasTest):
     def setUp(self):
-      if not jtu.test_device_matches(["tpu"]) and not self.INTERPRET:
-        self.skipTest("Test requires TPUs")
+      if not (self.INTERPRET or jtu.test_device_matches(["tpu"])):
+        self.skipTest("needs a TPU")
       super().setUp()
 
   return _types.SimpleNamespace(PallasTest=PallasTest, PallasTPUTest=PallasTPUTest)

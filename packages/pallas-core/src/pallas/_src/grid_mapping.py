@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
-from pallas._src import compat
+from pallas._src import compat, primitives
 from pallas._src import core as pallas_core
 from pallas._src.core import BlockMapping, BlockSpec
 from pallas._src.errors import ValueOrTypeError, describe, function_source, python_arity_message
@@ -151,7 +151,7 @@ def block_mapping(
     index_map = _checked_index_map(
         spec.index_map, len(shape), grid, prefetch_avals, prefetch_tree, origin, err
     )
-    jaxpr, consts, n_out = _trace_index_map(index_map, grid, prefetch_avals, prefetch_tree)
+    jaxpr, consts, n_out = _trace_index_map(index_map, grid, prefetch_avals, prefetch_tree, origin, err)
     # The wording after the culprit is JAX's ("Index map function f at x.py:3 for args[0] ...").
     index_map_is = f"Index map function {function_source(index_map)} for {jax_origin(origin)}"
     _check_index_map_outputs(jaxpr, n_out, block_shape, index_map_is, origin, err)
@@ -248,15 +248,18 @@ def _checked_index_map(index_map, rank: int, grid, prefetch_avals, prefetch_tree
     return index_map
 
 
-def _trace_index_map(index_map, grid, prefetch_avals, prefetch_tree):
+def _trace_index_map(index_map, grid, prefetch_avals, prefetch_tree, origin: str, err: Err):
     """(closed jaxpr of the index map on int32 grid indices and the
-    scalar-prefetch operands, its constants, how many values it returned)."""
+    scalar-prefetch operands, its constants, how many values it returned).
+    ``pl.num_programs`` works in the index map, as in the kernel."""
     n_out = []
 
     def flat_index_map(*idx):
+        ctx = primitives.KernelContext(grid, idx[: len(grid)], err.name, index_map_of=origin)
         if prefetch_tree is not None:  # index maps get the scalar-prefetch operands' pytrees back
             idx = (*idx[: len(grid)], *tree_util.tree_unflatten(prefetch_tree, idx[len(grid) :]))
-        res = index_map(*idx)
+        with primitives.kernel_context(ctx):
+            res = index_map(*idx)
         if not isinstance(res, (tuple, list)):
             res = (res,)
         n_out.append(len(res))
@@ -331,7 +334,8 @@ IN_SPECS_NOT_A_SEQUENCE = (
 
 
 def flatten_specs(specs, tree_of: tuple, what: str, err: Err) -> list:
-    """Broadcasts a pytree prefix of BlockSpecs to the leaves of ``tree_of``."""
+    """One spec per leaf of ``tree_of``: the specs' pytree is ``tree_of``'s (as in
+    JAX), where a ``None`` may stand for a whole subtree."""
     kind = "inputs" if what == "in_specs" else "outputs"
     if specs is pallas_core.no_block_spec:
         return [None] * len(tree_util.tree_leaves(tree_of))
@@ -367,28 +371,29 @@ def flatten_specs(specs, tree_of: tuple, what: str, err: Err) -> list:
         )
     flat = []
     for i, (spec, sub) in enumerate(zip(specs, tree_of)):
-        n = len(tree_util.tree_leaves(sub))
-        if is_spec(spec):
-            flat += [spec] * n
-            continue
+        # None (the whole array) stands for every leaf below it; a BlockSpec, as in JAX,
+        # for one array: the specs' tree must otherwise be the operands' tree.
+        spec_tree = tree_util.tree_structure(spec, is_leaf=is_spec)
         try:
-            per_leaf = tree_util.tree_map(
-                lambda s, t: [s] * len(tree_util.tree_leaves(t)), spec, sub, is_leaf=is_spec
-            )
+            subs = spec_tree.flatten_up_to(sub)
         except (ValueError, TypeError):
-            raise err(
-                ValueError,
-                f"{what}[{i}]",
-                f"expected a pl.BlockSpec or a pytree prefix of the {kind} structure "
-                f"{tree_util.tree_structure(sub)}, got {spec!r:.80}",
-            ) from None
-        leaves = [
-            x for lst in tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list)) for x in lst
-        ]
-        for x in leaves:
-            if not is_spec(x):
-                raise err(TypeError, f"{what}[{i}]", f"expected a pl.BlockSpec or None, got {x!r:.80}")
-        flat += leaves
+            subs = None
+        leaves = tree_util.tree_leaves(spec, is_leaf=is_spec)
+        if subs is not None and all(
+            x is None or tree_util.treedef_is_leaf(tree_util.tree_structure(t)) for x, t in zip(leaves, subs)
+        ):
+            for x, t in zip(leaves, subs):
+                if not is_spec(x):
+                    raise err(TypeError, f"{what}[{i}]", f"expected a pl.BlockSpec or None, got {x!r:.80}")
+                flat += [x] * len(tree_util.tree_leaves(t))
+            continue
+        raise err(
+            ValueError,
+            f"{what}[{i}]",
+            f"the specs' structure {spec_tree} does not match {kind}[{i}]'s "
+            f"{tree_util.tree_structure(sub)}: give one pl.BlockSpec (or None) per array, in the "
+            "same structure" + jax_says(tuple(specs)),
+        )
     return flat
 
 

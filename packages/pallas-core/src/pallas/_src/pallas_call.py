@@ -215,13 +215,14 @@ def pallas_call(
       grid_spec: a ``GridSpec``; exclusive with grid/in_specs/out_specs/
         scratch_shapes.
       grid: the number of programs along each axis (int or tuple of ints).
-      in_specs: the inputs' blocks: ``BlockSpec`` objects in a pytree prefix of
-        the positional arguments (a list or tuple, one per input; a single spec
-        is refused, as in JAX). Each spec's index map takes the program's grid
+      in_specs: the inputs' blocks: one ``BlockSpec`` per array, in the pytree
+        of the positional arguments (a list or tuple, one entry per input; a
+        ``None`` stands for a whole subtree; a single spec, or a tree that does
+        not match, is refused, as in JAX). Each spec's index map takes the program's grid
         indices and returns the block of that input the program reads
         (default: the whole array).
-      out_specs: the outputs' blocks: ``BlockSpec`` objects in a pytree prefix
-        of ``out_shape`` (a single spec applies to every output). Each spec's
+      out_specs: the outputs' blocks: one ``BlockSpec`` per array, in the pytree
+        of ``out_shape`` (a single spec for a single output). Each spec's
         index map returns the block of that output the program writes; on
         backends that run the grid in order (TPU, interpret mode) an output
         block whose index stays the same on consecutive steps stays in memory,

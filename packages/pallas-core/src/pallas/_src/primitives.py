@@ -24,13 +24,16 @@ from pallas._src.errors import kernel_error
 
 @dataclasses.dataclass
 class KernelContext:
-    """The kernel being traced: its grid, the grid index tracers and its name."""
+    """The kernel, or an operand's index map, being traced: its grid, the grid
+    index tracers and its name."""
 
     grid: tuple[Any, ...]  # ints, or pallas_core.dynamic_grid_dim
     grid_indices: Sequence[Any]  # int32 scalar tracers, one per grid axis
     name: str
     # int32 scalar tracers: the sizes of the grid's dynamic axes, in axis order.
     dynamic_sizes: Sequence[Any] = ()
+    # The operand ("in_specs[0]") whose index map is being traced; None in a kernel.
+    index_map_of: str | None = None
 
 
 _ctx = threading.local()
@@ -89,7 +92,7 @@ def program_id(axis: int) -> jax.Array:
 
 
 def num_programs(axis: int) -> int | jax.Array:
-    """The size of the grid along ``axis``.
+    """The size of the grid along ``axis``, in a kernel or in a BlockSpec's index map.
 
     Args:
       axis: the grid axis.
@@ -99,6 +102,14 @@ def num_programs(axis: int) -> int | jax.Array:
     ctx = _kernel_context("num_programs")
     axis = _check_axis(ctx, axis, "num_programs")
     if ctx.grid[axis] is pallas_core.dynamic_grid_dim:
+        if ctx.index_map_of is not None:
+            raise kernel_error(
+                NotImplementedError,
+                f"pl.num_programs({axis}) in the index map of {ctx.index_map_of} of pallas_call "
+                f"'{ctx.name}': grid axis {axis} has a dynamic (traced) size, which index maps cannot "
+                "read yet; pass the size to the index map as a scalar-prefetch operand "
+                "(pltpu.PrefetchScalarGridSpec) or make the grid static",
+            )
         dynamic = [a for a, g in enumerate(ctx.grid) if g is pallas_core.dynamic_grid_dim]
         return ctx.dynamic_sizes[dynamic.index(axis)]
     return ctx.grid[axis]

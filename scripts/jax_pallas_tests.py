@@ -63,7 +63,7 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   accepted (JAX: ConcretizationTypeError); a test counting JAX's internal ``store`` callbacks;
   ops_test's uses of JAX's private ``primitives`` module (mapped to pallas_gpu): no ``swap``
   (8) and the printed jaxpr of ``load``/``store`` (pallas_gpu's own primitives, not JAX's
-  state ``a[...] <-``; 10).
+  state ``a[...] <-``; 10); both fixed 2026-12-06 (last entry).
 * 2026-12-04, later (issue 30 §3), the same five files, our side re-run (``--side ours``)
   against the JAX reports of the run above (JAX's side unchanged: same jax, same rewritten
   files): pallas_test.py 99 of 100 (98 before); indexing_test.py 42 of 42 (42);
@@ -79,8 +79,8 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   interpret mode (1, docs/differences.md); a test that counts JAX's interpreter's internal
   ``store`` callbacks (ours makes none: it interprets while tracing, 1); ops_test's 18 uses of
   JAX's private ``primitives.load/store/swap`` (the removed ``pl.load``/``pl.store``/``pl.swap``):
-  no public counterpart to map them to (``pallas_gpu`` has masked ``load``/``store``, printed as
-  its own primitives, and no ``swap``).
+  ``pallas_gpu`` had masked ``load``/``store``, printed as its own primitives, and no ``swap``
+  (all 18 pass since 2026-12-06: see the last entry).
 * 2026-12-04 (issue 30 §3), **on the H200** (jax 0.11.2 with CUDA, Triton 3.6.0), the four
   files pallas_test, indexing_test, pallas_vmap_test and ops_test as above, both sides, ``-n 16``.
   The script runs on the CPU unless ``JAX_PLATFORMS`` says otherwise: with
@@ -109,6 +109,12 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   ``test_two_cores_along_parallel_dimension_no_race``, run by hand with JAX 0.11's parameter name:
   race-free on both now; the race of two cores writing one output block is still found, on both);
   ``jax.vmap`` over a scalar-prefetch operand (was NotImplementedError).
+* 2026-12-06, ops_test.py (v0.11 copy) with ``-k "swap or pretty_print"``: 50 of 50 (32 before).
+  The 18 uses of JAX's private ``primitives`` module (mapped to ``pallas_gpu``) pass: ``plgpu.swap``
+  (a masked load of the old value, then a masked store; masked-off elements of the result are the
+  new value, as JAX's), and ``plgpu.load``/``store``/``swap`` print as JAX's Ref accesses
+  (``c:i32[4,3,2] <- a[:,:,:]``, ``a[:,:,:] <- c``, ``d:i32[4,3,2], a[:,:,:] <- a[:,:,:], c``,
+  then ``mask=``/``other=`` and any Triton hints). tests/gpu/test_swap_and_pretty_print.py.
 """
 
 from __future__ import annotations

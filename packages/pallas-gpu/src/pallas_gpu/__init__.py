@@ -33,6 +33,7 @@ from pallas_gpu._src.language.primitives import elementwise_inline_asm as elemen
 from pallas_gpu._src.language.primitives import load as load
 from pallas_gpu._src.language.primitives import max_contiguous as max_contiguous
 from pallas_gpu._src.language.primitives import store as store
+from pallas_gpu._src.language.primitives import swap as swap
 from pallas_gpu._version import __version__ as __version__
 
 # isort: split

@@ -375,7 +375,7 @@ def flatten_specs(specs, tree_of: tuple, what: str, err: Err) -> list:
         # for one array: the specs' tree must otherwise be the operands' tree.
         spec_tree = tree_util.tree_structure(spec, is_leaf=is_spec)
         try:
-            subs = spec_tree.flatten_up_to(sub)
+            subs = spec_tree.flatten_up_to(sub)  # type: ignore[attr-defined]  # (not in jaxlib's stubs)
         except (ValueError, TypeError):
             subs = None
         leaves = tree_util.tree_leaves(spec, is_leaf=is_spec)

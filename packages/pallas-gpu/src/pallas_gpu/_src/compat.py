@@ -16,6 +16,7 @@ from jax._src import core as jax_core
 from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import debugging as _debugging
 from jax._src import pjit as _pjit
+from jax._src import pretty_printer as pp  # noqa: F401  (re-exported)
 from jax._src import source_info_util
 from jax._src.lax import control_flow as _control_flow
 from jax._src.state import discharge as state_discharge
@@ -59,6 +60,13 @@ custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
 # The effect of debug_print and plgpu.debug_barrier: keeps them from being
 # dead-code eliminated, and is allowed inside control flow.
 debug_effect = _debugging.debug_effect
+
+
+# Printing equations in jaxprs (``a[:, 1:] <- v``): the rule table of
+# ``Jaxpr.pretty_print`` and its helpers; ``pp`` is JAX's document builder.
+pp_eqn_rules = jax_core.pp_eqn_rules
+pp_var = jax_core.pp_var
+pp_vars = jax_core.pp_vars
 
 
 # Equations bound inside pallas_gpu._src (plgpu.approx_tanh, ...) should name

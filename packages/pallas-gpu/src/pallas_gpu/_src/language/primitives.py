@@ -1,15 +1,18 @@
-"""GPU-only kernel primitives: masked ``load``/``store``, atomics, ``dot``,
+"""GPU-only kernel primitives: masked ``load``/``store``/``swap``, atomics, ``dot``,
 compiler hints (``max_contiguous``, ``debug_barrier``) and inline PTX
 (``elementwise_inline_asm``, ``approx_tanh``). Names and signatures follow
 the GPU primitives of JAX's (deprecated) Pallas Triton backend.
 
 Each primitive is bound on a Ref plus the flattened NDIndexer transforms
 (like JAX's ``get_p``), so the lowering computes the same pointer + mask as
-for plain Ref indexing and adds the user's mask on top.
+for plain Ref indexing and adds the user's mask on top. In printed jaxprs
+they read like JAX's Ref accesses: ``b:f32[8] <- a[:8]`` (load),
+``a[:8] <- b`` (store), ``c:f32[8], a[:8] <- a[:8], b`` (swap).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +24,10 @@ from jax.interpreters import batching, mlir
 
 from pallas import backend as pallas_backend
 from pallas_gpu._src import compat
+from pallas_gpu._src.language import printing
+
+# Errors raised while tracing a kernel (kernel_error) name the user's line, not ours.
+pallas_backend.register_internal_dir(compat.__file__)
 
 
 def _indexer(ref: Any, idx: Any):
@@ -52,12 +59,28 @@ def _ref_shape_after(ref_aval, transforms):
     return shape
 
 
+def _operand(x: Any, dtype, shape: tuple, what: str, fn: str) -> jax.Array:
+    """``x`` as a ``dtype`` array of the indexed ``shape`` (broadcast), or an
+    error naming the operand of ``plgpu.<fn>``."""
+    x = jnp.asarray(x, dtype)
+    try:
+        return jnp.broadcast_to(x, shape)
+    except ValueError:
+        raise pallas_backend.kernel_error(
+            ValueError,
+            f"plgpu.{fn}: {what} of shape {tuple(x.shape)} does not broadcast to the shape "
+            f"{shape} of the indexed Ref; give a {what} of shape {shape} (or one that "
+            "broadcasts to it)",
+        ) from None
+
+
 # ---------------------------------------------------------------------------
 # load / store
 
 load_p = Primitive("plgpu_load")
 store_p = Primitive("plgpu_store")
 store_p.multiple_results = True
+swap_p = Primitive("plgpu_swap")
 
 
 def load(
@@ -89,9 +112,9 @@ def load(
     args = [ref, *flat]
     has_mask, has_other = mask is not None, other is not None
     if has_mask:
-        args.append(jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), shape))
+        args.append(_operand(mask, jnp.bool_, shape, "mask", "load"))
     if has_other:
-        args.append(jnp.broadcast_to(jnp.asarray(other, dtype), shape))
+        args.append(_operand(other, dtype, shape, "other", "load"))
     return load_p.bind(
         *args,
         tree=tree,
@@ -101,6 +124,25 @@ def load(
         eviction_policy=eviction_policy,
         volatile=volatile,
     )
+
+
+def _value_args(fn: str, ref: Any, args: tuple, mask: Any):
+    """(operands ``[Ref, val, *transforms, mask?]``, transforms' tree) of
+    ``plgpu.store``/``swap`` called as ``(ref, val)`` or ``(ref, idx, val)``."""
+    if len(args) not in (1, 2):
+        raise pallas_backend.kernel_error(
+            TypeError,
+            f"plgpu.{fn} takes (ref, val) or (ref, idx, val) and keyword arguments, got {1 + len(args)} "
+            "positional arguments",
+        )
+    idx, val = (None, args[0]) if len(args) == 1 else args
+    ref, transforms = _indexer(ref, idx)
+    flat, tree = tree_util.tree_flatten(transforms)
+    shape = _ref_shape_after(ref, transforms)
+    bound = [ref, _operand(val, ref.dtype, shape, "value", fn), *flat]
+    if mask is not None:
+        bound.append(_operand(mask, jnp.bool_, shape, "mask", fn))
+    return bound, tree
 
 
 def store(ref: Any, *args: Any, mask: Any = None, eviction_policy: str | None = None) -> None:
@@ -115,21 +157,30 @@ def store(ref: Any, *args: Any, mask: Any = None, eviction_policy: str | None = 
       mask: boolean array; masked-off elements are not written.
       eviction_policy: Triton's store hint.
     """
-    if len(args) not in (1, 2):
-        raise pallas_backend.kernel_error(
-            TypeError,
-            f"plgpu.store takes (ref, val) or (ref, idx, val) and keyword arguments, got {1 + len(args)} "
-            "positional arguments",
-        )
-    idx, val = (None, args[0]) if len(args) == 1 else args
-    ref, transforms = _indexer(ref, idx)
-    flat, tree = tree_util.tree_flatten(transforms)
-    shape = _ref_shape_after(ref, transforms)
-    args = [ref, jnp.broadcast_to(jnp.asarray(val, ref.dtype), shape), *flat]
-    has_mask = mask is not None
-    if has_mask:
-        args.append(jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), shape))
-    store_p.bind(*args, tree=tree, has_mask=has_mask, eviction_policy=eviction_policy)
+    args, tree = _value_args("store", ref, args, mask)
+    store_p.bind(*args, tree=tree, has_mask=mask is not None, eviction_policy=eviction_policy)
+
+
+def swap(ref: Any, *args: Any, mask: Any = None, eviction_policy: str | None = None) -> jax.Array:
+    """Stores ``val`` into ``ref[idx]`` where ``mask`` is true and returns the
+    values it replaces.
+
+    Called as ``swap(ref, idx, val)``, as in JAX's Pallas, or ``swap(ref, val)``.
+    On the GPU this is a (masked) load followed by a (masked) store, not an
+    atomic exchange (that is ``plgpu.atomic_xchg``).
+
+    Args:
+      ref: a Ref (or ``ref.at[...]`` view).
+      idx: optional index (ints, slices, ``pl.ds``; ``None`` for the whole Ref).
+      val: the new value (broadcast to the indexed shape).
+      mask: boolean array; masked-off elements are neither read nor written.
+      eviction_policy: Triton's store hint.
+    Returns:
+      ``ref[idx]`` as it was before the store where ``mask`` is true, and
+      ``val`` where it is false (as in JAX's Pallas).
+    """
+    args, tree = _value_args("swap", ref, args, mask)
+    return swap_p.bind(*args, tree=tree, has_mask=mask is not None, eviction_policy=eviction_policy)
 
 
 def _load_abstract_eval(ref, *args, tree, has_mask, has_other, **_):
@@ -142,8 +193,13 @@ def _store_abstract_eval(ref, val, *args, tree, has_mask, **_):
     return [], {compat.WriteEffect(0)}
 
 
+def _swap_abstract_eval(ref, val, *args, tree, has_mask, **_):
+    return jax.core.ShapedArray(val.shape, val.dtype), {compat.ReadEffect(0), compat.WriteEffect(0)}
+
+
 load_p.def_effectful_abstract_eval(_load_abstract_eval)
 store_p.def_effectful_abstract_eval(_store_abstract_eval)
+swap_p.def_effectful_abstract_eval(_swap_abstract_eval)
 
 
 def _coords(shape, transforms):
@@ -187,6 +243,15 @@ def _masked_get(ref, transforms, fill=0):
     return ref.at[coords].get(mode="fill", fill_value=fill, wrap_negative_indices=False)
 
 
+def _in_range(shape, transforms):
+    """Whether each element of ``ref[transforms]`` lies inside a Ref of ``shape``."""
+    coords = _coords(shape, transforms)
+    if coords is None:  # integer-array indices are clamped, never out of range
+        return True
+    inside = [(c >= 0) & (c < n) for c, n in zip(coords, shape)]
+    return functools.reduce(jnp.logical_and, inside, jnp.bool_(True))
+
+
 def _masked_set(ref, transforms, val, mask):
     """``ref`` with ``val`` written where ``mask`` (None: everywhere) and in range."""
     coords = _coords(ref.shape, transforms)
@@ -218,8 +283,22 @@ def _store_discharge(in_avals, out_avals, ref, val, *args, tree, has_mask, **_):
     return (_masked_set(ref, transforms, val, mask),) + (None,) * (len(in_avals) - 1), []
 
 
+def _swap_discharge(in_avals, out_avals, ref, val, *args, tree, has_mask, **_):
+    n = tree.num_leaves
+    transforms = tree_util.tree_unflatten(tree, args[:n])
+    mask = args[n] if has_mask else None
+    old = _masked_get(ref, transforms)
+    if mask is not None:  # as the Triton lowering: elements not read are val
+        old = jnp.where(mask & _in_range(ref.shape, transforms), old, val)
+    return (_masked_set(ref, transforms, val, mask),) + (None,) * (len(in_avals) - 1), old
+
+
 compat.register_discharge_rule(load_p)(_load_discharge)
 compat.register_discharge_rule(store_p)(_store_discharge)
+compat.register_discharge_rule(swap_p)(_swap_discharge)
+
+
+printing.register(load_p, store_p, swap_p)
 
 
 # ---------------------------------------------------------------------------

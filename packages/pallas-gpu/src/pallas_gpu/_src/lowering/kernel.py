@@ -348,7 +348,7 @@ def sequential_axes(gm, jaxpr) -> tuple[int, ...]:
 
 
 # State primitives: (ref, value, *indices) for these, (ref, *indices, ...) for the others.
-_WITH_VALUE = {compat.swap_p, compat.addupdate_p, gpu_primitives.store_p}
+_WITH_VALUE = {compat.swap_p, compat.addupdate_p, gpu_primitives.store_p, gpu_primitives.swap_p}
 _STATE = {compat.get_p, gpu_primitives.load_p, *_WITH_VALUE}
 
 

@@ -1,6 +1,6 @@
 """Lowering rules for memory: Ref reads/writes (``get``/``swap``/``addupdate``)
 on block and scratch Refs, whole-block loads and stores, TMA tiles, and the
-GPU-only ``plgpu.load``, ``plgpu.store`` and atomics.
+GPU-only ``plgpu.load``, ``plgpu.store``, ``plgpu.swap`` and atomics.
 
 Where an access points, and how out-of-range indices are clamped or masked,
 is ``address.py``'s part (see its docstring): this module turns a
@@ -311,6 +311,25 @@ def _plgpu_store_rule(rc: RuleContext, ref, val, *args, tree, has_mask, eviction
     kw = f", eviction_policy={eviction_policy!r}" if eviction_policy else ""
     rc.em.emit(f"tl.store({ptr}, {x}, mask={m}{kw})" if m else f"tl.store({ptr}, {x}{kw})")
     return []
+
+
+@register_lowering(gpu_primitives.swap_p)
+def _plgpu_swap_rule(rc: RuleContext, ref, val, *args, tree, has_mask, eviction_policy):
+    """A (masked) load of the old value, then a (masked) store; masked-off
+    elements of the result are ``val`` (JAX's Pallas does the same)."""
+    ptr, mask, shape, rest = _gpu_access(rc, ref, tree, args, "swap")
+    em = rc.em
+    m = _and_masks(mask, rest[0].expr if has_mask else None)
+    x = f"{val.expr}.to(tl.int8)" if is_bool(ref.dtype) else val.expr
+    ptr, m = named(em, "ptr", ptr), m and named(em, "mask", m)
+    old = None
+    if rc.lowering.is_used(rc.eqn.outvars[0]):
+        other = x if has_mask else _zero(ref.dtype)
+        load = f"tl.load({ptr}, mask={m}, other={other})" if m else f"tl.load({ptr})"
+        old = rc.out(f"{load} != 0" if is_bool(ref.dtype) else load)
+    kw = f", eviction_policy={eviction_policy!r}" if eviction_policy else ""
+    em.emit(f"tl.store({ptr}, {x}, mask={m}{kw})" if m else f"tl.store({ptr}, {x}{kw})")
+    return old if old is not None else Val("None", rc.avals_out[0].shape, rc.avals_out[0].dtype)
 
 
 @register_lowering(gpu_primitives.atomic_rmw_p)

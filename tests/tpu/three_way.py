@@ -257,9 +257,10 @@ F32_DOT_ON_CHIP_TOL = 4e-2
 # two O(|dO| |V| sqrt(D)) terms, each from bf16-rounded MXU operands, so the absolute error of
 # dq/dk/dv is of that rounding times the logits' scale whatever the gradient's size. Seen on
 # the v5e (splash attention, unit-normal q/k/v, D128): 0.048-0.058 of max(1, |want|),
-# identical over two runs; a reference of bf16-rounded matmul operands is no closer (its
-# O and dP round elsewhere than the kernel's).
-F32_DOT_GRAD_ON_CHIP_TOL = 8e-2
+# identical over two runs; after the backward's change to half-block cells, 0.049-0.071
+# against a reference of bf16-rounded matmul operands, which is itself 0.02-0.03 from the
+# exact one (its O and dP round elsewhere than the kernel's).
+F32_DOT_GRAD_ON_CHIP_TOL = 1e-1
 
 
 def dot_tol(tol: float, way: str, dtype=np.float32, grads: bool = False) -> float:

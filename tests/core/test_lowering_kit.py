@@ -215,6 +215,25 @@ def test_uninitialized_fill_values():
     assert not plb.uninitialized_fill(np.bool_)
 
 
+@pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: np.dtype(d).name)
+def test_uninitialized_zero_mode(dtype):
+    # An interpreter's uninitialized="zero" option: the numpy fill and the jnp value agree.
+    got = plb.uninitialized_fill(dtype, "zero")
+    assert got.shape == () and got.dtype == np.dtype(dtype) and not got
+    want = plb.uninitialized_value((2, 3), dtype, "zero")
+    assert want.dtype == np.dtype(dtype) and not np.any(np.asarray(want))
+
+
+def test_grid_mapping_where_names_the_kernel():
+    def scale(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    f = pl.pallas_call(scale, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), interpret=True)
+    (eqn,) = [e for e in jax.make_jaxpr(f)(jnp.ones(8)).eqns if e.primitive.name == "pallas_call"]
+    gm = eqn.params["grid_mapping"]
+    assert gm.where == f"pallas_call 'scale' at {gm.source}" and "test_lowering_kit.py:" in gm.where
+
+
 def test_next_power_of_2():
     xs = [0, 1, 2, 3, *map(int, _RNG.integers(4, 2**40, 200))]
     for x in xs:

@@ -564,6 +564,28 @@ def test_scratch_starts_uninitialized(dtype):
     np.testing.assert_array_equal(np.asarray(p).astype(np.float64), want)
 
 
+@pytest.mark.parametrize("mode", ["nan", "zero"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8, jnp.bool_])
+def test_unwritten_output_under_triton_interpreter(dtype, mode):
+    """Output rows the kernel never writes hold pallas-core's uninitialized value
+    (``plb.uninitialized_fill``), or zeros with ``InterpretParams(uninitialized="zero")``."""
+    x = random((8, 16), dtype)
+
+    def kernel(x_ref, o_ref):
+        o_ref[:4, :] = x_ref[:4, :]
+
+    f = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((8, 16), dtype),
+        interpret=plgpu.InterpretParams(uninitialized=mode),
+    )
+    o = np.asarray(f(x)).astype(np.float64)
+    np.testing.assert_array_equal(o[:4], np.asarray(x[:4]).astype(np.float64))
+    fill = 0 if mode == "zero" else pl.backend.uninitialized_fill(dtype)
+    # compared as float64: NumPy 2.5 no longer takes bfloat16 NaNs as equal
+    np.testing.assert_array_equal(o[4:], np.full((4, 16), fill).astype(np.float64))
+
+
 def test_nested_jit_and_custom_jvp():
     x = random((8, 16), jnp.float32)
 

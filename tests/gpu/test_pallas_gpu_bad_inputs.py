@@ -17,7 +17,7 @@ import jax_kernel_runtime as jkr
 import pallas as pl
 import pallas_gpu as plgpu
 from pallas_gpu._src.compile import compiler
-from pallas_gpu._src.pallas_call_registration import lowered_kernel, where
+from pallas_gpu._src.pallas_call_registration import lowered_kernel
 
 cpu_only = pytest.mark.skipif(has_gpu(), reason="checks what happens on a machine without a GPU")
 
@@ -69,13 +69,13 @@ def test_fp8_needs_sm89(dtype):
     f = scale_call(dtype)
     lk, gm = lowered(f, x)
     with pytest.raises(ValueError) as e:
-        compiler.compiled_configs(lk, 80, [plgpu.CompilerParams()], where(gm))
+        compiler.compiled_configs(lk, 80, [plgpu.CompilerParams()], gm.where)
     msg = str(e.value)
     assert re.search(r"pallas_call 'scale' at test_pallas_gpu_bad_inputs\.py:\d+", msg)
     assert "compute capability 8.9" in msg and "sm_80" in msg
     assert "Cast to bfloat16 or float16" in msg
     # sm_89+ compiles the same kernel.
-    ((_, cfg),) = compiler.compiled_configs(lk, 90, [plgpu.CompilerParams()], where(gm))
+    ((_, cfg),) = compiler.compiled_configs(lk, 90, [plgpu.CompilerParams()], gm.where)
     assert cfg.image[:4] == b"\x7fELF"
 
 
@@ -134,7 +134,7 @@ def test_too_much_shared_memory(cc, limit):
     f, args, cps = big_matmul([4])
     lk, gm = lowered(f, *args)
     with pytest.raises(ValueError) as e:
-        compiler.compiled_configs(lk, cc, cps, where(gm))
+        compiler.compiled_configs(lk, cc, cps, gm.where)
     msg = str(e.value)
     assert re.search(r"pallas_call 'matmul' at test_pallas_gpu_bad_inputs\.py:\d+", msg)
     assert f"sm_{cc} allows ({limit} bytes" in msg
@@ -145,7 +145,7 @@ def test_too_much_shared_memory(cc, limit):
 def test_autotune_drops_configs_that_do_not_fit():
     f, args, cps = big_matmul([4, 1])
     lk, gm = lowered(f, *args)
-    kept = compiler.compiled_configs(lk, 80, cps, where(gm))
+    kept = compiler.compiled_configs(lk, 80, cps, gm.where)
     assert [cp for cp, _ in kept] == [cps[1]]
     assert kept[0][1].shared_memory_bytes <= 166912
 

@@ -20,7 +20,6 @@ from typing import Any
 from jax.extend.core import Primitive, jaxprs_in_params
 
 from pallas._src import core as pallas_core
-from pallas._src.errors import describe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +120,7 @@ class PallasCall:
     @property
     def where(self) -> str:
         """``pallas_call 'name' at file.py:12``: how errors name the kernel."""
-        return describe(self.grid_mapping.kernel_name, self.grid_mapping.source)
+        return self.grid_mapping.where
 
     @property
     def all_compiler_params(self) -> tuple[Any, ...]:

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas._src import compat
+from pallas._src import compat, errors
 
 
 class MemorySpace(enum.Enum):
@@ -403,6 +403,11 @@ class GridMapping:
     @property
     def num_dynamic_grid_bounds(self) -> int:
         return len(self.dynamic_axes)
+
+    @property
+    def where(self) -> str:
+        """``pallas_call 'name' at file.py:12``: how errors name the kernel."""
+        return errors.describe(self.kernel_name, self.source)
 
     @property
     def in_block_mappings(self):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas._src import compat, errors, validate, zero_stride
+from pallas._src import compat, validate, zero_stride
 from pallas._src import core as pallas_core
 from pallas._src.primitives import uninitialized_value
 
@@ -384,9 +384,7 @@ def interpret_pallas_call(*args, call, params: InterpretParams):
     ns, npar = (plan.steps, 1) if dynamic_sizes else plan.points.shape[:2]
     batched = npar > 1
 
-    discharged = compat.discharge(
-        zero_stride.broadcast_zero_stride_reads(jaxpr, errors.describe(gm.kernel_name, gm.source))
-    )
+    discharged = compat.discharge(zero_stride.broadcast_zero_stride_reads(jaxpr, gm.where))
     body = compat.jaxpr_as_fun(discharged)
 
     in_bms, out_bms = gm.in_block_mappings, gm.out_block_mappings

@@ -111,12 +111,15 @@ def trace_composite(fn: Callable[..., Any], avals: Sequence[Any], what: str, **p
     return closed.jaxpr
 
 
-def uninitialized_fill(dtype) -> np.ndarray:
+def uninitialized_fill(dtype, mode: str = "nan") -> np.ndarray:
     """The value of memory nothing has written yet, as a 0-d numpy array:
     NaN for floating-point (and complex) dtypes, the smallest value for
     integers, False for bools; zero for anything else. Values no kernel
-    plausibly computes, so that a read of never-written memory shows."""
+    plausibly computes, so that a read of never-written memory shows.
+    ``mode="zero"`` (an interpreter's ``uninitialized`` option) gives zero."""
     dtype = np.dtype(dtype)
+    if mode == "zero":
+        return np.zeros((), dtype)
     if jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating):
         return np.array(np.nan, dtype)
     if jnp.issubdtype(dtype, jnp.integer):

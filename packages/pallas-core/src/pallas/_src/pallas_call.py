@@ -17,7 +17,7 @@ from pallas._src import backends, compat, primitives, validate
 from pallas._src import core as pallas_core
 from pallas._src.call import PallasCall
 from pallas._src.core import GridMapping, GridSpec
-from pallas._src.errors import describe, function_source, kernel_scope, runtime_error_in, user_source
+from pallas._src.errors import function_source, kernel_scope, runtime_error_in, user_source
 from pallas._src.grid_mapping import (
     IN_SPECS_NOT_A_SEQUENCE,
     Err,
@@ -110,8 +110,8 @@ def _trace_kernel(
     if consts:
         jaxpr = _hoist_consts(jaxpr, consts, gm)
     jaxpr = validate.normalize_negative_indices(jaxpr)
-    validate.check_static_indices(jaxpr, describe(gm.kernel_name, gm.source))
-    validate.check_semaphores_not_data(getattr(jaxpr, "jaxpr", jaxpr), describe(gm.kernel_name, gm.source))
+    validate.check_static_indices(jaxpr, gm.where)
+    validate.check_semaphores_not_data(getattr(jaxpr, "jaxpr", jaxpr), gm.where)
     return jaxpr, consts
 
 

@@ -15,7 +15,7 @@ from jax.interpreters import ad, batching, mlir
 from pallas._src import backends, compat
 from pallas._src import core as pallas_core
 from pallas._src.call import PallasCall
-from pallas._src.errors import ValueOrTypeError, describe
+from pallas._src.errors import ValueOrTypeError
 
 #: The primitive ``pallas_call`` binds; backends register its MLIR lowering for their platform.
 pallas_call_p = Primitive("pallas_call")
@@ -158,8 +158,7 @@ def _jvp_rule(primals, tangents, **params):
     jaxpr, gm = call.jaxpr, call.grid_mapping
     if call.input_output_aliases:
         raise NotImplementedError(
-            f"{describe(gm.kernel_name, gm.source)}: jax.jvp of a pallas_call with "
-            "input_output_aliases is not supported"
+            f"{gm.where}: jax.jvp of a pallas_call with input_output_aliases is not supported"
         )
     # The kernel jaxpr's leading int inputs: grid indices, then dynamic grid sizes.
     G, n_in, n_out, nsp = (
@@ -237,7 +236,7 @@ ad.primitive_jvps[pallas_call_p] = _jvp_rule
 def _grad_error(gm) -> Exception:
     # JAX's Pallas fails here with "Linearization failed ..." (a ValueError): say that too.
     return ValueOrTypeError(
-        f"{describe(gm.kernel_name, gm.source)}: reverse-mode differentiation (jax.grad, "
+        f"{gm.where}: reverse-mode differentiation (jax.grad, "
         "jax.vjp) of a pallas_call is not supported. Define the backward pass yourself: wrap "
         "the call in a function decorated with jax.custom_vjp and write the backward kernel "
         "(see https://docs.jax.dev/en/latest/notebooks/Custom_derivative_rules_for_Python_code.html). "

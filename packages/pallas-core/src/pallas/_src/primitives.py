@@ -308,9 +308,12 @@ def _run_scoped_abstract_eval(*avals, jaxpr, num_consts):
 run_scoped_p.def_effectful_abstract_eval(_run_scoped_abstract_eval)
 
 
-def uninitialized_value(shape, dtype) -> jax.Array:
+def uninitialized_value(shape, dtype, mode: str = "nan") -> jax.Array:
     """NaN for floats, the smallest value for ints, False for bools: values
-    that make reads of never-written memory visible in interpret mode."""
+    that make reads of never-written memory visible in interpret mode.
+    ``mode="zero"`` (an interpreter's ``uninitialized`` option) gives zeros."""
+    if mode == "zero":
+        return jnp.zeros(shape, dtype)
     if jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating):
         return jnp.full(shape, jnp.nan, dtype)
     if jnp.issubdtype(dtype, jnp.integer):

@@ -51,7 +51,7 @@ def lowered_kernel(jaxpr, grid_mapping, options: tuple = ()) -> LoweredKernel:
     if key not in per_gm:
         # pl.ds(i, n, 0) reads: one element, broadcast (Triton's pointer arithmetic would
         # do, but the lowering's windows assume a stride of at least 1).
-        kernel = plb.broadcast_zero_stride_reads(jaxpr, where(grid_mapping))
+        kernel = plb.broadcast_zero_stride_reads(jaxpr, grid_mapping.where)
         per_gm[key] = (jaxpr, lower_kernel(kernel, grid_mapping, dict(options)))
     return per_gm[key][1]
 
@@ -63,7 +63,7 @@ def _source_options(cps: list[CompilerParams], gm) -> tuple:
         for (name, a), (_, b) in zip(first, c.source_options()):
             if a != b:
                 raise ValueError(
-                    f"{where(gm)}: compiler_params[{i}] has {name}={b!r} but compiler_params[0] has "
+                    f"{gm.where}: compiler_params[{i}] has {name}={b!r} but compiler_params[0] has "
                     f"{name}={a!r}; the configs of one pallas_call share the generated kernel and "
                     f"differ only in compile options (num_warps, num_stages, ...): tune {name} with "
                     "plgpu.autotune (one pallas_call per config) instead"
@@ -71,21 +71,15 @@ def _source_options(cps: list[CompilerParams], gm) -> tuple:
     return first
 
 
-def where(gm) -> str:
-    """``pallas_call 'name' at file.py:12``: how errors name the kernel."""
-    at = f" at {gm.source}" if gm.source else ""
-    return f"pallas_call '{gm.kernel_name}'{at}"
-
-
 def _compiler_params_list(call) -> list[CompilerParams]:
     cps = list(call.all_compiler_params) or [CompilerParams()]
     if not all(isinstance(c, CompilerParams) for c in cps):
         raise TypeError(
-            f"{where(call.grid_mapping)}: compiler_params for the Triton backend must "
+            f"{call.where}: compiler_params for the Triton backend must "
             f"be a plgpu.CompilerParams or a list of them (autotuning), got {call.compiler_params!r}"
         )
     for i, c in enumerate(cps):
-        c.validate(f"{where(call.grid_mapping)}: compiler_params" + (f"[{i}]" if len(cps) > 1 else ""))
+        c.validate(f"{call.where}: compiler_params" + (f"[{i}]" if len(cps) > 1 else ""))
     return cps
 
 
@@ -106,7 +100,7 @@ def check_compiler_params(call) -> tuple[CompilerParams, ...]:
 def _check_kernel(gm) -> None:
     if gm.num_scalar_prefetch:
         raise NotImplementedError(
-            f"{where(gm)}: scalar prefetch (PrefetchScalarGridSpec) is a TPU feature the GPU backend "
+            f"{gm.where}: scalar prefetch (PrefetchScalarGridSpec) is a TPU feature the GPU backend "
             "does not lower; run the kernel with interpret=pltpu.InterpretParams() (pallas-tpu) or use "
             "a plain grid"
         )
@@ -164,7 +158,7 @@ def _target(gm) -> tuple[int, str]:
             cc = int(forced.replace(".", "").removeprefix("sm_"))
         except ValueError:
             raise ValueError(
-                f"{where(gm)}: PALLAS_GPU_COMPUTE_CAPABILITY={forced!r} is not a compute capability "
+                f"{gm.where}: PALLAS_GPU_COMPUTE_CAPABILITY={forced!r} is not a compute capability "
                 "(write 90 or 9.0 for sm_90)"
             ) from None
         return cc, f"sm_{cc}"
@@ -174,7 +168,7 @@ def _target(gm) -> tuple[int, str]:
         devices = []
     if not devices:
         raise RuntimeError(
-            f"{where(gm)}: the kernel is being compiled for a CUDA GPU, but JAX sees no GPU "
+            f"{gm.where}: the kernel is being compiled for a CUDA GPU, but JAX sees no GPU "
             f"(devices: {', '.join(str(d) for d in jax.devices())}). To run it on the CPU pass "
             "interpret=True (plain JAX) or interpret=plgpu.InterpretParams() (the generated Triton "
             "code under Triton's interpreter); otherwise run on a machine with an NVIDIA GPU and "
@@ -183,7 +177,7 @@ def _target(gm) -> tuple[int, str]:
         )
     cc = getattr(devices[0], "compute_capability", None)
     if cc is None:
-        raise RuntimeError(f"{where(gm)}: cannot read the compute capability of {devices[0]}")
+        raise RuntimeError(f"{gm.where}: cannot read the compute capability of {devices[0]}")
     major, minor = str(cc).split(".")
     return int(major) * 10 + int(minor), f"{devices[0].device_kind} sm_{major}{minor}"
 
@@ -202,7 +196,7 @@ def tune_key(lk: LoweredKernel, cps, shapes, device: str) -> str:
 def _gpu_call(*args, lk: LoweredKernel, gm, aliases, cps, cc, device):
     if math.prod(gm.grid) == 0:
         return [jax.numpy.zeros(a.shape, a.dtype) for a in gm.out_avals]
-    compiled = compiler.compiled_configs(lk, cc, cps, where(gm))
+    compiled = compiler.compiled_configs(lk, cc, cps, gm.where)
     key = ""
     if len(compiled) > 1:
         shapes = [(bm.array_shape, bm.dtype) for bm in gm.block_mappings]
@@ -228,17 +222,6 @@ def _gpu_call(*args, lk: LoweredKernel, gm, aliases, cps, cc, device):
 # Triton's interpreter
 
 
-def _uninitialized(shape, dtype, mode: str) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    if mode == "zero":
-        return np.zeros(shape, dtype)
-    if np.issubdtype(dtype, np.floating) or dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        return np.full(shape, np.nan, dtype)
-    if np.issubdtype(dtype, np.integer):
-        return np.full(shape, np.iinfo(dtype).min, dtype)
-    return np.zeros(shape, dtype)
-
-
 def run_interpreted(lk: LoweredKernel, gm, aliases, params: InterpretParams, *arrays):
     """Runs the generated kernel under Triton's interpreter on host arrays."""
     fn = compiler.load_kernel(lk, interpret=True)
@@ -247,14 +230,16 @@ def run_interpreted(lk: LoweredKernel, gm, aliases, params: InterpretParams, *ar
     outs = []
     for o, a in enumerate(gm.out_avals):
         outs.append(
-            ins[alias_of[o]] if o in alias_of else _uninitialized(a.shape, a.dtype, params.uninitialized)
+            ins[alias_of[o]]
+            if o in alias_of
+            else np.full(a.shape, plb.uninitialized_fill(a.dtype, params.uninitialized), a.dtype)
         )
     if math.prod(gm.grid) > 0:
         # jax_kernel_runtime's interpreter: shared with jax-triton (one lock),
         # with bounds checks on every memory access and GPU bf16 rounding.
         bufs = [_device_layout(x) for x in ins + outs]
         args = {n: Pointer(t, b) for n, t, b in zip(fn.arg_names, lk.signature, bufs, strict=True)}
-        interpret_kernel(fn.fn, lk.launch_grid, args, name=where(gm))
+        interpret_kernel(fn.fn, lk.launch_grid, args, name=gm.where)
     return tuple(outs)
 
 

@@ -34,7 +34,7 @@ from pallas_tpu._src.language import tpu_info
 
 
 def _err(gm, cls, what, msg):
-    return cls(f"{plb.describe(gm.kernel_name, gm.source)}: {what}: {msg}")
+    return cls(f"{gm.where}: {what}: {msg}")
 
 
 def _trivial_window(bm) -> bool:
@@ -229,7 +229,7 @@ def check_interpreted_grid(gm, semantics) -> None:
     for a, (size, sem) in enumerate(zip(gm.grid, semantics)):
         if size is plb.dynamic_grid_dim and sem is tpu_core.PARALLEL:
             raise DynamicParallelAxisError(
-                f"{plb.describe(gm.kernel_name, gm.source)}: grid[{a}]: Abstract tracer value encountered "
+                f"{gm.where}: grid[{a}]: Abstract tracer value encountered "
                 f"where concrete value is expected: the size of grid axis {a} is traced (a dynamic grid) and "
                 f"dimension_semantics[{a}] is 'parallel'; TPU interpret mode splits parallel axes over cores, "
                 "so their sizes must be known when the call is traced. Give that axis a static size, or mark "
@@ -317,7 +317,7 @@ def _check_accesses(gm, jaxpr, any_vars) -> None:
 def check_kernel(gm, jaxpr, compiler_params) -> None:
     """Every check above; called with ``tpu_info`` describing the target chip."""
     check_compiler_params(gm, compiler_params)
-    plb.check_zero_stride_writes(jaxpr, plb.describe(gm.kernel_name, gm.source))
+    plb.check_zero_stride_writes(jaxpr, gm.where)
     check_block_shapes(gm)
     check_memory_spaces(gm, jaxpr)
     check_vmem(gm, compiler_params, jaxpr)

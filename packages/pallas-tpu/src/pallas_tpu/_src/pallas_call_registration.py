@@ -65,7 +65,7 @@ def describe() -> str:
 
 def _interpret(*args, call, params: InterpretParams):
     # Reads through pl.ds(i, n, 0): one element, broadcast (the interpreter's windows need strides >= 1).
-    jaxpr = plb.broadcast_zero_stride_reads(call.jaxpr, _where(call.grid_mapping))
+    jaxpr = plb.broadcast_zero_stride_reads(call.jaxpr, call.where)
     with tpu_info.modeled_chip(params.chip_version):
         return interpret_pallas_call.run(
             args,
@@ -123,10 +123,6 @@ def check_compiler_params(call) -> tpu_core.CompilerParams:
 # Mosaic
 
 
-def _where(gm) -> str:
-    return plb.describe(gm.kernel_name, gm.source)
-
-
 def _custom_call_config(cp: tpu_core.CompilerParams, cost_estimate, aliases, metadata) -> dict:
     cost = dataclasses.asdict(cost_estimate) if cost_estimate is not None else None
     return dict(
@@ -167,9 +163,9 @@ def lower(ctx, call, *args):
         module = modules.mosaic_module(call.jaxpr, gm, cp, ctx.module_context.context, compat.mesh_axes(ctx))
     text = modules.module_text(module)
     if call.debug:
-        print(f"\nThe Mosaic module for {_where(gm)}:")
+        print(f"\nThe Mosaic module for {gm.where}:")
         print(text)
-    modules.record(_where(gm), module, text)
+    modules.record(gm.where, module, text)
     # The custom call's operands are the dynamic grid sizes, then pallas_call's
     # arguments, which the aliases count (scalar-prefetch operands included, as JAX).
     aliases = tuple((i + gm.num_dynamic_grid_bounds, o) for i, o in call.input_output_aliases)
@@ -179,7 +175,7 @@ def lower(ctx, call, *args):
 
 def _interpret_mode_error(gm, interpret, what: str) -> ValueError:
     return ValueError(
-        f"{_where(gm)}: {what}: the kernel asks for TPU interpret mode (interpret={interpret!r}), which runs "
+        f"{gm.where}: {what}: the kernel asks for TPU interpret mode (interpret={interpret!r}), which runs "
         "it in Python on the CPU through host callbacks, so there is no Mosaic module to make and nothing "
         "a TPU can run. Drop interpret= (or pass interpret=False) to lower the kernel for a TPU; keep it to "
         "run the kernel on the CPU under jax.jit (jax.export cannot serialize the interpreter's host "
@@ -202,7 +198,7 @@ def _custom_call(ctx, *args, module, gm, config):
             if "collective_id" not in str(e):
                 raise
             raise LoweringException(
-                f"{_where(gm)}: {e}. A kernel that uses pltpu.get_barrier_semaphore() needs "
+                f"{gm.where}: {e}. A kernel that uses pltpu.get_barrier_semaphore() needs "
                 "compiler_params=pltpu.CompilerParams(collective_id=<int>)"
             ) from e
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 from jax import lax
+from jax.extend.core import jaxprs_in_params
 
 from pallas import backend as plb
 from pallas_gpu._src import compat
@@ -129,9 +130,8 @@ class KernelLowering:
             for v in eqn.invars:
                 if isinstance(v, compat.Var):
                     self._used.add(id(v))
-            for p in eqn.params.values():
-                for sub in subjaxprs(p):
-                    self._collect_used(sub)
+            for sub in jaxprs_in_params(eqn.params):
+                self._collect_used(sub)
         for v in jaxpr.outvars:
             if isinstance(v, compat.Var):
                 self._used.add(id(v))
@@ -332,7 +332,7 @@ def sequential_axes(gm, jaxpr) -> tuple[int, ...]:
     parts and stay parallel). Empty for kernels without outputs or with
     atomics (those combine parallel programs through memory)."""
     outs = gm.out_block_mappings
-    if not outs or _uses(jaxpr, (gpu_primitives.atomic_rmw_p, gpu_primitives.atomic_cas_p)):
+    if not outs or plb.kernel_facts(jaxpr).uses(gpu_primitives.atomic_rmw_p, gpu_primitives.atomic_cas_p):
         return ()
     read: set[int] = set()
     for bm in outs:
@@ -364,13 +364,12 @@ def _addresses(closed, tainted: set[int], refs: set[int]) -> bool:
                 id(v) in tainted for v in ins[2 if eqn.primitive in _WITH_VALUE else 1 :] if v is not None
             ):
                 return True
-        for p in eqn.params.values():
-            for sub in subjaxprs(p):
-                pairs = _by_position(compat.unwrap_jaxpr(sub)[0].invars, ins)
-                sub_tainted = {id(s) for s, v in pairs if v is not None and id(v) in tainted}
-                sub_refs = {id(s) for s, v in pairs if v is not None and id(v) in refs}
-                if sub_refs and _addresses(sub, sub_tainted, sub_refs):
-                    return True
+        for sub in jaxprs_in_params(eqn.params):
+            pairs = _by_position(compat.unwrap_jaxpr(sub)[0].invars, ins)
+            sub_tainted = {id(s) for s, v in pairs if v is not None and id(v) in tainted}
+            sub_refs = {id(s) for s, v in pairs if v is not None and id(v) in refs}
+            if sub_refs and _addresses(sub, sub_tainted, sub_refs):
+                return True
         if any(v is not None and id(v) in tainted for v in ins):
             tainted |= {id(v) for v in eqn.outvars}
     return False
@@ -393,22 +392,6 @@ def _inputs_read(closed) -> set[int]:
         if any(id(v) in needed for v in eqn.outvars):
             needed |= {id(v) for v in eqn.invars if isinstance(v, compat.Var)}
     return {k for k, v in enumerate(jaxpr.invars) if id(v) in needed}
-
-
-def _uses(closed, prims) -> bool:
-    jaxpr, _ = compat.unwrap_jaxpr(closed)
-    return any(
-        eqn.primitive in prims or any(_uses(sub, prims) for p in eqn.params.values() for sub in subjaxprs(p))
-        for eqn in jaxpr.eqns
-    )
-
-
-def subjaxprs(p):
-    if isinstance(p, (compat.ClosedJaxpr, compat.Jaxpr)):
-        yield p
-    elif isinstance(p, (tuple, list)):
-        for q in p:
-            yield from subjaxprs(q)
 
 
 @dataclasses.dataclass

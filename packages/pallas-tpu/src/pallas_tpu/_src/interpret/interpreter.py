@@ -59,7 +59,6 @@ from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.interpret.errors import Checks, count_true
 from pallas_tpu._src.interpret.errors import KernelError as KernelError  # the public API imports it from here
 from pallas_tpu._src.interpret.memory import Memory
-from pallas_tpu._src.interpret.memory import uninit_fill as uninit_fill  # the rules' name for it
 from pallas_tpu._src.interpret.refs import RefAccess, RefView
 from pallas_tpu._src.interpret.shared_scopes import SharedScopes
 from pallas_tpu._src.interpret.transport import LocalTransport

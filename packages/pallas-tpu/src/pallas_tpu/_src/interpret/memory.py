@@ -27,14 +27,6 @@ def on_chip(space) -> bool:
     return space is None or space in (tpu_core.VMEM, tpu_core.SMEM, tpu_core.VMEM_SHARED)
 
 
-def uninit_fill(shape, dtype, mode: str):
-    """A buffer the kernel has not written: zeros (``mode="zero"``) or NaN (the
-    largest value for integers), as ``uninitialized_memory`` says."""
-    if mode == "zero":
-        return jnp.zeros(shape, dtype)
-    return plb.uninitialized_value(shape, dtype)
-
-
 class Memory:
     """The cells of one kernel call (see the module docstring). ``dma_shadows``:
     on_wait DMAs land in companion cells (``shadows``) before their wait;
@@ -56,7 +48,7 @@ class Memory:
 
     def fresh(self, shape, dtype):
         """A buffer the kernel has not written yet, by the uninitialized-memory policy."""
-        return uninit_fill(shape, dtype, self.uninitialized)
+        return plb.uninitialized_value(shape, dtype, self.uninitialized)
 
     def describe(self, cell: int) -> str:
         return self.cell_names.get(cell, f"ref#{cell}")

@@ -36,7 +36,7 @@ from pallas_tpu._src.language import primitives as tpu_prims
 
 
 def _err(gm, cls, what, msg):
-    return cls(f"{plb.describe(gm.kernel_name, gm.source)}: {what}: {msg}")
+    return cls(f"{gm.where}: {what}: {msg}")
 
 
 def semantics_of(gm, cp) -> tuple[tpu_core.GridDimensionSemantics, ...]:
@@ -180,7 +180,7 @@ def _pad_to_blocks(x, bm, mode):
             pads.append((0, b if size == 0 else -size % max(b, 1), 0))  # an empty dim: one block
     if all(p[:2] == (0, 0) for p in pads):
         return x
-    fill = jnp.zeros((), x.dtype) if mode == "zero" else plb.uninitialized_value((), x.dtype)
+    fill = plb.uninitialized_value((), x.dtype, mode)
     return lax.pad(x, fill, pads)
 
 

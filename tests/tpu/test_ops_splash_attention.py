@@ -318,6 +318,19 @@ def test_kernel_made_without_blocks_takes_its_calls_head_dim():
     assert given._for(wide) is given  # blocks given: kept
 
 
+def test_kernel_remade_inside_a_trace_holds_no_tracer():
+    """The kernel a call remakes for its head dim is made while that call is traced: its mask
+    information must be concrete, or a later trace (a second jit, an export) gets the first's
+    values (found by compile_check: "Too many leaves for PyTreeDef")."""
+    mask = make_mask("causal_offset", 1, 256, 4096)
+    kernel = sa.make_splash_mha_single_device(mask, interpret=True)
+    wide = jnp.zeros((1, 256, 256))
+    jax.make_jaxpr(kernel._for)(wide)  # remade inside this trace
+    chosen = kernel._for(wide)
+    leaves = jax.tree_util.tree_leaves(chosen)
+    assert leaves and not any(isinstance(x, jax.core.Tracer) for x in leaves)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors name the argument.
 

@@ -277,7 +277,10 @@ class _Rechoose:
         if blocks == kernel.kwargs["block_sizes"]:
             return kernel
         if blocks not in self._made:
-            made = self._remake(block_sizes=blocks)
+            # Made at the first call, maybe inside a trace: its mask info must be concrete
+            # arrays, not that trace's values (they would leak into later traces).
+            with jax.ensure_compile_time_eval():
+                made = self._remake(block_sizes=blocks)
             made.kwargs["rechoose"] = None
             self._made[blocks] = made
         return self._made[blocks]

@@ -5,9 +5,12 @@ TPU devices on machines without a TPU: ``jax.experimental.topologies``. A
 function jitted for one of them goes through XLA's TPU compiler and, for every
 ``tpu_custom_call``, Mosaic's own pipeline down to LLO (the TPU's instructions):
 the compiler a TPU user's program meets. ``compile_check`` runs it per chip and
-reports per kernel; with ``llo=True`` it also counts the LLO ops Mosaic emitted
-(``LIBTPU_INIT_ARGS=--xla_mosaic_dump_to``, which libtpu reads once per process:
-the compile then runs in a child process unless this one was started with it).
+reports per kernel: its code size in bundles and whether libtpu had to split it into
+overlays (``code_size``: a kernel larger than the core's instruction memory, which
+compiles but is fetched from HBM as it runs), and with ``llo=True`` the LLO ops Mosaic
+emitted. Both come from libtpu's dumps (``LIBTPU_INIT_ARGS=--xla_jf_dump_to`` and
+``--xla_mosaic_dump_to``), which libtpu reads once per process: the compile is then done
+again in a child process unless this one was started with them.
 
 It does not run the kernel and says nothing of speed beyond instruction counts.
 """
@@ -30,7 +33,9 @@ from collections.abc import Sequence
 import jax
 
 from pallas_tpu._src.language import tpu_info
+from pallas_tpu._src.mosaic import code_size as code_size_lib
 from pallas_tpu._src.mosaic import modules
+from pallas_tpu._src.mosaic.code_size import CodeSizeWarning  # noqa: F401 (re-exported)
 
 # A chip name -> the smallest topology libtpu knows for it (one host).
 # "7x": TPU7x, compile-only in libtpu 0.0.42.1 and 0.0.48.1 (its MXU ops: tests/tpu/test_mxu_fifo.py).
@@ -53,6 +58,11 @@ class KernelCompile:
       error: Mosaic's message (with the kernel's file and line) when it did not.
       llo_ops: LLO ops Mosaic emitted for the kernel (``llo=True``), else None.
       llo_loop_ops: of those, the ops inside its innermost loop (0 with no loop).
+      bundles: the kernel's code in bundles (VLIW instruction words) as libtpu scheduled
+        it (``code_size=True``), else None.
+      overlays: the overlays its code lies in: 1 when it fits the TensorCore's instruction
+        memory; more when libtpu split it into pieces fetched from HBM as it runs (a
+        ``CodeSizeWarning`` says so). None where not read.
     """
 
     kernel: str
@@ -61,6 +71,8 @@ class KernelCompile:
     error: str | None = None
     llo_ops: int | None = None
     llo_loop_ops: int | None = None
+    bundles: int | None = None
+    overlays: int | None = None
 
 
 def libtpu_available() -> bool:
@@ -189,6 +201,7 @@ def compile_check(
     *args,
     chips: Sequence[str] = ("v5e", "v6e"),
     llo: bool = False,
+    code_size: bool = True,
     **kwargs,
 ) -> list[KernelCompile]:
     """Compiles ``jax.jit(fn)(*args)`` for each TPU generation in ``chips`` with
@@ -203,6 +216,12 @@ def compile_check(
       **kwargs: its keyword arguments, likewise.
       chips: of ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``.
       llo: also count the LLO ops (TPU instructions) Mosaic emits per kernel.
+      code_size: also read each kernel's code size (``bundles``) and the overlays
+        libtpu split it into (``overlays``), warning (``CodeSizeWarning``) of a kernel
+        that does not fit the TensorCore's instruction memory. Read from libtpu's dump:
+        unless this process was started with ``LIBTPU_INIT_ARGS=--xla_jf_dump_to=DIR``,
+        a child process compiles the function again (not for arguments sharded over
+        several devices: None there).
     Returns:
       One ``KernelCompile`` per kernel and chip, in program order; a kernel of a
       function that did not compile carries Mosaic's message, which names the
@@ -213,22 +232,81 @@ def compile_check(
     for chip in chips:
         tpu_devices(chip)  # clear errors first
     if llo and _dump_dir() is None:
-        return _in_child(fn, args, kwargs, tuple(chips))
+        out, sizes = _in_child(fn, args, kwargs, tuple(chips), llo=True, code_size=code_size)
+        _warn(out, sizes)
+        return out
     dump = _dump_dir() if llo else None
-    out = []
+    jf_dump = code_size_lib.dump_dir() if code_size else None
+    # Chips whose code size a child process reads: the function exported for each first (a
+    # fresh trace; a kernel that caches what it made in an earlier trace may not export).
+    exported = {}
+    if code_size and jf_dump is None:
+        for chip in chips:
+            if not _sharded(_placed(tuple(args), chip)):
+                try:
+                    exported[chip] = export_for(fn, args, kwargs, chip)
+                except Exception:  # noqa: BLE001 (the compile below reports a kernel that fails)
+                    pass
+    out: list[KernelCompile] = []
+    sizes: list = []
+    later = []
     for chip in chips:
         before = set(_llo_files(dump)) if dump else set()
+        jf_before = code_size_lib.dump_files(jf_dump)
         try:
             _, kernels = compile_for(fn, args, chip, kwargs)
         except MosaicCompileError as e:
             names = [e.kernel] if e.kernel else [n for n, _, _ in _kernels_of(fn, args, kwargs, chip)]
             out += [KernelCompile(n, chip, False, str(e)) for n in names]
+            sizes += [None] * len(names)
             continue
         counts = _llo_counts(sorted(set(_llo_files(dump)) - before)) if dump else []
+        code = [None] * len(kernels)
+        if jf_dump:
+            new = sorted(code_size_lib.dump_files(jf_dump) - jf_before)
+            code = code_size_lib.program_code_sizes(
+                new, [code_size_lib.module_name(t) for _, t, _ in kernels]
+            )
+        elif chip in exported:
+            later.append(chip)
         for i, (name, _, _) in enumerate(kernels):
             ops, loop = counts[i] if i < len(counts) else (None, None)
-            out.append(KernelCompile(name, chip, True, None, ops, loop))
+            c = code[i]
+            out.append(KernelCompile(name, chip, True, None, ops, loop, *_size_fields(c)))
+            sizes.append(c)
+    if later:
+        try:
+            done = compile_in_child([exported[chip] for chip in later], llo=False, code_size=True)
+        except CompileCheckError:  # the child failed: sizes unread, None
+            done = []
+        flat = [row for rows in done for row in rows]
+        rows, child_sizes = [r for r, _ in flat], [c for _, c in flat]
+        for chip in later:
+            mine = [i for i, r in enumerate(out) if r.chip == chip]
+            theirs = [(r, c) for r, c in zip(rows, child_sizes) if r.chip == chip and r.compiled]
+            if len(mine) != len(theirs):
+                continue  # another trace: kernels that do not line up stay unread
+            for i, (r, c) in zip(mine, theirs):
+                out[i] = dataclasses.replace(out[i], bundles=r.bundles, overlays=r.overlays)
+                sizes[i] = c
+    _warn(out, sizes)
     return out
+
+
+def _size_fields(c) -> tuple:
+    return (c.bundles, c.overlays) if c is not None else (None, None)
+
+
+def _sharded(placed) -> bool:
+    return any(
+        len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in jax.tree.leaves(placed)
+    )
+
+
+def _warn(rows: Sequence[KernelCompile], sizes: Sequence) -> None:
+    for r, c in zip(rows, sizes):
+        if c is not None:
+            code_size_lib.warn_if_split(r.kernel, r.chip, c, stacklevel=4)
 
 
 def _kernels_of(fn, args, kwargs, chip):
@@ -302,34 +380,54 @@ def llo_op_counts(text: str) -> tuple[int, int]:
     return total, best[1]
 
 
-def _in_child(fn, args, kwargs, chips) -> list[KernelCompile]:
-    """``compile_check(..., llo=True)`` where this process's libtpu does not dump:
-    the function exported per chip (``jax.export``, for that chip's device kind),
-    compiled by a child process started with the dump flag."""
+def _in_child(fn, args, kwargs, chips, llo: bool, code_size: bool):
+    """``fn`` compiled per chip by ``compile_in_child``: the ``KernelCompile`` rows and the
+    ``CodeSize`` of each (None where not read)."""
+    done = compile_in_child(
+        [export_for(fn, args, kwargs, chip) for chip in chips], llo=llo, code_size=code_size
+    )
+    flat = [row for rows in done for row in rows]
+    return [r for r, _ in flat], [c for _, c in flat]
+
+
+def export_for(fn, args: Sequence, kwargs, chip: str) -> tuple:
+    """``jax.jit(fn)`` exported (``jax.export``) as traced for ``chip``, with its kernels'
+    names: what ``compile_in_child`` compiles."""
     from jax import export
 
-    payload = []
-    for chip in chips:
-        placed = _placed(tuple(args), chip)
-        with modules.collect_kernels() as kernels:
-            exp = export.export(jax.jit(lambda *a, **k: fn(*a, **k)), platforms=["tpu"])(
-                *placed, **_placed(kwargs, chip)
-            )
-        payload.append((chip, [n for n, _, _ in kernels], exp.serialize()))
+    placed = _placed(tuple(args), chip)
+    placed_kwargs = _placed(kwargs or {}, chip)
+    with modules.collect_kernels() as kernels, _traced_for(chip, (placed, placed_kwargs)):
+        exp = export.export(jax.jit(lambda *a, **k: fn(*a, **k)), platforms=["tpu"])(*placed, **placed_kwargs)
+    names = [n for n, _, _ in kernels]
+    return chip, names, [code_size_lib.module_name(t) for _, t, _ in kernels], exp.serialize()
+
+
+def compile_in_child(
+    exported: Sequence[tuple], *, llo: bool = False, code_size: bool = True
+) -> list[list[tuple]]:
+    """Compiles functions (``export_for``'s) in one child process started with libtpu's dump
+    flags (LLO for ``llo``, bundles and overlays for ``code_size``); per function, its
+    kernels' ``(KernelCompile, CodeSize or None)``."""
     with tempfile.TemporaryDirectory() as tmp:
         blobs = []
-        for i, (chip, names, blob) in enumerate(payload):
+        for i, (chip, names, module_names, blob) in enumerate(exported):
             path = os.path.join(tmp, f"{i}.bin")
             with open(path, "wb") as f:
                 f.write(blob)
-            blobs.append(dict(chip=chip, kernels=names, path=path))
+            blobs.append(dict(chip=chip, kernels=names, modules=module_names, path=path))
         spec = os.path.join(tmp, "spec.json")
         with open(spec, "w") as f:
-            json.dump(dict(blobs=blobs), f)
+            json.dump(dict(blobs=blobs, code_size=code_size), f)
         env = dict(os.environ)
-        dump = os.path.join(tmp, "dump")
-        env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + f" {DUMP_FLAG}={dump}").strip()
+        flags = env.get("LIBTPU_INIT_ARGS", "")
+        if llo:
+            flags += f" {DUMP_FLAG}={os.path.join(tmp, 'dump')}"
+        if code_size:
+            flags += " " + code_size_lib.dump_args(os.path.join(tmp, "jf"))
+        env["LIBTPU_INIT_ARGS"] = flags.strip()
         env.setdefault("JAX_PLATFORMS", "cpu")
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a cached executable: libtpu would dump nothing
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # this process holds libtpu's lock file too
         proc = subprocess.run(
             [sys.executable, "-m", "pallas_tpu._src.mosaic.compile_check", spec],
@@ -339,8 +437,15 @@ def _in_child(fn, args, kwargs, chips) -> list[KernelCompile]:
         )
         if proc.returncode != 0:
             raise CompileCheckError(f"compile_check's libtpu process failed:\n{proc.stderr[-4000:]}")
-        rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    return [KernelCompile(**r) for r in rows]
+        groups = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = []
+    for rows in groups:
+        mine = []
+        for r in rows:
+            c = r.pop("code", None)
+            mine.append((KernelCompile(**r), code_size_lib.CodeSize(**c) if c else None))
+        out.append(mine)
+    return out
 
 
 def _child_main(spec_path: str) -> None:
@@ -349,25 +454,39 @@ def _child_main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     dump = _dump_dir()
-    rows = []
+    jf_dump = code_size_lib.dump_dir() if spec.get("code_size") else None  # ours: a temporary one
+    groups = []
     for blob in spec["blobs"]:
+        rows = []
+        groups.append(rows)
         chip, names = blob["chip"], blob["kernels"]
         with open(blob["path"], "rb") as f:
             exp = export.deserialize(bytearray(f.read()))
         shardings = [jax.sharding.SingleDeviceSharding(tpu_devices(chip)[0])] * len(exp.in_avals)
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exp.in_avals, shardings)]
-        before = set(_llo_files(dump)) if os.path.isdir(dump) else set()
+        before = set(_llo_files(dump)) if dump and os.path.isdir(dump) else set()
+        jf_before = code_size_lib.dump_files(jf_dump)
         try:
             _jit_for(exp.call, args, chip).lower(*args).compile()
         except Exception as e:
             err = MosaicCompileError.from_libtpu(e, chip, [(n, "", "") for n in names])
-            rows += [dataclasses.asdict(KernelCompile(n, chip, False, str(err))) for n in names]
+            rows += [
+                dict(dataclasses.asdict(KernelCompile(n, chip, False, str(err))), code=None) for n in names
+            ]
             continue
-        counts = _llo_counts(sorted(set(_llo_files(dump)) - before))
+        counts = _llo_counts(sorted(set(_llo_files(dump)) - before)) if dump else []
+        code = [None] * len(names)
+        if jf_dump:
+            new = sorted(code_size_lib.dump_files(jf_dump) - jf_before)
+            code = code_size_lib.program_code_sizes(new, blob["modules"])
+            for path in new:  # the kernels' final bundles: ~200 bytes a bundle
+                os.remove(path)
         for i, n in enumerate(names):
             ops, loop = counts[i] if i < len(counts) else (None, None)
-            rows.append(dataclasses.asdict(KernelCompile(n, chip, True, None, ops, loop)))
-    print(json.dumps(rows))
+            c = code[i]
+            row = dataclasses.asdict(KernelCompile(n, chip, True, None, ops, loop, *_size_fields(c)))
+            rows.append(dict(row, code=dataclasses.asdict(c) if c is not None else None))
+    print(json.dumps(groups))
 
 
 if __name__ == "__main__":

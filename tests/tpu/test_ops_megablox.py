@@ -335,6 +335,42 @@ def test_choose_tiling_fits_each_chip(chip):
     assert kernels.choose_tiling(4096, 1024, 1024, 64, jnp.bfloat16, jnp.float32, info=info)[0] == 128
 
 
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "v4", "v5p"])
+def test_choose_tiling_keeps_a_step_to_the_code_cap(chip):
+    """A step's product is straight-line code: at most ``_MAX_STEP_PUSHES`` MXU pushes, n shrunk
+    first (on the v5e 4096^3 in 8 groups was 77k bundles in 4 overlays at tn=2048, 39k at 1024)."""
+    tiling = importlib.import_module("pallas_tpu.ops.megablox.tiling")
+    info = pltpu.get_tpu_info(chip)
+    shapes = [(4096, 4096, 4096, 8), (16384, 4096, 4096, 32), (8192, 2048, 2048, 8), (2048, 16384, 512, 4)]
+    for m, k, n, g in shapes:
+        for out in (jnp.float32, jnp.bfloat16):
+            tm, tk, tn = kernels.choose_tiling(m, k, n, g, jnp.bfloat16, out, info=info)
+            assert tiling.mxu_pushes(tm, tk, tn, 2, info) <= tiling._MAX_STEP_PUSHES, (m, k, n, tm, tk, tn)
+            assert k % tk == 0 and n % tn == 0, (m, k, n, tm, tk, tn)
+    if chip == "v5e":
+        assert kernels.choose_tiling(4096, 4096, 4096, 8, jnp.bfloat16, jnp.float32, info=info) == (
+            512,
+            4096,
+            1024,
+        )
+        assert kernels.choose_tiling(8192, 2048, 2048, 8, jnp.bfloat16, jnp.float32, info=info) == (
+            512,
+            2048,
+            2048,
+        )
+        # n as narrow as 512 already: k shrinks instead.
+        assert kernels.choose_tiling(2048, 16384, 512, 4, jnp.bfloat16, jnp.float32, info=info) == (
+            512,
+            8192,
+            512,
+        )
+        # tgmm's output tiles are well under the cap: unchanged.
+        got = kernels.choose_tiling(
+            4096, 4096, 4096, 8, jnp.bfloat16, jnp.float32, transposed=True, info=info
+        )
+        assert got == (512, 1024, 1024)
+
+
 def test_gmm_default_tiling_compiles_at_scale():
     from test_ops_matmul import compile_for_chips
 

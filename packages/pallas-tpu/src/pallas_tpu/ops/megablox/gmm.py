@@ -39,10 +39,10 @@ import pallas as pl
 import pallas_tpu as pltpu
 from pallas_tpu.ops import matmul as _matmul
 from pallas_tpu.ops.megablox import schedule as sched
+from pallas_tpu.ops.megablox.tiling import choose_tiling, vmem_bytes
 
 LutFn = Callable[[int, int, int], "tuple[int, int, int] | None"]
 
-_MAX_TM = 512
 _LANE = 128
 # A visit of a tile that other groups share computes only the chunks of rows (of this many)
 # its group has rows in: a group boundary costs at most one chunk twice, not a whole tile.
@@ -123,57 +123,6 @@ def _mxu_dtype(lhs, rhs, info):
     if lhs.dtype == rhs.dtype == jnp.bfloat16 and info.is_matmul_supported(jnp.bfloat16, jnp.bfloat16):
         return np.dtype(jnp.bfloat16)
     return np.dtype(np.float32)
-
-
-def _row_tile(m: int, num_groups: int) -> int:
-    """Rows per tile: the largest power of two up to the mean group size, 128 to 512 rows;
-    a tile much taller than a group computes mostly rows it throws away."""
-    mean = max(m // max(num_groups, 1), 1)
-    tm = _LANE
-    while tm * 2 <= min(mean, _MAX_TM):
-        tm *= 2
-    return m if m <= tm else tm
-
-
-def _shrink(dim: int, t: int) -> int:
-    half = max(_LANE, (t // 2) // _LANE * _LANE)
-    return _matmul.fit_block(dim, half) or half
-
-
-def choose_tiling(m, k, n, num_groups, in_dtype, out_dtype, *, transposed=False, existing=False, info=None):
-    """``(tm, tk, tn)`` for ``gmm`` (``transposed=True``: for ``tgmm``) on the chip ``info``
-    (default ``pltpu.get_tpu_info()``). ``gmm``: the whole of k and n while the
-    double-buffered blocks fit the VMEM budget (n shrunk first, then k), at least one
-    n tile per TensorCore. ``tgmm``: output tiles of up to 1024 x 1024, so that each
-    step's loads feed the MXU for longer than they take."""
-    info = info or pltpu.get_tpu_info()
-    isz, osz = np.dtype(in_dtype).itemsize, np.dtype(out_dtype).itemsize
-    budget = _matmul.VMEM_BUDGET_FRACTION * info.vmem_capacity_bytes
-    tm = _row_tile(m, num_groups)
-    if transposed:
-        tk, tn = _matmul.fit_block(k, 1024) or 1024, _matmul.fit_block(n, 1024) or 1024
-    else:
-        tk, tn = k, n
-    if info.num_cores > 1 and n >= 2 * _LANE:
-        tn = min(tn, _shrink(n, n))
-    while True:
-        need = _vmem_bytes(
-            tm, tk, tn, isz, osz, tiles_k=-(-k // tk), transposed=transposed, existing=existing
-        )
-        if need <= budget or (tn <= _LANE and tk <= _LANE):
-            return tm, tk, tn
-        if tn >= tk and tn > _LANE:
-            tn = _shrink(n, tn)
-        else:
-            tk = _shrink(k, tk)
-
-
-def _vmem_bytes(tm, tk, tn, isz, osz, *, tiles_k, transposed, existing):
-    """What the blocks of one step hold in VMEM (inputs and output double-buffered)."""
-    if transposed:  # lhs (tk, tm), rhs (tm, tn), out (tk, tn), f32 accumulator
-        return 2 * (tk * tm + tm * tn) * isz + 2 * tk * tn * osz * (1 + existing) + 2 * tk * tn * 4
-    acc = tm * tn * 4 if tiles_k > 1 else 0
-    return 2 * (tm * tk + tk * tn) * isz + 2 * tm * tn * osz * (1 + existing) + acc + tm * tn * 4
 
 
 def _resolve_tiling(op, tiling, m, k, n, num_groups, in_dtype, out_dtype, *, transposed, existing, info):
@@ -394,7 +343,7 @@ def gmm(
         _gmm_kernel, tm=tm, tiles_k=tiles_k, k_tail=k_tail, contract=1 if transpose_rhs else 0,
         widen=widen, existing=existing_out is not None,
     )  # fmt: skip
-    need = _vmem_bytes(
+    need = vmem_bytes(
         tm, tk, tn, mxu.itemsize, out_dtype.itemsize, tiles_k=tiles_k, transposed=False,
         existing=existing_out is not None,
     )  # fmt: skip
@@ -526,7 +475,7 @@ def transposed_gmm(
     kernel = functools.partial(
         _tgmm_kernel, lhs_rows_first=lhs_rows_first, widen=widen, existing=existing_out is not None
     )
-    need = _vmem_bytes(
+    need = vmem_bytes(
         tm, tk, tn, mxu.itemsize, out_dtype.itemsize, tiles_k=tiles_k, transposed=True,
         existing=existing_out is not None,
     )  # fmt: skip

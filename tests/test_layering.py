@@ -14,15 +14,7 @@ import ast
 import pathlib
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-SRC = {
-    "pallas": ROOT / "packages/pallas-core/src",
-    "pallas_tpu": ROOT / "packages/pallas-tpu/src",
-    "pallas_gpu": ROOT / "packages/pallas-gpu/src",
-    "jax_triton": ROOT / "packages/jax-triton/src",
-    "jax_kernel_runtime": ROOT / "src",
-}
+from test_private_names import PACKAGES as SRC  # each package's src/ folder
 
 # Per package, its floors, bottom first; each floor a tuple of wings, each wing a module or a
 # package of modules (named relative to the top package). A module belongs to the longest wing

@@ -158,6 +158,7 @@ def _make_splash_attention(
     q_seq_shards: int,
     residual_checkpoint_name: str | None = None,
     interpret: bool = False,
+    _leaves: Callable[[Any], Any] = jnp.asarray,  # how the mask info's arrays are held
 ):
     if isinstance(mask, jax.Array):
         raise NotImplementedError(
@@ -186,6 +187,9 @@ def _make_splash_attention(
             remake = functools.partial(
                 _make_splash_attention,
                 mask,
+                # Made at the first call, maybe inside a trace (even under an abstract mesh,
+                # where no jax.Array can be made): host arrays, constants of any trace.
+                _leaves=np.asarray,
                 is_mqa=is_mqa,
                 save_residuals=save_residuals,
                 mask_value=mask_value,
@@ -216,7 +220,7 @@ def _make_splash_attention(
             block_kv_compute=chunk,
             **kw,
         )
-        return jax.tree.map(jnp.asarray, info), function, patterns
+        return jax.tree.map(_leaves, info), function, patterns
 
     b = block_sizes
     fwd_info, mask_function, fwd_patterns = process(
@@ -277,10 +281,7 @@ class _Rechoose:
         if blocks == kernel.kwargs["block_sizes"]:
             return kernel
         if blocks not in self._made:
-            # Made at the first call, maybe inside a trace: its mask info must be concrete
-            # arrays, not that trace's values (they would leak into later traces).
-            with jax.ensure_compile_time_eval():
-                made = self._remake(block_sizes=blocks)
+            made = self._remake(block_sizes=blocks)
             made.kwargs["rechoose"] = None
             self._made[blocks] = made
         return self._made[blocks]

@@ -726,6 +726,38 @@ def test_force_tpu_interpret_mode():
         )
 
 
+@interpret_only(reason="force_tpu_interpret_mode itself")
+def test_force_tpu_interpret_mode_is_part_of_the_jit_key():
+    """A function jitted outside the ``with`` block is traced again inside it, and the block's
+    mode does not stay in the cache after it (as JAX's, a config state in the jit key): an
+    uninitialized scratch reads NaN by default and zeros under ``uninitialized_memory="zero"``."""
+    x = rand(32, (8, 128))
+
+    def kernel(x_ref, o_ref, scratch):
+        o_ref[...] = scratch[...] + x_ref[...]
+
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype)],
+    )
+    f = jax.jit(call)
+    zero = pltpu.InterpretParams(uninitialized_memory="zero")
+    assert np.isnan(np.asarray(f(x))).all()
+    with pltpu.force_tpu_interpret_mode(zero):
+        close(f(x), x)
+        with pltpu.force_tpu_interpret_mode(None):  # JAX's: None forces nothing in its block
+            assert np.isnan(np.asarray(f(x))).all()
+        close(f(x), x)
+    assert np.isnan(np.asarray(f(x))).all()
+    pltpu.set_tpu_interpret_mode(zero)
+    try:
+        close(f(x), x)
+    finally:
+        pltpu.set_tpu_interpret_mode(None)
+    assert np.isnan(np.asarray(f(x))).all()
+
+
 def masked_load_store(pl, pltpu, x, y, mask, *, interpret):
     def kernel(x_ref, y_ref, m_ref, a_ref, b_ref):
         m = m_ref[...] != 0

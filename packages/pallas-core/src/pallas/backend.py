@@ -82,8 +82,10 @@ from pallas._src.zero_stride import broadcast_zero_stride_reads as broadcast_zer
 from pallas._src.zero_stride import check_zero_stride_writes as check_zero_stride_writes
 
 
-def forced_interpret() -> list[Any]:
-    """The stack of process-wide ``interpret`` defaults (push/pop to force one)."""
+def forced_interpret() -> Any:
+    """The default ``interpret`` of every ``pallas_call`` that passes none: a JAX config state
+    (part of the jit cache key), ``with forced_interpret()(params):`` forces ``params`` in a
+    block, ``forced_interpret().set_global(params)`` from now on, ``.value`` reads it."""
     from pallas._src import pallas_call
 
-    return pallas_call.forced_interpret_stack
+    return pallas_call.forced_interpret_state

@@ -467,3 +467,12 @@ def reads_past_the_block_reach_the_array() -> bool:
     import jax
 
     return jax.__version_info__ < (0, 12)
+
+
+def config_state(name: str, help: str):  # noqa: A002  (JAX's parameter name)
+    """A JAX config state holding any object (default None) that is part of the jit cache key
+    and the trace context, settable thread-locally (``with state(value)``) and globally
+    (``state.set_global(value)``); ``state.value`` reads it. The name must be new to JAX."""
+    return _config.string_or_object_state(
+        name, None, help, include_in_jit_key=True, include_in_trace_context=True
+    )

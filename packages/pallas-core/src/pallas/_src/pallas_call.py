@@ -549,8 +549,13 @@ def _prefetch_aval(grid_spec, aval, what: str, err: Err):
     return make(aval) if make is not None else compat.ref_aval(aval.shape, aval.dtype)
 
 
-# A process-wide default for ``interpret`` (``pltpu.force_tpu_interpret_mode``).
-forced_interpret_stack: list[Any] = []
+# The default for ``interpret`` (``pltpu.force_tpu_interpret_mode``): a JAX config state, so
+# that it is part of the jit cache key (a function jitted outside the ``with`` block is traced
+# again inside it, as JAX's ``pallas_tpu_interpret_mode_context_manager``) and thread-local.
+forced_interpret_state = compat.config_state(
+    "pallas_forced_interpret_mode",
+    "The interpret parameters every pallas_call that passes no interpret= runs with (None: none).",
+)
 
 
 def _function_name(fn) -> str:
@@ -561,8 +566,9 @@ def _function_name(fn) -> str:
 
 
 def _effective_interpret(interpret):
-    if not interpret and forced_interpret_stack:
-        return forced_interpret_stack[-1]
+    forced = forced_interpret_state.value
+    if not interpret and forced is not None:
+        return forced
     return True if interpret is True else (interpret or False)
 
 

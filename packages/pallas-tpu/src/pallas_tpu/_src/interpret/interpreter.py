@@ -43,6 +43,7 @@ registered in ``rules.py``'s tables. This module holds ``InterpretParams``, the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -560,23 +561,20 @@ class Interpreter:
 # Forcing TPU interpret mode on every pallas_call (JAX's API).
 
 
-class force_tpu_interpret_mode:  # noqa: N801  (JAX's name; a context manager)
-    """Runs every ``pallas_call`` in the ``with`` block (that does not pass
-    ``interpret`` itself) in TPU interpret mode with ``params``."""
-
-    def __init__(self, params: InterpretParams | None = None):
-        self.params = params or InterpretParams()
-
-    def __enter__(self):
-        plb.forced_interpret().append(self.params)
-        return self
-
-    def __exit__(self, *exc):
-        plb.forced_interpret().pop()
+_DEFAULT_PARAMS: Any = object()  # a call that names no params: InterpretParams()
 
 
-def set_tpu_interpret_mode(params: InterpretParams | None = None) -> None:
-    """Makes TPU interpret mode (with ``params``) the default from now on."""
-    stack = plb.forced_interpret()
-    stack.clear()
-    stack.append(params or InterpretParams())
+@contextlib.contextmanager
+def force_tpu_interpret_mode(params: InterpretParams | None = _DEFAULT_PARAMS):
+    """Runs every ``pallas_call`` traced in the ``with`` block (that does not pass
+    ``interpret`` itself) in TPU interpret mode with ``params`` (default
+    ``InterpretParams()``; None: none forced in the block). Part of the jit cache key, as
+    in JAX: a function jitted outside the block is traced again inside it."""
+    with plb.forced_interpret()(InterpretParams() if params is _DEFAULT_PARAMS else params):
+        yield
+
+
+def set_tpu_interpret_mode(params: InterpretParams | None = _DEFAULT_PARAMS) -> None:
+    """Makes TPU interpret mode (with ``params``, default ``InterpretParams()``) the default
+    from now on; None makes it no longer the default."""
+    plb.forced_interpret().set_global(InterpretParams() if params is _DEFAULT_PARAMS else params)

@@ -3,7 +3,8 @@ class in ``pallas_tpu/_src/interpret/`` reads a ``self.`` member that it neither
 defines (assigns in its own methods, its class body or its dataclass fields, or
 defines as a method or property) nor receives (a constructor parameter). A mixin
 that reads its host's members, or an attribute set onto an object from outside,
-fails here."""
+fails here. And no part is handed the whole ``Interpreter`` (``interpreter_handoffs``):
+each receives the parts it needs (memory, Ref access, checks, the cursor...)."""
 
 from __future__ import annotations
 
@@ -114,6 +115,103 @@ def test_no_mixin_bases():
         if sum(b in classes for b in _base_names(node)) > 0
     ]
     assert not mixed, "\n".join(mixed)
+
+
+# Names the interpreter goes by where it is handed around (the rules' first argument).
+_INTERP_NAMES = {"interp", "interpreter"}
+# Classes that hold the interpreter because they drive it, not parts of it: pallas_call's
+# record of the running call (``_Call``: the interpreter, the jaxpr, the grid mapping).
+_OWNERS = {"_Call"}
+
+
+def _is_rule_call(call: ast.Call) -> bool:
+    """A call of a primitive's rule (``STATE_RULES[p](interp, eqn, ...)``, ``rule(...)``):
+    rules are functions of the interpreter (``rules.py``), not parts that keep it."""
+    callee = ast.unparse(call.func)
+    return "RULES" in callee or callee == "rule"
+
+
+def _names_interpreter(name: str, annotation: ast.expr | None) -> bool:
+    return name in _INTERP_NAMES or (annotation is not None and "Interpreter" in ast.unparse(annotation))
+
+
+def _holds(cls: ast.ClassDef) -> list[tuple[int, str]]:
+    """Where ``cls`` receives or keeps the interpreter: a constructor parameter or a
+    field named so or annotated ``Interpreter``, a ``self.interp`` member."""
+    out = []
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            if _names_interpreter(stmt.target.id, stmt.annotation):
+                out.append((stmt.lineno, f"has a field {stmt.target.id}"))
+        if isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":
+            a = stmt.args
+            for arg in a.posonlyargs + a.args[1:] + a.kwonlyargs:
+                if _names_interpreter(arg.arg, arg.annotation):
+                    out.append((stmt.lineno, f"receives {arg.arg}"))
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and (me := _self_name(stmt)):
+            for node in ast.walk(stmt):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in _INTERP_NAMES
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == me
+                ):
+                    out.append((node.lineno, f"keeps {me}.{node.attr}"))
+    return out
+
+
+def interpreter_handoffs(root: pathlib.Path = INTERPRET) -> list[str]:
+    """Where a class of interpret/ other than the ``Interpreter`` (and the ``_OWNERS``
+    that drive it) gets the interpreter itself (``_holds``), is constructed with it,
+    or where the ``Interpreter`` hands ``self`` to anything but a rule."""
+    trees = {path.name: ast.parse(path.read_text()) for path in sorted(root.glob("*.py"))}
+    classes = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    parts = classes - _OWNERS - {"Interpreter"}
+    out = []
+    for file, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name in parts:
+                out += [f"{file}:{line}: {node.name} {what} (the interpreter)" for line, what in _holds(node)]
+            elif isinstance(node, ast.Call) and not _is_rule_call(node):
+                callee = ast.unparse(node.func).rsplit(".", 1)[-1]
+                args = [*node.args, *(k.value for k in node.keywords)]
+                if callee in parts and any(isinstance(a, ast.Name) and a.id in _INTERP_NAMES for a in args):
+                    out.append(f"{file}:{node.lineno}: {callee} is constructed with the interpreter")
+            elif isinstance(node, ast.ClassDef) and node.name == "Interpreter":
+                for call in ast.walk(node):
+                    if not isinstance(call, ast.Call) or _is_rule_call(call):
+                        continue
+                    args = [*call.args, *(k.value for k in call.keywords)]
+                    if any(isinstance(a, ast.Name) and a.id == "self" for a in args):
+                        out.append(
+                            f"{file}:{call.lineno}: the Interpreter hands itself to {ast.unparse(call.func)}"
+                        )
+    return out
+
+
+def test_no_part_receives_the_interpreter():
+    bad = interpreter_handoffs()
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "source, found",
+    [
+        ("class A:\n    def __init__(self, interp):\n        self.x = interp.memory\n", 1),
+        ("class A:\n    owner: Interpreter\n", 1),
+        ("class _Call:\n    interp: Interpreter\n", 0),
+        ("class A:\n    def __init__(self, owner: Interpreter):\n        pass\n", 1),
+        ("class A:\n    def f(self):\n        return self.interp.memory\n", 1),
+        ("class Interpreter:\n    def __init__(self):\n        self.t = (make or Local)(self)\n", 1),
+        ("class B:\n    pass\ndef make(interp):\n    return B(interp)\n", 1),
+        ("class Interpreter:\n    def f(self, eqn):\n        return RULES[eqn](self, eqn)\n", 0),
+        ("class Interpreter:\n    def __init__(self):\n        self.a = A(self.memory, self.where)\n", 0),
+        ("def rule(interp, eqn):\n    return interp.memory\n", 0),
+    ],
+)
+def test_the_handoff_check_sees_handoffs(tmp_path, source, found):
+    (tmp_path / "m.py").write_text(source)
+    assert len(interpreter_handoffs(tmp_path)) == found, interpreter_handoffs(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import mxu as interpret_mxu
 from pallas_tpu._src.interpret import rules, shared_scopes
-from pallas_tpu._src.interpret.interpreter import CALL_PARAMS, Hidden, drain, is_static_scalar
+from pallas_tpu._src.interpret.cursor import Hidden
+from pallas_tpu._src.interpret.interpreter import CALL_PARAMS, drain, is_static_scalar
 from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import mxu as tpu_mxu

@@ -25,224 +25,233 @@ slot of the buffer, another buffer, a local descriptor for a remote copy).
   shadows and lands a 1-d run: XLA compiles one kernel for buffers of one size
   whatever their shapes (its CPU compile time goes mostly by distinct kernels).
 * A DMA whose size is traced (``src.at[pl.ds(i, n)]`` with ``n`` read from
-  SMEM) moves the flat elements of its views (``Interpreter.view_indices``):
+  SMEM) moves the flat elements of its views (``RefAccess.view_indices``):
   static upper-bound shapes, the elements past ``n`` masked out.
 
-Remote DMAs (``device_id=``) go through the hooks ``remote_dma_start``,
-``remote_dma_wait`` (the send side) and ``dma_receive``, which the
-multi-device interpreter (``multi.py``) implements.
+``DmaEngine`` runs them: it owns what on_wait DMAs leave in flight (which
+semaphores' DMAs went to which buffers), reads and writes the DMAs' ends through
+``dma_views.DmaViews``, and talks to a transport (``transport.LocalTransport`` for
+one device, ``multi.DeviceTransport`` for several or for race detection): remote
+DMAs (``device_id=``) go through its ``remote_dma_start``, ``remote_dma_wait``
+(the send side) and ``dma_receive``, race detection through ``on_dma_start`` and
+``on_dma_wait``, semaphores that it shares through ``semaphores.Semaphores``.
 """
 
 from __future__ import annotations
-
-import contextlib
-import dataclasses
-import math
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from pallas import backend as plb
-from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import rules as interpret_rules
-from pallas_tpu._src.interpret.errors import count_true
-from pallas_tpu._src.interpret.refs import RefView, clip_index, has_traced_sizes, is_slice, is_static_int
+from pallas_tpu._src.interpret.dma_views import DmaView, DmaViews
+from pallas_tpu._src.interpret.errors import Checks, count_true
+from pallas_tpu._src.interpret.memory import Memory
+from pallas_tpu._src.interpret.refs import RefAccess, RefView, is_slice, is_static_int
+from pallas_tpu._src.interpret.semaphores import Semaphores
 from pallas_tpu._src.language import primitives as tpu_prims
 
 
-@dataclasses.dataclass(frozen=True)
-class DmaView:
-    """One end of a DMA: a view of a cell, its dtype and shape (ints, or traced
-    sizes), and for a view whose size is traced its flat element indices
-    (``Interpreter.view_indices``; None for a static view)."""
+class DmaEngine:
+    """Starts and waits of a kernel's DMAs (see the module docstring) over
+    ``memory``'s cells, their ends made, read and written by ``views``, their
+    bounds through ``refs`` and ``checks``; byte counts on ``semaphores``; what
+    leaves the device through ``transport``. ``on_wait``: ``dma_execution_mode``
+    is ``"on_wait"`` (copies into shadowed buffers land at their wait)."""
 
-    view: RefView
-    dtype: Any
-    shape: tuple
-    idx: Any = None
+    def __init__(
+        self,
+        views: DmaViews,
+        memory: Memory,
+        refs: RefAccess,
+        checks: Checks,
+        semaphores: Semaphores,
+        transport,
+        *,
+        on_wait: bool,
+    ):
+        self.views = views
+        self.memory = memory
+        self.refs = refs
+        self.checks = checks
+        self.semaphores = semaphores
+        self.transport = transport
+        self.on_wait = on_wait
+        self.sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
 
-    @property
-    def cell(self) -> int:
-        return self.view.cell
+    # -- the rules ------------------------------------------------------------
 
-    def on(self, cell: int) -> DmaView:
-        """The same region of a companion cell of the same shape (shadow, marks)."""
-        return dataclasses.replace(self, view=RefView(cell, self.view.transforms))
-
-    @property
-    def nbytes(self):
-        """The byte count: an int, or a traced int32 when the size is traced."""
-        return _as_count(math.prod(self.shape) * np.dtype(self.dtype).itemsize)
-
-
-def _as_count(n):
-    return n if isinstance(n, (int, np.integer)) else jnp.asarray(n, jnp.int32)
-
-
-def dma_view(interp, view: RefView, eqn, what: str) -> DmaView:
-    x = interp.state[view.cell]
-    if not any(has_traced_sizes(t) for t in view.transforms):
-        aval = plb.transformed_aval(compat.shaped_array(x.shape, x.dtype), view.transforms)
-        return DmaView(view, aval.dtype, tuple(aval.shape))
-    idx, shape = interp.view_indices(view, eqn, what)
-    return DmaView(view, x.dtype, shape, idx)
-
-
-def dma_nbytes(interp, view: RefView, eqn):
-    """The byte count of a descriptor's view: what a wait on it takes off its semaphore."""
-    x = interp.state[view.cell]
-    aval = plb.transformed_aval(compat.shaped_array(x.shape, x.dtype), view.transforms)
-    return _as_count(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
-
-
-def endpoints(interp, eqn, src_view: RefView, dst_view: RefView) -> tuple[DmaView, DmaView]:
-    """The two ends of a DMA. When a size is traced, both as flat indices of
-    one static shape (position i of one is position i of the other)."""
-    src = dma_view(interp, src_view, eqn, "DMA read")
-    dst = dma_view(interp, dst_view, eqn, "DMA write")
-    if src.idx is None and dst.idx is None:
-        return src, dst
-    if src.idx is None:
-        src = dataclasses.replace(src, idx=interp.view_indices(src_view, eqn, "DMA read")[0])
-    if dst.idx is None:
-        dst = dataclasses.replace(dst, idx=interp.view_indices(dst_view, eqn, "DMA write")[0])
-    common = tuple(slice(0, min(a, b)) for a, b in zip(src.idx.shape, dst.idx.shape))
-    src = dataclasses.replace(src, idx=src.idx[common])
-    dst = dataclasses.replace(dst, idx=dst.idx[common])
-    for d, (a, b) in enumerate(zip(src.shape, dst.shape)):
-        if not (isinstance(a, int) and isinstance(b, int)):
-            interp.check(
-                jnp.asarray(a) == jnp.asarray(b),
-                f"{interp.where(eqn)}: the DMA's source has {{0}} elements along dimension {d} "
-                "and its destination {1}; they must be equal",
-                [a, b],
-            )
-    return src, dst
-
-
-def flat_region(interp, dv: DmaView, eqn, what: str):
-    """(flat offset, element count) of the elements of ``dv``'s cell that a static
-    view covers, when they are one contiguous run (row-major: a view such as
-    ``buf.at[slot]`` or ``x.at[pl.ds(i, 128)]``); None otherwise. The offset's
-    indices are bounds-checked and clamped as a read of the view is.
-
-    DMAs move such regions as 1-d runs of the flattened cells (a bitcast to XLA):
-    the kernels XLA compiles for them then depend on the run's length only, so
-    buffers of one size and different shapes share them (XLA's CPU compile time
-    goes mostly by distinct kernels)."""
-    if dv.idx is not None:
-        return None
-    x = interp.state[dv.cell]
-    ts = dv.view.transforms
-    if not ts:
-        return (0, x.size) if x.size else None
-    if len(ts) != 1 or not hasattr(ts[0], "indices") or len(ts[0].indices) != x.ndim:
-        return None
-    sizes = []
-    for ix in ts[0].indices:
-        if is_slice(ix):
-            if not (is_static_int(ix.size) and is_static_int(ix.stride) and int(ix.stride) == 1):
-                return None
-            sizes.append(int(ix.size))
-        elif jnp.ndim(ix) == 0:
-            sizes.append(1)
+    def start(self, eqn, ops) -> list:
+        layout, v = _dma_parts(eqn, ops)
+        if layout.device_id_tree is not None:
+            self.transport.remote_dma_start(eqn, v, layout)
+            return []
+        src, dst = self.views.endpoints(eqn, v["src"], v["dst"])
+        add = bool(eqn.params.get("add", False))
+        if self.on_wait and self._shadowed(dst.cell):
+            self._start_pending(eqn, src, dst, v["dst_sem"], add)
         else:
-            return None
-    if not all(sizes):
-        return None
-    partial = [d for d, (k, n) in enumerate(zip(sizes, x.shape)) if k < n]
-    if partial and any(k > 1 for k in sizes[: partial[-1]]):
-        return None  # rows of a block narrower than the buffer: not one run
-    starts = interp.refs.index_parts(x.shape, ts[0], eqn, dv.view, what)[0]
-    fixed, terms, step = 0, [], 1
-    for d in reversed(range(x.ndim)):
-        if sizes[d] < x.shape[d]:
-            st = clip_index(starts[d], 0, x.shape[d] - sizes[d])
-            if is_static_int(st):
-                fixed += int(st) * step
-            else:
-                terms.append(lax.mul(st, np.int32(step)) if step != 1 else st)
-        step *= x.shape[d]
-    if not terms:
-        return fixed, math.prod(sizes)
-    offset = terms[0]
-    for t in terms[1:]:
-        offset = lax.add(offset, t)
-    return (lax.add(offset, np.int32(fixed)) if fixed else offset), math.prod(sizes)
+            self._copy(eqn, src, dst, add)
+        self.semaphores.add(v["dst_sem"], src.nbytes, eqn)
+        self.transport.on_dma_start(eqn, v)
+        return []
 
+    def wait(self, eqn, ops) -> list:
+        layout, v = _dma_parts(eqn, ops)
+        which = eqn.params["which"]
+        if which == "send":
+            self.transport.remote_dma_wait(eqn, v, layout, which)
+            return []
+        nbytes = self.views.dma_nbytes(v["src"], eqn)
+        self.transport.dma_receive(
+            eqn, v["dst_sem"], v["dst"], nbytes, remote=layout.device_id_tree is not None
+        )
+        self.semaphores.wait(v["dst_sem"], nbytes, eqn, what="DMA semaphore")
+        if self.on_wait and v["dst_sem"].cell in self.memory.shadows:
+            self._commit_pending(eqn, v["dst_sem"], v["dst"], nbytes)
+        if which == "dst":
+            self.transport.on_dma_wait(eqn, v)
+        return []
 
-def _flat(x):
-    return lax.reshape(x, (x.size,))
+    # -- copies ---------------------------------------------------------------
 
+    def _shadowed(self, cell: int) -> bool:
+        """An on-chip data buffer that on_wait DMAs land in through a shadow."""
+        return len(self.memory.shadows.get(cell, ())) == 2
 
-def _run(flat, region):
-    offset, n = region
-    if is_static_int(offset):
-        return flat if (offset, n) == (0, flat.size) else lax.slice(flat, (offset,), (offset + n,))
-    return lax.dynamic_slice(flat, (offset,), (n,), allow_negative_indices=False)  # clamped
+    def _read_src(self, eqn, src: DmaView):
+        """A DMA's source data, and whether it is a flat run (``flat_region``)."""
+        region = self.views.flat_region(src, eqn, "DMA read")
+        if region is None:
+            return self.views.read(src, eqn, "DMA read"), False
+        return self.views.read(src, eqn, "DMA read", region=region), True
 
+    def _dst_run(self, eqn, src: DmaView, dst: DmaView):
+        """A DMA's source data and its destination's ``flat_region``: the data a 1-d run
+        when both ends are one, else in the source view's shape. (A block of rows narrower
+        than its array is not flattened: XLA would then compute each element's row and
+        column by a division in the copy's loop, 1.7x slower in steady state.)"""
+        val, flat = self._read_src(eqn, src)
+        region = self.views.flat_region(dst, eqn, "DMA write") if flat else None
+        if region is not None:
+            return val, region
+        return (lax.reshape(val, src.shape) if flat else val), None
 
-def _put_run(flat, region, val):
-    offset, n = region
-    val = lax.reshape(jnp.asarray(val, flat.dtype), (n,))
-    if is_static_int(offset) and (offset, n) == (0, flat.size):
-        return val
-    return lax.dynamic_update_slice(
-        flat, val, (jnp.asarray(offset, jnp.int32),), allow_negative_indices=False
-    )
+    def _copy(self, eqn, src: DmaView, dst: DmaView, add: bool) -> None:
+        val, region = self._dst_run(eqn, src, dst)
+        if add:
+            val = self.views.read(dst, eqn, "write", region=region) + val
+        self.views.write(dst, val, eqn, region=region)
 
+    # -- on_wait: DMAs in flight ----------------------------------------------
 
-def read(interp, dv: DmaView, eqn, what: str, cell: int | None = None, region=None):
-    """The view's elements in ``cell``: by default its own data cell, else a flat
-    companion of it (``interp.shadows``). With ``region`` (``flat_region``'s
-    answer), as a 1-d run."""
-    x = interp.state[dv.cell if cell is None else cell]
-    if region is not None:
-        return _run(lax.reshape(x, (x.size,)), region)
-    with _shaped(interp, dv, cell):
-        dv = dv if cell is None else dv.on(cell)
-        if dv.idx is None:
-            return interp.read_view(dv.view, eqn, what=what)
-        x = interp.state[dv.cell]
-        return x.reshape(-1)[jnp.clip(dv.idx, 0, max(x.size - 1, 0))]
+    def _sem_code(self, view, eqn):
+        """A number naming one semaphore (its cell and element), >= 1."""
+        base = self.memory.sem_code_bases.get(view.cell, np.int32(view.cell * 65536 + 1))
+        return lax.add(self.refs.flat_index(view, eqn), base)
 
+    def _start_pending(self, eqn, src: DmaView, dst: DmaView, sem, add: bool) -> None:
+        """on_wait: the data goes to the destination's shadow, marked with the
+        semaphore whose wait lands it (whatever descriptor that wait is given)."""
+        shadow, pending = self.memory.shadows[dst.cell]
+        val, region = self._dst_run(eqn, src, dst)
+        if region is None and dst.idx is None:
+            self.refs.read_view(dst.view, eqn, what="DMA write")  # bounds of the destination
+        if add or not self._whole_slot(dst):
+            self._land_earlier(eqn, dst, shadow, pending, region)
+        self.views.write(dst, val, eqn, cell=shadow, region=region)
+        mark = self._sem_code(sem, eqn) * 2 + int(add)
+        self.views.write(dst, jnp.full(jnp.shape(val), mark, jnp.int32), eqn, cell=pending, region=region)
+        site = (sem.cell, dst.cell)
+        if site not in self.sites:
+            self.sites.append(site)
 
-def write(interp, dv: DmaView, val, eqn, cell: int | None = None, region=None) -> None:
-    """Writes ``val`` (the view's shape, or a 1-d run with ``region``) as ``read`` reads."""
-    if region is not None:
-        c = dv.cell if cell is None else cell
-        x = interp.state[c]
-        interp.state[c] = lax.reshape(_put_run(lax.reshape(x, (x.size,)), region, val), x.shape)
-        return
-    with _shaped(interp, dv, cell):
-        dv = dv if cell is None else dv.on(cell)
-        if dv.idx is None:
-            interp.write_view(dv.view, val, eqn)
+    def _whole_slot(self, dv: DmaView) -> bool:
+        """``dv`` is the whole buffer or a whole slot of it (integer indices on leading
+        axes, the rest whole: ``buf.at[slot]``): two such views of a buffer are the same
+        elements or none of the same."""
+        if dv.idx is not None:
+            return False
+        ts = dv.view.transforms
+        if not ts:
+            return True
+        x = self.memory.state[dv.cell]
+        if len(ts) != 1 or not hasattr(ts[0], "indices") or len(ts[0].indices) != x.ndim:
+            return False
+        whole = False
+        for ix, n in zip(ts[0].indices, x.shape):
+            if is_slice(ix):
+                if not (is_static_int(ix.size) and int(ix.size) == n):
+                    return False
+                whole = True
+            elif jnp.ndim(ix) != 0 or whole:
+                return False
+        return True
+
+    def _land_earlier(self, eqn, dst: DmaView, shadow: int, pending: int, region) -> None:
+        """What earlier DMAs left pending in ``dst`` lands before a DMA start replaces its
+        shadow: a TPU lands a DMA's data at any time before its wait. Two DMAs in flight
+        into overlapping regions of a ring buffer (tokamax's routing gmm fetches its row
+        indices so) otherwise lost the earlier one's data where they overlap (its wait
+        landed nothing there and the kernel read the old contents), and of two adding
+        DMAs one addition. (A DMA into a whole slot that another DMA still fills is a
+        race on a TPU unless it adds: ``_whole_slot`` starts skip this.)"""
+        with self.checks.unchecked():  # the destination was checked by the caller
+            new, _, _ = self._land_view(eqn, dst, shadow, pending, region, None)
+            self.views.write(dst, new, eqn, region=region)
+
+    def _land_view(self, eqn, dv: DmaView, shadow: int, pending: int, region, code):
+        """``_land`` over the elements of ``dv`` (its shadow, marks and data)."""
+        return _land(
+            self.views.read(dv, eqn, "read", cell=shadow, region=region),
+            self.views.read(dv, eqn, "read", cell=pending, region=region),
+            self.views.read(dv, eqn, "read", region=region),
+            code,
+            self.views.valid(dv),
+        )
+
+    def _commit_pending(self, eqn, sem, dst_view: RefView, nbytes) -> None:
+        """on_wait: a wait on a DMA semaphore lands the DMAs started on it.
+
+        The region the wait's descriptor names is landed first (cheap, and all a
+        wait with the start's own descriptor needs). Only when that landed fewer
+        bytes than the wait takes (the descriptor was rebuilt for another slot or
+        buffer) are the buffers that DMAs on the semaphore went to landed whole, in a
+        ``lax.cond``: every element still marked with the semaphore. (Marks are never
+        more than the bytes started on the semaphore and not landed, so that is
+        landing what is pending; no byte counters are kept.)"""
+        cells = sorted(
+            {d for s, d in self.sites if s == sem.cell and self._shadowed(d)}
+            | ({dst_view.cell} if self._shadowed(dst_view.cell) else set())
+        )
+        if not cells:  # no DMA on this semaphore went through a shadow: nothing to land
             return
-        x = interp.state[dv.cell]
-        val = jnp.asarray(val, x.dtype).reshape(-1)
-        interp.state[dv.cell] = x.reshape(-1).at[dv.idx.reshape(-1)].set(val, mode="drop").reshape(x.shape)
+        code = self._sem_code(sem, eqn)
+        landed = np.int32(0)
+        if self._shadowed(dst_view.cell):
+            # On a TPU the wait's descriptor names no memory: nothing to bound-check.
+            with self.checks.unchecked():
+                dv = self.views.dma_view(dst_view, eqn, "DMA wait")
+                shadow, pending = self.memory.shadows[dv.cell]
+                region = self.views.flat_region(dv, eqn, "read")
+                new, mark, n = self._land_view(eqn, dv, shadow, pending, region, code)
+                self.views.write(dv, new, eqn, region=region)
+                self.views.write(dv, mark, eqn, cell=pending, region=region)
+            landed = lax.mul(n, np.int32(np.dtype(self.memory.state[dv.cell].dtype).itemsize))
 
+        def land_all(vals, shadows):
+            return [_land(sh, mark, cur, code)[:2] for (cur, mark), sh in zip(vals, shadows)]
 
-@contextlib.contextmanager
-def _shaped(interp, dv: DmaView, cell: int | None):
-    """A flat companion cell of ``dv``'s data cell seen in the data cell's shape
-    meanwhile, for views that are not one run (strided, bitcast, traced sizes)."""
-    if cell is None or cell == dv.cell:
-        yield
-        return
-    flat = interp.state[cell].shape
-    interp.state[cell] = lax.reshape(interp.state[cell], interp.state[dv.cell].shape)
-    try:
-        yield
-    finally:
-        interp.state[cell] = lax.reshape(interp.state[cell], flat)
-
-
-def _valid(interp, dv: DmaView):
-    return None if dv.idx is None else dv.idx < interp.state[dv.cell].size
+        # Flat, as the companions are (see Memory.new_cell): buffers of one size then share
+        # the kernels of the landing.
+        vals = [(_flat(self.memory.state[c]), self.memory.state[self.memory.shadows[c][1]]) for c in cells]
+        shadows = [self.memory.state[self.memory.shadows[c][0]] for c in cells]
+        short = lax.lt(landed, jnp.asarray(nbytes, jnp.int32))
+        vals = lax.cond(short, land_all, lambda vals, shadows: [tuple(v) for v in vals], vals, shadows)
+        for c, (new, mark) in zip(cells, vals):
+            self.memory.state[c] = lax.reshape(new, self.memory.state[c].shape)
+            self.memory.state[self.memory.shadows[c][1]] = mark
 
 
 def _dma_parts(eqn, ops):
@@ -262,124 +271,6 @@ def _dma_parts(eqn, ops):
     return layout, views
 
 
-def _shadowed(interp, cell: int) -> bool:
-    """An on-chip data buffer that on_wait DMAs land in through a shadow."""
-    return len(interp.shadows.get(cell, ())) == 2
-
-
-def _read_src(interp, eqn, src: DmaView):
-    """A DMA's source data, and whether it is a flat run (``flat_region``)."""
-    region = flat_region(interp, src, eqn, "DMA read")
-    if region is None:
-        return read(interp, src, eqn, "DMA read"), False
-    return read(interp, src, eqn, "DMA read", region=region), True
-
-
-def _dst_run(interp, eqn, src: DmaView, dst: DmaView):
-    """A DMA's source data and its destination's ``flat_region``: the data a 1-d run
-    when both ends are one, else in the source view's shape. (A block of rows narrower
-    than its array is not flattened: XLA would then compute each element's row and
-    column by a division in the copy's loop, 1.7x slower in steady state.)"""
-    val, flat = _read_src(interp, eqn, src)
-    region = flat_region(interp, dst, eqn, "DMA write") if flat else None
-    if region is not None:
-        return val, region
-    return (lax.reshape(val, src.shape) if flat else val), None
-
-
-def _copy(interp, eqn, src: DmaView, dst: DmaView, add: bool) -> None:
-    val, region = _dst_run(interp, eqn, src, dst)
-    if add:
-        val = read(interp, dst, eqn, "write", region=region) + val
-    write(interp, dst, val, eqn, region=region)
-
-
-def _dma_start(interp, eqn, *ops):
-    layout, v = _dma_parts(eqn, ops)
-    if layout.device_id_tree is not None:
-        interp.remote_dma_start(eqn, v, layout)
-        return []
-    src, dst = endpoints(interp, eqn, v["src"], v["dst"])
-    add = bool(eqn.params.get("add", False))
-    if interp.params.dma_execution_mode == "on_wait" and _shadowed(interp, dst.cell):
-        _start_pending(interp, eqn, src, dst, v["dst_sem"], add)
-    else:
-        _copy(interp, eqn, src, dst, add)
-    interp.sem_add(v["dst_sem"], src.nbytes, eqn)
-    interp.on_dma_start(eqn, v)
-    return []
-
-
-def _sem_code(interp, view, eqn):
-    """A number naming one semaphore (its cell and element), >= 1."""
-    base = interp.sem_code_bases.get(view.cell, np.int32(view.cell * 65536 + 1))
-    return lax.add(interp.flat_index(view, eqn), base)
-
-
-def _start_pending(interp, eqn, src: DmaView, dst: DmaView, sem, add: bool) -> None:
-    """on_wait: the data goes to the destination's shadow, marked with the
-    semaphore whose wait lands it (whatever descriptor that wait is given)."""
-    shadow, pending = interp.shadows[dst.cell]
-    val, region = _dst_run(interp, eqn, src, dst)
-    if region is None and dst.idx is None:
-        interp.read_view(dst.view, eqn, what="DMA write")  # bounds of the destination
-    if add or not _whole_slot(interp, dst):
-        _land_earlier(interp, eqn, dst, shadow, pending, region)
-    write(interp, dst, val, eqn, cell=shadow, region=region)
-    mark = _sem_code(interp, sem, eqn) * 2 + int(add)
-    write(interp, dst, jnp.full(jnp.shape(val), mark, jnp.int32), eqn, cell=pending, region=region)
-    site = (sem.cell, dst.cell)
-    if site not in interp.dma_sites:
-        interp.dma_sites.append(site)
-
-
-def _whole_slot(interp, dv: DmaView) -> bool:
-    """``dv`` is the whole buffer or a whole slot of it (integer indices on leading
-    axes, the rest whole: ``buf.at[slot]``): two such views of a buffer are the same
-    elements or none of the same."""
-    if dv.idx is not None:
-        return False
-    ts = dv.view.transforms
-    if not ts:
-        return True
-    x = interp.state[dv.cell]
-    if len(ts) != 1 or not hasattr(ts[0], "indices") or len(ts[0].indices) != x.ndim:
-        return False
-    whole = False
-    for ix, n in zip(ts[0].indices, x.shape):
-        if is_slice(ix):
-            if not (is_static_int(ix.size) and int(ix.size) == n):
-                return False
-            whole = True
-        elif jnp.ndim(ix) != 0 or whole:
-            return False
-    return True
-
-
-def _land_earlier(interp, eqn, dst: DmaView, shadow: int, pending: int, region) -> None:
-    """What earlier DMAs left pending in ``dst`` lands before a DMA start replaces its
-    shadow: a TPU lands a DMA's data at any time before its wait. Two DMAs in flight
-    into overlapping regions of a ring buffer (tokamax's routing gmm fetches its row
-    indices so) otherwise lost the earlier one's data where they overlap (its wait
-    landed nothing there and the kernel read the old contents), and of two adding
-    DMAs one addition. (A DMA into a whole slot that another DMA still fills is a
-    race on a TPU unless it adds: ``_whole_slot`` starts skip this.)"""
-    with interp.unchecked():  # the destination was checked by the caller
-        new, _, _ = _land_view(interp, eqn, dst, shadow, pending, region, None)
-        write(interp, dst, new, eqn, region=region)
-
-
-def _land_view(interp, eqn, dv: DmaView, shadow: int, pending: int, region, code):
-    """``_land`` over the elements of ``dv`` (its shadow, marks and data)."""
-    return _land(
-        read(interp, dv, eqn, "read", cell=shadow, region=region),
-        read(interp, dv, eqn, "read", cell=pending, region=region),
-        read(interp, dv, eqn, "read", region=region),
-        code,
-        _valid(interp, dv),
-    )
-
-
 def _land(shadow_val, mark, cur, code, valid=None):
     """(new value, new marks, elements landed) of the DMAs marked ``code`` (of every
     pending DMA with ``code=None``)."""
@@ -396,62 +287,16 @@ def _land(shadow_val, mark, cur, code, valid=None):
     return lax.select(mine, landed, cur), lax.select(mine, lax.full_like(mark, 0), mark), count
 
 
-def _commit_pending(interp, eqn, sem, dst_view: RefView, nbytes) -> None:
-    """on_wait: a wait on a DMA semaphore lands the DMAs started on it.
+def _flat(x):
+    return lax.reshape(x, (x.size,))
 
-    The region the wait's descriptor names is landed first (cheap, and all a
-    wait with the start's own descriptor needs). Only when that landed fewer
-    bytes than the wait takes (the descriptor was rebuilt for another slot or
-    buffer) are the buffers that DMAs on the semaphore went to landed whole, in a
-    ``lax.cond``: every element still marked with the semaphore. (Marks are never
-    more than the bytes started on the semaphore and not landed, so that is
-    landing what is pending; no byte counters are kept.)"""
-    cells = sorted(
-        {d for s, d in interp.dma_sites if s == sem.cell and _shadowed(interp, d)}
-        | ({dst_view.cell} if _shadowed(interp, dst_view.cell) else set())
-    )
-    if not cells:  # no DMA on this semaphore went through a shadow: nothing to land
-        return
-    code = _sem_code(interp, sem, eqn)
-    landed = np.int32(0)
-    if _shadowed(interp, dst_view.cell):
-        with interp.unchecked():  # on a TPU the wait's descriptor names no memory: nothing to bound-check
-            dv = dma_view(interp, dst_view, eqn, "DMA wait")
-            shadow, pending = interp.shadows[dv.cell]
-            region = flat_region(interp, dv, eqn, "read")
-            new, mark, n = _land_view(interp, eqn, dv, shadow, pending, region, code)
-            write(interp, dv, new, eqn, region=region)
-            write(interp, dv, mark, eqn, cell=pending, region=region)
-        landed = lax.mul(n, np.int32(np.dtype(interp.state[dv.cell].dtype).itemsize))
 
-    def land_all(vals, shadows):
-        return [_land(sh, mark, cur, code)[:2] for (cur, mark), sh in zip(vals, shadows)]
-
-    # Flat, as the companions are (see Interpreter.new_cell): buffers of one size then share
-    # the kernels of the landing.
-    vals = [(_flat(interp.state[c]), interp.state[interp.shadows[c][1]]) for c in cells]
-    shadows = [interp.state[interp.shadows[c][0]] for c in cells]
-    short = lax.lt(landed, jnp.asarray(nbytes, jnp.int32))
-    vals = lax.cond(short, land_all, lambda vals, shadows: [tuple(v) for v in vals], vals, shadows)
-    for c, (new, mark) in zip(cells, vals):
-        interp.state[c] = lax.reshape(new, interp.state[c].shape)
-        interp.state[interp.shadows[c][1]] = mark
+def _dma_start(interp, eqn, *ops):
+    return interp.dma.start(eqn, ops)
 
 
 def _dma_wait(interp, eqn, *ops):
-    layout, v = _dma_parts(eqn, ops)
-    which = eqn.params["which"]
-    if which == "send":
-        interp.remote_dma_wait(eqn, v, layout, which)
-        return []
-    nbytes = dma_nbytes(interp, v["src"], eqn)
-    interp.dma_receive(eqn, v["dst_sem"], v["dst"], nbytes, remote=layout.device_id_tree is not None)
-    interp.sem_wait(v["dst_sem"], nbytes, eqn, what="DMA semaphore")
-    if interp.params.dma_execution_mode == "on_wait" and v["dst_sem"].cell in interp.shadows:
-        _commit_pending(interp, eqn, v["dst_sem"], v["dst"], nbytes)
-    if which == "dst":
-        interp.on_dma_wait(eqn, v)
-    return []
+    return interp.dma.wait(eqn, ops)
 
 
 interpret_rules.STATE_RULES[tpu_prims.dma_start_p] = _dma_start

@@ -28,17 +28,19 @@ memory access), yet it models what matters on a TPU:
 Errors found while the jitted program runs are recorded in a hidden error
 code and raised (as a Python exception) when the kernel finishes.
 
-The ``Interpreter`` is built from parts, each owning its state: the memory
-(``memory.py``: cells, on_wait companions, the uninitialized policy), the
-run-time checks and ``KernelError`` (``errors.py``), Refs as views of cells and
-reads and writes through them (``refs.py``), and a transport (``transport.py``
-for one device; ``multi.py`` for kernels that talk to other devices or cores,
-through remote DMAs, remote semaphore signals, barrier semaphores, or that
-check races). The rules of the primitives are in ``core_rules.py`` (JAX's and
-pallas-core's), ``dma.py`` (the DMA engine) and the ``language`` modules, all
-registered in ``rules.py``'s tables. This module holds ``InterpretParams``, the
-``Interpreter`` (its parts, jaxpr evaluation, semaphores) and
-``force_tpu_interpret_mode``.
+The ``Interpreter`` is built from parts, each owning its state and handed the
+other parts it needs (never the interpreter): the memory (``memory.py``: cells,
+on_wait companions, the uninitialized policy), the run-time checks and
+``KernelError`` (``errors.py``), Refs as views of cells and reads and writes
+through them (``refs.py``), where the interpreter is (``cursor.py``: the core, the
+grid step, the hidden carry), a transport (``transport.py`` for one device;
+``multi.py`` for kernels that talk to other devices or cores, through remote DMAs,
+remote semaphore signals, barrier semaphores, or that check races), the
+semaphores (``semaphores.py``) and the DMA engine (``dma.py``, on the DMA ends of
+``dma_views.py``). The rules of the primitives are in ``core_rules.py`` (JAX's and
+pallas-core's), ``dma.py`` and the ``language`` modules, all registered in
+``rules.py``'s tables. This module holds ``InterpretParams``, the ``Interpreter``
+(its parts, jaxpr evaluation) and ``force_tpu_interpret_mode``.
 """
 
 from __future__ import annotations
@@ -51,16 +53,21 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax, tree_util
+from jax import lax
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import facts
 from pallas_tpu._src.interpret import rules as interpret_rules
+from pallas_tpu._src.interpret.cursor import Cursor, Hidden
+from pallas_tpu._src.interpret.dma import DmaEngine
+from pallas_tpu._src.interpret.dma_views import DmaViews
 from pallas_tpu._src.interpret.errors import Checks, count_true
 from pallas_tpu._src.interpret.errors import KernelError as KernelError  # the public API imports it from here
 from pallas_tpu._src.interpret.memory import Memory
+from pallas_tpu._src.interpret.multi import DeviceTransport
 from pallas_tpu._src.interpret.refs import RefAccess, RefView
+from pallas_tpu._src.interpret.semaphores import LocalSemaphores, Semaphores
 from pallas_tpu._src.interpret.shared_scopes import SharedScopes
 from pallas_tpu._src.interpret.transport import LocalTransport
 from pallas_tpu._src.language import primitives as tpu_prims
@@ -150,9 +157,6 @@ class InterpretParams:
 # The interpreter's state and how it evaluates a jaxpr.
 
 
-_SEM_BARRIER_EVERY = 16
-
-
 def _float_only(eqn) -> bool:
     """Whether ``eqn`` computes floating-point values only and holds no sub-jaxpr
     (control flow, whose body may touch Refs, always runs): what
@@ -192,25 +196,6 @@ def drain(gen):
 CALL_PARAMS = dict(compat.call_primitives())
 
 
-@dataclasses.dataclass(eq=False)
-class Hidden:
-    """The traced values besides the cells that the interpreter carries through
-    loops, conds and grid steps (a pytree: its leaves are part of every carry)."""
-
-    # int32[9]: the code of the first failed check (0 while none failed), then the
-    # values recorded with it (``check``, ``flush_checks``).
-    err: jax.Array | None = None
-    tok: jax.Array | None = None  # orders host callbacks (``ordered_callback``)
-    # (operand, core slot) -> where that core's block of the operand started at the
-    # grid step before (the pipeline: fetch or write back when it moves).
-    block_starts: dict[tuple[int, int], jax.Array] = dataclasses.field(default_factory=dict)
-    # State of extension rules, by name (``rules.HIDDEN_STATE``): the PRNG state.
-    named: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
-
-
-tree_util.register_dataclass(Hidden, data_fields=["err", "tok", "block_starts", "named"], meta_fields=[])
-
-
 class Interpreter:
     """Evaluates kernel jaxprs against a state of cells (see the module docstring).
     Built from the call record (``pallas_call.run``: its params, grid mapping,
@@ -221,11 +206,17 @@ class Interpreter:
     * ``checks`` (``errors.Checks``): the run-time checks (bounds, deadlocks, DMAs);
       their record is ``hidden.err``;
     * ``refs`` (``refs.RefAccess``): reads and writes through Ref views;
-    * ``transport`` (``transport.LocalTransport`` or ``multi.DeviceTransport``):
-      what reaches other devices and cores (remote DMAs, shared semaphores, the
-      session the mesh's devices share, race detection).
+    * ``cursor`` (``cursor.Cursor``): the core being traced, the grid step, and the
+      traced values carried besides the cells (``hidden``);
+    * ``transport`` (``transport.LocalTransport``, or ``multi.DeviceTransport`` with
+      ``multi_device``): what reaches other devices and cores (remote DMAs, shared
+      semaphores, the session the mesh's devices share, race detection);
+    * ``semaphores`` (``semaphores.Semaphores``): the core's own semaphores and the
+      transport's;
+    * ``dma`` (``dma.DmaEngine``): the DMA engine, on the memory, the semaphores and
+      the transport.
 
-    The DMA engine's rules (``dma.py``) run on these through the interpreter."""
+    Each part is handed the parts it needs, never the interpreter."""
 
     def __init__(
         self,
@@ -236,7 +227,7 @@ class Interpreter:
         kernel_facts: plb.KernelFacts,
         jaxpr=None,
         compiler_params=None,
-        transport: Callable[[Interpreter], Any] | None = None,
+        multi_device: bool = False,
     ):
         self.params = params
         self.gm = gm
@@ -252,22 +243,75 @@ class Interpreter:
         # Static bounds of traced DMA sizes (RefAccess.view_indices).
         size_bounds = facts.dma_size_bounds(jaxpr) if uses_dmas and jaxpr is not None else {}
         self.refs = RefAccess(self.memory, self.checks, params, self.where, self.on_access, size_bounds)
-        self.hidden = Hidden()
+        self.cursor = Cursor()
         self.grid_env: dict[str, jax.Array] = {}  # named grid axis -> index
-        self.dma_sites: list[tuple[int, int]] = []  # (semaphore cell, destination cell) of started DMAs
         self._where_memo: dict = {}  # id(eqn) -> (eqn, where(eqn))
-        self._sem_updates = 0  # semaphore updates traced (_sem_store)
-        self.progress = None  # (grid step, number of steps), traced, while a grid step runs
-        self.core_id = 0  # the core whose kernel is being traced (pallas_call._run_lanes)
         self.scopes = SharedScopes()  # run_scoped buffers the cores of a device share
         # Cores in lockstep with static grid points: scalar operations on values known
         # while tracing (the core's grid indices) are computed then, so that a cond on
         # the core index (``pl.when(lax.axis_index("x") == 0)``) runs one branch, in
         # which a core may wait for another (see ``fold``).
         self.fold_static = False
-        self.transport = (transport or (lambda interp: LocalTransport(interp.where)))(self)
+        local_sems = LocalSemaphores(self.refs, self.checks, self.where)
+        dma_views = DmaViews(self.memory, self.refs, self.checks, self.where)
+        self.transport: LocalTransport | DeviceTransport = (
+            DeviceTransport(
+                self.memory,
+                self.refs,
+                self.checks,
+                self.scopes,
+                self.cursor,
+                local_sems,
+                dma_views,
+                where=self.where,
+                kernel_desc=kernel_desc,
+                kernel_name=gm.kernel_name,
+                kernel_facts=kernel_facts,
+                detect_races=params.detect_races,
+                num_cores=params.num_cores_or_threads,
+                collective_id=getattr(compiler_params, "collective_id", None),
+            )
+            if multi_device
+            else LocalTransport(self.where)
+        )
+        self.semaphores = Semaphores(local_sems, self.transport)
+        self.dma = DmaEngine(
+            dma_views,
+            self.memory,
+            self.refs,
+            self.checks,
+            self.semaphores,
+            self.transport,
+            on_wait=params.dma_execution_mode == "on_wait",
+        )
 
     # -- the parts' state, as the rules read it --------------------------------
+
+    @property
+    def core_id(self) -> int:
+        """The core whose kernel is being traced (``pallas_call._run_lanes`` moves it)."""
+        return self.cursor.core_id
+
+    @core_id.setter
+    def core_id(self, value: int) -> None:
+        self.cursor.core_id = value
+
+    @property
+    def progress(self):
+        """(grid step, number of steps), traced, while a grid step runs; else None."""
+        return self.cursor.progress
+
+    @progress.setter
+    def progress(self, value) -> None:
+        self.cursor.progress = value
+
+    @property
+    def hidden(self) -> Hidden:
+        return self.cursor.hidden
+
+    @hidden.setter
+    def hidden(self, value: Hidden) -> None:
+        self.cursor.hidden = value
 
     @property
     def state(self) -> dict[int, jax.Array]:
@@ -288,14 +332,6 @@ class Interpreter:
     @property
     def shadows(self) -> dict[int, tuple[int, ...]]:
         return self.memory.shadows
-
-    @property
-    def sem_code_bases(self) -> dict[int, Any]:
-        return self.memory.sem_code_bases
-
-    @property
-    def dma_shadows(self) -> bool:
-        return self.memory.dma_shadows
 
     @property
     def barrier_cell(self) -> int | None:
@@ -489,27 +525,9 @@ class Interpreter:
     def on_access(self, view: RefView, eqn, write: bool) -> None:
         self.transport.on_access(view, eqn, write)
 
-    def on_dma_start(self, eqn, views) -> None:
-        self.transport.on_dma_start(eqn, views)
-
     def on_block_write(self, hbm_cell: int, starts, sizes, origin: str, when=True) -> None:
         """The pipeline writes an output block back to HBM (``when``: traced bool)."""
         self.transport.on_block_write(hbm_cell, starts, sizes, origin, when)
-
-    def on_dma_wait(self, eqn, views) -> None:
-        self.transport.on_dma_wait(eqn, views)
-
-    def remote_dma_start(self, eqn, parts, layout) -> None:
-        self.transport.remote_dma_start(eqn, parts, layout)
-
-    def remote_dma_wait(self, eqn, parts, layout, which) -> None:
-        """``.wait_send()`` of a remote DMA."""
-        self.transport.remote_dma_wait(eqn, parts, layout, which)
-
-    def dma_receive(self, eqn, sem: RefView, dst: RefView, nbytes, remote: bool) -> None:
-        """Before a DMA wait on ``sem`` takes ``nbytes``: remote DMAs sent to
-        this device land and add their bytes to ``sem`` (multi-device transport)."""
-        self.transport.dma_receive(eqn, sem, dst, nbytes, remote)
 
     def remote_signal(self, eqn, view, inc, device_id, core_index) -> None:
         self.transport.remote_signal(eqn, view, inc, device_id, core_index)
@@ -517,44 +535,10 @@ class Interpreter:
     # -- semaphores ----------------------------------------------------------
 
     def sem_add(self, view: RefView, amount, eqn) -> None:
-        if self.transport.shares(view.cell):
-            self.transport.sem_add(view, amount, eqn)
-        else:
-            self.local_sem_add(view, amount, eqn)
+        self.semaphores.add(view, amount, eqn)
 
     def sem_wait(self, view: RefView, amount, eqn, decrement=True, what="semaphore") -> None:
-        if self.transport.shares(view.cell):
-            self.transport.sem_wait(view, amount, eqn, decrement=decrement, what=what)
-        else:
-            self.local_sem_wait(view, amount, eqn, decrement=decrement, what=what)
-
-    def local_sem_add(self, view: RefView, amount, eqn) -> None:
-        """Adds to a semaphore of this core's memory."""
-        cur = self.refs.read_view(view, eqn)
-        self._sem_store(view, lax.add(cur, jnp.asarray(amount, cur.dtype)), eqn)
-
-    def _sem_store(self, view: RefView, new, eqn) -> None:
-        self._sem_updates += 1
-        if self._sem_updates % _SEM_BARRIER_EVERY == 0:
-            # A long straight run of DMA starts and waits makes a semaphore's value a chain of
-            # adds and subtractions, which XLA's CPU fusion copies into every check that reads
-            # it: a cost quadratic in the run's length (tokamax's routing gmm: hundreds of
-            # per-row DMAs). A barrier now and then keeps the copies short.
-            new = lax.optimization_barrier(new)
-        self.refs.write_view(view, new, eqn)
-
-    def local_sem_wait(self, view: RefView, amount, eqn, decrement=True, what="semaphore") -> None:
-        """Waits on a semaphore of this core's memory: a deadlock error if it holds too little."""
-        cur = self.refs.read_view(view, eqn)
-        amount = jnp.asarray(amount, cur.dtype)
-        self.check(
-            lax.ge(cur, amount),
-            f"{self.where(eqn)}: waiting on {what} {self.describe_ref(view)} for {{1}} but it holds {{0}} "
-            "and nothing else can signal it: on a TPU this wait never returns (deadlock)",
-            [cur, amount],
-        )
-        if decrement:
-            self._sem_store(view, lax.sub(cur, amount), eqn)
+        self.semaphores.wait(view, amount, eqn, decrement=decrement, what=what)
 
 
 # ---------------------------------------------------------------------------

@@ -13,8 +13,8 @@ DMAs, pairing the devices of a call, deadlock errors, race records).
 interface is ``transport.LocalTransport``'s); ``remote_dma.py`` holds its remote
 DMAs.
 
-Callbacks of one device are chained by a token in ``Interpreter.hidden.tok`` so
-XLA keeps them in program order.
+Callbacks of one device are chained by a token in the interpreter's hidden
+state (``cursor.Cursor``: ``hidden.tok``) so XLA keeps them in program order.
 
 Race detection (``InterpretParams(detect_races=True)``, ``races.py``, recorded by
 the session) sees every kernel access of a Ref and every DMA's source read and
@@ -28,6 +28,8 @@ or, when they signal each other, take turns between semaphore waits
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +40,13 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import races as races_mod
 from pallas_tpu._src.interpret import sessions
-from pallas_tpu._src.interpret.refs import RefView
+from pallas_tpu._src.interpret.cursor import Cursor
+from pallas_tpu._src.interpret.dma_views import DmaViews
+from pallas_tpu._src.interpret.errors import Checks
+from pallas_tpu._src.interpret.memory import Memory
+from pallas_tpu._src.interpret.refs import RefAccess, RefView
 from pallas_tpu._src.interpret.remote_dma import RemoteDMAs
+from pallas_tpu._src.interpret.semaphores import LocalSemaphores
 from pallas_tpu._src.interpret.sessions import (
     get_session,
     index_inside,
@@ -48,6 +55,7 @@ from pallas_tpu._src.interpret.sessions import (
     lowering_mesh_devices,
     sessions_lock,
 )
+from pallas_tpu._src.interpret.shared_scopes import SharedScopes
 from pallas_tpu._src.language import core as tpu_core
 from pallas_tpu._src.language import primitives as tpu_prims
 
@@ -72,20 +80,49 @@ _DMA_PRIMS = (tpu_prims.dma_start_p, tpu_prims.dma_wait_p)
 
 class DeviceTransport:
     """The transport of a kernel that talks to other devices or cores, or checks
-    races (see the module docstring): a part of ``interp`` (the ``Interpreter``,
-    whose memory, views, hidden token and where-the-kernel-is it reads), holding the
-    device's place in the mesh and its session; remote DMAs are its ``remote``
-    (``remote_dma.RemoteDMAs``)."""
+    races (see the module docstring), holding the device's place in the mesh and its
+    session. It reads the kernel's ``memory`` (cells, their names and spaces) and
+    views' indices (``refs``), the cores' shared scopes (``scopes``), and follows the
+    interpreter's ``cursor`` (the core being traced, the grid step, the callback
+    token); ``where(eqn)`` names an equation in messages, ``kernel_desc`` the kernel.
+    Remote DMAs are its ``remote`` (``remote_dma.RemoteDMAs``, which also takes
+    ``checks``, the core's own semaphores ``local_sems`` and the DMA ends ``views``)."""
 
-    def __init__(self, interp):
-        self.interp = interp
-        self.races = interp.params.detect_races
+    def __init__(
+        self,
+        memory: Memory,
+        refs: RefAccess,
+        checks: Checks,
+        scopes: SharedScopes,
+        cursor: Cursor,
+        local_sems: LocalSemaphores,
+        views: DmaViews,
+        *,
+        where: Callable[[Any], str],
+        kernel_desc: str,
+        kernel_name: str,
+        kernel_facts: plb.KernelFacts,
+        detect_races: bool,
+        num_cores: int,
+        collective_id: int | None,
+    ):
+        self.memory = memory
+        self.refs = refs
+        self.scopes = scopes
+        self.cursor = cursor
+        self.where = where
+        self.kernel_desc = kernel_desc
+        self.kernel_name = kernel_name
+        self.kernel_facts = kernel_facts
+        self.races = detect_races
+        self.num_cores = num_cores
+        self.collective_id = collective_id
         self.mesh_axes: tuple[tuple[str, int], ...] = ()
         self.num_devices = 1
         self.my_dev = None  # this device's logical id (traced), from start()
         self.sid = None  # the session's id (traced), from start()
         self.barrier_cell: int | None = None  # the barrier semaphore, when the kernel uses it
-        self.remote = RemoteDMAs(interp, self)
+        self.remote = RemoteDMAs(memory, refs, checks, cursor, local_sems, views, where, self)
 
     # -- lifecycle --
 
@@ -94,7 +131,7 @@ class DeviceTransport:
         sizes = compat.axis_sizes()
         self.mesh_axes = tuple((n, int(sizes[n])) for n in names)
         self.num_devices = math.prod(s for _, s in self.mesh_axes)
-        kf = self.interp.kernel_facts  # the call record's facts
+        kf = self.kernel_facts  # the call record's facts
         if kf.remote or kf.signals_cores or kf.uses(tpu_prims.get_barrier_semaphore_p):  # needs other devices
             self._check_one_process()
         dev = jnp.int32(0)
@@ -102,20 +139,19 @@ class DeviceTransport:
             dev = dev * s + lax.axis_index(n).astype(jnp.int32)
         self.my_dev = dev
         if kf.uses(tpu_prims.get_barrier_semaphore_p):
-            cp = self.interp.compiler_params
-            if getattr(cp, "collective_id", None) is None:
+            if self.collective_id is None:
                 raise ValueError(
-                    f"{self.interp.kernel_desc}: pltpu.get_barrier_semaphore() needs a collective id: pass "
+                    f"{self.kernel_desc}: pltpu.get_barrier_semaphore() needs a collective id: pass "
                     "compiler_params=pltpu.CompilerParams(collective_id=0)"
                 )
-            self.barrier_cell = self.interp.new_cell(
+            self.barrier_cell = self.memory.new_cell(
                 jnp.zeros((), jnp.int32),
                 "the barrier semaphore",
                 plb.SemaphoreSpace(plb.SemaphoreKind.BARRIER),
             )
-        key = (self.mesh_axes, self.interp.gm.kernel_name)
-        n, desc, races_on = self.num_devices, self.interp.kernel_desc, self.races
-        cores = self.interp.params.num_cores_or_threads
+        key = (self.mesh_axes, self.kernel_name)
+        n, desc, races_on = self.num_devices, self.kernel_desc, self.races
+        cores = self.num_cores
 
         def join(dev):
             return np.int32(join_session(key, n, int(dev), desc, races_on, cores).sid)
@@ -142,7 +178,7 @@ class DeviceTransport:
             return
         axes = ", ".join(f"{n}={s}" for n, s in self.mesh_axes) or "none"
         raise NotImplementedError(
-            f"{self.interp.kernel_desc}: TPU interpret mode cannot simulate remote DMAs, remote semaphore signals "
+            f"{self.kernel_desc}: TPU interpret mode cannot simulate remote DMAs, remote semaphore signals "
             f"or barrier semaphores between processes: it keeps what devices share (semaphores, DMAs in "
             f"flight) in one Python process, and the mesh of this shard_map (axes {axes}) {span} of a "
             f"jax.distributed job of {jax.process_count()} processes. Run this kernel under shard_map over a mesh "
@@ -185,7 +221,7 @@ class DeviceTransport:
         """``fn(*args)`` on the host, after this device's earlier callbacks."""
         tok_shape = jax.ShapeDtypeStruct((), jnp.int32)
 
-        progress = self.interp.progress if self.races and args and args[0] is self.sid else None
+        progress = self.cursor.progress if self.races and args and args[0] is self.sid else None
         if progress is not None:  # a long race-detecting run says how far it got (see _Session.progress)
             args = (*args, *progress)
 
@@ -197,36 +233,34 @@ class DeviceTransport:
             out = () if out is None else (out if isinstance(out, tuple) else (out,))
             return (np.asarray(tok, np.int32), *out)
 
-        outs = compat.host_callback(host, (tok_shape, *result_shapes), self.interp.hidden.tok, *args)
-        self.interp.hidden.tok = outs[0]
+        outs = compat.host_callback(host, (tok_shape, *result_shapes), self.cursor.hidden.tok, *args)
+        self.cursor.hidden.tok = outs[0]
         return list(outs[1:])
 
     def site(self, eqn) -> str:
         src = compat.eqn_user_source(eqn)
-        return src or self.interp.gm.kernel_name
+        return src or self.kernel_name
 
     def _who(self, dev: int, core: int) -> str:
         return f"device {dev}, core {core}" if self.num_devices > 1 else f"core {core}"
 
     def _buf_name(self, cell: int, dev: int, idx, shape) -> str:
-        name = self.interp.memory.cell_names.get(cell, f"ref#{cell}") + races_mod.region(
-            np.unique(idx), shape
-        )
+        name = self.memory.cell_names.get(cell, f"ref#{cell}") + races_mod.region(np.unique(idx), shape)
         return f"{name} on device {dev}" if self.num_devices > 1 else name
 
     # -- views, indices, device ids --
 
     def flat_indices(self, view: RefView, eqn, what: str):
         """The flat element indices of the cell that ``view`` covers (traced;
-        past a traced size, the cell's size: see ``Interpreter.view_indices``)."""
+        past a traced size, the cell's size: see ``RefAccess.view_indices``)."""
         try:
-            return self.interp.view_indices(view, eqn, what)[0]
+            return self.refs.view_indices(view, eqn, what)[0]
         except NotImplementedError:
-            return jnp.arange(self.interp.memory.state[view.cell].size, dtype=jnp.int32)
+            return jnp.arange(self.memory.state[view.cell].size, dtype=jnp.int32)
 
     def sem_key(self, view: RefView, eqn):
-        name = self.interp.memory.cell_names.get(view.cell, f"ref#{view.cell}")
-        label = self.interp.scopes.labels.get(view.cell)  # a run_scoped semaphore of cores in lockstep
+        name = self.memory.cell_names.get(view.cell, f"ref#{view.cell}")
+        label = self.scopes.labels.get(view.cell)  # a run_scoped semaphore of cores in lockstep
         if name.startswith("scratch_shapes[") or name == "the barrier semaphore":
             key = name
         elif label is not None:  # each core's copy: the same name on every core (shared_scopes.py)
@@ -236,7 +270,7 @@ class DeviceTransport:
         return key, name, self.flat_indices(view, eqn, "read").reshape(())
 
     def shares(self, cell: int) -> bool:
-        sp = self.interp.memory.cell_spaces.get(cell)
+        sp = self.memory.cell_spaces.get(cell)
         return isinstance(sp, plb.SemaphoreSpace) and sp.kind in _SHARED_KINDS
 
     def device_target(self, device_id, device_id_type, eqn):
@@ -249,14 +283,14 @@ class DeviceTransport:
             unknown = [k for k in device_id if k not in names]
             if unknown:
                 raise ValueError(
-                    f"{self.interp.where(eqn)}: device_id names axes {unknown} that the mesh {names} lacks"
+                    f"{self.where(eqn)}: device_id names axes {unknown} that the mesh {names} lacks"
                 )
             coords = [device_id[n] if n in device_id else lax.axis_index(n) for n in names]
         else:
             coords = list(device_id) if isinstance(device_id, (tuple, list)) else [device_id]
             if len(coords) != len(names):
                 raise ValueError(
-                    f"{self.interp.where(eqn)}: a MESH device_id has one coordinate per mesh axis {names}, got "
+                    f"{self.where(eqn)}: a MESH device_id has one coordinate per mesh axis {names}, got "
                     f"{len(coords)} ({device_id!r})"
                 )
         out = jnp.int32(0)
@@ -271,10 +305,10 @@ class DeviceTransport:
             return
         if eqn.primitive is compat.swap_p and not write:
             return  # a store: its read of the old value is not a memory read
-        if isinstance(self.interp.memory.cell_spaces.get(view.cell), plb.SemaphoreSpace):
+        if isinstance(self.memory.cell_spaces.get(view.cell), plb.SemaphoreSpace):
             return
         idx = self.flat_indices(view, eqn, "write" if write else "read")
-        cell, core, shape = view.cell, self.interp.core_id, self.interp.memory.state[view.cell].shape
+        cell, core, shape = view.cell, self.cursor.core_id, self.memory.state[view.cell].shape
         site, buf_name, who = self.site(eqn), self._buf_name, self._who
 
         def access(sid, dev, idx):
@@ -297,7 +331,7 @@ class DeviceTransport:
         (its block buffers and scratch) per core, as on the chip, so that cores
         run one after the other in the same cells do not race there; HBM, ANY and
         VMEM_SHARED once per device. (A remote DMA lands on its issuer's core.)"""
-        sp = self.interp.memory.cell_spaces.get(cell)
+        sp = self.memory.cell_spaces.get(cell)
         return (dev, cell, core) if sp is None or sp in (tpu_core.VMEM, tpu_core.SMEM) else (dev, cell)
 
     def on_block_write(self, hbm_cell: int, starts, sizes, origin: str, when=True) -> None:
@@ -306,10 +340,10 @@ class DeviceTransport:
         TPU interpret mode says), however the cores take turns here."""
         if not self.races:
             return
-        shape = self.interp.memory.state[hbm_cell].shape
+        shape = self.memory.state[hbm_cell].shape
         axes = [jnp.arange(n, dtype=jnp.int32) + jnp.asarray(st, jnp.int32) for st, n in zip(starts, sizes)]
         idx = jnp.ravel_multi_index(jnp.meshgrid(*axes, indexing="ij"), shape, mode="clip").reshape(-1)
-        core, buf_name, who = self.interp.core_id, self._buf_name, self._who
+        core, buf_name, who = self.cursor.core_id, self._buf_name, self._who
 
         def access(sid, dev, idx, when):
             if not bool(when):
@@ -361,9 +395,9 @@ class DeviceTransport:
         src_idx = self.flat_indices(src, eqn, "read")
         dst_idx = self.flat_indices(dst, eqn, "write")
         key, _, sem_idx = self.sem_key(views["dst_sem"], eqn)
-        core, site = self.interp.core_id, self.site(eqn)
+        core, site = self.cursor.core_id, self.site(eqn)
         cells = (src.cell, dst.cell)
-        shapes = (self.interp.memory.state[src.cell].shape, self.interp.memory.state[dst.cell].shape)
+        shapes = (self.memory.state[src.cell].shape, self.memory.state[dst.cell].shape)
 
         def start(sid, dev, sem_idx, src_idx, dst_idx):
             s, dev = get_session(sid), int(dev)
@@ -376,7 +410,7 @@ class DeviceTransport:
 
     def dma_done(self, eqn, sem_view, which: str) -> None:
         key, _, sem_idx = self.sem_key(sem_view, eqn)
-        core = self.interp.core_id
+        core = self.cursor.core_id
 
         def done(sid, dev, sem_idx):
             s, dev = get_session(sid), int(dev)
@@ -398,8 +432,8 @@ class DeviceTransport:
 
     def _signal(self, eqn, view, inc, target, core):
         key, name, sem_idx = self.sem_key(view, eqn)
-        my_core, what = self.interp.core_id, f"{self.interp.where(eqn)}: pl.semaphore_signal"
-        n_cores = self.interp.params.num_cores_or_threads
+        my_core, what = self.cursor.core_id, f"{self.where(eqn)}: pl.semaphore_signal"
+        n_cores = self.num_cores
 
         def signal(sid, dev, target, core, sem_idx, inc):
             s, dev, target, core = get_session(sid), int(dev), int(target), int(core)
@@ -417,7 +451,7 @@ class DeviceTransport:
                     s.hb.release_sem(thread, k)
                 s.cv.notify_all()
 
-        core = jnp.int32(self.interp.core_id) if core is None else jnp.asarray(core, jnp.int32)
+        core = jnp.int32(self.cursor.core_id) if core is None else jnp.asarray(core, jnp.int32)
         self.callback(signal, [], self.sid, self.my_dev, target, core, sem_idx, jnp.asarray(inc, jnp.int32))
 
     def sem_add(self, view, amount, eqn) -> None:
@@ -433,7 +467,7 @@ class DeviceTransport:
 
     def sem_wait(self, view, amount, eqn, decrement=True, what="semaphore") -> None:
         key, name, sem_idx = self.sem_key(view, eqn)
-        core, where = self.interp.core_id, self.site(eqn)
+        core, where = self.cursor.core_id, self.site(eqn)
 
         def wait(sid, dev, sem_idx, amount):
             s, dev, amount = get_session(sid), int(dev), int(amount)
@@ -457,7 +491,7 @@ class DeviceTransport:
     def sem_read(self, view, eqn):
         """``pl.semaphore_read`` of a semaphore the session keeps (``shares``)."""
         key, _, sem_idx = self.sem_key(view, eqn)
-        core = self.interp.core_id
+        core = self.cursor.core_id
 
         def read(sid, dev, sem_idx):
             s = get_session(sid)

@@ -26,7 +26,6 @@ from pallas_tpu._src.interpret import (
 from pallas_tpu._src.interpret import dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
 from pallas_tpu._src.interpret import facts as interpret_facts
 from pallas_tpu._src.interpret import language_rules as _language_rules  # noqa: F401  (and the language's)
-from pallas_tpu._src.interpret import multi as interpret_multi
 from pallas_tpu._src.interpret import mxu as interpret_mxu
 from pallas_tpu._src.interpret import rules as interpret_rules
 from pallas_tpu._src.interpret.interpreter import Interpreter, InterpretParams
@@ -285,7 +284,7 @@ def _start(jaxpr, gm, params, compiler_params, kernel_facts):
         kernel_facts=kernel_facts,
         jaxpr=jaxpr,
         compiler_params=compiler_params,
-        transport=interpret_multi.DeviceTransport if needs_devices(params, kernel_facts) else None,
+        multi_device=needs_devices(params, kernel_facts),
     )
     sems = semantics_of(gm, compiler_params)
     checks.check_kernel(gm, jaxpr, compiler_params)  # what the Mosaic lowering refuses too

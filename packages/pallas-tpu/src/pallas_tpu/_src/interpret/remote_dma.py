@@ -3,36 +3,64 @@
 device and receive semaphore; a wait on the target lands it (``dma_receive``),
 or stages what does not go to the buffer the wait names (``_land_staged``).
 ``RemoteDMAs`` is a part of ``multi.DeviceTransport``: it reaches the session
-through the transport's callbacks, and the kernel's memory through the interpreter."""
+through the transport's callbacks, and the kernel's memory through the parts it
+is handed (``Memory``, ``RefAccess``, ``dma_views.DmaViews``)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax, tree_util
 
-from pallas_tpu._src.interpret import dma as interpret_dma
+from pallas_tpu._src.interpret.cursor import Cursor
+from pallas_tpu._src.interpret.dma_views import DmaViews
+from pallas_tpu._src.interpret.errors import Checks
+from pallas_tpu._src.interpret.memory import Memory
+from pallas_tpu._src.interpret.refs import RefAccess
+from pallas_tpu._src.interpret.semaphores import LocalSemaphores
 from pallas_tpu._src.interpret.sessions import Message, get_session
 
 
 class RemoteDMAs:
     """The remote DMAs of a ``DeviceTransport`` (``link``: its session callbacks,
-    semaphore keys, device ids and race records) over ``interp``'s memory (see the
-    module docstring). Keeps where the remote DMAs traced so far go."""
+    semaphore keys, device ids and race records; see the module docstring) over
+    ``memory``'s cells: their ends made, read and written by ``views``; reads of
+    semaphores through ``refs``; the core's own semaphores ``local_sems``; ``checks``
+    (the waits' descriptors are not bound-checked); the interpreter's ``cursor`` (the
+    core being traced, the callback token); ``where(eqn)`` names an equation. Keeps
+    where the remote DMAs traced so far go."""
 
-    def __init__(self, interp, link):
-        self.interp = interp
+    def __init__(
+        self,
+        memory: Memory,
+        refs: RefAccess,
+        checks: Checks,
+        cursor: Cursor,
+        local_sems: LocalSemaphores,
+        views: DmaViews,
+        where: Callable[[Any], str],
+        link,
+    ):
+        self.memory = memory
+        self.refs = refs
+        self.checks = checks
+        self.cursor = cursor
+        self.local_sems = local_sems
+        self.views = views
+        self.where = where
         self.link = link
         self.dst_cells: set[int] = set()  # where remote DMAs traced so far go
         self.sem_cells: set[int] = set()  # and the semaphores they signal there
 
     def start(self, eqn, v, layout) -> None:
-        src, dst = interpret_dma.endpoints(self.interp, eqn, v["src"], v["dst"])
+        src, dst = self.views.endpoints(eqn, v["src"], v["dst"])
         nbytes = src.nbytes
-        data = interpret_dma.read(self.interp, src, eqn, "DMA read").reshape(-1)
+        data = self.views.read(src, eqn, "DMA read").reshape(-1)
         dst_idx = (
             dst.idx if dst.idx is not None else self.link.flat_indices(dst.view, eqn, "remote DMA write")
         )
@@ -45,12 +73,12 @@ class RemoteDMAs:
         key, _, sem_idx = self.link.sem_key(v["dst_sem"], eqn)
         skey, _, ssem_idx = self.link.sem_key(v["src_sem"], eqn)
         core, site, what = (
-            self.interp.core_id,
+            self.cursor.core_id,
             self.link.site(eqn),
-            f"{self.interp.where(eqn)}: pltpu.make_async_remote_copy",
+            f"{self.where(eqn)}: pltpu.make_async_remote_copy",
         )
         cells = (src.cell, dst.cell)
-        shapes = (self.interp.memory.state[src.cell].shape, self.interp.memory.state[dst.cell].shape)
+        shapes = (self.memory.state[src.cell].shape, self.memory.state[dst.cell].shape)
         self.dst_cells.add(dst.cell)
         self.sem_cells.add(v["dst_sem"].cell)
 
@@ -98,11 +126,11 @@ class RemoteDMAs:
             dst_idx,
             src_idx,
         )
-        self.interp.local_sem_add(v["src_sem"], nbytes, eqn)
+        self.local_sems.add(v["src_sem"], nbytes, eqn)
 
     def wait_send(self, eqn, v, layout, which) -> None:
-        nbytes = interpret_dma.dma_nbytes(self.interp, v["src"], eqn)
-        self.interp.local_sem_wait(v["src_sem"], nbytes, eqn, what="DMA send semaphore")
+        nbytes = self.views.dma_nbytes(v["src"], eqn)
+        self.local_sems.wait(v["src_sem"], nbytes, eqn, what="DMA send semaphore")
         if self.link.races:
             self.link.dma_done(eqn, v["src_sem"], "send")
 
@@ -115,14 +143,14 @@ class RemoteDMAs:
         descriptor names; bytes beyond ``nbytes`` stay on the semaphore."""
         if not (remote or sem.cell in self.sem_cells):
             return  # a local wait on a semaphore no remote DMA (so far in the code) signals
-        need = jnp.maximum(jnp.asarray(nbytes, jnp.int32) - self.interp.refs.read_view(sem, eqn), 0)
+        need = jnp.maximum(jnp.asarray(nbytes, jnp.int32) - self.refs.read_view(sem, eqn), 0)
         key, name, sem_idx = self.link.sem_key(sem, eqn)
-        with self.interp.unchecked():  # the wait's descriptor names no memory on a TPU
-            wait = interpret_dma.dma_view(self.interp, dst, eqn, "DMA wait")
+        with self.checks.unchecked():  # the wait's descriptor names no memory on a TPU
+            wait = self.views.dma_view(dst, eqn, "DMA wait")
         cap = wait.idx.size if wait.idx is not None else math.prod(wait.shape)
-        cell, x = dst.cell, self.interp.memory.state[dst.cell]
+        cell, x = dst.cell, self.memory.state[dst.cell]
         size, dtype = x.size, np.dtype(x.dtype)
-        core, where = self.interp.core_id, self.link.site(eqn)
+        core, where = self.cursor.core_id, self.link.site(eqn)
         label = f"{name}[{{}}] (core {core})"
 
         def pull(sid, dev, sem_idx, need):
@@ -165,9 +193,9 @@ class RemoteDMAs:
         ]
 
         def take(tok, need):
-            self.interp.hidden.tok = tok
+            self.cursor.hidden.tok = tok
             outs = self.link.callback(pull, shapes, self.link.sid, self.link.my_dev, sem_idx, need)
-            return self.interp.hidden.tok, *outs
+            return self.cursor.hidden.tok, *outs
 
         def nothing(tok, need):
             return (
@@ -177,22 +205,20 @@ class RemoteDMAs:
                 jnp.int32(0),
             )
 
-        tok, received, data, idx, staged = lax.cond(need > 0, take, nothing, self.interp.hidden.tok, need)
-        self.interp.hidden.tok = tok
-        self.interp.memory.state[cell] = x.reshape(-1).at[idx].set(data, mode="drop").reshape(x.shape)
+        tok, received, data, idx, staged = lax.cond(need > 0, take, nothing, self.cursor.hidden.tok, need)
+        self.cursor.hidden.tok = tok
+        self.memory.state[cell] = x.reshape(-1).at[idx].set(data, mode="drop").reshape(x.shape)
         self._land_staged(eqn, staged, [cell, *sorted(self.dst_cells - {cell})])
-        self.interp.local_sem_add(sem, received, eqn)
+        self.local_sems.add(sem, received, eqn)
 
     def _land_staged(self, eqn, staged, cells) -> None:
         """The remote DMAs a wait took that did not all go to the buffer its
         descriptor names land in ``cells`` (the buffers remote DMAs started so
         far went to), whole buffers at a time."""
-        cells = [c for c in cells if c in self.interp.memory.state]
-        metas = [
-            (c, self.interp.memory.state[c].size, np.dtype(self.interp.memory.state[c].dtype)) for c in cells
-        ]
-        names = {c: self.interp.memory.cell_names.get(c, f"ref#{c}") for c in cells}
-        core, where = self.interp.core_id, self.link.site(eqn)
+        cells = [c for c in cells if c in self.memory.state]
+        metas = [(c, self.memory.state[c].size, np.dtype(self.memory.state[c].dtype)) for c in cells]
+        names = {c: self.memory.cell_names.get(c, f"ref#{c}") for c in cells}
+        core, where = self.cursor.core_id, self.link.site(eqn)
 
         def land(sid, dev):
             s, dev = get_session(sid), int(dev)
@@ -203,7 +229,7 @@ class RemoteDMAs:
                     if j is None:
                         raise s.fail(
                             f"{s.kernel}: the remote DMA started at {m.site} goes to "
-                            f"{self.interp.memory.cell_names.get(m.dst_cell, '?')}, but the wait at {where} that takes its "
+                            f"{self.memory.cell_names.get(m.dst_cell, '?')}, but the wait at {where} that takes its "
                             f"bytes names {names[cells[0]]}, and the TPU interpreter lands a remote DMA only at "
                             "a wait whose descriptor names its destination buffer, or the destination of a remote "
                             "DMA that comes before the wait in the kernel's code: wait with a descriptor of the "
@@ -222,21 +248,21 @@ class RemoteDMAs:
         ]
 
         def go(tok, vals):
-            self.interp.hidden.tok = tok
+            self.cursor.hidden.tok = tok
             outs = self.link.callback(land, shapes, self.link.sid, self.link.my_dev)
             new = [
                 v.reshape(-1).at[i].set(d, mode="drop").reshape(v.shape)
                 for v, d, i in zip(vals, outs[0::2], outs[1::2])
             ]
-            return self.interp.hidden.tok, new
+            return self.cursor.hidden.tok, new
 
         tok, vals = lax.cond(
             staged > 0,
             go,
             lambda tok, vals: (tok, list(vals)),
-            self.interp.hidden.tok,
-            [self.interp.memory.state[c] for c in cells],
+            self.cursor.hidden.tok,
+            [self.memory.state[c] for c in cells],
         )
-        self.interp.hidden.tok = tok
+        self.cursor.hidden.tok = tok
         for c, v in zip(cells, vals):
-            self.interp.memory.state[c] = v
+            self.memory.state[c] = v

@@ -5,8 +5,10 @@ races (remote DMAs and signals are errors there), and the interface that
 shared semaphores, barrier semaphores, race detection, over host callbacks into
 a session the devices of the mesh share).
 
-The ``Interpreter`` (``interpreter.py``) holds one and calls it at the hooks
-below; the local DMA engine (``dma.py``) runs on the interpreter's memory either way."""
+The ``Interpreter`` (``interpreter.py``) builds one and hands it to the parts
+that call its hooks below: the DMA engine (``dma.DmaEngine``: DMAs, remote DMAs,
+their race records), the semaphores (``semaphores.Semaphores``), and the
+interpreter itself for Ref accesses, the pipeline's write-backs and remote signals."""
 
 from __future__ import annotations
 

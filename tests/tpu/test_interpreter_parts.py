@@ -4,7 +4,9 @@ defines (assigns in its own methods, its class body or its dataclass fields, or
 defines as a method or property) nor receives (a constructor parameter). A mixin
 that reads its host's members, or an attribute set onto an object from outside,
 fails here. And no part is handed the whole ``Interpreter`` (``interpreter_handoffs``):
-each receives the parts it needs (memory, Ref access, checks, the cursor...)."""
+each receives the parts it needs (memory, Ref access, checks, the cursor...); nor is
+any part handed the object that builds it (``self_handoffs``): what an owner and its part
+both use is a part of its own that both receive (the device's ``SessionLink``)."""
 
 from __future__ import annotations
 
@@ -237,3 +239,49 @@ def test_the_check_sees_reads(tmp_path, source, expect):
     (tmp_path / "m.py").write_text(source)
     got = undefined_reads(tmp_path)
     assert len(got) == len(expect) and all(e in g for e, g in zip(expect, got)), got
+
+
+def self_handoffs(root: pathlib.Path = INTERPRET) -> list[str]:
+    """Where a method of a class of interpret/ constructs another class of interpret/
+    with ``self``: the part built so holds its owner, and reads the owner's members
+    (``RemoteDMAs`` read ten of its ``DeviceTransport``'s: its callbacks, session and
+    device ids, semaphore keys, race records), a mixin by another name. (The
+    ``Interpreter`` handing itself to anything is ``interpreter_handoffs``'s.)"""
+    trees = {path.name: ast.parse(path.read_text()) for path in sorted(root.glob("*.py"))}
+    classes = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    out = []
+    for file, tree in trees.items():
+        for cls in ast.walk(tree):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for fn in cls.body:
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not (me := _self_name(fn)):
+                    continue
+                for call in ast.walk(fn):
+                    if not isinstance(call, ast.Call):
+                        continue
+                    callee = ast.unparse(call.func).rsplit(".", 1)[-1]
+                    args = [*call.args, *(k.value for k in call.keywords)]
+                    if callee in classes and any(isinstance(a, ast.Name) and a.id == me for a in args):
+                        out.append(f"{file}:{call.lineno}: {cls.name} hands itself to the {callee} it builds")
+    return out
+
+
+def test_no_part_is_handed_its_owner():
+    bad = self_handoffs()
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "source, found",
+    [
+        ("class R:\n    pass\nclass T:\n    def __init__(self):\n        self.r = R(1, self)\n", 1),
+        ("class R:\n    pass\nclass T:\n    def __init__(self):\n        self.r = R(owner=self)\n", 1),
+        ("class R:\n    pass\nclass T:\n    def __init__(self, link):\n        self.r = R(link)\n", 0),
+        ("class T:\n    def f(self):\n        return g(self)\n", 0),
+        ("class R:\n    pass\nclass T:\n    @staticmethod\n    def f(x):\n        return R(x)\n", 0),
+    ],
+)
+def test_the_self_handoff_check_sees_handoffs(tmp_path, source, found):
+    (tmp_path / "m.py").write_text(source)
+    assert len(self_handoffs(tmp_path)) == found, self_handoffs(tmp_path)

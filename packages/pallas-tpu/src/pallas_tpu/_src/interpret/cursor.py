@@ -5,7 +5,8 @@ token that orders host callbacks, the pipeline's block positions, the state of
 extension rules).
 
 The ``Interpreter`` (``interpreter.py``) holds one ``Cursor`` and moves it; its
-parts that follow the kernel (the multi-device transport, ``multi.py``, and its
+parts that follow the kernel (the multi-device transport, ``multi.py``, its link to the
+session, ``session_link.py``, and its
 remote DMAs) are handed the same one, and read and advance the token through it."""
 
 from __future__ import annotations

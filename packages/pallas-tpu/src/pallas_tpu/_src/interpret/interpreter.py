@@ -68,6 +68,7 @@ from pallas_tpu._src.interpret.memory import Memory
 from pallas_tpu._src.interpret.multi import DeviceTransport
 from pallas_tpu._src.interpret.refs import RefAccess, RefView
 from pallas_tpu._src.interpret.semaphores import LocalSemaphores, Semaphores
+from pallas_tpu._src.interpret.session_link import SessionLink
 from pallas_tpu._src.interpret.shared_scopes import SharedScopes
 from pallas_tpu._src.interpret.transport import LocalTransport
 from pallas_tpu._src.language import primitives as tpu_prims
@@ -210,7 +211,8 @@ class Interpreter:
       traced values carried besides the cells (``hidden``);
     * ``transport`` (``transport.LocalTransport``, or ``multi.DeviceTransport`` with
       ``multi_device``): what reaches other devices and cores (remote DMAs, shared
-      semaphores, the session the mesh's devices share, race detection);
+      semaphores, race detection), the latter over the device's link to the session the
+      mesh's devices share (``session_link.SessionLink``);
     * ``semaphores`` (``semaphores.Semaphores``): the core's own semaphores and the
       transport's;
     * ``dma`` (``dma.DmaEngine``): the DMA engine, on the memory, the semaphores and
@@ -259,15 +261,23 @@ class Interpreter:
                 self.memory,
                 self.refs,
                 self.checks,
-                self.scopes,
                 self.cursor,
                 local_sems,
                 dma_views,
+                SessionLink(
+                    self.memory,
+                    self.refs,
+                    self.scopes,
+                    self.cursor,
+                    where=self.where,
+                    kernel_desc=kernel_desc,
+                    kernel_name=gm.kernel_name,
+                    detect_races=params.detect_races,
+                    num_cores=params.num_cores_or_threads,
+                ),
                 where=self.where,
                 kernel_desc=kernel_desc,
-                kernel_name=gm.kernel_name,
                 kernel_facts=kernel_facts,
-                detect_races=params.detect_races,
                 num_cores=params.num_cores_or_threads,
                 collective_id=getattr(compiler_params, "collective_id", None),
             )

@@ -3,8 +3,9 @@
 device and receive semaphore; a wait on the target lands it (``dma_receive``),
 or stages what does not go to the buffer the wait names (``_land_staged``).
 ``RemoteDMAs`` is a part of ``multi.DeviceTransport``: it reaches the session
-through the transport's callbacks, and the kernel's memory through the parts it
-is handed (``Memory``, ``RefAccess``, ``dma_views.DmaViews``)."""
+through the device's ``session_link.SessionLink`` (which the transport is handed
+too), and the kernel's memory through the parts it is handed (``Memory``,
+``RefAccess``, ``dma_views.DmaViews``)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,18 @@ from pallas_tpu._src.interpret.errors import Checks
 from pallas_tpu._src.interpret.memory import Memory
 from pallas_tpu._src.interpret.refs import RefAccess
 from pallas_tpu._src.interpret.semaphores import LocalSemaphores
-from pallas_tpu._src.interpret.sessions import Message, get_session
+from pallas_tpu._src.interpret.session_link import SessionLink
+from pallas_tpu._src.interpret.sessions import Message
 
 
 class RemoteDMAs:
-    """The remote DMAs of a ``DeviceTransport`` (``link``: its session callbacks,
-    semaphore keys, device ids and race records; see the module docstring) over
+    """The remote DMAs of a ``DeviceTransport`` (see the module docstring) over
     ``memory``'s cells: their ends made, read and written by ``views``; reads of
     semaphores through ``refs``; the core's own semaphores ``local_sems``; ``checks``
     (the waits' descriptors are not bound-checked); the interpreter's ``cursor`` (the
-    core being traced, the callback token); ``where(eqn)`` names an equation. Keeps
-    where the remote DMAs traced so far go."""
+    core being traced, the callback token); the device's ``link`` to its session (its
+    callbacks, semaphore keys, device ids and race records); ``where(eqn)`` names
+    an equation. Keeps where the remote DMAs traced so far go."""
 
     def __init__(
         self,
@@ -43,8 +45,8 @@ class RemoteDMAs:
         cursor: Cursor,
         local_sems: LocalSemaphores,
         views: DmaViews,
+        link: SessionLink,
         where: Callable[[Any], str],
-        link,
     ):
         self.memory = memory
         self.refs = refs
@@ -52,8 +54,8 @@ class RemoteDMAs:
         self.cursor = cursor
         self.local_sems = local_sems
         self.views = views
-        self.where = where
         self.link = link
+        self.where = where
         self.dst_cells: set[int] = set()  # where remote DMAs traced so far go
         self.sem_cells: set[int] = set()  # and the semaphores they signal there
 
@@ -82,8 +84,8 @@ class RemoteDMAs:
         self.dst_cells.add(dst.cell)
         self.sem_cells.add(v["dst_sem"].cell)
 
-        def send(sid, dev, target, sem_idx, ssem_idx, nbytes, data, dst_idx, src_idx):
-            s, dev, target = get_session(sid), int(dev), int(target)
+        def send(s, dev, target, sem_idx, ssem_idx, nbytes, data, dst_idx, src_idx):
+            target = int(target)
             with s.cv:
                 s.check_alive(dev)
                 if not 0 <= target < s.num_devices:
@@ -113,11 +115,9 @@ class RemoteDMAs:
                 s.mail[(target, core, key, int(sem_idx))].append(msg)
                 s.cv.notify_all()
 
-        self.link.callback(
+        self.link.call(
             send,
             [],
-            self.link.sid,
-            self.link.my_dev,
             target,
             sem_idx,
             ssem_idx,
@@ -153,8 +153,8 @@ class RemoteDMAs:
         core, where = self.cursor.core_id, self.link.site(eqn)
         label = f"{name}[{{}}] (core {core})"
 
-        def pull(sid, dev, sem_idx, need):
-            s, dev, need = get_session(sid), int(dev), int(need)
+        def pull(s, dev, sem_idx, need):
+            need = int(need)
             k = (dev, core, key, int(sem_idx))
             with s.cv:
                 s.check_alive(dev)
@@ -194,7 +194,7 @@ class RemoteDMAs:
 
         def take(tok, need):
             self.cursor.hidden.tok = tok
-            outs = self.link.callback(pull, shapes, self.link.sid, self.link.my_dev, sem_idx, need)
+            outs = self.link.call(pull, shapes, sem_idx, need)
             return self.cursor.hidden.tok, *outs
 
         def nothing(tok, need):
@@ -220,8 +220,7 @@ class RemoteDMAs:
         names = {c: self.memory.cell_names.get(c, f"ref#{c}") for c in cells}
         core, where = self.cursor.core_id, self.link.site(eqn)
 
-        def land(sid, dev):
-            s, dev = get_session(sid), int(dev)
+        def land(s, dev):
             outs = [(np.zeros(n, dt), np.full(n, n, np.int32)) for _, n, dt in metas]
             with s.cv:
                 for m in s.staged.pop((dev, core), []):
@@ -249,7 +248,7 @@ class RemoteDMAs:
 
         def go(tok, vals):
             self.cursor.hidden.tok = tok
-            outs = self.link.callback(land, shapes, self.link.sid, self.link.my_dev)
+            outs = self.link.call(land, shapes)
             new = [
                 v.reshape(-1).at[i].set(d, mode="drop").reshape(v.shape)
                 for v, d, i in zip(vals, outs[0::2], outs[1::2])

@@ -1,7 +1,7 @@
-"""What the devices of one multi-device kernel call share: one Python ``_Session``
+"""What the devices of one multi-device kernel call share: one Python ``Session``
 per kernel call (``multi.py`` runs the devices; each reaches its session through host
-callbacks), and the process-wide state behind it (open sessions, ``races``, the
-deadlock timeout):
+callbacks, ``session_link.py``), and the process-wide state behind it (open sessions,
+``races``, the deadlock timeout):
 
 * semaphores that another device or core can signal (REGULAR and BARRIER
   semaphores) are counters in the session; a wait blocks on a
@@ -21,7 +21,7 @@ deadlock timeout):
 All of this lives in one Python process. In a ``jax.distributed`` job, devices
 of other processes never join a session: a kernel that needs other devices
 (remote DMAs, remote signals, barrier semaphores) under a ``shard_map`` whose
-mesh spans processes is refused when it is traced (``_check_one_process``);
+mesh spans processes is refused when it is traced (``session_link.SessionLink``);
 kernels that need no other device run over such meshes as anywhere else.
 
 Race detection (``InterpretParams(detect_races=True)``, ``races.py``) is a
@@ -82,9 +82,11 @@ class RaceDetectionState:
 
 races = RaceDetectionState()
 
-sessions_lock = threading.Lock()
-live_sessions: dict[int, _Session] = {}
-_open: dict[Any, list[_Session]] = collections.defaultdict(list)
+# The sessions of this process: the live ones by id, and by key those that not every
+# device of the mesh has joined yet (``join_session`` pairs the devices' calls).
+_lock = threading.Lock()
+_live: dict[int, Session] = {}
+_open: dict[Any, list[Session]] = collections.defaultdict(list)
 _next_sid = 0
 
 
@@ -95,18 +97,18 @@ def reset_tpu_interpret_mode_state() -> None:
     again at the next ``jax.effects_barrier()``."""
     global races
     compat.forget_failed_effects()
-    with sessions_lock:
-        for s in live_sessions.values():
+    with _lock:
+        for s in _live.values():
             with s.cv:
                 s.error = s.error or "the TPU interpret mode state was reset"
                 s.cv.notify_all()
-        live_sessions.clear()
+        _live.clear()
         _open.clear()
     races = RaceDetectionState()
 
 
-def get_session(sid) -> _Session:
-    s = live_sessions.get(int(sid))
+def get_session(sid) -> Session:
+    s = _live.get(int(sid))
     if s is None:
         raise KernelError("TPU interpret mode: this kernel's session was reset while it ran")
     return s
@@ -129,7 +131,7 @@ def index_inside(idx, shape) -> np.ndarray:
     return idx[idx < math.prod(shape)]
 
 
-class _Session:
+class Session:
     """One kernel call shared by the devices of a mesh (see the module docstring)."""
 
     def __init__(self, sid: int, key, num_devices: int, kernel: str, detect_races: bool, num_cores: int = 1):
@@ -157,7 +159,7 @@ class _Session:
 
     def fail(self, msg: str) -> KernelError:
         """Aborts the session on every device; returns the error to raise here."""
-        with sessions_lock:
+        with _lock:
             if self.error is None:
                 self.error = msg
             if self in _open.get(self.key, []):
@@ -211,6 +213,30 @@ class _Session:
                 )
             self.cv.wait(min(left, 0.25))
         self.blocked.pop(dev, None)
+
+    def leave(self, dev: int) -> None:
+        """``dev`` finished the kernel; the last device to finish closes the session,
+        and raises if a signal or a remote DMA was never waited for."""
+        with self.cv:
+            self.check_alive(dev)
+            self.left.add(dev)
+            self.cv.notify_all()
+            if len(self.left) < self.num_devices:
+                return
+            with _lock:
+                _live.pop(self.sid, None)
+            for key, v in self.sems.items():
+                if v:
+                    raise self.fail(
+                        f"{self.kernel}: {self.sem_names[key]} holds {v} when the kernel ends on every device "
+                        "(a signal was not waited for)"
+                    )
+            for key, q in self.mail.items():
+                if q:
+                    raise self.fail(
+                        f"{self.kernel}: the remote DMA started at {q[0].site} was never waited for by its "
+                        f"receiver (device {key[0]}: .wait_recv() on its receive semaphore)"
+                    )
 
     # -- race detection --
 
@@ -282,16 +308,16 @@ def lowering_mesh(axis_context):
 
 def join_session(
     key, num_devices: int, dev: int, kernel: str, detect_races: bool, num_cores: int = 1
-) -> _Session:
+) -> Session:
     global _next_sid
-    with sessions_lock:
+    with _lock:
         for s in _open[key]:
             if dev not in s.joined:
                 break
         else:
-            s = _Session(_next_sid, key, num_devices, kernel, detect_races, num_cores)
+            s = Session(_next_sid, key, num_devices, kernel, detect_races, num_cores)
             _next_sid += 1
-            live_sessions[s.sid] = s
+            _live[s.sid] = s
             _open[key].append(s)
         s.joined.add(dev)
         if len(s.joined) == num_devices:

@@ -77,10 +77,10 @@ def pytest_configure(config):
     jax.config.update("jax_enable_checks", True)
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped without one)")
     config.addinivalue_line(
-        "markers", "skip_way(name, reason): tests/ways.py: the test does not apply to that way"
+        "markers", "skip_way(name, reason, ids): tests/ways.py: the test does not apply to that way"
     )
     config.addinivalue_line(
-        "markers", "xfail_way(name, reason, raises): tests/ways.py: that way's gap (strict)"
+        "markers", "xfail_way(name, reason, raises, ids): tests/ways.py: that way's gap (strict)"
     )
 
 
@@ -90,15 +90,21 @@ def _way_of(item):
     return way if hasattr(way, "not_applicable") else None
 
 
+def _marks_this_way(mark, way, item) -> bool:
+    """Whether a ``skip_way``/``xfail_way`` mark applies to ``item``: its way, and one of its
+    ``ids`` (none: every parametrization) among the item's."""
+    ids = mark.kwargs.get("ids") or ()
+    return mark.args[0] == way.name and (not ids or bool(set(ids) & set(item.callspec.id.split("-"))))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:  # tests/ways.py's per-way marks on tests of a class run every way
         way = _way_of(item)
         for mark in item.iter_markers("skip_way") if way else ():
-            if mark.args[0] == way.name:
+            if _marks_this_way(mark, way, item):
                 item.add_marker(pytest.mark.skip(reason=f"{way.name} way: {mark.kwargs['reason']}"))
         for mark in item.iter_markers("xfail_way") if way else ():
-            ids = mark.kwargs.get("ids") or ()
-            if mark.args[0] == way.name and (not ids or set(ids) & set(item.callspec.id.split("-"))):
+            if _marks_this_way(mark, way, item):
                 reason, raises = f"{way.name} way: {mark.kwargs['reason']}", mark.kwargs.get("raises")
                 item.add_marker(pytest.mark.xfail(strict=True, reason=reason, raises=raises))
     if _has_gpu():

@@ -17,7 +17,8 @@ The ways (``WAYS``):
 (tests/conftest.py) with a :class:`Way` each. A ``PallasTest`` (tests/core) needs
 nothing more: its ``self.pallas_call`` is pointed at ``way.pallas_call``. Another
 test takes ``way`` and calls ``way.pallas_call(kernel, out_shape, ...)`` where it
-would call ``pl.pallas_call(..., interpret=...)``::
+would call ``pl.pallas_call(..., interpret=...)``, and ``way.jit(f)`` where it would
+call ``jax.jit(f)`` on a function of such calls::
 
     @every_way()
     class TestThings(PallasTest): ...
@@ -25,25 +26,28 @@ would call ``pl.pallas_call(..., interpret=...)``::
     @every_way(xfail={"triton": "why"}, skip={"mosaic": "why"})
     def test_add(way): ...
 
-    @skip_way("triton", "why")  # a method of a class run every_way()
+    @skip_way("triton", "why")  # a method run every_way() (or of a class run so)
     @xfail_way("mosaic", "why", raises=ValueError)
 
 A way skips, with the reason, when its package (or Triton) is not installed,
 and when the kernel does not apply to it: a TPU way on a kernel no TPU runs
 (blocks that break its tiling rules, HBM read without a DMA: the TPU's own
 check says so, and tests/conftest.py turns that failure into a skip), the Mosaic way on a
-``pallas_call`` applied under a JAX transformation (``run_mosaic`` runs a module
-on concrete arrays; the interpret ways cover ``jit``/``vmap``/``grad``). Anything
+``pallas_call`` applied under a JAX transformation other than ``way.jit`` (``run_mosaic``
+runs a module on concrete arrays; ``way.jit(f)`` exports ``f`` whole, traced grid sizes
+and all, and runs each of its kernels' modules; the interpret ways cover ``vmap``/``grad``). Anything
 else a way fails on is a finding: a strict ``xfail`` with its reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
 import re
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -120,9 +124,24 @@ class Way:
         if self.name == "mosaic":
             kwargs.pop("interpret", None)
             f = pl.pallas_call(kernel, out_shape, **kwargs)
-            return lambda *args: _run_with_mosaic(f, args)
+            # Inside ``way.jit``'s function the call is lowered with it; alone it is run now.
+            return lambda *args: f(*args) if _whole_function.active else _run_with_mosaic(f, args)
         kwargs.setdefault("interpret", self.interpret())
         return pl.pallas_call(kernel, out_shape, **kwargs)
+
+    def jit(self, f):
+        """``jax.jit(f)`` run this way, ``f`` a function of ``way.pallas_call``s: the Mosaic
+        way exports ``f`` whole for a TPU (a traced grid size, an enclosing function's
+        arrays captured by a kernel: as a TPU gets them) and runs each kernel's module by
+        ``run_mosaic`` in its place."""
+        if self.name != "mosaic":
+            return jax.jit(f)
+
+        def run(*args):
+            with _whole_function():
+                return _run_with_mosaic(f, args)
+
+        return run
 
     def not_applicable(self, error: BaseException) -> str | None:
         """Why this way does not apply to a kernel that failed with ``error``: the
@@ -130,6 +149,24 @@ class Way:
         if self.tpu and _NOT_FOR_A_TPU.search(str(error)):
             return f"not a TPU kernel ({self.name} way): {str(error).splitlines()[0]}"
         return None
+
+
+class _WholeFunction(threading.local):
+    """Set while ``Way.jit`` traces its function in the Mosaic way: its ``pallas_call``s are
+    lowered with it, not run alone."""
+
+    active = False
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.active, before = True, self.active
+        try:
+            yield
+        finally:
+            self.active = before
+
+
+_whole_function = _WholeFunction()
 
 
 def _three_way():
@@ -141,10 +178,13 @@ def _three_way():
 
 
 def _run_with_mosaic(f, args):
-    """``f(*args)`` (one ``pallas_call``) with the kernel lowered to Mosaic, exported for
-    a TPU and run by ``run_mosaic``."""
+    """``f(*args)`` (one ``pallas_call``, or a function of them: ``Way.jit``) with the kernels
+    lowered to Mosaic, exported for a TPU and each run by ``run_mosaic``."""
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-        pytest.skip("the mosaic way runs a pallas_call on concrete arrays, not under a JAX transformation")
+        pytest.skip(
+            "the mosaic way runs a pallas_call on concrete arrays (or a function of them: way.jit),"
+            " not under vmap, grad or a jit of its own"
+        )
     tw = _three_way()
     with jax.sharding.use_abstract_mesh(tw.TPU_V5E):
         shapes = jax.eval_shape(f, *args)
@@ -175,10 +215,11 @@ def every_way(*, skip=None, xfail=None, raises=None, only=None):
     return pytest.mark.parametrize("way", params, indirect=True)
 
 
-def skip_way(name: str, reason: str):
-    """A mark: the test (in a class run ``every_way()``) does not apply to way ``name``."""
+def skip_way(name: str, reason: str, ids=()):
+    """A mark: the test (run ``every_way()``) does not apply to way ``name``; ``ids``: only
+    its parametrizations with one of these ids (e.g. ``"bfloat16"``)."""
     assert name in WAYS, f"no such way: {name!r} (ways: {WAYS})"
-    return pytest.mark.skip_way(name, reason=reason)
+    return pytest.mark.skip_way(name, reason=reason, ids=tuple(ids))
 
 
 def xfail_way(name: str, reason: str, raises=None, ids=()):

@@ -1,5 +1,6 @@
-"""Dynamic (traced) grid sizes: ``grid=(n, ...)`` with ``n`` a traced int32 scalar,
-in pallas-core's interpret mode and pallas-tpu's interpreter, under jit/vmap/jvp."""
+"""Dynamic (traced) grid sizes: ``grid=(n, ...)`` with ``n`` a traced int32 scalar, run
+every way (tests/ways.py: the Mosaic way exports the jitted function, the sizes its
+module's first operands), under jit/vmap/jvp."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_test_base import PallasTest, assert_allclose
+from ways import every_way
 
 import pallas as pl
 
@@ -18,16 +20,22 @@ def rows_kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2.0 + pl.num_programs(0) * 10.0 + pl.program_id(0) + pl.program_id(1) / 8
 
 
-def rows_call(x, n, interpret, cols=2):
+def rows_call(x, n, pallas_call, cols=2):
+    """``rows_kernel`` over a grid of ``(n, cols)``, by ``pallas_call`` (a way's, or
+    ``pl.pallas_call`` with an ``interpret=``)."""
     spec = pl.BlockSpec((B, x.shape[1] // cols), lambda i, j: (i, j))
-    return pl.pallas_call(
+    return pallas_call(
         rows_kernel,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         grid=(n, cols),
         in_specs=[spec],
         out_specs=spec,
-        interpret=interpret,
     )(x)
+
+
+def interpreted(interpret):
+    """``pl.pallas_call`` with ``interpret=interpret``."""
+    return lambda *a, **kw: pl.pallas_call(*a, interpret=interpret, **kw)
 
 
 def rows_ref(x, n, cols=2):
@@ -42,43 +50,50 @@ def rows_ref(x, n, cols=2):
     return out
 
 
+_NO_DYNAMIC_GRID_IN_TRITON = (
+    "pallas-gpu lowers no dynamic grid (Triton's launch grid is static; its interpreter runs that"
+    " lowering): a clear error (test_hardware_lowering_is_a_clear_error)"
+)
+
+
+@every_way(xfail={"triton": _NO_DYNAMIC_GRID_IN_TRITON}, raises=NotImplementedError)
 class TestDynamicGrid(PallasTest):
-    @pytest.mark.parametrize("vectorize", [True, False])
-    def test_jit_against_numpy(self, vectorize):
+    def test_jit_against_numpy(self, way):
         x = self.rand((48, 256))
-        f = jax.jit(lambda x, n: rows_call(x, n, pl.InterpretParams(vectorize=vectorize)))
+        f = way.jit(lambda x, n: rows_call(x, n, way.pallas_call))
         for n in (1, 4, 6, 0):  # one compiled function, any trip count
             np.testing.assert_allclose(f(x, n), rows_ref(x, n), rtol=1e-6)
 
-    def test_negative_size_runs_no_step(self):
+    def test_negative_size_runs_no_step(self, way):
         x = self.rand((16, 128))
-        out = jax.jit(lambda x, n: rows_call(x, n, True))(x, -3)
+        out = way.jit(lambda x, n: rows_call(x, n, way.pallas_call, cols=1))(x, -3)
         assert np.isnan(np.asarray(out)).all()
 
-    def test_vmap_unbatched_size(self):
+    def test_vmap_unbatched_size(self, way):
         xs = self.rand((3, 32, 256))
-        out = jax.vmap(lambda x: rows_call(x, jnp.int32(3), True), in_axes=0)(xs)
-        f = jax.jit(lambda xs, n: jax.vmap(lambda x: rows_call(x, n, True))(xs))
+        out = jax.vmap(lambda x: rows_call(x, jnp.int32(3), way.pallas_call), in_axes=0)(xs)
+        f = jax.jit(lambda xs, n: jax.vmap(lambda x: rows_call(x, n, way.pallas_call))(xs))
         for i in range(3):
             np.testing.assert_allclose(f(xs, 3)[i], rows_ref(xs[i], 3), rtol=1e-6)
             np.testing.assert_allclose(out[i], rows_ref(xs[i], 3), rtol=1e-6)
 
-    def test_vmap_batched_sizes(self):
+    def test_vmap_batched_sizes(self, way):
         xs = self.rand((3, 32, 256))
         ns = jnp.array([4, 1, 2], jnp.int32)
-        out = jax.jit(jax.vmap(lambda x, n: rows_call(x, n, True)))(xs, ns)
+        out = jax.jit(jax.vmap(lambda x, n: rows_call(x, n, way.pallas_call)))(xs, ns)
         for i in range(3):
             np.testing.assert_allclose(out[i], rows_ref(xs[i], ns[i]), rtol=1e-6)
 
-    def test_jvp(self):
+    def test_jvp(self, way):
         x, t = self.rand((32, 256)), self.rand((32, 256))
-        out, tan = jax.jit(lambda x, t, n: jax.jvp(lambda x: rows_call(x, n, True), (x,), (t,)))(x, t, 4)
+        f = lambda x, t, n: jax.jvp(lambda x: rows_call(x, n, way.pallas_call), (x,), (t,))  # noqa: E731
+        out, tan = way.jit(f)(x, t, 4)
         np.testing.assert_allclose(out, rows_ref(x, 4), rtol=1e-6)
         assert_allclose(tan, 2 * t)
 
-    def test_accumulate_over_dynamic_axis(self):
+    def test_accumulate_over_dynamic_axis(self, way):
         """A reduction axis of traced length (the k axis of a matmul)."""
-        x, y = self.rand((16, 64)), self.rand((64, 32))
+        x, y = self.rand((16, 512)), self.rand((512, 128))
 
         def kernel(x_ref, y_ref, o_ref):
             @pl.when(pl.program_id(0) == 0)
@@ -87,46 +102,50 @@ class TestDynamicGrid(PallasTest):
 
             o_ref[...] += jnp.dot(x_ref[...], y_ref[...], precision="highest")
 
-        @jax.jit
+        @way.jit
         def f(x, y, k):
-            return pl.pallas_call(
+            return way.pallas_call(
                 kernel,
-                out_shape=jax.ShapeDtypeStruct((16, 32), jnp.float32),
+                out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
                 grid=(k,),
-                in_specs=[pl.BlockSpec((16, 16), lambda k: (0, k)), pl.BlockSpec((16, 32), lambda k: (k, 0))],
-                out_specs=pl.BlockSpec((16, 32), lambda k: (0, 0)),
-                interpret=True,
+                in_specs=[
+                    pl.BlockSpec((16, 128), lambda k: (0, k)),
+                    pl.BlockSpec((128, 128), lambda k: (k, 0)),
+                ],
+                out_specs=pl.BlockSpec((16, 128), lambda k: (0, 0)),
             )(x, y)
 
         for k in (1, 3, 4):
-            assert_allclose(f(x, y, k), jnp.dot(x[:, : 16 * k], y[: 16 * k], precision="highest"), scale=10)
+            want = jnp.dot(x[:, : 128 * k], y[: 128 * k], precision="highest")
+            assert_allclose(f(x, y, k), want, scale=10)
 
-    def test_aliased_output_keeps_unvisited_blocks(self):
+    def test_aliased_output_keeps_unvisited_blocks(self, way):
         x = self.rand((32, 128))
 
         def kernel(x_ref, o_ref):
             o_ref[...] = x_ref[...] + 1
 
-        @jax.jit
+        @way.jit
         def f(x, n):
             spec = pl.BlockSpec((B, 128), lambda i: (i, 0))
-            return pl.pallas_call(
+            return way.pallas_call(
                 kernel,
                 out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                 grid=(n,),
                 in_specs=[spec],
                 out_specs=spec,
                 input_output_aliases={0: 0},
-                interpret=True,
             )(x)
 
         for n in (0, 2, 4):
             ref = jnp.concatenate([x[: B * n] + 1, x[B * n :]])
             assert_allclose(f(x, n), ref)
 
-    def test_concrete_array_size_is_static(self):
-        x = self.rand((32, 256))
-        np.testing.assert_allclose(rows_call(x, jnp.int32(3), True), rows_ref(x, 3), rtol=1e-6)
+
+@every_way()
+def test_concrete_array_size_is_static(way):
+    x = jax.random.normal(jax.random.key(1), (32, 256), jnp.float32)
+    np.testing.assert_allclose(rows_call(x, jnp.int32(3), way.pallas_call), rows_ref(x, 3), rtol=1e-6)
 
 
 class TestDynamicGridErrors(PallasTest):
@@ -136,14 +155,14 @@ class TestDynamicGridErrors(PallasTest):
             TypeError,
             match=r"pallas_call 'rows_kernel' at .*grid\[0\]: a dynamic grid size must be an integer scalar, got float32\[\]",
         ):
-            jax.jit(lambda x, n: rows_call(x, n, True))(x, 2.0)
+            jax.jit(lambda x, n: rows_call(x, n, interpreted(True)))(x, 2.0)
 
     def test_vector_size(self):
         x = self.rand((16, 128))
         with pytest.raises(
             TypeError, match=r"grid\[0\]: a dynamic grid size must be an integer scalar, got int32\[2\]"
         ):
-            jax.jit(lambda x, n: rows_call(x, n, True))(x, jnp.array([1, 2]))
+            jax.jit(lambda x, n: rows_call(x, n, interpreted(True)))(x, jnp.array([1, 2]))
 
     def test_named_axis_needs_static_size(self):
         x = self.rand((16, 128))
@@ -164,44 +183,13 @@ class TestDynamicGridErrors(PallasTest):
 pltpu = pytest.importorskip("pallas_tpu")
 
 
-class TestDynamicGridTPUInterpreter(PallasTest):
-    INTERPRET = pltpu.InterpretParams()
-
-    def test_jit_against_numpy(self):
-        x = self.rand((48, 256))
-        f = jax.jit(lambda x, n: rows_call(x, n, self.INTERPRET))
-        for n in (1, 4, 6):
-            np.testing.assert_allclose(f(x, n), rows_ref(x, n), rtol=1e-6)
-
-    def test_zero_steps_keep_aliased_input(self):
-        x = self.rand((32, 128))
-
-        def kernel(x_ref, o_ref):
-            o_ref[...] = x_ref[...] * 3
-
-        @jax.jit
-        def f(x, n):
-            spec = pl.BlockSpec((B, 128), lambda i: (i, 0))
-            return pl.pallas_call(
-                kernel,
-                out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                grid=(n,),
-                in_specs=[spec],
-                out_specs=spec,
-                input_output_aliases={0: 0},
-                interpret=self.INTERPRET,
-            )(x)
-
-        for n in (0, 1, 3):
-            assert_allclose(f(x, n), jnp.concatenate([x[: B * n] * 3, x[B * n :]]))
-
-    def test_multi_core_is_an_error(self):
-        x = self.rand((16, 256))
-        params = pltpu.InterpretParams(num_cores_or_threads=2)
-        with pytest.raises(
-            NotImplementedError, match=r"rows_kernel.*dynamic \(traced\) sizes.*num_cores_or_threads > 1"
-        ):
-            jax.jit(lambda x, n: rows_call(x, n, params))(x, 2)
+def test_tpu_interpreter_multi_core_is_an_error():
+    x = jax.random.normal(jax.random.key(0), (16, 256), jnp.float32)
+    params = pltpu.InterpretParams(num_cores_or_threads=2)
+    with pytest.raises(
+        NotImplementedError, match=r"rows_kernel.*dynamic \(traced\) sizes.*num_cores_or_threads > 1"
+    ):
+        jax.jit(lambda x, n: rows_call(x, n, interpreted(params)))(x, 2)
 
 
 def test_hardware_lowering_is_a_clear_error():
@@ -210,7 +198,7 @@ def test_hardware_lowering_is_a_clear_error():
     custom call's first operands; tests/tpu runs such modules with run_mosaic)."""
     pytest.importorskip("pallas_gpu")
     x = jnp.ones((16, 256), jnp.float32)
-    traced = jax.jit(lambda x, n: rows_call(x, n, False)).trace(x, 2)
+    traced = jax.jit(lambda x, n: rows_call(x, n, interpreted(False))).trace(x, 2)
     with pytest.raises(
         NotImplementedError,
         match=r"'rows_kernel'.*grid \(dynamic, 2\) has dynamic \(traced\) sizes, which the cuda backend does not lower",

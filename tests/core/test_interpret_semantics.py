@@ -1,4 +1,5 @@
-"""Interpret-mode semantics: NaN-poisoned outputs and padding, sequential grid order."""
+"""Interpret-mode semantics: NaN-poisoned outputs and padding, sequential grid order; each
+kernel run every way (tests/ways.py). A TPU way runs the kernels whose blocks a TPU takes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_test_base import FLOAT_DTYPES, PallasTest, assert_allclose, dtype_id
+from ways import every_way, skip_way, xfail_way
 
 import pallas as pl
 
@@ -15,6 +17,7 @@ def _sds(shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+@every_way()
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
 class TestPoison(PallasTest):
     def test_unwritten_output_blocks_are_nan(self, dtype):
@@ -42,6 +45,10 @@ class TestPoison(PallasTest):
         np.testing.assert_array_equal(out[:3], np.asarray(x[:3].astype(jnp.float32)))
         assert np.isnan(out[3:]).all()
 
+    @skip_way(
+        "triton",
+        "a GPU's edge-block padding is unspecified (a masked load; Triton gives 0): NaN is interpret mode's",
+    )
     def test_edge_block_padding_is_nan_only_beyond_array(self, dtype):
         n, b = 10, 4
         x = self.rand((n,), dtype)
@@ -60,6 +67,10 @@ class TestPoison(PallasTest):
         np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(x.astype(jnp.float32)))
         np.testing.assert_array_equal(nans, [0, 0, 2])
 
+    @skip_way(
+        "triton",
+        "a GPU's edge-block padding is unspecified (a masked load; Triton gives 0): NaN is interpret mode's",
+    )
     def test_edge_block_2d_within_bounds_exact(self, dtype):
         x = self.rand((10, 6), dtype)
         spec = pl.BlockSpec((4, 4), lambda i, j: (i, j))
@@ -83,6 +94,10 @@ class TestPoison(PallasTest):
         cols = np.array([4, 2])[None, :]
         np.testing.assert_array_equal(nans, 16 - rows * cols)
 
+    @skip_way(
+        "triton",
+        "a GPU's edge-block padding is unspecified (a masked load; Triton gives 0): NaN is interpret mode's",
+    )
     def test_element_padding_is_nan(self, dtype):
         x = self.rand((8,), dtype)
 
@@ -103,10 +118,18 @@ class TestPoison(PallasTest):
             np.testing.assert_array_equal(half[1:9], np.asarray(x.astype(jnp.float32)))
 
 
+@every_way()
 class TestSequentialOrder(PallasTest):
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32], ids=dtype_id)
+    @xfail_way(
+        "triton",
+        "pallas-gpu lowers an int32 dot to tl.dot, which Triton refuses (int8 only): Triton's"
+        " assertion at run time, not a lowering error naming the kernel",
+        raises=jax.errors.JaxRuntimeError,
+        ids=("int32",),
+    )
     def test_blocked_matmul_k_accumulation(self, dtype):
-        m = n = k = 256
+        m, n, k = 128, 128, 192  # a (2, 2, 3) grid: each output block revisited along k
         bm = bn = bk = 64
         a, b = self.rand((m, k), dtype), self.rand((k, n), dtype)
 
@@ -236,6 +259,7 @@ class TestSequentialOrder(PallasTest):
         assert_allclose(out[1:], cums, scale=10)
         assert_allclose(out[0], cums[-1], scale=10)
 
+    @skip_way("triton", "a GPU's scratch lives in one program (grid step): no state carries across steps")
     def test_scratch_carries_state_across_steps(self):
         # An online max over blocks kept in scratch, written out at every step.
         x = self.rand((32,))

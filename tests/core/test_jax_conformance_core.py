@@ -7,6 +7,8 @@ on random data against a plain ``jnp`` reference:
   * ``pl.num_programs`` works in an index map and is static for a static grid
     (``test_can_query_grid_statically_via_num_programs_in_block_spec``);
   * specs given as nested lists match inputs given as lists (``test_with_unhashable_grid_spec``).
+
+Each kernel runs every way (tests/ways.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_test_base import PallasTest, assert_allclose, random_array
+from ways import every_way
 
 import pallas as pl
 
@@ -48,6 +51,7 @@ class TestSpecTreeMismatch(PallasTest):
         for part in ("'mismatched'", "in_specs[1]", "test_jax_conformance_core.py:", "{'a': *}"):
             assert part in msg, (part, msg)
 
+    @every_way()
     def test_matching_dict_specs_and_none_still_work(self):
         x, y = random_array(1, (64,)), random_array(2, (64,))
         spec = pl.BlockSpec((8,), lambda i: (i,))
@@ -64,6 +68,7 @@ class TestSpecTreeMismatch(PallasTest):
         assert_allclose(g(x, dict(a=y, b=x)), x + y + x)
 
 
+@every_way()
 class TestNumProgramsInIndexMap(PallasTest):
     def test_static_num_programs_in_index_map(self):
         x = random_array(3, (32, 16))
@@ -84,11 +89,13 @@ class TestNumProgramsInIndexMap(PallasTest):
         assert seen and all(isinstance(n, int) and n == 4 for n in seen), seen
         assert_allclose(out, jnp.concatenate([x[24:], x[16:24], x[8:16], x[:8]]))
 
-    def test_num_programs_still_refused_outside_pallas_call(self):
-        with pytest.raises(RuntimeError, match="inside a kernel traced by pallas_call"):
-            pl.num_programs(0)
+
+def test_num_programs_still_refused_outside_pallas_call():
+    with pytest.raises(RuntimeError, match="inside a kernel traced by pallas_call"):
+        pl.num_programs(0)
 
 
+@every_way()
 class TestNestedListSpecs(PallasTest):
     def test_nested_list_specs_inputs_and_outputs(self):
         x = random_array(4, (8, 128), jnp.int32)

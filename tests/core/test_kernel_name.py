@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from ways import every_way
 
 import pallas as pl
 
@@ -28,11 +29,11 @@ def test_partial_kernel_is_named_by_its_function():
         call(x)
 
 
-def test_partial_kernel_runs():
+@every_way()
+def test_partial_kernel_runs(way):
     x = jax.random.normal(jax.random.key(1), (8, 128), jnp.float32)
-    out = pl.pallas_call(
+    out = way.pallas_call(
         functools.partial(_scaled_copy, scale=3.0),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        interpret=True,
     )(x)
     assert jnp.allclose(out, x * 3.0)

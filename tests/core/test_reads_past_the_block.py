@@ -4,7 +4,9 @@ index (``x_ref[i]``) at the kernel's top level past the block's end reads the
 array there, clamped to the array's last element (inside a loop or cond it is
 clamped into the block); with JAX 0.12+ it is clamped into the block; slices
 (``pl.ds``) and integer-array indices are clamped into the block; writes are
-clamped into the block. TPU interpret mode, which checks bounds, reports it.
+clamped into the block. Each kernel runs every way (tests/ways.py) against JAX's
+interpret mode, but for the TPU ways: a TPU has no such semantics, and both TPU ways
+report the access (TPU interpret mode checks bounds, ``run_mosaic`` checks its loads).
 """
 
 import jax
@@ -12,24 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as jax_pl
+from ways import TPU_WAYS, every_way
 
 import pallas as pl
-
-
-def _modes():
-    modes = [
-        pytest.param(lambda: True, id="vectorized"),
-        pytest.param(lambda: pl.InterpretParams(vectorize=False), id="step-by-step"),
-    ]
-    try:
-        import triton  # noqa: F401
-
-        import pallas_gpu as plgpu
-
-        modes.append(pytest.param(lambda: plgpu.InterpretParams(), id="gpu-triton-interpreter"))
-    except ImportError:
-        pass
-    return modes
 
 
 def row_past(m, x_ref, o_ref):  # a row of the next block
@@ -87,36 +74,45 @@ KERNELS = [
 ]
 
 
-def _call(module, kernel, interpret, x):
+def _call(module, pallas_call, kernel, x):
     spec = module.BlockSpec((8, 16), lambda i: (i, 0))
-    return module.pallas_call(
+    return pallas_call(
         lambda x_ref, o_ref: kernel(module, x_ref, o_ref),
         grid=(4,),
         in_specs=[spec],
         out_specs=spec,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        interpret=interpret,
     )(x)
 
 
+def _jax_interpret(*args, **kwargs):
+    return jax_pl.pallas_call(*args, interpret=True, **kwargs)
+
+
+# What a TPU does instead: report it (test_tpu_ways_report_the_read).
+_NOT_ON_A_TPU = dict.fromkeys(
+    TPU_WAYS, "a TPU reads no data past a block: TPU interpret mode and run_mosaic report the access"
+)
+
+
+@every_way(skip=_NOT_ON_A_TPU)
 @pytest.mark.parametrize("kernel", KERNELS, ids=[k.__name__ for k in KERNELS])
-@pytest.mark.parametrize("mode", _modes())
-def test_reads_past_the_block_as_jax(kernel, mode):
+def test_reads_past_the_block_as_jax(kernel, way):
     x = jax.random.normal(jax.random.key(30), (32, 16), jnp.float32)
-    want = _call(jax_pl, kernel, True, x)
-    got = _call(pl, kernel, mode(), x)
+    want = _call(jax_pl, _jax_interpret, kernel, x)
+    got = _call(pl, way.pallas_call, kernel, x)
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("mode", _modes())
-def test_row_past_the_block_spelled_out(mode):
+@every_way(skip=_NOT_ON_A_TPU)
+def test_row_past_the_block_spelled_out(way):
     """What the semantics is, spelled out against jnp: with JAX 0.11 a top-level
     read past the block reads the array there (XLA folds the block's slice and the
     read's into one, clamped to the array); with JAX 0.12+ the index is clamped
     into the block (``dynamic_slice``'s semantics). Every mode follows the
     installed JAX."""
     x = jax.random.normal(jax.random.key(31), (32, 16), jnp.float32)
-    got = _call(pl, row_past, mode(), x)
+    got = _call(pl, way.pallas_call, row_past, x)
     if jax.__version_info__ < (0, 12):
         rows = np.minimum(np.arange(4) * 8 + np.arange(4) + 8, 31)  # block start + index, clamped
     else:
@@ -124,17 +120,19 @@ def test_row_past_the_block_spelled_out(mode):
     np.testing.assert_array_equal(got, np.repeat(np.asarray(x)[rows], 8, axis=0))
 
 
-def test_tpu_interpret_mode_reports_the_read():
-    pltpu = pytest.importorskip("pallas_tpu")
+@every_way(only=TPU_WAYS)
+def test_tpu_ways_report_the_read(way):
     x = jax.random.normal(jax.random.key(32), (32, 128), jnp.float32)
     spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
-    f = pl.pallas_call(
+    f = way.pallas_call(
         lambda x_ref, o_ref: row_past(pl, x_ref, o_ref),
         grid=(4,),
         in_specs=[spec],
         out_specs=spec,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        interpret=pltpu.InterpretParams(),
     )
-    with pytest.raises(Exception, match=r"Out-of-bounds read of in_specs\[0\] block"):
+    reported = (
+        r"Out-of-bounds read of in_specs\[0\] block|access at \[8, 0\] .* out of bounds of a vmem memref"
+    )
+    with pytest.raises(Exception, match=reported):
         jax.block_until_ready(f(x))

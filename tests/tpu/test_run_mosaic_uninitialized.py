@@ -112,3 +112,96 @@ def test_edge_block_padding(dtype):
         assert np.all(np.isnan(out[12:]))
     else:
         np.testing.assert_array_equal(out[12:], np.full((4, 128), np.iinfo(np.int32).min, np.int32))
+
+
+def _aliased_revisits(grid, index_map):
+    """An output aliased to its input, whose blocks the kernel reads before it writes them:
+    ``o = o + 1`` at every step, the grid visiting blocks by ``index_map``."""
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = o_ref[...] + 1
+
+    x = jax.random.normal(jax.random.key(0), (16, 128), jnp.float32)
+    block = pl.BlockSpec((8, 128), index_map)
+    kw = dict(
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=grid,
+        in_specs=[block],
+        out_specs=block,
+        input_output_aliases={0: 0},
+    )
+    (module,) = pltpu.mosaic_modules(pl.pallas_call(kernel, **kw), x)
+    out = pltpu.run_mosaic(module, x, out_shape=kw["out_shape"], input_output_aliases={0: 0})
+    interpreted = pl.pallas_call(kernel, **kw, interpret=pltpu.InterpretParams())(x)
+    return np.asarray(out), np.asarray(interpreted)
+
+
+def test_an_aliased_output_block_is_not_read_from_the_array():
+    """A TPU never reads an output block from HBM (the pipeline's VMEM buffer holds an earlier
+    block's data or nothing): a read before the first write of a block, even of an output
+    aliased to the input, gives the uninitialized fill, not the input's data."""
+    out, interpreted = _aliased_revisits((2,), lambda i: (i, 0))
+    assert np.isnan(out).all() and np.isnan(interpreted).all()  # TPU interpret mode's too
+
+
+def test_an_output_block_is_kept_between_consecutive_visits_only():
+    """Consecutive steps on one output block share its VMEM buffer (an accumulator works);
+    leaving the block writes it back, and coming back later starts a fresh buffer."""
+    out, interpreted = _aliased_revisits((2, 2), lambda i, j: (i, 0))  # each block twice in a row
+    assert np.isnan(out).all() and np.isnan(interpreted).all()  # first read uninitialized; NaN + 1 stays NaN
+
+
+def test_an_accumulated_output_block_survives_its_revisits():
+    def kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        o_ref[...] += x_ref[...]
+
+    x = jax.random.normal(jax.random.key(1), (16, 384), jnp.float32)
+    out_shape = jax.ShapeDtypeStruct((16, 128), x.dtype)
+    f = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(2, 3),
+        in_specs=[pl.BlockSpec((8, 128), lambda i, k: (i, k))],
+        out_specs=pl.BlockSpec((8, 128), lambda i, k: (i, 0)),
+    )
+    (module,) = pltpu.mosaic_modules(f, x)
+    out = pltpu.run_mosaic(module, x, out_shape=out_shape)
+    ref = x.reshape(16, 3, 128).sum(1)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+def test_a_block_visited_again_later_starts_uninitialized():
+    """Blocks 0, 1, 0: the third step's block was written back when the second began; its
+    new buffer does not hold the first step's values (a TPU's holds block 1's or garbage)."""
+
+    def kernel(o_ref):
+        step = pl.program_id(0)
+
+        @pl.when(step == 0)
+        def _():
+            o_ref[...] = jnp.full(o_ref.shape, 7.0, o_ref.dtype)
+
+        @pl.when(step == 1)
+        def _():
+            o_ref[...] = jnp.full(o_ref.shape, 5.0, o_ref.dtype)
+
+        @pl.when(step == 2)
+        def _():
+            o_ref[0:1, :] = o_ref[0:1, :] + 1  # reads a row of block 0 again
+
+    out_shape = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+    f = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(3,),
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i % 2, 0)),
+    )
+    (module,) = pltpu.mosaic_modules(f)
+    out = np.asarray(pltpu.run_mosaic(module, out_shape=out_shape))
+    assert np.isnan(out[0]).all()  # the revisit's row: its fresh buffer's, plus one
+    assert np.isnan(out[1:8]).all()  # written back from the fresh buffer: the first visit's 7s are gone
+    np.testing.assert_array_equal(out[8:], np.full((8, 128), 5.0, np.float32))

@@ -14,9 +14,11 @@ at a time in Mosaic's (lexicographic) order:
   indices, prefetch refs) * window_bounds`` of its array (arrays are padded
   to whole blocks, so edge blocks are in bounds); a window without one is the
   whole array (``pl.ANY``/HBM operands, moved by DMAs);
-* windows are NumPy views of the arrays, so a revisited output block keeps
-  what earlier grid steps wrote to it (Mosaic keeps it in VMEM between
-  revisits and writes it back when the block index changes);
+* an input's window is a NumPy view of its array; an output's is a buffer of
+  its own, kept while consecutive grid steps visit the same block (Mosaic
+  keeps it in VMEM between such revisits) and written back when the block
+  index changes; a newly visited output block starts uninitialized (a TPU
+  never reads an output block from HBM, not even one aliased to an input);
 * ops are executed by their rules on NumPy values (``framework.py``: the op
   registry, the module prepared once, the walk; ``dialects/``: one rule
   module per dialect; ``values.py``: vectors are arrays, scalars 0-d arrays,
@@ -52,7 +54,7 @@ from pallas_tpu._src.executor.errors import MosaicError
 from pallas_tpu._src.executor.framework import Executor, Program
 from pallas_tpu._src.executor.kernel import Device, parse_module
 from pallas_tpu._src.executor.mesh import Mesh
-from pallas_tpu._src.executor.values import Buffer, allocate
+from pallas_tpu._src.executor.values import Buffer, allocate, uninitialized
 
 
 def run_mosaic(
@@ -93,7 +95,7 @@ def run_mosaic(
       num_cores: TensorCores per device (2 on a megacore chip such as TPU v4
         or v5p; a module does not say). Each core runs in a thread with its own
         VMEM/SMEM scratch, allocas and semaphores; the cores of one device
-        share its HBM: the operands and outputs (every window is a view of
+        share its HBM: the operands and outputs (their windows are blocks of
         them). The grid is split over the cores as Mosaic splits it: the first
         ``core_parallel`` axis in contiguous chunks of ``ceil(n / num_cores)``
         indices, or else the leading ``parallel`` axes' sub-grid in contiguous
@@ -199,10 +201,13 @@ def _run_core(program: Program, dev: Device, mesh: Mesh, device, points):
         scratch.append(allocate(t, ("scratch", i)))
         mesh.register(device, ("scratch", i), scratch[-1].root)
     ex = Executor(program, mesh, device, dev.bounds)
+    staged: dict[int, tuple[tuple[slice, ...], np.ndarray]] = {}  # a blocked output's VMEM window
     for point in points:
         idx = [np.int32(i) for i in point]
-        views = [_window(ex, dev, k, idx, prefetch) for k in range(len(dev.padded))]
+        views = [_window(ex, dev, k, idx, prefetch, staged) for k in range(len(dev.padded))]
         ex.call(dev.name, [*idx, *prefetch, *views, *scratch])
+    for k, (where, block) in staged.items():
+        dev.padded[k][where] = block
     with mesh.cv:  # the other devices' signals to this device are in once all are done
         mesh.done.add(device)
         mesh.cv.notify_all()
@@ -219,8 +224,13 @@ def _run_core(program: Program, dev: Device, mesh: Mesh, device, points):
     ]
 
 
-def _window(ex: Executor, dev: Device, k: int, idx, prefetch) -> Buffer:
-    """Window ``k`` at the grid point ``idx``: its block of the array (a view)."""
+def _window(ex: Executor, dev: Device, k: int, idx, prefetch, staged) -> Buffer:
+    """Window ``k`` at the grid point ``idx``: an input's block of the array (a view); an
+    output's block in a buffer of its own (``staged[k]``: where it goes, the buffer), kept
+    while consecutive steps visit that block and written back when the block changes (and
+    after the last step). A newly visited output block starts uninitialized, as the
+    pipeline's VMEM buffer does on a TPU (it holds an earlier block's data there, never
+    the array's: an output is not read from HBM, not even one aliased to an input)."""
     arr, w = dev.padded[k], dev.windows[k]
     shape, space = dev.win_types[k]
     if w.transform is None:
@@ -238,8 +248,14 @@ def _window(ex: Executor, dev: Device, k: int, idx, prefetch) -> Buffer:
                 f"point {[int(i) for i in idx]}, outside the array of shape {list(arr.shape)} (window {w.bounds})"
             )
         starts.append(s)
-    view = arr[tuple(slice(s, s + n) for s, n in zip(starts, w.bounds))]
-    return Buffer(view.reshape(shape), space, key=("window", k), root=arr)
+    where = tuple(slice(s, s + n) for s, n in zip(starts, w.bounds))
+    if k < dev.n_in:
+        return Buffer(arr[where].reshape(shape), space, key=("window", k), root=arr)
+    if k not in staged or staged[k][0] != where:
+        if k in staged:
+            arr[staged[k][0]] = staged[k][1]
+        staged[k] = (where, uninitialized(tuple(w.bounds), arr.dtype))
+    return Buffer(staged[k][1].reshape(shape), space, key=("window", k), root=staged[k][1])
 
 
 def custom_call_bodies(hlo_text: str) -> list[bytes]:

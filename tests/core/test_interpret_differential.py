@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_test_base import PallasTest
-from ways import Way, every_way, skip_way, xfail_way
+from ways import Way, every_way, skip_way
 
 import pallas as pl
 
@@ -374,13 +374,6 @@ class TestVectorizedMatchesSequential(PallasTest):
         "triton",
         "a GPU's edge-block padding is unspecified (Triton's masked loads give 0)",
         ids=_READS_PADDING,
-    )
-    @xfail_way(
-        "triton",
-        "on a grid of 2+ axes, steps that read what earlier steps stored (an aliased input"
-        " through its own index map: 8, 26; a revisited output: 52) see another step order's"
-        " values: Triton's batched passes miss the dependence (1-D grids run in order)",
-        ids=("8", "26", "52"),
     )
     @pytest.mark.parametrize("seed", range(NUM_CASES))
     def test_random_grid(self, seed, way):

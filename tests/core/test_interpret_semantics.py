@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_test_base import FLOAT_DTYPES, PallasTest, assert_allclose, dtype_id
-from ways import every_way, skip_way, xfail_way
+from ways import every_way, skip_way
 
 import pallas as pl
 
@@ -121,13 +121,6 @@ class TestPoison(PallasTest):
 @every_way()
 class TestSequentialOrder(PallasTest):
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32], ids=dtype_id)
-    @xfail_way(
-        "triton",
-        "pallas-gpu lowers an int32 dot to tl.dot, which Triton refuses (int8 only): Triton's"
-        " assertion at run time, not a lowering error naming the kernel",
-        raises=jax.errors.JaxRuntimeError,
-        ids=("int32",),
-    )
     def test_blocked_matmul_k_accumulation(self, dtype):
         m, n, k = 128, 128, 192  # a (2, 2, 3) grid: each output block revisited along k
         bm = bn = bk = 64

@@ -83,11 +83,6 @@ class TestEmptyArrays(PallasTest):
             " MLIR refuses (a kernel of empty outputs need not run)"
         }
     )
-    @xfail_way(
-        "triton",
-        "pallas-gpu's lowering divides by a zero block size (lowering/address.py, block_ref) on an empty array",
-        raises=ZeroDivisionError,
-    )
     def test_whole_array(self, way):
         z = jnp.zeros((0, 128), jnp.float32)
         f = self.pallas_call(add_one, z)
@@ -95,11 +90,6 @@ class TestEmptyArrays(PallasTest):
         assert way.jit(f)(z).shape == (0, 128)
 
     @every_way()
-    @xfail_way(
-        "triton",
-        "pallas-gpu's lowering divides by a zero block size (lowering/address.py, block_ref) on an empty array",
-        raises=ZeroDivisionError,
-    )
     def test_whole_array_vmap(self):
         f = self.pallas_call(add_one, jnp.zeros((0, 128), jnp.float32))
         assert jax.vmap(f)(jnp.zeros((3, 0, 128))).shape == (3, 0, 128)

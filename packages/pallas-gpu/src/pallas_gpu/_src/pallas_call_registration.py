@@ -43,16 +43,19 @@ DYNAMIC_GRID = False
 _lowered_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def lowered_kernel(jaxpr, grid_mapping, options: tuple = ()) -> LoweredKernel:
+def lowered_kernel(jaxpr, grid_mapping, options: tuple = (), aliases: tuple = ()) -> LoweredKernel:
     """The generated kernel, cached per grid mapping object (pallas-core
-    keeps one per traced kernel) and source options (``CompilerParams.source_options``)."""
+    keeps one per traced kernel), source options (``CompilerParams.source_options``)
+    and ``input_output_aliases`` (``(input, output)`` pairs: an output aliased to
+    an input the kernel reads is not kept in registers across sequential steps)."""
     per_gm = _lowered_cache.setdefault(grid_mapping, {})
-    key = (id(jaxpr), options)
+    aliases = tuple(sorted((int(i), int(o)) for i, o in aliases))
+    key = (id(jaxpr), options, aliases)
     if key not in per_gm:
         # pl.ds(i, n, 0) reads: one element, broadcast (Triton's pointer arithmetic would
         # do, but the lowering's windows assume a stride of at least 1).
         kernel = plb.broadcast_zero_stride_reads(jaxpr, grid_mapping.where)
-        per_gm[key] = (jaxpr, lower_kernel(kernel, grid_mapping, dict(options)))
+        per_gm[key] = (jaxpr, lower_kernel(kernel, grid_mapping, dict(options), aliases))
     return per_gm[key][1]
 
 
@@ -108,7 +111,7 @@ def _check_kernel(gm) -> None:
 
 def _lowered(call, cps: list[CompilerParams]) -> LoweredKernel:
     gm = call.grid_mapping
-    lk = lowered_kernel(call.jaxpr, gm, _source_options(cps, gm))
+    lk = lowered_kernel(call.jaxpr, gm, _source_options(cps, gm), tuple(call.input_output_aliases))
     if call.debug:
         print(f"The Triton kernel for pallas_call '{gm.kernel_name}' ({gm.source}):")
         print(lk.module_source(interpret=False))

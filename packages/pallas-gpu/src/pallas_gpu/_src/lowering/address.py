@@ -174,11 +174,15 @@ def block_ref(kl: KernelFrame, i: int, bm, ids: list[Val]) -> BlockRef:
             nonneg.append(lo == 0)
         else:
             size = 1 if isinstance(dim, pallas_backend.Squeezed) else dim.block_size
-            last = -(-n // size) - 1
-            if bound is None or bound > last:
+            # A block of size 0 (a whole-array block of an empty dim) has one
+            # block, starting at 0; its masks are all off.
+            last = -(-n // size) - 1 if size else 0
+            if size == 0:
+                ix = 0
+            elif bound is None or bound > last:
                 ix = _clamp(em, _wrap(em, ix, last + 1), last)
             start = _mul(ix, size)
-            in_bounds.append(n % size == 0)
+            in_bounds.append(size == 0 or n % size == 0)
             nonneg.append(True)
         if not isinstance(start, int):
             name = em.fresh("start")

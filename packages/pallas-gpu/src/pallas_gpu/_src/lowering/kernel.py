@@ -15,7 +15,16 @@ The grid is split in two:
   stored after) unless the kernel reads or writes them in parts (``pl.ds``,
   ``plgpu.load/store``): those stay in memory, with a barrier between steps.
   Kernels that use atomics keep the parallel grid (atomics are how a Triton
-  kernel combines the work of parallel programs).
+  kernel combines the work of parallel programs). An output aliased to an
+  input the kernel reads stays in memory too, so each step's loads see the
+  earlier steps' stores.
+
+Looping over a sequential axis inside the programs of a later parallel axis
+reorders the steps; that is invisible unless a step touches an output block
+that another program writes (``programs_share_blocks``): a race on a GPU.
+Then only the sequential axes after every parallel one loop, the others stay
+parallel, and Triton's interpreter (which runs programs in order) gives
+Pallas' in-order result; on a GPU such a kernel still races.
 
 The module imports ``lowering.py`` and the rule modules; none of them imports
 this one.
@@ -43,9 +52,16 @@ from pallas_gpu._src.language import primitives as gpu_primitives
 
 # The rule modules: importing them fills the table.
 from pallas_gpu._src.lowering import control as control_rules  # noqa: F401
+from pallas_gpu._src.lowering import dot as dot_rules  # noqa: F401
 from pallas_gpu._src.lowering import math as math_rules  # noqa: F401
 from pallas_gpu._src.lowering import shapes as shape_rules  # noqa: F401
 from pallas_gpu._src.lowering.address import block_ref
+from pallas_gpu._src.lowering.grid_order import (
+    aliased_outputs_read,
+    in_grid_order,
+    programs_share_blocks,
+    sequential_axes,
+)
 from pallas_gpu._src.lowering.lowering import (
     BACKEND,
     DTYPES,
@@ -94,8 +110,10 @@ class KernelLowering:
         fn_name: str,
         in_memory: frozenset[int] = frozenset(),
         options: dict | None = None,
+        aliases: tuple = (),
     ):
         options = options or {}
+        self.aliases = aliases  # input_output_aliases: (input, output) pairs
         # Source options (CompilerParams.source_options): TMA tensor descriptors for
         # block Ref accesses, warp-specialized loops.
         self.use_tma = bool(options.get("use_tma", False))
@@ -264,6 +282,11 @@ class KernelLowering:
                     "outside the kernel"
                 )
         sequential = sequential_axes(gm, self.jaxpr)
+        suffix = in_grid_order(gm, sequential)
+        if suffix != sequential and programs_share_blocks(gm, self.jaxpr, sequential, self.aliases):
+            # The loops would reorder steps that other programs' steps depend on: keep the
+            # steps in grid order (see the module docstring).
+            sequential = suffix
         ids, launch_grid = self.program_ids(sequential)
         self.grid_ids = ids  # updated in place by the sequential loops
         n_in = gm.num_inputs
@@ -322,76 +345,6 @@ class KernelLowering:
             v = load_block(self.em, refs[i], self)
             out[i] = ResidentRef(v.expr, tuple(refs[i].block_shape), refs[i].dtype, index=i, block=refs[i])
         return out
-
-
-def sequential_axes(gm, jaxpr) -> tuple[int, ...]:
-    """Grid axes (of size > 1) along which every output block stays the same:
-    no output index map reads them, and the kernel does not address its
-    outputs with their ``program_id`` (a Triton-style kernel over whole
-    arrays writes ``o_ref[pl.ds(i * b, b)]``: its programs write disjoint
-    parts and stay parallel). Empty for kernels without outputs or with
-    atomics (those combine parallel programs through memory)."""
-    outs = gm.out_block_mappings
-    if not outs or plb.kernel_facts(jaxpr).uses(gpu_primitives.atomic_rmw_p, gpu_primitives.atomic_cas_p):
-        return ()
-    read: set[int] = set()
-    for bm in outs:
-        read |= _inputs_read(bm.index_map)
-    invars = compat.unwrap_jaxpr(jaxpr)[0].invars
-    first_out = len(gm.grid) + gm.num_inputs
-    out_refs = {id(v) for v in invars[first_out : first_out + gm.num_outputs]}
-    return tuple(
-        ax
-        for ax, g in enumerate(gm.grid)
-        if g > 1 and ax not in read and not _addresses(jaxpr, {id(invars[ax])}, out_refs)
-    )
-
-
-# State primitives: (ref, value, *indices) for these, (ref, *indices, ...) for the others.
-_WITH_VALUE = {compat.swap_p, compat.addupdate_p, gpu_primitives.store_p, gpu_primitives.swap_p}
-_STATE = {compat.get_p, gpu_primitives.load_p, *_WITH_VALUE}
-
-
-def _addresses(closed, tainted: set[int], refs: set[int]) -> bool:
-    """Whether a value computed from ``tainted`` vars indexes one of ``refs``
-    (followed into sub-jaxprs by position; ``id``s of jaxpr vars)."""
-    jaxpr, _ = compat.unwrap_jaxpr(closed)
-    tainted = set(tainted)
-    for eqn in jaxpr.eqns:
-        ins = [v if isinstance(v, compat.Var) else None for v in eqn.invars]
-        if eqn.primitive in _STATE and id(ins[0]) in refs:
-            if any(
-                id(v) in tainted for v in ins[2 if eqn.primitive in _WITH_VALUE else 1 :] if v is not None
-            ):
-                return True
-        for sub in jaxprs_in_params(eqn.params):
-            pairs = _by_position(compat.unwrap_jaxpr(sub)[0].invars, ins)
-            sub_tainted = {id(s) for s, v in pairs if v is not None and id(v) in tainted}
-            sub_refs = {id(s) for s, v in pairs if v is not None and id(v) in refs}
-            if sub_refs and _addresses(sub, sub_tainted, sub_refs):
-                return True
-        if any(v is not None and id(v) in tainted for v in ins):
-            tainted |= {id(v) for v in eqn.outvars}
-    return False
-
-
-def _by_position(sub_invars, ins):
-    """Pairs (sub-jaxpr input, equation operand): one to one, else the
-    operands are a suffix (cond branches, while bodies) or a prefix (run_scoped)."""
-    if len(sub_invars) <= len(ins):
-        return list(zip(sub_invars, ins[len(ins) - len(sub_invars) :]))
-    return list(zip(sub_invars, ins))
-
-
-def _inputs_read(closed) -> set[int]:
-    """Positions of the jaxpr's inputs that its outputs depend on (an
-    equation with sub-jaxprs counts as reading all its operands)."""
-    jaxpr, _ = compat.unwrap_jaxpr(closed)
-    needed = {id(v) for v in jaxpr.outvars if isinstance(v, compat.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        if any(id(v) in needed for v in eqn.outvars):
-            needed |= {id(v) for v in eqn.invars if isinstance(v, compat.Var)}
-    return {k for k, v in enumerate(jaxpr.invars) if id(v) in needed}
 
 
 @dataclasses.dataclass
@@ -491,11 +444,13 @@ def kernel_name(name: str) -> str:
     return out
 
 
-def lower_kernel(jaxpr, grid_mapping, options: dict | None = None) -> LoweredKernel:
+def lower_kernel(jaxpr, grid_mapping, options: dict | None = None, aliases=()) -> LoweredKernel:
+    """The Triton source of a kernel; ``aliases``: the call's ``input_output_aliases``
+    as ``(input, output)`` pairs."""
     name = kernel_name(grid_mapping.kernel_name)
-    in_memory: frozenset[int] = frozenset()
+    in_memory = aliased_outputs_read(jaxpr, grid_mapping, aliases)
     while True:
-        kl = KernelLowering(jaxpr, grid_mapping, name, in_memory, options)
+        kl = KernelLowering(jaxpr, grid_mapping, name, in_memory, options, aliases)
         try:
             src, sig, launch_grid = kl.lower()
             break

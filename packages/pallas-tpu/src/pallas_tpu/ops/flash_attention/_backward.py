@@ -9,15 +9,17 @@ from jax import lax
 import pallas as pl
 import pallas_tpu as pltpu
 
-from ._blocks import DEFAULT_MASK_VALUE, F32, LN2, LOG2E, NUM_LANES, TRANS_B_DIM_NUMBERS
+from ._blocks import F32, LN2, LOG2E, NUM_LANES, TRANS_B_DIM_NUMBERS
 from ._forward import cost_estimate
 from ._tiles import (
     Sweep,
     as_column,
     as_row,
-    diagonal_keep,
+    causal_kv_block,
     grid_params,
     lane_replicated,
+    masked_scores,
+    query_major_inputs,
     scaled_query,
     segment_id_operands,
     square_tile,
@@ -26,21 +28,9 @@ from ._tiles import (
 
 def backward_dq(qs, k, v, ab, segment_ids, lse, d_out, di, causal, sm_scale, blocks, debug):
     return _dq_call(
-        qs,
-        k,
-        v,
-        ab,
-        segment_ids,
-        lse,
-        d_out,
-        di,
-        causal=causal,
-        sm_scale=sm_scale,
-        block_q=blocks.block_q_dq,
-        block_kv=blocks.block_k_major_dq,
-        tile_kv=blocks.block_k_dq,
-        debug=debug,
-    )
+        qs, k, v, ab, segment_ids, lse, d_out, di, causal=causal, sm_scale=sm_scale,
+        block_q=blocks.block_q_dq, block_kv=blocks.block_k_major_dq, tile_kv=blocks.block_k_dq, debug=debug,
+    )  # fmt: skip
 
 
 def _dq_call(
@@ -54,8 +44,7 @@ def _dq_call(
     row_ids, col_ids = segment_id_operands(segment_ids, kv_major=False)
     bias_scale = sm_scale * LOG2E
 
-    def kv_block(i, j):
-        return jnp.minimum(j, (i * block_q + block_q - 1) // block_kv) if causal else j
+    kv_block = causal_kv_block(causal, block_q, block_kv)
 
     def kernel(*refs):
         refs = list(refs)
@@ -83,14 +72,7 @@ def _dq_call(
             s = lax.dot_general(qs_ref[r, :], k_tile, TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
             if ab_ref is not None:
                 s = s + ab_ref[r, c].astype(F32) * bias_scale
-            keep = None
-            if rid_ref is not None:
-                keep = lane_replicated(rid_ref[r, :], cols) == cid_ref[:, c]
-            if diagonal:
-                on = diagonal_keep((rows, cols), rows_are_queries=True)
-                keep = on if keep is None else keep & on
-            if keep is not None:
-                s = jnp.where(keep, s, DEFAULT_MASK_VALUE)
+            s = masked_scores(s, rid_ref, cid_ref, r, c, diagonal, rows_are_queries=True)
             p = jnp.exp2(s - lane_replicated(lse_col_ref[r, :], cols))
             dp = lax.dot_general(do_ref[r, :], v_ref[c, :], TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
             ds = p * (dp - lane_replicated(di_col_ref[r, :], cols))
@@ -108,20 +90,14 @@ def _dq_call(
     kv_spec = pl.BlockSpec((None, None, block_kv, head_dim), lambda b, h, i, j: (b, h, kv_block(i, j), 0))
     row_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, j: (b, h, 0, i))
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-    args = [qs, k, v, d_out, lse, di]
+    extra_specs, extra_args = query_major_inputs(ab, row_ids, col_ids, block_q, block_kv, kv_block)
+    in_specs += extra_specs
+    args = [qs, k, v, d_out, lse, di, *extra_args]
     out_shape = [jax.ShapeDtypeStruct(qs.shape, qs.dtype)]
     out_specs = [q_spec]
     if ab is not None:
-        in_specs.append(
-            pl.BlockSpec((None, None, block_q, block_kv), lambda b, h, i, j: (b, h, i, kv_block(i, j)))
-        )
-        args.append(ab)
         out_shape.append(jax.ShapeDtypeStruct(ab.shape, ab.dtype))
         out_specs.append(pl.BlockSpec((None, None, block_q, block_kv), lambda b, h, i, j: (b, h, i, j)))
-    if segment_ids is not None:
-        in_specs.append(pl.BlockSpec((None, block_q, NUM_LANES), lambda b, h, i, j: (b, i, 0)))
-        in_specs.append(pl.BlockSpec((None, 1, block_kv), lambda b, h, i, j: (b, 0, kv_block(i, j))))
-        args += [row_ids, col_ids]
     scratch = [
         pltpu.VMEM((block_q, head_dim), F32),  # dq accumulator
         pltpu.VMEM((block_q, NUM_LANES), F32),  # logsumexp, lane-replicated
@@ -147,23 +123,10 @@ def _dq_call(
 
 def backward_dkv(q, k, v, ab, segment_ids, lse, d_out, di, causal, sm_scale, blocks, debug, with_dq=False):
     return _dkv_call(
-        q,
-        k,
-        v,
-        ab,
-        segment_ids,
-        lse,
-        d_out,
-        di,
-        causal=causal,
-        sm_scale=sm_scale,
-        block_kv=blocks.block_k_major_dkv,
-        block_q=blocks.block_q_major_dkv,
-        tile_kv=blocks.block_k_dkv,
-        tile_q=blocks.block_q_dkv,
-        debug=debug,
-        with_dq=with_dq,
-    )
+        q, k, v, ab, segment_ids, lse, d_out, di, causal=causal, sm_scale=sm_scale,
+        block_kv=blocks.block_k_major_dkv, block_q=blocks.block_q_major_dkv, tile_kv=blocks.block_k_dkv,
+        tile_q=blocks.block_q_dkv, debug=debug, with_dq=with_dq,
+    )  # fmt: skip
 
 
 def _dkv_call(
@@ -268,14 +231,7 @@ def _dkv_call(
             s = lax.dot_general(k_tile, q_tile, TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
             if ab_ref is not None:
                 s = s + jnp.transpose(ab_ref[c, r].astype(F32)) * bias_scale
-            keep = None
-            if rid_ref is not None:
-                keep = lane_replicated(rid_ref[r, :], cols) == cid_ref[:, c]
-            if diagonal:
-                on = diagonal_keep((rows, cols), rows_are_queries=False)
-                keep = on if keep is None else keep & on
-            if keep is not None:
-                s = jnp.where(keep, s, DEFAULT_MASK_VALUE)
+            s = masked_scores(s, rid_ref, cid_ref, r, c, diagonal, rows_are_queries=False)
             p = jnp.exp2(s - lse_ref[:, c])
             dv_acc[r, :] += lax.dot(p.astype(do_tile.dtype), do_tile, preferred_element_type=F32)
             dp = lax.dot_general(v_ref[r, :], do_tile, TRANS_B_DIM_NUMBERS, preferred_element_type=F32)

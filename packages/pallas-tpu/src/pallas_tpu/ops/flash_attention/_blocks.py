@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_tpu as pltpu
+from pallas_tpu.ops._attention_common import NUM_LANES, check_blocks, fit_block, vmem_budget
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-NUM_LANES = 128
 NUM_SUBLANES = 8
 MIN_BLOCK_SIZE = 128
 TRANS_B_DIM_NUMBERS = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -127,44 +126,24 @@ class BlockSizes:
         budget = vmem_budget()
         tile = 1024 if budget >= 48 * 2**20 else 512
         widest = max(tile, min(4 * tile, max_unrolled_scores() // tile))
-        block_q = _fit(q_seq_len, tile)
-        block_kv = _fit(kv_len, tile)
-        sweep_kv = _fit(kv_len, 2 * block_q if causal else widest)
+        block_q = fit_block(q_seq_len, tile)
+        block_kv = fit_block(kv_len, tile)
+        sweep_kv = fit_block(kv_len, 2 * block_q if causal else widest)
         passes = -(-max(int(d_model), 1) // NUM_LANES)  # the MXU's passes over the head dimension
-        sweep_q_dkv = _fit(q_seq_len, max(MIN_DKV_SWEEP, (2 * block_kv if causal else widest) // passes))
+        sweep_q_dkv = fit_block(q_seq_len, max(MIN_DKV_SWEEP, (2 * block_kv if causal else widest) // passes))
         return cls(
             block_q=block_q,
             block_k_major=sweep_kv,
-            block_k=_fit(sweep_kv, tile),
+            block_k=fit_block(sweep_kv, tile),
             block_b=1,
             block_q_major_dkv=sweep_q_dkv,
             block_k_major_dkv=block_kv,
             block_k_dkv=block_kv,
-            block_q_dkv=_fit(sweep_q_dkv, tile),
+            block_q_dkv=fit_block(sweep_q_dkv, tile),
             block_k_major_dq=sweep_kv,
-            block_k_dq=_fit(sweep_kv, tile),
+            block_k_dq=fit_block(sweep_kv, tile),
             block_q_dq=block_q,
         )
-
-
-def _fit(n: int, target: int) -> int:
-    """The largest multiple of 128 at most ``target`` that divides ``n``; ``n`` itself when
-    ``n <= target`` or none does (a block as long as its axis is always a legal TPU block)."""
-    if n <= target:
-        return n
-    for size in range(target - target % 128, 127, -128):
-        if n % size == 0:
-            return size
-    return n
-
-
-def vmem_budget() -> int:
-    """The VMEM the kernels may ask for: three quarters of the chip's (16 MiB when unknown)."""
-    try:
-        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
-    except Exception:  # no TPU facts for this device: the smallest scoped default
-        capacity = 16 * 2**20 * 4 // 3
-    return int(min(capacity * 3 // 4, 100 * 2**20))
 
 
 def max_unrolled_scores() -> int:
@@ -204,15 +183,7 @@ def resolve_blocks(block_sizes, batch, heads, q_len, kv_len, head_dim, causal) -
         ("block_k_major_dq", "kv_seq_len", kv_len),
         ("block_k_dq", "block_k_major_dq", blocks.block_k_major_dq),
     )
-    for name, of, n in checks:
-        size = getattr(blocks, name)
-        if size > n or n % size:
-            raise ValueError(f"flash_attention: block_sizes.{name}={size} must divide {of}={n}")
-        if size != n and size % NUM_LANES:
-            raise ValueError(
-                f"flash_attention: block_sizes.{name}={size} must be a multiple of {NUM_LANES} "
-                f"(a TPU tile of lanes) or all of {of}={n}"
-            )
+    check_blocks("flash_attention", blocks, checks)
     if blocks.block_b > batch:
         raise ValueError(f"flash_attention: block_sizes.block_b={blocks.block_b} exceeds batch={batch}")
     return blocks

@@ -12,13 +12,15 @@ from jax import lax
 import pallas as pl
 import pallas_tpu as pltpu
 
-from ._blocks import DEFAULT_MASK_VALUE, F32, LOG2E, NUM_LANES, TRANS_B_DIM_NUMBERS
+from ._blocks import F32, LOG2E, NUM_LANES, TRANS_B_DIM_NUMBERS
 from ._tiles import (
     Sweep,
     as_row,
-    diagonal_keep,
+    causal_kv_block,
     grid_params,
     lane_replicated,
+    masked_scores,
+    query_major_inputs,
     scaled_query,
     segment_id_operands,
     square_tile,
@@ -28,19 +30,9 @@ from ._tiles import (
 def attention_forward(q, k, v, ab, segment_ids, causal, sm_scale, blocks, debug, *, keep_lse):
     """``(out, lse)``: the attention and (``keep_lse``) its base-2 logsumexp ``[b, h, 1, q_len]``."""
     return _forward_call(
-        q,
-        k,
-        v,
-        ab,
-        segment_ids,
-        causal=causal,
-        sm_scale=sm_scale,
-        block_q=blocks.block_q,
-        block_kv=blocks.block_k_major,
-        tile_kv=blocks.block_k,
-        keep_lse=keep_lse,
-        debug=debug,
-    )
+        q, k, v, ab, segment_ids, causal=causal, sm_scale=sm_scale, block_q=blocks.block_q,
+        block_kv=blocks.block_k_major, tile_kv=blocks.block_k, keep_lse=keep_lse, debug=debug,
+    )  # fmt: skip
 
 
 def _forward_call(q, k, v, ab, segment_ids, *, causal, sm_scale, block_q, block_kv, tile_kv, keep_lse, debug):
@@ -51,9 +43,7 @@ def _forward_call(q, k, v, ab, segment_ids, *, causal, sm_scale, block_q, block_
     row_ids, col_ids = segment_id_operands(segment_ids, kv_major=False)
     bias_scale = sm_scale * LOG2E
 
-    def kv_block(i, j):
-        # Causal: steps past the query block's last row re-name the last block needed (no copy).
-        return jnp.minimum(j, (i * block_q + block_q - 1) // block_kv) if causal else j
+    kv_block = causal_kv_block(causal, block_q, block_kv)
 
     def kernel(*refs):
         refs = list(refs)
@@ -79,14 +69,7 @@ def _forward_call(q, k, v, ab, segment_ids, *, causal, sm_scale, block_q, block_
             s = lax.dot_general(qs_ref[r, :], k_ref[c, :], TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
             if ab_ref is not None:
                 s = s + ab_ref[r, c].astype(F32) * bias_scale
-            keep = None
-            if rid_ref is not None:
-                keep = lane_replicated(rid_ref[r, :], cols) == cid_ref[:, c]
-            if diagonal:
-                on = diagonal_keep((rows, cols), rows_are_queries=True)
-                keep = on if keep is None else keep & on
-            if keep is not None:
-                s = jnp.where(keep, s, DEFAULT_MASK_VALUE)
+            s = masked_scores(s, rid_ref, cid_ref, r, c, diagonal, rows_are_queries=True)
             m_prev = m_ref[r, :]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             p = jnp.exp2(s - lane_replicated(m_next, cols))
@@ -110,16 +93,9 @@ def _forward_call(q, k, v, ab, segment_ids, *, causal, sm_scale, block_q, block_
         pl.BlockSpec((None, None, block_kv, head_dim), lambda b, h, i, j: (b, h, kv_block(i, j), 0)),
         pl.BlockSpec((None, None, block_kv, head_dim), lambda b, h, i, j: (b, h, kv_block(i, j), 0)),
     ]
-    args = [q, k, v]
-    if ab is not None:
-        in_specs.append(
-            pl.BlockSpec((None, None, block_q, block_kv), lambda b, h, i, j: (b, h, i, kv_block(i, j)))
-        )
-        args.append(ab)
-    if segment_ids is not None:
-        in_specs.append(pl.BlockSpec((None, block_q, NUM_LANES), lambda b, h, i, j: (b, i, 0)))
-        in_specs.append(pl.BlockSpec((None, 1, block_kv), lambda b, h, i, j: (b, 0, kv_block(i, j))))
-        args += [row_ids, col_ids]
+    extra_specs, extra_args = query_major_inputs(ab, row_ids, col_ids, block_q, block_kv, kv_block)
+    in_specs += extra_specs
+    args = [q, k, v, *extra_args]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i, j: (b, h, i, 0))]
     if keep_lse:

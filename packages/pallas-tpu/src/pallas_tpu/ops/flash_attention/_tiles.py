@@ -11,33 +11,69 @@ from jax import lax
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas_tpu.ops._attention_common import as_column as as_column
+from pallas_tpu.ops._attention_common import as_row as as_row
+from pallas_tpu.ops._attention_common import lane_replicated as lane_replicated
 
-from ._blocks import DIAGONAL_TILE, F32, LOG2E, NUM_LANES, NUM_SUBLANES, max_unrolled_scores, vmem_budget
-
-
-def lane_replicated(x, n: int):
-    """A lane-replicated ``(rows, 128)`` value widened (or cut) to ``(rows, n)``."""
-    if n == NUM_LANES:
-        return x
-    whole, part = divmod(n, NUM_LANES)
-    pieces = [x] * whole + ([x[:, :part]] if part else [])
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
-
-
-def as_column(row, width=NUM_LANES):
-    """A ``(1, n)`` row as an ``(n, width)`` column block: row ``i`` holds ``row[0, i]`` in every lane."""
-    return jnp.transpose(jnp.broadcast_to(row, (width, row.shape[1])))
-
-
-def as_row(column):
-    """Lane 0 of an ``(n, 128)`` lane-replicated block as a lane-dense ``(1, n)`` row."""
-    return jnp.transpose(column)[:1, :]
+from ._blocks import (
+    DEFAULT_MASK_VALUE,
+    DIAGONAL_TILE,
+    F32,
+    LOG2E,
+    NUM_LANES,
+    NUM_SUBLANES,
+    max_unrolled_scores,
+    vmem_budget,
+)
 
 
 def diagonal_keep(shape, rows_are_queries: bool):
     """The visible half of a square tile centred on the causal diagonal: key <= query."""
     offset = lax.broadcasted_iota(jnp.int32, shape, 1) - lax.broadcasted_iota(jnp.int32, shape, 0)
     return offset <= 0 if rows_are_queries else offset >= 0
+
+
+def masked_scores(s, rid_ref, cid_ref, r, c, diagonal: bool, *, rows_are_queries: bool):
+    """The tile of scores ``s`` with what its rows may not see set to ``DEFAULT_MASK_VALUE``:
+    the entries whose segment ids differ (``rid_ref[r, :]`` lane-replicated against
+    ``cid_ref[:, c]``; no refs, no segments) and, on a ``diagonal`` tile, those past the
+    causal diagonal."""
+    rows, cols = s.shape
+    keep = None
+    if rid_ref is not None:
+        keep = lane_replicated(rid_ref[r, :], cols) == cid_ref[:, c]
+    if diagonal:
+        on = diagonal_keep((rows, cols), rows_are_queries=rows_are_queries)
+        keep = on if keep is None else keep & on
+    if keep is not None:
+        s = jnp.where(keep, s, DEFAULT_MASK_VALUE)
+    return s
+
+
+def causal_kv_block(causal: bool, block_q: int, block_kv: int):
+    """The key block a query-major step ``(i, j)`` names: causal, the steps past the query
+    block's last row re-name the last block needed (no copy)."""
+
+    def kv_block(i, j):
+        return jnp.minimum(j, (i * block_q + block_q - 1) // block_kv) if causal else j
+
+    return kv_block
+
+
+def query_major_inputs(ab, row_ids, col_ids, block_q: int, block_kv: int, kv_block):
+    """``(in_specs, args)`` of a query-major kernel's (forward, ``dq``) optional inputs: the
+    bias block of the step, then the segment ids of its queries and keys."""
+    in_specs, args = [], []
+    if ab is not None:
+        in_specs.append(
+            pl.BlockSpec((None, None, block_q, block_kv), lambda b, h, i, j: (b, h, i, kv_block(i, j)))
+        )
+        args.append(ab)
+    if row_ids is not None:
+        in_specs.append(pl.BlockSpec((None, block_q, NUM_LANES), lambda b, h, i, j: (b, i, 0)))
+        in_specs.append(pl.BlockSpec((None, 1, block_kv), lambda b, h, i, j: (b, 0, kv_block(i, j))))
+        args += [row_ids, col_ids]
+    return in_specs, args
 
 
 def segment_id_operands(segment_ids, kv_major: bool):

@@ -119,14 +119,9 @@ def philox_4x32_kernel(
       ``uint32[shape]`` (``fuse_output``) or ``uint32[2, *shape]``.
     """
     op = "philox_4x32_kernel"
-    shape = prng_utils.check_shape(op, shape, min_ndim=2)
-    unpadded_shape = prng_utils.check_shape(op, unpadded_shape)
-    if len(unpadded_shape) != len(shape) or any(u > s for u, s in zip(unpadded_shape, shape)):
-        raise ValueError(
-            f"{op}: unpadded_shape {unpadded_shape} must fit in shape {shape} (as many dims, none longer)"
-        )
-    block = prng_utils.check_block_size(op, shape, block_size, divide=True)
-    key = prng_utils.key_data(op, key)
+    key, shape, unpadded_shape, block = prng_utils.check_counter_args(
+        op, key, shape, unpadded_shape, block_size
+    )
     return prng_utils.counter_bits(
         _hash_counter,
         key,

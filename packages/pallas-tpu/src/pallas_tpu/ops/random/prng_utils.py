@@ -185,6 +185,19 @@ def check_shape(op: str, shape, *, min_ndim: int = 0) -> tuple[int, ...]:
     return shape
 
 
+def check_counter_args(op: str, key, shape, unpadded_shape, block_size):
+    """``(key data, shape, unpadded_shape, block)`` of a counter kernel's call, checked: ``shape``
+    at least 2-d, ``unpadded_shape`` fitting in it, the block dividing its last two dims."""
+    shape = check_shape(op, shape, min_ndim=2)
+    unpadded_shape = check_shape(op, unpadded_shape)
+    if len(unpadded_shape) != len(shape) or any(u > s for u, s in zip(unpadded_shape, shape)):
+        raise ValueError(
+            f"{op}: unpadded_shape {unpadded_shape} must fit in shape {shape} (as many dims, none longer)"
+        )
+    block = check_block_size(op, shape, block_size, divide=True)
+    return key_data(op, key), shape, unpadded_shape, block
+
+
 def key_data(op: str, key) -> jax.Array:
     """A key's ``uint32[2]`` data: a raw key (``jax.random.PRNGKey``, or any
     two 32-bit integers) or a typed key of a two-word implementation."""

@@ -82,6 +82,22 @@ def cell_of(block: int) -> int:
     return block // 2 if block >= 512 and block % 256 == 0 else block
 
 
+def _inputs(maps: cm.StepMaps, info, dense, segment_ids, blocks, *, rows_are_queries: bool):
+    """``(prefetch, in_specs, args)`` of a backward kernel: ``dense`` (q, k, v, dO, lse, di),
+    then the mask's partial blocks and the segment ids."""
+    block_q, block_kv = blocks[:2]
+    head_dim = dense[0].shape[-1]
+    extra_specs, extra_args = maps.mask_and_segment_inputs(
+        info, segment_ids, block_q, block_kv, rows_are_queries=rows_are_queries
+    )
+    prefetch = cm.prefetch_of(info)
+    q_spec = pl.BlockSpec((None, block_q, head_dim), maps.q_map)
+    kv_spec = pl.BlockSpec(maps.kv_shape(block_kv, head_dim), maps.kv_map)
+    row_spec = pl.BlockSpec((None, 1, block_q), maps.row_map)
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs]
+    return prefetch, in_specs, [*dense, *extra_args]
+
+
 def _softcap_grad(ds, t):
     """``ds`` through ``cap * tanh(s / cap)``: times ``1 - tanh^2``."""
     return ds * (1.0 - t * t)
@@ -91,62 +107,13 @@ def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config,
     block_q, block_kv = blocks
     band, chunk = cell_of(block_q), cell_of(block_kv)
     heads, q_len, head_dim = q.shape
-    sched = cm.Schedule.of(info, heads, "splash attention dq")
-    nq_shard = q_len // (sched.q_shards * block_q)
-    kv_heads = 1 if cfg.is_mqa else k.shape[0]
-    group = heads // kv_heads
+    maps = cm.StepMaps.of(info, q, k, block_q, cfg, "splash attention dq")
+    sched = maps.sched
     materialized = info.partial_mask_ids is not None
-    seg_rows, seg_cols = cm.segment_arrays(segment_ids, rows_are_queries=True)
     has_seg = segment_ids is not None
-    prefetch = [cm.flat(info.steps), cm.flat(info.q_block_base)]
-    if materialized:
-        prefetch.append(cm.flat(info.partial_mask_ids))
-
-    def word(h, s, t, steps_ref):
-        return sched.word(steps_ref, h, s, t)
-
-    def q_map(h, s, t, steps_ref, *_):
-        return (h, s * nq_shard + word(h, s, t, steps_ref)["q_block"], 0)
-
-    def row_map(h, s, t, steps_ref, *_):
-        return (h, 0, s * nq_shard + word(h, s, t, steps_ref)["q_block"])
-
-    def kv_map(h, s, t, steps_ref, *_):
-        kv = word(h, s, t, steps_ref)["kv_block"]
-        return (kv, 0) if cfg.is_mqa else (h // group, kv, 0)
-
-    kv_shape = (block_kv, head_dim) if cfg.is_mqa else (None, block_kv, head_dim)
-    q_spec = pl.BlockSpec((None, block_q, head_dim), q_map)
-    row_spec = pl.BlockSpec((None, 1, block_q), row_map)
-    in_specs = [
-        q_spec,
-        pl.BlockSpec(kv_shape, kv_map),
-        pl.BlockSpec(kv_shape, kv_map),
-        q_spec,
-        row_spec,
-        row_spec,
-    ]
-    args = [q, k, v, d_out, lse_rows, di_rows]
-    if materialized:
-
-        def mask_map(h, s, t, steps_ref, base_ref, ids_ref):
-            return (ids_ref[sched.index(h, s, t)], 0, 0)
-
-        in_specs.append(pl.BlockSpec((None, block_q, block_kv), mask_map))
-        args.append(info.partial_mask_blocks)
-    if has_seg:
-
-        def seg_q_map(h, s, t, steps_ref, *_):
-            return (s * nq_shard + word(h, s, t, steps_ref)["q_block"], 0)
-
-        def seg_kv_map(h, s, t, steps_ref, *_):
-            return (0, word(h, s, t, steps_ref)["kv_block"])
-
-        in_specs += [
-            pl.BlockSpec((block_q, cm.NUM_LANES), seg_q_map),
-            pl.BlockSpec((1, block_kv), seg_kv_map),
-        ]
-        args += [seg_rows, seg_cols]
+    prefetch, in_specs, args = _inputs(
+        maps, info, (q, k, v, d_out, lse_rows, di_rows), segment_ids, blocks, rows_are_queries=True
+    )
 
     def kernel(*refs):
         refs = list(refs)
@@ -159,13 +126,13 @@ def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config,
         seg_q_ref, seg_kv_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
         dq_ref, acc_ref, lse_col, di_col = refs
         h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        w = word(h, s, t, steps_ref)
+        w = maps.word(h, s, t, steps_ref)
 
         @pl.when(w["first"])
         def _init():
             acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
-            lse_col[...] = cm.column(lse_ref[...])
-            di_col[...] = cm.column(di_ref[...])
+            lse_col[...] = cm.as_column(lse_ref[...])
+            di_col[...] = cm.as_column(di_ref[...])
 
         def body(r0, rows, c0, partial):
             """Queries ``[r0, r0 + rows)`` of the block against its keys ``[c0, c0 + chunk)``."""
@@ -188,9 +155,9 @@ def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config,
             )
             if keep is not None:
                 s_ = jnp.where(keep, s_, cfg.mask_value)
-            p = jnp.exp(s_ - cm.lanes(lse_col[r, :], chunk))
+            p = jnp.exp(s_ - cm.lane_replicated(lse_col[r, :], chunk))
             dp = lax.dot_general(do_ref[r, :], v_ref[c, :], cm.NT_DIMS, preferred_element_type=F32)
-            ds = p * (dp - cm.lanes(di_col[r, :], chunk))
+            ds = p * (dp - cm.lane_replicated(di_col[r, :], chunk))
             if t_ is not None:
                 ds = _softcap_grad(ds, t_)
             acc_ref[r, :] += lax.dot(ds.astype(k_tile.dtype), k_tile, preferred_element_type=F32)
@@ -214,7 +181,7 @@ def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config,
             num_scalar_prefetch=len(prefetch),
             grid=sched.grid,
             in_specs=in_specs,
-            out_specs=[q_spec],
+            out_specs=[pl.BlockSpec((None, block_q, head_dim), maps.q_map)],
             scratch_shapes=scratch,
         ),
         out_shape=out_shape,
@@ -231,68 +198,20 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
     band = cell_of(block_q)
     heads, q_len, head_dim = q.shape
     kv_len = k.shape[-2]
-    sched = cm.Schedule.of(info, heads, "splash attention dkv")
-    nq_shard = q_len // (sched.q_shards * block_q)
-    kv_heads = 1 if cfg.is_mqa else k.shape[0]
-    group = heads // kv_heads
+    maps = cm.StepMaps.of(info, q, k, block_q, cfg, "splash attention dkv")
+    sched, group = maps.sched, maps.group
+    kv_heads = heads // group
     # Each q head (and q shard of this call) writes its own dk, dv when they must be summed.
     summed = group > 1 or sched.q_shards > 1
     materialized = info.partial_mask_ids is not None
-    seg_rows, seg_cols = cm.segment_arrays(segment_ids, rows_are_queries=False)
     has_seg = segment_ids is not None
-    prefetch = [cm.flat(info.steps), cm.flat(info.q_block_base)]
-    if materialized:
-        prefetch.append(cm.flat(info.partial_mask_ids))
-
-    def word(h, s, t, steps_ref):
-        return sched.word(steps_ref, h, s, t)
-
-    def q_map(h, s, t, steps_ref, *_):
-        return (h, s * nq_shard + word(h, s, t, steps_ref)["q_block"], 0)
-
-    def row_map(h, s, t, steps_ref, *_):
-        return (h, 0, s * nq_shard + word(h, s, t, steps_ref)["q_block"])
-
-    def kv_map(h, s, t, steps_ref, *_):
-        kv = word(h, s, t, steps_ref)["kv_block"]
-        return (kv, 0) if cfg.is_mqa else (h // group, kv, 0)
+    prefetch, in_specs, args = _inputs(
+        maps, info, (q, k, v, d_out, lse_rows, di_rows), segment_ids, blocks, rows_are_queries=False
+    )
 
     def dkv_map(h, s, t, steps_ref, *_):
-        kv = word(h, s, t, steps_ref)["kv_block"]
+        kv = maps.kv_block(h, s, t, steps_ref)
         return (s, h, kv, 0) if summed else (h, kv, 0)
-
-    kv_shape = (block_kv, head_dim) if cfg.is_mqa else (None, block_kv, head_dim)
-    q_spec = pl.BlockSpec((None, block_q, head_dim), q_map)
-    row_spec = pl.BlockSpec((None, 1, block_q), row_map)
-    in_specs = [
-        q_spec,
-        pl.BlockSpec(kv_shape, kv_map),
-        pl.BlockSpec(kv_shape, kv_map),
-        q_spec,
-        row_spec,
-        row_spec,
-    ]
-    args = [q, k, v, d_out, lse_rows, di_rows]
-    if materialized:
-
-        def mask_map(h, s, t, steps_ref, base_ref, ids_ref):
-            return (ids_ref[sched.index(h, s, t)], 0, 0)
-
-        in_specs.append(pl.BlockSpec((None, block_kv, block_q), mask_map))
-        args.append(info.partial_mask_blocks)
-    if has_seg:
-
-        def seg_kv_map(h, s, t, steps_ref, *_):
-            return (word(h, s, t, steps_ref)["kv_block"], 0)
-
-        def seg_q_map(h, s, t, steps_ref, *_):
-            return (0, s * nq_shard + word(h, s, t, steps_ref)["q_block"])
-
-        in_specs += [
-            pl.BlockSpec((block_kv, cm.NUM_LANES), seg_kv_map),
-            pl.BlockSpec((1, block_q), seg_q_map),
-        ]
-        args += [seg_rows, seg_cols]
 
     def kernel(*refs):
         refs = list(refs)
@@ -305,7 +224,7 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
         seg_kv_ref, seg_q_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
         dk_ref, dv_ref, dk_acc, dv_acc = refs
         h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        w = word(h, s, t, steps_ref)
+        w = maps.word(h, s, t, steps_ref)
 
         @pl.when(w["first"])
         def _init():

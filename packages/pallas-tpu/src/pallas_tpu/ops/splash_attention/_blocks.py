@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from pallas_tpu.ops._attention_common import NUM_LANES, check_blocks, fit_block
 from pallas_tpu.ops.splash_attention import _common
 
-NUM_LANES = 128
 _OP = "splash attention"
 
 
@@ -150,15 +150,15 @@ def _default_blocks(
         else:
             bq //= 2
     bc = min(1024 if large and not has_partial else 512, bkv)
-    bq_fit, bkv_fit = _fit(q_len, bq), _fit(kv_len, bkv)
-    bwd_q, bwd_kv = _fit(q_len, bwd), _fit(kv_len, bwd)
+    bq_fit, bkv_fit = fit_block(q_len, bq), fit_block(kv_len, bkv)
+    bwd_q, bwd_kv = fit_block(q_len, bwd), fit_block(kv_len, bwd)
     return cls(
         block_q=bq_fit,
         block_kv=bkv_fit,
-        block_kv_compute=_fit(bkv_fit, bc),
+        block_kv_compute=fit_block(bkv_fit, bc),
         block_q_dkv=bwd_q,
         block_kv_dkv=bwd_kv,
-        block_kv_dkv_compute=_fit(bwd_kv, 512),
+        block_kv_dkv_compute=fit_block(bwd_kv, 512),
         block_q_dq=bwd_q,
         block_kv_dq=bwd_kv,
     )
@@ -184,18 +184,6 @@ _BLOCK_FIELDS = (
 )
 
 
-def _fit(n: int | None, target: int) -> int:
-    """The largest multiple of 128 at most ``target`` dividing ``n``; ``n`` if shorter or none does."""
-    if n is None:
-        return target
-    if n <= target:
-        return n
-    for size in range(target - target % 128, 127, -128):
-        if n % size == 0:
-            return size
-    return n
-
-
 def _complete(blocks: BlockSizes) -> BlockSizes:
     """Missing backward blocks taken from the forward ones."""
     fill = {}
@@ -215,7 +203,7 @@ def _complete(blocks: BlockSizes) -> BlockSizes:
 
 
 def _check_blocks(b: BlockSizes, q_len: int, kv_len: int) -> None:
-    for name, of, n in (
+    checks = (
         ("block_q", "q_seq_len", q_len),
         ("block_kv", "kv_seq_len", kv_len),
         ("block_kv_compute", "block_kv", b.block_kv),
@@ -224,12 +212,5 @@ def _check_blocks(b: BlockSizes, q_len: int, kv_len: int) -> None:
         ("block_kv_dkv_compute", "block_kv_dkv", b.block_kv_dkv),
         ("block_q_dq", "q_seq_len", q_len),
         ("block_kv_dq", "kv_seq_len", kv_len),
-    ):
-        size = getattr(b, name)
-        if size > n or n % size:
-            raise ValueError(f"{_OP}: block_sizes.{name}={size} must divide {of}={n} (per q shard)")
-        if size != n and size % NUM_LANES:
-            raise ValueError(
-                f"{_OP}: block_sizes.{name}={size} must be a multiple of {NUM_LANES} (a TPU tile of "
-                f"lanes) or all of {of}={n}"
-            )
+    )
+    check_blocks(_OP, b, checks, per=" (per q shard)")

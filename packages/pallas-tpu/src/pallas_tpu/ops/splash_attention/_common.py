@@ -1,5 +1,6 @@
 """Pieces the splash attention kernels share: the static configuration, the schedule's index
-arithmetic, the masks of a tile, lane-replicated vectors, and the kernels' VMEM limits."""
+arithmetic, the masks of a tile and the kernels' VMEM limits (the lane layouts and the VMEM
+budget are ``ops._attention_common``'s, shared with flash attention)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ from jax import lax
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas_tpu.ops._attention_common import NUM_LANES as NUM_LANES
+from pallas_tpu.ops._attention_common import as_column as as_column
+from pallas_tpu.ops._attention_common import as_row as as_row
+from pallas_tpu.ops._attention_common import lane_replicated as lane_replicated
+from pallas_tpu.ops._attention_common import vmem_budget as vmem_budget
 from pallas_tpu.ops.splash_attention import splash_attention_mask as mask_lib
 from pallas_tpu.ops.splash_attention import splash_attention_mask_info as info_lib
 
-NUM_LANES = 128
 F32 = jnp.float32
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
 TN_DIMS = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -67,27 +72,99 @@ class Schedule:
         return info_lib.unpack(steps_ref[self.index(h, s, t)])
 
 
+@dataclasses.dataclass(frozen=True)
+class StepMaps:
+    """The index maps of a kernel that walks a ``Schedule`` over ``(heads, q shards, steps)``:
+    each grid point names the q block and kv block of its step (``q_block`` counts from the
+    start of q, over the q shards of this call)."""
+
+    sched: Schedule
+    q_blocks_per_shard: int
+    group: int  # q heads per kv head
+    is_mqa: bool
+
+    @classmethod
+    def of(cls, info: info_lib.MaskInfo, q, k, block_q: int, cfg: Config, op: str) -> StepMaps:
+        heads, q_len, _ = q.shape
+        sched = Schedule.of(info, heads, op)
+        kv_heads = 1 if cfg.is_mqa else k.shape[0]
+        return cls(sched, q_len // (sched.q_shards * block_q), heads // kv_heads, cfg.is_mqa)
+
+    def word(self, h, s, t, steps_ref):
+        return self.sched.word(steps_ref, h, s, t)
+
+    def q_block(self, h, s, t, steps_ref):
+        return s * self.q_blocks_per_shard + self.word(h, s, t, steps_ref)["q_block"]
+
+    def kv_block(self, h, s, t, steps_ref):
+        return self.word(h, s, t, steps_ref)["kv_block"]
+
+    def q_map(self, h, s, t, steps_ref, *_):  # q, dO, out, dq: [heads, q_len, head_dim]
+        return (h, self.q_block(h, s, t, steps_ref), 0)
+
+    def row_map(self, h, s, t, steps_ref, *_):  # lse, di: [heads, 1, q_len]
+        return (h, 0, self.q_block(h, s, t, steps_ref))
+
+    def kv_map(self, h, s, t, steps_ref, *_):  # k, v: [kv_heads, kv_len, head_dim] or [kv_len, head_dim]
+        kv = self.kv_block(h, s, t, steps_ref)
+        return (kv, 0) if self.is_mqa else (h // self.group, kv, 0)
+
+    def kv_shape(self, block_kv: int, head_dim: int):
+        return (block_kv, head_dim) if self.is_mqa else (None, block_kv, head_dim)
+
+    def mask_map(self, h, s, t, steps_ref, base_ref, ids_ref, *_):
+        return (ids_ref[self.sched.index(h, s, t)], 0, 0)
+
+    def _q_rows(self, h, s, t, steps_ref, *_):
+        return (self.q_block(h, s, t, steps_ref), 0)
+
+    def _q_cols(self, h, s, t, steps_ref, *_):
+        return (0, self.q_block(h, s, t, steps_ref))
+
+    def _kv_rows(self, h, s, t, steps_ref, *_):
+        return (self.kv_block(h, s, t, steps_ref), 0)
+
+    def _kv_cols(self, h, s, t, steps_ref, *_):
+        return (0, self.kv_block(h, s, t, steps_ref))
+
+    def mask_and_segment_inputs(
+        self, info, segment_ids, block_q: int, block_kv: int, *, rows_are_queries: bool
+    ):
+        """``(in_specs, args)`` of the inputs after the kernel's dense ones: the mask's partial
+        blocks (when materialized), then the segment ids of the tile's rows and columns (the
+        queries' for ``rows_are_queries``, else the keys')."""
+        in_specs, args = [], []
+        if info.partial_mask_ids is not None:
+            shape = (None, block_q, block_kv) if rows_are_queries else (None, block_kv, block_q)
+            in_specs.append(pl.BlockSpec(shape, self.mask_map))
+            args.append(info.partial_mask_blocks)
+        if segment_ids is not None:
+            if rows_are_queries:
+                rows, cols = (
+                    pl.BlockSpec((block_q, NUM_LANES), self._q_rows),
+                    pl.BlockSpec((1, block_kv), self._kv_cols),
+                )
+            else:
+                rows, cols = (
+                    pl.BlockSpec((block_kv, NUM_LANES), self._kv_rows),
+                    pl.BlockSpec((1, block_q), self._q_cols),
+                )
+            in_specs += [rows, cols]
+            args += list(segment_arrays(segment_ids, rows_are_queries=rows_are_queries))
+        return in_specs, args
+
+
+def prefetch_of(info: info_lib.MaskInfo) -> list:
+    """The scalar-prefetched schedule: the packed steps, the q shards' first blocks and (for a
+    materialized mask) the partial blocks' ids."""
+    prefetch = [flat(info.steps), flat(info.q_block_base)]
+    if info.partial_mask_ids is not None:
+        prefetch.append(flat(info.partial_mask_ids))
+    return prefetch
+
+
 def flat(x):
     return None if x is None else jnp.asarray(x).reshape(-1)
-
-
-def lanes(x, n: int):
-    """A lane-replicated ``(rows, 128)`` value widened (or cut) to ``(rows, n)``."""
-    if n == NUM_LANES:
-        return x
-    whole, part = divmod(n, NUM_LANES)
-    pieces = [x] * whole + ([x[:, :part]] if part else [])
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
-
-
-def column(row):
-    """A lane-dense ``(1, n)`` row as an ``(n, 128)`` block, row ``i`` holding ``row[0, i]``."""
-    return jnp.transpose(jnp.broadcast_to(row, (NUM_LANES, row.shape[1])))
-
-
-def row_of(col):
-    """Lane 0 of an ``(n, 128)`` lane-replicated block as a lane-dense ``(1, n)`` row."""
-    return jnp.transpose(col)[:1, :]
 
 
 def cap_logits(s, cap):
@@ -126,7 +203,7 @@ def keep_mask(
         else:
             keep = mask_tile.astype(jnp.int32) != 0
     if seg_rows is not None:
-        same = lanes(seg_rows, shape[1]) == seg_cols
+        same = lane_replicated(seg_rows, shape[1]) == seg_cols
         keep = same if keep is None else keep & same
     return keep
 
@@ -162,15 +239,6 @@ def _run_pattern(pattern, tile, band, chunk, unroll):
             if kind != mask_lib.EMPTY:
                 tile(at * band, n * band, c * chunk, kind == mask_lib.PARTIAL)
             at += n
-
-
-def vmem_budget() -> int:
-    """The VMEM a kernel may ask for: three quarters of the chip's (16 MiB when unknown)."""
-    try:
-        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
-    except Exception:  # no TPU facts for this device: the smallest scoped default
-        capacity = 16 * 2**20 * 4 // 3
-    return int(min(capacity * 3 // 4, 100 * 2**20))
 
 
 def compiler_params():

@@ -42,69 +42,26 @@ def forward(
     block_q, block_kv, block_kv_compute = blocks
     q_band = band_of(block_q, block_kv_compute)
     heads, q_len, head_dim = q.shape
-    kv_len = k.shape[-2]
-    sched = cm.Schedule.of(info, heads, "splash attention")
-    nq_shard = q_len // (sched.q_shards * block_q)
-    kv_heads = 1 if cfg.is_mqa else k.shape[0]
-    group = heads // kv_heads
+    maps = cm.StepMaps.of(info, q, k, block_q, cfg, "splash attention")
+    sched = maps.sched
     materialized = info.partial_mask_ids is not None
-    seg_rows, seg_cols = cm.segment_arrays(segment_ids, rows_are_queries=True)
     has_seg = segment_ids is not None
     has_sinks = sinks is not None
-
-    prefetch = [cm.flat(info.steps), cm.flat(info.q_block_base)]
-    if materialized:
-        prefetch.append(cm.flat(info.partial_mask_ids))
+    extra_specs, extra_args = maps.mask_and_segment_inputs(
+        info, segment_ids, block_q, block_kv, rows_are_queries=True
+    )
+    prefetch = cm.prefetch_of(info)
     if has_sinks:
         prefetch.append(sinks.astype(F32))
 
-    def word(h, s, t, steps_ref):
-        return sched.word(steps_ref, h, s, t)
-
-    def q_map(h, s, t, steps_ref, *_):
-        return (h, s * nq_shard + word(h, s, t, steps_ref)["q_block"], 0)
-
-    def kv_map(h, s, t, steps_ref, *_):
-        kv = word(h, s, t, steps_ref)["kv_block"]
-        return (kv, 0) if cfg.is_mqa else (h // group, kv, 0)
-
-    kv_block_shape = (block_kv, head_dim) if cfg.is_mqa else (None, block_kv, head_dim)
-    in_specs = [
-        pl.BlockSpec((None, block_q, head_dim), q_map),
-        pl.BlockSpec(kv_block_shape, kv_map),
-        pl.BlockSpec(kv_block_shape, kv_map),
-    ]
-    args = [q, k, v]
-    if materialized:
-
-        def mask_map(h, s, t, steps_ref, base_ref, ids_ref, *_):
-            return (ids_ref[sched.index(h, s, t)], 0, 0)
-
-        in_specs.append(pl.BlockSpec((None, block_q, block_kv), mask_map))
-        args.append(info.partial_mask_blocks)
-    if has_seg:
-
-        def seg_q_map(h, s, t, steps_ref, *_):
-            return (s * nq_shard + word(h, s, t, steps_ref)["q_block"], 0)
-
-        def seg_kv_map(h, s, t, steps_ref, *_):
-            return (0, word(h, s, t, steps_ref)["kv_block"])
-
-        in_specs += [
-            pl.BlockSpec((block_q, cm.NUM_LANES), seg_q_map),
-            pl.BlockSpec((1, block_kv), seg_kv_map),
-        ]
-        args += [seg_rows, seg_cols]
-
+    kv_spec = pl.BlockSpec(maps.kv_shape(block_kv, head_dim), maps.kv_map)
+    in_specs = [pl.BlockSpec((None, block_q, head_dim), maps.q_map), kv_spec, kv_spec, *extra_specs]
+    args = [q, k, v, *extra_args]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [pl.BlockSpec((None, block_q, head_dim), q_map)]
+    out_specs = [pl.BlockSpec((None, block_q, head_dim), maps.q_map)]
     if keep_lse:
-
-        def lse_map(h, s, t, steps_ref, *_):
-            return (h, 0, s * nq_shard + word(h, s, t, steps_ref)["q_block"])
-
         out_shape.append(jax.ShapeDtypeStruct((heads, 1, q_len), F32))
-        out_specs.append(pl.BlockSpec((None, 1, block_q), lse_map))
+        out_specs.append(pl.BlockSpec((None, 1, block_q), maps.row_map))
 
     def kernel(*refs):
         refs = list(refs)
@@ -119,7 +76,7 @@ def forward(
         lse_ref = refs.pop(0) if keep_lse else None
         qs_ref, m_ref, l_ref, acc_ref = refs
         h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        w = word(h, s, t, steps_ref)
+        w = maps.word(h, s, t, steps_ref)
         q_start = (base_ref[s] + w["q_block"]) * block_q
         kv_start = w["kv_block"] * block_kv
 
@@ -153,12 +110,12 @@ def forward(
                 s_ = jnp.where(keep, s_, cfg.mask_value)
             m_prev = m_ref[r, :]
             m_next = jnp.maximum(m_prev, jnp.max(s_, axis=1, keepdims=True))
-            p = jnp.exp2(s_ - cm.lanes(m_next, cols))
+            p = jnp.exp2(s_ - cm.lane_replicated(m_next, cols))
             alpha = jnp.exp2(m_prev - m_next)
             m_ref[r, :] = m_next
             l_ref[r, :] = alpha * l_ref[r, :] + jnp.sum(p, axis=1, keepdims=True)
             pv = lax.dot(p.astype(v_ref.dtype), v_ref[c, :], preferred_element_type=F32)
-            acc_ref[r, :] = acc_ref[r, :] * cm.lanes(alpha, head_dim) + pv
+            acc_ref[r, :] = acc_ref[r, :] * cm.lane_replicated(alpha, head_dim) + pv
 
         cm.run_patterns(w["pattern"], patterns, tile, q_band, block_kv_compute)
 
@@ -174,9 +131,9 @@ def forward(
                 m = m_all
             else:
                 scale = jnp.where(l == 0.0, 0.0, 1.0 / l)  # a q block the mask wholly hides: zeros
-            o_ref[...] = (acc_ref[...] * cm.lanes(scale, head_dim)).astype(o_ref.dtype)
+            o_ref[...] = (acc_ref[...] * cm.lane_replicated(scale, head_dim)).astype(o_ref.dtype)
             if lse_ref is not None:
-                lse_ref[...] = cm.row_of((m + jnp.log2(l)) * _LN2)  # natural log, as JAX's
+                lse_ref[...] = cm.as_row((m + jnp.log2(l)) * _LN2)  # natural log, as JAX's
 
     scratch = [
         pltpu.VMEM((block_q, head_dim), q.dtype),  # the query block times log2(e)
@@ -200,7 +157,6 @@ def forward(
         interpret=cfg.interpret,
         name=kernel_name("fwd", cfg, has_seg, keep_lse),
     )(*prefetch, *args)
-    del kv_len
     lse = outs[1].reshape(heads, q_len) if keep_lse else None
     return outs[0], lse
 

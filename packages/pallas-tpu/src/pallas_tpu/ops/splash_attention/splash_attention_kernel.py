@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_tpu as pltpu
+from pallas_tpu.ops._attention_common import fit_block
 from pallas_tpu.ops.splash_attention import _backward, _common, _forward
 from pallas_tpu.ops.splash_attention import splash_attention_mask as mask_lib
 from pallas_tpu.ops.splash_attention import splash_attention_mask_info as mask_info_lib
 from pallas_tpu.ops.splash_attention._blocks import BlockSizes as BlockSizes
 from pallas_tpu.ops.splash_attention._blocks import QKVLayout as QKVLayout
-from pallas_tpu.ops.splash_attention._blocks import _check_blocks, _complete, _default_blocks, _fit, _itemsize
+from pallas_tpu.ops.splash_attention._blocks import _check_blocks, _complete, _default_blocks, _itemsize
 from pallas_tpu.ops.splash_attention._blocks import from_head_minor as from_head_minor
 from pallas_tpu.ops.splash_attention._reference import (
     attention_reference as attention_reference,
@@ -289,7 +290,7 @@ class _Rechoose:
 
 def _has_partial(mask, q_len: int, kv_len: int) -> bool:
     """Whether the mask has partial blocks at the default forward blocks' granularity."""
-    bq, bkv = _fit(q_len, 1024), _fit(kv_len, 1024)
+    bq, bkv = fit_block(q_len, 1024), fit_block(kv_len, 1024)
     if q_len % bq or kv_len % bkv:
         return True
     heads = mask.masks if isinstance(mask, mask_lib.MultiHeadMask) else [mask_lib.NumpyMask(m) for m in mask]
@@ -412,38 +413,22 @@ def _with_residuals(info, q, k, v, segment_ids, sinks, cfg, blocks, patterns):
     return run(q, k, v, sinks)
 
 
+def _forward_pass(static, info, q, k, v, segment_ids, sinks, *, keep_lse: bool):
+    blocks = (static.blocks.block_q, static.blocks.block_kv, static.blocks.block_kv_compute)
+    return _forward.forward(
+        info, q, k, v, segment_ids, sinks, cfg=static.cfg, blocks=blocks, patterns=static.patterns[0],
+        keep_lse=keep_lse,
+    )  # fmt: skip
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(static, fwd_info, dq_info, dkv_info, q, k, v, segment_ids, sinks):
-    blocks = (static.blocks.block_q, static.blocks.block_kv, static.blocks.block_kv_compute)
-    out, _ = _forward.forward(
-        fwd_info,
-        q,
-        k,
-        v,
-        segment_ids,
-        sinks,
-        cfg=static.cfg,
-        blocks=blocks,
-        patterns=static.patterns[0],
-        keep_lse=False,
-    )
+    out, _ = _forward_pass(static, fwd_info, q, k, v, segment_ids, sinks, keep_lse=False)
     return out
 
 
 def _attend_fwd(static, fwd_info, dq_info, dkv_info, q, k, v, segment_ids, sinks):
-    blocks = (static.blocks.block_q, static.blocks.block_kv, static.blocks.block_kv_compute)
-    out, lse = _forward.forward(
-        fwd_info,
-        q,
-        k,
-        v,
-        segment_ids,
-        sinks,
-        cfg=static.cfg,
-        blocks=blocks,
-        patterns=static.patterns[0],
-        keep_lse=True,
-    )
+    out, lse = _forward_pass(static, fwd_info, q, k, v, segment_ids, sinks, keep_lse=True)
     if static.checkpoint_name is not None:
         from jax.ad_checkpoint import checkpoint_name
 

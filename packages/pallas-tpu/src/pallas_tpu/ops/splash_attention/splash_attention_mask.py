@@ -17,6 +17,7 @@ dense piece. Beyond JAX's interface each mask answers two questions the kernel a
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,32 +141,41 @@ def make_random_mask(shape: tuple[int, int], sparsity: float, seed: int) -> np.n
 
 
 @dataclasses.dataclass
-class LogicalOr(Mask):
-    """Visible where either mask is."""
+class _Combined(Mask):
+    """Two masks of one shape combined entry by entry with ``_op``."""
 
     left: Mask
     right: Mask
+    _op = staticmethod(operator.or_)  # not a field: each subclass names its own
 
     def __post_init__(self):
         if self.left.shape != self.right.shape:
-            raise ValueError(f"LogicalOr: shapes differ: {self.left.shape} and {self.right.shape}")
+            raise ValueError(
+                f"{type(self).__name__}: shapes differ: {self.left.shape} and {self.right.shape}"
+            )
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.left.shape
 
     def __getitem__(self, idx) -> np.ndarray:
-        return self.left[idx] | self.right[idx]
+        return self._op(self.left[idx], self.right[idx])
 
     def __hash__(self):
         return hash((type(self), self.left, self.right))
 
     @property
     def kernel_function(self):
-        f, g = self.left.kernel_function, self.right.kernel_function
+        f, g, op = self.left.kernel_function, self.right.kernel_function, self._op
         if f is None or g is None:
             return None
-        return lambda q, kv: f(q, kv) | g(q, kv)
+        return lambda q, kv: op(f(q, kv), g(q, kv))
+
+
+class LogicalOr(_Combined):
+    """Visible where either mask is."""
+
+    _op = staticmethod(operator.or_)
 
     def block_kinds(self, block_q, block_kv):
         a, b = self.left.block_kinds(block_q, block_kv), self.right.block_kinds(block_q, block_kv)
@@ -174,33 +184,10 @@ class LogicalOr(Mask):
         return _refine(self, kinds, (a == PARTIAL) & (b == PARTIAL), block_q, block_kv)
 
 
-@dataclasses.dataclass
-class LogicalAnd(Mask):
+class LogicalAnd(_Combined):
     """Visible where both masks are."""
 
-    left: Mask
-    right: Mask
-
-    def __post_init__(self):
-        if self.left.shape != self.right.shape:
-            raise ValueError(f"LogicalAnd: shapes differ: {self.left.shape} and {self.right.shape}")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.left.shape
-
-    def __getitem__(self, idx) -> np.ndarray:
-        return self.left[idx] & self.right[idx]
-
-    def __hash__(self):
-        return hash((type(self), self.left, self.right))
-
-    @property
-    def kernel_function(self):
-        f, g = self.left.kernel_function, self.right.kernel_function
-        if f is None or g is None:
-            return None
-        return lambda q, kv: f(q, kv) & g(q, kv)
+    _op = staticmethod(operator.and_)
 
     def block_kinds(self, block_q, block_kv):
         a, b = self.left.block_kinds(block_q, block_kv), self.right.block_kinds(block_q, block_kv)

@@ -11,6 +11,9 @@ interpreter does carry ``interpret_only``.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -756,6 +759,27 @@ def test_force_tpu_interpret_mode_is_part_of_the_jit_key():
     finally:
         pltpu.set_tpu_interpret_mode(None)
     assert np.isnan(np.asarray(f(x))).all()
+
+
+def test_forced_interpret_mode_is_no_absl_flag():
+    """The forced mode set globally survives ``jax.config.parse_flags_with_absl()`` (tokamax's
+    tests call it at import): as a flag-defining config state it became an absl string flag
+    whose object value absl refused. In a child process: absl's flags are process-wide."""
+    pytest.importorskip("absl.flags")
+    code = textwrap.dedent(
+        """
+        import jax
+        import pallas_tpu as pltpu
+        pltpu.set_tpu_interpret_mode(pltpu.InterpretParams())
+        jax.config.parse_flags_with_absl()
+        from pallas import backend as plb
+        assert isinstance(plb.forced_interpret().value, pltpu.InterpretParams)
+        pltpu.set_tpu_interpret_mode(None)
+        assert plb.forced_interpret().value is None
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def masked_load_store(pl, pltpu, x, y, mask, *, interpret):

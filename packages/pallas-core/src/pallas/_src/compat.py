@@ -472,7 +472,8 @@ def reads_past_the_block_reach_the_array() -> bool:
 def config_state(name: str, help: str):  # noqa: A002  (JAX's parameter name)
     """A JAX config state holding any object (default None) that is part of the jit cache key
     and the trace context, settable thread-locally (``with state(value)``) and globally
-    (``state.set_global(value)``); ``state.value`` reads it. The name must be new to JAX."""
-    return _config.string_or_object_state(
-        name, None, help, include_in_jit_key=True, include_in_trace_context=True
-    )
+    (``state.set_global(value)``); ``state.value`` reads it. The name must be new to JAX.
+    A bare ``State``, as JAX's own ``pallas_tpu_interpret_mode_context_manager`` is, not a
+    flag: ``jax.config.parse_flags_with_absl()`` defines an absl string flag of every
+    ``string_or_object_state``, and refuses one set to an object (tokamax's tests call it)."""
+    return _config.State(name, None, help, include_in_jit_key=True, include_in_trace_context=True)

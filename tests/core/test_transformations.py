@@ -321,6 +321,23 @@ class TestJvp(PallasTest):
         for a, b in zip(primal + tangent, ref_primal + ref_tangent):
             assert_allclose(a, b, scale=10)
 
+    def test_jvp_with_an_integer_output(self):
+        """An integer output's tangent is a symbolic zero (float0), as for jnp: the rule made it
+        with ``ad.Zero.from_primal_value``, which no supported JAX has (AttributeError)."""
+        x, t = self.rand((8, 16)), self.rand((8, 16))
+
+        def kernel(x_ref, o_ref, n_ref):
+            o_ref[...] = x_ref[...] * x_ref[...]
+            n_ref[...] = (x_ref[...] > 0).astype(jnp.int32)
+
+        f = self.pallas_call(kernel, (_sds((8, 16)), _sds((8, 16), jnp.int32)))
+        primal, tangent = jax.jvp(f, (x,), (t,))
+        ref_primal, ref_tangent = jax.jvp(lambda v: (v * v, (v > 0).astype(jnp.int32)), (x,), (t,))
+        assert_allclose(primal[0], ref_primal[0])
+        assert_allclose(tangent[0], ref_tangent[0])
+        np.testing.assert_array_equal(primal[1], ref_primal[1])
+        assert tangent[1].dtype == ref_tangent[1].dtype == jax.dtypes.float0
+
 
 class TestGrad(PallasTest):
     def test_grad_points_to_custom_vjp(self):

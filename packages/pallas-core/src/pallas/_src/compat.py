@@ -477,3 +477,11 @@ def config_state(name: str, help: str):  # noqa: A002  (JAX's parameter name)
     flag: ``jax.config.parse_flags_with_absl()`` defines an absl string flag of every
     ``string_or_object_state``, and refuses one set to an object (tokamax's tests call it)."""
     return _config.State(name, None, help, include_in_jit_key=True, include_in_trace_context=True)
+
+
+def zero_tangent(primal):
+    """The symbolic zero tangent of ``primal`` (``ad.Zero`` of its tangent aval: float0 for
+    integers). JAX's ``ad.Zero.from_primal_value`` is gone from the JAX versions we support."""
+    from jax._src import ad_util
+
+    return ad_util.p2tz(primal)

@@ -226,7 +226,7 @@ def _jvp_rule(primals, tangents, **params):
     out_p, out_t = [], []
     for nz in nz_out:
         out_p.append(next(it))
-        out_t.append(next(it) if nz else ad.Zero.from_primal_value(out_p[-1]))
+        out_t.append(next(it) if nz else compat.zero_tangent(out_p[-1]))
     return out_p, out_t
 
 

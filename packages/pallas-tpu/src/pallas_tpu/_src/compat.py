@@ -399,3 +399,11 @@ def key_impl(dtype):
     """The PRNG implementation of a key dtype (its ``seed``, ``split``,
     ``fold_in``, ``random_bits`` act on key data)."""
     return dtype._impl
+
+
+def zero_tangent(primal):
+    """The symbolic zero tangent of ``primal`` (``ad.Zero`` of its tangent aval); JAX's
+    ``ad.Zero.from_primal_value`` is gone from the JAX versions we support."""
+    from jax._src import ad_util
+
+    return ad_util.p2tz(primal)

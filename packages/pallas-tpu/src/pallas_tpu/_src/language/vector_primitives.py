@@ -147,7 +147,7 @@ batching.primitive_batchers[roll_p] = _roll_batch
 ad.primitive_transposes[roll_p] = _roll_transpose
 ad.primitive_jvps[roll_p] = lambda primals, tangents, **p: (
     roll_p.bind(*primals, **p),
-    ad.Zero.from_primal_value(primals[0])
+    compat.zero_tangent(primals[0])
     if type(tangents[0]) is ad.Zero
     else roll_p.bind(ad.instantiate_zeros(tangents[0]), primals[1], **p),
 )
@@ -263,7 +263,7 @@ def _reciprocal_jvp(primals, tangents, *, approx, full_range):
     (x,), (t,) = primals, tangents
     y = reciprocal_p.bind(x, approx=approx, full_range=full_range)
     if type(t) is ad.Zero:
-        return y, ad.Zero.from_primal_value(y)
+        return y, compat.zero_tangent(y)
     return y, -t * y * y
 
 

@@ -1,6 +1,7 @@
 """``pallas_tpu.ops.matmul`` and ``pallas_tpu.ops.megablox`` against JAX's ops and XLA, on a TPU.
 
     python benchmarks/tpu_ops_matmul.py [--only NAME ...] [--sweep | --sweep-only] [--rounds N] [--smoke]
+    python benchmarks/tpu_ops_matmul.py --candidates --rounds 5   # issue 48's kernel variants
 
 Rows (bf16 operands, arguments made on the chip with ``jax.random``):
 
@@ -28,6 +29,11 @@ Writes results/tpu_ops_matmul.csv (and .png).
 ``--sweep`` then times ours over block choices at the same shapes (matmul
 ``(bm, bn, bk)``, gmm and tgmm ``(tm, tk, tn)``; 5 rounds each) and prints the fastest per
 shape: the rows for ``matmul.V5E_BLOCKS`` and ``megablox.gmm.choose_tiling``.
+``--candidates`` times, instead of the rows above, the variants that
+benchmarks/tpu_gmm_schedule.py ranks best (``MATMUL_CANDIDATES``, ``GMM_CANDIDATES``: blocks,
+and module switches such as ``matmul.FIRST_STEP`` and ``megablox.gmm.GMM_TABLE`` set while
+the op is traced) beside the defaults, JAX's op and XLA at matmul 4096^3 and gmm G8
+8192x2048x2048 even, and gmm's visit table alone; writes results/tpu_ops_matmul_candidates.csv.
 ``--sweep-only`` runs the sweep alone, ``--only`` then picking its shapes ("matmul",
 "gmm G8", "gmm G32", "tgmm"). ``--smoke`` runs tiny shapes in
 interpret mode on a CPU (checks the script, not speed).
@@ -237,6 +243,91 @@ def gmm_grad_workload(side, groups, m, k, n, *, even):
     return (lhs, rhs, sizes), cands, 3 * 2.0 * m * k * n
 
 
+# --candidates (issue 48): the kernel variants benchmarks/tpu_gmm_schedule.py ranks best,
+# beside the defaults, JAX's op and XLA, at the two shapes whose targets were missed.
+# Each: (label, blocks or tiling or None for the op's own, {(module, attribute): value}
+# set while the op is traced).
+_MM = "pallas_tpu.ops.matmul"
+_GMM = "pallas_tpu.ops.megablox.gmm"
+MATMUL_CANDIDATES = [
+    ("ours first=zero (as measured 2026-12-06)", None, {(_MM, "FIRST_STEP"): "zero"}),
+    ("ours 1024/512/4096", (1024, 512, 4096), {}),
+    ("ours 512/1024/4096", (512, 1024, 4096), {}),
+    ("ours 1024/1024/2048", (1024, 1024, 2048), {}),
+]
+GMM_CANDIDATES = [
+    ("ours dense table", None, {(_GMM, "GMM_TABLE"): "dense"}),
+    ("ours 512/2048/1024 dense table", (512, 2048, 1024), {(_GMM, "GMM_TABLE"): "dense"}),
+    ("ours 1024/2048/1024", (1024, 2048, 1024), {}),
+    ("ours 1024/2048/1024 dense table", (1024, 2048, 1024), {(_GMM, "GMM_TABLE"): "dense"}),
+]
+
+
+def _switched(fn, switches, **static):
+    """``fn`` (a jitted op's Python function) jitted afresh with module attributes set while
+    it is traced (a fresh trace: the op's own jit cache holds the default's)."""
+
+    def traced(*args):
+        saved = {}
+        try:
+            for (mod, attr), value in switches.items():
+                module = importlib.import_module(mod)
+                saved[(module, attr)] = getattr(module, attr)
+                if attr == "GMM_TABLE" and value == "dense":
+                    value = importlib.import_module("pallas_tpu.ops.megablox.schedule").gmm_schedule_dense
+                setattr(module, attr, value)
+            return fn(*args, **static)
+        finally:
+            for (module, attr), value in saved.items():
+                setattr(module, attr, value)
+
+    return jax.jit(traced)
+
+
+def candidate_workloads(side, smoke):
+    """The --candidates rows: matmul 4096^3 and gmm G8 8192x2048x2048 even (bf16 out), each
+    with ours (default), the candidates, JAX's op and XLA; and gmm's visit table alone."""
+    m, groups, gm, gk, gn = (256, 4, 512, 256, 256) if smoke else (4096, 8, 8192, 2048, 2048)
+
+    def matmul_cands():
+        args, cands, flops = matmul_workload(side, m, m, m)
+        cands = {k: v for k, v in cands.items() if k in ("ours", "XLA") or k.startswith("JAX")}
+        for label, blocks, switches in MATMUL_CANDIDATES:
+            static = dict(side.ours())
+            if blocks is not None:
+                if smoke:
+                    blocks = (128, 128, 128)
+                static.update(block_shape=blocks[:2], block_k=blocks[2])
+            cands[label] = _switched(ours_matmul.matmul.__wrapped__, switches, **static)
+        return args, cands, flops
+
+    def gmm_cands():
+        args, cands, flops = gmm_workload(side, groups, gm, gk, gn, even=True)
+        for label, tiling, switches in GMM_CANDIDATES:
+            static = dict(preferred_element_type=jnp.bfloat16, **side.ours())
+            if tiling is not None:
+                static["tiling"] = (128, 128, 128) if smoke else tiling
+            cands[label] = _switched(ours_gmm.gmm.__wrapped__, switches, **static)
+        return args, cands, flops
+
+    def table_cands():
+        sched = importlib.import_module("pallas_tpu.ops.megablox.schedule")
+        tm = ours_gmm.choose_tiling(gm, gk, gn, groups, jnp.bfloat16, jnp.bfloat16)[0]
+        sizes = _group_sizes(groups, gm, even=True)
+        offset = jnp.zeros((), jnp.int32)
+        cands = {
+            name: jax.jit(functools.partial(fn, m=gm, tm=tm, num_local=groups))
+            for name, fn in (("search table", sched.gmm_schedule), ("dense table", sched.gmm_schedule_dense))
+        }
+        return (sizes, offset), cands, 1.0
+
+    return {
+        f"cand matmul {m}^3": matmul_cands,
+        f"cand gmm G{groups} {gm}x{gk}x{gn} even": gmm_cands,
+        f"cand gmm visit table G{groups} {gm} rows": table_cands,
+    }
+
+
 def workloads(side, smoke):
     if smoke:
         return {
@@ -405,6 +496,10 @@ def main() -> int:
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep (--only filters its shapes)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (off a TPU)")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument(
+        "--candidates", action="store_true",
+        help="only issue 48's candidates (matmul 4096^3, gmm G8 even; --rounds 5 is enough)",
+    )  # fmt: skip
     a = ap.parse_args()
     if jax.default_backend() != "tpu" and not a.smoke:
         print("no TPU here: run on a TPU, or pass --smoke to check the script in interpret mode")
@@ -416,7 +511,8 @@ def main() -> int:
         print("|---|---|---|---|---|---|---|---|")
     rows = []
     failed = 0
-    for name, make in workloads(side, a.smoke).items():
+    chosen = candidate_workloads(side, a.smoke) if a.candidates else workloads(side, a.smoke)
+    for name, make in chosen.items():
         if a.sweep_only or (a.only and not any(s in name for s in a.only)):
             continue
         try:
@@ -442,7 +538,10 @@ def main() -> int:
         ]
         panels = [_timing.Panel("ours, JAX's and XLA's", x="flops", y="tflops", ylabel="TFLOP/s")]
         _timing.write_results(
-            "tpu_ops_matmul", [dict({f: "" for f in fields}, **r) for r in rows], fields, panels
+            "tpu_ops_matmul_candidates" if a.candidates else "tpu_ops_matmul",
+            [dict({f: "" for f in fields}, **r) for r in rows],
+            fields,
+            panels,
         )
     if a.sweep or a.sweep_only:
         sweep(side, a.smoke, min(a.rounds, 5), a.only if a.sweep_only else None)

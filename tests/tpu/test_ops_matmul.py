@@ -257,3 +257,15 @@ def test_matmul_bad_arguments(case):
     call, error, message = BAD_CALLS[case]
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("case", ["bf16", "bf16_to_f32"])
+def test_matmul_first_step_zeroing_switch(monkeypatch, case):
+    """``matmul.FIRST_STEP = "zero"`` (the earlier kernel, kept for the benchmark's
+    comparison: zero the accumulator, then add) gives the same result as the default."""
+    dtype, out_dtype, tol = CASES[case]
+    x, y = rand(4, (128, 384), dtype), rand(5, (384, 256), dtype)
+    kw = dict(block_shape=(128, 128), block_k=128, out_dtype=out_dtype, interpret=pltpu.InterpretParams())
+    monkeypatch.setattr(mm, "FIRST_STEP", "zero")
+    out = mm.matmul.__wrapped__(x, y, **kw)  # traced afresh: the jitted op caches the default's
+    close(out, reference(x, y, out_dtype), tol * np.sqrt(384))

@@ -425,3 +425,20 @@ def test_bad_arguments(case):
     call, message = BAD_CALLS[case]
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         call()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_dense_gmm_schedule_equals_search(seed):
+    """``gmm_schedule_dense`` (the benchmark's candidate for gmm.GMM_TABLE) is the same table,
+    for sizes that leave rows out, overrun m, are negative or zero, and an m no tile divides."""
+    rng = np.random.default_rng(seed)
+    for _ in range(4):
+        num_groups, tm = int(rng.integers(1, 10)), int(rng.choice([8, 128]))
+        m = int(rng.integers(1, 7)) * tm - int(rng.integers(0, tm) if rng.random() < 0.3 else 0)
+        sizes = rng.integers(-2, max(2 * m // num_groups, 1) + 3, num_groups)
+        offset = int(rng.integers(0, num_groups))
+        count = int(rng.integers(1, num_groups - offset + 1))
+        args = (jnp.array(sizes, jnp.int32), jnp.int32(offset))
+        kw = dict(m=m, tm=tm, num_local=count)
+        want = np.asarray(schedule.gmm_schedule(*args, **kw))
+        np.testing.assert_array_equal(np.asarray(schedule.gmm_schedule_dense(*args, **kw)), want)

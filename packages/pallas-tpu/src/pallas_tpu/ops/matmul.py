@@ -8,7 +8,8 @@ the chip's MXU takes it, else widened to bf16 in VMEM) and accumulating in 32
 bits (f32, or int32 for integer inputs). The tile is written once, on the last
 k step: a 32-bit result accumulates in the output block itself (it stays in
 VMEM while k runs), a narrower one in an f32 VMEM scratch that is converted
-on the way out. The k axis is ``"arbitrary"``, the other two ``"parallel"``
+on the way out; the first k step stores its product as it is (no zeroing pass),
+and a single k step writes the result straight out. The k axis is ``"arbitrary"``, the other two ``"parallel"``
 (split over the TensorCores of a megacore chip).
 
 Blocks come from ``choose_blocks`` when not given: a table measured on the
@@ -172,24 +173,50 @@ def _panel_product(x_ref, y_ref, acc_dtype, widen):
     return jnp.dot(x, y, preferred_element_type=acc_dtype)
 
 
-def _kernel_in_place(x_ref, y_ref, o_ref, *, widen):
+# How the first k step starts the accumulator: "select" stores its product as it is (the
+# accumulator's old value dropped by a select fused into the add: no extra pass, one copy of
+# the product's code); "zero" zeroes the tile first and then adds (a whole-tile pass of
+# stores: 1030 bundles of a 1024 x 1024 f32 tile on the v5e, 1.6% of a (1024, 1024, 1024)
+# step at k / bk = 4, by libtpu's schedule; benchmarks/tpu_gmm_schedule.py).
+FIRST_STEP = "select"
+
+
+def accumulate(acc_ref, product, first):
+    """``acc_ref = product()`` where ``first`` (a traced bool), else ``acc_ref += product()``."""
+    if FIRST_STEP == "zero":
+
+        @pl.when(first)
+        def _zero():  # before the product, as the earlier kernel had it
+            acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+
+        acc_ref[...] += product()
+        return
+    value = product()
+    acc_ref[...] = jnp.where(first, value, acc_ref[...] + value)
+
+
+def _kernel_in_place(x_ref, y_ref, o_ref, *, widen, steps_k):
     """A 32-bit result: the output block is the accumulator (it stays in VMEM while k runs)."""
 
-    @pl.when(pl.program_id(2) == 0)
-    def _zero():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    def product():
+        return _panel_product(x_ref, y_ref, o_ref.dtype, widen)
 
-    o_ref[...] += _panel_product(x_ref, y_ref, o_ref.dtype, widen)
+    if steps_k == 1:
+        o_ref[...] = product()
+        return
+    accumulate(o_ref, product, pl.program_id(2) == 0)
 
 
-def _kernel_scratch(x_ref, y_ref, o_ref, acc_ref, *, widen):
+def _kernel_scratch(x_ref, y_ref, o_ref, acc_ref, *, widen, steps_k=None):
     """A narrower result: accumulate in ``acc_ref``, convert on the last k step only."""
 
-    @pl.when(pl.program_id(2) == 0)
-    def _zero():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+    def product():
+        return _panel_product(x_ref, y_ref, acc_ref.dtype, widen)
 
-    acc_ref[...] += _panel_product(x_ref, y_ref, acc_ref.dtype, widen)
+    if steps_k == 1:  # the whole of k in one step: no accumulator round trip
+        o_ref[...] = product().astype(o_ref.dtype)
+        return
+    accumulate(acc_ref, product, pl.program_id(2) == 0)
 
     @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _write():
@@ -280,11 +307,12 @@ def matmul(
 
     in_place = out_dtype == acc_dtype
     widen = _mxu_operand_dtype(x.dtype, y.dtype, info)
+    steps_k = pk // bk
     if in_place:
-        kernel = functools.partial(_kernel_in_place, widen=widen)
+        kernel = functools.partial(_kernel_in_place, widen=widen, steps_k=steps_k)
         scratch = []
     else:
-        kernel = functools.partial(_kernel_scratch, widen=widen)
+        kernel = functools.partial(_kernel_scratch, widen=widen, steps_k=steps_k)
         scratch = [pltpu.VMEM((bm, bn), acc_dtype)]
     needed = vmem_bytes(bm, bn, bk, in_dtype, out_dtype, scratch=not in_place)
     grid = (pm // bm, pn // bn, pk // bk)

@@ -42,6 +42,9 @@ from pallas_tpu.ops.megablox import schedule as sched
 from pallas_tpu.ops.megablox.tiling import choose_tiling, vmem_bytes
 
 LutFn = Callable[[int, int, int], "tuple[int, int, int] | None"]
+# What computes gmm's visit table (equal tables): ``schedule.gmm_schedule`` (searches and
+# scatters) or ``schedule.gmm_schedule_dense`` (fewer XLA ops; not yet timed on a chip).
+GMM_TABLE = sched.gmm_schedule
 
 _LANE = 128
 # A visit of a tile that other groups share computes only the chunks of rows (of this many)
@@ -234,13 +237,13 @@ def _gmm_kernel(table, lhs_ref, rhs_ref, *refs, tm, tiles_k, k_tail, contract, w
         pl.when(partial)(lambda: store_partial(product))
         return
 
-    @pl.when(jnp.logical_and(computes, kk == 0))
-    def _init():
+    @pl.when(jnp.logical_and(partial, kk == 0))
+    def _init():  # a shared tile's chunks add into zeros
         acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
     @pl.when(jnp.logical_and(computes, whole))
-    def _add_whole():
-        acc_ref[...] += product()
+    def _add_whole():  # the first k step's product stored as it is (no zeroing pass)
+        _matmul.accumulate(acc_ref, product, kk == 0)
 
     def add_rows(rows):
         acc_ref[rows, :] += product(rows)
@@ -312,7 +315,7 @@ def gmm(
     # A chosen tm may leave a partial last tile: its rows past m belong to no group.
     tiles_m, tiles_k, tiles_n = -(-m // tm), -(-k // tk), -(-n // tn)
     k_tail = k - (tiles_k - 1) * tk if k % tk else None
-    table = sched.gmm_schedule(group_sizes, offset, m=m, tm=tm, num_local=num_local)
+    table = GMM_TABLE(group_sizes, offset, m=m, tm=tm, num_local=num_local)
     steps = table.shape[1]
 
     def fetch_k(step, kk, t):

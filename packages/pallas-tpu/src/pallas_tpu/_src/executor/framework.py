@@ -100,10 +100,12 @@ def prepare(region) -> Region:
 
 class Program:
     """A module's functions (``func.func`` by name), prepared once and shared
-    by every core of a ``run_mosaic`` call."""
+    by every core of a ``run_mosaic`` call; ``mxu_rounding``: float matmuls
+    round their operands as the MXU does (``run_mosaic``'s argument)."""
 
-    def __init__(self, funcs: dict[str, Any]):
+    def __init__(self, funcs: dict[str, Any], mxu_rounding: bool = False):
         self.funcs = {name: prepare(f.regions[0]) for name, f in funcs.items()}
+        self.mxu_rounding = mxu_rounding
 
 
 # -- the walk -------------------------------------------------------------------

@@ -65,6 +65,7 @@ def run_mosaic(
     num_devices: int = 1,
     mesh_shape: Sequence[int] | None = None,
     num_cores: int = 1,
+    mxu_rounding: bool = False,
 ):
     """Executes a Mosaic kernel module on the CPU.
 
@@ -101,6 +102,14 @@ def run_mosaic(
         indices, or else the leading ``parallel`` axes' sub-grid in contiguous
         ranges; each core runs its grid points in order. ``tpu.core_id`` gives
         the core, and ``core_id`` operands of signals and DMAs name one.
+      mxu_rounding: compute a float matmul (``tpu.matmul``) as a TPU's MXU
+        does, in bfloat16 passes chosen by its contract precision: 32-bit
+        operands rounded to bf16 (to nearest even) at the default precision
+        (``lax.Precision.DEFAULT``: what the v5e's results equal), split into
+        three bf16 products at ``bf16x3`` (``HIGH``), exact at ``fp32``
+        (``HIGHEST``). By default (False) 32-bit float operands multiply exactly,
+        as in TPU interpret mode, and a float32 kernel checked against a float32
+        reference on the CPU may miss what the chip's rounding does to it.
 
     Returns:
       the outputs as NumPy arrays, in the structure of ``out_shape``.
@@ -110,7 +119,8 @@ def run_mosaic(
     with ctx:
         mod = parse_module(module, ctx)
         kernel, funcs = kernel_module.kernel_funcs(mod)
-        program = Program(funcs)  # the module's regions, prepared once for every core
+        # the module's regions, prepared once for every core
+        program = Program(funcs, mxu_rounding=bool(mxu_rounding))
         out_leaves, out_tree = jax.tree.flatten(out_shape)
         aliases = dict(input_output_aliases)
         mesh = Mesh(num_devices, shape=mesh_shape, num_cores=num_cores)

@@ -22,6 +22,7 @@ from pallas_tpu._src.mosaic.lowering import (
     register_lowering,
     shape_cast,
 )
+from pallas_tpu._src.mosaic.lowering_jax012 import needs_jax
 from pallas_tpu._src.mosaic.lowering_math import convert
 
 # ---------------------------------------------------------------------------
@@ -113,6 +114,8 @@ def _dot_general(ctx, lhs, rhs, dimension_numbers, precision=None, preferred_ele
     dims = ir.Attribute.parse(f"#tpu.dot_dimension_numbers<{parts}>")
     prec = precision[0] if isinstance(precision, tuple) else precision
     name = getattr(prec, "name", None)
+    if name == "HIGH" and not hasattr(getattr(tpu, "ContractPrecision", None), "kBF16x3"):
+        raise needs_jax("a dot of precision HIGH (Mosaic's contract precision bf16x3)", "0.11.2")
     prec_attr = (
         ir.Attribute.parse(f"#tpu.contract_precision<{_PRECISION[name]}>") if name in _PRECISION else None
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import string
 
+import ml_dtypes
 import numpy as np
 
 from pallas_tpu._src.executor.attrs import (
@@ -90,13 +91,38 @@ def _matmul(ex, op, vals, env):
         rhs_l[b] = lhs_l[a]
     out_l = [(lhs_l, rhs_l)[o][d] for o, d in zip(order[::2], order[1::2])]
     kind = np.asarray(acc).dtype
-    compute = np.float32 if kind.kind in "fV" else np.int64
-    prod = np.einsum(
-        f"{''.join(lhs_l)},{''.join(rhs_l)}->{''.join(out_l)}",
-        np.asarray(lhs).astype(compute),
-        np.asarray(rhs).astype(compute),
-    )
-    return [cast(np.asarray(acc).astype(compute) + prod, op)]
+    spec = f"{''.join(lhs_l)},{''.join(rhs_l)}->{''.join(out_l)}"
+    if kind.kind not in "fV":
+        prod = np.einsum(spec, np.asarray(lhs).astype(np.int64), np.asarray(rhs).astype(np.int64))
+        return [cast(np.asarray(acc).astype(np.int64) + prod, op)]
+    precision = "fp32"
+    if ex.program.mxu_rounding:
+        precision = enum_attr(op.attributes["precision"]) if "precision" in op.attributes else "bf16"
+    pieces = mxu_pieces(np.asarray(lhs), np.asarray(rhs), precision)
+    prod = sum(np.einsum(spec, a, b) for a, b in pieces)
+    return [cast(np.asarray(acc).astype(np.float32) + prod, op)]
+
+
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to bfloat16 (to nearest even), kept in float32."""
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def mxu_pieces(lhs: np.ndarray, rhs: np.ndarray, precision: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The products a TPU's MXU sums for a float matmul of ``precision``
+    (``tpu.contract_precision``; absent means ``bf16``), as float32 operand pairs.
+    The MXU multiplies bfloat16: a 32-bit float operand is rounded to bf16 for one
+    pass (``bf16``: the default, what ``lax.Precision.DEFAULT`` gives; the v5e's
+    results equal it), split into a high and a low bf16 part for three passes
+    (``bf16x3``: ``HIGH``; the product of the low parts is dropped), or taken whole
+    (``fp32``: ``HIGHEST``). Narrower floats are exact in bf16."""
+    lhs32, rhs32 = lhs.astype(np.float32), rhs.astype(np.float32)
+    if precision == "fp32" or (lhs.dtype.itemsize < 4 and rhs.dtype.itemsize < 4):
+        return [(lhs32, rhs32)]
+    lh, rh = _to_bf16(lhs32), _to_bf16(rhs32)
+    if precision == "bf16x3":
+        return [(lh, rh), (lh, _to_bf16(rhs32 - rh)), (_to_bf16(lhs32 - lh), rh)]
+    return [(lh, rh)]
 
 
 @rule("tpu.dynamic_rotate", "tpu.rotate")

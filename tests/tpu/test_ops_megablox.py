@@ -429,7 +429,7 @@ def test_bad_arguments(case):
 
 @pytest.mark.parametrize("seed", range(2))
 def test_dense_gmm_schedule_equals_search(seed):
-    """``gmm_schedule_dense`` (the benchmark's candidate for gmm.GMM_TABLE) is the same table,
+    """``gmm_schedule_dense`` (gmm's table where small: ``gmm_visit_table``) is the same table,
     for sizes that leave rows out, overrun m, are negative or zero, and an m no tile divides."""
     rng = np.random.default_rng(seed)
     for _ in range(4):
@@ -442,3 +442,20 @@ def test_dense_gmm_schedule_equals_search(seed):
         kw = dict(m=m, tm=tm, num_local=count)
         want = np.asarray(schedule.gmm_schedule(*args, **kw))
         np.testing.assert_array_equal(np.asarray(schedule.gmm_schedule_dense(*args, **kw)), want)
+
+
+def test_visit_table_picks_dense_when_small(monkeypatch):
+    """``gmm_visit_table`` equals the searched table on both of its paths."""
+    sizes, offset = jnp.array([300, 0, 700, 24], jnp.int32), jnp.int32(0)
+    kw = dict(m=1024, tm=128, num_local=4)
+    want = np.asarray(schedule.gmm_schedule(sizes, offset, **kw))
+    calls = []
+    for limit in (1 << 20, 10):  # 11 steps: dense under the first bound, the search over the second
+        monkeypatch.setattr(schedule, "DENSE_TABLE_MAX", limit)
+        dense = schedule.gmm_schedule_dense
+        monkeypatch.setattr(
+            schedule, "gmm_schedule_dense", lambda *a, **k: calls.append(limit) or dense(*a, **k)
+        )
+        np.testing.assert_array_equal(np.asarray(schedule.gmm_visit_table(sizes, offset, **kw)), want)
+        monkeypatch.setattr(schedule, "gmm_schedule_dense", dense)
+    assert calls == [1 << 20]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import jax
 import numpy as np
@@ -29,7 +30,7 @@ try:
 
     _native_error: ImportError | None = None
 except ImportError as e:  # a missing or broken build: GPU launches fail (native()), the rest works
-    _native = None
+    _native = None  # type: ignore[assignment]  # mypy's optional-import idiom: no Optional module type
     _native_error = e
 
 #: The name of the runtime's XLA FFI custom-call target (platform CUDA).
@@ -281,7 +282,7 @@ def _check(name, args, out_shapes, configs, params, aliases, zeroed_outputs) -> 
             raise ValueError(f"{where}: zeroed output {o!r} out of range (outputs 0..{len(out_shapes) - 1})")
 
 
-def _is_index(i, n: int) -> bool:
+def _is_index(i, n: int) -> bool | np.bool_:
     return isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= i < n
 
 
@@ -301,7 +302,7 @@ def launch_counts() -> tuple[int, int]:
     recorded while XLA captured a CUDA graph (command buffers), so replays of
     that graph run them without calling the runtime again.
     """
-    return tuple(_native.launch_counts()) if _native is not None else (0, 0)
+    return cast(tuple[int, int], tuple(_native.launch_counts())) if _native is not None else (0, 0)
 
 
 def driver_error() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -213,7 +214,7 @@ def normalize_grid(grid, name: str) -> tuple[int, int, int]:
                 f"needs 1 <= grid[{axis}] <= {GRID_LIMITS[axis]}"
             )
         out.append(int(g))
-    return tuple(out + [1] * (3 - len(out)))
+    return cast(tuple[int, int, int], tuple(out + [1] * (3 - len(out))))
 
 
 def encode_attributes(
@@ -231,10 +232,14 @@ def encode_attributes(
     kinds, values, aligns = [], [], []
     for p in params:
         if isinstance(p, Buffer):
-            kinds.append(0), values.append(p.operand), aligns.append(p.alignment)
+            kinds.append(0)
+            values.append(p.operand)
+            aligns.append(p.alignment)
         else:
             size, bits = p.encode()
-            kinds.append(size), values.append(bits), aligns.append(1)
+            kinds.append(size)
+            values.append(bits)
+            aligns.append(1)
     attrs: dict[str, object] = {
         "name": name,
         "param_kinds": np.array(kinds, np.int64),

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -94,7 +94,7 @@ def _lift(h) -> np.ndarray:
     """The data of ``h`` with the program axis (unbatched data is repeated)."""
     if _batched(h):
         return h.data
-    return np.broadcast_to(h.data, (_active.size, *h.data.shape))
+    return np.broadcast_to(h.data, (cast(_Pass, _active).size, *h.data.shape))  # called within a pass
 
 
 # ---------------------------------------------------------------------------
@@ -219,14 +219,15 @@ def _get_program_id(self, axis):
 
 
 def _record(ptrs: np.ndarray, mask: np.ndarray, batched: bool, elem_bytes: int, store: bool) -> None:
+    active = cast(_Pass, _active)  # called within a pass
     p = ptrs[mask]
     if p.size == 0:
         return
     program = None
     if batched:
-        rows = np.arange(_active.size, dtype=np.int32).reshape((-1,) + (1,) * (ptrs.ndim - 1))
+        rows = np.arange(active.size, dtype=np.int32).reshape((-1,) + (1,) * (ptrs.ndim - 1))
         program = np.broadcast_to(rows, ptrs.shape)[mask]
-    _active.accesses.append((p, program, elem_bytes, store))
+    active.accesses.append((p, program, elem_bytes, store))
 
 
 def _dense(x: np.ndarray, dtype=None) -> np.ndarray:
@@ -345,7 +346,7 @@ def _tensor_init(self, handle, type):
 
 def _uniform(self) -> Any:
     """The one value every program of the pass has for scalar ``self``."""
-    per = self.handle.data.reshape(_active.size, -1)
+    per = self.handle.data.reshape(cast(_Pass, _active).size, -1)  # called within a pass
     values = per[:, 0]
     if per.shape[1] != 1 or not (values == values[0]).all():
         raise Unbatchable("control flow that differs between programs")

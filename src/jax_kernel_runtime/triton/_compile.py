@@ -69,7 +69,8 @@ def load_source(prefix: str, source: str, disk: DiskCache | None = None) -> type
         linecache.cache[filename] = (len(source), None, lines, filename)  # mtime None: never evicted
         module = types.ModuleType(name)
         module.__file__ = filename
-        module.__loader__ = _SourceLoader(source)  # linecache reloads from it if cleared
+        # linecache reloads from it if cleared; it needs only get_source, typeshed wants load_module.
+        module.__loader__ = _SourceLoader(source)  # type: ignore[assignment]
         sys.modules[name] = module  # so inspect finds the loader if linecache is cleared
         exec(compile(source, filename, "exec"), module.__dict__)
         _modules[name] = module

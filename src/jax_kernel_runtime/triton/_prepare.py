@@ -148,7 +148,7 @@ def memoize_triton_key() -> bool:
             and mod.__name__.startswith("triton")
             and getattr(mod, "triton_key", None) is original
         ):
-            mod.triton_key = triton_key
+            mod.triton_key = triton_key  # type: ignore[attr-defined]
     return True
 
 

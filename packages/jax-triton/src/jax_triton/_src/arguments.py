@@ -9,6 +9,7 @@ specialized for the data JAX actually passes.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +88,7 @@ def check_aliases(aliases, inputs, out_avals, counted: str, where: str) -> dict[
         raise TypeError(
             f"{where}: input_output_aliases is {aliases!r}; expected a dict {{input index: output index}}"
         )
-    seen = {}
+    seen: dict[int, int] = {}
     for i, o in aliases.items():
         entry = f"{where}: input_output_aliases entry {i!r}: {o!r}"
         if not (_is_int(i) and _is_int(o)):
@@ -138,7 +139,7 @@ def grid_of(grid, meta: dict, name: str, where: str) -> tuple[int, int, int]:
             if g < 0:
                 raise ValueError(f"{where}: grid {tuple(entries)}: entry {axis} is {g}; entries must be >= 0")
         if 0 in entries:
-            return tuple(int(g) for g in entries) + (1,) * (3 - len(entries))
+            return cast(tuple[int, int, int], tuple(int(g) for g in entries) + (1,) * (3 - len(entries)))
     try:
         return normalize_grid(grid, name)
     except (TypeError, ValueError) as e:

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -252,7 +252,7 @@ def _compute_capability(ctx, call: CallSpec) -> int:
 
 
 def _runtime_params(bound: BoundCall, operand_avals):
-    params = []
+    params: list[jkr.Buffer | jkr.Scalar] = []
     for p in bound.params:
         if p.kind == "buffer":
             # XLA may hand a zero-size operand any address; the kernel cannot read it.
@@ -408,7 +408,8 @@ def _batch(args, dims, *, call: CallSpec):
 def _batch_folded(args, dims, size, call: CallSpec):
     params, metaparams, grid, zeroed, options = call.call_args
     args = [a if d is not None else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims)]
-    _, new_scalars = call.batch_fold(size, call.variants[0].grid, dict(call.scalars))
+    batch_fold = cast(Callable, call.batch_fold)  # called only with one (see the batching rule)
+    _, new_scalars = batch_fold(size, call.variants[0].grid, dict(call.scalars))
     new_scalars = dict(new_scalars or {})
     keys = {k: i for i, (k, _) in enumerate(call.scalars)}
     names = list(call.fn.arg_names)

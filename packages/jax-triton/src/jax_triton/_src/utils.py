@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING, cast
 
 import jax
 import numpy as np
 import triton
 
 import jax_kernel_runtime
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,7 +44,7 @@ def strides_from_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 # Frames inside these folders are ours, JAX's or the standard library's:
 # errors name the innermost frame outside them, the user's line.
 _INTERNAL_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, jax_kernel_runtime)
+    os.path.dirname(os.path.abspath(cast(str, m.__file__))) + os.sep for m in (jax, jax_kernel_runtime)
 ) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 
@@ -55,7 +59,7 @@ def _is_internal(filename: str) -> bool:
 
 def user_source() -> str:
     """``file.py:LINE`` of the innermost caller outside jax_triton, JAX and the stdlib."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if not _is_internal(frame.f_code.co_filename):
             return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"

@@ -178,10 +178,10 @@ def _target(gm) -> tuple[int, str]:
             "jax[cuda] installed. To export for CUDA from here, set PALLAS_GPU_COMPUTE_CAPABILITY "
             "(e.g. 90)."
         )
-    cc = getattr(devices[0], "compute_capability", None)
-    if cc is None:
+    capability = getattr(devices[0], "compute_capability", None)
+    if capability is None:
         raise RuntimeError(f"{gm.where}: cannot read the compute capability of {devices[0]}")
-    major, minor = str(cc).split(".")
+    major, minor = str(capability).split(".")
     return int(major) * 10 + int(minor), f"{devices[0].device_kind} sm_{major}{minor}"
 
 

@@ -32,7 +32,7 @@ def call_params(interpret: Any, num_warps: int, num_stages: int | None) -> dict[
     Triton's), else ``CompilerParams(num_warps, num_stages)``."""
     if interpreted(interpret):
         return {"interpret": interpret}
-    kw = {"num_warps": num_warps}
+    kw: dict[str, Any] = {"num_warps": num_warps}
     if num_stages is not None:
         kw["num_stages"] = num_stages
     return {"compiler_params": CompilerParams(**kw)}

@@ -162,7 +162,8 @@ def _blocks(bs: BlockSizes, T: int, S: int) -> dict[str, int]:
 # non-causal default row at 447 TFLOP/s against 466 for 128x128), dk/dv 2.564
 # (64x64, 4 warps, 1 stage; 4.592 at the 32x128, 8 warps of FlashAttention-2's
 # shapes; see _DKV_PIPELINED for its stages), dq 1.663 (64x64, 4 warps, 2 stages; 1.665 at 128x32, 8 warps, 3).
-_MEASURED: dict[tuple[int, int], dict[str, tuple[int, int, int, int]]] = {
+# Keyed by (compute capability, head_dim); looked up with None for the capability without a GPU.
+_MEASURED: dict[tuple[int | None, int], dict[str, tuple[int, int, int, int]]] = {
     (90, 128): {"fwd": (128, 128, 8, 3), "dkv": (64, 64, 4, 1), "dq": (64, 64, 4, 2)},
 }
 # Other GPUs and head dims (keyed by the largest head_dim each serves): the
@@ -440,7 +441,7 @@ def _launches(q, k, block_sizes, num_warps, num_stages, interpret, causal, segme
 # S4096 H32 D128 ran 336.2 / 366.2 / 332.5 TFLOP/s at 1 / 2 / 3 stages
 # (benchmarks/attention_dkv_stages.py). Every other launch, and any launch a user
 # configures, runs one stage.
-_DKV_PIPELINED: dict[tuple[int, int], tuple[int, int, int, int]] = {(90, 128): (64, 64, 4, 2)}
+_DKV_PIPELINED: dict[tuple[int | None, int], tuple[int, int, int, int]] = {(90, 128): (64, 64, 4, 2)}
 
 
 def _dkv_stages(launch, head_dim, interpret, block_sizes, num_warps, num_stages) -> int:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -325,6 +326,7 @@ def matmul_with_config(a, b, config: MatmulConfig | Sm90Config, *, out_dtype, in
     """``a @ b`` with one launch configuration (no tuning)."""
     (m, k), n = a.shape, b.shape[1]
     if isinstance(config, Sm90Config):
+        why: str | None
         if interpreted(interpret):
             why = "interpret mode (Triton's interpreter does not run Gluon kernels)"
         else:
@@ -495,4 +497,6 @@ def matmul(
         return matmul_with_config(a, b, configs[known], **kw)
     if autotune == "background":
         tuned.tune_in_background(a, b, **kw)
-    return matmul_with_config(a, b, table_config(m, n, k, a.dtype, out_dtype, configs), **kw)
+    # The table holds for these dtypes (checked above), so it names a config.
+    picked = cast("MatmulConfig | Sm90Config", table_config(m, n, k, a.dtype, out_dtype, configs))
+    return matmul_with_config(a, b, picked, **kw)

@@ -326,7 +326,7 @@ class Autotuned:
     def _wrong_results(self, data, kwargs) -> list[tuple[int, Exception]]:
         """[(index, WrongResult)] of the configs whose output on ``data`` fails
         ``check`` (a config that cannot run is left to the timing to report)."""
-        wrong = []
+        wrong: list[tuple[int, Exception]] = []
         for i in range(len(self.configs)):
             try:
                 out = self._jit(i, kwargs)(*data)
@@ -374,11 +374,11 @@ class Autotuned:
         self.times[key] = times
         best = int(np.argmin(times))
         if times[best] == float("inf"):
-            i, e = min(errors, key=lambda ie: ie[0])
+            i, first = min(errors, key=lambda ie: ie[0])
             raise RuntimeError(
                 f"plgpu.autotune({self.name}): every config failed; config {i} "
-                f"{self.configs[i]} raised {type(e).__name__}: {e}"
-            ) from e
+                f"{self.configs[i]} raised {type(first).__name__}: {first}"
+            ) from first
         record_winner(key, best, [t * 1e3 if np.isfinite(t) else -1.0 for t in times])
         return best
 

@@ -18,7 +18,7 @@ import functools
 import hashlib
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax_kernel_runtime as jkr
 from jax_kernel_runtime import triton as jkr_triton
@@ -172,6 +172,8 @@ def compiled_configs(
             continue
         kept.append((cp, cfg))
     if not kept:
+        # Nothing kept means some config was too big, which needs a known limit.
+        limit = cast(int, limit)
         which = "; ".join(f"{_describe(cp)} needs {n} bytes" for cp, n in too_big)
         raise ValueError(
             f"{where}: the kernel needs more shared memory per block than sm_{cc} allows "

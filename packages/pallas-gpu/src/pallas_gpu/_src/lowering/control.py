@@ -38,7 +38,7 @@ from pallas_gpu._src.lowering.lowering import (
 
 def _carry_vars(em: Emitter, vals: Sequence[Val], hint: str) -> list[Val]:
     """Fresh variables initialized to ``vals`` (loop-carried values)."""
-    out = []
+    out: list[Val] = []
     for v in vals:
         if isinstance(v, (BlockRef, ScratchRef)):
             out.append(v)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 
 import ml_dtypes
 import numpy as np
@@ -343,7 +344,8 @@ def _integer_pow_rule(rc: RuleContext, x, *, y, **_):
             base = em.assign(f"{base.expr} * {base.expr}", x.shape, x.dtype)
     if y < 0:
         one = const(em, 1, x.dtype)
-        return rc.out(f"{one.expr} / {acc.expr}")
+        # y != 0, so the loop above met a set bit of n and acc is a Val.
+        return rc.out(f"{one.expr} / {typing.cast(Val, acc).expr}")
     return acc
 
 

@@ -261,8 +261,8 @@ def _addupdate_rule(rc: RuleContext, ref, val, *idx, tree):
 
 
 def _and_masks(*ms) -> str | None:
-    ms = [m for m in ms if m]
-    return " & ".join(f"({m})" for m in ms) if ms else None
+    given = [m for m in ms if m]
+    return " & ".join(f"({m})" for m in given) if given else None
 
 
 def _gpu_access(rc: RuleContext, ref, tree, args, what: str):

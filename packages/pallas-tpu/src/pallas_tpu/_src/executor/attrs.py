@@ -23,7 +23,7 @@ def array_attr(op, name) -> list[int]:
     a = op.attributes[name]  # the bindings give the attribute's own class
     dense = (ir.DenseI64ArrayAttr, ir.DenseI32ArrayAttr, ir.DenseI16ArrayAttr, ir.DenseI8ArrayAttr)
     if isinstance(a, (*dense, ir.DenseIntElementsAttr)):
-        return [int(x) for x in a]
+        return [int(x) for x in a]  # type: ignore[union-attr]  # the stubs omit DenseIntElementsAttr.__iter__
     if isinstance(a, ir.ArrayAttr):
         return [int(ir.IntegerAttr(x).value) for x in a]
     if isinstance(a, ir.IntegerAttr):

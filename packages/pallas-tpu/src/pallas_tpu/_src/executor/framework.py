@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -133,7 +133,7 @@ class Executor:
         n = self.allocations.get(site, 0)
         self.allocations[site] = n + 1
         buf = allocate(op.operation.results[0].type, ("alloca", site, n))
-        self.mesh.register(self.device, buf.key, buf.root)
+        self.mesh.register(self.device, buf.key, cast(np.ndarray, buf.root))  # allocate sets root
         return buf
 
     def call(self, name: str, args) -> list[Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -190,7 +190,8 @@ def prepare_device(kernel, operands, out_leaves, aliases) -> Device:
     for k, arr in enumerate(arrays):
         w = windows[k]
         if w.transform is not None:
-            pads = [(0, -n % b) for n, b in zip(arr.shape, w.bounds)]
+            block = cast(list[int], w.bounds)  # a window with a transform has its block shape
+            pads = [(0, -n % b) for n, b in zip(arr.shape, block)]
             if any(p for _, p in pads):  # an edge block reads past the array: uninitialized memory
                 arr = np.pad(arr, pads, constant_values=plb.uninitialized_fill(arr.dtype))
             else:
@@ -248,8 +249,8 @@ def core_points(kernel, dev: Device, num_cores) -> list[list[tuple[int, ...]]]:
         return [points]
     sems = []
     if "dimension_semantics" in kernel.attributes:
-        for a in ir.ArrayAttr(kernel.attributes["dimension_semantics"]):
-            sems.append(enum_attr(a))
+        for attr in ir.ArrayAttr(kernel.attributes["dimension_semantics"]):
+            sems.append(enum_attr(attr))
     core_axes = [a for a, m in enumerate(sems) if m in ("core_parallel", "subcore_parallel")]
     if core_axes:
         a = core_axes[0]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -131,8 +131,8 @@ def run_mosaic(
         lead = () if num_devices == 1 and mesh_shape is None else mesh.shape
         per_device = _split_operands(operands, lead, num_devices, mesh_shape)
         devs = [kernel_module.prepare_device(kernel, xs, out_leaves, aliases) for xs in per_device]
-        points = kernel_module.core_points(kernel, devs[0], num_cores)
-        results = _run_units(ctx, program, devs, mesh, points)
+        unit_points = kernel_module.core_points(kernel, devs[0], num_cores)
+        results = _run_units(ctx, program, devs, mesh, unit_points)
         outs = [
             np.stack([results[d * num_cores][o] for d in range(num_devices)]).reshape(*lead, *leaf.shape)
             for o, leaf in enumerate(out_leaves)
@@ -209,7 +209,7 @@ def _run_core(program: Program, dev: Device, mesh: Mesh, device, points):
     scratch = []
     for i, t in enumerate(dev.scratch_types):
         scratch.append(allocate(t, ("scratch", i)))
-        mesh.register(device, ("scratch", i), scratch[-1].root)
+        mesh.register(device, ("scratch", i), cast(np.ndarray, scratch[-1].root))  # allocate sets root
     ex = Executor(program, mesh, device, dev.bounds)
     staged: dict[int, tuple[tuple[slice, ...], np.ndarray]] = {}  # a blocked output's VMEM window
     for point in points:
@@ -249,8 +249,9 @@ def _window(ex: Executor, dev: Device, k: int, idx, prefetch, staged) -> Buffer:
         view = arr[tuple(slice(0, n) for n in shape)] if arr.shape != shape else arr
         return Buffer(view, space, key=("window", k), root=arr, padded=arr if view is not arr else None)
     block = ex.call(w.transform, [*idx, *prefetch])
+    bounds = cast(list[int], w.bounds)  # a window with a transform has its block shape
     starts = []
-    for d, (b, n) in enumerate(zip(block, w.bounds)):
+    for d, (b, n) in enumerate(zip(block, bounds)):
         s = int(b) * n
         if not 0 <= s <= arr.shape[d] - n:
             raise MosaicError(
@@ -258,13 +259,13 @@ def _window(ex: Executor, dev: Device, k: int, idx, prefetch, staged) -> Buffer:
                 f"point {[int(i) for i in idx]}, outside the array of shape {list(arr.shape)} (window {w.bounds})"
             )
         starts.append(s)
-    where = tuple(slice(s, s + n) for s, n in zip(starts, w.bounds))
+    where = tuple(slice(s, s + n) for s, n in zip(starts, bounds))
     if k < dev.n_in:
         return Buffer(arr[where].reshape(shape), space, key=("window", k), root=arr)
     if k not in staged or staged[k][0] != where:
         if k in staged:
             arr[staged[k][0]] = staged[k][1]
-        staged[k] = (where, uninitialized(tuple(w.bounds), arr.dtype))
+        staged[k] = (where, uninitialized(tuple(bounds), arr.dtype))
     return Buffer(staged[k][1].reshape(shape), space, key=("window", k), root=staged[k][1])
 
 

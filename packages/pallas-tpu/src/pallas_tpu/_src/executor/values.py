@@ -5,6 +5,7 @@ types map to NumPy dtypes here, and fresh memory is filled here."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 import ml_dtypes
@@ -43,7 +44,8 @@ class Buffer:
     def on(self, mesh, device: int) -> Buffer:
         """This view of the same allocation on ``device`` (of a ``mesh.Mesh``)."""
         other = mesh.root(device, self.key)
-        offset = self.array.__array_interface__["data"][0] - self.root.__array_interface__["data"][0]
+        root = typing.cast(np.ndarray, self.root)  # a shared allocation (a key) has a root
+        offset = self.array.__array_interface__["data"][0] - root.__array_interface__["data"][0]
         arr = np.ndarray(
             self.array.shape, self.array.dtype, buffer=other, offset=offset, strides=self.array.strides
         )

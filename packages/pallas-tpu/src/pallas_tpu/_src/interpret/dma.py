@@ -228,7 +228,7 @@ class DmaEngine:
         if not cells:  # no DMA on this semaphore went through a shadow: nothing to land
             return
         code = self._sem_code(sem, eqn)
-        landed = np.int32(0)
+        landed: jnp.ndarray | np.int32 = np.int32(0)
         if self._shadowed(dst_view.cell):
             # On a TPU the wait's descriptor names no memory: nothing to bound-check.
             with self.checks.unchecked():

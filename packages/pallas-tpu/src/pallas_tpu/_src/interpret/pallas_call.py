@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -385,10 +385,10 @@ def _new_lane(call: _Call, slot: int, core_id: int) -> _Lane:
     for i in call.blocked:
         op = call.ops[i]
         init = call.interp.memory.fresh(op.bm.kernel_block_shape, op.bm.dtype)
-        buf = op.buf
+        buf = cast(int, op.buf)  # a blocked operand has a block buffer
         if slot > 0:
             name = f"{op.bm.origin} block (core {core_id})"
-            buf = interp.new_cell(init, name, interp.cell_spaces[op.buf], dma_target=op.buf in interp.shadows)
+            buf = interp.new_cell(init, name, interp.cell_spaces[buf], dma_target=buf in interp.shadows)
         interp.state[buf] = init
         core_ops[i] = _Operand(op.bm, op.hbm, buf)
         interp.hidden.block_starts[i, slot] = jnp.zeros((len(op.bm.block_shape),), jnp.int32)
@@ -459,6 +459,7 @@ def _lane_steps(call: _Call, lane: _Lane, table, s, pause, lane_run: _Running):
     its blocks enter the pipeline, then the kernel runs."""
     interp, gm, prefetch = call.interp, call.gm, call.prefetch
     core_ops, views = lane.ops, lane.views
+    pt: jnp.ndarray | np.ndarray
     if call.dynamic:
         pt = jnp.stack(plb.grid_point(s, call.sizes))
     elif interp.fold_static:
@@ -494,7 +495,7 @@ def _end_lane(call: _Call, lane: _Lane, n) -> None:
             op = core_ops[i]
             prev_arr = interp.hidden.block_starts.pop((i, lane.slot))
             prev = [prev_arr[d] for d in range(len(op.bm.block_shape))]
-            blk = interp.state[op.buf].reshape(op.bm.block_sizes)
+            blk = interp.state[cast(int, op.buf)].reshape(op.bm.block_sizes)  # blocked: has a buffer
             if call.dynamic:  # a dynamic grid may run no step: then there is no last block
                 old = lax.dynamic_slice(interp.state[op.hbm], prev, op.bm.block_sizes)
                 blk = jnp.where(n > 0, blk, old)
@@ -505,7 +506,7 @@ def _end_lane(call: _Call, lane: _Lane, n) -> None:
         else:
             interp.hidden.block_starts.pop((i, lane.slot))
         if lane.slot > 0:
-            interp.free_cell(core_ops[i].buf)
+            interp.free_cell(cast(int, core_ops[i].buf))  # blocked: has a buffer
     for c in scratch:
         interp.free_cell(c)
 

@@ -60,7 +60,7 @@ class _Watch:
     def __init__(self, what: str, again: str):
         self.what, self.again, self.start, self.said = what, again, time.monotonic(), False
         self.lock = threading.Lock()
-        self.timer = None
+        self.timer: threading.Timer | None = None
         self._arm(progress_seconds())
 
     def _arm(self, delay: float) -> None:
@@ -108,7 +108,7 @@ def _on_scalar(event: str, value, **kwargs) -> None:
         _state.compile_watch = _Watch(what, f"XLA is still compiling ({_names(kernels)})")
 
 
-def _on_duration(event: str, duration: float, **kwargs) -> None:
+def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
     if event == _BACKEND_COMPILE:
         watch = getattr(_state, "compile_watch", None)
         _state.compile_watch = None

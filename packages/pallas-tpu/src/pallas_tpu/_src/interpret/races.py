@@ -89,7 +89,7 @@ def region(idx: np.ndarray, shape) -> str:
         return ""
     if idx.size == 0:
         return "[empty]"
-    coords = np.unravel_index(idx, shape)
+    coords: tuple[np.ndarray, ...] = np.unravel_index(idx, shape)
     parts = [f"{int(c.min())}:{int(c.max()) + 1}" for c in coords]
     box = math.prod(int(c.max()) - int(c.min()) + 1 for c in coords)
     return "[" + ", ".join(parts) + "]" + ("" if box == idx.size else f" ({idx.size} elements)")

@@ -304,7 +304,7 @@ class RefAccess:
 
     def read_view(self, view: RefView, eqn, what="read"):
         x = self.memory.state[view.cell]
-        self.on_access(view, eqn, write=False)
+        self.on_access(view, eqn, False)  # a read
         for t in view.transforms:
             x = self._read1(x, t, eqn, view, what)
         return x
@@ -317,7 +317,8 @@ class RefAccess:
             # clamped as a read of the element is.
             starts, sizes, _, _, arrays = self.index_parts(shape, view.transforms[0], eqn, view, "read")
             if not arrays and all(n == 1 for n in sizes):
-                flat, mult = np.int32(0), 1
+                flat: jax.Array | np.int32 = np.int32(0)
+                mult = 1
                 for st, n in reversed(list(zip(starts, shape))):
                     flat = lax.add(
                         lax.mul(jnp.asarray(clip_index(st, 0, max(n - 1, 0)), jnp.int32), np.int32(mult)),
@@ -343,8 +344,9 @@ class RefAccess:
         other transforms gather from the window's indices."""
         x = self.memory.state[view.cell]
         bounds = self._size_bounds(view, eqn, what)
-        win = _Window.of(x.shape)
-        idx = valid = None
+        win: _Window | None = _Window.of(x.shape)
+        idx: Any = None
+        valid: Any = None
         shape, dtype = list(x.shape), x.dtype
         for t in view.transforms:
             if _is_bitcast(t) and not _changes_width(t, dtype):
@@ -406,7 +408,8 @@ class RefAccess:
         """``win`` indexed by an NDIndexer of slices and scalar indices, checked as
         a read or write through it is (``index_parts``, or ``_traced_dim`` for a
         size that is traced)."""
-        base, strides, counts, shape, masks = win.base, [], [], [], {}
+        base, strides, counts, shape = win.base, [], [], []
+        masks: dict[int, Any] = {}
         if not has_traced_sizes(indexer):
             starts, sizes, steps, squeeze, _ = self.index_parts(tuple(win.shape), indexer, eqn, view, what)
             for d, (st, size, step, n) in enumerate(zip(starts, sizes, steps, win.shape)):
@@ -526,7 +529,7 @@ class RefAccess:
         )
 
     def write_view(self, view: RefView, val, eqn):
-        self.on_access(view, eqn, write=True)
+        self.on_access(view, eqn, True)  # a write
 
         def go(x, ts):
             if not ts:

@@ -18,6 +18,7 @@ every supported JAX.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +100,7 @@ def join_bits(*, two_bits: jax.Array | None = None, four_bits: jax.Array | None 
     low = None if four_bits is None else _field(four_bits, 4, op, "four_bits")
     high = None if two_bits is None else _field(two_bits, 2, op, "two_bits")
     if low is None:
-        word = high
+        word = cast(jax.Array, high)  # not both None (checked above)
     elif high is None:
         word = low
     else:

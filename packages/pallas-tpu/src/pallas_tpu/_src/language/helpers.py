@@ -28,7 +28,7 @@ def sync_copy(src_ref: Any, dst_ref: Any, *, add: bool = False) -> None:
     is_leaf = lambda x: not isinstance(x, (tuple, list, dict))  # noqa: E731
     srcs, src_tree = jax.tree.flatten(src_ref, is_leaf=is_leaf)
     dsts, dst_tree = jax.tree.flatten(dst_ref, is_leaf=is_leaf)
-    if src_tree != dst_tree:
+    if src_tree != dst_tree:  # type: ignore[operator]  # jax.tree.flatten's PyTreeDef is unresolved in JAX's stubs
         raise plb.kernel_error(
             ValueError,
             f"pltpu.sync_copy: src_ref and dst_ref have different structures ({src_tree} vs {dst_tree})",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -259,7 +259,8 @@ def matmul_push_rhs(
       transpose: stage ``rhs.T``.
     """
     op = "matmul_push_rhs"
-    reg = _register(op, "staging_register", staging_register, optional=False)
+    # Not optional: an int.
+    reg = cast(int, _register(op, "staging_register", staging_register, optional=False))
     mxu = _mxu_index(op, mxu_index)
     if not isinstance(transpose, (bool, np.bool_)):
         raise op_error(TypeError, op, f"transpose must be True or False, got {transpose!r}")
@@ -425,18 +426,18 @@ def matmul_pop_fifo(shape: tuple[int, int], dtype: Any, mxu_index: int) -> jax.A
     if dtype not in (np.dtype(np.float32), np.dtype(np.int32)):
         raise op_error(ValueError, op, f"the result FIFO holds float32 or int32 results, got {dtype}")
     try:
-        shape = tuple(int(d) for d in shape)
+        dims = tuple(int(d) for d in shape)
     except TypeError:
         raise op_error(TypeError, op, f"shape must be a tuple of two ints, got {shape!r}") from None
     info = tpu_info.get_tpu_info()
-    if len(shape) != 2 or shape[1] != info.mxu_column_size or shape[0] <= 0 or shape[0] % info.num_sublanes:
+    if len(dims) != 2 or dims[1] != info.mxu_column_size or dims[0] <= 0 or dims[0] % info.num_sublanes:
         raise op_error(
             ValueError,
             op,
             f"shape must be (M, {info.mxu_column_size}) with M a positive multiple of {info.num_sublanes}, "
-            f"got {shape}",
+            f"got {dims}",
         )
-    return matmul_pop_fifo_p.bind(shape=shape, dtype=dtype, mxu_index=mxu)
+    return matmul_pop_fifo_p.bind(shape=dims, dtype=dtype, mxu_index=mxu)
 
 
 @matmul_pop_fifo_p.def_effectful_abstract_eval

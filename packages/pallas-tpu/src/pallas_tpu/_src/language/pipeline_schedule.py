@@ -315,7 +315,8 @@ def _step(run: _Run, s, carry):
 def _fetch_inputs(run: _Run, at: _LoopStep, fetched: list, used: list) -> dict[int, Any]:
     """Inputs: fetch n - 1 steps ahead, then wait for this step's block. Counts
     into ``fetched`` and ``used``; returns each member's slot (by ``id``)."""
-    s, slots = at.s, {}
+    s = at.s
+    slots: dict[int, Any] = {}
     for k, op in enumerate(run.ins):
         n = op.bref.buffer_count
         ch = at.changed(op)
@@ -335,7 +336,7 @@ def _fetch_inputs(run: _Run, at: _LoopStep, fetched: list, used: list) -> dict[i
 def _call_body(run: _Run, at: _LoopStep, slots: dict[int, Any], current: dict[int, Any]) -> None:
     """The body on this step's blocks: buffer slots, views of unbuffered Refs, or the
     ``current_ref`` of operands scheduled through their methods (``current``, by ``id``)."""
-    block_refs = []
+    block_refs: list[Any] = []
     for op in run.plan:
         if op is None:
             block_refs.append(None)

@@ -27,7 +27,7 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -36,7 +36,14 @@ from pallas_tpu._src import compat
 
 
 class ChipVersionBase:
-    pass
+    if TYPE_CHECKING:
+        # What ``TpuInfo`` and its readers ask of a chip (``ChipVersion`` has them).
+        @property
+        def value(self) -> str: ...
+        @property
+        def is_lite(self) -> bool: ...
+        @property
+        def num_physical_tensor_cores_per_chip(self) -> int: ...
 
 
 class ChipVersion(ChipVersionBase, enum.Enum):
@@ -523,9 +530,9 @@ def get_tpu_info(chip_version: ChipVersion | str | None = None) -> TpuInfo:
         chip = as_chip(chip_version)
         return get_tpu_info_for_chip(chip, _default_cores(chip))
     kind = get_device_kind()
-    chip = chip_version_from_device_kind(kind)
-    if chip is not None:
-        return _tpu_info(chip, get_num_device_cores())
+    attached = chip_version_from_device_kind(kind)
+    if attached is not None:
+        return _tpu_info(attached, get_num_device_cores())
     if kind in registry:
         return registry[kind]()
     return get_tpu_info_for_chip(*get_modeled_chip())

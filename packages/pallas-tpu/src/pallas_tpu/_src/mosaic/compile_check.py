@@ -231,6 +231,8 @@ def compile_check(
     """
     for chip in chips:
         tpu_devices(chip)  # clear errors first
+    out: list[KernelCompile]
+    sizes: list
     if llo and _dump_dir() is None:
         out, sizes = _in_child(fn, args, kwargs, tuple(chips), llo=True, code_size=code_size)
         _warn(out, sizes)
@@ -247,8 +249,8 @@ def compile_check(
                     exported[chip] = export_for(fn, args, kwargs, chip)
                 except Exception:  # noqa: BLE001 (the compile below reports a kernel that fails)
                     pass
-    out: list[KernelCompile] = []
-    sizes: list = []
+    out = []
+    sizes = []
     later = []
     for chip in chips:
         before = set(_llo_files(dump)) if dump else set()
@@ -261,7 +263,7 @@ def compile_check(
             sizes += [None] * len(names)
             continue
         counts = _llo_counts(sorted(set(_llo_files(dump)) - before)) if dump else []
-        code = [None] * len(kernels)
+        code: Sequence[code_size_lib.CodeSize | None] = [None] * len(kernels)
         if jf_dump:
             new = sorted(code_size_lib.dump_files(jf_dump) - jf_before)
             code = code_size_lib.program_code_sizes(
@@ -457,7 +459,7 @@ def _child_main(spec_path: str) -> None:
     jf_dump = code_size_lib.dump_dir() if spec.get("code_size") else None  # ours: a temporary one
     groups = []
     for blob in spec["blobs"]:
-        rows = []
+        rows: list[dict] = []
         groups.append(rows)
         chip, names = blob["chip"], blob["kernels"]
         with open(blob["path"], "rb") as f:
@@ -475,7 +477,7 @@ def _child_main(spec_path: str) -> None:
             ]
             continue
         counts = _llo_counts(sorted(set(_llo_files(dump)) - before)) if dump else []
-        code = [None] * len(names)
+        code: Sequence[code_size_lib.CodeSize | None] = [None] * len(names)
         if jf_dump:
             new = sorted(code_size_lib.dump_files(jf_dump) - jf_before)
             code = code_size_lib.program_code_sizes(new, blob["modules"])

@@ -51,11 +51,11 @@ def store_poison(ref: ir.Value, aval) -> None:
         return
     shape = tuple(aval.shape)
     value = np.int32(1) if is_bool(aval.dtype) else plb.poison_value(aval.dtype)  # bool Refs hold i32 0/1
-    dtype, value = value.dtype, value.item()
+    dtype, item = value.dtype, value.item()
     if "smem" not in space:
-        vector.store(constant(value, shape, dtype), ref, [index(0) for _ in shape])
+        vector.store(constant(item, shape, dtype), ref, [index(0) for _ in shape])
         return
-    scalar = constant(value, (), dtype)
+    scalar = constant(item, (), dtype)
     if not shape:
         memref.store(scalar, ref, [])
         return
@@ -64,7 +64,8 @@ def store_poison(ref: ir.Value, aval) -> None:
 
 def _store_everywhere(scalar, ref, shape, at) -> None:
     """``ref[i, j, ...] = scalar`` for every index, in nested ``scf.for`` loops."""
-    loop = scf.ForOp(index(0), index(shape[len(at)]), index(1))
+    # jaxlib's scf.ForOp(lower, upper, step) wrapper; the stubs give the generated op's signature.
+    loop = scf.ForOp(index(0), index(shape[len(at)]), index(1))  # type: ignore[call-arg, arg-type]
     with ir.InsertionPoint(loop.body):
         i = loop.induction_variable
         if len(at) + 1 == len(shape):

@@ -115,8 +115,8 @@ def _gather(ref, w: Window, smem: bool, out_aval) -> ir.Value:
             if smem:
                 piece = broadcast_to(memref.load(ref, [index(i) for i in idx]), slot)
             else:
-                at = dataclasses.replace(w, starts=idx)
-                piece = strided_read(ref, at, dtype) if w.strided else read_window(ref, idx, w.sizes, dtype)
+                win = dataclasses.replace(w, starts=idx)
+                piece = strided_read(ref, win, dtype) if w.strided else read_window(ref, idx, w.sizes, dtype)
                 piece = shape_cast(piece, slot, dtype)
             at = [*(0 for _ in slices[:lead]), *pos, *(0 for _ in slices[lead:])]
             tpu.vector_store(piece, scratch, [index(i) for i in at], strides=[])

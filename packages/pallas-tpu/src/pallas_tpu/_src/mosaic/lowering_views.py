@@ -33,7 +33,7 @@ class Window:
     whether the dim is dropped (an integer index)."""
 
     starts: list
-    sizes: list[int]
+    sizes: list  # ints, or an ir.Value for a traced size
     squeezed: list[bool]
     strides: list[int] | None = None  # None: all 1
 
@@ -93,7 +93,7 @@ def _transforms(tree, leaves) -> list:
     """A Ref's transforms as views: a ``Window`` per ``.at[...]`` indexing, a
     shape tuple per ``.reshape(...)``."""
     NDIndexer, _ = compat.indexing_types()
-    out = []
+    out: list = []
     for t in tree_util.tree_unflatten(tree, list(leaves)) if tree is not None else ():
         if isinstance(t, NDIndexer):
             out.append(window(t))

@@ -8,6 +8,8 @@ that call them live in ``lowering_memory.py``."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, vector
@@ -272,7 +274,7 @@ def _mosaic_strided(ref, w: Window, dtype) -> bool:
     rank >= 2, a memref 128 wide (never sliced along it), lane start 0, no lane stride."""
     shape = ir.MemRefType(ref.type).shape
     return (
-        w.strides[-1] == 1
+        cast(list[int], w.strides)[-1] == 1  # a strided window has its strides
         and np.dtype(dtype).itemsize == 4
         and len(shape) >= 2
         and shape[-1] == _LANES
@@ -285,7 +287,7 @@ def _mosaic_strided(ref, w: Window, dtype) -> bool:
 
 def _strided_rows(w: Window):
     """The strided dims of ``w`` and every combination of positions along them."""
-    dims = [d for d, k in enumerate(w.strides) if k != 1]
+    dims = [d for d, k in enumerate(cast(list[int], w.strides)) if k != 1]  # a strided window has its strides
     return dims, list(np.ndindex(*(w.sizes[d] for d in dims)))
 
 
@@ -299,7 +301,8 @@ def strided_read(ref, w: Window, dtype) -> ir.Value:
         raise NotImplementedError(
             f"a strided read of {len(picks)} rows (at most {MAX_GATHERED}, one at a time)"
         )
-    span = [(n - 1) * k + 1 for n, k in zip(w.sizes, w.strides)]
+    strides = cast(list[int], w.strides)  # a strided window has its strides
+    span = [(n - 1) * k + 1 for n, k in zip(w.sizes, strides)]
     whole = read_window(ref, w.starts, span, dtype)
     region = tpu.RegionOp([value_type(w.sizes, dtype)])
     with ir.InsertionPoint(region.body):
@@ -307,7 +310,7 @@ def strided_read(ref, w: Window, dtype) -> ir.Value:
         for pos in picks:
             offsets, sizes, at = [0] * len(span), list(w.sizes), [0] * len(span)
             for d, j in zip(dims, pos):
-                offsets[d], sizes[d], at[d] = j * w.strides[d], 1, j
+                offsets[d], sizes[d], at[d] = j * strides[d], 1, j
             row = vector.extract_strided_slice(
                 value_type(sizes, dtype), whole, offsets, sizes, [1] * len(sizes)
             )
@@ -332,7 +335,7 @@ def strided_write(ref, w: Window, val, dtype) -> None:
         for d, j in zip(dims, pos):
             offsets[d], sizes[d] = j, 1
             s = w.starts[d]
-            step = j * w.strides[d]
+            step = j * cast(list[int], w.strides)[d]  # a strided window has its strides
             starts[d] = s + step if isinstance(s, (int, np.integer)) else arith.addi(index(s), index(step))
         row = vector.extract_strided_slice(value_type(sizes, dtype), val, offsets, sizes, [1] * len(sizes))
         write_window(ref, starts, row, dtype)

@@ -96,7 +96,7 @@ def choose_pages_per_compute_block(
     return int(min(pages, MAX_PAGES_PER_BLOCK, pages_per_sequence))
 
 
-def _split(value, op, name):
+def _split(value, op, name) -> tuple[jax.Array, jax.Array | None]:
     """``(pages, scales)`` of a KV argument: an array, or a ``QuantizedTensor``."""
     if isinstance(value, quantization_utils.QuantizedTensor):
         pages, scales = jnp.asarray(value.weight), jnp.asarray(value.scales)

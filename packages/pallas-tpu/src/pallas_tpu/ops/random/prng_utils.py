@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -273,13 +274,15 @@ def counter_bits(
         out_shape = jax.ShapeDtypeStruct((words, *shape), jnp.uint32)
         out_spec = pl.BlockSpec((words, *block), lambda *ids: (0, *ids))
     n = math.prod(shape)
+    parallel: tuple[Literal["parallel"]] = ("parallel",)
+    semantics = parallel * len(grid)
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)],
         out_specs=out_spec,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=4 * words * n),
         name=name,
     )(scalars)

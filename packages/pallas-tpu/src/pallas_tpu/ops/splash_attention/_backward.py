@@ -271,6 +271,8 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
             dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
             dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
+    shape: tuple[int, ...]
+    out_block: tuple[int | None, ...]
     if summed:
         shape, dtypes = (sched.q_shards, heads, kv_len, head_dim), (F32, F32)
         out_block = (None, None, block_kv, head_dim)

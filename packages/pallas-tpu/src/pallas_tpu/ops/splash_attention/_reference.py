@@ -4,6 +4,7 @@ float32 logits, differentiated by JAX."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -69,7 +70,7 @@ def make_attention_reference(mask, is_mqa: bool, backward_impl: str = "vanilla",
         save_residuals: bool = False,
         attn_logits_soft_cap: float | None = None,
     ):
-        one = functools.partial(
+        one: Callable[..., Any] = functools.partial(
             attention_reference,
             mask_value=mask_value,
             save_residuals=save_residuals,

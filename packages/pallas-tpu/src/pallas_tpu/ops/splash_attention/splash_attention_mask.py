@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -234,8 +234,8 @@ class MultiHeadMask(Mask):
             raise NotImplementedError(f"MultiHeadMask takes [head, q_slice, kv_slice], got {idx!r}")
         head, rest = idx[0], idx[1:]
         if isinstance(head, (int, np.integer)):
-            return self.masks[head][rest]
-        return np.stack([m[rest] for m in self.masks[head]])
+            return self.masks[cast(int, head)][rest]
+        return np.stack([m[rest] for m in cast(Sequence[Mask], self.masks[head])])  # head: a slice
 
     def __eq__(self, other: object):
         if not isinstance(other, MultiHeadMask):
@@ -269,7 +269,7 @@ class _ComputableMask(Mask):
     def __init__(self, shape: tuple[int, int], mask_function: Callable[..., Any], shard_count: int = 1):
         if len(shape) != 2:
             raise ValueError(f"{type(self).__name__}: shape must be (q_seq_len, kv_seq_len), got {shape}")
-        self._shape = tuple(int(n) for n in shape)
+        self._shape = cast(tuple[int, int], tuple(int(n) for n in shape))
         self.mask_function = mask_function
         if shard_count < 1 or self._shape[0] % shard_count:
             raise ValueError(
@@ -419,7 +419,9 @@ class LocalMask(_ComputableMask):
     ):
         if len(window_size) != 2:
             raise ValueError(f"LocalMask: window_size must be (left, right), got {window_size!r}")
-        self.window_size = tuple(None if w is None else int(w) for w in window_size)
+        self.window_size = cast(
+            tuple[int | None, int | None], tuple(None if w is None else int(w) for w in window_size)
+        )
         self.offset = int(offset)
         left, right = self.window_size
         shift = self.offset

@@ -92,7 +92,8 @@ def _head_masks(mask) -> list:
 
 def _unique(masks: list) -> tuple[list, list[int]]:
     """The distinct masks and each head's index among them."""
-    distinct, index = [], []
+    distinct: list[Any] = []
+    index: list[int] = []
     for m in masks:
         for u, d in enumerate(distinct):
             if d is m or (type(d) is type(m) and hash(d) == hash(m) and d == m):
@@ -234,7 +235,7 @@ def _process(mask, block_shape, chunk, band, head_shards, q_seq_shards, kv_major
     steps = np.zeros((len(rows), q_seq_shards, num_steps), np.int32)
     ids = np.zeros_like(steps) if kernel_function is None else None
     blocks: dict[bytes, int] = {}
-    contents = []
+    contents: list[Any] = []
     for r, u in enumerate(rows):
         for s in range(q_seq_shards):
             q, kv, code, flags = walks[u, s]

@@ -222,8 +222,8 @@ class BitcastView:
         return out if dtype is None else out.astype(dtype)
 
     def reshape(self, *shape) -> BitcastView:
-        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        return BitcastView(self.data, self.offsets.reshape(*shape, self.dtype.itemsize), self.dtype)
+        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        return BitcastView(self.data, self.offsets.reshape(*dims, self.dtype.itemsize), self.dtype)
 
     def astype(self, dtype) -> np.ndarray:
         return np.asarray(self).astype(dtype)

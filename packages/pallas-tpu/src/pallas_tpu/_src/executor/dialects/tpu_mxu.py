@@ -7,6 +7,7 @@ and accumulators)."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,7 +27,7 @@ def conv_dimension_numbers(attr) -> lax.ConvDimensionNumbers:
     feature, [spatial]; out batch, feature, [spatial]."""
     body = str(attr)
     body = body[body.index("<") + 1 : body.rindex(">")]
-    parts = [
+    parts: list[Any] = [  # tuples for the spatial dims, ints for the others
         tuple(int(x) for x in m.group(1).split(",") if x.strip())
         if m.group(1) is not None
         else int(m.group(2))

@@ -451,8 +451,8 @@ def release(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check, ruff format --check, and mypy over every package's src/ (mypy.ini: strict on
-    the backend contract, the call record and each package's public API; the modules not yet
-    clean listed there). mypy, not pyright: a plain wheel from PyPI (pyright's PyPI package
+    the backend contract, the call record and each package's public API; every other module at
+    mypy's defaults, none ignored). mypy, not pyright: a plain wheel from PyPI (pyright's PyPI package
     fetches Node.js and pyright from npm on first run), and it checks our backend modules
     against the ``pallas.backend.Backend`` protocol. JAX (the reference, without libtpu) is
     installed so that mypy reads JAX's own types, which the packages' ``py.typed`` promise."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import cast
 
 import numpy as np
 
@@ -270,8 +271,10 @@ def _index_dim(
     """``v`` (a sliced dim) indexed by one index: a slice, a scalar or an
     integer array (one dim of the gather ``group``); ``past``: a dynamic
     scalar index of a whole block dim reads past the block (``past_block``)."""
+    n = cast(int, v.size)  # a sliced dim: apply_indexers indexes those only
+    size: int | None
     if isinstance(idx, compat.Slice):
-        size, stride = idx.size, idx.stride
+        size, stride = cast(int, idx.size), idx.stride  # static: a Ref's view has a static shape
         start = _scalar_expr(idx.start, rc)
     elif isinstance(idx, Val) and idx.shape == ():
         size, stride, start = None, 1, _scalar_expr(idx, rc)
@@ -286,19 +289,19 @@ def _index_dim(
     else:
         raise rc.error(f"unsupported index {idx!r}")
     span = 1 if size is None else (size - 1) * stride + 1
-    inside = v.inside and isinstance(start, int) and 0 <= start and start + span <= v.size
+    inside = v.inside and isinstance(start, int) and 0 <= start and start + span <= n
     if past and size is None and not isinstance(start, int) and v.start == 0 and v.stride == 1:
-        return DimView(_wrap(rc.em, start, v.size), None, 1, False, past_block=True)
+        return DimView(_wrap(rc.em, start, n), None, 1, False, past_block=True)
     if clamp and not isinstance(start, int):
         if stride > 1 and size is not None and size > 1:
-            return DimView(start, size, stride, v.inside, v.size, v.start, v.stride)
-        start = _clamp(rc.em, _wrap(rc.em, start, v.size), max(v.size - span, 0))
-        inside = v.inside and span <= v.size
+            return DimView(start, size, stride, v.inside, n, v.start, v.stride)
+        start = _clamp(rc.em, _wrap(rc.em, start, n), max(n - span, 0))
+        inside = v.inside and span <= n
     new_start = add_exprs(v.start, _mul(start, v.stride))
     return DimView(new_start, size, v.stride * stride if size is not None else 1, inside)
 
 
-def _wrap(em: Emitter, start: str, n: int) -> str:
+def _wrap(em: Emitter, start: str | int, n: int) -> str:
     """A dynamic index made nonnegative as numpy does (``-1`` is ``n - 1``)."""
     name = em.fresh("ix")
     em.emit(f"{name} = tl.where({start} < 0, {start} + {n}, {start})")
@@ -324,7 +327,7 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
     offsets, masks = [], []
     group = next((v.group for v in view if v.group is not None), None)
     if group is not None:  # the gather's padding
-        first = axes[next(k for k, v in enumerate(view) if v.group is not None)]
+        first = cast(int, axes[next(k for k, v in enumerate(view) if v.group is not None)])  # has an axis
         for j, m in enumerate(group.shape):
             if next_pow2(m) != m:
                 masks.append(f"({expand_to_axis(f'tl.arange(0, {next_pow2(m)})', first + j, rank)} < {m})")
@@ -338,10 +341,11 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
         # Inside the block: the block's own bounds decide whether to mask.
         safe, nonneg = ref.in_bounds[d] and v.inside, ref.nonnegative[d] and v.inside
         if v.group is not None:
+            axis = cast(int, axes[cast(int, k)])  # v is view[k]: a gather's dim, with an axis
             lin = add_exprs(
                 add_exprs(base, v.parent_start), _mul(_clipped_elements(em, v, ""), v.parent_stride)
             )
-            off = named(em, "offs", _place(f"({lin})", axes[k], len(v.group.shape), rank))
+            off = named(em, "offs", _place(f"({lin})", axis, len(v.group.shape), rank))
             if not safe:
                 masks.append(f"({off} < {n})")
                 if not nonneg:
@@ -366,7 +370,7 @@ def block_address(em: Emitter, ref: BlockRef, view: list[DimView]) -> tuple[str,
                 lin = add_exprs(
                     add_exprs(base, v.parent_start), _mul(_clipped_elements(em, v, ar), v.parent_stride)
                 )
-            axis = axes[k]
+            axis = cast(int, axes[cast(int, k)])  # v is view[k]: a slice, with an axis
             off = named(em, "offs", expand_to_axis(str(lin), axis, rank))
             if p != v.size:
                 masks.append(f"({expand_to_axis(ar, axis, rank)} < {v.size})")

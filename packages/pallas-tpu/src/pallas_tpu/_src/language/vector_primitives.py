@@ -10,7 +10,7 @@ semantics registered as its lowering off the TPU) are in ``vector_common.py``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +88,7 @@ def roll(
     if (stride is None) != (stride_axis is None):
         raise op_error(ValueError, "roll", "give both stride and stride_axis, or neither")
     if stride is not None:
+        stride_axis = cast(int, stride_axis)  # given with stride (checked above)
         if stride < 0:
             raise op_error(ValueError, "roll", f"stride must be non-negative, got {stride}")
         if not 0 <= stride_axis < x.ndim:

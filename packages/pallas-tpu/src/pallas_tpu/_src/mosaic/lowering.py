@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -181,10 +181,14 @@ def is_smem(aval) -> bool:
 # ---------------------------------------------------------------------------
 # Values
 
+# arith.constant(result type, value attribute): jaxlib's arith.py redefines the generated
+# constant(value) of its star import, and mypy keeps the generated one's signature.
+_arith_constant = cast(Callable[[ir.Type, Any], ir.Value], arith.constant)
+
 
 def i32(v: int) -> ir.Value:
     t = ir.IntegerType.get_signless(32)
-    return arith.constant(t, ir.IntegerAttr.get(t, int(v)))
+    return _arith_constant(t, ir.IntegerAttr.get(t, int(v)))
 
 
 def index(v: int | ir.Value) -> ir.Value:
@@ -193,7 +197,7 @@ def index(v: int | ir.Value) -> ir.Value:
         if isinstance(v.type, ir.IndexType):
             return v
         return arith.index_cast(ir.IndexType.get(), v)
-    return arith.constant(ir.IndexType.get(), int(v))
+    return _arith_constant(ir.IndexType.get(), int(v))
 
 
 def as_i32(v: int | ir.Value) -> ir.Value:
@@ -207,6 +211,7 @@ def as_i32(v: int | ir.Value) -> ir.Value:
 def constant(value, shape: Sequence[int], dtype) -> ir.Value:
     """A constant scalar (``shape == ()``) or splat vector."""
     el = element_type(dtype)
+    attr: ir.Attribute
     if is_float(dtype):
         attr = ir.FloatAttr.get(el, float(value))
     else:
@@ -218,9 +223,9 @@ def constant(value, shape: Sequence[int], dtype) -> ir.Value:
             v = -1 if v else 0
         attr = ir.IntegerAttr.get(el, v)
     if not len(shape):
-        return arith.constant(el, attr)
+        return _arith_constant(el, attr)
     t = ir.VectorType.get(list(shape), el)
-    return arith.constant(t, ir.DenseElementsAttr.get_splat(t, attr))
+    return _arith_constant(t, ir.DenseElementsAttr.get_splat(t, attr))
 
 
 def broadcast_to(x: ir.Value, shape: Sequence[int]) -> ir.Value:

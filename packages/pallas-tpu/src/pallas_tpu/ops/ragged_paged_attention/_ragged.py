@@ -3,6 +3,8 @@ vector side, a work item's KV blocks through the online softmax, and the ``palla
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,16 +133,17 @@ def _attend_block(plan: Plan, refs, item: Item, j, slot, t0, tokens):
 def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, *refs):
     # Operands: q, then the cache (read only), or the new K/V and the cache (written, then read
     # through its aliased output); the sink tile; the output (and the updated cache); scratch.
-    refs = list(refs)
+    rest = list(refs)
     if plan.update_cache:
-        new_ref, _ = refs.pop(0), refs.pop(0)
+        new_ref = rest.pop(0)
+        rest.pop(0)  # the cache's input: read and written through its aliased output
     else:
-        kv_hbm = refs.pop(0)
-    sink_ref = refs.pop(0) if plan.attention_sink else None
-    o_ref = refs.pop(0)
+        kv_hbm = rest.pop(0)
+    sink_ref = rest.pop(0) if plan.attention_sink else None
+    o_ref = rest.pop(0)
     if plan.update_cache:
-        kv_hbm = refs.pop(0)
-    scratch = refs
+        kv_hbm = rest.pop(0)
+    scratch = rest
     buf, sems, m_ref, l_ref, acc_ref, state = scratch[:6]
     i, blocks = pl.program_id(0), pl.num_programs(0)
     tables = Tables(plan, kv_lens, page_indices, cu_q_lens, num_seqs)
@@ -160,7 +163,7 @@ def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, *refs
         state[2] = 0  # the first sequence that may have rows in this step
 
     if plan.attention_sink:  # the sink: a key of logit sink[h] and value 0 in every softmax
-        m_ref[...] = sink_ref[...]
+        m_ref[...] = cast(Any, sink_ref)[...]  # an operand with plan.attention_sink
         l_ref[...] = jnp.ones(l_ref.shape, _F32)
     else:
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)

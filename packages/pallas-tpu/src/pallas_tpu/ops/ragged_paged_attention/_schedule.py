@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -65,12 +66,12 @@ class Plan:
 class Item:
     """A sequence's rows in a query block and the keys they need (traced int32 scalars)."""
 
-    seq: object
-    row_lo: object  # block-relative tokens [row_lo, row_hi)
-    row_hi: object
-    pos_base: object  # the kv position of block-relative token t is pos_base + t
-    kv_lo: object  # keys [kv_lo, kv_hi) are needed
-    kv_hi: object
+    seq: jax.Array
+    row_lo: jax.Array  # block-relative tokens [row_lo, row_hi)
+    row_hi: jax.Array
+    pos_base: jax.Array  # the kv position of block-relative token t is pos_base + t
+    kv_lo: jax.Array  # keys [kv_lo, kv_hi) are needed
+    kv_hi: jax.Array
 
 
 class Tables:

@@ -129,9 +129,9 @@ def static_validate_inputs(
             f"{_OP}: {kv_pages.dtype} kv_pages need combined heads in multiples of "
             f"{get_dtype_packing(kv_pages.dtype)} (one 32-bit word), got {combined}"
         )
-    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if x is not None and not isinstance(x, float):
-            raise TypeError(f"{_OP}: {name} must be a float or None, got {x!r}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and not isinstance(scale, float):
+            raise TypeError(f"{_OP}: {name} must be a float or None, got {scale!r}")
     if sliding_window is not None and (
         not isinstance(sliding_window, (int, np.integer)) or sliding_window <= 0
     ):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -223,27 +223,27 @@ def _make_splash_attention(
         )
         return jax.tree.map(_leaves, info), function, patterns
 
-    b = block_sizes
+    b = block_sizes  # complete: every block set (_complete, BlockSizes.__post_init__)
     fwd_info, mask_function, fwd_patterns = process(
         mask_info_lib.process_mask,
         b.block_q,
         b.block_kv,
         b.block_kv_compute,
-        q_band=_forward.band_of(b.block_q, b.block_kv_compute),
+        q_band=_forward.band_of(b.block_q, cast(int, b.block_kv_compute)),
     )
     dq_info, _, dq_patterns = process(
         mask_info_lib.process_mask,
         b.block_q_dq,
         b.block_kv_dq,
-        _backward.cell_of(b.block_kv_dq),
-        q_band=_backward.cell_of(b.block_q_dq),
+        _backward.cell_of(cast(int, b.block_kv_dq)),
+        q_band=_backward.cell_of(cast(int, b.block_q_dq)),
     )
     dkv_info, _, dkv_patterns = process(
         mask_info_lib.process_mask_dkv,
         b.block_q_dkv,
         b.block_kv_dkv,
         b.block_kv_dkv_compute,
-        q_band=_backward.cell_of(b.block_q_dkv),
+        q_band=_backward.cell_of(cast(int, b.block_q_dkv)),
     )
     kernel = SplashAttentionKernel(
         fwd_info,
@@ -274,7 +274,8 @@ class _Rechoose:
     kernel's static pytree data)."""
 
     def __init__(self, blocks_for: Callable[..., BlockSizes], remake: Callable[..., Any]):
-        self._blocks_for, self._remake, self._made = blocks_for, remake, {}
+        self._blocks_for, self._remake = blocks_for, remake
+        self._made: dict[BlockSizes, SplashAttentionKernel] = {}
         self.steps_shape: tuple | None = None  # of the schedule made with the first blocks
 
     def kernel(self, kernel: SplashAttentionKernel, head_dim: int, dtype) -> SplashAttentionKernel:

@@ -128,6 +128,16 @@ def pytest_runtest_makereport(item, call):
             report.longrepr = (str(item.path), item.location[1], f"Skipped: {reason}")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """The compiled way (tests/ways.py) runs the test body once first with JAX's modules,
+    compiling JAX's lowering of its kernels beside ours (recorded, never asserted)."""
+    way = _way_of(pyfuncitem)
+    if way is not None and way.name == "compiled" and not way.beside:
+        sys.modules[type(way).__module__].compile_jax_beside(pyfuncitem)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _cpu_unless_marked_gpu(request):
     """JAX's default device is the CPU for every test without the ``gpu`` marker.

@@ -11,14 +11,29 @@ The ways (``WAYS``):
   interpreter on the CPU (``plgpu.InterpretParams()``);
 * ``tpu_interpret``: pallas-tpu's TPU interpret mode (``pltpu.InterpretParams()``);
 * ``mosaic``: pallas-tpu's Mosaic lowering of the kernel, exported for a TPU and
-  executed by ``run_mosaic`` on the CPU (tests/tpu/three_way.py's helpers).
+  executed by ``run_mosaic`` on the CPU (tests/tpu/three_way.py's helpers);
+* ``jax_mosaic``: the same kernel body traced by JAX's own Pallas
+  (``jax.experimental.pallas``), exported for a TPU and executed by ``run_mosaic``:
+  a check that the executor follows Mosaic, not our lowering;
+* ``compiled``: our lowering compiled by libtpu's Mosaic for compile-only TPUs
+  (``three_way.COMPILE_CHIPS``; a refusal fails the test, its LLO counts recorded),
+  then run as ``mosaic``; on a TPU (``three_way.ON_CHIP``) compiled and run on the chip.
+  JAX's lowering of the same body is compiled beside it (its outcome and LLO counts
+  recorded, never asserted: benchmarks/tpu_llo.py compares them): tests/conftest.py runs
+  the test body once first with ``Way("compiled", beside=True)``, whose modules are JAX's
+  and whose kernels are compiled (on a chip: kept to run beside ours), not run.
 
 ``@every_way()`` on a test (or a test class) parametrizes the ``way`` fixture
-(tests/conftest.py) with a :class:`Way` each. A ``PallasTest`` (tests/core) needs
-nothing more: its ``self.pallas_call`` is pointed at ``way.pallas_call``. Another
-test takes ``way`` and calls ``way.pallas_call(kernel, out_shape, ...)`` where it
+(tests/conftest.py) with a :class:`Way` each: ``DEFAULT_WAYS`` (the engines that run a
+pallas-core kernel); ``every_way(tpu=True)`` the four TPU ways (``TPU_WAYS``) of a TPU
+kernel. A kernel body that uses ``pl``/``pltpu`` takes them from the way
+(``pl, pltpu = way.modules()``): JAX's in the ``jax_mosaic`` way, ours elsewhere.
+A ``PallasTest`` (tests/core) needs nothing more: its ``self.pallas_call`` is pointed
+at ``way.pallas_call``. Another test takes ``way`` and calls ``way.pallas_call(kernel, out_shape, ...)`` where it
 would call ``pl.pallas_call(..., interpret=...)``, and ``way.jit(f)`` where it would
-call ``jax.jit(f)`` on a function of such calls::
+call ``jax.jit(f)`` on a function of such calls (a function that calls ``pallas_call``
+itself, an example's, passes it ``**way.call_kwargs()``; ``way.run_sharded(f, x, n)``
+runs one ``pallas_call`` per device over ``n`` devices)::
 
     @every_way()
     class TestThings(PallasTest): ...
@@ -26,11 +41,16 @@ call ``jax.jit(f)`` on a function of such calls::
     @every_way(xfail={"triton": "why"}, skip={"mosaic": "why"})
     def test_add(way): ...
 
+    @every_way(tpu=True, skip={"jax_mosaic": "JAX's lowering has no rule for sort"})
+    def test_sort(way):
+        pl, pltpu = way.modules()
+        ...
+
     @skip_way("triton", "why")  # a method run every_way() (or of a class run so)
     @xfail_way("mosaic", "why", raises=ValueError)
 
-A way skips, with the reason, when its package (or Triton) is not installed,
-and when the kernel does not apply to it: a TPU way on a kernel no TPU runs
+A way skips, with the reason, when its package (or Triton, JAX's Pallas, libtpu) is not
+installed, and when the kernel does not apply to it: a TPU way on a kernel no TPU runs
 (blocks that break its tiling rules, HBM read without a DMA: the TPU's own
 check says so, and tests/conftest.py turns that failure into a skip), the Mosaic way on a
 ``pallas_call`` applied under a JAX transformation other than ``way.jit`` (``run_mosaic``
@@ -44,6 +64,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import inspect
+import math
 import os
 import re
 import sys
@@ -51,12 +73,15 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
 
 import pallas as pl
 
-WAYS = ("core", "core_steps", "triton", "tpu_interpret", "mosaic")
-TPU_WAYS = ("tpu_interpret", "mosaic")
+WAYS = ("core", "core_steps", "triton", "tpu_interpret", "mosaic", "jax_mosaic", "compiled")
+DEFAULT_WAYS = WAYS[:5]  # every_way(): the TPU suites' jax_mosaic and compiled ways cost CI time
+TPU_WAYS = ("tpu_interpret", "mosaic", "jax_mosaic", "compiled")
+MOSAIC_WAYS = ("mosaic", "jax_mosaic", "compiled")  # run by run_mosaic (compiled: on the CPU)
 INTERPRET_WAYS = ("core", "core_steps", "triton", "tpu_interpret")
 
 # What the TPU's check (pallas-tpu's checks.py, run by both TPU ways) says of a
@@ -84,16 +109,47 @@ class Way:
     run that way (the same arguments, no ``interpret=``)."""
 
     name: str
+    # The compiled way's run of a test body with JAX's modules, before its own run:
+    # its kernels are compiled (on a chip: kept for ours to run beside), never run.
+    beside: bool = False
 
     def __str__(self) -> str:
         return self.name
 
     @property
+    def jax_lowering(self) -> bool:
+        """Whether kernels are traced by JAX's Pallas (``jax_mosaic``, and the compiled way's
+        run beside ours): what a test that picks its source by lowering (an example) reads."""
+        return self.name == "jax_mosaic" or self.beside
+
+    @property
     def tpu(self) -> bool:
         return self.name in TPU_WAYS
 
+    @property
+    def pl(self):
+        """``pallas`` in this way: JAX's ``jax.experimental.pallas`` in the ``jax_mosaic`` way."""
+        return self.modules()[0]
+
+    @property
+    def pltpu(self):
+        """``pallas_tpu`` in this way: JAX's ``jax.experimental.pallas.tpu`` in ``jax_mosaic``."""
+        return self.modules()[1]
+
+    def modules(self):
+        """``(pl, pltpu)`` for a kernel body run this way: JAX's in the ``jax_mosaic`` way."""
+        self.skip_if_missing()
+        if self.jax_lowering:
+            from jax.experimental import pallas as jpl
+            from jax.experimental.pallas import tpu as jpltpu
+
+            return jpl, jpltpu
+        import pallas_tpu as pltpu
+
+        return pl, pltpu
+
     def interpret(self) -> Any:
-        """What ``pallas_call(interpret=...)`` gets in an interpret way (None: the Mosaic way)."""
+        """What ``pallas_call(interpret=...)`` gets in an interpret way (None: a Mosaic way)."""
         if self.name == "core":
             return True
         if self.name == "core_steps":
@@ -114,34 +170,86 @@ class Way:
             "triton": _missing("triton", "pallas_gpu"),
             "tpu_interpret": _missing("pallas_tpu"),
             "mosaic": _missing("pallas_tpu"),
+            "jax_mosaic": _missing("pallas_tpu", "jax.experimental.pallas.tpu"),
+            "compiled": _missing("pallas_tpu", "libtpu"),
         }.get(self.name)
+        if self.name == "compiled" and why and "libtpu" in why:
+            why = 'needs libtpu (pip install "jax[tpu]")'
         if why:
             pytest.skip(f"the {self.name} way {why}")
 
     def pallas_call(self, kernel, out_shape, **kwargs):
         """``pl.pallas_call(kernel, out_shape, **kwargs)`` run this way."""
         self.skip_if_missing()
-        if self.name == "mosaic":
+        if self.name in MOSAIC_WAYS:
             kwargs.pop("interpret", None)
-            f = pl.pallas_call(kernel, out_shape, **kwargs)
+            f = self.pl.pallas_call(kernel, out_shape, **kwargs)
             # Inside ``way.jit``'s function the call is lowered with it; alone it is run now.
-            return lambda *args: f(*args) if _whole_function.active else _run_with_mosaic(f, args)
+            return lambda *args: f(*args) if _whole_function.active else self._run(f, args)
         kwargs.setdefault("interpret", self.interpret())
         return pl.pallas_call(kernel, out_shape, **kwargs)
+
+    def call_kwargs(self) -> dict:
+        """What a function that calls ``pallas_call`` itself (an example's ``call_kwargs``)
+        passes to it to run this way: ``interpret=`` in an interpret way, nothing in a Mosaic way."""
+        return {} if self.name in MOSAIC_WAYS else {"interpret": self.interpret()}
 
     def jit(self, f):
         """``jax.jit(f)`` run this way, ``f`` a function of ``way.pallas_call``s: the Mosaic
         way exports ``f`` whole for a TPU (a traced grid size, an enclosing function's
         arrays captured by a kernel: as a TPU gets them) and runs each kernel's module by
         ``run_mosaic`` in its place."""
-        if self.name != "mosaic":
+        if self.name not in MOSAIC_WAYS:
             return jax.jit(f)
 
         def run(*args):
             with _whole_function():
-                return _run_with_mosaic(f, args)
+                return self._run(f, args)
 
         return run
+
+    def run_sharded(self, f, x, num_devices, input_output_aliases=()):
+        """``f`` (one ``pallas_call`` per device, made with ``way.pallas_call``) ``shard_map``ped
+        over ``num_devices`` devices on the leading axis of ``x`` (``three_way.run_sharded``: an
+        int, axis ``"x"``, or a mesh shape), the outputs concatenated along it: CPU devices in
+        the interpret ways, ``run_mosaic`` over that many TPUs in the Mosaic ways (the compiled
+        way compiles the sharded kernel for each chip first); ``input_output_aliases``: the
+        kernel's, for ``run_mosaic``."""
+        from jax.sharding import PartitionSpec as P
+
+        tw = _three_way()
+        shape = (num_devices,) if isinstance(num_devices, int) else tuple(num_devices)
+        names = ("x", "y", "z", "w")[: len(shape)]
+        spec = P(names[0]) if len(shape) == 1 else P(names)
+        with _whole_function():
+            if self.name not in MOSAIC_WAYS:
+                n = math.prod(shape)
+                mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:n]).reshape(shape), names)
+                return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))(x)
+            if self.name == "compiled":
+                if tw.ON_CHIP:
+                    pytest.skip(
+                        "a sharded kernel compiles for compile-only TPUs: done on the CPU, not on a chip"
+                    )
+                _compile_for_chips(f, [x], "jax" if self.beside else "ours", mesh=shape, spec=spec)
+                if self.beside:
+                    return x
+            return tw.run_sharded_with_mosaic(f, x, shape, input_output_aliases)
+
+    def _run(self, f, args):
+        """``f(*args)`` run this Mosaic way (a ``pallas_call``, or ``way.jit``'s function)."""
+        tw = _three_way()
+        _skip_under_a_transformation(args)
+        if self.beside:
+            return _beside_ours(f, args)
+        if self.name == "compiled" and tw.ON_CHIP:
+            return _run_on_chip(f, args)
+        if self.name == "compiled":
+            _compile_for_chips(f, args, "ours")
+        outs = _run_with_mosaic(f, args)
+        if self.name == "compiled" and os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
+            _add_to_chip_bundle(f, args, outs)
+        return outs
 
     def not_applicable(self, error: BaseException) -> str | None:
         """Why this way does not apply to a kernel that failed with ``error``: the
@@ -177,14 +285,18 @@ def _three_way():
     return three_way
 
 
+def _skip_under_a_transformation(args):
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+        pytest.skip(
+            "a Mosaic way runs a pallas_call on concrete arrays (or a function of them: way.jit),"
+            " not under vmap, grad or a jit of its own"
+        )
+
+
 def _run_with_mosaic(f, args):
     """``f(*args)`` (one ``pallas_call``, or a function of them: ``Way.jit``) with the kernels
     lowered to Mosaic, exported for a TPU and each run by ``run_mosaic``."""
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-        pytest.skip(
-            "the mosaic way runs a pallas_call on concrete arrays (or a function of them: way.jit),"
-            " not under vmap, grad or a jit of its own"
-        )
+    _skip_under_a_transformation(args)
     tw = _three_way()
     with jax.sharding.use_abstract_mesh(tw.TPU_V5E):
         shapes = jax.eval_shape(f, *args)
@@ -192,20 +304,115 @@ def _run_with_mosaic(f, args):
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
-def every_way(*, skip=None, xfail=None, raises=None, only=None):
-    """``pytest.mark.parametrize("way", ...)`` over ``WAYS`` (or ``only`` of them).
+def _compile_for_chips(f, args, lowering, mesh=None, spec=None):
+    """The compiled way: ``f(*args)`` (``lowering``: "ours", or "jax" beside it) compiled by
+    libtpu's Mosaic for each of ``three_way.COMPILE_CHIPS`` (on the CPU), outcomes and LLO
+    counts recorded; Mosaic's refusal of ours fails the test (a chip's generation gap is
+    recorded, not raised)."""
+    tw = _three_way()
+    for chip in tw.COMPILE_CHIPS:
+        refused = tw.compile_for_chip(f, args, chip, lowering, mesh, spec)
+        if refused is not None:
+            raise refused
+
+
+# JAX's lowerings of the kernels of the test body the compiled way runs beside ours on a
+# chip or adds to a chip bundle beside ours, in program order (``_beside_ours`` adds them,
+# ``_run_on_chip`` and ``_add_to_chip_bundle`` take them, on ours' inputs).
+_jax_beside: list = []
+
+
+def _beside_ours(f, args):
+    """The compiled way's run beside ours (``Way.beside``): ``f``, traced by JAX's Pallas,
+    compiled for each chip (on a chip: kept to run beside ours on ours' inputs); the
+    outputs zeros of their shapes (the body's checks of them are not asserted)."""
+    tw = _three_way()
+    if tw.ON_CHIP or os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
+        _jax_beside.append(f)
+    if not tw.ON_CHIP:
+        _compile_for_chips(f, args, "jax")
+    with jax.sharding.use_abstract_mesh(tw.TPU_V5E):
+        shapes = jax.eval_shape(f, *args)
+    return jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
+
+
+def compile_jax_beside(item) -> None:
+    """The compiled way's test ``item`` run once with ``Way("compiled", beside=True)``
+    (tests/conftest.py calls it before the test's own run): JAX's lowering of each kernel
+    compiled beside ours, its outcome recorded; what the body then asserts, or raises, or
+    skips is not the test's outcome."""
+    _jax_beside.clear()
+    args = {name: item.funcargs[name] for name in inspect.signature(item.obj).parameters}
+    args["way"] = dataclasses.replace(args["way"], beside=True)
+    try:
+        item.obj(**args)
+    except (Exception, pytest.skip.Exception, pytest.xfail.Exception, pytest.fail.Exception):
+        pass
+
+
+def _run_on_chip(f, args):
+    """The compiled way on a TPU (``three_way.ON_CHIP``): our lowering of ``f`` compiled and
+    run on the chip, the outputs brought back to the host; JAX's lowering of the same kernel
+    (``compile_jax_beside``) run beside it on the same inputs, the difference recorded."""
+    tw = _three_way()
+    args = tw.to_chip(args)
+    theirs = _jax_beside.pop(0) if _jax_beside else None
+    with jax.default_device(jax.devices("tpu")[0]), _whole_function():  # a kernel of no arguments too
+        ours = jax.block_until_ready(jax.jit(f)(*args))
+        agreement = "JAX's not built"
+        try:
+            if theirs is not None:
+                agreement = tw.chip_agreement(ours, jax.block_until_ready(jax.jit(theirs)(*args)))
+        except Exception as e:  # JAX's lowering refuses the kernel, or Mosaic refuses JAX's module
+            agreement = f"JAX's failed: {tw.first_line(e)}"
+    tw.record_compile("chip", "ours", "ran", None, agreement=agreement)
+    return jax.device_get(ours)
+
+
+def _add_to_chip_bundle(f, args, outs):
+    """With ``PALLAS_TPU_CHIP_BUNDLE=DIR`` the compiled way adds its kernel (our lowering and
+    JAX's, the inputs as constants, ``run_mosaic``'s outputs of ours as the reference) to the
+    bundle in DIR, as ``three_way._add_to_chip_bundle`` does."""
+    import chip_bundle
+
+    tw = _three_way()
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    jax_f = _jax_beside.pop(0) if _jax_beside else None
+
+    def ours():
+        with _whole_function():
+            return f(*args)
+
+    def theirs():
+        with _whole_function():
+            return jax_f(*args)
+
+    chip_bundle.add(
+        os.environ["PALLAS_TPU_CHIP_BUNDLE"],
+        test,
+        ours,
+        jax.tree.leaves(outs),
+        theirs=theirs if jax_f is not None else None,
+        context=lambda: jax.sharding.use_abstract_mesh(tw.TPU_V5E),
+    )
+
+
+def every_way(*, skip=None, xfail=None, raises=None, only=None, tpu=False):
+    """``pytest.mark.parametrize("way", ...)`` over ``DEFAULT_WAYS`` (``TPU_WAYS`` with
+    ``tpu``; or ``only`` of ``WAYS``).
 
     Args:
       skip: ``{way: reason}``: the kernel does not apply to that way.
       xfail: ``{way: reason}``: a gap that way has (a strict xfail; ``raises``
         the exception expected).
-      only: the ways to run (default: all).
+      only: the ways to run (default: ``DEFAULT_WAYS``).
+      tpu: a TPU kernel: the ways are ``TPU_WAYS``.
     """
     skip, xfail = skip or {}, xfail or {}
     unknown = (set(skip) | set(xfail) | set(only or ())) - set(WAYS)
     assert not unknown, f"no such ways: {sorted(unknown)} (ways: {WAYS})"
     params = []
-    for name in only or WAYS:
+    for name in only or (TPU_WAYS if tpu else DEFAULT_WAYS):
         marks = []
         if name in skip:
             marks.append(pytest.mark.skip(reason=f"{name} way: {skip[name]}"))

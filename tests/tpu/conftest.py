@@ -23,7 +23,7 @@ if _HERE not in sys.path:
 
 
 def pytest_configure(config):
-    # The compiled way records each libtpu compile here (three_way._record); set before
+    # The compiled way records each libtpu compile here (three_way.record_compile); set before
     # pytest-xdist starts its workers, which inherit it.
     if not os.environ.get("PALLAS_TPU_COMPILE_REPORT"):
         os.environ["PALLAS_TPU_COMPILE_REPORT"] = tempfile.mkdtemp(prefix="pallas-tpu-compiles-")

@@ -1,8 +1,8 @@
-"""Math lowering and ``run_mosaic`` gaps, three ways (``three_way.py``): TPU
-interpret mode, our Mosaic lowering + ``run_mosaic``, JAX's Mosaic lowering +
-``run_mosaic``; each against plain jnp on fresh random data. Where JAX's TPU
-(TensorCore) lowering has no rule for a primitive, only mode "jax" is skipped,
-with that reason."""
+"""Math lowering and ``run_mosaic`` gaps, every TPU way (tests/ways.py,
+``every_way(tpu=True)``): TPU interpret mode, our Mosaic lowering + ``run_mosaic``,
+JAX's Mosaic lowering + ``run_mosaic``, ours compiled by libtpu; each against plain
+jnp on fresh random data. Where JAX's TPU (TensorCore) lowering has no rule for a
+primitive, only the ``jax_mosaic`` way is skipped, with that reason."""
 
 from __future__ import annotations
 
@@ -11,23 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-
-pytest.importorskip("jax.experimental.pallas.tpu")
-
-from three_way import (  # noqa: E402
-    MODES,
-    OLD_JAX,
-    ON_CHIP,
-    chip_flushed,
-    chip_tol,
-    close,
-    equal,
-    hardware_random_reference,
-    run,
-    ways,
-)
-
-jax.config.update("jax_enable_checks", True)
+from three_way import OLD_JAX, ON_CHIP, chip_flushed, chip_tol, close, equal, hardware_random_reference
+from ways import every_way
 
 
 def rand(seed, shape, dtype=jnp.float32):
@@ -54,27 +39,25 @@ def _jax_has_rule(name: str) -> bool:
     return any(p.name == name for p in tc)
 
 
-def skip_jax_without(mode, name, why=""):
-    if mode == "jax" and not _jax_has_rule(name):
+def skip_jax_without(way, name, why=""):
+    if way.name == "jax_mosaic" and not _jax_has_rule(name):
         pytest.skip(f"JAX's TPU (TensorCore) lowering has no rule for '{name}'{why}")
 
 
-def elementwise(fn, out_dtype=None, n_in=1):
-    """``build`` of a one-block kernel ``o = fn(*inputs)``."""
+def elementwise(way, fn, out_dtype=None):
+    """A one-block kernel ``o = fn(*inputs, pltpu=pltpu)`` run the ``way`` way."""
+    pl, pltpu = way.modules()
 
-    def build(pl, pltpu):
-        def kernel(*refs):
-            *ins, o_ref = refs
-            o_ref[...] = fn(*(r[...] for r in ins), pltpu=pltpu)
+    def kernel(*refs):
+        *ins, o_ref = refs
+        o_ref[...] = fn(*(r[...] for r in ins), pltpu=pltpu)
 
-        def f(*xs):
-            dtype = out_dtype or xs[0].dtype
-            shape = jax.eval_shape(lambda *a: fn(*a, pltpu=pltpu), *xs).shape
-            return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(shape, dtype))(*xs)
+    def f(*xs):
+        dtype = out_dtype or xs[0].dtype
+        shape = jax.eval_shape(lambda *a: fn(*a, pltpu=pltpu), *xs).shape
+        return way.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(shape, dtype))(*xs)
 
-        return f
-
-    return build
+    return way.jit(f)
 
 
 # -- cumulative reductions ----------------------------------------------------
@@ -89,24 +72,24 @@ CUMULATIVE = [  # (op, dtype, axis, reverse, tolerance)
 ]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@every_way(tpu=True)
 @pytest.mark.parametrize(
     "op,dtype,axis,reverse,tol",
     CUMULATIVE,
     ids=[f"{c[0].__name__}-{np.dtype(c[1]).name}-{c[2]}{'-rev' * c[3]}" for c in CUMULATIVE],
 )
-def test_cumulative(mode, op, dtype, axis, reverse, tol):
-    skip_jax_without(mode, op.__name__)
+def test_cumulative(way, op, dtype, axis, reverse, tol):
+    skip_jax_without(way, op.__name__)
     x = rand(10, (8, 128))
     if op is lax.cumprod:
         x = 1.0 + 0.05 * x  # keeps a product of 8 terms in range
     if dtype == jnp.int32:
         x = (x * 100).astype(jnp.int32)
     fn = lambda v, pltpu: op(v, axis=axis, reverse=reverse)  # noqa: E731
-    got = run(elementwise(fn), (x,), mode)
+    got = elementwise(way, fn)(x)
     want = op(x, axis=axis, reverse=reverse)
     if tol:
-        close(got, want, chip_tol(tol, mode, 1e-4))
+        close(got, want, chip_tol(tol, way.name, 1e-4))
     else:
         equal(got, want)
 
@@ -141,16 +124,16 @@ def _random_of(dtype, shape, seed):
     return rand(seed, shape, dtype)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@every_way(tpu=True)
 @pytest.mark.parametrize(
     "src,dst,shape",
     PLTPU_BITCASTS,
     ids=[f"{np.dtype(a).name}-{np.dtype(b).name}" for a, b, _ in PLTPU_BITCASTS],
 )
-def test_pltpu_bitcast(mode, src, dst, shape):
+def test_pltpu_bitcast(way, src, dst, shape):
     x = _random_of(src, shape, 20)
     fn = lambda v, pltpu: pltpu.bitcast(v, dst)  # noqa: E731
-    got = run(elementwise(fn, out_dtype=dst), (x,), mode)
+    got = elementwise(way, fn, out_dtype=dst)(x)
     want = _bitcast_reference(x, dst)
     bits = f"uint{np.dtype(dst).itemsize * 8}"
     equal(np.asarray(got).view(bits), np.asarray(want).view(bits))
@@ -168,23 +151,23 @@ BITCAST_CONVERT = [
 ]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@every_way(tpu=True)
 @pytest.mark.parametrize(
     "src,dst,shape",
     BITCAST_CONVERT,
     ids=[f"{np.dtype(a).name}-{np.dtype(b).name}" for a, b, _ in BITCAST_CONVERT],
 )
-def test_bitcast_convert_type(mode, src, dst, shape, request):
-    if mode == "compiled" and ON_CHIP and (src, dst) == (jnp.float32, jnp.bfloat16):
+def test_bitcast_convert_type(way, src, dst, shape, request):
+    if way.name == "compiled" and ON_CHIP and (src, dst) == (jnp.float32, jnp.bfloat16):
         # Found on the v5e (JAX 0.10.2's libtpu), not seen by run_mosaic: a NaN half comes out
         # as the canonical NaN and a subnormal half as 0, as if the (..., 2) bfloat16 result
         # went through float32. JAX's lowering refuses width changes: nothing to compare.
         request.applymarker(pytest.mark.xfail(strict=True, reason="the v5e canonicalizes bf16 halves"))
-    if mode == "jax" and np.dtype(src).itemsize != np.dtype(dst).itemsize:
+    if way.name == "jax_mosaic" and np.dtype(src).itemsize != np.dtype(dst).itemsize:
         pytest.skip("JAX's TPU lowering of bitcast_convert_type does not change the element width")
     x = _random_of(src, shape, 21)
     fn = lambda v, pltpu: lax.bitcast_convert_type(v, dst)  # noqa: E731
-    got = run(elementwise(fn, out_dtype=dst), (x,), mode)
+    got = elementwise(way, fn, out_dtype=dst)(x)
     want = lax.bitcast_convert_type(x, dst)
     bits = f"uint{np.dtype(dst).itemsize * 8}"
     equal(np.asarray(got).view(bits), np.asarray(want).view(bits))
@@ -193,21 +176,21 @@ def test_bitcast_convert_type(mode, src, dst, shape, request):
 # -- pack / unpack, stochastic rounding ------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_pack_elementwise_f32_to_bf16(mode):
+@every_way(tpu=True)
+def test_pack_elementwise_f32_to_bf16(way):
     a, b = rand(30, (8, 128)), rand(31, (8, 128))
     fn = lambda x, y, pltpu: pltpu.pack_elementwise([x, y], packed_dtype=jnp.bfloat16)  # noqa: E731
-    got = run(elementwise(fn, out_dtype=jnp.uint32), (a, b), mode)
+    got = elementwise(way, fn, out_dtype=jnp.uint32)(a, b)
     lo = lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
     hi = lax.bitcast_convert_type(b.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
     equal(got, lo | (hi << 16))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_pack_elementwise_int32_to_int8(mode):
+@every_way(tpu=True)
+def test_pack_elementwise_int32_to_int8(way):
     xs = [rand_int(32 + i, (8, 128), jnp.int32) for i in range(4)]
     fn = lambda *v, pltpu: pltpu.pack_elementwise(list(v), packed_dtype=jnp.int8)  # noqa: E731
-    got = run(elementwise(fn, out_dtype=jnp.uint32), tuple(xs), mode)
+    got = elementwise(way, fn, out_dtype=jnp.uint32)(*xs)
     want = sum((lax.bitcast_convert_type(x, jnp.uint32) & 0xFF) << (8 * i) for i, x in enumerate(xs))
     equal(got, want.astype(jnp.uint32))
 
@@ -220,26 +203,26 @@ UNPACKS = [
 ]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@every_way(tpu=True)
 @pytest.mark.parametrize(
     "packed,unpacked,index", UNPACKS, ids=[f"{np.dtype(p).name}-{i}" for p, _, i in UNPACKS]
 )
-def test_unpack_elementwise(mode, packed, unpacked, index):
+def test_unpack_elementwise(way, packed, unpacked, index):
     words = rand_int(40, (8, 128), jnp.int32)
     x = words
 
     def fn(v, pltpu):
         return pltpu.unpack_elementwise(v, index=index, packed_dtype=packed, unpacked_dtype=unpacked)
 
-    got = run(elementwise(fn, out_dtype=unpacked), (x,), mode)
+    got = elementwise(way, fn, out_dtype=unpacked)(x)
     p = np.dtype(packed).itemsize * 8
     field = (lax.bitcast_convert_type(words, jnp.uint32) >> (index * p)) & ((1 << p) - 1)
     want = lax.bitcast_convert_type(field.astype(f"uint{p}"), packed).astype(unpacked)
-    if mode == "jax" and packed == jnp.uint8:
+    if way.name == "jax_mosaic" and packed == jnp.uint8:
         # JAX's lowering passes the signless i8 to Mosaic, which sign-extends;
         # ours masks the field (zero extension, as interpret mode).
         want = lax.bitcast_convert_type(field.astype(jnp.uint8), jnp.int8).astype(jnp.int32).astype(unpacked)
-    equal(got, chip_flushed(want, mode))
+    equal(got, chip_flushed(want, way.name))
 
 
 def _stochastic_bf16_reference(x, bits):
@@ -266,13 +249,13 @@ def _stochastic_grid_reference(x, bits, dtype):
     return out.astype(dtype)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@every_way(tpu=True)
 @pytest.mark.parametrize("target", [jnp.bfloat16, jnp.float8_e5m2, jnp.float8_e4m3fn])
-def test_stochastic_round(mode, target):
+def test_stochastic_round(way, target):
     x = rand(50, (8, 128)) * 3.0
     bits = jax.random.bits(jax.random.key(51), (8, 128), jnp.uint32)
     fn = lambda v, b, pltpu: pltpu.stochastic_round(v, b, target_dtype=target)  # noqa: E731
-    got = np.asarray(run(elementwise(fn, out_dtype=target), (x, bits), mode))
+    got = np.asarray(elementwise(way, fn, out_dtype=target)(x, bits))
     if target == jnp.bfloat16:
         want = np.asarray(_stochastic_bf16_reference(x, bits))
     else:
@@ -298,12 +281,12 @@ def _prng_reference(seeds, shapes):
     ]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_prng_seed_and_random_bits(mode):
+@every_way(tpu=True)
+def test_prng_seed_and_random_bits(way):
     seed = np.random.default_rng().integers(0, 2**31)
     x = rand(60, (8, 128))
 
-    def build(pl, pltpu):
+    def make(pl, pltpu, pallas_call):
         def kernel(s_ref, x_ref, o1_ref, o2_ref):
             pltpu.prng_seed(s_ref[0], 7)
             o1_ref[...] = pltpu.prng_random_bits((8, 128))
@@ -311,34 +294,31 @@ def test_prng_seed_and_random_bits(mode):
                 pltpu.prng_random_bits((16, 128)) ^ lax.bitcast_convert_type(x_ref[...], jnp.int32)[0, 0]
             )
 
-        def f(s, v):
-            return pl.pallas_call(
-                kernel,
-                out_shape=(
-                    jax.ShapeDtypeStruct((8, 128), jnp.int32),
-                    jax.ShapeDtypeStruct((16, 128), jnp.int32),
-                ),
-                in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec()],
-            )(s, v)
-
-        return f
+        return pallas_call(
+            kernel,
+            out_shape=(jax.ShapeDtypeStruct((8, 128), jnp.int32), jax.ShapeDtypeStruct((16, 128), jnp.int32)),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec()],
+        )
 
     s = jnp.array([seed], jnp.int32)
-    o1, o2 = run(build, (s, x), mode)
+    o1, o2 = make(*way.modules(), way.pallas_call)(s, x)
 
     def model():
         w1, w2 = _prng_reference([seed, 7], [(8, 128), (16, 128)])
         return w1, w2 ^ lax.bitcast_convert_type(x, jnp.int32)[0, 0]
 
-    w1, w2 = hardware_random_reference(build, (s, x), mode, model)
+    # on the chip, JAX's lowering of the same kernel run there (hardware_random_reference)
+    w1, w2 = hardware_random_reference(
+        lambda pl, pltpu: make(pl, pltpu, pl.pallas_call), (s, x), way.name, model
+    )
     equal(o1, w1)
     equal(o2, w2)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_prng_state_lives_through_the_grid(mode):
+@every_way(tpu=True)
+def test_prng_state_lives_through_the_grid(way):
     # Seeded once at step 0; each step draws the next bits (one core's PRNG).
-    def build(pl, pltpu):
+    def make(pl, pltpu, pallas_call):
         def kernel(o_ref):
             @pl.when(pl.program_id(0) == 0)
             def _():
@@ -346,18 +326,18 @@ def test_prng_state_lives_through_the_grid(mode):
 
             o_ref[...] = pltpu.prng_random_bits((8, 128))
 
-        return pl.pallas_call(
+        return pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct((3, 8, 128), jnp.int32),
             grid=(3,),
             out_specs=pl.BlockSpec((None, 8, 128), lambda i: (i, 0, 0)),
         )
 
-    got = run(lambda pl, pltpu: lambda: build(pl, pltpu)(), (), mode)
+    got = make(*way.modules(), way.pallas_call)()
     want = hardware_random_reference(
-        lambda pl, pltpu: lambda: build(pl, pltpu)(),
+        lambda pl, pltpu: make(pl, pltpu, pl.pallas_call),
         (),
-        mode,
+        way.name,
         lambda: jnp.stack(_prng_reference([123], [(8, 128)] * 3)),
     )
     equal(got, want)
@@ -381,21 +361,21 @@ MATH = [
 ]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@every_way(tpu=True)
 @pytest.mark.parametrize(
     "name,fn,tol", MATH, ids=[m.values[0] if hasattr(m, "values") else m[0] for m in MATH]
 )
-def test_math_primitives(mode, name, fn, tol):
-    skip_jax_without(mode, name)
+def test_math_primitives(way, name, fn, tol):
+    skip_jax_without(way, name)
     x = rand(70, (8, 128))
     if name == "nextafter":
         x = x.at[0, :4].set(jnp.array([0.0, -0.0, 1.0, -1.0]))
-    got = run(elementwise(lambda v, pltpu: fn(v)), (x,), mode)
+    got = elementwise(way, lambda v, pltpu: fn(v))(x)
     want = fn(x)
     if tol:
         # the chip's transcendental units: a few hundred ulp from the host's libm; erf_inv
         # near its poles (|x| to 0.99) up to 5e-4 apart at values near 1.7
-        close(got, want, chip_tol(tol, mode, 1e-3 if name == "erf_inv" else 1e-4))
+        close(got, want, chip_tol(tol, way.name, 1e-3 if name == "erf_inv" else 1e-4))
     else:
         equal(got, want)
 
@@ -403,22 +383,23 @@ def test_math_primitives(mode, name, fn, tol):
 NARROW_INTS = [jnp.int16, jnp.uint16, jnp.int8, jnp.uint8]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@every_way(tpu=True)
 @pytest.mark.parametrize("dtype", NARROW_INTS, ids=[np.dtype(d).name for d in NARROW_INTS])
-def test_narrow_shifts(mode, dtype):
+def test_narrow_shifts(way, dtype):
     # jaxlib < 0.11's Mosaic legalizes no shift of an 8- or 16-bit vector: ours shifts in int32 there.
     x = rand_int(95, (32, 128), dtype)
     amount = rand_int(96, (32, 128), dtype, 0, np.iinfo(dtype).bits)
     shifts = (lax.shift_left, lax.shift_right_logical, lax.shift_right_arithmetic)
 
-    def build(pl, pltpu):
-        def kernel(x_ref, s_ref, *o_refs):
-            for shift, o_ref in zip(shifts, o_refs, strict=True):
-                o_ref[...] = shift(x_ref[...], s_ref[...])
+    pl, pltpu = way.modules()
 
-        return pl.pallas_call(kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * len(shifts))
+    def kernel(x_ref, s_ref, *o_refs):
+        for shift, o_ref in zip(shifts, o_refs, strict=True):
+            o_ref[...] = shift(x_ref[...], s_ref[...])
 
-    for got, shift in zip(run(build, (x, amount), mode), shifts, strict=True):
+    f = way.pallas_call(kernel, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * len(shifts))
+
+    for got, shift in zip(way.jit(f)(x, amount), shifts, strict=True):
         equal(got, shift(x, amount))
 
 
@@ -433,18 +414,18 @@ def _float32_edges(seed):
     return jnp.asarray(words.view(np.float32))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@every_way(tpu=True)
 @pytest.mark.parametrize("exponent_bits,mantissa_bits", [(5, 10), (8, 7), (4, 3), (2, 0), (8, 23), (1, 22)])
-def test_reduce_precision_with_integer_ops(mode, exponent_bits, mantissa_bits, monkeypatch):
+def test_reduce_precision_with_integer_ops(way, exponent_bits, mantissa_bits, monkeypatch):
     # jaxlib < 0.11.2 has no tpu.reduce_precision: float32 is lowered with integer ops
     # there, and here too once the op is hidden (the ops XLA's CPU emitter uses).
     from pallas_tpu._src.mosaic import lowering_math
 
-    skip_jax_without(mode, "reduce_precision")
+    skip_jax_without(way, "reduce_precision")
     monkeypatch.setattr(lowering_math, "_TPU_REDUCE_PRECISION", None)
     x = _float32_edges(exponent_bits * 31 + mantissa_bits)
     fn = lambda v, pltpu: lax.reduce_precision(v, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits)  # noqa: E731
-    got = run(elementwise(fn), (x,), mode)
+    got = elementwise(way, fn)(x)
     want = lax.reduce_precision(x, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits)
     equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
 
@@ -470,31 +451,31 @@ def test_reduce_precision_of_bf16_without_the_mosaic_op_names_the_jax_it_needs(m
         pltpu.mosaic_modules(f, x)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@every_way(tpu=True)
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32])
-def test_mulhi(mode, dtype):
-    skip_jax_without(mode, "mulhi")
+def test_mulhi(way, dtype):
+    skip_jax_without(way, "mulhi")
     a, b = rand_int(80, (8, 128), dtype, 0, 2**31 - 1), rand_int(81, (8, 128), dtype, 0, 2**31 - 1)
     if dtype == jnp.int32:
         b = b * jnp.where(rand(82, (8, 128)) > 0, 1, -1).astype(dtype)
     else:
         a = a | jnp.uint32(2**31)
-    got = run(elementwise(lambda x, y, pltpu: lax.mulhi(x, y)), (a, b), mode)
+    got = elementwise(way, lambda x, y, pltpu: lax.mulhi(x, y))(a, b)
     wide = np.asarray(a).astype(np.int64 if dtype == jnp.int32 else np.uint64) * np.asarray(b).astype(
         np.int64 if dtype == jnp.int32 else np.uint64
     )
     equal(got, (wide >> 32).astype(dtype))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@every_way(tpu=True)
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32])
-def test_mulhi_edge_values(mode, dtype):
+def test_mulhi_edge_values(way, dtype):
     # Mosaic takes no two-result mul*_extended: ours is 16-bit halves in 32-bit arithmetic.
-    skip_jax_without(mode, "mulhi")
+    skip_jax_without(way, "mulhi")
     edges = np.array([0, 1, -1, 2**31 - 1, -(2**31), 0xFFFF, 0x10000, -0x10001], np.int64).astype(np.int32)
     a = rand_int(83, (8, 128), dtype).at[0, :64].set(jnp.asarray(np.repeat(edges, 8)).view(dtype))
     b = rand_int(84, (8, 128), dtype).at[0, :64].set(jnp.asarray(np.tile(edges, 8)).view(dtype))
-    got = run(elementwise(lambda x, y, pltpu: lax.mulhi(x, y)), (a, b), mode)
+    got = elementwise(way, lambda x, y, pltpu: lax.mulhi(x, y))(a, b)
     wide = np.int64 if dtype == jnp.int32 else np.uint64
     equal(got, ((np.asarray(a).astype(wide) * np.asarray(b).astype(wide)) >> 32).astype(dtype))
 
@@ -507,12 +488,12 @@ def _nan_zero_inf(seed):
     return x.at[0, :6].set(jnp.array([0.0, -0.0, jnp.nan, -jnp.nan, jnp.inf, -jnp.inf]))
 
 
-@pytest.mark.parametrize(
-    "way",
-    ways(
-        jax_xfail="JAX's lowering compares != with cmpf one, which run_mosaic runs as ordered "
+@every_way(
+    tpu=True,
+    xfail={
+        "jax_mosaic": "JAX's lowering compares != with cmpf one, which run_mosaic runs as ordered "
         "(NaN != NaN is False); libtpu lowers it to the TPU's vcmp.ne"
-    ),
+    },
 )
 def test_float_not_equal_is_true_for_nan(way):
     # Mosaic has no cmpf une: ours is not (x == y), as lax.ne (NaN != anything);
@@ -527,27 +508,27 @@ def test_float_not_equal_is_true_for_nan(way):
             ne + 2 * jnp.isnan(a).astype(jnp.int32) + 4 * a.astype(jnp.bool_).astype(jnp.int32) + 8 * finite
         )
 
-    got = run(elementwise(fn, out_dtype=jnp.int32), (x, y), way)
+    got = elementwise(way, fn, out_dtype=jnp.int32)(x, y)
     equal(got, fn(x, y, None))
 
 
-@pytest.mark.parametrize("way", ways())
+@every_way(tpu=True)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sign_of_zeros_nan_and_inf(way, dtype):
     # Mosaic has no copysign: ours puts x's sign bit on 1.0 (bit for bit: -0.0 stays -0.0).
     x = _nan_zero_inf(86).astype(dtype)
-    got = run(elementwise(lambda v, pltpu: jnp.sign(v)), (x,), way)
+    got = elementwise(way, lambda v, pltpu: jnp.sign(v))(x)
     np.testing.assert_array_equal(
         np.asarray(got).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32),
         np.asarray(jnp.sign(x)).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32),
     )
 
 
-@pytest.mark.parametrize("way", ways())
+@every_way(tpu=True)
 @pytest.mark.parametrize("op", ["eq", "ne", "lt", "le", "gt", "ge", "max", "min"])
 def test_bool_comparisons(way, op):
     # Mosaic widens i1 vectors for cmpi/max/min and cannot lay them out: ours is and/or/xor.
-    if way == "jax" and op in ("max", "min"):
+    if way.name == "jax_mosaic" and op in ("max", "min"):
         pytest.skip("JAX's Mosaic lowering: no max/min of bool (NotImplementedError)")
     f = getattr(lax, op)
     x, y = rand(87, (8, 128)), rand(88, (8, 128))
@@ -555,7 +536,7 @@ def test_bool_comparisons(way, op):
     def fn(a, b, pltpu):
         return f(a > 0, b > 0).astype(jnp.int32)
 
-    equal(run(elementwise(fn, out_dtype=jnp.int32), (x, y), way), fn(x, y, None))
+    equal(elementwise(way, fn, out_dtype=jnp.int32)(x, y), fn(x, y, None))
 
 
 SORTS = {  # name: (shape, fn)
@@ -572,13 +553,15 @@ SORTS = {  # name: (shape, fn)
 }
 
 
-@pytest.mark.parametrize("way", ways(jax_skip="no rule for sort (nor rev) on the TensorCore"))
+@every_way(
+    tpu=True, skip={"jax_mosaic": "JAX's Mosaic lowering: no rule for sort (nor rev) on the TensorCore"}
+)
 @pytest.mark.parametrize("case", list(SORTS))
 def test_sort_and_rev_shapes(way, case):
     # Pairs i ^ j by rolls along the sorted dim (any of them), never by reshapes into narrow vectors.
     shape, fn = SORTS[case]
     x = rand(89, shape)
-    got = run(elementwise(lambda v, pltpu: fn(v)), (x,), way)
+    got = elementwise(way, lambda v, pltpu: fn(v))(x)
     equal(got, fn(x))
 
 
@@ -612,8 +595,8 @@ def test_refused_forms_are_not_emitted():
     assert not re.search(r"arith\.cmpi \w+, [^\n]*: vector<[0-9x]+xi1>", text)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_split_stack_pad(mode):
+@every_way(tpu=True)
+def test_split_stack_pad(way):
     x = rand(90, (16, 128))
 
     def fn(v, pltpu):
@@ -623,25 +606,25 @@ def test_split_stack_pad(mode):
         c, d = jnp.unstack(s, axis=0)
         return c - d * 0.5 + s.sum(axis=0) + p[:8] + p[8:]
 
-    got = run(elementwise(fn), (x,), mode)
+    got = elementwise(way, fn)(x)
     close(got, fn(x, None))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_negative_padding(mode):
-    if mode == "jax":
+@every_way(tpu=True)
+def test_negative_padding(way):
+    if way.name == "jax_mosaic":
         pytest.skip("JAX's TPU lowering of pad does not take negative padding")
     x = rand(94, (16, 128))
     fn = lambda v, pltpu: lax.pad(v, 1.5, [(-3, 3, 0), (2, -2, 0)])  # noqa: E731
-    equal(run(elementwise(fn), (x,), mode), fn(x, None))
+    equal(elementwise(way, fn)(x), fn(x, None))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_take_along_axis(mode):
+@every_way(tpu=True)
+def test_take_along_axis(way):
     x = rand(91, (8, 128))
     idx = jax.random.randint(jax.random.key(92), (8, 128), 0, 128, jnp.int32)
     fn = lambda v, i, pltpu: jnp.take_along_axis(v, i, axis=1)  # noqa: E731
-    close(run(elementwise(fn), (x, idx), mode), jnp.take_along_axis(x, idx, axis=1))
+    close(elementwise(way, fn)(x, idx), jnp.take_along_axis(x, idx, axis=1))
 
 
 # -- errors -------------------------------------------------------------------------
@@ -680,20 +663,24 @@ def test_unsupported_op_in_run_mosaic_names_it():
         )
 
 
-@pytest.mark.parametrize("mode", ways(old_jax_skip="its TPU lowering has no rule for top_k"))
-def test_top_k(mode):
+@every_way(
+    tpu=True,
+    skip={"jax_mosaic": "JAX 0.10's Pallas: its TPU lowering has no rule for top_k"} if OLD_JAX else None,
+)
+def test_top_k(way):
     x = rand(93, (8, 128))
     # JAX 0.10's lax.top_k takes no is_stable (it is always stable); no ties in random floats.
     unstable = {} if OLD_JAX else dict(is_stable=False)
 
-    def build(pl, pltpu):
-        def kernel(x_ref, v_ref, i_ref):
-            v_ref[...], i_ref[...] = lax.top_k(x_ref[...], 3, **unstable)
+    pl, pltpu = way.modules()
 
-        shapes = (jax.ShapeDtypeStruct((8, 3), jnp.float32), jax.ShapeDtypeStruct((8, 3), jnp.int32))
-        return pl.pallas_call(kernel, out_shape=shapes)
+    def kernel(x_ref, v_ref, i_ref):
+        v_ref[...], i_ref[...] = lax.top_k(x_ref[...], 3, **unstable)
 
-    vals, idxs = run(build, (x,), mode)
+    shapes = (jax.ShapeDtypeStruct((8, 3), jnp.float32), jax.ShapeDtypeStruct((8, 3), jnp.int32))
+    f = way.pallas_call(kernel, out_shape=shapes)
+
+    vals, idxs = way.jit(f)(x)
     want_vals, want_idxs = lax.top_k(x, 3)
     equal(vals, want_vals)
     equal(idxs, want_idxs)

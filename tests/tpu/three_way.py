@@ -21,6 +21,12 @@ a Mosaic module, so the Mosaic ways run once. A test that checks what only the
 interpreter does (races, poisoning, DMA order, its error messages and knobs)
 carries ``@pytest.mark.interpret_only(reason=...)`` (registered in
 ``conftest.py``).
+
+tests/ways.py runs a kernel body every way without a ``build``: its TPU ways
+(``every_way(tpu=True)``: ``tpu_interpret``, ``mosaic``, ``jax_mosaic``, ``compiled``)
+are these four, on this module's executor, compile and chip helpers
+(``run_with_mosaic``, ``run_sharded_with_mosaic``, ``compile_for_chip``); the
+test_three_way*.py suites are written that way.
 """
 
 from __future__ import annotations
@@ -151,19 +157,6 @@ def ways(
     if jax_xfail:
         marks["jax"] = pytest.mark.xfail(strict=True, reason=jax_xfail)
     return [pytest.param(w, marks=marks.get(w, ()), id=w) for w in (DMA_WAYS if dma else WAYS)]
-
-
-def expect_old_mosaic_refusal(mode, call, match=None) -> bool:
-    """On JAX 0.10 (``OLD_JAX``) in the compiled way: asserts that ``call()`` raises
-    ``MosaicCompileError`` (libtpu 0.0.42.1's Mosaic refuses a form that 0.0.48.1's
-    takes; on the chip too) and returns True; elsewhere returns False without calling."""
-    import pytest
-
-    if not (OLD_JAX and mode == "compiled"):
-        return False
-    with pytest.raises(MosaicCompileError, match=match):
-        call()
-    return True
 
 
 def namespaces(mode):
@@ -318,22 +311,22 @@ def _run_on_chip(build, args):
     except Exception as e:
         # Which lowering the chip's Mosaic refuses: ours only, or JAX's too (the chip's
         # libtpu lacks the feature)? Recorded, then ours' error fails the test.
-        _record(
+        record_compile(
             "chip",
             "ours",
             "failed",
             None,
-            agreement=f"ours failed ({_first_line(e)}); JAX's: {_jax_on_chip(build, args)}",
+            agreement=f"ours failed ({first_line(e)}); JAX's: {_jax_on_chip(build, args)}",
         )
         if "Mosaic failed to compile" in str(e):
             raise MosaicCompileError.from_libtpu(e, jax.devices()[0].device_kind, []) from e
         raise
     try:
         theirs = jax.block_until_ready(jax.jit(build(*jax_namespaces()))(*args))
-        outcome = _chip_agreement(ours, theirs)
+        outcome = chip_agreement(ours, theirs)
     except Exception as e:  # JAX's lowering refuses the kernel, or Mosaic refuses JAX's module
-        outcome = f"JAX's failed: {_first_line(e)}"
-    _record("chip", "ours", "ran", None, agreement=outcome)
+        outcome = f"JAX's failed: {first_line(e)}"
+    record_compile("chip", "ours", "ran", None, agreement=outcome)
     return jax.device_get(ours)
 
 
@@ -349,7 +342,7 @@ def hardware_random_reference(build, args, mode, model):
         return jax.device_get(jax.jit(build(*jax_namespaces()))(*args))
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("---")]
     text = next((ln for ln in lines if "Mosaic failed" in ln or "Error" in ln), lines[0] if lines else "")
     return f"{type(e).__name__}: {text[:160]}"
@@ -360,10 +353,10 @@ def _jax_on_chip(build, args) -> str:
         jax.block_until_ready(jax.jit(build(*jax_namespaces()))(*args))
         return "ran"
     except Exception as e:
-        return f"failed ({_first_line(e)})"
+        return f"failed ({first_line(e)})"
 
 
-def _chip_agreement(ours, theirs) -> str:
+def chip_agreement(ours, theirs) -> str:
     """'equal' (bit for bit), 'close (max rel R)' or 'differ (max rel R)': ours against
     JAX's lowering on the chip, over every output."""
     worst, equal = 0.0, True
@@ -420,29 +413,38 @@ def compile_both(build, args, chips, mesh=None, spec=None):
     for chip in chips:
         refused = None  # ours' MosaicCompileError, raised once JAX's outcome is recorded too
         for mode in ("ours", "jax"):
-            f = build(*namespaces(mode))
-            if mesh is not None:
-                f, args_c = _sharded_for_chip(f, args, chip, mesh, spec)
-            else:
-                args_c = args
-            llo = None
-            try:
-                with _chip_context(chip, mesh is None):
-                    _, _, llo = compile_check.compile_counting_llo(f, args_c, chip)
-                outcome = "compiled"
-            except compile_check.MosaicCompileError as e:
-                outcome = "refused by Mosaic"
-                if any(gap in str(e) for gap in GENERATION_GAPS.get(chip, ())):
-                    outcome = "lacks the feature"
-                elif mode == "ours":
-                    refused = e
-            except Exception:  # JAX's lowering refuses the kernel
-                if mode == "ours":
-                    raise
-                outcome = "refused by its lowering"
-            _record(chip, mode, outcome, llo)
+            error = compile_for_chip(build(*namespaces(mode)), args, chip, mode, mesh, spec)
+            if mode == "ours":
+                refused = error
         if refused is not None:
             raise refused
+
+
+def compile_for_chip(f, args, chip, lowering, mesh=None, spec=None):
+    """``f(*args)`` (its kernels lowered by ``lowering``: "ours" or "jax") compiled by libtpu's
+    Mosaic for ``chip``, the outcome and LLO counts recorded. Returns Mosaic's refusal of our
+    lowering (a ``MosaicCompileError``, None if it compiled or the chip lacks the feature);
+    JAX's refusals are recorded only. ``mesh``/``spec``: ``f`` is ``shard_map``ped over a mesh
+    of that shape of the chip's devices."""
+    if mesh is not None:
+        f, args = _sharded_for_chip(f, args, chip, mesh, spec)
+    llo, refused = None, None
+    try:
+        with _chip_context(chip, mesh is None):
+            _, _, llo = compile_check.compile_counting_llo(f, args, chip)
+        outcome = "compiled"
+    except compile_check.MosaicCompileError as e:
+        outcome = "refused by Mosaic"
+        if any(gap in str(e) for gap in GENERATION_GAPS.get(chip, ())):
+            outcome = "lacks the feature"
+        elif lowering == "ours":
+            refused = e
+    except Exception:  # JAX's lowering refuses the kernel
+        if lowering == "ours":
+            raise
+        outcome = "refused by its lowering"
+    record_compile(chip, lowering, outcome, llo)
+    return refused
 
 
 def _chip_context(chip, single_device):
@@ -471,7 +473,7 @@ def _sharded_for_chip(f, args, chip, mesh_shape, spec):
     return (lambda *a: g(*a)), placed
 
 
-def _record(chip, mode, outcome, llo, **extra):
+def record_compile(chip, mode, outcome, llo, **extra):
     """One line per compile in $PALLAS_TPU_COMPILE_REPORT/<worker>.jsonl (conftest sums
     them; benchmarks/tpu_llo.py reads the LLO counts, per kernel in program order)."""
     folder = os.environ.get("PALLAS_TPU_COMPILE_REPORT")
@@ -590,6 +592,19 @@ def run_sharded(build, x, mode, num_devices, input_output_aliases=(), **interpre
         g = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
         with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
             return jax.jit(g)(x)
+    return run_sharded_with_mosaic(f, x, shape, input_output_aliases)
+
+
+def run_sharded_with_mosaic(f, x, mesh_shape, input_output_aliases=()):
+    """``f`` (one ``pallas_call`` per device) ``shard_map``ped over a mesh of ``mesh_shape``
+    on the leading axis of ``x`` (as ``run_sharded``), exported for TPU and its module run by
+    ``run_mosaic`` on every device; the outputs concatenated along that axis."""
+    from jax.sharding import PartitionSpec as P
+
+    shape = tuple(mesh_shape)
+    n = int(np.prod(shape))
+    names = ("x", "y", "z", "w")[: len(shape)]
+    spec = P(names[0]) if len(shape) == 1 else P(names)
     mesh = jax.sharding.AbstractMesh(
         shape,
         names,

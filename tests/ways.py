@@ -26,14 +26,21 @@ The ways (``WAYS``):
 ``@every_way()`` on a test (or a test class) parametrizes the ``way`` fixture
 (tests/conftest.py) with a :class:`Way` each: ``DEFAULT_WAYS`` (the engines that run a
 pallas-core kernel); ``every_way(tpu=True)`` the four TPU ways (``TPU_WAYS``) of a TPU
-kernel. A kernel body that uses ``pl``/``pltpu`` takes them from the way
+kernel; ``every_way(tpu=True, dma=True)`` those with the ``tpu_interpret`` way split by
+its DMA execution mode (``tpu_interpret:on_wait``, ``tpu_interpret:eager``: a DMA mode
+means nothing to a Mosaic module, so the Mosaic ways run once). ``way.with_params(
+num_cores=2, **interpret_params)`` is the same way over a chip's two TensorCores
+(``num_cores_or_threads`` in the interpret way; modules exported for a megacore chip and
+``run_mosaic(num_cores=2)`` in the Mosaic ways, compiled for ``three_way.MEGACORE_CHIPS``
+too) and with those ``pltpu.InterpretParams`` in the ``tpu_interpret`` way. A kernel body that uses ``pl``/``pltpu`` takes them from the way
 (``pl, pltpu = way.modules()``): JAX's in the ``jax_mosaic`` way, ours elsewhere.
 A ``PallasTest`` (tests/core) needs nothing more: its ``self.pallas_call`` is pointed
 at ``way.pallas_call``. Another test takes ``way`` and calls ``way.pallas_call(kernel, out_shape, ...)`` where it
 would call ``pl.pallas_call(..., interpret=...)``, and ``way.jit(f)`` where it would
 call ``jax.jit(f)`` on a function of such calls (a function that calls ``pallas_call``
-itself, an example's, passes it ``**way.call_kwargs()``; ``way.run_sharded(f, x, n)``
-runs one ``pallas_call`` per device over ``n`` devices)::
+itself, an example's, passes it ``**way.call_kwargs()``; a kernel written as
+``fn(pl, pltpu, *arrays, interpret=..., **kw)`` runs by ``way.call(fn, *arrays, **kw)``;
+``way.run_sharded(f, x, n)`` runs one ``pallas_call`` per device over ``n`` devices)::
 
     @every_way()
     class TestThings(PallasTest): ...
@@ -112,9 +119,37 @@ class Way:
     # The compiled way's run of a test body with JAX's modules, before its own run:
     # its kernels are compiled (on a chip: kept for ours to run beside), never run.
     beside: bool = False
+    # The tpu_interpret way's DMA execution mode ("on_wait", "eager"; None: the default).
+    dma: str | None = None
+    # TensorCores per device (``with_params``): 2 runs a kernel over a megacore chip's two.
+    num_cores: int = 1
+    # More ``pltpu.InterpretParams`` of the tpu_interpret way, as (name, value) pairs.
+    params: tuple = ()
 
     def __str__(self) -> str:
-        return self.name
+        return self.id
+
+    @property
+    def id(self) -> str:
+        """The test id: the name, and the DMA mode of a split ``tpu_interpret`` way."""
+        return f"{self.name}:{self.dma}" if self.dma else self.name
+
+    def with_params(self, *, num_cores: int | None = None, **interpret_params) -> Way:
+        """This way with ``num_cores`` TensorCores per device (``num_cores_or_threads`` in
+        the interpret way; a megacore chip's modules and ``run_mosaic(num_cores=)`` in the
+        Mosaic ways) and ``interpret_params`` for ``pltpu.InterpretParams`` in the
+        ``tpu_interpret`` way (a Mosaic module has no such knobs: ignored there)."""
+        params = {**dict(self.params), **interpret_params}
+        return dataclasses.replace(
+            self, num_cores=num_cores or self.num_cores, params=tuple(sorted(params.items()))
+        )
+
+    def _interpret_params(self) -> dict:
+        """``pltpu.InterpretParams``' arguments in the tpu_interpret way (as three_way.run's)."""
+        params = {"dma_execution_mode": self.dma} if self.dma else {}
+        if self.num_cores != 1:
+            params["num_cores_or_threads"] = self.num_cores
+        return {**params, **dict(self.params)}
 
     @property
     def jax_lowering(self) -> bool:
@@ -161,7 +196,7 @@ class Way:
         if self.name == "tpu_interpret":
             import pallas_tpu as pltpu
 
-            return pltpu.InterpretParams()
+            return pltpu.InterpretParams(**self._interpret_params())
         return None
 
     def skip_if_missing(self) -> None:
@@ -194,17 +229,38 @@ class Way:
         passes to it to run this way: ``interpret=`` in an interpret way, nothing in a Mosaic way."""
         return {} if self.name in MOSAIC_WAYS else {"interpret": self.interpret()}
 
+    def call(self, fn, *args, **kw):
+        """``fn(pl, pltpu, *args, interpret=..., **kw)`` (a kernel written as a function of
+        the two modules that calls its ``pallas_call``s with ``interpret=``) run this way:
+        ``way.jit`` of it, the way's modules and ``interpret`` given (False in a Mosaic way)."""
+        pl_, pltpu_ = self.modules()
+        interpret = self.interpret() or False
+        return self.jit(lambda *a: fn(pl_, pltpu_, *a, interpret=interpret, **kw))(*args)
+
     def jit(self, f):
         """``jax.jit(f)`` run this way, ``f`` a function of ``way.pallas_call``s: the Mosaic
         way exports ``f`` whole for a TPU (a traced grid size, an enclosing function's
         arrays captured by a kernel: as a TPU gets them) and runs each kernel's module by
         ``run_mosaic`` in its place."""
+        if self.name == "tpu_interpret":
+            return self._forced(jax.jit(f))
         if self.name not in MOSAIC_WAYS:
             return jax.jit(f)
 
         def run(*args):
             with _whole_function():
                 return self._run(f, args)
+
+        return run
+
+    def _forced(self, f):
+        """``f`` with every ``pallas_call`` that passes no ``interpret`` (or False) run in TPU
+        interpret mode with this way's params (``pltpu.force_tpu_interpret_mode``)."""
+        import pallas_tpu as pltpu
+
+        def run(*args):
+            with pltpu.force_tpu_interpret_mode(self.interpret()):
+                return f(*args)
 
         return run
 
@@ -225,7 +281,8 @@ class Way:
             if self.name not in MOSAIC_WAYS:
                 n = math.prod(shape)
                 mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:n]).reshape(shape), names)
-                return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))(x)
+                g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+                return self._forced(g)(x) if self.name == "tpu_interpret" else g(x)
             if self.name == "compiled":
                 if tw.ON_CHIP:
                     pytest.skip(
@@ -241,13 +298,13 @@ class Way:
         tw = _three_way()
         _skip_under_a_transformation(args)
         if self.beside:
-            return _beside_ours(f, args)
+            return _beside_ours(f, args, self.num_cores)
         if self.name == "compiled" and tw.ON_CHIP:
-            return _run_on_chip(f, args)
+            return _run_on_chip(f, args, self.num_cores)
         if self.name == "compiled":
-            _compile_for_chips(f, args, "ours")
-        outs = _run_with_mosaic(f, args)
-        if self.name == "compiled" and os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
+            _compile_for_chips(f, args, "ours", num_cores=self.num_cores)
+        outs = _run_with_mosaic(f, args, self.num_cores)
+        if self.name == "compiled" and self.num_cores == 1 and os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
             _add_to_chip_bundle(f, args, outs)
         return outs
 
@@ -293,27 +350,42 @@ def _skip_under_a_transformation(args):
         )
 
 
-def _run_with_mosaic(f, args):
+def _run_with_mosaic(f, args, num_cores=1):
     """``f(*args)`` (one ``pallas_call``, or a function of them: ``Way.jit``) with the kernels
-    lowered to Mosaic, exported for a TPU and each run by ``run_mosaic``."""
+    lowered to Mosaic, exported for a TPU (of ``num_cores`` TensorCores) and each run by
+    ``run_mosaic``."""
     _skip_under_a_transformation(args)
     tw = _three_way()
-    with jax.sharding.use_abstract_mesh(tw.TPU_V5E):
+    with jax.sharding.use_abstract_mesh(tw.abstract_mesh(num_cores)):
         shapes = jax.eval_shape(f, *args)
-    outs = [jax.numpy.asarray(x) for x in tw.run_with_mosaic(f, *args)]  # run_mosaic gives NumPy arrays
+    # run_mosaic gives NumPy arrays
+    outs = [jax.numpy.asarray(x) for x in tw.run_with_mosaic(f, *args, num_cores=num_cores)]
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
-def _compile_for_chips(f, args, lowering, mesh=None, spec=None):
+def _compile_for_chips(f, args, lowering, mesh=None, spec=None, num_cores=1):
     """The compiled way: ``f(*args)`` (``lowering``: "ours", or "jax" beside it) compiled by
-    libtpu's Mosaic for each of ``three_way.COMPILE_CHIPS`` (on the CPU), outcomes and LLO
-    counts recorded; Mosaic's refusal of ours fails the test (a chip's generation gap is
-    recorded, not raised)."""
+    libtpu's Mosaic for each of ``three_way.COMPILE_CHIPS`` (and ``MEGACORE_CHIPS`` for a
+    kernel over ``num_cores=2``) on the CPU, outcomes and LLO counts recorded; Mosaic's
+    refusal of ours fails the test (a chip's generation gap is recorded, not raised)."""
     tw = _three_way()
-    for chip in tw.COMPILE_CHIPS:
+    megacore = tw.MEGACORE_CHIPS if num_cores == 2 else ()
+    for chip in dict.fromkeys(tw.COMPILE_CHIPS + megacore):
+        if lowering == "jax":
+            record = lambda *row, chip=chip: _jax_compiles.setdefault(chip, []).append(row)  # noqa: E731
+            tw.compile_for_chip(f, args, chip, lowering, mesh, spec, record=record)
+            continue
         refused = tw.compile_for_chip(f, args, chip, lowering, mesh, spec)
+        if _jax_compiles.get(chip):
+            tw.record_compile(*_jax_compiles[chip].pop(0))
         if refused is not None:
             raise refused
+
+
+# JAX's compile outcomes from the compiled way's run beside ours, per chip in program order:
+# each recorded once ours of the same kernel has compiled (or been refused) for that chip,
+# as three_way.compile_both recorded them (none where our lowering fails first).
+_jax_compiles: dict[str, list] = {}
 
 
 # JAX's lowerings of the kernels of the test body the compiled way runs beside ours on a
@@ -322,16 +394,16 @@ def _compile_for_chips(f, args, lowering, mesh=None, spec=None):
 _jax_beside: list = []
 
 
-def _beside_ours(f, args):
+def _beside_ours(f, args, num_cores=1):
     """The compiled way's run beside ours (``Way.beside``): ``f``, traced by JAX's Pallas,
     compiled for each chip (on a chip: kept to run beside ours on ours' inputs); the
     outputs zeros of their shapes (the body's checks of them are not asserted)."""
     tw = _three_way()
-    if tw.ON_CHIP or os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
+    if tw.ON_CHIP or (num_cores == 1 and os.environ.get("PALLAS_TPU_CHIP_BUNDLE")):
         _jax_beside.append(f)
     if not tw.ON_CHIP:
-        _compile_for_chips(f, args, "jax")
-    with jax.sharding.use_abstract_mesh(tw.TPU_V5E):
+        _compile_for_chips(f, args, "jax", num_cores=num_cores)
+    with jax.sharding.use_abstract_mesh(tw.abstract_mesh(num_cores)):
         shapes = jax.eval_shape(f, *args)
     return jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
 
@@ -342,6 +414,7 @@ def compile_jax_beside(item) -> None:
     compiled beside ours, its outcome recorded; what the body then asserts, or raises, or
     skips is not the test's outcome."""
     _jax_beside.clear()
+    _jax_compiles.clear()
     args = {name: item.funcargs[name] for name in inspect.signature(item.obj).parameters}
     args["way"] = dataclasses.replace(args["way"], beside=True)
     try:
@@ -350,15 +423,39 @@ def compile_jax_beside(item) -> None:
         pass
 
 
-def _run_on_chip(f, args):
+def _run_on_chip(f, args, num_cores=1):
     """The compiled way on a TPU (``three_way.ON_CHIP``): our lowering of ``f`` compiled and
     run on the chip, the outputs brought back to the host; JAX's lowering of the same kernel
-    (``compile_jax_beside``) run beside it on the same inputs, the difference recorded."""
+    (``compile_jax_beside``) run beside it on the same inputs, the difference recorded. A
+    kernel over more TensorCores than the chip has skips (as three_way.run_on_chip)."""
     tw = _three_way()
-    args = tw.to_chip(args)
     theirs = _jax_beside.pop(0) if _jax_beside else None
+    chip_cores = getattr(jax.devices()[0], "num_cores", 1) or 1
+    if num_cores > chip_cores:
+        pytest.skip(
+            f"needs a TPU with {num_cores} TensorCores; {jax.devices()[0].device_kind} has {chip_cores}"
+        )
+    args = tw.to_chip(args)
     with jax.default_device(jax.devices("tpu")[0]), _whole_function():  # a kernel of no arguments too
-        ours = jax.block_until_ready(jax.jit(f)(*args))
+        try:
+            ours = jax.block_until_ready(jax.jit(f)(*args))
+        except Exception as e:
+            # Which lowering the chip's Mosaic refuses: ours only, or JAX's too (the chip's
+            # libtpu lacks the feature)? Recorded, then ours' error fails the test (a strict
+            # xfail of old libtpu's refusal expects a MosaicCompileError, as on the CPU).
+            theirs_outcome = "not built"
+            if theirs is not None:
+                try:
+                    jax.block_until_ready(jax.jit(theirs)(*args))
+                    theirs_outcome = "ran"
+                except Exception as e2:
+                    theirs_outcome = f"failed ({tw.first_line(e2)})"
+            agreement = f"ours failed ({tw.first_line(e)}); JAX's: {theirs_outcome}"
+            tw.record_compile("chip", "ours", "failed", None, agreement=agreement)
+            if "Mosaic failed to compile" in str(e):
+                kind = jax.devices()[0].device_kind
+                raise tw.MosaicCompileError.from_libtpu(e, kind, []) from e
+            raise
         agreement = "JAX's not built"
         try:
             if theirs is not None:
@@ -397,16 +494,21 @@ def _add_to_chip_bundle(f, args, outs):
     )
 
 
-def every_way(*, skip=None, xfail=None, raises=None, only=None, tpu=False):
+DMA_MODES = ("on_wait", "eager")  # the tpu_interpret way's, split by every_way(dma=True)
+
+
+def every_way(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=False):
     """``pytest.mark.parametrize("way", ...)`` over ``DEFAULT_WAYS`` (``TPU_WAYS`` with
     ``tpu``; or ``only`` of ``WAYS``).
 
     Args:
       skip: ``{way: reason}``: the kernel does not apply to that way.
       xfail: ``{way: reason}``: a gap that way has (a strict xfail; ``raises``
-        the exception expected).
+        the exception expected, or ``{way: exception}``).
       only: the ways to run (default: ``DEFAULT_WAYS``).
       tpu: a TPU kernel: the ways are ``TPU_WAYS``.
+      dma: the ``tpu_interpret`` way once per DMA execution mode (``DMA_MODES``; a
+        ``skip``/``xfail`` of ``"tpu_interpret"`` marks both).
     """
     skip, xfail = skip or {}, xfail or {}
     unknown = (set(skip) | set(xfail) | set(only or ())) - set(WAYS)
@@ -417,8 +519,11 @@ def every_way(*, skip=None, xfail=None, raises=None, only=None, tpu=False):
         if name in skip:
             marks.append(pytest.mark.skip(reason=f"{name} way: {skip[name]}"))
         if name in xfail:
-            marks.append(pytest.mark.xfail(strict=True, raises=raises, reason=f"{name} way: {xfail[name]}"))
-        params.append(pytest.param(Way(name), marks=marks, id=name))
+            expected = raises.get(name) if isinstance(raises, dict) else raises
+            marks.append(pytest.mark.xfail(strict=True, raises=expected, reason=f"{name} way: {xfail[name]}"))
+        split = DMA_MODES if dma and name == "tpu_interpret" else (None,)
+        for way in (Way(name, dma=mode) for mode in split):
+            params.append(pytest.param(way, marks=marks, id=way.id))
     return pytest.mark.parametrize("way", params, indirect=True)
 
 

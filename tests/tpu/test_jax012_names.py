@@ -3,8 +3,8 @@
 ``pltpu.conv``, and the ``pl`` names ``enable_poison_buffers``,
 ``get_global``, ``Indirect`` and ``semaphore``.
 
-Each kernel runs every way of ``three_way.py`` and is compared with a plain
-numpy/jnp reference on fresh random data. JAX's own op is the ``jax`` way (its
+Each kernel runs every TPU way (tests/ways.py, ``every_way(tpu=True)``) and is compared
+with a plain numpy/jnp reference on fresh random data. JAX's own op is the ``jax_mosaic`` way (its
 lowering, run by ``run_mosaic``) where the installed JAX has the name (0.12;
 0.11.2 has ``conv``), skipped with the reason where it does not: JAX's interpret
 modes cannot run these ops on a CPU (no rule for ``unpack_elementwise``, ``conv``,
@@ -20,6 +20,7 @@ import pytest
 import three_way
 from jax import lax
 from jaxlib import version as jaxlib_version
+from ways import every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -32,11 +33,16 @@ def _jax_has(name):
     return hasattr(jtpu, name) or hasattr(jpl, name)
 
 
-def ways(name, **kw):
-    """``three_way.ways``, the jax way skipped where the installed JAX lacks ``name``."""
-    if not _jax_has(name):
-        kw["jax_skip"] = f"JAX {jax.__version__} has no {name} (JAX 0.12 added it)"
-    return three_way.ways(**kw)
+def ways(name):
+    """``every_way(tpu=True)``, the jax_mosaic way skipped where the installed JAX lacks ``name``."""
+    if _jax_has(name):
+        return every_way(tpu=True)
+    return every_way(
+        tpu=True,
+        skip={
+            "jax_mosaic": f"JAX's Mosaic lowering: JAX {jax.__version__} has no {name} (JAX 0.12 added it)"
+        },
+    )
 
 
 @pytest.fixture
@@ -75,7 +81,7 @@ def _fields(x, widths):
 # ---------------------------------------------------------------- split / join bits
 
 
-@pytest.mark.parametrize("way", ways("split_bits"))
+@ways("split_bits")
 @pytest.mark.parametrize(
     "widths, dtype", [((4, 2), np.int8), ((2, 4, 2), np.uint8), ((4, 4), np.int8), ((2,), np.uint8)]
 )
@@ -90,12 +96,12 @@ def test_split_bits(way, widths, dtype, rng, no_v4):
         shapes = [jax.ShapeDtypeStruct(x.shape, jnp.int32)] * len(widths)
         return lambda x: pl.pallas_call(kernel, out_shape=shapes)(x)
 
-    got = three_way.run(build, (x,), way)
+    got = way.jit(build(*way.modules()))(x)
     for g, ref in zip(got, _fields(x, widths)):
         np.testing.assert_array_equal(g, ref)
 
 
-@pytest.mark.parametrize("way", ways("join_bits"))
+@ways("join_bits")
 @pytest.mark.parametrize("given", ["both", "two", "four"])
 def test_join_bits(way, given, rng, no_v4):
     two = jnp.asarray(rng.integers(0, 4, (16, 128)), jnp.uint8)
@@ -112,13 +118,13 @@ def test_join_bits(way, given, rng, no_v4):
 
         return lambda t, f: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(t.shape, jnp.int8))(t, f)
 
-    got = three_way.run(build, (two, four), way)
+    got = way.jit(build(*way.modules()))(two, four)
     t, f = np.asarray(two).astype(np.int32), np.asarray(four).astype(np.int32) & 15
     ref = {"both": (t << 4) | f, "two": t, "four": f}[given]
     np.testing.assert_array_equal(got, ref.astype(np.int8))
 
 
-@pytest.mark.parametrize("way", ways("pack_fp6"))
+@ways("pack_fp6")
 def test_pack_unpack_fp6_round_trip(way, rng, no_v4):
     x = jnp.asarray(rng.integers(0, 64, (16, 128)), jnp.int8)  # 6-bit values in bytes
 
@@ -131,7 +137,7 @@ def test_pack_unpack_fp6_round_trip(way, rng, no_v4):
         shapes = [jax.ShapeDtypeStruct(x.shape, jnp.int32)] * 2 + [jax.ShapeDtypeStruct(x.shape, jnp.int8)]
         return lambda x: pl.pallas_call(kernel, out_shape=shapes)(x)
 
-    two, four, back = three_way.run(build, (x,), way)
+    two, four, back = way.jit(build(*way.modules()))(x)
     ref_four, ref_two = _fields(x, (4, 2))
     np.testing.assert_array_equal(two, ref_two)
     np.testing.assert_array_equal(four, ref_four)
@@ -207,14 +213,14 @@ def _has_memory_space_build(pl, pltpu):
     )(x)
 
 
-@pytest.mark.parametrize("way", ways("has_memory_space"))
+@ways("has_memory_space")
 def test_has_memory_space(way, rng):
     x = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
-    if way in ("ours", "compiled") and not NEW_JAXLIB:
+    if way.name in ("mosaic", "compiled") and not NEW_JAXLIB:
         with pytest.raises(pltpu.LoweringException, match=r"has_memory_space.*JAX/jaxlib >= 0\.12"):
-            three_way.run(_has_memory_space_build, (x,), way)
+            way.jit(_has_memory_space_build(*way.modules()))(x)
         return
-    got = three_way.run(_has_memory_space_build, (x,), way)
+    got = way.jit(_has_memory_space_build(*way.modules()))(x)
     # Interpreters and run_mosaic keep pl.ANY operands in HBM.
     np.testing.assert_array_equal(got, [1, 0, 0])
 
@@ -276,7 +282,7 @@ CONV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("way", ways("conv"))
+@ways("conv")
 @pytest.mark.parametrize("case", range(len(CONV_CASES)))
 def test_conv(way, case, rng):
     xs, ws, dn, kw, with_acc = CONV_CASES[case]
@@ -298,11 +304,11 @@ def test_conv(way, case, rng):
         return lambda *a: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out0.shape, jnp.float32))(*a)
 
     args = (x, w) if acc is None else (x, w, acc)
-    if way in ("ours", "compiled") and three_way.OLD_JAX:
+    if way.name in ("mosaic", "compiled") and three_way.OLD_JAX:
         with pytest.raises(pltpu.LoweringException, match=r"pltpu.conv \(tpu.conv\).*>= 0\.11\.2"):
-            three_way.run(build, args, way)
+            way.jit(build(*way.modules()))(*args)
         return
-    got = three_way.run(build, args, way)
+    got = way.jit(build(*way.modules()))(*args)
     ref = out0 if acc is None else acc + out0
     # The interpret ways convolve at the CPU's default precision (f32), the Mosaic ways at HIGHEST.
     three_way.close(got, np.asarray(ref), tol=2e-4)

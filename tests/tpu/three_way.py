@@ -85,7 +85,7 @@ TPU_V4 = jax.sharding.AbstractMesh(
 )
 
 
-def _abstract_mesh(num_cores):
+def abstract_mesh(num_cores):
     return TPU_V5E if num_cores == 1 else TPU_V4
 
 
@@ -166,7 +166,7 @@ def namespaces(mode):
 def tpu_modules(f, *args, num_cores=1) -> list[bytes]:
     """The serialized Mosaic modules of ``f(*args)`` exported for TPU (a chip
     with ``num_cores`` TensorCores: TPU v5e for one, TPU v4 for two)."""
-    with jax.sharding.use_abstract_mesh(_abstract_mesh(num_cores)):
+    with jax.sharding.use_abstract_mesh(abstract_mesh(num_cores)):
         txt = export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
     return executor.custom_call_bodies(txt)
 
@@ -195,7 +195,7 @@ def run(build, args, mode, num_cores=1, **interpret_params):
         )
         mode = "ours"
         f = build(*namespaces(mode))
-    with jax.sharding.use_abstract_mesh(_abstract_mesh(num_cores)):
+    with jax.sharding.use_abstract_mesh(abstract_mesh(num_cores)):
         shapes = jax.eval_shape(f, *args)
     outs = run_with_mosaic(f, *args, num_cores=num_cores)
     if compiled and num_cores == 1 and os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
@@ -420,12 +420,12 @@ def compile_both(build, args, chips, mesh=None, spec=None):
             raise refused
 
 
-def compile_for_chip(f, args, chip, lowering, mesh=None, spec=None):
+def compile_for_chip(f, args, chip, lowering, mesh=None, spec=None, record=None):
     """``f(*args)`` (its kernels lowered by ``lowering``: "ours" or "jax") compiled by libtpu's
-    Mosaic for ``chip``, the outcome and LLO counts recorded. Returns Mosaic's refusal of our
-    lowering (a ``MosaicCompileError``, None if it compiled or the chip lacks the feature);
-    JAX's refusals are recorded only. ``mesh``/``spec``: ``f`` is ``shard_map``ped over a mesh
-    of that shape of the chip's devices."""
+    Mosaic for ``chip``, the outcome and LLO counts recorded (by ``record``, default
+    ``record_compile``). Returns Mosaic's refusal of our lowering (a ``MosaicCompileError``,
+    None if it compiled or the chip lacks the feature); JAX's refusals are recorded only.
+    ``mesh``/``spec``: ``f`` is ``shard_map``ped over a mesh of that shape of the chip's devices."""
     if mesh is not None:
         f, args = _sharded_for_chip(f, args, chip, mesh, spec)
     llo, refused = None, None
@@ -443,7 +443,7 @@ def compile_for_chip(f, args, chip, lowering, mesh=None, spec=None):
         if lowering == "ours":
             raise
         outcome = "refused by its lowering"
-    record_compile(chip, lowering, outcome, llo)
+    (record or record_compile)(chip, lowering, outcome, llo)
     return refused
 
 
@@ -515,7 +515,7 @@ def run_with_mosaic(f, *args, num_cores=1) -> list:
     """The flat outputs of ``f(*args)``, each ``pallas_call`` replaced by
     ``run_mosaic`` of the module ``f`` exports for TPU (in program order)."""
     bodies = tpu_modules(f, *args, num_cores=num_cores)
-    with jax.sharding.use_abstract_mesh(_abstract_mesh(num_cores)):
+    with jax.sharding.use_abstract_mesh(abstract_mesh(num_cores)):
         closed = jax.make_jaxpr(f)(*args)
     outs = _eval_with_mosaic(closed.jaxpr, closed.consts, jax.tree.leaves(args), bodies, num_cores)
     assert not bodies, f"{len(bodies)} exported kernels were not reached"

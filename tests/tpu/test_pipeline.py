@@ -1,7 +1,7 @@
 """``pltpu.emit_pipeline``: kernels that pipeline blocks of HBM Refs through
-VMEM, against plain jnp on fresh random data, run the three ways of
-``three_way.py`` (the interpret way in both DMA execution modes), and the same kernel source run by JAX's ``emit_pipeline``
-under JAX's TPU interpret mode as a reference.
+VMEM, against plain jnp on fresh random data, run every TPU way (tests/ways.py,
+``every_way(tpu=True)``; the ``tpu_interpret`` way in both DMA execution modes), and the same
+kernel source run by JAX's ``emit_pipeline`` under JAX's TPU interpret mode as a reference.
 
 Each kernel is built by a function of ``(pl, pltpu)``, so one source runs with
 our modules and with JAX's. JAX's pipeline asks the device for its TPU
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import DMA_WAYS, OLD_JAX, WAYS, builder, mxu_operand, run, tensorcore_mesh, ways
+from three_way import OLD_JAX, mxu_operand, tensorcore_mesh
+from ways import every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -59,6 +60,12 @@ def run_jax(build, *args, **kw):
     fn = jax.jit(build(jpl, jpltpu, interpret=jpltpu.InterpretParams(), **kw))
     with simulated_tpu():
         return fn(*args)
+
+
+def run(way, make, *args, **kw):
+    """``make(pl, pltpu, interpret=..., **kw)``'s function of ``args`` run the ``way`` way
+    (tests/ways.py)."""
+    return way.call(lambda pl, pltpu, *a, interpret: make(pl, pltpu, interpret=interpret, **kw)(*a), *args)
 
 
 def hbm_call(pl, kernel, out_shape, n_in, interpret, **kw):
@@ -153,25 +160,25 @@ def build_revisit(pl, pltpu, *, interpret):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("buffers", [None, 1, 2, 3])
 def test_add(way, buffers):
     x, y = rand(0, (512, 256)), rand(1, (512, 256))
-    out = run(builder(build_add, block=(128, 128), buffers=buffers), (x, y), way)
+    out = run(way, build_add, x, y, block=(128, 128), buffers=buffers)
     close(out, x + y, 0)
 
 
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize(
-    "shape,dtype,way",
+    "shape,dtype",
     [
-        pytest.param(shape, dtype, *w.values, marks=w.marks, id=f"{shape[0]}x{shape[1]}{suffix}-{w.id}")
+        pytest.param(shape, dtype, id=f"{shape[0]}x{shape[1]}{suffix}")
         for shape, dtype, suffix in [
             ((600, 384), jnp.float32, ""),
             ((520, 200), jnp.float32, ""),
             ((100, 256), jnp.float32, ""),
             ((100, 200), jnp.bfloat16, "-bf16"),  # edge blocks of 36 rows (tiles of 16) and 72 columns
         ]
-        for w in ways(dma=True)
     ],
 )
 def test_add_blocks_not_dividing(way, shape, dtype):
@@ -180,15 +187,15 @@ def test_add_blocks_not_dividing(way, shape, dtype):
     pipeline copies them)."""
     x, y = rand(2, shape, dtype), rand(3, shape, dtype)
     block = (128, 128) if shape == (520, 200) else (64, 128)
-    out = run(builder(build_add, block=block), (x, y), way)
+    out = run(way, build_add, x, y, block=block)
     close(out, x + y, 0)
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_matmul_vmem_accumulator(way):
     x, y = rand(4, (256, 384)), rand(5, (384, 256))
-    out = run(builder(build_matmul_scratch, bm=128, bn=128, bk=128), (x, y), way)
-    close(out, jnp.dot(mxu_operand(x, way), mxu_operand(y, way), precision="highest"), 1e-4)
+    out = run(way, build_matmul_scratch, x, y, bm=128, bn=128, bk=128)
+    close(out, jnp.dot(mxu_operand(x, way.name), mxu_operand(y, way.name), precision="highest"), 1e-4)
 
 
 def build_accumulate_out(pl, pltpu, *, k_outer, interpret):
@@ -221,20 +228,24 @@ def build_accumulate_out(pl, pltpu, *, k_outer, interpret):
     return f
 
 
-@pytest.mark.parametrize("way", ways(dma=True, jax_skip="emit_pipeline has no should_accumulate_out"))
+@every_way(
+    tpu=True,
+    dma=True,
+    skip={"jax_mosaic": "JAX's Mosaic lowering: emit_pipeline has no should_accumulate_out"},
+)
 @pytest.mark.parametrize("k_outer", [False, True])
 def test_matmul_should_accumulate_out(way, k_outer):
     """out = c + x @ y: the output (aliased to c) is loaded when its block changes
     and the body adds into it, over a k axis inner or outer to the output's."""
     x, y, c = rand(6, (128, 256)), rand(7, (256, 256)), rand(8, (128, 256))
-    out = run(builder(build_accumulate_out, k_outer=k_outer), (x, y, c), way)
-    close(out, c + jnp.dot(mxu_operand(x, way), mxu_operand(y, way), precision="highest"), 1e-4)
+    out = run(way, build_accumulate_out, x, y, c, k_outer=k_outer)
+    close(out, c + jnp.dot(mxu_operand(x, way.name), mxu_operand(y, way.name), precision="highest"), 1e-4)
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_unchanged_input_block_is_not_copied_again(way):
     x = rand(9, (16, 128))
-    out = run(builder(build_revisit), (x,), way)
+    out = run(way, build_revisit, x)
     expected = jnp.concatenate(
         [jnp.concatenate([x[8 * i : 8 * i + 8] + j for j in range(3)], 1) for i in range(2)]
     )
@@ -265,11 +276,11 @@ def build_nested(pl, pltpu, *, interpret):
     )(x)
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_nested_in_outer_grid(way):
     """An outer pallas_call grid over row bands; each step pipelines its band."""
     x = rand(10, (4 * 64, 256))
-    out = run(builder(build_nested), (x,), way)
+    out = run(way, build_nested, x)
     close(out, jnp.sin(x) * 2.0 + jnp.repeat(jnp.arange(4.0), 64)[:, None], 1e-6)
 
 
@@ -286,10 +297,10 @@ def build_program_ids(pl, pltpu, *, interpret):
     return lambda x: hbm_call(pl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 1, interpret)(x)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_program_id_in_body_is_the_pipelines(way):
     x = rand(11, (32, 256))
-    out = run(builder(build_program_ids), (x,), way)
+    out = run(way, build_program_ids, x)
     ii = jnp.repeat(jnp.arange(4.0), 8)[:, None]
     jj = jnp.repeat(jnp.arange(2.0), 128)[None, :]
     close(out, x + 100 * ii + jj + 4000.0)
@@ -311,10 +322,10 @@ def build_squeezed(pl, pltpu, *, interpret):
     return lambda x, y: hbm_call(pl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 2, interpret)(x, y)
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_squeezed_dims_pytree_specs_and_no_pipelining(way):
     x, y = rand(12, (3, 16, 128)), rand(13, (16, 128))
-    close(run(builder(build_squeezed), (x, y), way), x * y[None], 0)
+    close(run(way, build_squeezed, x, y), x * y[None], 0)
 
 
 def build_reused_allocations(pl, pltpu, *, interpret):
@@ -336,10 +347,10 @@ def build_reused_allocations(pl, pltpu, *, interpret):
     return lambda x: hbm_call(pl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 1, interpret)(x)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_with_allocations_reused_and_explicit_step(way):
     x = rand(14, (64, 128))
-    close(run(builder(build_reused_allocations), (x,), way), 9.0 * x, 1e-6)
+    close(run(way, build_reused_allocations, x), 9.0 * x, 1e-6)
 
 
 def async_prefetch_pipeline(pl, pltpu):
@@ -377,23 +388,25 @@ def build_async_prefetch(pl, pltpu, *, interpret):
     return f
 
 
-@pytest.mark.parametrize(
-    "way",
-    ways(
-        jax_xfail=None
-        if OLD_JAX
-        else "three_way harness: JAX's async_prefetch allocates the VMEM buffers and DMA "
+@every_way(
+    tpu=True,
+    skip={"jax_mosaic": "JAX 0.10's Pallas: no emit_pipeline_with_async_prefetch (nor pltpu.TensorCoreMesh)"}
+    if OLD_JAX
+    else {},
+    xfail={}
+    if OLD_JAX
+    else {
+        "jax_mosaic": "the Mosaic ways' harness: JAX's async_prefetch allocates the VMEM buffers and DMA "
         "semaphores in XLA (empty_ref, AllocateBuffer) and passes them between two kernels; the "
-        "harness evaluates one kernel's state at a time",
-        old_jax_skip="no emit_pipeline_with_async_prefetch (nor pltpu.TensorCoreMesh)",
-    ),
+        "harness evaluates one kernel's state at a time"
+    },
 )
 def test_async_prefetch_then_pipeline_in_a_later_kernel(way):
     """async_prefetch runs outside the kernel; the pipeline of a later kernel over the mesh
     takes its allocations (JAX's usage). Ours lowers async_prefetch to nothing: the pipeline
     fetches its first blocks when it starts (same data; no overlap with earlier work)."""
     x, y = rand(16, (64, 256)), rand(17, (64, 256))
-    close(run(builder(build_async_prefetch), (x, y), way), x * y + 1.0, 1e-6)
+    close(run(way, build_async_prefetch, x, y), x * y + 1.0, 1e-6)
 
 
 @pytest.mark.interpret_only(reason="interpret-mode error messages")
@@ -423,7 +436,7 @@ def test_buffered_ref_public_fields():
     assert again.index[0] == 1 and int(again.local_index) == 3
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_core_axis_name_splits_the_grid(way):
     x = rand(15, (8 * 8, 128))
 
@@ -446,7 +459,7 @@ def test_core_axis_name_splits_the_grid(way):
 
         return pl.kernel(double, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh)
 
-    close(run(build, (x,), way, num_cores=2), 2.0 * x, 0)
+    close(way.with_params(num_cores=2).jit(build(*way.modules()))(x), 2.0 * x, 0)
 
 
 # ---------------------------------------------------------------------------
@@ -601,11 +614,11 @@ def build_vmem_view(pl, pltpu, *, interpret):
     )(x)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_vmem_operand_is_a_view(way):
     """A Ref already in VMEM with a VMEM spec is not copied: the body gets a view (as in JAX)."""
     x = rand(31, (16, 256))
-    close(run(builder(build_vmem_view), (x,), way), x + 1.0, 0)
+    close(run(way, build_vmem_view, x), x + 1.0, 0)
 
 
 def build_loop_around_pipeline(pl, pltpu, *, interpret):
@@ -628,8 +641,8 @@ def build_loop_around_pipeline(pl, pltpu, *, interpret):
     return lambda x: hbm_call(pl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 1, interpret)(x)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_lax_loop_around_pipeline(way):
     """A pipeline inside a fori_loop (its buffers allocated once outside)."""
     x = rand(32, (32, 128))
-    close(run(builder(build_loop_around_pipeline), (x,), way), x + 4.0, 1e-6)
+    close(run(way, build_loop_around_pipeline, x), x + 4.0, 1e-6)

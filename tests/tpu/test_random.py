@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental.pallas import tpu as jpltpu
-from three_way import ON_CHIP, WAYS, run, ways
+from three_way import ON_CHIP
+from ways import TPU_WAYS, Way, every_way, skip_way
 
 import pallas as pl
 import pallas_tpu
@@ -60,11 +61,14 @@ def rng(request):
     return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
 
 
+INTERPRET = Way("tpu_interpret")  # the reference of the Mosaic ways' draws
+
+
 def _seeds(rng, n=2):
     return jnp.asarray(rng.integers(-(2**31), 2**31 - 1, size=(n,)), jnp.int32)
 
 
-def draw_twice(seeds, way="interpret"):
+def draw_twice(seeds, way=INTERPRET):
     """Seeds from SMEM, then two draws of (8, 128) bits, run the ``way`` way."""
 
     def build(pl, t):
@@ -77,13 +81,13 @@ def draw_twice(seeds, way="interpret"):
             kernel, out_shape=_sds((2, 8, 128)), in_specs=[pl.BlockSpec(memory_space=t.SMEM)]
         )
 
-    return run(build, (seeds,), way)
+    return way.jit(build(*way.modules()))(seeds)
 
 
 # ------------------------------------------------------------- stateful PRNG
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_prng_is_deterministic_per_seed_and_fresh_per_call(way, rng):
     seeds = _seeds(rng)
     a, b = draw_twice(seeds, way), draw_twice(seeds, way)
@@ -109,7 +113,7 @@ def test_prng_matches_pallas_key_bits(rng):
     )
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_prng_differs_between_loop_iterations_and_grid_steps(way, rng):
     seed = _seeds(rng, 1)
 
@@ -127,7 +131,7 @@ def test_prng_differs_between_loop_iterations_and_grid_steps(way, rng):
             kernel, out_shape=_sds((4, 8, 128)), in_specs=[pl.BlockSpec(memory_space=t.SMEM)]
         )
 
-    out = run(build_loop, (seed,), way)
+    out = way.jit(build_loop(*way.modules()))(seed)
     for i in range(4):
         for j in range(i):
             assert np.mean(out[i] == out[j]) < 0.01
@@ -143,14 +147,18 @@ def test_prng_differs_between_loop_iterations_and_grid_steps(way, rng):
             per_step, out_shape=_sds((3, 8, 128)), grid=(3,), in_specs=[smem], out_specs=spec
         )
 
-    steps = run(build_steps, (seed,), way)
+    steps = way.jit(build_steps(*way.modules()))(seed)
     assert np.mean(steps[0] == steps[1]) < 0.01 and np.mean(steps[1] == steps[2]) < 0.01
     # Deterministic: the same grid again gives the same bits.
-    np.testing.assert_array_equal(steps, run(build_steps, (seed,), way))
+    np.testing.assert_array_equal(steps, way.jit(build_steps(*way.modules()))(seed))
 
 
-@pytest.mark.parametrize(
-    "way", ways(jax_skip="prng_seed(2**32 - 1): a Python seed above int32's range overflows (OverflowError)")
+@every_way(
+    tpu=True,
+    skip={
+        "jax_mosaic": "JAX's Mosaic lowering: prng_seed(2**32 - 1): a Python seed above int32's range "
+        "overflows (OverflowError)"
+    },
 )
 def test_prng_without_seed_and_with_python_seeds(way):
     def build(pl, t):
@@ -161,12 +169,13 @@ def test_prng_without_seed_and_with_python_seeds(way):
 
         return pl.pallas_call(kernel, out_shape=_sds((2, 8, 128)))
 
-    out, out2 = run(build, (), way), run(build, (), way)
+    out, out2 = way.jit(build(*way.modules()))(), way.jit(build(*way.modules()))()
     # Unseeded, the interpreters (ours and JAX's) and run_mosaic start from a fixed state; a
     # chip's generator holds whatever the last kernel left there (the TPU v5e, 2026-12-06: the
     # unseeded half differed between two calls), so there only the seeded bits repeat.
     np.testing.assert_array_equal(
-        out[1:] if way == "compiled" and ON_CHIP else out, out2[1:] if way == "compiled" and ON_CHIP else out2
+        out[1:] if way.name == "compiled" and ON_CHIP else out,
+        out2[1:] if way.name == "compiled" and ON_CHIP else out2,
     )
     assert np.mean(out[0] == out[1]) < 0.01
 
@@ -204,14 +213,9 @@ _SAMPLERS = {
 _JAX_NARROW_BITS = "random bits narrower than 32 (bernoulli draws uint8 words, bf16 uniform uint16)"
 
 
-@pytest.mark.parametrize(
-    "sampler,way",
-    [
-        pytest.param(name, *w.values, marks=w.marks, id=f"{name}-{w.id}")
-        for name in _SAMPLERS
-        for w in ways(jax_skip=_JAX_NARROW_BITS if name in ("bernoulli", "uniform_bf16") else None)
-    ],
-)
+@every_way(tpu=True)
+@skip_way("jax_mosaic", f"JAX's Mosaic lowering: {_JAX_NARROW_BITS}", ids=("bernoulli", "uniform_bf16"))
+@pytest.mark.parametrize("sampler", list(_SAMPLERS))
 def test_stateful_samplers_distributions(sampler, way, rng):
     seed = _seeds(rng, 1)
     shape = (64, 128)
@@ -226,13 +230,13 @@ def test_stateful_samplers_distributions(sampler, way, rng):
             kernel, out_shape=_sds(shape, dtype), in_specs=[pl.BlockSpec(memory_space=t.SMEM)]
         )
 
-    out = np.asarray(run(build, (seed,), way))
+    out = np.asarray(way.jit(build(*way.modules()))(seed))
     assert out.dtype == dtype and check(out), (sampler, way)
     # The Mosaic ways execute the hardware PRNG as the interpreter models it: the same
     # bits, so the same samples (to a few ulps: erf_inv is a polynomial in each lowering).
     # A chip's generator is its own (the compiled way there compares ours with JAX's lowering).
-    if way != "interpret" and not (way == "compiled" and ON_CHIP):
-        expect = np.asarray(run(build, (seed,), "interpret"))
+    if way.name != "tpu_interpret" and not (way.name == "compiled" and ON_CHIP):
+        expect = np.asarray(INTERPRET.jit(build(*INTERPRET.modules()))(seed))
         np.testing.assert_allclose(out.astype(np.float64), expect.astype(np.float64), rtol=0, atol=1e-6)
 
 
@@ -315,17 +319,8 @@ def test_sample_block_matches_jax_on_threefry_keys(sampler, rng):
         np.testing.assert_array_equal(ours, theirs)
 
 
-@pytest.mark.parametrize(
-    "impl,way",
-    [
-        pytest.param(impl, *w.values, marks=w.marks, id=f"{impl}-{w.id}")
-        for impl in ["threefry2x32", "pallas"]
-        for w in [
-            pytest.param("core_interpret", id="core_interpret"),
-            *ways(),
-        ]
-    ],
-)
+@every_way(only=("core", *TPU_WAYS))
+@pytest.mark.parametrize("impl", ["threefry2x32", "pallas"])
 def test_sample_block_is_invariant_to_block_shape(way, impl, rng):
     """The same samples whatever the block shape, in pallas-core's interpret mode and
     the three TPU ways (``sample_block`` inside the kernel: threefry or Pallas keys)."""
@@ -364,9 +359,9 @@ def test_sample_block_is_invariant_to_block_shape(way, impl, rng):
         return make
 
     def sample(block):
-        if way == "core_interpret":
+        if way.name == "core":
             return build(block, interpret=True)(pl, pallas_tpu)(key_data)
-        return run(build(block), (key_data,), way)
+        return way.jit(build(block)(*way.modules()))(key_data)
 
     a, b, c = sample((8, 128)), sample((16, 256)), sample((32, 512))
     np.testing.assert_array_equal(a, b)
@@ -374,7 +369,7 @@ def test_sample_block_is_invariant_to_block_shape(way, impl, rng):
     assert abs(float(a.mean()) - 0.5) < 0.03
     # Threefry is a pure function: the Mosaic ways draw what the interpreter draws. (The
     # hardware PRNG behind Pallas keys is modelled, not reproduced: invariance only.)
-    if way in ("ours", "jax") and impl == "threefry2x32":
+    if way.name in ("mosaic", "jax_mosaic") and impl == "threefry2x32":
         np.testing.assert_allclose(a, sample_interpret(build, key_data), rtol=0, atol=1e-6)
 
 
@@ -385,7 +380,7 @@ def jax_wrap_pallas_seed(*seeds):
 
 
 def sample_interpret(build, key_data):
-    return run(build((8, 128)), (key_data,), "interpret")
+    return INTERPRET.jit(build((8, 128))(*INTERPRET.modules()))(key_data)
 
 
 @pytest.mark.parametrize(
@@ -414,7 +409,7 @@ def test_pallas_key_fold_in_matches_jax(rng):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.stack(want)))
 
 
-@pytest.mark.parametrize("way", ways(jax_skip="no rule for random_split"))
+@every_way(tpu=True, skip={"jax_mosaic": "JAX's Mosaic lowering: no rule for random_split"})
 def test_threefry_keys_carried_by_while_and_traced_fori_loops(way):
     # A key taken from a split (row r > 0 of the key data) carried by scf.while and
     # scf.for: Mosaic lays out such a 1-D scf.for carry wrongly, so ours carries it as (1, 2).
@@ -443,7 +438,7 @@ def test_threefry_keys_carried_by_while_and_traced_fori_loops(way):
         )(s)
 
     seed = int(np.random.default_rng().integers(0, 2**31))
-    got = run(build, (jnp.array([seed, 3], jnp.int32),), way)
+    got = way.jit(build(*way.modules()))(jnp.array([seed, 3], jnp.int32))
     keys = jax.random.split(jax.random.key(seed), 4)
     want = jnp.zeros((8, 128), jnp.float32)
     for k0 in (keys[3], keys[1]):

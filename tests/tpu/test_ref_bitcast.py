@@ -3,7 +3,7 @@ routing grouped matmul reads a bf16 VMEM block as uint32 words). A bitcast that 
 element width reads the same elements as another dtype; one that changes it packs along
 the second-to-last dimension, as a TPU does: ``(16, 128)`` int32 is ``(32, 128)`` bfloat16,
 row ``2r + k`` holding half ``k`` (least significant first) of row ``r``. Reads and writes
-through the view, the four ``three_way`` ways against plain jnp (``lax.bitcast_convert_type``
+through the view, every TPU way (tests/ways.py) against plain jnp (``lax.bitcast_convert_type``
 and reshapes) on fresh random data, JAX's interpret mode as a second reference, and the
 error paths. ``run_mosaic`` runs a width-changing ``tpu.memref_bitcast`` through a table of
 each element's bytes in its allocation (no NumPy view packs two rows into one element)."""
@@ -18,7 +18,8 @@ from jax import lax
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import OLD_JAX, run, ways  # noqa: E402
+from three_way import OLD_JAX  # noqa: E402
+from ways import Way, every_way  # noqa: E402
 
 import pallas as pl  # noqa: E402
 import pallas_tpu as pltpu  # noqa: E402
@@ -108,23 +109,23 @@ def _id(case):
     return f"{jnp.dtype(src).name}{list(shape)}-{jnp.dtype(dst).name}"
 
 
-@pytest.mark.parametrize("mode", ways())
+@every_way(tpu=True)
 @pytest.mark.parametrize("case", SAME_WIDTH, ids=_id)
-def test_same_width_read_and_write(case, mode):
+def test_same_width_read_and_write(case, way):
     shape, src, dst = case
     x, z = read_write_args(sum(shape), shape, src, dst)
-    o, back = run(lambda pl, pltpu: build_read_write(pl, pltpu, shape=shape, src=src, dst=dst), (x, z), mode)
+    o, back = way.jit(build_read_write(*way.modules(), shape=shape, src=src, dst=dst))(x, z)
     want_o, want_back = read_write_expected(x, z)
     same_bits(o, want_o)
     same_bits(back, want_back)
 
 
-@pytest.mark.parametrize("mode", ways())
+@every_way(tpu=True)
 @pytest.mark.parametrize("case", WIDTH_CHANGING, ids=_id)
-def test_width_changing_read_and_write(case, mode):
+def test_width_changing_read_and_write(case, way):
     shape, src, dst = case
     x, z = read_write_args(sum(shape) + 1, shape, src, dst)
-    o, back = run(lambda pl, pltpu: build_read_write(pl, pltpu, shape=shape, src=src, dst=dst), (x, z), mode)
+    o, back = way.jit(build_read_write(*way.modules(), shape=shape, src=src, dst=dst))(x, z)
     want_o, want_back = read_write_expected(x, z)
     same_bits(o, want_o)
     same_bits(back, want_back)
@@ -204,12 +205,12 @@ def quiet_nans(x):
     return np.where(nan, (u & 0x8000) | 0x7FC0, u).astype(np.uint16).view(np.asarray(x).dtype)
 
 
-@pytest.mark.parametrize("mode", ways())
-def test_bitcast_with_indexers(mode):
+@every_way(tpu=True)
+def test_bitcast_with_indexers(way):
     x = bits(11, (2, 16, 128), jnp.int32)
-    o, p = run(build_with_indexers, (x,), mode)
+    o, p = way.jit(build_with_indexers(*way.modules()))(x)
     want_o, want_p = with_indexers_expected(x)
-    if OLD_JAX and mode == "interpret":
+    if OLD_JAX and way.name == "tpu_interpret":
         # jaxlib 0.10's CPU concatenate and dynamic_update_slice of bfloat16 quiet NaN
         # payloads (0.11's keep them): the TPU interpreter's writes of o's rows are those
         # (p is written whole).
@@ -241,16 +242,17 @@ def compact_words_expected(x):
     return tpu_bitcast(words.reshape(n, stride, 1, lanes), jnp.bfloat16)
 
 
-@pytest.mark.parametrize(
-    "mode",
-    ways(
-        jax_skip='a reshape view under an abstract mesh of a TPU: "Length of sharding.spec (4) must be '
+@every_way(
+    tpu=True,
+    skip={
+        "jax_mosaic": "JAX's Mosaic lowering: a reshape view under an abstract mesh of a TPU: "
+        '"Length of sharding.spec (4) must be '
         "equal to aval's ndim (2)\" (its ReshapeTransform keeps the Ref's sharding)",
-    ),
+    },
 )
-def test_tokamax_compact_words(mode):
+def test_tokamax_compact_words(way):
     x = bits(12, (2, 8, 2, 128), jnp.bfloat16)
-    same_bits(run(build_compact_words, (x,), mode), compact_words_expected(x))
+    same_bits(way.jit(build_compact_words(*way.modules()))(x), compact_words_expected(x))
 
 
 def build_dma(pl, pltpu, *, wide, interpret=None):
@@ -284,11 +286,11 @@ def dma_expected(x, dst):
     return tpu_bitcast(v, x.dtype)
 
 
-@pytest.mark.parametrize("mode", ways(dma=True))
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("wide", [False, True], ids=["narrowing", "widening"])
-def test_dma_through_bitcast_views(wide, mode):
+def test_dma_through_bitcast_views(wide, way):
     x = bits(13 + wide, (32, 128) if wide else (16, 128), jnp.bfloat16 if wide else jnp.int32)
-    got = run(lambda pl, pltpu: build_dma(pl, pltpu, wide=wide), (x,), mode)
+    got = way.jit(build_dma(*way.modules(), wide=wide))(x)
     same_bits(got, dma_expected(x, jnp.uint32 if wide else jnp.bfloat16))
 
 
@@ -347,7 +349,7 @@ def test_shapes_jax_refuses(shape, src, dst, exc, words, mode):
             with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
                 jax.jit(f)(x)
         else:
-            run(lambda pl, pltpu: f, (x,), mode)
+            Way("mosaic").jit(f)(x)
 
 
 def test_width_change_of_a_block_squeezing_its_second_minor_dim_is_refused_by_the_lowering():
@@ -359,7 +361,7 @@ def test_width_change_of_a_block_squeezing_its_second_minor_dim_is_refused_by_th
     with pytest.raises(
         NotImplementedError, match=r"squeezes the second-to-last dimension \(None in block_shape\[-2\]\)"
     ):
-        run(lambda pl, pltpu: f, (x,), "ours")
+        Way("mosaic").jit(f)(x)
     # Interpret mode reads the (16, 128) Ref the kernel sees, as JAX's interpret=True does.
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         got = jax.jit(f)(x)

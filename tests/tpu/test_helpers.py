@@ -1,7 +1,7 @@
 """``pltpu.sync_copy``, ``run_on_first_core`` and ``core_barrier`` against
-plain jnp on fresh random data: ``sync_copy`` kernels run the three ways of
-``three_way.py``, the two-core kernels too (``num_cores=2``: a megacore
-chip), but for the deadlock report, which only interpret mode gives."""
+plain jnp on fresh random data: ``sync_copy`` kernels run every TPU way
+(tests/ways.py), the two-core kernels too (``way.with_params(num_cores=2)``: a
+megacore chip), but for the deadlock report, which only interpret mode gives."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import three_way
 from jax import lax
-from three_way import DMA_WAYS, WAYS, call, run, tensorcore_mesh
+from three_way import tensorcore_mesh
+from ways import Way, every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas_tpu._src.mosaic.compile_check import MosaicCompileError
 
 jax.config.update("jax_enable_checks", True)
 
@@ -49,10 +51,10 @@ def sync_copy_round_trip(pl, pltpu, x, *, interpret):
     )(x)
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_sync_copy_round_trip_through_vmem(way):
     x = rand(0, (16, 256))
-    close(call(sync_copy_round_trip, (x,), way), jnp.concatenate([x[8:] * 2.0 + 1.0, x[:8]]))
+    close(way.call(sync_copy_round_trip, x), jnp.concatenate([x[8:] * 2.0 + 1.0, x[:8]]))
 
 
 def sync_copy_pytrees(pl, pltpu, x, y, *, interpret):
@@ -72,10 +74,10 @@ def sync_copy_pytrees(pl, pltpu, x, y, *, interpret):
     )(x, y)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_sync_copy_pytrees(way):
     x, y = rand(1, (8, 128)), rand(2, (16, 128))
-    a, b = call(sync_copy_pytrees, (x, y), way)
+    a, b = way.call(sync_copy_pytrees, x, y)
     close(a, x + 1.0)
     close(b, y)
 
@@ -122,10 +124,10 @@ def _two_cores(make_body, x, way, scratch=lambda pltpu: ()):
             scratch_types=scratch(pltpu),
         )
 
-    return run(build, (x,), way, num_cores=2)
+    return way.with_params(num_cores=2).jit(build(*way.modules()))(x)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_run_on_first_core(way):
     x = rand(4, (16, 128))
 
@@ -143,7 +145,7 @@ def test_run_on_first_core(way):
     close(_two_cores(make_body, x, way), jnp.concatenate([x[8:], x[8:]]))
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_core_barrier_orders_the_cores(way):
     """Core 1 writes its half only after core 0 has written the whole output:
     without the barrier the result would depend on the order of the cores."""
@@ -169,7 +171,7 @@ def test_core_barrier_orders_the_cores(way):
     close(out, jnp.concatenate([x[:8], x[:8]]))
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_core_barrier_each_grid_step_of_a_core_parallel_grid(way):
     """Two cores, four grid points each: at every step each core adds its
     block into a shared HBM accumulator row, then, after a barrier, reads the
@@ -212,18 +214,18 @@ def test_core_barrier_each_grid_step_of_a_core_parallel_grid(way):
             compiler_params=pltpu.CompilerParams(dimension_semantics=("core_parallel", "arbitrary")),
         )
 
-    if way == "compiled":
+    if way.name == "compiled":
+        if way.beside:
+            pytest.skip("compile_both below compiles JAX's lowering beside ours")
         # A core_parallel axis of 2 steps needs a chip with two TensorCores: Mosaic refuses it
         # for the one-core chips (v5e, v6e; libtpu's v4 device), JAX's module as ours.
         one_core = [c for c in three_way.COMPILE_CHIPS if c not in three_way.MEGACORE_CHIPS]
         for chip in one_core:
-            with pytest.raises(
-                three_way.MosaicCompileError, match="Core-parallel dimension 0 has iteration bound: 2"
-            ):
+            with pytest.raises(MosaicCompileError, match="Core-parallel dimension 0 has iteration bound: 2"):
                 three_way.compile_both(build, (x,), (chip,))
         three_way.compile_both(build, (x,), three_way.MEGACORE_CHIPS)
-        way = "ours"
-    acc, out = run(build, (x,), way, num_cores=2)
+        way = Way("mosaic")
+    acc, out = way.with_params(num_cores=2).jit(build(*way.modules()))(x)
     prefix = jnp.cumsum(x, axis=1)  # per core, the running sum after each step
     close(acc, prefix[:, -1], 1e-5)
     close(out, prefix[::-1], 1e-5)

@@ -1,5 +1,5 @@
 """JAX 0.12's newest ``pl`` names on TPU kernels (issue 49 §1):
-``pl.enable_poison_buffers`` (every way of ``three_way.py``, and pallas-core's
+``pl.enable_poison_buffers`` (every TPU way of tests/ways.py, and pallas-core's
 ``interpret=True``), ``pl.get_global`` (refused everywhere, as JAX refuses it
 outside Mosaic GPU), ``pl.Indirect`` (refused by ``pallas_call`` and
 ``emit_pipeline``: JAX reads it in SparseCore pipelines only) and ``pl.semaphore``."""
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import three_way
+from ways import Way, every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -58,18 +59,18 @@ def _poison_build(dtype):
     return build
 
 
-@pytest.mark.parametrize(
-    "way",
-    three_way.ways(
-        jax_skip=None
-        if hasattr(jax.config, "jax_pallas_poison_buffers")
-        else f"JAX {jax.__version__} has no jax_pallas_poison_buffers (JAX 0.12)"
-    ),
+@every_way(
+    tpu=True,
+    skip={}
+    if hasattr(jax.config, "jax_pallas_poison_buffers")
+    else {
+        "jax_mosaic": f"JAX's Mosaic lowering: JAX {jax.__version__} has no jax_pallas_poison_buffers (JAX 0.12)"
+    },
 )
 @pytest.mark.parametrize("dtype", [np.float32, np.int32, np.uint32])
 def test_poisoned_run_scoped_buffer(way, dtype, rng, poison):
     x = jnp.asarray(rng.integers(-1000, 1000, (8, 128)), dtype)
-    seen, out = three_way.run(_poison_build(dtype), (x,), way)
+    seen, out = way.jit(_poison_build(dtype)(*way.modules()))(x)
     np.testing.assert_array_equal(out, np.asarray(x) * 2)
     np.testing.assert_array_equal(seen, np.full((8, 128), POISON[np.dtype(dtype)]))
 
@@ -91,8 +92,8 @@ def test_poison_in_smem_scalars_every_element(poison):
         )(x)
 
     x = jnp.asarray([5], jnp.int32)
-    for way in ("interpret", "ours"):
-        np.testing.assert_array_equal(three_way.run(build, (x,), way), [-(2**31), -(2**31) + 5])
+    for way in (Way("tpu_interpret"), Way("mosaic")):
+        np.testing.assert_array_equal(way.jit(build(*way.modules()))(x), [-(2**31), -(2**31) + 5])
 
 
 def _core_interpret():

@@ -1,7 +1,7 @@
 """``pltpu.with_memory_space_constraint`` on ``pl.kernel`` operands (issue 31):
 an operand constrained to SMEM comes to the body as an SMEM Ref, so its
 elements are read as scalars (tokamax's gmm_v2 passes its group offsets so),
-checked against jnp on fresh random data in every way of ``three_way`` (our
+checked against jnp on fresh random data in every TPU way of tests/ways.py (our
 TPU interpret mode, our Mosaic lowering run by ``run_mosaic``, JAX's lowering,
 and ours compiled by libtpu). The constraint stays inside the kernel call: a
 value returned from jit, or passed through another op first, is a plain array."""
@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import close, run, tensorcore_mesh, ways
+from three_way import close, tensorcore_mesh
+from ways import every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -65,16 +66,16 @@ def _gather_groups(pl, pltpu, spaces=None):
     return f
 
 
-@pytest.mark.parametrize(
-    "way",
-    ways(
-        jax_xfail="run_mosaic: JAX's module gives its SMEM operand window_params with an affine_map"
+@every_way(
+    tpu=True,
+    xfail={
+        "jax_mosaic": "run_mosaic: JAX's module gives its SMEM operand window_params with an affine_map"
         " transform_indices (run_mosaic reads a symbol there)"
-    ),
+    },
 )
 def test_smem_constrained_offsets_drive_dynamic_slices(way):
     seed, x, offsets, scales = _data()
-    out = run(lambda pl, pltpu: _gather_groups(pl, pltpu), (x, offsets, scales), way, num_cores=2)
+    out = way.with_params(num_cores=2).jit(_gather_groups(*way.modules()))(x, offsets, scales)
     try:
         close(out, _reference(x, offsets, scales))
     except AssertionError as e:

@@ -1,5 +1,5 @@
 """``pl.select_ref``: a DMA whose source or destination is chosen by a value known when
-the kernel runs (JAX 0.11's API). Each kernel runs every way of ``three_way.py`` (both
+the kernel runs (JAX 0.11's API). Each kernel runs every TPU way (tests/ways.py: both
 DMA modes of TPU interpret mode; our Mosaic lowering and JAX's under ``run_mosaic``;
 libtpu's compiler) against jnp on fresh random data. JAX's own TPU interpret mode does
 not run ``select_ref`` ("Cannot resolve attribute aval"); its lowering does."""
@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from three_way import call, close, ways
+from three_way import close
+from ways import every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -41,11 +42,11 @@ def select_source(pl, pltpu, idx, x0, x1, *, interpret):
     )(idx, x0, x1)
 
 
-@pytest.mark.parametrize("way", ways(dma=True))
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("i", [0, 1, 7, -1])
 def test_a_selected_source(i, way):
     x0, x1 = rand(1, (16, 128)), rand(2, (8, 128))
-    got = call(select_source, (jnp.array([i], jnp.int32), x0, x1), way)
+    got = way.call(select_source, jnp.array([i], jnp.int32), x0, x1)
     close(got, 2.0 * (x0[8:] if i == 0 else x1))  # JAX's lowering: any index but 0 takes the last
 
 
@@ -70,11 +71,11 @@ def select_destination(pl, pltpu, idx, x, a0, a1, *, interpret):
     )(idx, x, a0, a1)
 
 
-@pytest.mark.parametrize("way", ways(dma=True))
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("i", [0, 1])
 def test_a_selected_destination(i, way):
     x, a0, a1 = rand(3, (8, 128)), rand(4, (8, 128)), rand(5, (8, 128))
-    o0, o1 = call(select_destination, (jnp.array([i], jnp.int32), x, a0, a1), way)
+    o0, o1 = way.call(select_destination, jnp.array([i], jnp.int32), x, a0, a1)
     close(o0, x if i == 0 else a0)
     close(o1, x if i == 1 else a1)
 
@@ -98,11 +99,11 @@ def sync_copy_rows(pl, pltpu, idx, x0, x1, *, interpret):
     )(idx, x0, x1)
 
 
-@pytest.mark.parametrize("way", ways(dma=True))
+@every_way(tpu=True, dma=True)
 def test_sync_copy_of_a_selected_view_per_grid_step(way):
     x0, x1 = rand(6, (32, 128)), rand(7, (32, 128))
     idx = jnp.array([1, 0, 0, 1], jnp.int32)
-    got = call(sync_copy_rows, (idx, x0, x1), way)
+    got = way.call(sync_copy_rows, idx, x0, x1)
     close(got, jnp.where(jnp.repeat(idx, 8)[:, None] == 1, x1, x0))
 
 

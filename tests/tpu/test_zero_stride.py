@@ -1,6 +1,6 @@
 """Reads through ``pl.ds(start, n, 0)`` (stride 0: the element at ``start``, ``n`` times),
 as tokamax's quantized matmuls read a scale row (``scale[:, pl.ds(0, n, 0), :]``): the
-four TPU ways of ``three_way.py`` (JAX's own Mosaic lowering, run by ``run_mosaic``, is
+four TPU ways of tests/ways.py (JAX's own Mosaic lowering, run by ``run_mosaic``, is
 the JAX reference: JAX's interpret modes cannot discharge a zero stride), pallas-core's
 interpret mode and pallas-gpu's (Triton's interpreter), each against ``jnp.broadcast_to``
 of the row on fresh random data. A write through a zero stride is refused by name."""
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from three_way import DMA_WAYS, call
+from ways import every_way
 
 import pallas as pl
 
@@ -31,10 +31,10 @@ def scale_rows(pl, pltpu, x, s, *, interpret):
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)(x, s)
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_scale_row_broadcast(way):
     x, s = rand(0, (2, 8, 128)), rand(1, (2, 1, 128))
-    np.testing.assert_allclose(call(scale_rows, (x, s), way), x * s, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(way.call(scale_rows, x, s), x * s, rtol=1e-6, atol=1e-6)
 
 
 def row_at_step(pl, pltpu, x, *, interpret):
@@ -58,11 +58,11 @@ def row_at_step(pl, pltpu, x, *, interpret):
     )(x)
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_dynamic_start_in_a_loop(way):
     x = rand(2, (16, 128))
     want = jnp.concatenate([jnp.broadcast_to(x[i] + x[i + 1], (8, 128)) for i in range(3)])
-    np.testing.assert_allclose(call(row_at_step, (x,), way), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(way.call(row_at_step, x), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["core_interpret", "gpu_interpret"])

@@ -32,7 +32,11 @@ means nothing to a Mosaic module, so the Mosaic ways run once). ``way.with_param
 num_cores=2, **interpret_params)`` is the same way over a chip's two TensorCores
 (``num_cores_or_threads`` in the interpret way; modules exported for a megacore chip and
 ``run_mosaic(num_cores=2)`` in the Mosaic ways, compiled for ``three_way.MEGACORE_CHIPS``
-too) and with those ``pltpu.InterpretParams`` in the ``tpu_interpret`` way. A kernel body that uses ``pl``/``pltpu`` takes them from the way
+too) and with those ``pltpu.InterpretParams`` in the ``tpu_interpret`` way. On a TPU the
+compiled way rounds as the chip does: a test's reference or tolerance goes through
+``way.mxu_operand(x)``, ``way.chip_flushed(x)``, ``way.dot_tol(tol)`` or
+``way.chip_tol(tol, floor)`` (each its argument itself anywhere else).
+A kernel body that uses ``pl``/``pltpu`` takes them from the way
 (``pl, pltpu = way.modules()``): JAX's in the ``jax_mosaic`` way, ours elsewhere.
 A ``PallasTest`` (tests/core) needs nothing more: its ``self.pallas_call`` is pointed
 at ``way.pallas_call``. Another test takes ``way`` and calls ``way.pallas_call(kernel, out_shape, ...)`` where it
@@ -145,7 +149,7 @@ class Way:
         )
 
     def _interpret_params(self) -> dict:
-        """``pltpu.InterpretParams``' arguments in the tpu_interpret way (as three_way.run's)."""
+        """``pltpu.InterpretParams``' arguments in the tpu_interpret way."""
         params = {"dma_execution_mode": self.dma} if self.dma else {}
         if self.num_cores != 1:
             params["num_cores_or_threads"] = self.num_cores
@@ -308,6 +312,28 @@ class Way:
             _add_to_chip_bundle(f, args, outs)
         return outs
 
+    # What a kernel run this way computes where it differs from the host's arithmetic: the
+    # compiled way on a TPU (three_way.ON_CHIP) rounds and flushes as the chip does; anywhere
+    # else each of these is its argument itself (three_way's functions, by way name).
+
+    def mxu_operand(self, x):
+        """``x`` as a matmul kernel run this way multiplies it (on the chip: float32 rounded
+        to bfloat16), for the test's reference."""
+        return _three_way().mxu_operand(x, self.name)
+
+    def chip_flushed(self, x):
+        """``x`` with float32 subnormals flushed to signed zero where the kernel ran on the chip."""
+        return _three_way().chip_flushed(x, self.name)
+
+    def dot_tol(self, tol: float, dtype=np.float32, grads: bool = False) -> float:
+        """``tol`` for a kernel of chained matmuls of ``dtype`` operands, or the bf16 tolerance
+        where it runs on the chip (``grads``: of an attention backward)."""
+        return _three_way().dot_tol(tol, self.name, dtype, grads)
+
+    def chip_tol(self, tol: float, floor: float) -> float:
+        """``tol``, or ``floor`` where the kernel runs on the chip (its exp and log units)."""
+        return _three_way().chip_tol(tol, self.name, floor)
+
     def not_applicable(self, error: BaseException) -> str | None:
         """Why this way does not apply to a kernel that failed with ``error``: the
         TPU ways refuse, by the TPU's own check, a kernel no TPU runs (None: a finding)."""
@@ -453,8 +479,9 @@ def _run_on_chip(f, args, num_cores=1):
             agreement = f"ours failed ({tw.first_line(e)}); JAX's: {theirs_outcome}"
             tw.record_compile("chip", "ours", "failed", None, agreement=agreement)
             if "Mosaic failed to compile" in str(e):
-                kind = jax.devices()[0].device_kind
-                raise tw.MosaicCompileError.from_libtpu(e, kind, []) from e
+                from pallas_tpu._src.mosaic.compile_check import MosaicCompileError
+
+                raise MosaicCompileError.from_libtpu(e, jax.devices()[0].device_kind, []) from e
             raise
         agreement = "JAX's not built"
         try:
@@ -499,7 +526,15 @@ DMA_MODES = ("on_wait", "eager")  # the tpu_interpret way's, split by every_way(
 
 def every_way(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=False):
     """``pytest.mark.parametrize("way", ...)`` over ``DEFAULT_WAYS`` (``TPU_WAYS`` with
-    ``tpu``; or ``only`` of ``WAYS``).
+    ``tpu``; or ``only`` of ``WAYS``): ``way_params``' list.
+    """
+    params = way_params(skip=skip, xfail=xfail, raises=raises, only=only, tpu=tpu, dma=dma)
+    return pytest.mark.parametrize("way", params, indirect=True)
+
+
+def way_params(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=False) -> list:
+    """The ``pytest.param`` of each way ``every_way`` runs (for a ``parametrize("way", ...,
+    indirect=True)`` that adds parameters of its own: the ``way`` fixture gives them as they are).
 
     Args:
       skip: ``{way: reason}``: the kernel does not apply to that way.
@@ -524,7 +559,7 @@ def every_way(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=F
         split = DMA_MODES if dma and name == "tpu_interpret" else (None,)
         for way in (Way(name, dma=mode) for mode in split):
             params.append(pytest.param(way, marks=marks, id=way.id))
-    return pytest.mark.parametrize("way", params, indirect=True)
+    return params
 
 
 def skip_way(name: str, reason: str, ids=()):

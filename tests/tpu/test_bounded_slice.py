@@ -9,8 +9,8 @@ size is rounded up to the memory tiling of the dimension (1 for leading dimensio
 the last two and 1-D arrays round) and clamped to the end of the array before rounding; in
 interpret mode, which has no tile padding, the copy stops at the end of the array.
 
-Each kernel is written once as a function of ``(pl, pltpu)``, run the ``three_way`` ways
-(our interpret mode in both DMA modes, our Mosaic lowering and JAX's executed by
+Each kernel is written once as a function of ``(pl, pltpu)``, run every TPU way (tests/ways.py:
+our interpret mode in both DMA modes, our Mosaic lowering and JAX's executed by
 ``run_mosaic``, and compiled by libtpu), compared with plain numpy on fresh random data
 and, where JAX's TPU interpret mode runs it, with that too. ``pallas_call`` grid specs take
 no ``pl.BoundedSlice`` (JAX refuses it there as well): a test checks our error.
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from three_way import DMA_WAYS, builder, run
+from ways import every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -69,6 +69,12 @@ def run_jax_interpret(make, args, **kw):
     fn = jax.jit(make(jpl, jpltpu, interpret=jpltpu.InterpretParams(), **kw))
     with simulated_tpu():
         return fn(*args)
+
+
+def run(way, make, *args, **kw):
+    """``make(pl, pltpu, interpret=..., **kw)``'s function of ``args`` run the ``way`` way
+    (tests/ways.py)."""
+    return way.call(lambda pl, pltpu, *a, interpret: make(pl, pltpu, interpret=interpret, **kw)(*a), *args)
 
 
 def smem_hbm_call(pl, pltpu, kernel, out_shape, n_smem, n_hbm, interpret):
@@ -222,14 +228,14 @@ def build_one_d(pl, pltpu, *, n, block, interpret):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("buffers", [None, 1, 3])
 def test_grouped_rows(way, buffers):
     offs = group_offsets(0, 40, 6)
     scale = rand(1, (len(offs) - 1,))
     x = rand(2, (40, 8, 128))
-    make = builder(build_grouped_rows, bound=6, num_groups=len(offs) - 1, buffers=buffers)
-    out = run(make, (jnp.asarray(offs), scale, x), way)
+    kw = dict(bound=6, num_groups=len(offs) - 1, buffers=buffers)
+    out = run(way, build_grouped_rows, jnp.asarray(offs), scale, x, **kw)
     np.testing.assert_allclose(
         np.asarray(out), expect_grouped_rows(offs, np.asarray(scale), x), rtol=1e-6, atol=1e-6
     )
@@ -249,44 +255,43 @@ def test_grouped_rows_as_jax_interprets_it():
     )
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("buffers", [None, 3])
 def test_grouped_sum_over_a_second_axis(way, buffers):
     offs = group_offsets(6, 36, 8)
     g = len(offs) - 1
     scale = rand(7, (g,))
     x = rand(8, (36, 8, 3 * 128))
-    make = builder(build_grouped_sum, bound=8, num_groups=g, num_k=3, buffers=buffers)
-    out = run(make, (jnp.asarray(offs), scale, x), way)
+    out = run(
+        way, build_grouped_sum, jnp.asarray(offs), scale, x, bound=8, num_groups=g, num_k=3, buffers=buffers
+    )
     summed = np.asarray(x).reshape(36, 8, 3, 128).sum(2)
     expect = np.concatenate([summed[offs[i] : offs[i + 1]] * np.asarray(scale)[i] for i in range(g)])
     np.testing.assert_allclose(np.asarray(out), expect, rtol=1e-5, atol=1e-5)
     kw = dict(bound=8, num_groups=g, num_k=3, buffers=buffers)
-    if way == "interpret:on_wait":
+    if way.dma == "on_wait":
         theirs = run_jax_interpret(build_grouped_sum, (jnp.asarray(offs), scale, x), **kw)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(theirs))
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_grouped_rows_of_a_reshaped_view(way):
     # Not compared with JAX's interpret mode: it cannot copy through a reshaped Ref
     # ("'ReshapeTransform' object has no attribute 'indices'"); its Mosaic lowering can (the jax way).
     offs = group_offsets(14, 12, 4)
     x = rand(15, (12 * 8, 128))
-    out = run(
-        builder(build_grouped_rows_of_a_view, bound=4, num_groups=len(offs) - 1), (jnp.asarray(offs), x), way
-    )
+    out = run(way, build_grouped_rows_of_a_view, jnp.asarray(offs), x, bound=4, num_groups=len(offs) - 1)
     g = np.repeat(np.arange(len(offs) - 1), np.diff(offs) * 8)[:, None]
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) * 0.5 + g, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_sublane_rows_round_to_the_tiling(way):
     # Groups of 8 or 16 rows, then 4 rows at the end of a 44-row array: Mosaic copies that
     # group as one tile of 8 (into the edge tile's padding), interpret mode its 4 rows.
     offs = np.asarray([0, 16, 24, 40, 44], np.int32)
     x = rand(9, (44, 128))
-    out = run(builder(build_sublane_rows, bound=16, num_groups=4), (jnp.asarray(offs), x), way)
+    out = run(way, build_sublane_rows, jnp.asarray(offs), x, bound=16, num_groups=4)
     g = np.repeat(np.arange(4), np.diff(offs))[:, None]
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) * 3.0 - g, rtol=1e-6, atol=1e-6)
 
@@ -302,10 +307,10 @@ def test_sublane_rows_as_jax_interprets_them():
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_one_d_last_block_rounds_to_the_tiling(way):
     x = rand(11, (300,))
-    out = run(builder(build_one_d, n=300, block=128), (x,), way)
+    out = run(way, build_one_d, x, n=300, block=128)
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) * 2.0 + 1.0, rtol=1e-6, atol=1e-6)
 
 

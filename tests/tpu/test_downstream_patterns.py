@@ -1,11 +1,10 @@
 """Patterns met in other people's TPU kernels (issue 31: tokamax and ejkernel run on
 our packages, ``tests/downstream``), each written here as a small kernel of our own and
-run the ``three_way`` ways against plain jnp on fresh random data."""
+run every TPU way (tests/ways.py) against plain jnp on fresh random data."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,8 @@ import pytest
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import MODES, ON_CHIP, run  # noqa: E402
+from three_way import ON_CHIP  # noqa: E402
+from ways import every_way  # noqa: E402
 
 import pallas as pl  # noqa: E402
 import pallas_tpu as pltpu  # noqa: E402
@@ -26,8 +26,8 @@ def rand(seed, shape, dtype=jnp.float32):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_one_d_iota_masks_columns(mode):
+@every_way(tpu=True)
+def test_one_d_iota_masks_columns(way):
     # ejkernel's fused cross entropy: ``offsets = jnp.arange(block_v)`` compared with a
     # bound to mask a vocabulary tile (a 1-D iota, then broadcast against the block).
     x = rand(0, (16, 256))
@@ -51,11 +51,11 @@ def test_one_d_iota_masks_columns(mode):
 
     cols = np.arange(256)
     expect = np.where(cols[None, :] < bound, np.asarray(x) * 2.0, 0.0) + (cols % 128)[None, :]
-    np.testing.assert_allclose(np.asarray(run(build, (x,), mode)), expect, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(way.jit(build(*way.modules()))(x)), expect, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_pipeline_index_map_reads_a_table_at_the_grid_index(mode):
+@every_way(tpu=True)
+def test_pipeline_index_map_reads_a_table_at_the_grid_index(way):
     # ejkernel's grouped matmul (through its buffered_pallas_call): emit_pipeline's index
     # maps look up an SMEM table at the grid index (``m_tile_ids[grid_id]``), a table with
     # exactly one entry per step. The pipeline must not evaluate them outside the grid
@@ -83,7 +83,9 @@ def test_pipeline_index_map_reads_a_table_at_the_grid_index(mode):
         )
 
     expect = np.concatenate([np.asarray(x)[8 * int(i) : 8 * int(i) + 8] * 2.0 for i in ids])
-    np.testing.assert_allclose(np.asarray(run(build, (ids, x), mode)), expect, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(way.jit(build(*way.modules()))(ids, x)), expect, rtol=1e-6, atol=1e-6
+    )
 
 
 # --- BufferedRef subclasses as emit_pipeline allocations -------------------------------
@@ -158,11 +160,11 @@ def subclassed_allocations_expected(x, y, grid):
     return (xb * 2.0 + yb).reshape(grid * 8, 128)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_buffered_ref_subclasses_as_allocations(mode):
+@every_way(tpu=True)
+def test_buffered_ref_subclasses_as_allocations(way):
     grid = 6
     x, y = rand(2, (8 * grid, 128)), rand(3, (8 * grid // 2, 128))
-    got = run(functools.partial(build_subclassed_allocations, grid=grid), (x, y), mode)
+    got = way.jit(build_subclassed_allocations(*way.modules(), grid=grid))(x, y)
     np.testing.assert_allclose(np.asarray(got), subclassed_allocations_expected(x, y, grid), rtol=1e-6)
 
 
@@ -219,11 +221,11 @@ def build_guarded_static_index(pl, pltpu, *, num_slots, slack=0, interpret=None)
     return f
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_static_index_past_the_end_under_a_condition_that_never_holds(mode):
+@every_way(tpu=True)
+def test_static_index_past_the_end_under_a_condition_that_never_holds(way):
     x = rand(6, (8, 128))
     active = jnp.array([1, 0, 1, 1], jnp.int32)
-    got = run(functools.partial(build_guarded_static_index, num_slots=6), (active, x), mode)
+    got = way.jit(build_guarded_static_index(*way.modules(), num_slots=6))(active, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(x) + (0 + 2 + 3), rtol=1e-6)
 
 
@@ -236,8 +238,8 @@ def test_static_index_past_the_end_that_runs_is_an_error():
         jax.block_until_ready(jax.jit(f)(active, x))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_pipeline_block_larger_than_the_array(mode):
+@every_way(tpu=True)
+def test_pipeline_block_larger_than_the_array(way):
     # tokamax's gmm_v2 with k smaller than its tile_k: an emit_pipeline block of 128 rows
     # over a dimension of 64. The one block is the last block: 64 rows are copied (whole
     # memory tiles), the rest of the buffer is never written back.
@@ -259,7 +261,7 @@ def test_pipeline_block_larger_than_the_array(mode):
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
         )
 
-    np.testing.assert_allclose(np.asarray(run(build, (x,), mode)), np.asarray(x) * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(way.jit(build(*way.modules()))(x)), np.asarray(x) * 2.0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("n", [3, 4, 5])
@@ -314,18 +316,18 @@ _PADDING_OF_A_RESHAPE = (
 )
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_PADDING_OF_A_RESHAPE))
-        if m != "interpret" and not (m == "compiled" and ON_CHIP)  # the chip runs libtpu's module
-        else m
-        for m in MODES
-    ],
+@every_way(
+    tpu=True,
+    # the chip runs libtpu's module
+    xfail={
+        w: _PADDING_OF_A_RESHAPE
+        for w in ("mosaic", "jax_mosaic", "compiled")
+        if not (w == "compiled" and ON_CHIP)
+    },
 )
-def test_pipeline_block_past_the_lanes_of_a_reshaped_view(mode):
+def test_pipeline_block_past_the_lanes_of_a_reshaped_view(way):
     x = rand(10, (128, 64), jnp.bfloat16)
-    got = run(build_reshaped_view_block_past_the_lanes, (x,), mode)
+    got = way.jit(build_reshaped_view_block_past_the_lanes(*way.modules()))(x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(x) * 2)
 
 

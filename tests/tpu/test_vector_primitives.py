@@ -3,11 +3,11 @@ reciprocal, einshape, trace_value, touch, annotate,
 with_memory_space_constraint) and tpu_info.
 
 Each op runs five ways: directly under ``jax.jit`` (its interpret semantics
-is plain JAX), inside a kernel under pallas-core's ``interpret=True``, and the
-three ways of ``three_way.py`` (TPU interpret mode; our Mosaic lowering and
-JAX's, each executed by ``run_mosaic``). An op is written as ``fn(t, *arrays)``
+is plain JAX), and as a kernel the ways of tests/ways.py ``VECTOR_WAYS`` names:
+pallas-core's ``interpret=True`` (``core``), TPU interpret mode, our Mosaic lowering
+and JAX's, each executed by ``run_mosaic``. An op is written as ``fn(t, *arrays)``
 where ``t`` is the pallas-tpu namespace (``jax.experimental.pallas.tpu`` in the
-``jax`` way). Results are compared with a plain numpy/jnp reference and, where
+``jax_mosaic`` way). Results are compared with a plain numpy/jnp reference and, where
 JAX can run the op on a CPU, with JAX's own op under JAX's ``interpret=True``.
 """
 
@@ -24,6 +24,7 @@ import three_way
 from jax import lax
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
+from ways import every_way, way_params
 
 import pallas as pl
 import pallas_tpu
@@ -57,7 +58,9 @@ ChipVersion = _public("ChipVersion", _tpu_info_mod)
 Tiling = _public("Tiling", _tpu_info_mod)
 is_tpu_device = _public("is_tpu_device", _tpu_info_mod)
 
-MODES = ["direct", "core_interpret", "tpu_interpret", "ours", "jax"]
+VECTOR_WAYS = ("core", "tpu_interpret", "mosaic", "jax_mosaic")
+# "direct" (the op under jax.jit, the ``way`` fixture's parameter as it is), then each way.
+MODES = pytest.mark.parametrize("way", ["direct", *way_params(only=VECTOR_WAYS)], indirect=True)
 
 
 def _tpu_interpret_params():
@@ -74,31 +77,20 @@ def _kernel_of(fn, n_in):
     return kernel
 
 
-def modes(*, ours_xfail=None, jax_skip=None, jax_xfail=None, old_jax_skip=None):
-    """``MODES`` for ``parametrize("mode", ...)``, marked as ``three_way.ways``."""
-    ways = three_way.ways(
-        ours_xfail=ours_xfail, jax_skip=jax_skip, jax_xfail=jax_xfail, old_jax_skip=old_jax_skip
-    )
-    marked = {w.id: w.marks for w in ways}
-    return [pytest.param(m, marks=marked.get(m, ()), id=m) for m in MODES]
-
-
-def run(mode, fn, *args):
+def run(way, fn, *args):
     """``fn(t, *args)`` (arrays -> one array; ``t`` the pallas-tpu namespace)
-    directly or as a whole-array kernel, the ``mode`` way."""
-    if mode == "direct":
+    directly (``way`` "direct") or as a whole-array kernel run the ``way`` way."""
+    if way == "direct":
         return jax.jit(functools.partial(fn, pallas_tpu))(*args)
-    if mode == "core_interpret":
+    if way.name == "core":
         f = functools.partial(fn, pallas_tpu)
         return pl.pallas_call(_kernel_of(f, len(args)), out_shape=jax.eval_shape(f, *args), interpret=True)(
             *args
         )
-
-    def build(pl, pltpu):
-        f = functools.partial(fn, pltpu)
-        return lambda *a: pl.pallas_call(_kernel_of(f, len(args)), out_shape=jax.eval_shape(f, *a))(*a)
-
-    return three_way.run(build, args, "interpret" if mode == "tpu_interpret" else mode)
+    f = functools.partial(fn, way.pltpu)
+    return way.jit(lambda *a: way.pallas_call(_kernel_of(f, len(args)), out_shape=jax.eval_shape(f, *a))(*a))(
+        *args
+    )
 
 
 def run_jax(fn, *args):
@@ -130,7 +122,7 @@ def _rand(rng, shape, dtype):
 # ---------------------------------------------------------------------- roll
 
 
-@pytest.mark.parametrize("mode", MODES)
+@MODES
 @pytest.mark.parametrize(
     "shape,axis,shift,dtype",
     [
@@ -141,19 +133,19 @@ def _rand(rng, shape, dtype):
         ((2, 8, 128), 0, 1, jnp.float32),
     ],
 )
-def test_roll_matches_jnp_and_jax(mode, shape, axis, shift, dtype, rng):
+def test_roll_matches_jnp_and_jax(way, shape, axis, shift, dtype, rng):
     x = _rand(rng, shape, dtype)
-    out = run(mode, lambda t, x: t.roll(x, shift, axis), x)
+    out = run(way, lambda t, x: t.roll(x, shift, axis), x)
     np.testing.assert_array_equal(out, jnp.roll(x, shift, axis))
     np.testing.assert_array_equal(out, run_jax(lambda t, x: t.roll(x, shift, axis), x))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@MODES
 @pytest.mark.parametrize("axis,stride,stride_axis", [(1, 1, 0), (1, 3, 0), (0, 2, 1)])
-def test_roll_stride(mode, axis, stride, stride_axis, rng):
+def test_roll_stride(way, axis, stride, stride_axis, rng):
     x = _rand(rng, (8, 128), jnp.float32)
     shift = int(rng.integers(0, 64))
-    out = run(mode, lambda t, x: t.roll(x, shift, axis, stride=stride, stride_axis=stride_axis), x)
+    out = run(way, lambda t, x: t.roll(x, shift, axis, stride=stride, stride_axis=stride_axis), x)
     # Reference: slice k along stride_axis rolls by shift + k * stride.
     xn = np.asarray(x)
     ref = np.stack(
@@ -168,11 +160,11 @@ def test_roll_stride(mode, axis, stride, stride_axis, rng):
     np.testing.assert_array_equal(out, jax_ref)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_roll_dynamic_shift(mode, rng):
+@MODES
+def test_roll_dynamic_shift(way, rng):
     x = _rand(rng, (8, 128), jnp.float32)
     shifts = jnp.full((8, 128), int(rng.integers(0, 300)), jnp.int32)
-    out = run(mode, lambda t, x, s: t.roll(x, s[0, 0], 1), x, shifts)
+    out = run(way, lambda t, x, s: t.roll(x, s[0, 0], 1), x, shifts)
     np.testing.assert_array_equal(out, jnp.roll(x, int(shifts[0, 0]), 1))
 
 
@@ -242,7 +234,7 @@ def _bitcast_ref(x, ty):
     return out.astype(f"uint{dst}")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@MODES
 @pytest.mark.parametrize(
     "src,dst",
     [
@@ -255,13 +247,13 @@ def _bitcast_ref(x, ty):
         (jnp.int16, jnp.int8),
     ],
 )
-def test_bitcast(mode, src, dst, rng):
+def test_bitcast(way, src, dst, rng):
     x = _rand(rng, (32, 128), src)
-    out = run(mode, lambda t, x: t.bitcast(x, dst), x)
+    out = run(way, lambda t, x: t.bitcast(x, dst), x)
     assert out.dtype == jnp.dtype(dst)
     np.testing.assert_array_equal(as_bits(out), _bitcast_ref(x, dst))
     np.testing.assert_array_equal(as_bits(out), as_bits(run_jax(lambda t, x: t.bitcast(x, dst), x)))
-    back = run(mode, lambda t, y: t.bitcast(y, src), out)
+    back = run(way, lambda t, y: t.bitcast(y, src), out)
     np.testing.assert_array_equal(as_bits(back), as_bits(x))
 
 
@@ -288,7 +280,7 @@ def test_bitcast_errors(shape, src, dst, match):
 # ------------------------------------------------------- pack / unpack elementwise
 
 
-@pytest.mark.parametrize("mode", MODES)
+@MODES
 @pytest.mark.parametrize(
     "src,packed",
     [
@@ -299,10 +291,10 @@ def test_bitcast_errors(shape, src, dst, match):
         (jnp.int16, jnp.int4),
     ],
 )
-def test_pack_unpack_elementwise(mode, src, packed, rng):
+def test_pack_unpack_elementwise(way, src, packed, rng):
     k = jnp.dtype(src).itemsize * 8 // jax.dtypes.itemsize_bits(jnp.dtype(packed))
     xs = [_rand(rng, (8, 128), src) for _ in range(k)]
-    out = run(mode, lambda t, *xs: t.pack_elementwise(list(xs), packed_dtype=packed), *xs)
+    out = run(way, lambda t, *xs: t.pack_elementwise(list(xs), packed_dtype=packed), *xs)
     width = jnp.dtype(src).itemsize * 8
     p = width // k
     assert out.dtype == jnp.dtype(f"uint{width}")
@@ -317,7 +309,7 @@ def test_pack_unpack_elementwise(mode, src, packed, rng):
     np.testing.assert_array_equal(out, ref.astype(out.dtype))
     for i, x in enumerate(xs):
         got = run(
-            mode, lambda t, w: t.unpack_elementwise(w, index=i, packed_dtype=packed, unpacked_dtype=src), out
+            way, lambda t, w: t.unpack_elementwise(w, index=i, packed_dtype=packed, unpacked_dtype=src), out
         )
         np.testing.assert_array_equal(got, x.astype(packed).astype(src))
 
@@ -376,11 +368,11 @@ def test_pack_unpack_errors(call, match):
 # ------------------------------------------------------------ stochastic_round
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_stochastic_round_bf16_matches_bit_trick(mode, rng):
+@MODES
+def test_stochastic_round_bf16_matches_bit_trick(way, rng):
     x = _rand(rng, (8, 128), jnp.float32) * 100
     bits = jnp.asarray(rng.integers(0, 2**32, size=(8, 128), dtype=np.uint64).astype(np.uint32))
-    out = run(mode, lambda t, x, b: t.stochastic_round(x, b, target_dtype=jnp.bfloat16), x, bits)
+    out = run(way, lambda t, x, b: t.stochastic_round(x, b, target_dtype=jnp.bfloat16), x, bits)
     # Up when the low 23 random bits are below the 16 bits cut off, as a 23-bit fraction
     # (the TPU v5e's rule).
     up = (np.asarray(bits) & 0x7FFFFF) < ((as_bits(x) & 0xFFFF).astype(np.uint32) << 7)
@@ -456,19 +448,19 @@ def _reciprocal(t):
     return getattr(t, "reciprocal", None) or jpl.reciprocal
 
 
-@pytest.mark.parametrize("mode", MODES)
+@MODES
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
 @pytest.mark.parametrize("approx", [False, True])
-def test_reciprocal(mode, dtype, approx, rng):
-    if mode == "jax" and dtype == jnp.bfloat16 and three_way.OLD_JAX:
+def test_reciprocal(way, dtype, approx, rng):
+    if way != "direct" and way.name == "jax_mosaic" and dtype == jnp.bfloat16 and three_way.OLD_JAX:
         pytest.skip("JAX 0.10's Pallas: its lowering of reciprocal takes float32 only")
     x = _rand(rng, (8, 128), dtype) + jnp.asarray(3.0, dtype)
-    out = run(mode, lambda t, x: _reciprocal(t)(x, approx=approx), x)
+    out = run(way, lambda t, x: _reciprocal(t)(x, approx=approx), x)
     assert out.dtype == jnp.dtype(dtype)
     tol = 1e-2 if approx or dtype == jnp.bfloat16 else 1e-6
     np.testing.assert_allclose(np.asarray(out, np.float32), 1 / np.asarray(x, np.float32), rtol=tol)
     if dtype == jnp.float32 and not (
-        approx and mode in ("ours", "jax")
+        approx and way != "direct" and way.name in ("mosaic", "jax_mosaic")
     ):  # run_mosaic models the approximation
         if approx and three_way.OLD_JAX:
             pytest.skip(
@@ -501,11 +493,11 @@ EINSHAPE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@MODES
 @pytest.mark.parametrize("equation,shape,sizes", EINSHAPE_CASES)
-def test_einshape(mode, equation, shape, sizes, rng):
+def test_einshape(way, equation, shape, sizes, rng):
     x = _rand(rng, shape, jnp.float32)
-    out = run(mode, lambda t, x: t.einshape(equation, x, **sizes), x)
+    out = run(way, lambda t, x: t.einshape(equation, x, **sizes), x)
     np.testing.assert_array_equal(out, jpltpu.einshape(equation, x, **sizes))
     np.testing.assert_array_equal(out, run_jax(lambda t, x: t.einshape(equation, x, **sizes), x))
 
@@ -557,11 +549,10 @@ def test_einshape_errors(equation, sizes, match):
 # --------------------------------------------- ops with no value semantics
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [m for m in modes(old_jax_skip="no pltpu.annotate") if m.values[0] != "direct"],
+@every_way(
+    only=VECTOR_WAYS, skip={"jax_mosaic": "JAX 0.10's Pallas: no pltpu.annotate"} if three_way.OLD_JAX else {}
 )
-def test_trace_touch_annotate_are_value_identities(mode, rng):
+def test_trace_touch_annotate_are_value_identities(way, rng):
     x = _rand(rng, (8, 128), jnp.float32)
 
     def build(pl, t):
@@ -573,15 +564,15 @@ def test_trace_touch_annotate_are_value_identities(mode, rng):
             o[...] = x_ref[...] * 2
             t.touch([o_ref, x_ref])
 
-        if mode == "core_interpret":
+        if way.name == "core":
             return pl.pallas_call(kernel, out_shape=x, interpret=True)
         vmem = pl.BlockSpec(memory_space=t.VMEM)  # JAX's annotate wants VMEM Refs
         return pl.pallas_call(kernel, out_shape=x, in_specs=[vmem], out_specs=vmem)
 
-    if mode == "core_interpret":
+    if way.name == "core":
         out = build(pl, pallas_tpu)(x)
     else:
-        out = three_way.run(build, (x,), "interpret" if mode == "tpu_interpret" else mode)
+        out = way.jit(build(*way.modules()))(x)
     np.testing.assert_array_equal(out, x * 2)
 
 

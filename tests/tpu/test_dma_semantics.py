@@ -4,7 +4,7 @@ On a TPU a DMA goes where its ``start`` said; a ``wait`` only takes its byte
 count off the semaphore. Kernels wait on rebuilt or "dummy" descriptors of the
 same size (another row, another slot of the buffer, another buffer, a local
 descriptor for a remote copy), wait once for several DMAs on one semaphore, or
-several times for one. Each kernel here runs every way of ``three_way.py`` that
+several times for one. Each kernel here runs every TPU way (tests/ways.py) that
 lowers it (both DMA execution modes of our interpreter, and the Mosaic ways)
 against a ``jnp`` reference on fresh random data, and in the interpret ways
 also against JAX's own TPU interpret mode (a test-only reference). DMAs whose
@@ -30,10 +30,12 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from three_way import call, close, jax_namespaces, needs_devices, run_sharded, ways
+from three_way import close, jax_namespaces, needs_devices
+from ways import every_way, xfail_way
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas_tpu._src.mosaic.compile_check import MosaicCompileError
 
 interpret_only = pytest.mark.interpret_only
 HERE = os.path.basename(__file__)
@@ -43,16 +45,17 @@ def rand(seed, shape, dtype=jnp.float32):
     return jax.random.normal(jax.random.key(seed), shape, dtype)
 
 
-def dma_mode(way: str) -> str:
-    return way.partition(":")[2] or "on_wait"
+def dma_mode(way) -> str:
+    """The DMA execution mode of the ``tpu_interpret`` way (tests/ways.py)."""
+    return way.dma or "on_wait"
 
 
 def check(fn, args, way, expected, **kw):
     """``fn`` run the ``way`` way equals ``expected``; in the interpret ways,
     JAX's interpret mode (same DMA mode) gives the same."""
-    out = call(fn, args, way, **kw)
+    out = way.call(fn, *args, **kw)
     close(out, expected, 0)
-    if way.startswith("interpret"):
+    if way.name == "tpu_interpret":
         jpl, jpltpu = jax_namespaces()
         params = jpltpu.InterpretParams(dma_execution_mode=dma_mode(way))
         theirs = fn(jpl, jpltpu, *args, interpret=params, **kw)
@@ -94,7 +97,7 @@ def permute_rows(pl, pltpu, x, *, form, interpret):
     )(x)
 
 
-@pytest.mark.parametrize("way", ways(dma=True))
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("form", ["same", "rebuilt", "dummy"])
 def test_hbm_copies_land_where_started(way, form):
     x = rand(0, (4, 8, 128))
@@ -144,14 +147,14 @@ def double_buffered(pl, pltpu, x, *, form, interpret):
     )(x)
 
 
-@pytest.mark.parametrize("way", ways(dma=True))
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("form", ["same", "dummy_slot", "dummy_buffer"])
 def test_vmem_copies_land_where_started(way, form):
     x = rand(1, (5, 8, 128))
     expected = jnp.einsum("i,ijk->jk", jnp.arange(1.0, 6.0), x)
-    out = call(double_buffered, (x,), way, form=form)
+    out = way.call(double_buffered, x, form=form)
     close(out, expected, 1e-5)
-    if way.startswith("interpret"):
+    if way.name == "tpu_interpret":
         jpl, jpltpu = jax_namespaces()
         params = jpltpu.InterpretParams(dma_execution_mode=dma_mode(way))
         close(out, double_buffered(jpl, jpltpu, x, form=form, interpret=params), 1e-6)
@@ -192,7 +195,7 @@ def byte_counts(pl, pltpu, x, *, form, space, interpret):
     )(x)
 
 
-@pytest.mark.parametrize("way", ways(dma=True))
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("space", ["vmem", "hbm"])
 @pytest.mark.parametrize("form", ["two_starts_one_wait", "one_start_two_waits"])
 def test_waits_take_byte_counts(way, form, space):
@@ -230,11 +233,11 @@ def accumulate(pl, pltpu, x, y, *, dst, interpret):
     reason="DMAs that add: both Mosaic lowerings refuse add=True, and JAX's interpret mode (0.11) "
     "ignores it (it overwrites), so the reference is jnp alone"
 )
-@pytest.mark.parametrize("way", ["interpret:on_wait", "interpret:eager"])
+@every_way(only=("tpu_interpret",), dma=True)
 @pytest.mark.parametrize("dst", ["vmem", "hbm"])
 def test_adding_copies_add_as_started(way, dst):
     x, y = rand(14, (2, 8, 128)), rand(15, (8, 128))
-    close(call(accumulate, (x, y), way, dst=dst), y + x[0] + x[1], 1e-6)
+    close(way.call(accumulate, x, y, dst=dst), y + x[0] + x[1], 1e-6)
 
 
 def accumulate_in_flight(pl, pltpu, x, y, *, interpret):
@@ -260,10 +263,10 @@ def accumulate_in_flight(pl, pltpu, x, y, *, interpret):
 
 
 @interpret_only(reason="DMAs that add (see test_adding_copies_add_as_started)")
-@pytest.mark.parametrize("way", ["interpret:on_wait", "interpret:eager"])
+@every_way(only=("tpu_interpret",), dma=True)
 def test_adding_copies_in_flight_together_both_add(way):
     x, y = rand(16, (2, 8, 128)), rand(17, (8, 128))
-    close(call(accumulate_in_flight, (x, y), way), y + x[0] + x[1], 1e-6)
+    close(way.call(accumulate_in_flight, x, y), y + x[0] + x[1], 1e-6)
 
 
 # ---------------------------------------------------------------------------
@@ -314,7 +317,7 @@ def traced_size_params(seed, rows_x, rows_y):
     return jnp.array([n, s, d], jnp.int32), (n, s, d)
 
 
-@pytest.mark.parametrize("way", ways(dma=True))
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("wait", ["same", "rebuilt"])
 @pytest.mark.parametrize("dst", ["vmem", "hbm"])
 def test_traced_size(way, dst, wait):
@@ -360,14 +363,14 @@ def row_gather_params(seed, rows_x, rows_y, dead=None):
 
 
 @pytest.mark.parametrize("dead", [None, -(2**31), 1000], ids=["live", "int_min", "past_the_end"])
-@pytest.mark.parametrize("way", ways(dma=True))
+@every_way(tpu=True, dma=True)
 def test_rows_moved_by_dmas_of_bounded_traced_size(way, dead):
     x, y = rand(5, (24, 128)), rand(6, (8, 128))
     for seed in range(2):
         params, n, idx = row_gather_params(seed, 24, 8, dead)
         expected = y.at[:n].set(x[idx[:n]])
         if dead == 1000:  # JAX's interpret mode calls an empty read past the end out of bounds
-            close(call(row_gather, (params, x, y), way), expected, 0)
+            close(way.call(row_gather, params, x, y), expected, 0)
         else:
             check(row_gather, (params, x, y), way, expected)
 
@@ -411,19 +414,16 @@ def overlapping_windows(pl, pltpu, p, x, *, space, interpret):
     )(p, x)
 
 
-@pytest.mark.parametrize(
-    "way, space",
-    [pytest.param(*w.values, "vmem", marks=w.marks, id=f"{w.id}-vmem") for w in ways(dma=True)]
-    + [
-        pytest.param(*w.values, "smem", marks=w.marks, id=f"{w.id}-smem")
-        for w in ways(
-            dma=True,
-            compiled_xfail="a DMA out of a 1-d HBM int32 array at an offset not a multiple of its "
-            "128-element tiling ('Could not determine that the dynamic offset ... is a multiple "
-            "of the word size')",
-        )
-    ],
+@every_way(tpu=True, dma=True)
+@xfail_way(
+    "compiled",
+    "Mosaic (libtpu) refuses a DMA out of a 1-d HBM int32 array at an offset not a multiple of its "
+    "128-element tiling ('Could not determine that the dynamic offset ... is a multiple "
+    "of the word size')",
+    raises=MosaicCompileError,
+    ids=("smem",),
 )
+@pytest.mark.parametrize("space", ["vmem", "smem"])
 def test_overlapping_dmas_in_flight_land_both(way, space):
     shape, dtype, n = ((40,), jnp.int32, 12) if space == "smem" else ((40, 128), jnp.float32, 24)
     x = jax.random.randint(jax.random.key(7), shape, -1000, 1000).astype(dtype)
@@ -551,13 +551,14 @@ def jax_sharded(build, x, mode, n=2):
 
 
 def sharded(build, x, way, n=2, **kw):
-    mode, _, dma = way.partition(":")
-    params = {"dma_execution_mode": dma} if dma else {}
-    return run_sharded(lambda pl, pltpu: build(pl, pltpu), x, mode, n, **kw, **params)
+    """``build(pl, pltpu, interpret=...)``'s kernel run the ``way`` way over ``n`` devices
+    (``way.run_sharded``)."""
+    pl, pltpu = way.modules()
+    return way.run_sharded(build(pl, pltpu, interpret=way.interpret() or False), x, n, **kw)
 
 
 @needs_devices(2)
-@pytest.mark.parametrize("way", ways(dma=True))
+@every_way(tpu=True, dma=True)
 @pytest.mark.parametrize("form", ["same", "rebuilt", "local", "halves"])
 def test_remote_copies_land_where_started(way, form, fresh_sessions):
     x = rand(5, (2 * 8, 128))
@@ -566,7 +567,7 @@ def test_remote_copies_land_where_started(way, form, fresh_sessions):
     rows = x.reshape(2, 8, 128)
     expected = jnp.concatenate([rows, rows])
     close(out, expected, 0)
-    if way.startswith("interpret"):
+    if way.name == "tpu_interpret":
         close(out, jax_sharded(build, x, dma_mode(way)), 0)
 
 
@@ -614,14 +615,14 @@ def ragged_send(pl, pltpu, *, interpret=False):
 
 
 @needs_devices(2)
-@pytest.mark.parametrize("way", ways(dma=True))
+@every_way(tpu=True, dma=True)
 def test_empty_remote_dmas_need_no_wait(way, fresh_sessions):
     data = rand(8, (2, 8, 128))
     x = jnp.concatenate([data, jnp.zeros_like(data)], axis=1).reshape(32, 128)
     out = sharded(ragged_send, x, way, input_output_aliases={0: 0})
     got = jnp.zeros_like(data).at[0, :5].set(data[1, :5]).at[1, :3].set(data[0, :3])
     close(out, jnp.concatenate([data, got], axis=1).reshape(x.shape), 0)
-    if way.startswith("interpret"):
+    if way.name == "tpu_interpret":
         close(out, jax_sharded(ragged_send, x, dma_mode(way)), 0)
 
 

@@ -3,9 +3,9 @@ and the same kernel source run by JAX's own TPU interpret mode as a reference.
 
 Each kernel is built by a function of ``(pl, pltpu)``, so one source runs with
 our modules and with JAX's (``jax.experimental.pallas``): moving a kernel over
-is an import change. Every kernel that computes a result also runs the three
-ways of ``three_way.py`` (the ``way`` parameter); tests of what only the
-interpreter does carry ``interpret_only``.
+is an import change. Every kernel that computes a result also runs every TPU
+way (tests/ways.py, ``every_way(tpu=True)``: the ``way`` parameter); tests of what
+only the interpreter does carry ``interpret_only``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import DMA_WAYS, WAYS, call, mxu_operand, run, tensorcore_mesh, ways
+from three_way import tensorcore_mesh
+from ways import every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -191,65 +192,66 @@ def smem_scalars(pl, pltpu, s, x, *, interpret):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_matmul_vmem_accumulator(dtype, way):
     x, y = rand(0, (256, 384), dtype), rand(1, (384, 256), dtype)
-    out = call(matmul, (x, y), way)
+    out = way.call(matmul, x, y)
     ref = jnp.dot(
-        mxu_operand(x, way).astype(jnp.float32), mxu_operand(y, way).astype(jnp.float32), precision="highest"
+        way.mxu_operand(x).astype(jnp.float32),
+        way.mxu_operand(y).astype(jnp.float32),
+        precision="highest",
     )
     close(out, ref, 1e-4 if dtype == jnp.float32 else 5e-2 * float(jnp.abs(ref).max()))
-    if way == "interpret":
+    if way.name == "tpu_interpret":
         theirs = matmul(*JAXS, x, y, interpret=jpltpu.InterpretParams())
         close(out, theirs, 1e-4 if dtype == jnp.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_double_buffered_dma(way):
     x = rand(2, (16 * 64, 128))
-    out = call(dma_loop, (x,), way, chunk=64)
+    out = way.call(dma_loop, x, chunk=64)
     close(out, 2 * x.sum(0, keepdims=True), 1e-3)
-    if way.startswith("interpret"):
-        mode = way.partition(":")[2]
-        theirs = dma_loop(*JAXS, x, chunk=64, interpret=jpltpu.InterpretParams(dma_execution_mode=mode))
+    if way.dma:
+        theirs = dma_loop(*JAXS, x, chunk=64, interpret=jpltpu.InterpretParams(dma_execution_mode=way.dma))
         close(out, theirs, 1e-4)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_scalar_prefetch_index_map(way):
     x = rand(3, (64, 128))
     idx = jax.random.randint(jax.random.key(4), (6,), 0, 8, jnp.int32)
-    out = call(gather_rows, (idx, x), way)
+    out = way.call(gather_rows, idx, x)
     ref = jnp.concatenate([x[8 * i : 8 * i + 8] * 2.0 + i for i in np.asarray(idx)])
     close(out, ref)
-    if way == "interpret":
+    if way.name == "tpu_interpret":
         close(out, gather_rows(*JAXS, idx, x, interpret=jpltpu.InterpretParams()))
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_output_revisited_along_arbitrary_axis(way):
     x = rand(5, (32, 512))
-    out = call(accumulate_into_output, (x,), way)
+    out = way.call(accumulate_into_output, x)
     close(out, x.reshape(32, 4, 128).sum(1), 1e-5)
-    if way == "interpret":
+    if way.name == "tpu_interpret":
         close(out, accumulate_into_output(*JAXS, x, interpret=jpltpu.InterpretParams()))
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_semaphore_signal_wait_read(way):
     x = rand(6, (8, 128))
-    out = call(semaphore_counts, (x,), way)
+    out = way.call(semaphore_counts, x)
     close(out, x * 5 + 1)  # JAX's TPU interpret mode has no rule for semaphore_read: jnp only
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_smem_scalars(way):
     s = rand(7, (3,))
     x = rand(8, (8, 128))
-    out = call(smem_scalars, (s, x), way)
+    out = way.call(smem_scalars, s, x)
     close(out, x * (s[0] * s[1]) + (s[2] + 1.0))
-    if way == "interpret":
+    if way.name == "tpu_interpret":
         close(out, smem_scalars(*JAXS, s, x, interpret=jpltpu.InterpretParams()))
 
 
@@ -260,12 +262,12 @@ def test_interpret_true_runs_tpu_kernels():
     close(dma_loop(*OURS, x, chunk=32, interpret=True), 2 * x.sum(0, keepdims=True), 1e-3)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_vmap_and_jit_of_a_tpu_kernel(way):
     x, y = rand(10, (3, 128, 256)), rand(11, (3, 256, 128))
     build = lambda pl, pltpu: jax.vmap(lambda a, b: matmul(pl, pltpu, a, b, interpret=False))  # noqa: E731
-    want = jnp.einsum("bij,bjk->bik", mxu_operand(x, way), mxu_operand(y, way))
-    close(run(build, (x, y), way), want, 1e-4)
+    want = jnp.einsum("bij,bjk->bik", way.mxu_operand(x), way.mxu_operand(y))
+    close(way.jit(build(*way.modules()))(x, y), want, 1e-4)
 
 
 @interpret_only(reason="DMA execution order: uninitialized data before the wait")
@@ -374,7 +376,7 @@ def test_core_parallel_axis_runs_on_separate_cores():
     assert sorted(cores) == [((0, 0), 0), ((0, 1), 0), ((1, 0), 1), ((1, 1), 1)]
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_pl_kernel_over_tensorcore_mesh(way):
     x = rand(16, (2 * 8, 128))
 
@@ -387,10 +389,10 @@ def test_pl_kernel_over_tensorcore_mesh(way):
 
         return pl.kernel(copy, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh)
 
-    close(run(build, (x,), way, num_cores=2), x)
+    close(way.with_params(num_cores=2).jit(build(*way.modules()))(x), x)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_named_grid_axis_index(way):
     x = rand(17, (4 * 8, 2 * 128))
 
@@ -404,13 +406,13 @@ def test_named_grid_axis_index(way):
         in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, j))],
         out_specs=pl.BlockSpec((8, 128), lambda i, j: (i, j)),
     )
-    out = run(build, (x,), way)
+    out = way.jit(build(*way.modules()))(x)
     ii = jnp.repeat(jnp.arange(4.0), 8)[:, None]
     jj = jnp.repeat(jnp.arange(2.0), 128)[None, :]
     close(out, x * 10 + ii + 0.5 * jj)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_out_shape_list_and_no_outputs(way):
     x = rand(18, (8, 128))
 
@@ -419,11 +421,11 @@ def test_out_shape_list_and_no_outputs(way):
         b_ref[...] = x_ref[...] * 3
 
     build = lambda pl, pltpu: pl.pallas_call(two, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2)  # noqa: E731
-    outs = run(build, (x,), way)
+    outs = way.jit(build(*way.modules()))(x)
     assert isinstance(outs, tuple) and len(outs) == 2  # out_shape=[...] gives a tuple, as in JAX
     close(outs[0], x + 1)
     close(outs[1], x * 3)
-    if way != "interpret":
+    if way.name != "tpu_interpret":
         return
 
     def nothing(x_ref):
@@ -452,10 +454,10 @@ def aliased_hbm(pl, pltpu, x, *, interpret):
     )(x)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_input_output_aliases_in_hbm(way):
     x = rand(19, (16, 128))
-    close(call(aliased_hbm, (x,), way), x.at[:8].set(2 * x[8:]))
+    close(way.call(aliased_hbm, x), x.at[:8].set(2 * x[8:]))
 
 
 # ---------------------------------------------------------------------------
@@ -794,17 +796,20 @@ def masked_load_store(pl, pltpu, x, y, mask, *, interpret):
     )(x, y, mask)
 
 
-@pytest.mark.parametrize(
-    "way", ways(jax_skip="masked load (pltpu.load with mask) raises NotImplementedError")
+@every_way(
+    tpu=True,
+    skip={
+        "jax_mosaic": "JAX's Mosaic lowering: masked load (pltpu.load with mask) raises NotImplementedError"
+    },
 )
 def test_masked_load_and_store(way):
     x = rand(32, (8, 128))
     y = rand(33, (8, 128))
     mask = jax.random.bernoulli(jax.random.key(34), 0.5, (8, 128))
-    a, b = call(masked_load_store, (x, y, mask.astype(jnp.int32)), way)
+    a, b = way.call(masked_load_store, x, y, mask.astype(jnp.int32))
     close(a, jnp.where(mask, x, 0))
     close(b, jnp.where(mask, 2 * x, y))
-    if way != "interpret":
+    if way.name != "tpu_interpret":
         return
 
     def bad(x_ref, o_ref):
@@ -816,7 +821,7 @@ def test_masked_load_and_store(way):
         _simple(bad, x)
 
 
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_pytree_scratch_shapes(way):
     x = rand(35, (8, 128))
 
@@ -830,7 +835,7 @@ def test_pytree_scratch_shapes(way):
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         scratch_shapes=[{"a": pltpu.VMEM(x.shape, x.dtype), "b": [pltpu.VMEM(x.shape, x.dtype)]}],
     )
-    close(run(build, (x,), way), 2 * x + 1)
+    close(way.jit(build(*way.modules()))(x), 2 * x + 1)
 
 
 @interpret_only(reason="pl.debug_check is checked by the interpreter")
@@ -893,18 +898,19 @@ def dma_that_adds(pl, pltpu, x, *, interpret):
     )(x)
 
 
-@pytest.mark.parametrize(
-    "way",
-    ways(
-        dma=True,
-        ours_xfail="Mosaic has no adding DMA (tpu.enqueue_dma has no add): lowering dma_start(add=True) raises",
-        raises=LoweringException,
-        jax_skip="DMA with add=True is not supported",
-    ),
+_NO_ADDING_DMA = "Mosaic has no adding DMA (tpu.enqueue_dma has no add): lowering dma_start(add=True) raises"
+
+
+@every_way(
+    tpu=True,
+    dma=True,
+    xfail={"mosaic": _NO_ADDING_DMA, "compiled": _NO_ADDING_DMA},
+    raises=LoweringException,
+    skip={"jax_mosaic": "JAX's Mosaic lowering: DMA with add=True is not supported"},
 )
 def test_dma_that_adds(way):
     x = rand(38, (16, 128))
-    close(call(dma_that_adds, (x,), way), 1 + x[:8] + x[8:])
+    close(way.call(dma_that_adds, x), 1 + x[:8] + x[8:])
 
 
 @interpret_only(reason="InterpretParams knobs: num_cores_or_threads, grid_point_recorder")
@@ -960,14 +966,14 @@ def wait_with_another_descriptor(pl, pltpu, pages, x, *, interpret):
     )(pages, x)
 
 
-@pytest.mark.parametrize("way", DMA_WAYS)
+@every_way(tpu=True, dma=True)
 def test_wait_with_another_descriptor_on_the_same_semaphore(way):
     """JAX's paged attention starts one DMA per page into slices of a buffer and
     waits once with a whole-buffer descriptor on the same semaphore: the wait
     lands every DMA that semaphore counts, whatever descriptor it is given."""
     x = rand(40, (8, 8, 128))
     pages = jnp.array([5, 2, 7, 0], jnp.int32)
-    close(call(wait_with_another_descriptor, (pages, x), way), x[pages])
+    close(way.call(wait_with_another_descriptor, pages, x), x[pages])
 
 
 @pytest.mark.parametrize("skip", [False, True])

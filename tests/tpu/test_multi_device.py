@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
 from jax.sharding import PartitionSpec as P
-from three_way import run_sharded, tpu_modules
+from three_way import tpu_modules
+from ways import Way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -50,12 +51,17 @@ def _fresh_state(fresh_sessions):
 IMPL_WAYS = [
     pytest.param("ours", "interpret", id="interpret-ours"),
     pytest.param("jax", "interpret", id="interpret-jax"),
-    pytest.param(None, "ours", id="ours"),
-    pytest.param(None, "jax", id="jax"),
-    pytest.param(None, "compiled", id="compiled"),
+    pytest.param(None, Way("mosaic"), id="ours"),
+    pytest.param(None, Way("jax_mosaic"), id="jax"),
+    pytest.param(None, Way("compiled"), id="compiled"),
 ]
-"""Our and JAX's TPU interpret mode, then the Mosaic ways of ``three_way.py``
-(compiled: by libtpu for a mesh of four compile-only chips)."""
+"""Our and JAX's TPU interpret mode, then the Mosaic ways of tests/ways.py
+(compiled: by libtpu for a mesh of four compile-only chips), ``way.run_sharded``."""
+
+
+def run_sharded(build, x, way, mesh_shape):
+    """``build(pl, pltpu)``'s kernel run the ``way`` way over ``mesh_shape`` devices."""
+    return way.run_sharded(build(*way.modules()), x, mesh_shape)
 
 
 def mesh1d():
@@ -125,7 +131,7 @@ def allgather(impl, x, logical=False, way="interpret", **params):
             interpret=interpret,
         )(x)
 
-    if way != "interpret":  # three_way's Mosaic ways: lowered by ours or JAX's, run by run_mosaic
+    if way != "interpret":  # the Mosaic ways (tests/ways.py): lowered by ours or JAX's, run by run_mosaic
         return run_sharded(build, x, way, N)
     pl, pltpu, make_params = IMPLS[impl]
     return smap(build(pl, pltpu, make_params(**params)), mesh1d(), P("x"), P("x"))(x)
@@ -189,7 +195,7 @@ def allreduce(impl, x, flow_control=True, way="interpret", **params):
             interpret=interpret,
         )(x)
 
-    if way != "interpret":  # three_way's Mosaic ways: lowered by ours or JAX's, run by run_mosaic
+    if way != "interpret":  # the Mosaic ways (tests/ways.py): lowered by ours or JAX's, run by run_mosaic
         return run_sharded(build, x, way, N)
     pl, pltpu, make_params = IMPLS[impl]
     return smap(build(pl, pltpu, make_params(**params)), mesh1d(), P("x"), P("x"))(x)
@@ -231,7 +237,9 @@ def exchange2d(impl, x, logical=False, way="interpret", **params):
             interpret=interpret,
         )(x)
 
-    if way != "interpret":  # three_way's Mosaic ways on a (2, 2) mesh, run by run_mosaic(mesh_shape=(2, 2))
+    if (
+        way != "interpret"
+    ):  # the Mosaic ways (tests/ways.py) on a (2, 2) mesh, run by run_mosaic(mesh_shape=(2, 2))
         return run_sharded(build, x, way, (2, 2))
     pl, pltpu, make_params = IMPLS[impl]
     return smap(build(pl, pltpu, make_params(**params)), mesh2d(), P(("x", "y")), P(("x", "y")))(x)
@@ -259,7 +267,7 @@ def signal_ring(impl, x, way="interpret", **params):
             interpret=interpret,
         )(x)
 
-    if way != "interpret":  # three_way's Mosaic ways: lowered by ours or JAX's, run by run_mosaic
+    if way != "interpret":  # the Mosaic ways (tests/ways.py): lowered by ours or JAX's, run by run_mosaic
         return run_sharded(build, x, way, N)
     pl, pltpu, make_params = IMPLS[impl]
     return smap(build(pl, pltpu, make_params(**params)), mesh1d(), P("x"), P("x"))(x)
@@ -519,7 +527,7 @@ def _run_2d_signal_kernel(way, body):
     return run_sharded(build, rand((N * 8, 128), 15), way, (2, 2))
 
 
-@pytest.mark.parametrize("way", ["ours", "jax"])
+@pytest.mark.parametrize("way", [Way("mosaic"), Way("jax_mosaic")], ids=["ours", "jax"])
 def test_run_mosaic_2d_mesh_signal_outside_the_mesh(way):
     def body(pl, i, j, sem):
         @pl.when((i == 1) & (j == 1))
@@ -533,7 +541,7 @@ def test_run_mosaic_2d_mesh_signal_outside_the_mesh(way):
         _run_2d_signal_kernel(way, body)
 
 
-@pytest.mark.parametrize("way", ["ours", "jax"])
+@pytest.mark.parametrize("way", [Way("mosaic"), Way("jax_mosaic")], ids=["ours", "jax"])
 def test_run_mosaic_2d_mesh_deadlock_names_mesh_coordinates(way):
     def body(pl, i, j, sem):
         @pl.when((i == 1) & (j == 0))

@@ -1,9 +1,9 @@
 """``pallas_tpu.ops.flash_attention`` on fresh random data, against a plain ``jnp`` attention (and
 ``jax.vjp`` of it for the gradients) and against JAX's own op run in JAX's TPU interpret mode.
 
-The kernels run the ways of ``three_way.py``: TPU interpret mode, our Mosaic lowering executed by
-``run_mosaic`` (``ours``), and compiled by libtpu for compile-only TPUs (``compiled``). The
-``jax`` way runs JAX's op (``jax.experimental.pallas.ops.tpu.flash_attention``) lowered by JAX and
+The kernels run every TPU way (tests/ways.py): TPU interpret mode, our Mosaic lowering executed by
+``run_mosaic`` (``mosaic``), and compiled by libtpu for compile-only TPUs (``compiled``). The
+``jax_mosaic`` way runs JAX's op (``jax.experimental.pallas.ops.tpu.flash_attention``) lowered by JAX and
 executed by ``run_mosaic``, beside ours on the same inputs. Shapes stay small (sequences of 256-512,
 head_dim 128) so the suite fits a 2-core CI machine.
 """
@@ -23,7 +23,7 @@ from pallas_tpu.ops import flash_attention as fa
 
 jfa = pytest.importorskip("jax.experimental.pallas.ops.tpu.flash_attention")
 from jax.experimental.pallas import tpu as jax_pltpu  # noqa: E402
-from three_way import MODES, dot_tol, run  # noqa: E402
+from ways import Way, every_way  # noqa: E402
 
 jax.config.update("jax_enable_checks", True)
 
@@ -83,7 +83,7 @@ def close(got, want, tol):
 
 
 def build_for(causal, sm_scale, sizes, grads, segment_ids=None, bias=False):
-    """A ``three_way`` build: our op (or, given JAX's namespaces, JAX's) over ``(q, k, v[, ab], do)``."""
+    """``build(pl, pltpu)``: our op (or, given JAX's namespaces, JAX's) over ``(q, k, v[, ab], do)``."""
 
     def build(pl, pltpu_ns):
         module = fa if pltpu_ns is pltpu else jfa
@@ -172,20 +172,18 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("mode", MODES)
-def test_ways(case, mode):
+@every_way(tpu=True)
+def test_ways(case, way):
     c = CASES[case]
     args = inputs(c.dtype, lq=c.lq, lk=c.lk, bias=c.bias, grads=c.grads)
     seg = None
     if c.segments:  # a packed sequence: every query sees its own segment's keys
         ids = segments(7, 1, c.lq)
         seg = (ids, ids)
-    if mode == "jax" and (c.dtype == BF16 or c.sizes is None):
+    if way.name == "jax_mosaic" and (c.dtype == BF16 or c.sizes is None):
         pytest.skip("JAX's op through run_mosaic: the f32 cases with explicit blocks cover it (CI time)")
-    outs = run(build_for(c.causal, c.sm_scale, c.sizes, c.grads, seg, c.bias), args, mode)
-    check_all(
-        outs, reference(args, c.causal, c.sm_scale, c.grads, seg, c.bias), dot_tol(c.tol, mode, c.dtype)
-    )
+    outs = way.jit(build_for(c.causal, c.sm_scale, c.sizes, c.grads, seg, c.bias)(*way.modules()))(*args)
+    check_all(outs, reference(args, c.causal, c.sm_scale, c.grads, seg, c.bias), way.dot_tol(c.tol, c.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +227,8 @@ def test_separate_dq_kernel(monkeypatch):
     seg = (segments(3, 1, 256),) * 2
     sizes = dict(block_q_dq=256, block_k_major_dq=128, block_k_dq=128)
     build = build_for(True, 0.4, sizes, True, seg, bias=True)
-    outs = run(build, args, "interpret")
+    interpret = Way("tpu_interpret")
+    outs = interpret.jit(build(*interpret.modules()))(*args)
     check_all(outs, reference(args, True, 0.4, True, seg, bias=True), 3e-3)
 
 

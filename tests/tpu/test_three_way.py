@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import chip_tol, dot_tol, load_example, mxu_operand
+from three_way import load_example
 from ways import every_way
 
 
@@ -146,7 +146,7 @@ def test_example_tpu_matmul(way):
     ex = _example("tpu_matmul", way)
     x, y = rand(6, (256, 384)), rand(7, (384, 256))
     f = functools.partial(ex.matmul, bm=128, bn=128, bk=128, call_kwargs=way.call_kwargs())
-    mx, my = mxu_operand(x, way.name), mxu_operand(y, way.name)
+    mx, my = way.mxu_operand(x), way.mxu_operand(y)
     close(way.jit(f)(x, y), jnp.dot(mx, my, precision="highest"), 1e-3)
 
 
@@ -159,7 +159,7 @@ def test_example_tpu_flash_attention(way, causal):
         ex.flash_attention, block_q=128, block_k=128, causal=causal, call_kwargs=way.call_kwargs()
     )
     out = way.jit(f)(q, k, v)
-    close(out, ex.attention_reference(q, k, v, causal=causal), dot_tol(2e-4, way.name))
+    close(out, ex.attention_reference(q, k, v, causal=causal), way.dot_tol(2e-4))
 
 
 @every_way(tpu=True)
@@ -227,7 +227,7 @@ def test_matmul_with_vmem_accumulator_and_revisits(way):
         scratch_shapes=[pltpu.VMEM((128, 128), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
     )(x, y)
-    mx, my = mxu_operand(x, way.name), mxu_operand(y, way.name)
+    mx, my = way.mxu_operand(x), way.mxu_operand(y)
     close(out, jnp.dot(mx, my, precision="highest"), 1e-3)
 
 
@@ -257,8 +257,8 @@ def test_elementwise_compare_select_cast(way, dtype):
         kernel, out_shape=outs, grid=(2, 2), in_specs=[spec, spec], out_specs=(spec, spec)
     )(x, y)
     assert np.asarray(got).dtype == jnp.dtype(dtype)
-    # exp and tanh on the chip: a few hundred ulp from the host's (chip_tol)
-    close(got, _elementwise(x, y, dtype), 2e-2 if dtype == jnp.bfloat16 else chip_tol(1e-5, way.name, 1e-4))
+    # exp and tanh on the chip: a few hundred ulp from the host's (way.chip_tol)
+    close(got, _elementwise(x, y, dtype), 2e-2 if dtype == jnp.bfloat16 else way.chip_tol(1e-5, 1e-4))
     close(conv, (x.astype(jnp.float32) * 2.5).astype(jnp.int32), 0)
 
 

@@ -270,8 +270,8 @@ class Way:
 
     def run_sharded(self, f, x, num_devices, input_output_aliases=()):
         """``f`` (one ``pallas_call`` per device, made with ``way.pallas_call``) ``shard_map``ped
-        over ``num_devices`` devices on the leading axis of ``x`` (``three_way.run_sharded``: an
-        int, axis ``"x"``, or a mesh shape), the outputs concatenated along it: CPU devices in
+        over ``num_devices`` devices on the leading axis of ``x`` (an int, axis ``"x"``, or a
+        mesh shape whose axes ``("x", "y", ...)`` all shard it, row-major), the outputs concatenated along it: CPU devices in
         the interpret ways, ``run_mosaic`` over that many TPUs in the Mosaic ways (the compiled
         way compiles the sharded kernel for each chip first); ``input_output_aliases``: the
         kernel's, for ``run_mosaic``."""
@@ -453,7 +453,7 @@ def _run_on_chip(f, args, num_cores=1):
     """The compiled way on a TPU (``three_way.ON_CHIP``): our lowering of ``f`` compiled and
     run on the chip, the outputs brought back to the host; JAX's lowering of the same kernel
     (``compile_jax_beside``) run beside it on the same inputs, the difference recorded. A
-    kernel over more TensorCores than the chip has skips (as three_way.run_on_chip)."""
+    kernel over more TensorCores than the chip has skips."""
     tw = _three_way()
     theirs = _jax_beside.pop(0) if _jax_beside else None
     chip_cores = getattr(jax.devices()[0], "num_cores", 1) or 1

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import OLD_JAX, mxu_operand, tensorcore_mesh
+from three_way import OLD_JAX, tensorcore_mesh
 from ways import every_way
 
 import pallas as pl
@@ -195,7 +195,7 @@ def test_add_blocks_not_dividing(way, shape, dtype):
 def test_matmul_vmem_accumulator(way):
     x, y = rand(4, (256, 384)), rand(5, (384, 256))
     out = run(way, build_matmul_scratch, x, y, bm=128, bn=128, bk=128)
-    close(out, jnp.dot(mxu_operand(x, way.name), mxu_operand(y, way.name), precision="highest"), 1e-4)
+    close(out, jnp.dot(way.mxu_operand(x), way.mxu_operand(y), precision="highest"), 1e-4)
 
 
 def build_accumulate_out(pl, pltpu, *, k_outer, interpret):
@@ -239,7 +239,7 @@ def test_matmul_should_accumulate_out(way, k_outer):
     and the body adds into it, over a k axis inner or outer to the output's."""
     x, y, c = rand(6, (128, 256)), rand(7, (256, 256)), rand(8, (128, 256))
     out = run(way, build_accumulate_out, x, y, c, k_outer=k_outer)
-    close(out, c + jnp.dot(mxu_operand(x, way.name), mxu_operand(y, way.name), precision="highest"), 1e-4)
+    close(out, c + jnp.dot(way.mxu_operand(x), way.mxu_operand(y), precision="highest"), 1e-4)
 
 
 @every_way(tpu=True, dma=True)

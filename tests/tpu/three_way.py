@@ -1,32 +1,25 @@
-"""Four-way runs of a TPU kernel (DESIGN.md, "Tests"): (a) our TPU interpret
-mode, (b) our Mosaic lowering executed by ``run_mosaic``, (c) JAX's own Mosaic
-lowering (a test-only reference) executed by ``run_mosaic``, (d) ``compiled``:
-our lowering compiled by libtpu's Mosaic for compile-only TPUs (``COMPILE_CHIPS``),
-JAX's compiled beside it (``compile_both``), then run as (b).
+"""The TPU ways' machinery under tests/ways.py (DESIGN.md, "Tests"): a kernel run every
+TPU way (``every_way(tpu=True)``: ``tpu_interpret``, ``mosaic``, ``jax_mosaic``,
+``compiled``) is run by this module's executor, compile and chip helpers:
 
-A kernel is written once as ``build(pl, pltpu) -> f``, where ``f(*args)`` is
-a JAX function that calls ``pallas_call``s (no ``interpret=``); ``build`` is
-called with our modules for (a) and (b) and JAX's for (c). For (b) and (c),
-``f`` is exported for TPU, and its jaxpr is evaluated with each
-``pallas_call`` replaced by ``run_mosaic`` of the next exported module.
-``run(build, args, mode)`` gives the outputs; ``MODES`` parametrizes a test.
-Adding a kernel to all three is one ``@pytest.mark.parametrize("mode", MODES)``.
+* ``run_with_mosaic(f, *args)``: ``f`` (a JAX function of ``pallas_call``s) exported for
+  TPU, its jaxpr evaluated with each ``pallas_call`` replaced by ``run_mosaic`` of the next
+  exported module (``num_cores=2``: exported for a megacore chip); ``run_sharded_with_mosaic``
+  the same over a mesh of devices;
+* ``compile_for_chip``: the compiled way's libtpu compile for one of ``COMPILE_CHIPS``
+  (``MEGACORE_CHIPS`` for two-TensorCore kernels), outcome and LLO counts recorded
+  (``record_compile``; tests/tpu/conftest.py sums them); ``compile_both`` compiles a
+  ``build(pl, pltpu) -> f`` by both lowerings (a test that compiles without running:
+  test_helpers' core-parallel grid, test_downstream_patterns', the core_map tests');
+* on a TPU (``ON_CHIP``): test data on the host's CPU, kernels sent to the chip
+  (``to_chip``), ours against JAX's lowering there (``chip_agreement``); the tolerances of
+  the chip's rounding (``mxu_operand``, ``chip_flushed``, ``dot_tol``, ``chip_tol``) and
+  its hardware random bits (``hardware_random_reference``), by way name.
 
-Kernels of the interpret-mode suites are written as ``fn(pl, pltpu, *arrays,
-interpret=..., **kw)`` that call their ``pallas_call``: ``call(fn, args, way,
-**kw)`` runs one of those the ``way`` way (a test parametrized over ``WAYS``).
-``DMA_WAYS`` splits the interpret way by DMA execution mode
-(``"interpret:on_wait"``, ``"interpret:eager"``): a DMA mode means nothing to
-a Mosaic module, so the Mosaic ways run once. A test that checks what only the
-interpreter does (races, poisoning, DMA order, its error messages and knobs)
-carries ``@pytest.mark.interpret_only(reason=...)`` (registered in
-``conftest.py``).
-
-tests/ways.py runs a kernel body every way without a ``build``: its TPU ways
-(``every_way(tpu=True)``: ``tpu_interpret``, ``mosaic``, ``jax_mosaic``, ``compiled``)
-are these four, on this module's executor, compile and chip helpers
-(``run_with_mosaic``, ``run_sharded_with_mosaic``, ``compile_for_chip``); the
-test_three_way*.py suites are written that way.
+A test that checks what only the interpreter does (races, poisoning, DMA order, its error
+messages and knobs) carries ``@pytest.mark.interpret_only(reason=...)`` (registered in
+``conftest.py``). A few lower-level tests still run a kernel by hand over ``WAYS`` (the
+old names of the four) with ``namespaces(way)`` and ``tpu_modules``.
 """
 
 from __future__ import annotations
@@ -46,11 +39,9 @@ import pallas as pl
 import pallas_tpu as pltpu
 from pallas_tpu._src.executor import run as executor
 from pallas_tpu._src.mosaic import compile_check
-from pallas_tpu._src.mosaic.compile_check import MosaicCompileError
 
-MODES = ("interpret", "ours", "jax", "compiled")
-WAYS = MODES
-DMA_WAYS = ("interpret:on_wait", "interpret:eager", "ours", "jax", "compiled")
+# The ways of a kernel run by hand (test_core_map.py): tests/ways.py's TPU_WAYS by their old names.
+WAYS = ("interpret", "ours", "jax", "compiled")
 # The chips the compiled way compiles for (libtpu's compile-only devices):
 # PALLAS_TPU_CHIPS, comma-separated (CI: v5e and v6e in `tests`, v4 and v5p in `tests_newest`).
 # Kernels over a chip's two TensorCores (num_cores=2) compile for the megacore chips.
@@ -116,49 +107,6 @@ def jax_namespaces():
 OLD_JAX = jax.__version_info__ < (0, 11)
 
 
-def ways(
-    *,
-    dma=False,
-    ours_xfail=None,
-    jax_skip=None,
-    jax_xfail=None,
-    raises=None,
-    compiled_xfail=None,
-    old_mosaic=None,
-    old_jax_skip=None,
-):
-    """``WAYS`` (``DMA_WAYS`` when ``dma``) for ``parametrize("way", ...)``:
-    ``ours_xfail`` names a gap of our lowering or executor (a strict xfail,
-    ``raises`` the exception expected; the compiled way too), ``jax_xfail`` a gap of ``run_mosaic``
-    on JAX's module (a strict xfail), ``jax_skip`` why JAX's lowering does not
-    support the kernel on TPU (that way skipped), ``compiled_xfail`` why Mosaic
-    (libtpu) refuses our module (a strict xfail of the compiled way). On JAX 0.10
-    (``OLD_JAX``): ``old_mosaic`` why its libtpu's Mosaic refuses our module (a strict
-    xfail of the compiled way, on the CPU and on the chip), ``old_jax_skip`` why its
-    Pallas cannot run the kernel (JAX's way skipped)."""
-    import pytest
-
-    marks = {}
-    if ours_xfail:
-        marks["ours"] = pytest.mark.xfail(strict=True, raises=raises, reason=ours_xfail)
-        marks["compiled"] = marks["ours"]
-    if compiled_xfail:
-        marks["compiled"] = pytest.mark.xfail(strict=True, raises=MosaicCompileError, reason=compiled_xfail)
-    if OLD_JAX and old_mosaic:
-        marks["compiled"] = pytest.mark.xfail(
-            strict=True,
-            raises=MosaicCompileError,
-            reason=f"libtpu 0.0.42.1 (JAX 0.10.2's) refuses it: {old_mosaic}",
-        )
-    if jax_skip:
-        marks["jax"] = pytest.mark.skip(reason=f"JAX's Mosaic lowering: {jax_skip}")
-    if OLD_JAX and old_jax_skip:
-        marks["jax"] = pytest.mark.skip(reason=f"JAX 0.10's Pallas: {old_jax_skip}")
-    if jax_xfail:
-        marks["jax"] = pytest.mark.xfail(strict=True, reason=jax_xfail)
-    return [pytest.param(w, marks=marks.get(w, ()), id=w) for w in (DMA_WAYS if dma else WAYS)]
-
-
 def namespaces(mode):
     return jax_namespaces() if mode == "jax" else (pl, pltpu)
 
@@ -169,38 +117,6 @@ def tpu_modules(f, *args, num_cores=1) -> list[bytes]:
     with jax.sharding.use_abstract_mesh(abstract_mesh(num_cores)):
         txt = export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
     return executor.custom_call_bodies(txt)
-
-
-def run(build, args, mode, num_cores=1, **interpret_params):
-    """The outputs of the kernel ``build`` makes, run the ``mode`` way
-    (``"interpret:<dma_execution_mode>"`` is the interpret way with that DMA mode).
-    ``num_cores``: TensorCores per device (``num_cores_or_threads`` in the
-    interpret way; ``run_mosaic(num_cores=)`` of modules exported for a chip
-    with that many cores in the Mosaic ways)."""
-    mode, _, dma = mode.partition(":")
-    if dma:
-        interpret_params = {"dma_execution_mode": dma, **interpret_params}
-    if num_cores != 1:
-        interpret_params = {"num_cores_or_threads": num_cores, **interpret_params}
-    f = build(*namespaces(mode))
-    if mode == "interpret":
-        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
-            return jax.jit(f)(*args)
-    compiled = mode == "compiled"
-    if compiled and ON_CHIP:
-        return run_on_chip(build, args, num_cores)
-    if compiled:
-        compile_both(
-            build, args, tuple(dict.fromkeys(COMPILE_CHIPS + (MEGACORE_CHIPS if num_cores == 2 else ())))
-        )
-        mode = "ours"
-        f = build(*namespaces(mode))
-    with jax.sharding.use_abstract_mesh(abstract_mesh(num_cores)):
-        shapes = jax.eval_shape(f, *args)
-    outs = run_with_mosaic(f, *args, num_cores=num_cores)
-    if compiled and num_cores == 1 and os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
-        _add_to_chip_bundle(build, args, outs)
-    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
 # On a TPU (the lent v5e: scripts/tpu_check.sh) the compiled way compiles with the chip's own
@@ -289,47 +205,6 @@ def needs_devices(n: int):
     )
 
 
-def run_on_chip(build, args, num_cores=1):
-    """The compiled way on a TPU: ``build``'s kernel lowered by us, compiled and run on
-    the chip; JAX's lowering of it run beside ours, the difference recorded (never
-    asserted: the test compares ours with jnp)."""
-    import pytest
-
-    chip_cores = getattr(jax.devices()[0], "num_cores", 1) or 1
-    if num_cores > chip_cores:
-        pytest.skip(
-            f"needs a TPU with {num_cores} TensorCores; {jax.devices()[0].device_kind} has {chip_cores}"
-        )
-    args = to_chip(args)
-    with jax.default_device(jax.devices("tpu")[0]):  # a kernel of no arguments too
-        return _run_on_chip(build, args)
-
-
-def _run_on_chip(build, args):
-    try:
-        ours = jax.block_until_ready(jax.jit(build(pl, pltpu))(*args))
-    except Exception as e:
-        # Which lowering the chip's Mosaic refuses: ours only, or JAX's too (the chip's
-        # libtpu lacks the feature)? Recorded, then ours' error fails the test.
-        record_compile(
-            "chip",
-            "ours",
-            "failed",
-            None,
-            agreement=f"ours failed ({first_line(e)}); JAX's: {_jax_on_chip(build, args)}",
-        )
-        if "Mosaic failed to compile" in str(e):
-            raise MosaicCompileError.from_libtpu(e, jax.devices()[0].device_kind, []) from e
-        raise
-    try:
-        theirs = jax.block_until_ready(jax.jit(build(*jax_namespaces()))(*args))
-        outcome = chip_agreement(ours, theirs)
-    except Exception as e:  # JAX's lowering refuses the kernel, or Mosaic refuses JAX's module
-        outcome = f"JAX's failed: {first_line(e)}"
-    record_compile("chip", "ours", "ran", None, agreement=outcome)
-    return jax.device_get(ours)
-
-
 def hardware_random_reference(build, args, mode, model):
     """What a kernel on the TPU's hardware random bits must give: ``model()`` (the
     generator as the interpreters and run_mosaic model it), except in the compiled way on
@@ -346,14 +221,6 @@ def first_line(e: Exception) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("---")]
     text = next((ln for ln in lines if "Mosaic failed" in ln or "Error" in ln), lines[0] if lines else "")
     return f"{type(e).__name__}: {text[:160]}"
-
-
-def _jax_on_chip(build, args) -> str:
-    try:
-        jax.block_until_ready(jax.jit(build(*jax_namespaces()))(*args))
-        return "ran"
-    except Exception as e:
-        return f"failed ({first_line(e)})"
 
 
 def chip_agreement(ours, theirs) -> str:
@@ -376,25 +243,6 @@ def chip_agreement(ours, theirs) -> str:
     if equal:
         return "equal"
     return f"{'close' if worst <= 1e-2 else 'differ'} (max rel {worst:.2g})"
-
-
-def _add_to_chip_bundle(build, args, outs):
-    """With ``PALLAS_TPU_CHIP_BUNDLE=DIR``, the compiled way also adds its kernel (ours and
-    JAX's lowering, the inputs as constants) to the bundle in DIR, with ``run_mosaic``'s
-    outputs of our module (which the test compares with jnp) as the reference: how the
-    three-way kernels reach the lent TPU (``scripts/tpu_chip_run.py``)."""
-    import chip_bundle
-
-    ours, theirs = build(pl, pltpu), build(*jax_namespaces())
-    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-    chip_bundle.add(
-        os.environ["PALLAS_TPU_CHIP_BUNDLE"],
-        test,
-        lambda: ours(*args),
-        outs,
-        theirs=lambda: theirs(*args),
-        context=lambda: jax.sharding.use_abstract_mesh(TPU_V5E),
-    )
 
 
 def compile_both(build, args, chips, mesh=None, spec=None):
@@ -486,29 +334,12 @@ def record_compile(chip, mode, outcome, llo, **extra):
         fh.write(json.dumps(row) + "\n")
 
 
-def call(fn, args, way, interpret_params=None, **kw):
-    """``fn(pl, pltpu, *args, interpret=False, **kw)`` (a kernel written as a
-    function of the two modules that calls its ``pallas_call``) run the ``way``
-    way; ``interpret_params`` (a dict) go to ``InterpretParams`` in the
-    interpret way."""
-
-    def build(pl, pltpu):
-        return lambda *a: fn(pl, pltpu, *a, interpret=False, **kw)
-
-    return run(build, args, way, **(interpret_params or {}))
-
-
 def tensorcore_mesh(pltpu):
     """A mesh of a chip's two TensorCores in ``pltpu`` (ours or JAX's): JAX's releases
     name its constructor ``TensorCoreMesh`` or ``create_tensorcore_mesh``."""
     if hasattr(pltpu, "TensorCoreMesh"):
         return pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
     return pltpu.create_tensorcore_mesh("core", num_cores=2)
-
-
-def builder(make, **kw):
-    """A ``run`` build from ``make(pl, pltpu, *, interpret, **kw) -> f``."""
-    return lambda pl, pltpu: make(pl, pltpu, interpret=False, **kw)
 
 
 def run_with_mosaic(f, *args, num_cores=1) -> list:
@@ -562,37 +393,6 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies, num_cores=1):
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
-
-
-def run_sharded(build, x, mode, num_devices, input_output_aliases=(), **interpret_params):
-    """``build(pl, pltpu) -> f``, ``f`` one ``pallas_call`` per device, run over
-    a mesh of devices on the leading axis of ``x`` (``shard_map``); the outputs
-    concatenated along it. ``num_devices``: ``n`` for a 1-D mesh with axis
-    ``"x"`` (``in_specs=P("x")``), or a mesh shape such as ``(2, 2)`` with axes
-    ``("x", "y", ...)`` that shards the leading axis over all of them, row-major
-    (``in_specs=P(("x", "y"))``), as ``run_mosaic(mesh_shape=...)`` numbers
-    the devices. ``input_output_aliases``: the kernel's, for ``run_mosaic``."""
-    import numpy as np
-    from jax.sharding import PartitionSpec as P
-
-    shape = (num_devices,) if isinstance(num_devices, int) else tuple(num_devices)
-    n = int(np.prod(shape))
-    names = ("x", "y", "z", "w")[: len(shape)]
-    spec = P(names[0]) if len(shape) == 1 else P(names)
-    if mode == "compiled" and ON_CHIP and len(jax.devices()) < n:
-        import pytest
-
-        pytest.skip(f"needs {n} TPU devices; this machine has {len(jax.devices())}")
-    if mode == "compiled":
-        compile_both(build, [x], COMPILE_CHIPS, mesh=shape, spec=spec)
-        mode = "ours"
-    f = build(*namespaces(mode))
-    if mode == "interpret":
-        mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:n]).reshape(shape), names)
-        g = jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
-        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
-            return jax.jit(g)(x)
-    return run_sharded_with_mosaic(f, x, shape, input_output_aliases)
 
 
 def run_sharded_with_mosaic(f, x, mesh_shape, input_output_aliases=()):

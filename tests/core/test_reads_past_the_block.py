@@ -123,9 +123,10 @@ def test_row_past_the_block_spelled_out(way):
 @every_way(only=TPU_WAYS)
 def test_tpu_ways_report_the_read(way):
     x = jax.random.normal(jax.random.key(32), (32, 128), jnp.float32)
-    spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+    wpl, _ = way.modules()  # JAX's in the jax_mosaic way
+    spec = wpl.BlockSpec((8, 128), lambda i: (i, 0))
     f = way.pallas_call(
-        lambda x_ref, o_ref: row_past(pl, x_ref, o_ref),
+        lambda x_ref, o_ref: row_past(wpl, x_ref, o_ref),
         grid=(4,),
         in_specs=[spec],
         out_specs=spec,

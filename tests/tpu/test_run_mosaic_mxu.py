@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from jax import export, lax
 from jaxlib.mosaic.python import tpu
+from three_way import TPU_V5E  # the abstract v5e JAX's lowering asks for
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -54,11 +55,6 @@ def want(x, y, precision):
     return xh @ yh
 
 
-_TPU_V5E = jax.sharding.AbstractMesh(
-    (1,),
-    ("x",),
-    abstract_device=jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu"),
-)
 OUT = jax.ShapeDtypeStruct((M, N), jnp.float32)
 
 
@@ -74,7 +70,7 @@ def run(lowering, precision, x, y, **kw):
     else:
         jpl = pytest.importorskip("jax.experimental.pallas")
         call = functools.partial(jpl.pallas_call, kernel, out_shape=OUT)
-        with jax.sharding.use_abstract_mesh(_TPU_V5E):
+        with jax.sharding.use_abstract_mesh(TPU_V5E):
             txt = export.export(jax.jit(lambda a, b: call()(a, b)), platforms=["tpu"])(x, y).mlir_module()
         [module] = executor.custom_call_bodies(txt)
     return np.asarray(pltpu.run_mosaic(module, x, y, out_shape=OUT, **kw), np.float64)

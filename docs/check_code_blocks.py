@@ -86,6 +86,7 @@ def blocks_of(text: str) -> list[tuple[int, str, str | None]]:
 
 def broken_links(path: str, text: str) -> list[str]:
     text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # links in code are not links
+    text = re.sub(r"`[^`\n]+`", "", text)  # nor in inline code spans
     bad = []
     for m in LINK.finditer(text):
         target = (m.group(1) or m.group(2)).split("#", 1)[0]

@@ -253,8 +253,9 @@ def test_emit_pipeline_inside_a_kernel_runs():
 
 # ---------------------------------------------------------------------------
 # The compiled way for the ops above: each ported op lowered by us and compiled by
-# libtpu's Mosaic for three_way.COMPILE_CHIPS, JAX's original compiled beside it
-# (three_way.compile_both; benchmarks/tpu_llo.py reads their LLO op counts). The
+# libtpu's Mosaic for three_way.COMPILE_CHIPS, JAX's original compiled beside it where
+# three_way.jax_beside_wanted (three_way.compile_both; benchmarks/tpu_llo.py sets
+# PALLAS_TPU_JAX_BESIDE=1 and reads their LLO op counts). The
 # values of these ops are checked by the tests above and in test_jax_tpu_ops.py.
 
 

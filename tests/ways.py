@@ -504,7 +504,8 @@ def _run_on_chip(f, args, num_cores=1, record=None):
     """The compiled way on a TPU (``three_way.ON_CHIP``): our lowering of ``f`` compiled and
     run on the chip, the outputs brought back to the host; JAX's lowering of the same kernel
     (``compile_jax_beside``) run beside it on the same inputs, the difference recorded. A
-    kernel over more TensorCores than the chip has skips. ``record``: as ``_compile_for_chips``'."""
+    kernel over more TensorCores than the chip has skips. ``record``: what records the run
+    (``three_way.record_compile`` by default)."""
     tw = _three_way()
     record = record or tw.record_compile
     theirs = _jax_beside.pop(0) if _jax_beside else None

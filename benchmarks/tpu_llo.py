@@ -41,7 +41,11 @@ def collect(chips: str, select: str | None, workers: int) -> list[dict]:
         report, dump = os.path.join(tmp, "report"), os.path.join(tmp, "dump")
         os.makedirs(report)
         env = dict(
-            os.environ, PALLAS_TPU_COMPILE_REPORT=report, PALLAS_TPU_LLO_DUMP=dump, PALLAS_TPU_CHIPS=chips
+            os.environ,
+            PALLAS_TPU_COMPILE_REPORT=report,
+            PALLAS_TPU_LLO_DUMP=dump,
+            PALLAS_TPU_CHIPS=chips,
+            PALLAS_TPU_JAX_BESIDE="1",
         )
         k = "compiled" + (f" and ({select})" if select else "")
         cmd = [sys.executable, "-m", "pytest", "tests/tpu", "-q", "-k", k, "-p", "no:cacheprovider"]

@@ -18,10 +18,11 @@ The ways (``WAYS``):
 * ``compiled``: our lowering compiled by libtpu's Mosaic for compile-only TPUs
   (``three_way.COMPILE_CHIPS``; a refusal fails the test, its LLO counts recorded),
   then run as ``mosaic``; on a TPU (``three_way.ON_CHIP``) compiled and run on the chip.
-  JAX's lowering of the same body is compiled beside it (its outcome and LLO counts
-  recorded, never asserted: benchmarks/tpu_llo.py compares them): tests/conftest.py runs
-  the test body once first with ``Way("compiled", beside=True)``, whose modules are JAX's
-  and whose kernels are compiled (on a chip: kept to run beside ours), not run.
+  On a chip, into a chip bundle, and with ``PALLAS_TPU_JAX_BESIDE=1`` (benchmarks/tpu_llo.py
+  sets it; CI does not: ``three_way.jax_beside_wanted``), JAX's lowering of the same body is
+  compiled beside it (its outcome and LLO counts recorded, never asserted): tests/conftest.py
+  runs the test body once first with ``Way("compiled", beside=True)``, whose modules are
+  JAX's and whose kernels are compiled (on a chip: kept to run beside ours), not run.
 
 ``@every_way()`` on a test (or a test class) parametrizes the ``way`` fixture
 (tests/conftest.py) with a :class:`Way` each: ``DEFAULT_WAYS`` (the engines that run a
@@ -463,10 +464,11 @@ def compile_jax_beside(item) -> None:
     """The compiled way's test ``item`` run once with ``Way("compiled", beside=True)``
     (tests/conftest.py calls it before the test's own run): JAX's lowering of each kernel
     compiled beside ours, its outcome recorded; what the body then asserts, or raises, or
-    skips is not the test's outcome. An op's way (``Way.ours_only``) runs nothing here."""
+    skips is not the test's outcome. Done where its outcome is read
+    (``three_way.jax_beside_wanted``); an op's way (``Way.ours_only``) runs nothing here."""
     _jax_beside.clear()
     _jax_compiles.clear()
-    if item.funcargs["way"].ours_only:  # an op's way: no JAX lowering of its kernels to compile
+    if item.funcargs["way"].ours_only or not _three_way().jax_beside_wanted():
         return
     args = {name: item.funcargs[name] for name in inspect.signature(item.obj).parameters}
     args["way"] = dataclasses.replace(args["way"], beside=True)

@@ -33,7 +33,13 @@ means nothing to a Mosaic module, so the Mosaic ways run once). ``way.with_param
 num_cores=2, **interpret_params)`` is the same way over a chip's two TensorCores
 (``num_cores_or_threads`` in the interpret way; modules exported for a megacore chip and
 ``run_mosaic(num_cores=2)`` in the Mosaic ways, compiled for ``three_way.MEGACORE_CHIPS``
-too) and with those ``pltpu.InterpretParams`` in the ``tpu_interpret`` way. On a TPU the
+too) and with those ``pltpu.InterpretParams`` in the ``tpu_interpret`` way.
+``every_way(op=True)`` runs an op of ``pallas_tpu.ops`` its three ways (``WAYS_OF_AN_OP``:
+``tpu_interpret``, ``mosaic``, ``compiled``; its kernels are written against our modules, so
+``jax_mosaic`` does not apply and the compiled way compiles our lowering only, recording
+nothing) by ``way.op(op, *args, **kw)`` (``op`` a public function that takes ``interpret=``)
+or ``way.jit(f)`` (``f`` a function of ops); ``compile_op(f, args)`` is the compiled way's
+compile alone (a size too large to run). On a TPU the
 compiled way rounds as the chip does: a test's reference or tolerance goes through
 ``way.mxu_operand(x)``, ``way.chip_flushed(x)``, ``way.dot_tol(tol)`` or
 ``way.chip_tol(tol, floor)`` (each its argument itself anywhere else).
@@ -93,6 +99,9 @@ import pallas as pl
 WAYS = ("core", "core_steps", "triton", "tpu_interpret", "mosaic", "jax_mosaic", "compiled")
 DEFAULT_WAYS = WAYS[:5]  # every_way(): the TPU suites' jax_mosaic and compiled ways cost CI time
 TPU_WAYS = ("tpu_interpret", "mosaic", "jax_mosaic", "compiled")
+# every_way(op=True): the ways of an op of pallas_tpu.ops (its kernels are written against our
+# modules: JAX's lowering of them, the jax_mosaic way, does not apply)
+WAYS_OF_AN_OP = ("tpu_interpret", "mosaic", "compiled")
 MOSAIC_WAYS = ("mosaic", "jax_mosaic", "compiled")  # run by run_mosaic (compiled: on the CPU)
 INTERPRET_WAYS = ("core", "core_steps", "triton", "tpu_interpret")
 
@@ -130,6 +139,9 @@ class Way:
     num_cores: int = 1
     # More ``pltpu.InterpretParams`` of the tpu_interpret way, as (name, value) pairs.
     params: tuple = ()
+    # An op's way (``every_way(op=True)``): its kernels are ours only, so the compiled way
+    # compiles no JAX lowering beside them and records nothing in the compile report.
+    ours_only: bool = False
 
     def __str__(self) -> str:
         return self.id
@@ -242,6 +254,17 @@ class Way:
         interpret = self.interpret() or False
         return self.jit(lambda *a: fn(pl_, pltpu_, *a, interpret=interpret, **kw))(*args)
 
+    def op(self, op, *args, **kw):
+        """``op(*args, **kw)`` run this way, ``op`` a public function that takes ``interpret=``
+        (an op of ``pallas_tpu.ops``): given this way's ``pltpu.InterpretParams`` in the
+        ``tpu_interpret`` way; in the Mosaic ways ``way.jit`` of it (the compiled way: our
+        lowering compiled for each chip under that chip's abstract mesh, so the op picks its
+        blocks for the chip, then run by ``run_mosaic``; on a TPU run on the chip)."""
+        assert self.name in WAYS_OF_AN_OP, f"an op runs the ways {WAYS_OF_AN_OP}, not {self.name}"
+        if self.name == "tpu_interpret":
+            return op(*args, interpret=self.interpret(), **kw)
+        return self.jit(lambda *a: op(*a, **kw))(*args)
+
     def jit(self, f):
         """``jax.jit(f)`` run this way, ``f`` a function of ``way.pallas_call``s: the Mosaic
         way exports ``f`` whole for a TPU (a traced grid size, an enclosing function's
@@ -304,10 +327,11 @@ class Way:
         _skip_under_a_transformation(args)
         if self.beside:
             return _beside_ours(f, args, self.num_cores)
+        record = _unrecorded if self.ours_only else None
         if self.name == "compiled" and tw.ON_CHIP:
-            return _run_on_chip(f, args, self.num_cores)
+            return _run_on_chip(f, args, self.num_cores, record)
         if self.name == "compiled":
-            _compile_for_chips(f, args, "ours", num_cores=self.num_cores)
+            _compile_for_chips(f, args, "ours", num_cores=self.num_cores, record=record)
         outs = _run_with_mosaic(f, args, self.num_cores)
         if self.name == "compiled" and self.num_cores == 1 and os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
             _add_to_chip_bundle(f, args, outs)
@@ -390,19 +414,20 @@ def _run_with_mosaic(f, args, num_cores=1):
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
-def _compile_for_chips(f, args, lowering, mesh=None, spec=None, num_cores=1):
+def _compile_for_chips(f, args, lowering, mesh=None, spec=None, num_cores=1, record=None):
     """The compiled way: ``f(*args)`` (``lowering``: "ours", or "jax" beside it) compiled by
     libtpu's Mosaic for each of ``three_way.COMPILE_CHIPS`` (and ``MEGACORE_CHIPS`` for a
-    kernel over ``num_cores=2``) on the CPU, outcomes and LLO counts recorded; Mosaic's
-    refusal of ours fails the test (a chip's generation gap is recorded, not raised)."""
+    kernel over ``num_cores=2``) on the CPU, outcomes and LLO counts recorded (``record``:
+    ``three_way.record_compile`` by default); Mosaic's refusal of ours fails the test (a
+    chip's generation gap is recorded, not raised)."""
     tw = _three_way()
     megacore = tw.MEGACORE_CHIPS if num_cores == 2 else ()
     for chip in dict.fromkeys(tw.COMPILE_CHIPS + megacore):
         if lowering == "jax":
-            record = lambda *row, chip=chip: _jax_compiles.setdefault(chip, []).append(row)  # noqa: E731
-            tw.compile_for_chip(f, args, chip, lowering, mesh, spec, record=record)
+            keep = lambda *row, chip=chip: _jax_compiles.setdefault(chip, []).append(row)  # noqa: E731
+            tw.compile_for_chip(f, args, chip, lowering, mesh, spec, record=keep)
             continue
-        refused = tw.compile_for_chip(f, args, chip, lowering, mesh, spec)
+        refused = tw.compile_for_chip(f, args, chip, lowering, mesh, spec, record=record)
         if _jax_compiles.get(chip):
             tw.record_compile(*_jax_compiles[chip].pop(0))
         if refused is not None:
@@ -440,10 +465,10 @@ def compile_jax_beside(item) -> None:
     (tests/conftest.py calls it before the test's own run): JAX's lowering of each kernel
     compiled beside ours, its outcome recorded; what the body then asserts, or raises, or
     skips is not the test's outcome. Done where its outcome is read
-    (``three_way.jax_beside_wanted``)."""
+    (``three_way.jax_beside_wanted``); an op's way (``Way.ours_only``) runs nothing here."""
     _jax_beside.clear()
     _jax_compiles.clear()
-    if not _three_way().jax_beside_wanted():
+    if item.funcargs["way"].ours_only or not _three_way().jax_beside_wanted():
         return
     args = {name: item.funcargs[name] for name in inspect.signature(item.obj).parameters}
     args["way"] = dataclasses.replace(args["way"], beside=True)
@@ -453,12 +478,38 @@ def compile_jax_beside(item) -> None:
         pass
 
 
-def _run_on_chip(f, args, num_cores=1):
+def compile_op(f, args, chips=None) -> None:
+    """The compiled way's compile of ``f(*args)`` (a function of ops of ``pallas_tpu.ops``;
+    ``args`` may be ``jax.ShapeDtypeStruct``s) without its run: libtpu compiles our lowering
+    for each chip of ``three_way.COMPILE_CHIPS`` under that chip's abstract mesh (so the op
+    picks its blocks for that chip; a refusal fails the test); on a TPU, for the chip there.
+    For a size too large to run (the blocks an op chooses at scale); ``chips``: for these
+    compile-only chips on any machine (``f`` and ``args`` made for them: over a mesh of the
+    chip's devices)."""
+    Way("compiled").skip_if_missing()
+    tw = _three_way()
+    if tw.ON_CHIP and chips is None:
+        jax.jit(f).lower(*tw.to_chip(args)).compile()
+        return
+    for chip in chips or tw.COMPILE_CHIPS:
+        refused = tw.compile_for_chip(f, list(args), chip, "ours", record=_unrecorded)
+        if refused is not None:
+            raise refused
+
+
+def _unrecorded(*row, **extra) -> None:
+    """An op's compiles and chip runs (``Way.ours_only``): the compile report and its summary
+    compare our lowering with JAX's of the same kernel, which an op's kernels have not."""
+
+
+def _run_on_chip(f, args, num_cores=1, record=None):
     """The compiled way on a TPU (``three_way.ON_CHIP``): our lowering of ``f`` compiled and
     run on the chip, the outputs brought back to the host; JAX's lowering of the same kernel
     (``compile_jax_beside``) run beside it on the same inputs, the difference recorded. A
-    kernel over more TensorCores than the chip has skips."""
+    kernel over more TensorCores than the chip has skips. ``record``: what records the run
+    (``three_way.record_compile`` by default)."""
     tw = _three_way()
+    record = record or tw.record_compile
     theirs = _jax_beside.pop(0) if _jax_beside else None
     chip_cores = getattr(jax.devices()[0], "num_cores", 1) or 1
     if num_cores > chip_cores:
@@ -481,7 +532,7 @@ def _run_on_chip(f, args, num_cores=1):
                 except Exception as e2:
                     theirs_outcome = f"failed ({tw.first_line(e2)})"
             agreement = f"ours failed ({tw.first_line(e)}); JAX's: {theirs_outcome}"
-            tw.record_compile("chip", "ours", "failed", None, agreement=agreement)
+            record("chip", "ours", "failed", None, agreement=agreement)
             if "Mosaic failed to compile" in str(e):
                 from pallas_tpu._src.mosaic.compile_check import MosaicCompileError
 
@@ -493,7 +544,7 @@ def _run_on_chip(f, args, num_cores=1):
                 agreement = tw.chip_agreement(ours, jax.block_until_ready(jax.jit(theirs)(*args)))
         except Exception as e:  # JAX's lowering refuses the kernel, or Mosaic refuses JAX's module
             agreement = f"JAX's failed: {tw.first_line(e)}"
-    tw.record_compile("chip", "ours", "ran", None, agreement=agreement)
+    record("chip", "ours", "ran", None, agreement=agreement)
     return jax.device_get(ours)
 
 
@@ -528,15 +579,15 @@ def _add_to_chip_bundle(f, args, outs):
 DMA_MODES = ("on_wait", "eager")  # the tpu_interpret way's, split by every_way(dma=True)
 
 
-def every_way(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=False):
+def every_way(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=False, op=False):
     """``pytest.mark.parametrize("way", ...)`` over ``DEFAULT_WAYS`` (``TPU_WAYS`` with
-    ``tpu``; or ``only`` of ``WAYS``): ``way_params``' list.
+    ``tpu``, ``WAYS_OF_AN_OP`` with ``op``; or ``only`` of ``WAYS``): ``way_params``' list.
     """
-    params = way_params(skip=skip, xfail=xfail, raises=raises, only=only, tpu=tpu, dma=dma)
+    params = way_params(skip=skip, xfail=xfail, raises=raises, only=only, tpu=tpu, dma=dma, op=op)
     return pytest.mark.parametrize("way", params, indirect=True)
 
 
-def way_params(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=False) -> list:
+def way_params(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=False, op=False) -> list:
     """The ``pytest.param`` of each way ``every_way`` runs (for a ``parametrize("way", ...,
     indirect=True)`` that adds parameters of its own: the ``way`` fixture gives them as they are).
 
@@ -546,6 +597,8 @@ def way_params(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=
         the exception expected, or ``{way: exception}``).
       only: the ways to run (default: ``DEFAULT_WAYS``).
       tpu: a TPU kernel: the ways are ``TPU_WAYS``.
+      op: an op of ``pallas_tpu.ops`` (run by ``way.op``): the ways are ``WAYS_OF_AN_OP``,
+        each ``ours_only`` (no JAX lowering compiled beside ours, nothing recorded).
       dma: the ``tpu_interpret`` way once per DMA execution mode (``DMA_MODES``; a
         ``skip``/``xfail`` of ``"tpu_interpret"`` marks both).
     """
@@ -553,7 +606,7 @@ def way_params(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=
     unknown = (set(skip) | set(xfail) | set(only or ())) - set(WAYS)
     assert not unknown, f"no such ways: {sorted(unknown)} (ways: {WAYS})"
     params = []
-    for name in only or (TPU_WAYS if tpu else DEFAULT_WAYS):
+    for name in only or (WAYS_OF_AN_OP if op else TPU_WAYS if tpu else DEFAULT_WAYS):
         marks = []
         if name in skip:
             marks.append(pytest.mark.skip(reason=f"{name} way: {skip[name]}"))
@@ -561,7 +614,7 @@ def way_params(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=
             expected = raises.get(name) if isinstance(raises, dict) else raises
             marks.append(pytest.mark.xfail(strict=True, raises=expected, reason=f"{name} way: {xfail[name]}"))
         split = DMA_MODES if dma and name == "tpu_interpret" else (None,)
-        for way in (Way(name, dma=mode) for mode in split):
+        for way in (Way(name, dma=mode, ours_only=op) for mode in split):
             params.append(pytest.param(way, marks=marks, id=way.id))
     return params
 

@@ -1,14 +1,15 @@
 """``pallas_tpu.ops.all_gather`` on a mesh of four CPU devices (``tests/conftest.py``),
 every device's copy of the result against the input (the gather of fresh random data
-is the data), and against JAX's op of the same name (JAX's TPU interpret mode), the
-ways of ``test_ops_matmul.OP_WAYS``:
+is the data), and against JAX's op of the same name (JAX's TPU interpret mode), every
+way of an op (tests/ways.py's ``every_way(op=True)``; the op takes its mesh, so ``gather``
+runs each way here):
 
-* ``interpret``: our multi-device TPU interpret mode, inside the op's ``shard_map``;
-* ``ours``: the op exported for a mesh of TPU v5e devices, its Mosaic module run by
+* ``tpu_interpret``: our multi-device TPU interpret mode, inside the op's ``shard_map``;
+* ``mosaic``: the op exported for a mesh of TPU v5e devices, its Mosaic module run by
   ``run_mosaic`` on every device at once (remote DMAs and semaphores between them);
 * ``compiled``: the op compiled by libtpu for a mesh of compile-only TPUs of each chip
-  of ``three_way.COMPILE_CHIPS`` (four devices of their 2x2 topologies), then run as
-  ``ours``.
+  of ``three_way.COMPILE_CHIPS`` (four devices of their 2x2 topologies: ``ways.compile_op``),
+  then run as ``mosaic``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 import three_way
 from jax import export
 from jax.sharding import PartitionSpec as P
+from ways import Way, compile_op, every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -31,7 +33,6 @@ from pallas_tpu._src.mosaic import compile_check
 from pallas_tpu.ops import all_gather as ag
 
 pytestmark = three_way.needs_devices(4)
-OP_WAYS = ("interpret", "ours", "compiled")
 NAMES = ("x", "y")
 
 
@@ -66,20 +67,15 @@ def gather_mosaic(x, mesh_shape, axis_name, memory_space, compiled):
     """Every device's result, from the op's Mosaic module run by ``run_mosaic``."""
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     names = NAMES[: len(mesh_shape)]
-    if compiled:
-        if not compile_check.libtpu_available():
-            pytest.skip('the compiled way needs libtpu: pip install "jax[tpu]"')
-        for chip in three_way.COMPILE_CHIPS:
-            devices = np.array(compile_check.tpu_devices(chip)[: math.prod(mesh_shape)]).reshape(mesh_shape)
-            mesh = jax.sharding.Mesh(devices, names)
-            placed = jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, P(axes))
-            )
-            compile_check.compile_for(
-                lambda a: ag.all_gather(a, mesh=mesh, axis_name=axis_name, memory_space=memory_space),
-                [placed],
-                chip,
-            )
+    for chip in three_way.COMPILE_CHIPS if compiled else ():
+        devices = np.array(compile_check.tpu_devices(chip)[: math.prod(mesh_shape)]).reshape(mesh_shape)
+        mesh = jax.sharding.Mesh(devices, names)
+        placed = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, P(axes)))
+        compile_op(
+            lambda a, mesh=mesh: ag.all_gather(a, mesh=mesh, axis_name=axis_name, memory_space=memory_space),
+            [placed],
+            chips=(chip,),
+        )
     mesh = jax.sharding.AbstractMesh(
         mesh_shape,
         names,
@@ -105,15 +101,15 @@ def gather_mosaic(x, mesh_shape, axis_name, memory_space, compiled):
     return list(np.asarray(out).reshape(-1, *x.shape))
 
 
-def gather(x, way, mesh_shape=(4,), axis_name="x", memory_space=pltpu.VMEM, **interpret_params):
-    """Every device's copy of ``all_gather(x)`` run the ``way`` way."""
-    if way == "interpret":
+def gather(x, way, mesh_shape=(4,), axis_name="x", memory_space=pltpu.VMEM):
+    """Every device's copy of ``all_gather(x)`` run the ``way`` way (a ``ways.Way``)."""
+    if way.name == "tpu_interpret":
         mesh = cpu_mesh(mesh_shape)
-        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(**interpret_params)):
+        with pltpu.force_tpu_interpret_mode(way.interpret()):
             out = ag.all_gather(x, mesh=mesh, axis_name=axis_name, memory_space=memory_space)
         assert out.sharding.is_fully_replicated
         return [np.asarray(s.data) for s in out.addressable_shards]
-    return gather_mosaic(x, mesh_shape, axis_name, memory_space, compiled=way == "compiled")
+    return gather_mosaic(x, mesh_shape, axis_name, memory_space, compiled=way.name == "compiled")
 
 
 def check_every_copy(copies, x, devices):
@@ -134,7 +130,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_all_gather_four_devices(way, case):
     shape, dtype, memory_space = CASES[case]
     x = (
@@ -148,7 +144,7 @@ def test_all_gather_four_devices(way, case):
 @pytest.mark.parametrize(
     "axis_name", ["y", ("x", "y"), ("y", "x")], ids=["one_axis", "both", "both_reversed"]
 )
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_all_gather_on_a_2d_mesh(way, axis_name):
     """On a (2, 2) mesh: over one axis (a ring per row, the other axis keeps its own
     coordinate) and over both axes in either order (one ring of four)."""
@@ -157,7 +153,7 @@ def test_all_gather_on_a_2d_mesh(way, axis_name):
 
 
 @pytest.mark.parametrize("devices", [2, 3])
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_all_gather_rings_of_two_and_three(way, devices):
     """Two devices (one hop, one direction) and three (one hop each way)."""
     x = rand(devices, (devices * 8, 128))
@@ -173,7 +169,7 @@ def test_all_gather_matches_jax_op():
     mesh = cpu_mesh((4,))
     with jax_pltpu.force_tpu_interpret_mode(jax_pltpu.InterpretParams(dma_execution_mode="eager")):
         theirs = jax_ag.all_gather(x, mesh=mesh, axis_name="x")
-    ours = gather(x, "interpret")
+    ours = gather(x, Way("tpu_interpret"))
     check_every_copy(ours, np.asarray(theirs), 4)
     assert {"all_gather", "ag_kernel", "get_neighbor"} <= set(dir(ag))
 
@@ -181,7 +177,7 @@ def test_all_gather_matches_jax_op():
 @pytest.mark.interpret_only(reason="race detection")
 def test_all_gather_is_race_free():
     x = rand(22, (32, 128))
-    check_every_copy(gather(x, "interpret", detect_races=True), x, 4)
+    check_every_copy(gather(x, Way("tpu_interpret").with_params(detect_races=True)), x, 4)
     assert not interpret_multi.races.races_found
 
 

@@ -23,6 +23,7 @@ from pallas_tpu.ops import flash_attention as fa
 
 jfa = pytest.importorskip("jax.experimental.pallas.ops.tpu.flash_attention")
 from jax.experimental.pallas import tpu as jax_pltpu  # noqa: E402
+from three_way import chip_mesh  # noqa: E402
 from ways import Way, every_way  # noqa: E402
 
 jax.config.update("jax_enable_checks", True)
@@ -204,7 +205,7 @@ def test_matches_jax_op(causal):
     seg_ids = segments(11, 1, 256)
     sizes = dict(block_q=128, block_k_major=256, block_k=128)
 
-    def run_op(module):
+    def run(module):
         seg = module.SegmentIds(seg_ids, seg_ids)
 
         def op(q, k, v, ab):
@@ -214,9 +215,9 @@ def test_matches_jax_op(causal):
         return with_grads(op, q, k, v, ab, do)
 
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-        ours = run_op(fa)
+        ours = run(fa)
     with jax_interpret():
-        theirs = run_op(jfa)
+        theirs = run(jfa)
     check_all(ours, theirs, 2e-4)
 
 
@@ -277,8 +278,6 @@ def test_default_dkv_sweep_follows_head_dim(chip):
     """The ``dk``/``dv`` step's query sweep is divided by the MXU's passes over head_dim, down to
     512 (code size: the fused backward at D256, causal, L=4096 was 80.7k bundles in 5 overlays on
     the v5e with 1024 x 2048 steps, 32.9k in one with 1024 x 1024); the other blocks keep to it."""
-    from test_ops_matmul import chip_mesh
-
     with chip_mesh(chip):
         got = {
             (d, causal): fa.BlockSizes.get_default(1, 2, 4096, 4096, d, causal=causal)

@@ -1,82 +1,22 @@
 """``pallas_tpu.ops.matmul`` against ``jnp.dot`` (precision highest) and against
 JAX's op of the same name (``jax.experimental.pallas.ops.tpu.matmul``, in JAX's
-TPU interpret mode), on fresh random data, run the ways of an op (``OP_WAYS``):
-
-* ``interpret``: our TPU interpret mode (``interpret=pltpu.InterpretParams()``);
-* ``ours``: our Mosaic lowering, executed on the CPU by ``run_mosaic``;
-* ``compiled``: the same after libtpu's Mosaic compiled our modules for the
-  compile-only TPUs of ``three_way.COMPILE_CHIPS`` (the op choosing its blocks for
-  each chip); with ``PALLAS_TPU_CHIP_BUNDLE`` set the kernel joins the chip bundle.
-  On a TPU (``three_way.ON_CHIP``) the op runs on the chip instead.
-
-JAX's "jax" way (JAX's lowering of the same kernel source) does not apply: an op's
-kernels are written against ``pallas``/``pallas_tpu``, not handed the namespaces.
-``run_op`` is shared with ``test_ops_megablox.py``.
+TPU interpret mode), on fresh random data, run every way of an op (tests/ways.py's
+``every_way(op=True)``: TPU interpret mode, our Mosaic lowering by ``run_mosaic``, and
+compiled by libtpu for the compile-only TPUs of ``three_way.COMPILE_CHIPS`` first, the op
+choosing its blocks for each chip; on a TPU run on the chip).
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import three_way
+from ways import compile_op, every_way
 
 import pallas_tpu as pltpu
-from pallas_tpu._src.mosaic import compile_check
 from pallas_tpu.ops import matmul as mm
-
-OP_WAYS = ("interpret", "ours", "compiled")
-
-
-def chip_mesh(chip: str):
-    """An abstract mesh of one ``chip`` device: the op asks ``pltpu.get_tpu_info()``
-    for the chip it is traced for, and JAX's export asks for the TPU generation."""
-    dev = compile_check.tpu_devices(chip)[0]
-    kind = jax.sharding.AbstractDevice(
-        device_kind=dev.device_kind, num_cores=getattr(dev, "num_cores", 1) or 1, platform="tpu"
-    )
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=kind))
-
-
-def compile_for_chips(f, args, chips=None):
-    """libtpu's Mosaic compiles ``f(*args)``'s kernels for each chip (a refusal fails the
-    test); on a TPU, for the chip that is there."""
-    if three_way.ON_CHIP:
-        jax.jit(f).lower(*three_way.to_chip(args)).compile()
-        return
-    if not compile_check.libtpu_available():
-        pytest.skip('the compiled way needs libtpu: pip install "jax[tpu]"')
-    for chip in chips or three_way.COMPILE_CHIPS:
-        with chip_mesh(chip):
-            compile_check.compile_for(f, list(args), chip)
-
-
-def run_op(op, args, way, **kw):
-    """``op(*args, **kw)`` run the ``way`` way (``OP_WAYS``); ``op`` takes ``interpret=``."""
-    if way == "interpret":
-        return op(*args, interpret=pltpu.InterpretParams(), **kw)
-    f = functools.partial(op, **kw)
-    if way == "compiled" and three_way.ON_CHIP:
-        # On a TPU (scripts/tpu_check.sh): compiled by the chip's libtpu and run there.
-        return jax.device_get(jax.jit(f)(*three_way.to_chip(args)))
-    if way == "compiled":
-        compile_for_chips(f, args)
-    with jax.sharding.use_abstract_mesh(three_way.TPU_V5E):
-        shapes = jax.eval_shape(f, *args)
-    outs = three_way.run_with_mosaic(f, *args)
-    if way == "compiled" and os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
-        import chip_bundle
-
-        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-        chip_bundle.add(
-            os.environ["PALLAS_TPU_CHIP_BUNDLE"], test, lambda: f(*args), outs,
-            context=lambda: jax.sharding.use_abstract_mesh(three_way.TPU_V5E),
-        )  # fmt: skip
-    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
 def rand(seed, shape, dtype=jnp.float32):
@@ -113,21 +53,20 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_matmul_blocks_given(way, case):
     dtype, out_dtype, tol = CASES[case]
     x, y = rand(0, (256, 384), dtype), rand(1, (384, 256), dtype)
-    out = run_op(mm.matmul, (x, y), way, block_shape=(128, 128), block_k=128, out_dtype=out_dtype)
-    mxu = functools.partial(three_way.mxu_operand, way=way)
-    close(out, reference(mxu(x), mxu(y), out_dtype), tol * np.sqrt(384))
+    out = way.op(mm.matmul, x, y, block_shape=(128, 128), block_k=128, out_dtype=out_dtype)
+    close(out, reference(way.mxu_operand(x), way.mxu_operand(y), out_dtype), tol * np.sqrt(384))
 
 
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_matmul_chooses_blocks_and_pads(way):
     # 300 and 200 are no multiples of 128 but shorter than a block: whole-axis blocks;
     # 1100 has no 128-multiple divisor and is longer than a v5e block: padded to 1152.
     x, y = rand(2, (200, 1100), jnp.bfloat16), rand(3, (1100, 300), jnp.bfloat16)
-    out = run_op(mm.matmul, (x, y), way, out_dtype=jnp.float32)
+    out = way.op(mm.matmul, x, y, out_dtype=jnp.float32)
     close(out, reference(x, y, jnp.float32), 1e-4 * np.sqrt(1100))
 
 
@@ -149,7 +88,7 @@ def test_matmul_fp8(dtype):
     close(out, reference(x, y, jnp.float32), 1e-4 * 16)
     (out,) = three_way.run_with_mosaic(lambda a, b: mm.matmul(a, b, out_dtype=jnp.float32), x, y)
     close(out, reference(x, y, jnp.float32), 1e-4 * 16)
-    compile_for_chips(lambda a, b: mm.matmul(a, b, out_dtype=jnp.float32), (x, y))
+    compile_op(lambda a, b: mm.matmul(a, b, out_dtype=jnp.float32), (x, y))
 
 
 def test_matmul_matches_jax_op():
@@ -210,7 +149,7 @@ def test_choose_blocks_fit_each_chip(chip):
 def test_default_blocks_compile_for_each_chip():
     """The blocks chosen for a large product compile for every chip of the compiled way."""
     s = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
-    compile_for_chips(lambda a, b: mm.matmul(a, b), (s, s))
+    compile_op(lambda a, b: mm.matmul(a, b), (s, s))
 
 
 BAD_CALLS = {

@@ -1,23 +1,22 @@
 """``pallas_tpu.ops.megablox`` (``gmm``, ``tgmm``, the differentiable ``megablox.gmm``)
 against a per-group numpy reference (float64), ``jax.lax.ragged_dot``, and JAX's
-megablox ops of the same names (JAX's interpret mode), on fresh random data, run the
-ways of ``test_ops_matmul.OP_WAYS`` (our TPU interpret mode, our Mosaic lowering by
-``run_mosaic``, compiled by libtpu for the compile-only TPUs first).
+megablox ops of the same names (JAX's interpret mode), on fresh random data, run every
+way of an op (tests/ways.py's ``every_way(op=True)``: our TPU interpret mode, our Mosaic
+lowering by ``run_mosaic``, compiled by libtpu for the compile-only TPUs first).
 
 Group sizes are uneven on purpose: empty groups, groups that share a row tile (two and
 three to a tile), rows after the last group, k and n that the tiles do not divide."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
-from test_ops_matmul import OP_WAYS, rand, run_op
+from test_ops_matmul import rand
+from ways import compile_op, every_way
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops import megablox
@@ -86,7 +85,7 @@ GMM_CASES = {
 }
 
 
-def gmm_case(name, way="interpret"):
+def gmm_case(name, way):
     sizes, local, kw, n, dtype, tol = GMM_CASES[name]
     offset, count = local or (0, len(sizes))
     kw = dict(kw)
@@ -100,13 +99,13 @@ def gmm_case(name, way="interpret"):
     existing = rand(2, (M, n)) if name == "existing_out" else None
     if existing is not None:
         kw["existing_out"] = existing
-    mxu = functools.partial(three_way.mxu_operand, way=way)
+    mxu = way.mxu_operand
     ref = gmm_reference(mxu(lhs), mxu(rhs), sizes, offset, kw.get("transpose_rhs", False), existing)
     return args, kw, ref, tol
 
 
 @pytest.mark.parametrize("case", GMM_CASES)
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_gmm(way, case):
     args, kw, ref, tol = gmm_case(case, way)
     # Traced arrays (group_offset, existing_out) go in as arguments, the rest as keywords.
@@ -116,7 +115,7 @@ def test_gmm(way, case):
     def op(lhs, rhs, sizes, *extra, interpret=False, **static):
         return kernels.gmm(lhs, rhs, sizes, **dict(zip(names, extra)), interpret=interpret, **static)
 
-    out = run_op(op, (*args, *arrays.values()), way, **kw)
+    out = way.op(op, *args, *arrays.values(), **kw)
     close(out, ref, tol * np.sqrt(K))
 
 
@@ -133,14 +132,14 @@ TGMM_CASES = {
 
 
 @pytest.mark.parametrize("case", TGMM_CASES)
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_tgmm(way, case):
     sizes, local, tiling, with_existing = TGMM_CASES[case]
     offset, count = local or (0, len(sizes))
     m = sum(sizes) if case == "m_tail" else M
     lhs_km, rhs = rand(3, (K, m)), rand(4, (m, N))
     existing = rand(5, (count, K, N)) if with_existing else None
-    mxu = functools.partial(three_way.mxu_operand, way=way)
+    mxu = way.mxu_operand
     ref = tgmm_reference(mxu(lhs_km), mxu(rhs), sizes, offset, count, existing)
     extra = [jnp.array(offset, jnp.int32)] + ([existing] if with_existing else [])
 
@@ -150,11 +149,11 @@ def test_tgmm(way, case):
             existing_out=existing_out[0] if existing_out else None, interpret=interpret,
         )  # fmt: skip
 
-    out = run_op(op, (lhs_km, rhs, jnp.array(sizes, jnp.int32), *extra), way)
+    out = way.op(op, lhs_km, rhs, jnp.array(sizes, jnp.int32), *extra)
     close(out, ref, 1e-4 * np.sqrt(M))
 
 
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_tgmm_of_rows_first_lhs(way):
     """The backward pass's tgmm: lhs [m, k] as the forward has it, contracted over its rows."""
     lhs, rhs, sizes = (
@@ -168,7 +167,7 @@ def test_tgmm_of_rows_first_lhs(way):
             lhs, rhs, sizes, jnp.float32, (128, 128, 128), None, None, None, interpret, lhs_rows_first=True
         )
 
-    out = run_op(op, (lhs, rhs, sizes), way)
+    out = way.op(op, lhs, rhs, sizes)
     close(out, tgmm_reference(lhs.T, rhs, CROWDED), 1e-4 * np.sqrt(M))
 
 
@@ -372,11 +371,9 @@ def test_choose_tiling_keeps_a_step_to_the_code_cap(chip):
 
 
 def test_gmm_default_tiling_compiles_at_scale():
-    from test_ops_matmul import compile_for_chips
-
     s = jax.ShapeDtypeStruct
     args = (s((8192, 2048), jnp.bfloat16), s((8, 2048, 2048), jnp.bfloat16), s((8,), jnp.int32))
-    compile_for_chips(lambda a, b, c: megablox.gmm(a, b, c, jnp.bfloat16), args)
+    compile_op(lambda a, b, c: megablox.gmm(a, b, c, jnp.bfloat16), args)
 
 
 def _gmm(**kw):

@@ -1,7 +1,8 @@
 """``pallas_tpu.ops.paged_attention`` against a float64 numpy reference on fresh random data and
 against JAX's op of the same name (``jax.experimental.pallas.ops.tpu.paged_attention``, in JAX's
-TPU interpret mode), run the ways of an op (``test_ops_matmul.OP_WAYS``: our interpret mode,
-our Mosaic lowering under ``run_mosaic``, and libtpu's compile for the compile-only chips)."""
+TPU interpret mode), run every way of an op (tests/ways.py's ``every_way(op=True)``: our TPU
+interpret mode, our Mosaic lowering under ``run_mosaic``, and libtpu's compile for the
+compile-only chips first)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
-from test_ops_matmul import OP_WAYS, run_op
+from ways import every_way
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops import paged_attention as pa_pkg
@@ -87,19 +87,19 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_paged_attention(way, case):
     dtype, quantized, qh, kh, ps, pps, lengths, kw, tol = CASES[case]
     q, k, v, lengths, pages = inputs(len(case), batch=4, q_heads=qh, kv_heads=kh, page_size=ps,
                                      pages_per_seq=pps, dtype=dtype, lengths=lengths)  # fmt: skip
     if quantized:
         k, v = quantization_utils.quantize_to_int8(k), quantization_utils.quantize_to_int8(v)
-    out = run_op(paged_attention, (q, k, v, lengths, pages), way, **kw)
+    out = way.op(paged_attention, q, k, v, lengths, pages, **kw)
     assert out.dtype == q.dtype
     close(
         out,
         reference(q, k, v, lengths, pages, kw.get("attn_logits_soft_cap")),
-        three_way.dot_tol(tol, way, dtype),
+        way.dot_tol(tol, dtype),
     )
 
 
@@ -202,7 +202,7 @@ def test_paged_attention_bad_arguments(case):
         call()
 
 
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_page_index_outside_the_cache_gives_nan(way):
     """A page index out of the cache among a sequence's pages in use: that sequence's output is
     NaN (never attention over another page); entries past a sequence's length may hold anything."""
@@ -210,7 +210,7 @@ def test_page_index_outside_the_cache_gives_nan(way):
                                      dtype=jnp.float32, lengths=[40, 20, 64])  # fmt: skip
     total = k.shape[1]
     pages = pages.at[0, 1].set(total).at[1, 3].set(-7).at[2, 2].set(-1)  # seq 1: past its length
-    out = np.asarray(run_op(paged_attention, (q, k, v, lengths, pages), way, pages_per_compute_block=2))
+    out = np.asarray(way.op(paged_attention, q, k, v, lengths, pages, pages_per_compute_block=2))
     assert np.isnan(out[0]).all() and np.isnan(out[2]).all()
     fine = jnp.clip(pages, 0, total - 1)  # sequence 1 reads none of the changed entries
-    close(out[1], reference(q, k, v, lengths, fine)[1], three_way.dot_tol(2e-5, way))
+    close(out[1], reference(q, k, v, lengths, fine)[1], way.dot_tol(2e-5))

@@ -1,5 +1,6 @@
 """``pallas_tpu.ops.ragged_paged_attention`` against a float64 numpy reference on fresh random
-data, and against JAX's op of the same name, run the ways of an op (``test_ops_matmul.OP_WAYS``).
+data, and against JAX's op of the same name, run every way of an op (tests/ways.py's
+``every_way(op=True)``).
 
 JAX's op cannot run in JAX's own TPU interpret mode on a CPU (jax 0.10.2 and 0.11.2: its reads
 through ``ref.reshape`` fail with "'ReshapeTransform' object has no attribute 'indices'"), so it
@@ -15,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
-from test_ops_matmul import OP_WAYS, run_op
+from ways import every_way
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops import ragged_paged_attention as rpa
@@ -108,16 +108,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_ragged_paged_attention(way, case):
     q_dtype, kv_dtype, shape, kw, tol = CASES[case]
     if case == "fp8_scaled_mha":
         shape = dict(shape, kv_heads=4)
     args = inputs(len(case), q_dtype=q_dtype, kv_dtype=kv_dtype, **shape)
-    out = run_op(rpa.ragged_paged_attention, args, way, **kw)
+    out = way.op(rpa.ragged_paged_attention, *args, **kw)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
     want = reference(*args, **{k: v for k, v in kw.items() if not k.startswith("num_")})
-    close(out, want, three_way.dot_tol(tol, way, q_dtype))
+    close(out, want, way.dot_tol(tol, q_dtype))
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """``pallas_tpu.ops.ragged_paged_attention.v3`` (vLLM's call: the new tokens' K/V written into
 the paged cache, then mixed prefill and decode attention) against a float64 numpy reference
-(the cache updated, then attention per sequence) on fresh random data, run the ways of an op
-(``test_ops_matmul.OP_WAYS``): the output, the returned cache equal to the reference update,
+(the cache updated, then attention per sequence) on fresh random data, run every way of an op
+(tests/ways.py's ``every_way(op=True)``): the output, the returned cache equal to the reference update,
 and the pages no sequence wrote unchanged. JAX has no op of this signature; the module's
 plain-JAX ``ref_ragged_paged_attention`` is checked against the numpy reference too."""
 
@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
-from test_ops_matmul import OP_WAYS, run_op
+from ways import every_way
 
 from pallas_tpu.ops.ragged_paged_attention import v3
 
@@ -121,15 +120,15 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_ragged_paged_attention_v3(way, case):
     shape, kw, tol = CASES[case]
     args = inputs(len(case), **shape)
     ref = reference(*args, **kw)
     fresh = list(args)
     fresh[3] = jnp.array(args[3], copy=True)  # the op donates its cache
-    out, new_cache = run_op(v3.ragged_paged_attention, tuple(fresh), way, **kw)
-    check(out, new_cache, args, ref, three_way.dot_tol(tol, way, args[0].dtype))
+    out, new_cache = way.op(v3.ragged_paged_attention, *fresh, **kw)
+    check(out, new_cache, args, ref, way.dot_tol(tol, args[0].dtype))
 
 
 def test_int8_cache_q_scale_and_out_dtype():

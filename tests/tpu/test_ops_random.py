@@ -2,9 +2,9 @@
 against ``jax.random`` (threefry: its bits, ``split`` and ``fold_in`` for the same
 key), against JAX's ops of the same names in JAX's TPU interpret mode (both
 generators), and against the published known answers of the two hashes (Random123's
-``kat_vectors``), run the ways of ``test_ops_matmul.OP_WAYS``: our TPU interpret mode,
-our Mosaic lowering by ``run_mosaic``, compiled by libtpu for the compile-only TPUs
-first. Keys, offsets and shapes vary per test (fresh keys from ``jax.random``).
+``kat_vectors``), run every way of an op (tests/ways.py's ``every_way(op=True)``, each
+test's function of ops by ``way.jit``): our TPU interpret mode, our Mosaic lowering by
+``run_mosaic``, compiled by libtpu for the compile-only TPUs first. Keys, offsets and shapes vary per test (fresh keys from ``jax.random``).
 
 JAX's op of 3-d and higher shapes counts with the wrong strides (its iota of a
 block takes the leading dims of the total shape, not the trailing ones), so its
@@ -18,27 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
-from test_ops_matmul import OP_WAYS, compile_for_chips
+from ways import compile_op, every_way
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops.random import philox, prng_utils, threefry
-
-
-def run_fn(f, args, way):
-    """``f(*args)`` (a function that calls kernels, no ``interpret=``) run the ``way`` way."""
-    if way == "interpret":
-        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-            return jax.jit(f)(*args)
-    if way == "compiled" and three_way.ON_CHIP:
-        to_chip = getattr(three_way, "to_chip", lambda a: jax.device_put(a, jax.devices("tpu")[0]))
-        return jax.device_get(jax.jit(f)(*to_chip(args)))
-    if way == "compiled":
-        compile_for_chips(f, args)
-    with jax.sharding.use_abstract_mesh(three_way.TPU_V5E):
-        shapes = jax.eval_shape(f, *args)
-    outs = three_way.run_with_mosaic(f, *args)
-    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
 def raw_key(seed):
@@ -76,26 +59,26 @@ SHAPES = {
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_threefry_bits_equal_jax_random(way, shape):
     shape = SHAPES[shape]
     key = raw_key(len(shape) + 11)
-    out = run_fn(lambda k: threefry.plthreefry_random_bits(k, 32, shape), (key,), way)
+    out = way.jit(lambda k: threefry.plthreefry_random_bits(k, 32, shape))(key)
     equal(out, jax.random.bits(jax.random.wrap_key_data(key), shape, jnp.uint32))
 
 
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_threefry_split_and_fold_in_equal_jax_random(way):
     key, data = raw_key(5), jnp.uint32(123456789)
-    split, folded = run_fn(
-        lambda k, d: (threefry.threefry_split(k, (3, 2)), threefry.threefry_fold_in(k, d)), (key, data), way
-    )
+    split, folded = way.jit(
+        lambda k, d: (threefry.threefry_split(k, (3, 2)), threefry.threefry_fold_in(k, d))
+    )(key, data)
     typed = jax.random.wrap_key_data(key)
     equal(split, jax.random.key_data(jax.random.split(typed, (3, 2))))
     equal(folded, jax.random.key_data(jax.random.fold_in(typed, data)))
 
 
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_philox_equals_jax_op(way):
     """``philox_4x32_count`` with an offset, fused and not, against JAX's op."""
     jax_pltpu, _, jax_philox = jax_ops()
@@ -105,14 +88,14 @@ def test_philox_equals_jax_op(way):
     def ours(k, o):
         return [philox.philox_4x32_count(k, s, offset=o, fuse_output=f) for s, f in calls]
 
-    out = run_fn(ours, (key, offset), way)
+    out = way.jit(ours)(key, offset)
     with jax_pltpu.force_tpu_interpret_mode():
         theirs = [jax_philox.philox_4x32_count(key, s, offset=offset, fuse_output=f) for s, f in calls]
     for a, b in zip(out, theirs):
         equal(a, b)
 
 
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_explicit_blocks_equal_jax_op(way):
     """``threefry_2x32_count`` and ``philox_4x32_kernel`` with JAX's block size on a
     padded 2-d shape: the unpadded part equals JAX's op and ``jax.random``."""
@@ -126,7 +109,7 @@ def test_explicit_blocks_equal_jax_op(way):
             philox.philox_4x32_kernel(k, shape, unpadded, block, offset=3, fuse_output=False),
         )
 
-    fry, lox = run_fn(ours, (key,), way)
+    fry, lox = way.jit(ours)(key)
     with jax_pltpu.force_tpu_interpret_mode():
         jax_fry = jax_threefry.threefry_2x32_count(key, shape, unpadded, block)
         jax_lox = jax_philox.philox_4x32_kernel(key, shape, unpadded, block, offset=3, fuse_output=False)
@@ -135,12 +118,12 @@ def test_explicit_blocks_equal_jax_op(way):
     equal(fry[:200, :300], jax.random.bits(jax.random.wrap_key_data(key), unpadded, jnp.uint32))
 
 
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_vmap_over_keys(way):
     """Batched keys (``jax.vmap``, as ``jax.random`` batches a key array): a grid axis
     over the keys."""
     keys = jax.random.key_data(jax.random.split(jax.random.key(13), 3))
-    out = run_fn(jax.vmap(lambda k: threefry.plthreefry_random_bits(k, 32, (8, 256))), (keys,), way)
+    out = way.jit(jax.vmap(lambda k: threefry.plthreefry_random_bits(k, 32, (8, 256))))(keys)
     equal(out, jax.vmap(lambda k: jax.random.bits(jax.random.wrap_key_data(k), (8, 256), jnp.uint32))(keys))
 
 
@@ -265,8 +248,8 @@ def test_choose_block_fits_each_chip(chip):
 def test_large_shapes_compile_for_each_chip():
     """The blocks chosen for large outputs compile for every chip of the compiled way."""
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    compile_for_chips(lambda k: threefry.plthreefry_random_bits(k, 32, (4096, 4096)), (key,))
-    compile_for_chips(lambda k: philox.philox_4x32_count(k, (8192, 2048), fuse_output=False), (key,))
+    compile_op(lambda k: threefry.plthreefry_random_bits(k, 32, (4096, 4096)), (key,))
+    compile_op(lambda k: philox.philox_4x32_count(k, (8192, 2048), fuse_output=False), (key,))
 
 
 KEY = jnp.zeros(2, jnp.uint32)

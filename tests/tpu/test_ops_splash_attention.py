@@ -1,8 +1,8 @@
 """``pallas_tpu.ops.splash_attention``: the kernels on fresh random data against a plain ``jnp``
 attention over the dense mask (``jax.vjp`` of it for the gradients) and against JAX's op of the
 same name (``jax.experimental.pallas.ops.tpu.splash_attention``, in JAX's interpret mode), run
-the ways of an op (``OP_WAYS`` of test_ops_matmul.py: TPU interpret mode, our Mosaic lowering
-executed by ``run_mosaic``, and compiled by libtpu for the compile-only chips). The masks and
+every way of an op (tests/ways.py's ``every_way(op=True)``: TPU interpret mode, our Mosaic
+lowering executed by ``run_mosaic``, and compiled by libtpu for the compile-only chips first). The masks and
 their block schedules are in test_ops_splash_attention_mask.py.
 """
 
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
-from test_ops_matmul import OP_WAYS, run_op
+from three_way import chip_mesh
+from ways import every_way
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops import splash_attention as sa
@@ -143,7 +143,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("way", OP_WAYS)
+@every_way(op=True)
 def test_ways(way, case):
     c = CASES[case]
     q, k, v, do, sinks, seg = inputs(c)
@@ -159,7 +159,7 @@ def test_ways(way, case):
         return with_grads(f, q, k, v, do, sink) if c.grads else f(q, k, v, sink)
 
     args = (q, k, v, do) + ((sinks,) if c.sinks else ())
-    outs = run_op(op, args, way)
+    outs = way.op(op, *args)
 
     def ref(q, k, v, sinks):
         return dense_attention(mask[:, :, :], q, k, v, seg, sinks, c.soft_cap)
@@ -167,7 +167,7 @@ def test_ways(way, case):
     to32 = [x.astype(F32) for x in (q, k, v, do)]
     want = with_grads(ref, *to32, sinks) if c.grads else ref(*to32[:3], sinks)
     for got, exp in zip(outs if c.grads else [outs], want if c.grads else [want]):
-        close(got, exp, three_way.dot_tol(c.tol, way, c.dtype, grads=c.grads))
+        close(got, exp, way.dot_tol(c.tol, c.dtype, grads=c.grads))
 
 
 def test_batched_with_vmap():
@@ -271,8 +271,6 @@ def test_public_names_match_jax():
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "v4", "v5p"])
 def test_default_blocks_fit_each_chip(chip):
-    from test_ops_matmul import chip_mesh
-
     with chip_mesh(chip):
         b = sa.BlockSizes.get_default(8192, 8192)
         small = sa.BlockSizes.get_default(384, 640)
@@ -289,8 +287,6 @@ def test_default_blocks_fit_each_chip(chip):
 def test_default_blocks_follow_head_dim_and_dtype(chip):
     """Wider heads: proportionally fewer keys per forward block (the work and the straight-line
     code of a step as at head_dim 128), down to 512; narrower ones: as 128; VMEM bounds them."""
-    from test_ops_matmul import chip_mesh
-
     with chip_mesh(chip):
         narrow = sa.BlockSizes.get_default(8192, 8192)
         by_dim = {d: sa.BlockSizes.get_default(8192, 8192, head_dim=d) for d in (64, 128, 256, 512)}

@@ -286,12 +286,18 @@ def compile_for_chip(f, args, chip, lowering, mesh=None, spec=None, record=None)
     Mosaic for ``chip``, the outcome and LLO counts recorded (by ``record``, default
     ``record_compile``). Returns Mosaic's refusal of our lowering (a ``MosaicCompileError``,
     None if it compiled or the chip lacks the feature); JAX's refusals are recorded only.
-    ``mesh``/``spec``: ``f`` is ``shard_map``ped over a mesh of that shape of the chip's devices."""
+    ``mesh``/``spec``: ``f`` is ``shard_map``ped over a mesh of that shape of the chip's devices
+    (``args`` already placed over them: ``f`` maps itself, an op that takes its mesh)."""
     if mesh is not None:
         f, args = _sharded_for_chip(f, args, chip, mesh, spec)
+    # Arguments placed over several of the chip's devices (``mesh``'s, or an op's own shard_map's)
+    # name the chip themselves.
+    sharded = any(
+        len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in jax.tree.leaves(args)
+    )
     llo, refused = None, None
     try:
-        with _chip_context(chip, mesh is None):
+        with _chip_context(chip, mesh is None and not sharded):
             _, _, llo = compile_check.compile_counting_llo(f, args, chip)
         outcome = "compiled"
     except compile_check.MosaicCompileError as e:
@@ -314,8 +320,13 @@ def _chip_context(chip, single_device):
     "Unsupported TPU device kind: cpu"). A shard_map's mesh of the chip's devices says it itself."""
     import contextlib
 
-    if not single_device:
-        return contextlib.nullcontext()
+    return chip_mesh(chip) if single_device else contextlib.nullcontext()
+
+
+def chip_mesh(chip):
+    """An abstract mesh of one ``chip`` device (libtpu's compile-only one): an op traced under
+    it picks its blocks for that chip (``pltpu.get_tpu_info()``), and JAX asks it for the
+    TPU generation."""
     dev = compile_check.tpu_devices(chip)[0]
     kind = jax.sharding.AbstractDevice(
         device_kind=dev.device_kind, num_cores=getattr(dev, "num_cores", 1) or 1, platform="tpu"

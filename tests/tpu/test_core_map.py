@@ -1,6 +1,6 @@
 """``pl.core_map`` over ``pltpu.create_tensorcore_mesh`` (issue 30 §3): a function of
 no arguments run once per TensorCore on the Refs of ``pl.run_state`` it closes over,
-against jnp on fresh random data, the TPU ways of ``three_way.py``: TPU interpret
+against jnp on fresh random data, the TPU ways of tests/ways.py: TPU interpret
 mode; our Mosaic lowering and JAX's, each exported for TPU and run by ``run_mosaic``
 (the closed-over Refs are the module's operands, the written one aliased to its result); our
 lowering compiled by libtpu."""
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import COMPILE_CHIPS, MEGACORE_CHIPS, WAYS, compile_both, namespaces, tpu_modules
+from ways import every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -66,23 +66,14 @@ def expected(x, y, num_cores):
 
 
 @pytest.mark.parametrize("num_cores", [1, 2])
-@pytest.mark.parametrize("way", WAYS)
+@every_way(tpu=True)
 def test_core_map_over_tensorcores(way, num_cores):
+    """In the Mosaic ways the core_map's one module takes both Refs as operands and returns
+    the one it writes (y), aliased, as JAX's core_map passes them; the compiled way compiles
+    it for a megacore chip too over two cores."""
+    way = way.with_params(num_cores=num_cores)
     x, y = rand(0, (ROWS, 128)), rand(1, (ROWS, 128))
-    if way == "interpret":
-        f = build(pl, pltpu, num_cores, interpret=pltpu.InterpretParams(num_cores_or_threads=num_cores))
-        x_out, y_out = jax.jit(f)(x, y)
-    else:
-        if way == "compiled":
-            chips = tuple(dict.fromkeys(COMPILE_CHIPS + (MEGACORE_CHIPS if num_cores == 2 else ())))
-            compile_both(lambda pl, pltpu: build(pl, pltpu, num_cores), (x, y), chips)
-        # One exported module: both Refs its operands, the one it writes (y) its
-        # result, aliased (as JAX's core_map passes them).
-        (module,) = tpu_modules(build(*namespaces(way), num_cores), x, y, num_cores=num_cores)
-        x_out = x
-        (y_out,) = pltpu.run_mosaic(
-            module, x, y, out_shape=[y], input_output_aliases={1: 0}, num_cores=num_cores
-        )
+    x_out, y_out = way.jit(build(*way.modules(), num_cores, interpret=way.interpret() or False))(x, y)
     np.testing.assert_array_equal(np.asarray(x_out), np.asarray(x))
     np.testing.assert_allclose(np.asarray(y_out), np.asarray(expected(x, y, num_cores)), rtol=1e-6, atol=1e-6)
 

@@ -24,12 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import MEGACORE_CHIPS, compile_both, jax_namespaces, namespaces, tpu_modules
+from three_way import jax_namespaces
+from ways import every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
 from pallas_tpu._src.interpret import multi as interpret_multi
-from pallas_tpu._src.mosaic.compile_check import MosaicCompileError, libtpu_available
+from pallas_tpu._src.mosaic.compile_check import MosaicCompileError
 
 ROWS = 16
 
@@ -127,21 +128,14 @@ def test_barrier_across_cores_interpret(num_cores, forced):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(theirs))
 
 
-@pytest.mark.parametrize("way", ["ours", "jax", "compiled"])
+# The interpret way: test_barrier_across_cores_interpret, on 1, 2 and 4 cores.
+@every_way(only=("mosaic", "jax_mosaic", "compiled"))
 def test_barrier_across_cores_lowered(way):
     """The barrier kernel lowered (ours, and JAX's as a check of ``run_mosaic``) and run
-    by ``run_mosaic`` on two cores; compiled by libtpu for a megacore chip (v5p)."""
-    if way == "compiled":
-        if not libtpu_available():
-            pytest.skip('the compiled way needs libtpu: pip install "jax[tpu]"')
-        x0 = rand_int(0, (ROWS, 128))
-        compile_both(lambda a, b: build_barrier(a, b, 2), (x0, x0), MEGACORE_CHIPS)
-        way = "ours"
+    by ``run_mosaic`` on two cores; compiled by libtpu for a megacore chip (v5p) too."""
+    way = way.with_params(num_cores=2)
     x = rand_int(7, (ROWS, 128))
-    (module,) = tpu_modules(build_barrier(*namespaces(way), 2), x, jnp.zeros_like(x), num_cores=2)
-    (y,) = pltpu.run_mosaic(
-        module, x, jnp.zeros_like(x), out_shape=[x], input_output_aliases={1: 0}, num_cores=2
-    )
+    y = way.jit(build_barrier(*way.modules(), 2))(x, jnp.zeros_like(x))
     np.testing.assert_array_equal(np.asarray(y), np.asarray(expected_barrier(x, 2)))
 
 
@@ -280,16 +274,16 @@ def test_scoped_hbm_buffer_race(slow, dma):
     _jax_reset()
 
 
-def test_scoped_hbm_buffer_refused_when_lowered():
+@every_way(only=("compiled",))
+def test_scoped_hbm_buffer_refused_when_lowered(way):
     """Mosaic allocates scoped buffers in VMEM and SMEM only (JAX's lowering meets the
     same refusal): the error names the kernel's line."""
-    if not libtpu_available():
-        pytest.skip('needs libtpu: pip install "jax[tpu]"')
+    way = way.with_params(num_cores=2)
     x = rand_int(30, (ROWS, 128))
     with pytest.raises(
         MosaicCompileError, match=r"(?s)Cannot allocate ref in non-VMEM/SMEM memory space.*memory_space<hbm>"
     ):
-        compile_both(lambda a, b: build_shared_hbm(a, b, 0, False), (x,), MEGACORE_CHIPS)
+        way.jit(build_shared_hbm(*way.modules(), 0, False))(x)
 
 
 # -- what stays each core's own ---------------------------------------------------------

@@ -10,7 +10,8 @@ TPU way (``every_way(tpu=True)``: ``tpu_interpret``, ``mosaic``, ``jax_mosaic``,
   (``MEGACORE_CHIPS`` for two-TensorCore kernels), outcome and LLO counts recorded
   (``record_compile``; tests/tpu/conftest.py sums them); ``compile_both`` compiles a
   ``build(pl, pltpu) -> f`` by both lowerings (a test that compiles without running:
-  test_helpers' core-parallel grid, test_downstream_patterns', the core_map tests');
+  test_helpers' core-parallel grid, test_downstream_patterns', the ported ops of
+  test_lowering_jax_ops and test_jax_tpu_ops at sizes given as shapes);
 * on a TPU (``ON_CHIP``): test data on the host's CPU, kernels sent to the chip
   (``to_chip``), ours against JAX's lowering there (``chip_agreement``); the tolerances of
   the chip's rounding (``mxu_operand``, ``chip_flushed``, ``dot_tol``, ``chip_tol``) and
@@ -18,8 +19,8 @@ TPU way (``every_way(tpu=True)``: ``tpu_interpret``, ``mosaic``, ``jax_mosaic``,
 
 A test that checks what only the interpreter does (races, poisoning, DMA order, its error
 messages and knobs) carries ``@pytest.mark.interpret_only(reason=...)`` (registered in
-``conftest.py``). A few lower-level tests still run a kernel by hand over ``WAYS`` (the
-old names of the four) with ``namespaces(way)`` and ``tpu_modules``.
+``conftest.py``). Tests of ``run_mosaic`` itself take a kernel's modules from
+``tpu_modules``; a ``pl.run_state`` (a ``core_map``'s Refs) is discharged to run its module.
 """
 
 from __future__ import annotations
@@ -37,11 +38,10 @@ from jax import export
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas._src import compat
 from pallas_tpu._src.executor import run as executor
 from pallas_tpu._src.mosaic import compile_check
 
-# The ways of a kernel run by hand (test_core_map.py): tests/ways.py's TPU_WAYS by their old names.
-WAYS = ("interpret", "ours", "jax", "compiled")
 # The chips the compiled way compiles for (libtpu's compile-only devices):
 # PALLAS_TPU_CHIPS, comma-separated (CI: v5e and v6e in `tests`, v4 and v5p in `tests_newest`).
 # Kernels over a chip's two TensorCores (num_cores=2) compile for the megacore chips.
@@ -397,6 +397,9 @@ def _eval_with_mosaic(jaxpr, consts, args, bodies, num_cores=1):
             outs = pltpu.run_mosaic(
                 bodies.pop(0), *invals, out_shape=out_shape, input_output_aliases=aliases, num_cores=num_cores
             )
+        elif name == "run_state":  # a core_map's Refs: discharged, its kernel's module run on their values
+            sub = compat.discharge(compat.close_jaxpr(eqn.params["jaxpr"]))
+            outs = _eval_with_mosaic(sub.jaxpr, sub.consts, invals, bodies, num_cores)
         elif name in (
             "pjit",
             "jit",

@@ -93,7 +93,8 @@ def test_random_uniform_normal_bits_match_jax_random(way):
     out = _seeded(way, kernel, (3, 8, 128), jnp.float32)(jnp.array([seed], jnp.int32))
     k = jax.random.key(seed)
     equal(out[0], jax.random.uniform(k, (8, 128)))
-    close(out[1], jax.random.normal(k, (8, 128)), tol=1e-5)
+    # normal is erf_inv of the uniform draw: on the chip its units' erf_inv (test_three_way_math's floor)
+    close(out[1], jax.random.normal(k, (8, 128)), tol=way.chip_tol(1e-5, 1e-3))
     equal(out[2], jax.random.bits(k, (8, 128)).astype(jnp.float32))
 
 

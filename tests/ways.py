@@ -33,7 +33,10 @@ means nothing to a Mosaic module, so the Mosaic ways run once). ``way.with_param
 num_cores=2, **interpret_params)`` is the same way over a chip's two TensorCores
 (``num_cores_or_threads`` in the interpret way; modules exported for a megacore chip and
 ``run_mosaic(num_cores=2)`` in the Mosaic ways, compiled for ``three_way.MEGACORE_CHIPS``
-too) and with those ``pltpu.InterpretParams`` in the ``tpu_interpret`` way.
+too) and with those ``pltpu.InterpretParams`` in the ``tpu_interpret`` way;
+``way.with_params(chip="v6e")`` the same way for one chip generation (a kernel that reads the
+chip's MXU: its model in the interpret way, the module exported under that chip's abstract
+device, compiled for it alone, on a TPU run only by that generation).
 ``every_way(op=True)`` runs an op of ``pallas_tpu.ops`` its three ways (``WAYS_OF_AN_OP``:
 ``tpu_interpret``, ``mosaic``, ``compiled``; its kernels are written against our modules, so
 ``jax_mosaic`` does not apply and the compiled way compiles our lowering only, recording
@@ -142,6 +145,10 @@ class Way:
     # An op's way (``every_way(op=True)``): its kernels are ours only, so the compiled way
     # compiles no JAX lowering beside them and records nothing in the compile report.
     ours_only: bool = False
+    # The chip generation a kernel is written for (``with_params(chip=...)``, a key of
+    # ``three_way.DEVICE_KINDS``; None: any): modelled by the tpu_interpret way
+    # (``chip_version``), exported for it by the Mosaic ways, compiled for it alone.
+    chip: str | None = None
 
     def __str__(self) -> str:
         return self.id
@@ -151,14 +158,21 @@ class Way:
         """The test id: the name, and the DMA mode of a split ``tpu_interpret`` way."""
         return f"{self.name}:{self.dma}" if self.dma else self.name
 
-    def with_params(self, *, num_cores: int | None = None, **interpret_params) -> Way:
+    def with_params(
+        self, *, num_cores: int | None = None, chip: str | None = None, **interpret_params
+    ) -> Way:
         """This way with ``num_cores`` TensorCores per device (``num_cores_or_threads`` in
         the interpret way; a megacore chip's modules and ``run_mosaic(num_cores=)`` in the
-        Mosaic ways) and ``interpret_params`` for ``pltpu.InterpretParams`` in the
+        Mosaic ways), for ``chip``'s generation (its MXU modelled in the interpret way, the
+        module exported under its abstract device, compiled for it alone; on a TPU run only
+        by that generation) and ``interpret_params`` for ``pltpu.InterpretParams`` in the
         ``tpu_interpret`` way (a Mosaic module has no such knobs: ignored there)."""
         params = {**dict(self.params), **interpret_params}
         return dataclasses.replace(
-            self, num_cores=num_cores or self.num_cores, params=tuple(sorted(params.items()))
+            self,
+            num_cores=num_cores or self.num_cores,
+            chip=chip or self.chip,
+            params=tuple(sorted(params.items())),
         )
 
     def _interpret_params(self) -> dict:
@@ -166,6 +180,8 @@ class Way:
         params = {"dma_execution_mode": self.dma} if self.dma else {}
         if self.num_cores != 1:
             params["num_cores_or_threads"] = self.num_cores
+        if self.chip is not None:
+            params["chip_version"] = self.chip
         return {**params, **dict(self.params)}
 
     @property
@@ -326,14 +342,19 @@ class Way:
         tw = _three_way()
         _skip_under_a_transformation(args)
         if self.beside:
-            return _beside_ours(f, args, self.num_cores)
+            return _beside_ours(f, args, self.num_cores, self.chip)
         record = _unrecorded if self.ours_only else None
         if self.name == "compiled" and tw.ON_CHIP:
-            return _run_on_chip(f, args, self.num_cores, record)
+            return _run_on_chip(f, args, self.num_cores, record, self.chip)
         if self.name == "compiled":
-            _compile_for_chips(f, args, "ours", num_cores=self.num_cores, record=record)
-        outs = _run_with_mosaic(f, args, self.num_cores)
-        if self.name == "compiled" and self.num_cores == 1 and os.environ.get("PALLAS_TPU_CHIP_BUNDLE"):
+            _compile_for_chips(f, args, "ours", num_cores=self.num_cores, record=record, only=self.chip)
+        outs = _run_with_mosaic(f, args, self.num_cores, self.chip)
+        if (
+            self.name == "compiled"
+            and self.num_cores == 1
+            and self.chip is None
+            and os.environ.get("PALLAS_TPU_CHIP_BUNDLE")
+        ):
             _add_to_chip_bundle(f, args, outs)
         return outs
 
@@ -401,28 +422,29 @@ def _skip_under_a_transformation(args):
         )
 
 
-def _run_with_mosaic(f, args, num_cores=1):
+def _run_with_mosaic(f, args, num_cores=1, chip=None):
     """``f(*args)`` (one ``pallas_call``, or a function of them: ``Way.jit``) with the kernels
-    lowered to Mosaic, exported for a TPU (of ``num_cores`` TensorCores) and each run by
-    ``run_mosaic``."""
+    lowered to Mosaic, exported for a TPU (of ``num_cores`` TensorCores; ``chip``'s generation)
+    and each run by ``run_mosaic``."""
     _skip_under_a_transformation(args)
     tw = _three_way()
-    with jax.sharding.use_abstract_mesh(tw.abstract_mesh(num_cores)):
+    with jax.sharding.use_abstract_mesh(tw.abstract_mesh(num_cores, chip)):
         shapes = jax.eval_shape(f, *args)
     # run_mosaic gives NumPy arrays
-    outs = [jax.numpy.asarray(x) for x in tw.run_with_mosaic(f, *args, num_cores=num_cores)]
+    outs = [jax.numpy.asarray(x) for x in tw.run_with_mosaic(f, *args, num_cores=num_cores, chip=chip)]
     return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
-def _compile_for_chips(f, args, lowering, mesh=None, spec=None, num_cores=1, record=None):
+def _compile_for_chips(f, args, lowering, mesh=None, spec=None, num_cores=1, record=None, only=None):
     """The compiled way: ``f(*args)`` (``lowering``: "ours", or "jax" beside it) compiled by
     libtpu's Mosaic for each of ``three_way.COMPILE_CHIPS`` (and ``MEGACORE_CHIPS`` for a
-    kernel over ``num_cores=2``) on the CPU, outcomes and LLO counts recorded (``record``:
-    ``three_way.record_compile`` by default); Mosaic's refusal of ours fails the test (a
-    chip's generation gap is recorded, not raised)."""
+    kernel over ``num_cores=2``; ``only``, one chip, where the kernel is written for it) on the
+    CPU, outcomes and LLO counts recorded (``record``: ``three_way.record_compile`` by
+    default); Mosaic's refusal of ours fails the test (a chip's generation gap is recorded,
+    not raised)."""
     tw = _three_way()
     megacore = tw.MEGACORE_CHIPS if num_cores == 2 else ()
-    for chip in dict.fromkeys(tw.COMPILE_CHIPS + megacore):
+    for chip in (only,) if only else dict.fromkeys(tw.COMPILE_CHIPS + megacore):
         if lowering == "jax":
             keep = lambda *row, chip=chip: _jax_compiles.setdefault(chip, []).append(row)  # noqa: E731
             tw.compile_for_chip(f, args, chip, lowering, mesh, spec, record=keep)
@@ -446,16 +468,16 @@ _jax_compiles: dict[str, list] = {}
 _jax_beside: list = []
 
 
-def _beside_ours(f, args, num_cores=1):
+def _beside_ours(f, args, num_cores=1, chip=None):
     """The compiled way's run beside ours (``Way.beside``): ``f``, traced by JAX's Pallas,
     compiled for each chip (on a chip: kept to run beside ours on ours' inputs); the
     outputs zeros of their shapes (the body's checks of them are not asserted)."""
     tw = _three_way()
-    if tw.ON_CHIP or (num_cores == 1 and os.environ.get("PALLAS_TPU_CHIP_BUNDLE")):
+    if tw.ON_CHIP or (num_cores == 1 and chip is None and os.environ.get("PALLAS_TPU_CHIP_BUNDLE")):
         _jax_beside.append(f)
     if not tw.ON_CHIP:
-        _compile_for_chips(f, args, "jax", num_cores=num_cores)
-    with jax.sharding.use_abstract_mesh(tw.abstract_mesh(num_cores)):
+        _compile_for_chips(f, args, "jax", num_cores=num_cores, only=chip)
+    with jax.sharding.use_abstract_mesh(tw.abstract_mesh(num_cores, chip)):
         shapes = jax.eval_shape(f, *args)
     return jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
 
@@ -502,15 +524,17 @@ def _unrecorded(*row, **extra) -> None:
     compare our lowering with JAX's of the same kernel, which an op's kernels have not."""
 
 
-def _run_on_chip(f, args, num_cores=1, record=None):
+def _run_on_chip(f, args, num_cores=1, record=None, chip=None):
     """The compiled way on a TPU (``three_way.ON_CHIP``): our lowering of ``f`` compiled and
     run on the chip, the outputs brought back to the host; JAX's lowering of the same kernel
     (``compile_jax_beside``) run beside it on the same inputs, the difference recorded. A
-    kernel over more TensorCores than the chip has skips. ``record``: what records the run
-    (``three_way.record_compile`` by default)."""
+    kernel over more TensorCores than the chip has, or written for another generation
+    (``chip``), skips. ``record``: what records the run (``three_way.record_compile`` by default)."""
     tw = _three_way()
     record = record or tw.record_compile
     theirs = _jax_beside.pop(0) if _jax_beside else None
+    if chip is not None and tw.DEVICE_KINDS[chip] != jax.devices()[0].device_kind:
+        pytest.skip(f"a kernel for a TPU {chip}; this chip is a {jax.devices()[0].device_kind}")
     chip_cores = getattr(jax.devices()[0], "num_cores", 1) or 1
     if num_cores > chip_cores:
         pytest.skip(
@@ -597,8 +621,9 @@ def way_params(*, skip=None, xfail=None, raises=None, only=None, tpu=False, dma=
         the exception expected, or ``{way: exception}``).
       only: the ways to run (default: ``DEFAULT_WAYS``).
       tpu: a TPU kernel: the ways are ``TPU_WAYS``.
-      op: an op of ``pallas_tpu.ops`` (run by ``way.op``): the ways are ``WAYS_OF_AN_OP``,
-        each ``ours_only`` (no JAX lowering compiled beside ours, nothing recorded).
+      op: an op of ``pallas_tpu.ops`` (run by ``way.op``), or another kernel written against
+        our modules only (names JAX lacks): the ways are ``WAYS_OF_AN_OP``, each ``ours_only``
+        (no JAX lowering compiled beside ours, nothing recorded).
       dma: the ``tpu_interpret`` way once per DMA execution mode (``DMA_MODES``; a
         ``skip``/``xfail`` of ``"tpu_interpret"`` marks both).
     """

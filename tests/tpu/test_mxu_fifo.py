@@ -2,11 +2,12 @@
 ``matmul_pop_fifo`` (chips whose MXUs return results through a FIFO: v4, v5e, v5p,
 v6e), ``matmul_acc_lhs`` and ``matmul_pop`` into ``pltpu.ACC`` accumulators (TPU7x).
 
-Each kernel runs against a jnp reference on fresh random data: in TPU interpret mode
+Each kernel runs against a jnp reference on fresh random data, the ways of tests/ways.py
+for one chip generation (``way.with_params(chip=...)``): in TPU interpret mode
 (``InterpretParams(chip_version=...)``: the MXU model of ``interpret/mxu.py``); our
 lowering exported for that chip and run by ``run_mosaic`` (``executor/mxu_state.py``);
-our lowering compiled by libtpu for the chips that have the op (what Mosaic refuses on
-the others is asserted too). JAX's interpret mode has no rule for these ops and JAX
+our lowering compiled by libtpu for that chip, then run so; and compiled for every chip
+that has the op (what Mosaic refuses on the others is asserted too). JAX's interpret mode has no rule for these ops and JAX
 0.11 has no such names, so there is no JAX result to compare with. Every bad input
 has a test.
 """
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 from jax import export
 from jaxlib.mosaic.python import tpu as mosaic_tpu
+from three_way import abstract_mesh
+from ways import every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -26,7 +29,6 @@ from pallas_tpu._src.executor import run as executor
 from pallas_tpu._src.language import tpu_info
 from pallas_tpu._src.mosaic import compile_check
 
-DEVICE_KIND = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite", "7x": "TPU7x"}
 FIFO_CHIPS = ("v5e", "v6e")  # interpreted and run_mosaic'd; compiled: every FIFO chip below
 FIFO_COMPILE_CHIPS = ("v4", "v5e", "v5p", "v6e")
 HAS_FIFO_OPS = hasattr(mosaic_tpu, "matmul_lhs_fifo")  # jaxlib >= 0.11.2
@@ -50,26 +52,7 @@ def ref_dot(a, b):
 
 
 def _mesh(chip):
-    device = jax.sharding.AbstractDevice(device_kind=DEVICE_KIND[chip], num_cores=1, platform="tpu")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
-
-
-def run_way(f, args, way, chip):
-    """``f(*args, interpret=...)`` the ``way`` way for ``chip``."""
-    if way == "interpret":
-        return jax.jit(lambda *a: f(*a, interpret=pltpu.InterpretParams(chip_version=chip)))(*args)
-    g = jax.jit(lambda *a: f(*a, interpret=False))
-    if way == "compiled":
-        if not compile_check.libtpu_available():
-            pytest.skip('the compiled way needs libtpu: pip install "jax[tpu]"')
-        with _mesh(chip):
-            compile_check.compile_for(g, args, chip)
-    with _mesh(chip):
-        txt = export.export(g, platforms=["tpu"])(*args).mlir_module()
-        out_shape = jax.eval_shape(g, *args)
-    (module,) = executor.custom_call_bodies(txt)
-    (out,) = pltpu.run_mosaic(module, *args, out_shape=[out_shape])
-    return out
+    return jax.sharding.use_abstract_mesh(abstract_mesh(1, chip))
 
 
 # -- the result FIFO ----------------------------------------------------------------------
@@ -98,7 +81,17 @@ def fifo_kernel(x, w1, w2, *, interpret, out_dtype=jnp.float32, reg2=1):
     )(x, w1, w2)
 
 
-FIFO_WAYS = ["interpret", "ours", "compiled"]
+# tests/ways.py's ways of a kernel written against our modules only (JAX 0.11 has no such names
+# and its interpret mode no rule for them): tpu_interpret, mosaic, compiled (ours alone), each
+# for one chip generation (``way.with_params(chip=...)``).
+FIFO_WAYS = every_way(op=True)
+
+
+def skip_without_fifo_ops(way):
+    if way.name != "tpu_interpret" and not HAS_FIFO_OPS:
+        pytest.skip(
+            f"jaxlib {jax.__version__} has no tpu.matmul_lhs_fifo (0.11.2 has): test_old_jaxlib_error"
+        )
 
 
 def _fifo_cases():
@@ -107,23 +100,17 @@ def _fifo_cases():
             yield pytest.param(chip, dtype, id=f"{chip}-{jnp.dtype(dtype).name}")
 
 
-@pytest.mark.parametrize("way", FIFO_WAYS)
+@FIFO_WAYS
 @pytest.mark.parametrize("chip,dtype", list(_fifo_cases()))
 def test_fifo_matmul(chip, dtype, way):
-    if way != "interpret" and not HAS_FIFO_OPS:
-        pytest.skip(
-            f"jaxlib {jax.__version__} has no tpu.matmul_lhs_fifo (0.11.2 has): test_old_jaxlib_error"
-        )
+    way = way.with_params(chip=chip)
+    skip_without_fifo_ops(way)
     k = _k(chip)
     m = 32
     x, w1, w2 = rand(0, (m, k), dtype), rand(1, (k, k), dtype), rand(2, (k, k), dtype)
     out_dtype = jnp.int32 if dtype == jnp.int8 else jnp.float32
-    y = run_way(
-        lambda *a, interpret: fifo_kernel(*a, interpret=interpret, out_dtype=out_dtype),
-        (x, w1, w2),
-        way,
-        chip,
-    )
+    interpret = way.interpret() or False
+    y = way.jit(lambda *a: fifo_kernel(*a, interpret=interpret, out_dtype=out_dtype))(x, w1, w2)
     want = 3 * ref_dot(x, w1) - ref_dot(x, w2.T)
     assert y.dtype == out_dtype
     if out_dtype == jnp.int32:
@@ -156,9 +143,12 @@ def test_fifo_ops_compile_where_the_chip_has_them(chip):
         compile_check.compile_for(g, args, chip)
 
 
+@FIFO_WAYS
 @pytest.mark.parametrize("chip", FIFO_CHIPS)
-def test_sub_byte_fifo_matmul(chip):
+def test_sub_byte_fifo_matmul(chip, way):
     """int4: the contraction is 2K deep (RHS 2K x K, LHS M x 2K)."""
+    way = way.with_params(chip=chip)
+    skip_without_fifo_ops(way)
     k = _k(chip)
     x, w = rand(6, (64, 2 * k), jnp.int4), rand(7, (2 * k, k), jnp.int4)
 
@@ -172,11 +162,9 @@ def test_sub_byte_fifo_matmul(chip):
             kernel, out_shape=jax.ShapeDtypeStruct((64, k), jnp.int32), interpret=interpret
         )(x, w)
 
-    y = run_way(f, (x, w), "interpret", chip)
+    interpret = way.interpret() or False
+    y = way.jit(lambda x, w: f(x, w, interpret))(x, w)
     np.testing.assert_array_equal(np.asarray(y), ref_dot(x, w).astype(np.int32))
-    if HAS_FIFO_OPS:
-        y2 = run_way(f, (x, w), "compiled" if compile_check.libtpu_available() else "ours", chip)
-        np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
 
 
 # -- accumulators (TPU7x) -------------------------------------------------------------------
@@ -209,30 +197,15 @@ def acc_kernel(x, w, *, interpret):
     )(x, w)
 
 
-@pytest.mark.parametrize("way", ["interpret", "ours", "compiled"])
+@FIFO_WAYS
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn])
 def test_accumulator_matmul(dtype, way):
-    chip, k = "7x", _k("7x")
+    way, k = way.with_params(chip="7x"), _k("7x")
     x, w = rand(10, (64, k), dtype), rand(11, (k, k), dtype)
-    y, y2 = run_acc(x, w, way, chip)
+    interpret = way.interpret() or False
+    y, y2 = way.jit(lambda x, w: acc_kernel(x, w, interpret=interpret))(x, w)
     np.testing.assert_allclose(np.asarray(y), 2 * ref_dot(x, w), rtol=1e-5, atol=1e-3)
     np.testing.assert_allclose(np.asarray(y2), ref_dot(x[:32], w), rtol=1e-5, atol=1e-3)
-
-
-def run_acc(x, w, way, chip):
-    if way == "interpret":
-        return jax.jit(lambda *a: acc_kernel(*a, interpret=pltpu.InterpretParams(chip_version=chip)))(x, w)
-    g = jax.jit(lambda *a: acc_kernel(*a, interpret=False))
-    if way == "compiled":
-        if not compile_check.libtpu_available():
-            pytest.skip('the compiled way needs libtpu: pip install "jax[tpu]"')
-        with _mesh(chip):
-            compile_check.compile_for(g, (x, w), chip)
-    with _mesh(chip):
-        txt = export.export(g, platforms=["tpu"])(x, w).mlir_module()
-        shapes = jax.eval_shape(g, x, w)
-    (module,) = executor.custom_call_bodies(txt)
-    return pltpu.run_mosaic(module, x, w, out_shape=list(shapes))
 
 
 # -- errors ------------------------------------------------------------------------------

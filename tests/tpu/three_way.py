@@ -76,8 +76,17 @@ TPU_V4 = jax.sharding.AbstractMesh(
 )
 
 
-def abstract_mesh(num_cores):
-    return TPU_V5E if num_cores == 1 else TPU_V4
+# The device kind of each chip generation a test names (``Way.with_params(chip=...)``).
+DEVICE_KINDS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite", "7x": "TPU7x"}
+
+
+def abstract_mesh(num_cores, chip=None):
+    """The abstract TPU a kernel is exported for: a v5e (a v4 with ``num_cores=2``), or
+    ``chip``'s generation."""
+    if chip is None:
+        return TPU_V5E if num_cores == 1 else TPU_V4
+    device = jax.sharding.AbstractDevice(device_kind=DEVICE_KINDS[chip], num_cores=num_cores, platform="tpu")
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
 
 
 def close(a, b, tol=1e-5):
@@ -111,10 +120,10 @@ def namespaces(mode):
     return jax_namespaces() if mode == "jax" else (pl, pltpu)
 
 
-def tpu_modules(f, *args, num_cores=1) -> list[bytes]:
+def tpu_modules(f, *args, num_cores=1, chip=None) -> list[bytes]:
     """The serialized Mosaic modules of ``f(*args)`` exported for TPU (a chip
-    with ``num_cores`` TensorCores: TPU v5e for one, TPU v4 for two)."""
-    with jax.sharding.use_abstract_mesh(abstract_mesh(num_cores)):
+    with ``num_cores`` TensorCores: TPU v5e for one, TPU v4 for two; or ``chip``)."""
+    with jax.sharding.use_abstract_mesh(abstract_mesh(num_cores, chip)):
         txt = export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
     return executor.custom_call_bodies(txt)
 
@@ -366,11 +375,12 @@ def tensorcore_mesh(pltpu):
     return pltpu.create_tensorcore_mesh("core", num_cores=2)
 
 
-def run_with_mosaic(f, *args, num_cores=1) -> list:
+def run_with_mosaic(f, *args, num_cores=1, chip=None) -> list:
     """The flat outputs of ``f(*args)``, each ``pallas_call`` replaced by
-    ``run_mosaic`` of the module ``f`` exports for TPU (in program order)."""
-    bodies = tpu_modules(f, *args, num_cores=num_cores)
-    with jax.sharding.use_abstract_mesh(abstract_mesh(num_cores)):
+    ``run_mosaic`` of the module ``f`` exports for TPU (``chip``'s generation where given),
+    in program order."""
+    bodies = tpu_modules(f, *args, num_cores=num_cores, chip=chip)
+    with jax.sharding.use_abstract_mesh(abstract_mesh(num_cores, chip)):
         closed = jax.make_jaxpr(f)(*args)
     outs = _eval_with_mosaic(closed.jaxpr, closed.consts, jax.tree.leaves(args), bodies, num_cores)
     assert not bodies, f"{len(bodies)} exported kernels were not reached"

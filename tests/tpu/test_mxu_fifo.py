@@ -7,9 +7,9 @@ for one chip generation (``way.with_params(chip=...)``): in TPU interpret mode
 (``InterpretParams(chip_version=...)``: the MXU model of ``interpret/mxu.py``); our
 lowering exported for that chip and run by ``run_mosaic`` (``executor/mxu_state.py``);
 our lowering compiled by libtpu for that chip, then run so; and compiled for every chip
-that has the op (what Mosaic refuses on the others is asserted too). JAX's interpret mode has no rule for these ops and JAX
-0.11 has no such names, so there is no JAX result to compare with. Every bad input
-has a test.
+that has the op (what Mosaic refuses on the others is asserted too). JAX's interpret
+mode has no rule for these ops and JAX 0.11 has no such names, so there is no JAX
+result to compare with. Every bad input has a test.
 """
 
 from __future__ import annotations

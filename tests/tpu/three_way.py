@@ -60,33 +60,20 @@ GENERATION_GAPS = {
 }
 MEGACORE_CHIPS = ("v5p",)  # libtpu's v4 topology has one TensorCore per device
 
-# JAX's lowering asks the device for its TPU generation for some ops: name one.
-TPU_V5E = jax.sharding.AbstractMesh(
-    (1,),
-    ("x",),
-    abstract_device=jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu"),
-)
-
-
-# A megacore chip (two TensorCores per device) for kernels run with num_cores=2.
-TPU_V4 = jax.sharding.AbstractMesh(
-    (1,),
-    ("x",),
-    abstract_device=jax.sharding.AbstractDevice(device_kind="TPU v4", num_cores=2, platform="tpu"),
-)
-
-
 # The device kind of each chip generation a test names (``Way.with_params(chip=...)``).
 DEVICE_KINDS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite", "7x": "TPU7x"}
 
 
 def abstract_mesh(num_cores, chip=None):
-    """The abstract TPU a kernel is exported for: a v5e (a v4 with ``num_cores=2``), or
-    ``chip``'s generation."""
-    if chip is None:
-        return TPU_V5E if num_cores == 1 else TPU_V4
+    """The abstract TPU a kernel is exported for (JAX's lowering asks the device for its TPU
+    generation for some ops): ``chip``'s generation, or a v5e (a v4, a megacore chip, with
+    ``num_cores=2``)."""
+    chip = chip or ("v5e" if num_cores == 1 else "v4")
     device = jax.sharding.AbstractDevice(device_kind=DEVICE_KINDS[chip], num_cores=num_cores, platform="tpu")
     return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+TPU_V5E = abstract_mesh(1)
 
 
 def close(a, b, tol=1e-5):

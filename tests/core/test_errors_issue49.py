@@ -67,6 +67,60 @@ def test_lower_as_mlir_platforms_list_still_lowers():
     assert "func.func public @main" in text
 
 
+def test_lower_as_mlir_dynamic_shapes_must_be_a_bool():
+    f = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), interpret=True)
+    with pytest.raises(TypeError) as info:
+        pl.lower_as_mlir(
+            f, jax.ShapeDtypeStruct((8, 128), jnp.float32), dynamic_shapes="no", platforms=["cpu"]
+        )
+    msg = str(info.value)
+    assert "dynamic_shapes must be a bool, got 'no' (str)" in msg and HERE.search(msg), msg
+    text = pl.lower_as_mlir(
+        f, jax.ShapeDtypeStruct((8, 128), jnp.float32), dynamic_shapes=False, platforms=["cpu"]
+    )
+    assert "func.func public @main" in text
+
+
+# -- a grid too large to interpret ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tpu", [False, True], ids=["core", "tpu_interpret"])
+def test_grid_too_large_to_interpret_is_refused_before_allocating(tpu):
+    """A grid of 2**31 steps once allocated a 16 GiB table of its points and was killed by the OOM
+    killer; now it is refused, naming the kernel, the user's line and the limit."""
+    interpret = True
+    if tpu:
+        pltpu = pytest.importorskip("pallas_tpu")
+        interpret = pltpu.InterpretParams()
+    f = pl.pallas_call(
+        add_one,
+        grid=(2**16, 2**15),
+        in_specs=[pl.BlockSpec((8, 128), lambda i, j: (0, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i, j: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        interpret=interpret,
+    )
+    with pytest.raises(ValueError) as info:
+        jax.jit(f)(rand(0, (8, 128)))
+    msg = str(info.value)
+    assert "pallas_call 'add_one'" in msg and "(65536, 32768)'s 2147483648 steps" in msg, msg
+    assert "at most 67108864 steps" in msg and "32.0 GiB" in msg, msg
+
+
+def test_grid_just_below_the_limit_still_plans():
+    """The check is on the step count alone: a large grid of cheap steps below it still runs."""
+    x = rand(1, (8, 128))
+    f = pl.pallas_call(
+        add_one,
+        grid=(4096,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        interpret=True,
+    )
+    np.testing.assert_allclose(jax.jit(f)(x), x + 1)
+
+
 # -- symbolic dimensions ---------------------------------------------------------------------
 
 

@@ -45,6 +45,7 @@ from pallas._src.errors import register_internal_dir as register_internal_dir
 from pallas._src.errors import user_source as user_source
 from pallas._src.helpers import SelectedRef as SelectedRef
 from pallas._src.interpret import grid_point as grid_point
+from pallas._src.interpret import grid_table as grid_table
 from pallas._src.interpret import num_steps as num_steps
 from pallas._src.interpret import uninitialized_value as uninitialized_value
 from pallas._src.lowering_kit import SKIP as SKIP

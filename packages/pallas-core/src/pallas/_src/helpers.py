@@ -91,6 +91,13 @@ def lower_as_mlir(
     ``dynamic_shapes=True`` (JAX: blocks whose shapes are symbolic) is not supported:
     block shapes must be static here.
     """
+    if not isinstance(dynamic_shapes, bool):
+        name = getattr(f, "__name__", None) or type(f).__name__
+        raise TypeError(
+            f"pl.lower_as_mlir of '{name}' at {errors.user_source()}: dynamic_shapes must be a bool, "
+            f"got {dynamic_shapes!r} ({type(dynamic_shapes).__name__}); a string such as 'no' would "
+            f"read as True"
+        )
     if dynamic_shapes:
         raise NotImplementedError(
             "pl.lower_as_mlir(dynamic_shapes=True): blocks of symbolic shape are not supported; "

@@ -130,6 +130,27 @@ def _choose_seq_axes(grid, points, written_keys, fully_sequential, vectorize):
     return tuple(range(G))
 
 
+# Interpret mode tabulates every grid step (an (N, G) int64 table, and a start per block per
+# step): past this many steps the tables alone take gigabytes, and running the steps would take
+# hours. A grid this large is refused before anything is allocated.
+MAX_INTERPRET_STEPS = 2**26
+
+
+def grid_table(gm: pallas_core.GridMapping) -> np.ndarray:
+    """Every point of ``gm.grid``, row-major, as an ``(N, G)`` table; a grid of more than
+    ``MAX_INTERPRET_STEPS`` steps raises a ValueError before the table is allocated."""
+    grid, G = gm.grid, len(gm.grid)
+    steps = math.prod(grid)
+    if steps > MAX_INTERPRET_STEPS:
+        raise ValueError(
+            f"{gm.where}: interpret mode runs each of the grid {tuple(grid)}'s {steps} steps "
+            f"and tabulates them first ({steps * max(G, 1) * 8 / 2**30:.1f} GiB for the grid points "
+            f"alone); it takes at most {MAX_INTERPRET_STEPS} steps (2**26). Use larger blocks (a "
+            f"smaller grid) when interpreting, or run the kernel compiled on its device"
+        )
+    return np.indices(grid).reshape(G, -1).T if G else np.zeros((1, 0), np.int64)
+
+
 def make_plan(gm: pallas_core.GridMapping, fully_sequential: bool, vectorize: bool) -> _Plan:
     key = (fully_sequential, vectorize)
     per_gm = _plan_cache.setdefault(gm, {})
@@ -137,7 +158,7 @@ def make_plan(gm: pallas_core.GridMapping, fully_sequential: bool, vectorize: bo
         return per_gm[key]
     grid = gm.grid
     G = len(grid)
-    points = np.indices(grid).reshape(G, -1).T if G else np.zeros((1, 0), np.int64)
+    points = grid_table(gm)
     # Keys are the clamped starts: two steps whose blocks clamp to one block interact.
     idx = [_element_starts(bm, _eval_index_map(bm, points)) for bm in gm.block_mappings]
     written = idx[gm.num_inputs :]

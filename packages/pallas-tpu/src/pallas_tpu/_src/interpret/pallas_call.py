@@ -100,7 +100,7 @@ def grid_points(gm, sems, params: InterpretParams) -> list[np.ndarray]:
     G = len(gm.grid)
     if math.prod(gm.grid) == 0:
         return []
-    points = np.indices(gm.grid).reshape(G, -1).T if G else np.zeros((1, 0), np.int64)
+    points = plb.grid_table(gm)
     if params.random_seed is not None:
         rng = np.random.default_rng(params.random_seed)
         for a in range(G):

@@ -86,15 +86,17 @@ def _inputs(maps: cm.StepMaps, info, dense, segment_ids, blocks, *, rows_are_que
     """``(prefetch, in_specs, args)`` of a backward kernel: ``dense`` (q, k, v, dO, lse, di),
     then the mask's partial blocks and the segment ids."""
     block_q, block_kv = blocks[:2]
-    head_dim = dense[0].shape[-1]
+    head_dim, head_dim_v = dense[0].shape[-1], dense[2].shape[-1]
     extra_specs, extra_args = maps.mask_and_segment_inputs(
         info, segment_ids, block_q, block_kv, rows_are_queries=rows_are_queries
     )
     prefetch = cm.prefetch_of(info)
     q_spec = pl.BlockSpec((None, block_q, head_dim), maps.q_map)
-    kv_spec = pl.BlockSpec(maps.kv_shape(block_kv, head_dim), maps.kv_map)
+    do_spec = pl.BlockSpec((None, block_q, head_dim_v), maps.q_map)
+    k_spec = pl.BlockSpec(maps.kv_shape(block_kv, head_dim), maps.kv_map)
+    v_spec = pl.BlockSpec(maps.kv_shape(block_kv, head_dim_v), maps.kv_map)
     row_spec = pl.BlockSpec((None, 1, block_q), maps.row_map)
-    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs]
+    in_specs = [q_spec, k_spec, v_spec, do_spec, row_spec, row_spec, *extra_specs]
     return prefetch, in_specs, [*dense, *extra_args]
 
 
@@ -197,7 +199,7 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
     block_q, block_kv, block_kv_compute = blocks
     band = cell_of(block_q)
     heads, q_len, head_dim = q.shape
-    kv_len = k.shape[-2]
+    kv_len, head_dim_v = k.shape[-2], v.shape[-1]
     maps = cm.StepMaps.of(info, q, k, block_q, cfg, "splash attention dkv")
     sched, group = maps.sched, maps.group
     kv_heads = heads // group
@@ -271,17 +273,14 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
             dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
             dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
-    shape: tuple[int, ...]
-    out_block: tuple[int | None, ...]
-    if summed:
-        shape, dtypes = (sched.q_shards, heads, kv_len, head_dim), (F32, F32)
-        out_block = (None, None, block_kv, head_dim)
-    else:
-        shape, dtypes = (heads, kv_len, head_dim), (k.dtype, v.dtype)
-        out_block = (None, block_kv, head_dim)
-    out_shape = [jax.ShapeDtypeStruct(shape, dt) for dt in dtypes]
-    out_spec = pl.BlockSpec(out_block, dkv_map)
-    scratch = [pltpu.VMEM((block_kv, head_dim), F32), pltpu.VMEM((block_kv, head_dim), F32)]
+    lead: tuple[int, ...] = (sched.q_shards, heads) if summed else (heads,)
+    block_lead: tuple[None, ...] = (None,) * len(lead)
+    dtypes = (F32, F32) if summed else (k.dtype, v.dtype)
+    out_shape = [
+        jax.ShapeDtypeStruct((*lead, kv_len, d), dt) for d, dt in zip((head_dim, head_dim_v), dtypes)
+    ]
+    out_specs = [pl.BlockSpec((*block_lead, block_kv, d), dkv_map) for d in (head_dim, head_dim_v)]
+    scratch = [pltpu.VMEM((block_kv, head_dim), F32), pltpu.VMEM((block_kv, head_dim_v), F32)]
     steps_total = heads * sched.q_shards * sched.num_steps
     dk, dv = pl.pallas_call(
         kernel,
@@ -289,12 +288,12 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
             num_scalar_prefetch=len(prefetch),
             grid=sched.grid,
             in_specs=in_specs,
-            out_specs=[out_spec, out_spec],
+            out_specs=out_specs,
             scratch_shapes=scratch,
         ),
         out_shape=out_shape,
         compiler_params=cm.compiler_params(),
-        cost_estimate=cm.cost(8 * head_dim, steps_total * block_q * block_kv, args, out_shape),
+        cost_estimate=cm.cost(4 * (head_dim + head_dim_v), steps_total * block_q * block_kv, args, out_shape),
         interpret=cfg.interpret,
         name=kernel_name("dkv", cfg, has_seg, False),
     )(*prefetch, *args)
@@ -304,6 +303,6 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
             dk, dv = dk.sum(axis=0), dv.sum(axis=0)
         else:
             dk = dk.reshape(kv_heads, group, kv_len, head_dim).sum(axis=1)
-            dv = dv.reshape(kv_heads, group, kv_len, head_dim).sum(axis=1)
+            dv = dv.reshape(kv_heads, group, kv_len, head_dim_v).sum(axis=1)
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
     return dk, dv

@@ -165,11 +165,11 @@ def _default_blocks(
 
 
 def _forward_vmem(bq: int, bkv: int, head_dim: int, itemsize: int) -> int:
-    """The forward kernel's VMEM: q, k, v and out blocks double-buffered, the scaled query
-    block, the float32 accumulator and row statistics, and two float32 score cells (512 x 512 at most)."""
+    """The forward kernel's VMEM: q, k, v and out blocks double-buffered, the float32
+    accumulator and row statistics, and two float32 score cells (512 x 512 at most)."""
     blocks = 2 * (2 * bq + 2 * bkv) * head_dim * itemsize
     cells = 2 * min(bq, 512) * min(bkv, 512) * 4
-    return blocks + bq * head_dim * (itemsize + 4) + 2 * bq * NUM_LANES * 4 + cells
+    return blocks + bq * head_dim * 4 + 2 * bq * NUM_LANES * 4 + cells
 
 
 _BLOCK_FIELDS = (
@@ -202,7 +202,37 @@ def _complete(blocks: BlockSizes) -> BlockSizes:
     return dataclasses.replace(blocks, **fill, use_fused_bwd_kernel=False)
 
 
+def _shrink(b: BlockSizes, q_len: int, kv_len: int) -> BlockSizes:
+    """``b`` with each block longer than its sequence cut to the sequence (a block cannot
+    be larger than what it tiles), and each compute chunk then longer than, or not dividing,
+    its block fitted to it."""
+    fit = {}
+    for name, n in (
+        ("block_q", q_len),
+        ("block_kv", kv_len),
+        ("block_q_dkv", q_len),
+        ("block_kv_dkv", kv_len),
+        ("block_q_dq", q_len),
+        ("block_kv_dq", kv_len),
+    ):
+        if getattr(b, name) > n:
+            fit[name] = n
+    for chunk, block in (("block_kv_compute", "block_kv"), ("block_kv_dkv_compute", "block_kv_dkv")):
+        size, of = getattr(b, chunk), fit.get(block, getattr(b, block))
+        if size > of or of % size:
+            fit[chunk] = fit_block(of, size) if block in fit else size
+    return dataclasses.replace(b, **fit) if fit else b
+
+
 def _check_blocks(b: BlockSizes, q_len: int, kv_len: int) -> None:
+    for name in ("block_q", "block_q_dkv", "block_q_dq"):
+        size = getattr(b, name)
+        if size < q_len and size % NUM_LANES:
+            raise ValueError(
+                f"{_OP}: block_sizes.{name}={size} must be a multiple of {NUM_LANES} or all of "
+                f"q_seq_len={q_len}: the kernels keep per-query values (the logsumexp, the segment "
+                f"ids of the keys' tiles) as lane-dense rows, {NUM_LANES} queries to a TPU tile of lanes"
+            )
     checks = (
         ("block_q", "q_seq_len", q_len),
         ("block_kv", "kv_seq_len", kv_len),

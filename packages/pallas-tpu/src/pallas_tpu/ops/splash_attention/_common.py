@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from pallas_tpu.ops.splash_attention import splash_attention_mask as mask_lib
 from pallas_tpu.ops.splash_attention import splash_attention_mask_info as info_lib
 
 F32 = jnp.float32
+LOG2E = math.log2(math.e)
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
 TN_DIMS = (((0,), (0,)), ((), ()))  # a.T @ b
 
@@ -167,6 +169,28 @@ def flat(x):
     return None if x is None else jnp.asarray(x).reshape(-1)
 
 
+def base2_logits(s, cap):
+    """The float32 logits ``s`` (natural base) in base 2, soft-capped first when ``cap`` is
+    given: ``log2(e) * cap * tanh(s / cap)`` (the cap on the natural logits, as JAX's
+    reference), else ``log2(e) * s``; one multiply per score besides the cap's tanh."""
+    if cap is None:
+        return s * LOG2E
+    return jnp.tanh(s * (1.0 / cap)) * (cap * LOG2E)
+
+
+def probs_times(p, v):
+    """``p @ v`` for float32 probabilities ``p`` and a value tile ``v``, accumulated in float32
+    with ``p`` kept to about 16 bits when ``v`` is narrower than float32: ``p`` split into its
+    rounding to ``v``'s dtype and the rest (two MXU passes; one rounding of ``p`` to 8 bits
+    would put an error of ``2**-9`` relative on every weight, as large as the output's own
+    rounding)."""
+    if v.dtype == F32:
+        return lax.dot(p, v, preferred_element_type=F32)
+    hi = p.astype(v.dtype)
+    lo = (p - hi.astype(F32)).astype(v.dtype)
+    return lax.dot(hi, v, preferred_element_type=F32) + lax.dot(lo, v, preferred_element_type=F32)
+
+
 def cap_logits(s, cap):
     """``cap * tanh(s / cap)`` (Gemma's soft cap), and the tanh for the backward pass."""
     t = jnp.tanh(s * (1.0 / cap))
@@ -253,8 +277,17 @@ def segment_arrays(segment_ids, *, rows_are_queries: bool):
     if segment_ids is None:
         return None, None
     rows, cols = (segment_ids.q, segment_ids.kv) if rows_are_queries else (segment_ids.kv, segment_ids.q)
-    row_ids = lax.broadcast_in_dim(rows.astype(jnp.int32), (rows.shape[0], NUM_LANES), (0,))
-    return row_ids, cols.astype(jnp.int32)[None, :]
+    dtype = segment_dtype(segment_ids)
+    row_ids = lax.broadcast_in_dim(rows.astype(dtype), (rows.shape[0], NUM_LANES), (0,))
+    return row_ids, cols.astype(dtype)[None, :]
+
+
+def segment_dtype(segment_ids):
+    """The dtype the kernels compare segment ids in: int32 for integer (or boolean) ids,
+    float32 when either side is floating point (compared as given, never truncated)."""
+    if any(jnp.issubdtype(x.dtype, jnp.floating) for x in segment_ids):
+        return F32
+    return jnp.int32
 
 
 def cost(flops_per_pair: int, pairs: int, args, outs) -> pl.CostEstimate:

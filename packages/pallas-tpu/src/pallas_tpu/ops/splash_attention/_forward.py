@@ -9,12 +9,14 @@ steps are consecutive: its output block stays in VMEM across them and is written
 Per q block the running row max ``m`` and row sum ``l`` are kept lane-replicated
 (``(block_q, 128)`` float32, so they meet the score tiles without relayouts); the output is
 accumulated unnormalized in float32 and divided by ``l`` once, on the block's last step. The
-logits are taken in base 2 (``log2(e)`` folded into the query block once per q block), so a
-score costs one ``exp2``. A step computes the cells of its pattern (``band`` queries by
-``block_kv_compute`` keys; ``run_patterns``) as straight-line tiles: FULL cells with no mask
-arithmetic at all, PARTIAL ones with the mask computed from the mask's function (or read from
-its loaded block), EMPTY ones not at all; a causal diagonal costs about three quarters of its
-block, not all of it.
+query block goes to the MXU as given; the float32 scores are taken to base 2 (times
+``log2(e)``, or the soft cap's factor), so a score costs one ``exp2``. The probabilities meet
+``v`` split in two (``_common.probs_times``), so that they are not rounded to 8 bits. A step
+computes the cells of its pattern (``band`` queries by ``block_kv_compute`` keys;
+``run_patterns``) as straight-line tiles: FULL cells with no mask arithmetic at all, PARTIAL
+ones with the mask computed from the mask's function (or read from its loaded block), EMPTY
+ones not at all; a causal diagonal costs about three quarters of its block, not all of it.
+A query row that sees no key gives zeros (and a logsumexp of +inf: no gradient).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def forward(
     block_q, block_kv, block_kv_compute = blocks
     q_band = band_of(block_q, block_kv_compute)
     heads, q_len, head_dim = q.shape
+    head_dim_v = v.shape[-1]
     maps = cm.StepMaps.of(info, q, k, block_q, cfg, "splash attention")
     sched = maps.sched
     materialized = info.partial_mask_ids is not None
@@ -54,11 +57,12 @@ def forward(
     if has_sinks:
         prefetch.append(sinks.astype(F32))
 
-    kv_spec = pl.BlockSpec(maps.kv_shape(block_kv, head_dim), maps.kv_map)
-    in_specs = [pl.BlockSpec((None, block_q, head_dim), maps.q_map), kv_spec, kv_spec, *extra_specs]
+    k_spec = pl.BlockSpec(maps.kv_shape(block_kv, head_dim), maps.kv_map)
+    v_spec = pl.BlockSpec(maps.kv_shape(block_kv, head_dim_v), maps.kv_map)
+    in_specs = [pl.BlockSpec((None, block_q, head_dim), maps.q_map), k_spec, v_spec, *extra_specs]
     args = [q, k, v, *extra_args]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [pl.BlockSpec((None, block_q, head_dim), maps.q_map)]
+    out_shape = [jax.ShapeDtypeStruct((heads, q_len, head_dim_v), q.dtype)]
+    out_specs = [pl.BlockSpec((None, block_q, head_dim_v), maps.q_map)]
     if keep_lse:
         out_shape.append(jax.ShapeDtypeStruct((heads, 1, q_len), F32))
         out_specs.append(pl.BlockSpec((None, 1, block_q), maps.row_map))
@@ -74,7 +78,7 @@ def forward(
         seg_q_ref, seg_kv_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
         o_ref = refs.pop(0)
         lse_ref = refs.pop(0) if keep_lse else None
-        qs_ref, m_ref, l_ref, acc_ref = refs
+        m_ref, l_ref, acc_ref = refs
         h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         w = maps.word(h, s, t, steps_ref)
         q_start = (base_ref[s] + w["q_block"]) * block_q
@@ -85,16 +89,15 @@ def forward(
             m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, F32)
             l_ref[...] = jnp.zeros(l_ref.shape, F32)
             acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
-            qs_ref[...] = (q_ref[...].astype(F32) * _LOG2E).astype(qs_ref.dtype)
 
         def tile(r0, rows, c0, partial):
             """Queries ``[r0, r0 + rows)`` of the block against its keys ``[c0, c0 + chunk)``."""
             cols = block_kv_compute
             r, c = pl.ds(r0, rows), pl.ds(c0, cols)
-            # Logits in base 2 (log2(e) folded into the query block once): one exp2 per score.
-            s_ = lax.dot_general(qs_ref[r, :], k_ref[c, :], cm.NT_DIMS, preferred_element_type=F32)
-            if cfg.attn_logits_soft_cap is not None:
-                s_, _ = cm.cap_logits(s_, cfg.attn_logits_soft_cap * _LOG2E)
+            # The query block as given to the MXU; the float32 logits taken to base 2 (one
+            # multiply, the soft cap's own when there is one): one exp2 per score.
+            s_ = lax.dot_general(q_ref[r, :], k_ref[c, :], cm.NT_DIMS, preferred_element_type=F32)
+            s_ = cm.base2_logits(s_, cfg.attn_logits_soft_cap)
             keep = cm.keep_mask(
                 s_.shape,
                 partial=partial,
@@ -114,8 +117,8 @@ def forward(
             alpha = jnp.exp2(m_prev - m_next)
             m_ref[r, :] = m_next
             l_ref[r, :] = alpha * l_ref[r, :] + jnp.sum(p, axis=1, keepdims=True)
-            pv = lax.dot(p.astype(v_ref.dtype), v_ref[c, :], preferred_element_type=F32)
-            acc_ref[r, :] = acc_ref[r, :] * cm.lane_replicated(alpha, head_dim) + pv
+            pv = cm.probs_times(p, v_ref[c, :])
+            acc_ref[r, :] = acc_ref[r, :] * cm.lane_replicated(alpha, head_dim_v) + pv
 
         cm.run_patterns(w["pattern"], patterns, tile, q_band, block_kv_compute)
 
@@ -130,16 +133,22 @@ def forward(
                 scale = alpha / l
                 m = m_all
             else:
-                scale = jnp.where(l == 0.0, 0.0, 1.0 / l)  # a q block the mask wholly hides: zeros
-            o_ref[...] = (acc_ref[...] * cm.lane_replicated(scale, head_dim)).astype(o_ref.dtype)
+                # A row that saw no key (its block skipped: m = -inf; every key masked: m the
+                # mask value, which no scaled logit reaches) has no softmax: zeros, and a
+                # logsumexp of +inf, so that the backward pass's exp(s - lse) is 0 there.
+                hidden = m <= cfg.mask_value
+                scale = jnp.where(hidden, 0.0, 1.0 / l)
+            o_ref[...] = (acc_ref[...] * cm.lane_replicated(scale, head_dim_v)).astype(o_ref.dtype)
             if lse_ref is not None:
-                lse_ref[...] = cm.as_row((m + jnp.log2(l)) * _LN2)  # natural log, as JAX's
+                lse = (m + jnp.log2(l)) * _LN2  # natural log, as JAX's
+                if sinks_ref is None:
+                    lse = jnp.where(hidden, jnp.inf, lse)
+                lse_ref[...] = cm.as_row(lse)
 
     scratch = [
-        pltpu.VMEM((block_q, head_dim), q.dtype),  # the query block times log2(e)
         pltpu.VMEM((block_q, cm.NUM_LANES), F32),  # running max
         pltpu.VMEM((block_q, cm.NUM_LANES), F32),  # running sum
-        pltpu.VMEM((block_q, head_dim), F32),  # unnormalized output
+        pltpu.VMEM((block_q, head_dim_v), F32),  # unnormalized output
     ]
     steps_total = heads * sched.q_shards * sched.num_steps
     outs = pl.pallas_call(
@@ -153,7 +162,7 @@ def forward(
         ),
         out_shape=out_shape,
         compiler_params=cm.compiler_params(),
-        cost_estimate=cm.cost(4 * head_dim, steps_total * block_q * block_kv, args, out_shape),
+        cost_estimate=cm.cost(2 * (head_dim + head_dim_v), steps_total * block_q * block_kv, args, out_shape),
         interpret=cfg.interpret,
         name=kernel_name("fwd", cfg, has_seg, keep_lse),
     )(*prefetch, *args)

@@ -28,7 +28,9 @@ def attention_reference(
     attn_logits_soft_cap: float | None = None,
 ):
     """One head: ``mask [q_len, kv_len]``, ``q [q_len, d]``, ``k``, ``v [kv_len, d]``; returns
-    the attention in float32 (with ``save_residuals`` also ``(logsumexp,)``)."""
+    the attention in float32 (with ``save_residuals`` also ``(logsumexp,)``). A query row that
+    sees no key (and has no sink) gives zeros and a logsumexp of +inf, as the kernels do
+    (JAX's reference: the mean of ``v``)."""
     del custom_type  # every backward here is JAX's autodiff of the same formula
     logits = jnp.einsum("qd,kd->qk", q.astype(jnp.float32), k.astype(jnp.float32))
     if segment_ids is not None:
@@ -44,8 +46,13 @@ def attention_reference(
     if sinks is not None:
         total = total + jnp.exp(sinks.astype(jnp.float32) - top)
     out = jnp.einsum("qk,kd->qd", e / total[:, None], v.astype(jnp.float32))
+    lse = top + jnp.log(total)
+    if sinks is None:
+        seen = jnp.any(mask, axis=-1)
+        out = jnp.where(seen[:, None], out, 0.0)
+        lse = jnp.where(seen, lse, jnp.inf)
     if save_residuals:
-        return out, (top + jnp.log(total),)
+        return out, (lse,)
     return out
 
 

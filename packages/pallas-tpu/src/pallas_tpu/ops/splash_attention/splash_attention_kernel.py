@@ -28,7 +28,13 @@ from pallas_tpu.ops.splash_attention import splash_attention_mask as mask_lib
 from pallas_tpu.ops.splash_attention import splash_attention_mask_info as mask_info_lib
 from pallas_tpu.ops.splash_attention._blocks import BlockSizes as BlockSizes
 from pallas_tpu.ops.splash_attention._blocks import QKVLayout as QKVLayout
-from pallas_tpu.ops.splash_attention._blocks import _check_blocks, _complete, _default_blocks, _itemsize
+from pallas_tpu.ops.splash_attention._blocks import (
+    _check_blocks,
+    _complete,
+    _default_blocks,
+    _itemsize,
+    _shrink,
+)
 from pallas_tpu.ops.splash_attention._blocks import from_head_minor as from_head_minor
 from pallas_tpu.ops.splash_attention._reference import (
     attention_reference as attention_reference,
@@ -50,12 +56,14 @@ make_masked_mqa_reference = functools.partial(make_attention_reference, is_mqa=T
 
 class SegmentIds(NamedTuple):
     """Segment ids of the query and key sequences: a query attends only to keys of its own
-    segment (and-ed with the mask). A query row that nothing is left visible to has no softmax
-    (its output is zeros where the mask hides its whole block, else undefined).
+    segment (and-ed with the mask). A query row that nothing is left visible to has no softmax:
+    its output is zeros and it passes no gradient (JAX's kernels give the mean of ``v`` there
+    when the mask hides the row within a block it computes).
 
     Attributes:
-      q: ``[q_seq_len]`` integer segment ids of the queries.
-      kv: ``[kv_seq_len]`` integer segment ids of the keys and values.
+      q: ``[q_seq_len]`` segment ids of the queries: integers (floats are compared as given,
+        in float32).
+      kv: ``[kv_seq_len]`` segment ids of the keys and values, likewise.
     """
 
     q: jax.Array
@@ -70,12 +78,17 @@ class SegmentIds(NamedTuple):
 class SplashAttentionKernel:
     """A splash attention kernel for one mask: ``kernel(q, k, v, segment_ids=None, sinks=None)``.
 
-    ``q``: ``[heads, q_seq_len, head_dim]``; ``k``, ``v``: ``[kv_heads, kv_seq_len, head_dim]``
-    (``kv_heads`` dividing ``heads``: grouped queries) or, made by ``make_splash_mqa``,
-    ``[kv_seq_len, head_dim]``; ``sinks``: optional ``[heads]`` logits of an attention sink.
-    Returns the attention ``[heads, q_seq_len, head_dim]`` in ``q``'s dtype (and, made with
-    ``save_residuals``, also ``(logsumexp [heads, q_seq_len],)``). Differentiable in ``q``,
-    ``k``, ``v`` and ``sinks``.
+    ``q``: ``[heads, q_seq_len, head_dim]`` floating point; ``k``: ``[kv_heads, kv_seq_len,
+    head_dim]`` (``kv_heads`` dividing ``heads``: grouped queries) or, made by
+    ``make_splash_mqa``, ``[kv_seq_len, head_dim]``; ``v`` as ``k`` but for its head dimension
+    ``head_dim_v``; ``sinks``: optional ``[heads]`` logits of an attention sink. Returns the
+    attention ``[heads, q_seq_len, head_dim_v]`` in ``q``'s dtype (and, made with
+    ``save_residuals``, also ``(logsumexp [heads, q_seq_len],)``, +inf on a row that sees no
+    key). Differentiable in ``q``, ``k``, ``v`` and ``sinks``.
+
+    A mask whose heads are all one mask serves any number of heads (as JAX's); a mask with
+    distinct head masks serves exactly as many heads as it has (per head shard inside
+    ``shard_map``), and other counts are refused.
     """
 
     def __init__(self, fwd_mask_info, dq_mask_info, dkv_mask_info, **kwargs):
@@ -159,7 +172,37 @@ def _make_splash_attention(
     q_seq_shards: int,
     residual_checkpoint_name: str | None = None,
     interpret: bool = False,
-    _leaves: Callable[[Any], Any] = jnp.asarray,  # how the mask info's arrays are held
+):
+    return _make_kernel(
+        mask,
+        leaves=jnp.asarray,
+        block_sizes=block_sizes,
+        is_mqa=is_mqa,
+        save_residuals=save_residuals,
+        mask_value=mask_value,
+        attn_logits_soft_cap=attn_logits_soft_cap,
+        downcast_smem_data=downcast_smem_data,
+        head_shards=head_shards,
+        q_seq_shards=q_seq_shards,
+        residual_checkpoint_name=residual_checkpoint_name,
+        interpret=interpret,
+    )
+
+
+def _make_kernel(
+    mask,
+    *,
+    leaves: Callable[[Any], Any],  # how the mask info's arrays are held
+    block_sizes: BlockSizes | None,
+    is_mqa: bool,
+    save_residuals: bool,
+    mask_value: float,
+    attn_logits_soft_cap: float | None,
+    downcast_smem_data: bool,
+    head_shards: int,
+    q_seq_shards: int,
+    residual_checkpoint_name: str | None,
+    interpret: bool,
 ):
     if isinstance(mask, jax.Array):
         raise NotImplementedError(
@@ -179,18 +222,24 @@ def _make_splash_attention(
         raise ValueError(f"{_OP}: a NumPy mask must be boolean, got {mask.dtype}")
     if attn_logits_soft_cap is not None and not attn_logits_soft_cap > 0:
         raise ValueError(f"{_OP}: attn_logits_soft_cap must be positive, got {attn_logits_soft_cap}")
-    _, q_len, kv_len = mask.shape
+    mask_heads, q_len, kv_len = mask.shape
+    if min(mask_heads, q_len, kv_len) < 1:
+        raise ValueError(
+            f"{_OP}: the mask must have at least one head, query and key, got shape {mask.shape}"
+        )
     rechoose = None
+    if block_sizes is not None and block_sizes == BlockSizes.get_default():
+        block_sizes = None  # the defaults asked for without lengths: those of these lengths
     if block_sizes is None:
         has_partial = _has_partial(mask, q_len, kv_len)
         block_sizes = BlockSizes.get_default(q_len // max(q_seq_shards, 1), kv_len, has_partial=has_partial)
         if head_shards == 1 and q_seq_shards == 1:  # a sharded kernel's schedule is split: kept
             remake = functools.partial(
-                _make_splash_attention,
+                _make_kernel,
                 mask,
                 # Made at the first call, maybe inside a trace (even under an abstract mesh,
                 # where no jax.Array can be made): host arrays, constants of any trace.
-                _leaves=np.asarray,
+                leaves=np.asarray,
                 is_mqa=is_mqa,
                 save_residuals=save_residuals,
                 mask_value=mask_value,
@@ -208,7 +257,7 @@ def _make_splash_attention(
             )
     elif not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"{_OP}: block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
-    block_sizes = _complete(block_sizes)
+    block_sizes = _shrink(_complete(block_sizes), q_len // max(q_seq_shards, 1), kv_len)
     _check_blocks(block_sizes, q_len // max(q_seq_shards, 1), kv_len)
 
     def process(fn, bq, bkv, chunk, **kw):
@@ -221,7 +270,7 @@ def _make_splash_attention(
             block_kv_compute=chunk,
             **kw,
         )
-        return jax.tree.map(_leaves, info), function, patterns
+        return jax.tree.map(leaves, info), function, patterns
 
     b = block_sizes  # complete: every block set (_complete, BlockSizes.__post_init__)
     fwd_info, mask_function, fwd_patterns = process(
@@ -259,6 +308,8 @@ def _make_splash_attention(
         interpret=interpret,
         mask_shape=(q_len, kv_len),
         q_seq_shards=q_seq_shards,
+        mask_heads=mask_heads,
+        schedule_rows=int(fwd_info.steps.shape[0]),
         patterns=(fwd_patterns, dq_patterns, dkv_patterns),
         rechoose=rechoose,
     )
@@ -309,7 +360,12 @@ make_splash_mqa_single_device = functools.partial(make_splash_mqa, head_shards=1
 # The call and its VJP.
 
 
-def _check_call(q, k, v, segment_ids, sinks, is_mqa: bool, info) -> None:
+def _check_call(q, k, v, segment_ids, sinks, is_mqa: bool, info, mask_heads: int, schedule_rows: int) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+            raise TypeError(f"{_OP}: {name} must be an array, got {type(x).__name__}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{_OP}: {name} must be a floating-point array, got dtype {x.dtype}")
     if q.ndim != 3:
         raise ValueError(f"{_OP}: q must be [heads, q_seq_len, head_dim], got shape {q.shape}")
     want = 2 if is_mqa else 3
@@ -317,8 +373,10 @@ def _check_call(q, k, v, segment_ids, sinks, is_mqa: bool, info) -> None:
     for name, x in (("k", k), ("v", v)):
         if x.ndim != want:
             raise ValueError(f"{_OP}: {name} must be {layout}, got shape {x.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"{_OP}: k and v must have one shape, got {k.shape} and {v.shape}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"{_OP}: k and v must have one shape but for the head dimension, got {k.shape} and {v.shape}"
+        )
     heads, q_len, head_dim = q.shape
     if k.shape[-1] != head_dim:
         raise ValueError(f"{_OP}: head_dim of q ({head_dim}) and k ({k.shape[-1]}) differ")
@@ -327,6 +385,17 @@ def _check_call(q, k, v, segment_ids, sinks, is_mqa: bool, info) -> None:
     if segment_ids is not None:
         if not isinstance(segment_ids, SegmentIds):
             raise TypeError(f"{_OP}: segment_ids must be a SegmentIds, got {type(segment_ids).__name__}")
+        for name, ids in (("q", segment_ids.q), ("kv", segment_ids.kv)):
+            dtype = getattr(ids, "dtype", None)
+            if dtype is None or not (
+                jnp.issubdtype(dtype, jnp.integer)
+                or jnp.issubdtype(dtype, jnp.floating)
+                or jnp.issubdtype(dtype, jnp.bool_)
+            ):
+                raise TypeError(
+                    f"{_OP}: segment_ids.{name} must be an integer (or float, compared as given) "
+                    f"array, got {type(ids).__name__} of dtype {dtype}"
+                )
         if segment_ids.q.shape != (q_len,) or segment_ids.kv.shape != (k.shape[-2],):
             raise ValueError(
                 f"{_OP}: segment_ids must be q [{q_len}] and kv [{k.shape[-2]}], got "
@@ -334,12 +403,13 @@ def _check_call(q, k, v, segment_ids, sinks, is_mqa: bool, info) -> None:
             )
     if sinks is not None and sinks.shape != (heads,):
         raise ValueError(f"{_OP}: sinks must be [heads] = [{heads}], got shape {sinks.shape}")
-    mask_heads, q_shards, _ = info.steps.shape
-    if heads % mask_heads:
+    rows = info.steps.shape[0]  # of this call's head shards (inside shard_map: its own)
+    if schedule_rows > 1 and heads != mask_heads * rows // schedule_rows:
         raise ValueError(
-            f"{_OP}: q has {heads} heads; the kernel's mask was made for a multiple of {mask_heads}"
+            f"{_OP}: q has {heads} heads, the kernel's mask {mask_heads * rows // schedule_rows} "
+            f"(here; {mask_heads} in all): a mask with more than one distinct head mask serves "
+            f"exactly its heads (make the kernel with one mask per head of q)"
         )
-    del q_shards
 
 
 def _splash_attention(
@@ -362,9 +432,11 @@ def _splash_attention(
     interpret: Any,
     mask_shape: tuple[int, int],
     q_seq_shards: int,
+    mask_heads: int,
+    schedule_rows: int,
     patterns: tuple,
 ):
-    _check_call(q, k, v, segment_ids, sinks, is_mqa, fwd_mask_info)
+    _check_call(q, k, v, segment_ids, sinks, is_mqa, fwd_mask_info, mask_heads, schedule_rows)
     # Inside shard_map a call sees its shards' part of q (and of the schedule).
     local_shards = fwd_mask_info.steps.shape[1]
     want_q = mask_shape[0] // q_seq_shards * local_shards

@@ -335,7 +335,7 @@ class CausalMask(_ComputableMask):
 
     Attributes:
       offset: where the queries start among the keys; positive shifts the visible triangle up,
-        negative down (then the first ``-offset`` rows see nothing: their softmax is undefined).
+        negative down (then the first ``-offset`` rows see nothing: the kernels give them zeros).
     """
 
     offset: int

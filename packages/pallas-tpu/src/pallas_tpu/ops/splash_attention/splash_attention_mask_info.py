@@ -157,6 +157,8 @@ def _pattern_table(fines: list[np.ndarray], kinds: list[np.ndarray]):
     counts: dict[tuple, int] = {}
     for fine, kind in zip(fines, kinds):
         rows = fine[kind != mask_lib.EMPTY]
+        if not len(rows):  # a mask that hides everything: no pattern
+            continue
         found, n = np.unique(rows.reshape(len(rows), -1), axis=0, return_counts=True)
         for r, c in zip(found, n):
             key = _as_pattern(r.reshape(fine.shape[-2:]))

@@ -13,8 +13,10 @@ scheduler, ``--xla_jf_dump_to``, guided them):
   them in tiles of ``block_k`` keys with the online softmax: a running row max ``m`` and row
   sum ``l`` kept lane-replicated (``(block_q, 128)`` float32: they meet the score tiles without
   relayouts), the output accumulated unnormalized in float32 and divided by ``l`` once. The
-  softmax runs in base 2 with ``sm_scale * log2(e)`` folded into the query block once, so a
-  score costs one ``exp2`` and no multiply. A step's tiles are straight-line code (no loop), so
+  softmax runs in base 2: the MXU takes the queries as given, and a float32 score costs one
+  multiply by ``sm_scale * log2(e)`` (after the bias, as the logits are defined) and one
+  ``exp2`` (rescaling the queries in their own dtype instead would round them twice: with
+  bfloat16 inputs and sharp softmaxes, several times JAX's error). A step's tiles are straight-line code (no loop), so
   the scheduler overlaps one tile's matmuls with the next one's softmax; by default a step is a
   head's whole key sequence (L <= 4096), copied to VMEM once per head. The residual for the
   backward pass is one lane-dense logsumexp row (not ``m`` and ``l`` lane-replicated).
@@ -28,9 +30,10 @@ scheduler, ``--xla_jf_dump_to``, guided them):
   transposed scores ``k @ q.T`` (so ``p.T @ do``, ``ds.T @ q`` are plain matmuls), recomputing
   the probabilities from the logsumexp, and accumulates ``dq`` for the whole sequence in VMEM
   across the key blocks: five matmuls a tile where separate ``dq`` and ``dk``/``dv`` kernels take
-  seven. It also scales the queries and computes ``di = rowsum(dO * O)`` itself, on its first
-  key block. Where a head's ``dq`` does not fit VMEM, ``dq`` is a separate query-major kernel.
-* Blocks: ``BlockSizes.get_default`` picks them from the shapes and the chip's VMEM.
+  seven. It also copies the queries to VMEM and computes ``di = rowsum(dO * O)`` itself, on its
+  first key block. A query row that sees no key gets a logsumexp of ``+inf``: no gradient. Where a head's ``dq`` does not fit VMEM, ``dq`` is a separate query-major kernel.
+* Blocks: ``tuned_block_sizes`` picks them from the shapes and the chip's VMEM
+  (``BlockSizes.get_default`` is JAX's: 128 whatever the shapes).
 
 The modules: ``_blocks`` (block sizes, segment ids, constants), ``_api`` (the entry point and
 its VJP), ``_tiles`` (what the kernels share), ``_forward``, ``_backward``, ``_reference``.
@@ -46,6 +49,7 @@ from ._blocks import (
     BlockSizes,
     SegmentIds,
     below_or_on_diag,
+    tuned_block_sizes,
 )
 from ._reference import mha_reference, mha_reference_bwd, mha_reference_no_custom_vjp
 
@@ -62,4 +66,5 @@ __all__ = [
     "mha_reference",
     "mha_reference_bwd",
     "mha_reference_no_custom_vjp",
+    "tuned_block_sizes",
 ]

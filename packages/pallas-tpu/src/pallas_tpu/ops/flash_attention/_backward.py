@@ -9,46 +9,46 @@ from jax import lax
 import pallas as pl
 import pallas_tpu as pltpu
 
-from ._blocks import F32, LN2, LOG2E, NUM_LANES, TRANS_B_DIM_NUMBERS
+from ._blocks import F32, LOG2E, NUM_LANES, TRANS_B_DIM_NUMBERS
 from ._forward import cost_estimate
 from ._tiles import (
     Sweep,
     as_column,
     as_row,
+    base2_logits,
     causal_kv_block,
     grid_params,
     lane_replicated,
     masked_scores,
     query_major_inputs,
-    scaled_query,
     segment_id_operands,
     square_tile,
 )
 
 
-def backward_dq(qs, k, v, ab, segment_ids, lse, d_out, di, causal, sm_scale, blocks, debug):
+def backward_dq(q, k, v, ab, segment_ids, lse, d_out, di, causal, sm_scale, blocks, debug):
     return _dq_call(
-        qs, k, v, ab, segment_ids, lse, d_out, di, causal=causal, sm_scale=sm_scale,
+        q, k, v, ab, segment_ids, lse, d_out, di, causal=causal, sm_scale=sm_scale,
         block_q=blocks.block_q_dq, block_kv=blocks.block_k_major_dq, tile_kv=blocks.block_k_dq, debug=debug,
     )  # fmt: skip
 
 
 def _dq_call(
-    qs, k, v, ab, segment_ids, lse, d_out, di, *, causal, sm_scale, block_q, block_kv, tile_kv, debug
+    q, k, v, ab, segment_ids, lse, d_out, di, *, causal, sm_scale, block_q, block_kv, tile_kv, debug
 ):
     """``(dq, dab)`` (``dab`` None without ``ab``): per query block, the keys swept as in the forward."""
-    batch, heads, q_len, head_dim = qs.shape
+    batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     n_q, n_kv = q_len // block_q, kv_len // block_kv
     sweep = Sweep(block_q, block_kv, block_q, tile_kv, causal, True, square_tile(block_q, block_kv))
     row_ids, col_ids = segment_id_operands(segment_ids, kv_major=False)
-    bias_scale = sm_scale * LOG2E
+    scale2 = sm_scale * LOG2E  # base-2 logits, as the forward pass's
 
     kv_block = causal_kv_block(causal, block_q, block_kv)
 
     def kernel(*refs):
         refs = list(refs)
-        qs_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+        q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
         del refs[:6]
         ab_ref = refs.pop(0) if ab is not None else None
         rid_ref, cid_ref = (refs.pop(0), refs.pop(0)) if segment_ids is not None else (None, None)
@@ -69,9 +69,8 @@ def _dq_call(
         def tile(r0, rows, c0, cols, diagonal):
             r, c = pl.ds(r0, rows), pl.ds(c0, cols)
             k_tile = k_ref[c, :]
-            s = lax.dot_general(qs_ref[r, :], k_tile, TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
-            if ab_ref is not None:
-                s = s + ab_ref[r, c].astype(F32) * bias_scale
+            s = lax.dot_general(q_ref[r, :], k_tile, TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
+            s = base2_logits(s, None if ab_ref is None else ab_ref[r, c], scale2)
             s = masked_scores(s, rid_ref, cid_ref, r, c, diagonal, rows_are_queries=True)
             p = jnp.exp2(s - lane_replicated(lse_col_ref[r, :], cols))
             dp = lax.dot_general(do_ref[r, :], v_ref[c, :], TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
@@ -92,8 +91,8 @@ def _dq_call(
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     extra_specs, extra_args = query_major_inputs(ab, row_ids, col_ids, block_q, block_kv, kv_block)
     in_specs += extra_specs
-    args = [qs, k, v, d_out, lse, di, *extra_args]
-    out_shape = [jax.ShapeDtypeStruct(qs.shape, qs.dtype)]
+    args = [q, k, v, d_out, lse, di, *extra_args]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [q_spec]
     if ab is not None:
         out_shape.append(jax.ShapeDtypeStruct(ab.shape, ab.dtype))
@@ -114,7 +113,7 @@ def _dq_call(
         ),
         out_shape=out_shape,
         compiler_params=grid_params(("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=cost_estimate(3, qs, k, causal, args, out_shape),
+        cost_estimate=cost_estimate(3, q, k, causal, args, out_shape),
         debug=debug,
         name="flash_attention_dq",
     )(*args)
@@ -151,10 +150,9 @@ def _dkv_call(
     """``(dk, dv)``, and with ``with_dq`` also ``(dq, dab)``: per key block, the queries swept in
     tiles of the transposed scores ``k @ q.T``.
 
-    Without ``with_dq``, ``q`` comes scaled (``scaled_query``) and ``di`` is ``rowsum(dO * O)``
-    as ``[b, h, 1, q_len]``. With ``with_dq`` (one fused backward kernel), ``q`` comes as the user
-    gave it and ``di`` is the forward's output ``O``: the first key block's steps scale each query
-    block and compute its ``di`` into VMEM, where they stay for the other key blocks (no XLA
+    Without ``with_dq``, ``di`` is ``rowsum(dO * O)`` as ``[b, h, 1, q_len]``. With ``with_dq``
+    (one fused backward kernel), ``di`` is the forward's output ``O``: the first key block's steps
+    copy each query block and compute its ``di`` into VMEM, where they stay for the other key blocks (no XLA
     passes over ``q``, ``O`` and ``dO``), and the gradient of the queries is accumulated in VMEM
     across the key blocks (a float32 ``[q_len, head_dim]`` per head), which saves the separate
     ``dq`` kernel's recomputation of the scores and of ``dO @ v.T``.
@@ -164,12 +162,14 @@ def _dkv_call(
     n_kv, n_q = kv_len // block_kv, q_len // block_q
     sweep = Sweep(block_kv, block_q, tile_kv, tile_q, causal, False, square_tile(block_kv, block_q))
     row_ids, col_ids = segment_id_operands(segment_ids, kv_major=True)
-    bias_scale = sm_scale * LOG2E
+    scale2 = sm_scale * LOG2E  # base-2 logits, as the forward pass's
     with_dab = with_dq and ab is not None
 
     def q_block(j, i):
-        # Causal: steps before the key block's first key re-name the first query block needed.
-        return jnp.maximum(i, (j * block_kv) // block_q) if causal else i
+        # Causal: steps before the key block's first key re-name the first query block needed
+        # (the last query block where the key block lies past every query: keys beyond the
+        # queries, kv_len > q_len, are seen by none and their steps do nothing).
+        return jnp.minimum(jnp.maximum(i, (j * block_kv) // block_q), n_q - 1) if causal else i
 
     def first_pass_block(j, i):
         # Read on the first key block's steps only (which visit every query block); after them
@@ -189,7 +189,7 @@ def _dkv_call(
         j, i = pl.program_id(2), pl.program_id(3)
         q_start = i * block_q
         if with_dq:
-            dq_acc, qs_all, di_all = refs
+            dq_acc, q_all, di_all = refs
             here = pl.ds(q_start, block_q)
 
             @pl.when(j == 0)
@@ -198,12 +198,12 @@ def _dkv_call(
                 def _():
                     dq_acc[...] = jnp.zeros(dq_acc.shape, F32)
 
-                qs_all[here, :] = scaled_query(q_ref[...], sm_scale)
+                q_all[here, :] = q_ref[...]
                 d = jnp.sum(di_ref[...].astype(F32) * do_ref[...].astype(F32), axis=1, keepdims=True)
                 di_all[:, here] = as_row(jnp.broadcast_to(d, (block_q, NUM_LANES)))
 
             def queries(c):
-                return qs_all[pl.ds(q_start + c.start, c.size), :]
+                return q_all[pl.ds(q_start + c.start, c.size), :]
 
             def corrections(c):
                 return di_all[:, pl.ds(q_start + c.start, c.size)]
@@ -229,8 +229,7 @@ def _dkv_call(
             r, c = pl.ds(r0, rows), pl.ds(c0, cols)
             q_tile, do_tile, k_tile = queries(c), do_ref[c, :], k_ref[r, :]
             s = lax.dot_general(k_tile, q_tile, TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
-            if ab_ref is not None:
-                s = s + jnp.transpose(ab_ref[c, r].astype(F32)) * bias_scale
+            s = base2_logits(s, None if ab_ref is None else jnp.transpose(ab_ref[c, r].astype(F32)), scale2)
             s = masked_scores(s, rid_ref, cid_ref, r, c, diagonal, rows_are_queries=False)
             p = jnp.exp2(s - lse_ref[:, c])
             dv_acc[r, :] += lax.dot(p.astype(do_tile.dtype), do_tile, preferred_element_type=F32)
@@ -249,7 +248,7 @@ def _dkv_call(
 
         @pl.when(i == n_q - 1)
         def _():
-            dk_ref[...] = (dk_acc[...] * LN2).astype(dk_ref.dtype)
+            dk_ref[...] = (dk_acc[...] * sm_scale).astype(dk_ref.dtype)
             dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
         if dq_ref is not None:
@@ -290,7 +289,7 @@ def _dkv_call(
             out_specs.append(pl.BlockSpec((None, None, block_q, block_kv), lambda b, h, j, i: (b, h, i, j)))
         scratch += [
             pltpu.VMEM((q_len, head_dim), F32),  # dq accumulator
-            pltpu.VMEM((q_len, head_dim), q.dtype),  # the scaled queries
+            pltpu.VMEM((q_len, head_dim), q.dtype),  # the queries, read once
             pltpu.VMEM((1, q_len), F32),  # di
         ]
         semantics = ("parallel", "parallel", "arbitrary", "arbitrary")  # dq sums over the key blocks

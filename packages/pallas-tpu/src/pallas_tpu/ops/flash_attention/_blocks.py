@@ -20,6 +20,9 @@ TRANS_B_DIM_NUMBERS = (((1,), (1,)), ((), ()))  # a @ b.T
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 F32 = jnp.float32
+# A row whose largest base-2 logit is below this sees no key (every key masked, or a bias like
+# -1e30): f32 logits that low are spaced by 2 or more, so its softmax carries no information.
+SEES_NOTHING = -float(2**24)
 # The tile edge of the causal diagonal square: smaller tiles skip more of the masked half,
 # larger ones feed the MXU longer runs.
 DIAGONAL_TILE = 256
@@ -61,7 +64,7 @@ class BlockSizes:
     keys by ``block_q_dkv`` queries; the ``_dq`` blocks (``block_q_dq`` query rows and
     ``block_k_major_dq`` key rows per step, keys ``block_k_dq`` at a time) serve the separate
     ``dq`` kernel, used only where a head's ``dq`` does not fit VMEM beside the fused backward
-    kernel. Backward blocks left as None are chosen by ``get_default``'s rule (JAX raises instead).
+    kernel. Backward blocks left as None are chosen by ``tuned_block_sizes``'s rule (JAX raises instead).
     """
 
     block_q: int
@@ -103,47 +106,57 @@ class BlockSizes:
         return all(getattr(self, name) is not None for name in _BACKWARD_BLOCKS)
 
     @classmethod
-    def get_default(cls, batch_size, num_heads, q_seq_len, kv_len, d_model, *, causal=False) -> BlockSizes:
-        """The blocks ``flash_attention`` uses when none are given, from the shapes and the chip.
+    def get_default(cls, batch_size, num_heads, q_seq_len, kv_len, d_model) -> BlockSizes:
+        """JAX's default blocks: 128 for every block whatever the shapes (its meaning and values).
 
-        Tiles of 1024 x 1024 scores (512 x 512 on chips with less than 64 MiB of VMEM). Without
-        ``causal`` a grid step sweeps up to four tiles' worth of keys (``dk``/``dv``: queries),
-        so at L <= 4096 a head's keys are copied to VMEM once and its tiles run as straight-line
-        code; with ``causal`` a step takes two tiles' worth, so the steps that cross the diagonal
-        stay few and small. A step's unrolled tiles spill their scores to VMEM, so its size is
-        bounded by the VMEM too. The ``dk``/``dv`` step's query sweep is divided by the MXU's
-        passes over the head dimension (one per 128 of ``d_model``), down to 512 rows: for code
-        size. Its kernel's code grows with the work of a step (straight-line tiles, each causal
-        diagonal place a body of its own) and must fit the core's instruction memory, ~56k
-        bundles on the v5e; libtpu splits a larger one into overlays fetched from HBM on every
-        grid step. At D256, causal, L=4096 (libtpu's scheduler for the v5e), the fused backward
-        kernel with 1024 x 2048 steps was 80.7k bundles in 5 overlays; with 1024 x 1024 steps it
-        is 32.9k bundles in one, and a step's bundles stay under its MXU cycles (0.88 of them
-        unmasked, 0.91 on the diagonal; 0.87 and 0.88 before). (``causal`` is this module's
-        addition to JAX's signature; JAX's defaults are blocks of 128 whatever the shapes.)
+        ``flash_attention`` does not use these when ``block_sizes`` is None: it takes
+        ``tuned_block_sizes``, chosen from the shapes and the chip.
         """
-        del batch_size, num_heads
-        budget = vmem_budget()
-        tile = 1024 if budget >= 48 * 2**20 else 512
-        widest = max(tile, min(4 * tile, max_unrolled_scores() // tile))
-        block_q = fit_block(q_seq_len, tile)
-        block_kv = fit_block(kv_len, tile)
-        sweep_kv = fit_block(kv_len, 2 * block_q if causal else widest)
-        passes = -(-max(int(d_model), 1) // NUM_LANES)  # the MXU's passes over the head dimension
-        sweep_q_dkv = fit_block(q_seq_len, max(MIN_DKV_SWEEP, (2 * block_kv if causal else widest) // passes))
-        return cls(
-            block_q=block_q,
-            block_k_major=sweep_kv,
-            block_k=fit_block(sweep_kv, tile),
-            block_b=1,
-            block_q_major_dkv=sweep_q_dkv,
-            block_k_major_dkv=block_kv,
-            block_k_dkv=block_kv,
-            block_q_dkv=fit_block(sweep_q_dkv, tile),
-            block_k_major_dq=sweep_kv,
-            block_k_dq=fit_block(sweep_kv, tile),
-            block_q_dq=block_q,
-        )
+        del batch_size, num_heads, q_seq_len, kv_len, d_model
+        return cls(**{f.name: 1 if f.name == "block_b" else MIN_BLOCK_SIZE for f in dataclasses.fields(cls)})
+
+
+def tuned_block_sizes(batch_size, num_heads, q_seq_len, kv_len, d_model, *, causal=False) -> BlockSizes:
+    """The blocks ``flash_attention`` uses when none are given, from the shapes and the chip.
+
+    Tiles of 1024 x 1024 scores (512 x 512 on chips with less than 64 MiB of VMEM). Without
+    ``causal`` a grid step sweeps up to four tiles' worth of keys (``dk``/``dv``: queries),
+    so at L <= 4096 a head's keys are copied to VMEM once and its tiles run as straight-line
+    code; with ``causal`` a step takes two tiles' worth, so the steps that cross the diagonal
+    stay few and small. A step's unrolled tiles spill their scores to VMEM, so its size is
+    bounded by the VMEM too. The ``dk``/``dv`` step's query sweep is divided by the MXU's
+    passes over the head dimension (one per 128 of ``d_model``), down to 512 rows: for code
+    size. Its kernel's code grows with the work of a step (straight-line tiles, each causal
+    diagonal place a body of its own) and must fit the core's instruction memory, ~56k
+    bundles on the v5e; libtpu splits a larger one into overlays fetched from HBM on every
+    grid step. At D256, causal, L=4096 (libtpu's scheduler for the v5e), the fused backward
+    kernel with 1024 x 2048 steps was 80.7k bundles in 5 overlays; with 1024 x 1024 steps it
+    is 32.9k bundles in one, and a step's bundles stay under its MXU cycles (0.88 of them
+    unmasked, 0.91 on the diagonal; 0.87 and 0.88 before). (JAX's defaults, which
+    ``BlockSizes.get_default`` returns, are blocks of 128 whatever the shapes.)
+    """
+    del batch_size, num_heads
+    budget = vmem_budget()
+    tile = 1024 if budget >= 48 * 2**20 else 512
+    widest = max(tile, min(4 * tile, max_unrolled_scores() // tile))
+    block_q = fit_block(q_seq_len, tile)
+    block_kv = fit_block(kv_len, tile)
+    sweep_kv = fit_block(kv_len, 2 * block_q if causal else widest)
+    passes = -(-max(int(d_model), 1) // NUM_LANES)  # the MXU's passes over the head dimension
+    sweep_q_dkv = fit_block(q_seq_len, max(MIN_DKV_SWEEP, (2 * block_kv if causal else widest) // passes))
+    return BlockSizes(
+        block_q=block_q,
+        block_k_major=sweep_kv,
+        block_k=fit_block(sweep_kv, tile),
+        block_b=1,
+        block_q_major_dkv=sweep_q_dkv,
+        block_k_major_dkv=block_kv,
+        block_k_dkv=block_kv,
+        block_q_dkv=fit_block(sweep_q_dkv, tile),
+        block_k_major_dq=sweep_kv,
+        block_k_dq=fit_block(sweep_kv, tile),
+        block_q_dq=block_q,
+    )
 
 
 def max_unrolled_scores() -> int:
@@ -161,7 +174,12 @@ def below_or_on_diag(r, r_blk_size, c, c_blk_size):
 
 def resolve_blocks(block_sizes, batch, heads, q_len, kv_len, head_dim, causal) -> BlockSizes:
     """The user's blocks with the missing backward ones defaulted, checked against the shapes."""
-    default = BlockSizes.get_default(batch, heads, q_len, kv_len, head_dim, causal=causal)
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(
+            "flash_attention: block_sizes must be a pallas_tpu.ops.flash_attention.BlockSizes or None, "
+            f"got {type(block_sizes).__module__}.{type(block_sizes).__qualname__}"
+        )
+    default = tuned_block_sizes(batch, heads, q_len, kv_len, head_dim, causal=causal)
     if block_sizes is None:
         blocks = default
     else:
@@ -183,6 +201,16 @@ def resolve_blocks(block_sizes, batch, heads, q_len, kv_len, head_dim, causal) -
         ("block_k_major_dq", "kv_seq_len", kv_len),
         ("block_k_dq", "block_k_major_dq", blocks.block_k_major_dq),
     )
+    for name, of, n in checks:
+        size = getattr(blocks, name)
+        if of == "q_seq_len" and size != n and size % NUM_LANES == 0 and n % size == 0:
+            continue
+        if of == "q_seq_len" and size < n and n % size == 0 and size % NUM_SUBLANES == 0:
+            raise ValueError(
+                f"flash_attention: block_sizes.{name}={size} must be a multiple of {NUM_LANES} or all of "
+                f"{of}={n}: each query's logsumexp (and the backward's row terms) is kept lane-dense, "
+                f"one query a lane, so a block of queries spans whole {NUM_LANES}-lane TPU tiles"
+            )
     check_blocks("flash_attention", blocks, checks)
     if blocks.block_b > batch:
         raise ValueError(f"flash_attention: block_sizes.block_b={blocks.block_b} exceeds batch={batch}")

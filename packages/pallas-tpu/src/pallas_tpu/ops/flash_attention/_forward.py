@@ -16,12 +16,13 @@ from ._blocks import F32, LOG2E, NUM_LANES, TRANS_B_DIM_NUMBERS
 from ._tiles import (
     Sweep,
     as_row,
+    base2_logits,
     causal_kv_block,
     grid_params,
     lane_replicated,
     masked_scores,
     query_major_inputs,
-    scaled_query,
+    row_logsumexp,
     segment_id_operands,
     square_tile,
 )
@@ -41,7 +42,7 @@ def _forward_call(q, k, v, ab, segment_ids, *, causal, sm_scale, block_q, block_
     n_q, n_kv = q_len // block_q, kv_len // block_kv
     sweep = Sweep(block_q, block_kv, block_q, tile_kv, causal, True, square_tile(block_q, block_kv))
     row_ids, col_ids = segment_id_operands(segment_ids, kv_major=False)
-    bias_scale = sm_scale * LOG2E
+    scale2 = sm_scale * LOG2E  # logits in base 2: the softmax's exponentials are exp2
 
     kv_block = causal_kv_block(causal, block_q, block_kv)
 
@@ -53,7 +54,7 @@ def _forward_call(q, k, v, ab, segment_ids, *, causal, sm_scale, block_q, block_
         rid_ref, cid_ref = (refs.pop(0), refs.pop(0)) if segment_ids is not None else (None, None)
         o_ref = refs.pop(0)
         lse_ref = refs.pop(0) if keep_lse else None
-        qs_ref, m_ref, l_ref, acc_ref = refs
+        m_ref, l_ref, acc_ref = refs
         i, j = pl.program_id(2), pl.program_id(3)
 
         @pl.when(j == 0)
@@ -61,14 +62,12 @@ def _forward_call(q, k, v, ab, segment_ids, *, causal, sm_scale, block_q, block_
             m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, F32)
             l_ref[...] = jnp.zeros(l_ref.shape, F32)
             acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
-            qs_ref[...] = scaled_query(q_ref[...], sm_scale)
 
         def tile(r0, rows, c0, cols, diagonal):
             """Rows ``[r0, r0+rows)`` of the query block against keys ``[c0, c0+cols)`` of the key block."""
             r, c = pl.ds(r0, rows), pl.ds(c0, cols)
-            s = lax.dot_general(qs_ref[r, :], k_ref[c, :], TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
-            if ab_ref is not None:
-                s = s + ab_ref[r, c].astype(F32) * bias_scale
+            s = lax.dot_general(q_ref[r, :], k_ref[c, :], TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
+            s = base2_logits(s, None if ab_ref is None else ab_ref[r, c], scale2)
             s = masked_scores(s, rid_ref, cid_ref, r, c, diagonal, rows_are_queries=True)
             m_prev = m_ref[r, :]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -86,7 +85,7 @@ def _forward_call(q, k, v, ab, segment_ids, *, causal, sm_scale, block_q, block_
             l = l_ref[...]
             o_ref[...] = (acc_ref[...] * lane_replicated(1.0 / l, head_dim)).astype(o_ref.dtype)
             if lse_ref is not None:
-                lse_ref[...] = as_row(m_ref[...] + jnp.log2(l))
+                lse_ref[...] = as_row(row_logsumexp(m_ref[...], l))
 
     in_specs = [
         pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i, j: (b, h, i, 0)),
@@ -102,7 +101,6 @@ def _forward_call(q, k, v, ab, segment_ids, *, causal, sm_scale, block_q, block_
         out_shape.append(jax.ShapeDtypeStruct((batch, heads, 1, q_len), F32))
         out_specs.append(pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, j: (b, h, 0, i)))
     scratch = [
-        pltpu.VMEM((block_q, head_dim), q.dtype),  # the scaled query block
         pltpu.VMEM((block_q, NUM_LANES), F32),  # running max
         pltpu.VMEM((block_q, NUM_LANES), F32),  # running sum
         pltpu.VMEM((block_q, head_dim), F32),  # unnormalized output

@@ -19,9 +19,9 @@ from ._blocks import (
     DEFAULT_MASK_VALUE,
     DIAGONAL_TILE,
     F32,
-    LOG2E,
     NUM_LANES,
     NUM_SUBLANES,
+    SEES_NOTHING,
     max_unrolled_scores,
     vmem_budget,
 )
@@ -82,10 +82,18 @@ def segment_id_operands(segment_ids, kv_major: bool):
     if segment_ids is None:
         return None, None
     rows, cols = (segment_ids.kv, segment_ids.q) if kv_major else (segment_ids.q, segment_ids.kv)
+    dtype = segment_id_dtype(segment_ids)
     batch, n = rows.shape
-    row_ids = lax.broadcast_in_dim(rows.astype(jnp.int32), (batch, n, NUM_LANES), (0, 1))
-    col_ids = cols.astype(jnp.int32)[:, None, :]
+    row_ids = lax.broadcast_in_dim(rows.astype(dtype), (batch, n, NUM_LANES), (0, 1))
+    col_ids = cols.astype(dtype)[:, None, :]
     return row_ids, col_ids
+
+
+def segment_id_dtype(segment_ids):
+    """The dtype the kernels compare segment ids in: int32 for integer (and bool) ids, float32
+    when either side is floating (compared as given, never truncated)."""
+    floating = any(jnp.issubdtype(x.dtype, jnp.floating) for x in segment_ids)
+    return jnp.float32 if floating else jnp.int32
 
 
 def _loop(lo, hi, body):
@@ -225,6 +233,24 @@ def square_tile(*sizes: int) -> int:
     return tile
 
 
-def scaled_query(q, sm_scale):
-    """``q * sm_scale * log2(e)`` in ``q``'s dtype: logits in base 2 straight off the MXU."""
-    return (q.astype(F32) * (sm_scale * LOG2E)).astype(q.dtype)
+def base2_logits(s, ab, scale2):
+    """The float32 scores ``s = q @ k.T`` as base-2 logits ``(s + ab) * sm_scale * log2(e)``
+    (``scale2`` is the product): the scale is applied here, to the float32 scores, never to
+    the queries (a query rescaled in its own dtype would be rounded twice).
+
+    With a bias, the logits are clamped at ``DEFAULT_MASK_VALUE`` (a ``-inf`` bias then counts
+    as masked, not NaN). The clamp also keeps every use of a logit the same rounded value: where
+    the product may be fused into the next subtraction (an FMA, as XLA does on the CPU in
+    interpret mode), ``(s + ab) * scale2 - m`` of a -1e30 bias is the product's rounding error,
+    ~1e23, and ``exp2`` of it is inf."""
+    if ab is None:
+        return s * scale2
+    return jnp.maximum((s + ab.astype(F32)) * scale2, DEFAULT_MASK_VALUE)
+
+
+def row_logsumexp(m, l):
+    """The base-2 logsumexp ``m + log2(l)`` of rows with max ``m`` and sum ``l``; ``+inf`` for a
+    row that sees no key (its max below ``SEES_NOTHING``: every key masked, or a bias of about
+    -1e30), so that the backward pass's ``exp2(logit - lse)`` is 0 and the row contributes no
+    gradient (at such magnitudes ``m + log2(l)`` rounds to ``m`` and would give ``p = 1``)."""
+    return jnp.where(m < SEES_NOTHING, jnp.inf, m + jnp.log2(l))

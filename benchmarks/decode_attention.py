@@ -2,7 +2,7 @@
 ``pallas_gpu.ops.decode_attention.gqa`` and ``pallas_gpu.ops.paged_attention``
 beside JAX's Pallas ``gqa`` and ``paged_attention``, XLA (plain jnp), cuDNN
 through ``jax.nn.dot_product_attention(..., implementation="cudnn")`` and the
-device copy ceiling, all measured in the same run (issue 13, item 3).
+device copy ceiling, all measured in the same run.
 
 Serving size: batch 32, 32 query heads over 8 KV heads, 8192 cached tokens,
 head dim 128, bf16 (K + V read: 1.07 GB); paged: 16-token pages in a

@@ -5,7 +5,7 @@ pages), timed over the launch parameters that set how the work fills the GPU:
 ``pages_per_compute_block`` and ``num_stages``, beside cuDNN through
 ``jax.nn.dot_product_attention`` in the same run. This is the measurement
 behind the defaults of ``ops.decode_attention`` and ``ops.paged_attention``
-(issue 13, item 3): Nsight Compute shows cuDNN's kernel as one wave of
+(decode at cuDNN's speed): Nsight Compute shows cuDNN's kernel as one wave of
 256 programs (one per (row, KV head), two per SM), ours as 5.2 waves.
 
     python benchmarks/decode_splits.py             # on the GPU

@@ -2,7 +2,7 @@
 ``triton.experimental.gluon``; ``pallas_gpu.ops._attention_sm90_kernel``, the
 kernel ``pallas_gpu.ops.attention`` launches on sm_90), launched directly from
 torch over its schedule parameters, beside torch's cuDNN SDPA, each checked
-against it (issue 13, item 1). GPU, needs torch. The benchmark imports the
+against it (the aim: the attention forward at cuDNN's speed). GPU, needs torch. The benchmark imports the
 product kernel and parametrizes it; it keeps no copy of it.
 
 The kernel is FlashAttention-3's schedule, which plain Triton cannot express
@@ -26,7 +26,7 @@ H200, B4 S4096 H32 D128, non-causal / causal TFLOP/s, 2026-12-02: pp 566.7 /
 495.4, ppp 598.6 / 494.7 (0.996x / 0.945x cuDNN). The two earlier forms this
 file also held, a kernel whose 8 math warps issued their own loads (465.7 /
 420.0) and the same warp-specialized without ping-pong (482.8 / 440.3), are
-in its git history (before issue 32).
+in its git history (before the shared Triton layer became public).
 
     python benchmarks/gluon_attention.py             # GPU: check against torch's cuDNN SDPA, time both
     python benchmarks/gluon_attention.py --kernel=pp --config=0   # one launch (a process each: a hang stays local)

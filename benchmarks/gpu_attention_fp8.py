@@ -1,4 +1,4 @@
-"""fp8 attention forward (issue 33 item 3): ``pallas_gpu.ops.attention_fp8.mha_fp8``
+"""fp8 attention forward: ``pallas_gpu.ops.attention_fp8.mha_fp8``
 (e4m3 q, k, v with per-tensor scales, bf16 output) beside our bf16 ``mha`` forward
 (default arguments) and cuDNN's bf16 forward (``jax.nn.dot_product_attention``), in
 one process, B4 H32 S4096 D128, causal and not. Target: fp8 >= 1.5x our bf16.

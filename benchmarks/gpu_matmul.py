@@ -1,4 +1,4 @@
-"""Matmul against cuBLAS (issue 13, item 4): ``pallas_gpu.ops.matmul`` with its
+"""Matmul against cuBLAS: ``pallas_gpu.ops.matmul`` with its
 autotuned default, each of its candidate configs (on sm_90 the Gluon
 kernels of ``_matmul_sm90`` among them), JAX's Pallas (Triton
 backend) running the same grouped kernel at its best of three configs, and

@@ -1,5 +1,5 @@
 """pallas_gpu ("ours") vs JAX's own Pallas (Triton backend) vs hand-written Triton (torch launch)
-vs XLA on the GPU, at issue 4's sizes, with the device copy bandwidth measured in the same run.
+vs XLA on the GPU, at the sizes of the H200's reference figures (benchmarks/README.md), with the device copy bandwidth measured in the same run.
 
 Every Pallas kernel is written once (`build_*(im, ...)`) and built with each Pallas module.
 Tuned sections time each config quickly and keep each side's best. Final figures: medians of
@@ -348,7 +348,8 @@ def sec_matmul(ctx):
         label = f"{bm}x{bn}x{bk}/{w}w/{s}s"
         for im in ctx.impls:
             ctx.jax_cand(groups, im.name, label, lambda: build_matmul(im, d, cfg), (a, b), ref, tol)
-        # The same user kernel with a Hopper switch of plgpu.CompilerParams (issue 33 item 5).
+        # The same user kernel with a Hopper switch of plgpu.CompilerParams (a user's
+        # own kernel gets Hopper's features too).
         # (warp_specialize=True is refused below sm_100 on Triton 3.6: it miscompiled on the H200.)
         ours = ctx.impls[0]
         ctx.jax_cand(

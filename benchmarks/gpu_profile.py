@@ -1,4 +1,4 @@
-"""One workload of issue 13 per process, for Nsight Compute (``ncu``) to profile
+"""One GPU benchmark workload (attention, decode, matmul, memory-bound ops) per process, for Nsight Compute (``ncu``) to profile
 our kernel beside the library kernel it is compared with.
 
 Each workload runs its function a few times (compile, autotune, warm-up) and

@@ -1,4 +1,4 @@
-"""The table of ``pallas_gpu.ops.matmul``'s configurations, and its first calls (issue 33, item 6).
+"""The table of ``pallas_gpu.ops.matmul``'s configurations, and its first calls.
 
 ``--measure FILE``: autotunes ``ops.matmul`` (its usual timing: every candidate of
 ``configs_for``, outputs checked, interleaved 25 ms batches) at each shape of ``SHAPES``

@@ -1,4 +1,4 @@
-"""Memory-bound forward passes against the copy ceiling (issue 13, item 5):
+"""Memory-bound forward passes against the copy ceiling:
 ``pallas_gpu.ops`` softmax, layer norm and RMS norm, f32 and bf16,
 16384 x 8192, beside JAX's Pallas ops of the same names, XLA (plain jnp) and
 the device copy (an XLA ``a + 1`` over 1 GiB f32), all in the same run.

@@ -1,6 +1,6 @@
 """First call of a large TPU kernel in interpret mode: ours against JAX's, on the CPU.
 
-Issue 30 (section 4): a kernel built on `emit_pipeline` with pytree BlockSpecs and a
+A kernel built on `emit_pipeline` with pytree BlockSpecs and a
 `custom_vjp` backward took 29-73 s on its first call in our TPU interpret mode (13 s
 converting to MLIR, 40 s in one XLA compile) where JAX's interpret mode took 5-13 s.
 

@@ -537,7 +537,7 @@ def main() -> int:
     ap.add_argument("--tiling", help="gmm tm,tk,tn")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--validate", action="store_true", help="the estimate against the chip's numbers")
-    ap.add_argument("--candidates", action="store_true", help="the candidates for issue 48, ranked")
+    ap.add_argument("--candidates", action="store_true", help="the candidate kernel variants, ranked")
     ap.add_argument("--keep", help="copy the kernels' bundle dumps here")
     ap.add_argument("--only", nargs="*", help="substrings of the candidates' names to compile")
     a = ap.parse_args()

@@ -1,7 +1,7 @@
 """``pallas_tpu.ops.matmul`` and ``pallas_tpu.ops.megablox`` against JAX's ops and XLA, on a TPU.
 
     python benchmarks/tpu_ops_matmul.py [--only NAME ...] [--sweep | --sweep-only] [--rounds N] [--smoke]
-    python benchmarks/tpu_ops_matmul.py --candidates --rounds 5   # issue 48's kernel variants
+    python benchmarks/tpu_ops_matmul.py --candidates --rounds 5   # the candidate kernel variants
 
 Rows (bf16 operands, arguments made on the chip with ``jax.random``):
 
@@ -243,7 +243,7 @@ def gmm_grad_workload(side, groups, m, k, n, *, even):
     return (lhs, rhs, sizes), cands, 3 * 2.0 * m * k * n
 
 
-# --candidates (issue 48): the kernel variants benchmarks/tpu_gmm_schedule.py ranks best,
+# --candidates: the kernel variants benchmarks/tpu_gmm_schedule.py ranks best,
 # beside the defaults, JAX's op and XLA, at the two shapes whose targets were missed.
 # Each: (label, blocks or tiling or None for the op's own, {(module, attribute): value}
 # set while the op is traced).
@@ -498,7 +498,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument(
         "--candidates", action="store_true",
-        help="only issue 48's candidates (matmul 4096^3, gmm G8 even; --rounds 5 is enough)",
+        help="only the candidate kernel variants (matmul 4096^3, gmm G8 even; --rounds 5 is enough)",
     )  # fmt: skip
     a = ap.parse_args()
     if jax.default_backend() != "tpu" and not a.smoke:

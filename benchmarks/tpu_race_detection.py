@@ -1,12 +1,12 @@
 """TPU interpret mode with race detection: ours against JAX's, per grid step, on the CPU.
 
-The kernel of issue 30 (section 5): a long grid with one DMA a step (a row block of an HBM
+A long grid with one DMA a step (a row block of an HBM
 input copied into a VMEM scratch, waited for, and written to the pipelined output). It runs
 with our `pallas_tpu.InterpretParams(detect_races=True)`, without race detection, and with
 JAX's `jax.experimental.pallas.tpu.InterpretParams(detect_races=True)` (imported here only
 as the reference), each jitted, checked against `x + 1`, timed on its second call (the first
 compiles). Race detection runs on the host, one callback per memory access and DMA, so its
-cost is per grid step; before issue 30 ours grew with the grid (every access was checked
+cost is per grid step; before 2026-12-04 ours grew with the grid (every access was checked
 against all earlier ones: 16 ms a step at 10^5 steps).
 
 Run: python benchmarks/tpu_race_detection.py [--steps N] [--skip-jax]

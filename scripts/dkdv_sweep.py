@@ -1,4 +1,4 @@
-"""Issue 30 §4's silently wrong dK on the GPU, looked for over shapes: the dK/dV kernel of
+"""The silently wrong dK a flash-attention backward gave on the H200, looked for over shapes: the dK/dV kernel of
 ``tests/gpu/test_attention_bwd_dkdv.py`` (GQA, one program per KV tile, a ``fori_loop``
 over query blocks, unrolled query heads, chained ``pallas_call``s accumulating through
 ``input_output_aliases``) compiled for the GPU at each head dim, block sizes, group

@@ -1,4 +1,4 @@
-"""Run JAX's own Pallas test files on JAX's Pallas and on ours, and compare (issue 30 §3).
+"""Run JAX's own Pallas test files on JAX's Pallas and on ours, and compare.
 
 Usage::
 
@@ -37,10 +37,10 @@ folder, one folder per file, and re-run ours alone).
 
 Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
 
-* 2026-12-03 (issue 30), the six files of jax-v0.11.0 (pallas_test, indexing_test,
+* 2026-12-03, the six files of jax-v0.11.0 (pallas_test, indexing_test,
   pallas_vmap_test, ops_test, tpu_pallas_interpret_test, tpu_pallas_test): 1554 of the
   1637 tests passing on JAX pass on ours (94.9 %).
-* 2026-12-04, the error-message tests only (issue 30 §3, "messages in other words"), as
+* 2026-12-04, the error-message tests only ("messages in other words"), as
   excerpts of the files the index holds (pallas_test.py's ApiErrorTest and
   test_hoisted_consts at jax commit 01a110c4; tpu_pallas_test.py's two DMA semaphore
   error tests at 0173b5ee, in TPU interpret mode): 1 of 17 before (pallas_test's 15: 1;
@@ -48,7 +48,7 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   captures an array constant is hoisted into an input on ours, refused by JAX ("The
   kernel function ... captures constants"). The six whole files were not re-run then (they
   could not be fetched whole at jax-v0.11.0 in that session).
-* 2026-12-04 (issue 30 §3), whole files as the code index holds them, each at its own jax
+* 2026-12-04, whole files as the code index holds them, each at its own jax
   commit (not jax-v0.11.0; older files use APIs jax 0.11 removed, e.g. ``pl.load``, so
   fewer of their tests pass on JAX itself): pallas_test.py (01a110c4) 98 of 100;
   indexing_test.py (087c5d00) 42 of 42; pallas_vmap_test.py (151fb33b) 10 of 11 (9 before
@@ -64,7 +64,7 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   ops_test's uses of JAX's private ``primitives`` module (mapped to pallas_gpu): no ``swap``
   (8) and the printed jaxpr of ``load``/``store`` (pallas_gpu's own primitives, not JAX's
   state ``a[...] <-``; 10); both fixed 2026-12-06 (last entry).
-* 2026-12-04, later (issue 30 §3), the same five files, our side re-run (``--side ours``)
+* 2026-12-04, later, the same five files, our side re-run (``--side ours``)
   against the JAX reports of the run above (JAX's side unchanged: same jax, same rewritten
   files): pallas_test.py 99 of 100 (98 before); indexing_test.py 42 of 42 (42);
   pallas_vmap_test.py 10 of 11 (10); tpu_pallas_interpret_test.py 8 of 10 (5: ``pl.core_map``,
@@ -81,7 +81,7 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   JAX's private ``primitives.load/store/swap`` (the removed ``pl.load``/``pl.store``/``pl.swap``):
   ``pallas_gpu`` had masked ``load``/``store``, printed as its own primitives, and no ``swap``
   (all 18 pass since 2026-12-06: see the last entry).
-* 2026-12-04 (issue 30 §3), **on the H200** (jax 0.11.2 with CUDA, Triton 3.6.0), the four
+* 2026-12-04, **on the H200** (jax 0.11.2 with CUDA, Triton 3.6.0), the four
   files pallas_test, indexing_test, pallas_vmap_test and ops_test as above, both sides, ``-n 16``.
   The script runs on the CPU unless ``JAX_PLATFORMS`` says otherwise: with
   ``JAX_PLATFORMS=cuda`` and ``-k "not Interpret"`` (JAX's GPU test classes, compiled on the GPU:
@@ -95,8 +95,8 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   pallas_vmap_test after those fixes: 128 of 138 and 12 of 13, so **775 of 804 (96.4 %)**. The
   first run's interpret
   classes (``JAX_PLATFORMS`` unset, on the machine's CPU): 1196 of 1216 (98.4 %).
-* 2026-12-06 (issue 49 §2): at jax-v0.11.0's six files, 1592 of 1637 (97.3 %) when the issue was
-  filed (main at db6cd82); not re-run after the fixes below. The code index hands out one stored
+* 2026-12-06: at jax-v0.11.0's six files, 1592 of 1637 (97.3 %) before that day's fixes
+  (main at db6cd82); not re-run after the fixes below. The code index hands out one stored
   version of each file at a time and the files reach this machine only by being re-typed from the
   look-up tool's answers (about 440,000 characters for the six), so this session fetched the newest
   stored ``tpu_pallas_interpret_test.py`` (jax 910e39bd, written for JAX 0.12) only: 9 of the 11
@@ -115,7 +115,7 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   new value, as JAX's), and ``plgpu.load``/``store``/``swap`` print as JAX's Ref accesses
   (``c:i32[4,3,2] <- a[:,:,:]``, ``a[:,:,:] <- c``, ``d:i32[4,3,2], a[:,:,:] <- a[:,:,:], c``,
   then ``mask=``/``other=`` and any Triton hints). tests/gpu/test_swap_and_pretty_print.py.
-* 2026-12-06, later (issue 49 §2), the six files as the code index holds them, fetched whole
+* 2026-12-06, later, the six files as the code index holds them, fetched whole
   (``read_file`` paged by offset; kept outside the repo): the versions closest to jax-v0.11.0 and
   the newest (JAX 0.12's ``tpu_pallas_test``/``tpu_pallas_interpret_test``), jax 0.11.2, ``-n 2``:
   **1290 of 1316 (98.0 %)** and **3795 of 3822 (99.3 %)** at 90cc2c3. After the fixes (specs as JAX

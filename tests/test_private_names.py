@@ -1,4 +1,4 @@
-"""Private names stay in their modules (issue 50 §3): read from the source's AST, the
+"""Private names stay in their modules: read from the source's AST, the
 underscore names one module of a package imports from another module of ours (``from m
 import _x``) or reads as a module attribute (``m._x``) number fewer than 10 per package.
 A name of a private module (``_tiles.tile_for``) that is not itself underscored is fine;

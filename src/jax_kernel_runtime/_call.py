@@ -209,8 +209,8 @@ def _cuda_lowering(ctx, *args, launch: _Launch):
             # aligned slices (x[:, rows] of a batch of one) into a fusion that passes the
             # slices as addresses; with outputs aliased to inputs it then lost the copy that
             # one value passed as two aliased operands needs (chained pallas_calls whose first
-            # call gets one zeros array as dK and dV: both outputs in one buffer, issue 30 §4,
-            # found on the H200). The barrier keeps aliased calls out of that fusion.
+            # call gets one zeros array as dK and dV: both outputs in one buffer: a flash-attention
+            # backward's dK came out wrong on the H200). The barrier keeps aliased calls out of that fusion.
             a = lax.optimization_barrier(a)
         return call(*a, **launch.attrs)
 

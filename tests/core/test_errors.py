@@ -1,6 +1,6 @@
 """The error catalog: each misuse raises a user-facing exception that says where and what.
 
-Contract (issue 2, STYLE.md "Errors speak to the user"): misuse raises ``ValueError``,
+Contract (CONTRIBUTING.md, "Errors speak to the user"): misuse raises ``ValueError``,
 ``TypeError`` or ``NotImplementedError`` (``TypeError`` for wrong types, ``ValueError`` for
 wrong values or shapes) at trace time, and the message names
   (a) the kernel: the ``name=`` given to ``pallas_call``, else the kernel function's name,

@@ -1,4 +1,4 @@
-"""What JAX's own Pallas tests (issue 30 §3) expect of pallas-core: ``pl.run_state``,
+"""What JAX's own Pallas tests (``scripts/jax_pallas_tests.py``) expect of pallas-core: ``pl.run_state``,
 and errors that keep our wording (kernel, line, fix) while also saying what JAX's
 Pallas says, so code matching JAX's messages keeps working."""
 

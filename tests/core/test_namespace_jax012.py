@@ -1,5 +1,5 @@
 """Every public name of JAX's Pallas modules (``pl``, ``pltpu`` and the Triton
-backend's ``plgpu``) that ours lacks has its reason written here (issue 49 §1).
+backend's ``plgpu``) that ours lacks has its reason written here.
 
 The names are those of the installed JAX and, so that the test means the same
 on every JAX we support, JAX 0.12.0.1's (``JAX_0_12``, checked in: ``dir()`` of

@@ -1,4 +1,4 @@
-"""Issue 30 §5: a kernel that reads past its block gets JAX's interpret mode's
+"""A kernel that reads past its block gets JAX's interpret mode's
 answer in every mode, the installed JAX's. With JAX 0.11 a dynamic integer
 index (``x_ref[i]``) at the kernel's top level past the block's end reads the
 array there, clamped to the array's last element (inside a loop or cond it is

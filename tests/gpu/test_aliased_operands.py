@@ -1,6 +1,6 @@
 """Chained ``pallas_call``s that accumulate through ``input_output_aliases``, fed
-slices that XLA can pass as addresses (issue 30 §4: a flash-attention backward's dK
-came out wrong on the H200, with one batch).
+slices that XLA can pass as addresses (a flash-attention backward's dK came out
+wrong on the H200, with one batch).
 
 The pattern: ``acc_a, acc_b = call(x[rows], acc_a, acc_b)`` over chunks of rows,
 both accumulators aliased to outputs, the first call given one zeros array for

@@ -1,5 +1,5 @@
 """A flash-attention backward dK/dV kernel of the kind public model code writes
-(issue 30, section 4): grouped-query attention, one program per KV tile, an
+(its dK came out wrong on the H200): grouped-query attention, one program per KV tile, an
 in-kernel ``fori_loop`` over query blocks with a statically unrolled loop over
 the query heads of the KV group (``plgpu.load(q_ref.at[rows, head, :])``,
 ``plgpu.dot``, f32 inputs), accumulating into the previous chunk's dK/dV through

@@ -1,4 +1,4 @@
-"""Ref indexing with integer arrays of any rank (issue 30): a 2-d gather
+"""Ref indexing with integer arrays of any rank: a 2-d gather
 ``plgpu.load(x_ref.at[rows[:, None], cols[None, :]])`` as JAX's Triton backend
 allows, index arrays that broadcast together (NumPy's advanced indexing: two
 1-d arrays pair up), a 2-d index array beside a slice, integer indices that

@@ -1,4 +1,4 @@
-"""JAX 0.12's GPU facts on pallas-gpu (issue 49 §1): ``plgpu.GpuInfo``,
+"""JAX 0.12's GPU facts on pallas-gpu: ``plgpu.GpuInfo``,
 ``GpuVersion``, ``get_gpu_info``, ``get_gpu_info_from_version``,
 ``is_gpu_device`` and ``CUSTOM_CALL_TARGET_NAME``, checked against JAX's own
 (``jax.experimental.pallas.triton``) where the installed JAX has them, and on a

@@ -269,7 +269,7 @@ def test_mqa_bad_arguments_are_named():
 
 
 # ---------------------------------------------------------------------------
-# On the GPU, at the serving size of issue 13 (compiled, default arguments)
+# On the GPU, at the serving size of benchmarks/decode_attention.py (compiled, default arguments)
 
 
 @pytest.mark.gpu

@@ -232,7 +232,7 @@ def test_bad_arguments_are_named(kw, match):
 
 
 # ---------------------------------------------------------------------------
-# On the GPU, at the serving size of issue 13 (compiled, default arguments)
+# On the GPU, at the serving size of benchmarks/decode_attention.py (compiled, default arguments)
 
 
 @pytest.mark.gpu

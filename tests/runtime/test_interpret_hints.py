@@ -5,7 +5,7 @@ scalar and ``tl.max_contiguous`` (so ``pl.multiple_of`` and
 The GPU compiler trusts a hint (it aligns and vectorizes accesses by it), so a
 false one gives a wrong answer on the GPU and none under Triton's interpreter,
 which ignored hints: one of the bugs of a GPU kernel that a CPU run could not
-see (issue 30). True hints run as before, on random data against NumPy.
+see. True hints run as before, on random data against NumPy.
 """
 
 from __future__ import annotations

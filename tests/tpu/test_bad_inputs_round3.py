@@ -1,4 +1,4 @@
-"""Issue 30 section 5: bad input to TPU kernels gets a clear error that names
+"""Bad input to TPU kernels gets a clear error that names
 the kernel and the user's line, the same in TPU interpret mode and in our
 Mosaic lowering; what a TPU can run (vmap over an HBM operand, jacfwd) runs.
 """
@@ -201,8 +201,8 @@ def test_scratch_over_the_chip():
     both_refuse(
         make, [small], ValueError, r"1073741824 for VMEM scratch .*more than a TPU v5e has \(128.0 MiB\)"
     )
-    # A vmem_limit_bytes above the chip's VMEM is accepted, as libtpu accepts it (issue 49:
-    # tests/tpu/test_errors_issue49.py compiles it for each chip).
+    # A vmem_limit_bytes above the chip's VMEM is accepted, as libtpu accepts it
+    # (tests/tpu/test_errors_issue49.py compiles it for each chip).
     over = pl.pallas_call(
         with_scratch,
         out_shape=small,

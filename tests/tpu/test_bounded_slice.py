@@ -1,4 +1,4 @@
-"""``pl.BoundedSlice`` block dimensions in ``pltpu.emit_pipeline`` (issue 31: ejkernel's
+"""``pl.BoundedSlice`` block dimensions in ``pltpu.emit_pipeline`` (ejkernel's
 grouped matmul v3 and tokamax's gmm_v2 pipeline the rows of each group of a ragged batch
 this way).
 

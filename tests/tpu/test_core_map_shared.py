@@ -1,4 +1,4 @@
-"""``pl.core_map`` on two (and four) TensorCores (issue 49 §1): the kernels of JAX's
+"""``pl.core_map`` on two (and four) TensorCores: the kernels of JAX's
 own tests (``tpu_pallas_interpret_test.py``: ``test_core_map``,
 ``test_allocate_shared_buffer_in_core_map`` and its race) written anew, against
 jnp on fresh random data and against JAX's TPU interpret mode.

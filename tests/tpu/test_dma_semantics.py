@@ -1,4 +1,5 @@
-"""What a DMA does, whatever descriptor its wait is given (issue 30, section 4).
+"""What a DMA does, whatever descriptor its wait is given (a pattern of public TPU kernels
+that our interpret mode once got silently wrong).
 
 On a TPU a DMA goes where its ``start`` said; a ``wait`` only takes its byte
 count off the semaphore. Kernels wait on rebuilt or "dummy" descriptors of the

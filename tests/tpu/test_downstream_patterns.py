@@ -1,5 +1,5 @@
-"""Patterns met in other people's TPU kernels (issue 31: tokamax and ejkernel run on
-our packages, ``tests/downstream``), each written here as a small kernel of our own and
+"""Patterns met in other people's TPU kernels (tokamax and ejkernel run on
+our packages: ``tests/downstream``), each written here as a small kernel of our own and
 run every TPU way (tests/ways.py) against plain jnp on fresh random data."""
 
 from __future__ import annotations

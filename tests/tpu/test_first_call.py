@@ -1,4 +1,4 @@
-"""First calls of TPU kernels in interpret mode (issue 30 §4): what makes them cheaper
+"""First calls of TPU kernels in interpret mode (a kernel of public model code took 29-73 s on its first call): what makes them cheaper
 must not change what a kernel computes or which errors it reports, and a slow
 trace or compile says so on stderr.
 

@@ -1,4 +1,4 @@
-"""A grid axis marked "parallel" with a traced (dynamic) size (issue 30 §3): TPU
+"""A grid axis marked "parallel" with a traced (dynamic) size, as JAX's own tests use it: TPU
 interpret mode refuses it as JAX's does (``jax.errors.ConcretizationTypeError``,
 JAX's words beside ours); "arbitrary" runs it; the Mosaic lowering takes it, as
 JAX's lowering does."""

@@ -1,4 +1,4 @@
-"""The TPU interpreter is built from parts that own their state (issue 50 §1): no
+"""The TPU interpreter is built from parts that own their state: no
 class in ``pallas_tpu/_src/interpret/`` reads a ``self.`` member that it neither
 defines (assigns in its own methods, its class body or its dataclass fields, or
 defines as a method or property) nor receives (a constructor parameter). A mixin

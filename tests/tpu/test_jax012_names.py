@@ -1,4 +1,4 @@
-"""JAX 0.12's newest TPU names (issue 49 §1): ``pltpu.split_bits`` /
+"""JAX 0.12's newest TPU names: ``pltpu.split_bits`` /
 ``join_bits`` / ``pack_fp6`` / ``unpack_fp6``, ``pltpu.has_memory_space``,
 ``pltpu.conv``, and the ``pl`` names ``enable_poison_buffers``,
 ``get_global``, ``Indirect`` and ``semaphore``.

@@ -1,4 +1,4 @@
-"""JAX 0.12's newest ``pl`` names on TPU kernels (issue 49 §1):
+"""JAX 0.12's newest ``pl`` names on TPU kernels:
 ``pl.enable_poison_buffers`` (every TPU way of tests/ways.py, and pallas-core's
 ``interpret=True``), ``pl.get_global`` (refused everywhere, as JAX refuses it
 outside Mosaic GPU), ``pl.Indirect`` (refused by ``pallas_call`` and

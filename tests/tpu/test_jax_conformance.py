@@ -1,5 +1,5 @@
-"""What JAX's own Pallas test files found in TPU interpret mode (issue 49 §2,
-``scripts/jax_pallas_tests.py``), each fixed case checked against ``jnp`` and
+"""What JAX's own Pallas test files found in TPU interpret mode
+(``scripts/jax_pallas_tests.py``), each fixed case checked against ``jnp`` and
 against JAX's TPU interpret mode on the same kernel.
 
 Two cores along a "parallel" grid axis (``InterpretParams(num_cores_or_threads=2)``):

@@ -1,4 +1,4 @@
-"""What JAX's own TPU Pallas tests (issue 30 §3) expect of TPU interpret mode: SMEM
+"""What JAX's own TPU Pallas tests (``scripts/jax_pallas_tests.py``) expect of TPU interpret mode: SMEM
 operands of 8- and 16-bit types, and the words of JAX's interpreter ("Out-of-bounds
 read"/"Out-of-bounds write") first in the Python exception of a bad access."""
 

@@ -1,4 +1,4 @@
-"""``pltpu.with_memory_space_constraint`` on ``pl.kernel`` operands (issue 31):
+"""``pltpu.with_memory_space_constraint`` on ``pl.kernel`` operands:
 an operand constrained to SMEM comes to the body as an SMEM Ref, so its
 elements are read as scalars (tokamax's gmm_v2 passes its group offsets so),
 checked against jnp on fresh random data in every TPU way of tests/ways.py (our

@@ -1,4 +1,4 @@
-"""JAX 0.12's MXU ops (issue 49 §1): ``pltpu.matmul_push_rhs``, ``matmul_lhs_fifo`` and
+"""JAX 0.12's MXU ops: ``pltpu.matmul_push_rhs``, ``matmul_lhs_fifo`` and
 ``matmul_pop_fifo`` (chips whose MXUs return results through a FIFO: v4, v5e, v5p,
 v6e), ``matmul_acc_lhs`` and ``matmul_pop`` into ``pltpu.ACC`` accumulators (TPU7x).
 

@@ -1,4 +1,4 @@
-"""Ref bitcasts (``ref.bitcast(dtype)``, JAX's ``BitcastTransform``; issue 31: tokamax's
+"""Ref bitcasts (``ref.bitcast(dtype)``, JAX's ``BitcastTransform``; tokamax's
 routing grouped matmul reads a bf16 VMEM block as uint32 words). A bitcast that keeps the
 element width reads the same elements as another dtype; one that changes it packs along
 the second-to-last dimension, as a TPU does: ``(16, 128)`` int32 is ``(32, 128)`` bfloat16,

@@ -1,5 +1,5 @@
-"""Issue 49 section 3, the GPU side: bad inputs that were accepted (or failed deep
-inside) get our usual sentence. All of these are refused before anything runs, so they
+"""Bad inputs on the GPU side that were once accepted (or failed deep inside) get our
+usual sentence: the kernel, the user's line, what was expected and what was given. All of these are refused before anything runs, so they
 need no GPU (nothing here is GPU-only):
 
 * boolean options given strings: ``plgpu.CompilerParams(enable_fp_fusion="False")``,
@@ -22,7 +22,7 @@ import pallas as pl
 import pallas_gpu as plgpu
 from pallas_gpu.ops import matmul as mm
 
-HERE = re.compile(r"test_errors_issue49\.py:\d+")
+HERE = re.compile(r"test_errors_bad_options\.py:\d+")
 
 
 def rand(seed, shape, dtype=jnp.float32):

@@ -72,6 +72,7 @@ class Case:
     q_len: int = 256
     kv_len: int = 256
     head_dim: int = 128
+    head_dim_v: int | None = None  # None: head_dim
     dtype: object = F32
     blocks: tuple | None = (128, 128, 128)  # (block_q, block_kv, block_kv_compute); None: chosen
     segments: bool = False
@@ -101,9 +102,10 @@ def make_mask(name, heads, q_len, kv_len):
 def inputs(c: Case):
     kv_heads = c.heads if c.kv_heads is None else c.kv_heads
     kv_shape = (c.kv_len, c.head_dim) if kv_heads == 0 else (kv_heads, c.kv_len, c.head_dim)
+    dv = c.head_dim if c.head_dim_v is None else c.head_dim_v
     q = rand(1, (c.heads, c.q_len, c.head_dim), c.dtype)
-    k, v = rand(2, kv_shape, c.dtype), rand(3, kv_shape, c.dtype)
-    do = rand(4, q.shape, c.dtype)
+    k, v = rand(2, kv_shape, c.dtype), rand(3, (*kv_shape[:-1], dv), c.dtype)
+    do = rand(4, (c.heads, c.q_len, dv), c.dtype)
     sinks = rand(5, (c.heads,)) if c.sinks else None
     seg = sa.SegmentIds(segments(6, c.q_len), segments(6, c.kv_len)) if c.segments else None
     return q, k, v, do, sinks, seg
@@ -135,6 +137,8 @@ CASES = {
     "combined_bf16": Case("causal_or_local", dtype=BF16, head_dim=64, tol=4e-2),
     # the backward kernels in cells of half their 512 blocks (the diagonal's empty cell skipped)
     "causal_backward_cells": Case(q_len=512, kv_len=512, blocks=(512, 512, 256, 512, 512, 256, 512, 512)),
+    # v's head dimension narrower than q's and k's, grouped kv heads
+    "gqa_narrow_v": Case("causal", heads=2, kv_heads=1, head_dim_v=64, blocks=(128, 128, 128)),
     # a kernel made without blocks, called with head_dim 256: its blocks chosen for that width
     "wide_heads_chosen_blocks": Case(
         "causal_offset", heads=1, q_len=256, kv_len=4096, head_dim=256, blocks=None
@@ -359,9 +363,26 @@ BAD_CALLS = {
     ),
     "q rank": (lambda: _kernel()(Q[0], Q, Q), ValueError, "q must be"),
     "k rank": (lambda: _kernel()(Q, Q[0], Q[0]), ValueError, "k must be"),
-    "k v shapes": (lambda: _kernel()(Q, Q, Q[:1]), ValueError, "k and v must have one shape"),
+    "k v shapes": (lambda: _kernel()(Q, Q, Q[:1]), ValueError, "k and v must have one shape but for the head dimension"),
     "kv heads": (lambda: _kernel()(Q, jnp.zeros((3, 256, 128)), jnp.zeros((3, 256, 128))), ValueError, "kv heads"),
     "head_dim": (lambda: _kernel()(Q, Q[..., :64], Q[..., :64]), ValueError, "head_dim of q"),
+    "int q": (lambda: _kernel()(Q.astype(jnp.int32), Q, Q), TypeError, "q must be a floating-point array, got dtype int32"),
+    "int v": (lambda: _kernel()(Q, Q, Q.astype(jnp.int8)), TypeError, "v must be a floating-point array, got dtype int8"),
+    "segment dtype": (
+        lambda: _kernel()(Q, Q, Q, sa.SegmentIds(jnp.zeros((256,), jnp.complex64), jnp.zeros((256,), jnp.int32))),
+        TypeError, "segment_ids.q must be an integer",
+    ),
+    "segment tuple of lists": (lambda: _kernel()(Q, Q, Q, ([0] * 256, [0] * 256)), TypeError, "segment_ids must be a SegmentIds, got tuple"),
+    "mask heads": (
+        lambda: sa.make_splash_mha_single_device(
+            sa.MultiHeadMask([sa.CausalMask((256, 256)), sa.FullMask((256, 256))]), block_sizes=sa.BlockSizes(128, 128)
+        )(jnp.zeros((4, 256, 128)), Q[:1], Q[:1]),
+        ValueError, "q has 4 heads, the kernel's mask 2",
+    ),
+    "block_q below a lane tile": (
+        lambda: _kernel(block_sizes=sa.BlockSizes(64, 128)), ValueError, "block_q=64 must be a multiple of 128 .* lane-dense",
+    ),
+    "empty mask": (lambda: sa.make_splash_mha_single_device(np.ones((1, 0, 0), bool)), ValueError, "at least one head, query and key"),
     "q length": (lambda: _kernel()(Q[:, :128], Q, Q), ValueError, "do not fit the kernel's mask"),
     "segment ids": (
         lambda: _kernel()(Q, Q, Q, sa.SegmentIds(jnp.zeros((128,), jnp.int32), jnp.zeros((256,), jnp.int32))),
@@ -441,3 +462,191 @@ def test_shard_map_heads_and_q_sequence(per_head):
         close(a, b, 3e-3)
     # Called whole, the same kernel runs its q shards one after the other.
     close(kernel(q, k, v), want[0], 3e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accuracy against JAX's op (both in TPU interpret mode), on a float32 reference.
+
+
+def _blocks128(module):
+    return module.BlockSizes(
+        block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128, block_kv_dkv=128,
+        block_kv_dkv_compute=128, block_q_dq=128, block_kv_dq=128,
+    )  # fmt: skip
+
+
+ACCURACY = {
+    # name: (mask, kv heads (0: MQA), segments, soft cap, dtype)
+    "causal_bf16": ("causal", None, False, None, BF16),
+    "local_gqa_segments_bf16": ("local", 1, True, None, BF16),
+    "full_mqa_soft_cap_bf16": ("full", 0, False, 20.0, BF16),
+    "causal_f32": ("causal", None, False, None, F32),
+}
+
+
+@pytest.mark.parametrize("scale", ["sharp", "soft"])
+@pytest.mark.parametrize("name", list(ACCURACY))
+def test_accuracy_matches_jax_op(name, scale):
+    """Ours' error (max |error| over the reference's max |value|) at most 1.1x JAX's, or
+    within 1e-4 of it, for the output and each gradient, at logit scale 1 (a sharp softmax:
+    unscaled normal q, k) and head_dim**-0.5 (q scaled before the call)."""
+    jsa = pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
+    mask_name, kv_heads, segmented, cap, dtype = ACCURACY[name]
+    heads, length, d = 2, 512, 128  # 256 lets the output's own rounding hide an 8-bit p
+    kv_shape = (length, d) if kv_heads == 0 else (kv_heads or heads, length, d)
+    q = rand(11, (heads, length, d)) * (1.0 if scale == "sharp" else d**-0.5)
+    q, k, v, do = (
+        q.astype(dtype),
+        rand(12, kv_shape, dtype),
+        rand(13, kv_shape, dtype),
+        rand(14, q.shape, dtype),
+    )
+    ids = segments(15, length) if segmented else None
+
+    def run(module):
+        shape = (length, length)
+        one = {"causal": module.CausalMask(shape), "local": module.LocalMask(shape, (96, 40), 0)}.get(
+            mask_name, module.FullMask(shape)
+        )
+        mask = module.MultiHeadMask([one] * heads)
+        make = module.make_splash_mqa_single_device if kv_heads == 0 else module.make_splash_mha_single_device
+        kernel = make(mask, block_sizes=_blocks128(module), attn_logits_soft_cap=cap, interpret=True)
+        seg = None if ids is None else module.SegmentIds(ids, ids)
+        out, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, seg), q, k, v)
+        return (out, *vjp(do)), mask
+
+    ours, mask = run(sa)
+    with jax.enable_checks(False):  # JAX's interpret mode's callbacks inside its custom_vjp
+        theirs, _ = run(jsa)
+    seg = None if ids is None else sa.SegmentIds(ids, ids)
+    to32 = [x.astype(F32) for x in (q, k, v, do)]
+    want = with_grads(lambda q, k, v, s: dense_attention(mask[:, :, :], q, k, v, seg, None, cap), *to32, None)
+
+    def err(got, ref):
+        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+        return np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+
+    for what, a, b, w in zip(("out", "dq", "dk", "dv"), ours, theirs, want):
+        e_ours, e_jax = err(a, w), err(b, w)
+        print(f"{name} {scale} {what}: ours {e_ours:.3g}, JAX's {e_jax:.3g}")
+        assert e_ours <= 1.1 * e_jax + 1e-4, f"{what}: ours {e_ours:.3g} > 1.1 x JAX's {e_jax:.3g} + 1e-4"
+
+
+# ---------------------------------------------------------------------------------------------
+# Edges.
+
+
+def hidden_aware_attention(mask, q, k, v, seg=None):
+    """``dense_attention`` where a query row that sees no key gives zeros (and no gradient)."""
+    keep = jnp.asarray(mask)
+    if seg is not None:
+        keep = keep & (seg.q[:, None] == seg.kv[None, :])[None]
+    q, k, v = (x.astype(F32) for x in (q, k, v))
+    k, v = jnp.repeat(k, q.shape[0] // k.shape[0], 0), jnp.repeat(v, q.shape[0] // v.shape[0], 0)
+    s = jnp.einsum("hqd,hkd->hqk", q, k, precision="highest")
+    p = jax.nn.softmax(jnp.where(keep, s, -1e30), axis=-1)
+    out = jnp.einsum("hqk,hkd->hqd", p, v, precision="highest")
+    return jnp.where(keep.any(-1)[..., None], out, 0.0)
+
+
+HIDDEN = {
+    "causal_offset_hides_all": lambda shape: sa.CausalMask(shape, offset=-300),
+    "numpy_all_false": lambda shape: sa.NumpyMask(np.zeros(shape, bool)),
+    "local_window_sees_nothing": lambda shape: sa.LocalMask(shape, (-8, 0), 0),
+    "causal_offset_hides_some": lambda shape: sa.CausalMask(shape, offset=-100),
+}
+
+
+@pytest.mark.parametrize("name", list(HIDDEN))
+def test_rows_that_see_nothing_give_zeros(name):
+    """A query row the mask hides wholly gives zeros and passes no gradient, whether its block
+    is skipped or computed (JAX's kernels give mean(v) there); the visible rows are right."""
+    heads, length = 2, 256
+    mask = sa.MultiHeadMask([HIDDEN[name]((length, length))] * heads)
+    dense = np.asarray(mask[:, :, :])
+    q, k, v, do = (rand(20 + i, (heads, length, 128)) for i in range(4))
+    kernel = sa.make_splash_mha_single_device(mask, block_sizes=sa.BlockSizes(128, 128), interpret=True)
+    got = with_grads(lambda q, k, v, s: kernel(q, k, v), q, k, v, do, None)
+    want = with_grads(lambda q, k, v, s: hidden_aware_attention(dense, q, k, v), q, k, v, do, None)
+    hidden = ~dense.any(-1)
+    assert hidden.any()
+    np.testing.assert_array_equal(np.asarray(got[0])[hidden], 0.0)
+    np.testing.assert_array_equal(np.asarray(got[1])[hidden], 0.0)  # dq of hidden rows
+    for a, b in zip(got, want):
+        assert np.isfinite(np.asarray(a)).all()
+        close(a, b, 2e-3)
+    residual = sa.make_splash_mha_single_device(
+        mask, block_sizes=sa.BlockSizes(128, 128), save_residuals=True, interpret=True
+    )
+    _, (lse,) = residual(q, k, v)
+    assert np.all(np.asarray(lse)[hidden] == np.inf)
+    ref_out, (ref_lse,) = sa.make_masked_mha_reference(mask)(q, k, v, save_residuals=True)
+    close(ref_out, want[0], 1e-5)
+    assert np.all(np.asarray(ref_lse)[hidden] == np.inf)
+
+
+def test_partly_hidden_rows_match_jax_op_where_it_is_defined():
+    jsa = pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
+    heads, length = 2, 256
+    q, k, v = (rand(30 + i, (heads, length, 128)) for i in range(3))
+
+    def run(module):
+        mask = module.MultiHeadMask([module.CausalMask((length, length), offset=-100)] * heads)
+        return module.make_splash_mha_single_device(mask, block_sizes=_blocks128(module), interpret=True)(
+            q, k, v
+        )
+
+    ours = run(sa)
+    with jax.enable_checks(False):
+        theirs = run(jsa)
+    close(ours[:, 100:], theirs[:, 100:], 2e-4)
+
+
+def test_float_segment_ids_are_compared_as_given():
+    """1.5 and 1.7 are two segments (truncated to int they would be one)."""
+    length = 256
+    ids_q = jnp.where(jnp.arange(length) < 100, 1.5, 1.7).astype(F32)
+    ids_kv = jnp.where(jnp.arange(length) % 3 == 0, 1.5, 1.7).astype(F32)
+    seg = sa.SegmentIds(ids_q, ids_kv)
+    mask = sa.MultiHeadMask([sa.FullMask((length, length))] * 2)
+    q, k, v = (rand(40 + i, (2, length, 128)) for i in range(3))
+    kernel = sa.make_splash_mha_single_device(mask, block_sizes=sa.BlockSizes(128, 128), interpret=True)
+    got = kernel(q, k, v, seg)
+    close(got, dense_attention(mask[:, :, :], q, k, v, seg), 2e-3)
+    merged = dense_attention(mask[:, :, :], q, k, v)
+    assert np.max(np.abs(np.asarray(got) - np.asarray(merged))) > 0.1
+
+
+def test_one_mask_serves_any_head_count():
+    """A mask whose heads are all one mask serves any number of heads (as JAX's)."""
+    mask = sa.MultiHeadMask([sa.CausalMask((256, 256))] * 2)
+    q, k, v = rand(50, (4, 256, 128)), rand(51, (2, 256, 128)), rand(52, (2, 256, 128))
+    kernel = sa.make_splash_mha_single_device(mask, block_sizes=sa.BlockSizes(128, 128), interpret=True)
+    close(kernel(q, k, v), dense_attention(np.tril(np.ones((1, 256, 256), bool)), q, k, v), 2e-3)
+
+
+@pytest.mark.parametrize("length", [1, 136, 200, 256])
+def test_default_blocks_fit_any_length(length):
+    """BlockSizes.get_default() with no lengths (JAX's call), blocks longer than the sequence
+    and no blocks at all run any length: the blocks shrink to it."""
+    mask = np.tril(np.ones((1, length, length), bool))
+    q, k, v, do = (rand(60 + i, (1, length, 128)) for i in range(4))
+    want = with_grads(lambda q, k, v, s: dense_attention(mask, q, k, v), q, k, v, do, None)
+    for blocks in (sa.BlockSizes.get_default(), sa.BlockSizes(512, 1024, 512), None):
+        kernel = sa.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=True)
+        got = with_grads(lambda q, k, v, s: kernel(q, k, v), q, k, v, do, None)
+        for a, b in zip(got, want):
+            close(a, b, 3e-3)
+
+
+def test_public_makers_have_no_private_parameters():
+    import inspect
+
+    for make in (
+        sa.make_splash_mha,
+        sa.make_splash_mqa,
+        sa.make_splash_mha_single_device,
+        sa.make_splash_mqa_single_device,
+    ):
+        names = list(inspect.signature(make).parameters)
+        assert not [n for n in names if n.startswith("_")], names

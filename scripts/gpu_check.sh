@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The one call on the GPU machine (../shared/GPU.md): install every package with the
+# The one call on the lent GPU machine (one H200; DESIGN.md, "Testing on each machine"): install every package with the
 # machine's preinstalled dependencies, run the whole test suite (its gpu-marked tests on
 # the GPU), the examples (on the GPU) and the GPU benchmarks. Logs go to $OUT so they
 # come back even when a step fails.
-#   usage (device tool):  bash scripts/gpu_check.sh [all|tests|bench|profile|downstream] [NAME...]
+#   usage (on that machine):  bash scripts/gpu_check.sh [all|tests|bench|profile|downstream] [NAME...]
 #     (carry build/ffi-include, made here by `bash scripts/gpu_check.sh headers`: the runtime is
 #     built there against the oldest supported jaxlib's FFI headers, as its wheel is)
 #     tests: install, the whole test suite (-n $(nproc), PYTEST_WORKERS to change) and the

@@ -10,7 +10,8 @@ Usage::
 from JAX's repository at the tag of the installed jax, and keep them outside this repo
 (never commit them). ``FILE`` picks some of them (default: every ``*_test.py`` there).
 The Python running this script needs what JAX's tests import (``absl-py``,
-``hypothesis``) and ``pytest-xdist``; /work/venv-downstream has them.
+``hypothesis``) and ``pytest-xdist`` (``pip install absl-py hypothesis pytest-xdist``, or
+``pip install --target DIR absl-py`` and run with ``PYTHONPATH=DIR``).
 
 Each file runs twice under pytest, on the CPU in interpret mode, with
 ``JAX_ENABLE_CHECKS=1`` (as JAX's CI runs them):
@@ -32,8 +33,6 @@ on JAX itself is not counted. ``--out`` keeps the rewritten files and the XML re
 ``--side ours`` runs our side only and compares it with the ``jax.xml`` an earlier run left in
 ``--out`` (JAX's side changes only with jax or the test files: copy that report into a fresh
 folder, one folder per file, and re-run ours alone).
-(Without /work/venv-downstream: ``pip install --target DIR absl-py`` and run with
-``PYTHONPATH=DIR``.)
 
 Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
 

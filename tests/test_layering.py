@@ -1,4 +1,4 @@
-"""Every package's imports form a DAG that runs down its floors (issues 32 and 50).
+"""Every package's imports form a DAG that runs down its floors.
 
 Read from the source's AST: every import of a module of the same package, at module
 level, inside a function or under ``if TYPE_CHECKING:`` (a circle that only a type

@@ -1,16 +1,19 @@
 """The API reference pages, generated from the public modules, and the check that
 every public name has documentation.
 
-A module's public names are those its source binds at top level without a leading
-underscore: ``from x import Name as Name`` (the re-export idiom of STYLE.md), ``def``,
-``class`` and assignments; plain imports (``import jax``) are not. Functions and
-classes need a docstring of their own (a dataclass's generated ``Name(field, ...)``
-does not count); any other object (a primitive, an enum member, a constant, a type
-alias) needs a ``#:`` comment or a string literal after its assignment where it is
-defined. A function of JAX's that we re-export (it has no docstring of its own, and
-none of ours can be attached to it in the source) is documented by the ``#`` comment
-just above its assignment in our source, which is shown as its docstring. A public
-name without any of these is a warning, which ``-W`` turns into an error.
+A module's public names are its ``__all__`` where it has one, else those its source
+binds at top level without a leading underscore: ``from x import Name as Name`` (the
+re-export idiom of CONTRIBUTING.md, "Style"), ``def``, ``class`` and assignments; plain
+imports (``import jax``) are not. Functions and classes need a docstring of their own
+(a dataclass's generated ``Name(field, ...)`` does not count); a ``functools.partial``
+is documented by the docstring of the function it binds (as autodoc shows it). Any
+other object (a primitive, an enum member, a constant, a type alias) needs a ``#:``
+comment or a string literal after its assignment, or a ``#`` comment block just above
+it, where it is defined. A function of JAX's that we re-export (it has no docstring of
+its own, and none of ours can be attached to it in the source) is documented by the
+``#`` comment just above its assignment in our source, which is shown as its
+docstring. A public name without any of these is a warning, which ``-W`` turns into an
+error.
 
 At ``config-inited`` this writes ``api/_generated/<module>.rst`` (an autosummary
 table of the functions and classes, one page each, and the data with their
@@ -20,7 +23,9 @@ comments) before autosummary generates its stubs.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
+import importlib.util
 import inspect
 import os
 import types
@@ -30,6 +35,26 @@ from sphinx.pycode import ModuleAnalyzer
 from sphinx.util import logging
 
 logger = logging.getLogger(__name__)
+
+# The pallas_tpu.ops modules with a page (each the module a user imports, as from JAX's
+# ``ops.tpu``), and the line shown above its table.
+TPU_OPS = [
+    (
+        "splash_attention.splash_attention_mask",
+        "The masks splash attention takes, the API of JAX's ``splash_attention_mask``.",
+    ),
+    ("paged_attention", "Paged attention for decoding, the API of JAX's ``ops.tpu.paged_attention``."),
+    (
+        "ragged_paged_attention",
+        "Ragged paged attention (mixed prefill and decode), the API of JAX's ``ops.tpu.ragged_paged_attention``.",
+    ),
+    ("matmul", "Blocked matmul on the TensorCore, the API of JAX's ``ops.tpu.matmul``."),
+    (
+        "megablox",
+        "Grouped matmuls for mixture-of-experts layers (the differentiable ``gmm``), the API of JAX's ``ops.tpu.megablox``.",
+    ),
+    ("all_gather", "All-gather over a ring of TPU devices, the API of JAX's ``ops.tpu.all_gather``."),
+]
 
 # (module, one line shown above its table). The order is the API index's.
 MODULES = [
@@ -56,6 +81,7 @@ MODULES = [
         "pallas_tpu",
         "The TPU kernel language (``import pallas_tpu as pltpu``): the API of ``jax.experimental.pallas.tpu``, TPU interpret mode, the Mosaic lowering, ``run_mosaic`` and ``compile_check``.",
     ),
+    *[(f"pallas_tpu.ops.{m}", intro) for m, intro in TPU_OPS],
     ("jax_triton", "``triton_call`` for ``@triton.jit`` kernels (``import jax_triton as jt``)."),
     (
         "jax_kernel_runtime",
@@ -80,6 +106,7 @@ MIRRORS = {
         f"pallas_gpu.ops.{m}": f"jax.experimental.pallas.ops.gpu.{m}"
         for m in ("attention", "decode_attention", "paged_attention", "layer_norm", "rms_norm", "softmax")
     },
+    **{f"pallas_tpu.ops.{m}": f"jax.experimental.pallas.ops.tpu.{m}" for m, _ in TPU_OPS},
 }
 
 # "module.name" -> the labels of docs/differences.md that say how it differs from JAX's.
@@ -114,14 +141,19 @@ def _source_module(mod: types.ModuleType, name: str) -> str:
     """The module that defines ``name`` bound in ``mod`` by ``from X import name as name``."""
     tree = ast.parse(inspect.getsource(mod))
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom) and node.module:
             if any((a.asname or a.name) == name for a in node.names):
-                return node.module
+                if node.level == 0:
+                    return node.module
+                package = mod.__name__ if hasattr(mod, "__path__") else mod.__package__
+                return importlib.util.resolve_name("." * node.level + node.module, package)
     return mod.__name__
 
 
 def public_names(mod: types.ModuleType) -> list[str]:
-    """The names ``mod``'s source binds publicly at top level, in source order."""
+    """``mod.__all__``, or the names ``mod``'s source binds publicly at top level, in source order."""
+    if hasattr(mod, "__all__"):
+        return list(mod.__all__)
     tree = ast.parse(inspect.getsource(mod))
     names: list[str] = []
     for node in tree.body:
@@ -144,11 +176,19 @@ def public_names(mod: types.ModuleType) -> list[str]:
 
 
 def _is_routine_or_class(obj) -> bool:
-    # custom_vjp / custom_jvp functions are callables with a __name__, not routines
-    return inspect.isclass(obj) or inspect.isroutine(obj) or (callable(obj) and hasattr(obj, "__name__"))
+    # custom_vjp / custom_jvp functions are callables with a __name__, not routines;
+    # a functools.partial has no __name__, and autodoc documents it as a function
+    return (
+        inspect.isclass(obj)
+        or inspect.isroutine(obj)
+        or isinstance(obj, functools.partial)
+        or (callable(obj) and hasattr(obj, "__name__"))
+    )
 
 
 def _own_doc(obj, name: str) -> str | None:
+    while isinstance(obj, functools.partial):  # autodoc shows the bound function's docstring
+        obj = obj.func
     if inspect.isclass(obj):
         doc = obj.__dict__.get("__doc__")
         if doc and doc.startswith(f"{obj.__name__}(") and hasattr(obj, "__dataclass_fields__"):
@@ -173,8 +213,9 @@ def _comment_doc(mod: types.ModuleType, name: str) -> str | None:
     src = importlib.import_module(_source_module(mod, name))
     lines = inspect.getsource(src).splitlines()
     for node in ast.parse("\n".join(lines)).body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and any(
+            isinstance(t, ast.Name) and t.id == name for t in targets
         ):
             comment = []
             i = node.lineno - 2
@@ -218,7 +259,7 @@ def _page(modname: str, intro: str) -> tuple[str, list[str]]:
                     undocumented.append(name)
             routines.append(name)
         else:
-            doc = _data_doc(mod, name)
+            doc = _data_doc(mod, name) or _comment_doc(mod, name)
             if not doc:
                 undocumented.append(name)
             data.append((name, doc or ""))

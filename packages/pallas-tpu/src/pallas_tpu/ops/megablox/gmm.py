@@ -80,6 +80,17 @@ def _check_group_sizes(op: str, group_sizes, num_local: int):
         )
 
 
+def _check_concrete_group_sizes(op: str, group_sizes):
+    """Refuses negative group sizes when they are known (not traced): under a trace a
+    negative size counts as 0 rows (the groups after it start where the sizes before it end)."""
+    if isinstance(group_sizes, jax.core.Tracer) or not hasattr(group_sizes, "ndim"):
+        return
+    sizes = np.asarray(group_sizes)
+    if sizes.ndim == 1 and sizes.size and sizes.min() < 0:
+        bad = int(np.argmax(sizes < 0))
+        _fail(op, f"'group_sizes' must be >= 0 (rows per group), got {int(sizes[bad])} for group {bad}")
+
+
 def _group_offset(op: str, group_offset):
     if group_offset is None:
         return jnp.zeros((), jnp.int32)
@@ -115,8 +126,26 @@ def _check_tiling(op: str, tiling, m: int, k: int, n: int):
         _fail(op, f"'tiling' tm={tm} must be a multiple of 8 (or all {m} rows)")
     for name, t, dim in (("tk", tk, k), ("tn", tn, n)):
         if t % _LANE and t != dim:
-            _fail(op, f"'tiling' {name}={t} must be a multiple of {_LANE} (or all {dim} of its dimension)")
+            _fail(
+                op,
+                f"'tiling' {name}={t} must be a multiple of {_LANE} (or all {dim} of its dimension): "
+                f"it is the lane (last) dimension of a block, which Mosaic lays out in 128-lane tiles "
+                f"and refuses otherwise on a TPU (JAX's op runs such a tiling only in interpret mode); "
+                f"use {name}={-(-t // _LANE) * _LANE} (a {name} that does not divide {dim} is fine) or "
+                f"tiling=None",
+            )
     return tm, tk, tn
+
+
+def _local_rows(group_sizes, group_offset, num_local: int, m: int):
+    """``[m, 1]``: the rows of groups ``group_offset .. group_offset + num_local - 1``."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), m)
+    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+    last = group_sizes.shape[0] - 1
+    lo = starts[jnp.minimum(group_offset, last)]
+    hi = ends[jnp.minimum(group_offset + num_local - 1, last)]
+    rows = jnp.arange(m)[:, None]
+    return (rows >= lo) & (rows < hi)
 
 
 # --------------------------------------------------------------- tile choice
@@ -260,7 +289,7 @@ def _gmm_kernel(table, lhs_ref, rhs_ref, *refs, tm, tiles_k, k_tail, contract, w
 @functools.partial(
     jax.jit, static_argnames=["preferred_element_type", "tiling", "transpose_rhs", "interpret"]
 )
-def gmm(
+def _gmm(
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
@@ -278,10 +307,14 @@ def gmm(
       rhs: ``[num_local_groups, k, n]`` (``[num_local_groups, n, k]`` with
         ``transpose_rhs``): the weights of groups ``group_offset ..
         group_offset + num_local_groups - 1``.
-      group_sizes: ``[num_groups]`` int32, rows per group (all groups, local or not).
+      group_sizes: ``[num_groups]`` int32, rows per group (all groups, local or not), each
+        >= 0: a negative size raises ``ValueError`` when the sizes are concrete; under a
+        trace it counts as 0 rows (JAX's op lets it move the later groups' rows instead).
       preferred_element_type: the output dtype.
       tiling: ``(tm, tk, tn)``, a function ``(m, k, n) -> (tm, tk, tn) | None``,
-        or None (chosen here, as is a function's None). ``tm`` must divide m.
+        or None (chosen here, as is a function's None; JAX's op defaults to
+        ``(128, 128, 128)`` and refuses a function's None). ``tm`` must divide m; ``tk``
+        and ``tn`` must be multiples of 128 (or the whole dimension) and need not divide it.
       group_offset: ``()`` int32, the first group ``rhs`` holds (rhs sharded over groups).
       existing_out: ``[m, n]`` of ``preferred_element_type``: rows outside the local
         groups are taken from it (and its buffer is reused) instead of zeros.
@@ -290,7 +323,8 @@ def gmm(
 
     Returns:
       ``[m, n]`` of ``preferred_element_type``; rows of no local group are zeros
-      (or ``existing_out``'s).
+      (or ``existing_out``'s). ``m``, ``n`` or ``k`` of 0 runs no kernel (``k`` = 0: the
+      local groups' rows are zeros).
     """
     op = "gmm"
     _check_operand(op, "lhs", lhs, 2, "[m, k]")
@@ -306,6 +340,11 @@ def gmm(
         )
     out_dtype = np.dtype(preferred_element_type)
     _check_existing(op, existing_out, (m, n), out_dtype)
+    if 0 in (m, n):  # nothing to compute: the empty result (or existing_out, as it is)
+        return jnp.zeros((m, n), out_dtype) if existing_out is None else existing_out
+    if k == 0:  # an empty sum: the local groups' rows are zeros
+        base = jnp.zeros((m, n), out_dtype) if existing_out is None else existing_out
+        return jnp.where(_local_rows(group_sizes, offset, num_local, m), jnp.zeros((), out_dtype), base)
     info = pltpu.get_tpu_info()
     mxu = _mxu_dtype(lhs, rhs, info)
     tm, tk, tn = _resolve_tiling(
@@ -447,6 +486,8 @@ def transposed_gmm(
     n = rhs.shape[1]
     out_dtype = np.dtype(preferred_element_type)
     _check_existing(op, existing_out, (num_local, k, n), out_dtype)
+    if 0 in (m, k, n):  # no rows (an empty sum: zeros) or an empty result
+        return jnp.zeros((num_local, k, n), out_dtype) if existing_out is None else existing_out
     info = pltpu.get_tpu_info()
     mxu = _mxu_dtype(lhs, rhs, info)
     tm, tk, tn = _resolve_tiling(
@@ -510,7 +551,7 @@ def transposed_gmm(
 @functools.partial(
     jax.jit, static_argnames=["preferred_element_type", "tiling", "num_actual_groups", "interpret"]
 )
-def tgmm(
+def _tgmm(
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
@@ -526,10 +567,10 @@ def tgmm(
     Args:
       lhs: ``[k, m]``, bfloat16 or float32.
       rhs: ``[m, n]``, rows sorted by group.
-      group_sizes: ``[num_groups]`` int32, rows per group.
+      group_sizes: ``[num_groups]`` int32, rows per group, each >= 0 (as ``gmm``'s).
       preferred_element_type: the output dtype.
       tiling: ``(tm, tk, tn)``, a function ``(m, k, n) -> (tm, tk, tn) | None``,
-        or None (chosen here). ``tm`` must divide m.
+        or None (chosen here; JAX's op defaults to ``(128, 128, 128)``). ``tm`` must divide m.
       group_offset: ``()`` int32, the first group computed.
       num_actual_groups: how many groups from ``group_offset`` (default all).
       existing_out: ``[num_actual_groups, k, n]``, added to the result (its buffer reused).
@@ -543,3 +584,96 @@ def tgmm(
         lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, num_actual_groups,
         existing_out, interpret, lhs_rows_first=False,
     )  # fmt: skip
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    preferred_element_type: jax.typing.DTypeLike = jnp.float32,
+    tiling: tuple[int, int, int] | LutFn | None = None,
+    group_offset: jax.Array | None = None,
+    existing_out: jax.Array | None = None,
+    transpose_rhs: bool = False,
+    interpret=False,
+) -> jax.Array:
+    _check_concrete_group_sizes("gmm", group_sizes)
+    return _gmm(lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, existing_out,
+                transpose_rhs, interpret)  # fmt: skip
+
+
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    preferred_element_type: jax.typing.DTypeLike = jnp.float32,
+    tiling: tuple[int, int, int] | LutFn | None = None,
+    group_offset: jax.Array | None = None,
+    num_actual_groups: int | None = None,
+    existing_out: jax.Array | None = None,
+    interpret=False,
+) -> jax.Array:
+    _check_concrete_group_sizes("tgmm", group_sizes)
+    return _tgmm(lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, num_actual_groups,
+                 existing_out, interpret)  # fmt: skip
+
+
+gmm.__doc__, tgmm.__doc__ = _gmm.__doc__, _tgmm.__doc__
+
+
+def make_group_metadata(
+    *,
+    group_sizes: jax.Array,
+    m: int,
+    tm: int,
+    start_group: jax.Array,
+    num_nonzero_groups: int,
+    visit_empty_groups: bool = True,
+):
+    """JAX's grouped-matmul metadata (``megablox.gmm.make_group_metadata``), for callers that
+    build their own grid; ``gmm`` and ``tgmm`` here use ``schedule``'s visit tables instead.
+
+    Args:
+      group_sizes: ``int32[num_groups]``, rows per group (rows sorted by group).
+      m: the rows of ``lhs``; tm: rows per tile (must divide ``m``).
+      start_group: the first group computed (``rhs`` sharded over groups).
+      num_nonzero_groups: how many groups from ``start_group`` are computed.
+      visit_empty_groups: give an empty group one visit (``tgmm`` must zero its output).
+
+    Returns:
+      ``((group_offsets, group_ids, m_tile_ids), num_tiles)``: ``group_offsets``
+      ``int32[num_groups + 1]``, the first row of each group and ``m`` last;
+      ``group_ids`` and ``m_tile_ids``, ``int32[m // tm + num_groups - 1]``, the group and
+      row tile of each grid visit (a tile shared by groups visited once per group, in
+      order), rotated so that the visits of ``start_group`` on come first (the array's
+      unused tail repeats its last entry before the rotation); ``num_tiles``: the visits
+      of groups ``start_group .. start_group + num_nonzero_groups - 1``.
+    """
+    if tm <= 0 or m % tm:
+        _fail("make_group_metadata", f"tm={tm} must be a positive divisor of m={m}")
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    num_groups = sizes.shape[0]
+    tiles_m = m // tm
+    length = tiles_m + num_groups - 1
+    ends = jnp.cumsum(sizes, dtype=jnp.int32)
+    starts = ends - sizes
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    empty = sizes == 0
+    # The tiles a group's rows touch: from the tile of its first row to the tile of its last.
+    first_tile, end_tile = starts // tm, (ends + tm - 1) // tm
+    tiles = jnp.where(empty, 1 if visit_empty_groups else 0, end_tile - first_tile)
+    group_ids = jnp.repeat(jnp.arange(num_groups, dtype=jnp.int32), tiles, total_repeat_length=length)
+    # A tile is visited once, plus once for each group starting inside it (not on its first
+    # row), plus (visit_empty_groups) once for each empty group at it.
+    extra = jnp.where(empty, visit_empty_groups, starts % tm != 0)
+    extra = extra & (first_tile < tiles_m)
+    visits = 1 + jnp.zeros((tiles_m,), jnp.int32).at[jnp.where(extra, first_tile, tiles_m)].add(
+        1, mode="drop"
+    )
+    m_tile_ids = jnp.repeat(jnp.arange(tiles_m, dtype=jnp.int32), visits, total_repeat_length=length)
+    shift = jnp.sum(group_ids < start_group)
+    group_ids = jnp.roll(group_ids, -shift)
+    m_tile_ids = jnp.roll(m_tile_ids, -shift)
+    groups = jnp.arange(num_groups, dtype=jnp.int32)
+    mine = (groups >= start_group) & (groups < start_group + num_nonzero_groups)
+    return (offsets, group_ids, m_tile_ids), jnp.sum(jnp.where(mine, tiles, 0))

@@ -171,17 +171,6 @@ def _check(q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, ppcb,
     return page_size, pages_per_sequence
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=[
-        "pages_per_compute_block",
-        "attn_logits_soft_cap",
-        "mask_value",
-        "megacore_mode",
-        "inline_seq_dim",
-        "interpret",
-    ],
-)
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array | quantization_utils.QuantizedTensor,
@@ -196,6 +185,53 @@ def paged_attention(
     inline_seq_dim: bool = True,
     interpret=False,
 ) -> jax.Array:
+    _check_concrete_lengths(lengths, page_indices, k_pages)
+    return _paged_attention(
+        q, k_pages, v_pages, lengths, page_indices, mask_value=mask_value,
+        attn_logits_soft_cap=attn_logits_soft_cap, pages_per_compute_block=pages_per_compute_block,
+        megacore_mode=megacore_mode, inline_seq_dim=inline_seq_dim, interpret=interpret,
+    )  # fmt: skip
+
+
+def _check_concrete_lengths(lengths, page_indices, k_pages):
+    """Refuses known (not traced) lengths outside ``[0, pages_per_sequence * page_size]``."""
+    if any(isinstance(x, jax.core.Tracer) for x in (lengths, page_indices)):
+        return
+    pages = k_pages.weight if isinstance(k_pages, quantization_utils.QuantizedTensor) else k_pages
+    if np.ndim(lengths) != 1 or np.ndim(page_indices) != 2 or np.ndim(pages) != 4:
+        return  # the shape checks explain it
+    indices = np.asarray(page_indices)
+    if np.issubdtype(indices.dtype, np.floating) and not np.array_equal(indices, np.round(indices)):
+        raise ValueError(
+            f"paged_attention: page_indices must be int32 (or floats holding integers), got {indices.dtype} "
+            f"with a fraction"
+        )
+    most = np.shape(page_indices)[1] * np.shape(pages)[2]
+    values = np.asarray(lengths)
+    bad = (values < 0) | (values > most)
+    if values.size and bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"paged_attention: lengths[{i}]={int(values[i])} is outside [0, {most}]: a sequence holds at "
+            f"most pages_per_sequence * page_size = {np.shape(page_indices)[1]} * {np.shape(pages)[2]} keys"
+        )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=[
+        "pages_per_compute_block",
+        "attn_logits_soft_cap",
+        "mask_value",
+        "megacore_mode",
+        "inline_seq_dim",
+        "interpret",
+    ],
+)
+def _paged_attention(
+    q, k_pages, v_pages, lengths, page_indices, *, mask_value, attn_logits_soft_cap, pages_per_compute_block,
+    megacore_mode, inline_seq_dim, interpret,
+):  # fmt: skip
     """Paged grouped-query attention of one query token per sequence.
 
     Args:
@@ -203,9 +239,13 @@ def paged_attention(
       k_pages: ``[num_kv_heads, total_num_pages, page_size, head_dim]``, or a
         ``quantization_utils.QuantizedTensor`` of int8 codes and their scales.
       v_pages: as ``k_pages``.
-      lengths: ``int32[batch_size]``: how many keys each sequence has (0: its output is 0).
+      lengths: ``int32[batch_size]``: how many keys each sequence has (0: its output is 0),
+        at most ``pages_per_sequence * page_size``: known (not traced) lengths outside
+        ``[0, pages_per_sequence * page_size]`` raise ``ValueError``; traced ones are
+        clamped into that range.
       page_indices: ``int32[batch_size, pages_per_sequence]``: the pages of each sequence, in
-        ``[0, total_num_pages)``; entries past a sequence's length are not read.
+        ``[0, total_num_pages)``; entries past a sequence's length are not read. Float
+        indices holding integers are taken as JAX's op takes them (converted to int32).
       mask_value: the logit given to keys past a sequence's length.
       attn_logits_soft_cap: when set, logits become ``tanh(logits / cap) * cap``.
       pages_per_compute_block: pages per compute block (None: chosen by
@@ -223,6 +263,8 @@ def paged_attention(
     k_pages, k_scales = _split(k_pages, "paged_attention", "k_pages")
     v_pages, v_scales = _split(v_pages, "paged_attention", "v_pages")
     q, lengths, page_indices = jnp.asarray(q), jnp.asarray(lengths), jnp.asarray(page_indices)
+    if jnp.issubdtype(page_indices.dtype, jnp.floating):
+        page_indices = page_indices.astype(jnp.int32)
     cap = attn_logits_soft_cap
     page_size, pages_per_sequence = _check(
         q,
@@ -262,8 +304,91 @@ def paged_attention(
         quantized=k_scales is not None,
         mask_value=float(mask_value),
         soft_cap=None if cap is None else float(cap),
-        compute_dtype=jnp.dtype(q.dtype)
+        # int8 pages widen to float32 (code * scale): kept there, as JAX's op does.
+        compute_dtype=jnp.dtype(jnp.float32)
         if k_scales is not None
         else jnp.promote_types(q.dtype, k_pages.dtype),
     )
     return _call(plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, interpret)
+
+
+paged_attention.__doc__ = _paged_attention.__doc__
+
+
+class MultiPageAsyncCopyDescriptor:
+    """The copies of ``num_pages_to_load`` pages (and their scales) from HBM into a VMEM
+    buffer, with the constructor of JAX's class of this name: page ``i`` is
+    ``page_indices[page_indices_start_offset + i]`` of ``pages_hbm_ref`` (of its head
+    ``head_index`` when not None), all copies signalling ``sem``. For kernels written against
+    JAX's module; ``paged_attention``'s own kernel schedules its copies itself."""
+
+    def __init__(
+        self,
+        pages_hbm_ref,
+        scales_pages_hbm_ref,
+        vmem_buffer,
+        scales_vmem_buffer,
+        sem,
+        page_indices,
+        page_indices_start_offset,
+        num_pages_to_load,
+        head_index,
+    ):
+        if head_index is not None:
+            pages_hbm_ref = pages_hbm_ref.at[head_index]
+            if scales_pages_hbm_ref is not None:
+                scales_pages_hbm_ref = scales_pages_hbm_ref.at[head_index]
+        self._buffer, self._scales_buffer = vmem_buffer, scales_vmem_buffer
+        pairs = [(pages_hbm_ref, vmem_buffer)]
+        if scales_pages_hbm_ref is not None and scales_vmem_buffer is not None:
+            pairs.append((scales_pages_hbm_ref, scales_vmem_buffer))
+        self._copies = [
+            pltpu.make_async_copy(src.at[page_indices[page_indices_start_offset + i]], dst.at[i], sem)
+            for src, dst in pairs
+            for i in range(num_pages_to_load)
+        ]
+
+    def start(self):
+        """Starts every copy."""
+        for copy in self._copies:
+            copy.start()
+
+    def wait_and_get_loaded(self) -> jax.Array:
+        """Waits for every copy; the pages as float32 ``[pages * page_size, head_dim]``
+        (int8 codes widened with their scales: ``code * scale / 127.5``)."""
+        for copy in self._copies:
+            copy.wait()
+        x = self._buffer[...].astype(jnp.float32)
+        if self._scales_buffer is not None:
+            x = x * (self._scales_buffer[...].astype(jnp.float32) / quantization_utils.MAX_INT8)
+        return x.reshape(-1, x.shape[-1])
+
+
+def _not_this_kernel(name):
+    raise NotImplementedError(
+        f"{name}: JAX's kernel body of this name (its grid, scratch and semaphore layout) is not "
+        f"provided; call paged_attention(...), whose kernel schedules the page copies across grid "
+        f"steps (see this module's docstring), or MultiPageAsyncCopyDescriptor in a kernel of your own"
+    )
+
+
+def paged_flash_attention_kernel(
+    lengths_ref, page_indices_ref, buffer_index_ref, init_flag_ref, q_ref, k_pages_hbm_ref,
+    k_scales_pages_hbm_ref, v_pages_hbm_ref, v_scales_pages_hbm_ref, o_ref, m_ref, l_ref, k_vmem_buffer,
+    k_scales_vmem_buffer, v_vmem_buffer, v_scales_vmem_buffer, k_sems, v_sems, *, batch_size: int,
+    pages_per_compute_block: int, pages_per_sequence: int, mask_value: float,
+    attn_logits_soft_cap: float | None, megacore_mode: str | None, program_ids=(),
+):  # fmt: skip
+    """JAX's kernel name and signature; raises ``NotImplementedError`` (use ``paged_attention``)."""
+    _not_this_kernel("paged_flash_attention_kernel")
+
+
+def paged_flash_attention_kernel_inline_seq_dim(
+    lengths_ref, page_indices_ref, buffer_index_ref, init_flag_ref, q_ref, k_pages_hbm_ref,
+    k_scales_pages_hbm_ref, v_pages_hbm_ref, v_scales_pages_hbm_ref, o_ref, m_ref, l_ref, k_vmem_buffer,
+    k_scales_vmem_buffer, v_vmem_buffer, v_scales_vmem_buffer, k_sems, v_sems, *, batch_size: int,
+    pages_per_compute_block: int, pages_per_sequence: int, mask_value: float,
+    attn_logits_soft_cap: float | None, megacore_mode: str | None,
+):  # fmt: skip
+    """JAX's kernel name and signature; raises ``NotImplementedError`` (use ``paged_attention``)."""
+    _not_this_kernel("paged_flash_attention_kernel_inline_seq_dim")

@@ -3,6 +3,7 @@ vector side, a work item's KV blocks through the online softmax, and the ``palla
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import jax
@@ -12,6 +13,7 @@ from jax import lax
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas_tpu.ops.paged_attention._decode import weighted_values
 from pallas_tpu.ops.ragged_paged_attention._schedule import Copies, Item, Plan, Tables, kv_block_range
 from pallas_tpu.ops.ragged_paged_attention._update import write_new_kv
 
@@ -77,10 +79,8 @@ def _head_kv(plan: Plan, buf, slot, h):
         w = w >> (shift if isinstance(shift, int) else shift.astype(jnp.uint32))
         k = _from_byte(w & 0xFF, plan.kv_dtype)
         v = _from_byte((w >> 8) & 0xFF, plan.kv_dtype)
-    if plan.k_scale is not None:
-        k = k.astype(_F32) * plan.k_scale
-    if plan.v_scale is not None:
-        v = v.astype(_F32) * plan.v_scale
+    # ``k_scale`` and ``v_scale`` are applied to the scores and the output, not here: the codes
+    # (8-bit, or the cache's own floats) are exact in the compute dtype.
     return k.astype(plan.compute_dtype), v.astype(plan.compute_dtype)
 
 
@@ -111,8 +111,14 @@ def _attend_block(plan: Plan, refs, item: Item, j, slot, t0, tokens):
         q = q_ref[h, pl.ds(r0, rows), :].astype(plan.compute_dtype)
         k, v = _head_kv(plan, buf, slot, h)
         s = lax.dot_general(q, k, _TRANS_B, preferred_element_type=_F32)
+        # One float32 multiply a score: sm_scale and k_scale (and 1 / soft_cap) on the float32
+        # scores, never on q before the matmul (a 16-bit q rounded after scaling loses up to
+        # 2**-9 of every logit, which a sharp softmax turns into large output errors).
+        scale = plan.sm_scale * (1.0 if plan.k_scale is None else plan.k_scale)
         if plan.soft_cap is not None:
-            s = jnp.tanh(s * (1.0 / plan.soft_cap)) * plan.soft_cap
+            s = jnp.tanh(s * (scale / plan.soft_cap)) * plan.soft_cap
+        elif scale != 1.0:
+            s = s * scale
         s = jnp.where(valid, s, plan.mask_value)
         m_prev, l_prev = m_ref[h, pl.ds(r0, rows), :], l_ref[h, pl.ds(r0, rows), :]
         m = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
@@ -120,7 +126,7 @@ def _attend_block(plan: Plan, refs, item: Item, j, slot, t0, tokens):
         p = jnp.exp(s - m)
         m_ref[h, pl.ds(r0, rows), :] = m
         l_ref[h, pl.ds(r0, rows), :] = alpha * l_prev + p.sum(axis=1, keepdims=True)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+        pv = weighted_values(p, v)
         acc_ref[h, pl.ds(r0, rows), :] = alpha * acc_ref[h, pl.ds(r0, rows), :] + pv
 
     if plan.num_kv_heads <= 8:
@@ -222,6 +228,8 @@ def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, *refs
     def finish(h, carry):
         l = l_ref[h]
         inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+        if plan.v_scale is not None:
+            inv = inv * plan.v_scale
         o_ref[h] = (acc_ref[h] * inv).astype(o_ref.dtype)
         return carry
 
@@ -240,8 +248,8 @@ def call(
     hkv, g, bq = plan.num_kv_heads, plan.groups, plan.q_block
     padded = pl.cdiv(tokens, bq) * bq
     # Rows of a KV head's score tile are (token, group) pairs: [kv heads, tokens * groups, head_dim].
-    qs = q.astype(_F32) * sm_scale if sm_scale != 1.0 else q
-    qs = jnp.pad(qs.astype(q.dtype), ((0, padded - tokens), (0, 0), (0, 0)))
+    plan = dataclasses.replace(plan, sm_scale=float(sm_scale))  # applied to the float32 scores
+    qs = jnp.pad(q, ((0, padded - tokens), (0, 0), (0, 0)))
     qh = qs.reshape(padded, hkv, g, head_dim).transpose(1, 0, 2, 3).reshape(hkv, padded * g, head_dim)
     # The cache stays in its own shape ([pages, page_size, ...tail]): no relayout around the call.
     tail = kv_pages.shape[2:]

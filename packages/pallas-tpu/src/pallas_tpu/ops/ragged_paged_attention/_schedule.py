@@ -47,6 +47,8 @@ class Plan:
     update_cache: bool = False
     num_seqs_slot: int = 0
     attention_sink: bool = False
+    # Multiplies the float32 scores (``k_scale`` joins it: the codes stay exact in the matmul).
+    sm_scale: float = 1.0
 
     @property
     def kv_heads_combined(self) -> int:

@@ -28,6 +28,10 @@ How the kernel works:
   head's keys and values come from one sublane-strided load and are split with shifts.
 * The online softmax keeps ``m``, ``l`` and the unnormalized output in VMEM per row; masks are
   selects (``mask_value``), so stale VMEM never reaches a sum.
+* Accuracy: ``q`` enters the score matmul as given (never pre-scaled and rounded);
+  ``sm_scale * k_scale`` is one float32 multiply a score; the float32 probabilities meet the
+  values as two 16-bit parts (two matmuls of exact products), so the only roundings beyond
+  float32 are the output's own.
 
 Rows of ``q`` past ``cu_q_lens[num_seqs]`` get unspecified values (JAX's op leaves them too).
 """
@@ -40,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_tpu as pltpu
 from pallas_tpu.ops.ragged_paged_attention import tuned_block_sizes
 from pallas_tpu.ops.ragged_paged_attention._ragged import call as _call
 from pallas_tpu.ops.ragged_paged_attention._schedule import Plan as _Plan
@@ -265,8 +270,10 @@ def ragged_paged_attention(
       sliding_window: when set, a query sees only its last ``sliding_window`` keys.
       soft_cap: when set, logits become ``soft_cap * tanh(logits / soft_cap)``.
       mask_value: the logit of masked keys (None: ``DEFAULT_MASK_VALUE``).
-      k_scale, v_scale: when set, keys (values) are multiplied by them in float32, then cast
-        to ``q``'s dtype (a scaled, e.g. float8, cache).
+      k_scale, v_scale: when set, keys (values) are multiplied by them (a scaled, e.g.
+        float8, cache). The kernel applies ``sm_scale * k_scale`` to the float32 scores and
+        ``v_scale`` to the output, so the cache's codes meet the matmuls exact (JAX's op casts
+        ``k * k_scale`` to ``q``'s dtype first; ``ref_ragged_paged_attention`` does as JAX's).
       num_kv_pages_per_block: pages per KV compute block; num_queries_per_block: query tokens
         per grid step (rounded up to a multiple of 8, or 16 for an odd group); None: chosen by
         ``get_tuned_block_sizes``.
@@ -290,7 +297,15 @@ def ragged_paged_attention(
     pages, queries = num_kv_pages_per_block, num_queries_per_block
     if pages is None or queries is None:
         tuned = get_tuned_block_sizes(
-            q.dtype, kv_pages.dtype, num_q_heads, num_kv_heads, head_dim, page_size, tokens, pages_per_seq
+            q.dtype,
+            kv_pages.dtype,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            tokens,
+            pages_per_seq,
+            info=pltpu.get_tpu_info(),
         )
         pages, queries = pages or tuned[0], queries or tuned[1]
     window = tuned_block_sizes.query_window(groups)
@@ -298,7 +313,7 @@ def ragged_paged_attention(
     kv_dtype = np.dtype(kv_pages.dtype)
     compute = (
         np.dtype(q.dtype)
-        if kv_dtype.itemsize == 1 or k_scale is not None
+        if kv_dtype.itemsize == 1  # 8-bit codes are exact in any float q dtype
         else np.dtype(jnp.promote_types(q.dtype, kv_dtype))
     )
     plan = _Plan(
@@ -330,4 +345,47 @@ def ragged_paged_attention(
         float(sm_scale),
         vmem_limit_bytes,
         interpret,
+    )
+
+
+class MultiPageAsyncCopyDescriptor:
+    """The copies of a KV block's pages into a VMEM buffer, with the constructor of JAX's class
+    of this name: ``metadata = (seq, start_page, end_page)``; slot ``i`` of ``vmem_buf`` gets
+    page ``page_indices_ref[seq, start_page + i]`` (the sequence's first page past
+    ``end_page``), all copies signalling ``sem``. For kernels written against JAX's module;
+    ``ragged_paged_attention``'s own kernel schedules its copies itself."""
+
+    def __init__(self, pages_hbm_ref, vmem_buf, sem, page_indices_ref, metadata):
+        seq, start, end = metadata
+        self._buf = vmem_buf
+        self._copies = []
+        for i in range(vmem_buf.shape[0]):
+            page = jnp.where(start + i < end, start + i, 0)
+            src = pages_hbm_ref.at[page_indices_ref[seq, page]]
+            self._copies.append(pltpu.make_async_copy(src, vmem_buf.at[i], sem))
+
+    def start(self):
+        """Starts every copy."""
+        for copy in self._copies:
+            copy.start()
+
+    def wait(self):
+        """Waits for every copy; the VMEM buffer back."""
+        for copy in self._copies:
+            copy.wait()
+        return self._buf
+
+
+def ragged_paged_attention_kernel(
+    kv_lens_ref, page_indices_ref, cu_q_lens_ref, seq_buf_idx_ref, num_seqs_ref, q_ref, kv_pages_hbm_ref, o_ref,
+    kv_bufs, sems, l_ref, m_ref, acc_ref, *, sm_scale: float, sliding_window: int | None = None,
+    soft_cap: float | None = None, mask_value: float | None = DEFAULT_MASK_VALUE, k_scale: float | None = None,
+    v_scale: float | None = None,
+):  # fmt: skip
+    """JAX's kernel name and signature; raises ``NotImplementedError``: JAX's kernel body (its
+    grid, scratch and semaphore layout) is not provided. Call ``ragged_paged_attention``."""
+    raise NotImplementedError(
+        "ragged_paged_attention_kernel: JAX's kernel body of this name is not provided; call "
+        "ragged_paged_attention(...) (its kernel walks work items of sequences per query block), or use "
+        "MultiPageAsyncCopyDescriptor in a kernel of your own"
     )

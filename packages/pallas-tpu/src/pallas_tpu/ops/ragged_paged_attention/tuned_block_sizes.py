@@ -5,6 +5,9 @@ for this kernel yet, so ``TUNED_BLOCK_SIZES`` is empty."""
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 
 import pallas_tpu as pltpu
@@ -42,14 +45,31 @@ def simplify_key(key):
     )
 
 
+def _device_kind() -> str:
+    return jax.devices()[0].device_kind
+
+
 def get_tpu_version() -> int:
-    """The TPU generation kernels are traced for (``pltpu.get_tpu_info()``)."""
-    return pltpu.get_tpu_info().generation
+    """The TPU generation of this host's first device (``jax.devices()[0].device_kind``), or -1
+    when it is not a TPU (a CPU host: kernels there are traced for ``pltpu.get_tpu_info()``'s
+    chip, which ``get_tuned_block_sizes(..., info=...)`` takes)."""
+    kind = _device_kind()
+    if "TPU" not in kind:
+        return -1
+    if kind == "TPU7x":
+        return 7
+    match = re.search(r"TPU\s*v?(\d+)", kind, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"get_tpu_version: cannot read a TPU generation from device kind {kind!r}")
+    return int(match.group(1))
 
 
 def get_device_name(num_devices: int | None = None) -> str:
-    """``"TPU v<generation>"`` (and ``-<num_devices>``) of the chip kernels are traced for."""
-    name = f"TPU v{get_tpu_version()}"
+    """``"TPU v<generation>"`` (and ``-<num_devices>``) of this host's first device; on a host
+    without a TPU, the first two words of its device kind (``"cpu"``)."""
+    kind = _device_kind()
+    match = re.search(r"TPU\s*v?(\d+)", kind, re.IGNORECASE)
+    name = f"TPU v{match.group(1)}" if match else " ".join(kind.split()[:2])
     return name if num_devices is None else f"{name}-{num_devices}"
 
 
@@ -74,12 +94,21 @@ def get_tuned_block_sizes(
     """``(num_kv_pages_per_block, num_queries_per_block)``: the table's entry for the chip when
     there is one, else ``KV_BLOCK_BYTES`` of keys and values per KV block (halved on chips with
     less than 64 MiB of VMEM) and ``SCORE_ROWS`` score rows per query block. ``info``: the
-    chip's facts (default ``pltpu.get_tpu_info()``)."""
+    chip's facts. Without ``info`` (JAX's call) this host's TPU is asked, and a host without a
+    TPU of generation 4 or later raises ``NotImplementedError`` as JAX's function does;
+    ``ragged_paged_attention`` passes ``pltpu.get_tpu_info()``, the chip it traces for."""
+    if info is None:
+        version = get_tpu_version()
+        if version < 4:
+            raise NotImplementedError(
+                f"get_tuned_block_sizes: the TPU version must be 4 or higher, this host's first device "
+                f"is {_device_kind()!r}; pass info=pltpu.get_tpu_info(chip) for a chip's sizes"
+            )
+        info = pltpu.get_tpu_info()
     key = simplify_key(
         (q_dtype, kv_dtype, num_q_heads_per_blk, num_kv_heads_per_blk, head_dim, page_size,
          max_num_batched_tokens, pages_per_seq)
     )  # fmt: skip
-    info = info or pltpu.get_tpu_info()
     entry = TUNED_BLOCK_SIZES.get(f"TPU v{info.generation}", {}).get(key)
     if entry is not None:
         return min(entry[0], pages_per_seq), entry[1]

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_tpu as pltpu
 from pallas_tpu.ops.ragged_paged_attention import tuned_block_sizes
 from pallas_tpu.ops.ragged_paged_attention._ragged import call as _call
 from pallas_tpu.ops.ragged_paged_attention._schedule import Plan as _Plan
@@ -345,13 +346,21 @@ def ragged_paged_attention(
     blocks, queries_per = num_kv_pages_per_block, num_queries_per_block
     if blocks is None or queries_per is None:
         tuned = tuned_block_sizes.get_tuned_block_sizes(
-            q.dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim, page_size, tokens, pages_per_seq
+            q.dtype,
+            kv_dtype,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            tokens,
+            pages_per_seq,
+            info=pltpu.get_tpu_info(),
         )
         blocks, queries_per = blocks or tuned[0], queries_per or tuned[1]
     window = tuned_block_sizes.query_window(groups)
     compute = (
         np.dtype(q.dtype)
-        if kv_dtype.itemsize == 1 or k_scale is not None
+        if kv_dtype.itemsize == 1  # 8-bit codes are exact in any float q dtype
         else np.dtype(jnp.promote_types(q.dtype, kv_dtype))
     )
     plan = _Plan(

@@ -294,6 +294,13 @@ def _count_mosaic_ops(lowered) -> dict:
     }
 
 
+def compile_check_dump():
+    """Where libtpu dumps Mosaic's passes in this process (``--llo``), else None."""
+    from pallas_tpu._src.mosaic import compile_check
+
+    return compile_check._dump_dir()
+
+
 def run_one(name, side, quick, count, profile):
     import jax
 
@@ -347,6 +354,11 @@ def run_one(name, side, quick, count, profile):
     row["device"] = next(iter(device)).device_kind
     if count:
         row["count"] = _count_mosaic_ops(lowered)
+    dump = compile_check_dump()
+    if dump:
+        from pallas_tpu._src.mosaic import compile_check
+
+        row["llo"] = [n for n, _ in compile_check._llo_counts(compile_check._llo_files(dump))]
     if prof is not None:
         import pstats
 
@@ -365,6 +377,11 @@ def _child(name, side, args):
     cmd = [sys.executable, __file__, "--child", name, "--side", side]
     cmd += ["--quick"] * args.quick + ["--count"] * args.count
     env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
+    if args.llo:  # libtpu reads its flags once, when it starts: the child's environment
+        import tempfile
+
+        dump = tempfile.mkdtemp(prefix="first_call_llo_")
+        env["LIBTPU_INIT_ARGS"] = f"{env.get('LIBTPU_INIT_ARGS', '')} --xla_mosaic_dump_to={dump}".strip()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode:
         return {"error": out.stderr.strip().splitlines()[-1][:200] if out.stderr.strip() else "failed"}
@@ -406,6 +423,12 @@ def report(name, results):
     print(f"{name}  [{len(ok['ours'])}/{len(ok['jax'])} runs]")
     for cell in cells:
         print(f"    {cell}")
+    if "llo" in ok["ours"][0]:
+        for side in ("ours", "jax"):
+            llo = ok[side][0]["llo"]
+            print(
+                f"    {side:4s} LLO ops (Mosaic's output, per kernel): {sum(llo)} = {' + '.join(map(str, llo))}"
+            )
     if "count" in ok["ours"][0]:
         for side in ("ours", "jax"):
             n = ok[side][0]["count"]
@@ -422,6 +445,11 @@ def main():
     ap.add_argument("--only", action="append", help="cases whose name contains this (repeatable)")
     ap.add_argument("--repeat", type=int, default=2, help="fresh processes per side (alternating)")
     ap.add_argument("--count", action="store_true", help="count the kernels' Mosaic ops")
+    ap.add_argument(
+        "--llo",
+        action="store_true",
+        help="count the LLO ops Mosaic emits per kernel (libtpu dumps its passes: times are not comparable)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--side", choices=("ours", "jax"), help="run one side of --child here")
     ap.add_argument("--profile", action="store_true", help="with --child: cProfile of trace and lower")

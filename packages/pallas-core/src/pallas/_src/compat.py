@@ -380,7 +380,8 @@ def map_eqns(jaxpr, fn, drop_effects=frozenset()):
     each equation replaced by ``fn(eqn)`` and ``drop_effects`` removed."""
     inner = getattr(jaxpr, "jaxpr", jaxpr)
     if CLOSED_JAXPR_WRAPS and isinstance(jaxpr, ClosedJaxpr):  # a ClosedJaxpr wrapper (JAX < 0.11)
-        return jaxpr.replace(jaxpr=map_eqns(inner, fn, drop_effects))
+        mapped = map_eqns(inner, fn, drop_effects)
+        return jaxpr if mapped is inner else jaxpr.replace(jaxpr=mapped)
 
     def param(v):
         if _is_jaxpr(v):
@@ -390,14 +391,19 @@ def map_eqns(jaxpr, fn, drop_effects=frozenset()):
         return v
 
     eqns = []
-    for e in jaxpr.eqns:
-        params = {k: param(v) for k, v in e.params.items()}
-        if any(params[k] is not e.params[k] for k in params):
+    changed = bool(drop_effects & set(jaxpr.effects))
+    for old in jaxpr.eqns:
+        params = {k: param(v) for k, v in old.params.items()}
+        e = old
+        if any(params[k] is not old.params[k] for k in params):
             e = e.replace(params=params)
         e = fn(e)
         if drop_effects & set(e.effects):
             e = e.replace(effects=frozenset(e.effects) - drop_effects)
+        changed = changed or e is not old
         eqns.append(e)
+    if not changed:  # nothing to replace: the jaxpr itself (rebuilding one walks every equation)
+        return jaxpr
     return jaxpr.replace(eqns=eqns, effects=frozenset(jaxpr.effects) - drop_effects)
 
 

@@ -16,16 +16,27 @@ _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__))
 _SKIP_DIRS: list[str] = [_PALLAS_DIR, _JAX_DIR, os.path.dirname(os.__file__)]
 
 
+# absolute filename -> is_internal(filename): asked for the frames of every equation a backend lowers.
+_internal: dict[str, bool] = {}
+
+
 def register_internal_dir(path: str) -> None:
     """Backends add their package dir so user_source() skips their frames."""
     _SKIP_DIRS.append(os.path.dirname(os.path.abspath(path)))
+    _internal.clear()
 
 
 def is_internal(filename: str) -> bool:
-    filename = os.path.abspath(filename)
-    return any(filename.startswith(d + os.sep) for d in _SKIP_DIRS) or (
-        "contextlib" in filename or filename.startswith("<")
+    known = _internal.get(filename)
+    if known is not None:
+        return known
+    path = os.path.abspath(filename)
+    internal = any(path.startswith(d + os.sep) for d in _SKIP_DIRS) or (
+        "contextlib" in path or path.startswith("<")
     )
+    if path == filename:  # a relative name depends on the working directory: not kept
+        _internal[filename] = internal
+    return internal
 
 
 def user_source() -> str:

@@ -161,11 +161,13 @@ def lower(ctx, call, *args):
     )
     with target:
         module = modules.mosaic_module(call.jaxpr, gm, cp, ctx.module_context.context, compat.mesh_axes(ctx))
-    text = modules.module_text(module)
-    if call.debug:
-        print(f"\nThe Mosaic module for {gm.where}:")
-        print(text)
-    modules.record(gm.where, module, text)
+    # The canonicalized text (a clone of the module through a pass) only where it is read.
+    if call.debug or modules.collecting():
+        text = modules.module_text(module)
+        if call.debug:
+            print(f"\nThe Mosaic module for {gm.where}:")
+            print(text)
+        modules.record(gm.where, module, text)
     # The custom call's operands are the dynamic grid sizes, then pallas_call's
     # arguments, which the aliases count (scalar-prefetch operands included, as JAX).
     aliases = tuple((i + gm.num_dynamic_grid_bounds, o) for i, o in call.input_output_aliases)

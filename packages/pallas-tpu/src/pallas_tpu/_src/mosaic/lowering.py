@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -74,16 +75,29 @@ key_params: dict[Any, Callable[..., dict]] = {}
 # Types
 
 
+# The dtype predicates are asked for every equation's avals: cached per dtype (jnp.issubdtype
+# is slow beside a dict lookup).
+@functools.cache
 def is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
+@functools.cache
 def is_bool(dtype) -> bool:
     return np.dtype(dtype) == np.bool_
 
 
+@functools.cache
 def is_unsigned(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.unsignedinteger) or is_bool(dtype)
+
+
+@functools.cache
+def _integer_bits(dtype) -> int | None:
+    """The width of an integer ``dtype`` (int4 is 4 bits); None for any other dtype."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jax.dtypes.itemsize_bits(dtype)
+    return None
 
 
 _FLOAT_TYPES = {
@@ -101,8 +115,9 @@ def element_type(dtype) -> ir.Type:
     dtype = np.dtype(dtype)
     if is_bool(dtype):
         return ir.IntegerType.get_signless(1)
-    if jnp.issubdtype(dtype, jnp.integer):  # int4 is i4, int2 is i2 (as JAX lowers them)
-        return ir.IntegerType.get_signless(jax.dtypes.itemsize_bits(dtype))
+    bits = _integer_bits(dtype)
+    if bits is not None:  # int4 is i4, int2 is i2 (as JAX lowers them)
+        return ir.IntegerType.get_signless(bits)
     if dtype.name in _FLOAT_TYPES:
         return _FLOAT_TYPES[dtype.name]()
     raise NotImplementedError(f"{BACKEND}: dtype {dtype.name} has no Mosaic type")
@@ -126,6 +141,7 @@ class Aval:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
 
+@functools.cache
 def is_key(dtype) -> bool:
     """Whether ``dtype`` is a PRNG key dtype (``key<fry>``)."""
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)

@@ -269,8 +269,13 @@ def test_public_names_match_jax():
     assert fa.SegmentIds._fields == jfa.SegmentIds._fields
     for name in ("DEFAULT_MASK_VALUE", "MIN_BLOCK_SIZE", "NUM_LANES", "NUM_SUBLANES", "TRANS_B_DIM_NUMBERS"):
         assert getattr(fa, name) == getattr(jfa, name), name
-    default = fa.BlockSizes.get_default(2, 4, 4096, 4096, 128)
-    assert default.has_backward_blocks and default.block_q == 1024
+    # get_default means what JAX's does (and returns its blocks); the op's own pick is tuned_block_sizes
+    assert fa.BlockSizes.get_default(2, 4, 4096, 4096, 128) == blocks(fa)
+    assert dataclasses.asdict(fa.BlockSizes.get_default(2, 4, 4096, 4096, 128)) == dataclasses.asdict(
+        jfa.BlockSizes.get_default(2, 4, 4096, 4096, 128)
+    )
+    tuned = fa.tuned_block_sizes(2, 4, 4096, 4096, 128)
+    assert tuned.has_backward_blocks and tuned.block_q == 1024
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v4"])
@@ -280,7 +285,7 @@ def test_default_dkv_sweep_follows_head_dim(chip):
     the v5e with 1024 x 2048 steps, 32.9k in one with 1024 x 1024); the other blocks keep to it."""
     with chip_mesh(chip):
         got = {
-            (d, causal): fa.BlockSizes.get_default(1, 2, 4096, 4096, d, causal=causal)
+            (d, causal): fa.tuned_block_sizes(1, 2, 4096, 4096, d, causal=causal)
             for d in (64, 128, 256, 512)
             for causal in (False, True)
         }
@@ -346,3 +351,203 @@ def test_block_sizes_checks_itself():
         fa.BlockSizes(block_q=128, block_k_major=512, block_k=384, block_b=1)
     with pytest.raises(ValueError, match="block_q must be a positive int"):
         fa.BlockSizes(block_q=0, block_k_major=128, block_k=128, block_b=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accuracy against a float32 reference, beside JAX's op's (both in TPU interpret mode).
+
+
+def errors(outs, refs):
+    """Each output's max |error| relative to its reference's max |value|."""
+    return [
+        float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))) / np.max(np.abs(w)))
+        for g, w in zip(outs, refs)
+    ]
+
+
+ACCURACY = {
+    # logit scale 1 (unscaled normal q, k: a sharp softmax), where a query rounded after its scaling
+    # gave several times JAX's error
+    "scale1_causal": dict(sm_scale=1.0, causal=True),
+    "scale1_bias": dict(sm_scale=1.0, bias=True),
+    "scaled_full": dict(sm_scale=128**-0.5),
+    "scaled_causal_bias": dict(sm_scale=128**-0.5, causal=True, bias=True),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCURACY))
+def test_accuracy_against_jax_op(case):
+    """bfloat16 forward and gradients: ours' max error is at most 1.1 times JAX's (+1e-4)."""
+    c = ACCURACY[case]
+    causal, sm_scale, bias = c.get("causal", False), c["sm_scale"], c.get("bias", False)
+    args = inputs(BF16, lq=256, lk=256, bias=bias, grads=True)
+
+    def run(module):
+        return build_for(causal, sm_scale, None, True, bias=bias)(None, pltpu if module is fa else None)(
+            *args
+        )
+
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        ours = run(fa)
+    with jax_interpret():
+        theirs = run(jfa)
+    refs = reference(args, causal, sm_scale, True, bias=bias)
+    for name, mine, jax_err in zip(
+        ("out", "dq", "dk", "dv", "dab"), errors(ours, refs), errors(theirs, refs)
+    ):
+        print(f"{case} {name}: ours {mine:.3g}, JAX's {jax_err:.3g}")
+        assert mine <= 1.1 * jax_err + 1e-4, (name, mine, jax_err)
+
+
+# ---------------------------------------------------------------------------------------------
+# Edges of the shapes and of the masks.
+
+
+def interpret_grads(f, q, k, v, ab, do):
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        return with_grads(f, q, k, v, ab, do)
+
+
+@pytest.mark.parametrize(
+    "lq,lk,sizes",
+    [(128, 512, dict(block_k_major_dkv=128, block_k_dkv=128)), (256, 512, None), (384, 128, None)],
+    ids=["keys_split", "default_blocks", "more_queries"],
+)
+def test_causal_unequal_lengths_grads(lq, lk, sizes):
+    """Causal with q_len != kv_len, top-left aligned as JAX's op (keys past the last query are seen
+    by none): the backward's key blocks past every query do nothing (they crashed the index map)."""
+    q, k, v, do = inputs(F32, lq=lq, lk=lk, grads=True)
+    bs = None if sizes is None else blocks(fa, **sizes)
+    got = interpret_grads(
+        lambda q, k, v, ab: fa.flash_attention(q, k, v, causal=True, sm_scale=0.2, block_sizes=bs),
+        q,
+        k,
+        v,
+        None,
+        do,
+    )
+    want = with_grads(lambda q, k, v, ab: attention(q, k, v, causal=True, sm_scale=0.2), q, k, v, None, do)
+    check_all(got, want, 2e-5)
+    if lq < lk:
+        assert not np.any(np.asarray(got[2])[:, :, lq:]) and not np.any(np.asarray(got[3])[:, :, lq:])
+    if sizes is None:
+        with jax_interpret():
+            theirs = with_grads(
+                lambda q, k, v, ab: jfa.flash_attention(q, k, v, causal=True, sm_scale=0.2), q, k, v, None, do
+            )
+        check_all(got, theirs, 2e-5)
+
+
+def attention_seeing_nothing(q, k, v, ab=None, segment_ids=None, *, sm_scale=1.0):
+    """``attention`` where a query row that sees no key (segment absent from the keys, or bias
+    below -1e20) gets the mean of all values, as JAX's op gives it, and no gradient."""
+    seen = jnp.ones(q.shape[:3], bool)
+    if segment_ids is not None:
+        same = segment_ids.q[:, :, None] == segment_ids.kv[:, None, :]
+        seen = seen & jnp.any(same, axis=-1)[:, None, :]
+    if ab is not None:
+        seen = seen & jnp.any(ab > -1e20, axis=-1)
+    ab_seen = None if ab is None else jnp.where(seen[..., None], ab, 0.0)
+    seg = segment_ids
+    if seg is not None:  # the unseen rows attend to everything, then are replaced
+        seg = fa.SegmentIds(jnp.where(seen[:, 0], seg.q, seg.kv[:, :1]), seg.kv)
+    out = attention(q, k, v, ab_seen, seg, sm_scale=sm_scale)
+    mean = jax.lax.stop_gradient(jnp.broadcast_to(jnp.mean(v, axis=2, keepdims=True), out.shape))
+    return jnp.where(seen[..., None], out, mean)
+
+
+@pytest.mark.parametrize("how", ["segment_absent", "bias_row"])
+def test_row_that_sees_nothing(how):
+    """A query row that sees no key: the forward gives the mean of the values (as JAX's op), and the
+    row contributes no gradient (dq, dk, dv and dab were off by the row's whole weight before)."""
+    q, k, v, do = inputs(F32, grads=True)
+    ab, seg = None, None
+    if how == "segment_absent":
+        seg = fa.SegmentIds(
+            jnp.zeros((1, 256), jnp.int32).at[0, 10:20].set(7), jnp.zeros((1, 256), jnp.int32)
+        )
+    else:
+        ab = rand(4, (1, 2, 256, 256)).at[:, :, 30:33].set(-1e30)
+
+    def ours(q, k, v, ab):
+        return fa.flash_attention(q, k, v, ab, seg, sm_scale=0.3)
+
+    got = interpret_grads(ours, q, k, v, ab, do)
+    want = with_grads(
+        lambda q, k, v, ab: attention_seeing_nothing(q, k, v, ab, seg, sm_scale=0.3), q, k, v, ab, do
+    )
+    check_all(got, want, 2e-5)
+    rows = slice(10, 20) if seg is not None else slice(30, 33)
+    assert not np.any(np.asarray(got[1])[:, :, rows])  # no dq for the rows
+    if seg is not None:  # JAX's forward (its gradients of such rows differ: they are not zero)
+        with jax_interpret():
+            theirs = jfa.flash_attention(q, k, v, None, jfa.SegmentIds(*seg), sm_scale=0.3)
+        close(got[0], theirs, 2e-5)
+
+
+def test_float_segment_ids_compared_as_given():
+    """1.5 and 1.7 are different segments (they were truncated to the same int)."""
+    q, k, v, do = inputs(F32, grads=True)
+    ids = jnp.where(jnp.arange(256) < 100, 1.5, 1.7)[None].astype(F32)
+    seg = fa.SegmentIds(ids, ids)
+    got = interpret_grads(
+        lambda q, k, v, ab: fa.flash_attention(q, k, v, None, seg, sm_scale=0.2), q, k, v, None, do
+    )
+    want = with_grads(lambda q, k, v, ab: attention(q, k, v, None, seg, sm_scale=0.2), q, k, v, None, do)
+    check_all(got, want, 2e-5)
+
+
+@pytest.mark.parametrize("lq,lk,causal", [(1, 128, False), (1, 200, True), (136, 136, True)], ids=str)
+def test_lengths_off_the_blocks(lq, lk, causal):
+    """One query; lengths that are not multiples of 128 (blocks as long as the sequence)."""
+    q, k, v, do = inputs(F32, h=1, lq=lq, lk=lk, grads=True)
+    got = interpret_grads(
+        lambda q, k, v, ab: fa.flash_attention(q, k, v, causal=causal, sm_scale=0.3), q, k, v, None, do
+    )
+    want = with_grads(lambda q, k, v, ab: attention(q, k, v, causal=causal, sm_scale=0.3), q, k, v, None, do)
+    check_all(got, want, 2e-5)
+
+
+def test_empty_query_sequence():
+    q, k, v = jnp.zeros((1, 2, 0, 128)), rand(2, (1, 2, 128, 128)), rand(3, (1, 2, 128, 128))
+    out, vjp = jax.vjp(lambda q, k, v: fa.flash_attention(q, k, v), q, k, v)
+    assert out.shape == (1, 2, 0, 128) and out.dtype == q.dtype
+    dq, dk, dv = vjp(out)
+    assert dq.shape == q.shape and not np.any(np.asarray(dk)) and not np.any(np.asarray(dv))
+
+
+BAD_TYPES = {
+    "int_q": (TypeError, "q must have a floating dtype.*int32"),
+    "int_ab": (TypeError, "ab must have a floating dtype.*int32"),
+    "causal_str": (TypeError, "causal must be a bool, got 'False'"),
+    "tuple_segments": (TypeError, "segment_ids must be a SegmentIds"),
+    "splash_blocks": (TypeError, "block_sizes must be a pallas_tpu.ops.flash_attention.BlockSizes"),
+    "empty_keys": (ValueError, "kv_seq_len is 0"),
+    "block_q_64": (ValueError, "block_q=64 must be a multiple of 128 .* logsumexp .* lane-dense"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_TYPES))
+def test_bad_argument_types(bad):
+    from pallas_tpu.ops import splash_attention
+
+    error, words = BAD_TYPES[bad]
+    q = k = v = jnp.zeros((1, 2, 256, 128), F32)
+    kw = {}
+    ab = seg = None
+    if bad == "int_q":
+        q = jnp.zeros((1, 2, 256, 128), jnp.int32)
+    elif bad == "int_ab":
+        ab = jnp.zeros((1, 2, 256, 256), jnp.int32)
+    elif bad == "causal_str":
+        kw["causal"] = "False"
+    elif bad == "tuple_segments":
+        seg = (jnp.zeros((1, 256), jnp.int32),) * 2
+    elif bad == "splash_blocks":
+        kw["block_sizes"] = splash_attention.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128)
+    elif bad == "empty_keys":
+        k = v = jnp.zeros((1, 2, 0, 128), F32)
+    elif bad == "block_q_64":
+        kw["block_sizes"] = blocks(fa, block_q=64)
+    with pytest.raises(error, match=words):
+        fa.flash_attention(q, k, v, ab, seg, **kw)

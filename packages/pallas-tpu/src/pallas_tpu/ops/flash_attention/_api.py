@@ -6,10 +6,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
-from ._backward import backward_dkv, backward_dq
 import numpy as np
 
+from ._backward import backward_dkv, backward_dq
 from ._blocks import F32, BlockSizes, resolve_blocks, vmem_budget
 from ._forward import attention_forward
 

@@ -214,3 +214,115 @@ def test_page_index_outside_the_cache_gives_nan(way):
     assert np.isnan(out[0]).all() and np.isnan(out[2]).all()
     fine = jnp.clip(pages, 0, total - 1)  # sequence 1 reads none of the changed entries
     close(out[1], reference(q, k, v, lengths, fine)[1], way.dot_tol(2e-5))
+
+
+def _rel_err(out, ref):
+    out, ref = np.asarray(jnp.asarray(out, jnp.float32), np.float64), np.asarray(ref, np.float64)
+    return np.abs(out - ref).max() / np.abs(ref).max()
+
+
+def _f32_reference(q, k, v, lengths, pages, cap):
+    """float32 jnp (precision highest) of the same inputs (int8 pages widened first)."""
+    if isinstance(k, quantization_utils.QuantizedTensor):
+        k, v = (t.weight.astype(jnp.float32) * t.scales / quantization_utils.MAX_INT8 for t in (k, v))
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    b, h, d = q.shape
+    kh = k.shape[0]
+    ks, vs = (x[:, pages].reshape(kh, b, -1, d) for x in (k, v))
+    s = jnp.einsum("bhgd,hbtd->bhgt", q.reshape(b, kh, h // kh, d), ks, precision="highest")
+    if cap is not None:
+        s = cap * jnp.tanh(s / cap)
+    s = jnp.where(jnp.arange(s.shape[-1]) < lengths[:, None, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhgt,hbtd->bhgd", p, vs, precision="highest").reshape(b, h, d)
+
+
+@pytest.mark.parametrize(
+    "dtype, logit_scale, cap, quantized",
+    [("bfloat16", "D**-0.5", None, False), ("bfloat16", "1", 20.0, False), ("float32", "D**-0.5", None, False),
+     ("bfloat16", "1", None, True)],
+)  # fmt: skip
+def test_accuracy_against_jax_op(dtype, logit_scale, cap, quantized):
+    """Our max error against a float32 reference is at most JAX's (x1.1, + 1e-4), on unscaled
+    random-normal keys and queries scaled by 1 or D**-0.5 (a sharp or a usual softmax)."""
+    jax_pa = pytest.importorskip("jax.experimental.pallas.ops.tpu.paged_attention")
+    from jax.experimental.pallas import tpu as jax_pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import quantization_utils as jax_qu
+
+    dtype = jnp.dtype(dtype)
+    q, k, v, lengths, pages = inputs(int(np.random.default_rng().integers(1 << 20)), batch=2, q_heads=4,
+                                     kv_heads=2, page_size=16, pages_per_seq=4, dtype=dtype, lengths=[37, 64])  # fmt: skip
+    q = (q.astype(jnp.float32) * 128**0.5 * (128**-0.5 if logit_scale == "D**-0.5" else 1.0)).astype(dtype)
+    ours_k, ours_v, their_k, their_v = k, v, k, v
+    if quantized:
+        ours_k, ours_v = quantization_utils.quantize_to_int8(k), quantization_utils.quantize_to_int8(v)
+        their_k, their_v = jax_qu.QuantizedTensor(*ours_k), jax_qu.QuantizedTensor(*ours_v)
+    kw = dict(pages_per_compute_block=2, attn_logits_soft_cap=cap)
+    with jax.enable_checks(False), jax_pltpu.force_tpu_interpret_mode():
+        theirs = jax_pa.paged_attention(q, their_k, their_v, lengths, pages, **kw)
+    ours = paged_attention(q, ours_k, ours_v, lengths, pages, interpret=pltpu.InterpretParams(), **kw)
+    ref = _f32_reference(q, ours_k, ours_v, lengths, pages, cap)
+    ours_err, their_err = _rel_err(ours, ref), _rel_err(theirs, ref)
+    print(
+        f"paged_attention {dtype.name} scale {logit_scale} cap {cap} int8 {quantized}: ours {ours_err:.3e} JAX {their_err:.3e}"
+    )
+    assert ours_err <= 1.1 * their_err + 1e-4, (ours_err, their_err)
+
+
+def test_lengths_past_the_pages_are_refused():
+    """Known lengths beyond pages_per_sequence * page_size (or negative) raise; traced ones
+    are clamped (documented)."""
+    with pytest.raises(ValueError, match=r"paged_attention: lengths\[1\]=65 is outside \[0, 64\]"):
+        _call(lengths=jnp.array([5, 65], jnp.int32))()
+    with pytest.raises(ValueError, match=r"lengths\[0\]=-1 is outside"):
+        _call(lengths=jnp.array([-1, 5], jnp.int32))()
+
+
+def test_float_page_indices_holding_integers():
+    """Float page indices holding integers give the int32 indices' result (JAX's op takes them);
+    a fraction is refused naming the dtype expected."""
+    q, k, v, lengths, pages = inputs(31, batch=2, q_heads=4, kv_heads=2, page_size=16, pages_per_seq=4,
+                                     dtype=jnp.float32, lengths=[50, 9])  # fmt: skip
+    out = paged_attention(q, k, v, lengths, pages.astype(jnp.float32), interpret=True)
+    close(out, reference(q, k, v, lengths, pages), 2e-5)
+    with pytest.raises(ValueError, match="page_indices must be int32 .or floats holding integers"):
+        paged_attention(q, k, v, lengths, pages.astype(jnp.float32) + 0.5, interpret=True)
+
+
+def test_jax_names():
+    """JAX's module names: the copy descriptor (used in a kernel of ours) and the kernel names."""
+    import inspect
+
+    jax_kernel = pytest.importorskip("jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel")
+    for name in ("MultiPageAsyncCopyDescriptor", "paged_flash_attention_kernel",
+                 "paged_flash_attention_kernel_inline_seq_dim"):  # fmt: skip
+        ours, theirs = getattr(paged_attention_kernel, name), getattr(jax_kernel, name)
+        assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
+    with pytest.raises(NotImplementedError, match="paged_flash_attention_kernel: JAX's kernel body"):
+        paged_attention_kernel.paged_flash_attention_kernel(*range(18), batch_size=1, pages_per_compute_block=1,
+            pages_per_sequence=1, mask_value=0.0, attn_logits_soft_cap=None, megacore_mode=None)  # fmt: skip
+
+    pages_total, page_size = 7, 8
+    k = rand(50, (2, pages_total, page_size, 128))
+    table = jnp.array([5, 2, 6], jnp.int32)
+
+    def kernel(table_ref, k_hbm, o_ref, buf, sem):
+        copy = paged_attention_kernel.MultiPageAsyncCopyDescriptor(
+            k_hbm, None, buf, None, sem, table_ref, 1, 2, 1
+        )
+        copy.start()
+        o_ref[...] = copy.wait_and_get_loaded()
+
+    import pallas as pl
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((2 * page_size, 128), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,), in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((2 * page_size, 128), lambda i, t: (0, 0)),
+            scratch_shapes=[pltpu.VMEM((2, page_size, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+        ),
+        interpret=True,
+    )(table, k)  # fmt: skip
+    np.testing.assert_array_equal(out, np.asarray(k[1, np.array([2, 6])]).reshape(-1, 128))

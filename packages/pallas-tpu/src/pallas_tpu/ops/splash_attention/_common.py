@@ -179,16 +179,10 @@ def base2_logits(s, cap):
 
 
 def probs_times(p, v):
-    """``p @ v`` for float32 probabilities ``p`` and a value tile ``v``, accumulated in float32
-    with ``p`` kept to about 16 bits when ``v`` is narrower than float32: ``p`` split into its
-    rounding to ``v``'s dtype and the rest (two MXU passes; one rounding of ``p`` to 8 bits
-    would put an error of ``2**-9`` relative on every weight, as large as the output's own
-    rounding)."""
-    if v.dtype == F32:
-        return lax.dot(p, v, preferred_element_type=F32)
-    hi = p.astype(v.dtype)
-    lo = (p - hi.astype(F32)).astype(v.dtype)
-    return lax.dot(hi, v, preferred_element_type=F32) + lax.dot(lo, v, preferred_element_type=F32)
+    """``p @ v`` for float32 probabilities ``p`` and a value tile ``v``, accumulated in float32,
+    as JAX's kernel takes it: float32 operands at the default precision (on a TPU's MXU one
+    bf16 pass, as an explicit rounding of ``p`` would be; exact in interpret mode)."""
+    return lax.dot(p, v.astype(F32), preferred_element_type=F32)
 
 
 def cap_logits(s, cap):

@@ -11,7 +11,7 @@ Per q block the running row max ``m`` and row sum ``l`` are kept lane-replicated
 accumulated unnormalized in float32 and divided by ``l`` once, on the block's last step. The
 query block goes to the MXU as given; the float32 scores are taken to base 2 (times
 ``log2(e)``, or the soft cap's factor), so a score costs one ``exp2``. The probabilities meet
-``v`` split in two (``_common.probs_times``), so that they are not rounded to 8 bits. A step
+``v`` as float32 operands (``_common.probs_times``). A step
 computes the cells of its pattern (``band`` queries by ``block_kv_compute`` keys;
 ``run_patterns``) as straight-line tiles: FULL cells with no mask arithmetic at all, PARTIAL
 ones with the mask computed from the mask's function (or read from its loaded block), EMPTY

@@ -234,3 +234,55 @@ def test_dynamic_validate_inputs(case):
         rpa.dynamic_validate_inputs(*args.values())
     rpa.dynamic_validate_inputs(*_args()[0].values())  # the unchanged inputs pass
     assert kernel.get_dtype_packing(jnp.bfloat16) == 2
+
+
+@pytest.mark.parametrize(
+    "q_dtype, kv_dtype, sm_scale, extra",
+    [("bfloat16", "bfloat16", 128**-0.5, {}), ("bfloat16", "bfloat16", 1.0, dict(soft_cap=20.0, sliding_window=9)),
+     ("bfloat16", "float8_e4m3fn", 128**-0.5, dict(k_scale=0.5, v_scale=0.25))],
+)  # fmt: skip
+def test_accuracy_against_jax_op(jax_ported, q_dtype, kv_dtype, sm_scale, extra):
+    """Our max error against a float64 reference is at most JAX's kernel's (x1.1, + 1e-4), on
+    unscaled random-normal q and keys, sm_scale 1 or D**-0.5."""
+    mix = [(1, 37), (9, 30), (0, 5), (2, 2)]
+    seed = int(np.random.default_rng().integers(1 << 20))
+    args = inputs(seed, mix, max_seqs=5, tokens=16, pages_per_seq=5, q_dtype=q_dtype, kv_dtype=kv_dtype)
+    kw = dict(sm_scale=sm_scale, **extra)
+    blocks = dict(num_kv_pages_per_block=2, num_queries_per_block=8)
+    with jax.enable_checks(False), pltpu.force_tpu_interpret_mode():
+        theirs = jax_ported.ragged_paged_attention(*args, **kw, **blocks)
+    ours = rpa.ragged_paged_attention(*args, **kw, **blocks, interpret=pltpu.InterpretParams())
+    ref = reference(*args, **kw)
+    n, scale = ref.shape[0], np.abs(ref).max()
+    ours_err = np.abs(np.asarray(ours[:n], np.float64) - ref).max() / scale
+    their_err = np.abs(np.asarray(theirs[:n], np.float64) - ref).max() / scale
+    print(
+        f"ragged_paged_attention {q_dtype}/{kv_dtype} sm_scale {sm_scale:.3g} {extra}: ours {ours_err:.3e} JAX {their_err:.3e}"
+    )
+    assert ours_err <= 1.1 * their_err + 1e-4, (ours_err, their_err)
+
+
+def test_tpu_version_and_device_name_as_jax():
+    """On this host JAX's functions and ours agree (a CPU host: -1, "cpu", and
+    get_tuned_block_sizes raising NotImplementedError without a chip)."""
+    jax_tbs = pytest.importorskip("jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes")
+    assert tuned_block_sizes.get_tpu_version() == jax_tbs.get_tpu_version()
+    assert tuned_block_sizes.get_device_name() == jax_tbs.get_device_name()
+    assert tuned_block_sizes.get_device_name(4) == jax_tbs.get_device_name(4)
+    key = (jnp.bfloat16, jnp.bfloat16, 4, 2, 128, 16, 64, 8)
+    if jax_tbs.get_tpu_version() < 4:
+        with pytest.raises(NotImplementedError, match="get_tuned_block_sizes: the TPU version must be 4"):
+            tuned_block_sizes.get_tuned_block_sizes(*key)
+    pages, queries = tuned_block_sizes.get_tuned_block_sizes(*key, info=pltpu.get_tpu_info("v5e"))
+    assert 1 <= pages <= 8 and queries >= 8
+
+
+def test_jax_names():
+    import inspect
+
+    jax_kernel = pytest.importorskip("jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel")
+    for name in ("MultiPageAsyncCopyDescriptor", "ragged_paged_attention_kernel"):
+        ours, theirs = getattr(kernel, name), getattr(jax_kernel, name)
+        assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
+    with pytest.raises(NotImplementedError, match="ragged_paged_attention_kernel: JAX's kernel body"):
+        kernel.ragged_paged_attention_kernel(*range(13), sm_scale=1.0)

@@ -208,3 +208,15 @@ def test_matmul_first_step_zeroing_switch(monkeypatch, case):
     monkeypatch.setattr(mm, "FIRST_STEP", "zero")
     out = mm.matmul.__wrapped__(x, y, **kw)  # traced afresh: the jitted op caches the default's
     close(out, reference(x, y, out_dtype), tol * np.sqrt(384))
+
+
+@pytest.mark.parametrize("m, k, n", [(8, 0, 128), (0, 128, 128), (8, 128, 0)])
+@pytest.mark.parametrize("blocks", [None, (8, 128, 128)], ids=["default_blocks", "given_blocks"])
+def test_empty_dimension(m, k, n, blocks):
+    """k = 0: zeros (an empty sum); m or n = 0: an empty result; with or without blocks."""
+    x = jax.random.normal(jax.random.key(int(np.random.default_rng().integers(1 << 20))), (m, k))
+    y = jnp.ones((k, n), jnp.float32)
+    kw = {} if blocks is None else dict(block_shape=blocks[:2], block_k=blocks[2])
+    out = mm.matmul(x, y, interpret=True, **kw)
+    np.testing.assert_array_equal(out, jnp.dot(x, y, precision="highest"))
+    assert out.shape == (m, n) and out.dtype == x.dtype

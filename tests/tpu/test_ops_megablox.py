@@ -456,3 +456,55 @@ def test_visit_table_picks_dense_when_small(monkeypatch):
         np.testing.assert_array_equal(np.asarray(schedule.gmm_visit_table(sizes, offset, **kw)), want)
         monkeypatch.setattr(schedule, "gmm_schedule_dense", dense)
     assert calls == [1 << 20]
+
+
+def test_gmm_empty_dimensions():
+    """m = 0: the empty result; k = 0: the local groups' rows are zeros (the rest kept from
+    existing_out); tgmm with no rows: zeros."""
+    sizes = jnp.array([8, 4], jnp.int32)
+    assert kernels.gmm(
+        jnp.ones((0, 128)), jnp.ones((2, 128, 128)), jnp.zeros(2, jnp.int32), interpret=True
+    ).shape == (0, 128)
+    existing = jax.random.normal(jax.random.key(int(np.random.default_rng().integers(1 << 20))), (16, 128))
+    out = kernels.gmm(jnp.ones((16, 0)), jnp.ones((2, 0, 128)), sizes, existing_out=existing, interpret=True)
+    want = jnp.where(jnp.arange(16)[:, None] < 12, 0.0, existing)
+    np.testing.assert_array_equal(out, want)
+    out = kernels.tgmm(jnp.ones((128, 0)), jnp.ones((0, 128)), jnp.zeros(2, jnp.int32), interpret=True)
+    np.testing.assert_array_equal(out, np.zeros((2, 128, 128)))
+
+
+def test_gmm_negative_group_sizes_refused():
+    lhs, rhs = jnp.ones((16, 128)), jnp.ones((2, 128, 128))
+    with pytest.raises(
+        ValueError, match=r"gmm: 'group_sizes' must be >= 0 .rows per group., got -4 for group 1"
+    ):
+        kernels.gmm(lhs, rhs, jnp.array([20, -4], jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match=r"tgmm: 'group_sizes' must be >= 0"):
+        kernels.tgmm(lhs.T, lhs, jnp.array([-1, 17], jnp.int32), interpret=True)
+
+
+def test_gmm_lane_tiling_explained():
+    """tk/tn not a multiple of 128 (JAX's op runs them in interpret mode only): the error says why
+    and what to use."""
+    with pytest.raises(
+        ValueError, match=r"gmm: 'tiling' tk=100 must be a multiple of 128 .*Mosaic.*use tk=128"
+    ):
+        kernels.gmm(jnp.ones((256, 256)), jnp.ones((2, 256, 256)), jnp.array([100, 156], jnp.int32),
+                     tiling=(128, 100, 200), interpret=True)  # fmt: skip
+
+
+def test_make_group_metadata_matches_jax():
+    jax_gmm = pytest.importorskip("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    jax_gmm = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    rng = np.random.default_rng()
+    for _ in range(20):
+        groups, tm = int(rng.integers(1, 6)), int(rng.choice([8, 16]))
+        m = tm * int(rng.integers(1, 5))
+        cuts = np.sort(rng.integers(0, m + 1, groups - 1))
+        sizes = np.diff(np.concatenate([[0], cuts, [m]])).astype(np.int32)
+        start = int(rng.integers(0, groups))
+        kw = dict(group_sizes=jnp.asarray(sizes), m=m, tm=tm, start_group=jnp.int32(start),
+                  num_nonzero_groups=int(rng.integers(1, groups - start + 1)), visit_empty_groups=bool(rng.integers(2)))  # fmt: skip
+        for ours, theirs in zip(jax.tree.leaves(kernels.make_group_metadata(**kw)),
+                                jax.tree.leaves(jax_gmm.make_group_metadata(**kw))):  # fmt: skip
+            np.testing.assert_array_equal(ours, theirs, err_msg=str(kw))

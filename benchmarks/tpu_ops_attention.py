@@ -95,7 +95,7 @@ def time_call(f, args, calls=10):
 
 def our_blocks(shape, causal, fwd=None, bwd=None):
     b, h, length, d = shape
-    base = fa.BlockSizes.get_default(b, h, length, length, d, causal=causal)
+    base = fa.tuned_block_sizes(b, h, length, length, d, causal=causal)
     kw = {}
     if fwd:
         kw.update(block_q=fwd[0], block_k_major=fwd[1], block_k=fwd[2])

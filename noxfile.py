@@ -31,6 +31,8 @@ import nox
 # warm one. Without uv, venv and pip, as before.
 nox.options.default_venv_backend = "uv|venv"
 nox.options.reuse_existing_virtualenvs = True
+# The machine's Pythons only, as with venv: uv would otherwise download one that is missing.
+os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 
 # Google's PCI device ids of TPU chips (JAX's jax._src.hardware_utils lists the same).
 _TPU_PCI_IDS = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076", "0x007c", "0x0083"}

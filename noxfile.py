@@ -184,6 +184,14 @@ def _install_all(session: nox.Session, jax_req: list[str], triton_req: list[str]
     )
 
 
+# Two pytest workers (the machine's two cores); worksteal: each takes half the tests in
+# order and steals from the other's end when done (the default, load, hands out small
+# batches, a module spread over both workers, and ended unevenly here). Measured under
+# load 4.5: four tests/tpu files (5 of 572 skipped) 99 s wall, 106 CPU s -> 63 s, 103; tests/core 152 ->
+# 138 CPU s; same counts.
+XDIST = ["-n", "2", "--dist", "worksteal"]
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Full test suite on the reference JAX (0.11.2, the GPU machine's) and the pinned Triton,
@@ -192,7 +200,7 @@ def tests(session: nox.Session) -> None:
     downstream code; the whole set is the ``downstream`` session)."""
     _install_all(session, _with_libtpu(JAX_REFERENCE), TRITON_PINNED)
     _install(session, *TOKAMAX, *_with_libtpu(JAX_REFERENCE), *TRITON_PINNED)
-    args = session.posargs or ["tests", "-n", "2", "--dist", "worksteal", "-q", "-rs", "--durations=25"]
+    args = session.posargs or ["tests", *XDIST, "-q", "-rs", "--durations=25"]
     # The compiled way of the TPU suites compiles for TPU v5e and v6e (tests/tpu/three_way.py).
     session.run("python", "-m", "pytest", *args, env={"PALLAS_TPU_CHIPS": "v5e,v6e"})
 
@@ -209,16 +217,7 @@ def tests_oldest(session: nox.Session) -> None:
     with the pinned Triton and libtpu (the compiled way compiles for TPU v5e there, the chip
     whose JAX this is)."""
     _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
-    args = session.posargs or [
-        *OLDEST_SUITES,
-        "-n",
-        "2",
-        "--dist",
-        "worksteal",
-        "-q",
-        "-rs",
-        "--durations=15",
-    ]
+    args = session.posargs or [*OLDEST_SUITES, *XDIST, "-q", "-rs", "--durations=15"]
     session.run("python", "-m", "pytest", *args, env={"PALLAS_TPU_CHIPS": "v5e"})
     session.run("python", "examples/tpu_matmul.py")
 
@@ -232,7 +231,7 @@ def tests_newest(session: nox.Session) -> None:
     that build registers its handlers in the newest jaxlib.
     """
     _install_all(session, _with_libtpu(JAX_NEWEST), TRITON_NEWEST)
-    args = session.posargs or ["tests", "-n", "2", "--dist", "worksteal", "-q", "-rs", "--durations=25"]
+    args = session.posargs or ["tests", *XDIST, "-q", "-rs", "--durations=25"]
     # The compiled way here compiles for the other two generations libtpu knows: TPU v4 and v5p.
     env = {"JAX_TRITON_PIN_CHECK": "0", "PALLAS_TPU_CHIPS": "v4,v5p"}
     session.run("python", "-m", "pytest", *args, env=env)

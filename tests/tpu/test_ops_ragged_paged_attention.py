@@ -104,6 +104,20 @@ CASES = {
         dict(sm_scale=0.09, k_scale=0.5, v_scale=0.25, num_kv_pages_per_block=2, num_queries_per_block=8),
         3e-2,
     ),
+    # 8 KV heads: two groups of 4 in the kernel's head loop (a traced group, each cache dtype's
+    # strided loads past the group's first row).
+    "f32_head_groups": (
+        jnp.float32, jnp.float32, dict(q_heads=8, kv_heads=8),
+        dict(sm_scale=0.09, num_kv_pages_per_block=2, num_queries_per_block=16), 2e-5,
+    ),
+    "bf16_head_groups": (
+        jnp.bfloat16, jnp.bfloat16, dict(q_heads=16, kv_heads=8),
+        dict(sm_scale=0.09, num_kv_pages_per_block=2, num_queries_per_block=16), 3e-2,
+    ),
+    "fp8_head_groups": (
+        jnp.bfloat16, jnp.float8_e4m3fn, dict(q_heads=8, kv_heads=8, page_size=16, pages_per_seq=4),
+        dict(sm_scale=0.09, k_scale=0.5, num_kv_pages_per_block=2, num_queries_per_block=8), 3e-2,
+    ),
 }  # fmt: skip
 
 

@@ -20,10 +20,16 @@ _INV_MAX_INT8 = 1.0 / 127.5
 # p % SLOTS. A block is computed while the next AHEAD are in flight (the last of them being
 # issued beside the computation). Slots are split over two VMEM allocations ("halves", slot
 # p in half (p // 2) % 2, row p % 2 of it): block p and block p + AHEAD are always in different
-# halves, so the scheduler can tell the copies being issued from the loads being computed and
-# interleaves them (one allocation with a dynamic slot index serializes them).
+# halves, so the scheduler can tell the copies being issued from the loads being computed (one
+# allocation with a dynamic slot index serializes them).
 SLOTS = 4
 AHEAD = 2
+# Pages a full block's copy loop starts an iteration. The copies of a loop are issued apart
+# from the block's arithmetic (libtpu's v5e schedule, 32/8 heads, D128, bf16, 2048 keys a
+# block: ~9 bundles a page against ~7 in straight-line code beside the matmuls), but the code
+# stays the same size at any block: unrolled, a block of 64 pages made the kernel 26k Mosaic ops
+# and its first call 3x JAX's op's. 8 holds the loop's own overhead to ~1 bundle a page.
+UNROLL = 8
 
 
 def _half(p):
@@ -84,33 +90,43 @@ class _Copies:
     def __init__(self, plan: Plan, pages_ref, hbm, halves, sems):
         self.plan, self.pages_ref, self.hbm, self.halves, self.sems = plan, pages_ref, hbm, halves, sems
 
-    def _page(self, h, page, half, p, i):
-        for a, (src, buf) in enumerate(zip(self.hbm, self.halves[half])):
-            pltpu.make_async_copy(src.at[h, page], buf.at[p % 2, i], self.sems.at[a, p % SLOTS]).start()
+    def _slot(self, h, half, p):
+        """``(source, destination, semaphore)`` per array for head ``h``'s pages into slot ``p``
+        of ``half``: the page loops index them by page only (``p >= 0``: masks, not ``%``)."""
+        row, sem = p & 1, p & (SLOTS - 1)
+        return [
+            (src.at[h], buf.at[row], self.sems.at[a, sem])
+            for a, (src, buf) in enumerate(zip(self.hbm, self.halves[half]))
+        ]
 
     def _base(self, b, j):
         return b * self.plan.pages_per_sequence + j * self.plan.pages_per_block
 
-    def start_full(self, b, h, j, half, p):
-        """Starts full block ``j`` of sequence ``b`` into slot ``p`` (of the static ``half``):
-        straight-line code, one page after another."""
+    def _loop(self, b, h, j, half, p, count, unroll=1):
         base = self._base(b, j)
-        for i in range(self.plan.pages_per_block):
-            self._page(h, self.pages_ref[base + i], half, p, i)
+        slot = self._slot(h, half, p)
+
+        def one(i, carry):
+            page = self.pages_ref[base + i]
+            for src, dst, sem in slot:
+                pltpu.make_async_copy(src.at[page], dst.at[i], sem).start()
+            return carry
+
+        lax.fori_loop(0, count, one, 0, unroll=unroll)
+
+    def start_full(self, b, h, j, half, p):
+        """Starts full block ``j`` of sequence ``b`` into slot ``p`` (of the static ``half``): a
+        loop of ``UNROLL`` pages an iteration, so the kernel's code does not grow with the block."""
+        self._loop(b, h, j, half, p, self.plan.pages_per_block, min(UNROLL, self.plan.pages_per_block))
 
     def start_pages(self, b, h, j, p, count, half=None):
         """Starts the first ``count`` pages of block ``j`` of sequence ``b`` into slot ``p`` with
         a loop (a short block, or a rare one), in ``half`` or, when None, the slot's half."""
-        base = self._base(b, j)
         for x in range(2) if half is None else (half,):
 
-            def one(i, carry, x=x):
-                self._page(h, self.pages_ref[base + i], x, p, i)
-                return carry
-
             @pl.when((_half(p) == x) if half is None else True)
-            def _():
-                lax.fori_loop(0, count, one, 0)
+            def _(x=x):
+                self._loop(b, h, j, x, p, count)
 
     def wait(self, half, p, count):
         """Waits for a block of ``count`` pages in slot ``p`` (of the static ``half``): a full one

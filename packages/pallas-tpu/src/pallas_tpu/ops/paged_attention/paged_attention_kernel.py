@@ -25,11 +25,15 @@ cache's reads, so the kernel is a DMA schedule with arithmetic beside it:
   the arithmetic. Hence: the page table is clamped into the cache (``jnp.clip`` before the
   call), so no copy can leave the arrays, and the bounds checks are off
   (``disable_bounds_checks``); the slots are split over two VMEM allocations so that block
-  ``j + 2``'s copies and block ``j``'s loads are provably apart, and the scheduler interleaves
-  the copies with the block's matmuls and softmax (in one allocation with a dynamic slot it
-  serializes them). A block of 128 pages of 16 now takes ~1,190 bundles (~4.6 a copy: the 2
-  scalar slots' address arithmetic), 32 pages of 64 ~530, against the ~1,300 ns that 1 MiB
-  takes at the v5e's HBM bandwidth.
+  ``j + 2``'s copies and block ``j``'s loads are provably apart (in one allocation with a
+  dynamic slot the scheduler serializes them). With the copies as straight-line code beside the
+  block's matmuls and softmax, a block of 128 pages of 16 took ~1,190 bundles (~4.6 a copy: the
+  2 scalar slots' address arithmetic), 32 pages of 64 ~530, against the ~1,300 ns that 1 MiB
+  takes at the v5e's HBM bandwidth. They are now a loop of 8 pages an iteration (``_decode.UNROLL``),
+  so the kernel's code does not grow with the block (straight-line, a block of 64 pages made
+  it 26k Mosaic ops, its first call 3x JAX's op's): ~9 bundles a page issued before the
+  arithmetic, ~1,000 bundles a block of 64 pages of 32 (~850 straight-line), ~1,580 at 128
+  pages of 16.
 * The online softmax (running max ``m``, sum ``l`` and unnormalized output) lives in registers
   across a step's blocks; only the last ``AHEAD`` blocks of a sequence (the "tail", where the
   block ``AHEAD`` on is short or in the next step) are masked, by a select against the length
@@ -73,8 +77,8 @@ MEGACORE_MODES = ("kv_head", "batch", None)
 # loop); more only grows VMEM and the last block's waste. The per-copy issue cost is the same at
 # any block size, so small pages get more pages a block, not fewer bytes.
 BLOCK_BYTES = 1 << 20
-# Pages one block copies at most: a full block's copies are unrolled straight-line code (four
-# copies of it in the kernel), 128 keeps it at ~1,200 bundles.
+# Pages one block copies at most: a block's copies are issued one after another (a loop of ~9
+# bundles a page) before its arithmetic, so more pages make the block scalar-bound.
 MAX_PAGES_PER_BLOCK = 128
 _TRANS_B = (((1,), (1,)), ((), ()))
 

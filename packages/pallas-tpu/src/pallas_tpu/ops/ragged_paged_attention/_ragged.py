@@ -19,6 +19,10 @@ from pallas_tpu.ops.ragged_paged_attention._update import write_new_kv
 
 _F32 = jnp.float32
 _TRANS_B = (((1,), (1,)), ((), ()))
+# KV heads a step of the head loop computes: their strided loads start at a static row past
+# a group's first, which is a multiple of every cache dtype's sublane tile (4 heads: 8 rows of
+# float32, 4 words of 16-bit pairs, 2 of 8-bit quads).
+HEAD_GROUP = 4
 
 
 def _slot_rows(plan: Plan, buf, slot):
@@ -27,11 +31,17 @@ def _slot_rows(plan: Plan, buf, slot):
     return buf.at[slot].reshape(plan.block_tokens * plan.kv_heads_combined, plan.head_dim)
 
 
-def _word_rows(plan: Plan, buf, slot, first_row, step):
-    """Rows ``first_row + step * t`` (t over the block's tokens) of a slot read as 32-bit words."""
+def _word_rows(plan: Plan, buf, slot, first_row, step, group=None):
+    """Rows ``first_row + step * t`` (t over the block's tokens) of a slot read as 32-bit words,
+    past ``group`` (traced) groups of ``HEAD_GROUP`` heads: a window whose start and length
+    are multiples of the group's word rows, themselves of the sublane tile (a strided load's
+    start must be static unless it is a tile multiple)."""
     view = _slot_rows(plan, buf, slot)
     if plan.kv_dtype.itemsize < 4:
         view = view.bitcast(jnp.uint32)
+    if group is not None:  # the window ends at the last token's row of the last group at most
+        words = step * HEAD_GROUP // plan.num_kv_heads  # a group's word rows in a token
+        view = view.at[pl.ds(pl.multiple_of(group * words, words), view.shape[0] - step + words)]
     return view[pl.ds(first_row, plan.block_tokens, stride=step), :]
 
 
@@ -59,24 +69,23 @@ def _from_byte(bits, dtype):
     raise NotImplementedError(f"ragged_paged_attention: KV pages of {dtype}")
 
 
-def _head_kv(plan: Plan, buf, slot, h):
-    """The keys and values of KV head ``h`` in a slot, ``[block_tokens, head_dim]`` each, as
-    float32 (exact) or the compute dtype. A token's combined heads alternate K and V, so the K
-    and V of one head share a 32-bit word for 16-bit caches (low half K) and for 8-bit ones
-    (bytes 2(h%2) and 2(h%2)+1 of word h//2): one strided load gives both."""
+def _head_kv(plan: Plan, buf, slot, h, group=None):
+    """The keys and values of KV head ``h`` (static) in a slot, of head group ``group`` (traced:
+    heads ``HEAD_GROUP * group + h``) if given, ``[block_tokens, head_dim]`` each, as float32
+    (exact) or the compute dtype. A token's combined heads alternate K and V, so the K and V of
+    one head share a 32-bit word for 16-bit caches (low half K) and for 8-bit ones (bytes
+    2(h%2) and 2(h%2)+1 of word h//2): one strided load gives both."""
     size = plan.kv_dtype.itemsize
     heads = plan.kv_heads_combined
     if size == 4:
-        k = _word_rows(plan, buf, slot, 2 * h, heads)
-        v = _word_rows(plan, buf, slot, 2 * h + 1, heads)
+        k = _word_rows(plan, buf, slot, 2 * h, heads, group)
+        v = _word_rows(plan, buf, slot, 2 * h + 1, heads, group)
     elif size == 2:
-        w = _word_rows(plan, buf, slot, h, heads // 2)
+        w = _word_rows(plan, buf, slot, h, heads // 2, group)
         k = lax.bitcast_convert_type(w << 16, _F32)
         v = lax.bitcast_convert_type(w & np.uint32(0xFFFF0000), _F32)
     else:
-        w = _word_rows(plan, buf, slot, h // 2, heads // 4)
-        shift = 16 * (h % 2)
-        w = w >> (shift if isinstance(shift, int) else shift.astype(jnp.uint32))
+        w = _word_rows(plan, buf, slot, h // 2, heads // 4, group) >> (16 * (h % 2))
         k = _from_byte(w & 0xFF, plan.kv_dtype)
         v = _from_byte((w >> 8) & 0xFF, plan.kv_dtype)
     # ``k_scale`` and ``v_scale`` are applied to the scores and the output, not here: the codes
@@ -107,9 +116,11 @@ def _attend_block(plan: Plan, refs, item: Item, j, slot, t0, tokens):
     if plan.sliding_window is not None:
         valid &= rel > item.pos_base - plan.sliding_window
 
-    def head(h):
+    def head(h, group=None):
+        k, v = _head_kv(plan, buf, slot, h, group)
+        if group is not None:
+            h = group * HEAD_GROUP + h
         q = q_ref[h, pl.ds(r0, rows), :].astype(plan.compute_dtype)
-        k, v = _head_kv(plan, buf, slot, h)
         s = lax.dot_general(q, k, _TRANS_B, preferred_element_type=_F32)
         # One float32 multiply a score: sm_scale and k_scale (and 1 / soft_cap) on the float32
         # scores, never on q before the matmul (a 16-bit q rounded after scaling loses up to
@@ -129,11 +140,20 @@ def _attend_block(plan: Plan, refs, item: Item, j, slot, t0, tokens):
         pv = weighted_values(p, v)
         acc_ref[h, pl.ds(r0, rows), :] = alpha * acc_ref[h, pl.ds(r0, rows), :] + pv
 
-    if plan.num_kv_heads <= 8:
-        for h in range(plan.num_kv_heads):
-            head(h)
-    else:
-        lax.fori_loop(0, plan.num_kv_heads, lambda h, c: (head(h), c)[1], 0)
+    # Groups of HEAD_GROUP heads in a loop, each group's heads static (the kernel's code does
+    # not grow with the KV heads); a single group, or heads not in whole groups, static.
+    groups = plan.num_kv_heads // HEAD_GROUP
+    groups = groups if groups > 1 and plan.num_kv_heads % HEAD_GROUP == 0 else 0
+    if groups:
+
+        def group(g, carry):
+            for h in range(HEAD_GROUP):
+                head(h, g)
+            return carry
+
+        lax.fori_loop(0, groups, group, 0)
+    for h in range(groups * HEAD_GROUP, plan.num_kv_heads):
+        head(h)
 
 
 def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, *refs):

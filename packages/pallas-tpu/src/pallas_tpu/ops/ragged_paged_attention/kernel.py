@@ -62,6 +62,42 @@ def get_dtype_packing(dtype) -> int:
     return 32 // (np.dtype(dtype).itemsize * 8)
 
 
+def _tiles_whole(rows: int, packing: int) -> bool:
+    """Whether ``rows`` rows of a dtype packing ``packing`` per 32-bit word fill XLA's TPU tiles
+    of a second-minor dimension: whole words, and 1, 2, 4, 8 or a multiple of 8 of them."""
+    if rows % packing:
+        return False
+    words = rows // packing
+    return words in (1, 2, 4, 8) or words % 8 == 0
+
+
+def get_min_heads_per_blk(num_q_heads, num_combined_kv_heads, q_dtype, kv_dtype):
+    """JAX's head block of its ragged kernel: ``(q heads, combined K/V heads)`` per block, the
+    fewest heads whose blocks tile whole (one full sublane tile of combined K/V heads, 8 words of
+    ``kv_dtype``, where that divides them, and the q heads that go with them), else every head.
+    Raises ValueError when the combined K/V heads cannot tile at all. Ours' kernel takes every
+    head of a KV block at once and does not ask this; it answers as JAX's for code that does."""
+    q_packing, kv_packing = get_dtype_packing(q_dtype), get_dtype_packing(kv_dtype)
+    if not _tiles_whole(num_combined_kv_heads, kv_packing):
+        raise ValueError(
+            f"get_min_heads_per_blk: num_combined_kv_heads={num_combined_kv_heads} of "
+            f"{np.dtype(kv_dtype).name} does not fill whole TPU tiles (whole 32-bit words: 1, 2, 4, "
+            f"8 or a multiple of 8 of them)"
+        )
+    if num_combined_kv_heads % 2 or num_q_heads % (num_combined_kv_heads // 2):
+        raise ValueError(
+            f"get_min_heads_per_blk: num_q_heads={num_q_heads} must be a multiple of the "
+            f"{num_combined_kv_heads // 2} KV heads in num_combined_kv_heads={num_combined_kv_heads}"
+        )
+    group = num_q_heads // (num_combined_kv_heads // 2)
+    tile = 8 * kv_packing
+    kv_block = tile if num_combined_kv_heads % tile == 0 else num_combined_kv_heads
+    q_block = kv_block // 2 * group
+    if _tiles_whole(q_block, q_packing):
+        return q_block, kv_block
+    return num_q_heads, num_combined_kv_heads
+
+
 def static_validate_inputs(
     q: jax.Array,
     kv_pages: jax.Array,

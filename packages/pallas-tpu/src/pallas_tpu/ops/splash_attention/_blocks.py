@@ -206,7 +206,7 @@ def _shrink(b: BlockSizes, q_len: int, kv_len: int) -> BlockSizes:
     """``b`` with each block longer than its sequence cut to the sequence (a block cannot
     be larger than what it tiles), and each compute chunk then longer than, or not dividing,
     its block fitted to it."""
-    fit = {}
+    fit: dict[str, Any] = {}
     for name, n in (
         ("block_q", q_len),
         ("block_kv", kv_len),

@@ -165,7 +165,7 @@ def test_schedule_visits_each_visible_block_once(kv_major, shards):
     hidden[128:256] = False
     masks[1] = sa.NumpyMask(masks[1].array & ~hidden)
     mask = sa.MultiHeadMask(masks)
-    process = info_lib.process_mask_dkv if kv_major else info_lib.process_mask
+    process = info_lib.process_schedule_dkv if kv_major else info_lib.process_schedule
     info, function, patterns = process(
         mask, (128, 256), head_shards=head_shards, q_seq_shards=q_shards, block_kv_compute=128
     )
@@ -207,14 +207,14 @@ def test_schedule_visits_each_visible_block_once(kv_major, shards):
 
 def test_schedule_shared_by_the_heads_of_a_shard():
     mask = sa.MultiHeadMask([sa.CausalMask(SHAPE)] * 4)
-    info, function, patterns = info_lib.process_mask(mask, (128, 128), head_shards=2, q_seq_shards=1)
+    info, function, patterns = info_lib.process_schedule(mask, (128, 128), head_shards=2, q_seq_shards=1)
     assert info.steps.shape[0] == 2 and info.partial_mask_ids is None and function is not None
-    info1, _, patterns = info_lib.process_mask(mask, (128, 256), block_kv_compute=128)
+    info1, _, patterns = info_lib.process_schedule(mask, (128, 256), block_kv_compute=128)
     # Causal 4 x 3 blocks of two chunks: the full pattern, and the diagonal at either chunk.
     assert info1.steps.shape == (1, 1, 6)
     assert sorted(patterns) == sorted([((PARTIAL, EMPTY),), ((FULL, PARTIAL),), ((FULL, FULL),)])
     # Cells of 128 queries by 128 keys in blocks of 256 x 256: the diagonal block's cells.
-    _, _, patterns = info_lib.process_mask(mask, (256, 256), block_kv_compute=128, q_band=128)
+    _, _, patterns = info_lib.process_schedule(mask, (256, 256), block_kv_compute=128, q_band=128)
     assert ((PARTIAL, EMPTY), (FULL, PARTIAL)) in patterns and ((FULL, FULL), (FULL, FULL)) in patterns
 
 
@@ -235,7 +235,7 @@ def test_rare_patterns_become_all_partial():
     """Past MAX_PATTERNS distinct patterns, the rarest are computed as all-PARTIAL."""
     dense = chunky_mask(24, 4)
     mask = sa.MultiHeadMask([sa.NumpyMask(dense)])
-    info, _, patterns = info_lib.process_mask(mask, (128, 512), block_kv_compute=128)
+    info, _, patterns = info_lib.process_schedule(mask, (128, 512), block_kv_compute=128)
     assert len(patterns) == info_lib.MAX_PATTERNS and ((PARTIAL,) * 4,) in patterns
     codes = info_lib.unpack(np.asarray(info.steps[0, 0]))["pattern"]
     assert len(codes) == 24 and codes.min() >= 1
@@ -244,14 +244,14 @@ def test_rare_patterns_become_all_partial():
 def test_schedule_errors():
     mask = sa.MultiHeadMask([sa.CausalMask(SHAPE)] * 2)
     with pytest.raises(ValueError, match="q_seq_shards=3 times block_q=128 must divide"):
-        info_lib.process_mask(mask, (128, 128), q_seq_shards=3)
+        info_lib.process_schedule(mask, (128, 128), q_seq_shards=3)
     with pytest.raises(ValueError, match="block_kv=512 must divide"):
-        info_lib.process_mask(mask, (128, 512))
+        info_lib.process_schedule(mask, (128, 512))
     with pytest.raises(TypeError, match="MultiHeadMask or a boolean NumPy array"):
-        info_lib.process_mask(sa.CausalMask(SHAPE), (128, 128))
+        info_lib.process_schedule(sa.CausalMask(SHAPE), (128, 128))
     big = sa.MultiHeadMask([sa.FullMask((128, 128 * (info_lib.MAX_BLOCKS + 1)))])
     with pytest.raises(ValueError, match="take larger blocks"):
-        info_lib.process_mask(big, (128, 128))
+        info_lib.process_schedule(big, (128, 128))
 
 
 def test_kernel_is_a_pytree():

@@ -44,7 +44,7 @@ class Config:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """How a kernel reads its ``MaskInfo`` (flattened to 1-d SMEM arrays): the grid, and per
+    """How a kernel reads its ``ScheduleInfo`` (flattened to 1-d SMEM arrays): the grid, and per
     grid point the packed step and the head's row of the schedule."""
 
     heads: int
@@ -53,7 +53,7 @@ class Schedule:
     num_steps: int
 
     @classmethod
-    def of(cls, info: info_lib.MaskInfo, heads: int, op: str) -> Schedule:
+    def of(cls, info: info_lib.ScheduleInfo, heads: int, op: str) -> Schedule:
         mask_heads, q_shards, num_steps = info.steps.shape
         if heads % mask_heads:
             raise ValueError(
@@ -86,7 +86,7 @@ class StepMaps:
     is_mqa: bool
 
     @classmethod
-    def of(cls, info: info_lib.MaskInfo, q, k, block_q: int, cfg: Config, op: str) -> StepMaps:
+    def of(cls, info: info_lib.ScheduleInfo, q, k, block_q: int, cfg: Config, op: str) -> StepMaps:
         heads, q_len, _ = q.shape
         sched = Schedule.of(info, heads, op)
         kv_heads = 1 if cfg.is_mqa else k.shape[0]
@@ -156,7 +156,7 @@ class StepMaps:
         return in_specs, args
 
 
-def prefetch_of(info: info_lib.MaskInfo) -> list:
+def prefetch_of(info: info_lib.ScheduleInfo) -> list:
     """The scalar-prefetched schedule: the packed steps, the q shards' first blocks and (for a
     materialized mask) the partial blocks' ids."""
     prefetch = [flat(info.steps), flat(info.q_block_base)]

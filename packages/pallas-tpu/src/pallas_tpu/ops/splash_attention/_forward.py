@@ -38,7 +38,17 @@ _LN2 = math.log(2.0)
 
 
 def forward(
-    info: info_lib.MaskInfo, q, k, v, segment_ids, sinks, *, cfg: cm.Config, blocks, patterns, keep_lse: bool
+    info: info_lib.ScheduleInfo,
+    q,
+    k,
+    v,
+    segment_ids,
+    sinks,
+    *,
+    cfg: cm.Config,
+    blocks,
+    patterns,
+    keep_lse: bool,
 ):
     """``(out [heads, q_len, head_dim], lse [heads, q_len] natural-log or None)``."""
     block_q, block_kv, block_kv_compute = blocks

@@ -95,3 +95,97 @@ def make_attention_reference(mask, is_mqa: bool, backward_impl: str = "vanilla",
         return jax.vmap(one, in_axes=(0, 0, 0, 0, None, sink_axis))(mask, q, kk, vv, segment_ids, sinks)
 
     return functools.partial(run, dense)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _reference_custom(mask, q, k, v, segment_ids, sinks, mask_value, save_residuals, custom_type, soft_cap):
+    return attention_reference(
+        mask,
+        q,
+        k,
+        v,
+        segment_ids,
+        sinks,
+        mask_value=mask_value,
+        save_residuals=save_residuals,
+        attn_logits_soft_cap=soft_cap,
+    )
+
+
+def _reference_custom_fwd(
+    mask, q, k, v, segment_ids, sinks, mask_value, save_residuals, custom_type, soft_cap
+):
+    if save_residuals:
+        raise NotImplementedError("Higher-order AD not supported.")
+    out, (lse,) = attention_reference(
+        mask,
+        q,
+        k,
+        v,
+        segment_ids,
+        sinks,
+        mask_value=mask_value,
+        save_residuals=True,
+        attn_logits_soft_cap=soft_cap,
+    )
+    return out, (mask, q, k, v, segment_ids, sinks, out, lse)
+
+
+def _reference_custom_bwd(mask_value, save_residuals, custom_type, soft_cap, residuals, d_out):
+    """The flash-attention backward from the saved logsumexp: ``p = exp(s - lse)``,
+    ``ds = p * (dp - di)`` with ``di = rowsum(o * do)`` (``custom_type="flash"``) or
+    ``rowsum(dp * p)`` (otherwise), through the soft cap's ``1 - tanh^2``."""
+    del save_residuals
+    mask, q, k, v, segment_ids, sinks, out, lse = residuals
+    f32 = jnp.float32
+    raw = jnp.einsum("qd,kd->qk", q.astype(f32), k.astype(f32))
+    logits = raw if soft_cap is None else soft_cap * jnp.tanh(raw / soft_cap)
+    if segment_ids is not None:
+        mask = mask & (segment_ids.q[:, None] == segment_ids.kv[None, :])
+    logits = jnp.where(mask, logits, mask_value)
+    p = jnp.exp(logits - lse[:, None])
+    do = d_out.astype(f32)
+    dv = jnp.einsum("qk,qd->kd", p, do).astype(v.dtype)
+    dp = jnp.einsum("qd,kd->qk", do, v.astype(f32))
+    if custom_type == "flash":
+        di = jnp.sum(out.astype(f32) * do, axis=-1, keepdims=True)
+    else:
+        di = jnp.sum(dp * p, axis=-1, keepdims=True)
+    ds = (dp - di) * p
+    if soft_cap is not None:
+        t = jnp.tanh(raw / soft_cap)
+        ds = ds * (1 - t * t)
+    dk = jnp.einsum("qk,qd->kd", ds, q.astype(f32)).astype(k.dtype)
+    dq = jnp.einsum("qk,kd->qd", ds, k.astype(f32)).astype(q.dtype)
+    d_sinks = None
+    if sinks is not None:  # d lse / d sink = exp(sink - lse); d out = -exp(sink - lse) * out
+        weight = jnp.exp(sinks.astype(f32) - lse)
+        d_sinks = -jnp.sum(weight * jnp.sum(out.astype(f32) * do, axis=-1)).astype(sinks.dtype)
+    return None, dq, dk, dv, None, d_sinks
+
+
+_reference_custom.defvjp(_reference_custom_fwd, _reference_custom_bwd)
+
+
+def attention_reference_custom(
+    mask,
+    q,
+    k,
+    v,
+    segment_ids,
+    sinks=None,
+    *,
+    mask_value: float = DEFAULT_MASK_VALUE,
+    save_residuals: bool = False,
+    custom_type: str = "flash",
+    attn_logits_soft_cap: float | None = None,
+):
+    """``attention_reference`` with JAX's hand-written backward (``jax.custom_vjp``): the
+    gradients are formed as the splash kernels form them, from the forward's logsumexp, with
+    ``custom_type`` choosing how ``di`` is summed (``"flash"``: over the head dimension, from
+    the output; otherwise over the keys, from the probabilities). Differentiating with
+    ``save_residuals=True`` raises NotImplementedError, as JAX's does. Rows that see no key
+    give zeros (and zero gradients), as ``attention_reference``."""
+    return _reference_custom(
+        mask, q, k, v, segment_ids, sinks, mask_value, save_residuals, custom_type, attn_logits_soft_cap
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, Optional, Union, cast
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,9 @@ from pallas_tpu.ops.splash_attention._blocks import (
 from pallas_tpu.ops.splash_attention._blocks import from_head_minor as from_head_minor
 from pallas_tpu.ops.splash_attention._reference import (
     attention_reference as attention_reference,
+)
+from pallas_tpu.ops.splash_attention._reference import (
+    attention_reference_custom as attention_reference_custom,
 )
 from pallas_tpu.ops.splash_attention._reference import (
     make_attention_reference as make_attention_reference,
@@ -72,6 +75,88 @@ class SegmentIds(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------
 # The kernel object.
+
+
+# JAX's type names of the kernel's pieces.
+MaskFunctionType = Callable[..., jax.Array]
+# What the custom-vjp attention returns: the output, or with residuals (output, (logsumexp,)).
+SplashCustomReturnType = Union[jax.Array, tuple[jax.Array, tuple[jax.Array]]]  # noqa: UP007
+# The residuals of JAX's splash forward: q, k, v, segment ids, sinks, out, logsumexp, and the
+# dq and dkv mask infos (JAX's MaskInfo).
+SplashResidualsType = tuple[
+    jax.Array,
+    jax.Array,
+    jax.Array,
+    Optional[SegmentIds],  # noqa: UP045
+    Optional[jax.Array],  # noqa: UP045
+    jax.Array,
+    jax.Array,
+    Optional[mask_info_lib.MaskInfo],  # noqa: UP045
+    Optional[mask_info_lib.MaskInfo],  # noqa: UP045
+]
+
+
+def get_kernel_name(is_mqa: bool, save_residuals: bool, is_segmented: bool, phase: str) -> str:
+    """The name of a splash kernel variant, as JAX names it:
+    ``splash_{mha|mqa}_{fwd|dq|dkv}[_segmented]{_residuals|_no_residuals}``. Residuals are
+    kept by the forward only; other phases or residuals outside ``fwd`` raise ValueError
+    (JAX's asserts)."""
+    if phase not in ("fwd", "dq", "dkv"):
+        raise ValueError(f"{_OP}: phase must be 'fwd', 'dq' or 'dkv', got {phase!r}")
+    if save_residuals and phase != "fwd":
+        raise ValueError(f"{_OP}: only the 'fwd' phase saves residuals, got phase {phase!r}")
+    kind = "mqa" if is_mqa else "mha"
+    return f"splash_{kind}_{phase}{'_segmented' if is_segmented else ''}{'_residuals' if save_residuals else '_no_residuals'}"
+
+
+def flash_attention_kernel(
+    data_next_ref,
+    block_mask_ref,
+    mask_next_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    q_segment_ids_ref,
+    kv_segment_ids_ref,
+    sinks_ref,
+    mask_ref,
+    q_sequence_ref,
+    m_scratch_ref,
+    l_scratch_ref,
+    o_scratch_ref,
+    o_ref,
+    logsumexp_ref=None,
+    *,
+    mask_value: float,
+    grid_width: int,
+    bq: int,
+    bkv: int,
+    bkv_compute: int,
+    head_dim_v: int,
+    q_layout: QKVLayout,
+    k_layout: QKVLayout,
+    v_layout: QKVLayout,
+    attn_logits_soft_cap: float | None,
+    mask_function: MaskFunctionType | None,
+):
+    """NOT PROVIDED: always raises NotImplementedError.
+
+    JAX's forward kernel body, with JAX's signature, is named here so that imports resolve,
+    but it is not implemented. JAX's body runs on a ``(heads, q blocks, kv grid width)`` grid
+    whose every cell reads JAX's ``MaskInfo`` (``data_next``, ``block_mask``, ``mask_next``)
+    from scalar memory, and on JAX's scratch layout. The kernels here run on a different
+    schedule (``ScheduleInfo``: one packed step per visible block, no grid cell for a hidden
+    one, one specialized body per block pattern) with different scratch buffers, so no body of
+    theirs takes JAX's refs. Use ``make_splash_mha``/``make_splash_mqa`` (or
+    ``SplashAttentionKernel``) for the kernel, ``attention_reference`` for a plain-``jnp``
+    formula.
+    """
+    raise NotImplementedError(
+        f"{_OP}: flash_attention_kernel (JAX's kernel body over JAX's MaskInfo refs) is not "
+        "provided: the kernels here walk a packed schedule of visible blocks (ScheduleInfo) with "
+        "their own refs, so no body takes JAX's ref layout. Build the kernel with "
+        "make_splash_mha / make_splash_mqa (SplashAttentionKernel), or use attention_reference."
+    )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -139,7 +224,7 @@ class SplashAttentionKernel:
         def specs(info):
             if info is None:
                 return None
-            return mask_info_lib.MaskInfo(
+            return mask_info_lib.ScheduleInfo(
                 steps=shard,
                 partial_mask_ids=None if info.partial_mask_ids is None else shard,
                 partial_mask_blocks=None if info.partial_mask_blocks is None else p(),
@@ -155,7 +240,7 @@ class SplashAttentionKernel:
 
     @classmethod
     def tree_unflatten(cls, kwargs, values):
-        infos = [None if v is None else mask_info_lib.MaskInfo(*v) for v in values]
+        infos = [None if v is None else mask_info_lib.ScheduleInfo(*v) for v in values]
         return cls(*infos, **kwargs)
 
 
@@ -274,21 +359,21 @@ def _make_kernel(
 
     b = block_sizes  # complete: every block set (_complete, BlockSizes.__post_init__)
     fwd_info, mask_function, fwd_patterns = process(
-        mask_info_lib.process_mask,
+        mask_info_lib.process_schedule,
         b.block_q,
         b.block_kv,
         b.block_kv_compute,
         q_band=_forward.band_of(b.block_q, cast(int, b.block_kv_compute)),
     )
     dq_info, _, dq_patterns = process(
-        mask_info_lib.process_mask,
+        mask_info_lib.process_schedule,
         b.block_q_dq,
         b.block_kv_dq,
         _backward.cell_of(cast(int, b.block_kv_dq)),
         q_band=_backward.cell_of(cast(int, b.block_q_dq)),
     )
     dkv_info, _, dkv_patterns = process(
-        mask_info_lib.process_mask_dkv,
+        mask_info_lib.process_schedule_dkv,
         b.block_q_dkv,
         b.block_kv_dkv,
         b.block_kv_dkv_compute,

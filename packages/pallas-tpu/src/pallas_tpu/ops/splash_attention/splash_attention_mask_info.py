@@ -31,6 +31,11 @@ Masks that are the same for every head of a head shard are scheduled once per sh
 once per head. Partial chunks are computed in the kernel from the mask's ``kernel_function``
 when it has one, else read from materialized (deduplicated) ``partial_mask_blocks``, one per
 step with a partial chunk, named per step by ``partial_mask_ids``.
+
+The kernels' schedules are ``ScheduleInfo`` from ``process_schedule(_dkv)``. JAX's names
+(``MaskInfo``, ``process_mask(_dkv)``, ``process_dynamic_mask(_dkv)``) give JAX's structure
+with JAX's meaning, for code written against JAX's splash internals (see the end of the
+module).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ MAX_BLOCKS = 1 << 13
 MAX_PATTERNS = 15
 
 
-class MaskInfo(NamedTuple):
+class ScheduleInfo(NamedTuple):
     """The schedule of one kernel (forward, ``dq`` or ``dk``/``dv``), as device arrays.
 
     Attributes:
@@ -182,7 +187,7 @@ def _pattern_table(fines: list[np.ndarray], kinds: list[np.ndarray]):
 
 
 def _process(mask, block_shape, chunk, band, head_shards, q_seq_shards, kv_major: bool):
-    """Schedules for every head and q shard: ``(MaskInfo of NumPy arrays, kernel function,
+    """Schedules for every head and q shard: ``(ScheduleInfo of NumPy arrays, kernel function,
     patterns)``; a pattern gives the kinds of a block's cells of ``band`` queries by ``chunk``
     keys, ``pattern[band][chunk]``."""
     block_q, block_kv = (int(b) for b in block_shape)
@@ -275,10 +280,10 @@ def _process(mask, block_shape, chunk, band, head_shards, q_seq_shards, kv_major
         shape = (block_kv, block_q) if kv_major else (block_q, block_kv)
         partial_blocks = np.stack(contents) if contents else np.zeros((1, *shape), np.int8)
     base = (np.arange(q_seq_shards) * nq_shard).astype(np.int32)
-    return MaskInfo(steps, ids, partial_blocks, base), kernel_function, patterns
+    return ScheduleInfo(steps, ids, partial_blocks, base), kernel_function, patterns
 
 
-def process_mask(
+def process_schedule(
     mask,
     block_shape: tuple[int, int],
     *,
@@ -290,14 +295,14 @@ def process_mask(
 ):
     """The q-major schedule (forward and ``dq`` kernels) of ``mask`` in ``(block_q, block_kv)``
     blocks, computed in cells of ``q_band`` queries (default: the block) by ``block_kv_compute``
-    keys: ``(MaskInfo, kernel_function or None, patterns)`` (JAX's returns the first two).
-    ``downcast_smem_data`` is accepted for JAX's signature: the steps are always packed into one
-    int32 word each."""
+    keys: ``(ScheduleInfo, kernel_function or None, patterns)``.
+    ``downcast_smem_data`` is accepted for the signature of ``process_mask``: the steps are
+    always packed into one int32 word each."""
     del downcast_smem_data
     return _process(mask, block_shape, block_kv_compute, q_band, head_shards, q_seq_shards, kv_major=False)
 
 
-def process_mask_dkv(
+def process_schedule_dkv(
     mask,
     block_shape: tuple[int, int],
     *,
@@ -311,6 +316,368 @@ def process_mask_dkv(
     """The kv-major schedule (``dk``/``dv`` kernel) of ``mask`` in ``(block_q, block_kv)``
     blocks, computed in cells of ``q_band`` queries (default: the block) by ``block_kv_compute``
     keys; partial blocks are stored transposed ``(block_kv, block_q)``. ``shrink_grid`` is
-    accepted for JAX's signature (the schedule never holds empty blocks)."""
+    accepted for the signature of ``process_mask_dkv`` (the schedule never holds empty
+    blocks)."""
     del downcast_smem_data, shrink_grid
     return _process(mask, block_shape, block_kv_compute, q_band, head_shards, q_seq_shards, kv_major=True)
+
+
+# JAX's mask-info interface.
+#
+# Code written against JAX's splash internals reads a mask as JAX's kernels do: per grid cell
+# ``(head, q block, kv block)`` whether the block is empty, partial or full (``block_mask``),
+# which kv (forward, dq) or q (dkv) block to fetch there (``data_next``) and which partial
+# block (``mask_next``). The kernels above run on ``ScheduleInfo`` instead; what follows
+# computes JAX's structure from the same masks, with JAX's meaning, for such callers.
+
+
+class MaskInfo(NamedTuple):
+    """JAX's sparse form of a mask (``process_mask`` and friends), for code built on it; the
+    kernels here use ``ScheduleInfo``.
+
+    Attributes:
+      data_next: int ``[heads or head_shards, q_blocks, kv_blocks]``: at each grid cell, the
+        block to fetch (kv block; in the dkv form, q block counted within its q shard): that
+        of the first non-empty cell at or after it in the kernel's walk, wrapping to the
+        first; 0 where the head's shard hides everything.
+      mask_next: the same shape: the index into ``partial_mask_blocks`` of the first partial
+        cell at or after it (wrapping), or None (no partial block, or a mask function).
+      block_mask: the same shape: 0 empty, 1 partial, 2 full.
+      partial_mask_blocks: bool ``[n, block_q, block_kv]`` distinct partial blocks in order of
+        first appearance (dkv: transposed), or None.
+      q_sequence: int32 ``[q_seq_len]`` the query positions the mask function sees, or None.
+      is_dynamic_mask: True from ``process_dynamic_mask``.
+
+    The head axis has one row per head shard when every head of a shard has the same mask,
+    else one per head. With ``shrink_grid`` and one mask for all heads the block axis the
+    kernel sweeps keeps only the non-empty blocks (padding: block 0, repeated indices).
+    """
+
+    data_next: np.ndarray | jax.Array | None
+    mask_next: np.ndarray | jax.Array | None
+    block_mask: np.ndarray | jax.Array | None
+    partial_mask_blocks: np.ndarray | jax.Array | None
+    q_sequence: np.ndarray | None
+    is_dynamic_mask: bool | None = None
+
+
+def _smallest_int(array: np.ndarray) -> np.ndarray:
+    """``array`` (non-negative int32) as the narrowest of int8, int16 and int32 holding it."""
+    if array.dtype != np.int32:
+        raise ValueError("Expected int32 input.")
+    if not np.all(array >= 0):
+        raise ValueError("Expected non-negative array.")
+    if array.size == 0:
+        return array
+    top = int(array.max())
+    for dtype in (np.int8, np.int16):
+        if top <= np.iinfo(dtype).max:
+            return array.astype(dtype)
+    return array.astype(np.int32)
+
+
+def _check_layout(shape, block_shape, head_shards: int, q_seq_shards: int) -> tuple[int, ...]:
+    """``(heads, q_blocks, kv_blocks, heads per shard, q blocks per shard)``, or JAX's errors."""
+    if len(shape) != 3:
+        raise ValueError(f"Expected a 3-dim mask, instead got: {tuple(shape)}.")
+    heads, q_len, kv_len = (int(n) for n in shape)
+    bq, bkv = (int(b) for b in block_shape)
+    if q_len % bq:
+        raise ValueError(f"q_block_size={bq} should divide q_seq_len={q_len}.")
+    if kv_len % bkv:
+        raise ValueError(f"kv_block_size={bkv} should divide kv_seq_len={kv_len}.")
+    if q_len % q_seq_shards:
+        raise ValueError(f"q_seq_shards={q_seq_shards} should divide q_seq_len={q_len}.")
+    if (q_len // q_seq_shards) % bq:
+        raise ValueError(f"q_block_size={bq} should divide q_seq_len_per_shard={q_len // q_seq_shards}.")
+    if heads % head_shards:
+        raise ValueError(f"head_shards={head_shards} should divide head_count={heads}.")
+    nq = q_len // bq
+    return heads, nq, kv_len // bkv, heads // head_shards, nq // q_seq_shards
+
+
+def _first_at_or_after(flags: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """At each position of 1-d ``flags``, ``values`` at the first flagged position at or after
+    it (past the last: the first flagged); zeros when nothing is flagged."""
+    n = flags.size
+    if not flags.any():
+        return np.zeros(n, np.int32)
+    at = np.where(flags, np.arange(n), n)
+    at = np.minimum.accumulate(at[::-1])[::-1]
+    at = np.where(at == n, at[0], at)
+    return values[at].astype(np.int32)
+
+
+def _walk_next(flags: np.ndarray, values: np.ndarray, kv_major: bool) -> np.ndarray:
+    """``_first_at_or_after`` over ``[rows, q, kv]`` arrays in the kernel's order: row, q, kv
+    (forward, dq) or kv, row, q (dkv)."""
+    order = (2, 0, 1) if kv_major else (0, 1, 2)
+    f, v = flags.transpose(order), values.transpose(order)
+    out = _first_at_or_after(f.ravel(), v.ravel()).reshape(f.shape)
+    return out.transpose(np.argsort(order))
+
+
+def _shrink(arrays: list, block_mask_shard: np.ndarray, kv_major: bool) -> list:
+    """Keep, per q row (dkv: per kv column), the non-empty cells of ``block_mask_shard``
+    ``[q, kv]`` (the first head row's), left-aligned (dkv: bottom-aligned), padded with 0."""
+    if kv_major:
+        lists = [np.nonzero(col)[0] for col in block_mask_shard.T]
+        depth = max(len(x) for x in lists)
+        pick = np.stack([np.pad(x, (depth - len(x), 0), constant_values=-1) for x in lists], axis=1)
+        take = lambda a: np.take_along_axis(a, np.maximum(pick, 0)[None], axis=1)  # noqa: E731
+    else:
+        lists = [np.nonzero(row)[0] for row in block_mask_shard]
+        depth = max(len(x) for x in lists)
+        pick = np.stack([np.pad(x, (0, depth - len(x)), constant_values=-1) for x in lists], axis=0)
+        take = lambda a: np.take_along_axis(a, np.maximum(pick, 0)[None], axis=2)  # noqa: E731
+    return [None if a is None else np.where(pick[None] >= 0, take(a), 0).astype(a.dtype) for a in arrays]
+
+
+def _jax_process_mask(
+    mask,
+    block_shape: tuple[int, int],
+    is_dkv: bool,
+    *,
+    downcast_smem_data: bool = True,
+    head_shards: int = 1,
+    q_seq_shards: int = 1,
+    shrink_grid: bool = True,
+) -> tuple[MaskInfo, Any]:
+    heads_list = _head_masks(mask)
+    heads, nq, nkv, per_shard, nq_shard = _check_layout(
+        (len(heads_list), *heads_list[0].shape), block_shape, head_shards, q_seq_shards
+    )
+    bq, bkv = (int(b) for b in block_shape)
+    ids: dict[Any, int] = {}
+    head_id = [ids.setdefault(m, len(ids)) for m in heads_list]
+    unique = list(ids)
+    shard_ids = [set(head_id[s * per_shard : (s + 1) * per_shard]) for s in range(head_shards)]
+    one_per_shard = all(len(x) == 1 for x in shard_ids)
+    row_ids = [head_id[s * per_shard] for s in range(head_shards)] if one_per_shard else head_id
+
+    q_sequence = mask_function = None
+    if len(unique) == 1 and hasattr(unique[0], "q_sequence") and hasattr(unique[0], "mask_function"):
+        q_sequence, mask_function = unique[0].q_sequence, unique[0].mask_function
+
+    kinds = [np.asarray(m.block_kinds(bq, bkv), np.int32) for m in unique]
+    block_ids = [np.zeros((nq, nkv), np.int32) for _ in unique]
+    contents: dict[bytes, int] = {}
+    pieces: list[np.ndarray] = []
+    if mask_function is None:
+        for u, m in enumerate(unique):
+            for qi, ki in np.argwhere(kinds[u] == mask_lib.PARTIAL):
+                piece = np.asarray(m[qi * bq : (qi + 1) * bq, ki * bkv : (ki + 1) * bkv], np.bool_)
+                key = piece.tobytes()
+                if key not in contents:
+                    contents[key] = len(pieces)
+                    pieces.append(piece)
+                block_ids[u][qi, ki] = contents[key]
+    has_partial = any((k == mask_lib.PARTIAL).any() for k in kinds)
+    partial_mask_blocks = np.stack(pieces).astype(np.bool_) if pieces else None
+    if is_dkv and partial_mask_blocks is not None:
+        partial_mask_blocks = np.swapaxes(partial_mask_blocks, -1, -2)
+
+    block_mask = np.stack([kinds[u] for u in row_ids]).astype(np.int32)
+    identical = one_per_shard and len({head_id[s * per_shard] for s in range(head_shards)}) == 1
+    shard_rows = (
+        [row_ids[:1]]
+        if identical
+        else [
+            row_ids[s : s + 1] if one_per_shard else row_ids[s * per_shard : (s + 1) * per_shard]
+            for s in range(head_shards)
+        ]
+    )
+    data_parts, mask_parts = [], []
+    for rows in shard_rows:
+        data_q, mask_q = [], []
+        for qs in range(q_seq_shards):
+            part = slice(qs * nq_shard, (qs + 1) * nq_shard)
+            k = np.stack([kinds[u][part] for u in rows])
+            where = np.stack([block_ids[u][part] for u in rows])
+            grid = np.indices(k.shape, dtype=np.int32)
+            fetch = grid[1] if is_dkv else grid[2]
+            data_q.append(_walk_next(k != 0, fetch, is_dkv))
+            mask_q.append(_walk_next(k == mask_lib.PARTIAL, where, is_dkv))
+        data_parts.append(np.concatenate(data_q, axis=1))
+        mask_parts.append(np.concatenate(mask_q, axis=1))
+    if identical:
+        data_next = np.broadcast_to(data_parts[0], (head_shards, nq, nkv))
+        mask_next = np.broadcast_to(mask_parts[0], (head_shards, nq, nkv))
+    else:
+        data_next, mask_next = np.concatenate(data_parts), np.concatenate(mask_parts)
+    if not has_partial:
+        mask_next = None
+
+    if shrink_grid and len(unique) == 1:
+        axis = 1 if is_dkv else 2
+        shards = []
+        for qs in range(q_seq_shards):
+            part = slice(qs * nq_shard, (qs + 1) * nq_shard)
+            arrays = [
+                block_mask[:, part],
+                data_next[:, part],
+                None if mask_next is None else mask_next[:, part],
+            ]
+            shards.append(_shrink(arrays, block_mask[0, part], is_dkv))
+        if q_seq_shards > 1:
+            size = max(s[0].shape[axis] for s in shards)
+            padded = []
+            for shard in shards:
+                width = [(0, 0)] * 3
+                width[axis] = (0, size - shard[0].shape[axis])
+                padded.append(
+                    [np.pad(shard[0], width, constant_values=0)]
+                    + [None if a is None else np.pad(a, width, mode="edge") for a in shard[1:]]
+                )
+            shards = padded
+        block_mask = np.concatenate([s[0] for s in shards], axis=1)
+        data_next = np.concatenate([s[1] for s in shards], axis=1)
+        mask_next = None if mask_next is None else np.concatenate([s[2] for s in shards], axis=1)
+
+    if downcast_smem_data:
+        data_next, block_mask = _smallest_int(np.asarray(data_next)), _smallest_int(block_mask)
+        mask_next = None if mask_next is None else _smallest_int(np.asarray(mask_next))
+    computed = mask_function is not None
+    info = MaskInfo(
+        data_next=data_next,
+        mask_next=None if computed else mask_next,
+        block_mask=block_mask,
+        partial_mask_blocks=None if computed else partial_mask_blocks,
+        q_sequence=q_sequence,
+    )
+    return info, mask_function
+
+
+def process_mask(
+    mask,
+    block_shape: tuple[int, int],
+    *,
+    downcast_smem_data: bool = True,
+    head_shards: int = 1,
+    q_seq_shards: int = 1,
+    shrink_grid: bool = True,
+) -> tuple[MaskInfo, Any]:
+    """JAX's ``process_mask``: the forward/dq ``MaskInfo`` of ``mask`` (a ``MultiHeadMask``,
+    or a boolean NumPy ``[heads, q_seq_len, kv_seq_len]``) in ``block_shape`` blocks, and the
+    mask's ``mask_function`` (None unless all heads share one mask that has ``q_sequence``
+    and ``mask_function``; then ``mask_next`` and ``partial_mask_blocks`` are None).
+
+    ``data_next`` and ``mask_next`` follow each head shard and q shard's walk (head, q block,
+    kv block) separately. Small-integer arrays are int8/int16 where they fit
+    (``downcast_smem_data``). Where JAX fails on a grid shrunk over several q shards with no
+    partial block, this gives ``mask_next`` None. The kernels here use ``process_schedule``."""
+    return _jax_process_mask(
+        mask,
+        block_shape,
+        False,
+        downcast_smem_data=downcast_smem_data,
+        head_shards=head_shards,
+        q_seq_shards=q_seq_shards,
+        shrink_grid=shrink_grid,
+    )
+
+
+def process_mask_dkv(
+    mask,
+    block_shape: tuple[int, int],
+    *,
+    downcast_smem_data: bool = True,
+    head_shards: int = 1,
+    q_seq_shards: int = 1,
+    shrink_grid: bool = True,
+) -> tuple[MaskInfo, Any]:
+    """JAX's ``process_mask_dkv``: as ``process_mask`` for the dk/dv kernel, whose walk is kv
+    block, head, q block: ``data_next`` names q blocks (counted within the q shard), the
+    partial blocks are transposed ``[n, block_kv, block_q]``, and a shrunk grid keeps each
+    kv column's non-empty q blocks."""
+    return _jax_process_mask(
+        mask,
+        block_shape,
+        True,
+        downcast_smem_data=downcast_smem_data,
+        head_shards=head_shards,
+        q_seq_shards=q_seq_shards,
+        shrink_grid=shrink_grid,
+    )
+
+
+def _dynamic(mask, block_shape, is_dkv: bool, downcast_smem_data: bool, head_shards: int, q_seq_shards: int):
+    import jax.numpy as jnp
+
+    if len(mask.shape) != 3:
+        raise ValueError(f"Expected a 3-dim mask, instead got: {tuple(mask.shape)}.")
+    if mask.dtype != np.bool_:
+        raise ValueError(f"Expected a bool mask, instead got: {mask.dtype}.")
+    heads, nq, nkv, per_shard, nq_shard = _check_layout(mask.shape, block_shape, head_shards, q_seq_shards)
+    bq, bkv = (int(b) for b in block_shape)
+    blocks = jnp.asarray(mask).reshape(heads, nq, bq, nkv, bkv).transpose(0, 1, 3, 2, 4)
+    full = jnp.all(blocks, axis=(-1, -2))
+    some = jnp.any(blocks, axis=(-1, -2))
+    block_mask = jnp.where(full, 2, jnp.where(some, 1, 0)).astype(jnp.int32)
+    # Cells counted within each (head shard, q shard) piece: head, q block, kv block.
+    h = np.arange(heads)[:, None, None] % per_shard
+    q = np.arange(nq)[None, :, None] % nq_shard
+    kv = np.arange(nkv)[None, None, :]
+    local = ((h * nq_shard + q) * nkv + kv).astype(np.int32)
+    mask_next = jnp.where(block_mask == 1, jnp.asarray(local), 0).astype(jnp.int32)
+    fetch = np.broadcast_to(q if is_dkv else kv, (heads, nq, nkv)).astype(np.int32)
+    data_next = jnp.where(block_mask == 0, 0, jnp.asarray(fetch)).astype(jnp.int32)
+    if is_dkv:
+        blocks = blocks.swapaxes(-1, -2)
+
+    def narrow(array, top: int):
+        if array.size == 0:
+            return array
+        for dtype in (jnp.int8, jnp.int16):
+            if top <= np.iinfo(dtype).max:
+                return array.astype(dtype)
+        return array
+
+    if downcast_smem_data:
+        block_mask = block_mask.astype(jnp.int8)
+        data_next = narrow(data_next, nq_shard if is_dkv else nkv)
+        mask_next = narrow(mask_next, per_shard * nq_shard * nkv)
+    info = MaskInfo(
+        data_next=data_next,
+        mask_next=mask_next,
+        block_mask=block_mask,
+        partial_mask_blocks=blocks.astype(jnp.bool_),
+        q_sequence=None,
+        is_dynamic_mask=True,
+    )
+    return info, None
+
+
+def process_dynamic_mask(
+    mask: jax.Array,
+    block_shape: tuple[int, int],
+    *,
+    downcast_smem_data: bool = True,
+    head_shards: int = 1,
+    q_seq_shards: int = 1,
+    shrink_grid: bool = True,
+) -> tuple[MaskInfo, None]:
+    """JAX's ``process_dynamic_mask``: the forward/dq ``MaskInfo`` of a boolean
+    ``[heads, q_seq_len, kv_seq_len]`` array (traceable: no value is read at trace time) and
+    None. Every block is kept: ``partial_mask_blocks`` is the mask tiled
+    ``[heads, q_blocks, kv_blocks, block_q, block_kv]``, ``block_mask`` 0/1/2 per block,
+    ``data_next`` the block's kv index (0 where empty), ``mask_next`` the block's position
+    within its (head shard, q shard) piece, row-major, where partial (else 0).
+    ``shrink_grid`` is ignored, as in JAX."""
+    del shrink_grid
+    return _dynamic(mask, block_shape, False, downcast_smem_data, head_shards, q_seq_shards)
+
+
+def process_dynamic_mask_dkv(
+    mask: jax.Array,
+    block_shape: tuple[int, int],
+    *,
+    downcast_smem_data: bool = True,
+    head_shards: int = 1,
+    q_seq_shards: int = 1,
+    shrink_grid: bool = True,
+) -> tuple[MaskInfo, None]:
+    """JAX's ``process_dynamic_mask_dkv``: as ``process_dynamic_mask`` with ``data_next`` the
+    block's q index within its q shard and the tiles transposed ``[..., block_kv, block_q]``."""
+    del shrink_grid
+    return _dynamic(mask, block_shape, True, downcast_smem_data, head_shards, q_seq_shards)

@@ -196,7 +196,7 @@ XDIST = ["-n", "2", "--dist", "worksteal"]
 def tests(session: nox.Session) -> None:
     """Full test suite on the reference JAX (0.11.2, the GPU machine's) and the pinned Triton,
     with tokamax installed: tests/downstream/test_tokamax.py then runs the fixed subset of
-    tokamax's tests (subsets/ci.txt) on JAX's Pallas and on ours (issue 31: CI runs
+    tokamax's tests (subsets/ci.txt) on JAX's Pallas and on ours (CI runs
     downstream code; the whole set is the ``downstream`` session)."""
     _install_all(session, _with_libtpu(JAX_REFERENCE), TRITON_PINNED)
     _install(session, *TOKAMAX, *_with_libtpu(JAX_REFERENCE), *TRITON_PINNED)

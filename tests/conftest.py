@@ -196,7 +196,7 @@ def _cpu_unless_marked_gpu(request):
 @pytest.fixture(autouse=True)
 def _interpreter_state_isolated():
     """Each test starts with no interpreter state left by an earlier one in this worker:
-    a kernel's error never outlives its test (issue 30, section 6). A failed TPU
+    a kernel's error never outlives its test, and no test depends on the order. A failed TPU
     interpret-mode kernel leaves its error on JAX's runtime tokens (re-raised by every
     later ``jax.effects_barrier()``), and the multi-device interpreter keeps its kernel
     sessions and the races found so far; pending effects of any interpreter are waited

@@ -1,4 +1,4 @@
-"""Issue 49 section 3, pallas-core's part: bad inputs that gave a confusing message (or
+"""pallas-core's bad inputs that gave a confusing message (or
 none) get our usual sentence: the kernel, the user's line, what was expected.
 
 * ``pl.lower_as_mlir(platforms="tpu")`` (read letter by letter) and ``platforms=[]``
@@ -9,7 +9,7 @@ none) get our usual sentence: the kernel, the user's line, what was expected.
   or a ``block_shape``;
 * ``pallas_call(debug="False")``.
 
-(The TPU and GPU parts: ``tests/tpu/test_errors_issue49.py``, ``tests/gpu/test_errors_issue49.py``.)
+(The TPU and GPU parts: ``tests/tpu/test_errors_bad_inputs.py``, ``tests/gpu/test_errors_bad_options.py``.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 import pallas as pl
 
-HERE = re.compile(r"test_errors_issue49\.py:\d+")
+HERE = re.compile(r"test_errors_bad_inputs\.py:\d+")
 
 
 def rand(seed, shape):
@@ -54,7 +54,7 @@ def test_lower_as_mlir_platforms_as_a_string():
 def test_lower_as_mlir_empty_platforms():
     f = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), interpret=True)
     with pytest.raises(
-        ValueError, match=r"'add_one' at test_errors_issue49\.py:\d+: platforms: expected at least one"
+        ValueError, match=r"'add_one' at test_errors_bad_inputs\.py:\d+: platforms: expected at least one"
     ):
         pl.lower_as_mlir(f, jax.ShapeDtypeStruct((8, 128), jnp.float32), platforms=[])
     with pytest.raises(TypeError, match=r"platforms: expected platform names \(str, e.g. 'tpu'\), got 3"):
@@ -205,7 +205,7 @@ def test_symbolic_dimension_in_a_run_scoped_shape():
         )(x)  # fmt: skip
 
     with pytest.raises(
-        ValueError, match=r"kernel 'kernel' at test_errors_issue49\.py:\d+: pl.run_scoped: .*8\*n"
+        ValueError, match=r"kernel 'kernel' at test_errors_bad_inputs\.py:\d+: pl.run_scoped: .*8\*n"
     ):
         export_cpu(f, "8*n, 128")
 

@@ -202,7 +202,7 @@ def test_scratch_over_the_chip():
         make, [small], ValueError, r"1073741824 for VMEM scratch .*more than a TPU v5e has \(128.0 MiB\)"
     )
     # A vmem_limit_bytes above the chip's VMEM is accepted, as libtpu accepts it
-    # (tests/tpu/test_errors_issue49.py compiles it for each chip).
+    # (tests/tpu/test_errors_bad_inputs.py compiles it for each chip).
     over = pl.pallas_call(
         with_scratch,
         out_shape=small,

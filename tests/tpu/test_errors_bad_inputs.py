@@ -1,4 +1,4 @@
-"""Issue 49 section 3, pallas-tpu's part: bad inputs that gave a confusing message (or
+"""pallas-tpu's bad inputs that gave a confusing message (or
 none) get our usual sentence (the kernel, the user's line, what was expected), the same
 in TPU interpret mode and in our Mosaic lowering; what libtpu's compiler accepts, we
 accept, and per-generation decisions follow the TPU a lowering compiles for.
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.interpret_only(reason="error paths of interpret mode, t
 
 MiB = 2**20
 SDS = jax.ShapeDtypeStruct((8, 128), jnp.float32)
-HERE = re.compile(r"test_errors_issue49\.py:\d+")
+HERE = re.compile(r"test_errors_bad_inputs\.py:\d+")
 # Every generation libtpu gives compile-only devices of (compile_check.TOPOLOGIES).
 GENERATIONS = tuple(compile_check.TOPOLOGIES)
 needs_libtpu = pytest.mark.skipif(
@@ -98,7 +98,7 @@ def test_dma_semaphore_read_as_data():
         o_ref[...] = x_ref[...] + sem[0]
 
     msg = both_refuse(sem_call(read_sem, pltpu.SemaphoreType.DMA((2,))), [SDS], TypeError, "semaphore")
-    assert "pallas_call 'read_sem'" in msg and "in the kernel at test_errors_issue49.py:" in msg
+    assert "pallas_call 'read_sem'" in msg and "in the kernel at test_errors_bad_inputs.py:" in msg
     assert "reads the DMA semaphore Ref dma_sem[2] as data" in msg and "pl.semaphore_read" in msg
 
 
@@ -338,7 +338,7 @@ def test_zero_stride_write_is_refused_by_the_lowering_too():
 
     make = lambda interpret: pl.pallas_call(write0, out_shape=SDS, interpret=interpret)  # noqa: E731
     msg = both_refuse(make, [SDS], NotImplementedError, "a write through pl.ds")
-    assert "pallas_call 'write0'" in msg and "in the kernel at test_errors_issue49.py:" in msg
+    assert "pallas_call 'write0'" in msg and "in the kernel at test_errors_bad_inputs.py:" in msg
 
 
 def test_run_mosaic_refuses_a_zero_stride_store():

@@ -153,6 +153,21 @@ def test_process_mask_errors():
             ours_info.process_mask(mask, (16, 16), **kw)
     with pytest.raises(ValueError, match="kv_block_size=48 should divide"):
         ours_info.process_mask(mask, (16, 48))
+    hidden = np.zeros((64, 64), bool)
+    hidden[32:] = np.eye(32, 64, dtype=bool)  # the first q shard sees nothing
+    for process in (ours_info.process_mask, ours_info.process_mask_dkv):
+        with pytest.raises(ValueError, match="pass shrink_grid=False"):
+            process(ours_mask.MultiHeadMask([ours_mask.NumpyMask(hidden)]), (16, 16), q_seq_shards=2)
+        info, _ = process(
+            ours_mask.MultiHeadMask([ours_mask.NumpyMask(hidden)]),
+            (16, 16),
+            q_seq_shards=2,
+            shrink_grid=False,
+        )
+        want, _ = getattr(jax_info, process.__name__)(
+            jax_mask.MultiHeadMask([jax_mask.NumpyMask(hidden)]), (16, 16), q_seq_shards=2, shrink_grid=False
+        )
+        assert_same_info(info, want, process.__name__)
 
 
 @pytest.mark.parametrize("dkv", [False, True], ids=["fwd", "dkv"])

@@ -430,6 +430,11 @@ def _shrink(arrays: list, block_mask_shard: np.ndarray, kv_major: bool) -> list:
         depth = max(len(x) for x in lists)
         pick = np.stack([np.pad(x, (0, depth - len(x)), constant_values=-1) for x in lists], axis=0)
         take = lambda a: np.take_along_axis(a, np.maximum(pick, 0)[None], axis=2)  # noqa: E731
+    if depth == 0:
+        raise ValueError(
+            "splash attention: a q shard of the mask hides every block, so its grid cannot shrink "
+            "(JAX's process_mask fails an assertion here): pass shrink_grid=False"
+        )
     return [None if a is None else np.where(pick[None] >= 0, take(a), 0).astype(a.dtype) for a in arrays]
 
 
@@ -565,7 +570,9 @@ def process_mask(
     ``data_next`` and ``mask_next`` follow each head shard and q shard's walk (head, q block,
     kv block) separately. Small-integer arrays are int8/int16 where they fit
     (``downcast_smem_data``). Where JAX fails on a grid shrunk over several q shards with no
-    partial block, this gives ``mask_next`` None. The kernels here use ``process_schedule``."""
+    partial block, this gives ``mask_next`` None; a shrunk grid with a q shard that hides
+    every block raises ValueError (JAX fails an assertion). The kernels here use
+    ``process_schedule``."""
     return _jax_process_mask(
         mask,
         block_shape,

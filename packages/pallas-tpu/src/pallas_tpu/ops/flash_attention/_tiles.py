@@ -27,13 +27,17 @@ from ._blocks import (
 )
 
 
-def diagonal_keep(shape, rows_are_queries: bool):
-    """The visible half of a square tile centred on the causal diagonal: key <= query."""
+def diagonal_keep(shape, rows_are_queries: bool, shift=0):
+    """The visible part of a tile crossing the causal diagonal, key <= query: a square tile
+    centred on it (``shift`` 0), or any tile whose first column is ``shift`` positions past its
+    first row (global column minus global row; static or traced)."""
     offset = lax.broadcasted_iota(jnp.int32, shape, 1) - lax.broadcasted_iota(jnp.int32, shape, 0)
+    if not (isinstance(shift, int) and shift == 0):
+        offset = offset + shift
     return offset <= 0 if rows_are_queries else offset >= 0
 
 
-def masked_scores(s, rid_ref, cid_ref, r, c, diagonal: bool, *, rows_are_queries: bool):
+def masked_scores(s, rid_ref, cid_ref, r, c, diagonal, *, rows_are_queries: bool):
     """The tile of scores ``s`` with what its rows may not see set to ``DEFAULT_MASK_VALUE``:
     the entries whose segment ids differ (``rid_ref[r, :]`` lane-replicated against
     ``cid_ref[:, c]``; no refs, no segments) and, on a ``diagonal`` tile, those past the
@@ -42,8 +46,9 @@ def masked_scores(s, rid_ref, cid_ref, r, c, diagonal: bool, *, rows_are_queries
     keep = None
     if rid_ref is not None:
         keep = lane_replicated(rid_ref[r, :], cols) == cid_ref[:, c]
-    if diagonal:
-        on = diagonal_keep((rows, cols), rows_are_queries=rows_are_queries)
+    if diagonal is not False:  # True: centred on the diagonal; else the tile's (traced) shift
+        shift = 0 if diagonal is True else diagonal
+        on = diagonal_keep((rows, cols), rows_are_queries=rows_are_queries, shift=shift)
         keep = on if keep is None else keep & on
     if keep is not None:
         s = jnp.where(keep, s, DEFAULT_MASK_VALUE)
@@ -202,6 +207,14 @@ class Sweep:
         """A step crossing the diagonal with unequal blocks: the columns wholly visible in a loop,
         then the ``rows x rows`` square on the diagonal in static tiles, each only where it falls
         in this step (its column range is known once ``row0`` and ``col0`` are)."""
+        sq, n_sq = self.square, self.rows // self.square
+        if n_sq * (n_sq + 1) // 2 > 16 and self.rows * self.cols <= (
+            self.max_unrolled or max_unrolled_scores()
+        ):
+            # Diagonal squares too small to tile the block (lengths with no common factor, one
+            # query a block): one tile of the whole block, masked from its global position.
+            tile(0, self.rows, 0, self.cols, col0 - row0)
+            return
         width = math.gcd(self.tile_cols, self.rows)
         n = self.cols // width
         if self.rows_are_queries:  # keys before the first query
@@ -211,7 +224,6 @@ class Sweep:
         for a in range(self.rows // self.tile_rows):
             r = a * self.tile_rows
             _loop(lo, hi, lambda t, r=r: tile(r, self.tile_rows, self._col(width, t), width, False))
-        sq, n_sq = self.square, self.rows // self.square
         for a in range(n_sq):
             for b in range(a + 1) if self.rows_are_queries else range(a, n_sq):
                 c = row0 + b * sq - col0

@@ -505,6 +505,7 @@ def _jax_process_mask(
             mask_q.append(_walk_next(k == mask_lib.PARTIAL, where, is_dkv))
         data_parts.append(np.concatenate(data_q, axis=1))
         mask_parts.append(np.concatenate(mask_q, axis=1))
+    mask_next: np.ndarray | None
     if identical:
         data_next = np.broadcast_to(data_parts[0], (head_shards, nq, nkv))
         mask_next = np.broadcast_to(mask_parts[0], (head_shards, nq, nkv))
@@ -515,7 +516,7 @@ def _jax_process_mask(
 
     if shrink_grid and len(unique) == 1:
         axis = 1 if is_dkv else 2
-        shards = []
+        shards: list[list[Any]] = []  # per q shard: block_mask, data_next, mask_next (or None)
         for qs in range(q_seq_shards):
             part = slice(qs * nq_shard, (qs + 1) * nq_shard)
             arrays = [
@@ -526,7 +527,7 @@ def _jax_process_mask(
             shards.append(_shrink(arrays, block_mask[0, part], is_dkv))
         if q_seq_shards > 1:
             size = max(s[0].shape[axis] for s in shards)
-            padded = []
+            padded: list[list[Any]] = []
             for shard in shards:
                 width = [(0, 0)] * 3
                 width[axis] = (0, size - shard[0].shape[axis])

@@ -381,9 +381,10 @@ def paged_flash_attention_kernel(
     k_scales_pages_hbm_ref, v_pages_hbm_ref, v_scales_pages_hbm_ref, o_ref, m_ref, l_ref, k_vmem_buffer,
     k_scales_vmem_buffer, v_vmem_buffer, v_scales_vmem_buffer, k_sems, v_sems, *, batch_size: int,
     pages_per_compute_block: int, pages_per_sequence: int, mask_value: float,
-    attn_logits_soft_cap: float | None, megacore_mode: str | None, program_ids=(),
+    attn_logits_soft_cap: float | None, megacore_mode: str | None, program_ids=(), length=None,
 ):  # fmt: skip
-    """JAX's kernel name and signature; raises ``NotImplementedError`` (use ``paged_attention``)."""
+    """JAX's kernel name and signature (``length`` as JAX 0.12 adds it); raises
+    ``NotImplementedError`` (use ``paged_attention``)."""
     _not_this_kernel("paged_flash_attention_kernel")
 
 

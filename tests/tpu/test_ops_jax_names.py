@@ -24,9 +24,6 @@ OURS_ROOT = "pallas_tpu.ops"
 # JAX's signature fails the test, so the list stays true.
 KNOWN: dict[tuple[str, str], str] = {}
 
-# Parameters ours takes beyond JAX's, each keyword-only with a default (so JAX's calls still bind).
-EXTRA_KEYWORDS_OK = {"interpret", "info", "debug", "vmem_limit_bytes", "name"}
-
 
 def _jax_modules():
     out = [JAX_ROOT]
@@ -63,7 +60,6 @@ def _compatible(theirs, ours) -> str | None:
     """Why a call written for JAX's signature would not bind to ours (None: it would)."""
     if theirs is None or ours is None:
         return None
-    extra = ours[len(theirs) :] if [t[:2] for t in theirs] == [o[:2] for o in ours[: len(theirs)]] else None
     ours_named = {o[0]: o for o in ours}
     for name, kind, has_default in theirs:
         mine = ours_named.get(name)
@@ -88,7 +84,6 @@ def _compatible(theirs, ours) -> str | None:
             continue
         if not has_default:
             return f"ours requires {name!r}, JAX's has no such parameter"
-    del extra
     return None
 
 

@@ -50,11 +50,14 @@ def rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
-def softmax_attention(q, k, v, keep, scale, soft_cap=None):
-    """f32 ``softmax(cap(q k^T * scale), keep) v`` over ``[..., q, d]`` / ``[..., k, d]``; rows that
-    keep no key give zeros."""
+def softmax_attention(q, k, v, keep, scale, soft_cap=None, bias=None):
+    """f32 ``softmax(cap((q k^T + bias) * scale), keep) v`` over ``[..., q, d]`` / ``[..., k, d]``;
+    rows that keep no key give zeros."""
     q, k, v = (x.astype(F32) for x in (q, k, v))
-    s = jnp.einsum("...qd,...kd->...qk", q, k, precision="highest") * scale
+    s = jnp.einsum("...qd,...kd->...qk", q, k, precision="highest")
+    if bias is not None:
+        s = s + bias.astype(F32)
+    s = s * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(keep, s, -jnp.inf)
@@ -144,14 +147,7 @@ def flash_case(args, *, causal, scale, dtype, bias=False, segments=False):
     ours, theirs = both(run_with)
 
     def ref(q, k, v):
-        qf = q.astype(F32)
-        if ab is not None:  # (q k^T + ab) * scale: the bias folds into the scores before the scale
-            s_extra = ab.astype(F32)
-            s = (jnp.einsum("bhqd,bhkd->bhqk", qf, k.astype(F32), precision="highest") + s_extra) * scale
-            s = jnp.where(keep, s, -jnp.inf)
-            p = jax.nn.softmax(s, axis=-1)
-            return jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(F32), precision="highest")
-        return softmax_attention(q, k, v, keep, scale)
+        return softmax_attention(q, k, v, keep, scale, bias=ab)
 
     want = with_vjp(ref, q.astype(F32), k.astype(F32), v.astype(F32), do.astype(F32))
     return ours, theirs, want

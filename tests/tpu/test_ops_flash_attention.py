@@ -152,6 +152,9 @@ class Case:
     lq: int = 256
     lk: int = 256
     tol: float = 2e-3
+    # the most scores a grid step runs as straight-line tiles (``_blocks.STRAIGHT_LINE_SCORES``);
+    # 1: every step loops over its tiles and crosses the causal diagonal in one body
+    straight_line: int | None = None
 
 
 SMALL = dict(block_q=128, block_k_major=256, block_k=128)  # two key tiles a step: the diagonal at 0 or 128
@@ -169,13 +172,29 @@ CASES = {
         causal=True, sm_scale=0.3, sizes=dict(SMALL, block_q_major_dkv=256), bias=True, grads=True, tol=3e-3
     ),
     "grad_causal_bf16_segments": Case(BF16, causal=True, sm_scale=0.088, segments=True, grads=True, tol=4e-2),
+    # the loops of steps too large to unroll (forced): tiles in a loop, the diagonal in one body
+    "fwd_loops": Case(sm_scale=0.125, sizes=SMALL, lq=512, lk=512, straight_line=1),
+    "grad_causal_loops_bias_segments": Case(
+        causal=True,
+        sm_scale=0.3,
+        bias=True,
+        segments=True,
+        grads=True,
+        lq=512,
+        lk=512,
+        tol=3e-3,
+        sizes=dict(SMALL, block_q_major_dkv=256, block_k_major_dkv=128),
+        straight_line=1,
+    ),  # fmt: skip
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @every_way(tpu=True)
-def test_ways(case, way):
+def test_ways(case, way, monkeypatch):
     c = CASES[case]
+    if c.straight_line is not None:
+        monkeypatch.setattr(fa._blocks, "STRAIGHT_LINE_SCORES", c.straight_line)
     args = inputs(c.dtype, lq=c.lq, lk=c.lk, bias=c.bias, grads=c.grads)
     seg = None
     if c.segments:  # a packed sequence: every query sees its own segment's keys

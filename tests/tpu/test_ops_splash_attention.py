@@ -80,6 +80,9 @@ class Case:
     soft_cap: float | None = None
     grads: bool = True
     tol: float = 3e-3
+    # the most scores of a pattern run as straight-line cells (``_common.STRAIGHT_LINE_SCORES``);
+    # 0: every pattern shares code and loops (a causal diagonal's patterns one body)
+    straight_line: int | None = None
 
 
 def make_mask(name, heads, q_len, kv_len):
@@ -143,13 +146,24 @@ CASES = {
     "wide_heads_chosen_blocks": Case(
         "causal_offset", heads=1, q_len=256, kv_len=4096, head_dim=256, blocks=None
     ),
+    # patterns too large to unroll (forced): the diagonal's four places one body, loops of alike chunks
+    "causal_loops": Case(
+        q_len=512, kv_len=512, blocks=(128, 512, 128, 128, 512, 128, 128, 512), straight_line=0
+    ),
+    "local_loops_segments": Case(
+        "local", q_len=512, kv_len=512, segments=True, blocks=(256, 512, 128), straight_line=0
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @every_way(op=True)
-def test_ways(way, case):
+def test_ways(way, case, monkeypatch):
     c = CASES[case]
+    if c.straight_line is not None:
+        from pallas_tpu.ops.splash_attention import _common
+
+        monkeypatch.setattr(_common, "STRAIGHT_LINE_SCORES", c.straight_line)
     q, k, v, do, sinks, seg = inputs(c)
     mask = make_mask(c.mask, c.heads, c.q_len, c.kv_len)
 

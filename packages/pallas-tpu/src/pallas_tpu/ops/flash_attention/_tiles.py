@@ -154,7 +154,7 @@ class Sweep:
             all_visible = row0 + self.rows - 1 <= col0
             any_visible = row0 <= col0 + self.cols - 1
         pl.when(all_visible)(lambda: self._all(tile))
-        if self.cols % self.rows == 0 and self.cols // self.rows <= 4:
+        if self.cols % self.rows == 0 and self.cols // self.rows <= 4 and self._unrolled():
             # The diagonal square starts at one of cols // rows places in a step that holds it:
             # a straight-line body for each.
             for at in range(self.cols // self.rows):
@@ -170,7 +170,7 @@ class Sweep:
         n_cols = self.cols // self.tile_cols
         for a in range(self.rows // self.tile_rows):
             r = a * self.tile_rows
-            if self.rows * self.cols <= (self.max_unrolled or max_unrolled_scores()):
+            if self._unrolled():
                 for b in range(n_cols):
                     tile(r, self.tile_rows, b * self.tile_cols, self.tile_cols, False)
             else:
@@ -208,9 +208,7 @@ class Sweep:
         then the ``rows x rows`` square on the diagonal in static tiles, each only where it falls
         in this step (its column range is known once ``row0`` and ``col0`` are)."""
         sq, n_sq = self.square, self.rows // self.square
-        if n_sq * (n_sq + 1) // 2 > 16 and self.rows * self.cols <= (
-            self.max_unrolled or max_unrolled_scores()
-        ):
+        if n_sq * (n_sq + 1) // 2 > 16 and self._unrolled():
             # Diagonal squares too small to tile the block (lengths with no common factor, one
             # query a block): one tile of the whole block, masked from its global position.
             tile(0, self.rows, 0, self.cols, col0 - row0)
@@ -231,6 +229,11 @@ class Sweep:
                 @pl.when((c >= 0) & (c < self.cols))
                 def _(a=a, b=b, c=c):
                     tile(a * sq, sq, pl.multiple_of(c, sq), sq, a == b)
+
+    def _unrolled(self) -> bool:
+        """Whether the step's tiles run as straight-line code (else: loops, and one body for the
+        causal diagonal wherever it falls in the step)."""
+        return self.rows * self.cols <= (self.max_unrolled or max_unrolled_scores())
 
     @staticmethod
     def _col(width, t):

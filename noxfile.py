@@ -15,6 +15,8 @@ and the suites show how far the newest Triton works).
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -25,11 +27,23 @@ import tomllib
 
 import nox
 
+
+def _uv() -> str | None:
+    """uv's binary: the one beside nox (./dev installs it there), else on the PATH."""
+    try:
+        from uv import find_uv_bin
+
+        return str(find_uv_bin())
+    except (ImportError, FileNotFoundError):
+        return shutil.which("uv")
+
+
 # uv (./dev installs it beside nox) makes the venvs and installs into them, from one cache
 # shared by every session and venv of a CI run: a session's JAX, jaxlib, libtpu and Triton
 # (2 GB installed) took pip 25 s wall, 17 s CPU, uv 4.6 s from an empty cache and 0.5 s from a
-# warm one. Without uv, venv and pip, as before.
-nox.options.default_venv_backend = "uv|venv"
+# warm one. Without uv, venv and pip. Chosen here, not with nox's "uv|venv": that looks uv up
+# itself and prints "uv binary not found" at every start where it is missing.
+nox.options.default_venv_backend = "uv" if _uv() else "venv"
 nox.options.reuse_existing_virtualenvs = True
 # The machine's Pythons only, as with venv: uv would otherwise download one that is missing.
 os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
@@ -162,6 +176,61 @@ def _sources(dists: list[str]) -> list[str]:
     return [os.path.join(ROOT, PACKAGES[d]) for d in dists]
 
 
+def _fingerprint(dist: str) -> str:
+    """A digest of what ``dist`` is installed from: its wheel in dist/ (PALLAS_FROM_DIST=1),
+    else the files of its folder that go into its sdist (``SDIST_FILES``; no build outputs)."""
+    h = hashlib.sha256()
+    if os.environ.get("PALLAS_FROM_DIST") == "1":
+        paths = [p for p in _built(dist) if p.endswith(".whl")]
+        h.update(b"dist")
+    else:
+        folder = os.path.join(ROOT, PACKAGES[dist])
+        paths = []
+        for entry in SDIST_FILES[dist]:
+            top = os.path.join(folder, entry)
+            if os.path.isfile(top):
+                paths.append(top)
+            for base, dirs, files in os.walk(top):
+                dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+                paths += [
+                    os.path.join(base, f) for f in sorted(files) if not f.endswith((".pyc", ".so", ".o"))
+                ]
+    for path in paths:
+        h.update(os.path.relpath(path, ROOT).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def _install_ours(session: nox.Session, dists: list[str], *args: str) -> None:
+    """Installs ``dists`` (``_sources``) with ``args``, skipping those whose sources are unchanged
+    since this venv installed them: a reused venv (``./dev demo`` run again) rebuilds only what
+    changed, not the five wheels and the C++ runtime each time (40 of a warm demo's 67 s). The
+    fingerprints are kept in the venv, so a new venv installs everything."""
+    venv = getattr(session.virtualenv, "location", None)  # None: --no-venv, nowhere to keep them
+    stamp = os.path.join(venv, ".pallas-installed.json") if venv else None
+    try:
+        with open(stamp or "") as f:
+            installed = json.load(f)
+    except (OSError, ValueError):
+        installed = {}
+    prints = {d: _fingerprint(d) for d in dists}
+    changed = [d for d in dists if installed.get(d) != prints[d]]
+    if not changed:
+        session.log(f"{', '.join(dists)}: unchanged since this venv installed them (not rebuilt)")
+        return
+
+    def record(values: dict) -> None:
+        if stamp:
+            installed.update(values)
+            with open(stamp, "w") as f:
+                json.dump(installed, f, indent=1)
+
+    record(dict.fromkeys(changed))  # unknown until the install succeeds
+    _install(session, *_reinstall(session, changed), *args, *_sources(changed))
+    record({d: prints[d] for d in changed})
+
+
 def _install_all(session: nox.Session, jax_req: list[str], triton_req: list[str]) -> None:
     if os.environ.get("PALLAS_FROM_DIST") == "1" and not all(_built(d) for d in PACKAGES):
         session.error("PALLAS_FROM_DIST=1 but dist/ lacks this checkout's versions: run ./dev wheels")
@@ -169,14 +238,9 @@ def _install_all(session: nox.Session, jax_req: list[str], triton_req: list[str]
     # The newest end: --upgrade, so a reused venv moves to a newer JAX or Triton release too.
     _install(session, *([] if pinned else ["--upgrade"]), *jax_req, *triton_req, *TEST_DEPS)
     ours = [d for d in PACKAGES if pinned or d != "jax-triton-bridge"]
-    _install(session, *_reinstall(session, ours), *_sources(ours), *jax_req, *triton_req)
+    _install_ours(session, ours, *jax_req, *triton_req)
     if not pinned:  # jax-triton-bridge pins triton==3.6.0: here it runs on the newest Triton on purpose
-        _install(
-            session,
-            *_reinstall(session, ["jax-triton-bridge"]),
-            "--no-deps",
-            *_sources(["jax-triton-bridge"]),
-        )
+        _install_ours(session, ["jax-triton-bridge"], "--no-deps")
     session.run(
         "python",
         "-c",
@@ -194,10 +258,12 @@ XDIST = ["-n", "2", "--dist", "worksteal"]
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Full test suite on the reference JAX (0.11.2, the GPU machine's) and the pinned Triton,
-    with tokamax installed: tests/downstream/test_tokamax.py then runs the fixed subset of
-    tokamax's tests (subsets/ci.txt) on JAX's Pallas and on ours (CI runs
-    downstream code; the whole set is the ``downstream`` session)."""
+    """The whole test suite on the reference JAX (0.11.2) and the pinned Triton (3.6.0).
+
+    JAX 0.11.2 is the GPU machine's. TPU kernels are compiled for compile-only TPU v5e and v6e.
+    tokamax is installed: tests/downstream/test_tokamax.py then runs the fixed subset of
+    tokamax's tests (subsets/ci.txt) on JAX's Pallas and on ours (CI runs downstream code;
+    the whole set is the ``downstream`` session)."""
     _install_all(session, _with_libtpu(JAX_REFERENCE), TRITON_PINNED)
     _install(session, *TOKAMAX, *_with_libtpu(JAX_REFERENCE), *TRITON_PINNED)
     args = session.posargs or ["tests", *XDIST, "-q", "-rs", "--durations=25"]
@@ -213,9 +279,10 @@ OLDEST_SUITES = ["tests/core", "tests/tpu", "tests/runtime", "tests/jax_triton",
 
 @nox.session(python=PYTHON_OLDEST)
 def tests_oldest(session: nox.Session) -> None:
-    """The version-dependent suites on the oldest supported JAX (0.10.2) under Python 3.11,
-    with the pinned Triton and libtpu (the compiled way compiles for TPU v5e there, the chip
-    whose JAX this is)."""
+    """The version-dependent suites on the oldest JAX (0.10.2, Python 3.11), then one example.
+
+    With the pinned Triton and libtpu (the compiled way compiles for TPU v5e there, the chip
+    whose JAX this is); the suites are OLDEST_SUITES, the example ``tpu_matmul``."""
     _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
     args = session.posargs or [*OLDEST_SUITES, *XDIST, "-q", "-rs", "--durations=15"]
     session.run("python", "-m", "pytest", *args, env={"PALLAS_TPU_CHIPS": "v5e"})
@@ -224,11 +291,12 @@ def tests_oldest(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def tests_newest(session: nox.Session) -> None:
-    """The whole test suite on the newest supported JAX and the newest Triton, and one example.
+    """The whole test suite on the newest supported JAX and Triton, then one example.
 
-    The runtime is built against the oldest jaxlib's FFI headers (its build-system
-    requires pin them), so tests/runtime/test_registration.py checks here that
-    that build registers its handlers in the newest jaxlib.
+    TPU kernels are compiled for compile-only TPU v4 and v5p; the example is ``add``. The
+    runtime is built against the oldest jaxlib's FFI headers (its build-system requires pin
+    them), so tests/runtime/test_registration.py checks here that that build registers its
+    handlers in the newest jaxlib.
     """
     _install_all(session, _with_libtpu(JAX_NEWEST), TRITON_NEWEST)
     args = session.posargs or ["tests", *XDIST, "-q", "-rs", "--durations=25"]
@@ -240,7 +308,7 @@ def tests_newest(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """Runs every example (on the GPU if there is one, else on the CPU) and checks it against jnp."""
+    """Every example (on the GPU if there is one, else on the CPU), checked against jnp."""
     _install_all(session, JAX_REFERENCE, TRITON_PINNED)
     session.run("python", "examples/run_all.py", *session.posargs)
 
@@ -250,13 +318,14 @@ DOCS_BUILD = os.path.join(ROOT, "docs", "_build", "html")
 
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Builds the documentation site (docs/) into docs/_build/html with warnings as
-    errors: the guides' cells run on the CPU (a failing cell fails the build), every
-    public name needs a docstring, links inside the site must resolve; then runs the
+    """The documentation site (docs/) into docs/_build/html; with --serve, served on :8000.
+
+    Warnings are errors: the guides' cells run on the CPU (a failing cell fails the build),
+    every public name needs a docstring, links inside the site must resolve; then runs the
     python blocks of the READMEs and guides and checks their relative links
     (docs/check_code_blocks.py). ``./dev docs --serve`` then serves the site on
-    http://localhost:8000; ``./dev docs --linkcheck`` also checks the links to the
-    outside (needs a network; they are listed on the site's links page)."""
+    http://localhost:8000; ``./dev docs --linkcheck`` also checks the links to the outside
+    (needs a network; they are listed on the site's links page)."""
     serve = "--serve" in session.posargs
     linkcheck = "--linkcheck" in session.posargs
     # JAX 0.11.2 and Triton 3.6.0 as in `tests`; libtpu so that pltpu.compile_check runs.
@@ -287,9 +356,10 @@ TOKAMAX = ["tokamax[test]==0.0.17", "pytest-timeout"]
 
 @nox.session(python=PYTHON)
 def downstream(session: nox.Session) -> None:
-    """tokamax's own Pallas TPU and Pallas Triton tests on the CPU, on JAX's Pallas and
-    on ours (imports rewritten at import time), compared test by test; fails on a test
-    that passes on JAX's and not on ours without a reason in
+    """tokamax's own Pallas tests on the CPU, on JAX's Pallas and on ours, test by test.
+
+    Its Pallas TPU and Pallas Triton tests; ours through its imports rewritten at import
+    time. Fails on a test that passes on JAX's and not on ours without a reason in
     tests/downstream/known_differences.toml. ``./dev downstream -- --subset ci`` runs the
     fixed subset; other arguments go to tests/downstream/run_tokamax.py."""
     _install_all(session, _with_libtpu(JAX_REFERENCE), TRITON_PINNED)
@@ -312,10 +382,11 @@ EJKERNEL_DEPS = [
 
 @nox.session(python=PYTHON)
 def downstream_ejkernel(session: nox.Session) -> None:
-    """ejkernel's Pallas kernels (it ships no tests) on the CPU, on JAX's Pallas and on
-    ours: tests/downstream/run_ejkernel.py lists which of its Pallas modules load on
-    each and calls each kernel with a case on small random inputs, compared with each
-    other and with ejkernel's XLA implementation. Arguments go to run_ejkernel.py."""
+    """ejkernel's Pallas kernels (it ships no tests) on the CPU, on JAX's Pallas and on ours.
+
+    tests/downstream/run_ejkernel.py lists which of its Pallas modules load on each and calls
+    each kernel with a case on small random inputs, compared with each other and with
+    ejkernel's XLA implementation. Arguments go to run_ejkernel.py."""
     _install_all(session, _with_libtpu(JAX_REFERENCE), TRITON_PINNED)
     _install(session, "--no-deps", *EJKERNEL)
     _install(session, *EJKERNEL_DEPS, *_with_libtpu(JAX_REFERENCE), *TRITON_PINNED)
@@ -377,16 +448,6 @@ def _python(version: str) -> str | None:
         if c and subprocess.run([c, "-c", check], capture_output=True).returncode == 0:
             return c
     return None
-
-
-def _uv() -> str | None:
-    """uv's binary: the one beside nox (./dev installs it there), else on the PATH."""
-    try:
-        from uv import find_uv_bin
-
-        return str(find_uv_bin())
-    except (ImportError, FileNotFoundError):
-        return shutil.which("uv")
 
 
 def _fresh_venv(session: nox.Session, python: str, venv: str, pip: bool = False) -> list[str]:
@@ -452,10 +513,12 @@ def _install_check(session: nox.Session, dist: str, find_links: str, python: str
 
 @nox.session(python=PYTHON)
 def wheels(session: nox.Session) -> None:
-    """Builds the wheel and sdist of every package into dist/ (twine-checked), and the
-    runtime's cp311 wheel; installs each package alone into a fresh venv from there and
-    runs a small kernel with it, under Python 3.12 (the newest JAX) and 3.11 (JAX 0.10.2,
-    the newest there); installs the stable-ABI runtime wheel under Python 3.13 too."""
+    """Every wheel and sdist into dist/, each package installed alone and run from there.
+
+    The wheel and sdist of every package (twine-checked), and the runtime's cp311 wheel;
+    installs each package alone into a fresh venv from there and runs a small kernel with it,
+    under Python 3.12 (the newest JAX) and 3.11 (JAX 0.10.2, the newest there); installs the
+    stable-ABI runtime wheel under Python 3.13 too."""
     shutil.rmtree(DIST, ignore_errors=True)
     _install(session, *BUILD_DEPS)
     _build(session, list(PACKAGES), DIST)
@@ -485,8 +548,9 @@ def wheels(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def release(session: nox.Session) -> None:
-    """``./dev release NAME``: the wheel and sdist of one package into dist/release/,
-    ``twine check``, and the installed-wheel smoke test. Never uploads."""
+    """./dev release NAME: one package's wheel and sdist into dist/release/, checked, never uploaded.
+
+    Into dist/release/, with ``twine check`` and the installed-wheel smoke test."""
     if len(session.posargs) != 1 or session.posargs[0] not in PACKAGES:
         session.error(f"usage: ./dev release NAME, NAME one of {', '.join(PACKAGES)}")
     dist = session.posargs[0]
@@ -514,9 +578,10 @@ def release(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff check, ruff format --check, and mypy over every package's src/ (mypy.ini: strict on
-    the backend contract, the call record and each package's public API; every other module at
-    mypy's defaults, none ignored). mypy, not pyright: a plain wheel from PyPI (pyright's PyPI package
+    """ruff check, ruff format --check, and mypy over every package's src/.
+
+    mypy.ini: strict on the backend contract, the call record and each package's public API;
+    every other module at mypy's defaults, none ignored. mypy, not pyright: a plain wheel from PyPI (pyright's PyPI package
     fetches Node.js and pyright from npm on first run), and it checks our backend modules
     against the ``pallas.backend.Backend`` protocol. JAX (the reference, without libtpu) is
     installed so that mypy reads JAX's own types, which the packages' ``py.typed`` promise."""

@@ -1,7 +1,10 @@
 """Sphinx configuration of the documentation site (built by ``./dev docs``)."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_ext"))
 
@@ -16,6 +19,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "apigen",  # docs/_ext/apigen.py: the API pages, and the check that every public name is documented
     "external_links",  # docs/_ext/external_links.py: every link to the outside, listed on links.md
+    "repo_pages",  # docs/_ext/repo_pages.py: DESIGN.md and CONTRIBUTING.md as pages, their links made the site's
 ]
 
 exclude_patterns = ["_build", "README.md", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]
@@ -49,6 +53,18 @@ nb_execution_timeout = 180
 nb_execution_show_tb = True
 nb_merge_streams = True
 
+# The notebooks' kernels start with an IPython profile of this build's own (not the user's
+# ~/.ipython, whose startup files would run in every guide) in which the kernel logs errors
+# only: ipykernel 7 warns at each kernel's start that it talks to the build over TCP without
+# encryption (on localhost, for this build alone), a line per guide, six per build.
+_ipython_dir = tempfile.mkdtemp(prefix="pallas-docs-ipython-")
+os.makedirs(os.path.join(_ipython_dir, "profile_default"))
+with open(os.path.join(_ipython_dir, "profile_default", "ipython_kernel_config.py"), "w") as _f:
+    _f.write('c.IPKernelApp.log_level = "ERROR"\nc.HistoryManager.enabled = False\n')
+del _f
+os.environ["IPYTHONDIR"] = _ipython_dir
+atexit.register(shutil.rmtree, _ipython_dir, True)
+
 html_theme = "sphinx_book_theme"
 html_title = "Pallas + jax-triton"
 html_theme_options = {
@@ -62,5 +78,7 @@ html_theme_options = {
 html_static_path = ["_static"]
 # Search summaries from each page's article text, not the theme's header buttons (the file says why).
 html_js_files = ["search_summary.js"]
+# Wide tables wrap their cells to the article's width, long names in the sidebar wrap (the file says why).
+html_css_files = ["tables.css"]
 templates_path = ["_templates"]
 suppress_warnings = ["mystnb.unknown_mime_type"]

@@ -28,6 +28,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import pkgutil
 import types
 import warnings
 
@@ -56,12 +57,17 @@ TPU_OPS = [
     ("all_gather", "All-gather over a ring of TPU devices, the API of JAX's ``ops.tpu.all_gather``."),
 ]
 
-# (module, one line shown above its table). The order is the API index's.
+# (module, its line in the API index's table). The order is the index's. A module's page shows
+# its docstring (the line too only where it has none: a page said the same thing three times).
 MODULES = [
     ("pallas", "The kernel language (``import pallas as pl``): the API of ``jax.experimental.pallas``."),
     (
         "pallas_gpu",
         "The Triton backend (``import pallas_gpu as plgpu``): GPU-only primitives, compiler and interpreter parameters, autotuning.",
+    ),
+    (
+        "pallas_gpu.ops",
+        "The GPU ops: one module per op, each with the API of its namesake in JAX's ``ops.gpu``.",
     ),
     ("pallas_gpu.ops.attention", "Flash attention (``mha``), the API of JAX's ``ops.gpu.attention``."),
     (
@@ -79,7 +85,7 @@ MODULES = [
     ("pallas_gpu.ops.matmul", "The autotuned matmul (JAX's GPU ops have none)."),
     (
         "pallas_tpu",
-        "The TPU kernel language (``import pallas_tpu as pltpu``): the API of ``jax.experimental.pallas.tpu``, TPU interpret mode, the Mosaic lowering, ``run_mosaic`` and ``compile_check``.",
+        "The TPU kernel language (``import pallas_tpu as pltpu``): the API of ``jax.experimental.pallas.tpu``, TPU interpret mode, the Mosaic lowering, ``run_mosaic``, ``compile_check`` and ``estimate``.",
     ),
     *[(f"pallas_tpu.ops.{m}", intro) for m, intro in TPU_OPS],
     ("jax_triton", "``triton_call`` for ``@triton.jit`` kernels (``import jax_triton as jt``)."),
@@ -90,6 +96,10 @@ MODULES = [
     (
         "jax_kernel_runtime.triton",
         "The Triton layer pallas-gpu and jax-triton share: compiling, caches, Triton's interpreter on host arrays.",
+    ),
+    (
+        "jax_kernel_runtime.jax_plugin",
+        "The hook JAX calls when it starts (the ``jax_plugins`` entry point): registers the runtime's FFI targets.",
     ),
     (
         "pallas.backend",
@@ -131,6 +141,17 @@ DIFFERS = {
     "pallas_gpu.ops.decode_attention.mqa": ["diff-decode"],
     "pallas_gpu.ops.decode_attention.gqa": ["diff-decode"],
     "pallas_gpu.ops.paged_attention.paged_attention": ["diff-decode"],
+}
+
+# Public modules (no name part with a leading underscore) without a page of their own, by
+# prefix, with the reason. The build fails on any other public module without a page.
+NO_PAGE = {
+    # The op modules that mirror JAX's ops.tpu have their pages in TPU_OPS; their helper
+    # modules (megablox.common, paged_attention.util, ...) are JAX's layout, not API.
+    "pallas_tpu.ops.": "TPU_OPS lists the pages of the ops",
+    # New (its author decides its page): the command line ``python -m pallas_tpu.estimate``;
+    # its function is ``pltpu.estimate``, on the pallas_tpu page.
+    "pallas_tpu.estimate.": "the command line of pltpu.estimate",
 }
 
 OUT = os.path.join("api", "_generated")
@@ -264,7 +285,13 @@ def _page(modname: str, intro: str) -> tuple[str, list[str]]:
                 undocumented.append(name)
             data.append((name, doc or ""))
     title = f"``{modname}``"
-    lines = [title, "=" * len(title), "", intro, "", f".. automodule:: {modname}", "   :no-members:", ""]
+    lines = [title, "=" * len(title), ""]
+    if not inspect.getdoc(mod):
+        lines += [intro, ""]
+    lines += [f".. automodule:: {modname}", "   :no-members:", ""]
+    children = [m for m, _ in MODULES if m.rpartition(".")[0] == modname]
+    if children:
+        lines += ["Its modules: " + ", ".join(f":doc:`{m}`" for m in children) + ".", ""]
     if routines:
         lines += [
             ".. currentmodule:: " + modname,
@@ -341,6 +368,33 @@ def _mirror_section(modname: str, mod: types.ModuleType, elsewhere: dict[str, st
     return lines
 
 
+def public_modules() -> list[str]:
+    """Every public module of our packages: each package's ``__init__`` and the modules
+    and subpackages under it whose names have no leading underscore."""
+    found = []
+    todo = list(_OURS)
+    while todo:
+        name = todo.pop()
+        found.append(name)
+        mod = importlib.import_module(name)
+        for info in pkgutil.iter_modules(getattr(mod, "__path__", [])):
+            if not info.name.startswith("_"):
+                todo.append(f"{name}.{info.name}")
+    return sorted(found)
+
+
+def _check_every_module_has_a_page() -> None:
+    pages = {m for m, _ in MODULES}
+    for name in public_modules():
+        if name not in pages and not any(name.startswith(p) or name == p[:-1] for p in NO_PAGE):
+            logger.warning(
+                f"public module {name} has no API page: add it to apigen.MODULES (and to "
+                "docs/api/index.md's toctree), or to NO_PAGE with the reason",
+                type="apigen",
+                subtype="no_page",
+            )
+
+
 def generate(app, config=None) -> None:
     out = os.path.join(app.srcdir, OUT)
     os.makedirs(out, exist_ok=True)
@@ -364,12 +418,29 @@ def generate(app, config=None) -> None:
                 type="apigen",
                 subtype="undocumented",
             )
+    # The API index's table (api/index.md includes it): each module's page and line.
+    table = [
+        ".. list-table::",
+        "   :header-rows: 1",
+        "   :widths: 35 65",
+        "",
+        "   * - module",
+        "     - what it is",
+    ]
+    for modname, intro in MODULES:
+        table += [f"   * - :doc:`{modname} </api/_generated/{modname}>`", f"     - {intro}"]
+    path = os.path.join(out, "modules.inc")
+    text = "\n".join(table) + "\n"
+    if not os.path.exists(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
     # Stubs of names no longer on a page (removed, or now documented under another module)
     # would be orphan pages: autosummary writes the stubs but never deletes them.
     stubs = os.path.join(out, "_autosummary")
     wanted = {f"{p}.rst" for p in STUB_NAMES}
     for stale in set(os.listdir(stubs) if os.path.isdir(stubs) else ()) - wanted:
         os.remove(os.path.join(stubs, stale))
+    _check_every_module_has_a_page()
     logger.info(f"apigen: {total} public names in {len(MODULES)} modules")
 
 

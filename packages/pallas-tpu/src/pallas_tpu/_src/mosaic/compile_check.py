@@ -37,6 +37,34 @@ from pallas_tpu._src.mosaic import code_size as code_size_lib
 from pallas_tpu._src.mosaic import modules
 from pallas_tpu._src.mosaic.code_size import CodeSizeWarning  # noqa: F401 (re-exported)
 
+# Google's PCI device ids of TPU chips (JAX's jax._src.hardware_utils lists the same).
+_TPU_PCI_IDS = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076", "0x007c", "0x0083"}
+
+
+def _quiet_libtpu_without_a_tpu() -> None:
+    """libtpu installed for its compiler (``compile_check``) on a machine with no TPU attached
+    asks the absent cloud metadata for the worker hostnames and host bounds when JAX starts
+    its backends, and prints an ``E0000 ... unexpected worker hostname`` block at every start.
+    Where neither is set, tell it it is one host alone: read when JAX starts its backends, so
+    this quiets every program that imports pallas_tpu before its first computation.
+    Compile-only devices are unaffected; on a TPU (``/dev/accel*``, or a TPU on the PCI bus,
+    as JAX checks) nothing is set. noxfile.py and tests/conftest.py do the same."""
+    if glob.glob("/dev/accel*"):
+        return
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f, open(os.path.join(os.path.dirname(vendor), "device")) as g:
+                if f.read().strip() == "0x1ae0" and g.read().strip() in _TPU_PCI_IDS:
+                    return
+        except OSError:
+            continue
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+
+
+if importlib.util.find_spec("libtpu") is not None:
+    _quiet_libtpu_without_a_tpu()
+
 # A chip name -> the smallest topology libtpu knows for it (one host).
 # "7x": TPU7x, compile-only in libtpu 0.0.42.1 and 0.0.48.1 (its MXU ops: tests/tpu/test_mxu_fifo.py).
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "7x": "tpu7x:2x2x1"}

@@ -29,7 +29,10 @@ import nox
 
 
 def _uv() -> str | None:
-    """uv's binary: the one beside nox (./dev installs it there), else on the PATH."""
+    """uv's binary, where nox looks: ``$UV`` (./dev sets it to the uv it installs beside nox),
+    else the one beside nox, else on the PATH."""
+    if os.environ.get("UV"):
+        return shutil.which(os.environ["UV"])
     try:
         from uv import find_uv_bin
 
@@ -41,9 +44,14 @@ def _uv() -> str | None:
 # uv (./dev installs it beside nox) makes the venvs and installs into them, from one cache
 # shared by every session and venv of a CI run: a session's JAX, jaxlib, libtpu and Triton
 # (2 GB installed) took pip 25 s wall, 17 s CPU, uv 4.6 s from an empty cache and 0.5 s from a
-# warm one. Without uv, venv and pip. Chosen here, not with nox's "uv|venv": that looks uv up
-# itself and prints "uv binary not found" at every start where it is missing.
+# warm one. Without uv, venv and pip. Chosen here, not with nox's "uv|venv", and nox told: it
+# looks uv up itself and printed "uv binary not found" at every start where it was missing.
 nox.options.default_venv_backend = "uv" if _uv() else "venv"
+if nox.options.default_venv_backend == "venv":  # nox would look it up again at each venv it makes, and log that it is missing
+    import nox.virtualenv
+    from packaging.version import Version
+
+    nox.virtualenv.HAS_UV, nox.virtualenv.UV, nox.virtualenv.UV_VERSION = False, "uv", Version("0")
 nox.options.reuse_existing_virtualenvs = True
 # The machine's Pythons only, as with venv: uv would otherwise download one that is missing.
 os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")

@@ -64,7 +64,7 @@ def _abstract_eval(*avals, call: CallSpec):
     return [jax.core.ShapedArray(a.shape, a.dtype) for a in call.out_avals]
 
 
-def triton_call(  # long for its public docstring only: the body is ~45 lines
+def triton_call(
     *args,
     kernel,
     out_type=None,
@@ -88,53 +88,40 @@ def triton_call(  # long for its public docstring only: the body is ~45 lines
     """Calls a ``@triton.jit`` kernel on JAX arrays.
 
     Args:
-      *args: kernel arguments, bound to the kernel's parameters in order:
-        arrays (passed as pointers), ``jax.new_ref`` Refs (pointers to buffers
-        the kernel updates in place; not in ``out_type``), Python/numpy
-        scalars (baked into the call) and None (a constexpr None, as in
-        Triton's JIT).
-      kernel: a ``@triton.jit`` function, optionally wrapped in
-        ``triton.autotune`` and/or ``triton.heuristics``.
-      out_type: a pytree of objects with ``.shape`` and ``.dtype``
-        (e.g. ``jax.ShapeDtypeStruct``); the result has the same structure.
-        The outputs not aliased to an input are bound to the kernel's
-        non-constexpr parameters that got no argument, in parameter order.
-        ``out_shape=`` (jax-triton 0.4) is accepted instead; with it, aliased
-        outputs are bound to parameters too and ``input_output_aliases``
-        counts the array inputs.
-      grid: an int, a tuple of 1-3 ints, or a callable of the metaparams dict
-        returning one.
+      *args: kernel arguments, bound to the kernel's parameters in order: arrays (passed as pointers),
+        ``jax.new_ref`` Refs (pointers to buffers the kernel updates in place; not in ``out_type``),
+        Python/numpy scalars (baked into the call) and None (a constexpr None, as in Triton's JIT).
+      kernel: a ``@triton.jit`` function, optionally wrapped in ``triton.autotune``/``triton.heuristics``.
+      out_type: a pytree of objects with ``.shape`` and ``.dtype`` (e.g. ``jax.ShapeDtypeStruct``); the
+        result has the same structure. The outputs not aliased to an input are bound to the kernel's
+        non-constexpr parameters that got no argument, in parameter order. ``out_shape=`` (jax-triton 0.4)
+        is accepted instead; with it, aliased outputs are bound to parameters too and
+        ``input_output_aliases`` counts the array inputs.
+      grid: an int, a tuple of 1-3 ints, or a callable of the metaparams dict returning one.
       name: shown in errors (default: the kernel's name).
       num_warps, num_stages, num_ctas: Triton compile options (default 4, 3, 1).
-      compute_capability: target for compilation when lowering without a
-        visible GPU (e.g. ``jax.export``); default: the device's, else 90.
-      backend_options: further options of Triton's CUDA compiler
-        (``{"maxnreg": 128}``), merged with ``num_warps``, ``num_stages``,
-        ``num_ctas``, ``enable_fp_fusion`` and ``debug``; giving an option
+      compute_capability: target for compilation when lowering without a visible GPU (e.g. ``jax.export``);
+        default: the device's, else 90.
+      backend_options: further options of Triton's CUDA compiler (``{"maxnreg": 128}``), merged with
+        ``num_warps``, ``num_stages``, ``num_ctas``, ``enable_fp_fusion`` and ``debug``; giving an option
         both ways is an error. Values must be hashable.
-      input_output_aliases: ``{input index: output index}``: the output reuses
-        the input's buffer. With ``out_type=`` the indices count the
-        non-constexpr operands in parameter order (scalars included, None not);
-        with ``out_shape=`` the array inputs.
-      zeroed_outputs: output indices (or a callable of the metaparams
-        returning them) zeroed before the kernel runs.
-      debug: print the Triton signature and IR when compiling, and turn
-        ``tl.device_assert`` on.
-      serialized_metadata, cost_estimate: accepted for upstream compatibility;
-        they have no effect here.
+      input_output_aliases: ``{input index: output index}``: the output reuses the input's buffer. With
+        ``out_type=`` the indices count the non-constexpr operands in parameter order (scalars included,
+        None not); with ``out_shape=`` the array inputs.
+      zeroed_outputs: output indices (or a callable of the metaparams returning them) zeroed before the
+        kernel runs.
+      debug: print the Triton signature and IR when compiling, and turn ``tl.device_assert`` on.
+      serialized_metadata, cost_estimate: accepted for upstream compatibility; they have no effect here.
       has_side_effect: only False is supported.
       enable_fp_fusion: Triton's fp fusion (default True).
-      batch_fold: optional ``(batch_size, grid, scalars) -> (grid, scalars)``
-        declaring how ``jax.vmap`` can fold a batch into the grid: the batched
-        arrays are laid out contiguously with the batch leading and the kernel
-        is re-launched once with the returned grid and scalar arguments
-        (``scalars`` maps the positional index, or the keyword of a keyword
-        argument, to the value). Without it, vmap runs the kernel once per
-        batch element.
-      **kwargs: a keyword naming a non-constexpr kernel parameter is an
-        argument for it, as in ``*args``; the others are metaparams: values of
-        ``tl.constexpr`` parameters, by name (missing ones take the kernel's
-        defaults), also passed to callable ``grid``/``zeroed_outputs``.
+      batch_fold: optional ``(batch_size, grid, scalars) -> (grid, scalars)`` declaring how ``jax.vmap`` can
+        fold a batch into the grid: the batched arrays are laid out contiguously with the batch leading and
+        the kernel is re-launched once with the returned grid and scalar arguments (``scalars`` maps the
+        positional index, or the keyword of a keyword argument, to the value). Without it, vmap runs the
+        kernel once per batch element.
+      **kwargs: a keyword naming a non-constexpr kernel parameter is an argument for it, as in ``*args``;
+        the others are metaparams: values of ``tl.constexpr`` parameters, by name (missing ones take the
+        kernel's defaults), also passed to callable ``grid``/``zeroed_outputs``.
 
     Returns:
       The outputs, in the structure of ``out_type``.
@@ -143,22 +130,55 @@ def triton_call(  # long for its public docstring only: the body is ~45 lines
     fn = autotune.base_function(kernel)
     name = name or fn.__name__
     where = f"triton_call {name!r} at {user_source()}"
-    legacy = "out_shape" in kwargs
-    if legacy:
+    out_type, legacy = _out_type(out_type, kwargs, where)
+    _check_flags(where, debug=debug, enable_fp_fusion=enable_fp_fusion, has_side_effect=has_side_effect)
+    del serialized_metadata, cost_estimate  # no place for them in our custom call
+    out_leaves, out_tree = jax.tree.flatten(out_type)
+    out_avals = arguments.output_avals(out_leaves, where, "out_shape" if legacy else "out_type")
+    ops = operands.resolve(fn, args, kwargs, out_avals, input_output_aliases, legacy, where)
+    explicit = dict(num_warps=num_warps, num_stages=num_stages, num_ctas=num_ctas,
+                    enable_fp_fusion=enable_fp_fusion, debug=True if debug else None)  # fmt: skip
+    spec = _make_spec(kernel, fn, name, ops.params, ops.in_avals, ops.out_avals, ops.metaparams, grid,
+                      zeroed_outputs, ops.aliases, ops.scalars, compute_capability, debug, batch_fold,
+                      _compile_options(fn, explicit, backend_options, where), where)  # fmt: skip
+    return jax.tree.unflatten(out_tree, _launch(spec, ops)[: len(out_avals)])
+
+
+def _launch(spec: CallSpec, ops) -> list:
+    """The call's outputs (``ops``: ``operands.resolve``'s); the Refs among its arguments are
+    updated in place."""
+    if any(0 in v.grid for v in spec.variants):
+        outs = _no_programs(spec, ops.arrays)
+    else:
+        outs = triton_call_p.bind(*ops.arrays, call=spec)
+    for ref, i in ops.refs:
+        ref[...] = outs[ops.aliases[i]]
+    return outs
+
+
+def _out_type(out_type, kwargs: dict, where: str) -> tuple[Any, bool]:
+    """(``out_type``, or ``out_shape=``: jax-triton 0.4's name, popped from ``kwargs``; whether
+    it was ``out_shape=``)."""
+    if "out_shape" in kwargs:
         if out_type is not None:
             raise TypeError(f"{where}: give out_type= or out_shape= (its jax-triton 0.4 name), not both")
-        out_type = kwargs.pop("out_shape")
-    elif out_type is None:
+        return kwargs.pop("out_shape"), True
+    if out_type is None:
         raise TypeError(
             f"{where}: triton_call needs out_type=, the outputs' shapes and dtypes "
             f"(a pytree of jax.ShapeDtypeStruct; out_shape= as in jax-triton 0.4 also works)"
         )
+    return out_type, False
+
+
+def _check_flags(where: str, *, debug, enable_fp_fusion, has_side_effect) -> None:
+    """The boolean options are booleans (``"False"`` is truthy); ``has_side_effect`` is False."""
     for option, value, none_ok in (
         ("debug", debug, False),
         ("enable_fp_fusion", enable_fp_fusion, True),
         ("has_side_effect", has_side_effect, False),
     ):
-        if not (isinstance(value, (bool, np.bool_)) or (none_ok and value is None)):  # "False" is truthy
+        if not (isinstance(value, (bool, np.bool_)) or (none_ok and value is None)):
             expected = "True, False or None" if none_ok else "True or False"
             raise TypeError(f"{where}: {option} must be {expected}, got {value!r} ({type(value).__name__})")
     if has_side_effect:
@@ -166,30 +186,17 @@ def triton_call(  # long for its public docstring only: the body is ~45 lines
             f"{where}: has_side_effect=True is not supported: a triton_call whose outputs "
             f"are unused may be removed. Return an output that depends on the effect."
         )
-    del serialized_metadata, cost_estimate  # no place for them in our custom call
-    out_leaves, out_tree = jax.tree.flatten(out_type)
-    out_avals = arguments.output_avals(out_leaves, where, "out_shape" if legacy else "out_type")
-    ops = operands.resolve(fn, args, kwargs, out_avals, input_output_aliases, legacy, where)
-    explicit = dict(num_warps=num_warps, num_stages=num_stages, num_ctas=num_ctas,
-                    enable_fp_fusion=enable_fp_fusion, debug=True if debug else None)  # fmt: skip
+
+
+def _compile_options(fn, explicit: dict, backend_options, where: str) -> CompileOptions:
+    """The compile options: ``explicit`` (triton_call's own arguments; None: not given) merged
+    with ``backend_options``."""
     # Triton's JIT turns device asserts on for debug=True, @triton.jit(debug=True)
     # or TRITON_DEBUG=1; so do the GPU compile and the interpreter.
     debug_asserts = bool(getattr(fn, "debug", False) or triton.knobs.runtime.debug)
-    options = arguments.compile_options(
+    return arguments.compile_options(
         {k: v for k, v in explicit.items() if v is not None}, backend_options, debug_asserts, where
     )
-    spec = _make_spec(
-        kernel, fn, name, ops.params, ops.in_avals, ops.out_avals, ops.metaparams, grid,
-        zeroed_outputs, ops.aliases, ops.scalars, compute_capability, debug, batch_fold,
-        options, where,
-    )  # fmt: skip
-    if any(0 in v.grid for v in spec.variants):
-        outs = _no_programs(spec, ops.arrays)
-    else:
-        outs = triton_call_p.bind(*ops.arrays, call=spec)
-    for ref, i in ops.refs:
-        ref[...] = outs[ops.aliases[i]]
-    return jax.tree.unflatten(out_tree, outs[: len(out_avals)])
 
 
 def _no_programs(spec: CallSpec, arrays) -> list:

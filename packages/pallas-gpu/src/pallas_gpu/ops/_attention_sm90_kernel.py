@@ -125,6 +125,33 @@ def _tile(t, TILES: gl.constexpr, H: gl.constexpr, NQ: gl.constexpr, BM: gl.cons
 
 
 @gluon.jit
+def _v_operand(v_smem, slot, FP8: gl.constexpr):
+    """The B operand of ``P @ V`` in ring slot ``slot``: fp8 slots hold V^T, whose permuted
+    view is k-major (as fp8 wgmma reads its B)."""
+    if FP8:
+        return v_smem.index(slot).permute((1, 0))
+    else:
+        return v_smem.index(slot)
+
+
+@gluon.jit
+def _store_rows(O, LSE, o, m, l, sm_scale, b, h, row0, T: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
+                HM: gl.constexpr, FP8: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+    """Stores rows ``row0`` to ``+ HM`` of a tile from registers: their log-sum-exp, and O
+    divided by the softmax sums ``l`` (fp8: times the output's scale, ``sm_scale[1]``)."""
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows = gl.arange(0, HM, layout=gl.SliceLayout(1, s_layout))
+    gl.store(LSE + (b * H + h).to(gl.int64) * T + row0 + rows, (m + gl.log2(l)) * _LN2)
+    if FP8:
+        o = o * (gl.load(sm_scale + 1) / gl.convert_layout(l, o_rows))[:, None]
+    else:
+        o = o / gl.convert_layout(l, o_rows)[:, None]
+    o_r = (b * T + row0 + gl.arange(0, HM, layout=o_rows)).to(gl.int64)
+    o_c = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(O + (o_r[:, None] * H + h) * D + o_c[None, :], o.to(O.dtype.element_ty))
+
+
+@gluon.jit
 def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, kv_empty, turn, sm_scale,
                     WG: gl.constexpr, T: gl.constexpr, S: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
                     BN: gl.constexpr, NBUF: gl.constexpr, CAUSAL: gl.constexpr, TILES: gl.constexpr,
@@ -179,11 +206,7 @@ def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar
             mbarrier.wait(turn.index(WG), it & 1)
             s_tok = hopper.warpgroup_mma(q_half, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False,
                                          is_async=True)  # fmt: skip
-            if FP8:  # V^T in the slot: its permuted view is k-major
-                v_op = v_smem.index(slot).permute((1, 0))
-            else:
-                v_op = v_smem.index(slot)
-            o_tok = hopper.warpgroup_mma(p_op, v_op, o, is_async=True)
+            o_tok = hopper.warpgroup_mma(p_op, _v_operand(v_smem, slot, FP8), o, is_async=True)
             mbarrier.arrive(turn.index(1 - WG))
             it += 1
             s = hopper.warpgroup_mma_wait(1, deps=[s_tok])  # S of block j+1 done; O += P V of block j runs on
@@ -197,27 +220,14 @@ def _math_warpgroup(O, LSE, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar
         mbarrier.wait(v_bar.index(slot), (c // NBUF) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(turn.index(WG), it & 1)
-        if FP8:
-            v_op = v_smem.index(slot).permute((1, 0))
-        else:
-            v_op = v_smem.index(slot)
-        o_tok = hopper.warpgroup_mma(p_op, v_op, o, is_async=True)
+        o_tok = hopper.warpgroup_mma(p_op, _v_operand(v_smem, slot, FP8), o, is_async=True)
         mbarrier.arrive(turn.index(1 - WG))
         it += 1
         o = hopper.warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(kv_empty.index(slot))
         c += 1
         i += 1
-
-        rows = gl.arange(0, HM, layout=gl.SliceLayout(1, s_layout))
-        gl.store(LSE + (b * H + h).to(gl.int64) * T + row0 + rows, (m + gl.log2(l)) * _LN2)
-        if FP8:
-            o = o * (gl.load(sm_scale + 1) / gl.convert_layout(l, o_rows))[:, None]
-        else:
-            o = o / gl.convert_layout(l, o_rows)[:, None]
-        o_r = (b * T + row0 + gl.arange(0, HM, layout=o_rows)).to(gl.int64)
-        o_c = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        gl.store(O + (o_r[:, None] * H + h) * D + o_c[None, :], o.to(O.dtype.element_ty))
+        _store_rows(O, LSE, o, m, l, sm_scale, b, h, row0, T, H, D, HM, FP8, s_layout, o_layout)
 
 
 @gluon.jit

@@ -168,7 +168,7 @@ def _check(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_
     static_argnames=["block_h", "pages_per_compute_block", "k_splits", "num_warps", "num_stages", "interpret",
                      "debug", "mask_value", "attn_logits_soft_cap"],
 )  # fmt: skip
-def paged_attention(  # long for its signature and public docstring only: the body is ~40 lines
+def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -227,19 +227,8 @@ def paged_attention(  # long for its signature and public docstring only: the bo
     )
     in_specs, args = _operands(q, k_pages, v_pages, block_tables, lengths, k_scales_pages, v_scales_pages)
     out_shape, out_specs = _dec.result_specs(B, Hq, group, D, ks, q.dtype, residuals=False)
-    kernel = functools.partial(
-        _kernel,
-        has_k_scales=k_scales_pages is not None,
-        has_v_scales=v_scales_pages is not None,
-        block_pages=block_pages,
-        page_size=page_size,
-        per_split=per_split,
-        group=group,
-        rows=rows,
-        # mask_value in base 2, kept finite (the default times log2(e) overflows f32)
-        mask_value=max(mask_value * _dec.LOG2E, -float(np.finfo(np.float32).max)),
-        soft_cap=attn_logits_soft_cap,
-    )
+    kernel = _bound_kernel(k_scales_pages is not None, v_scales_pages is not None, block_pages, page_size,
+                           per_split, group, rows, mask_value, attn_logits_soft_cap)  # fmt: skip
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -255,6 +244,24 @@ def paged_attention(  # long for its signature and public docstring only: the bo
     o, m, l = outs
     return _dec.combine(o, m, l, q.dtype, normalize=True, residuals=False, base2=True, interpret=interpret,
                         debug=debug, name="paged_attention")  # fmt: skip
+
+
+def _bound_kernel(has_k_scales, has_v_scales, block_pages, page_size, per_split, group, rows, mask_value,
+                  soft_cap):  # fmt: skip
+    """``_kernel`` with its static parameters bound."""
+    return functools.partial(
+        _kernel,
+        has_k_scales=has_k_scales,
+        has_v_scales=has_v_scales,
+        block_pages=block_pages,
+        page_size=page_size,
+        per_split=per_split,
+        group=group,
+        rows=rows,
+        # mask_value in base 2, kept finite (the default times log2(e) overflows f32)
+        mask_value=max(mask_value * _dec.LOG2E, -float(np.finfo(np.float32).max)),
+        soft_cap=soft_cap,
+    )
 
 
 def _launch_plan(q, k_pages, v_pages, block_tables, block_h, pages_per_compute_block, k_splits, num_stages,

@@ -150,6 +150,51 @@ def _split_dot(em, a: Val, b: Val, split, out_shape) -> Val:
     return acc
 
 
+def _matmul_operands(rc: RuleContext, a: Val, b: Val, dimension_numbers) -> tuple[Val, Val]:
+    """``a`` as (..., M, K) and ``b`` as (..., K, N), with zeros in their padding along K (it
+    would add garbage products); the dimension numbers checked (one contracting dimension, at
+    most one leading batch dimension)."""
+    em = rc.em
+    (lc, rc_), (lb, rb) = dimension_numbers
+    if len(lc) != 1 or len(rc_) != 1:
+        raise rc.error("dot_general must contract exactly one dimension")
+    nb = len(lb)
+    if tuple(lb) != tuple(range(nb)) or tuple(rb) != tuple(range(nb)) or nb > 1:
+        raise rc.error("dot_general batch dimensions must be one leading dimension of both operands")
+    if len(a.shape) != nb + 2 or len(b.shape) != nb + 2:
+        raise rc.error(
+            f"dot_general operands must be 2D (3-D with a batch dimension), got {a.shape} and "
+            f"{b.shape}; reshape vectors to matrices (e.g. y[:, None])"
+        )
+    if lc[0] == nb:
+        a = em.assign(
+            f"tl.permute({a.expr}, {list(range(nb)) + [nb + 1, nb]})",
+            (*a.shape[:nb], a.shape[nb + 1], a.shape[nb]),
+            a.dtype,
+        )
+    if rc_[0] == nb + 1:
+        b = em.assign(
+            f"tl.permute({b.expr}, {list(range(nb)) + [nb + 1, nb]})",
+            (*b.shape[:nb], b.shape[nb + 1], b.shape[nb]),
+            b.dtype,
+        )
+    return fill_padding(em, a, 0, [nb + 1]), fill_padding(em, b, 0, [nb])
+
+
+def _acc_dtype(a_dtype, out_dtype, preferred_element_type) -> np.dtype:
+    """The dot's accumulator: f32 (f64 for f64, f16 where f16 is asked for and returned), int32
+    for integers."""
+    if not is_float(a_dtype):
+        return np.dtype(np.int32)
+    if (
+        out_dtype == np.float16
+        and preferred_element_type is not None
+        and np.dtype(preferred_element_type) == np.float16
+    ):
+        return np.dtype(np.float16)
+    return np.dtype(np.float64) if a_dtype == np.float64 else np.dtype(np.float32)
+
+
 @register_lowering(lax.dot_general_p)
 def _dot_general_rule(
     rc: RuleContext,
@@ -165,46 +210,10 @@ def _dot_general_rule(
     """``acc`` (an f32 Val shaped like the result) is added in the dot: the kernel frame passes
     it for ``acc + dot(a, b)`` (see ``_dot_accumulations``)."""
     em = rc.em
-    (lc, rc_), (lb, rb) = dimension_numbers
-    if len(lc) != 1 or len(rc_) != 1:
-        raise rc.error("dot_general must contract exactly one dimension")
-    nb = len(lb)
-    if tuple(lb) != tuple(range(nb)) or tuple(rb) != tuple(range(nb)) or nb > 1:
-        raise rc.error("dot_general batch dimensions must be one leading dimension of both operands")
-    if len(a.shape) != nb + 2 or len(b.shape) != nb + 2:
-        raise rc.error(
-            f"dot_general operands must be 2D (3-D with a batch dimension), got {a.shape} and "
-            f"{b.shape}; reshape vectors to matrices (e.g. y[:, None])"
-        )
-    # Bring a to (..., M, K) and b to (..., K, N).
-    if lc[0] == nb:
-        a = em.assign(
-            f"tl.permute({a.expr}, {list(range(nb)) + [nb + 1, nb]})",
-            (*a.shape[:nb], a.shape[nb + 1], a.shape[nb]),
-            a.dtype,
-        )
-    if rc_[0] == nb + 1:
-        b = em.assign(
-            f"tl.permute({b.expr}, {list(range(nb)) + [nb + 1, nb]})",
-            (*b.shape[:nb], b.shape[nb + 1], b.shape[nb]),
-            b.dtype,
-        )
+    a, b = _matmul_operands(rc, a, b, dimension_numbers)
     k = a.shape[-1]
     out = rc.avals_out[0]
-    # Padding along K would add garbage products: zero it.
-    a = fill_padding(em, a, 0, [nb + 1])
-    b = fill_padding(em, b, 0, [nb])
-    acc_dtype: np.dtype
-    if is_float(a.dtype):
-        acc_dtype = np.dtype(np.float64) if a.dtype == np.float64 else np.dtype(np.float32)
-        if (
-            out.dtype == np.float16
-            and preferred_element_type is not None
-            and np.dtype(preferred_element_type) == np.float16
-        ):
-            acc_dtype = np.dtype(np.float16)
-    else:
-        acc_dtype = np.dtype(np.int32)
+    acc_dtype = _acc_dtype(a.dtype, out.dtype, preferred_element_type)
     if a.dtype != b.dtype:
         raise rc.error(f"dot operands must have the same dtype, got {a.dtype} and {b.dtype}")
     if not is_float(a.dtype) and np.dtype(a.dtype) != np.int8:

@@ -41,6 +41,46 @@ def _ints(value, n: int, arg: str, default: int) -> tuple[int, ...]:
     return out
 
 
+def _dimension_numbers(lhs, rhs, dimension_numbers) -> lax.ConvDimensionNumbers:
+    """``dimension_numbers`` checked against the operands' ranks and shapes."""
+    if lhs.ndim != rhs.ndim or lhs.ndim < 3:
+        raise op_error(
+            ValueError, _OP, f"lhs and rhs must have one rank of at least 3, got {lhs.shape} and {rhs.shape}"
+        )
+    try:
+        return lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+    except (TypeError, ValueError) as e:
+        raise op_error(
+            ValueError,
+            _OP,
+            f"dimension_numbers {dimension_numbers!r} do not fit lhs {lhs.shape} and rhs {rhs.shape}: {e}",
+        ) from None
+
+
+def _pads(padding, lhs, rhs, dn, strides, rhs_dil) -> tuple[tuple[int, int], ...]:
+    """One ``(low, high)`` pair per spatial dim: ``padding`` given as pairs, a string
+    (``"SAME"``, ``"VALID"``, ``"SAME_LOWER"``) or None (no padding)."""
+    n = lhs.ndim - 2
+    if isinstance(padding, str):
+        if padding.upper() not in ("SAME", "VALID", "SAME_LOWER"):
+            raise op_error(
+                ValueError, _OP, f"padding must be 'SAME', 'VALID' or (low, high) pairs, got {padding!r}"
+            )
+        window = [(rhs.shape[d] - 1) * r + 1 for d, r in zip(dn.rhs_spec[2:], rhs_dil)]
+        return tuple(lax.padtype_to_pads([lhs.shape[d] for d in dn.lhs_spec[2:]], window, strides, padding))
+    if padding is None:
+        return ((0, 0),) * n
+    try:
+        pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+    except (TypeError, ValueError):
+        raise op_error(
+            TypeError, _OP, f"padding must be a string or (low, high) pairs, got {padding!r}"
+        ) from None
+    if len(pads) != n:
+        raise op_error(ValueError, _OP, f"padding must hold {n} (low, high) pairs, got {padding!r}")
+    return pads
+
+
 def conv(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -79,40 +119,12 @@ def conv(
       ``acc + conv(lhs, rhs)``.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    if lhs.ndim != rhs.ndim or lhs.ndim < 3:
-        raise op_error(
-            ValueError, _OP, f"lhs and rhs must have one rank of at least 3, got {lhs.shape} and {rhs.shape}"
-        )
-    try:
-        dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-    except (TypeError, ValueError) as e:
-        raise op_error(
-            ValueError,
-            _OP,
-            f"dimension_numbers {dimension_numbers!r} do not fit lhs {lhs.shape} and rhs {rhs.shape}: {e}",
-        ) from None
+    dn = _dimension_numbers(lhs, rhs, dimension_numbers)
     n = lhs.ndim - 2
     strides = _ints(window_strides, n, "window_strides", 1)
     lhs_dil = _ints(lhs_dilation, n, "lhs_dilation", 1)
     rhs_dil = _ints(rhs_dilation, n, "rhs_dilation", 1)
-    if isinstance(padding, str):
-        if padding.upper() not in ("SAME", "VALID", "SAME_LOWER"):
-            raise op_error(
-                ValueError, _OP, f"padding must be 'SAME', 'VALID' or (low, high) pairs, got {padding!r}"
-            )
-        window = [(rhs.shape[d] - 1) * r + 1 for d, r in zip(dn.rhs_spec[2:], rhs_dil)]
-        pads = tuple(lax.padtype_to_pads([lhs.shape[d] for d in dn.lhs_spec[2:]], window, strides, padding))
-    elif padding is None:
-        pads = ((0, 0),) * n
-    else:
-        try:
-            pads = tuple((int(lo), int(hi)) for lo, hi in padding)
-        except (TypeError, ValueError):
-            raise op_error(
-                TypeError, _OP, f"padding must be a string or (low, high) pairs, got {padding!r}"
-            ) from None
-        if len(pads) != n:
-            raise op_error(ValueError, _OP, f"padding must hold {n} (low, high) pairs, got {padding!r}")
+    pads = _pads(padding, lhs, rhs, dn, strides, rhs_dil)
     reversal = (False,) * n if window_reversal is None else tuple(bool(r) for r in window_reversal)
     if len(reversal) != n:
         raise op_error(ValueError, _OP, f"window_reversal must hold {n} bools, got {window_reversal!r}")

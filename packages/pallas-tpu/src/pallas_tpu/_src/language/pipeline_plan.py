@@ -373,6 +373,54 @@ def _is_spec_leaf(s) -> bool:
     return s is None or s is pl.no_block_spec or isinstance(s, pl.BlockSpec)
 
 
+def _accumulate_flags(should_accumulate_out, n_out: int) -> list:
+    """``should_accumulate_out`` as one flag per output spec leaf."""
+    if isinstance(should_accumulate_out, (bool, np.bool_)):
+        return [bool(should_accumulate_out)] * n_out
+    accumulate = tree_util.tree_leaves(should_accumulate_out)
+    if len(accumulate) != n_out:
+        raise pipeline_error(
+            ValueError,
+            f"{WHERE}: should_accumulate_out has {len(accumulate)} entries but out_specs has {n_out}",
+        )
+    return accumulate
+
+
+def _planned_operand(origin: str, spec, ref, btype, alloc, tiling) -> Operand:
+    """The ``Operand`` of one spec leaf (``origin``) on ``ref``: its BufferedRef, ``alloc``'s
+    (the BufferedRef the caller allocated, or None) or a new one of ``btype``, its spec checked."""
+    space, aval = _ref_space_and_aval(ref, origin)
+    if space not in (pl.ANY, HBM, VMEM, SMEM):
+        raise pipeline_error(
+            ValueError,
+            f"{WHERE}: the operand of {origin} is in {space}; pipelines copy blocks of Refs in "
+            "pl.ANY or pltpu.HBM (a Ref already in VMEM or SMEM is seen by the body as a view)",
+        )
+    spec = _normalize_spec(spec, aval, origin)
+    full = _is_full_block(spec, aval.shape)
+    mode = spec.pipeline_mode
+    count = mode.buffer_count if mode is not None else (1 if full else 2)
+    if alloc is not None:
+        bref = alloc.with_spec(spec)
+    else:
+        bref = BufferedRef.create(
+            spec,
+            aval.dtype,
+            btype,
+            count,
+            source_memory_space=space,
+            tiling=tiling,
+            is_trivial_windowing=full,
+        )
+    # A BufferedRef subclass does its own copies (its methods work out the blocks' edges).
+    protocol = bref.is_buffered and type(bref) is not BufferedRef
+    checked = bref.is_buffered and not protocol
+    partial = _partial_dims(spec, aval, tiling, origin) if checked else {}
+    bounded = _bounded_dims(spec, aval, tiling, origin) if checked else {}
+    whole_ref = _has_tile_padding(ref, _rounded_dims(partial, bounded))
+    return Operand(origin, bref, ref, tuple(aval.shape), partial, whole_ref, bounded, protocol)
+
+
 def plan_pipeline(refs, in_specs, out_specs, tiling, should_accumulate_out, allocations):
     """(one Operand or None per spec leaf, a function from the flat block
     Refs to the body's arguments)."""
@@ -392,16 +440,7 @@ def plan_pipeline(refs, in_specs, out_specs, tiling, should_accumulate_out, allo
         raise pipeline_error(
             ValueError, f"{WHERE}: the Refs do not have the structure of the specs: {e}"
         ) from None
-    accumulate = should_accumulate_out
-    if isinstance(accumulate, (bool, np.bool_)):
-        accumulate = [bool(accumulate)] * len(out_leaves)
-    else:
-        accumulate = tree_util.tree_leaves(accumulate)
-        if len(accumulate) != len(out_leaves):
-            raise pipeline_error(
-                ValueError,
-                f"{WHERE}: should_accumulate_out has {len(accumulate)} entries but out_specs has {len(out_leaves)}",
-            )
+    accumulate = _accumulate_flags(should_accumulate_out, len(out_leaves))
     allocs = None if allocations is None else allocation_leaves(allocations)
     if allocs is not None and len(allocs) != len(in_leaves) + len(out_leaves):
         raise pipeline_error(
@@ -415,41 +454,12 @@ def plan_pipeline(refs, in_specs, out_specs, tiling, should_accumulate_out, allo
         (f"out_specs[{i}]", s, r, BufferType.INPUT_OUTPUT if acc else BufferType.OUTPUT)
         for i, (s, r, acc) in enumerate(zip(out_leaves, out_refs, accumulate))
     ]
-    plan = []
-    for k, (origin, spec, ref, btype) in enumerate(entries):
-        if spec is None or spec is pl.no_block_spec:
-            plan.append(None)
-            continue
-        space, aval = _ref_space_and_aval(ref, origin)
-        if space not in (pl.ANY, HBM, VMEM, SMEM):
-            raise pipeline_error(
-                ValueError,
-                f"{WHERE}: the operand of {origin} is in {space}; pipelines copy blocks of Refs in "
-                "pl.ANY or pltpu.HBM (a Ref already in VMEM or SMEM is seen by the body as a view)",
-            )
-        spec = _normalize_spec(spec, aval, origin)
-        full = _is_full_block(spec, aval.shape)
-        mode = spec.pipeline_mode
-        count = mode.buffer_count if mode is not None else (1 if full else 2)
-        if allocs is not None and allocs[k] is not None:
-            bref = allocs[k].with_spec(spec)
-        else:
-            bref = BufferedRef.create(
-                spec,
-                aval.dtype,
-                btype,
-                count,
-                source_memory_space=space,
-                tiling=tiling,
-                is_trivial_windowing=full,
-            )
-        # A BufferedRef subclass does its own copies (its methods work out the blocks' edges).
-        protocol = bref.is_buffered and type(bref) is not BufferedRef
-        checked = bref.is_buffered and not protocol
-        partial = _partial_dims(spec, aval, tiling, origin) if checked else {}
-        bounded = _bounded_dims(spec, aval, tiling, origin) if checked else {}
-        whole_ref = _has_tile_padding(ref, _rounded_dims(partial, bounded))
-        plan.append(Operand(origin, bref, ref, tuple(aval.shape), partial, whole_ref, bounded, protocol))
+    plan = [
+        None
+        if spec is None or spec is pl.no_block_spec
+        else _planned_operand(origin, spec, ref, btype, None if allocs is None else allocs[k], tiling)
+        for k, (origin, spec, ref, btype) in enumerate(entries)
+    ]
 
     n_in = len(in_leaves)
 

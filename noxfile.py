@@ -47,7 +47,8 @@ def _uv() -> str | None:
 # warm one. Without uv, venv and pip. Chosen here, not with nox's "uv|venv", and nox told: it
 # looks uv up itself and printed "uv binary not found" at every start where it was missing.
 nox.options.default_venv_backend = "uv" if _uv() else "venv"
-if nox.options.default_venv_backend == "venv":  # nox would look it up again at each venv it makes, and log that it is missing
+# Without uv, nox is told so: it would look it up again at each venv it makes, and log that it is missing.
+if nox.options.default_venv_backend == "venv":
     import nox.virtualenv
     from packaging.version import Version
 

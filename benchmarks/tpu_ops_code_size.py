@@ -5,9 +5,11 @@ code up to ``STRAIGHT_LINE_SCORES`` scores (``flash_attention._blocks``, ``splas
 and loops over its tiles past that. Unrolled, the scheduler overlaps one tile's matmuls with the
 next one's softmax; looped, Mosaic compiles one tile's code instead of the step's. This script
 puts the two side by side at the benchmark shapes (bf16): ``straight`` (no limit: every step
-unrolled, as before the limit) and ``loops`` (the package's limit), each workload's first call
-(trace, lower, compile, first run; a fresh ``jax.jit``) and its steady time (``_timing.measure``,
-alternating rounds), with the largest difference between the two variants' outputs.
+unrolled, as before the limit) and ``loops`` (the package's limits; splash's loops take
+``LOOP_SCORES`` scores an iteration), and JAX's op of the same name at its best blocks of the
+sweeps in tpu_ops_attention.py / tpu_ops_splash.py: each one's first call (trace, lower, compile,
+first run; caches cleared, a fresh ``jax.jit``) and steady time (``_timing.measure``, alternating
+rounds), with the largest difference between our two variants' outputs.
 
     python benchmarks/tpu_ops_code_size.py            # a TPU
     python benchmarks/tpu_ops_code_size.py --smoke    # tiny shapes, TPU interpret mode (a CPU)
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import os
 import shutil
 import sys
@@ -47,54 +50,98 @@ LIMITS = {
 }
 
 
-def flash_case(shape, causal, backward):
+def _jax_ops():
+    """JAX's flash and splash modules, or (None, None) where this JAX has none."""
+    try:
+        from jax.experimental.pallas.ops.tpu import flash_attention as jfa
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as jsk
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as jsm
+    except ImportError:
+        return None, None
+    return jfa, (jsk, jsm)
+
+
+def _grad(f):
+    return jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+
+
+def flash_case(shape, causal, backward, side="ours"):
+    """``make() -> jitted f`` of ours or (``side="jax"``) of JAX's op at its best blocks of
+    benchmarks/tpu_ops_attention.py's sweeps on the v5e (forward 1024/2048/1024 without causal,
+    else 1024/1024/512; backward blocks of 512)."""
     b, h, length, d = shape
+    jfa, _ = _jax_ops()
+    if side == "jax" and jfa is None:
+        return None
+    mod = fa if side == "ours" else jfa
+    blocks = None
+    if side == "jax":
+        fwd_blocks = (1024, 2048, 1024) if not causal and not backward else (1024, 1024, 512)
+        q, km, k = (min(x, length) for x in fwd_blocks)
+        s = min(512, length)
+        blocks = jfa.BlockSizes(
+            block_q=q, block_k_major=km, block_k=k, block_b=1,
+            block_q_major_dkv=s, block_k_major_dkv=s, block_k_dkv=s, block_q_dkv=s,
+            block_k_major_dq=s, block_k_dq=s, block_q_dq=s,
+        )  # fmt: skip
 
     def make():
         def fwd(q, k, v):
-            return fa.flash_attention(q, k, v, causal=causal, sm_scale=d**-0.5)
+            return mod.flash_attention(q, k, v, causal=causal, sm_scale=d**-0.5, block_sizes=blocks)
 
-        if not backward:
-            return jax.jit(fwd)
-        return jax.jit(jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+        return jax.jit(_grad(fwd) if backward else fwd)
 
-    return make, [(b, h, length, d)] * 3
+    return make
 
 
-def splash_case(shape, kv_heads, causal, backward, interpret):
+def splash_case(shape, causal, backward, interpret, side="ours"):
+    """As ``flash_case``; JAX's splash at blocks of 1024 (its best in benchmarks/tpu_ops_splash.py)."""
     b, h, length, d = shape
-    mask_one = sa.CausalMask((length, length)) if causal else sa.FullMask((length, length))
-    mask = sa.MultiHeadMask([mask_one] * h)
+    _, jsplash = _jax_ops()
+    if side == "jax" and (jsplash is None or interpret):
+        return None
+    if side == "ours":
+        kernel_mod, mask_mod, blocks = sa, sa, None
+    else:
+        kernel_mod, mask_mod = jsplash
+        s = min(1024, length)
+        blocks = kernel_mod.BlockSizes(
+            block_q=s, block_kv=s, block_kv_compute=s, block_q_dkv=s, block_kv_dkv=s,
+            block_kv_dkv_compute=s, block_q_dq=s, block_kv_dq=s,
+        )  # fmt: skip
+    one = mask_mod.CausalMask((length, length)) if causal else mask_mod.FullMask((length, length))
+    mask = mask_mod.MultiHeadMask([one] * h)
 
     def make():
-        kernel = jax.vmap(sa.make_splash_mha_single_device(mask, interpret=interpret))
-        if not backward:
-            return jax.jit(kernel)
-        return jax.jit(jax.grad(lambda q, k, v: kernel(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+        kw = {"interpret": interpret} if side == "ours" else {}
+        kernel = jax.vmap(kernel_mod.make_splash_mha_single_device(mask, block_sizes=blocks, **kw))
+        return jax.jit(_grad(kernel) if backward else kernel)
 
-    return make, [(b, h, length, d), (b, kv_heads, length, d), (b, kv_heads, length, d)]
+    return make
 
 
 def workloads(smoke, interpret):
+    """{name: (family, shape, kv heads, causal, backward, case(side) -> make or None)}."""
     a = (1, 2, 512, 128) if smoke else (2, 16, 4096, 128)
     g = (1, 4, 1024, 128) if smoke else (1, 32, 8192, 128)
     gkv = 2 if smoke else 8
-    return {
-        "flash fwd": ("flash", a, False, False, flash_case(a, False, False)),
-        "flash fwd causal": ("flash", a, True, False, flash_case(a, True, False)),
-        "flash fwd+bwd": ("flash", a, False, True, flash_case(a, False, True)),
-        "flash fwd+bwd causal": ("flash", a, True, True, flash_case(a, True, True)),
-        "splash fwd": ("splash", a, False, False, splash_case(a, a[1], False, False, interpret)),
-        "splash fwd causal": ("splash", a, True, False, splash_case(a, a[1], True, False, interpret)),
-        "splash fwd+bwd causal": ("splash", a, True, True, splash_case(a, a[1], True, True, interpret)),
-        "splash GQA L8192 fwd causal": (
-            "splash",
-            g,
-            True,
-            False,
-            splash_case(g, gkv, True, False, interpret),
-        ),
-    }
+    out = {}
+    for name, family, shape, kv, causal, backward in (
+        ("flash fwd", "flash", a, a[1], False, False),
+        ("flash fwd causal", "flash", a, a[1], True, False),
+        ("flash fwd+bwd", "flash", a, a[1], False, True),
+        ("flash fwd+bwd causal", "flash", a, a[1], True, True),
+        ("splash fwd", "splash", a, a[1], False, False),
+        ("splash fwd causal", "splash", a, a[1], True, False),
+        ("splash fwd+bwd causal", "splash", a, a[1], True, True),
+        ("splash GQA L8192 fwd causal", "splash", g, gkv, True, False),
+    ):
+        if family == "flash":
+            case = functools.partial(flash_case, shape, causal, backward)
+        else:
+            case = functools.partial(splash_case, shape, causal, backward, interpret)
+        out[name] = (family, shape, kv, causal, backward, case)
+    return out
 
 
 def tflops(shape, causal, backward, seconds):
@@ -120,20 +167,24 @@ def main():
         f"# jax {jax.__version__}, {jax.devices()[0].device_kind}; bf16; straight: every step unrolled, loops: the package's limit"
     )
     print(
-        f"{'workload':30s} {'first call s straight / loops':>30s} {'ms straight / loops':>22s} {'TFLOP/s straight / loops':>26s} {'loops/straight':>15s} {'max |diff|':>10s}"
+        f"{'workload':28s} {'first call s: straight / loops / JAX':38s} {'TFLOP/s: straight / loops / JAX':33s}"
+        f"{'loops/straight':>15s} {'loops/JAX':>10s} {'max |diff|':>10s}"
     )
     rows = []
-    for name, (family, shape, causal, backward, (make, arg_shapes)) in workloads(
-        args.smoke, interpret
-    ).items():
+    for name, (family, shape, kv, causal, backward, case) in workloads(args.smoke, interpret).items():
         if args.only and not any(o in name for o in args.only):
             continue
-        keys = jax.random.split(jax.random.key(0), len(arg_shapes))
+        arg_shapes = [shape, (*shape[:1], kv, *shape[2:]), (*shape[:1], kv, *shape[2:])]
+        keys = jax.random.split(jax.random.key(0), 3)
         xs = [jax.random.normal(k_, s, jnp.float32).astype(jnp.bfloat16) for k_, s in zip(keys, arg_shapes)]
         module, limit = LIMITS[family]
         calls, first, outs = {}, {}, {}
+        variants = [("straight", UNLIMITED, case("ours")), ("loops", limit, case("ours"))]
+        if not interpret and (jax_make := case("jax")) is not None:  # JAX's op: on a TPU
+            variants.append(("jax", limit, jax_make))
         with ctx():
-            for variant, value in (("straight", UNLIMITED), ("loops", limit)):
+            for variant, value, make in variants:
+                jax.clear_caches()  # each variant traced and compiled afresh (the op's inner jits too)
                 module.STRAIGHT_LINE_SCORES = value
                 try:
                     f = make()
@@ -148,24 +199,28 @@ def main():
             float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
             for a, b in zip(jax.tree.leaves(outs["straight"]), jax.tree.leaves(outs["loops"]))
         )
-        st, lo = times["straight"], times["loops"]
+        st, lo, jx = times["straight"], times["loops"], times.get("jax")
         row = dict(
             workload=name,
             shape="x".join(map(str, shape)),
             first_straight_s=round(first["straight"], 2),
             first_loops_s=round(first["loops"], 2),
+            first_jax_s=round(first["jax"], 2) if "jax" in first else "",
             ms_straight=round(st * 1e3, 3),
             ms_loops=round(lo * 1e3, 3),
+            ms_jax=round(jx * 1e3, 3) if jx else "",
             tflops_straight=round(tflops(shape, causal, backward, st), 1),
             tflops_loops=round(tflops(shape, causal, backward, lo), 1),
-            speed_loops_over_straight=round(st / lo, 3),
+            tflops_jax=round(tflops(shape, causal, backward, jx), 1) if jx else "",
+            loops_over_straight=round(st / lo, 3),
+            loops_over_jax=round(jx / lo, 3) if jx else "",
             max_abs_diff=diff,
         )
         rows.append(row)
         print(
-            f"{name:30s} {row['first_straight_s']:>14.2f} / {row['first_loops_s']:<13.2f} "
-            f"{row['ms_straight']:>10.3f} / {row['ms_loops']:<9.3f} {row['tflops_straight']:>12.1f} / "
-            f"{row['tflops_loops']:<11.1f} {row['speed_loops_over_straight']:>15.3f} {diff:>10.2e}",
+            f"{name:28s} {row['first_straight_s']:>6.2f} / {row['first_loops_s']:<5.2f} / {row['first_jax_s']!s:6s}"
+            f"{row['tflops_straight']:>8.1f} / {row['tflops_loops']:<6.1f} / {row['tflops_jax']!s:7s}"
+            f"{row['loops_over_straight']:>8.3f} {row['loops_over_jax']!s:>8s} {diff:>10.2e}",
             flush=True,
         )
     if args.smoke or not rows:

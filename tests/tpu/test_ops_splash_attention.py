@@ -83,6 +83,7 @@ class Case:
     # the most scores of a pattern run as straight-line cells (``_common.STRAIGHT_LINE_SCORES``);
     # 0: every pattern shares code and loops (a causal diagonal's patterns one body)
     straight_line: int | None = None
+    loop_scores: int | None = None  # the scores a loop iteration takes (``_common.LOOP_SCORES``)
 
 
 def make_mask(name, heads, q_len, kv_len):
@@ -153,6 +154,14 @@ CASES = {
     "local_loops_segments": Case(
         "local", q_len=512, kv_len=512, segments=True, blocks=(256, 512, 128), straight_line=0
     ),
+    # two chunks a loop iteration: the diagonal's leading chunks (0, 2, 4 or 6) in one loop of pairs
+    "causal_loops_pairs": Case(
+        heads=1, q_len=1024, kv_len=1024, blocks=(256, 1024, 128), straight_line=0, loop_scores=2**16
+    ),
+    # five alike chunks, two an iteration: the fifth after the loop
+    "full_loops_odd": Case(
+        "full", q_len=256, kv_len=640, blocks=(128, 640, 128), straight_line=0, loop_scores=2**15
+    ),
 }
 
 
@@ -164,6 +173,8 @@ def test_ways(way, case, monkeypatch):
         from pallas_tpu.ops.splash_attention import _common
 
         monkeypatch.setattr(_common, "STRAIGHT_LINE_SCORES", c.straight_line)
+        if c.loop_scores is not None:
+            monkeypatch.setattr(_common, "LOOP_SCORES", c.loop_scores)
     q, k, v, do, sinks, seg = inputs(c)
     mask = make_mask(c.mask, c.heads, c.q_len, c.kv_len)
 

@@ -271,7 +271,8 @@ def _run_shared(code, members, rest, full, tile, band, chunk):
     lead = members[0][1]
     for number, n in members[1:]:
         lead = jnp.where(code == number, n, lead)
-    _loop_chunks(0, lead, lambda col: _column(tile, full, band, col), chunk)
+    multiple = functools.reduce(math.gcd, [n for _, n in members])
+    _loop_chunks(0, lead, lambda col: _column(tile, full, band, col), chunk, band * len(full), multiple)
     _run_columns(rest, lead, tile, band, chunk, True)
 
 
@@ -283,30 +284,46 @@ def _run_columns(columns, start, tile, band, chunk, loops: bool):
         n = len(list(run))
         if any(k != mask_lib.EMPTY for k in kinds):
             if loops and n > 1:
-                _loop_chunks(
-                    start + at,
-                    start + at + n,
-                    lambda col, kinds=kinds: _column(tile, kinds, band, col),
-                    chunk,
-                )
+                rows = band * sum(k != mask_lib.EMPTY for k in kinds)
+                body = functools.partial(_column, tile, kinds, band)
+                _loop_chunks(start + at, n, body, chunk, rows, n)
             else:
                 for c in range(at, at + n):
                     _column(tile, kinds, band, _chunk_offset(start + c, chunk))
         at += n
 
 
-def _loop_chunks(lo, hi, body, chunk):
-    """``body(offset)`` for the chunks ``lo <= c < hi`` (static or traced bounds): a loop."""
-    if isinstance(lo, int) and isinstance(hi, int) and hi - lo <= 1:
-        if hi - lo == 1:
-            body(lo * chunk)
-        return
+# The scores a loop over chunks computes per iteration (as many chunks as fit): straight-line
+# code inside an iteration lets the scheduler overlap one chunk's matmuls with the next one's
+# softmax, which a loop's back edge does not.
+LOOP_SCORES = 1024 * 1024
 
-    def step(c, carry):
-        body(_chunk_offset(c, chunk))
+
+def _loop_chunks(lo, count, body, chunk, rows, multiple):
+    """``body(offset)`` for the ``count`` chunks from chunk ``lo`` (each static or traced;
+    ``count`` a multiple of ``multiple``): a loop taking up to ``LOOP_SCORES // (rows * chunk)``
+    chunks an iteration (a traced ``count``: a divisor of ``multiple``, so no chunk is left
+    over), the chunks left over after it (a static ``count``) straight after it."""
+    per = max(1, LOOP_SCORES // (rows * chunk))
+    if isinstance(count, int):
+        iters, left = divmod(count, per)
+        if iters <= 1:
+            for c in range(count):
+                body(_chunk_offset(lo + c, chunk))
+            return
+    else:
+        per = max(d for d in range(1, min(per, multiple) + 1) if multiple % d == 0)
+        iters, left = count // per, 0
+
+    def step(i, carry):
+        base = lo + i * per
+        for u in range(per):
+            body(_chunk_offset(base + u, chunk))
         return carry
 
-    lax.fori_loop(lo, hi, step, 0)
+    lax.fori_loop(0, iters, step, 0)
+    for c in range(left):
+        body(_chunk_offset(lo + iters * per + c, chunk))
 
 
 def _chunk_offset(c, chunk):

@@ -31,7 +31,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests" / "gpu")]
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(TESTS / "gpu"), str(TESTS)]  # the GPU suite, and tests/ways it imports
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,7 +1,6 @@
 """Shared pytest setup: the `gpu` marker skips cleanly on machines with no GPU,
 and tests without it run on JAX's CPU device on a machine with a GPU too."""
 
-import copy
 import functools
 import glob
 import os
@@ -10,7 +9,7 @@ import sys
 
 import pytest
 
-# tests/ways.py (one kernel body, every way) is imported as ``ways`` by the suites.
+# tests/ways/ (one kernel body, every way) is imported as ``ways`` by the suites.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
@@ -78,17 +77,17 @@ def pytest_configure(config):
     jax.config.update("jax_enable_checks", True)
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped without one)")
     config.addinivalue_line(
-        "markers", "skip_way(name, reason, ids): tests/ways.py: the test does not apply to that way"
+        "markers", "skip_way(name, reason, ids): tests/ways: the test does not apply to that way"
     )
     config.addinivalue_line(
-        "markers", "xfail_way(name, reason, raises, ids): tests/ways.py: that way's gap (strict)"
+        "markers", "xfail_way(name, reason, raises, ids): tests/ways: that way's gap (strict)"
     )
 
 
 def _way_of(item):
-    """The tests/ways.py way an item runs (None: not run every way)."""
+    """The tests/ways way an item runs (None: not run every way)."""
     way = getattr(getattr(item, "callspec", None), "params", {}).get("way")
-    return way if hasattr(way, "not_applicable") else None
+    return way if hasattr(way, "engine") else None
 
 
 def _marks_this_way(mark, way, item) -> bool:
@@ -99,7 +98,7 @@ def _marks_this_way(mark, way, item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:  # tests/ways.py's per-way marks on tests of a class run every way
+    for item in items:  # tests/ways' per-way marks on tests of a class run every way
         way = _way_of(item)
         for mark in item.iter_markers("skip_way") if way else ():
             if _marks_this_way(mark, way, item):
@@ -116,58 +115,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _not_applicable_skip(item, call) -> str | None:
-    """The reason to report ``item``'s failed call skipped: its way does not apply to its kernel."""
-    way = _way_of(item)
-    if way is None or call.when != "call" or call.excinfo is None:
-        return None
-    if isinstance(call.excinfo.value, (pytest.skip.Exception, pytest.xfail.Exception)):
-        return None  # pytest's own outcomes: never a failure to convert
-    return way.not_applicable(call.excinfo.value)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_makereport(item, call):
-    """A test run a way that does not apply to its kernel (tests/ways.py: a TPU way on a
-    kernel the TPU's own check refuses) is reported skipped, with the check's words:
-    decided before pytest makes its report, which for a failure renders every frame of the
-    traceback from source, each file parsed with ``ast`` (0.7 s a test whose traceback
-    runs through JAX's large modules: half the time of a file whose ways are mostly not
-    applicable) for text a skip never shows. A test with an ``xfail`` mark goes pytest's
-    way first (the wrapper below converts what is left failed), as before."""
-    if item.get_closest_marker("xfail") is not None:
-        return None
-    reason = _not_applicable_skip(item, call)
-    if not reason:
-        return None
-    passed = copy.copy(call)  # the call's timing and captured output, without its failure
-    passed.excinfo = None
-    report = pytest.TestReport.from_item_and_call(item, passed)
-    report.outcome = "skipped"
-    report.longrepr = (str(item.path), item.location[1], f"Skipped: {reason}")
-    return report
-
-
-@pytest.hookimpl(hookwrapper=True, specname="pytest_runtest_makereport")
-def pytest_runtest_makereport_after_xfail(item, call):
-    """The same for a test with an ``xfail`` mark whose failure pytest's mark left failed (an
-    exception other than the one the mark names)."""
-    report = (yield).get_result()
-    way = _way_of(item)
-    if way is not None and call.when == "call" and report.failed and call.excinfo is not None:
-        reason = way.not_applicable(call.excinfo.value)
-        if reason:
-            report.outcome = "skipped"
-            report.longrepr = (str(item.path), item.location[1], f"Skipped: {reason}")
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_pyfunc_call(pyfuncitem):
-    """The compiled way (tests/ways.py) runs the test body once first with JAX's modules,
-    compiling JAX's lowering of its kernels beside ours (recorded, never asserted)."""
+    """A way's engine may run something before the test body (tests/ways/engine.py's
+    ``before_call``): the compiled way, where JAX's lowering is wanted beside ours, runs the
+    body once first with JAX's modules (compiled and recorded, never asserted) and the test
+    then runs with JAX's kernels kept beside its way."""
     way = _way_of(pyfuncitem)
-    if way is not None and way.name == "compiled" and not way.beside:
-        sys.modules[type(way).__module__].compile_jax_beside(pyfuncitem)
+    if way is not None and "way" in pyfuncitem.funcargs:
+        pyfuncitem.funcargs["way"] = way.engine.before_call(way, pyfuncitem)
     yield
 
 
@@ -216,7 +172,7 @@ def _interpreter_state_isolated():
 
 @pytest.fixture
 def way(request):
-    """The way a test runs its kernels (tests/ways.py's ``every_way``, which parametrizes this
+    """The way a test runs its kernels (tests/ways' ``every_way``, which parametrizes this
     fixture); None in a test that is not run every way."""
     return getattr(request, "param", None)
 

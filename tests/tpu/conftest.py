@@ -1,12 +1,13 @@
 """pytest configuration for the pallas-tpu tests.
 
-Puts this folder on ``sys.path`` so test modules can import the shared
-three-way harness (``three_way``) under both pytest import modes, and
-registers the ``interpret_only`` marker: a test that checks what only TPU
-interpret mode does (race detection, uninitialized-memory poisoning, DMA
-execution order, the interpreter's error messages and ``InterpretParams``
-knobs, deadlock detection) and so does not run the three ways of
-``three_way.py``. ``pytest -m interpret_only --collect-only -q`` counts them.
+Puts this folder on ``sys.path`` so test modules can import its helpers
+(``chip_bundle``) under both pytest import modes (the
+ways, tests/ways, are on it from tests/conftest.py), and registers the
+``interpret_only`` marker: a test that checks what only TPU interpret mode does
+(race detection, uninitialized-memory poisoning, DMA execution order, the
+interpreter's error messages and ``InterpretParams`` knobs, deadlock detection)
+and so does not run the TPU ways. ``pytest -m interpret_only --collect-only -q``
+counts them. The terminal summary sums the compiled way's compile report.
 """
 
 import collections
@@ -23,7 +24,7 @@ if _HERE not in sys.path:
 
 
 def pytest_configure(config):
-    # The compiled way records each libtpu compile here (three_way.record_compile); set before
+    # The compiled way records each libtpu compile here (ways.compiled.record_compile); set before
     # pytest-xdist starts its workers, which inherit it.
     if not os.environ.get("PALLAS_TPU_COMPILE_REPORT"):
         os.environ["PALLAS_TPU_COMPILE_REPORT"] = tempfile.mkdtemp(prefix="pallas-tpu-compiles-")
@@ -68,7 +69,7 @@ def pytest_terminal_summary(terminalreporter):
             f"JAX's compiled {jax_['compiled']}, refused by Mosaic {jax_['refused by Mosaic']}, "
             f"refused by JAX's lowering {jax_['refused by its lowering']}; compiled from ours only {only}"
             if any("jax" in t for t in tests)
-            else "JAX's lowering not compiled beside ours (PALLAS_TPU_JAX_BESIDE=1 does: three_way.jax_beside_wanted)"
+            else "JAX's lowering not compiled beside ours (PALLAS_TPU_JAX_BESIDE=1 does: ways.jax_beside.wanted)"
         )
         tr.write_line(
             f"{chip}: {len(tests)} tests; ours compiled {ours['compiled']}, refused by Mosaic "

@@ -13,7 +13,7 @@ builds the op's arguments, then times, in wall and process-CPU seconds:
 
 On a machine without a TPU the compile is for libtpu's compile-only TPU v5e device
 (``compile_check.tpu_devices("v5e")``; libtpu must be installed), traced under an abstract mesh
-of that device (``tests/tpu/three_way.py``'s ``chip_mesh``: JAX's ops ask it for the
+of that device (``tests/ways/compiled.py``'s ``chip_mesh``: JAX's ops ask it for the
 generation). On a TPU the arguments are on the chip and the total is the first call there.
 
 The table gives each phase's median over the repeats (wall, with CPU beside it) of ours and
@@ -305,7 +305,7 @@ def run_one(name, side, quick, count, profile):
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
-    sys.path.insert(0, str(ROOT / "tests" / "tpu"))
+    sys.path.insert(0, str(ROOT / "tests"))  # tests/ways
     on_tpu = jax.default_backend() == "tpu"
     f, args = CASES[name](side, quick)
     if on_tpu:
@@ -314,7 +314,7 @@ def run_one(name, side, quick, count, profile):
         args = _concrete(name, args, quick)
         mesh = contextlib.nullcontext()
     else:
-        from three_way import chip_mesh
+        from ways.compiled import chip_mesh
 
         from pallas_tpu._src.mosaic import compile_check
 

@@ -261,7 +261,8 @@ def jax_ragged_on_our_interpreter():
     (tests/tpu/test_jax_tpu_ops.py ports the file; no line of its arithmetic changes)."""
     import importlib
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "tpu"))
+    tests = Path(__file__).resolve().parent.parent / "tests"
+    sys.path[:0] = [str(tests / "tpu"), str(tests)]  # the test file, and tests/ways it imports
     from test_jax_tpu_ops import PORTED, _PortedOpsFinder
 
     if not any(isinstance(f, _PortedOpsFinder) for f in sys.meta_path):

@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests" / "tpu")]
+sys.path[:0] = [str(ROOT / "tests" / "tpu"), str(ROOT / "tests")]  # the test file, and tests/ways
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

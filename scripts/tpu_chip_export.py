@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "tpu")]
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "tpu"), str(HERE.parent / "tests")]
 
 import chip_bundle  # noqa: E402
 import tpu_chip_check as check  # noqa: E402
+from ways.mosaic import TPU_V5E  # noqa: E402
 
 t = check.t
 
@@ -88,7 +89,7 @@ def main() -> int:
     args = ap.parse_args()
     sys.meta_path.insert(0, t._PortedOpsFinder())
     # JAX's lowering asks the device for its TPU generation: a v5e is named.
-    v5e = lambda: jax.sharding.use_abstract_mesh(t.three_way.TPU_V5E)  # noqa: E731
+    v5e = lambda: jax.sharding.use_abstract_mesh(TPU_V5E)  # noqa: E731
     n = _add_probes(args.out, v5e) if args.probes else 0
     for name, run, refs in check._cases():
         stem = chip_bundle.add(

@@ -5,7 +5,7 @@ On a TPU a DMA goes where its ``start`` said; a ``wait`` only takes its byte
 count off the semaphore. Kernels wait on rebuilt or "dummy" descriptors of the
 same size (another row, another slot of the buffer, another buffer, a local
 descriptor for a remote copy), wait once for several DMAs on one semaphore, or
-several times for one. Each kernel here runs every TPU way (tests/ways.py) that
+several times for one. Each kernel here runs every TPU way (tests/ways) that
 lowers it (both DMA execution modes of our interpreter, and the Mosaic ways)
 against a ``jnp`` reference on fresh random data, and in the interpret ways
 also against JAX's own TPU interpret mode (a test-only reference). DMAs whose
@@ -31,8 +31,10 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from three_way import close, jax_namespaces, needs_devices
 from ways import every_way, xfail_way
+from ways.chip import needs_devices
+from ways.compare import close
+from ways.jax_mosaic import jax_namespaces
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -47,7 +49,7 @@ def rand(seed, shape, dtype=jnp.float32):
 
 
 def dma_mode(way) -> str:
-    """The DMA execution mode of the ``tpu_interpret`` way (tests/ways.py)."""
+    """The DMA execution mode of the ``tpu_interpret`` way (tests/ways)."""
     return way.dma or "on_wait"
 
 

@@ -1,6 +1,6 @@
 """Patterns met in other people's TPU kernels (tokamax and ejkernel run on
 our packages: ``tests/downstream``), each written here as a small kernel of our own and
-run every TPU way (tests/ways.py) against plain jnp on fresh random data."""
+run every TPU way (tests/ways) against plain jnp on fresh random data."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import ON_CHIP  # noqa: E402
 from ways import every_way  # noqa: E402
+from ways.chip import ON_CHIP  # noqa: E402
 
 import pallas as pl  # noqa: E402
 import pallas_tpu as pltpu  # noqa: E402
@@ -332,7 +332,7 @@ def test_pipeline_block_past_the_lanes_of_a_reshaped_view(way):
 
 
 def test_pipeline_block_past_the_lanes_of_a_reshaped_view_compiles():
-    from three_way import COMPILE_CHIPS, compile_both
+    from ways.compiled import COMPILE_CHIPS, compile_both
 
     x = rand(10, (128, 64), jnp.bfloat16)
     compile_both(build_reshaped_view_block_past_the_lanes, (x,), COMPILE_CHIPS)  # raises if ours is refused

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
+import ways.compiled
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -190,7 +190,7 @@ def test_vmem_limit_above_the_chip_is_accepted(limit_mib):
     np.testing.assert_allclose(make(pltpu.InterpretParams())(x), x + 1)
     assert pltpu.mosaic_modules(make(False), SDS)
     if compile_check.libtpu_available():  # and libtpu compiles it, for each chip
-        for chip in three_way.COMPILE_CHIPS:
+        for chip in ways.compiled.COMPILE_CHIPS:
             compile_check.compile_for(make(False), [SDS], chip)
 
 

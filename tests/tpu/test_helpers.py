@@ -1,6 +1,6 @@
 """``pltpu.sync_copy``, ``run_on_first_core`` and ``core_barrier`` against
 plain jnp on fresh random data: ``sync_copy`` kernels run every TPU way
-(tests/ways.py), the two-core kernels too (``way.with_params(num_cores=2)``: a
+(tests/ways), the two-core kernels too (``way.with_params(num_cores=2)``: a
 megacore chip), but for the deadlock report, which only interpret mode gives."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
+import ways.compiled
 from jax import lax
-from three_way import tensorcore_mesh
 from ways import Way, every_way
+from ways.jax_mosaic import tensorcore_mesh
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -219,11 +219,11 @@ def test_core_barrier_each_grid_step_of_a_core_parallel_grid(way):
             pytest.skip("compile_both below compiles JAX's lowering beside ours")
         # A core_parallel axis of 2 steps needs a chip with two TensorCores: Mosaic refuses it
         # for the one-core chips (v5e, v6e; libtpu's v4 device), JAX's module as ours.
-        one_core = [c for c in three_way.COMPILE_CHIPS if c not in three_way.MEGACORE_CHIPS]
+        one_core = [c for c in ways.compiled.COMPILE_CHIPS if c not in ways.compiled.MEGACORE_CHIPS]
         for chip in one_core:
             with pytest.raises(MosaicCompileError, match="Core-parallel dimension 0 has iteration bound: 2"):
-                three_way.compile_both(build, (x,), (chip,))
-        three_way.compile_both(build, (x,), three_way.MEGACORE_CHIPS)
+                ways.compiled.compile_both(build, (x,), (chip,))
+        ways.compiled.compile_both(build, (x,), ways.compiled.MEGACORE_CHIPS)
         way = Way("mosaic")
     acc, out = way.with_params(num_cores=2).jit(build(*way.modules()))(x)
     prefix = jnp.cumsum(x, axis=1)  # per core, the running sum after each step

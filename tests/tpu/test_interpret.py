@@ -4,7 +4,7 @@ and the same kernel source run by JAX's own TPU interpret mode as a reference.
 Each kernel is built by a function of ``(pl, pltpu)``, so one source runs with
 our modules and with JAX's (``jax.experimental.pallas``): moving a kernel over
 is an import change. Every kernel that computes a result also runs every TPU
-way (tests/ways.py, ``every_way(tpu=True)``: the ``way`` parameter); tests of what
+way (tests/ways, ``every_way(tpu=True)``: the ``way`` parameter); tests of what
 only the interpreter does carry ``interpret_only``.
 """
 
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import tensorcore_mesh
 from ways import every_way
+from ways.jax_mosaic import tensorcore_mesh
 
 import pallas as pl
 import pallas_tpu as pltpu

@@ -3,7 +3,7 @@
 ``pltpu.conv``, and the ``pl`` names ``enable_poison_buffers``,
 ``get_global``, ``Indirect`` and ``semaphore``.
 
-Each kernel runs every TPU way (tests/ways.py, ``every_way(tpu=True)``) and is compared
+Each kernel runs every TPU way (tests/ways, ``every_way(tpu=True)``) and is compared
 with a plain numpy/jnp reference on fresh random data. JAX's own op is the ``jax_mosaic`` way (its
 lowering, run by ``run_mosaic``) where the installed JAX has the name (0.12;
 0.11.2 has ``conv``), skipped with the reason where it does not: JAX's interpret
@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
+import ways.compare
+import ways.compiled
+import ways.jax_mosaic
 from jax import lax
 from jaxlib import version as jaxlib_version
 from ways import every_way
@@ -25,7 +27,7 @@ from ways import every_way
 import pallas as pl
 import pallas_tpu as pltpu
 
-jpl, jtpu = three_way.jax_namespaces()
+jpl, jtpu = ways.jax_mosaic.jax_namespaces()
 NEW_JAXLIB = jaxlib_version.__version_info__ >= (0, 12)
 
 
@@ -54,12 +56,12 @@ def rng(request):
 def no_v4(monkeypatch):
     """The compiled way without TPU v4: its Mosaic has no 2-bit vectors, and libtpu aborts the
     whole process on one ('Unsupported B2 packed type'), so it cannot even be tried there."""
-    chips = tuple(c for c in three_way.COMPILE_CHIPS if c != "v4")
+    chips = tuple(c for c in ways.compiled.COMPILE_CHIPS if c != "v4")
     if not chips:
         pytest.skip(
             "TPU v4 has no 2-bit vectors (libtpu aborts the process on them); no other chip to compile for"
         )
-    monkeypatch.setattr(three_way, "COMPILE_CHIPS", chips)
+    monkeypatch.setattr(ways.compiled, "COMPILE_CHIPS", chips)
 
 
 def _bytes(rng, shape=(16, 128), dtype=np.int8):
@@ -304,14 +306,14 @@ def test_conv(way, case, rng):
         return lambda *a: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out0.shape, jnp.float32))(*a)
 
     args = (x, w) if acc is None else (x, w, acc)
-    if way.name in ("mosaic", "compiled") and three_way.OLD_JAX:
+    if way.name in ("mosaic", "compiled") and ways.jax_mosaic.OLD_JAX:
         with pytest.raises(pltpu.LoweringException, match=r"pltpu.conv \(tpu.conv\).*>= 0\.11\.2"):
             way.jit(build(*way.modules()))(*args)
         return
     got = way.jit(build(*way.modules()))(*args)
     ref = out0 if acc is None else acc + out0
     # The interpret ways convolve at the CPU's default precision (f32), the Mosaic ways at HIGHEST.
-    three_way.close(got, np.asarray(ref), tol=2e-4)
+    ways.compare.close(got, np.asarray(ref), tol=2e-4)
 
 
 def test_conv_preferred_type_and_int(rng):

@@ -1,5 +1,5 @@
 """JAX 0.12's newest ``pl`` names on TPU kernels:
-``pl.enable_poison_buffers`` (every TPU way of tests/ways.py, and pallas-core's
+``pl.enable_poison_buffers`` (every TPU way of tests/ways, and pallas-core's
 ``interpret=True``), ``pl.get_global`` (refused everywhere, as JAX refuses it
 outside Mosaic GPU), ``pl.Indirect`` (refused by ``pallas_call`` and
 ``emit_pipeline``: JAX reads it in SparseCore pipelines only) and ``pl.semaphore``."""
@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
+import ways.jax_mosaic
+import ways.mosaic
 from ways import Way, every_way
 
 import pallas as pl
 import pallas_tpu as pltpu
 
-jpl, jtpu = three_way.jax_namespaces()
+jpl, jtpu = ways.jax_mosaic.jax_namespaces()
 
 
 @pytest.fixture
@@ -157,7 +158,7 @@ def test_get_global_refused_where_the_kernel_calls_it(interpret):
         r"JAX lowers it only for Mosaic GPU",
     ):
         if interpret is False:
-            three_way.tpu_modules(call, x)
+            ways.mosaic.tpu_modules(call, x)
         else:
             call(x)
 

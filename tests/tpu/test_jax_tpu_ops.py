@@ -33,7 +33,9 @@ import pytest
 import pallas_tpu as pltpu
 
 jops = pytest.importorskip("jax.experimental.pallas.ops.tpu")
-import three_way  # noqa: E402
+import ways.chip  # noqa: E402
+import ways.compiled  # noqa: E402
+import ways.mosaic  # noqa: E402
 from jax.experimental.pallas import tpu as jpltpu  # noqa: E402
 
 OPS_DIR = Path(jops.__file__).parent
@@ -304,7 +306,7 @@ def test_flash_attention_backward():
 
 
 # ---------------------------------------------------------------------------
-# The same ops the two Mosaic ways of three_way.py: the ported op lowered by us
+# The same ops the two Mosaic ways of tests/ways: the ported op lowered by us
 # and JAX's original op lowered by JAX, both run by run_mosaic (the interpret
 # way of each op is its test above: test_example_kernel_double, test_matmul,
 # test_flash_attention_forward, test_paged_attention).
@@ -344,14 +346,14 @@ def test_ops_three_ways(op, way):
     rel, call, inputs, reference, tol = THREE_WAY_OPS[op]
     args = inputs()
     if way == "compiled":  # the ported op compiled by libtpu, JAX's original beside it; values as "ours"
-        three_way.compile_both(
+        ways.compiled.compile_both(
             lambda pl, pltpu: lambda *a: call(load(rel) if pl.__name__ == "pallas" else load_jax(rel), *a),
             args,
-            three_way.COMPILE_CHIPS,
+            ways.compiled.COMPILE_CHIPS,
         )
         way = "ours"
     m = load(rel) if way == "ours" else load_jax(rel)
-    (out,) = three_way.run_with_mosaic(lambda *a: call(m, *a), *args)
+    (out,) = ways.mosaic.run_with_mosaic(lambda *a: call(m, *a), *args)
     check(out, reference(*args), tol=tol)
 
 
@@ -577,7 +579,7 @@ def test_philox_random_bits():
 # all_gather.py: remote DMAs and a barrier semaphore over four devices.
 
 
-@three_way.needs_devices(4)
+@ways.chip.needs_devices(4)
 @pytest.mark.parametrize("memory_space", ["VMEM", "ANY"])
 def test_all_gather(memory_space):
     ag, jag = load("all_gather"), load_jax("all_gather")

@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
+import ways.compiled
+import ways.jax_beside
+import ways.mosaic
 from jaxlib.mlir import passmanager
 from test_jax_tpu_ops import (  # noqa: F401
     _flash_blocks,
@@ -33,8 +35,8 @@ from test_lowering import funcs, structure
 import pallas_tpu as pltpu
 from pallas_tpu._src.executor import run as executor
 
-exported_bodies = three_way.tpu_modules
-run_ours = three_way.run_with_mosaic  # each pallas_call replaced by run_mosaic of our module
+exported_bodies = ways.mosaic.tpu_modules
+run_ours = ways.mosaic.run_with_mosaic  # each pallas_call replaced by run_mosaic of our module
 
 
 def modules(f, *args) -> list:
@@ -253,8 +255,8 @@ def test_emit_pipeline_inside_a_kernel_runs():
 
 # ---------------------------------------------------------------------------
 # The compiled way for the ops above: each ported op lowered by us and compiled by
-# libtpu's Mosaic for three_way.COMPILE_CHIPS, JAX's original compiled beside it where
-# three_way.jax_beside_wanted (three_way.compile_both; benchmarks/tpu_llo.py sets
+# libtpu's Mosaic for ways.compiled.COMPILE_CHIPS, JAX's original compiled beside it where
+# ways.jax_beside.wanted (ways.compiled.compile_both; benchmarks/tpu_llo.py sets
 # PALLAS_TPU_JAX_BESIDE=1 and reads their LLO op counts). The
 # values of these ops are checked by the tests above and in test_jax_tpu_ops.py.
 
@@ -309,4 +311,4 @@ def test_jax_op_compiled(op):
     def build(pl, pltpu):
         return make(load(rel) if pl.__name__ == "pallas" else load_jax(rel))
 
-    three_way.compile_both(build, args, three_way.COMPILE_CHIPS)
+    ways.compiled.compile_both(build, args, ways.compiled.COMPILE_CHIPS)

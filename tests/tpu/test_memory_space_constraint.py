@@ -1,7 +1,7 @@
 """``pltpu.with_memory_space_constraint`` on ``pl.kernel`` operands:
 an operand constrained to SMEM comes to the body as an SMEM Ref, so its
 elements are read as scalars (tokamax's gmm_v2 passes its group offsets so),
-checked against jnp on fresh random data in every TPU way of tests/ways.py (our
+checked against jnp on fresh random data in every TPU way of tests/ways (our
 TPU interpret mode, our Mosaic lowering run by ``run_mosaic``, JAX's lowering,
 and ours compiled by libtpu). The constraint stays inside the kernel call: a
 value returned from jit, or passed through another op first, is a plain array."""
@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import close, tensorcore_mesh
 from ways import every_way
+from ways.compare import close
+from ways.jax_mosaic import tensorcore_mesh
 
 import pallas as pl
 import pallas_tpu as pltpu

@@ -22,19 +22,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
+import ways.chip
 from jax import lax
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
 from jax.sharding import PartitionSpec as P
-from three_way import tpu_modules
 from ways import Way
+from ways.mosaic import tpu_modules
 
 import pallas as pl
 import pallas_tpu as pltpu
 from pallas_tpu._src.interpret import multi as interpret_multi
 
-pytestmark = three_way.needs_devices(4)
+pytestmark = ways.chip.needs_devices(4)
 
 N = 4
 IMPLS = {
@@ -55,7 +55,7 @@ IMPL_WAYS = [
     pytest.param(None, Way("jax_mosaic"), id="jax"),
     pytest.param(None, Way("compiled"), id="compiled"),
 ]
-"""Our and JAX's TPU interpret mode, then the Mosaic ways of tests/ways.py
+"""Our and JAX's TPU interpret mode, then the Mosaic ways of tests/ways
 (compiled: by libtpu for a mesh of four compile-only chips), ``way.run_sharded``."""
 
 
@@ -131,7 +131,7 @@ def allgather(impl, x, logical=False, way="interpret", **params):
             interpret=interpret,
         )(x)
 
-    if way != "interpret":  # the Mosaic ways (tests/ways.py): lowered by ours or JAX's, run by run_mosaic
+    if way != "interpret":  # the Mosaic ways (tests/ways): lowered by ours or JAX's, run by run_mosaic
         return run_sharded(build, x, way, N)
     pl, pltpu, make_params = IMPLS[impl]
     return smap(build(pl, pltpu, make_params(**params)), mesh1d(), P("x"), P("x"))(x)
@@ -195,7 +195,7 @@ def allreduce(impl, x, flow_control=True, way="interpret", **params):
             interpret=interpret,
         )(x)
 
-    if way != "interpret":  # the Mosaic ways (tests/ways.py): lowered by ours or JAX's, run by run_mosaic
+    if way != "interpret":  # the Mosaic ways (tests/ways): lowered by ours or JAX's, run by run_mosaic
         return run_sharded(build, x, way, N)
     pl, pltpu, make_params = IMPLS[impl]
     return smap(build(pl, pltpu, make_params(**params)), mesh1d(), P("x"), P("x"))(x)
@@ -239,7 +239,7 @@ def exchange2d(impl, x, logical=False, way="interpret", **params):
 
     if (
         way != "interpret"
-    ):  # the Mosaic ways (tests/ways.py) on a (2, 2) mesh, run by run_mosaic(mesh_shape=(2, 2))
+    ):  # the Mosaic ways (tests/ways) on a (2, 2) mesh, run by run_mosaic(mesh_shape=(2, 2))
         return run_sharded(build, x, way, (2, 2))
     pl, pltpu, make_params = IMPLS[impl]
     return smap(build(pl, pltpu, make_params(**params)), mesh2d(), P(("x", "y")), P(("x", "y")))(x)
@@ -267,7 +267,7 @@ def signal_ring(impl, x, way="interpret", **params):
             interpret=interpret,
         )(x)
 
-    if way != "interpret":  # the Mosaic ways (tests/ways.py): lowered by ours or JAX's, run by run_mosaic
+    if way != "interpret":  # the Mosaic ways (tests/ways): lowered by ours or JAX's, run by run_mosaic
         return run_sharded(build, x, way, N)
     pl, pltpu, make_params = IMPLS[impl]
     return smap(build(pl, pltpu, make_params(**params)), mesh1d(), P("x"), P("x"))(x)

@@ -2,7 +2,7 @@
 ``matmul_pop_fifo`` (chips whose MXUs return results through a FIFO: v4, v5e, v5p,
 v6e), ``matmul_acc_lhs`` and ``matmul_pop`` into ``pltpu.ACC`` accumulators (TPU7x).
 
-Each kernel runs against a jnp reference on fresh random data, the ways of tests/ways.py
+Each kernel runs against a jnp reference on fresh random data, the ways of tests/ways
 for one chip generation (``way.with_params(chip=...)``): in TPU interpret mode
 (``InterpretParams(chip_version=...)``: the MXU model of ``interpret/mxu.py``); our
 lowering exported for that chip and run by ``run_mosaic`` (``executor/mxu_state.py``);
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from jax import export
 from jaxlib.mosaic.python import tpu as mosaic_tpu
-from three_way import abstract_mesh
 from ways import every_way
+from ways.mosaic import abstract_mesh
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -81,7 +81,7 @@ def fifo_kernel(x, w1, w2, *, interpret, out_dtype=jnp.float32, reg2=1):
     )(x, w1, w2)
 
 
-# tests/ways.py's ways of a kernel written against our modules only (JAX 0.11 has no such names
+# tests/ways' ways of a kernel written against our modules only (JAX 0.11 has no such names
 # and its interpret mode no rule for them): tpu_interpret, mosaic, compiled (ours alone), each
 # for one chip generation (``way.with_params(chip=...)``).
 FIFO_WAYS = every_way(op=True)

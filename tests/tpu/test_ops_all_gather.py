@@ -1,14 +1,14 @@
 """``pallas_tpu.ops.all_gather`` on a mesh of four CPU devices (``tests/conftest.py``),
 every device's copy of the result against the input (the gather of fresh random data
 is the data), and against JAX's op of the same name (JAX's TPU interpret mode), every
-way of an op (tests/ways.py's ``every_way(op=True)``; the op takes its mesh, so ``gather``
+way of an op (tests/ways' ``every_way(op=True)``; the op takes its mesh, so ``gather``
 runs each way here):
 
 * ``tpu_interpret``: our multi-device TPU interpret mode, inside the op's ``shard_map``;
 * ``mosaic``: the op exported for a mesh of TPU v5e devices, its Mosaic module run by
   ``run_mosaic`` on every device at once (remote DMAs and semaphores between them);
 * ``compiled``: the op compiled by libtpu for a mesh of compile-only TPUs of each chip
-  of ``three_way.COMPILE_CHIPS`` (four devices of their 2x2 topologies: ``ways.compile_op``),
+  of ``ways.compiled.COMPILE_CHIPS`` (four devices of their 2x2 topologies: ``ways.compile_op``),
   then run as ``mosaic``.
 """
 
@@ -20,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
+import ways.chip
+import ways.compare
+import ways.compiled
+import ways.mosaic
 from jax import export
 from jax.sharding import PartitionSpec as P
 from ways import Way, compile_op, every_way
@@ -32,7 +35,7 @@ from pallas_tpu._src.interpret import multi as interpret_multi
 from pallas_tpu._src.mosaic import compile_check
 from pallas_tpu.ops import all_gather as ag
 
-pytestmark = three_way.needs_devices(4)
+pytestmark = ways.chip.needs_devices(4)
 NAMES = ("x", "y")
 
 
@@ -67,7 +70,7 @@ def gather_mosaic(x, mesh_shape, axis_name, memory_space, compiled):
     """Every device's result, from the op's Mosaic module run by ``run_mosaic``."""
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     names = NAMES[: len(mesh_shape)]
-    for chip in three_way.COMPILE_CHIPS if compiled else ():
+    for chip in ways.compiled.COMPILE_CHIPS if compiled else ():
         devices = np.array(compile_check.tpu_devices(chip)[: math.prod(mesh_shape)]).reshape(mesh_shape)
         mesh = jax.sharding.Mesh(devices, names)
         placed = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, P(axes)))
@@ -80,7 +83,7 @@ def gather_mosaic(x, mesh_shape, axis_name, memory_space, compiled):
         mesh_shape,
         names,
         axis_types=(jax.sharding.AxisType.Auto,) * len(names),
-        abstract_device=three_way.TPU_V5E.abstract_device,
+        abstract_device=ways.mosaic.TPU_V5E.abstract_device,
     )
     with jax.sharding.use_abstract_mesh(mesh):
         text = export.export(
@@ -115,7 +118,7 @@ def gather(x, way, mesh_shape=(4,), axis_name="x", memory_space=pltpu.VMEM):
 def check_every_copy(copies, x, devices):
     assert len(copies) == devices
     for copy in copies:
-        three_way.equal(copy, x)
+        ways.compare.equal(copy, x)
 
 
 # (x shape, dtype, memory space): VMEM shards of f32 and bf16 rows, HBM (pl.ANY) shards,

@@ -1,7 +1,7 @@
 """``pallas_tpu.ops.flash_attention`` on fresh random data, against a plain ``jnp`` attention (and
 ``jax.vjp`` of it for the gradients) and against JAX's own op run in JAX's TPU interpret mode.
 
-The kernels run every TPU way (tests/ways.py): TPU interpret mode, our Mosaic lowering executed by
+The kernels run every TPU way (tests/ways): TPU interpret mode, our Mosaic lowering executed by
 ``run_mosaic`` (``mosaic``), and compiled by libtpu for compile-only TPUs (``compiled``). The
 ``jax_mosaic`` way runs JAX's op (``jax.experimental.pallas.ops.tpu.flash_attention``) lowered by JAX and
 executed by ``run_mosaic``, beside ours on the same inputs. Shapes stay small (sequences of 256-512,
@@ -23,8 +23,8 @@ from pallas_tpu.ops import flash_attention as fa
 
 jfa = pytest.importorskip("jax.experimental.pallas.ops.tpu.flash_attention")
 from jax.experimental.pallas import tpu as jax_pltpu  # noqa: E402
-from three_way import chip_mesh  # noqa: E402
 from ways import Way, every_way  # noqa: E402
+from ways.compiled import chip_mesh  # noqa: E402
 
 jax.config.update("jax_enable_checks", True)
 

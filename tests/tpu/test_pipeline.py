@@ -1,5 +1,5 @@
 """``pltpu.emit_pipeline``: kernels that pipeline blocks of HBM Refs through
-VMEM, against plain jnp on fresh random data, run every TPU way (tests/ways.py,
+VMEM, against plain jnp on fresh random data, run every TPU way (tests/ways,
 ``every_way(tpu=True)``; the ``tpu_interpret`` way in both DMA execution modes), and the same
 kernel source run by JAX's ``emit_pipeline`` under JAX's TPU interpret mode as a reference.
 
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import OLD_JAX, tensorcore_mesh
 from ways import every_way
+from ways.jax_mosaic import OLD_JAX, tensorcore_mesh
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -64,7 +64,7 @@ def run_jax(build, *args, **kw):
 
 def run(way, make, *args, **kw):
     """``make(pl, pltpu, interpret=..., **kw)``'s function of ``args`` run the ``way`` way
-    (tests/ways.py)."""
+    (tests/ways)."""
     return way.call(lambda pl, pltpu, *a, interpret: make(pl, pltpu, interpret=interpret, **kw)(*a), *args)
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental.pallas import tpu as jpltpu
-from three_way import ON_CHIP
 from ways import TPU_WAYS, Way, every_way, skip_way
+from ways.chip import ON_CHIP
 
 import pallas as pl
 import pallas_tpu

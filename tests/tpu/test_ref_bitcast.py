@@ -3,7 +3,7 @@ routing grouped matmul reads a bf16 VMEM block as uint32 words). A bitcast that 
 element width reads the same elements as another dtype; one that changes it packs along
 the second-to-last dimension, as a TPU does: ``(16, 128)`` int32 is ``(32, 128)`` bfloat16,
 row ``2r + k`` holding half ``k`` (least significant first) of row ``r``. Reads and writes
-through the view, every TPU way (tests/ways.py) against plain jnp (``lax.bitcast_convert_type``
+through the view, every TPU way (tests/ways) against plain jnp (``lax.bitcast_convert_type``
 and reshapes) on fresh random data, JAX's interpret mode as a second reference, and the
 error paths. ``run_mosaic`` runs a width-changing ``tpu.memref_bitcast`` through a table of
 each element's bytes in its allocation (no NumPy view packs two rows into one element)."""
@@ -18,8 +18,8 @@ from jax import lax
 
 pytest.importorskip("jax.experimental.pallas.tpu")
 
-from three_way import OLD_JAX  # noqa: E402
 from ways import Way, every_way  # noqa: E402
+from ways.jax_mosaic import OLD_JAX  # noqa: E402
 
 import pallas as pl  # noqa: E402
 import pallas_tpu as pltpu  # noqa: E402

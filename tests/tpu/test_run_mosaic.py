@@ -176,8 +176,8 @@ def test_dynamic_grid_sizes_come_first():
 
 def _two_core_module(body, x):
     """Our lowering of ``body`` over the two TensorCores of a chip (a
-    semaphore scratch operand), as three_way exports it."""
-    import three_way
+    semaphore scratch operand), as the Mosaic ways export it."""
+    import ways.mosaic
 
     import pallas as pl
 
@@ -187,7 +187,7 @@ def _two_core_module(body, x):
         mesh=pltpu.TensorCoreMesh(axis_name="core", num_cores=2),
         scratch_types=[pltpu.SemaphoreType.REGULAR],
     )
-    (module,) = three_way.tpu_modules(f, x, num_cores=2)
+    (module,) = ways.mosaic.tpu_modules(f, x, num_cores=2)
     return module
 
 
@@ -255,7 +255,7 @@ def test_errors_name_the_users_line_of_our_module():
     # so run_mosaic's errors (and libtpu's, tests/tpu/test_compile_check.py) name it.
     import inspect
 
-    import three_way
+    import ways.mosaic
 
     import pallas as pl
 
@@ -267,4 +267,4 @@ def test_errors_name_the_users_line_of_our_module():
     with pytest.raises(
         pltpu.MosaicError, match=rf'vector\.load.*test_run_mosaic\.py":{line}:.*out of bounds'
     ):
-        three_way.run_with_mosaic(f, rand(10, (64, 128)))
+        ways.mosaic.run_with_mosaic(f, rand(10, (64, 128)))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax import export, lax
 from jaxlib.mosaic.python import tpu
-from three_way import TPU_V5E  # the abstract v5e JAX's lowering asks for
+from ways.mosaic import TPU_V5E  # the abstract v5e JAX's lowering asks for
 
 import pallas as pl
 import pallas_tpu as pltpu

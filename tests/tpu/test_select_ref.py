@@ -1,5 +1,5 @@
 """``pl.select_ref``: a DMA whose source or destination is chosen by a value known when
-the kernel runs (JAX 0.11's API). Each kernel runs every TPU way (tests/ways.py: both
+the kernel runs (JAX 0.11's API). Each kernel runs every TPU way (tests/ways: both
 DMA modes of TPU interpret mode; our Mosaic lowering and JAX's under ``run_mosaic``;
 libtpu's compiler) against jnp on fresh random data. JAX's own TPU interpret mode does
 not run ``select_ref`` ("Cannot resolve attribute aval"); its lowering does."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from three_way import close
 from ways import every_way
+from ways.compare import close
 
 import pallas as pl
 import pallas_tpu as pltpu

@@ -1,4 +1,4 @@
-"""TPU kernels run every TPU way (tests/ways.py, ``every_way(tpu=True)``): our TPU
+"""TPU kernels run every TPU way (tests/ways, ``every_way(tpu=True)``): our TPU
 interpret mode, our Mosaic lowering executed by ``run_mosaic``, JAX's Mosaic lowering
 of the same kernel body executed by ``run_mosaic``, and our lowering compiled by libtpu;
 each against plain jnp on fresh random data."""
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import load_example
 from ways import every_way
+from ways.jax_mosaic import load_example
 
 
 def rand(seed, shape, dtype=jnp.float32):
@@ -359,7 +359,7 @@ def test_example_export_round_trip(name):
     the deserialized artifact computes the right numbers under run_mosaic."""
     from jax import export
     from jax.sharding import PartitionSpec as P
-    from three_way import TPU_V5E
+    from ways.mosaic import TPU_V5E
 
     import pallas_tpu as pltpu
     from pallas_tpu._src.executor import run as executor

@@ -1,5 +1,5 @@
 """Primitives the Mosaic lowering added for the issue "every primitive a TPU
-kernel accepts lowers", every TPU way (tests/ways.py, ``every_way(tpu=True)``: TPU
+kernel accepts lowers", every TPU way (tests/ways, ``every_way(tpu=True)``: TPU
 interpret mode, our lowering + ``run_mosaic``, JAX's lowering + ``run_mosaic``, ours
 compiled by libtpu), each against plain jnp on fresh random data; what stays unsupported is a
 ``pltpu.LoweringException`` naming the primitive, the kernel and the line.
@@ -14,8 +14,10 @@ import pytest
 from jax import lax
 from jaxlib.mlir import ir
 from jaxlib.mosaic.python import tpu as tpu_dialect
-from three_way import OLD_JAX, ON_CHIP, chip_tol, close, equal
 from ways import Way, every_way
+from ways.chip import ON_CHIP, chip_tol
+from ways.compare import close, equal
+from ways.jax_mosaic import OLD_JAX
 
 import pallas as pl
 import pallas_tpu as pltpu

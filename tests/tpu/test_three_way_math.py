@@ -1,4 +1,4 @@
-"""Math lowering and ``run_mosaic`` gaps, every TPU way (tests/ways.py,
+"""Math lowering and ``run_mosaic`` gaps, every TPU way (tests/ways,
 ``every_way(tpu=True)``): TPU interpret mode, our Mosaic lowering + ``run_mosaic``,
 JAX's Mosaic lowering + ``run_mosaic``, ours compiled by libtpu; each against plain
 jnp on fresh random data. Where JAX's TPU (TensorCore) lowering has no rule for a
@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import OLD_JAX, ON_CHIP, chip_flushed, chip_tol, close, equal, hardware_random_reference
 from ways import every_way
+from ways.chip import ON_CHIP, chip_flushed, chip_tol, hardware_random_reference
+from ways.compare import close, equal
+from ways.jax_mosaic import OLD_JAX
 
 
 def rand(seed, shape, dtype=jnp.float32):

@@ -3,7 +3,7 @@ reciprocal, einshape, trace_value, touch, annotate,
 with_memory_space_constraint) and tpu_info.
 
 Each op runs five ways: directly under ``jax.jit`` (its interpret semantics
-is plain JAX), and as a kernel the ways of tests/ways.py ``VECTOR_WAYS`` names:
+is plain JAX), and as a kernel the ways of tests/ways ``VECTOR_WAYS`` names:
 pallas-core's ``interpret=True`` (``core``), TPU interpret mode, our Mosaic lowering
 and JAX's, each executed by ``run_mosaic``. An op is written as ``fn(t, *arrays)``
 where ``t`` is the pallas-tpu namespace (``jax.experimental.pallas.tpu`` in the
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
+import ways.jax_mosaic
 from jax import lax
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
@@ -452,7 +452,7 @@ def _reciprocal(t):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
 @pytest.mark.parametrize("approx", [False, True])
 def test_reciprocal(way, dtype, approx, rng):
-    if way != "direct" and way.name == "jax_mosaic" and dtype == jnp.bfloat16 and three_way.OLD_JAX:
+    if way != "direct" and way.name == "jax_mosaic" and dtype == jnp.bfloat16 and ways.jax_mosaic.OLD_JAX:
         pytest.skip("JAX 0.10's Pallas: its lowering of reciprocal takes float32 only")
     x = _rand(rng, (8, 128), dtype) + jnp.asarray(3.0, dtype)
     out = run(way, lambda t, x: _reciprocal(t)(x, approx=approx), x)
@@ -462,7 +462,7 @@ def test_reciprocal(way, dtype, approx, rng):
     if dtype == jnp.float32 and not (
         approx and way != "direct" and way.name in ("mosaic", "jax_mosaic")
     ):  # run_mosaic models the approximation
-        if approx and three_way.OLD_JAX:
+        if approx and ways.jax_mosaic.OLD_JAX:
             pytest.skip(
                 "the comparison with JAX's: JAX 0.10's interpret mode computes approx=True exactly; "
                 "0.11's, as ours, in bfloat16 (ours matched 1 / x to 1e-2)"
@@ -521,7 +521,7 @@ def test_einshape_vmap_and_grad(equation, shape, sizes, rng):
     # einshape moves elements: its transpose puts w's elements back where they came from.
     came_from = jpltpu.einshape(equation, jnp.arange(x[0].size).reshape(shape), **sizes)
     np.testing.assert_array_equal(g, jnp.zeros(x[0].size).at[came_from.ravel()].set(w.ravel()).reshape(shape))
-    if three_way.OLD_JAX:
+    if ways.jax_mosaic.OLD_JAX:
         pytest.skip(
             "the comparison with JAX's grad: JAX 0.10's einshape has no VJP (ours matched the transpose)"
         )
@@ -550,7 +550,8 @@ def test_einshape_errors(equation, sizes, match):
 
 
 @every_way(
-    only=VECTOR_WAYS, skip={"jax_mosaic": "JAX 0.10's Pallas: no pltpu.annotate"} if three_way.OLD_JAX else {}
+    only=VECTOR_WAYS,
+    skip={"jax_mosaic": "JAX 0.10's Pallas: no pltpu.annotate"} if ways.jax_mosaic.OLD_JAX else {},
 )
 def test_trace_touch_annotate_are_value_identities(way, rng):
     x = _rand(rng, (8, 128), jnp.float32)
@@ -667,7 +668,7 @@ def test_tpu_info_matches_jax(chip):
     # JAX 0.10's TPU 8 is older than 0.11's (ours): its sublane tiling raises "TPU generation
     # is not supported" (0.11 tiles as TPU7x: large second-minor tiles for every width), and
     # its matmuls take no int4/uint4 right-hand side after float32, bfloat16 or float8.
-    old_tpu8 = three_way.OLD_JAX and theirs.generation > 7
+    old_tpu8 = ways.jax_mosaic.OLD_JAX and theirs.generation > 7
     int4_lhs = {np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float8_e5m2, jnp.float8_e4m3fn)}
     for a in dts:
         if old_tpu8:

@@ -276,7 +276,7 @@ def tests(session: nox.Session) -> None:
     _install_all(session, _with_libtpu(JAX_REFERENCE), TRITON_PINNED)
     _install(session, *TOKAMAX, *_with_libtpu(JAX_REFERENCE), *TRITON_PINNED)
     args = session.posargs or ["tests", *XDIST, "-q", "-rs", "--durations=25"]
-    # The compiled way of the TPU suites compiles for TPU v5e and v6e (tests/tpu/three_way.py).
+    # The compiled way of the TPU suites compiles for TPU v5e and v6e (tests/ways/compiled.py).
     session.run("python", "-m", "pytest", *args, env={"PALLAS_TPU_CHIPS": "v5e,v6e"})
 
 

@@ -3,7 +3,7 @@
 No TPU is needed: libtpu's compile-only devices run Mosaic's whole pipeline down to
 LLO (the TPU's instructions), and ``--xla_mosaic_dump_to`` writes each kernel's
 final LLO. This script runs the TPU suites' compiled way (tests/tpu, ``-k
-compiled``: every kernel of the three-way harness, the TPU examples, JAX's TPU ops
+compiled``: every kernel the TPU ways run (tests/ways), the TPU examples, JAX's TPU ops
 and the multi-device kernels), each kernel lowered by us and by JAX's Pallas and
 compiled for each chip, and prints per kernel the LLO op count of ours beside
 JAX's, in total and inside the innermost loop, as a ratio.

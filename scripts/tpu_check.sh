@@ -2,7 +2,7 @@
 # The one call on the lent TPU v5e (DESIGN.md, "Testing on each machine"): Python 3.11 with
 # JAX 0.10.2 and libtpu there, no network. It installs our packages into that Python from the
 # wheels it carries (pip --target, nothing compiled there), then runs on the chip:
-#   tests:    tests/tpu's compiled way (three_way.ON_CHIP: each kernel lowered by us, compiled by
+#   tests:    tests/tpu's compiled way (tests/ways/chip.py: each kernel lowered by us, compiled by
 #             the chip's libtpu and run there against its jnp reference, JAX's lowering run beside
 #             it), in one pytest process (one program at a time holds the chip);
 #   examples: the TPU examples (examples/tpu_*.py);

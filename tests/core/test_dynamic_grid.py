@@ -1,5 +1,5 @@
 """Dynamic (traced) grid sizes: ``grid=(n, ...)`` with ``n`` a traced int32 scalar, run
-every way (tests/ways.py: the Mosaic way exports the jitted function, the sizes its
+every way (tests/ways: the Mosaic way exports the jitted function, the sizes its
 module's first operands), under jit/vmap/jvp."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Differential tests of interpret mode: vectorized grid steps vs the sequential path, and
-every other way (tests/ways.py) against the same reference.
+every other way (tests/ways) against the same reference.
 
 pallas-core's interpret mode runs grid steps together when that cannot change the result
 (the ``core`` way); ``interpret=pl.InterpretParams(vectorize=False)`` forces the

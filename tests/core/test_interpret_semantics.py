@@ -1,5 +1,5 @@
 """Interpret-mode semantics: NaN-poisoned outputs and padding, sequential grid order; each
-kernel run every way (tests/ways.py). A TPU way runs the kernels whose blocks a TPU takes."""
+kernel run every way (tests/ways). A TPU way runs the kernels whose blocks a TPU takes."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ on random data against a plain ``jnp`` reference:
     (``test_can_query_grid_statically_via_num_programs_in_block_spec``);
   * specs given as nested lists match inputs given as lists (``test_with_unhashable_grid_spec``).
 
-Each kernel runs every way (tests/ways.py).
+Each kernel runs every way (tests/ways).
 """
 
 from __future__ import annotations

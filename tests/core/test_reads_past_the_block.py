@@ -4,7 +4,7 @@ index (``x_ref[i]``) at the kernel's top level past the block's end reads the
 array there, clamped to the array's last element (inside a loop or cond it is
 clamped into the block); with JAX 0.12+ it is clamped into the block; slices
 (``pl.ds``) and integer-array indices are clamped into the block; writes are
-clamped into the block. Each kernel runs every way (tests/ways.py) against JAX's
+clamped into the block. Each kernel runs every way (tests/ways) against JAX's
 interpret mode, but for the TPU ways: a TPU has no such semantics, and both TPU ways
 report the access (TPU interpret mode checks bounds, ``run_mosaic`` checks its loads).
 """

@@ -1,7 +1,7 @@
 """Robustness of pallas-core: tracer errors inside kernels, negative indices, empty
 arrays, backend names, captured constants, vmap of aliased calls, out-of-range
 index maps (checked against jnp and against JAX's own interpret mode). The kernels run
-every way (tests/ways.py); the errors, found while tracing, in the core way."""
+every way (tests/ways); the errors, found while tracing, in the core way."""
 
 from __future__ import annotations
 

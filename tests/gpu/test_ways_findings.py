@@ -1,4 +1,4 @@
-"""What moving the suites onto tests/ways.py found in pallas-gpu, fixed and checked
+"""What moving the suites onto tests/ways found in pallas-gpu, fixed and checked
 against plain jnp/numpy on fresh random data: under Triton's interpreter anywhere,
 compiled on the GPU with ``PALLAS_GPU_TESTS=gpu``.
 

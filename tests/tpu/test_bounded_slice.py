@@ -9,7 +9,7 @@ size is rounded up to the memory tiling of the dimension (1 for leading dimensio
 the last two and 1-D arrays round) and clamped to the end of the array before rounding; in
 interpret mode, which has no tile padding, the copy stops at the end of the array.
 
-Each kernel is written once as a function of ``(pl, pltpu)``, run every TPU way (tests/ways.py:
+Each kernel is written once as a function of ``(pl, pltpu)``, run every TPU way (tests/ways:
 our interpret mode in both DMA modes, our Mosaic lowering and JAX's executed by
 ``run_mosaic``, and compiled by libtpu), compared with plain numpy on fresh random data
 and, where JAX's TPU interpret mode runs it, with that too. ``pallas_call`` grid specs take
@@ -73,7 +73,7 @@ def run_jax_interpret(make, args, **kw):
 
 def run(way, make, *args, **kw):
     """``make(pl, pltpu, interpret=..., **kw)``'s function of ``args`` run the ``way`` way
-    (tests/ways.py)."""
+    (tests/ways)."""
     return way.call(lambda pl, pltpu, *a, interpret: make(pl, pltpu, interpret=interpret, **kw)(*a), *args)
 
 

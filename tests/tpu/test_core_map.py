@@ -1,6 +1,6 @@
 """``pl.core_map`` over ``pltpu.create_tensorcore_mesh`` (as JAX's own tests use it): a function of
 no arguments run once per TensorCore on the Refs of ``pl.run_state`` it closes over,
-against jnp on fresh random data, the TPU ways of tests/ways.py: TPU interpret
+against jnp on fresh random data, the TPU ways of tests/ways: TPU interpret
 mode; our Mosaic lowering and JAX's, each exported for TPU and run by ``run_mosaic``
 (the closed-over Refs are the module's operands, the written one aliased to its result); our
 lowering compiled by libtpu."""

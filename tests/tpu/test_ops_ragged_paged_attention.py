@@ -1,5 +1,5 @@
 """``pallas_tpu.ops.ragged_paged_attention`` against a float64 numpy reference on fresh random
-data, and against JAX's op of the same name, run every way of an op (tests/ways.py's
+data, and against JAX's op of the same name, run every way of an op (tests/ways'
 ``every_way(op=True)``).
 
 JAX's op cannot run in JAX's own TPU interpret mode on a CPU (jax 0.10.2 and 0.11.2: its reads

@@ -1,7 +1,7 @@
 """``pallas_tpu.ops.ragged_paged_attention.v3`` (vLLM's call: the new tokens' K/V written into
 the paged cache, then mixed prefill and decode attention) against a float64 numpy reference
 (the cache updated, then attention per sequence) on fresh random data, run every way of an op
-(tests/ways.py's ``every_way(op=True)``): the output, the returned cache equal to the reference update,
+(tests/ways' ``every_way(op=True)``): the output, the returned cache equal to the reference update,
 and the pages no sequence wrote unchanged. JAX has no op of this signature; the module's
 plain-JAX ``ref_ragged_paged_attention`` is checked against the numpy reference too."""
 

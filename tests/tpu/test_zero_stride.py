@@ -1,6 +1,6 @@
 """Reads through ``pl.ds(start, n, 0)`` (stride 0: the element at ``start``, ``n`` times),
 as tokamax's quantized matmuls read a scale row (``scale[:, pl.ds(0, n, 0), :]``): the
-four TPU ways of tests/ways.py (JAX's own Mosaic lowering, run by ``run_mosaic``, is
+four TPU ways of tests/ways (JAX's own Mosaic lowering, run by ``run_mosaic``, is
 the JAX reference: JAX's interpret modes cannot discharge a zero stride), pallas-core's
 interpret mode and pallas-gpu's (Triton's interpreter), each against ``jnp.broadcast_to``
 of the row on fresh random data. A write through a zero stride is refused by name."""

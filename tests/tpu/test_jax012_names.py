@@ -17,17 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import ways.compare
-import ways.compiled
-import ways.jax_mosaic
 from jax import lax
 from jaxlib import version as jaxlib_version
+from ways import compare as ways_compare
+from ways import compiled as ways_compiled
 from ways import every_way
+from ways import jax_mosaic as ways_jax_mosaic
 
 import pallas as pl
 import pallas_tpu as pltpu
 
-jpl, jtpu = ways.jax_mosaic.jax_namespaces()
+jpl, jtpu = ways_jax_mosaic.jax_namespaces()
 NEW_JAXLIB = jaxlib_version.__version_info__ >= (0, 12)
 
 
@@ -56,12 +56,12 @@ def rng(request):
 def no_v4(monkeypatch):
     """The compiled way without TPU v4: its Mosaic has no 2-bit vectors, and libtpu aborts the
     whole process on one ('Unsupported B2 packed type'), so it cannot even be tried there."""
-    chips = tuple(c for c in ways.compiled.COMPILE_CHIPS if c != "v4")
+    chips = tuple(c for c in ways_compiled.COMPILE_CHIPS if c != "v4")
     if not chips:
         pytest.skip(
             "TPU v4 has no 2-bit vectors (libtpu aborts the process on them); no other chip to compile for"
         )
-    monkeypatch.setattr(ways.compiled, "COMPILE_CHIPS", chips)
+    monkeypatch.setattr(ways_compiled, "COMPILE_CHIPS", chips)
 
 
 def _bytes(rng, shape=(16, 128), dtype=np.int8):
@@ -306,14 +306,14 @@ def test_conv(way, case, rng):
         return lambda *a: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out0.shape, jnp.float32))(*a)
 
     args = (x, w) if acc is None else (x, w, acc)
-    if way.name in ("mosaic", "compiled") and ways.jax_mosaic.OLD_JAX:
+    if way.name in ("mosaic", "compiled") and ways_jax_mosaic.OLD_JAX:
         with pytest.raises(pltpu.LoweringException, match=r"pltpu.conv \(tpu.conv\).*>= 0\.11\.2"):
             way.jit(build(*way.modules()))(*args)
         return
     got = way.jit(build(*way.modules()))(*args)
     ref = out0 if acc is None else acc + out0
     # The interpret ways convolve at the CPU's default precision (f32), the Mosaic ways at HIGHEST.
-    ways.compare.close(got, np.asarray(ref), tol=2e-4)
+    ways_compare.close(got, np.asarray(ref), tol=2e-4)
 
 
 def test_conv_preferred_type_and_int(rng):

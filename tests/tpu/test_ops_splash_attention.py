@@ -1,7 +1,7 @@
 """``pallas_tpu.ops.splash_attention``: the kernels on fresh random data against a plain ``jnp``
 attention over the dense mask (``jax.vjp`` of it for the gradients) and against JAX's op of the
 same name (``jax.experimental.pallas.ops.tpu.splash_attention``, in JAX's interpret mode), run
-every way of an op (tests/ways.py's ``every_way(op=True)``: TPU interpret mode, our Mosaic
+every way of an op (tests/ways' ``every_way(op=True)``: TPU interpret mode, our Mosaic
 lowering executed by ``run_mosaic``, and compiled by libtpu for the compile-only chips first). The masks and
 their block schedules are in test_ops_splash_attention_mask.py.
 """
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from three_way import chip_mesh
 from ways import every_way
+from ways.compiled import chip_mesh
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops import splash_attention as sa
@@ -445,7 +445,7 @@ def test_block_sizes_check_themselves():
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared_mask", "mask_per_head"])
 def test_shard_map_heads_and_q_sequence(per_head):
-    from three_way import needs_devices
+    from ways.chip import needs_devices
 
     if jax.device_count() < 4:
         pytest.skip(needs_devices(4).kwargs["reason"])

@@ -75,7 +75,7 @@ tolerance goes through ``way.mxu_operand(x)``, ``way.chip_flushed(x)``, ``way.do
 Whether a way applies is decided before the run: a way skips, with the reason, when its package
 (or Triton, JAX's Pallas, libtpu) is not installed; a TPU way skips a kernel no TPU runs (blocks
 that break its tiling rules, an HBM Ref read without a DMA: ``tpu_check.py`` asks pallas-tpu's
-own rules of the traced kernels); a Mosaic way skips a ``pallas_call`` applied under a JAX
+own rules of each kernel before it runs, ``vmap``'s too); a Mosaic way skips a ``pallas_call`` applied under a JAX
 transformation other than ``way.jit`` (``run_mosaic`` runs a module on concrete arrays; the
 interpret ways cover ``vmap``/``grad``). Anything else a way fails on is a finding: a strict
 ``xfail`` with its reason.

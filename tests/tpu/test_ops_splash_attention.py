@@ -80,7 +80,7 @@ class Case:
     soft_cap: float | None = None
     grads: bool = True
     tol: float = 3e-3
-    # the most scores of a pattern run as straight-line cells (``_common.STRAIGHT_LINE_SCORES``);
+    # the most scores of a pattern run as straight-line cells (``_common.STRAIGHT_LINE_SCORES``, both kernels);
     # 0: every pattern shares code and loops (a causal diagonal's patterns one body)
     straight_line: int | None = None
     loop_scores: int | None = None  # the scores a loop iteration takes (``_common.LOOP_SCORES``)
@@ -172,7 +172,8 @@ def test_ways(way, case, monkeypatch):
     if c.straight_line is not None:
         from pallas_tpu.ops.splash_attention import _common
 
-        monkeypatch.setattr(_common, "STRAIGHT_LINE_SCORES", c.straight_line)
+        monkeypatch.setitem(_common.STRAIGHT_LINE_SCORES, "fwd", c.straight_line)
+        monkeypatch.setitem(_common.STRAIGHT_LINE_SCORES, "bwd", c.straight_line)
         if c.loop_scores is not None:
             monkeypatch.setattr(_common, "LOOP_SCORES", c.loop_scores)
     q, k, v, do, sinks, seg = inputs(c)

@@ -10,9 +10,10 @@
   ``p^T dO`` and ``ds^T q`` are plain matmuls. With grouped or shared kv heads, or several q
   shards in one call, each q head (and shard) writes its own float32 ``dk``/``dv``, summed after.
 
-Both sweep a step in cells (``cell_of``: 512 x 512 in the default 1024 blocks) run as
-straight-line tiles by ``run_patterns``, as the forward does: a causal diagonal block skips
-its empty cell, and its full cell takes no mask arithmetic.
+Both sweep a step in cells (``cell_of``: 512 x 512 in the default 1024 blocks) by
+``run_patterns``, as the forward does: a causal diagonal block skips its empty cell, and its
+full cell takes no mask arithmetic. Unlike the forward's, a pattern of more than 1M scores loops
+over its alike chunks (``_common.STRAIGHT_LINE_SCORES["bwd"]``: as fast on the v5e, less code).
 
 The gradient of a sink is ``-sum_rows exp(sink - lse) * di``, computed with ``jnp``.
 """
@@ -164,7 +165,7 @@ def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config,
                 ds = _softcap_grad(ds, t_)
             acc_ref[r, :] += lax.dot(ds.astype(k_tile.dtype), k_tile, preferred_element_type=F32)
 
-        cm.run_patterns(w["pattern"], patterns, body, band, chunk)
+        cm.run_patterns(w["pattern"], patterns, body, band, chunk, "bwd")
 
         @pl.when(w["last"])
         def _finish():
@@ -266,7 +267,7 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
                 ds = _softcap_grad(ds, t_)
             dk_acc[r, :] += lax.dot(ds.astype(q_tile.dtype), q_tile, preferred_element_type=F32)
 
-        cm.run_patterns(w["pattern"], patterns, chunk, band, block_kv_compute)
+        cm.run_patterns(w["pattern"], patterns, chunk, band, block_kv_compute, "bwd")
 
         @pl.when(w["last"])
         def _finish():

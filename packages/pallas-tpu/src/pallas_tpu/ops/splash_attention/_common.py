@@ -226,31 +226,38 @@ def keep_mask(
     return keep
 
 
-# The most scores of a pattern run as straight-line cells; a larger pattern loops over each run
-# of consecutive chunks whose cells have the same kinds (one chunk's code). Mosaic's compile time
-# grows with the straight-line code: at B2 H16 L4096 D128 causal on a compile-only v5e, patterns
-# of up to 4M unrolled scores took 6.3 s (process CPU) to compile the forward kernel against
-# 0.23 s for JAX's at its blocks of 128.
-STRAIGHT_LINE_SCORES = 1024 * 1024
+# The most scores of a pattern run as straight-line cells, per kernel (None: no limit); a larger
+# pattern loops over each run of consecutive chunks whose cells have the same kinds, and the
+# patterns that differ only in their leading all-FULL chunks (a causal diagonal at each place it
+# may fall in a block) share one body. Loops cut Mosaic's compile (B2 H16 L4096 D128 causal,
+# first call on the v5e: forward 7.5 s unrolled, 2.0 s looped; GQA L8192 12.2 s and 2.9 s; JAX's
+# op 0.8-0.9 s), but in the forward kernel they cost speed on the v5e (full mask 135 TFLOP/s
+# against 160 unrolled, causal 130 against 143, GQA L8192 140 against 155:
+# benchmarks/tpu_ops_code_size.py): the scheduler overlaps one cell's matmuls with the next one's
+# softmax only in straight-line code. The backward kernels ran as fast looped (3.27 ms against
+# 3.28 at L4096 causal): they loop.
+STRAIGHT_LINE_SCORES: dict[str, int | None] = {"fwd": None, "bwd": 1024 * 1024}
 
 
-def run_patterns(code, patterns, tile, band: int, chunk: int):
+def run_patterns(code, patterns, tile, band: int, chunk: int, kernel: str):
     """For the step's pattern ``code`` (0: nothing), ``tile(q0, rows, kv0, partial)`` over the
     pattern's cells of ``band`` rows by ``chunk`` columns (offsets within the block): EMPTY
     cells skipped, FULL ones with ``partial=False``, the cells of a chunk with one kind in
     consecutive bands as one tile.
 
-    A pattern of at most ``STRAIGHT_LINE_SCORES`` visible scores is one straight-line body (the
-    scheduler overlaps one tile's matmuls with the next one's softmax). Larger ones share code:
+    A pattern of at most ``STRAIGHT_LINE_SCORES[kernel]`` (``kernel``: ``"fwd"`` or ``"bwd"``)
+    visible scores is one straight-line body (the scheduler overlaps one tile's matmuls with the
+    next one's softmax). Larger ones share code:
     patterns that differ only in how many all-FULL chunks lead them (a causal diagonal at each
     place it may fall in a block) are one body, a loop over the leading chunks then the rest;
     and each run of two or more consecutive chunks alike (the same kinds in the same bands) is a
     loop over them."""
     shared: dict[tuple, list[tuple[int, int]]] = {}
+    limit = STRAIGHT_LINE_SCORES[kernel]
     for number, pattern in enumerate(patterns, start=1):
         columns = [tuple(b[c] for b in pattern) for c in range(len(pattern[0]))]
         visible = sum(k != mask_lib.EMPTY for col in columns for k in col) * band * chunk
-        if visible <= STRAIGHT_LINE_SCORES:
+        if limit is None or visible <= limit:
             pl.when(code == number)(functools.partial(_run_columns, columns, 0, tile, band, chunk, False))
             continue
         full = (mask_lib.FULL,) * len(pattern)

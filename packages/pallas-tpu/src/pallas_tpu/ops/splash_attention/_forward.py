@@ -130,7 +130,7 @@ def forward(
             pv = cm.probs_times(p, v_ref[c, :])
             acc_ref[r, :] = acc_ref[r, :] * cm.lane_replicated(alpha, head_dim_v) + pv
 
-        cm.run_patterns(w["pattern"], patterns, tile, q_band, block_kv_compute)
+        cm.run_patterns(w["pattern"], patterns, tile, q_band, block_kv_compute, "fwd")
 
         @pl.when(w["last"])
         def _finish():

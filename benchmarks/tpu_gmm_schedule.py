@@ -1,5 +1,9 @@
 """Offline time estimates of the matmul and gmm kernels on a TPU v5e, from libtpu's schedule.
 
+The first model, kept for its validation numbers: ``pltpu.estimate`` (benchmarks/tpu_estimate.py)
+runs every kernel's bundles through a cycle model instead of the branch weights below, and
+shares this script's bundle parser (``pallas_tpu._src.mosaic.bundles``).
+
 No TPU is needed: the kernel is compiled for a compile-only v5e by libtpu (as
 ``pltpu.compile_check`` does) with ``--xla_jf_dump_to``, and the kernel's final bundles
 (the VLIW instruction words libtpu scheduled) are read:
@@ -60,6 +64,7 @@ import importlib  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from pallas_tpu._src.mosaic import bundles as bundles_lib  # noqa: E402
 from pallas_tpu._src.mosaic import compile_check as cc  # noqa: E402
 
 CLOCK_HZ = 1.5e9
@@ -83,30 +88,13 @@ class Bundle:
     text: str
 
 
-_LINE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:LB|LH|LE|PB|PF|CT)?:\s*(>*)\s*\{")
-_OPNAME = re.compile(r"=\s*([a-z_][\w.]*)")
-
-
 def parse_bundles(text: str) -> tuple[list[Bundle], dict[int, int]]:
-    """The bundles of a ``final_bundles`` dump and ``{region: its first bundle's address}``."""
-    bundles: list[Bundle] = []
-    regions: dict[int, int] = {}
-    cur = None
-    lines = text.splitlines()
-    for line in lines:
-        m = _LINE.match(line)
-        if m:
-            addr = int(m.group(1), 16) if m.group(1).startswith("0x") else int(m.group(1))
-            cur = Bundle(addr, len(m.group(2)), [], line)
-            bundles.append(cur)
-        elif cur is not None:
-            cur.text += "\n" + line
-    for b in bundles:
-        body = b.text.split("{", 1)[1].rsplit("}", 1)[0] if "}" in b.text else b.text
-        b.ops = [m.group(1) for part in body.split(";;") if (m := _OPNAME.search(part.split("/*")[0]))]
-        for num in re.findall(r"Start(?:/End empty)? region (\d+)", b.text):
-            regions.setdefault(int(num), b.addr)
-    return bundles, regions
+    """The bundles of a ``final_bundles`` dump (op names) and ``{region: its first bundle's
+    address}``, read by the package's parser (``pallas_tpu._src.mosaic.bundles``, which
+    ``pltpu.estimate`` runs)."""
+    parsed, regions = bundles_lib.parse(text)
+    out = [Bundle(b.addr, b.depth, [op.name for op in b.ops], b.text) for b in parsed]
+    return out, {num: parsed[i].addr for num, i in regions.items()}
 
 
 @dataclasses.dataclass
@@ -337,7 +325,7 @@ def fit(done: list) -> Model:
 
 
 def _dense_table():
-    return importlib.import_module("pallas_tpu.ops.megablox.schedule").gmm_schedule_dense
+    return importlib.import_module("pallas_tpu.ops.megablox._schedule").gmm_schedule_dense
 
 
 def _sds(shape, dtype=jnp.bfloat16):
@@ -356,7 +344,7 @@ def matmul_kernel(m, k, n, bm, bn, bk, *, measured=None, first=None):
     return Kernel(
         f"matmul {m}x{k}x{n} {bm}/{bn}/{bk}" + (f" first={first}" if first else ""), fn, (_sds((m, k)), _sds((k, n))), 2.0 * m * k * n, steps, 0,
         k // bk, (bm * bk + bk * bn) * 2, bm * bn * 2, step_bytes, measured_ms=measured,
-        switches={("pallas_tpu.ops.matmul", "FIRST_STEP"): first} if first else {},
+        switches={("pallas_tpu.ops.matmul._kernel", "FIRST_STEP"): first} if first else {},
     )  # fmt: skip
 
 
@@ -487,7 +475,7 @@ def candidate_set():
                 kern = gmm_kernel(8, 8192, 2048, 2048, t, table=table,
                                   measured=0.3925 if (t, table) == ((512, 2048, 2048), None) else None)  # fmt: skip
                 if f:
-                    kern.switches[("pallas_tpu.ops.matmul", "FIRST_STEP")] = f
+                    kern.switches[("pallas_tpu.ops.matmul._kernel", "FIRST_STEP")] = f
                     kern.name += f" first={f}"
                 out.append(kern)
     return out

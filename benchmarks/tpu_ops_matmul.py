@@ -28,10 +28,10 @@ Writes results/tpu_ops_matmul.csv (and .png).
 
 ``--sweep`` then times ours over block choices at the same shapes (matmul
 ``(bm, bn, bk)``, gmm and tgmm ``(tm, tk, tn)``; 5 rounds each) and prints the fastest per
-shape: the rows for ``matmul.V5E_BLOCKS`` and ``megablox.gmm.choose_tiling``.
+shape: the rows of the v5e's matmul table (``pallas_tpu.ops._policy.v5e``) and ``megablox.gmm.choose_tiling``.
 ``--candidates`` times, instead of the rows above, the variants that
 benchmarks/tpu_gmm_schedule.py ranks best (``MATMUL_CANDIDATES``, ``GMM_CANDIDATES``: blocks,
-and module switches such as ``matmul.FIRST_STEP`` and ``megablox.gmm.GMM_TABLE`` set while
+and module switches such as ``matmul._kernel.FIRST_STEP`` and ``megablox.gmm.GMM_TABLE`` set while
 the op is traced) beside the defaults, JAX's op and XLA at matmul 4096^3 and gmm G8
 8192x2048x2048 even, and gmm's visit table alone; writes results/tpu_ops_matmul_candidates.csv.
 ``--sweep-only`` runs the sweep alone, ``--only`` then picking its shapes ("matmul",
@@ -247,7 +247,7 @@ def gmm_grad_workload(side, groups, m, k, n, *, even):
 # beside the defaults, JAX's op and XLA, at the two shapes whose targets were missed.
 # Each: (label, blocks or tiling or None for the op's own, {(module, attribute): value}
 # set while the op is traced).
-_MM = "pallas_tpu.ops.matmul"
+_MM = "pallas_tpu.ops.matmul._kernel"
 _GMM = "pallas_tpu.ops.megablox.gmm"
 MATMUL_CANDIDATES = [
     ("ours first=zero (as measured 2026-12-06)", None, {(_MM, "FIRST_STEP"): "zero"}),
@@ -274,7 +274,7 @@ def _switched(fn, switches, **static):
                 module = importlib.import_module(mod)
                 saved[(module, attr)] = getattr(module, attr)
                 if attr == "GMM_TABLE" and value == "dense":
-                    value = importlib.import_module("pallas_tpu.ops.megablox.schedule").gmm_schedule_dense
+                    value = importlib.import_module("pallas_tpu.ops.megablox._schedule").gmm_schedule_dense
                 setattr(module, attr, value)
             return fn(*args, **static)
         finally:
@@ -311,7 +311,7 @@ def candidate_workloads(side, smoke):
         return args, cands, flops
 
     def table_cands():
-        sched = importlib.import_module("pallas_tpu.ops.megablox.schedule")
+        sched = importlib.import_module("pallas_tpu.ops.megablox._schedule")
         tm = ours_gmm.choose_tiling(gm, gk, gn, groups, jnp.bfloat16, jnp.bfloat16)[0]
         sizes = _group_sizes(groups, gm, even=True)
         offset = jnp.zeros((), jnp.int32)

@@ -45,17 +45,38 @@ TPU_OPS = [
         "The masks splash attention takes, the API of JAX's ``splash_attention_mask``.",
     ),
     ("paged_attention", "Paged attention for decoding, the API of JAX's ``ops.tpu.paged_attention``."),
+    ("paged_attention.paged_attention_kernel", "The paged attention op and JAX's kernel names."),
+    ("paged_attention.quantization_utils", "int8 KV pages: ``QuantizedTensor`` and its codes."),
+    ("paged_attention.util", "The plain-JAX reference of paged attention."),
     (
         "ragged_paged_attention",
         "Ragged paged attention (mixed prefill and decode), the API of JAX's ``ops.tpu.ragged_paged_attention``.",
+    ),
+    ("ragged_paged_attention.kernel", "The ragged paged attention op, its checks and its reference."),
+    (
+        "ragged_paged_attention.tuned_block_sizes",
+        "The ragged kernel's block sizes: measured rows, else a rule.",
+    ),
+    (
+        "ragged_paged_attention.v3",
+        "Ragged paged attention as vLLM's TPU backend calls it (the cache update too).",
     ),
     ("matmul", "Blocked matmul on the TensorCore, the API of JAX's ``ops.tpu.matmul``."),
     (
         "megablox",
         "Grouped matmuls for mixture-of-experts layers (the differentiable ``gmm``), the API of JAX's ``ops.tpu.megablox``.",
     ),
+    ("megablox.gmm", "The grouped matmul kernels ``gmm`` and ``tgmm``."),
+    ("megablox.ops", "The differentiable grouped matmul."),
+    ("megablox.common", "Chip and dtype helpers of megablox."),
     ("all_gather", "All-gather over a ring of TPU devices, the API of JAX's ``ops.tpu.all_gather``."),
+    ("random", "Counter-based PRNG kernels, the API of JAX's ``ops.tpu.random``."),
+    ("random.threefry", "Threefry-2x32: ``jax.random``'s bits from a Pallas kernel."),
+    ("random.philox", "Philox-4x32-10 from a Pallas kernel."),
+    ("random.prng_utils", "What the PRNG kernels share: counters and blocks of the output."),
 ]
+# The pages of TPU_OPS without a module of JAX's to mirror (vLLM's call).
+TPU_OPS_OURS_ONLY = {"ragged_paged_attention.v3"}
 
 # (module, its line in the API index's table). The order is the index's. A module's page shows
 # its docstring (the line too only where it has none: a page said the same thing three times).
@@ -116,7 +137,11 @@ MIRRORS = {
         f"pallas_gpu.ops.{m}": f"jax.experimental.pallas.ops.gpu.{m}"
         for m in ("attention", "decode_attention", "paged_attention", "layer_norm", "rms_norm", "softmax")
     },
-    **{f"pallas_tpu.ops.{m}": f"jax.experimental.pallas.ops.tpu.{m}" for m, _ in TPU_OPS},
+    **{
+        f"pallas_tpu.ops.{m}": f"jax.experimental.pallas.ops.tpu.{m}"
+        for m, _ in TPU_OPS
+        if m not in TPU_OPS_OURS_ONLY
+    },
 }
 
 # "module.name" -> the labels of docs/differences.md that say how it differs from JAX's.
@@ -288,7 +313,13 @@ def _page(modname: str, intro: str) -> tuple[str, list[str]]:
     lines = [title, "=" * len(title), ""]
     if not inspect.getdoc(mod):
         lines += [intro, ""]
-    lines += [f".. automodule:: {modname}", "   :no-members:", ""]
+    lines += [f".. automodule:: {modname}", "   :no-members:"]
+    parent, _, leaf = modname.rpartition(".")
+    if parent and getattr(importlib.import_module(parent), leaf, mod) is not mod:
+        # Its parent's name of the same dotted name, e.g. megablox.gmm (the function, JAX's):
+        # that one is the indexed object.
+        lines.append("   :no-index:")
+    lines.append("")
     children = [m for m, _ in MODULES if m.rpartition(".")[0] == modname]
     if children:
         lines += ["Its modules: " + ", ".join(f":doc:`{m}`" for m in children) + ".", ""]
@@ -324,10 +355,10 @@ def _page(modname: str, intro: str) -> tuple[str, list[str]]:
 
 def _mirror_section(modname: str, mod: types.ModuleType, elsewhere: dict[str, str]) -> list[str]:
     """A table of the names that mirror JAX's, each with the sections saying what differs."""
-    if modname not in MIRRORS:
+    names = public_names(mod)
+    if modname not in MIRRORS or not names:  # (a package of modules only: pallas_tpu.ops.random)
         return []
     jax_mod = importlib.import_module(MIRRORS[modname])
-    names = public_names(mod)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # JAX's deprecated names warn on getattr
         mirrored = [n for n in names if hasattr(jax_mod, n)]

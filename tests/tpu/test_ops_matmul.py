@@ -16,7 +16,9 @@ import three_way
 from ways import compile_op, every_way
 
 import pallas_tpu as pltpu
+from pallas_tpu.ops import _policy
 from pallas_tpu.ops import matmul as mm
+from pallas_tpu.ops.matmul import _kernel as mm_kernel
 
 
 def rand(seed, shape, dtype=jnp.float32):
@@ -137,7 +139,7 @@ def test_choose_blocks_fit_each_chip(chip):
         assert 8192 % bm == 0 and 8192 % bk == 0 and 8192 % bn == 0
         assert bm % info.mxu_column_size == 0 and bn % info.mxu_column_size == 0
         need = mm.vmem_bytes(bm, bn, bk, dtype, out_dtype, scratch=np.dtype(out_dtype).itemsize < 4)
-        assert need <= mm.VMEM_BUDGET_FRACTION * info.vmem_capacity_bytes, (chip, bm, bk, bn)
+        assert need <= _policy.vmem_budget("matmul", info), (chip, bm, bk, bn)
     if chip == "v5e":
         assert mm.choose_blocks(8192, 8192, 8192, jnp.bfloat16, jnp.bfloat16, info) == (1024, 1024, 1024)
     # A megacore chip gets at least two output tiles when m fits one block.
@@ -200,12 +202,12 @@ def test_matmul_bad_arguments(case):
 
 @pytest.mark.parametrize("case", ["bf16", "bf16_to_f32"])
 def test_matmul_first_step_zeroing_switch(monkeypatch, case):
-    """``matmul.FIRST_STEP = "zero"`` (the earlier kernel, kept for the benchmark's
+    """``matmul._kernel.FIRST_STEP = "zero"`` (the earlier kernel, kept for the benchmark's
     comparison: zero the accumulator, then add) gives the same result as the default."""
     dtype, out_dtype, tol = CASES[case]
     x, y = rand(4, (128, 384), dtype), rand(5, (384, 256), dtype)
     kw = dict(block_shape=(128, 128), block_k=128, out_dtype=out_dtype, interpret=pltpu.InterpretParams())
-    monkeypatch.setattr(mm, "FIRST_STEP", "zero")
+    monkeypatch.setattr(mm_kernel, "FIRST_STEP", "zero")
     out = mm.matmul.__wrapped__(x, y, **kw)  # traced afresh: the jitted op caches the default's
     close(out, reference(x, y, out_dtype), tol * np.sqrt(384))
 

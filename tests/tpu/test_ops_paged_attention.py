@@ -14,7 +14,14 @@ from ways import every_way
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops import paged_attention as pa_pkg
-from pallas_tpu.ops.paged_attention import paged_attention, paged_attention_kernel, quantization_utils, util
+from pallas_tpu.ops.paged_attention import (
+    _blocks,
+    _kernel,
+    paged_attention,
+    paged_attention_kernel,
+    quantization_utils,
+    util,
+)
 
 jax.config.update("jax_enable_checks", True)
 
@@ -149,10 +156,10 @@ def test_reference_helpers_match_jax():
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "v4", "v5p"])
 def test_choose_pages_per_compute_block(chip):
     info = pltpu.get_tpu_info(chip)
-    slots = paged_attention_kernel.SLOTS
+    slots = _kernel.SLOTS
     for page_size, itemsize in ((16, 2), (128, 2), (32, 1), (16, 4)):
         n = paged_attention_kernel.choose_pages_per_compute_block(page_size, 128, 2048, itemsize, info)
-        assert 1 <= n <= paged_attention_kernel.MAX_PAGES_PER_BLOCK
+        assert 1 <= n <= _blocks.MAX_PAGES_PER_BLOCK
         assert slots * 2 * n * page_size * 128 * itemsize <= info.vmem_capacity_bytes // 4
     # int8 pages with a float32 scale a key: the scales take 128 lanes of VMEM each.
     n = paged_attention_kernel.choose_pages_per_compute_block(64, 128, 2048, 1, info, scales_dim=1)

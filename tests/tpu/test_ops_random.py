@@ -21,7 +21,7 @@ import pytest
 from ways import compile_op, every_way
 
 import pallas_tpu as pltpu
-from pallas_tpu.ops.random import philox, prng_utils, threefry
+from pallas_tpu.ops.random import _blocks, philox, prng_utils, threefry
 
 
 def raw_key(seed):
@@ -236,13 +236,13 @@ def test_prng_utils_helpers():
 def test_choose_block_fits_each_chip(chip):
     info = pltpu.get_tpu_info(chip)
     for rows, width in ((8192, 8192), (1, 128), (12, 1024), (100000, 1024), (64, 1408)):
-        bh, bw = prng_utils.choose_block(rows, width, info)
+        bh, bw = _blocks.choose_block(rows, width, info)
         assert bw == width or bw % 128 == 0
         assert bh == rows or bh % 8 == 0
         assert 2 * bh * prng_utils.round_up(bw, 128) * 4 <= info.vmem_capacity_bytes // 8
         steps = -(-rows // bh)
-        if rows >= 64 * prng_utils.MIN_STEPS:  # rows for several steps per core: there are
-            assert steps >= min(prng_utils.MIN_STEPS * info.num_cores, rows // 8)
+        if rows >= 64 * _blocks.MIN_STEPS:  # rows for several steps per core: there are
+            assert steps >= min(_blocks.MIN_STEPS * info.num_cores, rows // 8)
 
 
 def test_large_shapes_compile_for_each_chip():

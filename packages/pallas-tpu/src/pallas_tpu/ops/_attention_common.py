@@ -1,41 +1,35 @@
 """What flash attention and splash attention share: the VMEM budget their block rules and
-kernels start from, the rule that fits a block to a length and the checks of given blocks,
-and the lane layouts of the kernels' row statistics (a row max, a logsumexp, segment ids kept
+kernels start from and the rule that fits a block to a length (both ``ops._policy``'s), the
+checks of given blocks, and the lane layouts of the kernels' row statistics (a row max, a logsumexp, segment ids kept
 lane-replicated as ``(rows, 128)`` so that they meet the score tiles without relayouts)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 
-import pallas_tpu as pltpu
+from pallas_tpu.ops import _policy
 
 NUM_LANES = 128
 
 
 def vmem_budget() -> int:
-    """The VMEM a kernel may ask for: three quarters of the chip's (16 MiB when unknown)."""
+    """The VMEM a kernel may ask for: ``ops._policy``'s "attention" budget, three quarters of the
+    chip's (16 MiB when the chip's facts are unknown), at most 100 MiB."""
     try:
-        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
+        return _policy.vmem_budget("attention")
     except Exception:  # no TPU facts for this device: the smallest scoped default
-        capacity = 16 * 2**20 * 4 // 3
-    return int(min(capacity * 3 // 4, 100 * 2**20))
+        return _policy.VMEM["attention"].budget(16 * 2**20 * 4 // 3)
 
 
 def fit_block(n: int | None, target: int) -> int:
-    """The largest multiple of 128 at most ``target`` that divides ``n``; ``n`` itself when
-    ``n <= target`` or none does (a block as long as its axis is always a legal TPU block);
-    ``target`` when ``n`` is unknown (None)."""
-    if n is None:
-        return target
-    if n <= target:
-        return n
-    for size in range(target - target % 128, 127, -128):
-        if n % size == 0:
-            return size
-    return n
+    """``ops._policy.fit_block`` with the whole axis where no block divides it: the largest
+    multiple of 128 at most ``target`` that divides ``n``; ``n`` itself when ``n <= target`` or
+    none does (a block as long as its axis is always a legal TPU block); ``target`` when ``n``
+    is unknown (None)."""
+    return cast(int, _policy.fit_block(n, target, or_whole=True))
 
 
 def check_blocks(op: str, blocks, checks: Iterable[tuple[str, str, Any]], per: str = "") -> None:

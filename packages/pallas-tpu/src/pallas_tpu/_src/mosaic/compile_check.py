@@ -434,11 +434,12 @@ def export_for(fn, args: Sequence, kwargs, chip: str) -> tuple:
 
 
 def compile_in_child(
-    exported: Sequence[tuple], *, llo: bool = False, code_size: bool = True
+    exported: Sequence[tuple], *, llo: bool = False, code_size: bool = True, keep_dump: str | None = None
 ) -> list[list[tuple]]:
     """Compiles functions (``export_for``'s) in one child process started with libtpu's dump
     flags (LLO for ``llo``, bundles and overlays for ``code_size``); per function, its
-    kernels' ``(KernelCompile, CodeSize or None)``."""
+    kernels' ``(KernelCompile, CodeSize or None)``. ``keep_dump``: a folder where the child's
+    libtpu dump (final bundles, overlays, VMEM report) is left (``pltpu.estimate`` reads it)."""
     with tempfile.TemporaryDirectory() as tmp:
         blobs = []
         for i, (chip, names, module_names, blob) in enumerate(exported):
@@ -448,13 +449,13 @@ def compile_in_child(
             blobs.append(dict(chip=chip, kernels=names, modules=module_names, path=path))
         spec = os.path.join(tmp, "spec.json")
         with open(spec, "w") as f:
-            json.dump(dict(blobs=blobs, code_size=code_size), f)
+            json.dump(dict(blobs=blobs, code_size=code_size or bool(keep_dump), keep=bool(keep_dump)), f)
         env = dict(os.environ)
         flags = env.get("LIBTPU_INIT_ARGS", "")
         if llo:
             flags += f" {DUMP_FLAG}={os.path.join(tmp, 'dump')}"
-        if code_size:
-            flags += " " + code_size_lib.dump_args(os.path.join(tmp, "jf"))
+        if code_size or keep_dump:
+            flags += " " + code_size_lib.dump_args(keep_dump or os.path.join(tmp, "jf"))
         env["LIBTPU_INIT_ARGS"] = flags.strip()
         env.setdefault("JAX_PLATFORMS", "cpu")
         env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # a cached executable: libtpu would dump nothing
@@ -509,7 +510,7 @@ def _child_main(spec_path: str) -> None:
         if jf_dump:
             new = sorted(code_size_lib.dump_files(jf_dump) - jf_before)
             code = code_size_lib.program_code_sizes(new, blob["modules"])
-            for path in new:  # the kernels' final bundles: ~200 bytes a bundle
+            for path in new if not spec.get("keep") else ():  # the final bundles: ~200 bytes a bundle
                 os.remove(path)
         for i, n in enumerate(names):
             ops, loop = counts[i] if i < len(counts) else (None, None)

@@ -23,6 +23,11 @@ the kernel (the k overhang zeroed on the last step), as is an ``m`` that
 chooses tiles (``choose_tiling``): rows per tile near the mean group size,
 k and n as whole as the VMEM budget allows, so that a group's rhs panel is
 loaded once per group and ``lhs`` once per n tile.
+
+The modules (the skeleton of every family, ``pallas_tpu.ops``' docstring): ``gmm`` (this one),
+``ops`` and ``common`` the API with JAX's names; ``_kernel`` the kernel bodies and their
+``pallas_call``s, ``_schedule`` the visit tables they read; ``_blocks`` the tile choice; the
+reference is ``jax.lax.ragged_dot``.
 """
 
 from __future__ import annotations
@@ -33,23 +38,22 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-import pallas as pl
 import pallas_tpu as pltpu
-from pallas_tpu.ops import matmul as _matmul
-from pallas_tpu.ops.megablox import schedule as sched
-from pallas_tpu.ops.megablox.tiling import choose_tiling, vmem_bytes
+from pallas_tpu.ops.megablox import _kernel
+from pallas_tpu.ops.megablox import _schedule as sched
+from pallas_tpu.ops.megablox._blocks import choose_tiling as choose_tiling
 
+# The API (``LutFn``, a type, is JAX's too; ``transposed_gmm`` and ``local_rows`` serve ``ops``).
+__all__ = ["gmm", "tgmm", "make_group_metadata", "choose_tiling", "GMM_TABLE"]
+
+# A tiling function: ``(m, k, n) -> (tm, tk, tn)``, or None for the chosen tiles.
 LutFn = Callable[[int, int, int], "tuple[int, int, int] | None"]
-# What computes gmm's visit table (equal tables): ``schedule.gmm_visit_table`` (dense
+# What computes gmm's visit table (equal tables): ``_schedule.gmm_visit_table`` (dense
 # comparisons where small, else searches); the benchmark's candidates set one of them.
 GMM_TABLE = sched.gmm_visit_table
 
 _LANE = 128
-# A visit of a tile that other groups share computes only the chunks of rows (of this many)
-# its group has rows in: a group boundary costs at most one chunk twice, not a whole tile.
-_CHUNK = 128
 
 
 # ----------------------------------------------------------------- validation
@@ -137,13 +141,15 @@ def _check_tiling(op: str, tiling, m: int, k: int, n: int):
     return tm, tk, tn
 
 
-def _local_rows(group_sizes, group_offset, num_local: int, m: int):
-    """``[m, 1]``: the rows of groups ``group_offset .. group_offset + num_local - 1``."""
+def local_rows(group_sizes, group_offset, num_local: int, m: int):
+    """``[m, 1]``: the rows of groups ``group_offset .. group_offset + num_local - 1``
+    (``group_offset`` None: from group 0)."""
+    offset = jnp.zeros((), jnp.int32) if group_offset is None else group_offset
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), m)
     starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
     last = group_sizes.shape[0] - 1
-    lo = starts[jnp.minimum(group_offset, last)]
-    hi = ends[jnp.minimum(group_offset + num_local - 1, last)]
+    lo = starts[jnp.minimum(offset, last)]
+    hi = ends[jnp.minimum(offset + num_local - 1, last)]
     rows = jnp.arange(m)[:, None]
     return (rows >= lo) & (rows < hi)
 
@@ -167,123 +173,16 @@ def _resolve_tiling(op, tiling, m, k, n, num_groups, in_dtype, out_dtype, *, tra
     return _check_tiling(op, tiling, m, k, n)
 
 
-def _compiler_params(semantics, need, info):
-    return pltpu.CompilerParams(
-        dimension_semantics=semantics, vmem_limit_bytes=_matmul.vmem_limit(need, info)
-    )
+# ----------------------------------------------------------------- the ops
 
 
-def _flag(value, bit):
-    return (value & bit) != 0
-
-
-# ------------------------------------------------------------------- gmm
-
-
-def _chunk_rows(tm: int) -> int:
-    """Rows per chunk of a tile that a partial visit computes chunk by chunk."""
-    return _CHUNK if tm % _CHUNK == 0 else tm
-
-
-def _for_each_chunk(lo, hi, size, body):
-    """``body(rows)`` for each chunk of ``size`` rows (``rows``: a ``pl.ds``) that has rows
-    in ``[lo, hi)``: one loop, so the kernel holds one copy of the chunk's code."""
-
-    def step(c, carry):
-        body(pl.ds(pl.multiple_of(c * size, size), size))
-        return carry
-
-    lax.fori_loop(lo // size, (hi + size - 1) // size, step, 0)
-
-
-def _in_rows(shape, axis, rows, lo, hi):
-    """Which elements of a chunk (``rows`` along ``axis``) lie in rows ``[lo, hi)`` of the tile."""
-    row = lax.broadcasted_iota(jnp.int32, shape, axis) + rows.start
-    return jnp.logical_and(row >= lo, row < hi)
-
-
-def _gmm_kernel(table, lhs_ref, rhs_ref, *refs, tm, tiles_k, k_tail, contract, widen, existing):
-    existing_ref = refs[0] if existing else None
-    out_ref = refs[1] if existing else refs[0]
-    acc_ref = refs[-1] if tiles_k > 1 else None
-    step, kk = pl.program_id(1), pl.program_id(2)
-    flags, lo, hi = table[sched.FLAGS, step], table[sched.LO, step], table[sched.HI, step]
-    computes, first, real = _flag(flags, sched.COMPUTE), _flag(flags, sched.FIRST), _flag(flags, sched.REAL)
-    whole = jnp.logical_and(lo == 0, hi == tm)
-    partial = jnp.logical_and(computes, jnp.logical_not(whole))
-    last_k = kk == tiles_k - 1
-    chunk = _chunk_rows(tm)
-
-    if k_tail is not None:
-        # The last k block runs past k: zero the overhang of both blocks, in place (the
-        # same zeros for every visit that finds the block still in VMEM).
-        @pl.when(jnp.logical_and(computes, last_k))
-        def _zero_overhang():
-            a, b = lhs_ref[...], rhs_ref[...]
-            lhs_ref[...] = jnp.where(
-                lax.broadcasted_iota(jnp.int32, a.shape, 1) < k_tail, a, jnp.zeros_like(a)
-            )
-            b_k = lax.broadcasted_iota(jnp.int32, b.shape, contract)
-            rhs_ref[...] = jnp.where(b_k < k_tail, b, jnp.zeros_like(b))
-
-    def product(rows=slice(None)):
-        a, b = lhs_ref[rows, :], rhs_ref[...]
-        if widen is not None:
-            a, b = a.astype(widen), b.astype(widen)
-        return lax.dot_general(a, b, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32)
-
-    def base():
-        if existing_ref is not None:
-            return existing_ref[...]
-        return jnp.zeros(out_ref.shape, out_ref.dtype)
-
-    def store_partial(chunk_value):
-        """A tile shared with other groups: its first visit fills it from ``base()``, then
-        each visit writes its group's rows, computing only the chunks it has rows in (a
-        group boundary costs one chunk twice, not a whole tile)."""
-
-        @pl.when(first)
-        def _fresh():
-            out_ref[...] = base()
-
-        def merge(rows):
-            value = chunk_value(rows).astype(out_ref.dtype)
-            mine = _in_rows(value.shape, 0, rows, lo, hi)
-            out_ref[rows, :] = jnp.where(mine, value, out_ref[rows, :])
-
-        _for_each_chunk(lo, hi, chunk, merge)
-
-    @pl.when(jnp.logical_and(jnp.logical_and(real, jnp.logical_not(computes)), last_k))
-    def _untouched():  # no local group has rows here
-        out_ref[...] = base()
-
-    if tiles_k == 1:
-
-        @pl.when(jnp.logical_and(computes, whole))
-        def _whole():
-            out_ref[...] = product().astype(out_ref.dtype)
-
-        pl.when(partial)(lambda: store_partial(product))
-        return
-
-    @pl.when(jnp.logical_and(partial, kk == 0))
-    def _init():  # a shared tile's chunks add into zeros
-        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
-
-    @pl.when(jnp.logical_and(computes, whole))
-    def _add_whole():  # the first k step's product stored as it is (no zeroing pass)
-        _matmul.accumulate(acc_ref, product, kk == 0)
-
-    def add_rows(rows):
-        acc_ref[rows, :] += product(rows)
-
-    pl.when(partial)(lambda: _for_each_chunk(lo, hi, chunk, add_rows))
-
-    @pl.when(jnp.logical_and(last_k, jnp.logical_and(computes, whole)))
-    def _store_whole():
-        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
-
-    pl.when(jnp.logical_and(last_k, partial))(lambda: store_partial(lambda rows: acc_ref[rows, :]))
+def _without_kernel(m, k, n, out_dtype, existing_out, group_sizes, offset, num_local):
+    """``gmm`` of an empty dimension: the empty result (or ``existing_out``, as it is); ``k`` =
+    0, an empty sum: the local groups' rows are zeros."""
+    base = jnp.zeros((m, n), out_dtype) if existing_out is None else existing_out
+    if 0 in (m, n):
+        return base
+    return jnp.where(local_rows(group_sizes, offset, num_local, m), jnp.zeros((), out_dtype), base)
 
 
 @functools.partial(
@@ -340,125 +239,29 @@ def _gmm(
         )
     out_dtype = np.dtype(preferred_element_type)
     _check_existing(op, existing_out, (m, n), out_dtype)
-    if 0 in (m, n):  # nothing to compute: the empty result (or existing_out, as it is)
-        return jnp.zeros((m, n), out_dtype) if existing_out is None else existing_out
-    if k == 0:  # an empty sum: the local groups' rows are zeros
-        base = jnp.zeros((m, n), out_dtype) if existing_out is None else existing_out
-        return jnp.where(_local_rows(group_sizes, offset, num_local, m), jnp.zeros((), out_dtype), base)
+    if 0 in (m, n, k):
+        return _without_kernel(m, k, n, out_dtype, existing_out, group_sizes, offset, num_local)
     info = pltpu.get_tpu_info()
     mxu = _mxu_dtype(lhs, rhs, info)
+    existing = existing_out is not None
     tm, tk, tn = _resolve_tiling(
-        op, tiling, m, k, n, group_sizes.shape[0], mxu, out_dtype,
-        transposed=False, existing=existing_out is not None, info=info,
-    )  # fmt: skip
-    # A chosen tm may leave a partial last tile: its rows past m belong to no group.
-    tiles_m, tiles_k, tiles_n = -(-m // tm), -(-k // tk), -(-n // tn)
-    k_tail = k - (tiles_k - 1) * tk if k % tk else None
-    table = GMM_TABLE(group_sizes, offset, m=m, tm=tm, num_local=num_local)
-    steps = table.shape[1]
-
-    def fetch_k(step, kk, t):
-        # Steps that compute nothing keep the blocks of the last step that did.
-        computes = (t[sched.FLAGS, step] & sched.COMPUTE) != 0
-        return jnp.where(computes, kk, tiles_k - 1)
-
-    def lhs_index(j, step, kk, t):
-        return t[sched.FETCH_TILE, step], fetch_k(step, kk, t)
-
-    def rhs_index(j, step, kk, t):
-        kb = fetch_k(step, kk, t)
-        return (t[sched.FETCH_GROUP, step], j, kb) if transpose_rhs else (t[sched.FETCH_GROUP, step], kb, j)
-
-    def out_index(j, step, kk, t):
-        return t[sched.TILE, step], j
-
-    rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
-    in_specs = [pl.BlockSpec((tm, tk), lhs_index), pl.BlockSpec(rhs_block, rhs_index)]
-    operands = [table, lhs, rhs]
-    aliases = {}
-    if existing_out is not None:
-        in_specs.append(pl.BlockSpec((tm, tn), out_index))
-        operands.append(existing_out)
-        aliases = {3: 0}
-    widen = None if lhs.dtype == rhs.dtype == mxu else mxu
-    kernel = functools.partial(
-        _gmm_kernel, tm=tm, tiles_k=tiles_k, k_tail=k_tail, contract=1 if transpose_rhs else 0,
-        widen=widen, existing=existing_out is not None,
-    )  # fmt: skip
-    need = vmem_bytes(
-        tm, tk, tn, mxu.itemsize, out_dtype.itemsize, tiles_k=tiles_k, transposed=False,
-        existing=existing_out is not None,
-    )  # fmt: skip
-    visits = min(steps, tiles_m + num_local)
-    cost = pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
-        + (k * n * rhs.dtype.itemsize) * (num_local if tiles_k == 1 else visits)
-        + m * n * out_dtype.itemsize,
+        op,
+        tiling,
+        m,
+        k,
+        n,
+        group_sizes.shape[0],
+        mxu,
+        out_dtype,
+        transposed=False,
+        existing=existing,
+        info=info,
     )
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(tiles_n, steps, tiles_k),
-            in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, tn), out_index),
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] if tiles_k > 1 else [],
-        ),
-        input_output_aliases=aliases,
-        compiler_params=_compiler_params(("parallel", "arbitrary", "arbitrary"), need, info),
-        cost_estimate=cost,
-        interpret=interpret,
-        name="gmm",
-    )(*operands)
-
-
-# ------------------------------------------------------------------ tgmm
-
-
-def _tgmm_kernel(table, lhs_ref, rhs_ref, *refs, lhs_rows_first, widen, existing):
-    existing_ref = refs[0] if existing else None
-    out_ref, acc_ref = refs[-2], refs[-1]
-    step = pl.program_id(2)
-    flags, lo, hi = table[sched.FLAGS, step], table[sched.LO, step], table[sched.HI, step]
-    computes, first, last = _flag(flags, sched.COMPUTE), _flag(flags, sched.FIRST), _flag(flags, sched.LAST)
-    tm = rhs_ref.shape[0]
-    whole = jnp.logical_and(lo == 0, hi == tm)
-    partial = jnp.logical_and(computes, jnp.logical_not(whole))
-    row_axis = 0 if lhs_rows_first else 1  # where lhs's m axis is in its block
-
-    def product(rows=slice(None), masked=False):
-        """The tile's (or a chunk's) contribution: lhs and rhs contracted over their rows."""
-        a = lhs_ref[rows, :] if lhs_rows_first else lhs_ref[:, rows]
-        b = rhs_ref[rows, :]
-        if masked:  # only the group's rows (the others belong to other groups)
-            a = jnp.where(_in_rows(a.shape, row_axis, rows, lo, hi), a, jnp.zeros_like(a))
-            b = jnp.where(_in_rows(b.shape, 0, rows, lo, hi), b, jnp.zeros_like(b))
-        if widen is not None:
-            a, b = a.astype(widen), b.astype(widen)
-        return lax.dot_general(a, b, (((row_axis,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-    @pl.when(first)
-    def _zero():  # (one product in the kernel's code, not one to set and one to add)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
-
-    @pl.when(jnp.logical_and(computes, whole))
-    def _add_whole():
-        acc_ref[...] += product()
-
-    def add_rows(rows):
-        acc_ref[...] += product(rows, masked=True)
-
-    pl.when(partial)(lambda: _for_each_chunk(lo, hi, _chunk_rows(tm), add_rows))
-
-    @pl.when(last)
-    def _store():
-        total = acc_ref[...]
-        if existing_ref is not None:
-            total = total + existing_ref[...].astype(jnp.float32)
-        out_ref[...] = total.astype(out_ref.dtype)
+    table = GMM_TABLE(group_sizes, offset, m=m, tm=tm, num_local=num_local)
+    return _kernel.gmm(
+        table, lhs, rhs, existing_out, (tm, tk, tn), out_dtype, mxu, transpose_rhs=transpose_rhs,
+        interpret=interpret, info=info,
+    )  # fmt: skip
 
 
 def transposed_gmm(
@@ -490,78 +293,25 @@ def transposed_gmm(
         return jnp.zeros((num_local, k, n), out_dtype) if existing_out is None else existing_out
     info = pltpu.get_tpu_info()
     mxu = _mxu_dtype(lhs, rhs, info)
-    tm, tk, tn = _resolve_tiling(
-        op, tiling, m, k, n, num_groups, mxu, out_dtype,
-        transposed=True, existing=existing_out is not None, info=info,
+    tiles = _resolve_tiling(
+        op, tiling, m, k, n, num_groups, mxu, out_dtype, transposed=True, existing=existing_out is not None,
+        info=info,
     )  # fmt: skip
-    tiles_k, tiles_n = -(-k // tk), -(-n // tn)
-    table = sched.tgmm_schedule(group_sizes, offset, m=m, tm=tm, num_local=num_local)
-    steps = table.shape[1]
-
-    def lhs_index(i, j, step, t):
-        return (t[sched.FETCH_TILE, step], i) if lhs_rows_first else (i, t[sched.FETCH_TILE, step])
-
-    def rhs_index(i, j, step, t):
-        return t[sched.FETCH_TILE, step], j
-
-    def out_index(i, j, step, t):
-        return t[sched.GROUP, step], i, j
-
-    lhs_block = (tm, tk) if lhs_rows_first else (tk, tm)
-    in_specs = [pl.BlockSpec(lhs_block, lhs_index), pl.BlockSpec((tm, tn), rhs_index)]
-    operands = [table, lhs, rhs]
-    aliases = {}
-    if existing_out is not None:
-        in_specs.append(pl.BlockSpec((None, tk, tn), out_index))
-        operands.append(existing_out)
-        aliases = {3: 0}
-    widen = None if lhs.dtype == rhs.dtype == mxu else mxu
-    kernel = functools.partial(
-        _tgmm_kernel, lhs_rows_first=lhs_rows_first, widen=widen, existing=existing_out is not None
-    )
-    need = vmem_bytes(
-        tm, tk, tn, mxu.itemsize, out_dtype.itemsize, tiles_k=tiles_k, transposed=True,
-        existing=existing_out is not None,
+    table = sched.tgmm_schedule(group_sizes, offset, m=m, tm=tiles[0], num_local=num_local)
+    return _kernel.tgmm(
+        table, lhs, rhs, existing_out, tiles, out_dtype, mxu, lhs_rows_first=lhs_rows_first,
+        num_local=num_local, interpret=interpret, info=info,
     )  # fmt: skip
-    cost = pl.CostEstimate(
-        flops=2 * m * k * n,
-        transcendentals=0,
-        bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
-        + rhs.size * rhs.dtype.itemsize * tiles_k
-        + num_local * k * n * out_dtype.itemsize,
-    )
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((num_local, k, n), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(tiles_k, tiles_n, steps),
-            in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, tk, tn), out_index),
-            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
-        ),
-        input_output_aliases=aliases,
-        compiler_params=_compiler_params(("parallel", "parallel", "arbitrary"), need, info),
-        cost_estimate=cost,
-        interpret=interpret,
-        name="tgmm",
-    )(*operands)
 
 
 @functools.partial(
     jax.jit, static_argnames=["preferred_element_type", "tiling", "num_actual_groups", "interpret"]
 )
 def _tgmm(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    preferred_element_type: jax.typing.DTypeLike = jnp.float32,
-    tiling: tuple[int, int, int] | LutFn | None = None,
-    group_offset: jax.Array | None = None,
-    num_actual_groups: int | None = None,
-    existing_out: jax.Array | None = None,
-    interpret=False,
-) -> jax.Array:
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, preferred_element_type: jax.typing.DTypeLike = jnp.float32,
+    tiling: tuple[int, int, int] | LutFn | None = None, group_offset: jax.Array | None = None,
+    num_actual_groups: int | None = None, existing_out: jax.Array | None = None, interpret=False,
+) -> jax.Array:  # fmt: skip
     """``lhs[:, rows of g] @ rhs[rows of g]`` for each local group ``g``.
 
     Args:
@@ -586,39 +336,21 @@ def _tgmm(
     )  # fmt: skip
 
 
-def gmm(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    preferred_element_type: jax.typing.DTypeLike = jnp.float32,
-    tiling: tuple[int, int, int] | LutFn | None = None,
-    group_offset: jax.Array | None = None,
-    existing_out: jax.Array | None = None,
-    transpose_rhs: bool = False,
-    interpret=False,
-) -> jax.Array:
-    _check_concrete_group_sizes("gmm", group_sizes)
-    return _gmm(lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, existing_out,
-                transpose_rhs, interpret)  # fmt: skip
+def _refusing_negative_sizes(op: str, jitted):
+    """``jitted`` (JAX's signature and docstring) after refusing concrete negative group sizes,
+    which a trace cannot see; ``__wrapped__``: the traced function, for a fresh trace."""
+
+    @functools.wraps(jitted.__wrapped__)
+    def call(*args, **kwargs):
+        _check_concrete_group_sizes(op, args[2] if len(args) > 2 else kwargs.get("group_sizes"))
+        return jitted(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = op
+    return call
 
 
-def tgmm(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    preferred_element_type: jax.typing.DTypeLike = jnp.float32,
-    tiling: tuple[int, int, int] | LutFn | None = None,
-    group_offset: jax.Array | None = None,
-    num_actual_groups: int | None = None,
-    existing_out: jax.Array | None = None,
-    interpret=False,
-) -> jax.Array:
-    _check_concrete_group_sizes("tgmm", group_sizes)
-    return _tgmm(lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, num_actual_groups,
-                 existing_out, interpret)  # fmt: skip
-
-
-gmm.__doc__, tgmm.__doc__ = _gmm.__doc__, _tgmm.__doc__
+gmm = _refusing_negative_sizes("gmm", _gmm)
+tgmm = _refusing_negative_sizes("tgmm", _tgmm)
 
 
 def make_group_metadata(

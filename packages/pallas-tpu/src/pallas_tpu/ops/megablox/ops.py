@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_tpu.ops.megablox.gmm import gmm as grouped_matmul
-from pallas_tpu.ops.megablox.gmm import tgmm, transposed_gmm
+from pallas_tpu.ops.megablox.gmm import local_rows, tgmm, transposed_gmm
 
 # d rhs reads the forward's lhs [m, k] as it lies and contracts its rows in VMEM,
 # instead of transposing it to [k, m] in HBM first.
@@ -52,20 +52,6 @@ def _forward(lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset
     return out, (lhs, rhs, group_sizes, group_offset, keeps_existing)
 
 
-def _local_rows(group_sizes, group_offset, num_local, m):
-    """A [m, 1] mask of the rows that belong to groups group_offset .. + num_local - 1."""
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), m)
-    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
-    offset = jnp.zeros((), jnp.int32) if group_offset is None else group_offset
-    last_group = group_sizes.shape[0] - 1
-    first, last = (
-        starts[jnp.minimum(offset, last_group)],
-        ends[jnp.minimum(offset + num_local - 1, last_group)],
-    )
-    rows = jnp.arange(m)[:, None]
-    return (rows >= first) & (rows < last)
-
-
 def _backward(preferred_element_type, tiling, transpose_rhs, interpret, residuals, grad):
     lhs, rhs, group_sizes, group_offset, keeps_existing = residuals
     num_local = rhs.shape[0]
@@ -87,7 +73,7 @@ def _backward(preferred_element_type, tiling, transpose_rhs, interpret, residual
         )  # fmt: skip
     d_existing = None
     if keeps_existing is not None:
-        d_existing = jnp.where(_local_rows(group_sizes, group_offset, num_local, lhs.shape[0]), 0, grad)
+        d_existing = jnp.where(local_rows(group_sizes, group_offset, num_local, lhs.shape[0]), 0, grad)
         d_existing = d_existing.astype(grad.dtype)
     return d_lhs, d_rhs, None, None, d_existing
 

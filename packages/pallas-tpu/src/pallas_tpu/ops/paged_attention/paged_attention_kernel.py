@@ -29,7 +29,7 @@ cache's reads, so the kernel is a DMA schedule with arithmetic beside it:
   dynamic slot the scheduler serializes them). With the copies as straight-line code beside the
   block's matmuls and softmax, a block of 128 pages of 16 took ~1,190 bundles (~4.6 a copy: the
   2 scalar slots' address arithmetic), 32 pages of 64 ~530, against the ~1,300 ns that 1 MiB
-  takes at the v5e's HBM bandwidth. They are now a loop of 8 pages an iteration (``_decode.UNROLL``),
+  takes at the v5e's HBM bandwidth. They are now a loop of 8 pages an iteration (``_kernel.UNROLL``),
   so the kernel's code does not grow with the block (straight-line, a block of 64 pages made
   it 26k Mosaic ops, its first call 3x JAX's op's): ~9 bundles a page issued before the
   arithmetic, ~1,000 bundles a block of 64 pages of 32 (~850 straight-line), ~1,580 at 128
@@ -53,6 +53,10 @@ correct on one core too. ``inline_seq_dim`` is accepted for JAX's signature: the
 sequence are always walked inside its grid step. ``pages_per_compute_block`` may be left out:
 ``choose_pages_per_compute_block`` picks it (no measured table yet: a rule from the bytes a block
 must keep in flight to cover HBM latency on the chip).
+
+The modules (the skeleton of every family, ``pallas_tpu.ops``' docstring): this one (the API,
+with JAX's names), ``quantization_utils`` and ``util`` (the reference), with JAX's names;
+``_kernel`` the kernel body and its ``pallas_call``; ``_blocks`` the block choice.
 """
 
 from __future__ import annotations
@@ -65,39 +69,16 @@ import numpy as np
 
 import pallas_tpu as pltpu
 from pallas_tpu.ops.paged_attention import quantization_utils
-from pallas_tpu.ops.paged_attention._decode import SLOTS, padded_bytes
-from pallas_tpu.ops.paged_attention._decode import Plan as _Plan
-from pallas_tpu.ops.paged_attention._decode import call as _call
+from pallas_tpu.ops.paged_attention._blocks import (
+    choose_pages_per_compute_block as choose_pages_per_compute_block,
+)
+from pallas_tpu.ops.paged_attention._kernel import Plan as _Plan
+from pallas_tpu.ops.paged_attention._kernel import call as _call
 
+#: The logit of keys past a sequence's length (JAX's value).
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+#: What ``megacore_mode`` may be: the KV heads or the batch split over two TensorCores, or None.
 MEGACORE_MODES = ("kv_head", "batch", None)
-# Bytes of K and V one compute block copies: what the DMA queue holds while the block before is
-# computed. A v5e's HBM moves ~0.82 MB/us, so 1 MiB (2048 bf16 keys of 128) covers a few
-# microseconds of latency and the block's fixed work (waits, the softmax's row statistics, the
-# loop); more only grows VMEM and the last block's waste. The per-copy issue cost is the same at
-# any block size, so small pages get more pages a block, not fewer bytes.
-BLOCK_BYTES = 1 << 20
-# Pages one block copies at most: a block's copies are issued one after another (a loop of ~9
-# bundles a page) before its arithmetic, so more pages make the block scalar-bound.
-MAX_PAGES_PER_BLOCK = 128
-_TRANS_B = (((1,), (1,)), ((), ()))
-
-
-def choose_pages_per_compute_block(
-    page_size, head_dim, pages_per_sequence, kv_itemsize, info=None, scales_dim=None
-):
-    """The pages of one compute block when the caller gives none: ``BLOCK_BYTES`` of K and V,
-    at most ``MAX_PAGES_PER_BLOCK`` and ``pages_per_sequence``, and the ``SLOTS`` block buffers
-    within a quarter of the chip's VMEM (``pltpu.get_tpu_info()``), the scales of quantized
-    pages (``scales_dim``: 1 or ``head_dim`` float32 per key) counted as VMEM lays them out."""
-    info = info or pltpu.get_tpu_info()
-    page_bytes = 2 * page_size * head_dim * kv_itemsize  # a K page and a V page
-    vmem_bytes = 2 * padded_bytes(page_size, head_dim, np.dtype(f"i{kv_itemsize}"))
-    if scales_dim:
-        vmem_bytes += 2 * padded_bytes(page_size, scales_dim, np.float32)
-    pages = max(1, BLOCK_BYTES // page_bytes)
-    pages = min(pages, max(1, info.vmem_capacity_bytes // 4 // (SLOTS * vmem_bytes)))
-    return int(min(pages, MAX_PAGES_PER_BLOCK, pages_per_sequence))
 
 
 def _split(value, op, name) -> tuple[jax.Array, jax.Array | None]:
@@ -119,60 +100,51 @@ def _split(value, op, name) -> tuple[jax.Array, jax.Array | None]:
     return jnp.asarray(value), None
 
 
+def _require(ok: bool, error: type[Exception], message: str) -> None:
+    if not ok:
+        raise error(f"paged_attention: {message}")
+
+
 def _check(q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, ppcb, megacore_mode, cap):
-    op = "paged_attention"
-    if q.ndim != 3:
-        raise ValueError(f"{op}: q must be [batch_size, num_q_heads, head_dim], got shape {q.shape}")
-    if k_pages.ndim != 4:
-        raise ValueError(
-            f"{op}: k_pages must be [num_kv_heads, total_num_pages, page_size, head_dim], got shape {k_pages.shape}"
-        )
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(
-            f"{op}: k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}"
-        )
-    if (k_scales is None) != (v_scales is None):
-        raise TypeError(f"{op}: k_pages and v_pages must both be QuantizedTensor or both arrays")
+    _require(q.ndim == 3, ValueError, f"q must be [batch_size, num_q_heads, head_dim], got shape {q.shape}")
+    _require(k_pages.ndim == 4, ValueError, "k_pages must be [num_kv_heads, total_num_pages, page_size, "
+             f"head_dim], got shape {k_pages.shape}")  # fmt: skip
+    _require(k_pages.shape == v_pages.shape, ValueError,
+             f"k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}")  # fmt: skip
+    _require((k_scales is None) == (v_scales is None), TypeError,
+             "k_pages and v_pages must both be QuantizedTensor or both arrays")  # fmt: skip
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, head_dim_k = k_pages.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"{op}: the number of q heads ({num_q_heads}) must be a multiple of the KV heads ({num_kv_heads})"
-        )
-    if head_dim_k != head_dim:
-        raise ValueError(f"{op}: q's head_dim {head_dim} differs from k_pages' {head_dim_k}")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(f"{op}: q must be a float array, got {q.dtype}")
-    if k_scales is None and (
-        k_pages.dtype != v_pages.dtype or not jnp.issubdtype(k_pages.dtype, jnp.floating)
-    ):
-        raise TypeError(
-            f"{op}: k_pages and v_pages must be float arrays of one dtype, got {k_pages.dtype}, {v_pages.dtype}"
-        )
-    if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
-        raise ValueError(
-            f"{op}: lengths must be int32[{batch}] (one per sequence of q), got {lengths.dtype}{list(lengths.shape)}"
-        )
-    if page_indices.ndim != 2 or page_indices.shape[0] != batch or page_indices.dtype != jnp.int32:
-        raise ValueError(
-            f"{op}: page_indices must be int32[{batch}, pages_per_sequence], got {page_indices.dtype}{list(page_indices.shape)}"
-        )
-    pages_per_sequence = page_indices.shape[1]
-    if ppcb is not None and (not isinstance(ppcb, (int, np.integer)) or not 0 < ppcb <= pages_per_sequence):
-        raise ValueError(
-            f"{op}: pages_per_compute_block must be an int in [1, {pages_per_sequence}] (pages per sequence), got {ppcb!r}"
-        )
-    if megacore_mode not in MEGACORE_MODES:
-        raise ValueError(f"{op}: megacore_mode must be one of {list(MEGACORE_MODES)}, got {megacore_mode!r}")
-    if megacore_mode == "kv_head" and num_kv_heads % 2:
-        raise ValueError(
-            f"{op}: megacore_mode='kv_head' needs an even number of KV heads, got {num_kv_heads}"
-        )
-    if megacore_mode == "batch" and batch % 2:
-        raise ValueError(f"{op}: megacore_mode='batch' needs an even batch size, got {batch}")
-    if cap is not None and cap == 0:
-        raise ValueError(f"{op}: attn_logits_soft_cap must not be 0 (None turns the cap off)")
-    return page_size, pages_per_sequence
+    num_kv_heads, _, _, head_dim_k = k_pages.shape
+    _require(num_q_heads % num_kv_heads == 0, ValueError,
+             f"the number of q heads ({num_q_heads}) must be a multiple of the KV heads ({num_kv_heads})")  # fmt: skip
+    _require(
+        head_dim_k == head_dim, ValueError, f"q's head_dim {head_dim} differs from k_pages' {head_dim_k}"
+    )
+    _require(jnp.issubdtype(q.dtype, jnp.floating), TypeError, f"q must be a float array, got {q.dtype}")
+    floats = k_pages.dtype == v_pages.dtype and jnp.issubdtype(k_pages.dtype, jnp.floating)
+    _require(k_scales is not None or floats, TypeError,
+             f"k_pages and v_pages must be float arrays of one dtype, got {k_pages.dtype}, {v_pages.dtype}")  # fmt: skip
+    _require(lengths.shape == (batch,) and lengths.dtype == jnp.int32, ValueError,
+             f"lengths must be int32[{batch}] (one per sequence of q), got {lengths.dtype}{list(lengths.shape)}")  # fmt: skip
+    table_ok = page_indices.ndim == 2 and page_indices.shape[0] == batch and page_indices.dtype == jnp.int32
+    _require(table_ok, ValueError, f"page_indices must be int32[{batch}, pages_per_sequence], got "
+             f"{page_indices.dtype}{list(page_indices.shape)}")  # fmt: skip
+    _check_options(batch, num_kv_heads, page_indices.shape[1], ppcb, megacore_mode, cap)
+
+
+def _check_options(batch, num_kv_heads, pages_per_sequence, ppcb, megacore_mode, cap):
+    ppcb_ok = ppcb is None or (isinstance(ppcb, (int, np.integer)) and 0 < ppcb <= pages_per_sequence)
+    _require(ppcb_ok, ValueError, f"pages_per_compute_block must be an int in [1, {pages_per_sequence}] "
+             f"(pages per sequence), got {ppcb!r}")  # fmt: skip
+    _require(megacore_mode in MEGACORE_MODES, ValueError,
+             f"megacore_mode must be one of {list(MEGACORE_MODES)}, got {megacore_mode!r}")  # fmt: skip
+    _require(megacore_mode != "kv_head" or num_kv_heads % 2 == 0, ValueError,
+             f"megacore_mode='kv_head' needs an even number of KV heads, got {num_kv_heads}")  # fmt: skip
+    _require(megacore_mode != "batch" or batch % 2 == 0, ValueError,
+             f"megacore_mode='batch' needs an even batch size, got {batch}")  # fmt: skip
+    _require(
+        cap is None or cap != 0, ValueError, "attn_logits_soft_cap must not be 0 (None turns the cap off)"
+    )
 
 
 def paged_attention(
@@ -221,17 +193,10 @@ def _check_concrete_lengths(lengths, page_indices, k_pages):
         )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=[
-        "pages_per_compute_block",
-        "attn_logits_soft_cap",
-        "mask_value",
-        "megacore_mode",
-        "inline_seq_dim",
-        "interpret",
-    ],
-)
+_STATIC = ("pages_per_compute_block", "attn_logits_soft_cap", "mask_value", "megacore_mode", "inline_seq_dim")
+
+
+@functools.partial(jax.jit, static_argnames=[*_STATIC, "interpret"])
 def _paged_attention(
     q, k_pages, v_pages, lengths, page_indices, *, mask_value, attn_logits_soft_cap, pages_per_compute_block,
     megacore_mode, inline_seq_dim, interpret,
@@ -269,51 +234,29 @@ def _paged_attention(
     q, lengths, page_indices = jnp.asarray(q), jnp.asarray(lengths), jnp.asarray(page_indices)
     if jnp.issubdtype(page_indices.dtype, jnp.floating):
         page_indices = page_indices.astype(jnp.int32)
-    cap = attn_logits_soft_cap
-    page_size, pages_per_sequence = _check(
-        q,
-        k_pages,
-        v_pages,
-        k_scales,
-        v_scales,
-        lengths,
-        page_indices,
-        pages_per_compute_block,
-        megacore_mode,
-        cap,
-    )
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
-    groups = num_q_heads // num_kv_heads
-    info = pltpu.get_tpu_info()
-    pages_per_block = pages_per_compute_block or choose_pages_per_compute_block(
-        page_size,
-        head_dim,
-        pages_per_sequence,
-        k_pages.dtype.itemsize,
-        info,
-        scales_dim=None if k_scales is None else k_scales.shape[-1],
-    )
-    cores = 1 if megacore_mode is None else 2
-    plan = _Plan(
-        batch=batch,
-        num_kv_heads=num_kv_heads,
-        groups=groups,
-        head_dim=head_dim,
-        page_size=page_size,
-        pages_per_sequence=pages_per_sequence,
-        pages_per_block=int(pages_per_block),
-        cores=cores,
-        split=megacore_mode,
-        quantized=k_scales is not None,
-        mask_value=float(mask_value),
-        soft_cap=None if cap is None else float(cap),
-        # int8 pages widen to float32 (code * scale): kept there, as JAX's op does.
-        compute_dtype=jnp.dtype(jnp.float32)
-        if k_scales is not None
-        else jnp.promote_types(q.dtype, k_pages.dtype),
-    )
+    cap, ppcb = attn_logits_soft_cap, pages_per_compute_block
+    _check(q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, ppcb, megacore_mode, cap)
+    plan = _plan(q, k_pages, k_scales, page_indices.shape[1], ppcb, megacore_mode, mask_value, cap)
     return _call(plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indices, interpret)
+
+
+def _plan(q, k_pages, k_scales, pages_per_sequence, ppcb, megacore_mode, mask_value, cap) -> _Plan:
+    """The static facts of a call whose arguments ``_check`` passed."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    scales_dim = None if k_scales is None else k_scales.shape[-1]
+    itemsize = k_pages.dtype.itemsize
+    pages_per_block = ppcb or choose_pages_per_compute_block(
+        page_size, head_dim, pages_per_sequence, itemsize, pltpu.get_tpu_info(), scales_dim=scales_dim
+    )
+    return _Plan(
+        batch=batch, num_kv_heads=num_kv_heads, groups=num_q_heads // num_kv_heads, head_dim=head_dim,
+        page_size=page_size, pages_per_sequence=pages_per_sequence, pages_per_block=int(pages_per_block),
+        cores=1 if megacore_mode is None else 2, split=megacore_mode, quantized=k_scales is not None,
+        mask_value=float(mask_value), soft_cap=None if cap is None else float(cap),
+        # int8 pages widen to float32 (code * scale): kept there, as JAX's op does.
+        compute_dtype=jnp.dtype(jnp.float32) if k_scales is not None else jnp.promote_types(q.dtype, k_pages.dtype),
+    )  # fmt: skip
 
 
 paged_attention.__doc__ = _paged_attention.__doc__

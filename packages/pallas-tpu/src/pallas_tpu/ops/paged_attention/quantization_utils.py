@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 P = jax.sharding.PartitionSpec
+#: A row's scale maps to this code: codes are ``round(x * MAX_INT8 / scale)``.
 MAX_INT8 = 127.5
 
 

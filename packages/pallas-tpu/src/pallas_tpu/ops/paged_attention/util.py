@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from pallas_tpu.ops.paged_attention import quantization_utils
 
+#: The logit the reference gives keys past a sequence's length.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.dtype("float32")).max)
 
 

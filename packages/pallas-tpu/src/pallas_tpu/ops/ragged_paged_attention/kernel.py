@@ -45,21 +45,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_tpu as pltpu
-from pallas_tpu.ops.ragged_paged_attention import tuned_block_sizes
-from pallas_tpu.ops.ragged_paged_attention._ragged import call as _call
-from pallas_tpu.ops.ragged_paged_attention._schedule import Plan as _Plan
-from pallas_tpu.ops.ragged_paged_attention.tuned_block_sizes import get_tuned_block_sizes
-
-DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.dtype("float32")).max)
-_OP = "ragged_paged_attention"
-_KV_DTYPES = tuple(
-    np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+from pallas_tpu.ops.ragged_paged_attention import _validate
+from pallas_tpu.ops.ragged_paged_attention._kernel import DEFAULT_MASK_VALUE as DEFAULT_MASK_VALUE
+from pallas_tpu.ops.ragged_paged_attention._kernel import call as _call
+from pallas_tpu.ops.ragged_paged_attention._kernel import plan_for as _plan_for
+from pallas_tpu.ops.ragged_paged_attention._validate import get_dtype_packing as get_dtype_packing
+from pallas_tpu.ops.ragged_paged_attention.tuned_block_sizes import (
+    get_tuned_block_sizes as get_tuned_block_sizes,
 )
 
-
-def get_dtype_packing(dtype) -> int:
-    """Elements of ``dtype`` in one 32-bit word."""
-    return 32 // (np.dtype(dtype).itemsize * 8)
+_OP = "ragged_paged_attention"
 
 
 def _tiles_whole(rows: int, packing: int) -> bool:
@@ -99,49 +94,27 @@ def get_min_heads_per_blk(num_q_heads, num_combined_kv_heads, q_dtype, kv_dtype)
 
 
 def static_validate_inputs(
-    q: jax.Array,
-    kv_pages: jax.Array,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    sm_scale: float | None = None,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
+    q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+    num_seqs: jax.Array, *, sm_scale: float | None = None, sliding_window: int | None = None,
+    soft_cap: float | None = None, mask_value: float | None = None, k_scale: float | None = None,
+    v_scale: float | None = None, num_kv_pages_per_block: int | None = None, num_queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
-):
-    """Checks the shapes, dtypes and static options (trace time); raises ValueError or
-    TypeError naming the argument and what was expected."""
+):  # fmt: skip
+    """JAX's checks of the arguments' shapes, dtypes and static options (at trace time), each
+    failure a ValueError or TypeError naming the argument and what it must be."""
     del sm_scale, mask_value  # any value
-    if q.ndim != 3:
-        raise ValueError(
-            f"{_OP}: q must be [max_num_batched_tokens, num_q_heads, head_dim], got shape {q.shape}"
-        )
-    if kv_pages.ndim != 4:
-        raise ValueError(
-            f"{_OP}: kv_pages must be [total_num_pages, page_size, num_combined_kv_heads, head_dim], "
-            f"got shape {kv_pages.shape}"
-        )
+    _validate.check_ndim(_OP, "q", q, 3, "[max_num_batched_tokens, num_q_heads, head_dim]")
+    _validate.check_ndim(
+        _OP, "kv_pages", kv_pages, 4, "[total_num_pages, page_size, num_combined_kv_heads, head_dim]"
+    )
     _, num_q_heads, head_dim = q.shape
     _, _, combined, head_dim_k = kv_pages.shape
     if combined % 2:
         raise ValueError(f"{_OP}: kv_pages' combined heads ({combined}) must be even: K and V alternate")
     if head_dim_k != head_dim:
         raise ValueError(f"{_OP}: q's head_dim {head_dim} differs from kv_pages' {head_dim_k}")
-    if num_q_heads % (combined // 2):
-        raise ValueError(
-            f"{_OP}: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={combined // 2}"
-        )
-    if page_indices.ndim != 2:
-        raise ValueError(
-            f"{_OP}: page_indices must be [max_num_seqs, pages_per_seq], got shape {page_indices.shape}"
-        )
+    _validate.check_heads(_OP, num_q_heads, combined // 2)
+    _validate.check_ndim(_OP, "page_indices", page_indices, 2, "[max_num_seqs, pages_per_seq]")
     max_num_seqs, pages_per_seq = page_indices.shape
     if num_seqs.shape != (1,):
         raise ValueError(f"{_OP}: num_seqs must have shape (1,), got {num_seqs.shape}")
@@ -149,44 +122,19 @@ def static_validate_inputs(
         raise ValueError(
             f"{_OP}: kv_lens must have shape ({max_num_seqs},) (page_indices' rows), got {kv_lens.shape}"
         )
-    if cu_q_lens.shape != (max_num_seqs + 1,):
-        raise ValueError(f"{_OP}: cu_q_lens must have shape ({max_num_seqs + 1},), got {cu_q_lens.shape}")
-    for name, x in (
-        ("kv_lens", kv_lens),
-        ("page_indices", page_indices),
-        ("cu_q_lens", cu_q_lens),
-        ("num_seqs", num_seqs),
-    ):
-        if x.dtype != jnp.int32:
-            raise ValueError(f"{_OP}: {name} must be int32, got {x.dtype}")
-    if q.dtype not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
-        raise TypeError(f"{_OP}: q must be float32 or bfloat16, got {q.dtype}")
-    if kv_pages.dtype not in _KV_DTYPES:
-        raise TypeError(
-            f"{_OP}: kv_pages must be one of {[d.name for d in _KV_DTYPES]}, got {kv_pages.dtype}"
-        )
+    _validate.check_tables(_OP, max_num_seqs, kv_lens=kv_lens, page_indices=page_indices,
+                           cu_q_lens=cu_q_lens, num_seqs=num_seqs)  # fmt: skip
+    _validate.check_dtypes(_OP, "q", q.dtype, "kv_pages", kv_pages.dtype)
     if combined % get_dtype_packing(kv_pages.dtype):
         raise ValueError(
             f"{_OP}: {kv_pages.dtype} kv_pages need combined heads in multiples of "
             f"{get_dtype_packing(kv_pages.dtype)} (one 32-bit word), got {combined}"
         )
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is not None and not isinstance(scale, float):
-            raise TypeError(f"{_OP}: {name} must be a float or None, got {scale!r}")
-    if sliding_window is not None and (
-        not isinstance(sliding_window, (int, np.integer)) or sliding_window <= 0
-    ):
-        raise ValueError(f"{_OP}: sliding_window={sliding_window!r} must be a positive int or None")
-    if soft_cap is not None and soft_cap == 0.0:
-        raise ValueError(f"{_OP}: soft_cap={soft_cap!r} must not be 0.0 (None turns the cap off)")
-    if num_kv_pages_per_block is not None and not 0 < num_kv_pages_per_block <= pages_per_seq:
-        raise ValueError(
-            f"{_OP}: num_kv_pages_per_block={num_kv_pages_per_block} must be in (0, {pages_per_seq}]"
-        )
-    if num_queries_per_block is not None and num_queries_per_block <= 0:
-        raise ValueError(f"{_OP}: num_queries_per_block={num_queries_per_block} must be positive")
-    if vmem_limit_bytes is not None and vmem_limit_bytes <= 0:
-        raise ValueError(f"{_OP}: vmem_limit_bytes={vmem_limit_bytes} must be positive")
+    _validate.check_options(
+        _OP, pages_per_seq, scales=dict(k_scale=k_scale, v_scale=v_scale), sliding_window=sliding_window,
+        soft_cap=soft_cap, num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block, vmem_limit_bytes=vmem_limit_bytes,
+    )  # fmt: skip
 
 
 def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
@@ -208,28 +156,14 @@ def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     if cu[n] > q.shape[0]:
         raise ValueError(f"{_OP}: cu_q_lens[num_seqs]={cu[n]} query tokens exceed q's {q.shape[0]} rows")
     for s in range(n):
-        q_len = cu[s + 1] - cu[s]
-        if q_len < 0 or q_len > kv[s]:
-            raise ValueError(
-                f"{_OP}: sequence {s} has {q_len} query tokens and kv_lens {kv[s]}: need 0 <= q_len <= kv_len"
-            )
+        _validate.check_sequence(_OP, s, cu[s + 1] - cu[s], kv[s])
 
 
 def ref_ragged_paged_attention(
-    queries: jax.Array,
-    kv_pages: jax.Array,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = DEFAULT_MASK_VALUE,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-):
+    queries: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+    num_seqs: jax.Array, *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+    mask_value: float | None = DEFAULT_MASK_VALUE, k_scale: float | None = None, v_scale: float | None = None,
+):  # fmt: skip
     """Plain JAX, one sequence at a time (concrete ``num_seqs`` and ``cu_q_lens``): the
     outputs of the ``cu_q_lens[num_seqs]`` query tokens."""
     static_validate_inputs(
@@ -265,32 +199,18 @@ def ref_ragged_paged_attention(
     return jnp.concatenate(outs, axis=0)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=[
-        "sm_scale", "mask_value", "num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes",
-        "sliding_window", "soft_cap", "k_scale", "v_scale", "interpret",
-    ],
-)  # fmt: skip
+_STATIC = ("sm_scale", "mask_value", "num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes",
+           "sliding_window", "soft_cap", "k_scale", "v_scale", "interpret")  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def ragged_paged_attention(
-    q: jax.Array,
-    kv_pages: jax.Array,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = DEFAULT_MASK_VALUE,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
-    interpret=False,
-):
+    q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+    num_seqs: jax.Array, *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+    mask_value: float | None = DEFAULT_MASK_VALUE, k_scale: float | None = None, v_scale: float | None = None,
+    num_kv_pages_per_block: int | None = None, num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None, interpret=False,
+):  # fmt: skip
     """Ragged paged attention over a batch that mixes prefills and decodes.
 
     Args:
@@ -319,69 +239,18 @@ def ragged_paged_attention(
     Returns:
       ``[max_num_batched_tokens, num_q_heads, head_dim]`` in ``q``'s dtype.
     """
+    blocks = (num_kv_pages_per_block, num_queries_per_block)
     static_validate_inputs(
-        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale,
-        v_scale=v_scale, num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block, vmem_limit_bytes=vmem_limit_bytes,
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale, num_kv_pages_per_block=blocks[0],
+        num_queries_per_block=blocks[1], vmem_limit_bytes=vmem_limit_bytes,
     )  # fmt: skip
     tokens, num_q_heads, head_dim = q.shape
     _, page_size, combined, _ = kv_pages.shape
-    num_kv_heads = combined // 2
-    groups = num_q_heads // num_kv_heads
-    pages_per_seq = page_indices.shape[1]
-    pages, queries = num_kv_pages_per_block, num_queries_per_block
-    if pages is None or queries is None:
-        tuned = get_tuned_block_sizes(
-            q.dtype,
-            kv_pages.dtype,
-            num_q_heads,
-            num_kv_heads,
-            head_dim,
-            page_size,
-            tokens,
-            pages_per_seq,
-            info=pltpu.get_tpu_info(),
-        )
-        pages, queries = pages or tuned[0], queries or tuned[1]
-    window = tuned_block_sizes.query_window(groups)
-    queries = -(-int(queries) // window) * window
-    kv_dtype = np.dtype(kv_pages.dtype)
-    compute = (
-        np.dtype(q.dtype)
-        if kv_dtype.itemsize == 1  # 8-bit codes are exact in any float q dtype
-        else np.dtype(jnp.promote_types(q.dtype, kv_dtype))
-    )
-    plan = _Plan(
-        num_kv_heads=num_kv_heads,
-        groups=groups,
-        head_dim=head_dim,
-        page_size=page_size,
-        pages_per_seq=pages_per_seq,
-        pages_per_block=int(pages),
-        q_block=queries,
-        window=window,
-        max_num_seqs=page_indices.shape[0],
-        kv_dtype=kv_dtype,
-        compute_dtype=compute,
-        sliding_window=None if sliding_window is None else int(sliding_window),
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        mask_value=float(DEFAULT_MASK_VALUE if mask_value is None else mask_value),
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-    return _call(
-        plan,
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        float(sm_scale),
-        vmem_limit_bytes,
-        interpret,
-    )
+    plan = _plan_for(q.dtype, kv_pages.dtype, tokens, num_q_heads, combined // 2, head_dim, page_size,
+                     page_indices.shape, blocks, sliding_window, soft_cap, mask_value, k_scale, v_scale)  # fmt: skip
+    return _call(plan, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, float(sm_scale), vmem_limit_bytes,
+                 interpret)  # fmt: skip
 
 
 class MultiPageAsyncCopyDescriptor:

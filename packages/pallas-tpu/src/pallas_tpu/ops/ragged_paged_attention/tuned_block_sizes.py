@@ -1,7 +1,8 @@
-"""Block sizes of ``ragged_paged_attention`` when the caller gives none: the names of JAX's
-``ops.tpu.ragged_paged_attention.tuned_block_sizes``, with a rule from the chip's facts
-(``pltpu.get_tpu_info()``) in place of JAX's table; no block sizes have been measured on a chip
-for this kernel yet, so ``TUNED_BLOCK_SIZES`` is empty."""
+"""Block sizes of ``ragged_paged_attention`` when the caller gives none (the family's block
+module), with the names of JAX's ``ops.tpu.ragged_paged_attention.tuned_block_sizes``: the chip's
+measured rows (``ops._policy``, keyed by ``simplify_key``), else a rule from its facts in place
+of JAX's table. No block sizes have been measured on a chip for this kernel yet, so
+``TUNED_BLOCK_SIZES`` is empty."""
 
 from __future__ import annotations
 
@@ -11,14 +12,25 @@ import jax
 import jax.numpy as jnp
 
 import pallas_tpu as pltpu
+from pallas_tpu.ops import _policy
 
+_OP = "ragged_paged_attention"
 # A sequence's pages per compute block at most: the page table of a block is read from SMEM.
 MAX_PAGES_PER_SEQ = 16
-# (chip name, key of ``simplify_key``) -> (num_kv_pages_per_block, num_queries_per_block).
-TUNED_BLOCK_SIZES: dict[str, dict[tuple, tuple[int, int]]] = {}
-# Bytes of one KV block (all heads' K and V): what is in flight while the block before is
-# computed (a v5e moves ~0.82 MB/us from HBM).
-KV_BLOCK_BYTES = 2 << 20
+
+
+def _jax_table() -> dict[str, dict[tuple, tuple[int, int]]]:
+    table: dict[str, dict[tuple, tuple[int, int]]] = {}
+    for chip in _policy.GENERATIONS:
+        if rows := _policy.measured(chip, _OP):
+            table.setdefault(f"TPU v{_policy.generation_facts(chip).generation}", {}).update(rows)
+    return table
+
+
+# JAX's table, ``{"TPU v<generation>": {simplify_key(...): (num_kv_pages_per_block,
+# num_queries_per_block)}}``: a copy of the measured rows of ``ops._policy``'s generation files
+# (which ``get_tuned_block_sizes`` reads; none yet) under JAX's device names.
+TUNED_BLOCK_SIZES = _jax_table()
 # Score rows (query tokens times q heads per KV head) of one grid step.
 SCORE_ROWS = 512
 
@@ -91,9 +103,9 @@ def get_tuned_block_sizes(
     *,
     info=None,
 ) -> tuple[int, int]:
-    """``(num_kv_pages_per_block, num_queries_per_block)``: the table's entry for the chip when
-    there is one, else ``KV_BLOCK_BYTES`` of keys and values per KV block (halved on chips with
-    less than 64 MiB of VMEM) and ``SCORE_ROWS`` score rows per query block. ``info``: the
+    """``(num_kv_pages_per_block, num_queries_per_block)``: the chip's measured row when there is
+    one, else 2 MiB of keys and values per KV block (less on chips with less than 64 MiB of
+    VMEM: ``ops._policy``) and ``SCORE_ROWS`` score rows per query block. ``info``: the
     chip's facts. Without ``info`` (JAX's call) this host's TPU is asked, and a host without a
     TPU of generation 4 or later raises ``NotImplementedError`` as JAX's function does;
     ``ragged_paged_attention`` passes ``pltpu.get_tpu_info()``, the chip it traces for."""
@@ -105,21 +117,21 @@ def get_tuned_block_sizes(
                 f"is {_device_kind()!r}; pass info=pltpu.get_tpu_info(chip) for a chip's sizes"
             )
         info = pltpu.get_tpu_info()
-    key = simplify_key(
-        (q_dtype, kv_dtype, num_q_heads_per_blk, num_kv_heads_per_blk, head_dim, page_size,
-         max_num_batched_tokens, pages_per_seq)
-    )  # fmt: skip
-    entry = TUNED_BLOCK_SIZES.get(f"TPU v{info.generation}", {}).get(key)
-    if entry is not None:
-        return min(entry[0], pages_per_seq), entry[1]
-    budget = KV_BLOCK_BYTES if info.vmem_capacity_bytes >= 64 << 20 else KV_BLOCK_BYTES // 2
-    token_bytes = 2 * num_kv_heads_per_blk * head_dim * jnp.dtype(kv_dtype).itemsize
-    pages = max(1, budget // (token_bytes * page_size))
-    groups = max(1, num_q_heads_per_blk // num_kv_heads_per_blk)
+    exact = (q_dtype, kv_dtype, num_q_heads_per_blk, num_kv_heads_per_blk, head_dim, page_size,
+             max_num_batched_tokens, pages_per_seq)  # fmt: skip
+    pages, queries = _policy.choose(_OP, simplify_key(exact), lambda chip, _: _rule(chip, *exact), info)
+    return int(min(pages, pages_per_seq)), int(queries)
+
+
+def _rule(chip, q_dtype, kv_dtype, q_heads, kv_heads, head_dim, page_size, tokens, pages_per_seq):
+    """The policy's KV block bytes (2 MiB, less on a small VMEM: in flight while the block before
+    is computed) of keys and values per KV block, and ``SCORE_ROWS`` score rows per query block."""
+    token_bytes = 2 * kv_heads * head_dim * jnp.dtype(kv_dtype).itemsize
+    pages = max(1, _policy.vmem_budget(_OP, chip) // (token_bytes * page_size))
+    groups = max(1, q_heads // kv_heads)
     window = query_window(groups)
     queries = max(window, min(next_power_of_2(max(SCORE_ROWS // groups, 1)), 256))
-    queries = min(queries, max(window, next_power_of_2(max_num_batched_tokens)))
-    return int(min(pages, pages_per_seq)), int(queries)
+    return pages, min(queries, max(window, next_power_of_2(tokens)))
 
 
 def get_min_page_size(max_model_len: int, min_page_size: int = 16) -> int:

@@ -31,19 +31,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_tpu as pltpu
-from pallas_tpu.ops.ragged_paged_attention import tuned_block_sizes
-from pallas_tpu.ops.ragged_paged_attention._ragged import call as _call
-from pallas_tpu.ops.ragged_paged_attention._schedule import Plan as _Plan
-from pallas_tpu.ops.ragged_paged_attention.kernel import DEFAULT_MASK_VALUE, get_dtype_packing
+from pallas_tpu.ops.ragged_paged_attention import _validate
+from pallas_tpu.ops.ragged_paged_attention._kernel import DEFAULT_MASK_VALUE
+from pallas_tpu.ops.ragged_paged_attention._kernel import call as _call
+from pallas_tpu.ops.ragged_paged_attention._kernel import plan_for as _plan_for
+from pallas_tpu.ops.ragged_paged_attention._validate import get_dtype_packing
 
 _OP = "ragged_paged_attention v3"
-_KV_DTYPES = tuple(
-    np.dtype(d) for d in (jnp.bfloat16, jnp.float32, jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
-)
 
 
 def align_to(x: int, a: int) -> int:
+    """``x`` rounded up to a multiple of ``a``."""
     return -(-x // a) * a
 
 
@@ -60,13 +58,10 @@ def static_validate_inputs(
     v_scale=None, chunk_prefill_size=None, num_kv_pages_per_block=None, num_queries_per_block=None,
     vmem_limit_bytes=None, out_dtype=None,
 ):  # fmt: skip
-    """Checks the shapes, dtypes and static options (trace time); raises ValueError or
-    TypeError naming the argument and what was expected."""
+    """vLLM's call checked before it is traced: the arrays' shapes and dtypes (the cache's by
+    ``get_kv_cache_shape``) and the static options; a ValueError or TypeError names the argument."""
     del sm_scale, mask_value  # any value
-    if queries.ndim != 3:
-        raise ValueError(
-            f"{_OP}: queries must be [max_num_tokens, num_q_heads, head_dim], got {queries.shape}"
-        )
+    _validate.check_ndim(_OP, "queries", queries, 3, "[max_num_tokens, num_q_heads, head_dim]")
     for name, x in (("keys", keys), ("values", values)):
         if x.ndim != 3 or x.shape[0] != queries.shape[0] or x.shape[2] != queries.shape[2]:
             raise ValueError(
@@ -75,17 +70,9 @@ def static_validate_inputs(
             )
     if values.shape != keys.shape:
         raise ValueError(f"{_OP}: values' shape {values.shape} differs from keys' {keys.shape}")
-    if kv_cache.ndim != 5:
-        raise ValueError(
-            f"{_OP}: kv_cache must be [total_num_pages, page_size, num_kv_heads * 2 // kv_packing, "
-            f"kv_packing, head_dim] (get_kv_cache_shape), got {kv_cache.shape}"
-        )
-    if kv_cache.dtype not in _KV_DTYPES:
-        raise TypeError(
-            f"{_OP}: kv_cache must be one of {[d.name for d in _KV_DTYPES]}, got {kv_cache.dtype}"
-        )
-    if queries.dtype not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
-        raise TypeError(f"{_OP}: queries must be float32 or bfloat16, got {queries.dtype}")
+    layout = "[total_num_pages, page_size, num_kv_heads * 2 // kv_packing, kv_packing, head_dim] (get_kv_cache_shape)"
+    _validate.check_ndim(_OP, "kv_cache", kv_cache, 5, layout)
+    _validate.check_dtypes(_OP, "queries", queries.dtype, "kv_cache", kv_cache.dtype)
     for name, x in (("keys", keys), ("values", values)):
         if not jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != kv_cache.dtype:
             raise TypeError(f"{_OP}: {name} must be floating or kv_cache's {kv_cache.dtype}, got {x.dtype}")
@@ -99,26 +86,18 @@ def static_validate_inputs(
             f"{_OP}: a {kv_cache.dtype} cache needs num_kv_heads * 2 in multiples of "
             f"{get_dtype_packing(kv_cache.dtype)} (no padded heads), got num_kv_heads={num_kv_heads}"
         )
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"{_OP}: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}"
-        )
-    if kv_lens.ndim != 1:
-        raise ValueError(f"{_OP}: kv_lens must be [max_num_seqs], got shape {kv_lens.shape}")
+    _validate.check_heads(_OP, num_q_heads, num_kv_heads)
+    _validate.check_ndim(_OP, "kv_lens", kv_lens, 1, "[max_num_seqs]")
     max_num_seqs = kv_lens.shape[0]
     if page_indices.ndim != 1 or page_indices.shape[0] % max_num_seqs:
         raise ValueError(
             f"{_OP}: page_indices must be [max_num_seqs * pages_per_seq] with max_num_seqs={max_num_seqs}, "
             f"got shape {page_indices.shape}"
         )
-    if cu_q_lens.shape != (max_num_seqs + 1,):
-        raise ValueError(f"{_OP}: cu_q_lens must have shape ({max_num_seqs + 1},), got {cu_q_lens.shape}")
     if distribution.shape != (3,):
         raise ValueError(f"{_OP}: distribution must have shape (3,), got {distribution.shape}")
-    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
-                    ("distribution", distribution)):  # fmt: skip
-        if x.dtype != jnp.int32:
-            raise ValueError(f"{_OP}: {name} must be int32, got {x.dtype}")
+    _validate.check_tables(_OP, max_num_seqs, kv_lens=kv_lens, page_indices=page_indices,
+                           cu_q_lens=cu_q_lens, distribution=distribution)  # fmt: skip
     if attention_sink is not None and (
         attention_sink.shape != (num_q_heads,) or attention_sink.dtype != jnp.float32
     ):
@@ -126,26 +105,12 @@ def static_validate_inputs(
             f"{_OP}: attention_sink must be float32[{num_q_heads}] (one logit per q head), "
             f"got {attention_sink.dtype}{list(attention_sink.shape)}"
         )
-    for name, x in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-        if x is not None and not isinstance(x, float):
-            raise TypeError(f"{_OP}: {name} must be a float or None, got {x!r}")
-    if sliding_window is not None and (
-        not isinstance(sliding_window, (int, np.integer)) or sliding_window <= 0
-    ):
-        raise ValueError(f"{_OP}: sliding_window={sliding_window!r} must be a positive int or None")
-    if soft_cap is not None and soft_cap == 0.0:
-        raise ValueError(f"{_OP}: soft_cap={soft_cap!r} must not be 0.0 (None turns the cap off)")
-    if chunk_prefill_size is not None and chunk_prefill_size <= 0:
-        raise ValueError(f"{_OP}: chunk_prefill_size={chunk_prefill_size} must be positive")
-    pages_per_seq = page_indices.shape[0] // max_num_seqs
-    if num_kv_pages_per_block is not None and not 0 < num_kv_pages_per_block <= pages_per_seq:
-        raise ValueError(
-            f"{_OP}: num_kv_pages_per_block={num_kv_pages_per_block} must be in (0, {pages_per_seq}]"
-        )
-    if num_queries_per_block is not None and num_queries_per_block <= 0:
-        raise ValueError(f"{_OP}: num_queries_per_block={num_queries_per_block} must be positive")
-    if vmem_limit_bytes is not None and vmem_limit_bytes <= 0:
-        raise ValueError(f"{_OP}: vmem_limit_bytes={vmem_limit_bytes} must be positive")
+    _validate.check_options(
+        _OP, page_indices.shape[0] // max_num_seqs, scales=dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale),
+        sliding_window=sliding_window, soft_cap=soft_cap, num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block, vmem_limit_bytes=vmem_limit_bytes,
+        chunk_prefill_size=chunk_prefill_size,
+    )  # fmt: skip
     if out_dtype is not None and np.dtype(out_dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
         raise TypeError(f"{_OP}: out_dtype must be float32, bfloat16 or None, got {np.dtype(out_dtype)}")
 
@@ -174,10 +139,7 @@ def dynamic_validate_inputs(queries, keys, values, kv_cache, kv_lens, page_indic
         )
     for s in range(n):
         q_len = cu[s + 1] - cu[s]
-        if q_len < 0 or q_len > kv[s]:
-            raise ValueError(
-                f"{_OP}: sequence {s} has {q_len} query tokens and kv_lens {kv[s]}: need 0 <= q_len <= kv_len"
-            )
+        _validate.check_sequence(_OP, s, q_len, kv[s])
         if s < d[0] and q_len > 1:
             raise ValueError(
                 f"{_OP}: sequence {s} is a decode (distribution[0]={d[0]}) but has {q_len} query tokens"
@@ -258,40 +220,20 @@ def ref_ragged_paged_attention(
     return out, flat.reshape(kv_cache.shape)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=[
-        "sm_scale", "sliding_window", "soft_cap", "mask_value", "q_scale", "k_scale", "v_scale",
-        "chunk_prefill_size", "num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes",
-        "out_dtype", "interpret",
-    ],
-    donate_argnames=["kv_cache"],
-)  # fmt: skip
+_STATIC = ("sm_scale", "sliding_window", "soft_cap", "mask_value", "q_scale", "k_scale", "v_scale",
+           "chunk_prefill_size", "num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes", "out_dtype",
+           "interpret")  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=["kv_cache"])
 def ragged_paged_attention(
-    queries: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
-    kv_cache: jax.Array,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    distribution: jax.Array,
-    attention_sink: jax.Array | None = None,
-    *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    q_scale: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    chunk_prefill_size: int | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
-    out_dtype=None,
-    interpret=False,
-):
+    queries: jax.Array, keys: jax.Array, values: jax.Array, kv_cache: jax.Array, kv_lens: jax.Array,
+    page_indices: jax.Array, cu_q_lens: jax.Array, distribution: jax.Array, attention_sink: jax.Array | None = None,
+    *, sm_scale: float = 1.0, sliding_window: int | None = None, soft_cap: float | None = None,
+    mask_value: float | None = None, q_scale: float | None = None, k_scale: float | None = None,
+    v_scale: float | None = None, chunk_prefill_size: int | None = None, num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None, vmem_limit_bytes: int | None = None, out_dtype=None, interpret=False,
+):  # fmt: skip
     """Writes the new tokens' K/V into the paged cache, then ragged paged attention over a
     batch of decodes, chunked prefills and mixed sequences.
 
@@ -333,50 +275,20 @@ def ragged_paged_attention(
         queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, attention_sink, **kw
     )
     tokens, num_q_heads, width = queries.shape
-    pages, page_size, _, _, head_dim = kv_cache.shape
-    num_kv_heads = keys.shape[1]
-    groups = num_q_heads // num_kv_heads
-    max_num_seqs = kv_lens.shape[0]
-    pages_per_seq = page_indices.shape[0] // max_num_seqs
-    kv_dtype = np.dtype(kv_cache.dtype)
+    _, page_size, _, _, head_dim = kv_cache.shape
     q = queries
     if q_scale is not None:
-        q, sm_scale = _quantized_queries(q, kv_dtype, q_scale), sm_scale * q_scale
+        q, sm_scale = _quantized_queries(q, kv_cache.dtype, q_scale), sm_scale * q_scale
     q = jnp.pad(q, ((0, 0), (0, 0), (0, head_dim - width)))
-    blocks, queries_per = num_kv_pages_per_block, num_queries_per_block
-    if blocks is None or queries_per is None:
-        tuned = tuned_block_sizes.get_tuned_block_sizes(
-            q.dtype,
-            kv_dtype,
-            num_q_heads,
-            num_kv_heads,
-            head_dim,
-            page_size,
-            tokens,
-            pages_per_seq,
-            info=pltpu.get_tpu_info(),
-        )
-        blocks, queries_per = blocks or tuned[0], queries_per or tuned[1]
-    window = tuned_block_sizes.query_window(groups)
-    compute = (
-        np.dtype(q.dtype)
-        if kv_dtype.itemsize == 1  # 8-bit codes are exact in any float q dtype
-        else np.dtype(jnp.promote_types(q.dtype, kv_dtype))
-    )
-    plan = _Plan(
-        num_kv_heads=num_kv_heads, groups=groups, head_dim=head_dim, page_size=page_size,
-        pages_per_seq=pages_per_seq, pages_per_block=int(blocks),
-        q_block=-(-int(queries_per) // window) * window, window=window, max_num_seqs=max_num_seqs,
-        kv_dtype=kv_dtype, compute_dtype=compute,
-        sliding_window=None if sliding_window is None else int(sliding_window),
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        mask_value=float(DEFAULT_MASK_VALUE if mask_value is None else mask_value),
-        k_scale=k_scale, v_scale=v_scale, update_cache=True, num_seqs_slot=2,
-        attention_sink=attention_sink is not None,
+    table = (kv_lens.shape[0], page_indices.shape[0] // kv_lens.shape[0])
+    plan = _plan_for(
+        q.dtype, kv_cache.dtype, tokens, num_q_heads, keys.shape[1], head_dim, page_size, table,
+        (num_kv_pages_per_block, num_queries_per_block), sliding_window, soft_cap, mask_value, k_scale, v_scale,
+        update_cache=True, num_seqs_slot=2, attention_sink=attention_sink is not None,
     )  # fmt: skip
+    new_kv = _merge(keys, values, kv_cache).reshape((tokens,) + kv_cache.shape[2:])
     out, cache = _call(
         plan, q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, float(sm_scale), vmem_limit_bytes,
-        interpret, new_kv=_merge(keys, values, kv_cache).reshape((tokens,) + kv_cache.shape[2:]), sink=attention_sink,
-        out_dtype=out_dtype or queries.dtype,
+        interpret, new_kv=new_kv, sink=attention_sink, out_dtype=out_dtype or queries.dtype,
     )  # fmt: skip
     return out[:, :, :width], cache

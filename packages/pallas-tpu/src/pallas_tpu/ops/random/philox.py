@@ -22,24 +22,26 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.random import define_prng_impl
 
-from pallas_tpu.ops.random import prng_utils
+from pallas_tpu.ops.random import _checks, _kernel, prng_utils
 from pallas_tpu.ops.random.threefry import threefry_seed
 
 Shape = Sequence[int]
 
 # The block JAX's module uses; ``philox_4x32_kernel`` takes any, and
-# ``philox_4x32_count`` chooses its own (``prng_utils.choose_block``).
+# ``philox_4x32_count`` chooses its own (``_blocks.choose_block``).
 BLOCK_SIZE = (256, 256)
 
-# The key's Weyl increments (the golden ratio and sqrt(3) - 1, in 32 bits) and
-# the round multipliers of Philox-4x32 (SC 2011, section 5): MUL_A multiplies the
-# third counter word, MUL_B the first.
+# The key's Weyl increments (SC 2011, section 5): the golden ratio, in 32 bits, added to
+# the key's first word between rounds;
 K_HI_32 = 0x9E3779B9
+# sqrt(3) - 1, in 32 bits, added to its second.
 K_LO_32 = 0xBB67AE85
+# The round multiplier of the third counter word.
 MUL_A = 0xCD9E8D57
+# The round multiplier of the first counter word.
 MUL_B = 0xD2511F53
+# Philox-4x32-10's rounds.
 ROUNDS = 10
 
 _LOW16 = 0xFFFF
@@ -106,12 +108,9 @@ def philox_4x32_kernel(
 
     Args:
       key: a key of two uint32 words (``uint32[2]``, or a typed key of that data).
-      shape: the output's shape (at least 2-d); its last two dimensions must be
-        divisible by ``block_size``.
-      unpadded_shape: the shape whose positions count (``shape`` when it is not
-        padded); elements beyond it have unspecified bits.
-      block_size: ``(rows, lanes)``, the kernel's block of the last two
-        dimensions: multiples of (8, 128) or whole dimensions.
+      shape, unpadded_shape, block_size: as ``threefry.threefry_2x32_count`` takes them (the
+        output's shape, at least 2-d; the shape whose positions count; the kernel's block of
+        the last two dimensions, which must divide them).
       offset: a scalar added to every counter (uint32, wrapping).
       fuse_output: return the xor of the first two words; otherwise both.
 
@@ -119,10 +118,8 @@ def philox_4x32_kernel(
       ``uint32[shape]`` (``fuse_output``) or ``uint32[2, *shape]``.
     """
     op = "philox_4x32_kernel"
-    key, shape, unpadded_shape, block = prng_utils.check_counter_args(
-        op, key, shape, unpadded_shape, block_size
-    )
-    return prng_utils.counter_bits(
+    key, shape, unpadded_shape, block = _checks.check_counter_args(op, key, shape, unpadded_shape, block_size)
+    return _kernel.counter_bits(
         _hash_counter,
         key,
         shape,
@@ -136,11 +133,11 @@ def philox_4x32_kernel(
 
 def philox_4x32_count(key, shape: Shape, offset=0, fuse_output: bool = True):
     """``philox_4x32_kernel`` of any shape (0-d and 1-d too), the blocks chosen
-    (``prng_utils.choose_block``)."""
+    (``_blocks.choose_block``)."""
     op = "philox_4x32_count"
-    shape = prng_utils.check_shape(op, shape)
-    key = prng_utils.key_data(op, key)
-    return prng_utils.flat_bits(
+    shape = _checks.check_shape(op, shape)
+    key = _checks.key_data(op, key)
+    return _kernel.flat_bits(
         _hash_counter,
         key,
         shape,
@@ -160,8 +157,8 @@ def philox_random_bits(key, bit_width: int, shape: Shape):
     """``jax.random.bits`` for Philox keys: 32 bits are the xor of the first two
     words (JAX's op); 8 and 16 their low bits, 64 the first word over the second."""
     op = "philox_random_bits"
-    bit_width = prng_utils.check_bit_width(op, bit_width)
-    return prng_utils.bits_of_width(
+    bit_width = _checks.check_bit_width(op, bit_width)
+    return _kernel.bits_of_width(
         lambda fuse: philox_4x32_count(key, shape, fuse_output=fuse), bit_width, shape
     )
 
@@ -174,12 +171,8 @@ def philox_fold_in(key, data):
     return philox_4x32_count(key, (), offset=data, fuse_output=False)
 
 
-plphilox_prng_impl = define_prng_impl(
-    key_shape=(2,),
-    seed=threefry_seed,
-    split=philox_split,
-    random_bits=philox_random_bits,
-    fold_in=philox_fold_in,
-    name="pallas_philox4x32",
-    tag="pllox",
+# A ``jax.random`` implementation made of these kernels (seeded as threefry seeds):
+# ``jax.random.key(seed, impl=plphilox_prng_impl)``.
+plphilox_prng_impl = prng_utils.two_word_prng_impl(
+    "pallas_philox4x32", "pllox", threefry_seed, philox_split, philox_random_bits, philox_fold_in
 )

@@ -8,7 +8,7 @@ natively. ``jax.random`` (``jax_threefry_partitionable``, the default since JAX
 0.5) gives the element at row-major position ``i`` of the requested shape the
 two words of the hash of counter ``(0, i)``: their xor as 32 bits, their low
 bits for 8 and 16, the first word over the second for 64. This module hashes the
-same counters inside a kernel (``prng_utils.counter_bits``), so its bits,
+same counters inside a kernel (``_kernel.counter_bits``), so its bits,
 ``split`` and ``fold_in`` equal ``jax.random``'s for the same key.
 
 ``plthreefry_prng_impl`` is a ``jax.random`` implementation whose bits, splits
@@ -22,20 +22,20 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.random import define_prng_impl
 
-from pallas_tpu.ops.random import prng_utils
+from pallas_tpu.ops.random import _checks, _kernel, prng_utils
 
 Shape = Sequence[int]
 
 # The block JAX's module uses; ``threefry_2x32_count`` takes any, and
-# ``plthreefry_random_bits`` chooses its own (``prng_utils.choose_block``).
+# ``plthreefry_random_bits`` chooses its own (``_blocks.choose_block``).
 BLOCK_SIZE = (256, 256)
 
-# Rotation amounts of Threefry-2x32, rounds 0-7 (then again), and the key
-# schedule's parity constant (SC 2011, table 4; Skein's C240).
+# Rotation amounts of Threefry-2x32, rounds 0-7 (then again) (SC 2011, table 4).
 ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
+# The key schedule's parity constant (Skein's C240).
 KEY_PARITY = 0x1BD11BDA
+# Threefry-2x32's rounds (``jax.random``'s).
 ROUNDS = 20
 
 
@@ -82,14 +82,12 @@ def threefry_2x32_count(key, shape: Shape, unpadded_shape: Shape, block_size: tu
       ``uint32[shape]``.
     """
     op = "threefry_2x32_count"
-    key, shape, unpadded_shape, block = prng_utils.check_counter_args(
-        op, key, shape, unpadded_shape, block_size
-    )
-    return prng_utils.counter_bits(_hash_counter, key, shape, unpadded_shape, block, name="threefry_2x32")
+    key, shape, unpadded_shape, block = _checks.check_counter_args(op, key, shape, unpadded_shape, block_size)
+    return _kernel.counter_bits(_hash_counter, key, shape, unpadded_shape, block, name="threefry_2x32")
 
 
 def _words(key, shape, *, offset=0, fuse_output=True):
-    return prng_utils.flat_bits(
+    return _kernel.flat_bits(
         _hash_counter, key, shape, offset=offset, fuse_output=fuse_output, name="threefry_2x32"
     )
 
@@ -106,17 +104,17 @@ def plthreefry_random_bits(key, bit_width: int, shape: Shape):
       ``uint{bit_width}[shape]``, equal to ``jax.random.bits`` of the same key.
     """
     op = "plthreefry_random_bits"
-    bit_width = prng_utils.check_bit_width(op, bit_width)
-    shape = prng_utils.check_shape(op, shape)
-    key = prng_utils.key_data(op, key)
-    return prng_utils.bits_of_width(lambda fuse: _words(key, shape, fuse_output=fuse), bit_width, shape)
+    bit_width = _checks.check_bit_width(op, bit_width)
+    shape = _checks.check_shape(op, shape)
+    key = _checks.key_data(op, key)
+    return _kernel.bits_of_width(lambda fuse: _words(key, shape, fuse_output=fuse), bit_width, shape)
 
 
 def threefry_split(key, shape: Shape):
     """``jax.random.split``: the keys ``shape`` of them, hashed by a Pallas kernel
     (each key the two words of its position's hash)."""
-    shape = prng_utils.check_shape("threefry_split", shape)
-    words = _words(prng_utils.key_data("threefry_split", key), shape, fuse_output=False)
+    shape = _checks.check_shape("threefry_split", shape)
+    words = _words(_checks.key_data("threefry_split", key), shape, fuse_output=False)
     return jnp.stack([words[0], words[1]], axis=-1)
 
 
@@ -125,7 +123,7 @@ def threefry_fold_in(key, data):
     data = jnp.asarray(data)
     if data.ndim != 0:
         raise ValueError(f"threefry_fold_in: data must be a scalar, got shape {data.shape}")
-    words = _words(prng_utils.key_data("threefry_fold_in", key), (), offset=data, fuse_output=False)
+    words = _words(_checks.key_data("threefry_fold_in", key), (), offset=data, fuse_output=False)
     return words.reshape(2)
 
 
@@ -134,12 +132,7 @@ def threefry_seed(seed):
     return jax.random.key_data(jax.random.key(seed, impl="threefry2x32"))
 
 
-plthreefry_prng_impl = define_prng_impl(
-    key_shape=(2,),
-    seed=threefry_seed,
-    split=threefry_split,
-    random_bits=plthreefry_random_bits,
-    fold_in=threefry_fold_in,
-    name="pallas_threefry2x32",
-    tag="plfry",
+# A ``jax.random`` implementation made of these kernels: ``jax.random.key(seed, impl=plthreefry_prng_impl)``.
+plthreefry_prng_impl = prng_utils.two_word_prng_impl(
+    "pallas_threefry2x32", "plfry", threefry_seed, threefry_split, plthreefry_random_bits, threefry_fold_in
 )

@@ -21,6 +21,10 @@ Beside JAX's op: shards of any leading size (JAX's halves each shard: of an odd
 one, the last row never leaves its device), ``axis_name`` may name several mesh axes (the ring runs over their
 row-major product, as ``P(axis_name)`` numbers the shards), and the own shard is
 sent straight from the input instead of after a blocking local copy.
+
+The modules (the skeleton of every family, ``pallas_tpu.ops``' docstring): this one the
+API (JAX's names), ``_kernel`` the kernel body; no blocks (the shard moves whole), its
+VMEM from ``ops._policy``; the reference is ``x`` itself, replicated.
 """
 
 from __future__ import annotations
@@ -32,116 +36,17 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas_tpu.ops import _policy
+from pallas_tpu.ops.all_gather._kernel import ag_kernel as ag_kernel
+from pallas_tpu.ops.all_gather._kernel import get_neighbor as get_neighbor
+from pallas_tpu.ops.all_gather._kernel import ring_axes
 
 P = jax.sharding.PartitionSpec
 
 _MEMORY_SPACES = {"vmem": pltpu.VMEM, "any": pl.ANY, "hbm": pltpu.HBM}
-# Of the chip's VMEM, what the input shard and the gathered output may take.
-VMEM_FRACTION = 0.75
-
-
-def _axes(axis_name) -> tuple[str, ...]:
-    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-
-
-def _ring_position(axes: Sequence[str], mesh) -> jax.Array:
-    """This device's position on the ring: its row-major index over ``axes``."""
-    position = jnp.int32(0)
-    for a in axes:
-        position = position * mesh.shape[a] + lax.axis_index(a)
-    return position
-
-
-def get_neighbor(
-    idx: jax.Array, mesh, axis_name: str | Sequence[str], *, direction: str
-) -> tuple[jax.Array, ...]:
-    """The mesh coordinates (one per axis of ``mesh``, for
-    ``DeviceIdType.MESH``) of the device next to ring position ``idx`` on the
-    ring over ``axis_name`` (``"right"``: position ``idx + 1``, ``"left"``:
-    ``idx - 1``, wrapping); on the other axes, this device's own coordinates."""
-    if direction not in ("left", "right"):
-        raise ValueError(f"get_neighbor: direction must be 'left' or 'right', got {direction!r}")
-    axes = _axes(axis_name)
-    size = math.prod(mesh.shape[a] for a in axes)
-    step = 1 if direction == "right" else size - 1
-    position = lax.rem(jnp.asarray(idx, jnp.int32) + step, size)
-    coords = {}
-    for i, a in enumerate(reversed(axes)):
-        coords[a] = lax.rem(position, mesh.shape[a]) if i < len(axes) - 1 else position
-        position = lax.div(position, mesh.shape[a])
-    return tuple(coords[a] if a in coords else lax.axis_index(a) for a in mesh.axis_names)
-
-
-def ag_kernel(x_ref, o_ref, send_sem, recv_sem, *, axis_name: str | Sequence[str], mesh):
-    """The all-gather kernel: ``x_ref`` this device's shard, ``o_ref`` the
-    ``(n, *shard)`` output, ``send_sem`` and ``recv_sem`` two DMA semaphores each
-    (the left-going stream's, then the right-going one's). Needs
-    ``pltpu.CompilerParams(collective_id=...)`` (it uses the barrier semaphore)."""
-    axes = _axes(axis_name)
-    n = math.prod(mesh.shape[a] for a in axes)
-    me = _ring_position(axes, mesh)
-    left = get_neighbor(me, mesh, axes, direction="left")
-    right = get_neighbor(me, mesh, axes, direction="right")
-    right_hops, left_hops = n // 2, (n - 1) // 2
-
-    # The own shard into its slot, while the neighbours are awaited. The left
-    # stream's send semaphore carries it: no send of ours has started yet.
-    own = pltpu.make_async_copy(x_ref, o_ref.at[me], send_sem[0])
-    own.start()
-    barrier = pltpu.get_barrier_semaphore()
-    for neighbour in (left, right):
-        pl.semaphore_signal(barrier, 1, device_id=neighbour, device_id_type=pl.DeviceIdType.MESH)
-    pl.semaphore_wait(barrier, 2)
-    own.wait()
-
-    def hop(src_ref, slot, stream: int, neighbour):
-        return pltpu.make_async_remote_copy(
-            src_ref,
-            o_ref.at[slot],
-            send_sem[stream],
-            recv_sem[stream],
-            device_id=neighbour,
-            device_id_type=pl.DeviceIdType.MESH,
-        )
-
-    def finish(copies):
-        for copy in copies:
-            copy.wait_send()
-        for copy in copies:
-            copy.wait_recv()
-
-    # Step 0: the own shard, straight from the input, to both neighbours.
-    first = [hop(x_ref, me, 1, right)] + ([hop(x_ref, me, 0, left)] if left_hops else [])
-    for copy in first:
-        copy.start()
-    finish(first)
-
-    # Step t: forward what landed at step t - 1 (from the left: slot me - t;
-    # from the right: slot me + t).
-    def step(t, carry):
-        going_right = hop(o_ref.at[lax.rem(me - t + n, n)], lax.rem(me - t + n, n), 1, right)
-        going_right.start()
-        if left_hops < right_hops:
-
-            @pl.when(t < left_hops)
-            def _():
-                going_left = hop(o_ref.at[lax.rem(me + t, n)], lax.rem(me + t, n), 0, left)
-                going_left.start()
-                finish([going_left])
-
-        else:
-            going_left = hop(o_ref.at[lax.rem(me + t, n)], lax.rem(me + t, n), 0, left)
-            going_left.start()
-            finish([going_left])
-        finish([going_right])
-        return carry
-
-    if right_hops > 1:
-        lax.fori_loop(1, right_hops, step, 0)
 
 
 def _vmem_bytes(shape, dtype, n: int) -> int:
@@ -203,7 +108,7 @@ def all_gather(x, *, mesh, axis_name: str | Sequence[str], memory_space=pltpu.VM
         not divide, an unknown memory space, or a gather too large for VMEM.
       TypeError: ``mesh`` is not a mesh.
     """
-    axes = _axes(axis_name)
+    axes = ring_axes(axis_name)
     n = _check(x, mesh, axes, memory_space)
     if n == 1:
         return x
@@ -213,17 +118,15 @@ def all_gather(x, *, mesh, axis_name: str | Sequence[str], memory_space=pltpu.VM
 def _compiler_params(kernel_shard, shard, dtype, n, memory_space):
     params = dict(collective_id=0)
     if memory_space is pltpu.VMEM:
-        info = pltpu.get_tpu_info()
+        chip = _policy.facts()
         needed = _vmem_bytes(kernel_shard, dtype, n)
-        if needed > VMEM_FRACTION * info.vmem_capacity_bytes:
+        if needed > _policy.vmem_budget("all_gather", chip):
             raise ValueError(
                 f"all_gather: {n} shards of {shard} {dtype} need {needed} bytes of VMEM, more than "
-                f"{VMEM_FRACTION:.0%} of the {info.chip_version} chip's {info.vmem_capacity_bytes}: pass "
-                "memory_space=pl.ANY (the gather then runs HBM to HBM)"
+                f"{_policy.vmem_policy('all_gather', chip).fraction:.0%} of the {chip.name} chip's "
+                f"{chip.vmem_bytes}: pass memory_space=pl.ANY (the gather then runs HBM to HBM)"
             )
-        params["vmem_limit_bytes"] = int(
-            min(0.9 * info.vmem_capacity_bytes, max(16 << 20, needed + (8 << 20)))
-        )
+        params["vmem_limit_bytes"] = _policy.vmem_limit("all_gather", needed, chip)
     return pltpu.CompilerParams(**params)
 
 

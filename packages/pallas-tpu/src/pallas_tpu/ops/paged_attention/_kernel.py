@@ -1,5 +1,5 @@
 """The kernel behind ``paged_attention``: the DMA schedule of the pages and the online softmax
-(``paged_attention_kernel``'s docstring says how it works)."""
+(``paged_attention_kernel``'s docstring says how it works), and its ``pallas_call``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from jax import lax
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas_tpu.ops import _policy
 
 _F32 = jnp.float32
 _TRANS_B = (((1,), (1,)), ((), ()))
@@ -192,53 +193,106 @@ def weighted_values(p, v):
     return lax.dot_general(p, v.astype(_F32), dims, preferred_element_type=_F32)
 
 
+class _Step:
+    """A grid step's place in its core's stream of blocks: its (sequence, KV head) and the next
+    step's, whose first blocks this step's last ones start."""
+
+    def __init__(self, plan: Plan, copies: _Copies, c, bi, hi):
+        self.plan, self.copies = plan, copies
+        self.b, self.h = plan.seq_head(c, bi, hi)
+        self.most = plan.pages_per_sequence * plan.page_size
+
+    def locate(self, lengths_ref, state, c, bi, hi):
+        """This step's length and blocks, and the next step's on this core (the stream runs on
+        into its first blocks)."""
+        plan, bt = self.plan, self.plan.block_tokens
+        self.length = jnp.clip(lengths_ref[self.b], 0, self.most)
+        self.blocks = pl.cdiv(self.length, bt)
+        last_h = hi == plan.steps_h - 1
+        next_bi = jnp.where(last_h, bi + 1, bi)
+        self.nb, self.nh = plan.seq_head(
+            c, jnp.minimum(next_bi, plan.steps_b - 1), jnp.where(last_h, 0, hi + 1)
+        )
+        self.next_length = jnp.where(next_bi < plan.steps_b, jnp.clip(lengths_ref[self.nb], 0, self.most), 0)
+        self.next_blocks = pl.cdiv(self.next_length, bt)
+        self.pos0 = state[0]
+
+    def target(self, j):
+        """Block ``j`` blocks after this step's first in the stream: ``(sequence, head, block,
+        pages)``, one of this sequence's or of the next step's (0 pages past those)."""
+        here = j < self.blocks
+        tj, tlen = jnp.where(here, j, j - self.blocks), jnp.where(here, self.length, self.next_length)
+        count = jnp.maximum(self.plan.block_pages(tj, tlen), 0)
+        return jnp.where(here, self.b, self.nb), jnp.where(here, self.h, self.nh), tj, count
+
+    def prologue(self, j, carry):
+        """Starts block ``j``, which the step before did not (it starts ``AHEAD`` blocks at most):
+        only after an empty step and on a core's first step, so a plain loop."""
+        tb, th, tj, count = self.target(j)
+        self.copies.start_pages(tb, th, tj, (self.pos0 + j) % SLOTS, count)
+        return carry
+
+    def steady(self, q, halves, j, carry):
+        """Block ``j`` when blocks ``j .. j + AHEAD`` are full blocks of this sequence: no branch
+        between the copies of block ``j + AHEAD`` (the other half) and block ``j``'s arithmetic,
+        which interleave."""
+        p = (self.pos0 + j) % SLOTS
+
+        def on(half):
+            def body(carry):
+                self.copies.wait(half, p, None)
+                self.copies.start_full(self.b, self.h, j + AHEAD, 1 - half, p + AHEAD)
+                return _attend(self.plan, q, halves[half], p % 2, j, self.length, carry, masked=False)
+
+            return body
+
+        return lax.cond(_half(p) == 0, on(0), on(1), carry)
+
+    def tail(self, q, halves, j, carry):
+        """One of the last blocks: a short one, or one whose block ``AHEAD`` on is in the next
+        step (or none)."""
+        plan, p = self.plan, (self.pos0 + j) % SLOTS
+
+        def on(half):
+            def body(carry):
+                self.copies.wait(half, p, plan.block_pages(j, self.length))
+                tb, th, tj, count = self.target(j + AHEAD)
+
+                def full(carry):  # as in the steady loop: copies beside the arithmetic
+                    self.copies.start_full(tb, th, tj, 1 - half, p + AHEAD)
+                    return _attend(plan, q, halves[half], p % 2, j, self.length, carry, masked=True)
+
+                def partial(carry):
+                    self.copies.start_pages(tb, th, tj, p + AHEAD, count, 1 - half)
+                    return _attend(plan, q, halves[half], p % 2, j, self.length, carry, masked=True)
+
+                return lax.cond(count == plan.pages_per_block, full, partial, carry)
+
+            return body
+
+        return lax.cond(_half(p) == 0, on(0), on(1), carry)
+
+
+def _first_step_of_core(halves, state):
+    # A short block leaves rows of a slot stale. Their scores are masked (a select), but
+    # p @ v needs finite values: zeros (then real pages) in the value buffers.
+    for half in halves:
+        for buf in half[1::2]:  # values (and their scales)
+            buf[...] = jnp.zeros(buf.shape, buf.dtype)
+    state[0] = 0  # the stream position (mod SLOTS) of the step's first block
+    state[1] = 0  # how many of the step's blocks the steps before started
+
+
 def _kernel(plan: Plan, lengths_ref, pages_ref, q_ref, *refs):
     arrays = 4 if plan.quantized else 2
     hbm, o_ref = refs[:arrays], refs[arrays]
     halves = (refs[arrays + 1 : 2 * arrays + 1], refs[2 * arrays + 1 : 3 * arrays + 1])
     sems, state = refs[3 * arrays + 1 :]
     c, bi, hi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    b, h = plan.seq_head(c, bi, hi)
-    copies = _Copies(plan, pages_ref, hbm, halves, sems)
-    most = plan.pages_per_sequence * plan.page_size
-    bt = plan.block_tokens
-
-    @pl.when((bi == 0) & (hi == 0))
-    def _first_step_of_core():
-        # A short block leaves rows of a slot stale. Their scores are masked (a select), but
-        # p @ v needs finite values: zeros (then real pages) in the value buffers.
-        for half in halves:
-            for buf in half[1::2]:  # values (and their scales)
-                buf[...] = jnp.zeros(buf.shape, buf.dtype)
-        state[0] = 0  # the stream position (mod SLOTS) of the step's first block
-        state[1] = 0  # how many of the step's blocks the steps before started
-
-    length = jnp.clip(lengths_ref[b], 0, most)
-    blocks = pl.cdiv(length, bt)
-    # The next step on this core: the stream runs on into its first blocks.
-    last_h = hi == plan.steps_h - 1
-    next_bi = jnp.where(last_h, bi + 1, bi)
-    nb, nh = plan.seq_head(c, jnp.minimum(next_bi, plan.steps_b - 1), jnp.where(last_h, 0, hi + 1))
-    next_length = jnp.where(next_bi < plan.steps_b, jnp.clip(lengths_ref[nb], 0, most), 0)
-    next_blocks = pl.cdiv(next_length, bt)
-    pos0 = state[0]
-
-    def target(j):
-        """Block ``j`` blocks after this step's first in the stream: ``(sequence, head, block,
-        pages)``, one of this sequence's or of the next step's (0 pages past those)."""
-        here = j < blocks
-        tj, tlen = jnp.where(here, j, j - blocks), jnp.where(here, length, next_length)
-        count = jnp.maximum(plan.block_pages(tj, tlen), 0)
-        return jnp.where(here, b, nb), jnp.where(here, h, nh), tj, count
-
-    # What the step before did not start (it starts AHEAD blocks at most): only after an empty
-    # step and on a core's first step, so a plain loop.
-    def prologue(j, carry):
-        tb, th, tj, count = target(j)
-        copies.start_pages(tb, th, tj, (pos0 + j) % SLOTS, count)
-        return carry
-
-    lax.fori_loop(state[1], AHEAD, prologue, 0)
+    step = _Step(plan, _Copies(plan, pages_ref, hbm, halves, sems), c, bi, hi)
+    pl.when((bi == 0) & (hi == 0))(lambda: _first_step_of_core(halves, state))
+    step.locate(lengths_ref, state, c, bi, hi)
+    lax.fori_loop(state[1], AHEAD, step.prologue, 0)
 
     q = q_ref[...].astype(plan.compute_dtype)
     rows = (plan.groups, 1)
@@ -247,50 +301,11 @@ def _kernel(plan: Plan, lengths_ref, pages_ref, q_ref, *refs):
         jnp.zeros(rows, _F32),
         jnp.zeros((plan.groups, plan.head_dim), _F32),
     )
-
-    def steady(j, carry):
-        # Blocks j .. j + AHEAD are full blocks of this sequence: no branch between the copies
-        # of block j + AHEAD (the other half) and block j's arithmetic, which interleave.
-        p = (pos0 + j) % SLOTS
-
-        def on(half):
-            def body(carry):
-                copies.wait(half, p, None)
-                copies.start_full(b, h, j + AHEAD, 1 - half, p + AHEAD)
-                return _attend(plan, q, halves[half], p % 2, j, length, carry, masked=False)
-
-            return body
-
-        return lax.cond(_half(p) == 0, on(0), on(1), carry)
-
-    def tail(j, carry):
-        # The last blocks: a short one, or ones whose block AHEAD is in the next step (or none).
-        p = (pos0 + j) % SLOTS
-
-        def on(half):
-            def body(carry):
-                copies.wait(half, p, plan.block_pages(j, length))
-                tb, th, tj, count = target(j + AHEAD)
-
-                def full(carry):  # as in the steady loop: copies beside the arithmetic
-                    copies.start_full(tb, th, tj, 1 - half, p + AHEAD)
-                    return _attend(plan, q, halves[half], p % 2, j, length, carry, masked=True)
-
-                def partial(carry):
-                    copies.start_pages(tb, th, tj, p + AHEAD, count, 1 - half)
-                    return _attend(plan, q, halves[half], p % 2, j, length, carry, masked=True)
-
-                return lax.cond(count == plan.pages_per_block, full, partial, carry)
-
-            return body
-
-        return lax.cond(_half(p) == 0, on(0), on(1), carry)
-
-    n_steady = jnp.maximum(length // bt - AHEAD, 0)
-    carry = lax.fori_loop(0, n_steady, steady, init)
-    _, l, acc = lax.fori_loop(n_steady, blocks, tail, carry)
-    state[0] = (pos0 + blocks) % SLOTS
-    state[1] = jnp.minimum(next_blocks, AHEAD)
+    n_steady = jnp.maximum(step.length // plan.block_tokens - AHEAD, 0)
+    carry = lax.fori_loop(0, n_steady, lambda j, carry: step.steady(q, halves, j, carry), init)
+    _, l, acc = lax.fori_loop(n_steady, step.blocks, lambda j, carry: step.tail(q, halves, j, carry), carry)
+    state[0] = (step.pos0 + step.blocks) % SLOTS
+    state[1] = jnp.minimum(step.next_blocks, AHEAD)
     # An empty sequence (l == 0, acc == 0) gives zeros.
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
@@ -310,7 +325,6 @@ def call(plan: Plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indi
     scratch = [pltpu.VMEM((SLOTS // 2, n, plan.page_size, a.shape[-1]), a.dtype) for a in arrays] * 2
     scratch += [pltpu.SemaphoreType.DMA((len(arrays), SLOTS)), pltpu.SMEM((2,), jnp.int32)]
     buffers = sum(SLOTS * n * padded_bytes(plan.page_size, a.shape[-1], a.dtype) for a in arrays)
-    info = pltpu.get_tpu_info()
     need = (
         buffers + 4 * padded_bytes(plan.groups, head_dim, q.dtype) + 6 * plan.groups * plan.block_tokens * 4
     )
@@ -337,7 +351,7 @@ def call(plan: Plan, q, k_pages, v_pages, k_scales, v_scales, lengths, page_indi
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=int(min(info.vmem_capacity_bytes * 0.9, max(32 << 20, 2 * need + (8 << 20)))),
+            vmem_limit_bytes=_policy.vmem_limit("paged_attention", need),
             disable_bounds_checks=True,
         ),
         cost_estimate=cost,

@@ -13,9 +13,14 @@ from jax import lax
 
 import pallas as pl
 import pallas_tpu as pltpu
-from pallas_tpu.ops.paged_attention._decode import weighted_values
+from pallas_tpu.ops import _policy
+from pallas_tpu.ops.paged_attention._kernel import weighted_values
 from pallas_tpu.ops.ragged_paged_attention._schedule import Copies, Item, Plan, Tables, kv_block_range
 from pallas_tpu.ops.ragged_paged_attention._update import write_new_kv
+from pallas_tpu.ops.ragged_paged_attention.tuned_block_sizes import get_tuned_block_sizes, query_window
+
+#: The logit of a masked key (JAX's value).
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.dtype("float32")).max)
 
 _F32 = jnp.float32
 _TRANS_B = (((1,), (1,)), ((), ()))
@@ -156,45 +161,139 @@ def _attend_block(plan: Plan, refs, item: Item, j, slot, t0, tokens):
         head(h)
 
 
-def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, *refs):
-    # Operands: q, then the cache (read only), or the new K/V and the cache (written, then read
-    # through its aliased output); the sink tile; the output (and the updated cache); scratch.
-    rest = list(refs)
-    if plan.update_cache:
-        new_ref = rest.pop(0)
-        rest.pop(0)  # the cache's input: read and written through its aliased output
-    else:
-        kv_hbm = rest.pop(0)
-    sink_ref = rest.pop(0) if plan.attention_sink else None
-    o_ref = rest.pop(0)
-    if plan.update_cache:
-        kv_hbm = rest.pop(0)
-    scratch = rest
-    buf, sems, m_ref, l_ref, acc_ref, state = scratch[:6]
-    i, blocks = pl.program_id(0), pl.num_programs(0)
-    tables = Tables(plan, kv_lens, page_indices, cu_q_lens, num_seqs)
-    copies = Copies(plan, tables, kv_hbm, buf, sems)
-    refs = (q_ref, buf, m_ref, l_ref, acc_ref)
+def plan_for(q_dtype, kv_dtype, tokens, num_q_heads, num_kv_heads, head_dim, page_size, page_table, blocks,
+             sliding_window, soft_cap, mask_value, k_scale, v_scale, **v3) -> Plan:  # fmt: skip
+    """The static facts of a call: ``page_table`` is ``(max_num_seqs, pages_per_seq)``; ``blocks``
+    ``(num_kv_pages_per_block, num_queries_per_block)`` as given (None: ``get_tuned_block_sizes``'),
+    the queries rounded up to the narrow path's window; ``v3``: ``Plan``'s fields of v3."""
+    max_num_seqs, pages_per_seq = page_table
+    pages, queries = blocks
+    if pages is None or queries is None:
+        tuned = get_tuned_block_sizes(q_dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim, page_size, tokens,
+                                      pages_per_seq, info=pltpu.get_tpu_info())  # fmt: skip
+        pages, queries = pages or tuned[0], queries or tuned[1]
+    groups = num_q_heads // num_kv_heads
+    window = query_window(groups)
+    kv_dtype = np.dtype(kv_dtype)
+    # 8-bit codes are exact in any float q dtype
+    compute = np.dtype(q_dtype) if kv_dtype.itemsize == 1 else np.dtype(jnp.promote_types(q_dtype, kv_dtype))
+    return Plan(
+        num_kv_heads=num_kv_heads, groups=groups, head_dim=head_dim, page_size=page_size,
+        pages_per_seq=pages_per_seq, pages_per_block=int(pages), q_block=-(-int(queries) // window) * window,
+        window=window, max_num_seqs=max_num_seqs, kv_dtype=kv_dtype, compute_dtype=compute,
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        mask_value=float(DEFAULT_MASK_VALUE if mask_value is None else mask_value), k_scale=k_scale,
+        v_scale=v_scale, **v3,
+    )  # fmt: skip
 
-    @pl.when(i == 0)
-    def _first_step():
-        if plan.update_cache:  # every new token is in its page before any page is read
-            write_new_kv(plan, tables, new_ref, kv_hbm, scratch[6].at[0])
-        # Skipped pages leave slots stale: zeros (then real pages) keep NaN out of p @ v.
-        for slot in range(2):
-            rows = _slot_rows(plan, buf, slot)
-            rows[...] = jnp.zeros(rows.shape, rows.dtype)
-        state[0] = 0  # the slot the next item's first KV block is in
-        state[1] = 0  # whether the previous step started this step's first item
-        state[2] = 0  # the first sequence that may have rows in this step
 
+class _Operands:
+    """The kernel's refs by name. Operands: q, then the cache (read only), or the new K/V and
+    the cache (written, then read through its aliased output); the sink tile; the output (and
+    the updated cache); the scratch."""
+
+    def __init__(self, plan: Plan, q_ref, refs):
+        self.q_ref = q_ref
+        rest = list(refs)
+        self.new_ref = None
+        if plan.update_cache:
+            self.new_ref = rest.pop(0)
+            rest.pop(0)  # the cache's input: read and written through its aliased output
+        else:
+            self.kv_hbm = rest.pop(0)
+        self.sink_ref = rest.pop(0) if plan.attention_sink else None
+        self.o_ref = rest.pop(0)
+        if plan.update_cache:
+            self.kv_hbm = rest.pop(0)
+        self.scratch = rest
+        self.buf, self.sems, self.m_ref, self.l_ref, self.acc_ref, self.state = rest[:6]
+
+
+def _first_step(plan: Plan, ops: _Operands, tables: Tables):
+    if plan.update_cache:  # every new token is in its page before any page is read
+        write_new_kv(plan, tables, ops.new_ref, ops.kv_hbm, ops.scratch[6].at[0])
+    # Skipped pages leave slots stale: zeros (then real pages) keep NaN out of p @ v.
+    for slot in range(2):
+        rows = _slot_rows(plan, ops.buf, slot)
+        rows[...] = jnp.zeros(rows.shape, rows.dtype)
+    state = ops.state
+    state[0] = 0  # the slot the next item's first KV block is in
+    state[1] = 0  # whether the previous step started this step's first item
+    state[2] = 0  # the first sequence that may have rows in this step
+
+
+def _start_rows(plan: Plan, ops: _Operands):
+    """The online softmax's state of every row of the step, before its first key."""
+    m_ref, l_ref = ops.m_ref, ops.l_ref
     if plan.attention_sink:  # the sink: a key of logit sink[h] and value 0 in every softmax
-        m_ref[...] = cast(Any, sink_ref)[...]  # an operand with plan.attention_sink
+        m_ref[...] = cast(Any, ops.sink_ref)[...]  # an operand with plan.attention_sink
         l_ref[...] = jnp.ones(l_ref.shape, _F32)
     else:
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
         l_ref[...] = jnp.zeros(l_ref.shape, _F32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+    ops.acc_ref[...] = jnp.zeros(ops.acc_ref.shape, _F32)
+
+
+def _one_sequence(plan: Plan, ops: _Operands, tables: Tables, copies: Copies, i, blocks, carry):
+    """A work item (sequence ``s`` in query block ``i``): its KV blocks, each one's copy started
+    while the one before is computed, the next item's first block started after its last."""
+    s, _, slot = carry
+    refs = (ops.q_ref, ops.buf, ops.m_ref, ops.l_ref, ops.acc_ref)
+    item = tables.item(s, i)
+    # The item after this one: the next sequence in this block, else the first of the next.
+    ns, here = tables.first_item(s + 1, i)
+    ns2, there = tables.first_item(s, i + 1)
+    there &= (i + 1 < blocks) & jnp.logical_not(here)
+    nxt_i = jnp.where(here, i, i + 1)
+    nxt = tables.item(jnp.where(here, ns, ns2), nxt_i)
+    lo, hi = kv_block_range(plan, item)
+
+    def run(t0, tokens):
+        def kv_block(j, slot):
+            @pl.when(j + 1 < hi)
+            def _():
+                copies.start(item, j + 1, 1 - slot)
+
+            @pl.when((j + 1 == hi) & (here | there))
+            def _():
+                copies.start(nxt, kv_block_range(plan, nxt)[0], 1 - slot)
+                ops.state[1] = there.astype(jnp.int32)
+
+            copies.wait(item, j, slot)
+            _attend_block(plan, refs, item, j, slot, t0, tokens)
+            return 1 - slot
+
+        return lax.fori_loop(lo, hi, kv_block, slot)
+
+    w = plan.window
+    t0 = (item.row_lo // w) * w
+    if plan.q_block > w:
+        narrow = item.row_hi <= t0 + w
+        slot = lax.cond(narrow, lambda: run(pl.multiple_of(t0, w), w), lambda: run(0, plan.q_block))
+    else:
+        slot = run(0, plan.q_block)
+    return jnp.where(here, ns, s), here, slot
+
+
+def _finish(plan: Plan, ops: _Operands, h, carry):
+    """Head ``h``'s rows normalized (a row that saw no key: zeros) into the output."""
+    l = ops.l_ref[h]
+    inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    if plan.v_scale is not None:
+        inv = inv * plan.v_scale
+    ops.o_ref[h] = (ops.acc_ref[h] * inv).astype(ops.o_ref.dtype)
+    return carry
+
+
+def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, *refs):
+    ops = _Operands(plan, q_ref, refs)
+    i, blocks = pl.program_id(0), pl.num_programs(0)
+    tables = Tables(plan, kv_lens, page_indices, cu_q_lens, num_seqs)
+    copies = Copies(plan, tables, ops.kv_hbm, ops.buf, ops.sems)
+    state = ops.state
+    pl.when(i == 0)(lambda: _first_step(plan, ops, tables))
+    _start_rows(plan, ops)
     s0, found = tables.first_item(state[2], i)
 
     @pl.when(found & (state[1] == 0))
@@ -203,57 +302,11 @@ def _kernel(plan: Plan, kv_lens, page_indices, cu_q_lens, num_seqs, q_ref, *refs
         copies.start(item, kv_block_range(plan, item)[0], state[0])
 
     state[1] = 0
-
-    def one_sequence(carry):
-        s, _, slot = carry
-        item = tables.item(s, i)
-        # The item after this one: the next sequence in this block, else the first of the next.
-        ns, here = tables.first_item(s + 1, i)
-        ns2, there = tables.first_item(s, i + 1)
-        there &= (i + 1 < blocks) & jnp.logical_not(here)
-        nxt_i = jnp.where(here, i, i + 1)
-        nxt = tables.item(jnp.where(here, ns, ns2), nxt_i)
-        lo, hi = kv_block_range(plan, item)
-
-        def run(t0, tokens):
-            def kv_block(j, slot):
-                @pl.when(j + 1 < hi)
-                def _():
-                    copies.start(item, j + 1, 1 - slot)
-
-                @pl.when((j + 1 == hi) & (here | there))
-                def _():
-                    copies.start(nxt, kv_block_range(plan, nxt)[0], 1 - slot)
-                    state[1] = there.astype(jnp.int32)
-
-                copies.wait(item, j, slot)
-                _attend_block(plan, refs, item, j, slot, t0, tokens)
-                return 1 - slot
-
-            return lax.fori_loop(lo, hi, kv_block, slot)
-
-        w = plan.window
-        t0 = (item.row_lo // w) * w
-        if plan.q_block > w:
-            narrow = item.row_hi <= t0 + w
-            slot = lax.cond(narrow, lambda: run(pl.multiple_of(t0, w), w), lambda: run(0, plan.q_block))
-        else:
-            slot = run(0, plan.q_block)
-        return jnp.where(here, ns, s), here, slot
-
-    last, _, slot = lax.while_loop(lambda c: c[1], one_sequence, (s0, found, state[0]))
+    body = lambda carry: _one_sequence(plan, ops, tables, copies, i, blocks, carry)
+    last, _, slot = lax.while_loop(lambda c: c[1], body, (s0, found, state[0]))
     state[0] = slot
     state[2] = jnp.where(found, last, state[2])
-
-    def finish(h, carry):
-        l = l_ref[h]
-        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
-        if plan.v_scale is not None:
-            inv = inv * plan.v_scale
-        o_ref[h] = (acc_ref[h] * inv).astype(o_ref.dtype)
-        return carry
-
-    lax.fori_loop(0, plan.num_kv_heads, finish, 0)
+    lax.fori_loop(0, plan.num_kv_heads, lambda h, carry: _finish(plan, ops, h, carry), 0)
 
 
 def call(
@@ -308,8 +361,7 @@ def call(
         need = 2 * slot_rows * lanes * kv_pages.dtype.itemsize
         need += hkv * rows * (4 * lanes * q.dtype.itemsize + 4 * lanes + 4 * 128 * 4)
         need += 8 * rows * plan.block_tokens * 4  # scores, probabilities, masks of one head
-        cap = pltpu.get_tpu_info().vmem_capacity_bytes
-        vmem_limit_bytes = int(min(cap * 0.9, max(32 << 20, need * 3 // 2 + (8 << 20))))
+        vmem_limit_bytes = _policy.vmem_limit("ragged_paged_attention", need)
     outs = pl.pallas_call(
         lambda *refs: _kernel(plan, *refs),
         out_shape=out_shape,

@@ -186,7 +186,14 @@ def test_all_gather_is_race_free():
 
 def test_one_device_returns_x():
     x = rand(23, (8, 128))
-    assert ag.all_gather(x, mesh=cpu_mesh((1,)), axis_name="x") is x
+    np.testing.assert_array_equal(ag.all_gather(x, mesh=cpu_mesh((1,)), axis_name="x"), x)
+
+
+def test_jitted_as_jax_op():
+    """A ``jax.jit`` as JAX's op: ``.lower`` (and ``.trace``) with the mesh and axes static."""
+    x = rand(24, (8, 128))
+    lowered = ag.all_gather.lower(x, mesh=cpu_mesh((1,)), axis_name="x")
+    assert "func" in lowered.as_text()
 
 
 def test_get_neighbor():

@@ -86,6 +86,7 @@ def _check(x, mesh, axes, memory_space) -> int:
     return n
 
 
+@functools.partial(jax.jit, static_argnames=["mesh", "axis_name", "memory_space"])
 def all_gather(x, *, mesh, axis_name: str | Sequence[str], memory_space=pltpu.VMEM):
     """``x``, sharded along its leading dimension over ``axis_name`` of
     ``mesh``, gathered whole on every device.
@@ -102,6 +103,9 @@ def all_gather(x, *, mesh, axis_name: str | Sequence[str], memory_space=pltpu.VM
 
     Returns:
       ``x``'s values, replicated on every device of the mesh.
+
+    A ``jax.jit`` of its arguments, as JAX's (``mesh``, ``axis_name`` and ``memory_space``
+    static: several axes as a tuple, hashable).
 
     Raises:
       ValueError: an axis not of the mesh, a leading dimension the devices do

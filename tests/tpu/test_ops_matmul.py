@@ -1,8 +1,8 @@
 """``pallas_tpu.ops.matmul`` against ``jnp.dot`` (precision highest) and against
 JAX's op of the same name (``jax.experimental.pallas.ops.tpu.matmul``, in JAX's
-TPU interpret mode), on fresh random data, run every way of an op (tests/ways.py's
+TPU interpret mode), on fresh random data, run every way of an op (tests/ways'
 ``every_way(op=True)``: TPU interpret mode, our Mosaic lowering by ``run_mosaic``, and
-compiled by libtpu for the compile-only TPUs of ``three_way.COMPILE_CHIPS`` first, the op
+compiled by libtpu for the compile-only TPUs of ``ways.compiled.COMPILE_CHIPS`` first, the op
 choosing its blocks for each chip; on a TPU run on the chip).
 """
 
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import three_way
+import ways.mosaic
 from ways import compile_op, every_way
 
 import pallas_tpu as pltpu
@@ -88,7 +88,7 @@ def test_matmul_fp8(dtype):
         x, y, block_shape=(128, 128), block_k=128, out_dtype=jnp.float32, interpret=pltpu.InterpretParams()
     )
     close(out, reference(x, y, jnp.float32), 1e-4 * 16)
-    (out,) = three_way.run_with_mosaic(lambda a, b: mm.matmul(a, b, out_dtype=jnp.float32), x, y)
+    (out,) = ways.mosaic.run_with_mosaic(lambda a, b: mm.matmul(a, b, out_dtype=jnp.float32), x, y)
     close(out, reference(x, y, jnp.float32), 1e-4 * 16)
     compile_op(lambda a, b: mm.matmul(a, b, out_dtype=jnp.float32), (x, y))
 

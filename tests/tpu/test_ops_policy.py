@@ -69,6 +69,31 @@ def test_choose_asks_the_row_then_the_estimate_then_the_rule(monkeypatch):
     assert _policy.choose("matmul", 2, rule, v6e) == ("rule", "v6e", 2)
 
 
+def test_attention_blocks_come_from_the_policy(monkeypatch):
+    """flash and splash attention ask ``choose`` ("flash_attention", "splash_attention") with
+    their ``_rule``: the chip's facts (VMEM, instruction memory) decide, and the estimate hook
+    is heard."""
+    from pallas_tpu.ops import flash_attention as fa
+    from pallas_tpu.ops import splash_attention as sa
+    from pallas_tpu.ops.splash_attention import _blocks as sb
+
+    v5e, v4 = pltpu.get_tpu_info("v5e"), pltpu.get_tpu_info("v4")
+    assert fa.tuned_block_sizes(1, 1, 8192, 8192, 128, info=v5e).block_q == 1024
+    assert fa.tuned_block_sizes(1, 1, 8192, 8192, 128, info=v4).block_q == 512
+    assert sb.default_blocks(8192, 8192, True, 128, 2, info=v5e).block_kv == 4096
+    assert sb.default_blocks(8192, 8192, True, 128, 2, info=v4).block_kv == 2048
+    # half the instruction memory: half the work of a step (keys of a splash block, queries of
+    # a flash dk/dv sweep)
+    small = dataclasses.replace(_policy.generation_facts("v5e"), instruction_bundles=28_000)
+    assert sb.default_blocks(8192, 8192, True, 128, 2, info=small).block_kv == 2048
+    assert fa.tuned_block_sizes(1, 1, 8192, 8192, 128, info=small).block_q_major_dkv == 2048
+    asked = []
+    guess = sa.BlockSizes(256, 256)
+    monkeypatch.setattr(_policy, "ESTIMATE", lambda op, key, facts: asked.append((op, key)) or guess)
+    assert sb.default_blocks(512, 512, False, 64, 4, info=v5e) is guess
+    assert asked == [("splash_attention", (512, 512, 64, False, 4))]
+
+
 def test_fit_block():
     assert _policy.fit_block(300, 512) == 300  # the whole axis
     assert _policy.fit_block(3072, 1024) == 1024

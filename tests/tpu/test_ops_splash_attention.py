@@ -18,6 +18,7 @@ from ways import every_way
 from ways.compiled import chip_mesh
 
 import pallas_tpu as pltpu
+from pallas_tpu.ops import _policy
 from pallas_tpu.ops import splash_attention as sa
 from pallas_tpu.ops.splash_attention import _blocks as sb
 from pallas_tpu.ops.splash_attention import splash_attention_kernel as sk
@@ -322,7 +323,7 @@ def test_default_blocks_follow_head_dim_and_dtype(chip):
         by_dim = {d: sa.BlockSizes.get_default(8192, 8192, head_dim=d) for d in (64, 128, 256, 512)}
         f32 = sa.BlockSizes.get_default(8192, 8192, head_dim=256, dtype=F32)
         huge = sa.BlockSizes.get_default(8192, 8192, head_dim=2048, dtype=F32)
-        budget = sb._common.vmem_budget()
+        budget = _policy.vmem_budget("attention")
     assert by_dim[64] == by_dim[128] == narrow
     assert by_dim[256].block_kv == narrow.block_kv // 2 and by_dim[256].block_q == narrow.block_q
     assert by_dim[512].block_kv == max(512, narrow.block_kv // 4)

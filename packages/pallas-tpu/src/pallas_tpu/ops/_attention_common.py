@@ -1,35 +1,16 @@
-"""What flash attention and splash attention share: the VMEM budget their block rules and
-kernels start from and the rule that fits a block to a length (both ``ops._policy``'s), the
-checks of given blocks, and the lane layouts of the kernels' row statistics (a row max, a logsumexp, segment ids kept
+"""What flash attention and splash attention share (their blocks and VMEM budget are
+``ops._policy``'s: ``_policy.choose`` with each family's ``_blocks._rule``,
+``_policy.vmem_budget("attention")``): the checks of given blocks, and the lane layouts of the kernels' row statistics (a row max, a logsumexp, segment ids kept
 lane-replicated as ``(rows, 128)`` so that they meet the score tiles without relayouts)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 import jax.numpy as jnp
 
-from pallas_tpu.ops import _policy
-
 NUM_LANES = 128
-
-
-def vmem_budget() -> int:
-    """The VMEM a kernel may ask for: ``ops._policy``'s "attention" budget, three quarters of the
-    chip's (16 MiB when the chip's facts are unknown), at most 100 MiB."""
-    try:
-        return _policy.vmem_budget("attention")
-    except Exception:  # no TPU facts for this device: the smallest scoped default
-        return _policy.VMEM["attention"].budget(16 * 2**20 * 4 // 3)
-
-
-def fit_block(n: int | None, target: int) -> int:
-    """``ops._policy.fit_block`` with the whole axis where no block divides it: the largest
-    multiple of 128 at most ``target`` that divides ``n``; ``n`` itself when ``n <= target`` or
-    none does (a block as long as its axis is always a legal TPU block); ``target`` when ``n``
-    is unknown (None)."""
-    return cast(int, _policy.fit_block(n, target, or_whole=True))
 
 
 def check_blocks(op: str, blocks, checks: Iterable[tuple[str, str, Any]], per: str = "") -> None:

@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_tpu.ops import _policy
+
 from ._backward import backward_dkv, backward_dq
-from ._blocks import F32, BlockSizes, resolve_blocks, vmem_budget
+from ._blocks import F32, BlockSizes, resolve_blocks
 from ._forward import attention_forward
 
 
@@ -150,7 +152,7 @@ def _attention_bwd(causal, sm_scale, blocks, debug, residuals, d_out):
 
 def _fused_backward_fits(q) -> bool:
     """Whether a head's ``dq`` accumulator and queries take at most a quarter of the VMEM budget."""
-    return q.shape[2] * q.shape[3] * (4 + q.dtype.itemsize) <= vmem_budget() // 4
+    return q.shape[2] * q.shape[3] * (4 + q.dtype.itemsize) <= _policy.vmem_budget("attention") // 4
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

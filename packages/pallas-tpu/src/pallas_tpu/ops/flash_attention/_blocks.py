@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_tpu.ops._attention_common import NUM_LANES, check_blocks, fit_block, vmem_budget
+from pallas_tpu.ops import _policy
+from pallas_tpu.ops._attention_common import NUM_LANES, check_blocks
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 NUM_SUBLANES = 8
@@ -28,6 +29,14 @@ SEES_NOTHING = -float(2**24)
 DIAGONAL_TILE = 256
 # The fewest query rows a ``dk``/``dv`` grid step sweeps when wide heads shrink it (code size).
 MIN_DKV_SWEEP = 512
+# The instruction memory (bundles) the code-size rule was measured on: the v5e's. Elsewhere
+# the ``dk``/``dv`` sweep scales with the chip's (the v5e's where it is not measured).
+MEASURED_BUNDLES = 56_000
+
+
+def fit_block(n: int | None, target: int) -> int:
+    """``_policy.fit_block`` with the whole axis where no multiple of 128 divides it."""
+    return cast(int, _policy.fit_block(n, target, or_whole=True))
 
 
 _BACKWARD_BLOCKS = (
@@ -116,7 +125,9 @@ class BlockSizes:
         return cls(**{f.name: 1 if f.name == "block_b" else MIN_BLOCK_SIZE for f in dataclasses.fields(cls)})
 
 
-def tuned_block_sizes(batch_size, num_heads, q_seq_len, kv_len, d_model, *, causal=False) -> BlockSizes:
+def tuned_block_sizes(
+    batch_size, num_heads, q_seq_len, kv_len, d_model, *, causal=False, info=None
+) -> BlockSizes:
     """The blocks ``flash_attention`` uses when none are given, from the shapes and the chip.
 
     Tiles of 1024 x 1024 scores (512 x 512 on chips with less than 64 MiB of VMEM). Without
@@ -127,8 +138,8 @@ def tuned_block_sizes(batch_size, num_heads, q_seq_len, kv_len, d_model, *, caus
     bounded by the VMEM too. The ``dk``/``dv`` step's query sweep is divided by the MXU's
     passes over the head dimension (one per 128 of ``d_model``), down to 512 rows: for code
     size. Its kernel's code grows with the work of a step (straight-line tiles, each causal
-    diagonal place a body of its own) and must fit the core's instruction memory, ~56k
-    bundles on the v5e; libtpu splits a larger one into overlays fetched from HBM on every
+    diagonal place a body of its own) and must fit the core's instruction memory
+    (``Facts.instruction_bundles``: ~56k bundles on the v5e, the sweep scaled to the chip's); libtpu splits a larger one into overlays fetched from HBM on every
     grid step. At D256, causal, L=4096 (libtpu's scheduler for the v5e), the fused backward
     kernel with 1024 x 2048 steps was 80.7k bundles in 5 overlays; with 1024 x 1024 steps it
     is 32.9k bundles in one, and a step's bundles stay under its MXU cycles (0.88 of them
@@ -136,14 +147,22 @@ def tuned_block_sizes(batch_size, num_heads, q_seq_len, kv_len, d_model, *, caus
     ``BlockSizes.get_default`` returns, are blocks of 128 whatever the shapes.)
     """
     del batch_size, num_heads
-    budget = vmem_budget()
+    return _policy.choose("flash_attention", (q_seq_len, kv_len, int(d_model), bool(causal)), _rule, info)
+
+
+def _rule(facts: _policy.Facts, key) -> BlockSizes:
+    """``tuned_block_sizes``'s rule for ``key = (q_len, kv_len, head_dim, causal)`` on ``facts``."""
+    q_seq_len, kv_len, d_model, causal = key
+    budget = _policy.vmem_budget("attention", facts)
     tile = 1024 if budget >= 48 * 2**20 else 512
-    widest = max(tile, min(4 * tile, max_step_scores() // tile))
+    widest = max(tile, min(4 * tile, max_step_scores(facts) // tile))
     block_q = fit_block(q_seq_len, tile)
     block_kv = fit_block(kv_len, tile)
     sweep_kv = fit_block(kv_len, 2 * block_q if causal else widest)
-    passes = -(-max(int(d_model), 1) // NUM_LANES)  # the MXU's passes over the head dimension
-    sweep_q_dkv = fit_block(q_seq_len, max(MIN_DKV_SWEEP, (2 * block_kv if causal else widest) // passes))
+    passes = -(-max(d_model, 1) // NUM_LANES)  # the MXU's passes over the head dimension
+    bundles = facts.instruction_bundles or MEASURED_BUNDLES
+    dkv_work = (2 * block_kv if causal else widest) // passes * bundles // MEASURED_BUNDLES
+    sweep_q_dkv = fit_block(q_seq_len, max(MIN_DKV_SWEEP, dkv_work))
     return BlockSizes(
         block_q=block_q,
         block_k_major=sweep_kv,
@@ -159,10 +178,10 @@ def tuned_block_sizes(batch_size, num_heads, q_seq_len, kv_len, d_model, *, caus
     )
 
 
-def max_step_scores() -> int:
+def max_step_scores(facts: _policy.Facts | None = None) -> int:
     """The most scores a grid step may sweep: a tile's float32 scores spill to VMEM (up to 4
     bytes each), and the steps' sizes are kept to a quarter of the VMEM budget."""
-    return vmem_budget() // 16
+    return _policy.vmem_budget("attention", facts) // 16
 
 
 # The most scores a grid step runs as straight-line tiles (None: as many as ``max_step_scores``);

@@ -11,6 +11,7 @@ from jax import lax
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas_tpu.ops import _policy
 from pallas_tpu.ops._attention_common import as_column as as_column
 from pallas_tpu.ops._attention_common import as_row as as_row
 from pallas_tpu.ops._attention_common import lane_replicated as lane_replicated
@@ -23,7 +24,6 @@ from ._blocks import (
     NUM_SUBLANES,
     SEES_NOTHING,
     max_unrolled_scores,
-    vmem_budget,
 )
 
 
@@ -117,7 +117,9 @@ def _loop(lo, hi, body):
 
 
 def grid_params(semantics):
-    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_budget())
+    return pltpu.CompilerParams(
+        dimension_semantics=semantics, vmem_limit_bytes=_policy.vmem_budget("attention")
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from pallas_tpu.ops._attention_common import NUM_LANES, check_blocks, fit_block
-from pallas_tpu.ops.splash_attention import _common
+from pallas_tpu.ops import _policy
+from pallas_tpu.ops._attention_common import NUM_LANES, check_blocks
+
+# The instruction memory (bundles) the code-size rule was measured on: the v5e's. Elsewhere the
+# forward's keys per block scale with the chip's (the v5e's where it is not measured).
+MEASURED_BUNDLES = 56_000
+
+
+def fit_block(n: int | None, target: int) -> int:
+    """``_policy.fit_block`` with the whole axis where no multiple of 128 divides it."""
+    return cast(int, _policy.fit_block(n, target, or_whole=True))
+
 
 _OP = "splash attention"
 
@@ -109,7 +119,8 @@ class BlockSizes:
         then wastes a quarter of its block, not half). Wider heads (each further 128 of
         head_dim one more MXU pass) get proportionally fewer keys per block, down to 512: a
         step's straight-line code grows with its work, and the kernel's code must fit the
-        core's instruction memory (a kernel of 40.8k bundles fits on the v5e; float32 operands
+        core's instruction memory (``Facts.instruction_bundles``, the keys scaled to the chip's: a
+        kernel of 40.8k bundles fits in the v5e's 56k; float32 operands
         at head_dim 128 add no code, so the dtype counts only for VMEM). At head_dim 256 and 4096
         keys a causal mask's forward kernel is ~102k bundles, which libtpu splits into
         overlays fetched from HBM on every grid step (4x slower than JAX's plain 1024 blocks);
@@ -120,30 +131,32 @@ class BlockSizes:
         head_dim 256 the ``dk``/``dv`` kernel is ~30k bundles, ``dq`` ~23k: they fit), computed
         in cells of half a block (``_backward.cell_of``), the ``dk``/``dv`` keys in tiles of 512.
         """
-        return _default_blocks(
-            cls,
-            q_seq_len,
-            kv_seq_len,
-            has_partial,
-            head_dim or NUM_LANES,
-            _itemsize(dtype),
-            _common.vmem_budget(),
-        )
+        return default_blocks(q_seq_len, kv_seq_len, has_partial, head_dim or NUM_LANES, _itemsize(dtype))
 
 
 def _itemsize(dtype: Any) -> int:
     return 2 if dtype is None else np.dtype(dtype).itemsize
 
 
-def _default_blocks(
-    cls, q_len, kv_len, has_partial: bool, head_dim: int, itemsize: int, budget: int
-) -> BlockSizes:
+def default_blocks(q_len, kv_len, has_partial: bool, head_dim: int, itemsize: int, info=None) -> BlockSizes:
+    """``BlockSizes.get_default``'s blocks on the chip ``info`` (default: the one traced for):
+    its measured row, else ``_rule``."""
+    key = (q_len, kv_len, int(head_dim), bool(has_partial), itemsize)
+    return _policy.choose("splash_attention", key, _rule, info)
+
+
+def _rule(facts: _policy.Facts, key) -> BlockSizes:
+    """The default blocks (``BlockSizes.get_default`` says why) for ``key = (q_len, kv_len,
+    head_dim, has_partial, itemsize)`` on ``facts``."""
+    q_len, kv_len, head_dim, has_partial, itemsize = key
+    budget = _policy.vmem_budget("attention", facts)
     large = budget >= 48 * 2**20
     bq, bkv = (1024, 4096) if large else (512, 2048)
     bwd = 1024 if large else 512
-    passes = -(-max(int(head_dim), 1) // NUM_LANES)  # the MXU's passes over the head dimension
+    passes = -(-max(head_dim, 1) // NUM_LANES)  # the MXU's passes over the head dimension
     # the work (and so the straight-line code) of a step, as at head_dim 128: fewer keys
-    bkv = max(512, bkv // passes // 512 * 512)
+    bundles = facts.instruction_bundles or MEASURED_BUNDLES
+    bkv = max(512, bkv // passes * bundles // MEASURED_BUNDLES // 512 * 512)
     while _forward_vmem(bq, bkv, head_dim, itemsize) > budget and max(bq, bkv) > 128:
         if bkv > 512 or bq == 128:  # fewer keys first, down to 512; then fewer queries
             bkv //= 2
@@ -152,7 +165,7 @@ def _default_blocks(
     bc = min(1024 if large and not has_partial else 512, bkv)
     bq_fit, bkv_fit = fit_block(q_len, bq), fit_block(kv_len, bkv)
     bwd_q, bwd_kv = fit_block(q_len, bwd), fit_block(kv_len, bwd)
-    return cls(
+    return BlockSizes(
         block_q=bq_fit,
         block_kv=bkv_fit,
         block_kv_compute=fit_block(bkv_fit, bc),

@@ -17,11 +17,11 @@ from jax import lax
 
 import pallas as pl
 import pallas_tpu as pltpu
+from pallas_tpu.ops import _policy
 from pallas_tpu.ops._attention_common import NUM_LANES as NUM_LANES
 from pallas_tpu.ops._attention_common import as_column as as_column
 from pallas_tpu.ops._attention_common import as_row as as_row
 from pallas_tpu.ops._attention_common import lane_replicated as lane_replicated
-from pallas_tpu.ops._attention_common import vmem_budget as vmem_budget
 from pallas_tpu.ops.splash_attention import splash_attention_mask as mask_lib
 from pallas_tpu.ops.splash_attention import splash_attention_mask_info as info_lib
 
@@ -349,7 +349,8 @@ def _column(tile, kinds, band, col):
 
 def compiler_params():
     return pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_budget()
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=_policy.vmem_budget("attention"),
     )
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_tpu as pltpu
-from pallas_tpu.ops._attention_common import fit_block
+from pallas_tpu.ops import _policy
 from pallas_tpu.ops.splash_attention import _backward, _common, _forward
 from pallas_tpu.ops.splash_attention import splash_attention_mask as mask_lib
 from pallas_tpu.ops.splash_attention import splash_attention_mask_info as mask_info_lib
@@ -31,9 +31,10 @@ from pallas_tpu.ops.splash_attention._blocks import QKVLayout as QKVLayout
 from pallas_tpu.ops.splash_attention._blocks import (
     _check_blocks,
     _complete,
-    _default_blocks,
     _itemsize,
     _shrink,
+    default_blocks,
+    fit_block,
 )
 from pallas_tpu.ops.splash_attention._blocks import from_head_minor as from_head_minor
 from pallas_tpu.ops.splash_attention._reference import (
@@ -335,10 +336,10 @@ def _make_kernel(
                 residual_checkpoint_name=residual_checkpoint_name,
                 interpret=interpret,
             )
-            budget = _common.vmem_budget()
+            # the chip's facts as of the kernel's making, as its first blocks
+            facts = _policy.facts()
             rechoose = _Rechoose(
-                functools.partial(_default_blocks, BlockSizes, q_len, kv_len, has_partial, budget=budget),
-                remake,
+                functools.partial(default_blocks, q_len, kv_len, has_partial, info=facts), remake
             )
     elif not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"{_OP}: block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")

@@ -7,6 +7,7 @@ import functools
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import pallas as pl
@@ -23,6 +24,7 @@ from ._blocks import (
     NUM_LANES,
     NUM_SUBLANES,
     SEES_NOTHING,
+    TRANS_B_DIM_NUMBERS,
     max_unrolled_scores,
 )
 
@@ -114,6 +116,54 @@ def _loop(lo, hi, body):
         return carry
 
     lax.fori_loop(lo, hi, step, 0)
+
+
+def tile_scores(x, rows, cols, r, c, diagonal, scale2, *, rows_are_queries: bool):
+    """A tile's base-2 logits ``rows @ cols.T`` (queries against keys, or keys against queries
+    when not ``rows_are_queries``), with the bias ``x.ab`` (rows ``r``, columns ``c`` of the
+    tile's block) and the segment and causal masks (``masked_scores``)."""
+    s = lax.dot_general(rows, cols, TRANS_B_DIM_NUMBERS, preferred_element_type=F32)
+    if x.ab is None:
+        ab = None
+    elif rows_are_queries:
+        ab = x.ab[r, c]
+    else:
+        ab = jnp.transpose(x.ab[c, r].astype(F32))
+    s = base2_logits(s, ab, scale2)
+    return masked_scores(s, x.rid, x.cid, r, c, diagonal, rows_are_queries=rows_are_queries)
+
+
+def flash_call(
+    kernel, in_specs, out_specs, scratch, out_shape, args, *, grid, semantics, matmuls, causal, debug, name
+):
+    """The outputs of ``kernel`` over ``grid``: ``args`` in ``in_specs``, ``out_shape`` in
+    ``out_specs``, ``scratch`` in VMEM; its cost, ``matmuls`` products of ``q``'s (``args[0]``)
+    shape against ``k``'s (``args[1]``), halved when ``causal``."""
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch
+        ),
+        out_shape=out_shape,
+        compiler_params=grid_params(semantics),
+        cost_estimate=cost_estimate(matmuls, args[0], args[1], causal, args, out_shape),
+        debug=debug,
+        name=name,
+    )(*args)
+
+
+def cost_estimate(matmuls, q, k, causal, args, out_shape):
+    batch, heads, q_len, head_dim = q.shape
+    pairs = batch * heads * q_len * k.shape[2] // (2 if causal else 1)
+    return pl.CostEstimate(
+        flops=2 * matmuls * pairs * head_dim,
+        transcendentals=pairs,
+        bytes_accessed=sum(_nbytes(x) for x in args) + sum(_nbytes(x) for x in out_shape),
+    )
+
+
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
 
 
 def grid_params(semantics):

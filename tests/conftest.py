@@ -188,3 +188,32 @@ def _way_runs_the_pallas_test(request, way):
             request.instance.pallas_call = way.pallas_call
             request.instance.INTERPRET = way.interpret()
     yield
+
+
+# The run's profile (README, "Where CI's time goes"): pytest's --durations names single tests;
+# these sum each test's setup, call and teardown by file and by way (the way's name in the test's
+# id, e.g. ``test_ways[tpu_interpret-causal]``). Under xdist the workers' reports reach this
+# hook in the controller, so the sums are of the whole run (CPU time of both workers).
+_TIME_BY_FILE: dict[str, float] = {}
+_TIME_BY_WAY: dict[str, float] = {}
+_WAY_ID = re.compile(r"^(core_steps|core|triton|tpu_interpret|mosaic|jax_mosaic|compiled)(:|$)")
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _TIME_BY_FILE[path] = _TIME_BY_FILE.get(path, 0.0) + report.duration
+    ids = report.nodeid.partition("[")[2].rstrip("]").split("-")
+    way = next((m.group(1) for m in map(_WAY_ID.match, ids) if m), "(not every way)")
+    _TIME_BY_WAY[way] = _TIME_BY_WAY.get(way, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _TIME_BY_FILE:
+        return
+    tr, total = terminalreporter, sum(_TIME_BY_FILE.values())
+    tr.write_sep("=", f"time by test file: {total:.0f} s of tests in all (the 20 largest)")
+    for path, t in sorted(_TIME_BY_FILE.items(), key=lambda kv: -kv[1])[:20]:
+        tr.write_line(f"{t:8.1f} s  {100 * t / total:5.1f} %  {path}")
+    tr.write_sep("=", "time by way")
+    for way, t in sorted(_TIME_BY_WAY.items(), key=lambda kv: -kv[1]):
+        tr.write_line(f"{t:8.1f} s  {100 * t / total:5.1f} %  {way}")

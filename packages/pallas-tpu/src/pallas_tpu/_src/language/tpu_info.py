@@ -226,7 +226,28 @@ def _sc(cores, subcores, lanes, vmem_kib, granule):
     )
 
 
-# Published per-chip figures (the ones JAX's tpu_info uses). 0 = not available.
+# Published per-chip figures (the ones JAX's tpu_info uses). 0 = not available. TPU7 and TPU7x
+# (its product name) share one set.
+_TPU7 = _Chip(
+    7,
+    2,
+    8,
+    256,
+    2,
+    128,
+    64,
+    0,
+    1024,
+    206_000_000_000,
+    7.40e12,
+    2.31e15,
+    0,
+    4.60e15,
+    0,
+    _sc(2, 16, 16, 512, 32),
+)
+
+
 _CHIPS: dict[ChipVersion, _Chip] = {
     ChipVersion.TPU_V2: _Chip(2, 2, 8, 128, 1, 0, 16, 0, 16, 16_000_000_000, 7.16e11, 4.6e13, 0, 0, 0),
     ChipVersion.TPU_V3: _Chip(3, 2, 8, 128, 2, 0, 16, 0, 16, 34_400_000_000, 8.25e11, 1.40e14, 0, 0, 0),
@@ -275,42 +296,8 @@ _CHIPS: dict[ChipVersion, _Chip] = {
         3.68e15,
         _sc(2, 16, 8, 256, 32),
     ),
-    ChipVersion.TPU_7: _Chip(
-        7,
-        2,
-        8,
-        256,
-        2,
-        128,
-        64,
-        0,
-        1024,
-        206_000_000_000,
-        7.40e12,
-        2.31e15,
-        0,
-        4.60e15,
-        0,
-        _sc(2, 16, 16, 512, 32),
-    ),
-    ChipVersion.TPU_7X: _Chip(
-        7,
-        2,
-        8,
-        256,
-        2,
-        128,
-        64,
-        0,
-        1024,
-        206_000_000_000,
-        7.40e12,
-        2.31e15,
-        0,
-        4.60e15,
-        0,
-        _sc(2, 16, 16, 512, 32),
-    ),
+    ChipVersion.TPU_7: _TPU7,
+    ChipVersion.TPU_7X: _TPU7,  # the same chip under its product name
     ChipVersion.TPU_8I: _Chip(
         8,
         2,

@@ -443,6 +443,9 @@ def attention_cases():
         ),
         (q16, q16, q16),
     )
+    rng = np.random.default_rng(0)
+    random_mask = sa.NumpyMask(rng.random((1024, 1024)) < 0.5)
+    yield "splash numpy mask (loaded partial blocks)", splash_call(random_mask, 2, {}), (q3, q3, q3)
     yield (
         "splash chunked causal segments",
         splash_call(sa.ChunkedCausalMask((L, L), 512), 4, {}, segments=True),

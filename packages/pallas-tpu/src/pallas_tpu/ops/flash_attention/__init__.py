@@ -32,11 +32,14 @@ scheduler, ``--xla_jf_dump_to``, guided them):
   across the key blocks: five matmuls a tile where separate ``dq`` and ``dk``/``dv`` kernels take
   seven. It also copies the queries to VMEM and computes ``di = rowsum(dO * O)`` itself, on its
   first key block. A query row that sees no key gets a logsumexp of ``+inf``: no gradient. Where a head's ``dq`` does not fit VMEM, ``dq`` is a separate query-major kernel.
-* Blocks: ``tuned_block_sizes`` picks them from the shapes and the chip's VMEM
-  (``BlockSizes.get_default`` is JAX's: 128 whatever the shapes).
+* Blocks: ``tuned_block_sizes`` picks them from the shapes and the chip's facts (VMEM,
+  instruction memory) through ``ops._policy`` (``"flash_attention"``: a measured row, else
+  ``_blocks._rule``); ``BlockSizes.get_default`` is JAX's: 128 whatever the shapes.
 
 The modules: ``_blocks`` (block sizes, segment ids, constants), ``_api`` (the entry point and
-its VJP), ``_tiles`` (what the kernels share), ``_forward``, ``_backward``, ``_reference``.
+its VJP), ``_tiles`` (what the kernels share: the sweep of a step's tiles, the tile's scores,
+the query-major specs, ``flash_call``), ``_forward``, ``_backward`` (each kernel body a function
+of its own beside the one that builds its specs), ``_reference``.
 """
 
 from ._api import flash_attention

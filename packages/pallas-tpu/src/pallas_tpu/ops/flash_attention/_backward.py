@@ -17,10 +17,9 @@ from ._tiles import (
     Sweep,
     as_column,
     as_row,
-    causal_kv_block,
     flash_call,
     lane_replicated,
-    query_major_inputs,
+    query_major,
     segment_id_operands,
     square_tile,
     tile_scores,
@@ -47,21 +46,15 @@ def _dq_call(
     q, k, v, ab, segment_ids, lse, d_out, di, *, causal, sm_scale, block_q, block_kv, tile_kv, debug
 ):
     """``(dq, dab)`` (``dab`` None without ``ab``): per query block, the keys swept as in the forward."""
-    batch, heads, q_len, head_dim = q.shape
-    n_q, n_kv = q_len // block_q, k.shape[2] // block_kv
-    sweep = Sweep(block_q, block_kv, block_q, tile_kv, causal, True, square_tile(block_q, block_kv))
-    row_ids, col_ids = segment_id_operands(segment_ids, kv_major=False)
-    kv_block = causal_kv_block(causal, block_q, block_kv)
+    head_dim = q.shape[3]
+    qm = query_major(q, k, ab, segment_ids, causal, block_q, block_kv, tile_kv)
     kernel = functools.partial(
-        _dq_kernel, ab=ab is not None, segments=segment_ids is not None, causal=causal, sweep=sweep,
-        sm_scale=sm_scale, block_q=block_q, block_kv=block_kv, n_kv=n_kv,
+        _dq_kernel, ab=ab is not None, segments=segment_ids is not None, causal=causal, sweep=qm.sweep,
+        sm_scale=sm_scale, block_q=block_q, block_kv=block_kv, n_kv=qm.n_kv,
     )  # fmt: skip
-    q_spec = pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i, j: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, block_kv, head_dim), lambda b, h, i, j: (b, h, kv_block(i, j), 0))
     row_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, j: (b, h, 0, i))
-    extra_specs, extra_args = query_major_inputs(ab, row_ids, col_ids, block_q, block_kv, kv_block)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [q_spec]
+    out_specs = [qm.q_spec]
     if ab is not None:
         out_shape.append(jax.ShapeDtypeStruct(ab.shape, ab.dtype))
         out_specs.append(pl.BlockSpec((None, None, block_q, block_kv), lambda b, h, i, j: (b, h, i, j)))
@@ -71,8 +64,8 @@ def _dq_call(
         pltpu.VMEM((block_q, NUM_LANES), F32),  # di, lane-replicated
     ]
     outs = flash_call(
-        kernel, [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *extra_specs], out_specs, scratch,
-        out_shape, [q, k, v, d_out, lse, di, *extra_args], grid=(batch, heads, n_q, n_kv),
+        kernel, [qm.q_spec, qm.kv_spec, qm.kv_spec, qm.q_spec, row_spec, row_spec, *qm.extra_specs], out_specs,
+        scratch, out_shape, [q, k, v, d_out, lse, di, *qm.extra_args], grid=qm.grid,
         semantics=("parallel", "parallel", "parallel", "arbitrary"), matmuls=3, causal=causal, debug=debug,
         name="flash_attention_dq",
     )  # fmt: skip

@@ -12,15 +12,11 @@ from pallas_tpu.ops._attention_common import softmax_init, softmax_scratch, soft
 
 from ._blocks import F32, LOG2E
 from ._tiles import (
-    Sweep,
     as_row,
-    causal_kv_block,
     flash_call,
     lane_replicated,
-    query_major_inputs,
+    query_major,
     row_logsumexp,
-    segment_id_operands,
-    square_tile,
     tile_scores,
 )
 
@@ -35,25 +31,19 @@ def attention_forward(q, k, v, ab, segment_ids, causal, sm_scale, blocks, debug,
 
 def _forward_call(q, k, v, ab, segment_ids, *, causal, sm_scale, block_q, block_kv, tile_kv, keep_lse, debug):
     batch, heads, q_len, head_dim = q.shape
-    n_q, n_kv = q_len // block_q, k.shape[2] // block_kv
-    sweep = Sweep(block_q, block_kv, block_q, tile_kv, causal, True, square_tile(block_q, block_kv))
-    row_ids, col_ids = segment_id_operands(segment_ids, kv_major=False)
-    kv_block = causal_kv_block(causal, block_q, block_kv)
+    qm = query_major(q, k, ab, segment_ids, causal, block_q, block_kv, tile_kv)
     kernel = functools.partial(
         _forward_kernel, ab=ab is not None, segments=segment_ids is not None, keep_lse=keep_lse,
-        sweep=sweep, scale2=sm_scale * LOG2E, block_q=block_q, block_kv=block_kv, n_kv=n_kv,
+        sweep=qm.sweep, scale2=sm_scale * LOG2E, block_q=block_q, block_kv=block_kv, n_kv=qm.n_kv,
     )  # fmt: skip
-    q_spec = pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i, j: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, block_kv, head_dim), lambda b, h, i, j: (b, h, kv_block(i, j), 0))
-    extra_specs, extra_args = query_major_inputs(ab, row_ids, col_ids, block_q, block_kv, kv_block)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [q_spec]
+    out_specs = [qm.q_spec]
     if keep_lse:
         out_shape.append(jax.ShapeDtypeStruct((batch, heads, 1, q_len), F32))
         out_specs.append(pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, j: (b, h, 0, i)))
     outs = flash_call(
-        kernel, [q_spec, kv_spec, kv_spec, *extra_specs], out_specs, softmax_scratch(block_q, head_dim),
-        out_shape, [q, k, v, *extra_args], grid=(batch, heads, n_q, n_kv),
+        kernel, [qm.q_spec, qm.kv_spec, qm.kv_spec, *qm.extra_specs], out_specs, softmax_scratch(block_q, head_dim),
+        out_shape, [q, k, v, *qm.extra_args], grid=qm.grid,
         semantics=("parallel", "parallel", "parallel", "arbitrary"), matmuls=2, causal=causal, debug=debug,
         name="flash_attention_fwd",
     )  # fmt: skip

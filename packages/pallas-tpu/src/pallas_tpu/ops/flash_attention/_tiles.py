@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -67,20 +68,34 @@ def causal_kv_block(causal: bool, block_q: int, block_kv: int):
     return kv_block
 
 
-def query_major_inputs(ab, row_ids, col_ids, block_q: int, block_kv: int, kv_block):
-    """``(in_specs, args)`` of a query-major kernel's (forward, ``dq``) optional inputs: the
-    bias block of the step, then the segment ids of its queries and keys."""
-    in_specs, args = [], []
+def query_major(q, k, ab, segment_ids, causal: bool, block_q: int, block_kv: int, tile_kv: int):
+    """What the query-major kernels (forward, ``dq``) share: their ``grid``, ``n_kv``, ``sweep``,
+    the ``q_spec`` and ``kv_spec`` of their blocks, and their optional inputs (``extra_specs``,
+    ``extra_args``): the bias block of the step, then the segment ids of its queries and keys."""
+    batch, heads, q_len, head_dim = q.shape
+    n_q, n_kv = q_len // block_q, k.shape[2] // block_kv
+    sweep = Sweep(block_q, block_kv, block_q, tile_kv, causal, True, square_tile(block_q, block_kv))
+    row_ids, col_ids = segment_id_operands(segment_ids, kv_major=False)
+    kv_block = causal_kv_block(causal, block_q, block_kv)
+    extra_specs, extra_args = [], []
     if ab is not None:
-        in_specs.append(
+        extra_specs.append(
             pl.BlockSpec((None, None, block_q, block_kv), lambda b, h, i, j: (b, h, i, kv_block(i, j)))
         )
-        args.append(ab)
+        extra_args.append(ab)
     if row_ids is not None:
-        in_specs.append(pl.BlockSpec((None, block_q, NUM_LANES), lambda b, h, i, j: (b, i, 0)))
-        in_specs.append(pl.BlockSpec((None, 1, block_kv), lambda b, h, i, j: (b, 0, kv_block(i, j))))
-        args += [row_ids, col_ids]
-    return in_specs, args
+        extra_specs.append(pl.BlockSpec((None, block_q, NUM_LANES), lambda b, h, i, j: (b, i, 0)))
+        extra_specs.append(pl.BlockSpec((None, 1, block_kv), lambda b, h, i, j: (b, 0, kv_block(i, j))))
+        extra_args += [row_ids, col_ids]
+    return types.SimpleNamespace(
+        grid=(batch, heads, n_q, n_kv),
+        n_kv=n_kv,
+        sweep=sweep,
+        q_spec=pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i, j: (b, h, i, 0)),
+        kv_spec=pl.BlockSpec((None, None, block_kv, head_dim), lambda b, h, i, j: (b, h, kv_block(i, j), 0)),
+        extra_specs=extra_specs,
+        extra_args=extra_args,
+    )
 
 
 def segment_id_operands(segment_ids, kv_major: bool):

@@ -20,6 +20,8 @@ The gradient of a sink is ``-sum_rows exp(sink - lse) * di``, computed with ``jn
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -108,105 +110,91 @@ def _softcap_grad(ds, t):
 
 def _dq(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config, blocks, patterns):
     block_q, block_kv = blocks
-    band, chunk = cell_of(block_q), cell_of(block_kv)
-    heads, q_len, head_dim = q.shape
+    head_dim = q.shape[-1]
     maps = cm.StepMaps.of(info, q, k, block_q, cfg, "splash attention dq")
-    sched = maps.sched
-    materialized = info.partial_mask_ids is not None
     has_seg = segment_ids is not None
     prefetch, in_specs, args = _inputs(
         maps, info, (q, k, v, d_out, lse_rows, di_rows), segment_ids, blocks, rows_are_queries=True
     )
-
-    def kernel(*refs):
-        refs = list(refs)
-        steps_ref, base_ref = refs.pop(0), refs.pop(0)
-        if materialized:
-            refs.pop(0)
-        q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
-        del refs[:6]
-        mask_ref = refs.pop(0) if materialized else None
-        seg_q_ref, seg_kv_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
-        dq_ref, acc_ref, lse_col, di_col = refs
-        h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        w = maps.word(h, s, t, steps_ref)
-
-        @pl.when(w["first"])
-        def _init():
-            acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
-            lse_col[...] = cm.as_column(lse_ref[...])
-            di_col[...] = cm.as_column(di_ref[...])
-
-        def body(r0, rows, c0, partial):
-            """Queries ``[r0, r0 + rows)`` of the block against its keys ``[c0, c0 + chunk)``."""
-            r, c = pl.ds(r0, rows), pl.ds(c0, chunk)
-            k_tile = k_ref[c, :]
-            s_ = lax.dot_general(q_ref[r, :], k_tile, cm.NT_DIMS, preferred_element_type=F32)
-            t_ = None
-            if cfg.attn_logits_soft_cap is not None:
-                s_, t_ = cm.cap_logits(s_, cfg.attn_logits_soft_cap)
-            keep = cm.keep_mask(
-                s_.shape,
-                partial=partial,
-                mask_function=cfg.mask_function,
-                q_start=(base_ref[s] + w["q_block"]) * block_q + r0,
-                kv_start=w["kv_block"] * block_kv + c0,
-                mask_tile=mask_ref[r, c] if mask_ref is not None else None,
-                seg_rows=seg_q_ref[r, :] if has_seg else None,
-                seg_cols=seg_kv_ref[:, c] if has_seg else None,
-                rows_are_queries=True,
-            )
-            if keep is not None:
-                s_ = jnp.where(keep, s_, cfg.mask_value)
-            p = jnp.exp(s_ - cm.lane_replicated(lse_col[r, :], chunk))
-            dp = lax.dot_general(do_ref[r, :], v_ref[c, :], cm.NT_DIMS, preferred_element_type=F32)
-            ds = p * (dp - cm.lane_replicated(di_col[r, :], chunk))
-            if t_ is not None:
-                ds = _softcap_grad(ds, t_)
-            acc_ref[r, :] += lax.dot(ds.astype(k_tile.dtype), k_tile, preferred_element_type=F32)
-
-        cm.run_patterns(w["pattern"], patterns, body, band, chunk, "bwd")
-
-        @pl.when(w["last"])
-        def _finish():
-            dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
-
+    kernel = functools.partial(
+        _dq_kernel, maps=maps, cfg=cfg, patterns=patterns, blocks=blocks,
+        materialized=info.partial_mask_ids is not None, has_seg=has_seg,
+    )  # fmt: skip
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     scratch = [
         pltpu.VMEM((block_q, head_dim), F32),
         pltpu.VMEM((block_q, cm.NUM_LANES), F32),
         pltpu.VMEM((block_q, cm.NUM_LANES), F32),
     ]
-    steps_total = heads * sched.q_shards * sched.num_steps
-    (dq,) = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(prefetch),
-            grid=sched.grid,
-            in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, block_q, head_dim), maps.q_map)],
-            scratch_shapes=scratch,
-        ),
-        out_shape=out_shape,
-        compiler_params=cm.compiler_params(),
-        cost_estimate=cm.cost(6 * head_dim, steps_total * block_q * block_kv, args, out_shape),
-        interpret=cfg.interpret,
-        name=kernel_name("dq", cfg, has_seg, False),
-    )(*prefetch, *args)
+    (dq,) = cm.splash_call(
+        kernel, prefetch, args, in_specs, [pl.BlockSpec((None, block_q, head_dim), maps.q_map)], scratch,
+        out_shape, maps=maps, blocks=blocks, flops=6 * head_dim, cfg=cfg, name=kernel_name("dq", cfg, has_seg, False),
+    )  # fmt: skip
     return dq
 
 
+def _refs(refs, materialized: bool, has_seg: bool, segments: tuple[str, str], *outs: str):
+    """A backward kernel's refs by name: the schedule's, the dense inputs, the mask's partial
+    blocks, the segment ids (``segments``: their names in order) and ``outs``."""
+    return cm.take_refs(
+        refs, "steps", "base", ("mask_ids", materialized), "q", "k", "v", "do", "lse", "di",
+        ("mask", materialized), (segments[0], has_seg), (segments[1], has_seg), *outs,
+    )  # fmt: skip
+
+
+def _scores(x, w, s, cfg, blocks, rows, cols, q0, kv0, r, c, partial, *, rows_are_queries: bool):
+    """A backward tile's natural-log logits ``rows @ cols.T`` (capped: also ``tanh``, for the
+    cap's gradient, else None), masked; ``q0``, ``kv0`` its offsets in the step's blocks."""
+    s_ = lax.dot_general(rows, cols, cm.NT_DIMS, preferred_element_type=F32)
+    t_ = None
+    if cfg.attn_logits_soft_cap is not None:
+        s_, t_ = cm.cap_logits(s_, cfg.attn_logits_soft_cap)
+    q_start = (x.base[s] + w["q_block"]) * blocks[0] + q0
+    kv_start = w["kv_block"] * blocks[1] + kv0
+    return cm.masked_tile(s_, x, cfg, partial, q_start, kv_start, r, c, rows_are_queries=rows_are_queries), t_
+
+
+def _dq_kernel(*refs, maps, cfg, patterns, blocks, materialized, has_seg):
+    x = _refs(refs, materialized, has_seg, ("seg_q", "seg_kv"), "dq", "acc", "lse_col", "di_col")
+    band, chunk = cell_of(blocks[0]), cell_of(blocks[1])
+    h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    w = maps.word(h, s, t, x.steps)
+
+    @pl.when(w["first"])
+    def _init():
+        x.acc[...] = jnp.zeros(x.acc.shape, F32)
+        x.lse_col[...] = cm.as_column(x.lse[...])
+        x.di_col[...] = cm.as_column(x.di[...])
+
+    def body(r0, rows, c0, partial):
+        """Queries ``[r0, r0 + rows)`` of the block against its keys ``[c0, c0 + chunk)``."""
+        r, c = pl.ds(r0, rows), pl.ds(c0, chunk)
+        k_tile = x.k[c, :]
+        s_, t_ = _scores(
+            x, w, s, cfg, blocks, x.q[r, :], k_tile, r0, c0, r, c, partial, rows_are_queries=True
+        )
+        p = jnp.exp(s_ - cm.lane_replicated(x.lse_col[r, :], chunk))
+        dp = lax.dot_general(x.do[r, :], x.v[c, :], cm.NT_DIMS, preferred_element_type=F32)
+        ds = p * (dp - cm.lane_replicated(x.di_col[r, :], chunk))
+        if t_ is not None:
+            ds = _softcap_grad(ds, t_)
+        x.acc[r, :] += lax.dot(ds.astype(k_tile.dtype), k_tile, preferred_element_type=F32)
+
+    cm.run_patterns(w["pattern"], patterns, body, band, chunk, "bwd")
+
+    @pl.when(w["last"])
+    def _finish():
+        x.dq[...] = x.acc[...].astype(x.dq.dtype)
+
+
 def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config, blocks, patterns):
-    block_q, block_kv, block_kv_compute = blocks
-    band = cell_of(block_q)
-    heads, q_len, head_dim = q.shape
+    block_kv = blocks[1]
+    heads, _, head_dim = q.shape
     kv_len, head_dim_v = k.shape[-2], v.shape[-1]
-    maps = cm.StepMaps.of(info, q, k, block_q, cfg, "splash attention dkv")
+    maps = cm.StepMaps.of(info, q, k, blocks[0], cfg, "splash attention dkv")
     sched, group = maps.sched, maps.group
-    kv_heads = heads // group
     # Each q head (and q shard of this call) writes its own dk, dv when they must be summed.
     summed = group > 1 or sched.q_shards > 1
-    materialized = info.partial_mask_ids is not None
     has_seg = segment_ids is not None
     prefetch, in_specs, args = _inputs(
         maps, info, (q, k, v, d_out, lse_rows, di_rows), segment_ids, blocks, rows_are_queries=False
@@ -216,64 +204,10 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
         kv = maps.kv_block(h, s, t, steps_ref)
         return (s, h, kv, 0) if summed else (h, kv, 0)
 
-    def kernel(*refs):
-        refs = list(refs)
-        steps_ref, base_ref = refs.pop(0), refs.pop(0)
-        if materialized:
-            refs.pop(0)
-        q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
-        del refs[:6]
-        mask_ref = refs.pop(0) if materialized else None
-        seg_kv_ref, seg_q_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
-        dk_ref, dv_ref, dk_acc, dv_acc = refs
-        h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        w = maps.word(h, s, t, steps_ref)
-
-        @pl.when(w["first"])
-        def _init():
-            dk_acc[...] = jnp.zeros(dk_acc.shape, F32)
-            dv_acc[...] = jnp.zeros(dv_acc.shape, F32)
-
-        def chunk(q0, q_rows, r0, partial):
-            """Keys ``[r0, r0 + block_kv_compute)`` of the block against its queries
-            ``[q0, q0 + q_rows)``."""
-            rows = block_kv_compute
-            r, qs = pl.ds(r0, rows), pl.ds(q0, q_rows)
-            q_tile, do_tile = q_ref[qs, :], do_ref[qs, :]
-            s_ = lax.dot_general(
-                k_ref[r, :], q_tile, cm.NT_DIMS, preferred_element_type=F32
-            )  # keys x queries
-            t_ = None
-            if cfg.attn_logits_soft_cap is not None:
-                s_, t_ = cm.cap_logits(s_, cfg.attn_logits_soft_cap)
-            keep = cm.keep_mask(
-                s_.shape,
-                partial=partial,
-                mask_function=cfg.mask_function,
-                q_start=(base_ref[s] + w["q_block"]) * block_q + q0,
-                kv_start=w["kv_block"] * block_kv + r0,
-                mask_tile=mask_ref[r, qs] if mask_ref is not None else None,
-                seg_rows=seg_kv_ref[r, :] if has_seg else None,
-                seg_cols=seg_q_ref[:, qs] if has_seg else None,
-                rows_are_queries=False,
-            )
-            if keep is not None:
-                s_ = jnp.where(keep, s_, cfg.mask_value)
-            p = jnp.exp(s_ - lse_ref[:, qs])
-            dv_acc[r, :] += lax.dot(p.astype(do_tile.dtype), do_tile, preferred_element_type=F32)
-            dp = lax.dot_general(v_ref[r, :], do_tile, cm.NT_DIMS, preferred_element_type=F32)
-            ds = p * (dp - di_ref[:, qs])
-            if t_ is not None:
-                ds = _softcap_grad(ds, t_)
-            dk_acc[r, :] += lax.dot(ds.astype(q_tile.dtype), q_tile, preferred_element_type=F32)
-
-        cm.run_patterns(w["pattern"], patterns, chunk, band, block_kv_compute, "bwd")
-
-        @pl.when(w["last"])
-        def _finish():
-            dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
-            dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
-
+    kernel = functools.partial(
+        _dkv_kernel, maps=maps, cfg=cfg, patterns=patterns, blocks=blocks,
+        materialized=info.partial_mask_ids is not None, has_seg=has_seg,
+    )  # fmt: skip
     lead: tuple[int, ...] = (sched.q_shards, heads) if summed else (heads,)
     block_lead: tuple[None, ...] = (None,) * len(lead)
     dtypes = (F32, F32) if summed else (k.dtype, v.dtype)
@@ -282,28 +216,51 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
     ]
     out_specs = [pl.BlockSpec((*block_lead, block_kv, d), dkv_map) for d in (head_dim, head_dim_v)]
     scratch = [pltpu.VMEM((block_kv, head_dim), F32), pltpu.VMEM((block_kv, head_dim_v), F32)]
-    steps_total = heads * sched.q_shards * sched.num_steps
-    dk, dv = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(prefetch),
-            grid=sched.grid,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=scratch,
-        ),
-        out_shape=out_shape,
-        compiler_params=cm.compiler_params(),
-        cost_estimate=cm.cost(4 * (head_dim + head_dim_v), steps_total * block_q * block_kv, args, out_shape),
-        interpret=cfg.interpret,
-        name=kernel_name("dkv", cfg, has_seg, False),
-    )(*prefetch, *args)
+    dk, dv = cm.splash_call(
+        kernel, prefetch, args, in_specs, out_specs, scratch, out_shape, maps=maps, blocks=blocks,
+        flops=4 * (head_dim + head_dim_v), cfg=cfg, name=kernel_name("dkv", cfg, has_seg, False),
+    )  # fmt: skip
     if summed:
         dk, dv = dk.sum(axis=0), dv.sum(axis=0)  # over the q shards of this call
         if cfg.is_mqa:
             dk, dv = dk.sum(axis=0), dv.sum(axis=0)
         else:
-            dk = dk.reshape(kv_heads, group, kv_len, head_dim).sum(axis=1)
-            dv = dv.reshape(kv_heads, group, kv_len, head_dim_v).sum(axis=1)
+            dk = dk.reshape(heads // group, group, kv_len, head_dim).sum(axis=1)
+            dv = dv.reshape(heads // group, group, kv_len, head_dim_v).sum(axis=1)
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
     return dk, dv
+
+
+def _dkv_kernel(*refs, maps, cfg, patterns, blocks, materialized, has_seg):
+    x = _refs(refs, materialized, has_seg, ("seg_kv", "seg_q"), "dk", "dv", "dk_acc", "dv_acc")
+    block_kv_compute = blocks[2]
+    h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    w = maps.word(h, s, t, x.steps)
+
+    @pl.when(w["first"])
+    def _init():
+        x.dk_acc[...] = jnp.zeros(x.dk_acc.shape, F32)
+        x.dv_acc[...] = jnp.zeros(x.dv_acc.shape, F32)
+
+    def chunk(q0, q_rows, r0, partial):
+        """Keys ``[r0, r0 + block_kv_compute)`` of the block against its queries ``[q0, q0 + q_rows)``."""
+        r, qs = pl.ds(r0, block_kv_compute), pl.ds(q0, q_rows)
+        q_tile, do_tile = x.q[qs, :], x.do[qs, :]
+        # keys x queries
+        s_, t_ = _scores(
+            x, w, s, cfg, blocks, x.k[r, :], q_tile, q0, r0, r, qs, partial, rows_are_queries=False
+        )
+        p = jnp.exp(s_ - x.lse[:, qs])
+        x.dv_acc[r, :] += lax.dot(p.astype(do_tile.dtype), do_tile, preferred_element_type=F32)
+        dp = lax.dot_general(x.v[r, :], do_tile, cm.NT_DIMS, preferred_element_type=F32)
+        ds = p * (dp - x.di[:, qs])
+        if t_ is not None:
+            ds = _softcap_grad(ds, t_)
+        x.dk_acc[r, :] += lax.dot(ds.astype(q_tile.dtype), q_tile, preferred_element_type=F32)
+
+    cm.run_patterns(w["pattern"], patterns, chunk, cell_of(blocks[0]), block_kv_compute, "bwd")
+
+    @pl.when(w["last"])
+    def _finish():
+        x.dk[...] = x.dk_acc[...].astype(x.dk.dtype)
+        x.dv[...] = x.dv_acc[...].astype(x.dv.dtype)

@@ -1,5 +1,6 @@
 """The block sizes of the splash attention kernels: ``BlockSizes`` (JAX's fields), the
-default rule (``BlockSizes.get_default``) and the checks of given blocks."""
+default blocks (``BlockSizes.get_default``: ``ops._policy``'s ``"splash_attention"``, a
+measured row, else ``_rule`` from the chip's facts) and the checks of given blocks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Pieces the splash attention kernels share: the static configuration, the schedule's index
-arithmetic, the masks of a tile and the kernels' VMEM limits (the lane layouts and the VMEM
-budget are ``ops._attention_common``'s, shared with flash attention)."""
+arithmetic, the masks of a tile (``masked_tile``), ``splash_call`` and the kernels' VMEM limit
+(``ops._policy``'s ``"attention"`` budget); the lane layouts, the refs by name and the online
+softmax are ``ops._attention_common``'s, shared with flash attention."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ from pallas_tpu.ops._attention_common import NUM_LANES as NUM_LANES
 from pallas_tpu.ops._attention_common import as_column as as_column
 from pallas_tpu.ops._attention_common import as_row as as_row
 from pallas_tpu.ops._attention_common import lane_replicated as lane_replicated
+from pallas_tpu.ops._attention_common import softmax_init as softmax_init
+from pallas_tpu.ops._attention_common import softmax_scratch as softmax_scratch
+from pallas_tpu.ops._attention_common import softmax_update as softmax_update
+from pallas_tpu.ops._attention_common import take_refs as take_refs
 from pallas_tpu.ops.splash_attention import splash_attention_mask as mask_lib
 from pallas_tpu.ops.splash_attention import splash_attention_mask_info as info_lib
 
@@ -345,6 +350,53 @@ def _column(tile, kinds, band, col):
         if kind != mask_lib.EMPTY:
             tile(row * band, n * band, col, kind == mask_lib.PARTIAL)
         row += n
+
+
+def masked_tile(s, x, cfg, partial, q_start, kv_start, r, c, *, rows_are_queries: bool):
+    """The tile of scores ``s`` (rows ``r``, columns ``c`` of the step's block; queries on rows
+    when ``rows_are_queries``, else keys) with what may not be seen set to ``cfg.mask_value``:
+    ``keep_mask`` of the mask (``partial``: from ``cfg.mask_function`` at the tile's global
+    ``q_start``/``kv_start``, or the loaded block ``x.mask``) and the segment ids ``x.seg_q``,
+    ``x.seg_kv``."""
+    seg_rows, seg_cols = (x.seg_q, x.seg_kv) if rows_are_queries else (x.seg_kv, x.seg_q)
+    keep = keep_mask(
+        s.shape,
+        partial=partial,
+        mask_function=cfg.mask_function,
+        q_start=q_start,
+        kv_start=kv_start,
+        mask_tile=x.mask[r, c] if x.mask is not None else None,
+        seg_rows=seg_rows[r, :] if seg_rows is not None else None,
+        seg_cols=seg_cols[:, c] if seg_cols is not None else None,
+        rows_are_queries=rows_are_queries,
+    )
+    if keep is not None:
+        s = jnp.where(keep, s, cfg.mask_value)
+    return s
+
+
+def splash_call(
+    kernel, prefetch, args, in_specs, out_specs, scratch, out_shape, *, maps, blocks, flops, cfg, name
+):
+    """The outputs of a splash kernel over ``maps``'s schedule: ``prefetch`` scalar-prefetched,
+    ``args`` in ``in_specs`` (``args[0]`` the queries), ``out_shape`` in ``out_specs``,
+    ``scratch`` in VMEM; its cost ``flops`` per score of each step's ``blocks[0] x blocks[1]``."""
+    steps_total = args[0].shape[0] * maps.sched.q_shards * maps.sched.num_steps
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=maps.sched.grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=compiler_params(),
+        cost_estimate=cost(flops, steps_total * blocks[0] * blocks[1], args, out_shape),
+        interpret=cfg.interpret,
+        name=name,
+    )(*prefetch, *args)
 
 
 def compiler_params():

@@ -259,20 +259,8 @@ def _make_splash_attention(
     residual_checkpoint_name: str | None = None,
     interpret: bool = False,
 ):
-    return _make_kernel(
-        mask,
-        leaves=jnp.asarray,
-        block_sizes=block_sizes,
-        is_mqa=is_mqa,
-        save_residuals=save_residuals,
-        mask_value=mask_value,
-        attn_logits_soft_cap=attn_logits_soft_cap,
-        downcast_smem_data=downcast_smem_data,
-        head_shards=head_shards,
-        q_seq_shards=q_seq_shards,
-        residual_checkpoint_name=residual_checkpoint_name,
-        interpret=interpret,
-    )
+    settings = dict(locals())  # every argument, as given
+    return _make_kernel(settings.pop("mask"), leaves=jnp.asarray, **settings)
 
 
 def _make_kernel(
@@ -280,16 +268,47 @@ def _make_kernel(
     *,
     leaves: Callable[[Any], Any],  # how the mask info's arrays are held
     block_sizes: BlockSizes | None,
-    is_mqa: bool,
-    save_residuals: bool,
-    mask_value: float,
-    attn_logits_soft_cap: float | None,
-    downcast_smem_data: bool,
-    head_shards: int,
-    q_seq_shards: int,
-    residual_checkpoint_name: str | None,
-    interpret: bool,
+    **settings: Any,  # make_splash_mha's other arguments
 ):
+    _check_mask(mask, settings["attn_logits_soft_cap"])
+    head_shards, q_seq_shards = settings["head_shards"], settings["q_seq_shards"]
+    mask_heads, q_len, kv_len = mask.shape
+    if min(mask_heads, q_len, kv_len) < 1:
+        raise ValueError(
+            f"{_OP}: the mask must have at least one head, query and key, got shape {mask.shape}"
+        )
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"{_OP}: block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+    rechoose = None
+    if block_sizes is None or block_sizes == BlockSizes.get_default():
+        # the defaults asked for without lengths: those of these lengths
+        block_sizes, rechoose = _default_blocks_of(mask, settings)
+    block_sizes = _shrink(_complete(block_sizes), q_len // max(q_seq_shards, 1), kv_len)
+    _check_blocks(block_sizes, q_len // max(q_seq_shards, 1), kv_len)
+
+    b = block_sizes  # complete: every block set (_complete, BlockSizes.__post_init__)
+    fwd_info, mask_function, fwd_patterns, dq_info, dq_patterns, dkv_info, dkv_patterns = _schedules(
+        mask, b, leaves, settings["downcast_smem_data"], head_shards, q_seq_shards
+    )
+    kernel = SplashAttentionKernel(
+        fwd_info,
+        dq_info,
+        dkv_info,
+        block_sizes=block_sizes,
+        mask_function=mask_function,
+        mask_shape=(q_len, kv_len),
+        **{k: v for k, v in settings.items() if k not in ("downcast_smem_data", "head_shards")},
+        mask_heads=mask_heads,
+        schedule_rows=int(fwd_info.steps.shape[0]),
+        patterns=(fwd_patterns, dq_patterns, dkv_patterns),
+        rechoose=rechoose,
+    )
+    if rechoose is not None:
+        rechoose.steps_shape = tuple(fwd_info.steps.shape)
+    return kernel
+
+
+def _check_mask(mask, attn_logits_soft_cap) -> None:
     if isinstance(mask, jax.Array):
         raise NotImplementedError(
             f"{_OP}: a mask given as a jax.Array (JAX's dynamic masks) is not supported; pass a NumPy "
@@ -308,43 +327,29 @@ def _make_kernel(
         raise ValueError(f"{_OP}: a NumPy mask must be boolean, got {mask.dtype}")
     if attn_logits_soft_cap is not None and not attn_logits_soft_cap > 0:
         raise ValueError(f"{_OP}: attn_logits_soft_cap must be positive, got {attn_logits_soft_cap}")
-    mask_heads, q_len, kv_len = mask.shape
-    if min(mask_heads, q_len, kv_len) < 1:
-        raise ValueError(
-            f"{_OP}: the mask must have at least one head, query and key, got shape {mask.shape}"
-        )
-    rechoose = None
-    if block_sizes is not None and block_sizes == BlockSizes.get_default():
-        block_sizes = None  # the defaults asked for without lengths: those of these lengths
-    if block_sizes is None:
-        has_partial = _has_partial(mask, q_len, kv_len)
-        block_sizes = BlockSizes.get_default(q_len // max(q_seq_shards, 1), kv_len, has_partial=has_partial)
-        if head_shards == 1 and q_seq_shards == 1:  # a sharded kernel's schedule is split: kept
-            remake = functools.partial(
-                _make_kernel,
-                mask,
-                # Made at the first call, maybe inside a trace (even under an abstract mesh,
-                # where no jax.Array can be made): host arrays, constants of any trace.
-                leaves=np.asarray,
-                is_mqa=is_mqa,
-                save_residuals=save_residuals,
-                mask_value=mask_value,
-                attn_logits_soft_cap=attn_logits_soft_cap,
-                downcast_smem_data=downcast_smem_data,
-                head_shards=head_shards,
-                q_seq_shards=q_seq_shards,
-                residual_checkpoint_name=residual_checkpoint_name,
-                interpret=interpret,
-            )
-            # the chip's facts as of the kernel's making, as its first blocks
-            facts = _policy.facts()
-            rechoose = _Rechoose(
-                functools.partial(default_blocks, q_len, kv_len, has_partial, info=facts), remake
-            )
-    elif not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"{_OP}: block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
-    block_sizes = _shrink(_complete(block_sizes), q_len // max(q_seq_shards, 1), kv_len)
-    _check_blocks(block_sizes, q_len // max(q_seq_shards, 1), kv_len)
+
+
+def _default_blocks_of(mask, settings: dict) -> tuple[BlockSizes, _Rechoose | None]:
+    """The default blocks of ``mask``'s lengths (per q shard), and (unsharded) how the kernel
+    remakes itself for a call whose head dimension or dtype gets other blocks."""
+    _, q_len, kv_len = mask.shape
+    head_shards, q_seq_shards = settings["head_shards"], settings["q_seq_shards"]
+    has_partial = _has_partial(mask, q_len, kv_len)
+    blocks = BlockSizes.get_default(q_len // max(q_seq_shards, 1), kv_len, has_partial=has_partial)
+    if head_shards != 1 or q_seq_shards != 1:  # a sharded kernel's schedule is split: kept
+        return blocks, None
+    # Made at the first call, maybe inside a trace (even under an abstract mesh, where no
+    # jax.Array can be made): host arrays, constants of any trace.
+    remake = functools.partial(_make_kernel, mask, leaves=np.asarray, **settings)
+    facts = _policy.facts()  # the chip's facts as of the kernel's making, as its first blocks
+    return blocks, _Rechoose(
+        functools.partial(default_blocks, q_len, kv_len, has_partial, info=facts), remake
+    )
+
+
+def _schedules(mask, b: BlockSizes, leaves, downcast_smem_data: bool, head_shards: int, q_seq_shards: int):
+    """The forward's, ``dq``'s and ``dk``/``dv``'s schedules of ``mask`` at the blocks ``b``:
+    ``(fwd_info, mask_function, fwd_patterns, dq_info, dq_patterns, dkv_info, dkv_patterns)``."""
 
     def process(fn, bq, bkv, chunk, **kw):
         info, function, patterns = fn(
@@ -358,7 +363,6 @@ def _make_kernel(
         )
         return jax.tree.map(leaves, info), function, patterns
 
-    b = block_sizes  # complete: every block set (_complete, BlockSizes.__post_init__)
     fwd_info, mask_function, fwd_patterns = process(
         mask_info_lib.process_schedule,
         b.block_q,
@@ -380,28 +384,7 @@ def _make_kernel(
         b.block_kv_dkv_compute,
         q_band=_backward.cell_of(cast(int, b.block_q_dkv)),
     )
-    kernel = SplashAttentionKernel(
-        fwd_info,
-        dq_info,
-        dkv_info,
-        block_sizes=block_sizes,
-        is_mqa=is_mqa,
-        save_residuals=save_residuals,
-        mask_value=mask_value,
-        attn_logits_soft_cap=attn_logits_soft_cap,
-        residual_checkpoint_name=residual_checkpoint_name,
-        mask_function=mask_function,
-        interpret=interpret,
-        mask_shape=(q_len, kv_len),
-        q_seq_shards=q_seq_shards,
-        mask_heads=mask_heads,
-        schedule_rows=int(fwd_info.steps.shape[0]),
-        patterns=(fwd_patterns, dq_patterns, dkv_patterns),
-        rechoose=rechoose,
-    )
-    if rechoose is not None:
-        rechoose.steps_shape = tuple(fwd_info.steps.shape)
-    return kernel
+    return fwd_info, mask_function, fwd_patterns, dq_info, dq_patterns, dkv_info, dkv_patterns
 
 
 class _Rechoose:

@@ -186,18 +186,12 @@ def _pattern_table(fines: list[np.ndarray], kinds: list[np.ndarray]):
     return table, codes
 
 
-def _process(mask, block_shape, chunk, band, head_shards, q_seq_shards, kv_major: bool):
-    """Schedules for every head and q shard: ``(ScheduleInfo of NumPy arrays, kernel function,
-    patterns)``; a pattern gives the kinds of a block's cells of ``band`` queries by ``chunk``
-    keys, ``pattern[band][chunk]``."""
-    block_q, block_kv = (int(b) for b in block_shape)
-    chunk = block_kv if chunk is None else int(chunk)
-    band = block_q if band is None else int(band)
+def _check_schedule(
+    block_q, block_kv, band, chunk, num_heads, q_len, kv_len, head_shards, q_seq_shards
+) -> None:
+    """The blocks, cells and shards of a schedule against the mask's shape."""
     if block_q % band:
         raise ValueError(f"splash attention: the band {band} must divide block_q={block_q}")
-    heads = _head_masks(mask)
-    num_heads = len(heads)
-    q_len, kv_len = heads[0].shape
     if head_shards < 1 or num_heads % head_shards:
         raise ValueError(
             f"splash attention: head_shards={head_shards} must divide the mask's heads ({num_heads})"
@@ -217,6 +211,53 @@ def _process(mask, block_shape, chunk, band, head_shards, q_seq_shards, kv_major
         raise ValueError(
             f"splash attention: {max(nq, nkv)} blocks along a sequence, more than {MAX_BLOCKS}: take larger blocks"
         )
+
+
+def _step_ids(mask, q, kv, code, patterns, block_shape, kv_major: bool, blocks: dict, contents: list):
+    """Per step ``(q[t], kv[t])`` of a walk over a head's ``mask`` (``q``: global block rows),
+    the index in ``contents`` of its partial block (each distinct block once: ``blocks`` maps
+    its bytes to its index)."""
+    block_q, block_kv = block_shape
+    partial = np.array([c > 0 and any(mask_lib.PARTIAL in b for b in patterns[c - 1]) for c in code], bool)
+    step_ids = np.zeros(len(q), np.int32)
+    for t in np.nonzero(partial)[0]:
+        piece = np.asarray(
+            mask[q[t] * block_q : (q[t] + 1) * block_q, kv[t] * block_kv : (kv[t] + 1) * block_kv],
+            dtype=np.int8,
+        )
+        step_ids[t] = _stored(piece.T if kv_major else piece, blocks, contents)
+    # Steps between partial blocks keep naming the last one (no copy); those before the
+    # first name the first.
+    if partial.any():
+        at = np.where(partial, np.arange(len(q)), -1)
+        at = np.maximum.accumulate(at)
+        at[at < 0] = np.argmax(partial)
+        step_ids = step_ids[at]
+    return step_ids
+
+
+def _stored(piece, index: dict, pieces: list) -> int:
+    """The index of ``piece`` in ``pieces``, appended if no equal piece is there (``index``:
+    each stored piece's bytes to its index)."""
+    key = piece.tobytes()
+    if key not in index:
+        index[key] = len(pieces)
+        pieces.append(piece)
+    return index[key]
+
+
+def _process(mask, block_shape, chunk, band, head_shards, q_seq_shards, kv_major: bool):
+    """Schedules for every head and q shard: ``(ScheduleInfo of NumPy arrays, kernel function,
+    patterns)``; a pattern gives the kinds of a block's cells of ``band`` queries by ``chunk``
+    keys, ``pattern[band][chunk]``."""
+    block_q, block_kv = (int(b) for b in block_shape)
+    chunk = block_kv if chunk is None else int(chunk)
+    band = block_q if band is None else int(band)
+    heads = _head_masks(mask)
+    num_heads = len(heads)
+    q_len, kv_len = heads[0].shape
+    _check_schedule(block_q, block_kv, band, chunk, num_heads, q_len, kv_len, head_shards, q_seq_shards)
+    nq = q_len // block_q
     distinct, head_index = _unique(heads)
     split = [_cell_kinds(m, block_q, block_kv, band, chunk) for m in distinct]
     kinds = [k for k, _ in split]
@@ -251,29 +292,17 @@ def _process(mask, block_shape, chunk, band, head_shards, q_seq_shards, kv_major
             steps[r, s] = np.concatenate([words, np.full(pad, _pack(q[-1], kv[-1], 0, 0))])
             if ids is None:
                 continue
-            partial = np.array(
-                [c > 0 and any(mask_lib.PARTIAL in b for b in patterns[c - 1]) for c in code], bool
+            step_ids = _step_ids(
+                distinct[u],
+                s * nq_shard + q,
+                kv,
+                code,
+                patterns,
+                (block_q, block_kv),
+                kv_major,
+                blocks,
+                contents,
             )
-            step_ids = np.zeros(len(q), np.int32)
-            for t in np.nonzero(partial)[0]:
-                gq = s * nq_shard + q[t]
-                piece = np.asarray(
-                    distinct[u][gq * block_q : (gq + 1) * block_q, kv[t] * block_kv : (kv[t] + 1) * block_kv],
-                    dtype=np.int8,
-                )
-                piece = piece.T if kv_major else piece
-                key = piece.tobytes()
-                if key not in blocks:
-                    blocks[key] = len(contents)
-                    contents.append(piece)
-                step_ids[t] = blocks[key]
-            # Steps between partial blocks keep naming the last one (no copy); those before the
-            # first name the first.
-            if partial.any():
-                at = np.where(partial, np.arange(len(q)), -1)
-                at = np.maximum.accumulate(at)
-                at[at < 0] = np.argmax(partial)
-                step_ids = step_ids[at]
             ids[r, s] = np.concatenate([step_ids, np.full(pad, step_ids[-1])])
     partial_blocks = None
     if ids is not None:
@@ -438,52 +467,27 @@ def _shrink(arrays: list, block_mask_shard: np.ndarray, kv_major: bool) -> list:
     return [None if a is None else np.where(pick[None] >= 0, take(a), 0).astype(a.dtype) for a in arrays]
 
 
-def _jax_process_mask(
-    mask,
-    block_shape: tuple[int, int],
-    is_dkv: bool,
-    *,
-    downcast_smem_data: bool = True,
-    head_shards: int = 1,
-    q_seq_shards: int = 1,
-    shrink_grid: bool = True,
-) -> tuple[MaskInfo, Any]:
-    heads_list = _head_masks(mask)
-    heads, nq, nkv, per_shard, nq_shard = _check_layout(
-        (len(heads_list), *heads_list[0].shape), block_shape, head_shards, q_seq_shards
-    )
-    bq, bkv = (int(b) for b in block_shape)
-    ids: dict[Any, int] = {}
-    head_id = [ids.setdefault(m, len(ids)) for m in heads_list]
-    unique = list(ids)
-    shard_ids = [set(head_id[s * per_shard : (s + 1) * per_shard]) for s in range(head_shards)]
-    one_per_shard = all(len(x) == 1 for x in shard_ids)
-    row_ids = [head_id[s * per_shard] for s in range(head_shards)] if one_per_shard else head_id
-
-    q_sequence = mask_function = None
-    if len(unique) == 1 and hasattr(unique[0], "q_sequence") and hasattr(unique[0], "mask_function"):
-        q_sequence, mask_function = unique[0].q_sequence, unique[0].mask_function
-
-    kinds = [np.asarray(m.block_kinds(bq, bkv), np.int32) for m in unique]
-    block_ids = [np.zeros((nq, nkv), np.int32) for _ in unique]
+def _partial_blocks(unique, kinds, bq: int, bkv: int, *, loaded: bool):
+    """Per distinct head mask, the ``(nq, nkv)`` index of each partial block in the returned
+    list of distinct blocks (nothing gathered unless ``loaded``: the kernel computes them)."""
+    block_ids = [np.zeros(k.shape, np.int32) for k in kinds]
     contents: dict[bytes, int] = {}
     pieces: list[np.ndarray] = []
-    if mask_function is None:
+    if loaded:
         for u, m in enumerate(unique):
             for qi, ki in np.argwhere(kinds[u] == mask_lib.PARTIAL):
                 piece = np.asarray(m[qi * bq : (qi + 1) * bq, ki * bkv : (ki + 1) * bkv], np.bool_)
-                key = piece.tobytes()
-                if key not in contents:
-                    contents[key] = len(pieces)
-                    pieces.append(piece)
-                block_ids[u][qi, ki] = contents[key]
-    has_partial = any((k == mask_lib.PARTIAL).any() for k in kinds)
-    partial_mask_blocks = np.stack(pieces).astype(np.bool_) if pieces else None
-    if is_dkv and partial_mask_blocks is not None:
-        partial_mask_blocks = np.swapaxes(partial_mask_blocks, -1, -2)
+                block_ids[u][qi, ki] = _stored(piece, contents, pieces)
+    return block_ids, pieces
 
-    block_mask = np.stack([kinds[u] for u in row_ids]).astype(np.int32)
-    identical = one_per_shard and len({head_id[s * per_shard] for s in range(head_shards)}) == 1
+
+def _next_tables(
+    kinds, block_ids, row_ids, one_per_shard, identical, per_shard, head_shards, q_seq_shards, is_dkv
+):
+    """JAX's ``data_next`` and ``mask_next``: per head shard (or head) and block, the block
+    fetched next and the partial block loaded next."""
+    nq, nkv = kinds[0].shape
+    nq_shard = nq // q_seq_shards
     shard_rows = (
         [row_ids[:1]]
         if identical
@@ -511,34 +515,85 @@ def _jax_process_mask(
         mask_next = np.broadcast_to(mask_parts[0], (head_shards, nq, nkv))
     else:
         data_next, mask_next = np.concatenate(data_parts), np.concatenate(mask_parts)
+    return data_next, mask_next
+
+
+def _shrunk_grid(block_mask, data_next, mask_next, q_seq_shards: int, is_dkv: bool):
+    """``(block_mask, data_next, mask_next)`` with each q shard's grid cut to its visible
+    blocks (``_shrink``), the shards padded to one length."""
+    nq_shard = block_mask.shape[1] // q_seq_shards
+    axis = 1 if is_dkv else 2
+    shards: list[list[Any]] = []  # per q shard: block_mask, data_next, mask_next (or None)
+    for qs in range(q_seq_shards):
+        part = slice(qs * nq_shard, (qs + 1) * nq_shard)
+        arrays = [
+            block_mask[:, part],
+            data_next[:, part],
+            None if mask_next is None else mask_next[:, part],
+        ]
+        shards.append(_shrink(arrays, block_mask[0, part], is_dkv))
+    if q_seq_shards > 1:
+        size = max(s[0].shape[axis] for s in shards)
+        padded: list[list[Any]] = []
+        for shard in shards:
+            width = [(0, 0)] * 3
+            width[axis] = (0, size - shard[0].shape[axis])
+            padded.append(
+                [np.pad(shard[0], width, constant_values=0)]
+                + [None if a is None else np.pad(a, width, mode="edge") for a in shard[1:]]
+            )
+        shards = padded
+    block_mask = np.concatenate([s[0] for s in shards], axis=1)
+    data_next = np.concatenate([s[1] for s in shards], axis=1)
+    mask_next = None if mask_next is None else np.concatenate([s[2] for s in shards], axis=1)
+    return block_mask, data_next, mask_next
+
+
+def _jax_process_mask(
+    mask,
+    block_shape: tuple[int, int],
+    is_dkv: bool,
+    *,
+    downcast_smem_data: bool = True,
+    head_shards: int = 1,
+    q_seq_shards: int = 1,
+    shrink_grid: bool = True,
+) -> tuple[MaskInfo, Any]:
+    heads_list = _head_masks(mask)
+    per_shard = _check_layout(
+        (len(heads_list), *heads_list[0].shape), block_shape, head_shards, q_seq_shards
+    )[3]
+    bq, bkv = (int(b) for b in block_shape)
+    ids: dict[Any, int] = {}
+    head_id = [ids.setdefault(m, len(ids)) for m in heads_list]
+    unique = list(ids)
+    shard_ids = [set(head_id[s * per_shard : (s + 1) * per_shard]) for s in range(head_shards)]
+    one_per_shard = all(len(x) == 1 for x in shard_ids)
+    row_ids = [head_id[s * per_shard] for s in range(head_shards)] if one_per_shard else head_id
+
+    q_sequence = mask_function = None
+    if len(unique) == 1 and hasattr(unique[0], "q_sequence") and hasattr(unique[0], "mask_function"):
+        q_sequence, mask_function = unique[0].q_sequence, unique[0].mask_function
+
+    kinds = [np.asarray(m.block_kinds(bq, bkv), np.int32) for m in unique]
+    block_ids, pieces = _partial_blocks(unique, kinds, bq, bkv, loaded=mask_function is None)
+    has_partial = any((k == mask_lib.PARTIAL).any() for k in kinds)
+    partial_mask_blocks = np.stack(pieces).astype(np.bool_) if pieces else None
+    if is_dkv and partial_mask_blocks is not None:
+        partial_mask_blocks = np.swapaxes(partial_mask_blocks, -1, -2)
+
+    block_mask = np.stack([kinds[u] for u in row_ids]).astype(np.int32)
+    identical = one_per_shard and len({head_id[s * per_shard] for s in range(head_shards)}) == 1
+    data_next, mask_next = _next_tables(
+        kinds, block_ids, row_ids, one_per_shard, identical, per_shard, head_shards, q_seq_shards, is_dkv
+    )
     if not has_partial:
         mask_next = None
 
     if shrink_grid and len(unique) == 1:
-        axis = 1 if is_dkv else 2
-        shards: list[list[Any]] = []  # per q shard: block_mask, data_next, mask_next (or None)
-        for qs in range(q_seq_shards):
-            part = slice(qs * nq_shard, (qs + 1) * nq_shard)
-            arrays = [
-                block_mask[:, part],
-                data_next[:, part],
-                None if mask_next is None else mask_next[:, part],
-            ]
-            shards.append(_shrink(arrays, block_mask[0, part], is_dkv))
-        if q_seq_shards > 1:
-            size = max(s[0].shape[axis] for s in shards)
-            padded: list[list[Any]] = []
-            for shard in shards:
-                width = [(0, 0)] * 3
-                width[axis] = (0, size - shard[0].shape[axis])
-                padded.append(
-                    [np.pad(shard[0], width, constant_values=0)]
-                    + [None if a is None else np.pad(a, width, mode="edge") for a in shard[1:]]
-                )
-            shards = padded
-        block_mask = np.concatenate([s[0] for s in shards], axis=1)
-        data_next = np.concatenate([s[1] for s in shards], axis=1)
-        mask_next = None if mask_next is None else np.concatenate([s[2] for s in shards], axis=1)
+        block_mask, data_next, mask_next = _shrunk_grid(
+            block_mask, data_next, mask_next, q_seq_shards, is_dkv
+        )
 
     if downcast_smem_data:
         data_next, block_mask = _smallest_int(np.asarray(data_next)), _smallest_int(block_mask)

@@ -32,12 +32,7 @@ def attention_reference(
     sees no key (and has no sink) gives zeros and a logsumexp of +inf, as the kernels do
     (JAX's reference: the mean of ``v``)."""
     del custom_type  # every backward here is JAX's autodiff of the same formula
-    logits = jnp.einsum("qd,kd->qk", q.astype(jnp.float32), k.astype(jnp.float32))
-    if segment_ids is not None:
-        mask = mask & (segment_ids.q[:, None] == segment_ids.kv[None, :])
-    if attn_logits_soft_cap is not None:
-        logits = attn_logits_soft_cap * jnp.tanh(logits / attn_logits_soft_cap)
-    logits = jnp.where(mask, logits, mask_value)
+    _, logits, mask = _masked_logits(mask, q, k, segment_ids, attn_logits_soft_cap, mask_value)
     top = jnp.max(logits, axis=-1)
     if sinks is not None:
         top = jnp.maximum(top, sinks.astype(jnp.float32))
@@ -54,6 +49,16 @@ def attention_reference(
     if save_residuals:
         return out, (lse,)
     return out
+
+
+def _masked_logits(mask, q, k, segment_ids, soft_cap, mask_value):
+    """One head's float32 ``(scores q @ k.T, logits, mask)``: the logits soft-capped and set to
+    ``mask_value`` where the mask, with the segment ids (also in the returned mask), hides them."""
+    raw = jnp.einsum("qd,kd->qk", q.astype(jnp.float32), k.astype(jnp.float32))
+    logits = raw if soft_cap is None else soft_cap * jnp.tanh(raw / soft_cap)
+    if segment_ids is not None:
+        mask = mask & (segment_ids.q[:, None] == segment_ids.kv[None, :])
+    return raw, jnp.where(mask, logits, mask_value), mask
 
 
 def make_attention_reference(mask, is_mqa: bool, backward_impl: str = "vanilla", **params: Any):
@@ -138,11 +143,7 @@ def _reference_custom_bwd(mask_value, save_residuals, custom_type, soft_cap, res
     del save_residuals
     mask, q, k, v, segment_ids, sinks, out, lse = residuals
     f32 = jnp.float32
-    raw = jnp.einsum("qd,kd->qk", q.astype(f32), k.astype(f32))
-    logits = raw if soft_cap is None else soft_cap * jnp.tanh(raw / soft_cap)
-    if segment_ids is not None:
-        mask = mask & (segment_ids.q[:, None] == segment_ids.kv[None, :])
-    logits = jnp.where(mask, logits, mask_value)
+    raw, logits, _ = _masked_logits(mask, q, k, segment_ids, soft_cap, mask_value)
     p = jnp.exp(logits - lse[:, None])
     do = d_out.astype(f32)
     dv = jnp.einsum("qk,qd->kd", p, do).astype(v.dtype)

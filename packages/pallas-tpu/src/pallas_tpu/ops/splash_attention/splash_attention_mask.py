@@ -52,6 +52,13 @@ def _slice_bounds(idx, size: int) -> tuple[int, int]:
     return start, max(start, stop)
 
 
+def _block_bounds(mask, idx) -> tuple[int, int, int, int]:
+    """``(q0, q1, k0, k1)``: the rows and columns ``mask[idx]`` takes (``idx`` two unit-step slices)."""
+    if not isinstance(idx, tuple) or len(idx) != 2:
+        raise NotImplementedError(f"{type(mask).__name__} takes [q_slice, kv_slice], got {idx!r}")
+    return (*_slice_bounds(idx[0], mask.shape[0]), *_slice_bounds(idx[1], mask.shape[1]))
+
+
 class Mask:
     """The base of the splash attention masks: a lazy boolean ``[q_seq_len, kv_seq_len]`` array."""
 
@@ -147,6 +154,7 @@ class _Combined(Mask):
     left: Mask
     right: Mask
     _op = staticmethod(operator.or_)  # not a field: each subclass names its own
+    _kinds = staticmethod(np.maximum)  # the kinds of a block from the two masks' kinds
 
     def __post_init__(self):
         if self.left.shape != self.right.shape:
@@ -164,6 +172,11 @@ class _Combined(Mask):
     def __hash__(self):
         return hash((type(self), self.left, self.right))
 
+    def block_kinds(self, block_q, block_kv):
+        a, b = self.left.block_kinds(block_q, block_kv), self.right.block_kinds(block_q, block_kv)
+        # ``_kinds`` of the two; where both are partial, look at the dense mask.
+        return _refine(self, self._kinds(a, b), (a == PARTIAL) & (b == PARTIAL), block_q, block_kv)
+
     @property
     def kernel_function(self):
         f, g, op = self.left.kernel_function, self.right.kernel_function, self._op
@@ -176,24 +189,16 @@ class LogicalOr(_Combined):
     """Visible where either mask is."""
 
     _op = staticmethod(operator.or_)
-
-    def block_kinds(self, block_q, block_kv):
-        a, b = self.left.block_kinds(block_q, block_kv), self.right.block_kinds(block_q, block_kv)
-        kinds = np.maximum(a, b)  # FULL if either is; EMPTY only if both are
-        # Two partial blocks may fill each other: look at those.
-        return _refine(self, kinds, (a == PARTIAL) & (b == PARTIAL), block_q, block_kv)
+    # FULL if either is; EMPTY only if both are (two partial blocks may fill each other)
+    _kinds = staticmethod(np.maximum)
 
 
 class LogicalAnd(_Combined):
     """Visible where both masks are."""
 
     _op = staticmethod(operator.and_)
-
-    def block_kinds(self, block_q, block_kv):
-        a, b = self.left.block_kinds(block_q, block_kv), self.right.block_kinds(block_q, block_kv)
-        kinds = np.minimum(a, b)  # EMPTY if either is; FULL only if both are
-        # Two partial blocks may not overlap at all: look at those.
-        return _refine(self, kinds, (a == PARTIAL) & (b == PARTIAL), block_q, block_kv)
+    # EMPTY if either is; FULL only if both are (two partial blocks may not overlap at all)
+    _kinds = staticmethod(np.minimum)
 
 
 def _refine(mask: Mask, kinds: np.ndarray, unsure: np.ndarray, block_q: int, block_kv: int) -> np.ndarray:
@@ -282,10 +287,7 @@ class _ComputableMask(Mask):
         return self._shape
 
     def __getitem__(self, idx) -> np.ndarray:
-        if not isinstance(idx, tuple) or len(idx) != 2:
-            raise NotImplementedError(f"{type(self).__name__} takes [q_slice, kv_slice], got {idx!r}")
-        q0, q1 = _slice_bounds(idx[0], self._shape[0])
-        k0, k1 = _slice_bounds(idx[1], self._shape[1])
+        q0, q1, k0, k1 = _block_bounds(self, idx)
         rows = self.q_sequence[q0:q1, None]
         cols = np.arange(k0, k1, dtype=np.int32)[None, :]
         return np.broadcast_to(self.mask_function(rows, cols), (q1 - q0, k1 - k0))
@@ -509,10 +511,7 @@ class FullMask(Mask):
         return self._shape
 
     def __getitem__(self, idx) -> np.ndarray:
-        if not isinstance(idx, tuple) or len(idx) != 2:
-            raise NotImplementedError(f"FullMask takes [q_slice, kv_slice], got {idx!r}")
-        q0, q1 = _slice_bounds(idx[0], self._shape[0])
-        k0, k1 = _slice_bounds(idx[1], self._shape[1])
+        q0, q1, k0, k1 = _block_bounds(self, idx)
         return np.ones((q1 - q0, k1 - k0), dtype=np.bool_)
 
     @property

@@ -124,6 +124,24 @@ Measured (CPU, jax 0.11.2, ``-n 1``/``-n 2``):
   captured constants (2, kept), JAX's internal ``store`` callback count (1 per set), uninitialized
   int16 scratch (1 per set, kept), ``pl.num_programs`` of a traced grid size in an index map (1 per
   set), ``dma_start`` under state discharge (JAX 0.12's file).
+* 2026-12-07, jax 0.11.2, ``-n 2``, the tests where ours failed most, re-typed from the code index
+  (no copy of the jax-v0.11.0 files was on the machine, and the index hands out versions by commit,
+  not by tag): ``tpu_pallas_interpret_test.py`` in the version written for JAX 0.11's parameters
+  (``num_cores_or_threads``, ``allow_hbm_allocation_in_run_scoped``) and ``pallas_vmap_test.py``
+  (4a8420bb), whole; ``pallas_test.py`` (55793bdf) for ``test_hoisted_consts`` and ``ApiErrorTest``,
+  JAX 0.12's ``tpu_pallas_test.py`` (0173b5ee) for its dynamic-grid classes and
+  ``test_async_copy_slice``. Before that day's fixes (main at 9441a1f): **55 of 76** (interpret 17
+  of 34, pallas 15 of 16, vmap 10 of 11, tpu_pallas 13 of 15); after: **71 of 76 (93.4 %)**
+  (interpret 31, pallas 15, vmap 10, tpu_pallas 15; our side re-run after the last fix). Fixed: races as JAX reports them (8: ``on_race``,
+  ``races`` afresh per call, ``force_tpu_interpret_mode`` over a call's own parameters, the write-back
+  of whole-array outputs), ``out_of_bounds_reads="uninitialized"`` (2), the revisited output block and
+  the block outside its array in JAX's words, found while tracing before the block shape's check (2),
+  the HBM accesses' refusal in JAX's words and class (2), a DMA in scoped buffers under
+  ``interpret=True`` (1), ``pl.num_programs`` of a traced grid size in an index map (1). Left: captured constants (2, kept), the ``store`` callback count (1), int16
+  scratch (1, kept), (4, 128) blocks with ``out_of_bounds_reads="uninitialized"`` (1, kept: TPU
+  interpret mode refuses a block shape a TPU refuses). Also fixed, in tests these files lack: JAX's words in the static out-of-bounds index
+  error and in the "Attempting to pass a Ref" error; ``random_seed``'s grid order (JAX's tests of it
+  fail on JAX 0.11.2 itself). The 1637 tests of jax-v0.11.0 were not re-run.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ FLOORS: dict[str, list[tuple[str, ...]]] = {
         ("_src.language",),  # the kernel language: types, primitives, pipelines
         ("_src.checks",),  # what the interpreter and the Mosaic lowering both refuse
         ("_src.interpret", "_src.mosaic", "_src.executor"),  # the engines, side by side
-        ("_src.pallas_call_registration",),  # the Backend: the call record to an engine
+        ("_src.pallas_call_registration", "_src.estimate"),  # the Backend; estimate reads libtpu's compile
         ("",),  # pltpu and pallas_tpu.ops
     ],
     "pallas_gpu": [

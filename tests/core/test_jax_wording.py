@@ -306,3 +306,63 @@ def test_in_specs_must_be_a_sequence_as_in_jax():
         interpret=True,
     )(x)
     np.testing.assert_allclose(out, x * 3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("access", ["read", "write"])
+def test_static_index_past_the_block_says_out_of_bounds_read_or_write(access):
+    """JAX's interpreters' words ("Out-of-bounds read" / "Out-of-bounds write") and ours
+    (the kernel, the line, the dimension, the valid range) in one message."""
+
+    def kernel(x_ref, o_ref):
+        if access == "read":
+            o_ref[...] = x_ref[10][None, :] * jnp.ones_like(o_ref)
+        else:
+            o_ref[10] = x_ref[0]
+
+    f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((10, 128), jnp.float32), interpret=True)
+    _raises(
+        ValueError,
+        rf"Out-of-bounds {access}",
+        [
+            r"pallas_call 'kernel'",
+            HERE,
+            r"index 10 is out of bounds for dimension 0 of a Ref of shape \(10, 128\) \(the block\)",
+            r"valid indices are -10\.\.9",
+        ],
+        f,
+        jnp.zeros((10, 128), jnp.float32),
+    )
+    ok = pl.pallas_call(
+        lambda x_ref, o_ref: o_ref.__setitem__(9, x_ref[9] * 2),
+        out_shape=jax.ShapeDtypeStruct((10, 128), jnp.float32),
+        interpret=True,
+    )(x := _rand(8, (10, 128)))
+    np.testing.assert_allclose(np.asarray(ok)[9], np.asarray(x)[9] * 2, rtol=1e-6)
+
+
+def test_ref_passed_to_a_primitive_says_what_jax_says():
+    """A Ref where an array is wanted: JAX's message (its ``Ref<default>{...}``, its
+    "-- did you forget to unpack") after ours (the kernel, the line)."""
+
+    def dot_general_kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = jax.lax.dot_general(x_ref, y_ref, (((1,), (0,)), ((), ())))
+
+    x, y = _rand(9, (8, 32)), _rand(10, (32, 16))
+    f = pl.pallas_call(
+        dot_general_kernel, out_shape=jax.ShapeDtypeStruct((8, 16), jnp.float32), interpret=True
+    )
+    _raises(
+        ValueError,
+        r"Attempting to pass a Ref Ref<default>\{float32\[8,32\]\} to a primitive: dot_general -- did you "
+        r"forget to unpack \(\[\.\.\.\]\) the ref\?",
+        [r"in kernel 'dot_general_kernel'", HERE],
+        f,
+        x,
+        y,
+    )
+    g = pl.pallas_call(
+        lambda x_ref, y_ref, o_ref: o_ref.__setitem__(..., jnp.dot(x_ref[...], y_ref[...])),
+        out_shape=jax.ShapeDtypeStruct((8, 16), jnp.float32),
+        interpret=True,
+    )
+    np.testing.assert_allclose(g(x, y), x @ y, rtol=1e-5, atol=1e-5)

@@ -3,7 +3,7 @@ backend's ``plgpu``) that ours lacks has its reason written here.
 
 The names are those of the installed JAX and, so that the test means the same
 on every JAX we support, JAX 0.12.0.1's (``JAX_0_12``, checked in: ``dir()`` of
-its modules, submodules left out). A name missing from ours and from
+its modules, submodules left out) and the two JAX 0.12.1 added (``JAX_0_12_1_ADDED``). A name missing from ours and from
 ``MISSING`` fails the test; so does a ``MISSING`` entry ours now has."""
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ JAX_0_12 = {
         store""",
 }
 
+# The names JAX 0.12.1 added to those of 0.12.0 (its wheel, read with ``dir()`` of its
+# modules: pl.pad_ref, pltpu.request_p_state); CI's newest installable JAX is 0.12.0.1.
+JAX_0_12_1_ADDED = {"pl": "pad_ref", "tpu": "request_p_state", "triton": ""}
+
 # (module, name) -> why ours does not offer it.
 MISSING = {
     ("pl", "pallas_export_experimental"): (
@@ -70,7 +74,7 @@ def _answers(mod, name: str) -> bool:
 
 
 def _jax_names(key: str) -> set[str]:
-    names = set(JAX_0_12[key].split())
+    names = set(JAX_0_12[key].split()) | set(JAX_0_12_1_ADDED[key].split())
     try:
         names |= _public(importlib.import_module(JAX[key]))
     except ImportError:  # JAX's Triton backend module needs nothing more, but be safe
@@ -95,6 +99,15 @@ def test_missing_list_stays_true(key):
     stale = sorted(n for (k, n) in MISSING if k == key and _answers(ours, n))
     assert not stale, f"{OURS[key]} now has {stale}: remove them from MISSING"
     assert all(n in _jax_names(k) for (k, n) in MISSING if k == key)
+
+
+def test_the_0_12_1_names_are_jaxs_where_installed():
+    import jax
+
+    if jax.__version_info__ < (0, 12, 1):
+        pytest.skip(f"JAX {jax.__version__} is installed; pad_ref and request_p_state are JAX 0.12.1's")
+    for key, module in JAX.items():
+        assert set(JAX_0_12_1_ADDED[key].split()) <= _public(importlib.import_module(module)), key
 
 
 def test_the_checked_in_list_is_jax_012s_where_installed():

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from three_way import jax_namespaces
 from ways import every_way
+from ways.jax_mosaic import jax_namespaces
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -247,16 +247,17 @@ def build_racy_hbm(pl_mod, pltpu_mod, slow, interpret):
 @pytest.mark.parametrize("dma", ["eager", "on_wait"])
 @pytest.mark.parametrize("slow", [0, 1])
 def test_scoped_hbm_buffer_race(slow, dma):
-    """JAX's ``..._with_race``: both cores write the one buffer unsynchronized. Ours
-    raises the race naming both writers (JAX's detector sets a flag and goes on:
-    docs/differences.md); both find it."""
+    """JAX's ``..._with_race``: both cores write the one buffer unsynchronized. Ours,
+    with ``on_race="raise"``, raises the race naming both writers (JAX 0.11's detector
+    sets a flag and goes on, JAX 0.12's raises); both find it."""
     x, w = rand_int(20, (ROWS, 128)), rand_int(21, (8, 128))
     kw = dict(allow_hbm_allocation_in_run_scoped=True, dma_execution_mode=dma, detect_races=True)
     pltpu.reset_tpu_interpret_mode_state()
     with pytest.raises(
         Exception, match=r"data race: write of pl.run_scoped buffer 0 .*core \d.*core \d"
     ) as e:
-        jax.block_until_ready(jax.jit(build_racy_hbm(pl, pltpu, slow, pltpu.InterpretParams(**kw)))(x, w))
+        params = pltpu.InterpretParams(**kw, on_race="raise")
+        jax.block_until_ready(jax.jit(build_racy_hbm(pl, pltpu, slow, params))(x, w))
     assert re.search(r"core 0", str(e.value)) and re.search(r"core 1", str(e.value))
     assert interpret_multi.races.races_found
     pltpu.reset_tpu_interpret_mode_state()

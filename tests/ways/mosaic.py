@@ -95,6 +95,10 @@ def _count_kernels(jaxpr) -> int:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _KERNELS:
             n += 1
+        elif eqn.primitive.name == "run_state":  # counted as _eval runs it: discharged
+            from pallas._src import compat
+
+            n += _count_kernels(compat.discharge(compat.close_jaxpr(eqn.params["jaxpr"])).jaxpr)
         else:  # a kernel under any other primitive counts: one under cond or while is not reached
             n += sum(_count_kernels(getattr(s, "jaxpr", s)) for s in jaxprs_in_params(eqn.params))
     return n

@@ -58,6 +58,7 @@ from pallas._src.primitives import num_programs as num_programs
 from pallas._src.primitives import program_id as program_id
 from pallas._src.primitives import run_scoped as run_scoped
 from pallas._src.primitives import when as when
+from pallas._src.ref_padding import pad_ref as pad_ref
 from pallas._src.semaphores import DeviceIdType as DeviceIdType
 from pallas._src.semaphores import debug_check as debug_check
 from pallas._src.semaphores import delay as delay

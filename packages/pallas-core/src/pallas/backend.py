@@ -61,11 +61,14 @@ from pallas._src.poison import poison_buffers_enabled as poison_buffers_enabled
 from pallas._src.poison import poison_value as poison_value
 from pallas._src.primitives import KernelContext as KernelContext
 from pallas._src.primitives import debug_print_p as debug_print_p
+from pallas._src.primitives import dynamic_grid_size_p as dynamic_grid_size_p
+from pallas._src.primitives import eval_index_map as eval_index_map
 from pallas._src.primitives import grid_axis_index_p as grid_axis_index_p
 from pallas._src.primitives import kernel_context as kernel_context
 from pallas._src.primitives import multiple_of_p as multiple_of_p
 from pallas._src.primitives import run_scoped_p as run_scoped_p
 from pallas._src.primitives import symbolic_shape_message as symbolic_shape_message
+from pallas._src.ref_padding import PadTransform as PadTransform
 from pallas._src.removed import module_getattr as module_getattr
 from pallas._src.semaphores import DeviceIdType as DeviceIdType
 from pallas._src.semaphores import debug_check_p as debug_check_p

@@ -73,6 +73,7 @@ from pallas_tpu._src.language.primitives import get_barrier_semaphore as get_bar
 from pallas_tpu._src.language.primitives import load as load
 from pallas_tpu._src.language.primitives import make_async_copy as make_async_copy
 from pallas_tpu._src.language.primitives import make_async_remote_copy as make_async_remote_copy
+from pallas_tpu._src.language.primitives import request_p_state as request_p_state
 from pallas_tpu._src.language.primitives import store as store
 from pallas_tpu._src.language.random import prng_random_bits as prng_random_bits
 from pallas_tpu._src.language.random import prng_seed as prng_seed

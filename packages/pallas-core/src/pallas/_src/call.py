@@ -17,9 +17,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+from jax import tree_util
 from jax.extend.core import Primitive, jaxprs_in_params
 
+from pallas._src import compat
 from pallas._src import core as pallas_core
+from pallas._src.ref_padding import PadTransform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +35,15 @@ class KernelFacts:
       remote: an equation addresses another device (its params, or its
         ``layout``, carry a ``device_id_tree``: a remote DMA or semaphore signal).
       signals_cores: a semaphore signal addresses another core (``core_index``).
+      undischarged: an equation reads or writes Refs through a primitive state
+        discharge has no rule for (a backend's DMA: pallas-core's interpret mode
+        cannot run it).
     """
 
     primitives: frozenset[Primitive] = frozenset()
     remote: bool = False
     signals_cores: bool = False
+    undischarged: bool = False
 
     def __repr__(self) -> str:  # short in printed jaxprs (a pallas_call_p parameter)
         names = ", ".join(sorted(p.name for p in self.primitives))
@@ -49,10 +57,13 @@ class KernelFacts:
 def kernel_facts(jaxpr: Any) -> KernelFacts:
     """The facts of a (closed) kernel jaxpr: one walk over its equations."""
     prims: set[Primitive] = set()
-    remote = signals_cores = False
+    remote = signals_cores = undischarged = False
     stack = [getattr(jaxpr, "jaxpr", jaxpr)]
     while stack:
         for eqn in stack.pop().eqns:
+            if eqn.primitive not in prims and eqn.effects and not compat.has_discharge_rule(eqn.primitive):
+                undischarged = undischarged or any(_is_state_effect(e) for e in eqn.effects)
+            undischarged = undischarged or _has_undischargeable_transform(eqn)
             prims.add(eqn.primitive)
             params = eqn.params
             if (
@@ -62,7 +73,23 @@ def kernel_facts(jaxpr: Any) -> KernelFacts:
                 remote = True
             signals_cores = signals_cores or bool(params.get("has_core_index"))
             stack += [getattr(s, "jaxpr", s) for s in jaxprs_in_params(params)]
-    return KernelFacts(frozenset(prims), remote, signals_cores)
+    return KernelFacts(frozenset(prims), remote, signals_cores, undischarged)
+
+
+def _has_undischargeable_transform(eqn: Any) -> bool:
+    """Whether ``eqn`` reads or writes a Ref through a transform of ours (``pl.pad_ref``)
+    that this JAX's state discharge cannot apply: JAX 0.10's applies its own transforms
+    only; JAX 0.11 on apply any transform through its ``transform_array``/``undo``."""
+    if jax.__version_info__ >= (0, 11) or eqn.params.get("tree") is None:
+        return False
+    tree = eqn.params["tree"]
+    flat = list(eqn.invars[len(eqn.invars) - tree.num_leaves :])  # after the Ref (and a swap's value)
+    return any(isinstance(t, PadTransform) for t in tree_util.tree_unflatten(tree, flat))
+
+
+def _is_state_effect(effect: Any) -> bool:
+    """A read, write or accumulation of a Ref (JAX's state effects)."""
+    return type(effect).__name__ in ("ReadEffect", "WriteEffect", "AccumEffect")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +171,8 @@ class PallasCall:
     @property
     def needs_backend_interpreter(self) -> bool:
         """Whether the kernel uses what pallas-core's interpret mode does not
-        model (backend memory spaces, semaphores, a named grid, scalar prefetch):
+        model (backend memory spaces, semaphores, a named grid, scalar prefetch,
+        Ref primitives with no state discharge rule such as a backend's DMAs):
         then a backend's interpreter (pallas-tpu's) runs it."""
         from pallas._src import semaphores
 
@@ -154,6 +182,6 @@ class PallasCall:
         avals = [bm.ref_aval() for bm in gm.block_mappings] + list(gm.scratch_avals)
         if any(getattr(a, "memory_space", None) is not None for a in avals):
             return True
-        return self.facts.uses(
+        return self.facts.undischarged or self.facts.uses(
             semaphores.semaphore_signal_p, semaphores.semaphore_wait_p, semaphores.semaphore_read_p
         )

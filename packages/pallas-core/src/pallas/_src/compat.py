@@ -317,6 +317,13 @@ def trace_to_closed_jaxpr(fun: Callable, in_avals: Sequence[Any], debug_info) ->
     return close_jaxpr(jaxpr), list(consts)
 
 
+def has_discharge_rule(prim) -> bool:
+    """Whether state discharge (pallas-core's interpret mode) has a rule for ``prim``."""
+    return prim in getattr(state_discharge, "_discharge_rules", {}) or prim in getattr(
+        state_discharge, "_partial_discharge_rules", {}
+    )
+
+
 def discharge(closed_jaxpr, should_discharge: bool | Sequence[bool] = True):
     """Closed jaxpr over Refs -> closed pure jaxpr returning final Ref values."""
     jaxpr = state_discharge.discharge_state(closed_jaxpr, should_discharge=should_discharge)

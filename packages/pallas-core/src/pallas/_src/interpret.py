@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas._src import compat, validate, zero_stride
+from pallas._src import compat, primitives, validate, zero_stride
 from pallas._src import core as pallas_core
 from pallas._src.primitives import uninitialized_value
 
@@ -283,7 +283,7 @@ class _DynamicPlan:
         pts = [jnp.asarray(p, jnp.int32) for p in grid_point(s, self.sizes)]
         starts = []
         for bm in self.bms:
-            idx = compat.jaxpr_as_fun(bm.index_map)(*pts)
+            idx = primitives.eval_index_map(bm.index_map, self.sizes, *pts)
             scale = [
                 1 if isinstance(d, pallas_core.Element) else pallas_core.block_dim_size(d)
                 for d in bm.block_shape

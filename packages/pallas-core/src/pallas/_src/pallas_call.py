@@ -97,6 +97,7 @@ def _trace_kernel(
             jaxpr, consts = compat.trace_to_closed_jaxpr(flat_kernel, idx_avals + ref_avals, dbg)
             jaxpr = primitives.resolve_grid_axis_names(jaxpr, gm.grid_names)
     except (ValueError, TypeError, IndexError, NotImplementedError) as e:
+        _ref_as_jax_shows_it(e)
         if f"'{gm.kernel_name}'" not in str(e):
             _add_context(e, f"in kernel '{gm.kernel_name}' ({gm.source}): {_kernel_line(e)}")
         raise
@@ -134,6 +135,17 @@ def _hoist_consts(jaxpr, consts, gm: GridMapping):
     closed, more = compat.trace_to_closed_jaxpr(hoisted, avals, dbg)
     assert not more
     return closed
+
+
+def _ref_as_jax_shows_it(e: BaseException) -> None:
+    """JAX's "Attempting to pass a Ref Ref{f32[8,32]} to a primitive" (a Ref given where an
+    array is wanted) shows a kernel Ref of JAX's Pallas as ``Ref<default>{...}``: its
+    Refs carry the memory space ``default`` where ours carry none. The message says it as
+    JAX's does, so code matching JAX's message matches ours."""
+    if len(e.args) == 1 and isinstance(e.args[0], str) and "Attempting to pass a Ref Ref{" in e.args[0]:
+        e.args = (
+            e.args[0].replace("Attempting to pass a Ref Ref{", "Attempting to pass a Ref Ref<default>{"),
+        )
 
 
 def _add_context(e: BaseException, prefix: str) -> None:
@@ -554,7 +566,7 @@ def _prefetch_aval(grid_spec, aval, what: str, err: Err):
 # again inside it, as JAX's ``pallas_tpu_interpret_mode_context_manager``) and thread-local.
 forced_interpret_state = compat.config_state(
     "pallas_forced_interpret_mode",
-    "The interpret parameters every pallas_call that passes no interpret= runs with (None: none).",
+    "The interpret parameters every pallas_call runs with, whatever interpret= it passes (None: none).",
 )
 
 
@@ -566,8 +578,10 @@ def _function_name(fn) -> str:
 
 
 def _effective_interpret(interpret):
+    """The forced parameters where some are forced, whatever the call passes (as JAX's
+    ``force_tpu_interpret_mode``: ``forced or interpret``); else the call's own."""
     forced = forced_interpret_state.value
-    if not interpret and forced is not None:
+    if forced is not None:
         return forced
     return True if interpret is True else (interpret or False)
 

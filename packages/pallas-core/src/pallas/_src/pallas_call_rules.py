@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from pallas._src import backends, compat
+from pallas._src import backends, compat, primitives
 from pallas._src import core as pallas_core
 from pallas._src.call import PallasCall
 from pallas._src.errors import ValueOrTypeError
@@ -41,8 +41,17 @@ def _retrace(fun, avals, dbg_name: str):
     return jaxpr
 
 
+class _AxesAfterBatch:
+    """The grid sizes an index map reads (``pl.num_programs`` of a traced size), seen from
+    the batched grid: axis ``a`` is the new grid's axis ``a + 1``."""
+
+    def __getitem__(self, axis: int):
+        return primitives.dynamic_grid_size_p.bind(axis=axis + 1)
+
+
 def _batch_index_map(index_map, batched: bool, G: int):
-    fun = compat.jaxpr_as_fun(index_map)
+    def fun(*g):
+        return primitives.eval_index_map(index_map, _AxesAfterBatch(), *g)
 
     def new_map(b, *g):
         res = list(fun(*g))

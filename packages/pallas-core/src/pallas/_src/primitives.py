@@ -103,16 +103,43 @@ def num_programs(axis: int) -> int | jax.Array:
     axis = _check_axis(ctx, axis, "num_programs")
     if ctx.grid[axis] is pallas_core.dynamic_grid_dim:
         if ctx.index_map_of is not None:
-            raise kernel_error(
-                NotImplementedError,
-                f"pl.num_programs({axis}) in the index map of {ctx.index_map_of} of pallas_call "
-                f"'{ctx.name}': grid axis {axis} has a dynamic (traced) size, which index maps cannot "
-                "read yet; pass the size to the index map as a scalar-prefetch operand "
-                "(pltpu.PrefetchScalarGridSpec) or make the grid static",
-            )
+            # An index map takes the grid indices (and scalar-prefetch operands) only: the size
+            # is a primitive that the engine evaluating the index map answers (eval_index_map).
+            return dynamic_grid_size_p.bind(axis=axis)
         dynamic = [a for a, g in enumerate(ctx.grid) if g is pallas_core.dynamic_grid_dim]
         return ctx.dynamic_sizes[dynamic.index(axis)]
     return ctx.grid[axis]
+
+
+#: ``pl.num_programs(axis)`` of a grid axis of traced size, in an index map.
+dynamic_grid_size_p = Primitive("dynamic_grid_size")
+dynamic_grid_size_p.def_abstract_eval(lambda *, axis: compat.shaped_array((), jnp.int32))
+
+
+def eval_index_map(index_map, grid_sizes: Sequence[Any], *args) -> list:
+    """``index_map`` (a closed jaxpr) on ``args``, ``pl.num_programs`` of a grid axis of
+    traced size (``dynamic_grid_size``) answered from ``grid_sizes``, the grid's sizes
+    (ints and int32 scalars)."""
+    jaxpr, consts = index_map.jaxpr, index_map.consts
+    if not any(e.primitive is dynamic_grid_size_p for e in jaxpr.eqns):
+        return compat.jaxpr_as_fun(index_map)(*args)
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, compat.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is dynamic_grid_size_p:
+            outs = [jnp.asarray(grid_sizes[eqn.params["axis"]], jnp.int32)]
+        else:
+            outs = eqn.primitive.bind(
+                *[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
+            )
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
 
 
 # ---------------------------------------------------------------------------

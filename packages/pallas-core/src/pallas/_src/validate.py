@@ -53,9 +53,12 @@ def check_static_indices(jaxpr, describe_kernel: str) -> None:
                 if not 0 <= v < n:
                     where = compat.eqn_user_source(eqn)
                     at = f" at {where}" if where else ""
+                    # JAX's interpreters' words first ("Out-of-bounds read" / "Out-of-bounds
+                    # write", what code matching JAX's messages looks for), then ours.
+                    kind = "read" if eqn.primitive.name == "get" else "write"
                     raise ValueError(
-                        f"{describe_kernel}: in the kernel{at}: index {v} is out of bounds for "
-                        f"dimension {dim} of a Ref of shape {tuple(indexer.shape)} (the block); "
+                        f"{describe_kernel}: in the kernel{at}: Out-of-bounds {kind}: index {v} is out of "
+                        f"bounds for dimension {dim} of a Ref of shape {tuple(indexer.shape)} (the block); "
                         f"valid indices are {-n}..{n - 1}"
                     )
     for eqn in jaxpr.eqns:

@@ -240,6 +240,20 @@ def check_interpreted_grid(gm, semantics) -> None:
 _ACCESS_WHAT = {"get": "reads", "swap": "writes", "addupdate": "adds to"}
 
 
+def _jax_primitive_name(eqn) -> str:
+    """The primitive JAX's TPU interpret mode names in its refusal of an HBM access:
+    ``load_p`` for ``pltpu.load`` (a read under its name scope here), else the Ref
+    access's own (``get_p``, ``swap_p``, ``addupdate_p``)."""
+    if eqn.primitive.name == "get" and LOAD_SCOPE in str(eqn.source_info.name_stack):
+        return "load_p"
+    return f"{eqn.primitive.name}_p"
+
+
+# The name scope pltpu.load reads under (language/primitives.py): JAX's messages name
+# its own primitive, load_p, there.
+LOAD_SCOPE = "pltpu.load"
+
+
 def _space_name(ms) -> str:
     return "pl.ANY (HBM)" if ms is plb.ANY else f"pltpu.{getattr(ms, 'name', ms)}"
 
@@ -292,11 +306,13 @@ def _check_accesses(gm, jaxpr, any_vars) -> None:
         if ms is plb.ANY or ms is tpu_core.HBM:
             raise _err(
                 gm,
-                TypeError,
+                plb.ValueOrTypeError,  # JAX raises ValueError, ours raised TypeError: either catches it
                 at,
                 f"{what} a Ref {aval.dtype}{list(aval.shape)} in {_space_name(ms)} directly; a TPU reaches "
                 "HBM by DMAs only: copy it into a VMEM buffer with pltpu.async_copy / "
-                "pltpu.make_async_copy(...).start() and .wait(), or give the operand a VMEM BlockSpec",
+                "pltpu.make_async_copy(...).start() and .wait(), or give the operand a VMEM BlockSpec "
+                f"(JAX's words: {_jax_primitive_name(eqn)}: Buffers with a memory space of HBM or ANY cannot "
+                "be referenced directly. Instead, use `pltpu.sync_copy` or `pltpu.async_copy`.)",
             )
         if ms is tpu_core.SMEM:
             shape = eqn.outvars[0].aval.shape if eqn.primitive is get_p else eqn.invars[1].aval.shape

@@ -354,6 +354,15 @@ def emits_wait_dma() -> bool:
     return jax.__version_info__ >= (0, 12)
 
 
+def races_raise_by_default() -> bool:
+    """Whether this JAX's TPU interpret mode raises on a data race by default
+    (``InterpretParams(on_race="raise")``, JAX 0.12+) rather than printing it and
+    setting ``races.races_found`` (JAX 0.11 and older, which have no ``on_race``)."""
+    import jax
+
+    return jax.__version_info__ >= (0, 12)
+
+
 def sharding_identity_primitives():
     """``reshard`` (a sharding annotation, the identity inside a kernel)."""
     from jax._src import pjit

@@ -76,9 +76,20 @@ def _delay(interp, eqn, nanos):
     return []
 
 
+@rule(tpu_prims.request_p_state_p)
+def _request_p_state(interp, eqn):
+    return []  # a clock frequency: how fast the kernel runs, not what it computes
+
+
 @rule(plb.grid_axis_index_p)
 def _grid_axis_index(interp, eqn):
     return interp.grid_env[eqn.params["axis_name"]]
+
+
+@rule(plb.dynamic_grid_size_p)
+def _dynamic_grid_size(interp, eqn):
+    """``pl.num_programs`` of a grid axis of traced size, in an index map."""
+    return jnp.asarray(interp.grid_sizes[eqn.params["axis"]], jnp.int32)
 
 
 def _state_items(interp):

@@ -158,6 +158,13 @@ class DmaViews:
         if partial and any(k > 1 for k in sizes[: partial[-1]]):
             return None  # rows of a block narrower than the buffer: not one run
         starts = self.refs.index_parts(x.shape, ts[0], eqn, dv.view, what)[0]
+        if self.refs.fills_oob(what) and not all(
+            isinstance(st, (int, np.integer)) and 0 <= st and st + k <= n
+            for st, k, n in zip(starts, sizes, x.shape)
+        ):
+            return (
+                None  # a read that may pass the edge reads the uninitialized value there (RefAccess._read1)
+            )
         fixed, terms, step = 0, [], 1
         for d in reversed(range(x.ndim)):
             if sizes[d] < x.shape[d]:

@@ -85,8 +85,12 @@ class InterpretParams:
         ``"eager"`` (every copy when it starts). Either way the data goes where
         ``start`` said, whatever descriptor the wait is given.
       detect_races: find data races (DMAs in flight against kernel accesses,
-        cores and devices touching the same memory unsynchronized); a race
-        raises an error naming both accesses.
+        cores and devices touching the same memory unsynchronized), each named
+        with both of its accesses.
+      on_race: what a race found does: ``"raise"`` (an error, JAX 0.12's
+        default) or ``"warn"`` (printed, ``races.races_found`` set, the kernel
+        goes on: what JAX 0.11 and older do, which have no ``on_race``). Default
+        None: as the installed JAX does.
       out_of_bounds_reads: ``"raise"`` or ``"uninitialized"`` (read garbage-marker values).
       skip_floating_point_ops: operations that compute only floating-point
         values (outside control flow) are not run; their results are
@@ -107,6 +111,7 @@ class InterpretParams:
 
     dma_execution_mode: Literal["eager", "on_wait"] = "on_wait"
     detect_races: bool = False
+    on_race: Literal["raise", "warn"] | None = None
     out_of_bounds_reads: Literal["raise", "uninitialized"] = "raise"
     skip_floating_point_ops: bool = False
     uninitialized_memory: Literal["nan", "zero"] = "nan"
@@ -128,6 +133,8 @@ class InterpretParams:
             raise ValueError(
                 f"InterpretParams: uninitialized_memory must be 'nan' or 'zero', got {self.uninitialized_memory!r}"
             )
+        if self.on_race not in (None, "raise", "warn"):
+            raise ValueError(f"InterpretParams: on_race must be 'raise' or 'warn', got {self.on_race!r}")
         if self.out_of_bounds_reads not in ("raise", "uninitialized"):
             raise ValueError(
                 "InterpretParams: out_of_bounds_reads must be 'raise' or 'uninitialized', "
@@ -147,6 +154,13 @@ class InterpretParams:
     @property
     def num_cores_per_device(self) -> int:
         return self.num_cores_or_threads
+
+    @property
+    def races_raise(self) -> bool:
+        """Whether a race found raises (``on_race``, or the installed JAX's default)."""
+        if self.on_race is None:
+            return compat.races_raise_by_default()
+        return self.on_race == "raise"
 
     def tracing_context(self):
         """Entered while pallas_call traces the kernel: ``get_tpu_info()`` (and
@@ -254,6 +268,7 @@ class Interpreter:
         # the core index (``pl.when(lax.axis_index("x") == 0)``) runs one branch, in
         # which a core may wait for another (see ``fold``).
         self.fold_static = False
+        self.grid_sizes: list = list(gm.grid)  # a dynamic grid's sizes (ints and traced scalars)
         local_sems = LocalSemaphores(self.refs, self.checks, self.where)
         dma_views = DmaViews(self.memory, self.refs, self.checks, self.where)
         self.transport: LocalTransport | DeviceTransport = (
@@ -272,7 +287,7 @@ class Interpreter:
                     where=self.where,
                     kernel_desc=kernel_desc,
                     kernel_name=gm.kernel_name,
-                    detect_races=params.detect_races,
+                    detect_races=params.detect_races and ("raise" if params.races_raise else "warn"),
                     num_cores=params.num_cores_or_threads,
                 ),
                 where=self.where,
@@ -560,8 +575,8 @@ _DEFAULT_PARAMS: Any = object()  # a call that names no params: InterpretParams(
 
 @contextlib.contextmanager
 def force_tpu_interpret_mode(params: InterpretParams | None = _DEFAULT_PARAMS):
-    """Runs every ``pallas_call`` traced in the ``with`` block (that does not pass
-    ``interpret`` itself) in TPU interpret mode with ``params`` (default
+    """Runs every ``pallas_call`` traced in the ``with`` block in TPU interpret mode
+    with ``params``, whatever ``interpret`` the call passes (as JAX's) (default
     ``InterpretParams()``; None: none forced in the block). Part of the jit cache key, as
     in JAX: a function jitted outside the block is traced again inside it."""
     with plb.forced_interpret()(InterpretParams() if params is _DEFAULT_PARAMS else params):

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any, cast
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -21,6 +22,7 @@ from pallas import backend as plb
 from pallas_tpu._src import checks, compat
 from pallas_tpu._src.interpret import (
     core_rules,  # also registers the rules of JAX's primitives
+    sessions,
     shared_scopes,
 )
 from pallas_tpu._src.interpret import dma as _interpret_dma  # noqa: F401  (registers the DMA rules)
@@ -102,10 +104,8 @@ def grid_points(gm, sems, params: InterpretParams) -> list[np.ndarray]:
         return []
     points = plb.grid_table(gm)
     if params.random_seed is not None:
-        rng = np.random.default_rng(params.random_seed)
-        for a in range(G):
-            if sems[a] is tpu_core.PARALLEL:
-                points[:, a] = rng.permutation(gm.grid[a])[points[:, a]]
+        for a, order in _shuffled_parallel_axes(gm.grid, sems, params.random_seed).items():
+            points[:, a] = order[points[:, a]]
     core_axes = [a for a in range(G) if sems[a] in (tpu_core.CORE_PARALLEL, tpu_core.SUBCORE_PARALLEL)]
     n = params.num_cores_or_threads
     if n == 1:
@@ -125,6 +125,21 @@ def grid_points(gm, sems, params: InterpretParams) -> list[np.ndarray]:
     sub = math.prod(gm.grid[:prefix])
     per_core = -(-sub // n) * (len(points) // sub)
     return [points[c * per_core : (c + 1) * per_core] for c in range(n) if c * per_core < len(points)]
+
+
+def _shuffled_parallel_axes(grid, sems, seed: int) -> dict[int, np.ndarray]:
+    """The order in which each "parallel" axis is run under ``random_seed``: the
+    orders JAX's TPU interpret mode draws for the same seed (``jax.random.key(seed)``,
+    split once per parallel axis in axis order, each axis a ``jax.random.permutation``
+    of its indices), so that a kernel visits its grid in the same order in both."""
+    orders = {}
+    with jax.ensure_compile_time_eval():  # concrete here, even under jax.jit
+        key = jax.random.key(seed)
+        for a, n in enumerate(grid):
+            if sems[a] is tpu_core.PARALLEL:
+                key, sub = jax.random.split(key)
+                orders[a] = np.asarray(jax.random.permutation(sub, jnp.arange(n, dtype=jnp.int32)))
+    return orders
 
 
 def _hidden_initializers(kernel_facts: plb.KernelFacts) -> dict[str, Any]:
@@ -190,6 +205,131 @@ def _unpad(x, bm):
     return lax.slice(x, lo, [s + n for s, n in zip(lo, bm.array_shape)])
 
 
+def check_block_visits(gm, params: InterpretParams, sems, input_output_aliases=()) -> None:
+    """The blocks a static grid visits, found while tracing from the index maps that
+    read no scalar-prefetch operand, in JAX's words then ours:
+
+    * a block outside its array (past the padding of an edge block): an IndexError,
+      "Out-of-bounds block index (4, 0) for input 0 in iteration (3,)", for outputs and,
+      unless ``out_of_bounds_reads="uninitialized"``, for inputs;
+    * an output block visited again after the kernel left it (not in consecutive grid
+      steps of one core): a RuntimeError, "Revisited block (0, 0) of output 1 in
+      iteration (2, 0)". On a TPU the block was written back when the kernel left it
+      and its buffer is not read again: the second visit starts from an uninitialized
+      buffer and its write-back replaces the first's. Outputs aliased to an input are
+      not checked (as in JAX's interpreter).
+
+    Index maps that read scalar-prefetch operands, and dynamic grids, are checked as
+    the kernel runs (blocks outside the arrays only)."""
+    if gm.num_dynamic_grid_bounds or not gm.block_mappings or math.prod(gm.grid) == 0:
+        return
+    nsp = gm.num_scalar_prefetch
+    aliased = {o for _, o in input_output_aliases}
+    per_core = None
+    for k, bm in enumerate(gm.block_mappings):
+        is_out = k >= gm.num_inputs
+        j = k - gm.num_inputs if is_out else k
+        if bm.is_whole_array or not bm.block_shape:
+            continue
+        ijaxpr = bm.index_map.jaxpr
+        if any(v in _used_vars(ijaxpr) for v in ijaxpr.invars[len(gm.grid) : len(gm.grid) + nsp]):
+            continue  # reads scalar prefetch: checked as the kernel runs
+        check_oob = is_out or params.out_of_bounds_reads == "raise"
+        check_revisit = is_out and j not in aliased
+        if not (check_oob or check_revisit):
+            continue
+        if per_core is None:
+            per_core = grid_points(gm, sems, params)
+        name = f"output {j}" if is_out else f"input {j}"
+        for core, pts in enumerate(per_core):
+            try:
+                idx = _index_map_table(bm, pts, len(gm.grid))  # (N, ndim) block indices
+            except Exception:  # noqa: BLE001  (not computable while tracing: checked as the kernel runs)
+                break
+            if check_oob:
+                _check_table_in_bounds(gm, bm, name, pts, idx, core, len(per_core))
+            if check_revisit:
+                _check_no_revisit(gm, bm, name, pts, idx, core, len(per_core))
+
+
+def _used_vars(jaxpr) -> set:
+    used = {v for e in jaxpr.eqns for v in e.invars if not hasattr(v, "val")}
+    return used | {v for v in jaxpr.outvars if not hasattr(v, "val")}
+
+
+def _index_map_table(bm, pts: np.ndarray, G: int) -> np.ndarray:
+    """``bm``'s index map at every grid point of ``pts`` (``(N, G)``), as an ``(N, ndim)``
+    int table (the map reads no scalar-prefetch operand)."""
+    closed = bm.index_map
+    # Without the (unused) scalar-prefetch Refs, which jax_enable_checks would want as Refs.
+    jaxpr = closed.jaxpr.replace(invars=closed.jaxpr.invars[:G])
+
+    def one(pt):
+        return jnp.stack([jnp.asarray(o, jnp.int32) for o in jax.core.eval_jaxpr(jaxpr, closed.consts, *pt)])
+
+    with jax.ensure_compile_time_eval():
+        cols = jnp.asarray(pts, jnp.int32).T
+        out = jax.vmap(lambda *pt: one(pt))(*cols) if G else one(()).reshape(1, -1).repeat(len(pts), 0)
+        return np.asarray(out).reshape(len(pts), len(bm.block_shape))
+
+
+def _point_text(pt) -> str:
+    return "(" + ", ".join(str(int(i)) for i in pt) + ("," if len(pt) == 1 else "") + ")"
+
+
+def _core_text(core: int, n_cores: int) -> str:
+    return f" (core {core})" if n_cores > 1 else ""
+
+
+def _check_table_in_bounds(gm, bm, name, pts, idx, core, n_cores) -> None:
+    for d, dim in enumerate(bm.block_shape):
+        size = bm.block_sizes[d]
+        starts = idx[:, d] if isinstance(dim, (plb.Element, plb.Squeezed)) else idx[:, d] * size
+        if isinstance(dim, plb.Element):
+            n = bm.array_shape[d] + sum(dim.padding)
+        else:
+            n = bm.array_shape[d] + (size if bm.array_shape[d] == 0 else -bm.array_shape[d] % max(size, 1))
+        bad = np.nonzero((starts < 0) | (starts + size > n))[0]
+        if bad.size:
+            r = int(bad[0])
+            n_blocks = -(-bm.array_shape[d] // max(size, 1))
+            raise IndexError(
+                f"{gm.where}: Out-of-bounds block index {_point_text(idx[r])} for {name} in iteration "
+                f"{_point_text(pts[r])}{_core_text(core, n_cores)}: {bm.origin}.index_map returned block "
+                f"index {int(idx[r, d])} for dimension {d}, outside the array {bm.dtype}{list(bm.array_shape)} "
+                f"(block {size}, {n_blocks} blocks)"
+            )
+
+
+def _check_no_revisit(gm, bm, name, pts, idx, core, n_cores) -> None:
+    if len(idx) < 3:
+        return
+    new_run = np.ones(len(idx), bool)
+    new_run[1:] = np.any(idx[1:] != idx[:-1], axis=1)
+    runs = np.nonzero(new_run)[0]  # the step where each visit of a block starts
+    ends = np.append(runs[1:] - 1, len(idx) - 1)
+    _, group = np.unique(idx[runs], axis=0, return_inverse=True)
+    group = group.reshape(-1)
+    first_run = np.full(int(np.max(group)) + 1, len(runs))
+    np.minimum.at(first_run, group, np.arange(len(runs)))
+    again = np.nonzero(first_run[group] < np.arange(len(runs)))[0]
+    if again.size:
+        k = int(again[0])  # the first visit of a block visited before
+        earlier = np.nonzero(group[:k] == group[k])[0]
+        r, first, end = runs[k], runs[earlier[0]], ends[earlier[-1]]
+        b = tuple(int(i) for i in idx[r])
+        raise RuntimeError(
+            f"{gm.where}: Revisited block {_point_text(b)} of {name} in iteration {_point_text(pts[r])}"
+            f"{_core_text(core, n_cores)}. The block was previously visited in iterations "
+            f"{_point_text(pts[first])} through {_point_text(pts[end])}: {bm.origin}.index_map returns to "
+            "an output block the kernel left earlier. On a TPU an output block is written back when the "
+            "kernel moves to another block and its buffer is not read again, so this visit starts from an "
+            "uninitialized buffer and its write-back replaces the earlier writes. Visit each output block "
+            'in consecutive grid steps (the axes that revisit it innermost, "arbitrary"), or alias the '
+            "output to an input (input_output_aliases) and read what it holds"
+        )
+
+
 def _starts(bm, idx):
     out = []
     for d, i in zip(bm.block_shape, idx):
@@ -239,6 +379,10 @@ def run(args, *, jaxpr, grid_mapping, input_output_aliases, params, compiler_par
         )
     kernel_facts = plb.kernel_facts(jaxpr) if kernel_facts is None else kernel_facts
     params = mesh_params(params, compiler_params)
+    sessions.reset_races()  # this call's findings (a call that checks races starts afresh when it runs, too)
+    # Blocks outside the arrays and revisited output blocks first: they are wrong whatever
+    # else is (a block shape a TPU refuses, checked next).
+    check_block_visits(gm, params, semantics_of(gm, compiler_params), input_output_aliases)
     interp, sems, lane_hidden = _start(jaxpr, gm, params, compiler_params, kernel_facts)
     call = _lay_out(interp, args, jaxpr, gm, params, input_output_aliases, sems, lane_hidden)
     shares = interpret_facts.scoped_in_spaces(jaxpr, shared_scopes.SHARED_SPACES)
@@ -315,6 +459,7 @@ def _lay_out(interp, args, jaxpr, gm, params, input_output_aliases, sems, lane_h
     call.ops = _operand_cells(call, args[nsp:], input_output_aliases)
     if D:  # one core; each step computes its grid point (see _grid_point)
         call.sizes = dynamic_grid_sizes(gm, sems, params, dynamic_sizes)
+        interp.grid_sizes = call.sizes  # pl.num_programs in the index maps (dynamic_grid_size)
         call.n_steps = plb.num_steps(call.sizes)
         call.per_core = [None]
     else:
@@ -472,7 +617,7 @@ def _lane_steps(call: _Call, lane: _Lane, table, s, pause, lane_run: _Running):
     if call.params.grid_point_recorder is not None:
         interp.ordered_callback(call.params.grid_point_recorder, pt, jnp.int32(lane.core_id))
     for i in call.blocked:
-        _enter_block(interp, core_ops[i], (i, lane.slot), i >= gm.num_inputs, gidx, prefetch, s)
+        _enter_block(interp, core_ops[i], (i, lane.slot), _jax_operand_name(gm, i), gidx, prefetch, s)
     views = [_batched_view(interp, op, v, gidx, prefetch) for op, v in zip(core_ops, views)] + list(
         views[len(core_ops) :]
     )
@@ -507,8 +652,20 @@ def _end_lane(call: _Call, lane: _Lane, n) -> None:
             interp.hidden.block_starts.pop((i, lane.slot))
         if lane.slot > 0:
             interp.free_cell(cast(int, core_ops[i].buf))  # blocked: has a buffer
+    for op in core_ops[gm.num_inputs :]:
+        if op.buf is None and _copied_whole(op.bm):
+            # A whole-array output in VMEM or SMEM is copied back to HBM after the core's
+            # last step, as a block is: two cores that both write it race (as in JAX's).
+            interp.on_block_write(op.hbm, [0] * len(op.bm.array_shape), op.bm.array_shape, op.bm.origin)
     for c in scratch:
         interp.free_cell(c)
+
+
+def _copied_whole(bm) -> bool:
+    """A whole-array operand the pipeline copies into the core's memory (VMEM or
+    SMEM), not one the kernel reaches in HBM (``pl.ANY``, ``pltpu.HBM``)."""
+    ms = bm.memory_space
+    return ms is None or ms in (tpu_core.VMEM, tpu_core.SMEM)
 
 
 def _batched_view(interp, op, view, gidx, prefetch):
@@ -549,34 +706,71 @@ def _core_groups(kernel_facts: plb.KernelFacts, per_core, shares_scoped: bool = 
     return [[c] for c in cores]
 
 
-def _enter_block(interp, op, key: tuple[int, int], is_out, gidx, prefetch, s):
+def _block_or_fill(hbm, starts, sizes, mode):
+    """The block of ``hbm`` at ``starts``, with the uninitialized value (``mode``) where
+    it lies past the array's edge (a gather with ``mode="fill"``)."""
+    fill = plb.uninitialized_fill(hbm.dtype, mode)[()]
+    idx = []
+    for d, (st, size) in enumerate(zip(starts, sizes)):
+        shape = [1] * len(sizes)
+        shape[d] = size
+        idx.append((jnp.asarray(st, jnp.int32) + jnp.arange(size, dtype=jnp.int32)).reshape(shape))
+    return hbm.at[tuple(idx)].get(mode="fill", fill_value=fill)
+
+
+def _jax_operand_name(gm, i: int) -> str:
+    """JAX's interpreter's name of operand ``i`` in its messages: ``input 0``, ``output 1``."""
+    return f"input {i}" if i < gm.num_inputs else f"output {i - gm.num_inputs}"
+
+
+def _enter_block(interp, op, key: tuple[int, int], jax_name: str, gidx, prefetch, s):
     """The pipeline before a grid step: fetch a changed input block; write back
     an output block whose index changed (its new buffer starts uninitialized).
     ``key``: (operand, core slot), where the block started at the step before
-    in ``interp.hidden.block_starts``."""
+    in ``interp.hidden.block_starts``; ``jax_name``: the operand as JAX's messages
+    name it (``input 0``, ``output 1``)."""
     bm = op.bm
+    is_out = jax_name.startswith("output")
     idx = interp.eval_closed(bm.index_map, [*gidx, *prefetch])
     starts = _starts(bm, idx)
     hbm = interp.state[op.hbm]
+    # out_of_bounds_reads="uninitialized": an input block past the array's edge reads the
+    # uninitialized value there (as in JAX's); an output block past it is an error in any mode.
+    fill_oob = not is_out and interp.params.out_of_bounds_reads == "uninitialized"
     for d, (st, size, n) in enumerate(zip(starts, bm.block_sizes, hbm.shape)):
+        if fill_oob:
+            break
         shown = [st if isinstance(bm.block_shape[d], (plb.Element, plb.Squeezed)) else idx[d]]
+        # JAX's words first (its interpreter: "Out-of-bounds block index (4, 0) for input
+        # ... in iteration (3,)"), then ours.
+        pos = ", ".join(f"{{{k + 1}}}" for k in range(len(gidx))) + ("," if len(gidx) == 1 else "")
+        iteration = f" in iteration ({pos})" if len(gidx) <= 7 else ""
         interp.check(
             jnp.logical_and(st >= 0, st + size <= n),
-            f"{interp.kernel_desc}: {bm.origin}.index_map returned block index {{0}} for dimension {d}, "
+            f"{interp.kernel_desc}: Out-of-bounds block index {{0}} (dimension {d}) for {jax_name}"
+            f"{iteration}: {bm.origin}.index_map returned block index {{0}} for dimension {d}, "
             f"outside the array {bm.dtype}{list(bm.array_shape)} (block {bm.block_sizes[d]}, "
             f"{-(-bm.array_shape[d] // max(bm.block_sizes[d], 1))} blocks)",
-            shown,
+            shown + (list(gidx) if len(gidx) <= 7 else []),
         )
     starts_c = [
         lax.clamp(np.int32(0), st, np.int32(max(n - size, 0)))
         for st, size, n in zip(starts, bm.block_sizes, hbm.shape)
     ]
     prev_arr = interp.hidden.block_starts[key]
-    cur = jnp.stack(starts_c) if starts_c else jnp.zeros((0,), jnp.int32)
+    seen = (
+        [jnp.asarray(st, jnp.int32) for st in starts] if fill_oob else starts_c
+    )  # unclamped: a block past the edge is its own
+    cur = jnp.stack(seen) if seen else jnp.zeros((0,), jnp.int32)
     changed = jnp.logical_or(s == 0, jnp.any(cur != prev_arr))
     kshape = bm.kernel_block_shape
     if not is_out:
-        new = lax.dynamic_slice(hbm, starts_c, bm.block_sizes, allow_negative_indices=False).reshape(kshape)
+        if fill_oob:
+            new = _block_or_fill(hbm, starts, bm.block_sizes, interp.memory.uninitialized).reshape(kshape)
+        else:
+            new = lax.dynamic_slice(hbm, starts_c, bm.block_sizes, allow_negative_indices=False).reshape(
+                kshape
+            )
         interp.state[op.buf] = jnp.where(changed, new, interp.state[op.buf])
     else:
         prev = [prev_arr[d] for d in range(len(starts_c))]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret.errors import Checks
 from pallas_tpu._src.interpret.memory import Memory
@@ -125,6 +126,15 @@ def clip_index(x, lo: int, hi: int):
     return lax.clamp(np.int32(lo), jnp.asarray(x, jnp.int32), np.int32(hi))
 
 
+def _statically_inside(starts, ext, shape, arrays) -> bool:
+    """Whether a window (``starts``, extents ``ext``) lies inside ``shape`` as far as
+    is known while tracing (a traced start or an index array: not known)."""
+    for d, (st, e, n) in enumerate(zip(starts, ext, shape)):
+        if d in arrays or not is_static_int(st) or not (0 <= st and st + e <= n):
+            return False
+    return True
+
+
 def _is_bitcast(t) -> bool:
     return isinstance(t, compat.BitcastTransform)
 
@@ -196,7 +206,7 @@ class RefAccess:
                     starts.append(jnp.zeros((), jnp.int32))
                     sizes.append(n)
                     strides.append(1)
-        if self.params.out_of_bounds_reads == "raise" or what != "read":
+        if not self.fills_oob(what):
             for d, n in enumerate(shape):
                 if d in arrays:
                     a = arrays[d]
@@ -232,11 +242,23 @@ class RefAccess:
                 )
         return starts, sizes, strides, squeeze, arrays
 
+    def fills_oob(self, what: str) -> bool:
+        """Whether a read (``what``: ``"read"`` or ``"DMA read"``) past a buffer's edge
+        gives the uninitialized-memory value there instead of an error
+        (``InterpretParams(out_of_bounds_reads="uninitialized")``, as in JAX's)."""
+        return self.params.out_of_bounds_reads == "uninitialized" and what in ("read", "DMA read")
+
     def _read1(self, x, indexer, eqn, view, what):
         if not hasattr(indexer, "indices"):
             return self._transform_other(x, indexer, eqn)
         starts, sizes, strides, squeeze, arrays = self.index_parts(x.shape, indexer, eqn, view, what)
         ext = [(s - 1) * k + 1 if s else 0 for s, k in zip(sizes, strides)]
+        if self.fills_oob(what) and x.ndim and not _statically_inside(starts, ext, x.shape, arrays):
+            # Past the edge reads the uninitialized value: read from the buffer padded
+            # with it by a window's length on both sides.
+            fill = plb.uninitialized_fill(x.dtype, self.memory.uninitialized)[()]
+            x = lax.pad(x, fill, [(e, e, 0) for e in ext])
+            starts = [lax.add(jnp.asarray(s, jnp.int32), np.int32(e)) for s, e in zip(starts, ext)]
         starts_c = [clip_index(s, 0, max(n - e, 0)) for s, n, e in zip(starts, x.shape, ext)]
         if not x.ndim:
             y = x
@@ -248,6 +270,9 @@ class RefAccess:
             y = lax.slice(y, [0] * y.ndim, y.shape, strides)
         if arrays:
             idx = tuple(arrays.get(d, slice(None)) if d not in squeeze else 0 for d in range(x.ndim))
+            if self.fills_oob(what):
+                fill = plb.uninitialized_fill(x.dtype, self.memory.uninitialized)[()]
+                return y.at[idx].get(mode="fill", fill_value=fill)
             return y[idx]
         if squeeze:
             y = lax.squeeze(y, squeeze)
@@ -258,6 +283,8 @@ class RefAccess:
             return jnp.asarray(val, x.dtype).reshape(x.shape)
         if _is_bitcast(indexer):  # ``ref.bitcast(dtype)``: the view's bits back in the cell's dtype
             return tpu_bitcast(jnp.asarray(val, indexer.dtype), ty=x.dtype).reshape(x.shape)
+        if isinstance(indexer, plb.PadTransform):  # ``pl.pad_ref``: what falls in the padding is dropped
+            return lax.slice(jnp.asarray(val, x.dtype), (0,) * x.ndim, x.shape)
         if not hasattr(indexer, "indices"):
             raise NotImplementedError(
                 f"{self.where(eqn)}: writing through a {type(indexer).__name__} view is not supported "

@@ -44,7 +44,8 @@ class SessionLink:
     ``scopes``, and follows the interpreter's ``cursor`` (the core being traced, the
     grid step, the callback token). ``where(eqn)`` names an equation in messages,
     ``kernel_desc`` and ``kernel_name`` the kernel; ``detect_races``: whether the
-    session records accesses (``races``)."""
+    session records accesses (``races``): False, or what a race does, ``"raise"`` or
+    ``"warn"`` (``InterpretParams.on_race``)."""
 
     def __init__(
         self,
@@ -56,7 +57,7 @@ class SessionLink:
         where: Callable[[Any], str],
         kernel_desc: str,
         kernel_name: str,
-        detect_races: bool,
+        detect_races: bool | str,
         num_cores: int,
     ):
         self.memory = memory

@@ -78,9 +78,42 @@ class RaceDetectionState:
 
     races_found: bool = False
     messages: list[str] = dataclasses.field(default_factory=list)
+    count: int = 0  # races found (``messages`` keeps the first ones)
 
 
 races = RaceDetectionState()
+
+# Races printed per kernel call; the rest are counted (``races.messages`` keeps
+# the first ``_MAX_MESSAGES``).
+_MAX_PRINTED, _MAX_MESSAGES = 8, 100
+
+
+def report_race(msg: str, printed: bool = True) -> None:
+    """A race found, reported as JAX's detector reports one: ``races.races_found``
+    is set and (``printed``) the race printed on stderr (``RACE DETECTED``, then our
+    sentence naming both accesses, also kept in ``races.messages``)."""
+    races.races_found = True
+    races.count += 1
+    if len(races.messages) < _MAX_MESSAGES:
+        races.messages.append(msg)
+    if not printed:
+        return
+    if races.count <= _MAX_PRINTED:
+        print(f"RACE DETECTED\n  {msg}", file=sys.stderr, flush=True)
+    elif races.count == _MAX_PRINTED + 1:
+        print(
+            "RACE DETECTED: further races of this kernel call are counted in races.count, not printed",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def reset_races() -> None:
+    """A fresh ``races`` for a kernel call (JAX's interpreter starts each call with
+    its own state): ``races.races_found`` says what the latest call found."""
+    global races
+    races = RaceDetectionState()
+
 
 # The sessions of this process: the live ones by id, and by key those that not every
 # device of the mesh has joined yet (``join_session`` pairs the devices' calls).
@@ -134,7 +167,9 @@ def index_inside(idx, shape) -> np.ndarray:
 class Session:
     """One kernel call shared by the devices of a mesh (see the module docstring)."""
 
-    def __init__(self, sid: int, key, num_devices: int, kernel: str, detect_races: bool, num_cores: int = 1):
+    def __init__(
+        self, sid: int, key, num_devices: int, kernel: str, detect_races: bool | str, num_cores: int = 1
+    ):
         self.sid, self.key, self.num_devices, self.kernel = sid, key, num_devices, kernel
         self.detect_races = detect_races
         self.cv = threading.Condition()
@@ -241,8 +276,10 @@ class Session:
     # -- race detection --
 
     def record(self, buf, thread, write: bool, idx: np.ndarray, what) -> None:
-        """Records an access and raises if it races with an earlier one
-        (``what`` names it: a string, or a function giving one)."""
+        """Records an access (``what`` names it: a string, or a function giving one).
+        One that races with an earlier one is reported as JAX's detector reports it
+        (``report_race``); then, with ``on_race="raise"``, the kernel stops with that
+        error, else it goes on."""
         if not self.detect_races:
             return
         race = self.hb.record(buf, thread, write, idx, what, self._waiting_dmas)
@@ -251,9 +288,9 @@ class Session:
                 f"{self.kernel}: data race: {race} touch the same memory with no synchronization "
                 "between them (a semaphore signal and wait, a barrier, or waiting for the DMA)"
             )
-            races.races_found = True
-            races.messages.append(msg)
-            raise self.fail(msg)
+            report_race(msg, printed=self.detect_races != "raise")
+            if self.detect_races == "raise":
+                raise self.fail(f"RACE DETECTED: {msg}")
 
     def _waiting_dmas(self) -> set:
         """The DMAs not waited for yet: in flight, or in a mailbox or staged for a wait."""
@@ -307,7 +344,7 @@ def lowering_mesh(axis_context):
 
 
 def join_session(
-    key, num_devices: int, dev: int, kernel: str, detect_races: bool, num_cores: int = 1
+    key, num_devices: int, dev: int, kernel: str, detect_races: bool | str, num_cores: int = 1
 ) -> Session:
     global _next_sid
     with _lock:
@@ -317,6 +354,8 @@ def join_session(
         else:
             s = Session(_next_sid, key, num_devices, kernel, detect_races, num_cores)
             _next_sid += 1
+            if detect_races:
+                reset_races()  # each call's own findings, as in JAX's interpreter
             _live[s.sid] = s
             _open[key].append(s)
         s.joined.add(dev)

@@ -14,10 +14,12 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Primitive
+from jax.extend.core import Effect, Primitive
+from jax.interpreters import mlir
 
 from pallas import backend as plb
 from pallas_tpu._src import compat
@@ -391,7 +393,8 @@ def load(ref, *, mask=None):
     Returns:
       The loaded array.
     """
-    val = ref[...]
+    with jax.named_scope("pltpu.load"):  # checks.LOAD_SCOPE: JAX's messages say load_p for it
+        val = ref[...]
     if mask is None:
         return val
     return jnp.where(_check_mask(ref, mask, "pltpu.load"), val, jnp.zeros_like(val))
@@ -410,3 +413,55 @@ def store(ref, val, *, mask=None) -> None:
         return
     mask = _check_mask(ref, mask, "pltpu.store")
     ref[...] = jnp.where(mask, jnp.asarray(val, ref.dtype), ref[...])
+
+
+# ---------------------------------------------------------------------------
+# The TensorCore's P-state (JAX 0.12.1): a request for another clock frequency.
+
+
+class RequestPStateEffect(Effect):
+    """Keeps ``pltpu.request_p_state`` (no operands, no results) in the kernel."""
+
+
+request_p_state_effect = RequestPStateEffect()
+compat.allow_effect_in_kernels(RequestPStateEffect)
+
+request_p_state_p = Primitive("request_p_state")
+request_p_state_p.multiple_results = True
+
+
+@request_p_state_p.def_effectful_abstract_eval
+def _request_p_state_abstract_eval(*, p_state: int):
+    if p_state < 0:
+        raise _err(ValueError, f"pltpu.request_p_state: p_state must be non-negative, got {p_state}")
+    return [], {request_p_state_effect}
+
+
+def request_p_state(p_state: int) -> None:
+    """Asks the TensorCore for P-state ``p_state`` (its clock frequency; other parts
+    of the chip may follow it), as JAX's ``pltpu.request_p_state``: best effort and
+    not immediate (the hardware or firmware may ignore, delay or clamp the request).
+
+    Lowered for TPU7x and later (Mosaic's ``tpu.request_p_state``, jaxlib >= 0.12.1);
+    older chips refuse it. Interpret modes take it and do nothing: a P-state
+    changes how fast a kernel runs, not what it computes.
+
+    Args:
+      p_state: the P-state index, a non-negative Python int.
+    """
+    if not isinstance(p_state, (int, np.integer)) or isinstance(p_state, bool):
+        raise _err(
+            TypeError,
+            f"pltpu.request_p_state: p_state must be an int, got {type(p_state)} (a static P-state index)",
+        )
+    request_p_state_p.bind(p_state=int(p_state))
+
+
+def _request_p_state_nothing(ctx, *, p_state):
+    """Outside a TPU lowering (pallas-core's interpret mode lowers the kernel's jaxpr
+    for the CPU): nothing to do."""
+    del ctx, p_state
+    return []
+
+
+mlir.register_lowering(request_p_state_p, _request_p_state_nothing)

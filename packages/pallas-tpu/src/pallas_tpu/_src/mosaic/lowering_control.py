@@ -299,6 +299,13 @@ def _identity(ctx, *args, **_):
     return list(args) if ctx.eqn.primitive.multiple_results else args[0]
 
 
+@register_lowering(plb.dynamic_grid_size_p)
+def _dynamic_grid_size(ctx, *, axis):
+    """``pl.num_programs`` of a grid axis of traced size in an index map: the grid's
+    ``tpu.iteration_bound`` there, as in JAX's lowering (and in the kernel body)."""
+    return tpu.iteration_bound(axis)
+
+
 @register_lowering(plb.grid_axis_index_p)
 def _grid_axis_index(ctx, *, axis_name):
     names = ctx.kernel.grid_names

@@ -1,5 +1,5 @@
 """Rules for the names JAX 0.12 added to Pallas: ``pltpu.has_memory_space``,
-the poison that
+``pltpu.request_p_state`` (JAX 0.12.1), the poison that
 ``pl.enable_poison_buffers`` stores into ``pl.run_scoped`` buffers, and
 (``lowering_mxu.py``) ``pltpu.conv`` and the MXU ops.
 
@@ -17,7 +17,8 @@ from jaxlib.mlir.dialects import memref, scf, vector
 from jaxlib.mosaic.python import tpu
 
 from pallas import backend as plb
-from pallas_tpu._src.language import memory_query
+from pallas_tpu._src.language import memory_query, tpu_info
+from pallas_tpu._src.language import primitives as tpu_prims
 from pallas_tpu._src.mosaic.lowering import (
     constant,
     index,
@@ -73,3 +74,20 @@ def _store_everywhere(scalar, ref, shape, at) -> None:
         else:
             _store_everywhere(scalar, ref, shape, [*at, i])
         scf.yield_([])
+
+
+@register_lowering(tpu_prims.request_p_state_p)
+def _request_p_state(ctx, *, p_state):
+    """``tpu.request_p_state``: TPU7x and later only (JAX's words first), in jaxlib's
+    Mosaic dialect from JAX 0.12.1."""
+    info = tpu_info.get_tpu_info()
+    if info.generation < 7:
+        raise NotImplementedError(
+            f"request_p_state is only supported on TPU7x+: pltpu.request_p_state asks a TensorCore for a "
+            f"P-state, which TPU v{info.generation} chips do not take; leave it out of kernels for this chip "
+            "(their clock follows the firmware's choice)"
+        )
+    if not hasattr(tpu, "RequestPStateOp"):
+        raise needs_jax("pltpu.request_p_state (tpu.request_p_state)", "0.12.1")
+    tpu.request_p_state(p_state)
+    return []

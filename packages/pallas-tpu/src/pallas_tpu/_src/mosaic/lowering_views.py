@@ -1,7 +1,8 @@
 """Ref views for Mosaic: a Ref's transforms (``ref.at[...]`` indexings, each a
 ``Window``; ``.reshape(...)``) and a ``BlockRef``'s squeezed dims, turned into
 the memref an op takes (``view``: ``tpu.memref_slice`` + ``tpu.memref_squeeze``,
-``tpu.memref_reshape``, ``tpu.memref_bitcast`` for ``.bitcast(dtype)``; a DMA's ``padded_shape`` and ``padded_tiling`` widen its
+``tpu.memref_reshape``, ``tpu.memref_bitcast`` for ``.bitcast(dtype)``, ``tpu.memref_pad`` for
+``pl.pad_ref``; a DMA's ``padded_shape`` and ``padded_tiling`` widen its
 last window), or into the memref and the one window a read or write accesses
 (``access``: a strided view and the windows after it compose into one strided
 window). Array-indexed windows (gathers) and strided windows are refused as
@@ -17,6 +18,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
 from jaxlib.mosaic.python import tpu
 
+from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.mosaic.lowering import (
     BACKEND,
@@ -25,6 +27,7 @@ from pallas_tpu._src.mosaic.lowering import (
     element_type,
     index,
 )
+from pallas_tpu._src.mosaic.lowering_jax012 import needs_jax
 
 
 @dataclasses.dataclass
@@ -53,6 +56,14 @@ class Bitcast:
     ``(32, 128)`` bfloat16: Mosaic packs rows along the sublanes), JAX's rule."""
 
     dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Pad:
+    """``pl.pad_ref(ref, shape)``: the Ref seen with the larger ``shape``, padded at
+    the end of each dimension (``tpu.memref_pad``, as JAX 0.12.1's lowering)."""
+
+    shape: tuple[int, ...]
 
 
 def _bits(el: ir.Type) -> int:
@@ -101,6 +112,8 @@ def _transforms(tree, leaves) -> list:
             out.append(tuple(t.shape))
         elif isinstance(t, compat.BitcastTransform):
             out.append(Bitcast(np.dtype(t.dtype)))
+        elif isinstance(t, plb.PadTransform):
+            out.append(Pad(tuple(t.shape)))
         else:
             raise NotImplementedError(f"Ref transform {type(t).__name__} is not supported ({BACKEND})")
     return out
@@ -158,6 +171,8 @@ def apply_view(ref: ir.Value, v) -> ir.Value:
     like = lambda shape: ir.MemRefType.get(list(shape), t.element_type, memory_space=t.memory_space)  # noqa: E731
     if isinstance(v, Bitcast):
         return _bitcast(ref, v)
+    if isinstance(v, Pad):
+        return _pad(ref, v, like)
     if not isinstance(v, Window):
         return tpu.memref_reshape(like(v), ref)
     if v.gather:
@@ -175,6 +190,13 @@ def apply_view(ref: ir.Value, v) -> ir.Value:
     if any(v.squeezed):
         out = tpu.memref_squeeze(like([n for n, q in zip(shape, v.squeezed) if not q]), out)
     return out
+
+
+def _pad(ref: ir.Value, v: Pad, like) -> ir.Value:
+    """``tpu.memref_pad`` to ``v.shape`` (jaxlib's Mosaic dialect has it from JAX 0.12.1)."""
+    if not hasattr(tpu, "MemRefPadOp"):
+        raise needs_jax("pl.pad_ref (tpu.memref_pad)", "0.12.1")
+    return getattr(tpu, "memref_pad")(like(v.shape), ref)  # noqa: B009  (not in every jaxlib's stubs)
 
 
 def _bitcast(ref: ir.Value, v: Bitcast) -> ir.Value:

@@ -9,10 +9,10 @@ a TPU's memories, DMAs, semaphores, cores and devices.
 
 from pallas import backend as _plb
 from pallas_tpu._src import pallas_call_registration as _registration
-from pallas_tpu._src.executor.run import MosaicError as MosaicError
-from pallas_tpu._src.executor.run import run_mosaic as run_mosaic
 from pallas_tpu._src.estimate import EstimateError as EstimateError
 from pallas_tpu._src.estimate import estimate as estimate
+from pallas_tpu._src.executor.run import MosaicError as MosaicError
+from pallas_tpu._src.executor.run import run_mosaic as run_mosaic
 from pallas_tpu._src.interpret.interpreter import InterpretParams as InterpretParams
 from pallas_tpu._src.interpret.interpreter import KernelError as KernelError
 from pallas_tpu._src.interpret.interpreter import force_tpu_interpret_mode as force_tpu_interpret_mode

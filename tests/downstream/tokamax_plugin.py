@@ -160,12 +160,20 @@ def _interpret_ours(triton_interpreted: bool = True) -> None:
 
     @functools.wraps(original)
     def pallas_call(*args, **kwargs):
-        if _is_triton(kwargs.get("compiler_params"), pallas_gpu.CompilerParams):
-            kwargs["interpret"] = kwargs.get("interpret") or True
-        elif kwargs.get("interpret") is True:
-            # As JAX's forced TPU interpret mode does with an explicit interpret=True.
-            kwargs["interpret"] = pltpu.InterpretParams()
-        return original(*args, **kwargs)
+        if not _is_triton(kwargs.get("compiler_params"), pallas_gpu.CompilerParams):
+            return original(*args, **kwargs)
+        kwargs["interpret"] = kwargs.get("interpret") or True
+
+        # The forced TPU interpret mode wins over `interpret=` (as JAX's): lift it for this kernel.
+        with pltpu.force_tpu_interpret_mode(None):
+            call = original(*args, **kwargs)
+
+        @functools.wraps(call)
+        def run(*a, **k):
+            with pltpu.force_tpu_interpret_mode(None):
+                return call(*a, **k)
+
+        return run
 
     pl.pallas_call = _counted(pallas_call)
     pl.kernel = _counted(pl.kernel)

@@ -24,7 +24,6 @@ Pallas Triton and Mosaic GPU kernels are not recorded.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -108,11 +107,14 @@ def _chip_context(chip: str):
 
 
 def _no_forced_interpret(side: str):
+    """The forced TPU interpret mode lifted (it wins over a call's ``interpret=``, ours as JAX's)."""
     if side == "jax":
         from jax.experimental.pallas import tpu as jpltpu
 
         return jpltpu.force_tpu_interpret_mode(None)
-    return contextlib.nullcontext()  # ours resolves the forced mode in pallas_call, before the bind
+    import pallas_tpu as pltpu
+
+    return pltpu.force_tpu_interpret_mode(None)
 
 
 def _first_line(e: BaseException) -> str:

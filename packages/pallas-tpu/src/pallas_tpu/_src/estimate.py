@@ -734,7 +734,7 @@ def _pyplot():
         import matplotlib.pyplot as plt
     except ImportError:
         raise EstimateError(
-            "estimate's picture needs matplotlib (an optional dependency): pip install matplotlib"
+            "estimate's picture needs matplotlib (an optional dependency): pip install jax-pallas-tpu[plot]"
         ) from None
     return plt
 

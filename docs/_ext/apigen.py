@@ -29,6 +29,7 @@ import importlib.util
 import inspect
 import os
 import pkgutil
+import sys
 import types
 import warnings
 
@@ -407,7 +408,14 @@ def public_modules() -> list[str]:
     while todo:
         name = todo.pop()
         found.append(name)
+        parent, _, leaf = name.rpartition(".")
+        before = getattr(sys.modules.get(parent), leaf, None) if parent else None
         mod = importlib.import_module(name)
+        if before is not None and not isinstance(before, types.ModuleType):
+            # A submodule named as a function of its package (``python -m pallas_tpu.estimate``
+            # beside ``pltpu.estimate``): importing it rebinds the package's name; the page
+            # documents the function.
+            setattr(sys.modules[parent], leaf, before)
         for info in pkgutil.iter_modules(getattr(mod, "__path__", [])):
             if not info.name.startswith("_"):
                 todo.append(f"{name}.{info.name}")

@@ -235,16 +235,30 @@ def _dense(x: np.ndarray, dtype=None) -> np.ndarray:
     return np.require(x, dtype, ["C", "W"])
 
 
+def _spread(h, batched: bool, shape, dtype=None) -> np.ndarray:
+    """Handle ``h``'s values (per program where ``batched``) broadcast to ``shape``, dense."""
+    return _dense(np.broadcast_to(_lift(h) if batched else h.data, shape), dtype)
+
+
 def _operands(ptrs, mask, extra):
     """(batched, shape, pointers, mask) with the operands broadcast to one shape."""
     handles = [h for h in (ptrs, mask, extra) if h is not None]
     batched = _batched(handles)
     shape = np.broadcast_shapes(*((_lift(h) if batched else h.data).shape for h in handles))
-    p = _dense(np.broadcast_to(_lift(ptrs) if batched else ptrs.data, shape))
+    p = _spread(ptrs, batched, shape)
     if mask is None:
         return batched, shape, p, np.ones(shape, bool)
-    m = _dense(np.broadcast_to(_lift(mask) if batched else mask.data, shape), bool)
-    return batched, shape, p, m
+    return batched, shape, p, _spread(mask, batched, shape, bool)
+
+
+def _access(ptrs, mask, extra, *, store: bool):
+    """``_operands`` of a load or store, checked and recorded; with the element type."""
+    batched, shape, p, m = _operands(ptrs, mask, extra)
+    elem = ptrs.get_element_ty()
+    elem_bytes = max(1, elem.primitive_bitwidth // 8)
+    _state.check_access("store" if store else "load", p, m, elem_bytes)
+    _record(p, m, batched, elem_bytes, store=store)
+    return batched, shape, p, m, elem
 
 
 def _load(self, ptr, *policy, **policy_kw):  # *policy, **policy_kw: as in _patches._masked_load
@@ -272,16 +286,9 @@ def _masked_load(self, ptrs, mask, other, *policy, **policy_kw):  # *policy: as 
     if _active is None:
         return _BUILDER_ORIGINALS["create_masked_load"](self, ptrs, mask, other, *policy, **policy_kw)
     interp = interpreter()
-    batched, shape, p, m = _operands(ptrs, mask, other)
-    elem = ptrs.get_element_ty()
-    elem_bytes = max(1, elem.primitive_bitwidth // 8)
-    _state.check_access("load", p, m, elem_bytes)
-    _record(p, m, batched, elem_bytes, store=False)
+    batched, shape, p, m, elem = _access(ptrs, mask, other, store=False)
     dtype = interp._get_np_dtype(elem)
-    if other is None:
-        o = np.zeros(shape, dtype)
-    else:
-        o = _dense(np.broadcast_to(_lift(other) if batched else other.data, shape), dtype)
+    o = np.zeros(shape, dtype) if other is None else _spread(other, batched, shape, dtype)
     data = interp._interpreter.load(p, m, o, dtype)
     return _handle(data, elem, batched)
 
@@ -291,12 +298,8 @@ def _masked_store(self, ptrs, value, mask, *policy, **policy_kw):
     if _active is None:
         return _BUILDER_ORIGINALS["create_masked_store"](self, ptrs, value, mask, *policy, **policy_kw)
     interp = interpreter()
-    batched, shape, p, m = _operands(ptrs, mask, value)
-    elem = ptrs.get_element_ty()
-    elem_bytes = max(1, elem.primitive_bitwidth // 8)
-    _state.check_access("store", p, m, elem_bytes)
-    _record(p, m, batched, elem_bytes, store=True)
-    v = _dense(np.broadcast_to(_lift(value) if batched else value.data, shape))
+    batched, shape, p, m, _ = _access(ptrs, mask, value, store=True)
+    v = _spread(value, batched, shape)
     old = interp._interpreter.load(p, m, np.zeros(shape, v.dtype), v.dtype)
     _active.undo.append((p[m], old[m]))
     return interp._interpreter.store(p, v, m)
@@ -398,21 +401,33 @@ def _axis(data: np.ndarray, axis):
     return data, (axis + data.ndim - 1 if axis < 0 else axis) + 1
 
 
-def _reduce(input, axis, combine_fn, keep_dims=False, **kwargs):
-    interp = interpreter()
+def _combining(input, combine_fn):
+    """``(inputs, ufunc, same)`` of a reduction or scan: its tensors, the NumPy ufunc of
+    ``combine_fn`` (or None), and whether every program has the same values."""
     inputs = input if isinstance(input, tuple) else (input,)
-    ufunc = _combine.ufunc_for(combine_fn, inputs)
-    if _active is None or not _batched([x.handle for x in inputs]):
-        ops = interp.ReduceOps(axis, combine_fn, keep_dims)
-        if ufunc is None:
-            return ops.apply(input)
-        ops.check_tensor(inputs)
-        data = inputs[0].handle.data
-        ax = None if axis is None else int(getattr(axis, "value", axis))
-        value = ops.to_tensor(
-            ufunc.reduce(data, axis=ax, keepdims=keep_dims, dtype=data.dtype), inputs[0].dtype
-        )
-        return (value,) if isinstance(input, tuple) else value
+    same = _active is None or not _batched([x.handle for x in inputs])
+    return inputs, _combine.ufunc_for(combine_fn, inputs), same
+
+
+def _unbatched(input, inputs, ops, ufunc, whole):
+    """Triton's interpreter's reduction or scan (``ops``) of ``input``, the same for every
+    program; where the combine function is a NumPy ``ufunc``, ``whole(data)`` in one call."""
+    if ufunc is None:
+        return ops.apply(input)
+    ops.check_tensor(inputs)
+    value = ops.to_tensor(whole(inputs[0].handle.data), inputs[0].dtype)
+    return (value,) if isinstance(input, tuple) else value
+
+
+def _reduce(input, axis, combine_fn, keep_dims=False, **kwargs):
+    inputs, ufunc, same = _combining(input, combine_fn)
+    if same:
+
+        def whole(data):
+            ax = None if axis is None else int(getattr(axis, "value", axis))
+            return ufunc.reduce(data, axis=ax, keepdims=keep_dims, dtype=data.dtype)
+
+        return _unbatched(input, inputs, interpreter().ReduceOps(axis, combine_fn, keep_dims), ufunc, whole)
     tl = _tl()
     std = tl.standard
     x = inputs[0]
@@ -449,18 +464,15 @@ def _reduce(input, axis, combine_fn, keep_dims=False, **kwargs):
 
 
 def _scan(input, axis, combine_fn, reverse=False, **kwargs):
-    interp = interpreter()
-    inputs = input if isinstance(input, tuple) else (input,)
-    ufunc = _combine.ufunc_for(combine_fn, inputs)
-    if _active is None or not _batched([x.handle for x in inputs]):
-        ops = interp.ScanOps(axis, combine_fn, reverse)
-        if ufunc is None:
-            return ops.apply(input)
-        ops.check_tensor(inputs)
-        data, ax = inputs[0].handle.data, int(getattr(axis, "value", axis))
-        flip = (lambda d: np.flip(d, axis=ax)) if reverse else (lambda d: d)  # noqa: E731
-        value = ops.to_tensor(flip(ufunc.accumulate(flip(data), axis=ax, dtype=data.dtype)), inputs[0].dtype)
-        return (value,) if isinstance(input, tuple) else value
+    inputs, ufunc, same = _combining(input, combine_fn)
+    if same:
+
+        def whole(data):
+            ax = int(getattr(axis, "value", axis))
+            flip = (lambda d: np.flip(d, axis=ax)) if reverse else (lambda d: d)  # noqa: E731
+            return flip(ufunc.accumulate(flip(data), axis=ax, dtype=data.dtype))
+
+        return _unbatched(input, inputs, interpreter().ScanOps(axis, combine_fn, reverse), ufunc, whole)
     std = _tl().standard
     found = [
         op for fn, op in ((std._sum_combine, np.cumsum), (std._prod_combine, np.cumprod)) if fn is combine_fn

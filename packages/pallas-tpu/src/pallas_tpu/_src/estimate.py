@@ -89,89 +89,66 @@ _DERIVED_CLOCK = (
     "publishes no clock for this chip"
 )
 
+
+def _chip(*numbers, **notes: str) -> Chip:
+    """The ``Chip`` of ``numbers`` (its fields in order, less ``sources``) with ``notes`` as the
+    sources of its constants; those taken from the Google Cloud page (peak FLOP/s, HBM bandwidth,
+    MXU count) or read from libtpu's output default to the words of their figures."""
+    facts = dict(zip((f.name for f in dataclasses.fields(Chip)), numbers))
+    gcloud = _GCLOUD.format(facts["name"])
+    mxus = facts["mxus"]
+    mxu_names = f"mxu0..mxu{mxus - 1}" if mxus > 2 else " and ".join(f"mxu{i}" for i in range(mxus))
+    defaults = {
+        "mxus": f"{gcloud}; libtpu's bundles name {mxu_names}",
+        "peak_bf16_flops": f"{gcloud}: {round(facts['peak_bf16_flops'] / 1e12)} TFLOP/s",
+        "hbm_bytes_per_s": f"{gcloud}: {round(facts['hbm_bytes_per_s'] / 1e9)} GB/s",
+        "vmem_bytes": _LIBTPU.format(f"vmem_report's vmem_capacity, {facts['vmem_bytes'] >> 20} MiB"),
+        "smem_bytes": "JAX's pltpu.get_tpu_info (smem_capacity_bytes)",
+        "granule_bytes": _LIBTPU.format(f"size_in_granules of a DMA of a known block: {facts['granule_bytes']} B"),
+        "delay_slots": _LIBTPU.format(f"the bundles after a loop's back branch: {facts['delay_slots']}"),
+    }  # fmt: skip
+    sources = {**defaults, **notes}
+    return Chip(**facts, sources={f: sources[f] for f in facts if f in sources})
+
+
 #: Every generation libtpu compiles for (``compile_check.TOPOLOGIES``), with its constants.
 CHIPS: dict[str, Chip] = {
-    "v4": Chip(
-        "v4", 1.05e9, 2, 4, 128, 1.0, 275e12, 1228e9, 16 << 20, 1 << 20, 512, 1, 0.78, 0.7,
-        {
-            "clock_hz": "1050 MHz: Jouppi et al., 'TPU v4: An Optically Reconfigurable Supercomputer', ISCA 2023, Table 1",
-            "tensorcores": _GCLOUD.format("v4") + " (2 TensorCores, 4 MXUs each)",
-            "mxus": _GCLOUD.format("v4") + "; libtpu's bundles name mxu0..mxu3",
-            "mxu_width": "128x128: ISCA 2023 paper; libtpu's weight pushes of 128 lanes",
-            "mxu_rows_per_cycle": "derived: 275 TFLOP/s = 2 x 4 x 2 x 128^2 x 1.05 GHz x 1",
-            "peak_bf16_flops": _GCLOUD.format("v4") + ": 275 TFLOP/s",
-            "hbm_bytes_per_s": _GCLOUD.format("v4") + ": 1228 GB/s (JAX's tpu_info: 1.23e12)",
-            "vmem_bytes": _LIBTPU.format("vmem_report's vmem_capacity, 16 MiB"),
-            "smem_bytes": "JAX's pltpu.get_tpu_info (smem_capacity_bytes)",
-            "granule_bytes": _LIBTPU.format("size_in_granules of a DMA of a known block: 512 B"),
-            "delay_slots": _LIBTPU.format("the bundles after a loop's back branch: 1"),
-        },
+    "v4": _chip("v4", 1.05e9, 2, 4, 128, 1.0, 275e12, 1228e9, 16 << 20, 1 << 20, 512, 1, 0.78, 0.7,
+        clock_hz="1050 MHz: Jouppi et al., 'TPU v4: An Optically Reconfigurable Supercomputer', ISCA 2023, Table 1",
+        tensorcores=_GCLOUD.format("v4") + " (2 TensorCores, 4 MXUs each)",
+        mxu_width="128x128: ISCA 2023 paper; libtpu's weight pushes of 128 lanes",
+        mxu_rows_per_cycle="derived: 275 TFLOP/s = 2 x 4 x 2 x 128^2 x 1.05 GHz x 1",
+        hbm_bytes_per_s=_GCLOUD.format("v4") + ": 1228 GB/s (JAX's tpu_info: 1.23e12)",
     ),
-    "v5e": Chip(
-        "v5e", 1.5e9, 1, 4, 128, 1.0, 197e12, 819e9, 128 << 20, 1 << 20, 32, 4, 0.78, 0.7,
-        {
-            "clock_hz": _DERIVED_CLOCK + ": 197e12 / (1 x 4 x 2 x 128^2 x 1) = 1.50 GHz",
-            "tensorcores": _GCLOUD.format("v5e") + " (one TensorCore, 4 MXUs)",
-            "mxus": _GCLOUD.format("v5e") + "; libtpu's bundles name mxu0..mxu3",
-            "mxu_width": "128x128: libtpu's weight pushes of 128 lanes",
-            "mxu_rows_per_cycle": "assumed 1 (a systolic array takes a row a cycle), which gives the 1.5 GHz clock",
-            "peak_bf16_flops": _GCLOUD.format("v5e") + ": 197 TFLOP/s",
-            "hbm_bytes_per_s": _GCLOUD.format("v5e") + ": 819 GB/s",
-            "vmem_bytes": _LIBTPU.format("vmem_report's vmem_capacity, 128 MiB"),
-            "smem_bytes": "JAX's pltpu.get_tpu_info (smem_capacity_bytes)",
-            "granule_bytes": _LIBTPU.format("size_in_granules of a DMA of a known block: 32 B"),
-            "delay_slots": _LIBTPU.format("the bundles after a loop's back branch: 4"),
-            "hbm_efficiency": _FIT_V5E + ": 640 of 819 GB/s",
-            "xla_op_us": _FIT_V5E,
-        },
+    "v5e": _chip("v5e", 1.5e9, 1, 4, 128, 1.0, 197e12, 819e9, 128 << 20, 1 << 20, 32, 4, 0.78, 0.7,
+        clock_hz=_DERIVED_CLOCK + ": 197e12 / (1 x 4 x 2 x 128^2 x 1) = 1.50 GHz",
+        tensorcores=_GCLOUD.format("v5e") + " (one TensorCore, 4 MXUs)",
+        mxu_width="128x128: libtpu's weight pushes of 128 lanes",
+        mxu_rows_per_cycle="assumed 1 (a systolic array takes a row a cycle), which gives the 1.5 GHz clock",
+        hbm_efficiency=_FIT_V5E + ": 640 of 819 GB/s",
+        xla_op_us=_FIT_V5E,
     ),
-    "v5p": Chip(
-        "v5p", 1.75e9, 2, 4, 128, 1.0, 459e12, 2765e9, 64 << 20, 1 << 20, 32, 4, 0.78, 0.7,
-        {
-            "clock_hz": _DERIVED_CLOCK + ": 459e12 / (2 x 4 x 2 x 128^2 x 1) = 1.75 GHz",
-            "tensorcores": _GCLOUD.format("v5p") + " (2 TensorCores, 4 MXUs each; one JAX device: megacore)",
-            "mxus": _GCLOUD.format("v5p") + "; libtpu's bundles name mxu0..mxu3",
-            "mxu_width": "128x128: libtpu's weight pushes of 128 lanes",
-            "mxu_rows_per_cycle": "assumed 1, as the v5e",
-            "peak_bf16_flops": _GCLOUD.format("v5p") + ": 459 TFLOP/s",
-            "hbm_bytes_per_s": _GCLOUD.format("v5p") + ": 2765 GB/s",
-            "vmem_bytes": _LIBTPU.format("vmem_report's vmem_capacity, 64 MiB"),
-            "smem_bytes": "JAX's pltpu.get_tpu_info (smem_capacity_bytes)",
-            "granule_bytes": _LIBTPU.format("size_in_granules of a DMA of a known block: 32 B"),
-            "delay_slots": _LIBTPU.format("the bundles after a loop's back branch: 4"),
-        },
+    "v5p": _chip("v5p", 1.75e9, 2, 4, 128, 1.0, 459e12, 2765e9, 64 << 20, 1 << 20, 32, 4, 0.78, 0.7,
+        clock_hz=_DERIVED_CLOCK + ": 459e12 / (2 x 4 x 2 x 128^2 x 1) = 1.75 GHz",
+        tensorcores=_GCLOUD.format("v5p") + " (2 TensorCores, 4 MXUs each; one JAX device: megacore)",
+        mxu_width="128x128: libtpu's weight pushes of 128 lanes",
+        mxu_rows_per_cycle="assumed 1, as the v5e",
     ),
-    "v6e": Chip(
-        "v6e", 1.75e9, 1, 2, 256, 2.0, 918e12, 1640e9, 128 << 20, 1 << 20, 32, 4, 0.78, 0.7,
-        {
-            "clock_hz": _DERIVED_CLOCK + ": 918e12 / (1 x 2 x 2 x 256^2 x 2) = 1.75 GHz",
-            "tensorcores": _GCLOUD.format("v6e") + " (one TensorCore, two 256x256 MXUs)",
-            "mxus": _GCLOUD.format("v6e") + "; libtpu's bundles name mxu0 and mxu1",
-            "mxu_width": _GCLOUD.format("v6e") + ": 256x256",
-            "mxu_rows_per_cycle": "assumed 2: one row a cycle would need a 3.5 GHz clock for 918 TFLOP/s",
-            "peak_bf16_flops": _GCLOUD.format("v6e") + ": 918 TFLOP/s",
-            "hbm_bytes_per_s": _GCLOUD.format("v6e") + ": 1640 GB/s",
-            "vmem_bytes": _LIBTPU.format("vmem_report's vmem_capacity, 128 MiB"),
-            "smem_bytes": "JAX's pltpu.get_tpu_info (smem_capacity_bytes)",
-            "granule_bytes": _LIBTPU.format("size_in_granules of a DMA of a known block: 32 B"),
-            "delay_slots": _LIBTPU.format("the bundles after a loop's back branch: 4"),
-        },
+    "v6e": _chip("v6e", 1.75e9, 1, 2, 256, 2.0, 918e12, 1640e9, 128 << 20, 1 << 20, 32, 4, 0.78, 0.7,
+        clock_hz=_DERIVED_CLOCK + ": 918e12 / (1 x 2 x 2 x 256^2 x 2) = 1.75 GHz",
+        tensorcores=_GCLOUD.format("v6e") + " (one TensorCore, two 256x256 MXUs)",
+        mxu_width=_GCLOUD.format("v6e") + ": 256x256",
+        mxu_rows_per_cycle="assumed 2: one row a cycle would need a 3.5 GHz clock for 918 TFLOP/s",
     ),
-    "7x": Chip(
-        "7x", 2.2e9, 2, 2, 256, 2.0, 2307e12, 7370e9, 64 << 20, 1 << 20, 32, 6, 0.78, 0.7,
-        {
-            "clock_hz": _DERIVED_CLOCK + ": 2307e12 / (2 x 2 x 2 x 256^2 x 2) = 2.2 GHz",
-            "tensorcores": "Google Cloud TPU docs, 'TPU7x (Ironwood)': 2 TensorCores a chip, one JAX device each",
-            "mxus": _LIBTPU.format("the bundles name mxu0 and mxu1"),
-            "mxu_width": "256x256: libtpu's 256-lane pushes (vmatprep + vmatmul)",
-            "mxu_rows_per_cycle": "assumed 2, as the v6e",
-            "peak_bf16_flops": "Google Cloud TPU docs, 'TPU7x (Ironwood)': 4614 TFLOP/s fp8, 2307 bf16",
-            "hbm_bytes_per_s": "Google Cloud TPU docs, 'TPU7x (Ironwood)': 7.37 TB/s",
-            "vmem_bytes": _LIBTPU.format("vmem_report's vmem_capacity, 64 MiB"),
-            "smem_bytes": "JAX's pltpu.get_tpu_info (smem_capacity_bytes)",
-            "granule_bytes": "assumed 32 B, as the v5e (7x kernels take their operands in VMEM here)",
-            "delay_slots": _LIBTPU.format("the bundles after a loop's back branch: 6"),
-        },
+    "7x": _chip("7x", 2.2e9, 2, 2, 256, 2.0, 2307e12, 7370e9, 64 << 20, 1 << 20, 32, 6, 0.78, 0.7,
+        clock_hz=_DERIVED_CLOCK + ": 2307e12 / (2 x 2 x 2 x 256^2 x 2) = 2.2 GHz",
+        tensorcores="Google Cloud TPU docs, 'TPU7x (Ironwood)': 2 TensorCores a chip, one JAX device each",
+        mxus=_LIBTPU.format("the bundles name mxu0 and mxu1"),
+        mxu_width="256x256: libtpu's 256-lane pushes (vmatprep + vmatmul)",
+        mxu_rows_per_cycle="assumed 2, as the v6e",
+        peak_bf16_flops="Google Cloud TPU docs, 'TPU7x (Ironwood)': 4614 TFLOP/s fp8, 2307 bf16",
+        hbm_bytes_per_s="Google Cloud TPU docs, 'TPU7x (Ironwood)': 7.37 TB/s",
+        granule_bytes="assumed 32 B, as the v5e (7x kernels take their operands in VMEM here)",
     ),
 }  # fmt: skip
 

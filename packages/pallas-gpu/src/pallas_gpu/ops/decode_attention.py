@@ -333,25 +333,49 @@ _STATIC = ["sm_scale", "block_h", "block_k", "k_splits", "num_warps", "num_stage
            "return_residuals", "normalize_output"]  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def mqa(
-    q,
-    k,
-    v,
-    start_idx=None,
-    kv_seq_len=None,
-    sm_scale: float | None = None,
-    block_h: int = 16,
-    block_k: int = 64,
-    k_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 3,
-    grid: tuple[int, ...] | None = None,
-    interpret: Any = False,
-    debug: bool = False,
-    return_residuals: bool = False,
-    normalize_output: bool = True,
-):
+def _public(name: str, doc: str):
+    """JAX's ``mqa`` or ``gqa`` (``name``), jitted: one signature for both."""
+
+    def decode(
+        q,
+        k,
+        v,
+        start_idx=None,
+        kv_seq_len=None,
+        sm_scale: float | None = None,
+        block_h: int = 16,
+        block_k: int = 64,
+        k_splits: int | None = None,
+        num_warps: int | None = None,
+        num_stages: int = 3,
+        grid: tuple[int, ...] | None = None,
+        interpret: Any = False,
+        debug: bool = False,
+        return_residuals: bool = False,
+        normalize_output: bool = True,
+    ):
+        if name == "mqa":  # one KV head: gqa's layout with a KV-head axis of 1
+            k, v = k[:, :, None], v[:, :, None]
+        elif not normalize_output and not return_residuals:
+            raise NotImplementedError(
+                "gqa: when normalize_output is False, attention residuals must be returned."
+            )
+        elif k.ndim != 4 or v.ndim != 4:
+            raise ValueError(
+                f"gqa: k and v must be [batch_size, k_seq_len, num_kv_heads, head_dim]; got k{k.shape}, v{v.shape}"
+            )
+        return _decode(q, k, v, start_idx, kv_seq_len, name=name, sm_scale=sm_scale, block_h=block_h,
+                       block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages, grid=grid,
+                       interpret=interpret, debug=debug, return_residuals=return_residuals,
+                       normalize_output=normalize_output)  # fmt: skip
+
+    decode.__name__ = decode.__qualname__ = name
+    decode.__doc__ = doc
+    return jax.jit(decode, static_argnames=_STATIC)
+
+
+mqa = _public(
+    "mqa",
     """Multi-query decode attention: every query head attends to the one
     shared K/V head.
 
@@ -378,32 +402,11 @@ def mqa(
         ``sum_t exp(logit_t - m) v_t``).
     Returns:
       [batch_size, num_heads, head_dim] in q's dtype (and the residuals).
-    """
-    return _decode(q, k[:, :, None], v[:, :, None], start_idx, kv_seq_len, name="mqa", sm_scale=sm_scale,
-                   block_h=block_h, block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
-                   grid=grid, interpret=interpret, debug=debug, return_residuals=return_residuals,
-                   normalize_output=normalize_output)  # fmt: skip
+    """,
+)
 
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def gqa(
-    q,
-    k,
-    v,
-    start_idx=None,
-    kv_seq_len=None,
-    sm_scale: float | None = None,
-    block_h: int = 16,
-    block_k: int = 64,
-    k_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 3,
-    grid: tuple[int, ...] | None = None,
-    interpret: Any = False,
-    debug: bool = False,
-    return_residuals: bool = False,
-    normalize_output: bool = True,
-):
+gqa = _public(
+    "gqa",
     """Grouped-query decode attention: query head ``i`` attends to KV head
     ``i // (num_heads // num_kv_heads)``.
 
@@ -416,19 +419,8 @@ def gqa(
       ``return_residuals=True`` (as in JAX's ``gqa``).
     Returns:
       [batch_size, num_heads, head_dim] in q's dtype (and the residuals).
-    """
-    if not normalize_output and not return_residuals:
-        raise NotImplementedError(
-            "gqa: when normalize_output is False, attention residuals must be returned."
-        )
-    if k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            f"gqa: k and v must be [batch_size, k_seq_len, num_kv_heads, head_dim]; got k{k.shape}, v{v.shape}"
-        )
-    return _decode(q, k, v, start_idx, kv_seq_len, name="gqa", sm_scale=sm_scale, block_h=block_h,
-                   block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages, grid=grid,
-                   interpret=interpret, debug=debug, return_residuals=return_residuals,
-                   normalize_output=normalize_output)  # fmt: skip
+    """,
+)
 
 
 # ---------------------------------------------------------------------------

@@ -200,6 +200,15 @@ def _register(op: str, name: str, value, optional: bool) -> int | None:
     return int(value)
 
 
+def _staged_register(op: str, load_staged_rhs) -> int | None:
+    """The staging register ``load_staged_rhs`` names (None: none), checked."""
+    if isinstance(load_staged_rhs, bool):
+        raise op_error(
+            TypeError, op, "load_staged_rhs must be an integer or None (True would name register 1)"
+        )
+    return _register(op, "load_staged_rhs", load_staged_rhs, optional=True)
+
+
 def is_sub_byte(dtype) -> bool:
     return jax.dtypes.itemsize_bits(np.dtype(dtype)) < 8
 
@@ -329,11 +338,7 @@ def matmul_acc_lhs(acc: Any, lhs: jax.Array, load_staged_rhs: int | None = None)
         None: use the weights loaded before.
     """
     op = "matmul_acc_lhs"
-    if isinstance(load_staged_rhs, bool):
-        raise op_error(
-            TypeError, op, "load_staged_rhs must be an integer or None (True would name register 1)"
-        )
-    reg = _register(op, "load_staged_rhs", load_staged_rhs, optional=True)
+    reg = _staged_register(op, load_staged_rhs)
     ref = _acc_ref(op, acc)
     lhs = jnp.asarray(lhs)
     _check_lhs(op, lhs)
@@ -391,11 +396,7 @@ def matmul_lhs_fifo(lhs: jax.Array, mxu_index: int, *, load_staged_rhs: int | No
         weights loaded before.
     """
     op = "matmul_lhs_fifo"
-    if isinstance(load_staged_rhs, bool):
-        raise op_error(
-            TypeError, op, "load_staged_rhs must be an integer or None (True would name register 1)"
-        )
-    reg = _register(op, "load_staged_rhs", load_staged_rhs, optional=True)
+    reg = _staged_register(op, load_staged_rhs)
     mxu = _mxu_index(op, mxu_index)
     _has_fifo(op)
     lhs = jnp.asarray(lhs)

@@ -169,9 +169,11 @@ def reference(x, weight, bias, eps: float, center: bool):
     return (y * weight.astype(_F32) + bias.astype(_F32)).astype(x.dtype)
 
 
-def make(name: str, center: bool, doc: str):
+def make(name: str, center: bool, doc: str, primal=None, module: str | None = None):
     """The public ``name(x, weight, bias, num_warps, num_stages, eps,
-    backward_pass_impl, interpret)`` with its custom VJP."""
+    backward_pass_impl, interpret)`` with its custom VJP; its value undifferentiated
+    is ``primal`` of the same arguments where given (else the forward kernel's), and
+    its ``__module__`` ``module`` where given."""
 
     def impl(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret):
         check_inputs(name, x, weight, bias)
@@ -182,10 +184,6 @@ def make(name: str, center: bool, doc: str):
         return forward(x, weight, bias, eps=eps, center=center, num_warps=num_warps, num_stages=num_stages,
                        interpret=interpret, name=name)  # fmt: skip
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-    @functools.partial(
-        jax.jit, static_argnames=["num_warps", "num_stages", "eps", "backward_pass_impl", "interpret"]
-    )
     def fn(
         x,
         weight,
@@ -196,7 +194,14 @@ def make(name: str, center: bool, doc: str):
         backward_pass_impl: str = "triton",
         interpret: Any = False,
     ):
+        if primal is not None:
+            return primal(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret)
         return impl(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret)[0]
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    if module is not None:
+        fn.__module__ = module
 
     def fwd(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret):
         return impl(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret)
@@ -209,6 +214,7 @@ def make(name: str, center: bool, doc: str):
         return backward(res, dy, center=center, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                         name=name)  # fmt: skip
 
-    fn.defvjp(fwd, bwd)
-    fn.__doc__ = doc
-    return fn
+    static = ["num_warps", "num_stages", "eps", "backward_pass_impl", "interpret"]
+    public = jax.custom_vjp(jax.jit(fn, static_argnames=static), nondiff_argnums=(3, 4, 5, 6, 7))
+    public.defvjp(fwd, bwd)
+    return public

@@ -16,7 +16,6 @@ also saves each row's reciprocal standard deviation for the backward kernel.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,9 +81,6 @@ def forward(x, weight, bias, *, eps=1e-5, block_rows=None, num_warps=None, evict
     return y.reshape(shape)
 
 
-_differentiable = _norm.make("rms_norm", center=False, doc="")
-
-
 def _primal(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret):
     del num_stages  # no loop to pipeline: a row is loaded whole
     if backward_pass_impl not in ("triton", "xla"):
@@ -94,36 +90,16 @@ def _primal(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, int
     return forward(x, weight, bias, eps=eps, num_warps=num_warps, interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-@functools.partial(
-    jax.jit, static_argnames=["num_warps", "num_stages", "eps", "backward_pass_impl", "interpret"]
-)
-def rms_norm(
-    x,
-    weight,
-    bias,
-    num_warps: int | None = None,
-    num_stages: int | None = 3,
-    eps: float = 1e-5,
-    backward_pass_impl: str = "triton",
-    interpret: Any = False,
-):
-    """``x / sqrt(mean(x**2) + eps) * weight + bias`` over the last axis of
+rms_norm = _norm.make(
+    "rms_norm",
+    center=False,
+    doc="""``x / sqrt(mean(x**2) + eps) * weight + bias`` over the last axis of
     ``x`` (any leading shape), differentiable in x, weight and bias; the
     other arguments as in ``layer_norm``. Without differentiation, a
-    single-pass kernel (read x, write y, nothing else)."""
-    return _primal(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret)
-
-
-def _fwd(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret):
-    return _differentiable.fwd(x, weight, bias, num_warps, num_stages, eps, backward_pass_impl, interpret)
-
-
-def _bwd(num_warps, num_stages, eps, backward_pass_impl, interpret, res, dy):
-    return _differentiable.bwd(num_warps, num_stages, eps, backward_pass_impl, interpret, res, dy)
-
-
-rms_norm.defvjp(_fwd, _bwd)
+    single-pass kernel (read x, write y, nothing else).""",
+    primal=_primal,
+    module=__name__,
+)
 
 
 @functools.partial(jax.jit, static_argnames=["eps"])

@@ -33,7 +33,7 @@ from jax import lax
 
 import pallas as pl
 from pallas_gpu.ops import _attention_sm90
-from pallas_gpu.ops._attention_kernels import F32, LOG2E, kv_loop, mask_scores
+from pallas_gpu.ops._attention_kernels import F32, LOG2E, kv_loop, mask_scores, online_softmax
 from pallas_gpu.ops._common import call_params, compute_capability, interpreted
 from pallas_gpu.ops.attention import fit_block, program_ids
 
@@ -79,14 +79,11 @@ def _fwd_fp8_kernel(scales_ref, q_ref, k_ref, vt_ref, o_ref, lse_ref, *, causal,
         k0 = pl.multiple_of(j * block_k, block_k)
         k, vt = k_ref[pl.ds(k0, block_k), :], vt_ref[:, pl.ds(k0, block_k)]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-        if masked:
-            x = mask_scores(s * scale, qi * block_q, k0, None, None, causal)
-            m_new = jnp.maximum(m, jnp.max(x, axis=1))
-            p = jnp.exp2(x - m_new[:, None])
-        else:
-            m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale)
-            p = jnp.exp2(s * scale - m_new[:, None])
-        alpha = jnp.exp2(m - m_new)
+
+        def mask(x):
+            return mask_scores(x, qi * block_q, k0, None, None, causal)
+
+        m_new, p, alpha = online_softmax(s, m, scale, mask if masked else None)
         pv = lax.dot_general(p.astype(vt.dtype), vt, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 

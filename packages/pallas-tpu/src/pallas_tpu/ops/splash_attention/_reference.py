@@ -14,25 +14,37 @@ import numpy as np
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.dtype("float32")).max)
 
 
-def attention_reference(
-    mask,
-    q,
-    k,
-    v,
-    segment_ids,
-    sinks=None,
-    *,
-    mask_value: float = DEFAULT_MASK_VALUE,
-    save_residuals: bool = False,
-    custom_type: str = "flash",
-    attn_logits_soft_cap: float | None = None,
-):
-    """One head: ``mask [q_len, kv_len]``, ``q [q_len, d]``, ``k``, ``v [kv_len, d]``; returns
-    the attention in float32 (with ``save_residuals`` also ``(logsumexp,)``). A query row that
-    sees no key (and has no sink) gives zeros and a logsumexp of +inf, as the kernels do
-    (JAX's reference: the mean of ``v``)."""
-    del custom_type  # every backward here is JAX's autodiff of the same formula
-    _, logits, mask = _masked_logits(mask, q, k, segment_ids, attn_logits_soft_cap, mask_value)
+def _reference_api(name: str, custom: bool, doc: str):
+    """JAX's ``attention_reference`` (``custom``: ``attention_reference_custom``, with the
+    hand-written backward): one signature for both."""
+
+    def reference(
+        mask,
+        q,
+        k,
+        v,
+        segment_ids,
+        sinks=None,
+        *,
+        mask_value: float = DEFAULT_MASK_VALUE,
+        save_residuals: bool = False,
+        custom_type: str = "flash",
+        attn_logits_soft_cap: float | None = None,
+    ):
+        args = (mask, q, k, v, segment_ids, sinks, mask_value, save_residuals)
+        if custom:
+            return _reference_custom(*args, custom_type, attn_logits_soft_cap)
+        # every backward here is JAX's autodiff of the same formula: custom_type is not read
+        return _one_head(*args, attn_logits_soft_cap)
+
+    reference.__name__ = reference.__qualname__ = name
+    reference.__doc__ = doc
+    return reference
+
+
+def _one_head(mask, q, k, v, segment_ids, sinks, mask_value, save_residuals, soft_cap):
+    """``attention_reference`` of positional arguments."""
+    _, logits, mask = _masked_logits(mask, q, k, segment_ids, soft_cap, mask_value)
     top = jnp.max(logits, axis=-1)
     if sinks is not None:
         top = jnp.maximum(top, sinks.astype(jnp.float32))
@@ -104,17 +116,7 @@ def make_attention_reference(mask, is_mqa: bool, backward_impl: str = "vanilla",
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _reference_custom(mask, q, k, v, segment_ids, sinks, mask_value, save_residuals, custom_type, soft_cap):
-    return attention_reference(
-        mask,
-        q,
-        k,
-        v,
-        segment_ids,
-        sinks,
-        mask_value=mask_value,
-        save_residuals=save_residuals,
-        attn_logits_soft_cap=soft_cap,
-    )
+    return _one_head(mask, q, k, v, segment_ids, sinks, mask_value, save_residuals, soft_cap)
 
 
 def _reference_custom_fwd(
@@ -122,17 +124,7 @@ def _reference_custom_fwd(
 ):
     if save_residuals:
         raise NotImplementedError("Higher-order AD not supported.")
-    out, (lse,) = attention_reference(
-        mask,
-        q,
-        k,
-        v,
-        segment_ids,
-        sinks,
-        mask_value=mask_value,
-        save_residuals=True,
-        attn_logits_soft_cap=soft_cap,
-    )
+    out, (lse,) = _one_head(mask, q, k, v, segment_ids, sinks, mask_value, True, soft_cap)
     return out, (mask, q, k, v, segment_ids, sinks, out, lse)
 
 
@@ -168,25 +160,22 @@ def _reference_custom_bwd(mask_value, save_residuals, custom_type, soft_cap, res
 _reference_custom.defvjp(_reference_custom_fwd, _reference_custom_bwd)
 
 
-def attention_reference_custom(
-    mask,
-    q,
-    k,
-    v,
-    segment_ids,
-    sinks=None,
-    *,
-    mask_value: float = DEFAULT_MASK_VALUE,
-    save_residuals: bool = False,
-    custom_type: str = "flash",
-    attn_logits_soft_cap: float | None = None,
-):
-    """``attention_reference`` with JAX's hand-written backward (``jax.custom_vjp``): the
+attention_reference = _reference_api(
+    "attention_reference",
+    custom=False,
+    doc="""One head: ``mask [q_len, kv_len]``, ``q [q_len, d]``, ``k``, ``v [kv_len, d]``; returns
+    the attention in float32 (with ``save_residuals`` also ``(logsumexp,)``). A query row that
+    sees no key (and has no sink) gives zeros and a logsumexp of +inf, as the kernels do
+    (JAX's reference: the mean of ``v``).""",
+)
+
+attention_reference_custom = _reference_api(
+    "attention_reference_custom",
+    custom=True,
+    doc="""``attention_reference`` with JAX's hand-written backward (``jax.custom_vjp``): the
     gradients are formed as the splash kernels form them, from the forward's logsumexp, with
     ``custom_type`` choosing how ``di`` is summed (``"flash"``: over the head dimension, from
     the output; otherwise over the keys, from the probabilities). Differentiating with
     ``save_residuals=True`` raises NotImplementedError, as JAX's does. Rows that see no key
-    give zeros (and zero gradients), as ``attention_reference``."""
-    return _reference_custom(
-        mask, q, k, v, segment_ids, sinks, mask_value, save_residuals, custom_type, attn_logits_soft_cap
-    )
+    give zeros (and zero gradients), as ``attention_reference``.""",
+)

@@ -224,6 +224,29 @@ def _specs_2d(b_of, h_of, blk_of, block, seq_dim_full, head_dim):
     return rows, full
 
 
+def _segment_specs(b_of, blk_of, block, seq_len, kv_side: bool) -> list:
+    """The BlockSpecs of the query and key segment ids (in that order) of a program that owns
+    the ``blk_of`` block of ``block`` queries (``kv_side``: keys) and sweeps all ``seq_len`` of
+    the other side."""
+    own = pl.BlockSpec((None, block), lambda p: (b_of(p), blk_of(p)))
+    full = pl.BlockSpec((None, seq_len), lambda p: (b_of(p), 0))
+    return [full, own] if kv_side else [own, full]
+
+
+def _launch(kernel, out_shape, programs, in_specs, out_specs, name, debug, interpret, num_warps, num_stages):
+    """``pl.pallas_call`` of one of mha's kernels over a 1-D grid of ``programs``."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(programs,),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        name=name,
+        debug=debug,
+        **call_params(interpret, num_warps, num_stages),
+    )
+
+
 def _forward(
     q, k, v, segment_ids, sm_scale, causal, block_q, block_k, num_warps, num_stages, interpret, debug
 ):
@@ -234,10 +257,7 @@ def _forward(
     q_spec, kv_spec = _specs_2d(b_of, h_of, qi_of, block_q, S, D)
     in_specs, args = [q_spec, kv_spec, kv_spec], [q, k, v]
     if segment_ids is not None:
-        in_specs += [
-            pl.BlockSpec((None, block_q), lambda p: (b_of(p), qi_of(p))),
-            pl.BlockSpec((None, S), lambda p: (b_of(p), 0)),
-        ]
+        in_specs += _segment_specs(b_of, qi_of, block_q, S, kv_side=False)
         args += [segment_ids, segment_ids]
     lse_spec = pl.BlockSpec((None, None, block_q), lambda p: (b_of(p), h_of(p), qi_of(p)))
     kernel = functools.partial(
@@ -247,16 +267,9 @@ def _forward(
         block_k=block_k,
         nq=nq,
     )
-    out, lse = pl.pallas_call(
-        kernel,
-        out_shape=[q, jax.ShapeDtypeStruct((B, H, T), F32)],
-        grid=(B * H * nq,),
-        in_specs=in_specs,
-        out_specs=[q_spec, lse_spec],
-        name="mha_forward",
-        debug=debug,
-        **call_params(interpret, num_warps, num_stages),
-    )(*args)
+    out_shape = [q, jax.ShapeDtypeStruct((B, H, T), F32)]
+    out, lse = _launch(kernel, out_shape, B * H * nq, in_specs, [q_spec, lse_spec], "mha_forward",
+                       debug, interpret, num_warps, num_stages)(*args)  # fmt: skip
     return out, lse
 
 
@@ -274,72 +287,43 @@ def _no_segments(kernel, at: int):
 # Backward
 
 
-def _backward_dkv(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block_q, block_k, num_warps,
-                  num_stages, interpret, debug):  # fmt: skip
-    """dk, dv: one program per (b, h, key block), looping over the query
-    blocks that see it. ``lse2`` is the log-sum-exp in base 2, ``delta`` is
-    ``sum(out * do)`` per row, both ``[batch, heads, seq]`` f32."""
+def _backward_part(kv_side: bool, q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block_q, block_k,
+                   num_warps, num_stages, interpret, debug):  # fmt: skip
+    """dk, dv (``kv_side``): one program per (b, h, key block), looping over the query blocks
+    that see it; or dq: one program per (b, h, query block), looping over the key blocks it
+    sees. ``lse2`` is the log-sum-exp in base 2, ``delta`` is ``sum(out * do)`` per row, both
+    ``[batch, heads, seq]`` f32."""
     B, T, H, D = q.shape
     S = k.shape[1]
-    seg = segment_ids is not None
-    nk = S // block_k
-    b_of, h_of, kj_of = program_ids(nk, H, reverse=False)
-    kv_rows, _ = _specs_2d(b_of, h_of, kj_of, block_k, S, D)
-    _, q_full = _specs_2d(b_of, h_of, kj_of, block_k, T, D)
-    full_vec = pl.BlockSpec((None, None, T), lambda p: (b_of(p), h_of(p), 0))
-    in_specs = [q_full, kv_rows, kv_rows, q_full, full_vec, full_vec]
+    block, own_len, other_len = (block_k, S, T) if kv_side else (block_q, T, S)
+    n = own_len // block
+    b_of, h_of, blk_of = program_ids(n, H, reverse=not kv_side)
+    own_rows, other_full = _specs_2d(b_of, h_of, blk_of, block, other_len, D)
+    if kv_side:  # every query row's statistics
+        stats = pl.BlockSpec((None, None, T), lambda p: (b_of(p), h_of(p), 0))
+        q_spec, kv_spec = other_full, own_rows
+    else:  # the block's rows' statistics
+        stats = pl.BlockSpec((None, None, block_q), lambda p: (b_of(p), h_of(p), blk_of(p)))
+        q_spec, kv_spec = own_rows, other_full
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, stats, stats]
     args = [q, k, v, do, lse2, delta]
-    if seg:
-        in_specs += [
-            pl.BlockSpec((None, T), lambda p: (b_of(p), 0)),
-            pl.BlockSpec((None, block_k), lambda p: (b_of(p), kj_of(p))),
-        ]
+    if segment_ids is not None:
+        in_specs += _segment_specs(b_of, blk_of, block, other_len, kv_side)
         args += [segment_ids, segment_ids]
-    kernel = functools.partial(dkv_kernel if seg else _no_segments(dkv_kernel, 6), scale=sm_scale * LOG2E,
-                               sm_scale=sm_scale, causal=causal, block_q=block_q, nk=nk)  # fmt: skip
-    return pl.pallas_call(
-        kernel,
-        out_shape=[k, v],
-        grid=(B * H * nk,),
-        in_specs=in_specs,
-        out_specs=[kv_rows, kv_rows],
-        name="mha_backward_dkv",
-        debug=debug,
+    body = dkv_kernel if kv_side else dq_kernel
+    sizes = dict(block_q=block_q, nk=n) if kv_side else dict(block_k=block_k, nq=n)
+    kernel = functools.partial(body if segment_ids is not None else _no_segments(body, 6), scale=sm_scale * LOG2E,
+                               sm_scale=sm_scale, causal=causal, **sizes)  # fmt: skip
+    if kv_side:
         # num_stages is 1 but for launches measured exact with more (_dkv_stages).
-        **call_params(interpret, num_warps, num_stages),
-    )(*args)
+        return _launch(kernel, [k, v], B * H * n, in_specs, [kv_spec, kv_spec], "mha_backward_dkv", debug,
+                       interpret, num_warps, num_stages)(*args)  # fmt: skip
+    return _launch(kernel, q, B * H * n, in_specs, q_spec, "mha_backward_dq", debug, interpret, num_warps,
+                   num_stages)(*args)  # fmt: skip
 
 
-def _backward_dq(q, k, v, segment_ids, do, lse2, delta, sm_scale, causal, block_q, block_k, num_warps,
-                 num_stages, interpret, debug):  # fmt: skip
-    """dq: one program per (b, h, query block), looping over the key blocks it sees."""
-    B, T, H, D = q.shape
-    S = k.shape[1]
-    seg = segment_ids is not None
-    nq = T // block_q
-    b_of, h_of, qi_of = program_ids(nq, H, reverse=True)
-    q_rows, kv_full = _specs_2d(b_of, h_of, qi_of, block_q, S, D)
-    row_vec = pl.BlockSpec((None, None, block_q), lambda p: (b_of(p), h_of(p), qi_of(p)))
-    in_specs = [q_rows, kv_full, kv_full, q_rows, row_vec, row_vec]
-    args = [q, k, v, do, lse2, delta]
-    if seg:
-        in_specs += [
-            pl.BlockSpec((None, block_q), lambda p: (b_of(p), qi_of(p))),
-            pl.BlockSpec((None, S), lambda p: (b_of(p), 0)),
-        ]
-        args += [segment_ids, segment_ids]
-    kernel = functools.partial(dq_kernel if seg else _no_segments(dq_kernel, 6), scale=sm_scale * LOG2E,
-                               sm_scale=sm_scale, causal=causal, block_k=block_k, nq=nq)  # fmt: skip
-    return pl.pallas_call(
-        kernel,
-        out_shape=q,
-        grid=(B * H * nq,),
-        in_specs=in_specs,
-        out_specs=q_rows,
-        name="mha_backward_dq",
-        debug=debug,
-        **call_params(interpret, num_warps, num_stages),
-    )(*args)
+_backward_dkv = functools.partial(_backward_part, True)
+_backward_dq = functools.partial(_backward_part, False)
 
 
 def _backward(q, k, v, segment_ids, out, lse, do, sm_scale, causal, launches, interpret, debug):

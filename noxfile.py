@@ -2,20 +2,32 @@
 
 Run through ./dev (it bootstraps nox in a Python 3.12 venv): ``./dev tests``.
 
-The JAX x Triton matrix has three points, one session each: ``tests_oldest`` runs
-the suites whose behaviour depends on the JAX version (core, tpu, runtime,
-jax_triton, packaging) on the oldest JAX (0.10.2, Python 3.11: the JAX everyone on
-Python 3.11 is held at, as on Python 3.11 TPU VM images); ``tests`` the whole suite on the
-reference JAX (0.11.2, the GPU machine's) with the pinned Triton (3.6.0);
-``tests_newest`` on the newest JAX with the newest Triton release in pallas-gpu's
-tested range (jax-triton-bridge's exact pin is overridden there: its import warns,
-and the suites show how far the newest Triton works).
+The JAX x Triton matrix has three points, one session each: ``tests`` runs the whole suite on
+the reference JAX (0.11.2, the GPU machine's) with the pinned Triton (3.6.0); ``tests_oldest``
+on the oldest JAX (0.10.2, Python 3.11: the JAX everyone on Python 3.11 is held at, as on
+Python 3.11 TPU VM images) and ``tests_newest`` on the newest JAX with the newest Triton
+release in pallas-gpu's tested range (jax-triton-bridge's exact pin is overridden there: its
+import warns, and the suites show how far the newest Triton works) run the test files whose
+outcome can differ at that end, chosen by a rule (tests/version_dependent.py), not a list:
+
+- what a test file uses is the closure of its imports (in the file and in the code it runs in a
+  subprocess), through the test helpers (tests/ways, ...) and our five packages;
+- a file of that closure lets a version in where it imports JAX's internals or unstable
+  modules (``jax._src``, ``jaxlib``, ``jax.experimental``, ``jax.extend``, ``jax.interpreters``,
+  ``jax.core``, ``jax.lib``), reads JAX's version or probes JAX for a name (``hasattr``/``getattr``),
+  or looks libtpu up (the chips compiled for differ by end): kind ``jax``/``libtpu``; or imports
+  Triton: kind ``triton``;
+- ``tests_oldest`` runs the files whose closure holds a site of kind ``jax`` or ``libtpu``,
+  ``tests_newest`` those of any kind; a file with none (a check of our sources that never
+  imports JAX) runs at the reference only. Each session logs how many files it runs;
+  ``python tests/version_dependent.py oldest --why`` shows each file's chain of imports.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -280,27 +292,40 @@ def tests(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", *args, env={"PALLAS_TPU_CHIPS": "v5e,v6e"})
 
 
-# The suites whose behaviour depends on the JAX version; tests/gpu lowers to Triton
-# source through the same pallas-core and runs at the other two points.
-OLDEST_SUITES = ["tests/core", "tests/tpu", "tests/runtime", "tests/jax_triton", "tests/packaging",
-                 "tests/test_jax_versions.py"]  # fmt: skip
+def _version_dependent(session: nox.Session, end: str) -> list[str]:
+    """The test files ``end`` ("oldest", "newest") runs: tests/version_dependent.py's rule (the
+    module docstring), read from the sources here; their number logged."""
+    spec = importlib.util.spec_from_file_location(
+        "version_dependent", os.path.join(ROOT, "tests", "version_dependent.py")
+    )
+    assert spec is not None and spec.loader is not None
+    rule = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rule)
+    files = rule.selected(end)
+    session.log(
+        f"tests/version_dependent.py: {len(files)} of the {len(rule.test_files())} test files depend on"
+        f" the versions at the {end} end (python tests/version_dependent.py {end} --why: each file's reason)"
+    )
+    return files
 
 
 @nox.session(python=PYTHON_OLDEST)
 def tests_oldest(session: nox.Session) -> None:
-    """The version-dependent suites on the oldest JAX (0.10.2, Python 3.11), then one example.
+    """The test files that depend on the JAX version (the module docstring's rule) on the oldest
+    JAX (0.10.2, Python 3.11), then one example.
 
     With the pinned Triton and libtpu (the compiled way compiles for TPU v5e there, the chip
-    whose JAX this is); the suites are OLDEST_SUITES, the example ``tpu_matmul``."""
+    whose JAX this is); the example is ``tpu_matmul``."""
     _install_all(session, _with_libtpu(JAX_OLDEST), TRITON_PINNED)
-    args = session.posargs or [*OLDEST_SUITES, *XDIST, "-q", "-rs", "--durations=15"]
+    args = session.posargs or [*_version_dependent(session, "oldest"), *XDIST, "-q", "-rs", "--durations=15"]
     session.run("python", "-m", "pytest", *args, env={"PALLAS_TPU_CHIPS": "v5e"})
     session.run("python", "examples/tpu_matmul.py")
 
 
 @nox.session(python=PYTHON)
 def tests_newest(session: nox.Session) -> None:
-    """The whole test suite on the newest supported JAX and Triton, then one example.
+    """The test files that depend on the JAX or Triton version (the module docstring's rule) on the
+    newest supported JAX and Triton, then one example.
 
     TPU kernels are compiled for compile-only TPU v4 and v5p; the example is ``add``. The
     runtime is built against the oldest jaxlib's FFI headers (its build-system requires pin
@@ -308,7 +333,7 @@ def tests_newest(session: nox.Session) -> None:
     handlers in the newest jaxlib.
     """
     _install_all(session, _with_libtpu(JAX_NEWEST), TRITON_NEWEST)
-    args = session.posargs or ["tests", *XDIST, "-q", "-rs", "--durations=25"]
+    args = session.posargs or [*_version_dependent(session, "newest"), *XDIST, "-q", "-rs", "--durations=25"]
     # The compiled way here compiles for the other two generations libtpu knows: TPU v4 and v5p.
     env = {"JAX_TRITON_PIN_CHECK": "0", "PALLAS_TPU_CHIPS": "v4,v5p"}
     session.run("python", "-m", "pytest", *args, env=env)

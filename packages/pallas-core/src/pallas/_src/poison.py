@@ -20,7 +20,23 @@ import numpy as np
 _poison: list[bool] = [False]
 
 
-class enable_poison_buffers:  # noqa: N801  (JAX's name; a function and a context manager)
+class GlobalSwitch:
+    """A process-wide setting held in ``cell[0]``: set to ``enabled`` from now on, or inside a
+    ``with`` block, after which the value it had comes back."""
+
+    def __init__(self, cell: list[bool], enabled: bool):
+        self.cell = cell
+        self.previous = cell[0]
+        cell[0] = bool(enabled)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cell[0] = self.previous
+
+
+class enable_poison_buffers(GlobalSwitch):  # noqa: N801  (JAX's name; a function and a context manager)
     """Turns buffer poisoning on (or off) from now on, or inside a ``with``
     block: ``with pl.enable_poison_buffers(): ...``.
 
@@ -31,14 +47,7 @@ class enable_poison_buffers:  # noqa: N801  (JAX's name; a function and a contex
     def __init__(self, enabled: bool = True):
         if not isinstance(enabled, (bool, np.bool_)):
             raise TypeError(f"pl.enable_poison_buffers: enabled must be a bool, got {enabled!r}")
-        self.previous = _poison[0]
-        _poison[0] = bool(enabled)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        _poison[0] = self.previous
+        super().__init__(_poison, enabled)
 
 
 def poison_buffers_enabled() -> bool:

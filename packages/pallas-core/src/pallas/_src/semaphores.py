@@ -22,6 +22,7 @@ from jax.extend.core import Primitive
 from pallas._src import compat
 from pallas._src import core as pallas_core
 from pallas._src.errors import kernel_error
+from pallas._src.poison import GlobalSwitch
 
 
 class DeviceIdType(enum.Enum):
@@ -237,19 +238,12 @@ debug_check_p.multiple_results = True
 _debug_checks: list[bool] = [False]
 
 
-class enable_debug_checks:  # noqa: N801  (JAX's name; a function and a context manager)
+class enable_debug_checks(GlobalSwitch):  # noqa: N801  (JAX's name; a function and a context manager)
     """Turns ``pl.debug_check`` on (or off) from now on, or inside a ``with``
     block: ``with pl.enable_debug_checks(): ...``."""
 
     def __init__(self, enabled: bool = True):
-        self.previous = _debug_checks[0]
-        _debug_checks[0] = bool(enabled)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        _debug_checks[0] = self.previous
+        super().__init__(_debug_checks, enabled)
 
 
 def debug_check(condition: Any, message: str) -> None:

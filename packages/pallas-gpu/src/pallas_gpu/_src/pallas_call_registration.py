@@ -8,10 +8,8 @@ The kernel is lowered to Triton source once per (jaxpr, grid mapping); then
 * with ``interpret=plgpu.InterpretParams()``: run on the CPU by Triton's
   interpreter, inside a host callback, on any platform.
 
-This module is pallas-gpu's ``Backend`` (pallas-core's protocol, registered
-through the ``pallas.backends`` entry point): ``lower``, ``interpret``,
-``claims_interpret``, ``check_compiler_params`` and ``describe`` each take the
-call record.
+This module is pallas-gpu's ``pallas.backend.Backend`` (registered through the
+``pallas.backends`` entry point); its members each take the call record.
 """
 
 from __future__ import annotations

@@ -7,10 +7,8 @@ serialized into XLA's ``tpu_custom_call`` with the backend config Mosaic expects
 ``jax.export(f, platforms=["tpu"])`` works on a machine without a TPU.
 ``mosaic_modules(fn, *args)`` returns the modules ``fn`` lowers to.
 
-This module is pallas-tpu's ``Backend`` (pallas-core's protocol, registered
-through the ``pallas.backends`` entry point): ``lower``, ``interpret``,
-``claims_interpret``, ``check_compiler_params`` and ``describe`` each take the
-call record.
+This module is pallas-tpu's ``pallas.backend.Backend`` (registered through the
+``pallas.backends`` entry point); its members each take the call record.
 """
 
 from __future__ import annotations

@@ -269,20 +269,16 @@ def _combine(rc: RuleContext, kind: str) -> str:
     return rc.em.helper(f"_combine_{kind}", _COMBINE[kind])
 
 
-def _lowest(dtype):
+def _neutral(kind: str, dtype):
+    """The neutral element of a ``"max"`` (``dtype``'s lowest value) or ``"min"`` (its highest)
+    reduction."""
+    highest = kind == "min"
     if is_float(dtype):
-        return float("-inf")
+        return float("inf") if highest else float("-inf")
     if is_bool(dtype):
-        return False
-    return int(np.iinfo(dtype).min)
-
-
-def _highest(dtype):
-    if is_float(dtype):
-        return float("inf")
-    if is_bool(dtype):
-        return True
-    return int(np.iinfo(dtype).max)
+        return highest
+    info = np.iinfo(dtype)
+    return int(info.max if highest else info.min)
 
 
 def _reduce(kind: str):
@@ -295,7 +291,7 @@ def _reduce(kind: str):
             fn = _combine(rc, "add")
             neutral, call = 0, lambda v, ax: f"tl.reduce({v}, {ax}, {fn})"  # noqa: E731
         elif kind in ("max", "min"):
-            neutral = _lowest(dtype) if kind == "max" else _highest(dtype)
+            neutral = _neutral(kind, dtype)
             name = ("f" if is_float(dtype) else "i") + kind
             if is_bool(dtype):
                 name = "or" if kind == "max" else "and"
@@ -349,7 +345,7 @@ def _arg_reduce(kind: str):
     def rule(rc: RuleContext, x, *, axes, index_dtype, **_):
         (ax,) = axes
         em = rc.em
-        neutral = _lowest(x.dtype) if kind == "max" else _highest(x.dtype)
+        neutral = _neutral(kind, x.dtype)
         x = upcast(rc, fill_padding(em, x, neutral, [ax]))
         if is_bool(x.dtype):
             x = cast(em, x, np.int32)
@@ -377,7 +373,7 @@ def _cumulative(kind: str):
         x = upcast(rc, x)
         neutral = {"add": 0, "prod": 1}.get(kind)
         if kind in ("max", "min"):
-            neutral = _lowest(x.dtype) if kind == "max" else _highest(x.dtype)
+            neutral = _neutral(kind, x.dtype)
             fn = _combine(rc, ("f" if is_float(x.dtype) else "i") + kind)
         else:
             fn = _combine(rc, kind)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -177,3 +178,33 @@ def test_devices_are_libtpus_compile_only_topology():
     got = compile_check.tpu_devices("v6e")
     assert [(d.id, d.device_kind) for d in got] == [(d.id, d.device_kind) for d in want]
     assert all(d.platform == "tpu" and d.device_kind == "TPU v6 lite" for d in got)
+
+
+def test_reused_compiles_compile_a_module_once_per_chip(monkeypatch):
+    """``reuse_compiles`` (the compiled way's, tests/ways/compiled.py): the same module compiles
+    once per chip, again for another chip; a refusal is raised again from what was kept."""
+    compiles = []
+    real = jax.stages.Lowered.compile
+
+    def counted(self, *args, **kwargs):
+        compiles.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    monkeypatch.setattr(compile_check, "_REUSED", collections.OrderedDict())
+    monkeypatch.setattr(compile_check, "_reuse_limit", 0)
+    x = jax.ShapeDtypeStruct((40, 128), jnp.float32)
+    compile_check.compile_for(scaled_exp, [x], "v5e")
+    compile_check.compile_for(scaled_exp, [x], "v5e")
+    assert len(compiles) == 2  # off by default
+    compile_check.reuse_compiles(8)
+    for chip in ("v5e", "v5e", "v6e", "v6e", "v5e"):
+        compile_check.compile_for(scaled_exp, [x], chip)
+    assert len(compiles) == 4
+    for _ in range(2):
+        with pytest.raises(pltpu.MosaicCompileError, match="refused pallas_call 'kernel'"):
+            compile_check.compile_for(stochastic_bf16, _SR_ARGS, "v4")
+    assert len(compiles) == 5
+    compile_check.reuse_compiles(1)  # the least recent dropped
+    compile_check.compile_for(scaled_exp, [x], "v5e")
+    assert len(compiles) == 6

@@ -35,10 +35,16 @@ import numpy as np
 import pytest
 
 import pallas as pl
+from pallas_tpu._src.mosaic import compile_check as _compile_check
 
 from . import jax_beside
 from .machine import ON_CHIP
 from .mosaic import MosaicEngine, run_sharded_with_mosaic
+
+# Tests that differ only in their data (a parametrized index, a seed, a value checked) compile
+# the same module for the same chip: libtpu compiles it once per pytest process (the last 64
+# kept; never where libtpu dumps its passes, PALLAS_TPU_LLO_DUMP).
+_compile_check.reuse_compiles(64)
 
 # The chips the compiled way compiles for (libtpu's compile-only devices):
 # PALLAS_TPU_CHIPS, comma-separated (CI: v5e and v6e in `tests`, v4 and v5p in `tests_newest`).

@@ -17,10 +17,12 @@ It does not run the kernel and says nothing of speed beyond instruction counts.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -180,10 +183,47 @@ def compile_for(fn, args: Sequence, chip: str, kwargs=None):
     with modules.collect_kernels() as kernels, _traced_for(chip, (placed, kwargs)):
         # A fresh wrapper: jit caches lowerings, and a cached one would not collect the kernels.
         lowered = _jit_for(lambda *a, **k: fn(*a, **k), (placed, kwargs), chip).lower(*placed, **kwargs)
-    try:
-        return lowered.compile(), kernels
-    except Exception as e:  # JaxRuntimeError: INTERNAL: Mosaic failed to compile ...
-        raise MosaicCompileError.from_libtpu(e, chip, kernels) from None
+    key = _reuse_key(lowered, chip)
+    if key is not None and key in _REUSED:
+        _REUSED.move_to_end(key)
+        outcome = _REUSED[key]
+    else:
+        try:
+            outcome = lowered.compile()
+        except Exception as e:  # JaxRuntimeError: INTERNAL: Mosaic failed to compile ...
+            outcome = RuntimeError(str(e))  # its message only: no traceback's frames kept
+        if key is not None:
+            _REUSED[key] = outcome
+            while len(_REUSED) > _reuse_limit:
+                _REUSED.popitem(last=False)
+    if isinstance(outcome, RuntimeError):
+        raise MosaicCompileError.from_libtpu(outcome, chip, kernels) from None
+    return outcome, kernels
+
+
+# compile_for's outcomes kept by reuse_compiles(): (chip, digest of the lowered module's text
+# with its locations) -> the compiled executable or libtpu's refusal; the least recent dropped.
+_REUSED: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
+_reuse_limit = 0
+
+
+def reuse_compiles(limit: int = 64) -> None:
+    """From now on in this process, ``compile_for`` compiles a module it compiled for the same
+    chip before (the same text, locations included) only once: the outcome of the last
+    ``limit`` ones (0: none, the default) is kept. A test suite compiles one kernel for many
+    tests that differ only in their data (a parametrized index, a seed); the compile is the
+    same. Never where libtpu dumps its passes (``llo``, code size): a kept compile writes no dump."""
+    global _reuse_limit
+    _reuse_limit = limit
+    while len(_REUSED) > limit:
+        _REUSED.popitem(last=False)
+
+
+def _reuse_key(lowered, chip: str) -> tuple[str, str] | None:
+    if not _reuse_limit or _dump_dir() is not None or code_size_lib.dump_dir() is not None:
+        return None
+    text = lowered.as_text(debug_info=True)
+    return chip, hashlib.sha256(text.encode()).hexdigest()
 
 
 class MosaicCompileError(RuntimeError):

@@ -5,7 +5,8 @@
 
 Rows (bf16 operands, arguments made on the chip with ``jax.random``):
 
-* matmul 8192^3 and 4096^3 (bf16 out): ours with its own blocks, ours with JAX's example
+* matmul 8192^3 and 4096^3 (bf16 out), and skinny ones (64-256 rows against 4096-28672:
+  decode projections; ours also at the blocks ``pltpu.estimate`` ranks best): ours with its own blocks, ours with JAX's example
   blocks (512/512/1024), JAX's example kernel (``ops.tpu.matmul``, blocks 512/512/1024),
   XLA's ``jnp.dot``;
 * gmm G8 8192x2048x2048 (even groups, and uneven: a routing histogram), and G32
@@ -128,7 +129,7 @@ class Side:
 
 def matmul_workload(side, m, k, n):
     x, y = _rand(0, (m, k)), _rand(1, (k, n))
-    bm, bn, bk = JAX_EXAMPLE_BLOCKS if m >= 512 else (128, 128, 128)
+    bm, bn, bk = JAX_EXAMPLE_BLOCKS if m >= 512 else (min(m, 128), 128, 128)
     cands = {
         "ours": functools.partial(ours_matmul.matmul, **side.ours()),
         f"ours {bm}/{bn}/{bk}": functools.partial(
@@ -145,6 +146,18 @@ def matmul_workload(side, m, k, n):
     except ImportError as e:
         print(f"JAX's matmul op does not import: {e}")
     return (x, y), cands, 2.0 * m * k * n
+
+
+def skinny_workload(side, m, k, n, picks):
+    """A decode projection (few rows against a large weight): ours with its own blocks and with
+    the blocks ``pltpu.estimate`` ranked best for the v5e (``picks``: (bm, bn, bk) each), XLA,
+    JAX's example kernel with blocks of the rows by 512 by 1024."""
+    (x, y), cands, flops = matmul_workload(side, m, k, n)
+    for bm, bn, bk in picks:
+        cands[f"ours {bm}/{bn}/{bk}"] = functools.partial(
+            ours_matmul.matmul, block_shape=(bm, bn), block_k=bk, **side.ours()
+        )
+    return (x, y), cands, flops
 
 
 def gmm_workload(side, groups, m, k, n, *, even, out_dtype=jnp.bfloat16):
@@ -332,6 +345,7 @@ def workloads(side, smoke):
     if smoke:
         return {
             "matmul 256^3": lambda: matmul_workload(side, 256, 256, 256),
+            "matmul skinny 64x512x512": lambda: skinny_workload(side, 64, 512, 512, [(64, 512, 256)]),
             "gmm G4 512x256x256 uneven": lambda: gmm_workload(side, 4, 512, 256, 256, even=False),
             "tgmm G4 512x256x256 uneven": lambda: tgmm_workload(side, 4, 512, 256, 256, even=False),
             "gmm fwd+bwd G4 512x256x256 uneven": lambda: gmm_grad_workload(
@@ -341,6 +355,15 @@ def workloads(side, smoke):
     return {
         "matmul 8192^3": lambda: matmul_workload(side, 8192, 8192, 8192),
         "matmul 4096^3": lambda: matmul_workload(side, 4096, 4096, 4096),
+        # Skinny shapes; the extra blocks are pltpu.estimate's best for the v5e (229 and 236 us
+        # estimated against 275 for ours' own at 256x8192x8192; the HBM roofline is 174 us).
+        "matmul skinny 256x8192x8192": lambda: skinny_workload(
+            side, 256, 8192, 8192, [(256, 8192, 256), (256, 4096, 512)]
+        ),
+        "matmul skinny 64x4096x4096": lambda: skinny_workload(side, 64, 4096, 4096, [(64, 4096, 512)]),
+        "matmul skinny 128x8192x28672": lambda: skinny_workload(
+            side, 128, 8192, 28672, [(128, 4096, 1024), (128, 4096, 512)]
+        ),
         "gmm G8 8192x2048x2048 even": lambda: gmm_workload(side, 8, 8192, 2048, 2048, even=True),
         "gmm G8 8192x2048x2048 uneven": lambda: gmm_workload(side, 8, 8192, 2048, 2048, even=False),
         "gmm G8 8192x2048x2048 even f32 out": lambda: gmm_workload(

@@ -693,3 +693,39 @@ class TestHelpers:
     def test_cost_estimate_fields(self):
         ce = pl.CostEstimate(flops=10, transcendentals=2, bytes_accessed=64)
         assert (ce.flops, ce.transcendentals, ce.bytes_accessed) == (10, 2, 64)
+
+
+def _checked_kernel(x_ref, o_ref):
+    pl.delay(100)  # a wait: nothing to compute in interpret mode
+    pl.debug_check(x_ref[0, 0] > 0, "the first element must be positive {as braces}")
+    o_ref[...] = x_ref[...] * 2
+
+
+@pytest.mark.parametrize("grid", [None, (4,)], ids=["one_block", "grid"])
+def test_delay_and_debug_check_in_interpret_mode(grid):
+    """pl.delay is a no-op and pl.debug_check checks its condition in interpret=True (JAX's
+    interpret mode drops the check; ours raised NotImplementedError for both on the CPU)."""
+    x = jax.random.uniform(jax.random.key(0), (32, 128), minval=0.5, maxval=2.0)
+    kw = {}
+    if grid:
+        spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+        kw = dict(grid=grid, in_specs=[spec], out_specs=spec)
+    call = pl.pallas_call(_checked_kernel, out_shape=_sds(x.shape), interpret=True, **kw)
+    jitted = jax.jit(call)
+    bad = x.at[16 if grid else 0, 0].set(-1.0)  # one grid step's block fails
+    np.testing.assert_array_equal(call(x), np.asarray(x) * 2)  # checks off: not checked
+    np.testing.assert_array_equal(jitted(bad), np.asarray(bad) * 2)
+    with pl.enable_debug_checks():
+        np.testing.assert_array_equal(call(x), np.asarray(x) * 2)
+        np.testing.assert_array_equal(jitted(x), np.asarray(x) * 2)
+        # Traced before with the checks off: traced again (the switch is in the jit key).
+        with pytest.raises(Exception, match="pl.debug_check failed: the first element"):
+            jitted(bad)
+        with pytest.raises(
+            AssertionError,
+            match=r"in kernel '_checked_kernel' at test_kernel_language.py:\d+: pl.debug_check failed: "
+            r"the first element must be positive \{as braces\}",
+        ):
+            call(bad)
+    np.testing.assert_array_equal(call(bad), np.asarray(bad) * 2)  # off again
+    np.testing.assert_array_equal(jitted(bad), np.asarray(bad) * 2)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
-from pallas._src import backends, compat, primitives, validate
+from pallas._src import backends, compat, poison, primitives, semaphores, validate
 from pallas._src import core as pallas_core
 from pallas._src.call import PallasCall
 from pallas._src.core import GridMapping, GridSpec
@@ -335,7 +335,12 @@ def _prepared(spec: _CallSpec, cache: dict, args) -> tuple[_Prepared, list]:
     """The call prepared for ``args``' signature (validated and traced once per signature)."""
     leaves = tree_util.tree_flatten_with_path(args)[0]
     flat_args = [x for _, x in leaves]
-    key = (tree_util.tree_structure(args), tuple((np.shape(x), _dtype_key(x)) for x in flat_args))
+    key = (
+        tree_util.tree_structure(args),
+        tuple((np.shape(x), _dtype_key(x)) for x in flat_args),
+        poison.poison_buffers_enabled(),  # the switches that change what a kernel traces to
+        semaphores.debug_checks_enabled(),
+    )
     if key not in cache:
         source = user_source()
         err = Err(spec.kernel_name, source)

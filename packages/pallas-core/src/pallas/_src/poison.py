@@ -17,23 +17,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_poison: list[bool] = [False]
+from pallas._src import compat
+
+# JAX config states (None: off), so that a switch is part of the jit cache key and the trace
+# context: a function traced with the switch off is traced again with it on, as JAX's own
+# switches are.
+_poison = compat.config_state("pallas_ours_poison_buffers", "pl.enable_poison_buffers' switch.")
 
 
 class GlobalSwitch:
-    """A process-wide setting held in ``cell[0]``: set to ``enabled`` from now on, or inside a
-    ``with`` block, after which the value it had comes back."""
+    """A process-wide setting held in a config ``state``: set to ``enabled`` from now on, or
+    inside a ``with`` block, after which the value it had comes back."""
 
-    def __init__(self, cell: list[bool], enabled: bool):
-        self.cell = cell
-        self.previous = cell[0]
-        cell[0] = bool(enabled)
+    def __init__(self, state, enabled: bool):
+        self.state = state
+        self.previous = state.value
+        state.set_global(bool(enabled))
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.cell[0] = self.previous
+        self.state.set_global(self.previous)
 
 
 class enable_poison_buffers(GlobalSwitch):  # noqa: N801  (JAX's name; a function and a context manager)
@@ -52,7 +57,7 @@ class enable_poison_buffers(GlobalSwitch):  # noqa: N801  (JAX's name; a functio
 
 def poison_buffers_enabled() -> bool:
     """Whether scratch buffers are poisoned (ours, or JAX 0.12's config switch)."""
-    return _poison[0] or bool(getattr(jax.config, "jax_pallas_poison_buffers", False))
+    return bool(_poison.value) or bool(getattr(jax.config, "jax_pallas_poison_buffers", False))
 
 
 def poison_value(dtype) -> np.ndarray:

@@ -12,16 +12,19 @@ core (``core_index``).
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import tree_util
 from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
-from pallas._src import compat
+from pallas._src import compat, errors
 from pallas._src import core as pallas_core
-from pallas._src.errors import kernel_error
+from pallas._src.errors import kernel_error, record_runtime_error
 from pallas._src.poison import GlobalSwitch
 
 
@@ -226,6 +229,10 @@ def delay(nanos: int | jax.Array) -> None:
 
 
 delay_p.def_effectful_abstract_eval(lambda *_: ([], {compat.delay_effect}))
+# Interpret mode (the kernel's jaxpr run by XLA on the CPU): a wait computes nothing. The
+# backends lower it for their chips themselves.
+mlir.register_lowering(delay_p, lambda ctx, nanos: [])
+batching.primitive_batchers[delay_p] = lambda args, dims: ([], [])
 
 
 # ---------------------------------------------------------------------------
@@ -235,7 +242,13 @@ delay_p.def_effectful_abstract_eval(lambda *_: ([], {compat.delay_effect}))
 #: ``pl.debug_check``.
 debug_check_p = Primitive("debug_check")
 debug_check_p.multiple_results = True
-_debug_checks: list[bool] = [False]
+# A JAX config state (None: off): part of the jit cache key, as JAX's switch is.
+_debug_checks = compat.config_state("pallas_ours_debug_checks", "pl.enable_debug_checks' switch.")
+
+
+def debug_checks_enabled() -> bool:
+    """Whether ``pl.debug_check`` binds its check (``pl.enable_debug_checks``)."""
+    return bool(_debug_checks.value)
 
 
 class enable_debug_checks(GlobalSwitch):  # noqa: N801  (JAX's name; a function and a context manager)
@@ -253,7 +266,7 @@ def debug_check(condition: Any, message: str) -> None:
       condition: the boolean that must hold.
       message: the error message; ``{0}``... are not substituted.
     """
-    if not _debug_checks[0]:
+    if not debug_checks_enabled():
         return
     if not isinstance(message, str):
         raise kernel_error(TypeError, f"pl.debug_check: message must be a str, got {message!r}")
@@ -262,7 +275,45 @@ def debug_check(condition: Any, message: str) -> None:
         raise kernel_error(
             TypeError, f"pl.debug_check: condition must be a bool scalar, got {cond.dtype}{list(cond.shape)}"
         )
-    debug_check_p.bind(cond, message=message.replace("{", "{{").replace("}", "}}"))
+    message = message.replace("{", "{{").replace("}", "}}")
+    k = errors.current_kernel()
+    _check_sites[message] = (f"in kernel '{k[0]}' " if k else "") + f"at {errors.user_source()}: "
+    debug_check_p.bind(cond, message=message)
 
 
 debug_check_p.def_effectful_abstract_eval(lambda *_, **__: ([], {compat.delay_effect}))
+
+
+def _debug_check_failed(ok, *, message, where):
+    if not np.all(ok):
+        # pallas_call raises the recorded error itself, not XLA's wrapper of it.
+        raise record_runtime_error(AssertionError(f"{where}pl.debug_check failed: {message.format()}"))
+
+
+# Where each message's check was written ('in kernel 'k' at file.py:12: '), noted as the kernel is
+# traced: interpret mode's equations no longer carry the user's traceback when they are lowered.
+# Keyed by the message: two checks with one message report the later one's place.
+_check_sites: dict[str, str] = {}
+
+
+def _debug_check_lowering(ctx, cond, *values, message):
+    check = functools.partial(_debug_check_failed, message=message, where=_check_sites.get(message, ""))
+    return mlir.lower_fun(lambda c, *v: jax.debug.callback(check, c) or [], multiple_results=True)(
+        ctx, cond, *values
+    )
+
+
+# Interpret mode (the kernel's jaxpr run by XLA on the CPU) checks the condition on the host, as
+# the TPU interpret mode does; a grid run as one batch checks every grid point's.
+mlir.register_lowering(debug_check_p, _debug_check_lowering)
+
+
+def _debug_check_batched(args, dims, *, message):
+    cond, *rest = args
+    if dims[0] is not batching.not_mapped:
+        cond = jnp.all(cond)
+    debug_check_p.bind(cond, *rest, message=message)
+    return [], []
+
+
+batching.primitive_batchers[debug_check_p] = _debug_check_batched

@@ -21,6 +21,7 @@ block choices as the chip does. A kernel that fails prints its error in its row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -214,6 +215,18 @@ def _random_args(args):
     return tuple(jnp.asarray(rng.standard_normal(a.shape) * 0.5, a.dtype) for a in args)
 
 
+def estimate_args(case: Case) -> tuple:
+    """The arguments ``estimate`` gets: the integer ones concrete (``case.data``'s: lengths,
+    page tables, group sizes, whose values steer the kernels' scalar-prefetch loops and DMAs,
+    as in the measurement), the others as shapes."""
+    if case.data is None:
+        return case.args
+    return tuple(
+        a if np.issubdtype(np.dtype(a.dtype), np.integer) and a.ndim else S(np.shape(a), a.dtype)
+        for a in case.data(case.args)
+    )
+
+
 def measure(case: Case, runs: int) -> float:
     """The median over ``runs`` rounds of back-to-back calls (``_timing.measure``: at least
     50 ms a round, one sync at its end), in microseconds a call. One call timed alone would
@@ -238,21 +251,66 @@ def on_tpu() -> str | None:
     return v.value if v is not None else None
 
 
+FLOOR_US = 130.0  # the lent v5e's host dispatch floor: back-to-back calls of a trivial kernel, 118-120 us
+
+
+def read_measured(path: str) -> tuple[dict[str, float], str]:
+    """The measured column of a table this script printed on a TPU (``| kernel | estimate |
+    ... | measured | error |``), by kernel name, in microseconds, and the file's first comment
+    line (which chip run it is). Rows with an empty measured cell are left out."""
+    out: dict[str, float] = {}
+    head = ""
+    with open(path) as f:
+        for line in f:
+            if line.startswith("#") and not head:
+                head = line.lstrip("# ").strip()
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not line.startswith("|") or len(cells) < 6 or cells[0] in ("kernel", "---"):
+                continue
+            m = cells[4].split()
+            if m and m[-1] in ("us", "ms"):
+                with contextlib.suppress(ValueError):
+                    out[cells[0]] = float(m[0]) * (1000.0 if m[-1] == "ms" else 1.0)
+    return out, head
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--estimate-only", action="store_true", help="no measurement (any machine)")
     ap.add_argument("--chip", help="the chip to estimate for (default: this TPU's, else v5e)")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--only", nargs="*", help="substrings of the kernels' names")
+    ap.add_argument(
+        "--measured",
+        metavar="FILE",
+        help="compare with the measured column of FILE (a table this script printed on a TPU), "
+        "matched by kernel name, instead of measuring here",
+    )
+    ap.add_argument(
+        "--floor-us",
+        type=float,
+        default=FLOOR_US,
+        help="measured times below this are the host's dispatch floor, not the kernel: shown, "
+        "left out of the summary (default %(default)s, the lent v5e's)",
+    )
     a = ap.parse_args()
-    here = None if a.estimate_only else on_tpu()
+    here = None if (a.estimate_only or a.measured) else on_tpu()
     chip = a.chip or here or "v5e"
-    print(
-        f"# pltpu.estimate for TPU {chip}" + (f", measured on this {here}" if here else " (estimates only)")
-    )
-    print(
-        f"# jax {jax.__version__}; {f'measured: median of {a.runs} runs after a warm-up' if here else ''}\n"
-    )
+    given: dict[str, float] = {}
+    if a.measured:
+        given, run = read_measured(a.measured)
+        print(
+            f"# pltpu.estimate for TPU {chip}, computed here; measured times read from {a.measured} ({run})"
+        )
+    else:
+        print(
+            f"# pltpu.estimate for TPU {chip}"
+            + (f", measured on this {here}" if here else " (estimates only)")
+        )
+    print(f"# jax {jax.__version__}; {f'measured: median of {a.runs} runs after a warm-up' if here else ''}")
+    if here or given:
+        print(f"# measured times under {a.floor_us:g} us are the host's dispatch floor: not counted below")
+    print()
     print("| kernel | estimate | per step x steps | bound | measured | error |")
     print("|---|---|---|---|---|---|")
     rows = []
@@ -260,7 +318,7 @@ def main() -> int:
         if a.only and not any(o in case.name for o in a.only):
             continue
         try:
-            report = est.estimate(case.fn, *case.args, chip=chip)
+            report = est.estimate(case.fn, *estimate_args(case), chip=chip)
         except Exception as e:  # noqa: BLE001 (one kernel that fails does not stop the rest)
             print(
                 f"| {case.name} | FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | | |",
@@ -272,25 +330,38 @@ def main() -> int:
         if here:
             try:
                 measured = measure(case, a.runs)
-                err = report.total_us / measured - 1
             except Exception as e:  # noqa: BLE001
                 print(f"# {case.name}: not measured: {type(e).__name__}: {e}", file=sys.stderr)
-        rows.append((case, report.total_us, measured, err))
-        meas = f"{measured:.1f} us" if measured else ""
-        print(f"| {case.name} | {report.total_us:.1f} us | {k.step_us:.2f} us x {k.steps} | {k.bound} | {meas} | {f'{err:+.1%}' if err is not None else ''} |", flush=True)  # fmt: skip
+        elif a.measured:
+            measured = given.get(case.name)
+        if measured:
+            err = report.total_us / measured - 1
+        floor = measured is not None and measured < a.floor_us
+        rows.append((case, report.total_us, measured, None if floor else err))
+        meas = f"{measured:.1f} us" if measured else ("not measured" if a.measured else "")
+        error = f"{err:+.1%}" if err is not None else ""
+        if floor:
+            error += " (floor: not counted)"
+        print(f"| {case.name} | {report.total_us:.1f} us | {k.step_us:.2f} us x {k.steps} | {k.bound} | {meas} | {error} |", flush=True)  # fmt: skip
     done = [r for r in rows if r[3] is not None]
     print(f"\n{len(rows)} kernels estimated", end="")
+    floored = sum(r[2] is not None and r[3] is None for r in rows)
+    unmeasured = sum(r[2] is None for r in rows)
     if done:
         within = sum(abs(r[3]) <= 0.10 for r in done)
         print(
-            f"; {len(done)} measured, {within} within 10 % ({within / len(done):.0%}), max |error| {max(abs(r[3]) for r in done):.1%}",
+            f"; {len(done)} measured above the floor, {within} within 10 % ({within / len(done):.0%}), max |error| {max(abs(r[3]) for r in done):.1%}",
             end="",
         )
+        if floored or (unmeasured and (here or given)):
+            print(f"; {floored} at the dispatch floor, {unmeasured} not measured", end="")
         ranks = []
         for fam in sorted({r[0].family for r in done}):
             mine = [r for r in done if r[0].family == fam]
             if len(mine) > 1:
-                same = sorted(mine, key=lambda r: r[1]) == sorted(mine, key=lambda r: r[2])
+                same = [r[0].name for r in sorted(mine, key=lambda r: r[1])] == [
+                    r[0].name for r in sorted(mine, key=lambda r: r[2])
+                ]
                 ranks.append(f"{fam}: {'same' if same else 'DIFFERENT'}")
         if ranks:
             print("\nranking of block choices (estimate vs chip): " + ", ".join(ranks), end="")

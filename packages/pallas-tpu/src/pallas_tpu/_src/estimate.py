@@ -28,6 +28,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from pallas_tpu._src import prefetch_values as prefetch_lib
 from pallas_tpu._src.mosaic import bundles as bundles_lib
 from pallas_tpu._src.mosaic import code_size as code_size_lib
 from pallas_tpu._src.mosaic import compile_check as cc
@@ -217,9 +218,12 @@ class KernelEstimate:
         it fits), None where libtpu does not say.
       flops: MXU FLOPs it runs (padded passes count whole); ``hbm_bytes``: bytes its DMAs
         move to and from HBM.
-      unknown_branches: branches on values the estimate cannot know (scalar prefetch data),
-        taken as not taken; ``extrapolated_steps``: grid-loop iterations not simulated (a
-        large grid), estimated as the simulated ones.
+      unknown_branches: branches on values the estimate cannot know (scalar-prefetch data not
+        given as arrays), taken as not taken; ``prefetch_known``: the kernel's scalar-prefetch
+        operands whose values the simulation used (from ``estimate``'s concrete arguments and
+        the trace's constants); ``extrapolated_steps``: grid-loop iterations not simulated (a
+        large grid), estimated as the mean of the simulated ones over whole periods of the
+        grid's trailing axes.
       timeline: one typical step's ``(cycle, unit, duration, op)`` events, for ``plot``.
     """
 
@@ -250,6 +254,7 @@ class KernelEstimate:
     extrapolated_steps: int
     grid: tuple[int, ...] = ()
     cores: int = 1
+    prefetch_known: int = 0
     timeline: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
@@ -281,11 +286,14 @@ class KernelEstimate:
             ("code", f"{self.bundles} bundles" + (f", {self.overlays} overlays (fetched from HBM as it runs)" if self.overlays and self.overlays > 1 else "")),
             ("HBM traffic", _fmt_bytes(self.hbm_bytes)),
         ]  # fmt: skip
+        if self.prefetch_known:
+            rows.append(("scalar prefetch", f"{self.prefetch_known} operands' values known and simulated"))
         if self.unknown_branches:
             rows.append(
                 (
                     "data-dependent",
-                    f"{self.unknown_branches} branches on scalar-prefetch data, taken as not taken",
+                    f"{self.unknown_branches} branches on unknown values (scalar-prefetch data given only as "
+                    "shapes), taken as not taken",
                 )
             )
         if self.extrapolated_steps:
@@ -539,6 +547,37 @@ def _median_iteration(iters: list[bundles_lib.IterationStats]) -> bundles_lib.It
     return ranked[len(ranked) // 2]
 
 
+def _period_mean(
+    iters: list[bundles_lib.IterationStats], grid: tuple[int, ...]
+) -> bundles_lib.IterationStats | None:
+    """The mean iteration over whole periods of the grid's trailing axes, for the iterations a
+    truncated simulation did not run. A step's path depends on its grid indices (a causal mask
+    skips, halves or runs a tile), and the pattern repeats over the trailing axes: the mean of
+    the last ``n x period`` simulated iterations (any window of whole periods has the pattern's
+    mean, whatever its phase) is the period's, where the median of a prefix is one kind of
+    step. The period: the longest product of trailing axes that the simulated iterations (less
+    the first, the pipeline's prologue) hold at least once. None without a whole period."""
+    done = iters[1:]
+    period = 0
+    prod = 1
+    for n in reversed(grid):
+        prod *= n
+        if prod > len(done):
+            break
+        period = prod
+    if not period:
+        return None
+    window = done[len(done) - (len(done) // period) * period :]
+    mean = bundles_lib.IterationStats()
+    k = len(window)
+    mean.cycles = round(sum(it.cycles for it in window) / k)
+    mean.bundles = round(sum(it.bundles for it in window) / k)
+    mean.flops = sum(it.flops for it in window) / k
+    mean.hbm_bytes = sum(it.hbm_bytes for it in window) / k
+    mean.dma_bytes = sum(it.dma_bytes for it in window) / k
+    return mean
+
+
 def _utilization(it: bundles_lib.IterationStats, machine: bundles_lib.Machine) -> dict[str, float]:
     t = max(it.cycles, 1)
     u = {
@@ -550,13 +589,20 @@ def _utilization(it: bundles_lib.IterationStats, machine: bundles_lib.Machine) -
     return u
 
 
+# Bundles a kernel's simulation runs before the grid loop's remaining iterations are
+# extrapolated (about 160 k bundles a second in CPython: at most some 12 s a kernel). Enough
+# for the whole grid of most kernels: a data-dependent grid (gmm's idle tiles at its end, a
+# causal mask's skipped blocks) is only right where simulated.
+SIM_BUDGET = 2_000_000
+
+
 def _simulate(text: str, machine, record: int | None = None, budget: int = 300_000):
     bundles, regions = bundles_lib.parse(text)
     return bundles, bundles_lib.simulate(bundles, regions, machine, budget=budget, record_iteration=record)
 
 
 def _kernel_estimate(
-    name, module_text, hlo: _Hlo, chip: Chip, cores: int, vmem: dict, size
+    name, module_text, hlo: _Hlo, chip: Chip, cores: int, vmem: dict, size, operands=None
 ) -> KernelEstimate:
     machine = chip.machine(cores)
     text = _read(hlo.bundles_file) if hlo.bundles_file else ""
@@ -568,13 +614,18 @@ def _kernel_estimate(
     steps_per_core = -(-steps // cores) if split else steps
     iters_total = bound_iters or steps_per_core
     record = max(1, min(iters_total // 2, 8)) if iters_total > 2 else 0
-    r = bundles_lib.simulate(blist, regions, machine, budget=300_000, record_iteration=record)
+    r = bundles_lib.simulate(
+        blist, regions, machine, budget=SIM_BUDGET, record_iteration=record, operands=operands or None
+    )
     cycles = r.cycles
     extrapolated = 0
     typical = _median_iteration(r.iterations)
+    rest = typical
     if r.truncated_iterations and typical is not None:
         extrapolated = max(iters_total - len(r.iterations), 0)
-        cycles += extrapolated * typical.cycles
+        rest = _period_mean(r.iterations, grid) or typical
+        # the unsimulated iterations at the mean over whole periods (the median where no period is whole)
+        cycles += extrapolated * rest.cycles
     if typical is None:  # no grid loop: the whole kernel is its one step
         typical = r.totals
         typical.cycles = int(r.cycles)
@@ -587,8 +638,8 @@ def _kernel_estimate(
     vmem_cap = int(vmem.get("global_info", {}).get("vmem_capacity", chip.vmem_bytes))
     # The bundles are one TensorCore's: on a megacore device each core runs its share.
     share = cores if split else 1
-    flops = share * (r.totals.flops + (extrapolated * typical.flops if extrapolated else 0.0))
-    hbm = share * (r.totals.hbm_bytes + (extrapolated * typical.hbm_bytes if extrapolated else 0.0))
+    flops = share * (r.totals.flops + (extrapolated * rest.flops if extrapolated else 0.0))
+    hbm = share * (r.totals.hbm_bytes + (extrapolated * rest.hbm_bytes if extrapolated else 0.0))
     return KernelEstimate(
         kernel=name,
         hlo=hlo.name,
@@ -617,6 +668,7 @@ def _kernel_estimate(
         extrapolated_steps=extrapolated,
         grid=grid,
         cores=cores,
+        prefetch_known=len(operands or {}),
         timeline=r.timeline,
     )  # fmt: skip
 
@@ -628,8 +680,13 @@ def estimate(f, *args, chip: str = "v5e", **kwargs) -> Estimate:
 
     Args:
       f: a function of JAX arrays holding TPU kernels (``pallas_call``).
-      *args: its arguments: arrays or ``jax.ShapeDtypeStruct`` (only shapes and dtypes
-        count).
+      *args: its arguments: arrays or ``jax.ShapeDtypeStruct``. Shapes and dtypes make the
+        kernels; values count only where they make a kernel's scalar-prefetch operands
+        (lengths, page tables, group sizes): those are evaluated on the host's CPU from the
+        concrete arguments (and the trace's constants, such as a block mask's tables) and
+        the simulated scalar unit reads them, so data-dependent loops and DMAs run as on the
+        chip. Given as ``ShapeDtypeStruct`` they are unknown: a branch on them is taken as
+        not taken (``KernelEstimate.unknown_branches``).
       chip: ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"`` or ``"7x"`` (``CHIPS``).
       **kwargs: its keyword arguments.
 
@@ -649,14 +706,15 @@ def estimate(f, *args, chip: str = "v5e", **kwargs) -> Estimate:
             'estimate needs libtpu, which compiles for TPUs on any machine: pip install "jax[tpu]"'
         )
     prog = _compile(f, args, kwargs, chip)
+    values = prefetch_lib.prefetch_values(f, args, kwargs, cc._traced_for(chip, (args, kwargs)))
     try:
-        return _report(prog, facts)
+        return _report(prog, facts, values if len(values) == len(prog.kernels) else [])
     finally:
         if prog.files:
             shutil.rmtree(os.path.dirname(prog.files[0]), ignore_errors=True)
 
 
-def _report(prog: _Program, facts: Chip) -> Estimate:
+def _report(prog: _Program, facts: Chip, values: list | None = None) -> Estimate:
     if not prog.kernels:
         raise EstimateError(
             f"estimate: the function holds no TPU kernel (no pallas_call lowered to Mosaic for TPU {facts.name}); "
@@ -680,7 +738,10 @@ def _report(prog: _Program, facts: Chip) -> Estimate:
     kernels = []
     for i, (name, text) in enumerate(prog.kernels):
         if i in taken:
-            kernels.append(_kernel_estimate(name, text, hlos[taken[i]], facts, prog.cores, vmem, sizes[i]))
+            known = values[i] if values else None
+            kernels.append(
+                _kernel_estimate(name, text, hlos[taken[i]], facts, prog.cores, vmem, sizes[i], known)
+            )
     machine = facts.machine(prog.cores)
     xla = []
     for n in order:

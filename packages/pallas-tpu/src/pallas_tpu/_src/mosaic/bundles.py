@@ -9,10 +9,13 @@ branches jump to. ``parse`` reads them; ``simulate`` runs them:
 * the scalar unit exactly, where it can: the grid loop's indices, ``pl.when`` predicates,
   the pipeline's slot and guard logic (``s*``, ``p*``, ``scalar_*`` ops, scalar memory and
   its spill slots), so the path each grid step takes and the number of iterations of every
-  loop come from the program itself. A value it cannot know (read from a scalar-prefetch
-  operand, popped from a vector) is unknown: a branch on an unknown predicate is taken as
-  not taken (a forward branch runs the code it guards; a backward one leaves its loop), and
-  counted (``SimResult.unknown_branches``);
+  loop come from the program itself. The scalar-prefetch operands' values, where the caller
+  knows them (``simulate``'s ``operands``: the custom call's operands by index), are written
+  into scalar memory by the DMAs that copy those operands there, so the loops and DMAs that
+  depend on them (page tables, lengths, group offsets) run as on the chip. A value it cannot
+  know (an operand not given, popped from a vector) is unknown: a branch on an unknown
+  predicate is taken as not taken (a forward branch runs the code it guards; a backward one
+  leaves its loop), and counted (``SimResult.unknown_branches``);
 * one bundle a cycle (the core issues in order), plus stalls where a bundle waits:
   ``dma.done.wait`` until its DMA completed (DMAs through one HBM pipe at the chip's
   bandwidth, each adding its granules to its sync flag when done), a result pop from an
@@ -42,7 +45,8 @@ from typing import Any
 @dataclasses.dataclass
 class Op:
     """One op of a bundle: ``dst = name args``, guarded by ``guard`` (a predicate register,
-    ``negate`` for ``!%p``); ``select``: ``(pred, fallback)`` of ``smov (%p, %s), imm``."""
+    ``negate`` for ``!%p``); ``select``: ``(pred, fallback)`` of ``smov (%p, %s), imm``
+    (``select_negate`` for ``smov (!%p, %s), imm``: the value where ``%p`` is false)."""
 
     name: str
     dst: str | None
@@ -51,6 +55,7 @@ class Op:
     negate: bool = False
     select: tuple[str, str] | None = None
     text: str = ""
+    select_negate: bool = False
 
 
 @dataclasses.dataclass
@@ -66,7 +71,7 @@ _LINE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(LB|LH|LE|PB|PF|CT)?:\s*(>*)\s*\{")
 _COMMENT = re.compile(r"/\*.*?\*/", re.S)
 _REGION = re.compile(r"(Start|Start/End empty) region (\d+)")
 _GUARD = re.compile(r"\((!?)(%p\w+)\)")
-_SELECT = re.compile(r"\((%p\w+),\s*(%\w+)\)")
+_SELECT = re.compile(r"\((!?)(%p\w+),\s*(%\w+)\)")
 _OP = re.compile(r"^(?:(%[\w#]+)\s*=\s*)?([a-z_][\w.\-]*)(.*)$", re.S)
 
 
@@ -92,10 +97,10 @@ def parse_op(part: str) -> Op | None:
     if not m:
         return None
     dst, name, rest = m.group(1), m.group(2), m.group(3)
-    select = None
+    select, select_negate = None, False
     s = _SELECT.search(rest)
     if s:
-        select = (s.group(1), s.group(2))
+        select, select_negate = (s.group(2), s.group(3)), s.group(1) == "!"
         rest = rest[: s.start()] + rest[s.end() :]
     guard, negate = None, False
     g = _GUARD.search(rest)
@@ -103,7 +108,7 @@ def parse_op(part: str) -> Op | None:
         guard, negate = g.group(2), g.group(1) == "!"
         rest = rest[: g.start()] + rest[g.end() :]
     rest = re.sub(r"\[thread:\$\d+\]", "", rest)
-    return Op(name, dst, _split_args(rest), guard, negate, select, part.strip())
+    return Op(name, dst, _split_args(rest), guard, negate, select, part.strip(), select_negate)
 
 
 def parse(text: str) -> tuple[list[Bundle], dict[int, int]]:
@@ -265,9 +270,65 @@ def reg_key(tok: str) -> str:
     return m.group(1) if m else tok
 
 
+_OPERAND_INDEX = re.compile(r"inlined_call_operand\.\w+\s*\[.*?index:\s*(\d+)")
+
+
+def operand_of(bundles: list[Bundle], reg: str) -> int | None:
+    """The custom call's operand index whose address the SSA register ``reg`` holds: its
+    definitions followed back (moves, shifts, pointer casts) to an ``inlined_call_operand``."""
+    defs = {op.dst: op for bd in bundles for op in bd.ops if op.dst}
+    seen = set()
+    while reg in defs and reg not in seen:
+        seen.add(reg)
+        op = defs[reg]
+        m = _OPERAND_INDEX.search(op.text)
+        if m:
+            return int(m.group(1))
+        if not op.name.startswith(("int_to_ptr", "sshll", "sshrl", "smov")):
+            return None
+        regs = [r for a in op.args for r in re.findall(r"%s\w+", a)]  # int_to_ptr [resolvable:$true] %s
+        if not regs:
+            return None
+        reg = regs[0]
+    return None
+
+
+def smem_words(value) -> list[int] | None:
+    """An operand's value as the 32-bit words scalar memory holds (ints and bools widened,
+    32-bit floats as their bits), in its layout there: an array of two or more dimensions in
+    tiles of 8 x 128 words (its last two dimensions padded to them), tile after tile, as
+    libtpu's bundles show (a 7 x 23 table is copied as 128 granules of 32 B, 8 x 128 words,
+    and read at ``row * 128 + column``); None for what does not fit in 32-bit words."""
+    import numpy as np
+
+    a = np.asarray(value)
+    if a.dtype.kind in "biu" and a.dtype.itemsize <= 4:
+        w = a.astype(np.int64) & _M32
+    elif a.dtype == np.float32:
+        w = a.view(np.uint32).astype(np.int64)
+    else:
+        return None
+    if w.ndim >= 2:
+        r, c = w.shape[-2:]
+        pr, pc = -(-r // 8) * 8, -(-c // 128) * 128
+        w = np.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, pr - r), (0, pc - c)])
+        w = w.reshape(*w.shape[:-2], pr // 8, 8, pc // 128, 128).swapaxes(-3, -2)
+    return [int(x) for x in w.ravel()]
+
+
 class _Sim:
-    def __init__(self, bundles, regions, machine: Machine, budget: int, record_iteration: int | None):
+    def __init__(
+        self,
+        bundles,
+        regions,
+        machine: Machine,
+        budget: int,
+        record_iteration: int | None,
+        operands: dict[int, Any] | None = None,
+    ):
         self.b, self.regions, self.m = bundles, regions, machine
+        self.operands = operands or {}
+        self.operand_words: dict[str, list[int] | None] = {}
         self.budget = budget
         self.reg: dict[str, object] = {}
         self.mem: dict[object, object] = {}
@@ -590,6 +651,8 @@ class _Sim:
             )
         if not isinstance(size, int):
             size = 0
+        if name.endswith("_to_smem") and self.operands and len(args) > 2:
+            self._fill_smem(args[0], args[2])
         nbytes = size * m.granule_bytes
         pipe = "hbm" if ("hbm" in name or "cmem" in name) else "local"
         rate = m.hbm_bytes_per_cycle if pipe == "hbm" else m.local_bytes_per_cycle
@@ -606,6 +669,20 @@ class _Sim:
         if recording and cur is not None:
             self.timeline.append((int(start) - cur.start, "DMA " + pipe, max(1, int(done - start)), name))
 
+    def _fill_smem(self, src: str, dst: str):
+        """A DMA into scalar memory from a custom call's operand whose value is known: its
+        words written at the destination."""
+        if src not in self.operand_words:
+            idx = operand_of(self.b, src)
+            known = self.operands.get(idx) if idx is not None else None
+            self.operand_words[src] = smem_words(known) if known is not None else None
+        words = self.operand_words[src]
+        at = self.val(dst)
+        if words is None or not (isinstance(at, tuple) and isinstance(at[1], int)):
+            return
+        for i, w in enumerate(words):
+            self.mem[(at[0], at[1] + i)] = w
+
     def _store(self, op: Op):
         m = re.match(r"(\[.*\])\s*,?\s*(\S+)$", " ".join(op.args).strip(), re.S)
         if not m:
@@ -620,6 +697,8 @@ class _Sim:
             p = self.val(op.select[0])
             if p is UNKNOWN:
                 return UNKNOWN
+            if op.select_negate:  # smov (!%p, %fallback), value: p ? fallback : value
+                p = not p
             return self.val(a[0]) if p else self.val(op.select[1])
         base = name.split(".")[0]
         if base in ("smov", "int_to_ptr", "reloc"):
@@ -719,12 +798,15 @@ def simulate(
     *,
     budget: int = 400_000,
     record_iteration: int | None = None,
+    operands: dict[int, Any] | None = None,
 ) -> SimResult:
     """Runs the program: see the module's docstring. ``budget``: bundles to run before the
     outermost loop's remaining iterations are left to the caller to extrapolate
     (``SimResult.truncated_iterations`` is then -1); ``record_iteration``: the outermost
-    loop's iteration whose events make ``SimResult.timeline``."""
-    return _Sim(bundles, regions, machine, budget, record_iteration).run()
+    loop's iteration whose events make ``SimResult.timeline``; ``operands``: known values of
+    the custom call's operands by index (arrays), those copied into scalar memory (scalar
+    prefetch) read from there by the scalar unit."""
+    return _Sim(bundles, regions, machine, budget, record_iteration, operands).run()
 
 
 def loop_bound(bundles: list[Bundle]) -> int | None:

@@ -16,8 +16,9 @@ the error names the kernel, the operand or the user's line.
   SMEM buffers must fit the chip's SMEM;
 * ``CompilerParams.allow_input_fusion``: one entry per input.
 
-TPU interpret mode alone (``check_interpreted_grid``), as JAX's: a grid axis marked
-"parallel" has a static size (JAX's Mosaic lowering takes a traced one).
+TPU interpret mode alone (``check_interpreted_grid``), as JAX's: the grid axes marked
+"parallel" come first and have static sizes (JAX's Mosaic lowering takes a traced
+one, and "parallel" axes anywhere).
 """
 
 from __future__ import annotations
@@ -224,8 +225,19 @@ class DynamicParallelAxisError(jax.errors.ConcretizationTypeError):
 
 
 def check_interpreted_grid(gm, semantics) -> None:
-    """TPU interpret mode needs the size of a "parallel" axis when it traces the
-    call (it splits the axis over cores and may shuffle it), as JAX's does."""
+    """TPU interpret mode splits the leading "parallel" axes over cores, so those
+    axes must come first (a "parallel" axis after another kind is a ValueError, in
+    JAX's words too), and it needs their sizes when it traces the call (it may
+    shuffle them), as JAX's does."""
+    for a in range(1, len(semantics)):
+        if semantics[a] is tpu_core.PARALLEL and semantics[a - 1] is not tpu_core.PARALLEL:
+            named = [getattr(s, "value", s) for s in semantics]
+            raise ValueError(
+                f"{gm.where}: compiler_params.dimension_semantics {tuple(named)}: grid axis {a} is 'parallel' "
+                f"after axis {a - 1}, {named[a - 1]!r}; TPU interpret mode splits the leading "
+                "'parallel' axes over cores, so put them first. Dimensions with parallel semantics must "
+                "form a prefix of the grid."
+            )
     for a, (size, sem) in enumerate(zip(gm.grid, semantics)):
         if size is plb.dynamic_grid_dim and sem is tpu_core.PARALLEL:
             raise DynamicParallelAxisError(

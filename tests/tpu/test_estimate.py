@@ -81,6 +81,32 @@ def mxu_cycles_by_hand(chip: str) -> float:
     return BM * BK * BN / (c.mxu_width**2 * c.mxu_rows_per_cycle * c.mxus)
 
 
+LOOP_BLOCK = (8, 128)
+
+
+def prefetch_loop(n, x):
+    """A kernel whose loop runs ``n[0]`` times (a scalar-prefetch operand): each iteration
+    adds the input block into the output block."""
+
+    def kernel(n_ref, x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+        def body(i, carry):
+            o_ref[...] += x_ref[...]
+            return carry
+
+        jax.lax.fori_loop(0, n_ref[0], body, 0)
+
+    spec = pl.BlockSpec(LOOP_BLOCK, lambda i, n_ref: (0, 0))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,), in_specs=[spec], out_specs=spec
+        ),
+    )(n, x)
+
+
 _SCRIPT = """
 import json, sys
 sys.path.insert(0, {here!r})
@@ -95,6 +121,10 @@ for chip in est.CHIPS:
 report = est.estimate(t.copy, jax.ShapeDtypeStruct(t.COPY_SHAPE, jnp.float32), chip="v5e")
 out["copy"] = report.to_dict()
 out["copy str"] = str(report)
+x = jax.ShapeDtypeStruct(t.LOOP_BLOCK, jnp.float32)
+for n in (3, 6, 9):
+    out["loop " + str(n)] = est.estimate(t.prefetch_loop, jnp.array([n], jnp.int32), x).to_dict()
+out["loop ?"] = est.estimate(t.prefetch_loop, jax.ShapeDtypeStruct((1,), jnp.int32), x).to_dict()
 try:
     report.plot({png!r})
     out["plot"] = "ok"
@@ -165,6 +195,21 @@ def test_copy_is_dma_bound(reports):
         "DMA / HBM",
     ):
         assert field in text
+
+
+def test_a_scalar_prefetch_loop_runs_its_known_count(reports):
+    """Given as an array, the loop's count is read by the simulated scalar unit: every
+    iteration takes the same cycles, so the kernel's time grows by three iterations' each
+    time the count does (3 -> 6 -> 9), and no branch is on an unknown value. Given as a shape
+    it is unknown: the loop's branch is counted as unknown."""
+    runs = {n: reports[f"loop {n}"]["kernels"][0] for n in (3, 6, 9)}
+    for k in runs.values():
+        assert k["prefetch_known"] == 1 and k["unknown_branches"] == 0
+    cycles = {n: k["time_us"] * 1e-6 * est.CHIPS["v5e"].clock_hz for n, k in runs.items()}
+    per_3 = cycles[6] - cycles[3]  # three iterations' cycles
+    assert per_3 >= 3 and cycles[9] - cycles[6] == pytest.approx(per_3, abs=1e-6)
+    unknown = reports["loop ?"]["kernels"][0]
+    assert unknown["prefetch_known"] == 0 and unknown["unknown_branches"] > 0
 
 
 def test_plot_or_a_clear_error(reports):
@@ -244,3 +289,59 @@ def test_simulator_runs_a_hand_written_loop():
     )  # a bf16 vreg: 16 rows through the MXU, its two f32 vregs popped the next bundles
     assert it.mxu_passes == 1 and it.hbm_bytes == 64 * 32
     assert it.cycles == 7 + 63 + 15  # bundles 0x1..0x7 (two delay slots) and the stalls
+
+
+_SELECTS = """
+     0   :  { %s1_s0 = smov 5  ;;  %s2_s1 = smov 9 }
+   0x1   :  { %p3_p0 = scmp.lt.s32.totalorder %s1_s0, %s2_s1 }
+   0x2   :  { %s4_s2 = smov (%p3_p0, %s1_s0), 7  ;;  %s5_s3 = smov (!%p3_p0, %s1_s0), 7 }
+"""
+
+
+def test_negated_select():
+    """``smov (%p, %s), imm`` is ``p ? imm : s``; ``smov (!%p, %s), imm`` is ``p ? s : imm``
+    (a grid index carried to the next axis is such a select)."""
+    blist, regions = bundles.parse(_SELECTS)
+    sim = bundles._Sim(blist, regions, bundles.Machine(), 100, None)
+    sim.run()
+    assert sim.reg["p0"] is True and sim.reg["s2"] == 7 and sim.reg["s3"] == 5
+
+
+_FROM_PREFETCH = """
+     0   :  { %s1_s0 = inlined_call_operand.hbm [shape: s32[2,3], index: 0, kind: input, shape index: {}]  ;;  %s2_s1 = smov [#allocation2] }
+   0x1   :  { %s3_s2 = sshll.u32 %s1_s0, 4  ;;  %s7_s6 = inlined_call_operand.<no memory space> [shape: s32[1], index: 1, kind: input, shape index: {}] }
+   0x2   :  { %s4_s3 = int_to_ptr.hbm [resolvable:$true] %s3_s2 }
+   0x3   :  { %5 = dma.hbm_to_smem %s4_s3, 32, %s2_s1, [#allocation1] }
+   0x4   :  { %s6_s4 = sld [smem:[#allocation2 + $0x82]]  ;;  %s8_s5 = sld [smem:[#allocation2 + $0x1]] }
+"""
+
+
+def test_prefetch_operands_fill_scalar_memory():
+    """A DMA of operand 0 into scalar memory writes its words, a 2 x 3 table in 8 x 128-word
+    tiles (row r, column c at r * 128 + c); operand 1, a scalar in a register, is its value."""
+    import numpy as np
+
+    blist, regions = bundles.parse(_FROM_PREFETCH)
+    table = np.arange(6, dtype=np.int32).reshape(2, 3) + 10
+    sim = bundles._Sim(blist, regions, bundles.Machine(), 100, None, {0: table, 1: np.array([42], np.int32)})
+    sim.run()
+    assert sim.reg["s4"] == table[1, 2] == 15 and sim.reg["s5"] == table[0, 1] == 11 and sim.reg["s6"] == 42
+    assert bundles.operand_of(blist, "%s4_s3") == 0
+    words = bundles.smem_words(table)
+    assert len(words) == 8 * 128 and words[128 + 2] == 15 and words[3] == 0
+
+
+def test_extrapolation_by_whole_periods():
+    """Iterations past the budget are estimated by the mean over whole periods of the grid's
+    trailing axes: a causal pattern (full, diagonal, skipped, skipped) repeating per row."""
+    pattern = [400, 250, 10, 10]
+
+    def it(c):
+        return bundles.IterationStats(cycles=c, bundles=c, flops=float(c), hbm_bytes=2.0 * c)
+
+    iters = [it(50)] + [it(pattern[i % 4]) for i in range(13)]  # the prologue, then 13 steps
+    mean = est._period_mean(iters, (3, 4))  # period 4: 12 of the 13 steps are 3 whole periods
+    assert mean.cycles == round(sum(pattern) / 4) == 168
+    assert mean.hbm_bytes == 2.0 * sum(pattern) / 4
+    assert est._median_iteration(iters).cycles in pattern  # one kind of step, not the mean
+    assert est._period_mean(iters[:3], (3, 4)) is None  # not one whole period simulated

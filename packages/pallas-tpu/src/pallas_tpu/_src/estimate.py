@@ -620,15 +620,15 @@ def _kernel_estimate(
     cycles = r.cycles
     extrapolated = 0
     typical = _median_iteration(r.iterations)
-    rest = typical
-    if r.truncated_iterations and typical is not None:
-        extrapolated = max(iters_total - len(r.iterations), 0)
-        rest = _period_mean(r.iterations, grid) or typical
-        # the unsimulated iterations at the mean over whole periods (the median where no period is whole)
-        cycles += extrapolated * rest.cycles
     if typical is None:  # no grid loop: the whole kernel is its one step
         typical = r.totals
         typical.cycles = int(r.cycles)
+    rest = typical
+    if r.truncated_iterations and r.iterations:
+        extrapolated = max(iters_total - len(r.iterations), 0)
+        # the unsimulated iterations at the mean over whole periods (the median where no period is whole)
+        rest = _period_mean(r.iterations, grid) or typical
+        cycles += extrapolated * rest.cycles
     clock = chip.clock_hz
     util = _utilization(typical, machine)
     bound = max(util, key=lambda k: util[k])

@@ -270,6 +270,7 @@ def reg_key(tok: str) -> str:
     return m.group(1) if m else tok
 
 
+_SCALAR_OPERAND = re.compile(r"inlined_call_operand\.<no memory space>\s*\[.*?index:\s*(\d+)")
 _OPERAND_INDEX = re.compile(r"inlined_call_operand\.\w+\s*\[.*?index:\s*(\d+)")
 
 
@@ -592,6 +593,9 @@ class _Sim:
                         if a is not UNKNOWN:
                             self.mem[a] = UNKNOWN
                     continue
+                if name.startswith("inlined_call_operand") and op.dst is not None and self.operands:
+                    writes.append((reg_key(op.dst), self._eval(op)))
+                    continue
                 if unit != "scalar" or op.dst is None or not op.dst.startswith(("%s", "%p")):
                     continue
                 if name == "sphi":  # one register on both edges: nothing to do
@@ -701,6 +705,12 @@ class _Sim:
                 p = not p
             return self.val(a[0]) if p else self.val(op.select[1])
         base = name.split(".")[0]
+        if base == "inlined_call_operand":  # a scalar operand passed in a register: its value
+            m = _SCALAR_OPERAND.search(op.text)
+            words = (
+                smem_words(self.operands[int(m.group(1))]) if m and int(m.group(1)) in self.operands else None
+            )
+            return words[0] if words and len(words) == 1 else UNKNOWN
         if base in ("smov", "int_to_ptr", "reloc"):
             return self.val(a[-1]) if a else UNKNOWN
         if name == "sld":

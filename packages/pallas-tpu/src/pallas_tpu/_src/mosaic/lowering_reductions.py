@@ -4,11 +4,14 @@ all, cumulative scans, top_k, and ``dot_general`` (``tpu.matmul``)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.interpreters import mlir
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import vector
+from jaxlib.mlir.dialects import func, vector
 from jaxlib.mosaic.python import tpu
 
 from pallas_tpu._src.mosaic.lowering import (
@@ -77,8 +80,33 @@ def _arg_reduce(ctx, x, axes, index_dtype):
         x, axis, shape, out_shape = shape_cast(x, (1, *shape), aval.dtype), 1, (1, *shape), (1, *out_shape)
     kind = "arg_max" if ctx.eqn.primitive is lax.argmax_p else "arg_min"
     kind_attr = ir.Attribute.parse(f"#tpu.reduction_kind<{kind}>")
+    if reduce_index_keeps_dim():
+        out_shape = (*shape[:axis], 1, *shape[axis + 1 :])
     r = tpu.reduce_index(aval_type(Aval(out_shape, index_dtype)), x, axis, kind_attr)
     return shape_cast(r, out.shape, index_dtype)
+
+
+@functools.cache
+def reduce_index_keeps_dim() -> bool:
+    """Whether this jaxlib's ``tpu.reduce_index`` keeps the reduced dim (as size 1: the
+    result has the operand's rank, which jaxlib 0.12.1's verifier requires) rather than
+    dropping it (what the verifiers of jaxlib 0.12.0 and older require). Asked of the
+    dialect itself, once: the kept form is verified on a module of one such op."""
+    context = mlir.make_ir_context()
+    tpu.register_dialect(context)
+    with context, ir.Location.unknown(context):
+        module = ir.Module.create()
+        with ir.InsertionPoint(module.body):
+            fn = func.FuncOp("probe", ([ir.Type.parse("vector<8x128xf32>")], []))
+            block = fn.add_entry_block()
+            with ir.InsertionPoint(block):
+                kind = ir.Attribute.parse("#tpu.reduction_kind<arg_max>")
+                tpu.reduce_index(ir.Type.parse("vector<8x1xi32>"), block.arguments[0], 1, kind)
+                func.ReturnOp([])
+        try:
+            return bool(module.operation.verify())
+        except ir.MLIRError:
+            return False
 
 
 def _any(x, axes):

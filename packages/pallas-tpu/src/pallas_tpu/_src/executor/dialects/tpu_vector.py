@@ -53,7 +53,9 @@ def _reduce_index(ex, op, vals, env):
     fn = {"arg_max": np.argmax, "arg_min": np.argmin}.get(kind)
     if fn is None:
         raise MosaicError(f"run_mosaic: {where(op)}: index reduction kind {kind} is not supported")
-    return [fn(x, axis=axis).astype(out_dtype(op))]
+    # The result keeps the reduced dim as size 1 (jaxlib 0.12.1's dialect) or drops it (older).
+    shape = shape_of(op.operation.results[0].type)
+    return [fn(x, axis=axis).reshape(shape).astype(out_dtype(op))]
 
 
 @rule("tpu.reduce", "tpu.all_reduce")

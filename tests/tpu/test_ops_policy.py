@@ -55,18 +55,24 @@ def test_a_chip_without_a_file_gets_tpu_infos_facts():
     assert _policy.facts(info).instruction_bundles is None
 
 
-def test_choose_asks_the_row_then_the_estimate_then_the_rule(monkeypatch):
-    v5e, v6e = pltpu.get_tpu_info("v5e"), pltpu.get_tpu_info("v6e")
+def test_choose_asks_the_row_then_the_estimated_row_then_the_hook_then_the_rule(monkeypatch):
+    v5e, v6e, v5p = (pltpu.get_tpu_info(c) for c in ("v5e", "v6e", "v5p"))
     rule = lambda facts, key: ("rule", facts.name, key)
     assert _policy.choose("matmul", 2, rule, v5e) == (1024, 1024, 1024)  # the v5e's measured row
-    assert _policy.choose("matmul", 2, rule, v6e) == ("rule", "v6e", 2)
+    assert _policy.choose("matmul", 2, rule, v6e) == (1024, 1024, 2048)  # the v6e's estimated row
+    assert _policy.choose("matmul", 4, rule, v6e) == ("rule", "v6e", 4)  # no row for f32
+    assert _policy.choose("matmul", 2, rule, v5p) == ("rule", "v5p", 2)
     asked = []
     monkeypatch.setattr(_policy, "ESTIMATE", lambda op, key, facts: asked.append((op, key)) or (8, 8))
-    assert _policy.choose("matmul", 2, rule, v6e) == (8, 8)
+    assert _policy.choose("matmul", 2, rule, v5p) == (8, 8)
     assert _policy.choose("matmul", 2, rule, v5e) == (1024, 1024, 1024)  # a row is not estimated
+    assert _policy.choose("matmul", 2, rule, v6e) == (1024, 1024, 2048)
     assert asked == [("matmul", 2)]
     monkeypatch.setattr(_policy, "ESTIMATE", lambda op, key, facts: None)
-    assert _policy.choose("matmul", 2, rule, v6e) == ("rule", "v6e", 2)
+    assert _policy.choose("matmul", 2, rule, v5p) == ("rule", "v5p", 2)
+    # A measured row wins over an estimated one of the same key.
+    monkeypatch.setattr(_policy._generation("v6e"), "BLOCKS", {"matmul": {2: (512, 512, 512)}})
+    assert _policy.choose("matmul", 2, rule, v6e) == (512, 512, 512)
 
 
 def test_attention_blocks_come_from_the_policy(monkeypatch):
@@ -201,14 +207,20 @@ EXAMPLES = {
     "ragged_paged_attention": ragged_example,
     "random": random_example,
 }
-ROWS = [
-    (chip, op, key) for chip in _policy.GENERATIONS for op in EXAMPLES for key in _policy.measured(chip, op)
-]
+
+
+def _rows(chip, op) -> dict:
+    """The generation's measured and estimated rows of ``op`` (a key in both: the measured wins)."""
+    return {**_policy.estimated(chip, op), **_policy.measured(chip, op)}
+
+
+ROWS = [(chip, op, key) for chip in _policy.GENERATIONS for op in EXAMPLES for key in _rows(chip, op)]
 
 
 def test_every_op_with_rows_has_an_example():
     for chip in _policy.GENERATIONS:
-        missing = set(_policy._generation(chip).BLOCKS) - set(EXAMPLES)
+        module = _policy._generation(chip)
+        missing = (set(module.BLOCKS) | set(getattr(module, "ESTIMATED", {}))) - set(EXAMPLES)
         assert not missing, (
             f"rows of {missing} in the {chip} generation file: add their call to EXAMPLES here"
         )
@@ -217,7 +229,7 @@ def test_every_op_with_rows_has_an_example():
 @needs_libtpu
 @pytest.mark.parametrize("chip, op, key", ROWS, ids=[f"{c}-{o}-{k}" for c, o, k in ROWS])
 def test_every_row_compiles_for_its_generation(chip, op, key):
-    blocks = _policy.measured(chip, op)[key]
+    blocks = _rows(chip, op)[key]
     assert _policy.choose(op, key, lambda facts, key: None, pltpu.get_tpu_info(chip)) == blocks
     fn, args = EXAMPLES[op](key, blocks)
     reports = pltpu.compile_check(fn, *args, chips=(chip,), code_size=False)

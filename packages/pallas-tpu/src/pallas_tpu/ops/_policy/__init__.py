@@ -7,9 +7,14 @@ use and how much VMEM to plan for on the chip its kernels are traced for.
   ``pltpu.get_tpu_info()`` (no instruction memory).
 * **Measured blocks**: the same file's ``BLOCKS``, ``{op: {key: blocks}}``, rows measured on that
   chip (each checked by a libtpu compile for its generation: ``tests/tpu/test_ops_policy.py``).
+* **Estimated blocks**: the file's ``ESTIMATED``, alike, for chips we cannot run: rows chosen by
+  ``pltpu.estimate`` (libtpu's compile for that generation, its bundles simulated) over candidate
+  blocks, by ``benchmarks/tpu_estimate_blocks.py``; a row is written only where the estimate's
+  pick beats the family's rule by more than the estimate's error on the v5e (each compiled for
+  its generation by the same test).
 * **Rules**: where no row covers a call, the family's rule, a function of the facts and the
-  key, in the family's ``_blocks`` module. ``choose(op, key, rule)`` asks in that order, with
-  ``ESTIMATE`` between the two.
+  key, in the family's ``_blocks`` module. ``choose(op, key, rule)`` asks in that order (measured,
+  estimated, the rule), with the ``ESTIMATE`` hook before the rule.
 * ``fit_block``: the one rule that fits a block to an axis it must divide.
 * **VMEM** (``vmem.VMEM``): per family the budget its blocks may take and the scoped limit its
   kernels ask, one formula, every family's numbers side by side (``vmem_budget``,
@@ -95,11 +100,20 @@ def measured(chip: str, op: str) -> dict:
     return dict(module.BLOCKS.get(op, {})) if module is not None else {}
 
 
+def estimated(chip: str, op: str) -> dict:
+    """The rows of ``op`` that ``pltpu.estimate`` chose for generation ``chip`` (``ESTIMATED``)."""
+    module = _generation(chip)
+    return dict(getattr(module, "ESTIMATED", {}).get(op, {})) if module is not None else {}
+
+
 def choose(op: str, key, rule: Rule, info=None) -> Any:
     """The blocks of ``op`` for ``key`` on the chip ``info`` (default: the one traced for): the
-    generation's measured row for ``key``, else ``ESTIMATE``'s answer, else ``rule(facts, key)``."""
+    generation's measured row for ``key``, else its estimated row, else ``ESTIMATE``'s answer,
+    else ``rule(facts, key)``."""
     chip = facts(info)
     row = measured(chip.name, op).get(key)
+    if row is None:
+        row = estimated(chip.name, op).get(key)
     if row is not None:
         return row
     if ESTIMATE is not None and (guess := ESTIMATE(op, key, chip)) is not None:

@@ -18,7 +18,8 @@ branches jump to. ``parse`` reads them; ``simulate`` runs them:
   leaves its loop), and counted (``SimResult.unknown_branches``);
 * one bundle a cycle (the core issues in order), plus stalls where a bundle waits:
   ``dma.done.wait`` until its DMA completed (DMAs through one HBM pipe at the chip's
-  bandwidth, each adding its granules to its sync flag when done), a result pop from an
+  bandwidth, each starting a fixed latency after its issue (``Machine.dma_latency_cycles``)
+  and adding its granules to its sync flag when done), a result pop from an
   MXU until the pass that produced it is through (each MXU a queue of passes: a pushed
   vreg of rows at ``rows_per_cycle``), ``vwait``/``vdelay``;
 * counts per unit (MXU passes and weight pushes, vector ALU, loads, stores,
@@ -26,7 +27,7 @@ branches jump to. ``parse`` reads them; ``simulate`` runs them:
   outermost loop (the grid loop of a Pallas kernel), and one iteration's events for a
   timeline.
 
-What it does not model: VMEM bank conflicts, HBM latency and refresh, the DMA engine's
+What it does not model: VMEM bank conflicts, HBM latency beyond the fixed one and refresh, the DMA engine's
 queue limits, contention with the other core of a megacore chip, ICI. ``Machine`` carries
 the chip's constants (``pallas_tpu._src.estimate.CHIPS``).
 """

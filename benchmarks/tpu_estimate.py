@@ -282,6 +282,15 @@ def read_measured(path: str) -> tuple[dict[str, float], str]:
     return out, head
 
 
+def _libtpu_version() -> str:
+    import importlib.metadata
+
+    for dist in ("libtpu", "libtpu-nightly"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(dist)
+    return "?"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--estimate-only", action="store_true", help="no measurement (any machine)")
@@ -315,7 +324,10 @@ def main() -> int:
             f"# pltpu.estimate for TPU {chip}"
             + (f", measured on this {here}" if here else " (estimates only)")
         )
-    print(f"# jax {jax.__version__}; {f'measured: median of {a.runs} runs after a warm-up' if here else ''}")
+    if here:
+        print(f"# jax {jax.__version__}; measured: median of {a.runs} runs after a warm-up")
+    else:
+        print(f"# jax {jax.__version__}, libtpu {_libtpu_version()}: the estimates")
     if here or given:
         print(f"# measured times under {a.floor_us:g} us are the host's dispatch floor: not counted below")
     print()

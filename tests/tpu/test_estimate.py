@@ -345,3 +345,20 @@ def test_extrapolation_by_whole_periods():
     assert mean.hbm_bytes == 2.0 * sum(pattern) / 4
     assert est._median_iteration(iters).cycles in pattern  # one kind of step, not the mean
     assert est._period_mean(iters[:3], (3, 4)) is None  # not one whole period simulated
+
+
+def test_prefetch_values_are_evaluated_from_the_arguments():
+    """The kernel's scalar-prefetch operand is computed on the CPU from the concrete argument
+    (``n * 2`` under a static flag given as it is); from a ShapeDtypeStruct it is unknown."""
+    from pallas_tpu._src import prefetch_values
+
+    def f(n, x, twice=False):
+        return prefetch_loop(n * 2 if twice else n, x)
+
+    x = jax.ShapeDtypeStruct(LOOP_BLOCK, jnp.float32)
+    traced = compile_check._traced_for("v5e", ((), {}))
+    known = prefetch_values.prefetch_values(f, (jnp.array([3], jnp.int32), x), {"twice": True}, traced)
+    assert len(known) == 1 and list(known[0]) == [0] and known[0][0].tolist() == [6]
+    traced = compile_check._traced_for("v5e", ((), {}))
+    unknown = prefetch_values.prefetch_values(f, (jax.ShapeDtypeStruct((1,), jnp.int32), x), {}, traced)
+    assert unknown == [{}]

@@ -126,14 +126,17 @@ def prefetch_values(fn, args, kwargs, traced) -> list[dict[int, np.ndarray]]:
 
     with contextlib.suppress(Exception):
         flat, tree = jax.tree.flatten((args, kwargs or {}))
-        shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x for x in flat]
+        arrays = [i for i, x in enumerate(flat) if hasattr(x, "dtype") and hasattr(x, "shape")]
+        shapes = [jax.ShapeDtypeStruct(np.shape(flat[i]), flat[i].dtype) for i in arrays]
         concrete = [
-            None if isinstance(x, jax.ShapeDtypeStruct) else (np.asarray(x) if hasattr(x, "dtype") else x)
-            for x in flat
+            None if isinstance(flat[i], jax.ShapeDtypeStruct) else np.asarray(flat[i]) for i in arrays
         ]
 
-        def flat_fn(*xs):
-            a, k = jax.tree.unflatten(tree, xs)
+        def flat_fn(*xs):  # the arrays traced, any other argument (a flag, a config) as given
+            leaves = list(flat)
+            for i, x in zip(arrays, xs):
+                leaves[i] = x
+            a, k = jax.tree.unflatten(tree, leaves)
             return fn(*a, **k)
 
         with traced:

@@ -67,6 +67,7 @@ from pallas_tpu._src.interpret.errors import KernelError as KernelError  # the p
 from pallas_tpu._src.interpret.memory import Memory
 from pallas_tpu._src.interpret.multi import DeviceTransport
 from pallas_tpu._src.interpret.refs import RefAccess, RefView
+from pallas_tpu._src.interpret.remote_dma import RemoteDMAs
 from pallas_tpu._src.interpret.semaphores import LocalSemaphores, Semaphores
 from pallas_tpu._src.interpret.session_link import SessionLink
 from pallas_tpu._src.interpret.shared_scopes import SharedScopes
@@ -274,12 +275,8 @@ class Interpreter:
         self.transport: LocalTransport | DeviceTransport = (
             DeviceTransport(
                 self.memory,
-                self.refs,
-                self.checks,
                 self.cursor,
-                local_sems,
-                dma_views,
-                SessionLink(
+                link := SessionLink(
                     self.memory,
                     self.refs,
                     self.scopes,
@@ -289,6 +286,9 @@ class Interpreter:
                     kernel_name=gm.kernel_name,
                     detect_races=params.detect_races and ("raise" if params.races_raise else "warn"),
                     num_cores=params.num_cores_or_threads,
+                ),
+                RemoteDMAs(
+                    self.memory, self.refs, self.checks, self.cursor, local_sems, dma_views, link, self.where
                 ),
                 where=self.where,
                 kernel_desc=kernel_desc,

@@ -38,12 +38,9 @@ from pallas import backend as plb
 from pallas_tpu._src import compat
 from pallas_tpu._src.interpret import sessions
 from pallas_tpu._src.interpret.cursor import Cursor
-from pallas_tpu._src.interpret.dma_views import DmaViews
-from pallas_tpu._src.interpret.errors import Checks
 from pallas_tpu._src.interpret.memory import Memory
-from pallas_tpu._src.interpret.refs import RefAccess, RefView
+from pallas_tpu._src.interpret.refs import RefView
 from pallas_tpu._src.interpret.remote_dma import RemoteDMAs
-from pallas_tpu._src.interpret.semaphores import LocalSemaphores
 from pallas_tpu._src.interpret.session_link import SessionLink
 from pallas_tpu._src.language import primitives as tpu_prims
 
@@ -72,19 +69,15 @@ class DeviceTransport:
     (``session_link.SessionLink``). It reads the kernel's ``memory`` (cells, their
     spaces and shapes) and follows the interpreter's ``cursor`` (the core being
     traced); ``where(eqn)`` names an equation in messages, ``kernel_desc`` the kernel.
-    Remote DMAs are its ``remote`` (``remote_dma.RemoteDMAs``, which also takes
-    ``refs``, ``checks``, the core's own semaphores ``local_sems`` and the DMA ends
-    ``views``)."""
+    Remote DMAs are its ``remote`` (``remote_dma.RemoteDMAs``, made by the interpreter over
+    the same link)."""
 
     def __init__(
         self,
         memory: Memory,
-        refs: RefAccess,
-        checks: Checks,
         cursor: Cursor,
-        local_sems: LocalSemaphores,
-        views: DmaViews,
         link: SessionLink,
+        remote: RemoteDMAs,
         *,
         where: Callable[[Any], str],
         kernel_desc: str,
@@ -101,7 +94,7 @@ class DeviceTransport:
         self.num_cores = num_cores
         self.collective_id = collective_id
         self.barrier_cell: int | None = None  # the barrier semaphore, when the kernel uses it
-        self.remote = RemoteDMAs(memory, refs, checks, cursor, local_sems, views, link, where)
+        self.remote = remote
 
     # -- lifecycle --
 

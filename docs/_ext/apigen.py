@@ -163,6 +163,7 @@ DIFFERS = {
     "pallas.GridSpec": ["diff-dynamic-grid"],
     "pallas.kernel": ["diff-interpret-params"],
     "pallas_tpu.InterpretParams": ["diff-tpu-interpret"],
+    "pallas_tpu.TensorCoreMesh": ["diff-tpu-create-tensorcore-mesh"],
     "pallas_gpu.CompilerParams": ["diff-gpu-params"],
     "pallas_gpu.ops.decode_attention.mqa": ["diff-decode"],
     "pallas_gpu.ops.decode_attention.gqa": ["diff-decode"],

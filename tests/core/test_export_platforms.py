@@ -354,7 +354,7 @@ class TestMetadata(PallasTest):
         run = pl.kernel(
             body,
             _sds((8, 128)),
-            mesh=pltpu.create_tensorcore_mesh("core", num_cores=1),
+            mesh=pltpu.TensorCoreMesh(axis_name="core", num_cores=1),
             metadata={"k": "v", "n": 8},
         )
         assert _kernel_metadata(_export(run, ["tpu"], _sds((8, 128)))) == [{"k": "v", "n": 8}]

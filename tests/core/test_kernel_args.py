@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ways.jax_mosaic import tensorcore_mesh
 
 import pallas as pl
 
@@ -53,7 +54,7 @@ def test_none_scratch_slots_are_passed_as_none():
         return pl_.kernel(
             body,
             out_type=jax.ShapeDtypeStruct(SHAPE, jnp.float32),
-            mesh=pltpu_.create_tensorcore_mesh("core", num_cores=1),
+            mesh=tensorcore_mesh(pltpu_, num_cores=1),
             interpret=pltpu_.InterpretParams(),
             scratch_types=[pltpu_.VMEM(SHAPE, jnp.float32), None, pltpu_.SemaphoreType.DMA, None],
         )
@@ -80,7 +81,7 @@ def test_pytree_operands_outputs_and_dict_scratch():
         return pl_.kernel(
             body,
             out_type=((sds, sds),),
-            mesh=pltpu_.create_tensorcore_mesh("core", num_cores=1),
+            mesh=tensorcore_mesh(pltpu_, num_cores=1),
             interpret=pltpu_.InterpretParams(),
             scratch_types={"acc": pltpu_.VMEM(SHAPE, jnp.float32)},
         )
@@ -100,7 +101,7 @@ def test_single_output_is_one_argument():
         return pl_.kernel(
             body,
             out_type=jax.ShapeDtypeStruct(SHAPE, jnp.float32),
-            mesh=pltpu_.create_tensorcore_mesh("core", num_cores=1),
+            mesh=tensorcore_mesh(pltpu_, num_cores=1),
             interpret=pltpu_.InterpretParams(),
         )
 

@@ -1,4 +1,4 @@
-"""``pl.core_map`` over ``pltpu.create_tensorcore_mesh`` (as JAX's own tests use it): a function of
+"""``pl.core_map`` over a TensorCore mesh (as JAX's own tests use it): a function of
 no arguments run once per TensorCore on the Refs of ``pl.run_state`` it closes over,
 against jnp on fresh random data, the TPU ways of tests/ways: TPU interpret
 mode; our Mosaic lowering and JAX's, each exported for TPU and run by ``run_mosaic``
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax import lax
 from ways import every_way
+from ways.jax_mosaic import tensorcore_mesh
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -28,9 +29,9 @@ def rand(seed, shape, dtype=jnp.float32):
 
 def build(pl, pltpu, num_cores, interpret=False):
     """``f(x, y) -> (x, y')``: each core adds ``2 * x`` plus its index to its rows of ``y``."""
-    with warnings.catch_warnings():  # JAX deprecates both names (in favour of pl.kernel)
+    mesh = tensorcore_mesh(pltpu, "x", num_cores)
+    with warnings.catch_warnings():  # JAX deprecates core_map (in favour of pl.kernel)
         warnings.simplefilter("ignore", DeprecationWarning)
-        mesh = pltpu.create_tensorcore_mesh("x", num_cores=num_cores)
         core_map = pl.core_map
 
     def f(x, y):
@@ -82,7 +83,7 @@ def test_core_map_scratch_shapes_and_captured_values():
     """``scratch_shapes`` come as the function's arguments; a captured array (not a
     Ref) is read as a value."""
     x, bias = rand(2, (8, 128)), rand(3, (8, 128))
-    mesh = pltpu.create_tensorcore_mesh("x", num_cores=1)
+    mesh = pltpu.TensorCoreMesh(axis_name="x", num_cores=1)
 
     def inner(x_ref):
         @pl.core_map(
@@ -98,7 +99,7 @@ def test_core_map_scratch_shapes_and_captured_values():
 
 
 def test_core_map_errors():
-    mesh = pltpu.create_tensorcore_mesh("x", num_cores=1)
+    mesh = pltpu.TensorCoreMesh(axis_name="x", num_cores=1)
     with pytest.raises(TypeError, match=r"pl.core_map: mesh must be a pl.Mesh"):
         pl.core_map(("x", 2))
     with pytest.raises(TypeError, match=r"pl.core_map: the function returns_a_value must return None"):

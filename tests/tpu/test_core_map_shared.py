@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from jax import lax
 from ways import every_way
-from ways.jax_mosaic import jax_namespaces
+from ways.jax_mosaic import jax_namespaces, tensorcore_mesh
 
 import pallas as pl
 import pallas_tpu as pltpu
@@ -40,9 +40,7 @@ def rand_int(seed, shape):
 
 
 def _mesh(pltpu_mod, num_cores):
-    with warnings.catch_warnings():  # JAX deprecates create_tensorcore_mesh and core_map
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return pltpu_mod.create_tensorcore_mesh("x", num_cores=num_cores)
+    return tensorcore_mesh(pltpu_mod, "x", num_cores)
 
 
 def _core_map(pl_mod):

@@ -173,7 +173,7 @@ def test_an_error_on_one_core_of_a_core_map_does_not_hang_the_other():
     timeout."""
     import time
 
-    mesh = pltpu.create_tensorcore_mesh("x", num_cores=2)
+    mesh = pltpu.TensorCoreMesh(axis_name="x", num_cores=2)
 
     @jax.jit
     def f(x):

@@ -48,12 +48,13 @@ class JaxMosaicEngine(MosaicEngine):
         return jax_namespaces()
 
 
-def tensorcore_mesh(pltpu):
-    """A mesh of a chip's two TensorCores in ``pltpu`` (ours or JAX's): JAX's releases
-    name its constructor ``TensorCoreMesh`` or ``create_tensorcore_mesh``."""
+def tensorcore_mesh(pltpu, axis_name: str = "core", num_cores: int = 2):
+    """A mesh of ``num_cores`` TensorCores (a chip's two by default) in ``pltpu`` (ours or
+    JAX's): JAX 0.11 and later name its constructor ``TensorCoreMesh`` (0.12.1 removed
+    ``create_tensorcore_mesh``), JAX 0.10 only ``create_tensorcore_mesh``."""
     if hasattr(pltpu, "TensorCoreMesh"):
-        return pltpu.TensorCoreMesh(axis_name="core", num_cores=2)
-    return pltpu.create_tensorcore_mesh("core", num_cores=2)
+        return pltpu.TensorCoreMesh(axis_name=axis_name, num_cores=num_cores)
+    return pltpu.create_tensorcore_mesh(axis_name, num_cores=num_cores)
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -44,7 +44,6 @@ from pallas_tpu._src.language.core import PrefetchScalarGridSpec as PrefetchScal
 from pallas_tpu._src.language.core import SemaphoreType as SemaphoreType
 from pallas_tpu._src.language.core import SideEffectType as SideEffectType
 from pallas_tpu._src.language.core import TensorCoreMesh as TensorCoreMesh
-from pallas_tpu._src.language.core import create_tensorcore_mesh as create_tensorcore_mesh
 from pallas_tpu._src.language.core import dma_semaphore as dma_semaphore
 from pallas_tpu._src.language.einshape import einshape as einshape
 from pallas_tpu._src.language.helpers import core_barrier as core_barrier
@@ -113,5 +112,6 @@ from pallas_tpu._version import __version__ as __version__
 _plb.register_internal_dir(__file__)
 _plb.register_backend("tpu", _registration)
 
-# Names JAX's Pallas TPU API removed (pltpu.semaphore_signal, pltpu.repeat, ...): JAX's words and where they went.
+# Names JAX's Pallas TPU API removed (pltpu.semaphore_signal, pltpu.repeat, ...): JAX's words and where they went;
+# pltpu.create_tensorcore_mesh works on, with JAX's deprecation warning.
 __getattr__ = _plb.module_getattr(__name__, _REMOVED)

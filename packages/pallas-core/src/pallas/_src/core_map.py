@@ -40,7 +40,7 @@ def core_map(
     is the position along a mesh axis and ``lax.psum(1, name)`` the axis size.
 
     Args:
-      mesh: a ``pl.Mesh`` such as ``pltpu.create_tensorcore_mesh("x")``.
+      mesh: a ``pl.Mesh`` such as ``pltpu.TensorCoreMesh(axis_name="x")``.
       compiler_params, interpret, debug, cost_estimate, name, metadata: as for
         ``pallas_call``.
       scratch_shapes: scratch buffers; ``f`` gets them as arguments (a
@@ -50,7 +50,7 @@ def core_map(
     """
     if not isinstance(mesh, pallas_core.Mesh):
         raise TypeError(
-            f"pl.core_map: mesh must be a pl.Mesh (e.g. pltpu.create_tensorcore_mesh('x')), got {mesh!r}"
+            f"pl.core_map: mesh must be a pl.Mesh (e.g. pltpu.TensorCoreMesh(axis_name='x')), got {mesh!r}"
         )
     grid = tuple(mesh.shape.items())
 

@@ -1,5 +1,6 @@
 """Names JAX's Pallas TPU API removed or moved, for ``pallas_tpu``'s module
-``__getattr__`` (``pallas.backend.module_getattr``): JAX's words and where the name went."""
+``__getattr__`` (``pallas.backend.module_getattr``): JAX's words and where the name went
+(a name with a target still works, with a ``DeprecationWarning``)."""
 
 from __future__ import annotations
 
@@ -20,5 +21,12 @@ PALLAS_TPU: dict[str, tuple[str, str | None]] = {
         "pltpu.repeat was removed from JAX's Pallas TPU API before JAX v0.11.0: use jnp.tile (or "
         "jnp.concatenate of copies) on the loaded value instead.",
         None,
+    ),
+    # Removed in JAX 0.12.1 (deprecated since 0.11), kept here with JAX's deprecation warning:
+    # JAX 0.10.2, the oldest JAX we support, has no TensorCoreMesh, so code written for it has
+    # only this name (docs/differences.md).
+    "create_tensorcore_mesh": (
+        "pltpu.create_tensorcore_mesh is deprecated, use pltpu.TensorCoreMesh instead.",
+        "pallas_tpu._src.language.core:create_tensorcore_mesh",
     ),
 }

@@ -391,5 +391,7 @@ class MeshCompilerParams(CompilerParams):
 
 
 def create_tensorcore_mesh(axis_name: str, num_cores: int | None = None) -> TensorCoreMesh:
-    """Deprecated in JAX: use ``pltpu.TensorCoreMesh(axis_name=...)``."""
+    """Deprecated: use ``pltpu.TensorCoreMesh(axis_name=...)``. JAX 0.12.1 removed this name;
+    ours keeps it (with a ``DeprecationWarning`` on access) for code written for JAX 0.10,
+    which has no ``TensorCoreMesh``."""
     return TensorCoreMesh(axis_name=axis_name, num_cores=num_cores or _default_num_cores())

@@ -233,11 +233,13 @@ def test_stateful_samplers_distributions(sampler, way, rng):
     out = np.asarray(way.jit(build(*way.modules()))(seed))
     assert out.dtype == dtype and check(out), (sampler, way)
     # The Mosaic ways execute the hardware PRNG as the interpreter models it: the same
-    # bits, so the same samples (to a few ulps: erf_inv is a polynomial in each lowering).
+    # bits, so the same samples, to erf_inv's error: both Mosaic lowerings (ours, JAX's) take a
+    # single-precision polynomial (5.6e-6 relative at worst, in the tails), the interpreter XLA's
+    # CPU erf_inv (as accurate on jaxlib 0.11.2; 1.3e-7 relative on jaxlib 0.12.1).
     # A chip's generator is its own (the compiled way there compares ours with JAX's lowering).
     if way.name != "tpu_interpret" and not (way.name == "compiled" and ON_CHIP):
         expect = np.asarray(INTERPRET.jit(build(*INTERPRET.modules()))(seed))
-        np.testing.assert_allclose(out.astype(np.float64), expect.astype(np.float64), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(out.astype(np.float64), expect.astype(np.float64), rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------ errors

@@ -199,7 +199,7 @@ def _random_seed(ctx, seeds, *, impl):
 
 
 @_key_rule("random_split")
-def _random_split(ctx, keys, *, shape):
+def _random_split(ctx, keys, *, shape, out_sharding=None):  # out_sharding: JAX 0.12.1, None in a kernel
     fn = pallas_split if _kind(ctx.avals_in[0]) == "pallas" else split
     return lower_fun(fn, ctx, keys, shape=tuple(shape), avals_in=[physical(ctx.avals_in[0])])
 
@@ -216,11 +216,18 @@ def _random_fold_in(ctx, keys, msgs):
 
 
 @_key_rule("random_bits")
-def _random_bits(ctx, keys, *, bit_width, shape):
+def _random_bits(ctx, keys, *, bit_width, shape, num_streams=1, out_sharding=None):
+    # JAX 0.12.1's random_bits has one result per stream (num_streams, out_sharding); older ones one.
+    if num_streams != 1:
+        raise NotImplementedError(
+            f"random_bits of {num_streams} streams (jax.random.normal(mode='highest'), ...): draw the "
+            "streams from keys split with jax.random.split instead"
+        )
     fn = pallas_random_bits if _kind(ctx.avals_in[0]) == "pallas" else random_bits
-    return lower_fun(
+    bits = lower_fun(
         fn, ctx, keys, bit_width=bit_width, shape=tuple(shape), avals_in=[physical(ctx.avals_in[0])]
     )
+    return [bits] if ctx.eqn.primitive.multiple_results else bits
 
 
 @_key_rule("random_wrap")

@@ -291,6 +291,9 @@ def convert(x, src, dst, shape):
     if src == dst:
         return x
     if is_bool(dst):
+        if _bits(src) < 32:  # compared in 32 bits (a float32, an (u)int32), as JAX's lowering compares
+            wide = np.dtype(np.float32 if is_float(src) else np.uint32 if is_unsigned(src) else np.int32)
+            x, src = convert(x, src, wide, shape), wide
         return _cmp(x, constant(0, shape, src), "une" if is_float(src) else "ne", Aval(shape, src))
     if is_float(src) and is_float(dst):
         return (arith.extf if src.itemsize < dst.itemsize else arith.truncf)(out_t, x)

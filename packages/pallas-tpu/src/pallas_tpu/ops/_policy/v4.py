@@ -13,8 +13,8 @@ BLOCKS: dict[str, dict] = {}
 # Rows chosen by pltpu.estimate for this generation, not measured (benchmarks/tpu_estimate_blocks.py,
 # results/tpu_estimate_blocks.txt: libtpu's compile for a v4, its bundles simulated).
 ESTIMATED: dict[str, dict] = {
-    # bf16: 1115 / 2174 us at 4096^3 / 2048x8192x8192; the rule's (512, 512, 256) 1317 / 2564 us
-    # (1.18x): 1024 short steps of 1.7 us whose DMAs are not hidden (HBM 64 %, MXU 57 % busy); the
+    # bf16: 1137 / 2195 us at 4096^3 / 2048x8192x8192; the rule's (512, 512, 256) 1582 / 3082 us
+    # (1.40x): 1024 short steps of 1.7 us whose DMAs are not hidden (HBM 64 %, MXU 57 % busy); the
     # pick's MXU is 95 % busy. (512, 1024, 512) ties.
     "matmul": {2: (1024, 512, 512)},
 }

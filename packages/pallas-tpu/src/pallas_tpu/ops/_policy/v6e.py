@@ -13,8 +13,8 @@ BLOCKS: dict[str, dict] = {}
 # results/tpu_estimate_blocks.txt: libtpu's compile for a v6e, its bundles simulated; 4096^3 and
 # 2048x8192x8192 bf16, each block the geometric mean of its times over the shape's best).
 ESTIMATED: dict[str, dict] = {
-    # bf16: 287 / 569 us; the rule's (2048, 2048, 512) 385 / 760 us (1.34x): its 2048-square tile
+    # bf16: 291 / 566 us; the rule's (2048, 2048, 512) 386 / 757 us (1.33x): its 2048-square tile
     # keeps the MXUs busy 40 % of a step (the rest stalled on results), the pick keeps HBM 91 % busy.
-    # The next four candidates are estimated within 1.05x of it.
+    # The next four candidates are estimated within 1.08x of it.
     "matmul": {2: (1024, 1024, 2048)},
 }

@@ -35,8 +35,9 @@ def test_erf_inv_f32(xp):
     assert np.asarray(got).dtype == np.float32
     want = sp.erfinv(x.astype(np.float64))
     _close(got, want, rtol=2e-5, atol=2e-6)
-    if xp is jnp:  # XLA's own float32 erf_inv uses the same polynomial
-        _close(got, np.asarray(lax.erf_inv(jnp.asarray(x)), np.float64), rtol=1e-6, atol=1e-7)
+    if xp is jnp:  # XLA's own float32 erf_inv: the same polynomial on jaxlib 0.11.2, a more
+        # accurate one on jaxlib 0.12.1 (1.3e-7 relative), so within ours' error of it
+        _close(got, np.asarray(lax.erf_inv(jnp.asarray(x)), np.float64), rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("xp", [jnp, np], ids=["jnp", "numpy"])

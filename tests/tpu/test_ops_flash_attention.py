@@ -19,12 +19,17 @@ import numpy as np
 import pytest
 
 import pallas_tpu as pltpu
+from pallas_tpu._src.mosaic import compile_check
 from pallas_tpu.ops import flash_attention as fa
 
 jfa = pytest.importorskip("jax.experimental.pallas.ops.tpu.flash_attention")
 from jax.experimental.pallas import tpu as jax_pltpu  # noqa: E402
 from ways import Way, every_way  # noqa: E402
 from ways.compiled import chip_mesh  # noqa: E402
+
+needs_libtpu = pytest.mark.skipif(
+    not compile_check.libtpu_available(), reason='needs libtpu: pip install "jax[tpu]"'
+)
 
 jax.config.update("jax_enable_checks", True)
 
@@ -297,6 +302,7 @@ def test_public_names_match_jax():
     assert tuned.has_backward_blocks and tuned.block_q == 1024
 
 
+@needs_libtpu  # the blocks are checked by libtpu's compile for each chip
 @pytest.mark.parametrize("chip", ["v5e", "v4"])
 def test_default_dkv_sweep_follows_head_dim(chip):
     """The ``dk``/``dv`` step's query sweep is divided by the MXU's passes over head_dim, down to

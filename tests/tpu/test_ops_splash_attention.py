@@ -18,10 +18,15 @@ from ways import every_way
 from ways.compiled import chip_mesh
 
 import pallas_tpu as pltpu
+from pallas_tpu._src.mosaic import compile_check
 from pallas_tpu.ops import _policy
 from pallas_tpu.ops import splash_attention as sa
 from pallas_tpu.ops.splash_attention import _blocks as sb
 from pallas_tpu.ops.splash_attention import splash_attention_kernel as sk
+
+needs_libtpu = pytest.mark.skipif(
+    not compile_check.libtpu_available(), reason='needs libtpu: pip install "jax[tpu]"'
+)
 
 jax.config.update("jax_enable_checks", True)
 
@@ -300,6 +305,7 @@ def test_public_names_match_jax():
     assert [m.name for m in sa.QKVLayout] == [m.name for m in jsk.QKVLayout]
 
 
+@needs_libtpu  # the blocks are checked by libtpu's compile for each chip
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "v4", "v5p"])
 def test_default_blocks_fit_each_chip(chip):
     with chip_mesh(chip):
@@ -314,6 +320,7 @@ def test_default_blocks_fit_each_chip(chip):
     assert sa.BlockSizes.get_default().block_q % 128 == 0  # JAX's no-argument call
 
 
+@needs_libtpu  # the blocks are checked by libtpu's compile for each chip
 @pytest.mark.parametrize("chip", ["v5e", "v4"])
 def test_default_blocks_follow_head_dim_and_dtype(chip):
     """Wider heads: proportionally fewer keys per forward block (the work and the straight-line

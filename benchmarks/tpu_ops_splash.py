@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -152,7 +153,11 @@ def workloads(smoke):
         Workload("MHA B2 H16 L4096 D128 full", 2, 16, 16, 4096, 4096, 128, lambda m: m.FullMask(s4)),
         Workload("MHA B2 H16 L4096 D128 causal", 2, 16, 16, 4096, 4096, 128, causal(s4)),
         Workload("MHA B2 H16 L4096 D128 causal fwd+bwd", 2, 16, 16, 4096, 4096, 128, causal(s4), grad=True),
+        Workload("MHA B2 H16 L4096 D128 full fwd+bwd", 2, 16, 16, 4096, 4096, 128, lambda m: m.FullMask(s4), grad=True),
+        Workload("MHA B1 H16 L8192 D128 full fwd+bwd", 1, 16, 16, 8192, 8192, 128, lambda m: m.FullMask(s8), grad=True),
+        Workload("MHA B1 H16 L8192 D128 causal fwd+bwd", 1, 16, 16, 8192, 8192, 128, causal(s8), grad=True),
         Workload("GQA B1 H32/8 L8192 D128 causal", 1, 32, 8, 8192, 8192, 128, causal(s8)),
+        Workload("GQA B1 H32/8 L8192 D128 causal fwd+bwd", 1, 32, 8, 8192, 8192, 128, causal(s8), grad=True),
         Workload("GQA B1 H32/8 L8192 D128 window 1024", 1, 32, 8, 8192, 8192, 128, lambda m: m.LocalMask(s8, (1024, 0), 0), small=True),
         Workload("MHA B1 H8 L8192 D256 causal", 1, 8, 8, 8192, 8192, 256, causal(s8), small=True),
         Workload(
@@ -184,10 +189,15 @@ def candidates(w, smoke, quick=False):
                 block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                 block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv,
             )  # fmt: skip
-            try:
-                cands[label] = w.wrap(w.kernel(jsa, blocks, interpret=jinterp))
-            except Exception as e:  # blocks JAX's op refuses for this shape
-                print(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            variants = {label: blocks}
+            if w.grad and not smoke:  # JAX's fused dk/dv/dq kernel (its dq blocks unset)
+                fused = dict(block_q_dq=None, block_kv_dq=None, use_fused_bwd_kernel=True)
+                variants[f"JAX {size} fused"] = dataclasses.replace(blocks, **fused)
+            for name, b in variants.items():
+                try:
+                    cands[name] = w.wrap(w.kernel(jsa, b, interpret=jinterp))
+                except Exception as e:  # blocks JAX's op refuses for this shape
+                    print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     if not quick or smoke:
         cands["XLA"] = w.xla()
     return cands

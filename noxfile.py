@@ -120,7 +120,7 @@ SIBLINGS = {
     "jax-pallas-tpu": ["jax-pallas-core"],
 }
 
-# The ends of the supported ranges and the reference between them (DESIGN.md, "Versions");
+# The ends of the supported ranges and the reference between them (ARCHITECTURE.md, "Versions");
 # tests/packaging checks that the oldest ones are the packages' lower bounds.
 JAX_OLDEST = ["jax==0.10.2", "jaxlib==0.10.2"]  # the newest JAX for Python 3.11
 PYTHON_OLDEST = "3.11"

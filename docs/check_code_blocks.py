@@ -2,7 +2,7 @@
 
 The guides' ``{code-cell}`` cells are executed by the Sphinx build (MyST-NB); this script
 runs what the build does not: every fenced ```python block of the READMEs
-(``README.md``, ``DESIGN.md``, ``CONTRIBUTING.md``, ``RUNTIME.md``, ``packages/*/README.md``, ``examples/README.md``,
+(``README.md``, ``ARCHITECTURE.md``, ``CONTRIBUTING.md``, ``RUNTIME.md``, ``packages/*/README.md``, ``examples/README.md``,
 ``benchmarks/README.md``, ``tests/downstream/README.md``) and of ``docs/*.md``. The blocks of
 one file run in order in a namespace of their own (all files in one fresh Python), on JAX's
 CPU device: a
@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_FILES = [
     "README.md",
-    "DESIGN.md",
+    "ARCHITECTURE.md",
     "CONTRIBUTING.md",
     "RUNTIME.md",
     "packages/*/README.md",

@@ -19,7 +19,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "apigen",  # docs/_ext/apigen.py: the API pages, and the check that every public name is documented
     "external_links",  # docs/_ext/external_links.py: every link to the outside, listed on links.md
-    "repo_pages",  # docs/_ext/repo_pages.py: DESIGN.md and CONTRIBUTING.md as pages, their links made the site's
+    "repo_pages",  # docs/_ext/repo_pages.py: ARCHITECTURE.md and CONTRIBUTING.md as pages, their links made the site's
 ]
 
 exclude_patterns = ["_build", "README.md", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one call on the lent GPU machine (one H200; DESIGN.md, "Testing on each machine"): install every package with the
+# The one call on the lent GPU machine (one H200; ARCHITECTURE.md, "Testing on each machine"): install every package with the
 # machine's preinstalled dependencies, run the whole test suite (its gpu-marked tests on
 # the GPU), the examples (on the GPU) and the GPU benchmarks. Logs go to $OUT so they
 # come back even when a step fails.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one call on the lent TPU v5e (DESIGN.md, "Testing on each machine"): Python 3.11 with
+# The one call on the lent TPU v5e (ARCHITECTURE.md, "Testing on each machine"): Python 3.11 with
 # JAX 0.10.2 and libtpu there, no network. It installs our packages into that Python from the
 # wheels it carries (pip --target, nothing compiled there), then runs on the chip:
 #   tests:    tests/tpu's compiled way (tests/ways/chip.py: each kernel lowered by us, compiled by

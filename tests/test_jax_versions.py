@@ -1,6 +1,6 @@
 """Every package imports and lowers on the JAX it is tested with (CI runs the
 suite at both ends of the supported range and at the reference between them,
-DESIGN.md "Versions").
+ARCHITECTURE.md "Versions").
 
 A fresh process per package: a JAX release that moves an internal breaks the
 import of that package's compat module, which a process that already imported

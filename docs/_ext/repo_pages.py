@@ -1,5 +1,5 @@
 """Pages of the site that are files of the repository outside ``docs/``: ``design.md`` and
-``contributing.md`` include the root's ``DESIGN.md`` and ``CONTRIBUTING.md`` (one text, read
+``contributing.md`` include the root's ``ARCHITECTURE.md`` and ``CONTRIBUTING.md`` (one text, read
 on GitHub and on the site).
 
 Their links are written for the repository (``[RUNTIME.md](RUNTIME.md)``,
@@ -15,11 +15,11 @@ import os
 import re
 
 # Root files the site includes, by their path relative to docs/ as the include names them.
-INCLUDED = ("../DESIGN.md", "../CONTRIBUTING.md")
+INCLUDED = ("../ARCHITECTURE.md", "../CONTRIBUTING.md")
 
 # Repository files (relative to the root) that are pages of the site, and the page (relative to docs/).
 PAGES = {
-    "DESIGN.md": "design.md",
+    "ARCHITECTURE.md": "design.md",
     "CONTRIBUTING.md": "contributing.md",
     "benchmarks/README.md": "benchmarks.md",
     "RUNTIME_CHANGELOG.md": "changelogs/runtime.md",

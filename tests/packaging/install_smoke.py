@@ -23,7 +23,7 @@ IMPORT_NAME = {
     "jax-pallas-tpu": "pallas_tpu",
     "jax-triton-bridge": "jax_triton",
 }
-# What installing each distribution alone must bring of ours (DESIGN.md, "Packages").
+# What installing each distribution alone must bring of ours (ARCHITECTURE.md, "Packages").
 BRINGS = {
     "jax-kernel-runtime": {"jax-kernel-runtime"},
     "jax-pallas-core": {"jax-pallas-core"},

@@ -1,4 +1,4 @@
-"""One kernel body, every way (DESIGN.md, "Tests"): a test kernel run by each engine that can run
+"""One kernel body, every way (ARCHITECTURE.md, "Tests"): a test kernel run by each engine that can run
 it, from one parametrize line. Each way is an engine behind one small interface (``engine.py``'s
 ``Engine``), one module each:
 

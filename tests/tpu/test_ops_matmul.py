@@ -72,6 +72,17 @@ def test_matmul_chooses_blocks_and_pads(way):
     close(out, reference(x, y, jnp.float32), 1e-4 * np.sqrt(1100))
 
 
+@every_way(op=True)
+def test_matmul_skinny_whole_row_panels(way):
+    # A decode projection: y's panels are whole rows (bn = n = 1000, no 128 multiple), two k
+    # steps of 1024 rows.
+    x, y = rand(4, (8, 2048), jnp.bfloat16), rand(5, (2048, 1000), jnp.bfloat16)
+    v5e = pltpu.get_tpu_info("v5e")
+    assert mm.choose_blocks(8, 2048, 1000, jnp.bfloat16, jnp.float32, v5e) == (8, 1024, 1000)
+    out = way.op(mm.matmul, x, y, out_dtype=jnp.float32)
+    close(out, reference(x, y, jnp.float32), 1e-4 * np.sqrt(2048))
+
+
 def test_matmul_default_out_dtype_is_x_dtype():
     x, y = rand(4, (128, 256), jnp.int8), rand(5, (256, 128), jnp.int8)
     out = mm.matmul(x, y, block_shape=(128, 128), block_k=128, interpret=True)
@@ -140,8 +151,15 @@ def test_choose_blocks_fit_each_chip(chip):
         assert bm % info.mxu_column_size == 0 and bn % info.mxu_column_size == 0
         need = mm.vmem_bytes(bm, bn, bk, dtype, out_dtype, scratch=np.dtype(out_dtype).itemsize < 4)
         assert need <= _policy.vmem_budget("matmul", info), (chip, bm, bk, bn)
+    for m, k, n in ((256, 8192, 8192), (128, 8192, 28672), (8, 4096, 11008)):  # skinny: whole-row panels
+        for dtype, out_dtype in ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)):
+            bm, bk, bn = mm.choose_blocks(m, k, n, dtype, out_dtype, info)
+            assert m % bm == 0 and k % bk == 0 and n % bn == 0, (chip, m, k, n, bm, bk, bn)
+            need = mm.vmem_bytes(bm, bn, bk, dtype, out_dtype, scratch=np.dtype(out_dtype).itemsize < 4)
+            assert need <= _policy.vmem_budget("matmul", info), (chip, m, k, n, bm, bk, bn)
     if chip == "v5e":
         assert mm.choose_blocks(8192, 8192, 8192, jnp.bfloat16, jnp.bfloat16, info) == (1024, 1024, 1024)
+        assert mm.choose_blocks(256, 8192, 8192, jnp.bfloat16, jnp.bfloat16, info) == (256, 256, 8192)
     # A megacore chip gets at least two output tiles when m fits one block.
     if info.num_cores > 1:
         bm, _, bn = mm.choose_blocks(256, 4096, 4096, jnp.bfloat16, jnp.bfloat16, info)

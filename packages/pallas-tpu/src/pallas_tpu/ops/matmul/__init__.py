@@ -15,7 +15,9 @@ and a single k step writes the result straight out. The k axis is ``"arbitrary"`
 Blocks come from ``choose_blocks`` when not given: the rows measured on the
 TPU v5e (``ops._policy``), else a rule from the chip's facts: tiles square
 enough that the MXU, not HBM, sets the pace, shrunk until the double-buffered
-panels fit the VMEM budget. Given blocks are used as they are, and must divide
+panels fit the VMEM budget. A product of at most 256 rows (a decode projection,
+bound by HBM bringing ``y`` in) on a one-core chip takes whole rows of ``y`` as its
+panels instead, about 4 MiB each. Given blocks are used as they are, and must divide
 the operands. The VMEM limit is raised to what the blocks need.
 
 The modules (the skeleton of every family, ``pallas_tpu.ops``' docstring): this one

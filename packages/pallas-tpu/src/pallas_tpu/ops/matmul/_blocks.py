@@ -12,6 +12,14 @@ from pallas_tpu.ops import _policy
 
 LANE = 128
 _MIN_BLOCK = 256
+# A product of at most this many rows (a decode projection: few tokens against a weight) is
+# bound by HBM bringing ``y`` in; its panels are then whole rows of ``y`` (one contiguous DMA
+# each) of about SKINNY_PANEL bytes. On the v5e at 256x8192x8192 bf16, (256, 8192, 256) ran
+# 205 us where the square rule's (256, 1024, 2048) ran 241 (XLA: 207); pltpu.estimate ranks
+# the whole-row panels first at 64x4096x4096 and 128x8192x28672 too, and not at 512 rows,
+# where the square rule is within 1 % of its best (benchmarks/tpu_ops_matmul.py, "skinny").
+SKINNY_ROWS = 256
+SKINNY_PANEL = 4 << 20
 
 
 def _itemsize(dtype) -> int:
@@ -65,13 +73,29 @@ def choose_blocks(m: int, k: int, n: int, in_dtype, out_dtype, info=None) -> tup
         # Give a megacore chip's second TensorCore a share of the parallel axes.
         bn = max(LANE, min(bn, (n // 2) // LANE * LANE))
     bm, bn = _fitted(m, bm), _fitted(n, bn)
-    # Small output tiles (a short m or n) leave VMEM unused: longer k steps
-    # then cut the number of grid steps.
     scratch = _itemsize(out_dtype) < 4
     budget = _policy.vmem_budget("matmul", info)
+    if m <= SKINNY_ROWS and chip.num_cores == 1:
+        return _skinny(bm, k, n, in_dtype, out_dtype, budget)
+    # Small output tiles (a short m or n) leave VMEM unused: longer k steps
+    # then cut the number of grid steps.
     if bm * bn < 1024 * 1024:
         while (
             bk < min(k, 2048) and vmem_bytes(bm, bn, 2 * bk, in_dtype, out_dtype, scratch=scratch) <= budget
         ):
             bk *= 2
     return bm, _fitted(k, bk), bn
+
+
+def _skinny(bm: int, k: int, n: int, in_dtype, out_dtype, budget: int) -> tuple[int, int, int]:
+    """``(bm, bk, bn)`` for a product of few rows: ``y``'s panels whole rows (``bn`` the whole of
+    ``n``, halved while the blocks overflow the VMEM budget), ``bk`` rows of them in about
+    ``SKINNY_PANEL`` bytes (128 to 1024)."""
+    scratch = _itemsize(out_dtype) < 4
+    bn = _fitted(n, n)
+    while True:
+        rows = SKINNY_PANEL // (bn * _itemsize(in_dtype))
+        bk = max(LANE, min(1024, 2 ** max(int(math.log2(max(rows, 1))), 0)))
+        if bn <= 1024 or vmem_bytes(bm, bn, bk, in_dtype, out_dtype, scratch=scratch) <= budget:
+            return bm, _fitted(k, bk), bn
+        bn = _fitted(n, bn // 2)

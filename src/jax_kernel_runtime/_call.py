@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import jax
@@ -217,9 +217,21 @@ def _cuda_lowering(ctx, *args, launch: _Launch):
     return mlir.lower_fun(body, multiple_results=True)(ctx, *args)
 
 
-def _unsupported_lowering(ctx, *args, launch: _Launch):
-    platforms = ", ".join(ctx.module_context.platforms)
-    raise NotImplementedError(
+def register_platform_lowerings(prim, rules: dict, refusal: Callable[..., str]) -> None:
+    """Lower ``prim`` by ``rules`` (platform name -> MLIR lowering rule) and refuse every other
+    platform with a ``NotImplementedError`` saying ``refusal(platforms, **params)`` (the
+    platforms being lowered for, joined by commas; ``params`` the primitive's)."""
+
+    def refuse(ctx, *args, **params):
+        raise NotImplementedError(refusal(", ".join(ctx.module_context.platforms), **params))
+
+    mlir.register_lowering(prim, refuse)
+    for platform, rule in rules.items():
+        mlir.register_lowering(prim, rule, platform=platform)
+
+
+def _refusal(platforms: str, launch: _Launch) -> str:
+    return (
         f"kernel_call {launch.name!r} cannot run on platform {platforms}: "
         f"jax_kernel_runtime launches compiled kernel images (cubins) on CUDA GPUs "
         f"only, and needs a CUDA GPU. On a CPU, run Triton kernels with "
@@ -229,8 +241,7 @@ def _unsupported_lowering(ctx, *args, launch: _Launch):
     )
 
 
-mlir.register_lowering(kernel_call_p, _unsupported_lowering)
-mlir.register_lowering(kernel_call_p, _cuda_lowering, platform="cuda")
+register_platform_lowerings(kernel_call_p, {"cuda": _cuda_lowering}, _refusal)
 
 
 def _check(name, args, out_shapes, configs, params, aliases, zeroed_outputs) -> None:

@@ -366,9 +366,8 @@ def _cpu_lowering(ctx, *args, call: CallSpec):
     return mlir.lower_fun(interpret, multiple_results=True)(ctx, *args)
 
 
-def _unsupported_lowering(ctx, *args, call: CallSpec):
-    platforms = ", ".join(ctx.module_context.platforms)
-    raise NotImplementedError(
+def _refusal(platforms: str, call: CallSpec) -> str:
+    return (
         f"triton_call {call.name!r} cannot run on platform {platforms}: jax_triton "
         f"launches Triton kernels on CUDA GPUs and runs them on the CPU through "
         f"Triton's interpreter. Use jax.default_device(jax.devices('cpu')[0]) or "
@@ -376,9 +375,7 @@ def _unsupported_lowering(ctx, *args, call: CallSpec):
     )
 
 
-mlir.register_lowering(triton_call_p, _unsupported_lowering)
-mlir.register_lowering(triton_call_p, _cuda_lowering, platform="cuda")
-mlir.register_lowering(triton_call_p, _cpu_lowering, platform="cpu")
+jkr.register_platform_lowerings(triton_call_p, {"cuda": _cuda_lowering, "cpu": _cpu_lowering}, _refusal)
 
 
 # ---------------------------------------------------------------- AD, vmap

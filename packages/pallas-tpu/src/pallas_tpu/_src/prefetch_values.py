@@ -14,9 +14,10 @@ a kernel's output.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import numpy as np
+
+from pallas_tpu._src.jaxpr_env import Env
 
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")  # the sub-program of a call-like equation
 _BIG = 1 << 24  # elements: larger intermediates are not evaluated (left unknown)
@@ -70,23 +71,10 @@ class _Walk:
         self.calls: list[dict[int, np.ndarray]] = []
 
     def run(self, jaxpr, consts: list, args: list) -> list:
-        env: dict[Any, Any] = {}
-
-        def read(v):
-            if hasattr(v, "val") and not hasattr(v, "count"):  # a literal
-                return v.val
-            return env.get(v)
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
+        env = Env(jaxpr, consts, args, strict=False)
         for e in jaxpr.eqns:
-            vals = [read(v) for v in e.invars]
-            outs = self.eqn(e, vals)
-            for v, x in zip(e.outvars, outs):
-                env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+            env.bind(e.outvars, self.eqn(e, [env.read(v) for v in e.invars]))
+        return env.outputs(jaxpr)
 
     def eqn(self, e, vals) -> list:
         n_out = len(e.outvars)

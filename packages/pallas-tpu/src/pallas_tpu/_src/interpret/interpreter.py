@@ -72,6 +72,7 @@ from pallas_tpu._src.interpret.semaphores import LocalSemaphores, Semaphores
 from pallas_tpu._src.interpret.session_link import SessionLink
 from pallas_tpu._src.interpret.shared_scopes import SharedScopes
 from pallas_tpu._src.interpret.transport import LocalTransport
+from pallas_tpu._src.jaxpr_env import Env
 from pallas_tpu._src.language import primitives as tpu_prims
 from pallas_tpu._src.language import tpu_info
 
@@ -481,17 +482,8 @@ class Interpreter:
         calls (not inside control flow: that is traced as one ``lax`` op).
         Cores that signal each other run as such generators in turn (see
         ``pallas_call.run``)."""
-        env: dict[Any, Any] = {}
-
-        def read(v):
-            if isinstance(v, compat.Literal):
-                return v.val
-            return env[v]
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
+        env = Env(jaxpr, consts, args)
+        read = env.read
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
             if pause is None:
@@ -509,11 +501,8 @@ class Interpreter:
                         outs = yield from self.iter_jaxpr(sub, (), invals, pause)
                 else:
                     outs = self.eval_eqn(eqn, invals)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for v, x in zip(eqn.outvars, outs):
-                env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+            env.bind(eqn.outvars, outs if eqn.primitive.multiple_results else [outs])
+        return env.outputs(jaxpr)
 
     def eval_closed(self, closed, args):
         return self.eval_jaxpr(closed.jaxpr, closed.consts, args)

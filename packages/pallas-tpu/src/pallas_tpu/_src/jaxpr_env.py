@@ -1,0 +1,32 @@
+"""A jaxpr's variables and their values while a walk evaluates it in program order: the TPU
+interpreter's (every value known) and ``pltpu.estimate``'s scalar-prefetch walk (a value it
+could not evaluate is absent, read as None)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pallas_tpu._src import compat
+
+
+class Env(dict):
+    """The values of ``jaxpr``'s variables, its constants and inputs bound; ``strict``: reading
+    a variable with no value is a ``KeyError`` (else None)."""
+
+    def __init__(self, jaxpr, consts, args, *, strict: bool = True):
+        super().__init__()
+        self.strict = strict
+        self.bind(jaxpr.constvars, consts)
+        self.bind(jaxpr.invars, args)
+
+    def bind(self, variables, values) -> None:
+        for v, x in zip(variables, values):
+            self[v] = x
+
+    def read(self, v) -> Any:
+        if isinstance(v, compat.Literal):
+            return v.val
+        return self[v] if self.strict else self.get(v)
+
+    def outputs(self, jaxpr) -> list[Any]:
+        return [self.read(v) for v in jaxpr.outvars]

@@ -90,6 +90,7 @@ class Case:
     # 0: every pattern shares code and loops (a causal diagonal's patterns one body)
     straight_line: int | None = None
     loop_scores: int | None = None  # the scores a loop iteration takes (``_common.LOOP_SCORES``)
+    fused: bool = False  # BlockSizes.use_fused_bwd_kernel: dq in the dk/dv kernel
 
 
 def make_mask(name, heads, q_len, kv_len):
@@ -123,7 +124,7 @@ def inputs(c: Case):
 
 def splash(c: Case, mask, interpret=False):
     make = sa.make_splash_mqa_single_device if c.kv_heads == 0 else sa.make_splash_mha_single_device
-    blocks = None if c.blocks is None else sa.BlockSizes(*c.blocks)
+    blocks = None if c.blocks is None else sa.BlockSizes(*c.blocks, use_fused_bwd_kernel=c.fused)
     return make(mask, block_sizes=blocks, attn_logits_soft_cap=c.soft_cap, interpret=interpret)
 
 
@@ -164,6 +165,19 @@ CASES = {
     "causal_loops_pairs": Case(
         heads=1, q_len=1024, kv_len=1024, blocks=(256, 1024, 128), straight_line=0, loop_scores=2**16
     ),
+    # the fused backward kernel (dq accumulated per head in the dk/dv kernel): query offsets
+    # inside a block (cells of 256), in a loop, grouped and shared kv heads, a soft cap
+    "causal_backward_cells_fused": Case(
+        q_len=512, kv_len=512, blocks=(512, 512, 256, 512, 512, 256), fused=True
+    ),
+    "causal_loops_fused": Case(
+        q_len=512, kv_len=512, blocks=(128, 512, 128, 128, 512, 128), straight_line=0, fused=True
+    ),
+    "local_gqa_segments_fused": Case(
+        "local", heads=4, kv_heads=2, segments=True, blocks=(128, 256, 128), fused=True
+    ),
+    "random_per_head_mqa_fused": Case("random", heads=2, kv_heads=0, fused=True),
+    "chunked_soft_cap_sinks_fused": Case("chunked", soft_cap=4.0, sinks=True, tol=4e-3, fused=True),
     # five alike chunks, two an iteration: the fifth after the loop
     "full_loops_odd": Case(
         "full", q_len=256, kv_len=640, blocks=(128, 640, 128), straight_line=0, loop_scores=2**15

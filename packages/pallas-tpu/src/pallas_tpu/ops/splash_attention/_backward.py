@@ -32,16 +32,25 @@ from pallas_tpu.ops.splash_attention import _common as cm
 from pallas_tpu.ops.splash_attention._forward import kernel_name
 
 F32 = cm.F32
+TN_DIMS = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 def backward(
-    dq_info, dkv_info, q, k, v, segment_ids, sinks, out, lse, d_out, *, cfg, dq_blocks, dkv_blocks, patterns
-):
-    """``(dq, dk, dv, dsinks)``; ``patterns``: those of the ``dq`` and the ``dk``/``dv`` schedules."""
+    dq_info, dkv_info, q, k, v, segment_ids, sinks, out, lse, d_out, *, cfg, dq_blocks, dkv_blocks, patterns,
+    fused=False,
+):  # fmt: skip
+    """``(dq, dk, dv, dsinks)``; ``patterns``: those of the ``dq`` and the ``dk``/``dv`` schedules;
+    ``fused``: ``dq`` computed in the ``dk``/``dv`` kernel where a head's fits VMEM (``fits_fused``)."""
     heads, q_len, _ = q.shape
     di = jnp.sum(out.astype(F32) * d_out.astype(F32), axis=-1)  # [heads, q_len]
     lse_rows, di_rows = lse.reshape(heads, 1, q_len), di.reshape(heads, 1, q_len)
     dq_patterns, dkv_patterns = patterns
+    if fused and fits_fused(q):
+        dq, dk, dv = _dkv(
+            dkv_info, q, k, v, segment_ids, lse_rows, di_rows, d_out, cfg=cfg, blocks=dkv_blocks,
+            patterns=dkv_patterns, fused=True,
+        )  # fmt: skip
+        return dq, dk, dv, _dsinks(sinks, lse, di)
     dq = _dq(
         dq_info,
         q,
@@ -68,11 +77,24 @@ def backward(
         blocks=dkv_blocks,
         patterns=dkv_patterns,
     )
-    dsinks = None
-    if sinks is not None:
-        weight = jnp.exp(sinks.astype(F32)[:, None] - lse)
-        dsinks = (-jnp.sum(weight * di, axis=-1)).astype(sinks.dtype)
-    return dq, dk, dv, dsinks
+    return dq, dk, dv, _dsinks(sinks, lse, di)
+
+
+def _dsinks(sinks, lse, di):
+    if sinks is None:
+        return None
+    weight = jnp.exp(sinks.astype(F32)[:, None] - lse)
+    return (-jnp.sum(weight * di, axis=-1)).astype(sinks.dtype)
+
+
+# The most bytes a head's float32 dq accumulator may take for the fused backward kernel (it
+# stays in VMEM for the head's whole sweep, beside its double-buffered output block).
+FUSED_DQ_BYTES = 8 << 20
+
+
+def fits_fused(q) -> bool:
+    """Whether a head's ``dq`` (``q``'s length by its head dim, float32) fits ``FUSED_DQ_BYTES``."""
+    return q.shape[-2] * q.shape[-1] * 4 <= FUSED_DQ_BYTES
 
 
 def cell_of(block: int) -> int:
@@ -187,7 +209,9 @@ def _dq_kernel(*refs, maps, cfg, patterns, blocks, materialized, has_seg):
         x.dq[...] = x.acc[...].astype(x.dq.dtype)
 
 
-def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config, blocks, patterns):
+def _dkv(
+    info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config, blocks, patterns, fused=False
+):
     block_kv = blocks[1]
     heads, _, head_dim = q.shape
     kv_len, head_dim_v = k.shape[-2], v.shape[-1]
@@ -206,7 +230,7 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
 
     kernel = functools.partial(
         _dkv_kernel, maps=maps, cfg=cfg, patterns=patterns, blocks=blocks,
-        materialized=info.partial_mask_ids is not None, has_seg=has_seg,
+        materialized=info.partial_mask_ids is not None, has_seg=has_seg, fused=fused,
     )  # fmt: skip
     lead: tuple[int, ...] = (sched.q_shards, heads) if summed else (heads,)
     block_lead: tuple[None, ...] = (None,) * len(lead)
@@ -216,9 +240,16 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
     ]
     out_specs = [pl.BlockSpec((*block_lead, block_kv, d), dkv_map) for d in (head_dim, head_dim_v)]
     scratch = [pltpu.VMEM((block_kv, head_dim), F32), pltpu.VMEM((block_kv, head_dim_v), F32)]
-    dk, dv = cm.splash_call(
+    semantics = None
+    if fused:  # a head's dq: one block for all its steps, accumulated in VMEM
+        out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
+        out_specs.append(pl.BlockSpec((None, q.shape[1], head_dim), lambda h, s, t, *_: (h, 0, 0)))
+        scratch.append(pltpu.VMEM((q.shape[1], head_dim), F32))
+        semantics = ("parallel", "arbitrary", "arbitrary")
+    dk, dv, *dq = cm.splash_call(
         kernel, prefetch, args, in_specs, out_specs, scratch, out_shape, maps=maps, blocks=blocks,
-        flops=4 * (head_dim + head_dim_v), cfg=cfg, name=kernel_name("dkv", cfg, has_seg, False),
+        flops=(6 if fused else 4) * head_dim + 4 * head_dim_v, cfg=cfg, semantics=semantics,
+        name=kernel_name("dkv_fused" if fused else "dkv", cfg, has_seg, False),
     )  # fmt: skip
     if summed:
         dk, dv = dk.sum(axis=0), dv.sum(axis=0)  # over the q shards of this call
@@ -228,14 +259,25 @@ def _dkv(info, q, k, v, segment_ids, lse_rows, di_rows, d_out, *, cfg: cm.Config
             dk = dk.reshape(heads // group, group, kv_len, head_dim).sum(axis=1)
             dv = dv.reshape(heads // group, group, kv_len, head_dim_v).sum(axis=1)
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
-    return dk, dv
+    return (dq[0], dk, dv) if fused else (dk, dv)
 
 
-def _dkv_kernel(*refs, maps, cfg, patterns, blocks, materialized, has_seg):
-    x = _refs(refs, materialized, has_seg, ("seg_kv", "seg_q"), "dk", "dv", "dk_acc", "dv_acc")
+def _dkv_kernel(*refs, maps, cfg, patterns, blocks, materialized, has_seg, fused=False):
+    x = _refs(
+        refs, materialized, has_seg, ("seg_kv", "seg_q"), "dk", "dv", ("dq", fused), "dk_acc", "dv_acc",
+        ("dq_acc", fused),
+    )  # fmt: skip
     block_kv_compute = blocks[2]
     h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     w = maps.word(h, s, t, x.steps)
+    head_first = (s == 0) & (t == 0)
+    head_last = (s == pl.num_programs(1) - 1) & (t == pl.num_programs(2) - 1)
+
+    if fused:
+
+        @pl.when(head_first)
+        def _init_dq():
+            x.dq_acc[...] = jnp.zeros(x.dq_acc.shape, F32)
 
     @pl.when(w["first"])
     def _init():
@@ -256,7 +298,11 @@ def _dkv_kernel(*refs, maps, cfg, patterns, blocks, materialized, has_seg):
         ds = p * (dp - x.di[:, qs])
         if t_ is not None:
             ds = _softcap_grad(ds, t_)
-        x.dk_acc[r, :] += lax.dot(ds.astype(q_tile.dtype), q_tile, preferred_element_type=F32)
+        ds = ds.astype(q_tile.dtype)
+        x.dk_acc[r, :] += lax.dot(ds, q_tile, preferred_element_type=F32)
+        if fused:  # dq of these queries: ds^T k, summed over the head's key blocks
+            rows = pl.ds(pl.multiple_of((x.base[s] + w["q_block"]) * blocks[0] + q0, 8), q_rows)
+            x.dq_acc[rows, :] += lax.dot_general(ds, x.k[r, :], TN_DIMS, preferred_element_type=F32)
 
     cm.run_patterns(w["pattern"], patterns, chunk, cell_of(blocks[0]), block_kv_compute, "bwd")
 
@@ -264,3 +310,9 @@ def _dkv_kernel(*refs, maps, cfg, patterns, blocks, materialized, has_seg):
     def _finish():
         x.dk[...] = x.dk_acc[...].astype(x.dk.dtype)
         x.dv[...] = x.dv_acc[...].astype(x.dv.dtype)
+
+    if fused:
+
+        @pl.when(head_last)
+        def _finish_dq():
+            x.dq[...] = x.dq_acc[...].astype(x.dq.dtype)

@@ -49,9 +49,10 @@ class BlockSizes:
     blocks of this size), swept in chunks of ``block_kv_compute`` keys. ``dk``/``dv``:
     ``block_q_dkv`` by ``block_kv_dkv`` per step, the keys in chunks of ``block_kv_dkv_compute``.
     ``dq``: ``block_q_dq`` by ``block_kv_dq``. Backward blocks left as None are taken from the
-    forward ones (JAX then has no backward pass). ``use_fused_bwd_kernel`` and the layouts are
-    accepted for JAX's signature: the backward pass here is always the ``dq`` and ``dk``/``dv``
-    kernels, and q, k, v are read head-dim minor.
+    forward ones (JAX then has no backward pass). ``use_fused_bwd_kernel`` (JAX's meaning): ``dq``
+    is computed in the ``dk``/``dv`` kernel, accumulated per head in VMEM (where a head's float32
+    ``dq`` takes at most 8 MiB; else the two kernels run), and no ``dq`` blocks may be given. The
+    layouts are accepted for JAX's signature: q, k, v are read head-dim minor.
     """
 
     block_q: int

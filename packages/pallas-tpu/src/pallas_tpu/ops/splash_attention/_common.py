@@ -376,8 +376,9 @@ def masked_tile(s, x, cfg, partial, q_start, kv_start, r, c, *, rows_are_queries
 
 
 def splash_call(
-    kernel, prefetch, args, in_specs, out_specs, scratch, out_shape, *, maps, blocks, flops, cfg, name
-):
+    kernel, prefetch, args, in_specs, out_specs, scratch, out_shape, *, maps, blocks, flops, cfg, name,
+    semantics=None,
+):  # fmt: skip
     """The outputs of a splash kernel over ``maps``'s schedule: ``prefetch`` scalar-prefetched,
     ``args`` in ``in_specs`` (``args[0]`` the queries), ``out_shape`` in ``out_specs``,
     ``scratch`` in VMEM; its cost ``flops`` per score of each step's ``blocks[0] x blocks[1]``."""
@@ -392,16 +393,16 @@ def splash_call(
             scratch_shapes=scratch,
         ),
         out_shape=out_shape,
-        compiler_params=compiler_params(),
+        compiler_params=compiler_params(semantics),
         cost_estimate=cost(flops, steps_total * blocks[0] * blocks[1], args, out_shape),
         interpret=cfg.interpret,
         name=name,
     )(*prefetch, *args)
 
 
-def compiler_params():
+def compiler_params(semantics=None):
     return pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        dimension_semantics=semantics or ("parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=_policy.vmem_budget("attention"),
     )
 

@@ -283,6 +283,7 @@ def _make_kernel(
     if block_sizes is None or block_sizes == BlockSizes.get_default():
         # the defaults asked for without lengths: those of these lengths
         block_sizes, rechoose = _default_blocks_of(mask, settings)
+    fused_bwd = bool(block_sizes.use_fused_bwd_kernel)
     block_sizes = _shrink(_complete(block_sizes), q_len // max(q_seq_shards, 1), kv_len)
     _check_blocks(block_sizes, q_len // max(q_seq_shards, 1), kv_len)
 
@@ -302,6 +303,7 @@ def _make_kernel(
         schedule_rows=int(fwd_info.steps.shape[0]),
         patterns=(fwd_patterns, dq_patterns, dkv_patterns),
         rechoose=rechoose,
+        fused_bwd=fused_bwd,
     )
     if rechoose is not None:
         rechoose.steps_shape = tuple(fwd_info.steps.shape)
@@ -504,6 +506,7 @@ def _splash_attention(
     mask_heads: int,
     schedule_rows: int,
     patterns: tuple,
+    fused_bwd: bool = False,
 ):
     _check_call(q, k, v, segment_ids, sinks, is_mqa, fwd_mask_info, mask_heads, schedule_rows)
     # Inside shard_map a call sees its shards' part of q (and of the schedule).
@@ -528,7 +531,7 @@ def _splash_attention(
     fwd_blocks = (b.block_q, b.block_kv, b.block_kv_compute)
     if save_residuals:
         return _with_residuals(fwd_mask_info, q, k, v, segment_ids, sinks, cfg, fwd_blocks, patterns[0])
-    static = _Static(cfg, b, residual_checkpoint_name, patterns)
+    static = _Static(cfg, b, residual_checkpoint_name, patterns, fused_bwd)
     return _attend(static, fwd_mask_info, dq_mask_info, dkv_mask_info, q, k, v, segment_ids, sinks)
 
 
@@ -538,6 +541,7 @@ class _Static:
     blocks: BlockSizes
     checkpoint_name: str | None
     patterns: tuple  # of the forward, dq and dk/dv schedules
+    fused_bwd: bool = False  # BlockSizes.use_fused_bwd_kernel: dq computed in the dk/dv kernel
 
 
 def _with_residuals(info, q, k, v, segment_ids, sinks, cfg, blocks, patterns):
@@ -596,6 +600,7 @@ def _attend_bwd(static, residuals, d_out):
         dq_blocks=(b.block_q_dq, b.block_kv_dq),
         dkv_blocks=(b.block_q_dkv, b.block_kv_dkv, b.block_kv_dkv_compute),
         patterns=static.patterns[1:],
+        fused=static.fused_bwd,
     )
     return None, None, None, dq, dk, dv, None, dsinks
 

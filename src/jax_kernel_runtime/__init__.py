@@ -16,9 +16,9 @@ from jax_kernel_runtime._call import TARGET_NAME as TARGET_NAME
 from jax_kernel_runtime._call import driver_error as driver_error
 from jax_kernel_runtime._call import export_disabled_checks as export_disabled_checks
 from jax_kernel_runtime._call import kernel_call as kernel_call
+from jax_kernel_runtime._call import kernel_primitive as kernel_primitive
 from jax_kernel_runtime._call import launch_counts as launch_counts
 from jax_kernel_runtime._call import register as register
-from jax_kernel_runtime._call import register_platform_lowerings as register_platform_lowerings
 from jax_kernel_runtime._call import tune_records as tune_records
 from jax_kernel_runtime._config import Buffer as Buffer
 from jax_kernel_runtime._config import KernelConfig as KernelConfig

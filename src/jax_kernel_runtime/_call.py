@@ -181,19 +181,6 @@ class _Launch:
         return f"kernel {self.name!r}"
 
 
-# A primitive of our own (rather than a bare ffi_call) so that lowering for a
-# platform other than CUDA fails when lowering, with a message that says what
-# to use instead, not with XLA's "No FFI handler registered" when compiling.
-kernel_call_p = Primitive("kernel_call")
-kernel_call_p.multiple_results = True
-kernel_call_p.def_impl(functools.partial(dispatch.apply_primitive, kernel_call_p))
-
-
-@kernel_call_p.def_abstract_eval
-def _abstract_eval(*avals, launch: _Launch):
-    return [jax.core.ShapedArray(s.shape, s.dtype) for s in launch.result_shapes]
-
-
 def _cuda_lowering(ctx, *args, launch: _Launch):
     register()
     call = ffi_call(
@@ -217,10 +204,21 @@ def _cuda_lowering(ctx, *args, launch: _Launch):
     return mlir.lower_fun(body, multiple_results=True)(ctx, *args)
 
 
-def register_platform_lowerings(prim, rules: dict, refusal: Callable[..., str]) -> None:
-    """Lower ``prim`` by ``rules`` (platform name -> MLIR lowering rule) and refuse every other
-    platform with a ``NotImplementedError`` saying ``refusal(platforms, **params)`` (the
-    platforms being lowered for, joined by commas; ``params`` the primitive's)."""
+def kernel_primitive(
+    name: str, result_shapes: Callable[..., Sequence], rules: dict, refusal: Callable[..., str]
+) -> Primitive:
+    """A primitive ``name`` that launches kernels: several results, of the shapes and dtypes
+    ``result_shapes(**params)`` gives; evaluated eagerly by compiling its lowering (as ``jit``
+    would); lowered by ``rules`` (platform name -> MLIR lowering rule) and, for every other
+    platform, refused when lowering with a ``NotImplementedError`` saying
+    ``refusal(platforms, **params)`` (the platforms lowered for, joined by commas), not with
+    XLA's "No FFI handler registered" when compiling."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
+    prim.def_abstract_eval(
+        lambda *avals, **params: [jax.core.ShapedArray(s.shape, s.dtype) for s in result_shapes(**params)]
+    )
 
     def refuse(ctx, *args, **params):
         raise NotImplementedError(refusal(", ".join(ctx.module_context.platforms), **params))
@@ -228,6 +226,7 @@ def register_platform_lowerings(prim, rules: dict, refusal: Callable[..., str]) 
     mlir.register_lowering(prim, refuse)
     for platform, rule in rules.items():
         mlir.register_lowering(prim, rule, platform=platform)
+    return prim
 
 
 def _refusal(platforms: str, launch: _Launch) -> str:
@@ -241,7 +240,11 @@ def _refusal(platforms: str, launch: _Launch) -> str:
     )
 
 
-register_platform_lowerings(kernel_call_p, {"cuda": _cuda_lowering}, _refusal)
+# A primitive of our own (rather than a bare ffi_call), so that lowering for a platform
+# other than CUDA fails saying what to use instead.
+kernel_call_p = kernel_primitive(
+    "kernel_call", lambda launch: launch.result_shapes, {"cuda": _cuda_lowering}, _refusal
+)
 
 
 def _check(name, args, out_shapes, configs, params, aliases, zeroed_outputs) -> None:

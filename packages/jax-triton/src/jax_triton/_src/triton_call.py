@@ -8,7 +8,6 @@ host callback; anything else is a clear error.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -16,7 +15,6 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 import jax_kernel_runtime as jkr
@@ -25,7 +23,7 @@ from jax_triton._src import arguments, autotune, frontend, operands
 from jax_triton._src.compile import CompileOptions, TritonCompilationError, compile_kernel
 from jax_triton._src.interpret import run_on_host
 from jax_triton._src.signature import BoundCall, bind
-from jax_triton._src.triton_compat import check_triton_version, dispatch, triton
+from jax_triton._src.triton_compat import check_triton_version, triton
 from jax_triton._src.utils import user_source
 
 
@@ -52,16 +50,6 @@ class CallSpec:
     batch_fold: Callable | None
     call_args: tuple  # (operands, metaparams, grid, zeroed, options) for re-binding under vmap
     where: str  # "triton_call 'name' at file.py:LINE", first words of every error
-
-
-triton_call_p = Primitive("triton_call")
-triton_call_p.multiple_results = True
-triton_call_p.def_impl(functools.partial(dispatch.apply_primitive, triton_call_p))
-
-
-@triton_call_p.def_abstract_eval
-def _abstract_eval(*avals, call: CallSpec):
-    return [jax.core.ShapedArray(a.shape, a.dtype) for a in call.out_avals]
 
 
 def triton_call(
@@ -375,7 +363,9 @@ def _refusal(platforms: str, call: CallSpec) -> str:
     )
 
 
-jkr.register_platform_lowerings(triton_call_p, {"cuda": _cuda_lowering, "cpu": _cpu_lowering}, _refusal)
+triton_call_p = jkr.kernel_primitive(
+    "triton_call", lambda call: call.out_avals, {"cuda": _cuda_lowering, "cpu": _cpu_lowering}, _refusal
+)
 
 
 # ---------------------------------------------------------------- AD, vmap

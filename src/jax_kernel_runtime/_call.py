@@ -205,14 +205,18 @@ def _cuda_lowering(ctx, *args, launch: _Launch):
 
 
 def kernel_primitive(
-    name: str, result_shapes: Callable[..., Sequence], rules: dict, refusal: Callable[..., str]
+    name: str,
+    result_shapes: Callable[..., Sequence],
+    rules: dict,
+    *,
+    kernel_name: Callable[..., str],
+    elsewhere: str,
 ) -> Primitive:
     """A primitive ``name`` that launches kernels: several results, of the shapes and dtypes
     ``result_shapes(**params)`` gives; evaluated eagerly by compiling its lowering (as ``jit``
-    would); lowered by ``rules`` (platform name -> MLIR lowering rule) and, for every other
-    platform, refused when lowering with a ``NotImplementedError`` saying
-    ``refusal(platforms, **params)`` (the platforms lowered for, joined by commas), not with
-    XLA's "No FFI handler registered" when compiling."""
+    would); lowered by ``rules`` (platform name -> MLIR lowering rule). Lowering it for any other
+    platform raises ``NotImplementedError("<name> '<kernel_name(**params)>' cannot run on platform
+    <platforms>: <elsewhere>")``, not XLA's "No FFI handler registered" when compiling."""
     prim = Primitive(name)
     prim.multiple_results = True
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
@@ -221,7 +225,10 @@ def kernel_primitive(
     )
 
     def refuse(ctx, *args, **params):
-        raise NotImplementedError(refusal(", ".join(ctx.module_context.platforms), **params))
+        platforms = ", ".join(ctx.module_context.platforms)
+        raise NotImplementedError(
+            f"{name} {kernel_name(**params)!r} cannot run on platform {platforms}: {elsewhere}"
+        )
 
     mlir.register_lowering(prim, refuse)
     for platform, rule in rules.items():
@@ -229,21 +236,19 @@ def kernel_primitive(
     return prim
 
 
-def _refusal(platforms: str, launch: _Launch) -> str:
-    return (
-        f"kernel_call {launch.name!r} cannot run on platform {platforms}: "
-        f"jax_kernel_runtime launches compiled kernel images (cubins) on CUDA GPUs "
-        f"only, and needs a CUDA GPU. On a CPU, run Triton kernels with "
-        f"jax_triton.triton_call (Triton's interpreter) and Pallas kernels with "
-        f"interpret=True; to only build the GPU program here, lower with "
-        f"lowering_platforms=('cuda',) or jax.export(..., platforms=['cuda'])."
-    )
-
-
 # A primitive of our own (rather than a bare ffi_call), so that lowering for a platform
 # other than CUDA fails saying what to use instead.
 kernel_call_p = kernel_primitive(
-    "kernel_call", lambda launch: launch.result_shapes, {"cuda": _cuda_lowering}, _refusal
+    "kernel_call",
+    lambda launch: launch.result_shapes,
+    {"cuda": _cuda_lowering},
+    kernel_name=lambda launch: launch.name,
+    elsewhere=(
+        "jax_kernel_runtime launches compiled kernel images (cubins) on CUDA GPUs only, and needs a "
+        "CUDA GPU. On a CPU, run Triton kernels with jax_triton.triton_call (Triton's interpreter) "
+        "and Pallas kernels with interpret=True; to only build the GPU program here, lower with "
+        "lowering_platforms=('cuda',) or jax.export(..., platforms=['cuda'])."
+    ),
 )
 
 

@@ -354,17 +354,13 @@ def _cpu_lowering(ctx, *args, call: CallSpec):
     return mlir.lower_fun(interpret, multiple_results=True)(ctx, *args)
 
 
-def _refusal(platforms: str, call: CallSpec) -> str:
-    return (
-        f"triton_call {call.name!r} cannot run on platform {platforms}: jax_triton "
-        f"launches Triton kernels on CUDA GPUs and runs them on the CPU through "
-        f"Triton's interpreter. Use jax.default_device(jax.devices('cpu')[0]) or "
-        f"a CUDA device."
-    )
-
-
 triton_call_p = jkr.kernel_primitive(
-    "triton_call", lambda call: call.out_avals, {"cuda": _cuda_lowering, "cpu": _cpu_lowering}, _refusal
+    "triton_call",
+    lambda call: call.out_avals,
+    {"cuda": _cuda_lowering, "cpu": _cpu_lowering},
+    kernel_name=lambda call: call.name,
+    elsewhere="jax_triton launches Triton kernels on CUDA GPUs and runs them on the CPU through Triton's "
+    "interpreter. Use jax.default_device(jax.devices('cpu')[0]) or a CUDA device.",
 )
 
 

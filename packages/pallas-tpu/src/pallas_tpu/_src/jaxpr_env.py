@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pallas_tpu._src import compat
+from jax.extend.core import Literal
 
 
 class Env(dict):
@@ -24,7 +24,7 @@ class Env(dict):
             self[v] = x
 
     def read(self, v) -> Any:
-        if isinstance(v, compat.Literal):
+        if isinstance(v, Literal):
             return v.val
         return self[v] if self.strict else self.get(v)
 

@@ -75,6 +75,18 @@ def candidates(chip: str) -> list[tuple[int, int, int]]:
     return out + [b for b in theirs if b is not None and b not in out]
 
 
+def rank_candidates(times: dict) -> tuple[dict, list]:
+    """``(score, ranked)`` of candidates by their times at each shape (``times[c]``: a list, one
+    time per shape): a candidate's score is the geometric mean over the shapes of its time over
+    the shape's best; ``ranked`` the candidates, best first."""
+    best = [min(t[i] for t in times.values()) for i in range(len(next(iter(times.values()))))]
+    score = {
+        b: math.exp(sum(math.log(t / best[i]) for i, t in enumerate(row)) / len(row))
+        for b, row in times.items()
+    }
+    return score, sorted(score, key=score.get)
+
+
 def estimate_us(chip: str, shape: tuple[int, int, int], blocks) -> float | None:
     m, k, n = shape
     bm, bn, bk = blocks
@@ -288,12 +300,7 @@ def sweep(op: Op, chips, top: int, say) -> None:
         if not times:
             say(f"\n## {chip}: no candidate compiled")
             continue
-        best = [min(t[i] for t in times.values()) for i in range(len(names))]
-        score = {
-            b: math.exp(sum(math.log(t / best[i]) for i, t in enumerate(row)) / len(row))
-            for b, row in times.items()
-        }
-        ranked = sorted(score, key=score.get)
+        score, ranked = rank_candidates(times)
         rows = {**_policy.estimated(chip, op.policy_op), **_policy.measured(chip, op.policy_op)}
         rule_text = (
             " / ".join(f"{r} at {n}" for r, n in zip(rules, names)) if rule_key == "rule" else str(rule_key)
@@ -352,12 +359,7 @@ def main() -> int:
         if not times:
             say(f"\n## {chip}: no candidate compiled")
             continue
-        best = [min(t[i] for t in times.values()) for i in range(len(shapes))]
-        score = {
-            b: math.exp(sum(math.log(t / best[i]) for i, t in enumerate(row)) / len(row))
-            for b, row in times.items()
-        }
-        ranked = sorted(score, key=score.get)
+        score, ranked = rank_candidates(times)
         row = _policy.measured(chip, "matmul").get(2)
         rule = _blocks._rule(_policy.generation_facts(chip), jnp.bfloat16, jnp.bfloat16)
         say(f"\n## {chip}: {len(times)} candidates; the policy's row {row}, the rule {rule}")

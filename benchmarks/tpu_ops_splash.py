@@ -178,9 +178,10 @@ def jax_sizes(w, smoke, quick):
 
 def candidates(w, smoke, quick=False):
     interp = pltpu.InterpretParams() if smoke else None
-    cands = {"ours": w.wrap(w.kernel(ours, interpret=interp))}
+    own_kernel = w.kernel(ours, interpret=interp)
+    cands = {"ours": w.wrap(own_kernel)}
     if w.grad:  # ours' own blocks, the backward as one fused kernel (dq beside dk and dv)
-        own = w.kernel(ours, interpret=interp).kwargs["block_sizes"]
+        own = own_kernel.kwargs["block_sizes"]
         fused = dataclasses.replace(own, block_q_dq=None, block_kv_dq=None, use_fused_bwd_kernel=True)
         cands["ours fused"] = w.wrap(w.kernel(ours, fused, interpret=interp))
     jsa = _jax_splash()

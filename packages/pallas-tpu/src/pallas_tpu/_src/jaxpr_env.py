@@ -10,12 +10,11 @@ from jax.extend.core import Literal
 
 
 class Env(dict):
-    """The values of ``jaxpr``'s variables, its constants and inputs bound; ``strict``: reading
-    a variable with no value is a ``KeyError`` (else None)."""
+    """The values of ``jaxpr``'s variables, its constants and inputs bound. ``read``: a variable
+    with no value is a ``KeyError``; ``read_known``: it reads as None."""
 
-    def __init__(self, jaxpr, consts, args, *, strict: bool = True):
+    def __init__(self, jaxpr, consts, args):
         super().__init__()
-        self.strict = strict
         self.bind(jaxpr.constvars, consts)
         self.bind(jaxpr.invars, args)
 
@@ -24,9 +23,7 @@ class Env(dict):
             self[v] = x
 
     def read(self, v) -> Any:
-        if isinstance(v, Literal):
-            return v.val
-        return self[v] if self.strict else self.get(v)
+        return v.val if isinstance(v, Literal) else self[v]
 
-    def outputs(self, jaxpr) -> list[Any]:
-        return [self.read(v) for v in jaxpr.outvars]
+    def read_known(self, v) -> Any:
+        return v.val if isinstance(v, Literal) else self.get(v)

@@ -502,7 +502,7 @@ class Interpreter:
                 else:
                     outs = self.eval_eqn(eqn, invals)
             env.bind(eqn.outvars, outs if eqn.primitive.multiple_results else [outs])
-        return env.outputs(jaxpr)
+        return [read(v) for v in jaxpr.outvars]
 
     def eval_closed(self, closed, args):
         return self.eval_jaxpr(closed.jaxpr, closed.consts, args)

@@ -76,7 +76,7 @@ def choose_blocks(m: int, k: int, n: int, in_dtype, out_dtype, info=None) -> tup
     scratch = _itemsize(out_dtype) < 4
     budget = _policy.vmem_budget("matmul", info)
     if m <= SKINNY_ROWS and chip.num_cores == 1:
-        return _skinny(bm, k, n, in_dtype, out_dtype, budget)
+        return _skinny(bm, k, n, in_dtype, out_dtype, budget, scratch)
     # Small output tiles (a short m or n) leave VMEM unused: longer k steps
     # then cut the number of grid steps.
     if bm * bn < 1024 * 1024:
@@ -87,11 +87,10 @@ def choose_blocks(m: int, k: int, n: int, in_dtype, out_dtype, info=None) -> tup
     return bm, _fitted(k, bk), bn
 
 
-def _skinny(bm: int, k: int, n: int, in_dtype, out_dtype, budget: int) -> tuple[int, int, int]:
+def _skinny(bm: int, k: int, n: int, in_dtype, out_dtype, budget: int, scratch: bool) -> tuple[int, int, int]:
     """``(bm, bk, bn)`` for a product of few rows: ``y``'s panels whole rows (``bn`` the whole of
     ``n``, halved while the blocks overflow the VMEM budget), ``bk`` rows of them in about
     ``SKINNY_PANEL`` bytes (128 to 1024)."""
-    scratch = _itemsize(out_dtype) < 4
     bn = _fitted(n, n)
     while True:
         rows = SKINNY_PANEL // (bn * _itemsize(in_dtype))

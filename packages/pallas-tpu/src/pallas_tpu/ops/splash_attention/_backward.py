@@ -270,12 +270,10 @@ def _dkv_kernel(*refs, maps, cfg, patterns, blocks, materialized, has_seg, fused
     block_kv_compute = blocks[2]
     h, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     w = maps.word(h, s, t, x.steps)
-    head_first = (s == 0) & (t == 0)
-    head_last = (s == pl.num_programs(1) - 1) & (t == pl.num_programs(2) - 1)
 
-    if fused:
+    if fused:  # a head's first grid step
 
-        @pl.when(head_first)
+        @pl.when((s == 0) & (t == 0))
         def _init_dq():
             x.dq_acc[...] = jnp.zeros(x.dq_acc.shape, F32)
 
@@ -311,8 +309,8 @@ def _dkv_kernel(*refs, maps, cfg, patterns, blocks, materialized, has_seg, fused
         x.dk[...] = x.dk_acc[...].astype(x.dk.dtype)
         x.dv[...] = x.dv_acc[...].astype(x.dv.dtype)
 
-    if fused:
+    if fused:  # a head's last grid step
 
-        @pl.when(head_last)
+        @pl.when((s == pl.num_programs(1) - 1) & (t == pl.num_programs(2) - 1))
         def _finish_dq():
             x.dq[...] = x.dq_acc[...].astype(x.dq.dtype)

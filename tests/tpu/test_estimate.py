@@ -232,6 +232,24 @@ def test_command_line(tmp_path):
     assert data["chip"] == "v5e" and data["kernels"][0]["steps"] == 2 * 2
 
 
+def test_after_jax_started_its_backends():
+    # A process that ran JAX first (``jax.devices()``, any array) has loaded libtpu, which read
+    # its flags then, without the dump's: the estimate compiles in a child that has them, and
+    # reports the kernel (it once reported no kernel and 0 us).
+    code = (
+        f"import sys; sys.path.insert(0, {HERE!r})\n"
+        "import jax, jax.numpy as jnp\n"
+        "jnp.zeros(3).block_until_ready()\n"
+        "from pallas_tpu._src import estimate as est\n"
+        "import test_estimate as t\n"
+        "r = est.estimate(t.copy, jax.ShapeDtypeStruct(t.COPY_SHAPE, jnp.float32))\n"
+        "print('KERNELS', len(r.kernels), r.kernels[0].steps, r.total_us > 0)\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "KERNELS 1 8 True" in proc.stdout  # (2048 / 512) x (1024 / 512) steps
+
+
 def test_command_line_errors():
     proc = _run("", "-m", "pallas_tpu.estimate", f"{__file__}:copy", "f32[8,oops]")
     assert proc.returncode == 2 and "DTYPE[SHAPE]" in proc.stderr

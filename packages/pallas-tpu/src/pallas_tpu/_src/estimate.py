@@ -384,12 +384,17 @@ _OWN_DUMP: str | None = None
 
 
 def _libtpu_started() -> bool:
+    """Whether this process's libtpu has read its flags already: it is loaded (JAX loads it
+    when its backends start, even on a host without a TPU, where the TPU backend then fails
+    and only the CPU one is left), or compile-only devices were made."""
     if cc.tpu_devices.cache_info().currsize:
         return True
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        return any("libtpu" in line for line in maps)
     with contextlib.suppress(Exception):
         from jax._src import xla_bridge
 
-        return "tpu" in getattr(xla_bridge, "_backends", {})
+        return bool(getattr(xla_bridge, "_backends", {}))
     return False
 
 
@@ -430,8 +435,10 @@ def _compile(fn, args, kwargs, chip: str) -> _Program:
         except Exception as e:  # noqa: BLE001 (lowering for TPU failed: not a TPU kernel?)
             raise _not_tpu(e, chip) from e
         new = sorted(code_size_lib.dump_files(dump) - before)
-        files = _keep(new, dump == _OWN_DUMP)
-        return _Program(files, [(n, t) for n, t, _ in kernels], cores)
+        if new or not kernels:
+            files = _keep(new, dump == _OWN_DUMP)
+            return _Program(files, [(n, t) for n, t, _ in kernels], cores)
+        # Kernels compiled but nothing dumped: libtpu read its flags before the dump's were set.
     # libtpu started without the dump flags: compile again in a child process that has them.
     try:
         kernels = cc._kernels_of(fn, args, kwargs or {}, chip)
@@ -746,6 +753,11 @@ def _report(prog: _Program, facts: Chip, values: list | None = None) -> Estimate
             cands = [0]
         if cands:
             taken[max(cands, key=lambda j: (len(module_names[j] or ""), -j))] = call
+    if not taken:
+        raise EstimateError(
+            f"estimate: libtpu compiled the function's {len(prog.kernels)} kernel(s) for TPU {facts.name} "
+            "but its dump names none of them (no final bundles to read)"
+        )
     kernels = []
     for i, (name, text) in enumerate(prog.kernels):
         if i in taken:

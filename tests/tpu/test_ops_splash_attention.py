@@ -360,6 +360,8 @@ def test_kernel_made_without_blocks_takes_its_calls_head_dim():
     assert kernel._for(narrow) is kernel
     chosen = kernel._for(wide)
     want = sa.BlockSizes.get_default(256, 4096, head_dim=256)
+    assert want.use_fused_bwd_kernel and chosen.kwargs["fused_bwd"]  # the default: one backward kernel
+    want = sb._complete(want)  # as kept: the dq blocks (for a dq too large to fuse) from dk/dv's
     assert chosen.kwargs["block_sizes"] == want and want != kernel.kwargs["block_sizes"]
     assert kernel._for(wide) is chosen  # made once
     given = sa.make_splash_mha_single_device(mask, block_sizes=sa.BlockSizes(128, 512), interpret=True)

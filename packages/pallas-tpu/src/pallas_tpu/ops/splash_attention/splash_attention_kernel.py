@@ -402,7 +402,7 @@ class _Rechoose:
 
     def kernel(self, kernel: SplashAttentionKernel, head_dim: int, dtype) -> SplashAttentionKernel:
         blocks = self._blocks_for(head_dim=int(head_dim), itemsize=_itemsize(dtype))
-        if blocks == kernel.kwargs["block_sizes"]:
+        if _complete(blocks) == kernel.kwargs["block_sizes"]:  # (the rule's fit the lengths)
             return kernel
         if blocks not in self._made:
             made = self._remake(block_sizes=blocks)

@@ -33,6 +33,7 @@ import csv
 import dataclasses
 import functools
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,8 +56,8 @@ from pallas_tpu.ops import splash_attention as ours  # noqa: E402
 
 PEAK_V5E = 197.0
 SWEEP = [
-    (1024, 4096, 512), (1024, 4096, 1024), (1024, 2048, 512), (512, 4096, 512), (2048, 4096, 512),
-    (1024, 1024, 512), (512, 512, 512),
+    (1024, 4096, 512), (1024, 4096, 1024), (2048, 2048, 512), (1024, 2048, 512), (1024, 2048, 1024),
+    (1024, 1024, 512), (1024, 1024, 1024),
 ]  # fmt: skip
 
 
@@ -180,7 +181,9 @@ def candidates(w, smoke, quick=False):
     interp = pltpu.InterpretParams() if smoke else None
     own_kernel = w.kernel(ours, interpret=interp)
     cands = {"ours": w.wrap(own_kernel)}
-    if w.grad:  # ours' own blocks, the backward as two kernels (dq apart from dk and dv; the default fuses them)
+    if (
+        w.grad
+    ):  # ours' own blocks, the backward as two kernels (dq apart from dk and dv; the default fuses them)
         split = own_kernel.kwargs["block_sizes"]  # as kept: complete, the dq blocks those of dk/dv
         cands["ours split"] = w.wrap(w.kernel(ours, split, interpret=interp))
     jsa = _jax_splash()
@@ -216,11 +219,16 @@ def _err(out, ref):
     return max(errs)
 
 
-def time_all(cands, args, rounds, smoke):
+def time_all(cands, args, rounds, smoke, first=None):
+    """``({name: seconds a call}, {name: why it failed})``; ``first``, a dict, gets each one's
+    first call (trace, lower, compile and run: a kernel of its own per candidate) in seconds."""
     runnable, failed = {}, {}
     for name, fn in cands.items():
         try:
+            start = time.perf_counter()
             jax.block_until_ready(fn(*args))
+            if first is not None:
+                first[name] = time.perf_counter() - start
             runnable[name] = (functools.partial(fn, *args), jax.block_until_ready)
         except Exception as e:  # one that does not compile here does not hide the others
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
@@ -262,7 +270,7 @@ def report(w, cands, rounds, smoke, rows):
 
 def sweep(ws, rounds, smoke, rows):
     print("\n## sweep: ours over blocks (block_q, block_kv, block_kv_compute)\n")
-    print("| workload | blocks | ms | TFLOP/s | peak |\n|---|---|---|---|---|")
+    print("| workload | blocks | ms | TFLOP/s | peak | first call s |\n|---|---|---|---|---|---|")
     interp = pltpu.InterpretParams() if smoke else None
     for w in ws:
         args, flops, cands = w.args(), w.flops(), {}
@@ -273,13 +281,18 @@ def sweep(ws, rounds, smoke, rows):
                 cands[f"{bq}/{bkv}/{bc}"] = w.wrap(w.kernel(ours, blocks, interpret=interp))
             except ValueError as e:
                 print(f"| {w.name} | {bq}/{bkv}/{bc} | {e} |")
-        times, failed = time_all(cands, args, rounds, smoke)
+        first: dict[str, float] = {}
+        times, failed = time_all(cands, args, rounds, smoke, first)
         for label, t in sorted(times.items(), key=lambda kv: kv[1]):
             tf = flops / t / 1e12
-            print(f"| {w.name} | {label} | {t * 1e3:.3f} | {tf:.1f} | {tf / PEAK_V5E:.0%} |", flush=True)
-            rows.append(
-                dict(workload=w.name, impl=f"ours {label}", ms=round(t * 1e3, 4), tflops=round(tf, 2))
+            print(
+                f"| {w.name} | {label} | {t * 1e3:.3f} | {tf:.1f} | {tf / PEAK_V5E:.0%} | {first[label]:.2f} |",
+                flush=True,
             )
+            rows.append(
+                dict(workload=w.name, impl=f"ours {label}", ms=round(t * 1e3, 4), tflops=round(tf, 2),
+                     first_call_s=round(first[label], 2))
+            )  # fmt: skip
         for label, why in failed.items():
             print(f"| {w.name} | {label} | FAILED {why} |")
 
@@ -295,9 +308,13 @@ def main(argv=None):
     ap.add_argument(
         "--quick", action="store_true", help="ours and JAX's 1024 blocks (and 512 where it may win) only"
     )
+    ap.add_argument("--exact", action="store_true", help="--only names whole workloads, not substrings")
     ap.add_argument("--rounds", type=int, default=10)
     a = ap.parse_args(argv)
-    ws = [w for w in workloads(a.smoke) if not a.only or any(s in w.name for s in a.only)]
+    ws = [
+        w for w in workloads(a.smoke)
+        if not a.only or any(s == w.name if a.exact else s in w.name for s in a.only)
+    ]  # fmt: skip
     if not ws:
         sys.exit(f"no workload's name contains any of {a.only}: {[w.name for w in workloads(a.smoke)]}")
     print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}")

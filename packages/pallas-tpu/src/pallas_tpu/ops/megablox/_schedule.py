@@ -11,8 +11,8 @@ handed to the kernel as one scalar-prefetched int32 table, ``(FIELDS, steps)``:
 * ``GROUP``: the step's group, counted from ``group_offset`` (the local rhs index);
 * ``FETCH_TILE``, ``FETCH_GROUP``: the blocks to load; equal to the above on
   steps that compute, and on the others (an empty group, a tile no local group
-  touches, the idle steps) those of the nearest computing step, so that the
-  pipeline finds them already in VMEM and moves nothing;
+  touches, the padding after the last visit) those of the nearest computing
+  step, so that the pipeline finds them already in VMEM and moves nothing;
 * ``LO``, ``HI``: the group's rows in the tile, ``[LO, HI)`` counted from the
   tile's first row;
 * ``FLAGS``: ``COMPUTE`` (the group has rows in the tile), ``FIRST`` and
@@ -20,9 +20,7 @@ handed to the kernel as one scalar-prefetched int32 table, ``(FIELDS, steps)``:
   ``tgmm``), ``REAL`` (not padding).
 
 The number of visits depends on the data; the grid has a fixed number of steps
-(``max_visits``), and the steps left over do nothing. They come first
-(``idle_first``: the grid's last step must be a visit, which hides the pipeline's
-wrapped-around fetch behind its work).
+(``max_visits``), and the steps after the last visit do nothing.
 """
 
 from __future__ import annotations
@@ -60,28 +58,7 @@ def _pinned(index, computes):
 def _table(tile, group, lo, hi, flags, computes, group_offset, num_local):
     local = jnp.clip(group - group_offset, 0, num_local - 1)
     rows = [tile, local, _pinned(tile, computes), _pinned(local, computes), lo, hi, flags]
-    return idle_first(jnp.stack([r.astype(jnp.int32) for r in rows]))
-
-
-def idle_first(table):
-    """``table`` (visits in order, then the idle steps after the last: ``REAL`` unset) with the
-    idle steps moved first, each a copy of the first visit that does nothing (no flags, no rows).
-
-    On its last grid step Mosaic's pipeline fetches the blocks of the step after it, which wraps
-    around to the first step's. After a visit that computes, that copy (lhs and rhs blocks, ~10 MiB
-    at G8 8192x2048x2048) runs beside the visit's matmul; after an idle step it has nothing to hide
-    behind and the kernel waits for it at its end (``pltpu.estimate`` on the v5e: 17.8 us of the
-    kernel's 387.5, 4.2 us with no idle step). Idle steps first, the first of them fetches the first
-    visit's blocks (the pipeline's prologue, needed anyway) and the rest fetch nothing."""
-    steps = table.shape[1]
-    idle = steps - jnp.sum((table[FLAGS] & REAL) != 0)
-    i = jnp.arange(steps, dtype=jnp.int32)
-    # moved[:, i] = table[:, max(i - idle, 0)]: a slice of the table after ``steps`` copies of
-    # its first column (one fusion; a gather is several XLA ops)
-    padded = jnp.concatenate([jnp.broadcast_to(table[:, :1], table.shape), table], axis=1)
-    moved = lax.dynamic_slice_in_dim(padded, steps - idle, steps, axis=1)
-    quiet = (i < idle)[None, :] & (jnp.arange(FIELDS) >= LO)[:, None]  # lo, hi, flags: 0
-    return jnp.where(quiet, 0, moved).astype(jnp.int32)
+    return jnp.stack([r.astype(jnp.int32) for r in rows])
 
 
 def _flags(**bits):
@@ -228,7 +205,7 @@ def gmm_schedule_dense(group_sizes, group_offset, *, m: int, tm: int, num_local:
     source = jnp.where(latest >= 0, latest, jnp.where(first == steps, 0, first))
     at_source = w[None, :] == source[:, None]
     rows = [tile, local_group, _pick(at_source, tile), _pick(at_source, local_group), lo, hi, flags]
-    return idle_first(jnp.stack([r.astype(i32) for r in rows]))
+    return jnp.stack([r.astype(i32) for r in rows])
 
 
 # The largest comparison matrix (elements) the dense table may build; above it the search.

@@ -86,12 +86,13 @@ def test_attention_blocks_come_from_the_policy(monkeypatch):
     v5e, v4 = pltpu.get_tpu_info("v5e"), pltpu.get_tpu_info("v4")
     assert fa.tuned_block_sizes(1, 1, 8192, 8192, 128, info=v5e).block_q == 1024
     assert fa.tuned_block_sizes(1, 1, 8192, 8192, 128, info=v4).block_q == 512
-    assert sb.default_blocks(8192, 8192, True, 128, 2, info=v5e).block_kv == 4096
-    assert sb.default_blocks(8192, 8192, True, 128, 2, info=v4).block_kv == 2048
+    assert sb.default_blocks(8192, 8192, True, 128, 2, info=v5e).block_q == 1024
+    assert sb.default_blocks(8192, 8192, True, 128, 2, info=v4).block_q == 512
+    assert sb.default_blocks(8192, 8192, True, 256, 2, info=v5e).block_kv == 2048
     # half the instruction memory: half the work of a step (keys of a splash block, queries of
     # a flash dk/dv sweep)
     small = dataclasses.replace(_policy.generation_facts("v5e"), instruction_bundles=28_000)
-    assert sb.default_blocks(8192, 8192, True, 128, 2, info=small).block_kv == 2048
+    assert sb.default_blocks(8192, 8192, True, 256, 2, info=small).block_kv == 1024
     assert fa.tuned_block_sizes(1, 1, 8192, 8192, 128, info=small).block_q_major_dkv == 2048
     asked = []
     guess = sa.BlockSizes(256, 256)

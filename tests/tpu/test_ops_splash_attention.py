@@ -328,7 +328,7 @@ def test_default_blocks_fit_each_chip(chip):
     assert b.has_backward_blocks and 8192 % b.block_q == 0 and b.block_kv % b.block_kv_compute == 0
     large = chip in ("v5e", "v6e", "v5p")
     assert (b.block_q, b.block_kv, b.block_kv_compute) == (
-        (1024, 4096, 512) if large else (512, 2048, 512)
+        (1024, 2048, 512) if large else (512, 2048, 512)
     ), b
     assert (small.block_q, small.block_kv) == (384, 640), small
     assert sa.BlockSizes.get_default().block_q % 128 == 0  # JAX's no-argument call
@@ -337,8 +337,9 @@ def test_default_blocks_fit_each_chip(chip):
 @needs_libtpu  # the blocks are checked by libtpu's compile for each chip
 @pytest.mark.parametrize("chip", ["v5e", "v4"])
 def test_default_blocks_follow_head_dim_and_dtype(chip):
-    """Wider heads: proportionally fewer keys per forward block (the work and the straight-line
-    code of a step as at head_dim 128), down to 512; narrower ones: as 128; VMEM bounds them."""
+    """Wider heads: proportionally fewer keys per forward block than at head_dim 128 on a chip
+    of 4096 (the work and the straight-line code of a step alike), at most FORWARD_KEYS (2048: the
+    first call's compile) and at least 512; narrower ones: as 128; VMEM bounds them."""
     with chip_mesh(chip):
         narrow = sa.BlockSizes.get_default(8192, 8192)
         by_dim = {d: sa.BlockSizes.get_default(8192, 8192, head_dim=d) for d in (64, 128, 256, 512)}
@@ -346,8 +347,10 @@ def test_default_blocks_follow_head_dim_and_dtype(chip):
         huge = sa.BlockSizes.get_default(8192, 8192, head_dim=2048, dtype=F32)
         budget = _policy.vmem_budget("attention")
     assert by_dim[64] == by_dim[128] == narrow
-    assert by_dim[256].block_kv == narrow.block_kv // 2 and by_dim[256].block_q == narrow.block_q
-    assert by_dim[512].block_kv == max(512, narrow.block_kv // 4)
+    base = 4096 if chip == "v5e" else 2048  # the keys at head_dim 128 before the cap
+    for d, keys in ((256, base // 2), (512, base // 4)):
+        assert by_dim[d].block_kv == min(sb.FORWARD_KEYS, max(512, keys)), (d, by_dim[d])
+        assert by_dim[d].block_q == narrow.block_q
     assert f32 == by_dim[256]  # VMEM holds the 4-byte blocks as well
     assert sb._forward_vmem(huge.block_q, huge.block_kv, 2048, 4) <= budget, huge
     assert huge.block_kv <= 512, huge
@@ -356,10 +359,10 @@ def test_default_blocks_follow_head_dim_and_dtype(chip):
 def test_kernel_made_without_blocks_takes_its_calls_head_dim():
     mask = make_mask("causal_offset", 1, 256, 4096)
     kernel = sa.make_splash_mha_single_device(mask, interpret=True)
-    narrow, wide = jnp.zeros((1, 256, 128)), jnp.zeros((1, 256, 256))
+    narrow, wide = jnp.zeros((1, 256, 128)), jnp.zeros((1, 256, 512))
     assert kernel._for(narrow) is kernel
     chosen = kernel._for(wide)
-    want = sa.BlockSizes.get_default(256, 4096, head_dim=256)
+    want = sa.BlockSizes.get_default(256, 4096, head_dim=512)
     assert want.use_fused_bwd_kernel and chosen.kwargs["fused_bwd"]  # the default: one backward kernel
     want = sb._complete(want)  # as kept: the dq blocks (for a dq too large to fuse) from dk/dv's
     assert chosen.kwargs["block_sizes"] == want and want != kernel.kwargs["block_sizes"]
@@ -374,9 +377,10 @@ def test_kernel_remade_inside_a_trace_holds_no_tracer():
     values (found by compile_check: "Too many leaves for PyTreeDef")."""
     mask = make_mask("causal_offset", 1, 256, 4096)
     kernel = sa.make_splash_mha_single_device(mask, interpret=True)
-    wide = jnp.zeros((1, 256, 256))
+    wide = jnp.zeros((1, 256, 512))  # other blocks than head_dim 128's
     jax.make_jaxpr(kernel._for)(wide)  # remade inside this trace
     chosen = kernel._for(wide)
+    assert chosen is not kernel
     leaves = jax.tree_util.tree_leaves(chosen)
     assert leaves and not any(isinstance(x, jax.core.Tracer) for x in leaves)
 

@@ -16,6 +16,13 @@ from pallas_tpu.ops._attention_common import NUM_LANES, check_blocks
 # The instruction memory (bundles) the code-size rule was measured on: the v5e's. Elsewhere the
 # forward's keys per block scale with the chip's (the v5e's where it is not measured).
 MEASURED_BUNDLES = 56_000
+# The most keys of a forward block. On the v5e (2026-12-07, B2 H16 L4096 D128 bf16 and GQA 32/8 heads
+# at L8192, benchmarks/results/tpu_ops_splash_sweep_v5e.txt), blocks of 1024 queries x 2048 keys ran
+# at 95-96 % of 4096 keys' speed (full 158.3 against 166.1 TFLOP/s, causal 136.3 against 142.5, GQA
+# causal 150.1 against 155.6) with a first call 2.5-4.3x quicker (1.6 / 3.7 / 3.7 s against 4.9 / 9.1
+# / 16.0 s: Mosaic compiles a step's straight-line tiles); 1024 keys cut the first call to 0.9-1.4 s
+# but the speed by 12-14 %.
+FORWARD_KEYS = 2048
 
 
 def fit_block(n: int | None, target: int) -> int:
@@ -113,12 +120,13 @@ class BlockSizes:
 
         The rule (v5e-class chips, 64 MiB of VMEM or more; the static bundle counts of libtpu's
         scheduler for the v5e, ``benchmarks/tpu_ops_splash.py --sweep`` times them on a chip):
-        query blocks of 1024 rows against kv blocks of up to 4096 keys at a head dimension of
-        128 or less, so that a step is up to eight straight-line tiles whose matmuls and
-        softmaxes overlap (a step of one tile reaches two thirds of the MXU's rate, of four or
-        more over nine tenths); tiles of 1024 keys where the mask has no partial blocks
-        (``has_partial=False``), else of 512 keys in cells of 512 queries (a causal diagonal
-        then wastes a quarter of its block, not half). Wider heads (each further 128 of
+        query blocks of 1024 rows against kv blocks of 2048 keys at a head dimension of 256 or
+        less, so that a step is up to eight straight-line tiles whose matmuls and softmaxes
+        overlap (a step of one tile reaches two thirds of the MXU's rate, of four or more over
+        nine tenths), in tiles of 512 keys and cells of 512 queries (a causal diagonal then
+        wastes a quarter of its block, not half; ``has_partial`` no longer changes the tiles:
+        on the v5e 512 keys beat 1024 on full masks too). 4096 keys ran 4-5 % faster but took
+        2.5-4.3x as long to compile (``FORWARD_KEYS``). Wider heads (each further 128 of
         head_dim one more MXU pass) get proportionally fewer keys per block, down to 512: a
         step's straight-line code grows with its work, and the kernel's code must fit the
         core's instruction memory (``Facts.instruction_bundles``, the keys scaled to the chip's: a
@@ -163,12 +171,13 @@ def _rule(facts: _policy.Facts, key) -> BlockSizes:
     # the work (and so the straight-line code) of a step, as at head_dim 128: fewer keys
     bundles = facts.instruction_bundles or MEASURED_BUNDLES
     bkv = max(512, bkv // passes * bundles // MEASURED_BUNDLES // 512 * 512)
+    bkv = min(bkv, FORWARD_KEYS)  # the first call's compile grows with a step's code
     while _forward_vmem(bq, bkv, head_dim, itemsize) > budget and max(bq, bkv) > 128:
         if bkv > 512 or bq == 128:  # fewer keys first, down to 512; then fewer queries
             bkv //= 2
         else:
             bq //= 2
-    bc = min(1024 if large and not has_partial else 512, bkv)
+    bc = min(512, bkv)
     bq_fit, bkv_fit = fit_block(q_len, bq), fit_block(kv_len, bkv)
     bwd_q, bwd_kv = fit_block(q_len, bwd), fit_block(kv_len, bwd)
     return BlockSizes(

@@ -82,9 +82,13 @@ SWEEP_BWD = {
 }
 
 
-def time_call(f, args, calls=10):
-    """Median seconds of ``calls`` calls of ``f(*args)`` after one warm-up, each waited for."""
+def time_call(f, args, calls=10, first=None):
+    """Median seconds of ``calls`` calls of ``f(*args)`` after one warm-up, each waited for;
+    ``first`` (a list) gets the warm-up's seconds: the first call (trace, lower, compile, run)."""
+    start = time.perf_counter()
     jax.block_until_ready(f(*args))
+    if first is not None:
+        first.append(time.perf_counter() - start)
     times = []
     for _ in range(calls):
         t = time.perf_counter()
@@ -222,7 +226,12 @@ def sweep(shape, workload, interpret):
     keys = jax.random.split(jax.random.key(1), 4)
     q, k, v, do = (jax.jit(lambda key: jax.random.normal(key, shape, jnp.bfloat16))(key) for key in keys)
     flops = 4 * b * h * length * length * d * (3.5 if backward else 1.0) / (2 if causal else 1)
-    ctx = pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()) if interpret else contextlib.nullcontext()
+
+    def ctx():  # a fresh one each time: a generator's context manager runs once
+        return (
+            pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()) if interpret else contextlib.nullcontext()
+        )
+
     rows = []
     fwd_list = SMOKE_SWEEP_FWD if interpret else SWEEP_FWD[causal]
     bwd_list = SMOKE_SWEEP_BWD if interpret else SWEEP_BWD[causal]
@@ -234,9 +243,10 @@ def sweep(shape, workload, interpret):
         op = lambda q, k, v, blocks=blocks: fa.flash_attention(
             q, k, v, causal=causal, sm_scale=scale, block_sizes=blocks
         )  # noqa: E731
+        first: list[float] = []
         try:
-            with ctx:
-                ms = time_call(timed(op, backward), (q, k, v, do)) * 1e3
+            with ctx():
+                ms = time_call(timed(op, backward), (q, k, v, do), first=first) * 1e3
         except Exception as e:
             print(f"  ours at {fwd or bwd}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
@@ -248,9 +258,14 @@ def sweep(shape, workload, interpret):
                 blocks=label,
                 ms=ms,
                 tflops=flops / ms / 1e9,
+                first_call_s=first[0],
             )
         )
-        print(f"  sweep {workload:15s} {label:28s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+        print(
+            f"  sweep {workload:15s} {label:28s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s"
+            f"  first call {first[0]:.2f} s",
+            flush=True,
+        )
     return rows
 
 

@@ -9,6 +9,10 @@
   (``k q^T``: keys on rows), so that ``lse`` and ``di`` broadcast as rows and the products
   ``p^T dO`` and ``ds^T q`` are plain matmuls. With grouped or shared kv heads, or several q
   shards in one call, each q head (and shard) writes its own float32 ``dk``/``dv``, summed after.
+* fused (``use_fused_bwd_kernel=True``, the default blocks' choice): the ``dk``/``dv`` kernel also
+  takes each tile's share of ``dq`` (``ds k``, from the transposed ``ds`` it already has) into its
+  head's float32 ``dq``, kept whole in VMEM across the head's steps (``fits_fused``: up to 8 MiB,
+  else the two kernels above run), so the scores are computed once.
 
 Both sweep a step in cells (``cell_of``: 512 x 512 in the default 1024 blocks) by
 ``run_patterns``, as the forward does: a causal diagonal block skips its empty cell, and its

@@ -162,7 +162,8 @@ def default_blocks(q_len, kv_len, has_partial: bool, head_dim: int, itemsize: in
 def _rule(facts: _policy.Facts, key) -> BlockSizes:
     """The default blocks (``BlockSizes.get_default`` says why) for ``key = (q_len, kv_len,
     head_dim, has_partial, itemsize)`` on ``facts``."""
-    q_len, kv_len, head_dim, has_partial, itemsize = key
+    # has_partial stays in the key (and get_default's keyword) but no longer changes the blocks
+    q_len, kv_len, head_dim, _, itemsize = key
     budget = _policy.vmem_budget("attention", facts)
     large = budget >= 48 * 2**20
     bq, bkv = (1024, 4096) if large else (512, 2048)
